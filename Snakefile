@@ -1,0 +1,23 @@
+# actstore: extraction -> sharding -> indexing -> LUT precomputation -> validation.
+# Every stage writes under {dump_to}/{stage}/{hash}/ (see rules/common.smk and README.md).
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/config.schema.yaml")
+
+
+include: "rules/common.smk"
+
+
+rule all:
+    input:
+        all_targets,
+    default_target: True
+
+
+include: "rules/extract.smk"

@@ -1,0 +1,38 @@
+# Config helpers, stage hashes and path functions. No I/O beyond reading the config.
+import json
+from pathlib import Path
+
+from actstore.config import enabled_stages
+from actstore.extract import check_layers
+from actstore.hashing import stage_dir, stage_hash
+from actstore.models import num_blocks, read_model_config, resolve_model_path
+
+# Cheap parse-time checks, so bad input fails before any job is scheduled.
+MODEL_PATH = resolve_model_path(config["model"]["path"])
+check_layers(config["extract"]["layers"], num_blocks(read_model_config(MODEL_PATH)))
+if not Path(config["dataset"]["path"]).exists():
+    raise ValueError(f"dataset.path does not exist: {config['dataset']['path']}")
+
+DUMP_TO = Path(config["dump_to"])
+N_PARTS = config["extract"]["parts"]
+PARTS = [f"{p:04d}" for p in range(N_PARTS)]
+
+# Filled by each rules/<stage>.smk: stage -> the files its target rule builds.
+TARGETS = {}
+
+
+def sdir(stage):
+    """{dump_to}/{stage}/{hash} as a string for rule inputs/outputs."""
+    return str(stage_dir(config, stage))
+
+
+def log_path(stage, name):
+    return str(DUMP_TO / "logs" / stage / stage_hash(config, stage) / f"{name}.log")
+
+
+def bench_path(stage, name):
+    return str(DUMP_TO / "benchmarks" / stage / stage_hash(config, stage) / f"{name}.tsv")
+
+
+def all_targets(wildcards):
+    return [target for stage in enabled_stages(config) for target in TARGETS.get(stage, [])]

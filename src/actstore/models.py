@@ -1,0 +1,144 @@
+"""Load a local HF model for extraction and locate its transformer blocks and hook targets."""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from actstore.errors import ConfigError
+
+PACKAGE_PREFIX = "package:"
+VISION_TYPES = ("dinov2", "dinov2_with_registers", "clip", "clip_vision_model", "siglip",
+                "siglip_vision_model", "vit")
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_path(spec: str) -> Path:
+    """`package:<module>` -> <module>.get_model_path(); anything else is a local folder."""
+    if spec.startswith(PACKAGE_PREFIX):
+        module_name = spec[len(PACKAGE_PREFIX):]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            raise ConfigError(f"model.path {spec!r}: package module {module_name!r} is not installed") from None
+        if not hasattr(module, "get_model_path"):
+            raise ConfigError(f"model.path {spec!r}: {module_name} has no get_model_path()")
+        path = Path(module.get_model_path())
+    else:
+        path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path {spec!r}: no model folder with config.json at {path}")
+    return path.resolve()
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The model folder's config.json as a dict."""
+    return json.loads((path / "config.json").read_text())
+
+
+def model_kind(config: dict[str, Any]) -> str:
+    """'vision', 'causal' or 'encoder' from a config.json dict."""
+    if config.get("model_type") in VISION_TYPES:
+        return "vision"
+    if any(a.endswith(CAUSAL_SUFFIXES) for a in config.get("architectures") or []):
+        return "causal"
+    return "encoder"
+
+
+def num_blocks(config: dict[str, Any]) -> int:
+    """Number of transformer blocks, from config.json (vision towers nest it in vision_config)."""
+    for cfg in (config, config.get("vision_config") or {}, config.get("text_config") or {}):
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+    raise ConfigError("model config.json names no num_hidden_layers / n_layer")
+
+
+def find_blocks(model: nn.Module, n_blocks: int) -> tuple[str, nn.ModuleList]:
+    """The ModuleList of transformer blocks: the shallowest ModuleList of length n_blocks."""
+    candidates = [
+        (name, module) for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == n_blocks
+    ]
+    if not candidates:
+        raise ConfigError(f"{type(model).__name__}: no ModuleList of {n_blocks} transformer blocks")
+    return min(candidates, key=lambda item: item[0].count("."))
+
+
+def get_module(model: nn.Module, module_path: str) -> nn.Module:
+    """Resolve a module path on the model, or on its base model (AutoModel naming)."""
+    for root in (model, getattr(model, "base_model", model)):
+        try:
+            return root.get_submodule(module_path)
+        except AttributeError:
+            continue
+    raise ConfigError(f"extract.hooks: module {module_path!r} does not exist in {type(model).__name__}")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    path: Path
+    config: dict[str, Any]
+    kind: str  # vision | causal | encoder
+    blocks: nn.ModuleList
+    blocks_path: str
+    preprocessor: Any  # tokenizer or image processor
+    device: torch.device
+
+    @property
+    def modality(self) -> str:
+        return "image" if self.kind == "vision" else "text"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _from_pretrained(kind: str, path: Path, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModel
+    model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
+    # Composite image-text checkpoints: keep the vision tower only.
+    if kind == "vision" and hasattr(model, "vision_model") and hasattr(model, "text_model"):
+        model = model.vision_model
+    return model
+
+
+def load_model(path: Path, torch_dtype: str = "float32", device: str = "auto") -> LoadedModel:
+    """Load weights and preprocessor from a local folder; never touches a hub."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config = read_model_config(path)
+    kind = model_kind(config)
+    dev = pick_device(device)
+    model = _from_pretrained(kind, path, TORCH_DTYPES[torch_dtype]).to(dev).eval()
+    blocks_path, blocks = find_blocks(model, num_blocks(config))
+    if kind == "vision":
+        preprocessor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    else:
+        preprocessor = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if preprocessor.pad_token_id is None:
+            # Right padding only; pad positions are never stored, so any id works.
+            preprocessor.pad_token = preprocessor.eos_token or preprocessor.unk_token
+    return LoadedModel(model, path, config, kind, blocks, blocks_path, preprocessor, dev)
+
+
+def first_tensor(value: Any) -> torch.Tensor:
+    """A block/module output or input as one tensor (HF blocks may return tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    if hasattr(value, "last_hidden_state"):
+        return value.last_hidden_state
+    raise TypeError(f"cannot take a tensor from {type(value).__name__}")

@@ -1,0 +1,6 @@
+"""Rule extract_part: run the model over one contiguous slice of the dataset."""
+from actstore.extract import run_part
+from actstore.workflow import setup_logging
+
+setup_logging(snakemake)
+run_part(snakemake.config, snakemake.params.part, snakemake.output[0])
