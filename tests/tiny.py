@@ -1,0 +1,134 @@
+"""Tiny real models and data for tests: built from transformers configs with a fixed seed,
+saved with save_pretrained and reloaded from the folder, exactly like a user's local checkpoint."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "data" / "stdlib_docs.jsonl"
+TEXT_KINDS = ("bert", "gpt2", "llama")
+VISION_KINDS = ("dinov2", "clip", "siglip")
+IMAGE_SIZE = 32
+PATCH = 8
+
+
+def corpus_rows(n: int) -> list[dict]:
+    with CORPUS.open() as fh:
+        rows = [json.loads(line) for _, line in zip(range(n), fh)]
+    return rows
+
+
+def write_jsonl(path: Path, n: int) -> Path:
+    """First n rows of the shipped stdlib corpus (label = stdlib chapter), cut to varied lengths
+    (whole words) so samples span a range of token counts."""
+    rows = corpus_rows(n)
+    for i, row in enumerate(rows):
+        words = row["text"].split()
+        row["text"] = " ".join(words[:3 + (i * 7) % 40])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def train_tokenizer(out: Path, causal: bool):
+    """A WordPiece (BERT-style) or byte-level BPE (GPT-style) tokenizer trained offline on the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [r["text"] for r in corpus_rows(400)]
+    if causal:
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                       bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+        tok.train_from_iterator(texts, trainer)
+        cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                       cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_model(kind: str, out: Path) -> Path:
+    """Save a tiny seeded model of `kind` (and its tokenizer or image processor) into `out`."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
+    common = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64)
+    if kind == "bert":
+        train_tokenizer(out, causal=False)
+        model = tf.BertModel(tf.BertConfig(vocab_size=300, max_position_embeddings=128, **common))
+    elif kind == "gpt2":
+        train_tokenizer(out, causal=True)
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=300, n_positions=128, n_embd=32, n_layer=3,
+                                                 n_head=4, bos_token_id=0, eos_token_id=0))
+    elif kind == "llama":
+        train_tokenizer(out, causal=True)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=300, max_position_embeddings=128,
+                                                   num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
+                                                   pad_token_id=0, **common))
+    elif kind == "dinov2":
+        tf.BitImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                             do_center_crop=True).save_pretrained(out)
+        model = tf.Dinov2Model(tf.Dinov2Config(image_size=IMAGE_SIZE, patch_size=PATCH, mlp_ratio=2, **{
+            k: v for k, v in common.items() if k != "intermediate_size"}))
+    elif kind == "clip":
+        tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.CLIPVisionModel(tf.CLIPVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
+    elif kind == "siglip":
+        tf.SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.SiglipVisionModel(tf.SiglipVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
+    else:
+        raise ValueError(kind)
+    model.eval().save_pretrained(out)
+    return out
+
+
+def write_image_folder(root: Path, per_class: int = 4) -> Path:
+    """Real photographs from scikit-image, cropped into two classes (ImageFolder layout)."""
+    from PIL import Image
+    from skimage import data
+
+    photos = {"animal": [data.chelsea(), data.cat()], "object": [data.coffee(), data.rocket(), data.astronaut()]}
+    for label, images in photos.items():
+        (root / label).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            img = images[i % len(images)]
+            y, x = (i * 37) % (img.shape[0] // 2), (i * 53) % (img.shape[1] // 2)
+            crop = img[y:y + img.shape[0] // 2, x:x + img.shape[1] // 2]
+            Image.fromarray(np.ascontiguousarray(crop)).save(root / label / f"img_{i:02d}.png")
+    return root
+
+
+def make_config(tmp: Path, model_path: Path | str, data_path: Path | str, **sections) -> dict:
+    """A resolved config for tests: dump_to under tmp, tiny defaults, sections merged on top."""
+    from actstore.config import validate_config
+
+    config = {"dump_to": str(tmp / "dump"), "model": {"path": str(model_path)},
+              "dataset": {"path": str(data_path)},
+              "extract": {"layers": [0, 2], "max_seq_length": 24, "batch_size": 4, "parts": 2}}
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values}
+    return validate_config(copy.deepcopy(config))
+
+
+def save_config(config: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
