@@ -37,9 +37,9 @@ def resolve_model_path(spec: str) -> Path:
     return path.resolve()
 
 
-def read_model_config(path: Path) -> dict[str, Any]:
+def read_model_config(path: str | Path) -> dict[str, Any]:
     """The model folder's config.json as a dict."""
-    return json.loads((path / "config.json").read_text())
+    return json.loads((Path(path) / "config.json").read_text())
 
 
 def model_kind(config: dict[str, Any]) -> str:
@@ -114,10 +114,11 @@ def _from_pretrained(kind: str, path: Path, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def load_model(path: Path, torch_dtype: str = "float32", device: str = "auto") -> LoadedModel:
+def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto") -> LoadedModel:
     """Load weights and preprocessor from a local folder; never touches a hub."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
+    path = Path(path)
     config = read_model_config(path)
     kind = model_kind(config)
     dev = pick_device(device)

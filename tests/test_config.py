@@ -1,0 +1,70 @@
+"""Config validation and stage hashes."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import tiny
+from actstore.config import load_config, validate_config
+from actstore.errors import ConfigError
+from actstore.hashing import STAGES, stage_dir, stage_hash, stage_payload, write_stage_config
+
+
+@pytest.fixture()
+def demo():
+    return load_config(tiny.REPO / "config" / "config.yaml")
+
+
+def test_defaults_are_filled_and_explicit_defaults_hash_the_same(demo):
+    assert demo["extract"]["batch_size"] == 32 and demo["dump_to"] == "results"
+    explicit = copy.deepcopy(demo)
+    explicit["extract"]["logits_topk"] = 20
+    assert stage_hash(validate_config(explicit), "extract") == stage_hash(demo, "extract")
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("extract", "layerz", [1]), ("zarr", "t_chunks", 4), ("model", "pth", "x"), ("unknown", None, 1)])
+def test_unknown_or_misspelled_key_is_named(demo, section, key, value):
+    config = copy.deepcopy(demo)
+    if key is None:
+        config[section] = value
+    else:
+        config[section][key] = value
+    with pytest.raises(ConfigError, match=key or section):
+        validate_config(config)
+
+
+def test_mistyped_value_is_named(demo):
+    config = copy.deepcopy(demo)
+    config["extract"]["batch_size"] = "big"
+    with pytest.raises(ConfigError, match="big"):
+        validate_config(config)
+
+
+def test_stage_hash_depends_on_exactly_its_sections_and_upstream(demo):
+    base = {s: stage_hash(demo, s) for s in STAGES}
+    changed = copy.deepcopy(demo)
+    changed["zarr"]["t_chunk"] = 7
+    after = {s: stage_hash(changed, s) for s in STAGES}
+    assert {s for s in STAGES if after[s] != base[s]} == {"zarr", "validate"}
+    changed = copy.deepcopy(demo)
+    changed["extract"]["layers"] = [0, 1]
+    after = {s: stage_hash(changed, s) for s in STAGES}
+    assert all(after[s] != base[s] for s in STAGES)
+
+
+def test_stage_dir_holds_the_config_it_was_made_from(demo, tmp_path):
+    demo["dump_to"] = str(tmp_path)
+    path = write_stage_config(demo, "pickle")
+    assert path.parent == stage_dir(demo, "pickle")
+    import json
+    recorded = json.loads(path.read_text())
+    assert recorded["hash"] == path.parent.name
+    assert recorded["config"] == stage_payload(demo, "pickle")["config"]
+    assert recorded["upstream"]["extract"] == stage_hash(demo, "extract")
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,188 @@
+"""Extraction on tiny real models: every stored vector equals the model's own computation."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from actstore.errors import ConfigError
+from actstore.extract import preflight, run_part, write_index
+from actstore.formats.parts import open_extraction, open_part
+from actstore.models import get_module, load_model
+
+REL_TOL = 1e-5
+
+
+def reference_outputs(model_path, sample_text, layers, hooks, image_root=None):
+    """Block outputs (and hooked tensors) computed one sample at a time, without padding."""
+    loaded = load_model(model_path)
+    captured = {}
+
+    def keep(name, use_input):
+        def hook(module, args, kwargs, output):
+            source = args[0] if use_input else output
+            captured[name] = (source[0] if isinstance(source, tuple) else source)[0].clone()
+        return hook
+
+    handles = [loaded.blocks[i].register_forward_hook(keep(f"layer_{i}", False), with_kwargs=True) for i in layers]
+    for spec in hooks:
+        path, io = spec.rsplit(":", 1)
+        handles.append(get_module(loaded.model, path).register_forward_hook(keep(spec, io == "input"), with_kwargs=True))
+    with torch.inference_mode():
+        if image_root is not None:
+            from PIL import Image
+            img = Image.open(image_root / sample_text).convert("RGB")
+            out = loaded.model(pixel_values=loaded.preprocessor(images=[img], return_tensors="pt")["pixel_values"],
+                               output_hidden_states=True)
+        else:
+            ids = loaded.preprocessor(sample_text, truncation=True, max_length=24, return_tensors="pt")
+            out = loaded.model(input_ids=ids["input_ids"], output_hidden_states=True)
+    for h in handles:
+        h.remove()
+    return captured, out
+
+
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+
+
+@pytest.mark.parametrize("kind", tiny.TEXT_KINDS + tiny.VISION_KINDS)
+def test_every_vector_equals_unbatched_block_output(kind, extracted, image_folder):
+    hooks = ["encoder.layer.1.attention.self.query:input"] if kind == "bert" else []
+    config, out = extracted(kind, extract={"layers": [0, 2], "hooks": hooks})
+    extraction = open_extraction(out)
+    assert extraction.n_samples == (8 if kind in tiny.VISION_KINDS else 30)
+    assert [row["sample_idx"] for _, _, row in extraction.iter_samples()] == list(range(extraction.n_samples))
+    image_root = image_folder if kind in tiny.VISION_KINDS else None
+    lengths = set()
+    for part, local, row in extraction.iter_samples():
+        ref, model_out = reference_outputs(config["model"]["path"], row["text"], [0, 2], hooks, image_root)
+        for name in ["layer_0", "layer_2", *hooks]:
+            stored = part.activations(name, local)
+            assert stored.dtype == np.float32
+            assert stored.shape == tuple(ref[name].shape), (kind, name)
+            assert rel_err(stored, ref[name].numpy()) <= REL_TOL, (kind, name, row["sample_idx"])
+        # Inner blocks also equal the model's own output_hidden_states (block i -> hidden_states[i+1]).
+        assert rel_err(part.activations("layer_0", local), model_out.hidden_states[1][0].numpy()) <= REL_TOL
+        lengths.add(row["num_tokens"])
+        if image_root is None:
+            assert part.token_ids(local).tolist() == model_ids(config, row["text"])
+    if image_root is None:
+        assert len(lengths) >= 3, "test data should have varied lengths so padding is exercised"
+
+
+def model_ids(config, text):
+    loaded = load_model(tiny.Path(config["model"]["path"]))
+    return loaded.preprocessor(text, truncation=True, max_length=24)["input_ids"]
+
+
+def test_llama_last_layer_is_block_output_not_final_norm(extracted):
+    config, out = extracted("llama", extract={"layers": [2]})
+    extraction = open_extraction(out)
+    part, local = extraction.locate(3)
+    _, model_out = reference_outputs(config["model"]["path"], part.samples[local]["text"], [2], [])
+    stored = part.activations("layer_2", local)
+    normed = model_out.hidden_states[-1][0].numpy()
+    assert rel_err(stored, normed) > 1e-2  # hidden_states[-1] has the final norm applied
+
+
+def test_causal_lm_keeps_topk_logits_and_token_logprobs(extracted):
+    config, out = extracted("gpt2")
+    part = open_extraction(out).parts[0]
+    loaded = load_model(tiny.Path(config["model"]["path"]))
+    for local in (0, 5):
+        ids = torch.tensor([part.token_ids(local).tolist()])
+        with torch.inference_mode():
+            logits = loaded.model(input_ids=ids).logits[0].float()
+        values, indices = part.topk(local)
+        ref_values, ref_indices = torch.topk(logits[-1], config["extract"]["logits_topk"])
+        np.testing.assert_allclose(values, ref_values.numpy(), rtol=1e-5, atol=1e-6)
+        assert indices.tolist() == ref_indices.tolist()
+        logprob = part.token_logprob(local)
+        assert np.isnan(logprob[0])
+        ref = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0].numpy()
+        np.testing.assert_allclose(logprob[1:], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_has_no_logits(extracted):
+    _, out = extracted("bert")
+    part = open_extraction(out).parts[0]
+    assert part.topk(0) is None and part.token_logprob(0) is None
+
+
+def test_parts_are_contiguous_slices_and_index_summarises(extracted):
+    config, out = extracted("bert", extract={"parts": 3})
+    index = json.loads((out / "extract.json").read_text())
+    ranges = [p["sample_range"] for p in index["parts"]]
+    assert ranges == [[0, 10], [10, 20], [20, 30]]
+    assert index["n_samples"] == 30
+    assert index["n_tokens"] == sum(p["n_tokens"] for p in index["parts"])
+
+
+def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
+    import shutil
+    _, out = extracted("bert")
+    copy = tmp_path / "part"
+    shutil.copytree(out / "part-0000", copy)
+    open_part(copy).verify()
+    target = copy / "layer_000.npy"
+    data = bytearray(target.read_bytes())
+    data[-5] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="layer_000.npy"):
+        open_part(copy).verify()
+
+
+def test_killed_job_leaves_nothing_that_looks_complete(model_dir, text_jsonl, tmp_path, monkeypatch):
+    import actstore.extract as ex
+    config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl)
+    calls = {"n": 0}
+    real = ex.run_batch
+
+    def crash_after_one(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ex, "run_batch", crash_after_one)
+    target = tmp_path / "part-0000"
+    with pytest.raises(KeyboardInterrupt):
+        run_part(config, 0, target, progress=False)
+    assert not target.exists()
+    assert list(tmp_path.glob(".part-0000*")) == []
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": {"path": "/nonexistent/model"}}, "/nonexistent/model"),
+    ({"extract": {"layers": [0, 7]}}, r"\[7\] out of range"),
+    ({"extract": {"hooks": ["encoder.layer.9.nothing:input"]}}, "encoder.layer.9.nothing"),
+])
+def test_bad_input_fails_before_heavy_work_naming_the_value(change, message, model_dir, text_jsonl, tmp_path):
+    config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, **change)
+    with pytest.raises(ConfigError, match=message):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+    assert not (tmp_path / "part-0000").exists()
+
+
+def test_empty_dataset_and_line_without_text_are_named(model_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="empty.jsonl holds no samples"):
+        preflight(tiny.make_config(tmp_path, model_dir("bert"), empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"label": "x"}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: line has no string field 'text'"):
+        preflight(tiny.make_config(tmp_path, model_dir("bert"), bad))
+
+
+def test_image_labels_are_first_level_folders(extracted):
+    _, out = extracted("dinov2")
+    rows = [row for _, _, row in open_extraction(out).iter_samples()]
+    assert [r["label"] for r in rows] == ["animal"] * 4 + ["object"] * 4
+    assert rows[0]["text"] == "animal/img_00.png"
+    assert len({r["num_tokens"] for r in rows}) == 1  # 1 CLS + (32/8)^2 patches
+    assert rows[0]["num_tokens"] == 1 + 16

@@ -1,0 +1,135 @@
+"""The Snakemake workflow end to end on the demo config, then dry runs that prove the stage hashes
+schedule exactly what a config change invalidates."""
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tiny
+from actstore.config import load_config
+from actstore.hashing import STAGES, stage_dir
+
+REPO = tiny.REPO
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+
+
+def demo_config(dump_to: Path) -> dict:
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["dump_to"] = str(dump_to)
+    config["dataset"]["path"] = str(REPO / config["dataset"]["path"])
+    return config
+
+
+def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 900) -> str:
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--configfile", str(configfile),
+           "--cores", "2", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def scheduled(workdir: Path, configfile: Path) -> dict[str, int]:
+    """Jobs a dry run would execute, rule -> count ({} when there is nothing to do)."""
+    output = snakemake(workdir, configfile, "-n")
+    if "Nothing to be done" in output:
+        return {}
+    table = output.split("Job stats:")[1].split("Reasons:")[0]
+    jobs = dict((m.group(1), int(m.group(2))) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M))
+    jobs.pop("total", None)
+    return jobs
+
+
+def write(config: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The demo config run once through Snakemake into a temp dump_to."""
+    workdir = tmp_path_factory.mktemp("workflow")
+    configfile = write(demo_config(workdir / "dump"), workdir / "demo.yaml")
+    first_plan = scheduled(workdir, configfile)
+    snakemake(workdir, configfile, timeout=1200)
+    return workdir, configfile, first_plan
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage_and_then_has_nothing_to_do(demo_run):
+    workdir, configfile, first_plan = demo_run
+    config = load_config(configfile)
+    assert first_plan["extract_part"] == config["extract"]["parts"]
+    for stage in ("extract", "saev", "pickle", "lmprobe", "zarr", "sae", "lut", "validate"):
+        if (REPO / "rules" / f"{stage}.smk").exists():
+            directory = stage_dir(config, stage)
+            assert (directory / "actstore_config.json").is_file(), stage
+    assert scheduled(workdir, configfile) == {}
+
+
+@pytest.mark.slow
+def test_changing_t_chunk_schedules_only_zarr_and_what_follows(demo_run, tmp_path):
+    workdir, configfile, first_plan = demo_run
+    config = yaml.safe_load(configfile.read_text())
+    config.setdefault("zarr", {})["t_chunk"] = 7
+    jobs = scheduled(workdir, write(config, tmp_path / "t_chunk.yaml"))
+    assert any(rule.startswith("zarr") for rule in jobs), jobs
+    assert all(rule.startswith(("zarr", "validate", "report")) or rule == "all" for rule in jobs), jobs
+
+
+@pytest.mark.slow
+def test_changing_layers_schedules_extraction_and_everything_downstream(demo_run, tmp_path):
+    workdir, configfile, first_plan = demo_run
+    config = yaml.safe_load(configfile.read_text())
+    config["extract"]["layers"] = [0, 3, 5]
+    jobs = scheduled(workdir, write(config, tmp_path / "layers.yaml"))
+    assert jobs == first_plan
+
+
+@pytest.mark.slow
+def test_two_configs_share_one_dump_to_without_touching_each_other(demo_run, model_dir, text_jsonl, tmp_path):
+    workdir, configfile, _ = demo_run
+    demo = load_config(configfile)
+    before = {p: p.stat().st_mtime_ns for p in Path(demo["dump_to"]).rglob("*") if p.is_file()}
+    other = copy.deepcopy(yaml.safe_load(configfile.read_text()))
+    other["model"] = {"path": str(model_dir("bert"))}
+    other["dataset"] = {"path": str(text_jsonl)}
+    other["extract"] = {"layers": [0, 1], "max_seq_length": 16, "parts": 1, "batch_size": 8,
+                        "hooks": ["encoder.layer.1.attention.self.query:input"]}
+    for section in ("sae", "lut"):
+        other[section] = {"enabled": False}
+    other_file = write(other, tmp_path / "other.yaml")
+    snakemake(workdir, other_file)
+    other_config = load_config(other_file)
+    for stage in STAGES:
+        assert stage_dir(other_config, stage) != stage_dir(demo, stage)
+    after = {p: p.stat().st_mtime_ns for p in Path(demo["dump_to"]).rglob("*") if p in before}
+    assert after == before
+    assert scheduled(workdir, configfile) == {}
+    assert scheduled(workdir, other_file) == {}
+
+
+def test_misspelled_key_fails_at_parse_time_naming_it(tmp_path):
+    config = demo_config(tmp_path / "dump")
+    config["extract"]["layerz"] = [1]
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+           str(write(config, tmp_path / "bad.yaml")), "-n"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "layerz" in proc.stdout + proc.stderr
+
+
+def test_layer_out_of_range_fails_at_parse_time(tmp_path):
+    config = demo_config(tmp_path / "dump")
+    config["extract"]["layers"] = [1, 6]
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+           str(write(config, tmp_path / "bad.yaml")), "-n"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "[6] out of range" in proc.stdout + proc.stderr
