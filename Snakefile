@@ -21,3 +21,10 @@ rule all:
 
 
 include: "rules/extract.smk"
+include: "rules/saev.smk"
+include: "rules/zarr.smk"
+include: "rules/pickle.smk"
+include: "rules/lmprobe.smk"
+include: "rules/sae.smk"
+include: "rules/lut.smk"
+include: "rules/validate.smk"

@@ -1,4 +1,6 @@
 # Extraction: one job per part (the unit Slurm schedules on a GPU), then a small index.
+from actstore import resources as actstore_resources
+
 EXTRACT_DIR = sdir("extract")
 
 
@@ -14,8 +16,13 @@ rule extract_part:
     wildcard_constraints:
         part=r"\d{4}",
     threads: 4
+    # Scale with the model and the part's share of the dataset (actstore/resources.py); the
+    # partition, GPU and account come from the profile (profiles/osc), never from the rule.
     resources:
-        mem_mb=8000,
+        mem_mb=lambda wildcards, attempt: actstore_resources.extract_part_mem_mb(config, attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.extract_part_runtime(config, attempt),
+    conda:
+        "../envs/actstore.yaml"
     script:
         "../workflow/scripts/extract_part.py"
 
@@ -30,6 +37,9 @@ rule extract_index:
         log_path("extract", "index"),
     resources:
         mem_mb=1000,
+        runtime=10,
+    conda:
+        "../envs/actstore.yaml"
     script:
         "../workflow/scripts/extract_index.py"
 

@@ -289,7 +289,7 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
         opt.step()
         sae.normalize_decoder()
         if step == 1 or step % max(1, steps // 100) == 0 or step == steps:
-            curve.append({"step": step, "tokens": seen, "fvu": float(mse), "auxk": float(aux),
+            curve.append({"step": step, "tokens": seen, "fvu": float(mse.detach()), "auxk": float(aux.detach()),
                           "dead_fraction_train": float(dead.float().mean())})
     sae.cpu().eval()
     held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"])

@@ -88,9 +88,7 @@ AutoDetect=off
 NodeName=$NODE Name=gpu File=/dev/null
 NodeName=$NODE Name=gpu File=/dev/zero
 EOF
-    cat >"$ETC/cgroup.conf" <<EOF
-CgroupPlugin=disabled
-EOF
+    rm -f "$ETC/cgroup.conf"   # 22.05 has no CgroupPlugin=disabled; task/none and linuxproc need none
     cat >"$ETC/slurmdbd.conf" <<EOF
 AuthType=auth/munge
 DbdHost=localhost
@@ -163,9 +161,12 @@ smoke_test() {
     id=$(timeout 20 sbatch --parsable -A "$ACCOUNT" -p gpu --gpus=1 -t 1 -o /dev/null \
          --wrap 'test -n "$CUDA_VISIBLE_DEVICES"') || die "sbatch refused the smoke-test job"
     wait_for "$WAIT_S" "smoke-test job $id to finish" job_done "$id"
-    timeout 10 sacct -n -X -j "$id" -o State,Partition | grep -q "COMPLETED *gpu" \
-        || die "smoke-test job $id: sacct says $(sacct -n -X -j "$id" -o State,Partition,ExitCode)"
+    # slurmctld reports to slurmdbd asynchronously: sacct may lag the job's end by a few seconds.
+    wait_for 30 "sacct to show job $id COMPLETED on gpu (it says: $(sacct -n -X -j "$id" -o State,Partition,ExitCode 2>&1))" \
+        sacct_shows "$id" "COMPLETED *gpu"
 }
+
+sacct_shows() { timeout 10 sacct -n -X -j "$1" -o State,Partition | grep -q "$2"; }
 
 job_done() { ! timeout 10 squeue -h -j "$1" 2>/dev/null | grep -q .; }
 

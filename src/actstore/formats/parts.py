@@ -240,3 +240,48 @@ class Extraction:
 def open_extraction(extract_dir: str | Path, n_parts: int | None = None) -> Extraction:
     """Open every part of an extraction stage directory."""
     return Extraction(extract_dir, n_parts)
+
+
+def detect(path: str | Path) -> bool:
+    """An extraction stage directory (part-NNNN/part.json) or a single part directory."""
+    path = Path(path)
+    return (path / PART_META).is_file() or (path / part_dirname(0) / PART_META).is_file()
+
+
+def _part_dirs(path: Path) -> list[Path]:
+    return [path] if (path / PART_META).is_file() else sorted(path.glob("part-[0-9][0-9][0-9][0-9]"))
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary of an extraction (all parts) for `actstore inspect`."""
+    parts = [open_part(p) for p in _part_dirs(Path(path))]
+    meta = parts[0].meta
+    first_layer = layer_tensor(meta["layers"][0])
+    return {
+        "format": "actstore-extract", "model": meta["model"]["name"], "layers": meta["layers"],
+        "hooks": meta["hooks"], "n_examples": sum(p.meta["n_samples"] for p in parts),
+        "n_tokens": sum(p.meta["n_tokens"] for p in parts),
+        "d_model": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("shape", [0, None])[1],
+        "dtype": "float32", "n_shards": len(parts),
+        "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
+    }
+
+
+def verify(path: str | Path) -> list[str]:
+    """Every part's files present with the recorded size and sha256; problems name the file."""
+    problems = []
+    for part_dir in _part_dirs(Path(path)):
+        try:
+            open_part(part_dir).verify()
+        except (FormatError, OSError, ValueError) as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
+    """The stored float32 vector of (dataset row, block output, token)."""
+    extraction = open_extraction(path)
+    if layer_idx not in extraction.meta["layers"]:
+        return None
+    rows = extraction.activations(layer_tensor(layer_idx), sample_idx)
+    return np.array(rows[token_idx]) if token_idx < len(rows) else None

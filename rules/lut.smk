@@ -1,0 +1,31 @@
+# LUT: precompute one lookup table per target linear layer from the SAE, then measure its accuracy.
+LUT_DIR = sdir("lut")
+
+
+rule build_lut:
+    input:
+        index=rules.extract_index.output.index,
+        sae=rules.train_sae.output.sae,
+    output:
+        lut=directory(f"{LUT_DIR}/lut"),
+        report=f"{LUT_DIR}/report.json",
+        stage_config=f"{LUT_DIR}/actstore_config.json",
+    log:
+        log_path("lut", "build"),
+    benchmark:
+        bench_path("lut", "build")
+    conda:
+        "../envs/actstore.yaml"
+    threads: 4
+    resources:
+        mem_mb=4000,
+    script:
+        "../workflow/scripts/lut.py"
+
+
+rule lut:
+    input:
+        rules.build_lut.output.report,
+
+
+TARGETS["lut"] = [f"{LUT_DIR}/report.json"]

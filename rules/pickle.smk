@@ -1,0 +1,59 @@
+# Pickle shards: one store per extraction part (machine), then a merged metadata.json over them.
+from actstore import resources as actstore_resources
+
+PICKLE_DIR = sdir("pickle")
+# gzip runs at a few tens of MB/s on float32: count it as extra passes over the part's bytes.
+PICKLE_PASSES = 6.0 if config["pickle"]["compression"] == "gzip" else 2.0
+
+
+rule pickle_part:
+    input:
+        f"{EXTRACT_DIR}/part-{{part}}",
+    output:
+        directory(f"{PICKLE_DIR}/machine-{{part}}"),
+    params:
+        shard_size_mb=config["pickle"]["shard_size_mb"],
+        compression=config["pickle"]["compression"],
+        compresslevel=config["pickle"]["compresslevel"],
+    log:
+        log_path("pickle", "machine-{part}"),
+    benchmark:
+        bench_path("pickle", "machine-{part}")
+    wildcard_constraints:
+        part=r"\d{4}",
+    threads: 1
+    # One shard in memory, plus its pickle stream.
+    resources:
+        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(
+            config, attempt, per_part=True, buffered_mb=int(3 * config["pickle"]["shard_size_mb"])),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
+            config, attempt, per_part=True, passes=PICKLE_PASSES),
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/pickle_part.py"
+
+
+rule pickle_merge:
+    input:
+        expand(f"{PICKLE_DIR}/machine-{{part}}", part=PARTS),
+    output:
+        metadata=f"{PICKLE_DIR}/metadata.json",
+        stage_config=f"{PICKLE_DIR}/actstore_config.json",
+    log:
+        log_path("pickle", "merge"),
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/pickle_merge.py"
+
+
+rule pickle:
+    input:
+        rules.pickle_merge.output.metadata,
+
+
+TARGETS["pickle"] = [f"{PICKLE_DIR}/metadata.json"]

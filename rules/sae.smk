@@ -1,0 +1,34 @@
+# SAE: train (or import) a TopK SAE on the captured input of the LUT target modules.
+from actstore.sae import resolve_hook
+
+SAE_DIR = sdir("sae")
+if config["sae"]["enabled"]:
+    resolve_hook(config)  # parse time: sae.hook must have been captured by extract.hooks
+
+
+rule train_sae:
+    input:
+        index=rules.extract_index.output.index,
+    output:
+        sae=f"{SAE_DIR}/sae.safetensors",
+        report=f"{SAE_DIR}/report.json",
+        stage_config=f"{SAE_DIR}/actstore_config.json",
+    log:
+        log_path("sae", "train"),
+    benchmark:
+        bench_path("sae", "train")
+    conda:
+        "../envs/actstore.yaml"
+    threads: 4
+    resources:
+        mem_mb=4000,
+    script:
+        "../workflow/scripts/sae.py"
+
+
+rule sae:
+    input:
+        rules.train_sae.output.report,
+
+
+TARGETS["sae"] = [f"{SAE_DIR}/report.json"]

@@ -1,0 +1,53 @@
+# Validation: integrity + cross-format agreement, then the report's plots.
+from actstore.hashing import upstream_stages
+from actstore.report import PLOTS
+
+VALIDATE_DIR = sdir("validate")
+
+
+rule validate_stores:
+    input:
+        lambda wildcards: [t for s in upstream_stages(config, "validate") for t in TARGETS.get(s, [])],
+    output:
+        report=f"{VALIDATE_DIR}/report.json",
+        stage_config=f"{VALIDATE_DIR}/actstore_config.json",
+    log:
+        log_path("validate", "validate_stores"),
+    benchmark:
+        bench_path("validate", "validate_stores")
+    resources:
+        mem_mb=4000,
+    script:
+        "../workflow/scripts/validate_stores.py"
+
+
+rule validate_plots:
+    input:
+        report=rules.validate_stores.output.report,
+        extract=f"{EXTRACT_DIR}/extract.json",
+    output:
+        **{
+            name: report(
+                f"{VALIDATE_DIR}/plots/{name}.png",
+                caption=f"../report/{name}.rst",
+                category="actstore",
+            )
+            for name in PLOTS
+        },
+    log:
+        log_path("validate", "validate_plots"),
+    resources:
+        mem_mb=2000,
+    script:
+        "../workflow/scripts/validate_plots.py"
+
+
+rule validate:
+    input:
+        rules.validate_stores.output.report,
+        rules.validate_plots.output,
+
+
+TARGETS["validate"] = [f"{VALIDATE_DIR}/report.json"] + [
+    f"{VALIDATE_DIR}/plots/{name}.png" for name in PLOTS
+]

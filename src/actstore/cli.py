@@ -1,0 +1,98 @@
+"""The `actstore` command: inspect, verify and locate stores.
+
+Exit codes: 0 success; 1 `verify` found problems (each printed, naming the file); 2 bad usage, an
+unknown path or a directory holding no known format.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from actstore.errors import ActstoreError
+
+SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model", "dtype", "n_shards", "bytes")
+
+
+def _detect_or_exit(path: Path) -> str:
+    from actstore.verify import detect_format
+
+    if not path.exists():
+        sys.exit(f"actstore: {path}: no such file or directory")
+    name = detect_format(path)
+    if name is None:
+        print(f"actstore: {path}: holds none of the known formats (saev, pickle, lmprobe, zarr, lut, "
+              "actstore-extract)", file=sys.stderr)
+        sys.exit(2)
+    return name
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from actstore.verify import format_module
+
+    name = _detect_or_exit(args.path)
+    info = format_module(name).inspect(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        for key in SUMMARY_KEYS:
+            print(f"{key:11s} {info.get(key)}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from actstore.verify import format_module
+
+    name = _detect_or_exit(args.path)
+    problems = format_module(name).verify(args.path)
+    for problem in problems:
+        print(f"BAD  {problem}")
+    print(f"{name} store {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))
+    return 1 if problems else 0
+
+
+def cmd_locate(args: argparse.Namespace) -> int:
+    from actstore.config import enabled_stages, load_config
+    from actstore.hashing import stage_dir
+
+    config = load_config(args.configfile)
+    located = {stage: str(stage_dir(config, stage)) for stage in enabled_stages(config)}
+    if args.json:
+        print(json.dumps(located, indent=2))
+    else:
+        for stage, directory in located.items():
+            state = "done" if Path(directory).is_dir() else "not built"
+            print(f"{stage:9s} {directory}  ({state})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="actstore", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="detect a store's format and summarise it")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print the full summary as JSON")
+    inspect.set_defaults(func=cmd_inspect)
+    verify = sub.add_parser("verify", help="full integrity check: files, sizes, sha256, spec fields (exit 1 on problems)")
+    verify.add_argument("path", type=Path)
+    verify.set_defaults(func=cmd_verify)
+    locate = sub.add_parser("locate", help="print each stage's output directory for a config")
+    locate.add_argument("--configfile", type=Path, default=Path("config/config.yaml"))
+    locate.add_argument("--json", action="store_true")
+    locate.set_defaults(func=cmd_locate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ActstoreError as exc:
+        print(f"actstore: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

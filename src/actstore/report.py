@@ -1,0 +1,108 @@
+"""Plots for `snakemake --report`: what a user would rather see than read."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from actstore.formats.parts import Extraction, layer_tensor  # noqa: E402
+
+MAX_TOKENS_PER_LAYER = 20000
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def activation_norms(extraction: Extraction, path: Path) -> None:
+    """Box plot of per-token L2 norms for every stored layer (a seeded token subsample)."""
+    rng = np.random.default_rng(0)
+    norms = []
+    for layer in extraction.meta["layers"]:
+        values = []
+        for part in extraction.parts:
+            if part.meta["n_tokens"] == 0:
+                continue
+            tensor = part.tensor(layer_tensor(layer))
+            take = np.sort(rng.choice(len(tensor), size=min(len(tensor), MAX_TOKENS_PER_LAYER // len(extraction.parts)), replace=False))
+            values.append(np.linalg.norm(tensor[take], axis=1))
+        norms.append(np.concatenate(values))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.boxplot(norms, showfliers=False)
+    ax.set_xticks(range(1, len(norms) + 1), [str(layer) for layer in extraction.meta["layers"]])
+    ax.set(xlabel="layer (block output)", ylabel="token L2 norm", title="Activation norm per layer")
+    _save(fig, path)
+
+
+def tokens_per_sample(extraction: Extraction, path: Path) -> None:
+    counts = [row["num_tokens"] for _, _, row in extraction.iter_samples()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(counts, bins=40)
+    ax.set(xlabel="tokens per sample", ylabel="samples", title=f"Tokens per sample (n={len(counts)})")
+    _save(fig, path)
+
+
+def bytes_per_format(report: dict[str, Any], path: Path) -> None:
+    names = [n for n, e in report["formats"].items() if "inspect" in e]
+    sizes = [report["formats"][n]["inspect"].get("bytes", 0) / 2**20 for n in names]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.barh(names, sizes)
+    ax.set(xlabel="MiB on disk", title="Bytes per format")
+    _save(fig, path)
+
+
+def read_latency(report: dict[str, Any], path: Path) -> None:
+    entries = {n: e["read_latency_us"] for n, e in report["formats"].items() if e.get("read_latency_us")}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.boxplot(list(entries.values()), showfliers=True)
+    ax.set_xticks(range(1, len(entries) + 1), list(entries))
+    ax.set_yscale("log")
+    ax.set(ylabel="µs per vector (open + read)", title="Random-vector read latency through each reader")
+    _save(fig, path)
+
+
+def lut_error(report: dict[str, Any], path: Path) -> None:
+    """Relative error vs compensation budget per LUT target, from the LUT stage's report.json."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    targets = ((report.get("lut") or {}).get("targets") or {})
+    for target, entry in targets.items():
+        errors = entry.get("relative_error") or {}
+        budgets = sorted(errors, key=int)
+        ax.plot([int(b) for b in budgets], [errors[b] for b in budgets], marker="o", label=target)
+    ax.set(xlabel="compensation budget |S|", ylabel="‖LUT(x) − xW‖ / ‖xW‖", title="LUT error vs compensation")
+    if targets:
+        ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def sae_loss(report: dict[str, Any], path: Path) -> None:
+    curve = (report.get("sae") or {}).get("loss_curve") or []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if curve:
+        steps = [point["step"] for point in curve]
+        for key in [k for k in curve[0] if k != "step"]:
+            ax.plot(steps, [point[key] for point in curve], label=key)
+        ax.legend(fontsize=7)
+        ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel="loss", title="SAE training loss")
+    _save(fig, path)
+
+
+PLOTS = ("activation_norms", "tokens_per_sample", "bytes_per_format", "read_latency", "lut_error", "sae_loss")
+
+
+def make_plots(extraction: Extraction, report: dict[str, Any], out: dict[str, str]) -> None:
+    """Write every plot in PLOTS to out[name]."""
+    activation_norms(extraction, Path(out["activation_norms"]))
+    tokens_per_sample(extraction, Path(out["tokens_per_sample"]))
+    bytes_per_format(report, Path(out["bytes_per_format"]))
+    read_latency(report, Path(out["read_latency"]))
+    lut_error(report, Path(out["lut_error"]))
+    sae_loss(report, Path(out["sae_loss"]))

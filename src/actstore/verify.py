@@ -1,0 +1,131 @@
+"""Format detection, integrity checks and cross-format agreement (the validate stage)."""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from actstore.config import FORMAT_STAGES, enabled_stages
+from actstore.errors import FormatError
+from actstore.formats.parts import layer_tensor, open_extraction
+from actstore.hashing import stage_dir
+from actstore.io_utils import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+# Detection order matters: more specific layouts first.
+FORMAT_MODULES = {
+    "lut": "actstore.formats.lut",
+    "saev": "actstore.formats.saev",
+    "pickle": "actstore.formats.pickle_shards",
+    "lmprobe": "actstore.formats.lmprobe",
+    "zarr": "actstore.formats.zarr_store",
+    "extract": "actstore.formats.parts",
+}
+DTYPE_CASTS = {"float32": np.float32, "float16": np.float16}
+
+
+def format_module(name: str) -> ModuleType:
+    return importlib.import_module(FORMAT_MODULES[name])
+
+
+def detect_format(path: str | Path) -> str | None:
+    """Name of the format a directory holds (see FORMAT_MODULES), or None."""
+    for name in FORMAT_MODULES:
+        try:
+            if format_module(name).detect(path):
+                return name
+        except (ImportError, OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def find_store(directory: Path, name: str) -> Path:
+    """The directory holding format `name`: the stage dir itself or one level below it."""
+    module = format_module(name)
+    for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
+        if module.detect(candidate):
+            return candidate
+    raise FormatError(f"{directory}: no {name} store found")
+
+
+def reference_dtype(dtype: str) -> type:
+    if dtype == "bfloat16":
+        import torch
+        return lambda x: torch.from_numpy(np.asarray(x)).to(torch.bfloat16).float().numpy()
+    cast = DTYPE_CASTS.get(dtype, np.float32)
+    return lambda x: np.asarray(x).astype(cast).astype(np.float32)
+
+
+def sample_coordinates(extraction, n_coords: int, seed: int) -> list[tuple[int, int, int]]:
+    """Seeded (sample_idx, layer, token) triples; each sampled row also gets its last token."""
+    rng = np.random.default_rng(seed)
+    coords = []
+    for sample_idx in sorted(rng.choice(extraction.n_samples, size=min(n_coords, extraction.n_samples), replace=False)):
+        n_tokens = extraction.sample(int(sample_idx))["num_tokens"]
+        layer = int(rng.choice(extraction.meta["layers"]))
+        for token in {int(rng.integers(n_tokens)), n_tokens - 1}:
+            coords.append((int(sample_idx), layer, token))
+    return coords
+
+
+def check_format(name: str, store: Path, extraction, coords) -> dict[str, Any]:
+    """verify() + inspect() + every coordinate read through the format's reader vs the extraction."""
+    module = format_module(name)
+    problems = module.verify(store)
+    info = module.inspect(store)
+    to_stored = reference_dtype(info.get("dtype", "float32"))
+    checked, not_stored, latencies_us = 0, 0, []
+    for sample_idx, layer, token in coords:
+        started = time.perf_counter()
+        got = module.read_vector(store, sample_idx, layer, token)
+        latencies_us.append((time.perf_counter() - started) * 1e6)
+        if got is None:
+            not_stored += 1
+            continue
+        want = to_stored(extraction.activations(layer_tensor(layer), sample_idx)[token])
+        if got.shape != want.shape or not np.array_equal(np.asarray(got, np.float32), want):
+            problems.append(f"{store}: (sample {sample_idx}, layer {layer}, token {token}) differs from "
+                            f"the extraction (max abs diff {np.max(np.abs(np.asarray(got, np.float32) - want)):.3g})")
+        checked += 1
+    return {"store": str(store), "problems": problems, "inspect": info, "checked": checked,
+            "not_stored": not_stored, "read_latency_us": latencies_us}
+
+
+def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, Any]:
+    """Check every format the config produces; write report.json, raise FormatError on any problem."""
+    extract_dir = stage_dir(config, "extract")
+    extraction = open_extraction(extract_dir, config["extract"]["parts"])
+    coords = sample_coordinates(extraction, config["validate"]["n_coords"], config["validate"]["seed"])
+    stages = enabled_stages(config)
+    report: dict[str, Any] = {"coordinates": len(coords), "formats": {}}
+    report["formats"]["extract"] = check_format("extract", extract_dir, extraction, coords)
+    for name in [s for s in FORMAT_STAGES if s in stages]:
+        store = find_store(stage_dir(config, name), name)
+        report["formats"][name] = check_format(name, store, extraction, coords)
+        log.info("%s: %d checked, %d not stored, %d problems", name, report["formats"][name]["checked"],
+                 report["formats"][name]["not_stored"], len(report["formats"][name]["problems"]))
+    for name in ("sae", "lut"):
+        if name in stages:
+            report[name] = stage_report(stage_dir(config, name))
+    if "lut" in stages:
+        store = find_store(stage_dir(config, "lut"), "lut")
+        report["formats"]["lut"] = {"store": str(store), "problems": format_module("lut").verify(store),
+                                    "inspect": format_module("lut").inspect(store)}
+    problems = [p for entry in report["formats"].values() for p in entry["problems"]]
+    if problems:
+        raise FormatError("validation failed:\n" + "\n".join(problems))
+    write_json_atomic(report_path, report)
+    return report
+
+
+def stage_report(directory: Path) -> dict[str, Any] | None:
+    """A stage's own report.json (SAE training curve, LUT errors), if it wrote one."""
+    path = directory / "report.json"
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,135 @@
+"""The `actstore` command and the validate stage on a real tiny workflow run: every format is
+identified, verifies clean, and one flipped byte or one truncated file is caught by name."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tiny
+from actstore.config import FORMAT_STAGES, load_config
+from actstore.hashing import stage_dir
+from actstore.verify import find_store
+
+ACTSTORE = str(Path(sys.executable).with_name("actstore"))
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+METADATA_SUFFIXES = (".json", ".jsonl", ".zarray", ".zattrs", ".zgroup", ".zmetadata", ".parquet", ".log", ".tsv")
+STORES = ("extract", *FORMAT_STAGES, "lut")
+
+
+def tiny_workflow_config(tmp: Path, model: Path, data: Path) -> dict:
+    return {
+        "dump_to": str(tmp / "dump"), "model": {"path": str(model)}, "dataset": {"path": str(data)},
+        "extract": {"layers": [0, 2], "max_seq_length": 24, "batch_size": 8, "parts": 2,
+                    "hooks": ["encoder.layer.1.attention.self.query:input"]},
+        "sae": {"hook": "encoder.layer.1.attention.self.query:input"},
+        "lut": {"targets": [f"encoder.layer.1.attention.self.{m}" for m in ("query", "key", "value")]},
+    }
+
+
+def run(*cmd: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def workflow_run(tmp_path_factory, model_dir, text_jsonl):
+    tmp = tmp_path_factory.mktemp("cli")
+    configfile = tmp / "config.yaml"
+    configfile.write_text(yaml.safe_dump(tiny_workflow_config(tmp, model_dir("bert"), text_jsonl)))
+    proc = run(SNAKEMAKE, "-s", str(tiny.REPO / "Snakefile"), "-d", str(tmp), "--configfile", str(configfile),
+               "--cores", "2")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return tmp, configfile
+
+
+def store_path(config: dict, name: str) -> Path:
+    directory = stage_dir(config, name)
+    return directory if name == "extract" else find_store(directory, name)
+
+
+def data_file(store: Path) -> Path:
+    """The largest data (non-metadata) file of a store."""
+    files = [p for p in store.rglob("*") if p.is_file() and not p.name.endswith(METADATA_SUFFIXES)
+             and p.name != "actstore_config.json"]
+    return max(files, key=lambda p: (p.stat().st_size, str(p)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STORES)
+def test_inspect_identifies_and_clean_store_verifies(workflow_run, name):
+    tmp, configfile = workflow_run
+    store = store_path(load_config(configfile), name)
+    proc = run(ACTSTORE, "inspect", "--json", str(store))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert name in info["format"] or (name, info["format"]) == ("extract", "actstore-extract")
+    proc = run(ACTSTORE, "verify", str(store))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("name", STORES)
+def test_damaged_data_file_fails_verify_naming_it(workflow_run, name, damage, tmp_path):
+    tmp, configfile = workflow_run
+    config = load_config(configfile)
+    copy_root = tmp_path / "dump"
+    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
+    config["dump_to"] = str(copy_root)
+    store = store_path(config, name)
+    target = data_file(store)
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[:-1]
+    target.write_bytes(bytes(data))
+    proc = run(ACTSTORE, "verify", str(store))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert target.name in proc.stdout
+
+
+@pytest.mark.slow
+def test_validate_report_covers_every_format(workflow_run):
+    tmp, configfile = workflow_run
+    config = load_config(configfile)
+    report = json.loads((stage_dir(config, "validate") / "report.json").read_text())
+    for name in FORMAT_STAGES:
+        entry = report["formats"][name]
+        assert entry["problems"] == [] and entry["checked"] > 0, name
+    assert report["formats"]["extract"]["checked"] == report["coordinates"]
+
+
+@pytest.mark.slow
+def test_report_builds(workflow_run):
+    tmp, configfile = workflow_run
+    out = tmp / "report.html"
+    proc = run(SNAKEMAKE, "-s", str(tiny.REPO / "Snakefile"), "-d", str(tmp), "--configfile", str(configfile),
+               "--report", str(out))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert out.stat().st_size > 10000
+
+
+def test_locate_prints_every_stage_dir(tmp_path):
+    proc = run(ACTSTORE, "locate", "--json", "--configfile", str(tiny.REPO / "config" / "config.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    located = json.loads(proc.stdout)
+    config = load_config(tiny.REPO / "config" / "config.yaml")
+    assert located["extract"] == str(stage_dir(config, "extract"))
+    assert set(located) >= {"extract", "saev", "pickle", "lmprobe", "zarr", "validate"}
+
+
+def test_unknown_directory_exits_2(tmp_path):
+    proc = run(ACTSTORE, "inspect", str(tmp_path))
+    assert proc.returncode == 2 and "none of the known formats" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "locate"])
+def test_every_command_has_help(command):
+    proc = run(ACTSTORE, command, "--help")
+    assert proc.returncode == 0 and "usage: actstore" in proc.stdout

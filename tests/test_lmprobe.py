@@ -1,0 +1,352 @@
+"""lmprobe 2.0 datasets: the spec's resolution snippets on our output, both storage modes, ordering,
+dtypes, token columns, the reader, and verify() catching damage."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import tiny
+from actstore.errors import ConfigError, FormatError
+from actstore.formats import lmprobe
+from actstore.formats.parts import open_extraction
+
+SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "lmprobe-format-2.0.md"
+
+# The spec's three resolution snippets, verbatim ("Resolving a prompt to a tensor").
+SNIPPET_LAST = '''import pyarrow.parquet as pq
+import json
+from safetensors import safe_open
+
+# 1. Load the index
+table = pq.read_table("index/train-00000-of-00001.parquet")
+df = table.to_pandas()
+
+# 2. Read the tensor descriptor
+meta = table.schema.metadata
+tensors = json.loads(meta[b"lmprobe:tensors"])
+hidden = tensors["hidden_layers"]
+
+# 3. Pick a prompt and a layer
+row = df.iloc[42]
+layer = 16
+
+# 4. Construct the filename and key
+filename = hidden["file_pattern"].format(layer=layer, shard=row["shard_index"])
+key = hidden["key_pattern"].format(layer=layer)
+
+# 5. Read the vector
+with safe_open(filename, framework="pt") as f:
+    vector = f.get_tensor(key)[row["row_offset"]]
+'''
+SNIPPET_TOKEN = '''# For token i of prompt 42:
+row = df.iloc[42]
+token_idx = 5
+layer = 16
+
+shard = row["token_shard_ids"][token_idx]
+offset = row["token_shard_offsets"][token_idx]
+
+filename = hidden["file_pattern"].format(layer=layer, shard=shard)
+key = hidden["key_pattern"].format(layer=layer)
+
+with safe_open(filename, framework="pt") as f:
+    vector = f.get_tensor(key)[offset]
+'''
+SNIPPET_LOGITS = '''logits_desc = tensors["logits_topk"]
+row = df.iloc[42]
+
+filename = logits_desc["file_pattern"].format(shard=row["shard_index_logits"])
+
+with safe_open(filename, framework="pt") as f:
+    # Contains top-k values and indices
+    values = f.get_tensor("topk_values")[row["row_offset_logits"]]
+    indices = f.get_tensor("topk_indices")[row["row_offset_logits"]]
+'''
+ROW_BYTES = 32 * 4  # tiny models: dim 32, float32
+SMALL = {"shard_bytes": ROW_BYTES * 12}  # 3 last-token shards for 30 prompts, many sequence shards
+
+
+def run(snippet: str, ns: dict, prompt: int, layer: int, token: int = 5) -> dict:
+    """exec a spec snippet with only its example numbers (prompt 42, layer 16, token 5) replaced."""
+    code = (snippet.replace("df.iloc[42]", f"df.iloc[{prompt}]").replace("layer = 16", f"layer = {layer}")
+            .replace("token_idx = 5", f"token_idx = {token}"))
+    exec(compile(code, "<spec snippet>", "exec"), ns)
+    return ns
+
+
+def build(extracted, kind: str, tmp_path: Path, name: str = "ds", **options) -> tuple[Path, object, dict]:
+    config, extract_dir = extracted(kind)
+    out = tmp_path / name
+    lmprobe.write_dataset(extract_dir, out, options, progress=False)
+    return out, open_extraction(extract_dir), config
+
+
+def test_snippets_are_the_specs():
+    if not SPEC.is_file():
+        pytest.skip(f"{SPEC} not present in this checkout")
+    text = SPEC.read_text()
+    for snippet in (SNIPPET_LAST, SNIPPET_TOKEN, SNIPPET_LOGITS):
+        assert snippet.strip() in text
+
+
+def test_full_sequence_spec_snippets_match_extraction(extracted, tmp_path, monkeypatch):
+    root, ext, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    monkeypatch.chdir(root)
+    info = json.loads(pq.read_schema("index/train-00000-of-00001.parquet").metadata[b"lmprobe:tensors"])
+    hidden = info["hidden_layers"]
+    assert hidden["storage"] == "full_sequence" and hidden["last_token_shards"] == 3
+    assert len(hidden["shards"]) > 4 and hidden["shards"][0] == {"num_prompts": 12, "num_tokens": 12}
+    ns: dict = {}
+    for prompt in (0, 7, 13, 29):
+        for layer in (0, 2):
+            run(SNIPPET_LAST, ns, prompt, layer)
+            s = int(ns["row"]["sample_idx"])
+            want = ext.activations(f"layer_{layer}", s)
+            assert torch.equal(ns["vector"], torch.from_numpy(want[-1].copy()))
+            for token in (0, len(want) // 2, len(want) - 1):
+                run(SNIPPET_TOKEN, ns, prompt, layer, token)
+                assert torch.equal(ns["vector"], torch.from_numpy(want[token].copy()))
+        run(SNIPPET_LOGITS, ns, prompt, 0)
+        part, local = ext.locate(s)
+        values, indices = part.topk(local)
+        assert np.array_equal(ns["values"].numpy(), values) and np.array_equal(ns["indices"].numpy(), indices)
+
+
+def test_pooled_encoder_has_no_sequence_or_logits(extracted, tmp_path, monkeypatch):
+    root, ext, _ = build(extracted, "bert", tmp_path, storage="pooled", **SMALL)
+    table = pq.read_table(root / "index/train-00000-of-00001.parquet")
+    for absent in ("token_shard_ids", "token_offset", "shard_index_logits", "perplexity_mean", "token_perplexity"):
+        assert absent not in table.column_names
+    assert {"text", "label", "num_tokens", "shard_index", "row_offset", "sample_idx", "token_ids",
+            "token_strings", "module", "qualname"} <= set(table.column_names)
+    tensors = json.loads(table.schema.metadata[b"lmprobe:tensors"])
+    assert set(tensors) == {"hidden_layers"} and tensors["hidden_layers"]["pooling"] == "last_token"
+    assert tensors["hidden_layers"]["row_bytes"] == ROW_BYTES
+    assert sorted(p.name for p in (root / "tensors").iterdir()) == [
+        f"hidden_layer{layer:03d}_shard{s:03d}.safetensors" for layer in (0, 2) for s in range(3)]
+    monkeypatch.chdir(root)
+    ns: dict = {}
+    for prompt in range(30):
+        run(SNIPPET_LAST, ns, prompt, 2)
+        want = ext.activations("layer_2", int(ns["row"]["sample_idx"]))[-1]
+        assert np.array_equal(ns["vector"].numpy(), want)
+    ds = lmprobe.open_dataset(root)
+    s = int(ds.sample_idx[3])
+    n = ext.sample(s)["num_tokens"]
+    assert lmprobe.read_vector(root, s, 2, 0) is None  # pooled: only the last token is stored
+    assert np.array_equal(lmprobe.read_vector(root, s, 2, n - 1), ext.activations("layer_2", s)[-1])
+    with pytest.raises(FormatError, match="pooled"):
+        ds.tokens(3, 2)
+
+
+def test_ordering_random_is_seeded_permutation_and_original_is_identity(extracted, tmp_path):
+    root, ext, _ = build(extracted, "gpt2", tmp_path, "r", storage="pooled", seed=7)
+    info = lmprobe.read_info(lmprobe.find_index(root))
+    assert info["prompt_ordering"] == "random" and info["prompt_ordering_seed"] == 7
+    order = pq.read_table(root / "index/train-00000-of-00001.parquet").column("sample_idx").to_numpy()
+    assert np.array_equal(order, np.random.default_rng(info["prompt_ordering_seed"]).permutation(info["num_prompts"]))
+    assert not np.array_equal(order, np.arange(30))
+    again, _, _ = build(extracted, "gpt2", tmp_path, "r2", storage="pooled", seed=7)
+    assert np.array_equal(pq.read_table(lmprobe.find_index(again)).column("sample_idx").to_numpy(), order)
+    orig, _, _ = build(extracted, "gpt2", tmp_path, "o", storage="pooled", prompt_ordering="original")
+    ds_o, ds_r = lmprobe.open_dataset(orig), lmprobe.open_dataset(root)
+    assert np.array_equal(ds_o.sample_idx, np.arange(30)) and ds_o.info["prompt_ordering_seed"] is None
+    assert np.array_equal(ds_r.last_tokens(2)[np.argsort(order)], ds_o.last_tokens(2))
+    assert ds_o.table.column("text").to_pylist() == [ext.sample(i)["text"] for i in range(30)]
+
+
+def test_token_columns_and_perplexity(extracted, tmp_path, model_dir):
+    from transformers import AutoTokenizer
+
+    root, ext, _ = build(extracted, "gpt2", tmp_path, storage="pooled", prompt_ordering="original")
+    table = pq.read_table(lmprobe.find_index(root))
+    tok = AutoTokenizer.from_pretrained(model_dir("gpt2"), local_files_only=True)
+    rows = table.to_pylist()
+    for s, row in enumerate(rows):
+        part, local = ext.locate(s)
+        ids, lp = part.token_ids(local), part.token_logprob(local)
+        assert row["token_ids"] == ids.tolist() and row["num_tokens"] == len(ids)
+        assert np.isnan(row["token_perplexity"][0]) and np.isnan(lp[0])
+        ppl = np.exp(-lp[1:].astype(np.float64))
+        assert np.array_equal(np.array(row["token_perplexity"][1:]), ppl)
+        assert np.array_equal(np.array(row["token_logprob"], np.float32)[1:], lp[1:])
+        if len(ids) > 1:
+            assert row["perplexity_mean"] == pytest.approx(ppl.mean(), rel=1e-12)
+            assert (row["perplexity_min"], row["perplexity_max"]) == (ppl.min(), ppl.max())
+        assert row["token_strings"] == [tok.decode([i]) for i in ids.tolist()]
+        assert row["label"] == ext.sample(s)["label"] and row["sample_idx"] == s
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_dtypes_round_like_torch(extracted, tmp_path, monkeypatch, dtype):
+    root, ext, _ = build(extracted, "llama", tmp_path, storage="full_sequence", dtype=dtype, **SMALL)
+    hidden = json.loads(pq.read_schema(lmprobe.find_index(root)).metadata[b"lmprobe:tensors"])["hidden_layers"]
+    assert hidden["dtype"] == dtype and hidden["row_bytes"] == 32 * 2
+    monkeypatch.chdir(root)
+    ns: dict = {}
+    tdtype = getattr(torch, dtype)
+    for prompt in (0, 21):
+        run(SNIPPET_LAST, ns, prompt, 0)
+        want = torch.from_numpy(ext.activations("layer_0", int(ns["row"]["sample_idx"])).copy())
+        assert ns["vector"].dtype == tdtype and torch.equal(ns["vector"], want[-1].to(tdtype))
+        run(SNIPPET_TOKEN, ns, prompt, 0, 1)
+        assert torch.equal(ns["vector"], want[1].to(tdtype))
+    ds = lmprobe.open_dataset(root)
+    s = int(ds.sample_idx[21])
+    assert np.array_equal(ds.tokens(21, 0), ext.activations("layer_0", s).astype(np.float32)
+                          if dtype == "float32" else
+                          torch.from_numpy(ext.activations("layer_0", s).copy()).to(tdtype).float().numpy())
+
+
+def test_reader_matches_extraction(extracted, tmp_path):
+    root, ext, _ = build(extracted, "llama", tmp_path, storage="full_sequence", logits_topk=5, **SMALL)
+    ds = lmprobe.open_dataset(root)
+    assert ds.layers == [0, 2] and ds.num_prompts == 30 and ds.dim == 32
+    for layer in (0, 2):
+        last = ds.last_tokens(layer)
+        for prompt in range(30):
+            s = int(ds.sample_idx[prompt])
+            want = ext.activations(f"layer_{layer}", s)
+            assert np.array_equal(last[prompt], want[-1])
+            assert np.array_equal(ds.get(prompt, layer), want[-1])
+            assert np.array_equal(ds.tokens(prompt, layer), want)
+            assert np.array_equal(ds.get(prompt, layer, 0), want[0])
+            assert np.array_equal(lmprobe.read_vector(root, s, layer, len(want) - 1), want[-1]) if prompt < 3 else True
+    s = int(ds.sample_idx[4])
+    part, local = ext.locate(s)
+    values, indices = ds.logits(4)
+    assert values.shape == (5,) and np.array_equal(values, part.topk(local)[0][:5])
+    assert np.array_equal(indices, part.topk(local)[1][:5])
+    assert lmprobe.read_vector(root, s, 1, 0) is None  # layer 1 not extracted
+    assert lmprobe.read_vector(root, s, 0, 10_000) is None
+    assert np.array_equal(lmprobe.read_vector(root, s, 2, 1), ext.activations("layer_2", s)[1])
+
+
+def test_torch_dataset_over_prompts_and_layers(extracted, tmp_path):
+    root, ext, _ = build(extracted, "gpt2", tmp_path, storage="pooled", **SMALL)
+    ds = lmprobe.open_dataset(root)
+    probe = ds.torch_dataset()
+    assert len(probe) == 60
+    batch = next(iter(torch.utils.data.DataLoader(probe, batch_size=60, shuffle=False)))
+    labels = ext.meta["dataset"]["labels"]
+    for i in range(60):
+        layer, s = int(batch["layer"][i]), int(batch["sample_idx"][i])
+        assert layer == (0 if i < 30 else 2)
+        assert torch.equal(batch["activation"][i], torch.from_numpy(ext.activations(f"layer_{layer}", s)[-1].copy()))
+        assert labels[int(batch["label"][i])] == ext.sample(s)["label"]
+
+
+def test_detect_inspect_and_clean_verify(extracted, tmp_path):
+    root, ext, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    assert lmprobe.detect(root) and not lmprobe.detect(tmp_path)
+    summary = lmprobe.inspect(root)
+    assert summary["format"] == "lmprobe" and summary["layers"] == [0, 2] and summary["n_examples"] == 30
+    assert summary["n_tokens"] == ext.n_tokens and summary["d_model"] == 32 and summary["dtype"] == "float32"
+    assert summary["logits_topk"] == ext.meta["logits_topk"]
+    assert summary["n_shards"] == len(list((root / "tensors").iterdir()))
+    assert summary["bytes"] == sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert lmprobe.verify(root) == []
+    pooled, _, _ = build(extracted, "bert", tmp_path, "pooled", storage="pooled")
+    assert lmprobe.verify(pooled) == [] and lmprobe.inspect(pooled)["n_tokens"] is None
+
+
+def flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_verify_catches_every_flipped_byte_kind(extracted, tmp_path):
+    clean, _, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    targets = ["tensors/hidden_layer002_shard004.safetensors", "tensors/logits_topk_000.safetensors",
+               "index/train-00000-of-00001.parquet", "README.md"]
+    for i, rel in enumerate(targets):
+        root = tmp_path / f"bad{i}"
+        shutil.copytree(clean, root)
+        size = (root / rel).stat().st_size
+        flip(root / rel, size - 9)
+        problems = lmprobe.verify(root)
+        assert problems and any(rel in p for p in problems), (rel, problems)
+    root = tmp_path / "missing"
+    shutil.copytree(clean, root)
+    (root / "tensors/hidden_layer000_shard001.safetensors").unlink()
+    problems = lmprobe.verify(root)
+    assert any("hidden_layer000_shard001.safetensors: missing" in p for p in problems)
+
+
+def test_reader_errors_name_the_fault(extracted, tmp_path):
+    import pyarrow as pa
+    from safetensors.numpy import save_file
+
+    clean, _, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    root = tmp_path / "broken"
+    shutil.copytree(clean, root)
+    (root / "tensors/hidden_layer000_shard000.safetensors").unlink()
+    ds = lmprobe.open_dataset(root)
+    prompt = int(np.flatnonzero(ds.shard_index == 0)[0])
+    with pytest.raises(FormatError, match="hidden_layer000_shard000.safetensors: shard file missing"):
+        ds.get(prompt, 0)
+    save_file({"wrong.key": np.zeros((12, 32), np.float32)}, str(root / "tensors/hidden_layer002_shard000.safetensors"))
+    with pytest.raises(FormatError, match="no tensor 'hidden.layer_2'"):
+        ds.last_tokens(2)
+    index = lmprobe.find_index(root)
+    table = pq.read_table(index)
+    pq.write_table(table.replace_schema_metadata({}), index)
+    with pytest.raises(FormatError, match="no 'lmprobe:' schema metadata"):
+        lmprobe.open_dataset(root)
+    assert not lmprobe.detect(root)
+    meta = dict(table.schema.metadata)
+    meta[b"lmprobe:format_version"] = json.dumps("3.0").encode()
+    pq.write_table(table.replace_schema_metadata(meta), index)
+    with pytest.raises(FormatError, match="format_version '3.0' unknown"):
+        lmprobe.open_dataset(root)
+    assert lmprobe.verify(root)  # never raises, reports
+    pq.write_table(pa.table({"x": [1]}), index)
+    assert any("lmprobe:" in p for p in lmprobe.verify(root))
+
+
+def test_bad_options_fail_before_writing(extracted, tmp_path):
+    _, extract_dir = extracted("gpt2")
+    for options, field in (({"layers": [1]}, "lmprobe.layers"), ({"logits_topk": 10_000}, "lmprobe.logits_topk"),
+                           ({"storage": "mean"}, "lmprobe.storage")):
+        with pytest.raises(ConfigError, match=field):
+            lmprobe.write_dataset(extract_dir, tmp_path / "never", options, progress=False)
+        assert not (tmp_path / "never").exists()
+
+
+def test_safetensors_library_reads_our_shards(extracted, tmp_path):
+    from safetensors import safe_open
+
+    root, ext, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", prompt_ordering="original", **SMALL)
+    hidden = lmprobe.open_dataset(root).hidden
+    first_seq = hidden["last_token_shards"]
+    with safe_open(str(root / hidden["file_pattern"].format(layer=2, shard=first_seq)), framework="np") as f:
+        assert list(f.keys()) == ["hidden.layer_2"] and f.metadata() == {"format": "pt"}
+        block = f.get_tensor("hidden.layer_2")
+    n = hidden["shards"][first_seq]["num_tokens"]
+    assert np.array_equal(block, ext.parts[0].tensor("layer_2")[:n])  # original order: tokens packed as extracted
+
+
+def test_stage_dir_resolves_and_dataset_card_snippet_runs(extracted, tmp_path, monkeypatch):
+    config, _ = extracted("gpt2")
+    stage = tmp_path / "stage"
+    root, ext, _ = build(extracted, "gpt2", stage, lmprobe.DATASET_DIR, storage="pooled")
+    assert lmprobe.detect(stage) and lmprobe.verify(stage) == [] and lmprobe.inspect(stage)["n_examples"] == 30
+    s = int(lmprobe.open_dataset(stage).sample_idx[0])
+    assert np.array_equal(lmprobe.read_vector(stage, s, 0, ext.sample(s)["num_tokens"] - 1),
+                          ext.activations("layer_0", s)[-1])
+    card = (root / "README.md").read_text()
+    code = card.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(root)
+    ns: dict = {}
+    exec(code, ns)
+    assert np.array_equal(ns["vector"].numpy(), ext.activations("layer_0", s)[-1])
+    lmprobe.check_options(config)
+    with pytest.raises(ConfigError, match="lmprobe.layers"):
+        lmprobe.check_options({**config, "lmprobe": {**config["lmprobe"], "layers": [0, 1]}})

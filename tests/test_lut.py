@@ -1,0 +1,203 @@
+"""LUT stage: spec-exact files from a trained SAE on a tiny real BERT, the runtime, verification."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from actstore.errors import FormatError
+from actstore.formats import lut as lut_format
+from actstore.lut import LutEncoder, LutLinear, build_lut, install_luts
+from actstore.models import get_module, load_model, resolve_model_path
+from actstore.sae import build_sae, load_sae
+
+HOOK = "encoder.layer.1.attention.self.query:input"
+TARGETS = [f"encoder.layer.1.attention.self.{m}" for m in ("query", "key", "value")]
+SAE = {"num_basis": 64, "k_active": 4, "steps": 100, "batch_size": 64, "lr": 0.003, "dead_tokens": 2000,
+       "device": "cpu"}
+LUT = {"targets": TARGETS, "budgets": [0, 8, 32], "eval_samples": 8, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def built(extracted, tmp_path_factory):
+    config, extract_dir = extracted("bert", extract={"hooks": [HOOK]})
+    config = copy.deepcopy(config)
+    config["sae"].update(SAE)
+    config["lut"].update(LUT)
+    sae_dir, lut_out = tmp_path_factory.mktemp("sae"), tmp_path_factory.mktemp("lut")
+    build_sae(config, extract_dir, sae_dir, progress=False)
+    report = build_lut(config, extract_dir, sae_dir, lut_out, progress=False)
+    return config, extract_dir, sae_dir, lut_out, report
+
+
+@pytest.fixture
+def model(built):
+    """A fresh copy of the real tiny BERT (tests that install LUTs change it)."""
+    return load_model(resolve_model_path(built[0]["model"]["path"]), "float32", "cpu").model
+
+
+def test_files_follow_the_spec(built, model):
+    config, _, sae_dir, lut_out, _ = built
+    lut_dir = lut_out / "lut"
+    meta = json.loads((lut_dir / "metadata.json").read_text())
+    assert meta["version"] == "1.0"
+    assert meta["sae_config"] == {"num_basis": 64, "k_active": 4}
+    assert meta["model_config"] == {"model_type": "bert", "num_layers": 3, "num_attention_heads": 4, "hidden_size": 32}
+    assert set(meta["creation_info"]) >= {"created_at", "source_model", "sae_model"}
+    assert sorted(meta["layers"]) == sorted(TARGETS)
+    sae, _ = load_sae(sae_dir / "sae.safetensors")
+    for target in TARGETS:
+        entry = meta["layers"][target]
+        assert entry["file"] == f"{target}.lut.safetensors"
+        assert (entry["input_dim"], entry["output_dim"]) == (32, 32)
+        tables = load_file(str(lut_dir / entry["file"]))
+        shapes = {"encoder_weight": [64, 32], "encoder_bias": [64], "decoder_weight": [64, 32],
+                  "decoder_bias": [32], "precomputed_products": [64, 32], "bias_product": [32], "target_bias": [32]}
+        assert {k: list(v.shape) for k, v in tables.items()} == shapes
+        assert all(v.dtype == torch.float16 for v in tables.values())
+        linear = get_module(model, target)
+        w_target = linear.weight.detach().T
+        # P = W_dec @ W_target and bias_product = b_dec @ W_target, within float16 rounding.
+        torch.testing.assert_close(tables["precomputed_products"].float(), sae.decoder_weight.data @ w_target,
+                                   rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(tables["bias_product"].float(), sae.decoder_bias.data @ w_target,
+                                   rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(tables["encoder_weight"].float(), sae.encoder_weight.data, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(tables["target_bias"].float(), linear.bias.detach(), rtol=1e-3, atol=1e-3)
+    assert lut_format.verify(lut_out) == []
+
+
+def _lut_for(built, model, target, budget=0):
+    store = lut_format.open_lut(built[3])
+    tables = store.load(target)
+    return tables, LutLinear(LutEncoder(tables, store.k_active, torch.float32), tables, get_module(model, target),
+                             budget, with_bias=False)
+
+
+def test_runtime_equals_spec_steps_a_and_b(built, model):
+    tables, lut = _lut_for(built, model, TARGETS[0])
+    t = {k: v.float() for k, v in tables.items()}
+    x = torch.randn(7, 32) * 2
+    sparse_act = torch.relu(x @ t["encoder_weight"].T + t["encoder_bias"])
+    values, indices = torch.topk(sparse_act, 4)
+    selected = t["precomputed_products"][indices]  # [batch, k, out]
+    expect = (values[..., None] * selected).sum(dim=1) + t["bias_product"]
+    torch.testing.assert_close(lut(x), expect, rtol=1e-5, atol=1e-5)
+    # The same through a (batch, tokens, dim) input, as inside the model.
+    torch.testing.assert_close(lut(x.reshape(7, 1, 32))[:, 0], expect, rtol=1e-5, atol=1e-5)
+
+
+def test_full_compensation_is_exact_and_budget_helps(built, model):
+    target = TARGETS[1]
+    _, lut = _lut_for(built, model, target)
+    w = get_module(model, target).weight.detach().T
+    x = torch.randn(64, 32)
+    exact = x @ w
+    errors = {}
+    for budget in (0, 8, 32):
+        lut.set_budget(budget)
+        errors[budget] = float((lut(x) - exact).norm() / exact.norm())
+    assert errors[32] < 5e-3  # float16 rounding of the stored tables only
+    assert errors[0] > 10 * errors[32] and errors[8] < errors[0]
+
+
+def test_shared_encoder_encodes_once_per_forward(built, model):
+    config, extract_dir = built[0], built[1]
+    installed = install_luts(model, lut_format.open_lut(built[3]))
+    encoders = {id(m.encoder) for m in installed.values()}
+    assert len(encoders) == 1
+    encoder = next(iter(installed.values())).encoder
+    ids = torch.tensor([[2, 10, 11, 12, 3]])
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert encoder.n_encodings == 1
+    assert isinstance(get_module(model, TARGETS[2]), LutLinear)
+
+
+def test_report_has_errors_and_end_to_end(built):
+    report = built[4]
+    on_disk = json.loads((built[3] / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    for target in TARGETS:
+        errs = report["relative_error"][target]
+        assert set(errs) == {"0", "8", "32"}
+        assert errs["32"]["relative_error"] < 5e-3 < errs["0"]["relative_error"]
+    e2e = report["end_to_end"]["budgets"]
+    assert e2e["32"]["cosine_mean"] > 0.999
+    assert -1 <= e2e["0"]["cosine_min"] <= e2e["0"]["cosine_mean"] <= 1
+
+
+def test_inspect_detect_read_vector(built):
+    lut_out = built[3]
+    assert lut_format.detect(lut_out) and lut_format.detect(lut_out / "lut")
+    assert not lut_format.detect(built[1])
+    info = lut_format.inspect(lut_out)
+    assert info["format"] == "lut" and info["layers"] == [1] and info["n_shards"] == 3
+    assert info["d_model"] == 32 and info["dtype"] == "float16" and info["n_examples"] is None
+    assert info["bytes"] == sum(f.stat().st_size for f in (lut_out / "lut").iterdir())
+    assert lut_format.read_vector(lut_out, 0, 1, 0) is None
+
+
+@pytest.fixture
+def copy_of(built, tmp_path):
+    import shutil
+    dst = tmp_path / "lut"
+    shutil.copytree(built[3] / "lut", dst)
+    return dst
+
+
+def test_flipped_byte_and_missing_file_are_named(copy_of):
+    file = copy_of / f"{TARGETS[0]}.lut.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x01
+    file.write_bytes(bytes(data))
+    (copy_of / f"{TARGETS[2]}.lut.safetensors").unlink()
+    problems = lut_format.verify(copy_of)
+    assert any(file.name in p and "sha256" in p for p in problems)
+    assert any(f"{TARGETS[2]}.lut.safetensors" in p and "missing" in p for p in problems)
+    assert len(problems) == 2
+
+
+def _rewrite(copy_of, target, edit):
+    """Rewrite one LUT file with edited tensors and re-record its sha256 (a well-formed but wrong file)."""
+    from actstore.io_utils import sha256_file
+    file = copy_of / f"{target}.lut.safetensors"
+    tables = load_file(str(file))
+    edit(tables)
+    save_file(tables, str(file))
+    meta = json.loads((copy_of / "metadata.json").read_text())
+    meta["layers"][target].update(sha256=sha256_file(file), bytes=file.stat().st_size)
+    (copy_of / "metadata.json").write_text(json.dumps(meta))
+    return file
+
+
+def test_wrong_shape_or_missing_key_is_refused_naming_it(copy_of):
+    file = _rewrite(copy_of, TARGETS[0], lambda t: t.update(precomputed_products=t["precomputed_products"][:, :31].contiguous()))
+    store = lut_format.open_lut(copy_of)
+    with pytest.raises(FormatError, match=rf"{file.name}.*'precomputed_products'.*\[64, 31\]"):
+        store.load(TARGETS[0])
+    file2 = _rewrite(copy_of, TARGETS[1], lambda t: t.pop("bias_product"))
+    with pytest.raises(FormatError, match=rf"{file2.name}.*missing key 'bias_product'"):
+        store.load(TARGETS[1])
+    problems = lut_format.verify(copy_of)
+    assert any(file.name in p and "precomputed_products" in p for p in problems)
+    assert any(file2.name in p and "bias_product" in p for p in problems)
+    _rewrite(copy_of, TARGETS[2], lambda t: t.update(bias_product=t["bias_product"].float()))
+    assert any("bias_product" in p and "F32" in p for p in lut_format.verify(copy_of))
+
+
+def test_metadata_missing_field_is_named(copy_of):
+    meta = json.loads((copy_of / "metadata.json").read_text())
+    del meta["sae_config"]["k_active"]
+    del meta["layers"][TARGETS[0]]["output_dim"]
+    (copy_of / "metadata.json").write_text(json.dumps(meta))
+    problems = lut_format.verify(copy_of)
+    assert any("sae_config.k_active" in p for p in problems)
+    assert any(f"layers.{TARGETS[0]}.output_dim" in p for p in problems)
+    with pytest.raises(FormatError, match="sae_config.k_active"):
+        lut_format.open_lut(copy_of)
+    (copy_of / "metadata.json").write_text("{not json")
+    assert "not JSON" in lut_format.verify(copy_of)[0]

@@ -1,0 +1,376 @@
+"""Pickle shard format: round trip against the extraction, checksums, merge, safe loading."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from actstore.errors import FormatError
+from actstore.formats import pickle_shards as ps
+from actstore.formats.parts import layer_tensor, open_extraction
+
+SPEC = Path("/work/shared/specs/pickle-shard-format.md")
+SMALL_MB = 0.02  # ~20 kB of raw activations per shard: forces many shards from 15 tiny samples
+
+
+# ---- The spec's example code, verbatim (test_spec_code_is_verbatim checks it against the spec). ----
+import json
+import pickle
+import gzip
+from pathlib import Path
+import numpy as np
+
+def load_metadata(output_dir):
+    """Load extraction metadata"""
+    with open(Path(output_dir) / "metadata.json") as f:
+        return json.load(f)
+
+def load_shard(shard_path, compressed=True):
+    """Load a single shard"""
+    if compressed:
+        with gzip.open(shard_path, 'rb') as f:
+            return pickle.load(f)
+    else:
+        with open(shard_path, 'rb') as f:
+            return pickle.load(f)
+
+def iter_activations(output_dir, layer_idx):
+    """Iterate over all activations for a specific layer"""
+    metadata = load_metadata(output_dir)
+    layer_key = f"layer_{layer_idx}"
+
+    for shard_info in metadata['shards']:
+        if layer_idx not in shard_info['layers']:
+            continue
+
+        shard_path = Path(output_dir) / shard_info['filename']
+        shard_data = load_shard(shard_path, compressed=shard_info['compressed'])
+
+        if layer_key in shard_data:
+            for item in shard_data[layer_key]:
+                yield item
+
+from torch.utils.data import Dataset, DataLoader
+
+class ActivationDataset(Dataset):
+    def __init__(self, output_dir, layer_idx):
+        self.output_dir = Path(output_dir)
+        self.layer_idx = layer_idx
+        self.layer_key = f"layer_{layer_idx}"
+
+        # Load metadata and build index
+        with open(self.output_dir / "metadata.json") as f:
+            self.metadata = json.load(f)
+
+        # Build index: [(shard_id, item_idx), ...]
+        self.index = []
+        for shard_info in self.metadata['shards']:
+            if layer_idx in shard_info['layers']:
+                shard_path = self.output_dir / shard_info['filename']
+                shard_data = load_shard(shard_path, compressed=shard_info['compressed'])
+                num_items = len(shard_data[self.layer_key])
+                for i in range(num_items):
+                    self.index.append((shard_info['shard_id'], i))
+
+        # Cache current shard
+        self.current_shard_id = None
+        self.current_shard = None
+
+    def __len__(self):
+        return len(self.index)
+
+    def __getitem__(self, idx):
+        shard_id, item_idx = self.index[idx]
+
+        # Load shard if not cached
+        if shard_id != self.current_shard_id:
+            shard_info = next(s for s in self.metadata['shards'] if s['shard_id'] == shard_id)
+            shard_path = self.output_dir / shard_info['filename']
+            self.current_shard = load_shard(shard_path, compressed=shard_info['compressed'])
+            self.current_shard_id = shard_id
+
+        item = self.current_shard[self.layer_key][item_idx]
+        return {
+            'activation': item['activation'],
+            'sample_idx': item['sample_idx'],
+            'text': item['text_preview']
+        }
+# ---- end of the spec's code ----
+
+
+@pytest.fixture(scope="module")
+def store(extracted, tmp_path_factory):
+    """(config, extraction, merged store dir): two machines with small gzip shards, merged."""
+    config, extract_dir = extracted("bert")
+    out = tmp_path_factory.mktemp("pickle")
+    for part in range(config["extract"]["parts"]):
+        ps.write_machine(extract_dir / f"part-{part:04d}", out / ps.machine_dirname(part),
+                         shard_size_mb=SMALL_MB, progress=False)
+    ps.merge_machines([out / ps.machine_dirname(p) for p in range(config["extract"]["parts"])], out)
+    return config, open_extraction(extract_dir), out
+
+
+def copy_store(src: Path, dst: Path) -> Path:
+    """A byte copy of a whole store (machine dirs included) that a test may damage."""
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_spec_code_is_verbatim():
+    spec = SPEC.read_text()
+    source = Path(__file__).read_text()
+    ours = source.split("verbatim (test_spec_code_is_verbatim checks it against the spec). ----\n")[1]
+    ours = ours.split("# ---- end of the spec's code ----")[0]
+    head, _, dataset_part = ours.partition("from torch.utils.data import Dataset, DataLoader\n\n")
+    assert head.strip() in spec
+    assert "def load_shard(shard_path, compressed=True):" in head
+    assert dataset_part.strip() in spec
+
+
+def test_round_trip_equals_extraction(store):
+    config, extraction, out = store
+    meta = ps.load_metadata(out)
+    assert meta["statistics"]["total_samples"] == extraction.n_samples == 30
+    assert meta["statistics"]["total_tokens"] == extraction.n_tokens
+    assert len(meta["shards"]) > 4  # small target really split the machines
+    for layer in config["extract"]["layers"]:
+        items = list(ps.iter_activations(out, layer))
+        assert [it["sample_idx"] for it in items] == list(range(30))
+        for it in items:
+            want = extraction.activations(layer_tensor(layer), it["sample_idx"])
+            row = extraction.sample(it["sample_idx"])
+            assert it["activation"].dtype == np.float32
+            assert it["activation"].tobytes() == np.ascontiguousarray(want).tobytes()
+            assert it["shape"] == want.shape == (row["num_tokens"], 32)
+            assert it["text_preview"] == row["text"][:200]
+            assert it["metadata"]["token_count"] == row["num_tokens"]
+            assert it["metadata"]["dataset_idx"] == it["sample_idx"]
+            assert it["metadata"]["machine_id"] == it["sample_idx"] // 15
+            assert it["metadata"]["label"] == row["label"]
+
+
+def test_metadata_fields_checksums_and_ranges(store):
+    config, extraction, out = store
+    meta = ps.load_metadata(out)
+    ec = meta["extraction_config"]
+    assert meta["version"] == "1.0" and meta["created_at"].endswith("Z")
+    assert ec["layers_extracted"] == [0, 2] and ec["max_seq_length"] == 24 and ec["batch_size"] == 4
+    assert ec["model_params"] == {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                  "vocab_size": 300}
+    assert ec["model_architecture"] == "bert"
+    assert meta["distributed_config"]["total_machines"] == 2
+    assert meta["statistics"]["extraction_duration_seconds"] == pytest.approx(
+        sum(p.meta["extraction_duration_seconds"] for p in extraction.parts))
+    assert [s["shard_id"] for s in meta["shards"]] == list(range(1, len(meta["shards"]) + 1))
+    for info in meta["shards"]:
+        path = out / info["filename"]
+        data = path.read_bytes()
+        assert info["checksum"] == "sha256:" + hashlib.sha256(data).hexdigest()
+        assert info["size_bytes"] == len(data) and info["compressed"] is True
+        assert data[:2] == b"\x1f\x8b"  # really gzip
+        assert path.name.startswith("shard_") and path.name.endswith(".pkl.gz")
+        shard = pickle.loads(gzip.decompress(data))  # our own output, trusted here
+        ids = [it["sample_idx"] for it in shard["layer_0"]]
+        assert [ids[0], ids[-1]] == info["sample_id_range"] and len(ids) == info["num_samples"]
+        assert ids == list(range(ids[0], ids[-1] + 1))
+    # each machine directory is a complete store on its own, numbering its shards from 1
+    for m in range(2):
+        mmeta = ps.load_metadata(out / ps.machine_dirname(m))
+        assert mmeta["distributed_config"]["machine_id"] == m
+        assert mmeta["shards"][0]["shard_id"] == 1 and mmeta["shards"][0]["filename"] == "shard_0001.pkl.gz"
+        assert ps.verify(out / ps.machine_dirname(m)) == []
+
+
+def test_merge_is_consistent_and_verifies(store):
+    _, extraction, out = store
+    meta = ps.load_metadata(out)
+    ids = [i for s in meta["shards"] for i in range(s["sample_id_range"][0], s["sample_id_range"][1] + 1)]
+    assert ids == list(range(30))
+    assert {s["machine_id"] for s in meta["shards"]} == {0, 1}
+    assert all(s["filename"].startswith("machine-000") for s in meta["shards"])
+    assert ps.verify(out) == []
+    assert ps.detect(out) and not ps.detect(out / "nope")
+    info = ps.inspect(out)
+    assert info["format"] == "pickle" and info["layers"] == [0, 2] and info["n_examples"] == 30
+    assert info["n_tokens"] == extraction.n_tokens and info["d_model"] == 32 and info["dtype"] == "float32"
+    assert info["n_shards"] == len(meta["shards"])
+    assert info["bytes"] == sum(s["size_bytes"] for s in meta["shards"]) + (out / "metadata.json").stat().st_size
+    for sample_idx in (0, 14, 15, 29):
+        acts = extraction.activations("layer_2", sample_idx)
+        np.testing.assert_array_equal(ps.read_vector(out, sample_idx, 2, len(acts) - 1), acts[-1])
+    assert ps.read_vector(out, 3, 1, 0) is None  # layer 1 not extracted
+    assert ps.read_vector(out, 3, 0, 10_000) is None
+
+
+def test_merge_refuses_overlapping_sample_ids(store, tmp_path):
+    _, _, out = store
+    with pytest.raises(FormatError, match="overlap"):
+        ps.merge_machines([out / "machine-0000", out / "machine-0000"], tmp_path)
+
+
+def test_spec_example_code_runs_on_our_output(store):
+    _, extraction, out = store
+    for directory in (out, out / "machine-0001"):
+        items = list(iter_activations(directory, layer_idx=2))
+        first = 0 if directory == out else 15
+        assert [it["sample_idx"] for it in items] == list(range(first, 30))
+        for item in items:
+            activation = item['activation']  # numpy array
+            sample_idx = item['sample_idx']
+            np.testing.assert_array_equal(activation, extraction.activations("layer_2", sample_idx))
+    dataset = ActivationDataset(out, layer_idx=0)
+    assert len(dataset) == 30
+    loader = DataLoader(dataset, batch_size=1, shuffle=True)
+    seen = set()
+    for batch in loader:
+        activations = batch['activation']  # [batch_size, seq_len, hidden_size]
+        idx = int(batch["sample_idx"][0])
+        seen.add(idx)
+        np.testing.assert_array_equal(activations[0].numpy(), extraction.activations("layer_0", idx))
+    assert seen == set(range(30))
+
+
+def test_library_dataset_matches_spec_dataset_without_reading_shards(store, monkeypatch):
+    _, extraction, out = store
+    spec_ds = ActivationDataset(out, layer_idx=2)
+    calls = []
+    real = ps.load_shard
+    monkeypatch.setattr(ps, "load_shard", lambda *a: calls.append(a) or real(*a))
+    ours = ps.ActivationDataset(out, 2)
+    assert calls == []  # index built from metadata.json alone
+    assert len(ours) == len(spec_ds) == 30
+    for i in range(30):
+        a, b = ours[i], spec_ds[i]
+        assert a["sample_idx"] == b["sample_idx"] and a["text"] == b["text"]
+        np.testing.assert_array_equal(a["activation"], b["activation"])
+    assert len(calls) == len(ps.load_metadata(out)["shards"])  # sequential access: each shard loaded once
+    batch = next(iter(DataLoader(ours, batch_size=4, collate_fn=ps.collate_padded)))
+    lengths = batch["lengths"].tolist()
+    assert batch["activation"].shape == (4, max(lengths), 32)
+    np.testing.assert_array_equal(batch["activation"][1, :lengths[1]].numpy(), extraction.activations("layer_2", 1))
+    assert torch.all(batch["activation"][1, lengths[1]:] == 0)
+
+
+def test_uncompressed_and_deterministic(extracted, tmp_path):
+    config, extract_dir = extracted("bert")
+    a = ps.write_machine(extract_dir / "part-0000", tmp_path / "a", compression="none", shard_size_mb=SMALL_MB,
+                         progress=False)
+    b = ps.write_machine(extract_dir / "part-0000", tmp_path / "b", compression="none", shard_size_mb=SMALL_MB,
+                         progress=False)
+    assert [s["checksum"] for s in a["shards"]] == [s["checksum"] for s in b["shards"]]
+    assert a["shards"][0]["filename"] == "shard_0001.pkl" and a["shards"][0]["compressed"] is False
+    assert (tmp_path / "a" / "shard_0001.pkl").read_bytes()[:1] == b"\x80"  # a bare pickle
+    assert ps.verify(tmp_path / "a") == []
+    items = list(iter_activations(tmp_path / "a", 0))  # the spec's loader, uncompressed branch
+    extraction = open_extraction(extract_dir)
+    for it in items:
+        np.testing.assert_array_equal(it["activation"], extraction.activations("layer_0", it["sample_idx"]))
+    gz = ps.write_machine(extract_dir / "part-0000", tmp_path / "gz", shard_size_mb=SMALL_MB, progress=False)
+    gz2 = ps.write_machine(extract_dir / "part-0000", tmp_path / "gz2", shard_size_mb=SMALL_MB, progress=False)
+    assert [s["checksum"] for s in gz["shards"]] == [s["checksum"] for s in gz2["shards"]]
+    with pytest.raises(FormatError, match="compression"):
+        ps.write_machine(extract_dir / "part-0000", tmp_path / "c", compression="lz4", progress=False)
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(store_dir: Path, payload: object) -> tuple[Path, dict]:
+    """Replace machine-0000's first shard by a gzip pickle of `payload` and fix its size and
+    checksum in both metadata.json files, so only the content can give it away."""
+    info = ps.load_metadata(store_dir / "machine-0000")["shards"][0]
+    path = store_dir / "machine-0000" / info["filename"]
+    path.write_bytes(gzip.compress(pickle.dumps(payload, protocol=4)))
+    new = {"size_bytes": path.stat().st_size, "checksum": "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()}
+    for meta_path in (store_dir / "machine-0000" / "metadata.json", store_dir / "metadata.json"):
+        meta = json.loads(meta_path.read_text())
+        meta["statistics"]["total_size_bytes"] += new["size_bytes"] - meta["shards"][0]["size_bytes"]
+        meta["shards"][0].update(new)
+        if meta_path.parent == store_dir:
+            meta["distributed_config"]["machines"][0]["metadata_sha256"] = hashlib.sha256(
+                (store_dir / "machine-0000" / "metadata.json").read_bytes()).hexdigest()
+        meta_path.write_text(json.dumps(meta))
+    return path, meta["shards"][0]
+
+
+@pytest.mark.parametrize("kind", ["os.system", "object array", "eval"])
+def test_hostile_pickle_is_refused_and_never_runs(store, tmp_path, kind):
+    _, _, out = store
+    work = copy_store(out, tmp_path / "store")
+    marker = tmp_path / "pwned"
+    payload = {
+        "os.system": {"layer_0": [_Payload(marker)]},
+        "object array": {"layer_0": [{"activation": np.array([_Payload(marker)], dtype=object)}]},
+        "eval": {"layer_0": [eval]},
+    }[kind]
+    path, info = _plant(work, payload)
+    assert not marker.exists()
+    with pytest.raises(FormatError, match=str(path.name)) as err:
+        ps.load_shard(work, info)
+    assert "not allowed" in str(err.value) or "not a plain numeric dtype" in str(err.value)
+    with pytest.raises(FormatError):
+        list(ps.iter_activations(work, 0))
+    problems = ps.verify(work)
+    assert problems == [p for p in problems if str(path) in p] and problems  # only the planted shard
+    assert not marker.exists()  # nothing in the shard ever ran
+    if kind == "os.system":  # and the payload is live: a plain pickle.load does run it
+        pickle.loads(gzip.decompress(path.read_bytes()))
+        assert marker.exists()
+
+
+def test_non_numeric_dtype_refused():
+    data = pickle.dumps({"a": np.array(["x", "y"])}, protocol=5)
+    with pytest.raises(pickle.UnpicklingError, match="numeric"):
+        ps.safe_loads(data, compressed=False)
+    ok = ps.safe_loads(pickle.dumps({"a": np.arange(4, dtype=np.int16), "b": (1, 2.5, None, True)}, protocol=4), False)
+    assert ok["a"].dtype == np.int16 and ok["b"] == (1, 2.5, None, True)
+
+
+def test_missing_shard_and_checksum_mismatch_named(store, tmp_path):
+    _, _, out = store
+    work = copy_store(out, tmp_path / "store")
+    meta = ps.load_metadata(work)
+    missing, flipped = work / meta["shards"][1]["filename"], work / meta["shards"][-1]["filename"]
+    missing.unlink()
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    problems = ps.verify(work)
+    assert any(str(missing) in p and "missing" in p for p in problems)
+    assert any(str(flipped) in p and "checksum" in p for p in problems)
+    assert len(problems) == 2
+    with pytest.raises(FormatError, match="checksum"):
+        ps.load_shard(work, meta["shards"][-1])
+
+
+def test_verify_reports_bad_metadata(store, tmp_path):
+    _, _, out = store
+    work = copy_store(out, tmp_path / "store")
+    meta = json.loads((work / "metadata.json").read_text())
+    del meta["statistics"]
+    meta["shards"][0]["filename"] = "../../etc/shard_0001.pkl.gz"
+    (work / "metadata.json").write_text(json.dumps(meta))
+    problems = ps.verify(work)
+    assert any("statistics" in p for p in problems)
+    meta["statistics"] = {}
+    (work / "metadata.json").write_text(json.dumps(meta))
+    assert any("total_shards" in p for p in ps.verify(work))
+    with pytest.raises(FormatError, match="inside the store"):
+        ps.load_shard(work, meta["shards"][0])
+    (work / "metadata.json").write_text("{not json")
+    assert ps.verify(work) and "metadata.json" in ps.verify(work)[0]
+    assert not ps.detect(work)

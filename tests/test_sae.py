@@ -1,0 +1,191 @@
+"""SAE stage: TopK training on a captured hook of a tiny real BERT, held-out report, import/export."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from actstore.errors import ConfigError, FormatError
+from actstore.formats.parts import open_extraction
+from actstore.sae import (TopKSAE, auxk_loss, build_sae, data_mean, import_sae, init_sae, load_sae,
+                          resolve_hook, split_tokens, stream_batches, tensors)
+
+HOOK = "encoder.layer.1.attention.self.query:input"
+SAE = {"num_basis": 64, "k_active": 4, "steps": 150, "batch_size": 64, "lr": 0.003, "dead_tokens": 2000}
+
+
+@pytest.fixture(scope="module")
+def bert(extracted):
+    config, extract_dir = extracted("bert", extract={"hooks": [HOOK]})
+    config = copy.deepcopy(config)
+    config["sae"].update(SAE, device="cpu")
+    return config, extract_dir
+
+
+@pytest.fixture(scope="module")
+def trained(bert, tmp_path_factory):
+    config, extract_dir = bert
+    out = tmp_path_factory.mktemp("sae")
+    report = build_sae(config, extract_dir, out, progress=False)
+    return config, extract_dir, out, report
+
+
+def test_split_is_by_whole_sample_and_disjoint(bert):
+    config, extract_dir = bert
+    extraction = open_extraction(extract_dir)
+    split = split_tokens(extraction, 0.2, seed=0)
+    assert split.n_train + split.n_heldout == extraction.n_tokens
+    assert split.n_heldout > 0 and split.heldout_samples
+    for part, train, held in zip(extraction.parts, split.train, split.heldout):
+        assert not set(train) & set(held)
+        for local, row in enumerate(part.samples):
+            rows = set(range(*part.sample_slice(local).indices(part.meta["n_tokens"])))
+            side = held if row["sample_idx"] in split.heldout_samples else train
+            assert rows <= set(side)
+
+
+def test_stream_batches_read_training_rows_from_the_memmaps(bert):
+    config, extract_dir = bert
+    extraction = open_extraction(extract_dir)
+    split = split_tokens(extraction, 0.2, seed=0)
+    arrays = tensors(extraction, HOOK)
+    train = np.concatenate([np.asarray(a)[r] for a, r in zip(arrays, split.train)])
+    batch = next(stream_batches(arrays, split.train, 16, np.random.default_rng(0))).numpy()
+    assert batch.shape == (16, 32)
+    for row in batch:  # every row is a real training token, bit for bit
+        assert (train == row).all(axis=1).any()
+
+
+def test_encode_is_relu_then_topk_as_spec_step_a():
+    torch.manual_seed(0)
+    sae = TopKSAE(8, 16, 3)
+    with torch.no_grad():
+        for p in sae.parameters():
+            p.normal_()
+    x = torch.randn(5, 8)
+    values, indices = sae.encode(x)
+    sparse = torch.relu(x @ sae.encoder_weight.T + sae.encoder_bias)
+    ref_v, ref_i = torch.topk(sparse, 3, dim=-1)
+    torch.testing.assert_close(values, ref_v)
+    assert torch.equal(indices, ref_i)
+    manual = torch.stack([(ref_v[b, :, None] * sae.decoder_weight[ref_i[b]]).sum(0) for b in range(5)])
+    torch.testing.assert_close(sae(x), manual + sae.decoder_bias)
+
+
+def test_init_unit_norm_decoder_and_data_mean(bert):
+    config, extract_dir = bert
+    extraction = open_extraction(extract_dir)
+    arrays = tensors(extraction, HOOK)
+    split = split_tokens(extraction, 0.1, 0)
+    mean = data_mean(arrays, split.train)
+    expect = np.concatenate([np.asarray(a)[r] for a, r in zip(arrays, split.train)]).astype(np.float64).mean(0)
+    np.testing.assert_allclose(mean.numpy(), expect, rtol=1e-5, atol=1e-6)
+    sae = TopKSAE(32, 64, 4)
+    init_sae(sae, mean, 0)
+    torch.testing.assert_close(sae.decoder_weight.norm(dim=1), torch.ones(64))
+    torch.testing.assert_close(sae.decoder_bias.data, mean)
+    # encoder_bias = -W_enc @ mean: the first encoding sees centred data.
+    torch.testing.assert_close(sae.pre_acts(mean[None])[0], torch.zeros(64), atol=1e-5, rtol=0)
+
+
+def test_auxk_gives_gradient_to_dead_latents_only():
+    torch.manual_seed(0)
+    sae = TopKSAE(8, 16, 2)
+    init_sae(sae, torch.zeros(8), 0)
+    x = torch.randn(32, 8)
+    pre = sae.pre_acts(x)
+    values, indices = torch.topk(pre, 2, dim=-1)
+    x_hat = sae.decode(values, indices)
+    dead = torch.zeros(16, dtype=torch.bool)
+    dead[[3, 7, 11]] = True
+    aux = auxk_loss(sae, x, x_hat, pre, dead, 2)
+    assert aux > 0
+    aux.backward()
+    rows_with_grad = set(torch.nonzero(sae.encoder_weight.grad.abs().sum(1)).flatten().tolist())
+    assert rows_with_grad and rows_with_grad <= {3, 7, 11}
+    assert auxk_loss(sae, x, x_hat, pre, torch.zeros(16, dtype=torch.bool), 2) == 0
+
+
+def test_training_reduces_heldout_fvu_and_writes_report(trained):
+    config, extract_dir, out, report = trained
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["hook"] == HOOK and on_disk["k_active"] == 4 and on_disk["num_basis"] == 64
+    curve = on_disk["loss_curve"]
+    assert curve[0]["step"] == 1 and curve[-1]["step"] == SAE["steps"]
+    assert curve[-1]["fvu"] < 0.5 * curve[0]["fvu"]
+    held = on_disk["heldout"]
+    assert 0 < held["fvu"] < 0.5 and 0 <= held["dead_fraction"] < 1 and held["n_tokens"] > 0
+    sae, meta = load_sae(out / "sae.safetensors")
+    assert meta["hook"] == HOOK and sae.k_active == 4
+    torch.testing.assert_close(sae.decoder_weight.norm(dim=1), torch.ones(64), atol=1e-5, rtol=0)
+    # The saved checkpoint reproduces the report's held-out FVU.
+    extraction = open_extraction(extract_dir)
+    split = split_tokens(extraction, config["sae"]["heldout_fraction"], config["sae"]["seed"])
+    x = torch.from_numpy(np.concatenate([np.asarray(a)[r] for a, r in zip(tensors(extraction, HOOK), split.heldout)]))
+    with torch.no_grad():
+        fvu = float((x - sae(x)).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+    assert fvu == pytest.approx(held["fvu"], rel=1e-3)
+
+
+def test_hook_must_be_captured(bert):
+    config, _ = bert
+    bad = copy.deepcopy(config)
+    bad["sae"]["hook"] = "encoder.layer.2.attention.self.query:input"
+    with pytest.raises(ConfigError, match="encoder.layer.2.attention.self.query:input"):
+        resolve_hook(bad)
+    bad["sae"]["hook"], bad["extract"]["hooks"] = None, []
+    with pytest.raises(ConfigError, match="extract.hooks"):
+        resolve_hook(bad)
+    assert resolve_hook(config) == HOOK
+
+
+def _random_checkpoint(d_in=8, d_sae=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"W_enc": torch.randn(d_in, d_sae, generator=g), "b_enc": torch.randn(d_sae, generator=g),
+            "W_dec": torch.randn(d_sae, d_in, generator=g), "b_dec": torch.randn(d_in, generator=g)}
+
+
+@pytest.mark.parametrize("style,apply_b_dec", [("saelens", True), ("saelens", False), ("saev", True)])
+def test_import_folds_b_dec_into_encoder_bias(tmp_path, style, apply_b_dec):
+    ckpt = _random_checkpoint()
+    save_file(ckpt, str(tmp_path / "sae_weights.safetensors"))
+    if style == "saelens":
+        (tmp_path / "cfg.json").write_text(json.dumps({"apply_b_dec_to_input": apply_b_dec}))
+    sae = import_sae(tmp_path / "sae_weights.safetensors", style, k_active=3)
+    x = torch.randn(6, 8)
+    x_in = x - ckpt["b_dec"] if apply_b_dec else x
+    ref = torch.topk(torch.relu(x_in @ ckpt["W_enc"] + ckpt["b_enc"]), 3, dim=-1)
+    values, indices = sae.encode(x)
+    torch.testing.assert_close(values, ref.values, atol=1e-5, rtol=1e-5)
+    assert torch.equal(indices, ref.indices)
+    torch.testing.assert_close(sae.decoder_weight.data, ckpt["W_dec"])
+    torch.testing.assert_close(sae.decoder_bias.data, ckpt["b_dec"])
+
+
+def test_import_refuses_missing_key_and_wrong_shape(tmp_path):
+    ckpt = _random_checkpoint()
+    del ckpt["b_enc"]
+    save_file(ckpt, str(tmp_path / "a.safetensors"))
+    with pytest.raises(FormatError, match=r"a\.safetensors.*b_enc"):
+        import_sae(tmp_path / "a.safetensors", "saev", 3)
+    ckpt = _random_checkpoint()
+    ckpt["W_dec"] = torch.randn(16, 9)
+    save_file(ckpt, str(tmp_path / "b.safetensors"))
+    with pytest.raises(FormatError, match=r"b\.safetensors.*W_dec"):
+        import_sae(tmp_path / "b.safetensors", "saelens", 3)
+
+
+def test_build_sae_import_evaluates_on_heldout(bert, tmp_path):
+    config, extract_dir = bert
+    ckpt = _random_checkpoint(d_in=32, d_sae=64)
+    save_file(ckpt, str(tmp_path / "in.safetensors"))
+    config = copy.deepcopy(config)
+    config["sae"]["import"] = {"path": str(tmp_path / "in.safetensors"), "style": "saev"}
+    report = build_sae(config, extract_dir, tmp_path / "out", progress=False)
+    assert report["source"] == "import:saev" and report["heldout"]["fvu"] > 0
+    sae, _ = load_sae(tmp_path / "out" / "sae.safetensors")
+    torch.testing.assert_close(sae.encoder_weight.data, ckpt["W_enc"].T)

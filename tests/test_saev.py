@@ -1,0 +1,221 @@
+"""saev protocol 2.1: spec byte arithmetic vs the extraction, shards, HASH, integrity, loader."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from actstore.errors import ConfigError, FormatError
+from actstore.formats import saev
+from actstore.formats.parts import open_extraction
+from actstore.hashing import stage_hash
+from actstore.saev_loader import ShuffledActivations
+
+PPS = 100  # tiny patches_per_shard: several shards, a short last one
+
+
+def build(extracted, kind, **section):
+    config, extract_dir = extracted(kind)
+    extraction = open_extraction(extract_dir)
+    sec = {**config["saev"], "patches_per_shard": PPS, **section}
+    root = extract_dir.parent.parent / "saev"
+    store = saev.write_store(extraction, sec, root, stage_hash(config, "extract"), progress=False)
+    return extraction, store
+
+
+def spec_read(store_dir, example, layer, token):
+    """Read a vector by the spec's §4 arithmetic alone, from metadata.json and shards.json."""
+    md = json.loads((store_dir / "metadata.json").read_text())
+    shards = json.loads((store_dir / "shards.json").read_text())
+    L, T, D = len(md["layers"]), md["patches_per_ex"] + int(md["cls_token"]), md["d_model"]
+    S = md["patches_per_shard"] // (T * L)
+    assert shards[0]["n_examples"] == S
+    shard_idx, ex_in_shard = divmod(example, S)
+    offset = ((ex_in_shard * L * T) + md["layers"].index(layer) * T + token) * D * 4
+    with open(store_dir / f"acts{shard_idx:06d}.bin", "rb") as fh:
+        fh.seek(offset)
+        return np.frombuffer(fh.read(D * 4), dtype="<f4")
+
+
+def test_vision_store_matches_extraction(extracted):
+    extraction, store_dir = build(extracted, "dinov2")
+    md = json.loads((store_dir / "metadata.json").read_text())
+    assert set(md) == set(saev.METADATA_FIELDS)
+    assert md["family"] == "dinov2" and md["cls_token"] is True and md["protocol"] == "2.1"
+    assert md["patches_per_ex"] == 16 and md["d_model"] == 32 and md["layers"] == [0, 2]
+    assert md["n_examples"] == extraction.n_samples == 8 and md["dtype"] == "float32"
+    assert os.path.isabs(md["dataset"])
+    assert store_dir.name == saev.metadata_hash(md) and len(store_dir.name) == 64
+    shards = json.loads((store_dir / "shards.json").read_text())
+    per = PPS // (17 * 2)  # 2 examples per shard
+    assert [s["n_examples"] for s in shards] == [per] * 4
+    rng = np.random.default_rng(0)
+    store = saev.open_store(store_dir)
+    for _ in range(40):
+        ex, layer, tok = int(rng.integers(8)), int(rng.choice([0, 2])), int(rng.integers(17))
+        want = extraction.activations(f"layer_{layer}", ex)[tok]
+        np.testing.assert_array_equal(spec_read(store_dir, ex, layer, tok), want)
+        np.testing.assert_array_equal(saev.read_vector(store_dir, ex, layer, tok), want)
+        np.testing.assert_array_equal(store.example(ex)[md["layers"].index(layer), tok], want)
+    assert saev.read_vector(store_dir, 0, 1, 0) is None  # layer 1 not stored
+    assert saev.verify(store_dir) == []
+    assert saev.detect(store_dir) and not saev.detect(store_dir.parent)
+    info = saev.inspect(store_dir)
+    assert info["n_shards"] == 4 and info["n_examples"] == 8 and info["layers"] == [0, 2]
+    assert info["bytes"] == sum(p.stat().st_size for p in store_dir.iterdir())
+    assert saev.decode_data(md["data"])["modality"] == "image"
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_text_windows_match_extraction(extracted, kind):
+    extraction, store_dir = build(extracted, kind, tokens_per_window=8)
+    store = saev.open_store(store_dir)
+    md = store.metadata
+    assert md["family"] == extraction.meta["model"]["model_type"] and md["cls_token"] is False
+    assert md["patches_per_ex"] == 8
+    sizes = [s["n_examples"] for s in store.shards]
+    assert len(sizes) > 2 and sizes[-1] < sizes[0] == PPS // (8 * 2)
+    w = store.windows
+    # Every extracted token is in exactly one window, in order; padding is zero.
+    assert w[:, 2].sum() == extraction.n_tokens
+    for _, _, row in extraction.iter_samples():
+        mine = w[w[:, 0] == row["sample_idx"]]
+        assert list(mine[:, 1]) == list(range(0, row["num_tokens"], 8))
+    all_acts = np.concatenate([a for _, a in store.iter_ordered(chunk_examples=5)])
+    assert all_acts.shape == (md["n_examples"], 2, 8, 32)
+    pad = np.arange(8)[None, :] >= w[:, 2:3]
+    assert pad.any() and not all_acts[:, :, :][np.broadcast_to(pad[:, None], all_acts.shape[:3])].any()
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        sample = int(rng.integers(extraction.n_samples))
+        n = extraction.sample(sample)["num_tokens"]
+        tok, layer = int(rng.integers(n)), int(rng.choice([0, 2]))
+        want = extraction.activations(f"layer_{layer}", sample)[tok]
+        ex, t = store.find(sample, tok)
+        np.testing.assert_array_equal(spec_read(store_dir, ex, layer, t), want)
+        np.testing.assert_array_equal(saev.read_vector(store_dir, sample, layer, tok), want)
+    assert saev.read_vector(store_dir, 0, 0, 10_000) is None
+    assert saev.verify(store_dir) == []
+    assert saev.inspect(store_dir)["n_tokens"] == extraction.n_tokens
+
+
+def test_hash_changes_with_every_field_only(extracted):
+    _, store_dir = build(extracted, "dinov2")
+    md = json.loads((store_dir / "metadata.json").read_text())
+    base = saev.metadata_hash(md)
+    assert base == saev.metadata_hash(json.loads(json.dumps(md)))  # key order does not matter
+    assert base == saev.metadata_hash(dict(reversed(list(md.items()))))
+    for key, value in md.items():
+        changed = {**md, key: (not value if isinstance(value, bool) else value + 1 if isinstance(value, int)
+                               else value + [9] if isinstance(value, list) else value + "x")}
+        assert saev.metadata_hash(changed) != base, key
+    # The same config writes the same directory; a different patches_per_shard another one.
+    _, again = build(extracted, "dinov2")
+    _, other = build(extracted, "dinov2", patches_per_shard=PPS + 40)
+    assert again == store_dir and other != store_dir
+    assert saev.verify(other) == []
+
+
+def test_missing_truncated_and_corrupt_shards_named(extracted, tmp_path):
+    import shutil
+
+    _, src = build(extracted, "dinov2")
+    store_dir = tmp_path / src.name
+    shutil.copytree(src, store_dir)
+    saev.open_store(store_dir)
+    (store_dir / "acts000002.bin").unlink()
+    with pytest.raises(FormatError, match="acts000002.bin: missing"):
+        saev.open_store(store_dir)
+    shutil.copy(src / "acts000002.bin", store_dir)
+    with open(store_dir / "acts000003.bin", "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(FormatError, match="acts000003.bin: 100 bytes, expected"):
+        saev.open_store(store_dir)
+    assert any("acts000003.bin" in p for p in saev.verify(store_dir))
+    shutil.copy(src / "acts000003.bin", store_dir)
+    assert saev.verify(store_dir) == []
+    with open(store_dir / "acts000001.bin", "r+b") as fh:  # one flipped byte, same size
+        fh.seek(1234)
+        byte = fh.read(1)
+        fh.seek(1234)
+        fh.write(bytes([byte[0] ^ 1]))
+    assert saev.verify(store_dir) == [f"{store_dir / 'acts000001.bin'}: sha256 mismatch with shards.json"]
+
+
+def test_bad_metadata_and_layer_errors(extracted, tmp_path):
+    import shutil
+
+    _, src = build(extracted, "dinov2")
+    store = saev.open_store(src)
+    with pytest.raises(FormatError, match=r"layer 1 not stored; stored layers are \[0, 2\]"):
+        store.vector(0, 1, 0)
+    store_dir = tmp_path / "s"
+    shutil.copytree(src, store_dir)
+    md = json.loads((store_dir / "metadata.json").read_text())
+    (store_dir / "metadata.json").write_text(json.dumps({**md, "protocol": "3.0"}))
+    with pytest.warns(UserWarning, match="different major"):
+        saev.open_store(store_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert any("does not match the directory name" in p for p in saev.verify(store_dir))
+    del md["d_model"]
+    (store_dir / "metadata.json").write_text(json.dumps(md))
+    with pytest.raises(FormatError, match="'d_model' missing"):
+        saev.open_store(store_dir)
+    assert saev.verify(store_dir) and not saev.detect(tmp_path / "nothing")
+
+
+def test_loader_epoch_exactly_once_seeded_and_workers(extracted):
+    extraction, store_dir = build(extracted, "bert", tokens_per_window=8)
+    ds = ShuffledActivations(store_dir, layers=[2], batch_size=16, seed=3, block_examples=2, buffer_blocks=3)
+    batches = list(ds)
+    seen = [(int(e), int(t)) for b in batches for e, t in zip(b["example_idx"], b["token_idx"])]
+    store = saev.open_store(store_dir)
+    assert len(seen) == len(set(seen)) == extraction.n_tokens  # every real token once, no padding
+    assert all(len(b["act"]) == 16 for b in batches[:-1]) and batches[0]["act"].shape == (16, 32)
+    for b in batches[:3]:
+        for act, e, t in zip(b["act"], b["example_idx"], b["token_idx"]):
+            np.testing.assert_array_equal(act.numpy(), store.vector(int(e), 2, int(t)))
+    again = list(ShuffledActivations(store_dir, layers=[2], batch_size=16, seed=3, block_examples=2, buffer_blocks=3))
+    assert all(torch.equal(a["act"], b["act"]) for a, b in zip(batches, again))
+    ds.set_epoch(1)
+    assert not torch.equal(next(iter(ds))["example_idx"], batches[0]["example_idx"])
+    # Two DataLoader workers: disjoint blocks, still every vector once.
+    multi = ShuffledActivations(store_dir, batch_size=16, seed=3, block_examples=2, buffer_blocks=3)
+    loader = torch.utils.data.DataLoader(multi, batch_size=None, num_workers=2)
+    got = [(int(e), int(t)) for b in loader for e, t in zip(b["example_idx"], b["token_idx"])]
+    assert sorted(got) == sorted(seen)
+    first = next(iter(multi))
+    assert first["act"].shape == (16, 2, 32)
+
+
+def test_loader_cls_and_labels_filter(extracted, tmp_path):
+    _, src = build(extracted, "dinov2")
+    store = saev.open_store(src)
+    n_all = len([1 for b in ShuffledActivations(src, batch_size=7, block_examples=1) for _ in b["token_idx"]])
+    assert n_all == 8 * 17
+    no_cls = [int(t) for b in ShuffledActivations(src, batch_size=7, include_cls=False) for t in b["token_idx"]]
+    assert len(no_cls) == 8 * 16 and 0 not in no_cls
+    labels = (np.arange(8 * 16).reshape(8, 16) % 3).astype(np.uint8)
+    labels_store = tmp_path / src.name
+    import shutil
+    shutil.copytree(src, labels_store)
+    saev.write_labels(labels_store, labels)
+    assert saev.verify(labels_store) == []
+    kept = [(int(e), int(t)) for b in ShuffledActivations(labels_store, batch_size=5, include_cls=False,
+                                                          keep_labels=[1]) for e, t in zip(b["example_idx"], b["token_idx"])]
+    assert sorted(kept) == sorted((e, p + 1) for e, p in zip(*np.nonzero(labels == 1)))
+    (labels_store / "labels.bin").write_bytes(bytes(8 * 16))
+    assert any("labels.bin" in p for p in saev.verify(labels_store))
+    with pytest.raises(ConfigError, match="no labels.bin"):
+        ShuffledActivations(src, keep_labels=[1])
+    assert store.labels() is None
+
+
+def test_patches_per_shard_too_small(extracted):
+    with pytest.raises(ConfigError, match="patches_per_shard=10"):
+        build(extracted, "dinov2", patches_per_shard=10)

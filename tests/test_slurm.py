@@ -1,0 +1,220 @@
+"""The OSC profile and a real Slurm: dry runs of profiles/osc (no cluster needed), then a tiny config
+run end to end through snakemake-executor-plugin-slurm on the cluster of tests/slurm/cluster.sh,
+checked against sacct and byte-compared with a local run of the same config.
+
+The cluster tests are skipped when no cluster answers, unless ACTSTORE_REQUIRE_SLURM=1 (.ci/run sets
+it), which turns "no cluster" into a failure. ACTSTORE_SLURM_TARGET picks the target (default
+`extract`; `all` once every stage exists)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tiny
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+TARGET = os.environ.get("ACTSTORE_SLURM_TARGET", "extract")
+REQUIRED = os.environ.get("ACTSTORE_REQUIRE_SLURM") == "1"
+RUN_TIMEOUT_S = int(os.environ.get("ACTSTORE_SLURM_TIMEOUT_S", "900"))
+# Keys of the metadata JSON files that legitimately differ between two runs of one config:
+# wall-clock stamps, and the index's checksum of part.json (which holds those stamps).
+VOLATILE_KEYS = {"created_at", "extraction_duration_seconds", "part_json_sha256"}
+
+
+def run(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run cmd from the repo root in its own process group; on timeout kill the whole group (a
+    stuck Snakemake ignores SIGTERM) and fail with the output so far."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def write_config(tmp: Path, model: Path, data: Path, name: str, **sections) -> Path:
+    # The SAE stage needs a captured hook that this tiny text config does not have.
+    config = tiny.make_config(tmp / name, model, data, **{"sae": {"enabled": False}, **sections})
+    return tiny.save_config(config, tmp / f"{name}.yaml")
+
+
+# ---------------------------------------------------------------- no cluster needed
+
+
+def test_env_matches_pyproject_pins():
+    """envs/actstore.yaml pins exactly pyproject's dependencies, so --sdm conda runs the tested set."""
+    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    env = yaml.safe_load((REPO / "envs/actstore.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    assert sorted(pip) == sorted(pins)
+    assert "python=3.11" in env["dependencies"]
+    for rule in re.findall(r"^rule (\w+):\n((?:    .*\n|\n)*)", (REPO / "rules/extract.smk").read_text(), re.M):
+        if "script:" in rule[1]:
+            assert 'conda:\n        "../envs/actstore.yaml"' in rule[1], f"rule {rule[0]} names no conda env"
+
+
+def test_osc_profile_requires_account(tmp_path, model_dir, text_jsonl):
+    """Without ACTSTORE_SLURM_ACCOUNT the profile stops with a message naming the variable."""
+    configfile = write_config(tmp_path, model_dir("bert"), text_jsonl, "noacct")
+    env = {k: v for k, v in os.environ.items() if k != "ACTSTORE_SLURM_ACCOUNT"}
+    proc = subprocess.run([SNAKEMAKE, "extract", "-n", "--profile", "profiles/osc", "--configfile", str(configfile)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "ACTSTORE_SLURM_ACCOUNT is not set" in proc.stdout + proc.stderr
+
+
+def test_osc_dry_run_64_parts(tmp_path, model_dir, text_jsonl):
+    """parts=64: the whole DAG in one dry run, each part a GPU job, the rest on the CPU partition,
+    the account from the environment, runtime and memory from the rule's data-size estimate."""
+    configfile = write_config(tmp_path, model_dir("bert"), text_jsonl, "dry64", extract={"parts": 64})
+    started = time.perf_counter()
+    proc = run([SNAKEMAKE, "extract", "-n", "--profile", "profiles/osc", "--configfile", str(configfile)],
+               timeout=300, env={"ACTSTORE_SLURM_ACCOUNT": "PAS0042", "ACTSTORE_GPU_PARTITION": "gpuserial"})
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert re.search(r"^extract_part\s+64$", proc.stdout, re.M), proc.stdout[-3000:]
+    assert re.search(r"^extract_index\s+1$", proc.stdout, re.M)
+    jobs = re.findall(r"^rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", proc.stdout, re.M)
+    parts = [res for rule, res in jobs if rule == "extract_part"]
+    assert len(parts) == 64
+    for res in parts:
+        assert "slurm_partition=gpuserial" in res and "gpu=1" in res and "slurm_account=PAS0042" in res
+        assert re.search(r"runtime=\d+", res) and re.search(r"mem_mb=\d+", res)
+    index = next(res for rule, res in jobs if rule == "extract_index")
+    assert "slurm_partition=cpu" in index and "gpu=" not in index
+    print(f"dry run, 64 parts: {elapsed:.1f} s wall")
+
+
+def test_resources_scale_with_data(tmp_path, model_dir, text_jsonl):
+    """More rows per part -> longer runtime; a bigger batch or more layers -> more memory; attempt 2 doubles."""
+    from actstore import resources
+
+    base = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1, "max_seq_length": 4096})
+    split = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 64, "max_seq_length": 4096})
+    assert resources.workload(base).rows == 30
+    assert resources.extract_part_runtime(base) > resources.extract_part_runtime(split)
+    big = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl,
+                           extract={"batch_size": 100000, "max_seq_length": 4096, "layers": [0, 1, 2]})
+    assert resources.extract_part_mem_mb(big) > resources.extract_part_mem_mb(base)
+    assert resources.extract_part_mem_mb(base, attempt=2) == 2 * resources.extract_part_mem_mb(base)
+
+
+# ---------------------------------------------------------------- a real cluster
+
+
+def cluster_problem() -> str | None:
+    """None when the local cluster answers and its node takes jobs, else what is wrong."""
+    if not shutil.which("sbatch"):
+        return "no sbatch on PATH (bring a cluster up with: sudo tests/slurm/cluster.sh up)"
+    try:
+        proc = subprocess.run(["bash", str(REPO / "tests/slurm/cluster.sh"), "status"], capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "tests/slurm/cluster.sh status did not answer in 60 s"
+    return None if proc.returncode == 0 else f"cluster unhealthy:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    problem = cluster_problem()
+    if problem and REQUIRED:
+        pytest.fail(f"ACTSTORE_REQUIRE_SLURM=1 but {problem}")
+    if problem:
+        pytest.skip(problem)
+
+
+def sacct(job_ids: list[str]) -> dict[str, dict]:
+    """jobid -> {partition, account, state, tres} from the accounting database (bounded wait:
+    slurmctld reports to slurmdbd asynchronously)."""
+    fields = ["JobID", "Partition", "Account", "State", "AllocTRES"]
+    rows: dict[str, dict] = {}
+    for _ in range(30):
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", ",".join(job_ids), "-o", ",".join(fields)],
+                             capture_output=True, text=True, timeout=30).stdout
+        rows = {r.split("|")[0]: dict(zip(fields[1:], r.split("|")[1:])) for r in out.splitlines() if r}
+        if set(job_ids) <= set(rows) and all(rows[j]["State"] == "COMPLETED" for j in job_ids):
+            break
+        time.sleep(1)
+    return rows
+
+
+def tree(root: Path) -> dict[str, Path]:
+    return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def strip_volatile(obj):
+    if isinstance(obj, dict):
+        return {k: strip_volatile(v) for k, v in obj.items() if k not in VOLATILE_KEYS}
+    if isinstance(obj, list):
+        return [strip_volatile(v) for v in obj]
+    return obj
+
+
+def assert_same_outputs(local: Path, remote: Path) -> int:
+    """Every stage directory byte-identical; JSON metadata equal once VOLATILE_KEYS are dropped."""
+    stages = [d for d in sorted(local.iterdir()) if d.name not in ("logs", "benchmarks")]
+    assert stages, f"no stage output under {local}"
+    compared = 0
+    for stage in stages:
+        a, b = tree(stage), tree(remote / stage.name)
+        assert sorted(a) == sorted(b), f"{stage.name}: files differ: {sorted(set(a) ^ set(b))}"
+        for rel, path in a.items():
+            if path.read_bytes() == b[rel].read_bytes():
+                compared += 1
+                continue
+            assert path.suffix == ".json", f"{stage.name}/{rel} differs between the local and the Slurm run"
+            assert strip_volatile(json.loads(path.read_text())) == strip_volatile(json.loads(b[rel].read_text())), \
+                f"{stage.name}/{rel} differs beyond {sorted(VOLATILE_KEYS)}"
+            compared += 1
+    return compared
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
+    model, data = model_dir("bert"), text_jsonl
+    local_cfg = write_config(tmp_path, model, data, "local")
+    slurm_cfg = write_config(tmp_path, model, data, "slurm")
+
+    local = run([SNAKEMAKE, TARGET, "--cores", "1", "--configfile", str(local_cfg)], timeout=RUN_TIMEOUT_S)
+    assert local.returncode == 0, local.stdout[-4000:]
+
+    logdir = tmp_path / "slurm_logs"
+    remote = run([SNAKEMAKE, TARGET, "--profile", "tests/slurm/profile", "--slurm-logdir", str(logdir),
+                  "--configfile", str(slurm_cfg)], timeout=RUN_TIMEOUT_S)
+    assert remote.returncode == 0, remote.stdout[-6000:]
+
+    # Every job Snakemake ran was an sbatch job: one Slurm log per job, named by rule and job id.
+    jobs = {p.stem: p.relative_to(logdir).parts[0].removeprefix("rule_") for p in logdir.rglob("*.log")}
+    submitted = re.findall(r"submitted with SLURM jobid (\d+)", remote.stdout)
+    n_jobs = int(re.search(r"^total\s+(\d+)$", remote.stdout, re.M).group(1))
+    localrules = len(re.findall(r"^localrule ", remote.stdout, re.M))
+    assert sorted(submitted) == sorted(jobs) and len(jobs) == n_jobs - localrules, remote.stdout[-4000:]
+    assert sorted(jobs.values()).count("extract_part") == 2 and "extract_index" in jobs.values()
+
+    acct = sacct(list(jobs))
+    for job_id, rule in jobs.items():
+        row = acct.get(job_id)
+        assert row and row["State"] == "COMPLETED", f"sacct for job {job_id} ({rule}): {row}"
+        assert row["Account"] == "pas1234", row
+        if rule == "extract_part":
+            assert row["Partition"] == "gpu" and "gres/gpu=1" in row["AllocTRES"], row
+        else:
+            assert row["Partition"] == "cpu" and "gres/gpu" not in row["AllocTRES"], row
+
+    assert assert_same_outputs(tmp_path / "local" / "dump", tmp_path / "slurm" / "dump") > 0

@@ -1,0 +1,203 @@
+"""Zarr activation logger: shards, manifest, merge, fast raw reader vs plain zarr, corruption."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from actstore.errors import FormatError
+from actstore.formats import zarr_store as zs
+from actstore.formats.parts import layer_tensor, open_extraction
+
+
+def build_run(extract_dir, run_dir, t_chunk=None, merged=True):
+    """The workflow's zarr stage by hand: one shard per part, optional merge, manifest last."""
+    extraction = open_extraction(extract_dir)
+    shards = [zs.write_shard(p.dir, run_dir / "shards" / zs.shard_name(k), t_chunk, progress=False)
+              for k, p in enumerate(extraction.parts)]
+    paths = [run_dir / "shards" / s["path"] for s in shards]
+    merged_path = run_dir / zs.MERGED if merged else None
+    if merged:
+        zs.merge_stores(paths, merged_path, progress=False)
+    zs.write_manifest(run_dir, paths, merged_path)
+    return extraction
+
+
+@pytest.fixture(scope="module")
+def bert_run(extracted, tmp_path_factory):
+    config, extract_dir = extracted("bert")
+    run_dir = tmp_path_factory.mktemp("zarr") / "run"
+    return build_run(extract_dir, run_dir, t_chunk=8), run_dir
+
+
+def test_every_sample_and_layer_equals_extraction(bert_run):
+    extraction, run_dir = bert_run
+    reader = zs.ZarrRun(run_dir)
+    assert reader.n_samples == extraction.n_samples == 30
+    assert reader.layers == [0, 2]
+    assert len(reader.stores) == 2 and reader.stores[0].t_chunk == 8 and reader.stores[0].n_chunks == 3
+    for part, local, row in extraction.iter_samples():
+        for layer in (0, 2):
+            x = reader.read(row["sample_idx"], layer)
+            want = part.activations(layer_tensor(layer), local)
+            assert x.dtype == np.float16 and x.shape == want.shape == (row["num_tokens"], want.shape[1])
+            assert reader.seq_len(row["sample_idx"]) == row["num_tokens"]
+            # float16 rounding of the float32 extraction, to the bit
+            np.testing.assert_array_equal(x, want.astype(np.float16))
+
+
+def test_plain_zarr_client_reads_same_values(bert_run):
+    import zarr
+    extraction, run_dir = bert_run
+    manifest = json.loads((run_dir / zs.MANIFEST).read_text())
+    assert [s["global_index_start"] for s in manifest["shards"]] == [p.sample_start for p in extraction.parts]
+    for entry in manifest["shards"]:
+        store_path = run_dir / entry["path"]
+        group = zarr.open_consolidated(str(store_path), mode="r")
+        fast = zs.ZarrStore(store_path)
+        acts = group["arrays/activations"]
+        assert acts.shape == (entry["num_samples"], 2, 24, fast.hidden) and acts.dtype == np.float16
+        assert acts.chunks == (1, 1, 8, fast.hidden)
+        np.testing.assert_array_equal(group["arrays/seq_len"][:], fast.seq_len)
+        assert group.attrs["layers"] == [0, 2] and group.attrs["T_max"] == 24
+        for i in range(entry["num_samples"]):
+            n = int(group["arrays/seq_len"][i])
+            for l, layer in enumerate(fast.layers):
+                np.testing.assert_array_equal(acts[i, l, :n], fast.read(i, layer))
+                assert not acts[i, l, n:].any()  # zero padding past seq_len
+        keys = group["arrays/sample_key"][:]
+        prompts = [json.loads(line) for line in (store_path / "text" / "prompts.jsonl").open()]
+        assert [k.decode() for k in keys] == [p["sample_key"] for p in prompts]
+        part = extraction.parts[manifest["shards"].index(entry)]
+        assert [p["prompt"] for p in prompts] == [r["text"] for r in part.samples]
+        np.testing.assert_array_equal(group["arrays/label"][:], [r["label_id"] for r in part.samples])
+
+
+def test_merged_store_equals_shards(bert_run):
+    import zarr
+    extraction, run_dir = bert_run
+    shards, merged = zs.ZarrRun(run_dir), zs.ZarrRun(run_dir, merged=True)
+    assert len(merged.stores) == 1 and merged.n_samples == shards.n_samples
+    for i in range(shards.n_samples):
+        for layer in (0, 2):
+            np.testing.assert_array_equal(merged.read(i, layer), shards.read(i, layer))
+    group = zarr.open_consolidated(str(run_dir / zs.MERGED), mode="r")
+    np.testing.assert_array_equal(group["arrays/sample_idx"][:], np.arange(30))
+    np.testing.assert_array_equal(group["arrays/activations"][17, 1, :5], shards.read(17, 2)[:5])
+    assert zs.verify(run_dir) == []
+    assert zs.verify(run_dir / zs.MERGED) == []
+
+
+def test_reader_touches_only_the_requested_chunks(bert_run, tmp_path):
+    _, run_dir = bert_run
+    store = tmp_path / "s.zarr"
+    shutil.copytree(run_dir / "shards" / "shard-0000.zarr", store)
+    full = zs.ZarrStore(store)
+    i, layer = 3, 2
+    expected = full.read(i, layer)
+    n_chunks = -(-expected.shape[0] // full.t_chunk)
+    acts = store / zs.ACTS
+    for sample_dir in acts.iterdir():  # delete every chunk except the ones (i, layer) needs
+        if sample_dir.is_dir() and sample_dir.name != str(i):
+            shutil.rmtree(sample_dir)
+    shutil.rmtree(acts / str(i) / "0")
+    for c in range(n_chunks, full.n_chunks):
+        (acts / str(i) / "1" / str(c) / "0").unlink()
+    np.testing.assert_array_equal(zs.ZarrStore(store).read(i, layer), expected)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "extra"])
+def test_corruption_is_detected(bert_run, tmp_path, damage):
+    _, run_dir = bert_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    chunk = run / "shards" / "shard-0001.zarr" / zs.ACTS / "4" / "1" / "0" / "0"
+    if damage == "truncate":
+        chunk.write_bytes(chunk.read_bytes()[:-2])
+        with pytest.raises(FormatError, match="bytes, expected"):
+            zs.ZarrRun(run).read(zs.ZarrRun(run).stores[1].attrs["global_index_start"] + 4, 2)
+    elif damage == "flip":
+        raw = bytearray(chunk.read_bytes())
+        raw[100] ^= 0xFF
+        chunk.write_bytes(bytes(raw))
+    elif damage == "delete":
+        chunk.unlink()
+    else:
+        (chunk.parent / "1").write_bytes(b"x")
+    problems = zs.verify(run)
+    assert problems and any("shard-0001.zarr/arrays/activations/4/1/0" in p for p in problems), problems
+
+
+def test_tampered_metadata_is_refused(bert_run, tmp_path):
+    _, run_dir = bert_run
+    store = tmp_path / "s.zarr"
+    shutil.copytree(run_dir / "shards" / "shard-0000.zarr", store)
+    (store / ".snakemake_timestamp").touch()  # Snakemake's directory() marker is not part of the store
+    assert zs.verify(store) == []
+    meta = json.loads((store / ".zmetadata").read_text())
+    meta["metadata"][f"{zs.ACTS}/.zarray"]["compressor"] = {"id": "zstd"}
+    (store / ".zmetadata").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match="compressor"):
+        zs.ZarrStore(store)
+    assert any(".zmetadata" in p for p in zs.verify(store))
+    manifest = json.loads((run_dir / zs.MANIFEST).read_text())
+    manifest["shards"][0]["files_sha256"] = "0" * 64
+    bad = tmp_path / "run"
+    shutil.copytree(run_dir, bad)
+    (bad / zs.MANIFEST).write_text(json.dumps(manifest))
+    assert any("differs from manifest.json" in p for p in zs.verify(bad))
+    assert zs.verify(tmp_path / "nothing") and not zs.detect(tmp_path / "nothing")
+
+
+def test_cli_functions(bert_run):
+    extraction, run_dir = bert_run
+    assert zs.detect(run_dir) and zs.detect(run_dir / "shards" / "shard-0000.zarr")
+    info = zs.inspect(run_dir)
+    assert info["format"] == zs.FORMAT_NAME and info["layers"] == [0, 2] and info["n_examples"] == 30
+    assert info["n_tokens"] == extraction.n_tokens and info["n_shards"] == 2 and info["dtype"] == "float16"
+    assert info["merged"] and info["bytes"] > 30 * 2 * 24 * info["d_model"] * 2
+    want = extraction.activations("layer_2", 21)[5]
+    got = zs.read_vector(run_dir, 21, 2, 5)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=2 ** -10, atol=1e-6)
+    assert zs.read_vector(run_dir, 21, 1, 0) is None
+    with pytest.raises(IndexError):
+        zs.read_vector(run_dir, 21, 2, 1000)
+
+
+def test_dataloader_workers_training_pattern(bert_run):
+    extraction, run_dir = bert_run
+    dataset = zs.ZarrActivationDataset(run_dir)
+    assert len(dataset) == 60
+    sampler = zs.TrainingPatternSampler(dataset.n_samples, dataset.layers, batch_samples=4, num_batches=3, seed=1)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=2,
+                                         collate_fn=zs.collate_padded, multiprocessing_context="fork")
+    keys = list(zs.TrainingPatternSampler(dataset.n_samples, dataset.layers, 4, num_batches=3, seed=1))
+    batches = list(loader)
+    assert len(batches) == 3
+    for batch_keys, (padded, lengths) in zip(keys, batches):
+        assert len(batch_keys) == 8 and len({i for i, _ in batch_keys}) == 4
+        assert all(batch_keys[2 * j][1] != batch_keys[2 * j + 1][1] for j in range(4))  # 2 distinct layers
+        for row, (i, layer) in enumerate(batch_keys):
+            want = extraction.activations(layer_tensor(layer), i).astype(np.float16)
+            assert lengths[row] == want.shape[0]
+            np.testing.assert_array_equal(padded[row, : want.shape[0]].numpy(), want)
+    x = dataset[7]  # int key = (7 // L, layers[7 % L])
+    np.testing.assert_array_equal(x.numpy(), extraction.activations("layer_2", 3).astype(np.float16))
+
+
+def test_chunk_choice_and_vision(extracted, tmp_path):
+    assert zs.choose_t_chunk(2048, 4096) == 128  # 1 MiB chunks
+    assert zs.choose_t_chunk(128, 384) == 128 and zs.choose_t_chunk(24, 384, 100) == 24
+    config, extract_dir = extracted("dinov2")
+    extraction = build_run(extract_dir, tmp_path / "run", merged=False)
+    reader = zs.ZarrRun(tmp_path / "run")
+    store = reader.stores[0]
+    assert "prompt_len" not in store.vector_names and store.attrs["modality"] == "image"
+    for part, local, row in extraction.iter_samples():
+        np.testing.assert_array_equal(reader.read(row["sample_idx"], 2),
+                                      part.activations("layer_2", local).astype(np.float16))
+    assert zs.verify(tmp_path / "run") == []

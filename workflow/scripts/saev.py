@@ -1,0 +1,17 @@
+"""Rule saev: write the extraction as a saev protocol 2.1 store and point the stage dir at it."""
+from pathlib import Path
+
+from actstore.formats.parts import open_extraction
+from actstore.formats.saev import open_store, write_pointer, write_store
+from actstore.hashing import stage_hash, write_stage_config
+from actstore.workflow import setup_logging
+
+setup_logging(snakemake)
+config = snakemake.config
+pointer = Path(snakemake.output.pointer)
+extraction = open_extraction(Path(snakemake.input.index).parent, config["extract"]["parts"])
+# The store is a sibling of the stage dir: {dump_to}/saev/<HASH>/ next to {dump_to}/saev/<stage hash>/.
+store = write_store(extraction, config["saev"], pointer.parent.parent, stage_hash(config, "extract"))
+open_store(store)  # re-open: every shard present with its exact size
+write_pointer(pointer, store)
+write_stage_config(config, "saev", pointer.parent)
