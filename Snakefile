@@ -5,7 +5,12 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The demo config is the default; a --configfile replaces it instead of being merged into it, so a
+# key left out of a user's config takes the schema default, never the demo's value.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
 
 
 validate(config, "config/config.schema.yaml")

@@ -17,6 +17,8 @@ rule validate_stores:
         bench_path("validate", "validate_stores")
     resources:
         mem_mb=4000,
+    conda:
+        "../envs/actstore.yaml"
     script:
         "../workflow/scripts/validate_stores.py"
 
@@ -38,6 +40,8 @@ rule validate_plots:
         log_path("validate", "validate_plots"),
     resources:
         mem_mb=2000,
+    conda:
+        "../envs/actstore.yaml"
     script:
         "../workflow/scripts/validate_plots.py"
 

@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import tiny
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import lmprobe
 from actstore.formats.parts import open_extraction

@@ -74,6 +74,7 @@ def test_encode_is_relu_then_topk_as_spec_step_a():
     assert torch.equal(indices, ref_i)
     manual = torch.stack([(ref_v[b, :, None] * sae.decoder_weight[ref_i[b]]).sum(0) for b in range(5)])
     torch.testing.assert_close(sae(x), manual + sae.decoder_bias)
+    torch.testing.assert_close(sae.decode_dense(values, indices), manual + sae.decoder_bias)
 
 
 def test_init_unit_norm_decoder_and_data_mean(bert):

@@ -182,6 +182,10 @@ def test_loader_epoch_exactly_once_seeded_and_workers(extracted):
             np.testing.assert_array_equal(act.numpy(), store.vector(int(e), 2, int(t)))
     again = list(ShuffledActivations(store_dir, layers=[2], batch_size=16, seed=3, block_examples=2, buffer_blocks=3))
     assert all(torch.equal(a["act"], b["act"]) for a, b in zip(batches, again))
+    # Streaming (batches dropped as consumed, so buffers are recycled): same values, same order.
+    for ref, b in zip(batches, ShuffledActivations(store_dir, layers=[2], batch_size=16, seed=3, block_examples=2,
+                                                   buffer_blocks=3)):
+        assert torch.equal(ref["act"], b["act"]) and torch.equal(ref["example_idx"], b["example_idx"])
     ds.set_epoch(1)
     assert not torch.equal(next(iter(ds))["example_idx"], batches[0]["example_idx"])
     # Two DataLoader workers: disjoint blocks, still every vector once.

@@ -101,15 +101,16 @@ def test_osc_dry_run_64_parts(tmp_path, model_dir, text_jsonl):
 
 
 def test_resources_scale_with_data(tmp_path, model_dir, text_jsonl):
-    """More rows per part -> longer runtime; a bigger batch or more layers -> more memory; attempt 2 doubles."""
+    """More tokens per part -> longer runtime; a bigger batch or more layers -> more memory; attempt 2
+    doubles. (A huge max_seq_length makes the 30-row corpus big enough to leave the startup floor.)"""
     from actstore import resources
 
-    base = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1, "max_seq_length": 4096})
-    split = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 64, "max_seq_length": 4096})
+    base = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1, "max_seq_length": 10**7})
+    split = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 64, "max_seq_length": 10**7})
     assert resources.workload(base).rows == 30
     assert resources.extract_part_runtime(base) > resources.extract_part_runtime(split)
     big = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl,
-                           extract={"batch_size": 100000, "max_seq_length": 4096, "layers": [0, 1, 2]})
+                           extract={"batch_size": 100000, "max_seq_length": 10**7, "layers": [0, 1, 2]})
     assert resources.extract_part_mem_mb(big) > resources.extract_part_mem_mb(base)
     assert resources.extract_part_mem_mb(base, attempt=2) == 2 * resources.extract_part_mem_mb(base)
 

@@ -69,6 +69,12 @@ class TopKSAE(nn.Module):
         """sum_j values_j * decoder_weight[indices_j] + decoder_bias, gather-based."""
         return torch.einsum("bk,bkd->bd", values, self.decoder_weight[indices]) + self.decoder_bias
 
+    def decode_dense(self, values: torch.Tensor, indices: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """Same as decode via a scattered dense code: faster on CPU for training and its backward."""
+        code = torch.zeros(values.shape[0], self.num_basis, dtype=values.dtype, device=values.device)
+        out = code.scatter(1, indices, values) @ self.decoder_weight
+        return out + self.decoder_bias if bias else out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(*self.encode(x))
 
@@ -211,7 +217,7 @@ def auxk_loss(sae: TopKSAE, x: torch.Tensor, x_hat: torch.Tensor, pre: torch.Ten
     masked = pre.masked_fill(~dead, 0.0)
     values, indices = torch.topk(masked, min(aux_k, n_dead), dim=-1)
     residual = (x - x_hat).detach()
-    recon = torch.einsum("bk,bkd->bd", values, sae.decoder_weight[indices])
+    recon = sae.decode_dense(values, indices, bias=False)
     return (recon - residual).pow(2).sum(-1).mean() / residual.var(0).sum().clamp_min(1e-8)
 
 
@@ -224,7 +230,7 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
     for block in iter_rows(arrays, rows, limit=limit):
         x = torch.from_numpy(block).to(device)
         values, indices = sae.encode(x)
-        x_hat = sae.decode(values, indices)
+        x_hat = sae.decode_dense(values, indices)
         sq_err += float((x - x_hat).double().pow(2).sum())
         sq += float(x.double().pow(2).sum())
         s = x.double().sum(0) if s is None else s + x.double().sum(0)
@@ -276,7 +282,7 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
         x = next(batches).to(device)
         pre = sae.pre_acts(x)
         values, indices = torch.topk(pre, k, dim=-1)
-        x_hat = sae.decode(values, indices)
+        x_hat = sae.decode_dense(values, indices)
         mse = (x_hat - x).pow(2).sum(-1).mean() / (x - x.mean(0)).pow(2).sum(-1).mean().clamp_min(1e-8)
         seen += len(x)
         last_fired[indices[values > 0].unique()] = seen

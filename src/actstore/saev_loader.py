@@ -13,6 +13,7 @@ yielded (unless drop_last). Text padding (past n_valid in windows.npy) is never 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -84,70 +85,91 @@ class ShuffledActivations(IterableDataset):
             order = order[info.id::info.num_workers]
         return self.blocks[order]
 
-    def _fill(self, store: SaevStore, fds: dict[int, int], block: np.ndarray, buf: tuple[np.ndarray, ...],
-              n: int, scratch: np.ndarray) -> int:
-        """Append the kept vectors of one block to the buffer at row n; return the new row count.
-
-        One layer, nothing filtered: pread straight into the buffer (one read per example, T*D floats
-        contiguous on disk). Otherwise: one pread of the whole block into `scratch`, then one copy of
-        the kept tokens."""
+    def _scatter(self, store: SaevStore, fds: dict[int, int], block: np.ndarray, mask: np.ndarray,
+                 rows: np.ndarray, acts: np.ndarray, scratch: np.ndarray) -> None:
+        """Read one block into the reused (cache-hot) `scratch` with large preads, then scatter its
+        kept vectors (mask order) to their shuffled rows `rows` of `acts` in one numpy copy."""
         shard, lo, k = (int(x) for x in block)
         if shard not in fds:
             fds[shard] = os.open(store.dir / store.shards[shard]["name"], os.O_RDONLY)
-        first = int(store.starts[shard]) + lo
-        base = lo * store.example_bytes
-        mask = self.token_mask(store, first, k)
-        acts, exs, toks = buf
-        if len(self.layer_idx) == 1 and mask.all():
+        data = scratch[:k]
+        if self.layer_idx == list(range(store.L)):  # the whole block: one contiguous read
+            _pread_into(fds[shard], data, lo * store.example_bytes)
+        else:  # selected layers only: one read of T contiguous vectors per (example, layer)
             layer_bytes = store.T * store.D * DTYPE.itemsize
             for e in range(k):
-                rows = slice(n + e * store.T, n + (e + 1) * store.T)
-                _pread_into(fds[shard], acts[rows], base + e * store.example_bytes + self.layer_idx[0] * layer_bytes)
-            exs[n:n + k * store.T] = np.repeat(np.arange(first, first + k), store.T)
-            toks[n:n + k * store.T] = np.tile(np.arange(store.T), k)
-            return n + k * store.T
-        data = scratch[:k]
-        _pread_into(fds[shard], data, base)
-        ex, tok = np.nonzero(mask)
-        m = len(ex)
-        acts[n:n + m] = data[ex[:, None], np.asarray(self.layer_idx)[None, :], tok[:, None]]
-        exs[n:n + m], toks[n:n + m] = ex + first, tok
-        return n + m
+                for j, li in enumerate(self.layer_idx):
+                    _pread_into(fds[shard], data[e, j], (lo + e) * store.example_bytes + li * layer_bytes)
+        # Scatter every token straight from scratch (no temporary): kept ones to their shuffled row,
+        # dropped ones (CLS off, padding, label filter) to the junk row acts[-1].
+        dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
+        dest[mask] = rows
+        acts[dest] = data.transpose(0, 2, 1, 3)  # (k, T, nl, D) view of the (k, nl, T, D) block
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         store = SaevStore(self.path)  # per worker: its own file descriptors
         info = get_worker_info()
         rng = np.random.default_rng([self.seed, self.epoch, 0 if info is None else info.id + 1])
-        cap = self.buffer_blocks * self.block_examples * store.T + self.batch_size  # + room for the carry
-        buf = (np.empty((cap, len(self.layer_idx), store.D), dtype=DTYPE),
-               np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64))
-        scratch = np.empty((self.block_examples, store.L, store.T, store.D), dtype=DTYPE)
-        squeeze = len(self.layers) == 1
+        nl, squeeze = len(self.layer_idx), len(self.layers) == 1
+        scratch = np.empty((self.block_examples, nl, store.T, store.D), dtype=DTYPE)
+        cap = self.buffer_blocks * self.block_examples * store.T + self.batch_size + 1
+        pool: list[np.ndarray] = []
         fds: dict[int, int] = {}
-        n = 0
+        carry: tuple[np.ndarray, ...] | None = None
         try:
             blocks = self.my_blocks()
             for start in range(0, len(blocks), self.buffer_blocks):
-                for block in blocks[start:start + self.buffer_blocks]:
-                    n = self._fill(store, fds, block, buf, n, scratch)
+                group = blocks[start:start + self.buffer_blocks]
+                firsts = [int(store.starts[b[0]] + b[1]) for b in group]
+                masks = [self.token_mask(store, f, int(b[2])) for f, b in zip(firsts, group)]
+                c = 0 if carry is None else len(carry[1])
+                n = c + sum(int(m.sum()) for m in masks)
+                # The shuffle: item i of this buffer (carry first, then blocks in order) -> row perm[i].
                 perm = rng.permutation(n)
+                acts = None  # drop our view of the last buffer so it can be recycled
+                acts = _buffer(pool, (cap, nl, store.D))[:n + 1]  # + a junk row for dropped tokens
+                exs, toks = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+                if carry is not None:
+                    acts[perm[:c]], exs[perm[:c]], toks[perm[:c]] = carry
+                i = c
+                for first, block, mask in zip(firsts, group, masks):
+                    ex, tok = np.nonzero(mask)
+                    rows = perm[i:i + len(ex)]
+                    self._scatter(store, fds, block, mask, rows, acts, scratch)
+                    exs[rows], toks[rows] = ex + first, tok
+                    i += len(ex)
                 n_full = n // self.batch_size * self.batch_size
                 for lo in range(0, n_full, self.batch_size):
-                    yield _batch(buf, perm[lo:lo + self.batch_size], squeeze)
-                rest = np.sort(perm[n_full:])  # the carry (< batch_size) moves to the front
-                for array in buf:
-                    array[:len(rest)] = array[rest]
-                n = len(rest)
-            if n and not self.drop_last:
-                yield _batch(buf, rng.permutation(n), squeeze)
+                    yield _batch(acts[lo:lo + self.batch_size], exs[lo:lo + self.batch_size],
+                                 toks[lo:lo + self.batch_size], squeeze)
+                carry = (acts[n_full:n].copy(), exs[n_full:].copy(), toks[n_full:].copy()) if n_full < n else None
+            if carry is not None and not self.drop_last:
+                yield _batch(*carry, squeeze)
         finally:
             for fd in fds.values():
                 os.close(fd)
 
 
+def _buffer(pool: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """A buffer no yielded batch still uses (recycled: fresh memory costs a page fault per 4 KiB,
+    which is most of the time of a large read), else a new one. Batches are views of a buffer and
+    keep it referenced, so a batch the consumer still holds is never overwritten."""
+    for array in pool:
+        # References: the pool list, this loop variable, getrefcount's argument.
+        if sys.getrefcount(array) == 3:
+            return array
+    if len(pool) >= POOL_SIZE:
+        pool.pop(0)  # still in use by the consumer: forget it, it is freed with its last batch
+    pool.append(np.empty(shape, dtype=DTYPE))
+    return pool[-1]
+
+
+POOL_SIZE = 2
+
+
 def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
-    view = memoryview(out).cast("B")
-    done = 0
+    """Fill a C-contiguous array from fd at offset, resuming after short reads."""
+    view, done = memoryview(out).cast("B"), 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
@@ -155,8 +177,7 @@ def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
         done += got
 
 
-def _batch(buf: tuple[np.ndarray, ...], idx: np.ndarray, squeeze: bool) -> dict[str, torch.Tensor]:
-    """Gather one batch out of the buffer (a fresh array the consumer owns)."""
-    acts = torch.from_numpy(np.take(buf[0], idx, axis=0))
-    return {"act": acts[:, 0] if squeeze else acts, "example_idx": torch.from_numpy(buf[1][idx]),
-            "token_idx": torch.from_numpy(buf[2][idx])}
+def _batch(acts: np.ndarray, exs: np.ndarray, toks: np.ndarray, squeeze: bool) -> dict[str, torch.Tensor]:
+    """Batch tensors sharing the buffer's memory (no copy); a fresh buffer is made per refill."""
+    a = torch.from_numpy(acts)
+    return {"act": a[:, 0] if squeeze else a, "example_idx": torch.from_numpy(exs), "token_idx": torch.from_numpy(toks)}

@@ -158,11 +158,11 @@ node_usable() {
 smoke_test() {
     # One real job on the gpu partition, waited for with a bound, then seen by sacct.
     local id
-    id=$(timeout 20 sbatch --parsable -A "$ACCOUNT" -p gpu --gpus=1 -t 1 -o /dev/null \
+    id=$(timeout 20 sbatch --parsable -A "$ACCOUNT" -p gpu --gpus=1 -t 1 --mem=100 -o /dev/null \
          --wrap 'test -n "$CUDA_VISIBLE_DEVICES"') || die "sbatch refused the smoke-test job"
     wait_for "$WAIT_S" "smoke-test job $id to finish" job_done "$id"
     # slurmctld reports to slurmdbd asynchronously: sacct may lag the job's end by a few seconds.
-    wait_for 30 "sacct to show job $id COMPLETED on gpu (it says: $(sacct -n -X -j "$id" -o State,Partition,ExitCode 2>&1))" \
+    wait_for 30 "sacct to show job $id COMPLETED on gpu (see: sacct -j $id -o State,Partition,ExitCode)" \
         sacct_shows "$id" "COMPLETED *gpu"
 }
 

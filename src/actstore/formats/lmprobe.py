@@ -192,7 +192,7 @@ class _Source:
         for s in samples.tolist():
             p, a, b = int(self.sample_part[s]), int(self.start[s]), int(self.stop[s])
             if last_only:
-                a = b - 2
+                a = b - 1
             if run and run[0] == p and run[2] == a:
                 run[2] = b
             else:
@@ -590,26 +590,62 @@ class LmprobeDataset:
         self.root = dataset_root(root)
         self.index_path = find_index(self.root, split)
         self.info = read_info(self.index_path)
-        self.table = pq.read_table(self.index_path)
         self.hidden = self.info["tensors"]["hidden_layers"]
         self.logits_desc = self.info["tensors"].get("logits_topk")
-        missing = [c for c in CORE_COLUMNS if c not in self.table.column_names]
+        self.column_names = pq.read_schema(self.index_path).names
+        missing = [c for c in CORE_COLUMNS if c not in self.column_names]
         if missing:
             raise FormatError(f"{self.index_path}: core columns missing: {missing}")
-        self.num_tokens = self.table.column("num_tokens").to_numpy().astype(np.int64)
-        self.shard_index = self.table.column("shard_index").to_numpy().astype(np.int64)
-        self.row_offset = self.table.column("row_offset").to_numpy().astype(np.int64)
-        self.sample_idx = (self.table.column("sample_idx").to_numpy().astype(np.int64)
-                           if "sample_idx" in self.table.column_names else np.arange(self.table.num_rows))
-        self._row_of = {int(s): r for r, s in enumerate(self.sample_idx)}
-        self._tok = _list_column(self.table, "token_shard_ids") if self.full_sequence else None
-        self._tok_off = _list_column(self.table, "token_shard_offsets")[1] if self.full_sequence else None
+        # Only the addressing columns are read up front; text/token lists load on first use of .table.
+        wanted = ["num_tokens", "shard_index", "row_offset"] + [c for c in ("sample_idx",) if c in self.column_names]
+        address = pq.read_table(self.index_path, columns=wanted)
+        self.num_tokens = address.column("num_tokens").to_numpy().astype(np.int64)
+        self.shard_index = address.column("shard_index").to_numpy().astype(np.int64)
+        self.row_offset = address.column("row_offset").to_numpy().astype(np.int64)
+        self.sample_idx = (address.column("sample_idx").to_numpy().astype(np.int64)
+                           if "sample_idx" in self.column_names else np.arange(address.num_rows))
+        self._row_of_map: dict[int, int] | None = None
+        self._table = None
+        self._tok_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._views: dict[tuple[str, str], np.ndarray] = {}
+
+    @property
+    def table(self):
+        """The whole index as a pyarrow Table (read on first use)."""
+        import pyarrow.parquet as pq
+
+        if self._table is None:
+            self._table = pq.read_table(self.index_path)
+        return self._table
+
+    @property
+    def _row_of(self) -> dict[int, int]:
+        if self._row_of_map is None:
+            self._row_of_map = {int(s): r for r, s in enumerate(self.sample_idx.tolist())}
+        return self._row_of_map
+
+    @property
+    def _tok(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(list offsets, flat token_shard_ids) of a full-sequence index."""
+        return self._token_addresses()[:2] if self.full_sequence else None
+
+    @property
+    def _tok_off(self) -> np.ndarray | None:
+        return self._token_addresses()[2] if self.full_sequence else None
+
+    def _token_addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._tok_cache is None:
+            import pyarrow.parquet as pq
+
+            table = self._table or pq.read_table(self.index_path, columns=["token_shard_ids", "token_shard_offsets"])
+            offsets, ids = _list_column(table, "token_shard_ids")
+            self._tok_cache = (offsets, ids, _list_column(table, "token_shard_offsets")[1])
+        return self._tok_cache
 
     # -- descriptor
     @property
     def num_prompts(self) -> int:
-        return self.table.num_rows
+        return len(self.shard_index)
 
     @property
     def layers(self) -> list[int]:
@@ -634,7 +670,7 @@ class LmprobeDataset:
     @property
     def labels(self) -> np.ndarray:
         """Integer label per prompt (label_id column, else position in sorted label names; -1 = none)."""
-        if "label_id" in self.table.column_names:
+        if "label_id" in self.column_names:
             return self.table.column("label_id").fill_null(-1).to_numpy().astype(np.int64)
         names = self.table.column("label").to_pylist()
         classes = {v: i for i, v in enumerate(sorted({x for x in names if x is not None}))}
@@ -800,7 +836,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "shards_per_layer": len(hidden["shards"]), "prompt_ordering": ds.info["prompt_ordering"],
         "prompt_ordering_seed": ds.info.get("prompt_ordering_seed"),
         "logits_topk": ds.logits_desc["k"] if ds.logits_desc else None,
-        "root": str(root), "index": str(ds.index_path.relative_to(root)), "columns": ds.table.column_names,
+        "root": str(root), "index": str(ds.index_path.relative_to(root)), "columns": ds.column_names,
     }
 
 
@@ -856,7 +892,7 @@ def _verify_sums(root: Path) -> list[str]:
 
 
 def _verify_index(ds: LmprobeDataset) -> list[str]:
-    where, info, hidden, cols = ds.index_path, ds.info, ds.hidden, ds.table.column_names
+    where, info, hidden, cols = ds.index_path, ds.info, ds.hidden, ds.column_names
     problems = []
     need = list(CORE_COLUMNS) + (list(FULL_COLUMNS) if ds.full_sequence else []) + \
         (list(LOGITS_COLUMNS) if ds.logits_desc else [])

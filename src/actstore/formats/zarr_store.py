@@ -19,6 +19,7 @@ metadata is validated once, then chunk files (raw little-endian float16) are rea
 """
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import hashlib
 import json
@@ -366,7 +367,7 @@ class ZarrStore:
         if self.seq_len.shape != (self.n_samples,) or (self.seq_len > self.t_max).any() or (self.seq_len < 0).any():
             raise FormatError(f"{self.path}/arrays/seq_len: values outside [0, T_max={self.t_max}] or wrong length")
         self._acts = str(self.path / ACTS)
-        self._row_bytes = self.hidden * 2
+        self._seq: list[int] = self.seq_len.tolist()  # Python ints: cheaper than numpy scalars per read
 
     def _meta(self, key: str) -> dict[str, Any]:
         if key not in self.metadata:
@@ -426,15 +427,14 @@ class ZarrStore:
         if not 0 <= i < self.n_samples:
             raise IndexError(f"{self.path}: sample {i} out of range [0, {self.n_samples})")
         l = self.layer_position(layer)
-        n = int(self.seq_len[i])
+        n = self._seq[i]
         out = np.empty((n, self.hidden), dtype=np.float16)
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        step = self.t_chunk * self._row_bytes
-        for c in range(math.ceil(n / self.t_chunk)):
-            self._read_chunk(self.chunk_path(i, l, c), view[c * step: min(n * self._row_bytes, (c + 1) * step)])
+        tc = self.t_chunk
+        for c in range(-(-n // tc)):  # row slices of a C-order array are contiguous buffers
+            self._read_chunk(f"{self._acts}/{i}/{l}/{c}/0", out[c * tc: (c + 1) * tc])
         return out
 
-    def _read_chunk(self, path: str, into: memoryview) -> None:
+    def _read_chunk(self, path: str, into: np.ndarray) -> None:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -443,7 +443,7 @@ class ZarrStore:
             size = os.fstat(fd).st_size
             if size != self.chunk_bytes:  # a truncated or padded chunk is corruption, not fill
                 raise FormatError(f"{path}: {size} bytes, expected {self.chunk_bytes}")
-            if os.preadv(fd, [into], 0) != len(into):
+            if os.preadv(fd, [into], 0) != into.nbytes:
                 raise FormatError(f"{path}: short read")
         finally:
             os.close(fd)
@@ -464,7 +464,7 @@ class ZarrRun:
         else:
             entries = self.manifest.get("shards") or []
         self.stores = [ZarrStore(self.path / e["path"]) for e in entries]
-        self.starts = np.array([e["global_index_start"] for e in entries], dtype=np.int64)
+        self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
         self.layers: list[int] = list(self.manifest["layers"])
         self.hidden = int(self.manifest["hidden_size"])
@@ -473,10 +473,10 @@ class ZarrRun:
         """The store holding global `sample_idx` and its local index there."""
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"{self.path}: sample_idx {sample_idx} out of range [0, {self.n_samples})")
-        k = int(np.searchsorted(self.starts, sample_idx, side="right")) - 1
-        while sample_idx - self.starts[k] >= self.stores[k].n_samples:  # skip empty shards
+        k = bisect.bisect_right(self._starts, sample_idx) - 1
+        while sample_idx - self._starts[k] >= self.stores[k].n_samples:  # skip empty shards
             k += 1
-        return self.stores[k], int(sample_idx - self.starts[k])
+        return self.stores[k], sample_idx - self._starts[k]
 
     def read(self, sample_idx: int, layer: int) -> np.ndarray:
         store, local = self.locate(sample_idx)
