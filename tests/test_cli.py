@@ -27,7 +27,7 @@ def tiny_workflow_config(tmp: Path, model: Path, data: Path) -> dict:
         "dump_to": str(tmp / "dump"), "model": {"path": str(model)}, "dataset": {"path": str(data)},
         "extract": {"layers": [0, 2], "max_seq_length": 24, "batch_size": 8, "parts": 2,
                     "hooks": ["encoder.layer.1.attention.self.query:input"]},
-        "sae": {"hook": "encoder.layer.1.attention.self.query:input"},
+        "sae": {"enabled": True, "hook": "encoder.layer.1.attention.self.query:input"},
         "lut": {"targets": [f"encoder.layer.1.attention.self.{m}" for m in ("query", "key", "value")]},
     }
 

@@ -71,27 +71,32 @@ def read_latency(report: dict[str, Any], path: Path) -> None:
 def lut_error(report: dict[str, Any], path: Path) -> None:
     """Relative error vs compensation budget per LUT target, from the LUT stage's report.json."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    targets = ((report.get("lut") or {}).get("targets") or {})
-    for target, entry in targets.items():
-        errors = entry.get("relative_error") or {}
-        budgets = sorted(errors, key=int)
-        ax.plot([int(b) for b in budgets], [errors[b] for b in budgets], marker="o", label=target)
+    errors = (report.get("lut") or {}).get("relative_error") or {}
+    for target, by_budget in sorted(errors.items()):
+        budgets = sorted(by_budget, key=int)
+        ax.plot([int(b) for b in budgets], [by_budget[b]["relative_error"] for b in budgets], marker="o",
+                label=target)
     ax.set(xlabel="compensation budget |S|", ylabel="‖LUT(x) − xW‖ / ‖xW‖", title="LUT error vs compensation")
-    if targets:
+    if errors:
         ax.legend(fontsize=7)
     _save(fig, path)
 
 
 def sae_loss(report: dict[str, Any], path: Path) -> None:
-    curve = (report.get("sae") or {}).get("loss_curve") or []
+    """Training FVU (and AuxK loss) per step, with the held-out FVU as a line."""
+    sae = report.get("sae") or {}
+    curve = sae.get("loss_curve") or []
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if curve:
         steps = [point["step"] for point in curve]
-        for key in [k for k in curve[0] if k != "step"]:
-            ax.plot(steps, [point[key] for point in curve], label=key)
+        for key in ("fvu", "auxk"):
+            if any(point.get(key) for point in curve):
+                ax.plot(steps, [point.get(key) for point in curve], label=f"train {key}")
+        heldout = (sae.get("heldout") or {}).get("fvu")
+        if heldout is not None:
+            ax.axhline(heldout, color="k", linestyle="--", label=f"held-out FVU {heldout:.3f}")
         ax.legend(fontsize=7)
-        ax.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss", title="SAE training loss")
+    ax.set(xlabel="step", ylabel="fraction of variance unexplained", title="SAE training loss")
     _save(fig, path)
 
 

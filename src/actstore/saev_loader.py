@@ -53,6 +53,10 @@ class ShuffledActivations(IterableDataset):
         self.blocks = self._blocks(store)
         self.epoch = 0
 
+    def __getstate__(self) -> dict:
+        """Sent to DataLoader workers without the buffers: each process makes its own."""
+        return {k: v for k, v in self.__dict__.items() if k != "_pool"}
+
     def set_epoch(self, epoch: int) -> None:
         """A new epoch gets a new (still seeded) order."""
         self.epoch = epoch
@@ -113,7 +117,9 @@ class ShuffledActivations(IterableDataset):
         nl, squeeze = len(self.layer_idx), len(self.layers) == 1
         scratch = np.empty((self.block_examples, nl, store.T, store.D), dtype=DTYPE)
         cap = self.buffer_blocks * self.block_examples * store.T + self.batch_size + 1
-        pool: list[np.ndarray] = []
+        pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
+        if pool and pool[0].shape != (cap, nl, store.D):
+            pool.clear()
         fds: dict[int, int] = {}
         carry: tuple[np.ndarray, ...] | None = None
         try:
@@ -131,6 +137,7 @@ class ShuffledActivations(IterableDataset):
                 exs, toks = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
                 if carry is not None:
                     acts[perm[:c]], exs[perm[:c]], toks[perm[:c]] = carry
+                    carry = None
                 i = c
                 for first, block, mask in zip(firsts, group, masks):
                     ex, tok = np.nonzero(mask)
@@ -142,9 +149,10 @@ class ShuffledActivations(IterableDataset):
                 for lo in range(0, n_full, self.batch_size):
                     yield _batch(acts[lo:lo + self.batch_size], exs[lo:lo + self.batch_size],
                                  toks[lo:lo + self.batch_size], squeeze)
-                carry = (acts[n_full:n].copy(), exs[n_full:].copy(), toks[n_full:].copy()) if n_full < n else None
+                # The carry stays a view of this buffer (which is then not recycled until it is copied).
+                carry = (acts[n_full:n], exs[n_full:], toks[n_full:]) if n_full < n else None
             if carry is not None and not self.drop_last:
-                yield _batch(*carry, squeeze)
+                yield _batch(*(x.copy() for x in carry), squeeze)
         finally:
             for fd in fds.values():
                 os.close(fd)
