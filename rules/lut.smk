@@ -19,6 +19,7 @@ rule build_lut:
     threads: 4
     resources:
         mem_mb=4000,
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=2.0),
     script:
         "../workflow/scripts/lut.py"
 

@@ -22,6 +22,7 @@ rule train_sae:
     threads: 4
     resources:
         mem_mb=4000,
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=4.0),
     script:
         "../workflow/scripts/sae.py"
 

@@ -17,6 +17,7 @@ rule validate_stores:
         bench_path("validate", "validate_stores")
     resources:
         mem_mb=4000,
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=1.0),
     conda:
         "../envs/actstore.yaml"
     script:

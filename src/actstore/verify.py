@@ -47,11 +47,12 @@ def detect_format(path: str | Path) -> str | None:
 
 
 def find_store(directory: Path, name: str) -> Path:
-    """The directory holding format `name`: the stage dir itself or one level below it."""
+    """The directory holding format `name`: the stage dir itself, one level below it, or where the
+    stage dir points (saev stores live in a directory named by their metadata hash)."""
     module = format_module(name)
     for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
         if module.detect(candidate):
-            return candidate
+            return module.resolve(candidate) if hasattr(module, "resolve") else candidate
     raise FormatError(f"{directory}: no {name} store found")
 
 

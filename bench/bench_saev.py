@@ -11,12 +11,8 @@ Writes bench/out/saev.json.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-# Run as `python bench/saev.py`: drop bench/ from sys.path so sibling scripts (bench/pickle.py)
-# cannot shadow stdlib modules numpy imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import json

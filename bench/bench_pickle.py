@@ -12,12 +12,6 @@ Activation MB/s counts the raw float32 bytes delivered (1 MB = 1e6 bytes). Write
 """
 from __future__ import annotations
 
-import os
-import sys
-
-# This file is named pickle.py: drop its folder from sys.path so `import pickle` is the stdlib's.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
 import argparse
 import glob
 import gzip

@@ -11,13 +11,10 @@ ratio = raw time / method time (speed relative to raw; goal for `reader`: >= 0.5
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-# bench/ holds pickle.py etc.; keep them from shadowing stdlib modules that numpy imports
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import argparse  # noqa: E402
+import argparse
 import json
 import statistics
 import tempfile

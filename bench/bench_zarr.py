@@ -11,26 +11,20 @@ and 4 DataLoader workers (raw and fast). Write throughput of write_shard with 1 
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
-import sys
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
-# This file is named zarr.py (and bench/ holds pickle.py): drop bench/ from sys.path first, so
-# `import zarr` / `import pickle` find the real modules.
-sys.path = [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))]
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from actstore.formats import zarr_store as zs  # noqa: E402
-from actstore.formats.parts import PartWriter, layer_tensor, write_part  # noqa: E402
+from actstore.formats import zarr_store as zs
+from actstore.formats.parts import PartWriter, layer_tensor, write_part
 
 OUT = Path(__file__).resolve().parent / "out"
 
