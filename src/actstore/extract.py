@@ -1,7 +1,6 @@
 """Run a model over one part of the dataset and write its token-packed activations."""
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import platform
 import time
@@ -16,6 +15,7 @@ from tqdm import tqdm
 from actstore.datasets import Dataset, Sample, load_dataset, part_range
 from actstore.errors import ConfigError
 from actstore.formats.parts import PartWriter, layer_tensor, write_part
+from actstore.io_utils import utc_now
 from actstore.models import (LoadedModel, first_tensor, get_module, load_model, model_kind, num_blocks,
                              read_model_config, resolve_model_path)
 
@@ -189,7 +189,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             "logits_topk": ext["logits_topk"] if loaded.kind == "causal" else None,
             "device": str(loaded.device), "machine": platform.node(),
             "extraction_duration_seconds": time.perf_counter() - started,
-            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": utc_now().isoformat(timespec="seconds"),
             "versions": library_versions(),
         })
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)

@@ -71,3 +71,14 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2)
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
+
+
+def utc_now():
+    """The time recorded as created_at in every format: now, or SOURCE_DATE_EPOCH when set (the
+    reproducible-builds convention), so two runs of one config can be compared byte for byte."""
+    import datetime as dt
+
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch:
+        return dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc)
+    return dt.datetime.now(dt.timezone.utc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from types import ModuleType
@@ -119,11 +120,23 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         store = find_store(stage_dir(config, "lut"), "lut")
         report["formats"]["lut"] = {"store": str(store), "problems": format_module("lut").verify(store),
                                     "inspect": format_module("lut").inspect(store)}
+    for entry in report["formats"].values():
+        # Paths relative to dump_to, so the report does not depend on where the run lived.
+        entry["store"] = os.path.relpath(entry["store"], config["dump_to"])
+        entry["inspect"] = {key: _relative(value, config["dump_to"]) for key, value in entry["inspect"].items()}
     problems = [p for entry in report["formats"].values() for p in entry["problems"]]
     if problems:
         raise FormatError("validation failed:\n" + "\n".join(problems))
     write_json_atomic(report_path, report)
     return report
+
+
+def _relative(value: Any, root: str) -> Any:
+    """A path string under `root` made relative to it; anything else unchanged."""
+    absolute_root = os.path.abspath(root)
+    if isinstance(value, str) and os.path.isabs(value) and value.startswith(absolute_root + os.sep):
+        return os.path.relpath(value, absolute_root)
+    return value
 
 
 def stage_report(directory: Path) -> dict[str, Any] | None:

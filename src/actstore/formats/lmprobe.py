@@ -15,7 +15,6 @@ The safetensors files are written and read here directly (header JSON + raw litt
 """
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import logging
@@ -29,7 +28,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
-from actstore.io_utils import atomic_path, sha256_file
+from actstore.io_utils import atomic_path, sha256_file, utc_now
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +355,7 @@ def _provenance(extraction) -> dict[str, Any]:
             "transformers_version": versions.get("transformers"), "python_version": versions.get("python"),
             "numpy_version": versions.get("numpy"), "pyarrow_version": pyarrow.__version__,
             "safetensors_version": safetensors.__version__, "extracted_at": extraction.meta.get("created_at"),
-            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": utc_now().isoformat(timespec="seconds"),
             "platform": platform.platform()}
 
 

@@ -13,7 +13,6 @@ Optional keys (extensions, never changed meanings):
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 import re
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from actstore.errors import FormatError
-from actstore.io_utils import atomic_path, sha256_file
+from actstore.io_utils import atomic_path, sha256_file, utc_now
 
 VERSION = "1.0"
 LUT_DIR = "lut"
@@ -85,7 +84,7 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
                                    "sha256": sha256_file(tmp / file), "bytes": (tmp / file).stat().st_size,
                                    "dtype": str(tensors["precomputed_products"].dtype).removeprefix("torch."),
                                    "has_bias": BIAS_KEY in tensors}
-        info = {"created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        info = {"created_at": utc_now().strftime("%Y-%m-%dT%H:%M:%SZ"),
                 **(creation_info or {})}
         meta = {"version": VERSION, "sae_config": {"num_basis": num_basis.pop(), "k_active": int(k_active)},
                 "model_config": model_config or {}, "layers": layers, "creation_info": info}

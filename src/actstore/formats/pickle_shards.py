@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from actstore.errors import FormatError
 from actstore.formats.parts import Part, layer_tensor, open_part
-from actstore.io_utils import atomic_path, sha256_file, write_json_atomic
+from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def shard_filename(shard_id: int, compressed: bool) -> str:
     return f"shard_{shard_id:04d}.pkl" + (".gz" if compressed else "")
 
 
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def iso_now() -> str:
+    return utc_now().strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ----------------------------------------------------------------------------------------- writer
@@ -183,7 +183,7 @@ def write_machine(part_dir: str | Path, out_dir: str | Path, *, shard_size_mb: f
                 "num_tokens": int(part.offsets[local.stop] - part.offsets[local.start]),
             })
         metadata = {
-            "version": VERSION, "created_at": utc_now(),
+            "version": VERSION, "created_at": iso_now(),
             "extraction_config": extraction_config(meta),
             "distributed_config": {"machine_id": machine_id, "total_machines": meta["parts"], "multihost": False,
                                    "num_hosts": 1, "mesh_type": "1d", "samples_per_machine": per_machine},
@@ -240,7 +240,7 @@ def merge_machines(machine_dirs: list[str | Path], out_dir: str | Path) -> dict[
         duration += meta["statistics"]["extraction_duration_seconds"]
     layers = first["extraction_config"]["layers_extracted"]
     merged = {
-        "version": VERSION, "created_at": utc_now(), "extraction_config": first["extraction_config"],
+        "version": VERSION, "created_at": iso_now(), "extraction_config": first["extraction_config"],
         "distributed_config": {
             "machine_id": None, "total_machines": first["distributed_config"]["total_machines"],
             "multihost": False, "num_hosts": 1, "mesh_type": "1d",

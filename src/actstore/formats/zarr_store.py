@@ -20,7 +20,6 @@ metadata is validated once, then chunk files (raw little-endian float16) are rea
 from __future__ import annotations
 
 import bisect
-import datetime as dt
 import hashlib
 import json
 import logging
@@ -35,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.io_utils import atomic_path, sha256_file, write_json_atomic
+from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ def _store_attrs(meta: dict[str, Any], n: int, start: int, t_chunk: int, hidden:
         "hidden_size": hidden, "T_max": int(meta["max_seq_length"]), "dtype": "float16",
         "T_chunk": t_chunk, "chunk_shape": [1, 1, t_chunk, hidden], "chunk_bytes": t_chunk * hidden * 2,
         "num_samples": n, "global_index_start": start,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
+        "created": utc_now().isoformat(timespec="seconds"), "git_commit": git_commit(),
         "dataset": meta["dataset"], "model": meta["model"], "modality": meta.get("modality"),
         "model_kind": meta.get("model_kind"), "label_names": meta["dataset"].get("labels") or [],
         "split_codes": SPLIT_CODES, "extraction_created_at": meta.get("created_at"),
@@ -260,7 +259,7 @@ def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: b
     n = sum(a["num_samples"] for a in attrs)
     a0 = attrs[0]
     merged_attrs = {**a0, "num_samples": n, "global_index_start": 0, "merged_from": [s.name for s in shards],
-                    "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+                    "created": utc_now().isoformat(timespec="seconds")}
     merged_attrs.pop("float16_overflow_count", None)
     overflow = sum(a.get("float16_overflow_count", 0) for a in attrs)
     if overflow:
@@ -321,7 +320,7 @@ def write_manifest(run_dir: str | Path, shards: Sequence[str | Path], merged: st
         "num_layers": first["num_layers"], "hidden_size": first["hidden_size"], "T_max": first["T_max"],
         "T_chunk": first["T_chunk"], "dtype": "float16", "shards": entries,
         "merged": store_entry(merged, run_dir) if merged else None,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_now().isoformat(timespec="seconds"),
     }
     write_json_atomic(run_dir / MANIFEST, manifest)
     return manifest
