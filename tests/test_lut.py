@@ -201,3 +201,21 @@ def test_metadata_missing_field_is_named(copy_of):
         lut_format.open_lut(copy_of)
     (copy_of / "metadata.json").write_text("{not json")
     assert "not JSON" in lut_format.verify(copy_of)[0]
+
+
+def test_causal_lm_end_to_end_reports_kl_and_perplexity(extracted, tmp_path):
+    """A tiny Llama: q/k/v projections (nn.Linear, base-model paths) swapped for LUTs in the real
+    causal LM; full compensation must give the original next-token distribution back."""
+    hook = "layers.1.self_attn.q_proj:input"
+    config, extract_dir = extracted("llama", extract={"hooks": [hook]})
+    config = copy.deepcopy(config)
+    config["sae"].update({**SAE, "hook": hook})
+    config["lut"].update({**LUT, "targets": [f"layers.1.self_attn.{m}_proj" for m in "qkv"]})
+    build_sae(config, extract_dir, tmp_path / "sae", progress=False)
+    report = build_lut(config, extract_dir, tmp_path / "sae", tmp_path / "lut", progress=False)
+    e2e = report["end_to_end"]["budgets"]
+    exact = e2e["32"]  # 32 = the hidden size: every input dim compensated
+    assert exact["kl_mean"] < 1e-4
+    assert abs(exact["perplexity_change"]) < 1e-3 * exact["perplexity_original"]
+    assert e2e["0"]["kl_mean"] > exact["kl_mean"]
+    assert e2e["0"]["perplexity_original"] == exact["perplexity_original"]
