@@ -223,3 +223,17 @@ def test_loader_cls_and_labels_filter(extracted, tmp_path):
 def test_patches_per_shard_too_small(extracted):
     with pytest.raises(ConfigError, match="patches_per_shard=10"):
         build(extracted, "dinov2", patches_per_shard=10)
+
+
+@pytest.mark.parametrize("kind, cls_token, tokens", [("clip", True, 17), ("siglip", False, 16)])
+def test_clip_has_cls_and_siglip_has_none(extracted, kind, cls_token, tokens):
+    extraction, store_dir = build(extracted, kind)
+    md = json.loads((store_dir / "metadata.json").read_text())
+    assert md["cls_token"] is cls_token and md["patches_per_ex"] == 16
+    assert md["patches_per_ex"] + int(md["cls_token"]) == tokens == extraction.sample(0)["num_tokens"]
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        ex, layer, tok = int(rng.integers(8)), int(rng.choice([0, 2])), int(rng.integers(tokens))
+        np.testing.assert_array_equal(spec_read(store_dir, ex, layer, tok),
+                                      extraction.activations(f"layer_{layer}", ex)[tok])
+    assert saev.verify(store_dir) == []
