@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -89,10 +90,9 @@ class ShuffledActivations(IterableDataset):
             order = order[info.id::info.num_workers]
         return self.blocks[order]
 
-    def _scatter(self, store: SaevStore, fds: dict[int, int], block: np.ndarray, mask: np.ndarray,
-                 rows: np.ndarray, acts: np.ndarray, scratch: np.ndarray) -> None:
-        """Read one block into the reused (cache-hot) `scratch` with large preads, then scatter its
-        kept vectors (mask order) to their shuffled rows `rows` of `acts` in one numpy copy."""
+    def _read_block(self, store: SaevStore, fds: dict[int, int], block: np.ndarray,
+                    scratch: np.ndarray) -> np.ndarray:
+        """Read one block into the reused (cache-hot) `scratch` with large preads."""
         shard, lo, k = (int(x) for x in block)
         if shard not in fds:
             fds[shard] = os.open(store.dir / store.shards[shard]["name"], os.O_RDONLY)
@@ -104,8 +104,13 @@ class ShuffledActivations(IterableDataset):
             for e in range(k):
                 for j, li in enumerate(self.layer_idx):
                     _pread_into(fds[shard], data[e, j], (lo + e) * store.example_bytes + li * layer_bytes)
-        # Scatter every token straight from scratch (no temporary): kept ones to their shuffled row,
-        # dropped ones (CLS off, padding, label filter) to the junk row acts[-1].
+        return data
+
+    @staticmethod
+    def _scatter(data: np.ndarray, mask: np.ndarray, rows: np.ndarray, acts: np.ndarray) -> None:
+        """Scatter a block's kept vectors (mask order) to their shuffled rows of `acts` in one numpy
+        copy, straight from the read buffer; dropped ones (CLS off, padding, label filter) go to the
+        junk row acts[-1]."""
         dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
         dest[mask] = rows
         acts[dest] = data.transpose(0, 2, 1, 3)  # (k, T, nl, D) view of the (k, nl, T, D) block
@@ -115,7 +120,10 @@ class ShuffledActivations(IterableDataset):
         info = get_worker_info()
         rng = np.random.default_rng([self.seed, self.epoch, 0 if info is None else info.id + 1])
         nl, squeeze = len(self.layer_idx), len(self.layers) == 1
-        scratch = np.empty((self.block_examples, nl, store.T, store.D), dtype=DTYPE)
+        # Two read buffers: a reader thread fills one (pread releases the GIL) while this thread
+        # scatters the other, so the disk/page-cache copy and the shuffle copy overlap.
+        scratch = [np.empty((self.block_examples, nl, store.T, store.D), dtype=DTYPE) for _ in range(2)]
+        reader = ThreadPoolExecutor(max_workers=1)
         cap = self.buffer_blocks * self.block_examples * store.T + self.batch_size + 1
         pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
         if pool and pool[0].shape != (cap, nl, store.D):
@@ -139,10 +147,14 @@ class ShuffledActivations(IterableDataset):
                     acts[perm[:c]], exs[perm[:c]], toks[perm[:c]] = carry
                     carry = None
                 i = c
-                for first, block, mask in zip(firsts, group, masks):
+                pending = reader.submit(self._read_block, store, fds, group[0], scratch[0])
+                for b, (first, block, mask) in enumerate(zip(firsts, group, masks)):
+                    data = pending.result()
+                    if b + 1 < len(group):
+                        pending = reader.submit(self._read_block, store, fds, group[b + 1], scratch[(b + 1) % 2])
                     ex, tok = np.nonzero(mask)
                     rows = perm[i:i + len(ex)]
-                    self._scatter(store, fds, block, mask, rows, acts, scratch)
+                    self._scatter(data, mask, rows, acts)
                     exs[rows], toks[rows] = ex + first, tok
                     i += len(ex)
                 n_full = n // self.batch_size * self.batch_size
@@ -154,6 +166,7 @@ class ShuffledActivations(IterableDataset):
             if carry is not None and not self.drop_last:
                 yield _batch(*(x.copy() for x in carry), squeeze)
         finally:
+            reader.shutdown(wait=True)
             for fd in fds.values():
                 os.close(fd)
 
