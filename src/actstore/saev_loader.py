@@ -5,6 +5,7 @@ scratch). This one reads *blocks* (a run of whole examples inside one shard, all
 per block when every layer is wanted) in a seeded random order, pours `buffer_blocks` blocks into a
 buffer, permutes the buffer and yields batches from it; the buffer refills as it drains. So disk reads
 stay large and sequential while each batch mixes many examples from all over the dataset.
+A reader thread preads the next block while the current one is scattered, so the two copies overlap.
 
 Each epoch every kept vector is yielded exactly once: blocks partition the examples, torch
 DataLoader workers take disjoint slices of the block permutation, and the last partial batch is
