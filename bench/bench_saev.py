@@ -73,12 +73,12 @@ def ordered(store: saev.SaevStore) -> tuple[int, float]:
 
 def shuffled(store: saev.SaevStore, ds: ShuffledActivations, args) -> tuple[int, float, dict]:
     ds.set_epoch(ds.epoch + 1)
-    n, distinct, t0 = 0, [], time.perf_counter()
+    n, examples, t0 = 0, [], time.perf_counter()
     for batch in ds:
         n += batch["act"].shape[0] * (batch["act"].shape[1] if batch["act"].ndim == 3 else 1)
-        if batch["act"].shape[0] == args.batch_size:
-            distinct.append(len(np.unique(batch["example_idx"].numpy())))
+        examples.append(batch["example_idx"])  # counted after the clock stops
     seconds = time.perf_counter() - t0
+    distinct = [len(np.unique(ex.numpy())) for ex in examples if len(ex) == args.batch_size]
     # Expected distinct examples among B draws without replacement from N*T equally likely vectors.
     N, T, B = store.n_examples, store.T, args.batch_size
     expected = N * (1 - np.exp(np.sum(np.log1p(-T / (N * T - np.arange(B))))))
@@ -102,31 +102,40 @@ def gather(store: saev.SaevStore, n: int) -> tuple[int, float]:
 
 
 def run(store: saev.SaevStore, args, cache: str) -> list[dict]:
-    rows = []
+    """Interleaved rounds: every reader once per round, so each round's ratios share the machine's
+    state of the moment (this VM's sequential baseline alone swings 2x between runs); the report is
+    the median over rounds. Warm: one untimed pass of each reader first (page cache, loader buffers)."""
     ds = ShuffledActivations(store.dir, batch_size=args.batch_size, seed=0, buffer_blocks=args.buffer_blocks,
-                             block_bytes=args.block_mb << 20)
-    for name, fn in [("sequential", lambda: sequential(store)), ("ordered", lambda: ordered(store)),
-                     ("shuffled", lambda: shuffled(store, ds, args)), ("saev-gather", lambda: gather(store, args.gather))]:
-        if cache == "cold" and not drop_caches():
-            return rows
-        if cache == "warm":
-            sequential(store)  # every byte in page cache before each timing
-            # Best of `repeat` (the machine may be shared); the loader's buffers are warm after run 1.
-            out = min((fn() for _ in range(args.repeat)), key=lambda o: o[1] / o[0])
-        else:
-            out = fn()
-        rows.append({"cache": cache, "reader": name, "vectors": out[0], "seconds": out[1],
-                     "vectors_per_s": out[0] / out[1], **({"mixing": out[2]} if len(out) > 2 else {})})
-    base = rows[0]["vectors_per_s"]
-    for row in rows:
-        row["ratio_to_sequential"] = row["vectors_per_s"] / base
+                             block_bytes=args.block_mb << 20, fill_threads=args.fill_threads)
+    readers = {"sequential": lambda: sequential(store), "ordered": lambda: ordered(store),
+               "shuffled": lambda: shuffled(store, ds, args), "saev-gather": lambda: gather(store, args.gather)}
+    if cache == "cold" and not drop_caches():
+        return []
+    if cache == "warm":
+        for fn in readers.values():
+            fn()
+    rounds: dict[str, list[tuple]] = {name: [] for name in readers}
+    for _ in range(args.repeat if cache == "warm" else args.cold_repeat):
+        for name, fn in readers.items():
+            if cache == "cold":
+                drop_caches()
+            rounds[name].append(fn())
+    base = [out[0] / out[1] for out in rounds["sequential"]]
+    rows = []
+    for name, outs in rounds.items():
+        speeds = [out[0] / out[1] for out in outs]
+        ratios = [v / b for v, b in zip(speeds, base)]
+        rows.append({"cache": cache, "reader": name, "vectors": outs[0][0], "vectors_per_s": float(np.median(speeds)),
+                     "ratio_to_sequential": float(np.median(ratios)), "ratio_min": min(ratios),
+                     "ratio_max": max(ratios), "rounds": len(outs),
+                     **({"mixing": outs[-1][2]} if len(outs[-1]) > 2 else {})})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", help="an existing saev store / stage dir (default: build a synthetic one)")
-    parser.add_argument("--size-mb", type=int, default=512, help="synthetic store size (MiB)")
+    parser.add_argument("--size-mb", type=int, default=2048, help="synthetic store size (MiB)")
     parser.add_argument("--d", type=int, default=1024, help="synthetic d_model")
     parser.add_argument("--tokens", type=int, default=257, help="synthetic tokens per example (CLS + patches)")
     parser.add_argument("--layers", type=int, default=1, help="synthetic stored layers")
@@ -134,8 +143,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--block-mb", type=int, default=4, help="loader block size (MiB)")
     parser.add_argument("--buffer-blocks", type=int, default=32, help="loader shuffle buffer (blocks)")
+    parser.add_argument("--fill-threads", type=int, default=2, help="loader threads reading + scattering blocks")
     parser.add_argument("--gather", type=int, default=20000, help="vectors for the saev-gather pattern")
-    parser.add_argument("--repeat", type=int, default=3, help="warm timings: best of this many runs")
+    parser.add_argument("--repeat", type=int, default=7, help="warm rounds (median reported)")
+    parser.add_argument("--cold-repeat", type=int, default=2, help="cold rounds (median reported)")
     parser.add_argument("--cold", action="store_true",
                         help="also time with a cold page cache (drops the machine-wide cache: needs root)")
     args = parser.parse_args()
@@ -147,12 +158,13 @@ def main() -> None:
         rows = run(store, args, "warm") + (run(store, args, "cold") if args.cold else [])
     print(f"store: {store.n_examples} examples x {store.L} layers x {store.T} tokens x d={store.D}, "
           f"{size / 2**20:.0f} MiB in {len(store.shards)} shards")
-    print(f"{'cache':6} {'reader':12} {'vectors/s':>12} {'ratio':>7}  mixing")
+    print(f"{'cache':6} {'reader':12} {'vectors/s':>12} {'ratio':>7} {'min-max':>11}  mixing")
     for r in rows:
         mix = r.get("mixing")
         extra = (f"{mix['distinct_examples_per_batch']:.0f} distinct examples/batch (uniform: "
                  f"{mix['uniform_expectation']:.0f})") if mix else ""
-        print(f"{r['cache']:6} {r['reader']:12} {r['vectors_per_s']:12,.0f} {r['ratio_to_sequential']:7.3f}  {extra}")
+        spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        print(f"{r['cache']:6} {r['reader']:12} {r['vectors_per_s']:12,.0f} {r['ratio_to_sequential']:7.3f} {spread:>11}  {extra}")
     if not any(r["cache"] == "cold" for r in rows):
         print("cold: not measured (pass --cold; needs a writable /proc/sys/vm/drop_caches)")
     (OUT / "saev.json").write_text(json.dumps({"args": vars(args), "bytes": size, "rows": rows}, indent=2))

@@ -13,6 +13,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats import saev
 from actstore.formats.parts import open_extraction
 from actstore.hashing import stage_hash
+from actstore import saev_loader
 from actstore.saev_loader import ShuffledActivations
 
 PPS = 100  # tiny patches_per_shard: several shards, a short last one
@@ -195,6 +196,37 @@ def test_loader_epoch_exactly_once_seeded_and_workers(extracted):
     assert sorted(got) == sorted(seen)
     first = next(iter(multi))
     assert first["act"].shape == (16, 2, 32)
+
+
+def test_loader_threads_remaps_and_purged_shards(extracted, monkeypatch):
+    _, store_dir = build(extracted, "bert", tokens_per_window=8, patches_per_shard=3 * 8 * 12)
+    store = saev.open_store(store_dir)
+    assert len(store.shards) > 2
+
+    def epoch(**kwargs) -> list[dict]:
+        return list(ShuffledActivations(store_dir, batch_size=16, seed=5, block_examples=3, buffer_blocks=2,
+                                        **kwargs))
+    ref = epoch(fill_threads=1)
+    for b in ref[:2]:  # both stored layers (0 and 2) of one token per row
+        for act, e, t in zip(b["act"], b["example_idx"], b["token_idx"]):
+            np.testing.assert_array_equal(act.numpy(), store.example(int(e))[:, int(t)])
+    # Fill order across threads, and unmapping the shards after every buffer, change nothing.
+    monkeypatch.setattr(saev_loader, "REMAP_BYTES", 1)
+    for got, pick in ((epoch(fill_threads=3), slice(None)), (epoch(fill_threads=2, layers=[2]), 1)):
+        assert len(got) == len(ref)
+        assert all(torch.equal(a["example_idx"], b["example_idx"]) for a, b in zip(ref, got))
+        assert all(torch.equal(a["act"][:, pick], b["act"]) for a, b in zip(ref, got))
+    # A shard purged after the dataset was made is named, not a SIGBUS from the mapping.
+    ds = ShuffledActivations(store_dir, batch_size=16, block_examples=3)
+    shards = saev_loader._ShardFiles(store, saev_loader.REMAP_BYTES)  # as an epoch in progress holds them
+    victim = store.dir / store.shards[1]["name"]
+    with open(victim, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(FormatError, match=f"{victim.name}: 100 bytes"):
+        shards.block(1, 0, 1)
+    with pytest.raises(FormatError, match=victim.name):
+        list(ds)
+    shards.close()
 
 
 def test_loader_cls_and_labels_filter(extracted, tmp_path):

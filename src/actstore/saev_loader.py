@@ -1,11 +1,14 @@
 """Shuffled training loader for saev stores: large contiguous reads, a shuffle buffer, torch batches.
 
 saev's own shuffled reader gathers single 4 KiB vectors at large strides (~3.6K vectors/s on OSC
-scratch). This one reads *blocks* (a run of whole examples inside one shard, all tokens, one pread
-per block when every layer is wanted) in a seeded random order, pours `buffer_blocks` blocks into a
-buffer, permutes the buffer and yields batches from it; the buffer refills as it drains. So disk reads
-stay large and sequential while each batch mixes many examples from all over the dataset.
-A reader thread preads the next block while the current one is scattered, so the two copies overlap.
+scratch). This one reads *blocks* (a run of whole examples inside one shard, all tokens, one
+readahead per block when every layer is wanted) in a seeded random order, pours `buffer_blocks`
+blocks into a buffer, permutes the buffer and yields batches from it. So disk reads stay large and
+sequential while each batch mixes many examples from all over the dataset.
+Each vector is copied once, from the mapped page cache straight to its shuffled row, by `fill_threads`
+threads in parallel; the next buffer fills while the current one's batches are consumed.
+(Measured alternatives, bench/README.md: a pread into a scratch block then the scatter, two copies,
+0.44 of a sequential read against 0.51; a map per block instead of per shard, 0.35.)
 
 Each epoch every kept vector is yielded exactly once: blocks partition the examples, torch
 DataLoader workers take disjoint slices of the block permutation, and the last partial batch is
@@ -13,9 +16,12 @@ yielded (unless drop_last). Text padding (past n_valid in windows.npy) is never 
 """
 from __future__ import annotations
 
+import mmap
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from threading import Lock
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -23,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev import DTYPE, SaevStore
 
 
@@ -33,12 +39,13 @@ class ShuffledActivations(IterableDataset):
     layers: layer values to return (default all stored); one layer gives act (B, D), several give
     (B, n_layers, D) with the same token at each layer. include_cls: yield CLS vectors (ViT stores).
     keep_labels: keep only patches whose labels.bin value is in this set (CLS has no label).
+    fill_threads: threads reading and scattering blocks into the buffer (per DataLoader worker).
     """
 
     def __init__(self, path: str | Path, layers: Iterable[int] | None = None, batch_size: int = 4096,
                  seed: int = 0, block_examples: int | None = None, buffer_blocks: int = 32,
                  include_cls: bool = True, keep_labels: Iterable[int] | None = None, drop_last: bool = False,
-                 block_bytes: int = 4 << 20):
+                 block_bytes: int = 4 << 20, fill_threads: int = 2):
         self.path = Path(path)
         store = SaevStore(self.path)
         self.layers = list(layers) if layers is not None else list(store.layers)
@@ -47,6 +54,9 @@ class ShuffledActivations(IterableDataset):
             raise ConfigError(f"batch_size={batch_size} and buffer_blocks={buffer_blocks} must be >= 1")
         self.batch_size, self.seed, self.buffer_blocks, self.drop_last = batch_size, seed, buffer_blocks, drop_last
         self.include_cls = include_cls
+        if fill_threads < 1:
+            raise ConfigError(f"fill_threads={fill_threads} must be >= 1")
+        self.fill_threads = fill_threads
         self.keep_labels = None if keep_labels is None else np.array(sorted(set(keep_labels)), dtype=np.uint8)
         if self.keep_labels is not None and store.labels() is None:
             raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
@@ -91,85 +101,163 @@ class ShuffledActivations(IterableDataset):
             order = order[info.id::info.num_workers]
         return self.blocks[order]
 
-    def _read_block(self, store: SaevStore, fds: dict[int, int], block: np.ndarray,
-                    scratch: np.ndarray) -> np.ndarray:
-        """Read one block into the reused (cache-hot) `scratch` with large preads."""
+    def _fill_block(self, store: SaevStore, shards: "_ShardFiles", block: np.ndarray, first: int, mask: np.ndarray,
+                    rows: np.ndarray, out: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Scatter one block's kept vectors (mask order) to their shuffled `rows` of the buffer, in one
+        copy straight from the page cache. Runs on a fill thread: blocks own disjoint rows, and page
+        faults and numpy's fancy assignment run without the GIL, so blocks fill in parallel."""
+        acts, exs, toks = out
         shard, lo, k = (int(x) for x in block)
-        if shard not in fds:
-            fds[shard] = os.open(store.dir / store.shards[shard]["name"], os.O_RDONLY)
-        data = scratch[:k]
-        if self.layer_idx == list(range(store.L)):  # the whole block: one contiguous read
-            _pread_into(fds[shard], data, lo * store.example_bytes)
-        else:  # selected layers only: one read of T contiguous vectors per (example, layer)
-            layer_bytes = store.T * store.D * DTYPE.itemsize
-            for e in range(k):
-                for j, li in enumerate(self.layer_idx):
-                    _pread_into(fds[shard], data[e, j], (lo + e) * store.example_bytes + li * layer_bytes)
-        return data
-
-    @staticmethod
-    def _scatter(data: np.ndarray, mask: np.ndarray, rows: np.ndarray, acts: np.ndarray) -> None:
-        """Scatter a block's kept vectors (mask order) to their shuffled rows of `acts` in one numpy
-        copy, straight from the read buffer; dropped ones (CLS off, padding, label filter) go to the
-        junk row acts[-1]."""
-        dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
-        dest[mask] = rows
-        acts[dest] = data.transpose(0, 2, 1, 3)  # (k, T, nl, D) view of the (k, nl, T, D) block
+        data = shards.block(shard, lo, k)
+        if mask.all():
+            dest = rows.reshape(mask.shape)
+        else:  # dropped vectors (CLS off, padding, label filter) go to the junk row acts[-1]
+            dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
+            dest[mask] = rows
+        if self.layer_idx == list(range(store.L)):
+            acts[dest] = data.transpose(0, 2, 1, 3)  # (k, T, L, D) view of the (k, L, T, D) block
+        else:
+            for j, layer in enumerate(self.layer_idx):
+                acts[dest, j] = data[:, layer]
+        ex, tok = np.nonzero(mask)
+        exs[rows], toks[rows] = ex + first, tok
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         store = SaevStore(self.path)  # per worker: its own file descriptors
         info = get_worker_info()
         rng = np.random.default_rng([self.seed, self.epoch, 0 if info is None else info.id + 1])
-        nl, squeeze = len(self.layer_idx), len(self.layers) == 1
-        # Two read buffers: a reader thread fills one (pread releases the GIL) while this thread
-        # scatters the other, so the disk/page-cache copy and the shuffle copy overlap.
-        scratch = [np.empty((self.block_examples, nl, store.T, store.D), dtype=DTYPE) for _ in range(2)]
-        reader = ThreadPoolExecutor(max_workers=1)
-        cap = self.buffer_blocks * self.block_examples * store.T + self.batch_size + 1
+        nl, squeeze, size = len(self.layer_idx), len(self.layers) == 1, self.batch_size
+        cap = self.buffer_blocks * self.block_examples * store.T + size + 1
         pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
         if pool and pool[0].shape != (cap, nl, store.D):
             pool.clear()
-        fds: dict[int, int] = {}
-        carry: tuple[np.ndarray, ...] | None = None
+        shards = _ShardFiles(store, REMAP_BYTES)
+        fill = ThreadPoolExecutor(max_workers=self.fill_threads)
+        # A whole block is one large readahead; with a subset of layers, faults read only those.
+        read_ahead = shards.prefetch if self.layer_idx == list(range(store.L)) else lambda *block: None
+
+        def start(group: np.ndarray, n_carry: int) -> _Fill:
+            """Plan one buffer (n_carry leftover rows of the last one first, then the blocks in order:
+            item i goes to row perm[i]) and start filling it; the carry is placed once it is known."""
+            firsts = [int(store.starts[b[0]] + b[1]) for b in group]
+            masks = [self.token_mask(store, f, int(b[2])) for f, b in zip(firsts, group)]
+            counts = np.array([int(m.sum()) for m in masks], dtype=np.int64)
+            ends = n_carry + np.cumsum(counts)
+            n = int(ends[-1])
+            perm = rng.permutation(n)
+            buf = _Fill(_buffer(pool, (cap, nl, store.D))[:n + 1],  # + a junk row for dropped tokens
+                        np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), perm, [])
+            for block in group:
+                read_ahead(*(int(x) for x in block))
+            buf.jobs = [fill.submit(self._fill_block, store, shards, block, first, mask, perm[end - count:end],
+                                    buf.arrays())
+                        for block, first, mask, count, end in zip(group, firsts, masks, counts, ends)]
+            return buf
+
         try:
             blocks = self.my_blocks()
-            for start in range(0, len(blocks), self.buffer_blocks):
-                group = blocks[start:start + self.buffer_blocks]
-                firsts = [int(store.starts[b[0]] + b[1]) for b in group]
-                masks = [self.token_mask(store, f, int(b[2])) for f, b in zip(firsts, group)]
-                c = 0 if carry is None else len(carry[1])
-                n = c + sum(int(m.sum()) for m in masks)
-                # The shuffle: item i of this buffer (carry first, then blocks in order) -> row perm[i].
-                perm = rng.permutation(n)
-                acts = None  # drop our view of the last buffer so it can be recycled
-                acts = _buffer(pool, (cap, nl, store.D))[:n + 1]  # + a junk row for dropped tokens
-                exs, toks = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-                if carry is not None:
-                    acts[perm[:c]], exs[perm[:c]], toks[perm[:c]] = carry
-                    carry = None
-                i = c
-                pending = reader.submit(self._read_block, store, fds, group[0], scratch[0])
-                for b, (first, block, mask) in enumerate(zip(firsts, group, masks)):
-                    data = pending.result()
-                    if b + 1 < len(group):
-                        pending = reader.submit(self._read_block, store, fds, group[b + 1], scratch[(b + 1) % 2])
-                    ex, tok = np.nonzero(mask)
-                    rows = perm[i:i + len(ex)]
-                    self._scatter(data, mask, rows, acts)
-                    exs[rows], toks[rows] = ex + first, tok
-                    i += len(ex)
-                n_full = n // self.batch_size * self.batch_size
-                for lo in range(0, n_full, self.batch_size):
-                    yield _batch(acts[lo:lo + self.batch_size], exs[lo:lo + self.batch_size],
-                                 toks[lo:lo + self.batch_size], squeeze)
-                # The carry stays a view of this buffer (which is then not recycled until it is copied).
-                carry = (acts[n_full:n], exs[n_full:], toks[n_full:]) if n_full < n else None
-            if carry is not None and not self.drop_last:
-                yield _batch(*(x.copy() for x in carry), squeeze)
+            groups = [blocks[lo:lo + self.buffer_blocks] for lo in range(0, len(blocks), self.buffer_blocks)]
+            nxt = start(groups[0], 0) if groups else None
+            for g in range(len(groups)):
+                # Pipelined: the next buffer fills while this one is waited for and its batches yielded,
+                # so the fill threads never idle at a buffer boundary (hence POOL_SIZE = 3).
+                cur, nxt = nxt, None
+                n, n_full = len(cur.perm), len(cur.perm) // size * size
+                if g + 1 < len(groups):
+                    nxt = start(groups[g + 1], n - n_full)
+                for job in cur.jobs:
+                    job.result()
+                cur.jobs = []
+                shards.trim()
+                tail = (cur.acts[n_full:n], cur.exs[n_full:], cur.toks[n_full:])
+                if nxt is not None and n_full < n:  # the leftover rows join the next buffer
+                    nxt.jobs.append(fill.submit(_place, nxt.arrays(), nxt.perm[:n - n_full], tail))
+                for lo in range(0, n_full, size):
+                    yield _batch(cur.acts[lo:lo + size], cur.exs[lo:lo + size], cur.toks[lo:lo + size], squeeze)
+                if nxt is None and n_full < n and not self.drop_last:
+                    yield _batch(*tail, squeeze)
+                del cur, tail  # drop our references so the buffer can be recycled
         finally:
-            reader.shutdown(wait=True)
-            for fd in fds.values():
-                os.close(fd)
+            fill.shutdown(wait=True, cancel_futures=True)
+            shards.close()
+
+
+@dataclass
+class _Fill:
+    """One shuffle buffer being filled: rows, their example/token indices, the permutation, the jobs."""
+    acts: np.ndarray
+    exs: np.ndarray
+    toks: np.ndarray
+    perm: np.ndarray
+    jobs: list[Future]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.acts, self.exs, self.toks
+
+
+# Page tables of at most ~32 MB (8 bytes per 4 KiB) per DataLoader worker.
+REMAP_BYTES = 16 << 30
+
+
+class _ShardFiles:
+    """Read-only maps of the shards, shared by the fill threads; each shard is mapped once and stays
+    mapped across blocks. (Mapping each block and unmapping it after its scatter costs a TLB
+    shootdown across threads per block: 0.35 of a sequential read against 0.51 for this.)"""
+
+    def __init__(self, store: SaevStore, remap_bytes: int):
+        self.store, self.remap_bytes, self.lock = store, remap_bytes, Lock()
+        self.fds: dict[int, int] = {}
+        self.arrays: dict[int, np.ndarray] = {}
+        self.mapped_bytes = 0  # bytes of blocks served since the last remap
+
+    def block(self, shard: int, lo: int, k: int) -> np.ndarray:
+        """Examples lo..lo+k of a shard, (k, L, T, D) over the page cache: no copy, faults read it."""
+        with self.lock:
+            if shard not in self.arrays:
+                self.arrays[shard] = self._map(shard)
+            self.mapped_bytes += k * self.store.example_bytes
+            return self.arrays[shard][lo:lo + k]
+
+    def prefetch(self, shard: int, lo: int, k: int) -> None:
+        """Start reading a block from disk in the background (one large readahead, not faults)."""
+        nbytes = self.store.example_bytes
+        with self.lock:
+            fd = self._fd(shard)
+        os.posix_fadvise(fd, lo * nbytes, k * nbytes, os.POSIX_FADV_WILLNEED)
+
+    def trim(self) -> None:
+        """Unmap everything once remap_bytes were served (maps are dropped, not closed), which
+        bounds the page tables (8 bytes per mapped 4 KiB page: 2 GB for a 1 TB epoch otherwise)."""
+        with self.lock:
+            if self.mapped_bytes >= self.remap_bytes:
+                self.arrays.clear()  # a block still being scattered keeps its own map alive
+                self.mapped_bytes = 0
+
+    def _map(self, shard: int) -> np.ndarray:
+        """The size is checked first: a mapping read past the end of a file that was truncated or
+        purged since the store was opened kills the process with SIGBUS instead of raising."""
+        fd, expected = self._fd(shard), self.store.shard_bytes(shard)
+        if os.fstat(fd).st_size != expected:
+            raise FormatError(f"{self.store.dir / self.store.shards[shard]['name']}: {os.fstat(fd).st_size} "
+                              f"bytes, shards.json says {expected}; was it truncated or purged?")
+        mapped = mmap.mmap(fd, expected, prot=mmap.PROT_READ)  # unmapped when the last view is freed
+        return np.frombuffer(mapped, dtype=DTYPE).reshape(-1, self.store.L, self.store.T, self.store.D)
+
+    def _fd(self, shard: int) -> int:
+        if shard not in self.fds:
+            self.fds[shard] = os.open(self.store.dir / self.store.shards[shard]["name"], os.O_RDONLY)
+        return self.fds[shard]
+
+    def close(self) -> None:
+        self.arrays.clear()
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _place(out: tuple[np.ndarray, ...], rows: np.ndarray, carry: tuple[np.ndarray, ...]) -> None:
+    """The last buffer's leftover vectors (fewer than a batch) go to their rows of this one."""
+    for dest, src in zip(out, carry):
+        dest[rows] = src
 
 
 def _buffer(pool: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -186,17 +274,7 @@ def _buffer(pool: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
     return pool[-1]
 
 
-POOL_SIZE = 2
-
-
-def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
-    """Fill a C-contiguous array from fd at offset, resuming after short reads."""
-    view, done = memoryview(out).cast("B"), 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise EOFError(f"short read at byte {offset + done} of a saev shard")
-        done += got
+POOL_SIZE = 3
 
 
 def _batch(acts: np.ndarray, exs: np.ndarray, toks: np.ndarray, squeeze: bool) -> dict[str, torch.Tensor]:
