@@ -7,8 +7,8 @@ blocks into a buffer, permutes the buffer and yields batches from it. So disk re
 sequential while each batch mixes many examples from all over the dataset.
 Each vector is copied once, from the mapped page cache straight to its shuffled row, by `fill_threads`
 threads in parallel; the next buffer fills while the current one's batches are consumed.
-(Measured alternatives, bench/README.md: a pread into a scratch block then the scatter, two copies,
-0.44 of a sequential read against 0.51; a map per block instead of per shard, 0.35.)
+(Measured alternatives, bench/README.md `## saev`: a pread into a scratch block and then the scatter,
+two copies, 0.42-0.44 of a sequential read against 0.46-0.51 for this; a map per block, 0.35-0.38.)
 
 Each epoch every kept vector is yielded exactly once: blocks partition the examples, torch
 DataLoader workers take disjoint slices of the block permutation, and the last partial batch is
