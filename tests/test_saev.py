@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 
 import numpy as np
@@ -198,7 +199,7 @@ def test_loader_epoch_exactly_once_seeded_and_workers(extracted):
     assert first["act"].shape == (16, 2, 32)
 
 
-def test_loader_threads_remaps_and_purged_shards(extracted, monkeypatch):
+def test_loader_threads_scatter_paths_and_purged_shards(extracted, monkeypatch):
     _, store_dir = build(extracted, "bert", tokens_per_window=8, patches_per_shard=3 * 8 * 12)
     store = saev.open_store(store_dir)
     assert len(store.shards) > 2
@@ -210,23 +211,41 @@ def test_loader_threads_remaps_and_purged_shards(extracted, monkeypatch):
     for b in ref[:2]:  # both stored layers (0 and 2) of one token per row
         for act, e, t in zip(b["act"], b["example_idx"], b["token_idx"]):
             np.testing.assert_array_equal(act.numpy(), store.example(int(e))[:, int(t)])
-    # Fill order across threads, and unmapping the shards after every buffer, change nothing.
-    monkeypatch.setattr(saev_loader, "REMAP_BYTES", 1)
-    for got, pick in ((epoch(fill_threads=3), slice(None)), (epoch(fill_threads=2, layers=[2]), 1)):
+    # The order blocks fill in across threads, and the scatter used (C streaming stores or numpy),
+    # change nothing; nor does reading a subset of layers.
+    runs = [(epoch(fill_threads=3), slice(None)), (epoch(fill_threads=2, layers=[2]), 1)]
+    monkeypatch.setattr(saev_loader, "_scatter", None)
+    runs += [(epoch(fill_threads=2), slice(None)), (epoch(fill_threads=2, layers=[2]), 1)]
+    for got, pick in runs:
         assert len(got) == len(ref)
         assert all(torch.equal(a["example_idx"], b["example_idx"]) for a, b in zip(ref, got))
         assert all(torch.equal(a["act"][:, pick], b["act"]) for a, b in zip(ref, got))
-    # A shard purged after the dataset was made is named, not a SIGBUS from the mapping.
+    # A shard purged after the dataset was made is named, at open and mid-read.
     ds = ShuffledActivations(store_dir, batch_size=16, block_examples=3)
-    shards = saev_loader._ShardFiles(store, saev_loader.REMAP_BYTES)  # as an epoch in progress holds them
     victim = store.dir / store.shards[1]["name"]
     with open(victim, "r+b") as fh:
         fh.truncate(100)
-    with pytest.raises(FormatError, match=f"{victim.name}: 100 bytes"):
-        shards.block(1, 0, 1)
     with pytest.raises(FormatError, match=victim.name):
         list(ds)
+    shards = saev_loader._ShardFiles(store)
+    with pytest.raises(FormatError, match=f"{victim.name}: ends at byte 100"):
+        shards.read(1, 0, np.empty((2, store.T, store.D), dtype=np.float32))
     shards.close()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_scatter_extension_built_and_checked():
+    """Where a C compiler exists the install must have built the streaming-store scatter."""
+    assert saev_loader._scatter is not None
+    acts = np.zeros((5, 2, 8), dtype=np.float32)
+    src = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
+    dest = np.array([[4, 0, 2], [1, 3, 4]], dtype=np.int64)
+    saev_loader._scatter_rows(acts, dest, src, 1)
+    expect = np.zeros_like(acts)
+    expect[dest, 1] = src
+    np.testing.assert_array_equal(acts, expect)
+    with pytest.raises(IndexError, match="rows\\[3\\] = 5 is outside"):
+        saev_loader._scatter_rows(acts, np.array([[4, 0, 2], [5, 3, 4]], dtype=np.int64), src, 1)
 
 
 def test_loader_cls_and_labels_filter(extracted, tmp_path):
@@ -238,7 +257,6 @@ def test_loader_cls_and_labels_filter(extracted, tmp_path):
     assert len(no_cls) == 8 * 16 and 0 not in no_cls
     labels = (np.arange(8 * 16).reshape(8, 16) % 3).astype(np.uint8)
     labels_store = tmp_path / src.name
-    import shutil
     shutil.copytree(src, labels_store)
     saev.write_labels(labels_store, labels)
     assert saev.verify(labels_store) == []

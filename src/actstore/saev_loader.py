@@ -1,14 +1,14 @@
 """Shuffled training loader for saev stores: large contiguous reads, a shuffle buffer, torch batches.
 
 saev's own shuffled reader gathers single 4 KiB vectors at large strides (~3.6K vectors/s on OSC
-scratch). This one reads *blocks* (a run of whole examples inside one shard, all tokens, one
-readahead per block when every layer is wanted) in a seeded random order, pours `buffer_blocks`
-blocks into a buffer, permutes the buffer and yields batches from it. So disk reads stay large and
-sequential while each batch mixes many examples from all over the dataset.
-Each vector is copied once, from the mapped page cache straight to its shuffled row, by `fill_threads`
-threads in parallel; the next buffer fills while the current one's batches are consumed.
-(Measured alternatives, bench/README.md `## saev`: a pread into a scratch block and then the scatter,
-two copies, 0.42-0.44 of a sequential read against 0.46-0.51 for this; a map per block, 0.35-0.38.)
+scratch). This one reads *blocks* (a run of whole examples inside one shard, all tokens, one pread
+per block when every layer is wanted) in a seeded random order, pours `buffer_blocks` blocks into a
+buffer, permutes the buffer and yields batches from it. So disk reads stay large and sequential while
+each batch mixes many examples from all over the dataset.
+`fill_threads` threads each pread a block into a small scratch array that stays in cache, then
+scatter its vectors to their shuffled rows with streaming stores (the `_scatter` C extension; numpy's
+fancy assignment when it was not built); the next buffer fills while the current one's batches are
+consumed. Designs measured on the way: bench/README.md `## saev`.
 
 Each epoch every kept vector is yielded exactly once: blocks partition the examples, torch
 DataLoader workers take disjoint slices of the block permutation, and the last partial batch is
@@ -16,11 +16,11 @@ yielded (unless drop_last). Text padding (past n_valid in windows.npy) is never 
 """
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from queue import SimpleQueue
 from threading import Lock
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -31,6 +31,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev import DTYPE, SaevStore
+
+try:
+    from actstore import _scatter
+except ImportError:  # built without a C compiler (setup.py: optional): numpy's scatter, same results
+    _scatter = None
 
 
 class ShuffledActivations(IterableDataset):
@@ -81,8 +86,8 @@ class ShuffledActivations(IterableDataset):
                 out.append((idx, lo, min(self.block_examples, shard["n_examples"] - lo)))
         return np.array(out, dtype=np.int64).reshape(-1, 3)
 
-    def token_mask(self, store: SaevStore, first: int, n: int) -> np.ndarray:
-        """(n, T) bool: which tokens of examples first..first+n are yielded."""
+    def token_mask(self, store: SaevStore, labels: np.ndarray | None, first: int, n: int) -> np.ndarray:
+        """(n, T) bool: which tokens of examples first..first+n are yielded (labels: the store's)."""
         mask = np.ones((n, store.T), dtype=bool)
         cls = int(store.metadata["cls_token"])
         if cls and not self.include_cls:
@@ -90,7 +95,7 @@ class ShuffledActivations(IterableDataset):
         if store.windows is not None:
             mask &= np.arange(store.T)[None, :] < store.windows[first:first + n, 2:3]
         if self.keep_labels is not None:
-            mask[:, cls:] &= np.isin(store.labels()[first:first + n], self.keep_labels)
+            mask[:, cls:] &= np.isin(labels[first:first + n], self.keep_labels)
         return mask
 
     def my_blocks(self) -> np.ndarray:
@@ -102,23 +107,31 @@ class ShuffledActivations(IterableDataset):
         return self.blocks[order]
 
     def _fill_block(self, store: SaevStore, shards: "_ShardFiles", block: np.ndarray, first: int, mask: np.ndarray,
-                    rows: np.ndarray, out: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        """Scatter one block's kept vectors (mask order) to their shuffled `rows` of the buffer, in one
-        copy straight from the page cache. Runs on a fill thread: blocks own disjoint rows, and page
-        faults and numpy's fancy assignment run without the GIL, so blocks fill in parallel."""
+                    rows: np.ndarray, out: tuple[np.ndarray, np.ndarray, np.ndarray], scratch: SimpleQueue) -> None:
+        """Read one block into a cache-resident scratch array, then scatter its kept vectors (mask
+        order) to their shuffled `rows` of the buffer. Runs on a fill thread: blocks own disjoint rows,
+        and pread and the scatter run without the GIL, so blocks fill in parallel."""
         acts, exs, toks = out
         shard, lo, k = (int(x) for x in block)
-        data = shards.block(shard, lo, k)
-        if mask.all():
-            dest = rows.reshape(mask.shape)
-        else:  # dropped vectors (CLS off, padding, label filter) go to the junk row acts[-1]
-            dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
-            dest[mask] = rows
-        if self.layer_idx == list(range(store.L)):
-            acts[dest] = data.transpose(0, 2, 1, 3)  # (k, T, L, D) view of the (k, L, T, D) block
-        else:
-            for j, layer in enumerate(self.layer_idx):
-                acts[dest, j] = data[:, layer]
+        buf = scratch.get()
+        try:
+            data = buf[:k]
+            if self.layer_idx == list(range(store.L)):  # the whole block: one large read
+                shards.read(shard, lo * store.example_bytes, data)
+            else:  # selected layers only: one read of T contiguous vectors per (example, layer)
+                layer_bytes = store.T * store.D * DTYPE.itemsize
+                for e in range(k):
+                    for j, layer in enumerate(self.layer_idx):
+                        shards.read(shard, (lo + e) * store.example_bytes + layer * layer_bytes, data[e, j])
+            if mask.all():
+                dest = rows.reshape(mask.shape)
+            else:  # dropped vectors (CLS off, padding, label filter) go to the junk row acts[-1]
+                dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
+                dest[mask] = rows
+            for j in range(len(self.layer_idx)):
+                _scatter_rows(acts, dest, data[:, j], j)
+        finally:
+            scratch.put(buf)
         ex, tok = np.nonzero(mask)
         exs[rows], toks[rows] = ex + first, tok
 
@@ -131,26 +144,26 @@ class ShuffledActivations(IterableDataset):
         pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
         if pool and pool[0].shape != (cap, nl, store.D):
             pool.clear()
-        shards = _ShardFiles(store, REMAP_BYTES)
+        labels = store.labels() if self.keep_labels is not None else None
+        shards = _ShardFiles(store)
         fill = ThreadPoolExecutor(max_workers=self.fill_threads)
-        # A whole block is one large readahead; with a subset of layers, faults read only those.
-        read_ahead = shards.prefetch if self.layer_idx == list(range(store.L)) else lambda *block: None
+        scratch: SimpleQueue = SimpleQueue()  # one read buffer per fill thread, reused: it stays in cache
+        for _ in range(self.fill_threads):
+            scratch.put(np.empty((self.block_examples, nl, store.T, store.D), dtype=DTYPE))
 
         def start(group: np.ndarray, n_carry: int) -> _Fill:
             """Plan one buffer (n_carry leftover rows of the last one first, then the blocks in order:
             item i goes to row perm[i]) and start filling it; the carry is placed once it is known."""
             firsts = [int(store.starts[b[0]] + b[1]) for b in group]
-            masks = [self.token_mask(store, f, int(b[2])) for f, b in zip(firsts, group)]
+            masks = [self.token_mask(store, labels, f, int(b[2])) for f, b in zip(firsts, group)]
             counts = np.array([int(m.sum()) for m in masks], dtype=np.int64)
             ends = n_carry + np.cumsum(counts)
             n = int(ends[-1])
             perm = rng.permutation(n)
             buf = _Fill(_buffer(pool, (cap, nl, store.D))[:n + 1],  # + a junk row for dropped tokens
                         np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), perm, [])
-            for block in group:
-                read_ahead(*(int(x) for x in block))
             buf.jobs = [fill.submit(self._fill_block, store, shards, block, first, mask, perm[end - count:end],
-                                    buf.arrays())
+                                    buf.arrays(), scratch)
                         for block, first, mask, count, end in zip(group, firsts, masks, counts, ends)]
             return buf
 
@@ -168,7 +181,6 @@ class ShuffledActivations(IterableDataset):
                 for job in cur.jobs:
                     job.result()
                 cur.jobs = []
-                shards.trim()
                 tail = (cur.acts[n_full:n], cur.exs[n_full:], cur.toks[n_full:])
                 if nxt is not None and n_full < n:  # the leftover rows join the next buffer
                     nxt.jobs.append(fill.submit(_place, nxt.arrays(), nxt.perm[:n - n_full], tail))
@@ -195,63 +207,46 @@ class _Fill:
         return self.acts, self.exs, self.toks
 
 
-# Page tables of at most ~32 MB (8 bytes per 4 KiB) per DataLoader worker.
-REMAP_BYTES = 16 << 30
-
-
 class _ShardFiles:
-    """Read-only maps of the shards, shared by the fill threads; each shard is mapped once and stays
-    mapped across blocks. (Mapping each block and unmapping it after its scatter costs a TLB
-    shootdown across threads per block: 0.35 of a sequential read against 0.51 for this.)"""
+    """Shard file descriptors, opened on first use and shared by the fill threads."""
 
-    def __init__(self, store: SaevStore, remap_bytes: int):
-        self.store, self.remap_bytes, self.lock = store, remap_bytes, Lock()
+    def __init__(self, store: SaevStore):
+        self.store, self.lock = store, Lock()
         self.fds: dict[int, int] = {}
-        self.arrays: dict[int, np.ndarray] = {}
-        self.mapped_bytes = 0  # bytes of blocks served since the last remap
 
-    def block(self, shard: int, lo: int, k: int) -> np.ndarray:
-        """Examples lo..lo+k of a shard, (k, L, T, D) over the page cache: no copy, faults read it."""
+    def read(self, shard: int, offset: int, out: np.ndarray) -> None:
+        """Fill a C-contiguous array from a shard at offset, resuming after short reads."""
         with self.lock:
-            if shard not in self.arrays:
-                self.arrays[shard] = self._map(shard)
-            self.mapped_bytes += k * self.store.example_bytes
-            return self.arrays[shard][lo:lo + k]
-
-    def prefetch(self, shard: int, lo: int, k: int) -> None:
-        """Start reading a block from disk in the background (one large readahead, not faults)."""
-        nbytes = self.store.example_bytes
-        with self.lock:
-            fd = self._fd(shard)
-        os.posix_fadvise(fd, lo * nbytes, k * nbytes, os.POSIX_FADV_WILLNEED)
-
-    def trim(self) -> None:
-        """Unmap everything once remap_bytes were served (maps are dropped, not closed), which
-        bounds the page tables (8 bytes per mapped 4 KiB page: 2 GB for a 1 TB epoch otherwise)."""
-        with self.lock:
-            if self.mapped_bytes >= self.remap_bytes:
-                self.arrays.clear()  # a block still being scattered keeps its own map alive
-                self.mapped_bytes = 0
-
-    def _map(self, shard: int) -> np.ndarray:
-        """The size is checked first: a mapping read past the end of a file that was truncated or
-        purged since the store was opened kills the process with SIGBUS instead of raising."""
-        fd, expected = self._fd(shard), self.store.shard_bytes(shard)
-        if os.fstat(fd).st_size != expected:
-            raise FormatError(f"{self.store.dir / self.store.shards[shard]['name']}: {os.fstat(fd).st_size} "
-                              f"bytes, shards.json says {expected}; was it truncated or purged?")
-        mapped = mmap.mmap(fd, expected, prot=mmap.PROT_READ)  # unmapped when the last view is freed
-        return np.frombuffer(mapped, dtype=DTYPE).reshape(-1, self.store.L, self.store.T, self.store.D)
-
-    def _fd(self, shard: int) -> int:
-        if shard not in self.fds:
-            self.fds[shard] = os.open(self.store.dir / self.store.shards[shard]["name"], os.O_RDONLY)
-        return self.fds[shard]
+            if shard not in self.fds:
+                self.fds[shard] = os.open(self.store.dir / self.store.shards[shard]["name"], os.O_RDONLY)
+            fd = self.fds[shard]
+        view, done = memoryview(out).cast("B"), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise FormatError(f"{self.store.dir / self.store.shards[shard]['name']}: ends at byte "
+                                  f"{offset + done}, shards.json says {self.store.shard_bytes(shard)}; "
+                                  "was it truncated or purged?")
+            done += got
 
     def close(self) -> None:
-        self.arrays.clear()
         for fd in self.fds.values():
             os.close(fd)
+
+
+def _scatter_rows(acts: np.ndarray, dest: np.ndarray, src: np.ndarray, col: int) -> None:
+    """acts[dest, col] = src, for src (k, T, D) and dest (k, T) row indices: with streaming stores when
+    the C extension was built (the scatter is the loader's whole cost, and they make it 2.7x faster),
+    else numpy's fancy assignment."""
+    if _scatter is None:
+        acts[dest, col] = src
+        return
+    if not (acts.flags.c_contiguous and dest.flags.c_contiguous and dest.dtype == np.int64
+            and src.strides[2] == src.itemsize == acts.itemsize and dest.shape == src.shape[:2]):
+        raise ValueError(f"scatter: unsupported layout acts {acts.shape} dest {dest.shape} src {src.shape}")
+    _scatter.scatter(acts.ctypes.data, len(acts), acts.strides[0], col * acts.strides[1], src.ctypes.data,
+                     src.shape[0], src.shape[1], src.strides[0], src.strides[1], src.shape[2] * src.itemsize,
+                     dest.ctypes.data)
 
 
 def _place(out: tuple[np.ndarray, ...], rows: np.ndarray, carry: tuple[np.ndarray, ...]) -> None:

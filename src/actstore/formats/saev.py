@@ -352,7 +352,7 @@ class SaevStore:
         self.sidecar = _load_json(sidecar) if sidecar.is_file() else {}
         self.starts = np.concatenate([[0], np.cumsum([s["n_examples"] for s in self.shards])]).astype(np.int64)
         self._maps: dict[int, np.memmap] = {}
-        self._windows: np.ndarray | None = None
+        self._windows: np.ndarray | None | bool = False  # False: not looked for yet
         if check_sizes:
             problems = self.size_problems()
             if problems:
@@ -476,8 +476,9 @@ class SaevStore:
     @property
     def windows(self) -> np.ndarray | None:
         """Text stores: (n_examples, 3) sample_idx, token_start, n_valid; None for images."""
-        if self._windows is None and (self.dir / WINDOWS).is_file():
-            self._windows = np.load(self.dir / WINDOWS, allow_pickle=False)
+        if self._windows is False:  # looked up once: the loader asks for every block
+            path = self.dir / WINDOWS
+            self._windows = np.load(path, allow_pickle=False) if path.is_file() else None
         return self._windows
 
     def labels(self) -> np.ndarray | None:
