@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from actstore.formats.parts import open_extraction
 from actstore.hashing import stage_hash
 from actstore import saev_loader
 from actstore.saev_loader import ShuffledActivations
+
+import tiny
 
 PPS = 100  # tiny patches_per_shard: several shards, a short last one
 
@@ -287,3 +290,28 @@ def test_clip_has_cls_and_siglip_has_none(extracted, kind, cls_token, tokens):
         np.testing.assert_array_equal(spec_read(store_dir, ex, layer, tok),
                                       extraction.activations(f"layer_{layer}", ex)[tok])
     assert saev.verify(store_dir) == []
+
+
+def test_dinov2_register_tokens_follow_cls(extracted, image_folder):
+    """dinov2_with_registers: CLS, then the registers, then the patches, each equal to the model's own
+    hidden states; the register count is recorded in actstore.json."""
+    from PIL import Image
+    from actstore.models import load_model
+
+    extraction, store_dir = build(extracted, "dinov2_registers")
+    md = json.loads((store_dir / "metadata.json").read_text())
+    assert md["family"] == "dinov2" and md["cls_token"] is True
+    assert md["patches_per_ex"] == tiny.REGISTERS + 16
+    assert json.loads((store_dir / saev.SIDECAR).read_text())["registers"] == tiny.REGISTERS
+    loaded = load_model(Path(extracted("dinov2_registers")[0]["model"]["path"]))
+    store = saev.open_store(store_dir)
+    for ex in (0, 5):
+        image = Image.open(image_folder / extraction.sample(ex)["text"]).convert("RGB")
+        with torch.inference_mode():
+            hidden = loaded.model(pixel_values=loaded.preprocessor(images=[image], return_tensors="pt")["pixel_values"],
+                                  output_hidden_states=True).hidden_states
+        for layer in (0, 2):  # "layer i" = output of block i = hidden_states[i + 1]
+            np.testing.assert_allclose(store.example(ex)[md["layers"].index(layer)], hidden[layer + 1][0].numpy(),
+                                       rtol=1e-5, atol=1e-5)
+    no_cls = [int(t) for b in ShuffledActivations(store_dir, batch_size=32, include_cls=False) for t in b["token_idx"]]
+    assert sorted(set(no_cls)) == list(range(1, 1 + tiny.REGISTERS + 16)) and len(no_cls) == 8 * (tiny.REGISTERS + 16)

@@ -13,9 +13,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
 TEXT_KINDS = ("bert", "gpt2", "llama")
-VISION_KINDS = ("dinov2", "clip", "siglip")
+VISION_KINDS = ("dinov2", "dinov2_registers", "clip", "siglip")
 IMAGE_SIZE = 32
 PATCH = 8
+REGISTERS = 4  # dinov2_registers: tokens 1..4 after CLS
 
 
 def corpus_rows(n: int) -> list[dict]:
@@ -88,6 +89,12 @@ def build_model(kind: str, out: Path) -> Path:
                              do_center_crop=True).save_pretrained(out)
         model = tf.Dinov2Model(tf.Dinov2Config(image_size=IMAGE_SIZE, patch_size=PATCH, mlp_ratio=2, **{
             k: v for k, v in common.items() if k != "intermediate_size"}))
+    elif kind == "dinov2_registers":
+        tf.BitImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                             do_center_crop=True).save_pretrained(out)
+        model = tf.Dinov2WithRegistersModel(tf.Dinov2WithRegistersConfig(
+            image_size=IMAGE_SIZE, patch_size=PATCH, mlp_ratio=2, num_register_tokens=REGISTERS,
+            **{k: v for k, v in common.items() if k != "intermediate_size"}))
     elif kind == "clip":
         tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
