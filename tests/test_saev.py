@@ -241,14 +241,16 @@ def test_scatter_extension_built_and_checked():
     """Where a C compiler exists the install must have built the streaming-store scatter."""
     assert saev_loader._scatter is not None
     acts = np.zeros((5, 2, 8), dtype=np.float32)
-    src = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
+    block = np.arange(2 * 2 * 3 * 8, dtype=np.float32).reshape(2, 2, 3, 8)  # (k, layers, T, D)
     dest = np.array([[4, 0, 2], [1, 3, 4]], dtype=np.int64)
-    saev_loader._scatter_rows(acts, dest, src, 1)
+    saev_loader._scatter_rows(acts, dest, block)
     expect = np.zeros_like(acts)
-    expect[dest, 1] = src
+    expect[dest] = block.transpose(0, 2, 1, 3)
     np.testing.assert_array_equal(acts, expect)
     with pytest.raises(IndexError, match="rows\\[3\\] = 5 is outside"):
-        saev_loader._scatter_rows(acts, np.array([[4, 0, 2], [5, 3, 4]], dtype=np.int64), src, 1)
+        saev_loader._scatter_rows(acts, np.array([[4, 0, 2], [5, 3, 4]], dtype=np.int64), block)
+    with pytest.raises(ValueError, match="unsupported layout"):
+        saev_loader._scatter_rows(acts, dest, block[:, :1])
 
 
 def test_loader_cls_and_labels_filter(extracted, tmp_path):

@@ -41,21 +41,22 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes) {
 }
 
 PyDoc_STRVAR(scatter_doc,
-"scatter(dst, dst_rows, dst_row_bytes, dst_col, src, n_ex, n_tok, ex_stride, tok_stride, nbytes, rows)\n"
+"scatter(dst, dst_rows, dst_row_bytes, src, n_ex, n_layers, n_tok, ex_stride, layer_stride, tok_stride,\n"
+"        nbytes, rows)\n"
 "\n"
-"For every (e, t) < (n_ex, n_tok): copy nbytes from src + e*ex_stride + t*tok_stride to\n"
-"dst + rows[e*n_tok + t]*dst_row_bytes + dst_col. Addresses are integers (numpy's .ctypes.data);\n"
-"rows is int64, each in [0, dst_rows). Runs without the GIL.");
+"For every (e, t) < (n_ex, n_tok), fill row rows[e*n_tok + t] of dst: its n_layers chunks of nbytes,\n"
+"chunk l from src + e*ex_stride + l*layer_stride + t*tok_stride. Addresses are integers (numpy's\n"
+".ctypes.data); rows is int64, each in [0, dst_rows). Runs without the GIL.");
 
 static PyObject *scatter(PyObject *self, PyObject *args) {
     unsigned long long dst, src, rows_addr;
-    Py_ssize_t dst_rows, dst_row_bytes, dst_col, n_ex, n_tok, ex_stride, tok_stride, nbytes;
-    if (!PyArg_ParseTuple(args, "KnnnKnnnnnK", &dst, &dst_rows, &dst_row_bytes, &dst_col, &src, &n_ex, &n_tok,
-                          &ex_stride, &tok_stride, &nbytes, &rows_addr))
+    Py_ssize_t dst_rows, dst_row_bytes, n_ex, n_layers, n_tok, ex_stride, layer_stride, tok_stride, nbytes;
+    if (!PyArg_ParseTuple(args, "KnnKnnnnnnnK", &dst, &dst_rows, &dst_row_bytes, &src, &n_ex, &n_layers, &n_tok,
+                          &ex_stride, &layer_stride, &tok_stride, &nbytes, &rows_addr))
         return NULL;
-    if (dst_col < 0 || nbytes < 0 || dst_col + nbytes > dst_row_bytes || n_ex < 0 || n_tok < 0) {
-        PyErr_Format(PyExc_ValueError, "scatter: %zd bytes at column byte %zd do not fit a %zd-byte row",
-                     nbytes, dst_col, dst_row_bytes);
+    if (nbytes < 0 || n_layers < 0 || n_layers * nbytes > dst_row_bytes || n_ex < 0 || n_tok < 0) {
+        PyErr_Format(PyExc_ValueError, "scatter: %zd chunks of %zd bytes do not fit a %zd-byte row", n_layers,
+                     nbytes, dst_row_bytes);
         return NULL;
     }
     const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
@@ -70,8 +71,10 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     if (bad < 0) {
         for (Py_ssize_t e = 0; e < n_ex; e++) {
             for (Py_ssize_t t = 0; t < n_tok; t++) {
-                copy_streaming((char *)(uintptr_t)dst + rows[e * n_tok + t] * dst_row_bytes + dst_col,
-                               (const char *)(uintptr_t)src + e * ex_stride + t * tok_stride, (size_t)nbytes);
+                char *row = (char *)(uintptr_t)dst + rows[e * n_tok + t] * dst_row_bytes;
+                const char *from = (const char *)(uintptr_t)src + e * ex_stride + t * tok_stride;
+                for (Py_ssize_t l = 0; l < n_layers; l++)
+                    copy_streaming(row + l * nbytes, from + l * layer_stride, (size_t)nbytes);
             }
         }
 #ifdef __SSE2__

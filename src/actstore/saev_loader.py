@@ -128,8 +128,7 @@ class ShuffledActivations(IterableDataset):
             else:  # dropped vectors (CLS off, padding, label filter) go to the junk row acts[-1]
                 dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
                 dest[mask] = rows
-            for j in range(len(self.layer_idx)):
-                _scatter_rows(acts, dest, data[:, j], j)
+            _scatter_rows(acts, dest, data)
         finally:
             scratch.put(buf)
         ex, tok = np.nonzero(mask)
@@ -234,19 +233,20 @@ class _ShardFiles:
             os.close(fd)
 
 
-def _scatter_rows(acts: np.ndarray, dest: np.ndarray, src: np.ndarray, col: int) -> None:
-    """acts[dest, col] = src, for src (k, T, D) and dest (k, T) row indices: with streaming stores when
-    the C extension was built (the scatter is the loader's whole cost, and they make it 2.7x faster),
-    else numpy's fancy assignment."""
+def _scatter_rows(acts: np.ndarray, dest: np.ndarray, block: np.ndarray) -> None:
+    """acts[dest] = block.transpose(0, 2, 1, 3) for a (k, n_layers, T, D) block and (k, T) destination
+    rows: with streaming stores when the C extension was built (the scatter is the loader's whole cost,
+    and they make it 2.7x faster), else numpy's fancy assignment."""
     if _scatter is None:
-        acts[dest, col] = src
+        acts[dest] = block.transpose(0, 2, 1, 3)
         return
+    k, n_layers, n_tok, d = block.shape
     if not (acts.flags.c_contiguous and dest.flags.c_contiguous and dest.dtype == np.int64
-            and src.strides[2] == src.itemsize == acts.itemsize and dest.shape == src.shape[:2]):
-        raise ValueError(f"scatter: unsupported layout acts {acts.shape} dest {dest.shape} src {src.shape}")
-    _scatter.scatter(acts.ctypes.data, len(acts), acts.strides[0], col * acts.strides[1], src.ctypes.data,
-                     src.shape[0], src.shape[1], src.strides[0], src.strides[1], src.shape[2] * src.itemsize,
-                     dest.ctypes.data)
+            and block.strides[3] == block.itemsize == acts.itemsize and dest.shape == (k, n_tok)
+            and acts.shape[1:] == (n_layers, d)):
+        raise ValueError(f"scatter: unsupported layout acts {acts.shape} dest {dest.shape} block {block.shape}")
+    _scatter.scatter(acts.ctypes.data, len(acts), acts.strides[0], block.ctypes.data, k, n_layers, n_tok,
+                     block.strides[0], block.strides[1], block.strides[2], d * block.itemsize, dest.ctypes.data)
 
 
 def _place(out: tuple[np.ndarray, ...], rows: np.ndarray, carry: tuple[np.ndarray, ...]) -> None:
