@@ -12,6 +12,8 @@ MODEL_PATH = resolve_model_path(config["model"]["path"])
 check_layers(config["extract"]["layers"], num_blocks(read_model_config(MODEL_PATH)))
 if not Path(config["dataset"]["path"]).exists():
     raise ValueError(f"dataset.path does not exist: {config['dataset']['path']}")
+if config["saev"].get("patch_labels") and not Path(config["saev"]["patch_labels"]["masks"]).is_dir():
+    raise ValueError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
 
 DUMP_TO = Path(config["dump_to"])
 N_PARTS = config["extract"]["parts"]

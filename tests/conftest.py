@@ -37,16 +37,17 @@ def image_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def extracted(tmp_path_factory, model_dir, text_jsonl, image_folder):
-    """extracted(kind, **sections) -> (config, extract_dir) after running every part of a tiny extraction."""
+    """extracted(kind, data=None, **sections) -> (config, extract_dir) after running every part of a
+    tiny extraction (data: the dataset path, default the shared images or texts for the kind)."""
     from actstore.extract import run_part, write_index
     from actstore.hashing import stage_dir
 
     cache = {}
 
-    def get(kind: str, **sections):
-        key = (kind, repr(sorted(sections.items())))
+    def get(kind: str, data=None, **sections):
+        key = (kind, str(data), repr(sorted(sections.items())))
         if key not in cache:
-            data = image_folder if kind in tiny.VISION_KINDS else text_jsonl
+            data = data or (image_folder if kind in tiny.VISION_KINDS else text_jsonl)
             config = tiny.make_config(tmp_path_factory.mktemp(f"run-{kind}"), model_dir(kind), data, **sections)
             out = stage_dir(config, "extract")
             for part in range(config["extract"]["parts"]):

@@ -23,8 +23,8 @@ import tiny
 PPS = 100  # tiny patches_per_shard: several shards, a short last one
 
 
-def build(extracted, kind, **section):
-    config, extract_dir = extracted(kind)
+def build(extracted, kind, data=None, **section):
+    config, extract_dir = extracted(kind, data)
     extraction = open_extraction(extract_dir)
     sec = {**config["saev"], "patches_per_shard": PPS, **section}
     root = extract_dir.parent.parent / "saev"
@@ -317,3 +317,146 @@ def test_dinov2_register_tokens_follow_cls(extracted, image_folder):
                                        rtol=1e-5, atol=1e-5)
     no_cls = [int(t) for b in ShuffledActivations(store_dir, batch_size=32, include_cls=False) for t in b["token_idx"]]
     assert sorted(set(no_cls)) == list(range(1, 1 + tiny.REGISTERS + 16)) and len(no_cls) == 8 * (tiny.REGISTERS + 16)
+
+
+# ------------------------------------------------------------------------ labels.bin from masks
+
+def expected_patch_labels(mask: np.ndarray, patch: int, pixel_agg: str, bg: int = 0) -> list[int]:
+    """Row-major tiles of a processed mask, each labelled by counting its pixels one by one."""
+    from collections import Counter
+
+    out = []
+    for gy in range(mask.shape[0] // patch):
+        for gx in range(mask.shape[1] // patch):
+            counts = Counter(mask[gy * patch:(gy + 1) * patch, gx * patch:(gx + 1) * patch].ravel().tolist())
+            if pixel_agg == "prefer-fg" and set(counts) != {bg}:
+                counts.pop(bg, None)
+            top = max(counts.values())
+            out.append(min(label for label, n in counts.items() if n == top))
+    return out
+
+
+# (kind, coarse mask h x w, blow-up factor, the processor's crop of the coarse map, registers)
+GEOMETRY = {
+    # BitImageProcessor: shortest edge 64 -> 32 (width 96 -> 48), then a centre crop 32x32: columns 8..40
+    "dinov2": ((32, 48), (2, 2), np.s_[:, 8:40], 0),
+    "dinov2_registers": ((32, 48), (2, 2), np.s_[:, 8:40], tiny.REGISTERS),
+    # SiglipImageProcessor: a plain resize of 64x96 to 32x32, no crop
+    "siglip": ((32, 32), (2, 3), np.s_[:, :], 0),
+}
+
+
+@pytest.fixture(scope="module")
+def segmentation(tmp_path_factory):
+    """segmentation(kind) -> (images dir, masks dir, coarse maps) sized for that kind's processor."""
+    cache = {}
+
+    def get(kind):
+        hw, factor = GEOMETRY[kind][:2]
+        if (hw, factor) not in cache:
+            cache[hw, factor] = tiny.write_segmentation_folder(tmp_path_factory.mktemp("seg"), hw, factor)
+        return cache[hw, factor]
+    return get
+
+
+@pytest.mark.parametrize("kind", list(GEOMETRY))
+@pytest.mark.parametrize("pixel_agg", ["majority", "prefer-fg"])
+def test_labels_bin_from_masks_follows_the_processor(extracted, segmentation, kind, pixel_agg):
+    """labels.bin holds, per image, the label of every patch of the mask resized and cropped exactly as
+    the pixels were; register columns hold 255; the settings change HASH; the loader filters on it."""
+    from actstore.patch_labels import REGISTER_LABEL
+
+    images, masks, coarse = segmentation(kind)
+    _, _, crop, registers = GEOMETRY[kind]
+    labels_cfg = {"masks": str(masks), "mask_suffix": ".png", "pixel_agg": pixel_agg, "bg_label": 0}
+    extraction, store_dir = build(extracted, kind, images, patch_labels=labels_cfg)
+    md = json.loads((store_dir / "metadata.json").read_text())
+    n, p = md["n_examples"], md["patches_per_ex"]
+    assert n == len(coarse) == 6 and p == registers + 16
+    labels = np.fromfile(store_dir / "labels.bin", dtype=np.uint8).reshape(n, p)
+    for ex in range(n):
+        rel = extraction.sample(ex)["text"]
+        want = expected_patch_labels(coarse[int(rel.split("_")[-1][:2])][crop], tiny.PATCH, pixel_agg)
+        assert labels[ex, registers:].tolist() == want, (kind, rel)
+        assert (labels[ex, :registers] == REGISTER_LABEL).all()
+    assert set(np.unique(labels[:, registers:])) <= {0, 1, 2, 3, 9} and 9 in labels
+    assert saev.verify(store_dir) == []
+    assert saev.decode_data(md["data"])["patch_labels"]["pixel_agg"] == pixel_agg
+    _, plain = build(extracted, kind, images)
+    assert plain.name != store_dir.name and not (plain / "labels.bin").exists()
+    kept = sorted((int(e), int(t)) for b in ShuffledActivations(store_dir, batch_size=7, include_cls=False,
+                                                                 keep_labels=[9])
+                  for e, t in zip(b["example_idx"], b["token_idx"]))
+    cls = int(md["cls_token"])
+    assert kept == sorted((int(e), int(c) + cls) for e, c in zip(*np.nonzero(labels == 9)))
+
+
+def test_bad_masks_are_named_and_nothing_is_written(extracted, segmentation, tmp_path):
+    from PIL import Image
+
+    images, masks, _ = segmentation("dinov2")
+    config, extract_dir = extracted("dinov2", images)
+    extraction = open_extraction(extract_dir)
+    bad = tmp_path / "masks"
+    shutil.copytree(masks, bad)
+    cfg = {**config["saev"], "patches_per_shard": PPS,
+           "patch_labels": {"masks": str(bad), "mask_suffix": ".png", "pixel_agg": "majority", "bg_label": 0}}
+    root = tmp_path / "saev"
+    victim = bad / "b" / "img_03.png"
+
+    def fails(match):
+        with pytest.raises((FormatError, ConfigError), match=match):
+            saev.write_store(extraction, cfg, root, progress=False)
+        assert not root.exists() or not any(root.iterdir())  # nothing half-written under the store name
+
+    victim.unlink()
+    fails(r"img_03\.png: mask missing")
+    Image.new("L", (10, 10)).save(victim)
+    fails(r"img_03\.png: mask is 10x10, its image is 96x64")
+    Image.new("RGB", (96, 64)).save(victim)
+    fails(r"img_03\.png: mask mode 'RGB'")
+    Image.fromarray(np.full((64, 96), 300, dtype=np.uint16)).save(victim)
+    fails(r"img_03\.png: class ids must be 0-255")
+    with pytest.raises(ConfigError, match="image dataset"):
+        build(extracted, "bert", patch_labels=cfg["patch_labels"])
+
+
+def test_mask_through_an_interpolating_processor_is_refused(tmp_path):
+    """A processor that ignores resample=NEAREST would blend class ids: refused, naming the mask."""
+    from transformers import SiglipImageProcessor
+    from actstore.patch_labels import processed_mask
+
+    class Bilinear(SiglipImageProcessor):
+        def __call__(self, images, **kwargs):
+            kwargs.pop("resample")
+            return super().__call__(images, resample=2, **kwargs)  # PIL BILINEAR
+
+    mask = np.kron(np.array([[0, 200], [50, 9]], dtype=np.uint8), np.ones((33, 47), np.uint8))
+    with pytest.raises(ConfigError, match="m.png: .*nearest-neighbour"):
+        processed_mask(Bilinear(size={"height": 32, "width": 32}), mask, tmp_path / "m.png")
+    exact = processed_mask(SiglipImageProcessor(size={"height": 32, "width": 32}), mask, tmp_path / "m.png")
+    assert exact.shape == (32, 32) and set(np.unique(exact)) == {0, 9, 50, 200}
+
+
+def test_snakemake_saev_target_writes_labels_bin(model_dir, segmentation, tmp_path):
+    """The workflow path: `snakemake saev` with saev.patch_labels writes the same labels.bin as the library."""
+    import subprocess
+    import sys
+
+    images, masks, coarse = segmentation("dinov2")
+    config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("dinov2"))},
+              "dataset": {"path": str(images)}, "extract": {"layers": [1], "parts": 2, "batch_size": 4},
+              "saev": {"patch_labels": {"masks": str(masks), "pixel_agg": "prefer-fg"}},
+              **{s: {"enabled": False} for s in ("pickle", "lmprobe", "zarr", "sae", "validate")}}
+    configfile = tiny.save_config(config, tmp_path / "seg.yaml")
+    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(tiny.REPO / "Snakefile"), "-d",
+           str(tmp_path), "--configfile", str(configfile), "--cores", "2", "saev"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    store = saev.resolve(next((tmp_path / "dump" / "saev").glob("*/saev.json")))
+    assert saev.verify(store) == []
+    labels = np.fromfile(store / "labels.bin", dtype=np.uint8).reshape(6, 16)
+    extraction = open_extraction(next((tmp_path / "dump" / "extract").glob("*/extract.json")).parent)
+    for _, _, row in extraction.iter_samples():
+        want = expected_patch_labels(coarse[int(row["text"].split("_")[-1][:2])][:, 8:40], tiny.PATCH, "prefer-fg")
+        assert labels[row["sample_idx"]].tolist() == want

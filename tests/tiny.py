@@ -139,3 +139,30 @@ def make_config(tmp: Path, model_path: Path | str, data_path: Path | str, **sect
 def save_config(config: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def write_segmentation_folder(root: Path, coarse_hw: tuple[int, int], factor: tuple[int, int],
+                              n_images: int = 6) -> tuple[Path, Path, list[np.ndarray]]:
+    """Real photographs with pixel masks, laid out like ADE20K (images/<rel>.png, masks/<rel>.png).
+
+    Each mask is a coarse (h, w) label map of its photo (4 grey-level classes, plus class 9 in one
+    corner) blown up by an integer `factor`, and the photo is resized to the same size, so a
+    nearest-neighbour resize back down by `factor` recovers the coarse map exactly whichever pixel
+    of a block it picks. Returns (images dir, masks dir, coarse maps in sample_idx order)."""
+    from PIL import Image
+    from skimage import data
+
+    photos = [data.chelsea(), data.coffee(), data.astronaut(), data.rocket(), data.cat(), data.immunohistochemistry()]
+    h, w = coarse_hw
+    images, masks, coarse = root / "images", root / "masks", []
+    for i in range(n_images):
+        rel = f"{'ab'[i % 2]}/img_{i:02d}"
+        photo = Image.fromarray(photos[i % len(photos)]).resize((w * factor[1], h * factor[0]))
+        grey = np.asarray(Image.fromarray(photos[i % len(photos)]).convert("L").resize((w, h)), dtype=np.float64)
+        labels = np.digitize(grey, np.quantile(grey, [0.25, 0.5, 0.75])).astype(np.uint8)
+        labels[: h // 3, : w // 3] = 9
+        coarse.append(labels)
+        for folder, img in ((images, photo), (masks, Image.fromarray(np.kron(labels, np.ones(factor, np.uint8))))):
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            img.save((folder / rel).with_suffix(".png"))
+    return images, masks, coarse

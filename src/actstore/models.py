@@ -114,9 +114,16 @@ def _from_pretrained(kind: str, path: Path, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def load_image_processor(path: str | Path) -> Any:
+    """The model folder's image processor (the one extraction uses, so masks can follow its geometry)."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True)
+
+
 def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto") -> LoadedModel:
     """Load weights and preprocessor from a local folder; never touches a hub."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = Path(path)
     config = read_model_config(path)
@@ -125,7 +132,7 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     model = _from_pretrained(kind, path, TORCH_DTYPES[torch_dtype]).to(dev).eval()
     blocks_path, blocks = find_blocks(model, num_blocks(config))
     if kind == "vision":
-        preprocessor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        preprocessor = load_image_processor(path)
     else:
         preprocessor = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if preprocessor.pad_token_id is None:

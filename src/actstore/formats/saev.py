@@ -6,7 +6,8 @@ Store layout (`<dump_to>/saev/<HASH>/`, HASH = full sha256 of the canonical meta
                    ("bytes"/"sha256": optional keys, a backward-compatible minor addition)
   acts%06d.bin     raw C-order float32 (S, L, T, D), no header
   labels.bin       optional per-patch labels: raw C-order uint8 (n_examples, patches_per_ex), no CLS
-                   column (saev's layout); attached with write_labels()
+                   column (saev's layout); written from segmentation masks (saev.patch_labels, see
+                   actstore.patch_labels) or attached later with write_labels()
   windows.npy      text stores only (optional extension): int64 (n_examples, 3) rows
                    (sample_idx, token_start, n_valid): example e = tokens token_start..+n_valid of
                    dataset row sample_idx; tokens n_valid..T-1 are zero padding
@@ -101,6 +102,7 @@ class Plan:
     metadata: dict[str, Any]
     windows: np.ndarray | None  # text: (n_examples, 3) sample_idx, token_start, n_valid
     sidecar: dict[str, Any]
+    labels: np.ndarray | None = None  # images: (n_examples, patches_per_ex) uint8 -> labels.bin
 
     @property
     def tokens_per_ex(self) -> int:
@@ -117,8 +119,10 @@ def text_windows(num_tokens: np.ndarray, window: int) -> np.ndarray:
     return np.stack([sample, start, valid], axis=1).astype(np.int64)
 
 
-def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = None) -> Plan:
-    """Spec metadata for an extraction and the `saev` config section."""
+def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = None,
+               progress: bool = False) -> Plan:
+    """Spec metadata for an extraction and the `saev` config section (patch labels computed here, so a
+    bad mask fails before anything is written)."""
     from actstore.formats.parts import layer_tensor
     from actstore.models import read_model_config
 
@@ -145,7 +149,12 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         _check_patches(read_model_config(Path(meta["model"]["path"])), tokens - int(cls_token) - registers)
         patches, windows = tokens - int(cls_token), None
         sidecar["registers"] = registers
+        labels = _plan_labels(extraction, section, description, patches, registers, progress)
     else:
+        if section.get("patch_labels"):
+            raise ConfigError("saev.patch_labels: per-patch labels need an image dataset; "
+                              f"{meta['dataset']['path']} is text")
+        labels = None
         family, cls_token = model_type, False
         patches = int(section["tokens_per_window"])
         windows = text_windows(num_tokens, patches)
@@ -161,7 +170,26 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     if examples_per_shard(metadata["patches_per_shard"], patches + int(cls_token), len(layers)) < 1:
         raise ConfigError(f"saev.patches_per_shard={metadata['patches_per_shard']} is smaller than one example "
                           f"({patches + int(cls_token)} tokens x {len(layers)} layers)")
-    return Plan(metadata, windows, sidecar)
+    return Plan(metadata, windows, sidecar, labels)
+
+
+def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any], patches: int,
+                 registers: int, progress: bool) -> np.ndarray | None:
+    """labels.bin rows from saev.patch_labels (None when unset); the settings join `data`, so HASH
+    changes with them."""
+    from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
+
+    settings = section.get("patch_labels")
+    if not settings:
+        return None
+    settings = {**settings, "masks": str(Path(settings["masks"]).resolve())}
+    if not Path(settings["masks"]).is_dir():
+        raise ConfigError(f"saev.patch_labels.masks: {settings['masks']} is not a directory")
+    description["patch_labels"] = {**settings, "register_label": REGISTER_LABEL}
+    meta = extraction.meta
+    rels = [row["text"] for _, _, row in extraction.iter_samples()]
+    return image_patch_labels(meta["dataset"]["path"], rels, meta["model"]["path"], settings, patches,
+                              registers, progress=progress)
 
 
 def _registers(model_config: dict[str, Any]) -> int:
@@ -222,7 +250,7 @@ def write_store(extraction, section: dict[str, Any], root: str | Path, extract_h
     """Write the store for an extraction under root/<HASH>/ (built in a temp dir, renamed last)."""
     from actstore.formats.parts import layer_tensor
 
-    plan = plan_store(extraction, section, extract_hash)
+    plan = plan_store(extraction, section, extract_hash, progress=progress)
     names = [layer_tensor(layer) for layer in plan.metadata["layers"]]
     windows = plan.windows
 
@@ -259,6 +287,9 @@ def write_raw_store(plan: Plan, fill: Callable[[int, np.ndarray], None], root: s
         if plan.windows is not None:
             np.save(tmp / WINDOWS, plan.windows)
             files[WINDOWS] = _file_info(tmp / WINDOWS)
+        if plan.labels is not None:
+            _write_labels_file(tmp / LABELS, plan.labels, (md["n_examples"], md["patches_per_ex"]))
+            files[LABELS] = _file_info(tmp / LABELS)
         write_json_atomic(tmp / SHARDS, shards)
         write_json_atomic(tmp / SIDECAR, {**plan.sidecar, "files": files})
         write_json_atomic(tmp / METADATA, md)  # written last: its presence marks a finished store
@@ -277,15 +308,19 @@ def write_pointer(pointer: str | Path, store: str | Path) -> None:
                                 "protocol": PROTOCOL})
 
 
+def _write_labels_file(path: Path, labels: np.ndarray, shape: tuple[int, int]) -> None:
+    """labels.bin: raw C-order uint8 (n_examples, patches_per_ex), written atomically."""
+    labels = np.ascontiguousarray(labels)
+    if labels.shape != shape or labels.dtype != np.uint8:
+        raise FormatError(f"{path}: need uint8 {shape}, got {labels.dtype} {labels.shape}")
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(labels.tobytes())
+
+
 def write_labels(path: str | Path, labels: np.ndarray) -> None:
     """Attach per-patch labels (n_examples, patches_per_ex) as labels.bin (uint8) and record its sha256."""
     store = open_store(path)
-    want = (store.n_examples, store.patches_per_ex)
-    labels = np.ascontiguousarray(labels)
-    if labels.shape != want or labels.dtype != np.uint8:
-        raise FormatError(f"labels.bin: need uint8 {want}, got {labels.dtype} {labels.shape}")
-    with atomic_path(store.dir / LABELS) as tmp:
-        tmp.write_bytes(labels.tobytes())
+    _write_labels_file(store.dir / LABELS, labels, (store.n_examples, store.patches_per_ex))
     sidecar = store.sidecar
     sidecar.setdefault("files", {})[LABELS] = _file_info(store.dir / LABELS)
     write_json_atomic(store.dir / SIDECAR, sidecar)

@@ -1,0 +1,105 @@
+"""Per-patch labels for image stores, from pixel segmentation masks (saev's labels.bin contents).
+
+Each image `<dataset.path>/<rel>` has a mask `<masks>/<rel with its suffix replaced by mask_suffix>`
+(ADE20K's `annotations/` beside `images/`): a single-channel image (mode L or P) of the same size
+whose pixel values are class ids 0-255. The mask goes through the model's own image processor with
+NEAREST resampling and no rescale/normalise, so it is resized and cropped exactly like the pixels
+the model saw; then each patch_size x patch_size tile gets one label:
+  majority   the most frequent label in the tile (ties: the smallest label), saev's default
+  prefer-fg  the most frequent label other than bg_label, bg_label only if the whole tile is background
+Register tokens (dinov2 with registers) have no pixels: their columns hold REGISTER_LABEL.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from actstore.errors import ConfigError, FormatError
+
+REGISTER_LABEL = 255
+N_CLASSES = 256
+
+
+def mask_path(masks_dir: str | Path, image_rel: str, suffix: str) -> Path:
+    """Where the mask of the image at dataset-relative path `image_rel` lives."""
+    return (Path(masks_dir) / image_rel).with_suffix(suffix)
+
+
+def read_mask(path: Path, image_size: tuple[int, int]) -> np.ndarray:
+    """(H, W) uint8 class ids; raise FormatError naming the file if it is not a label image of that size."""
+    from PIL import Image
+
+    if not path.is_file():
+        raise FormatError(f"{path}: mask missing (saev.patch_labels.masks)")
+    with Image.open(path) as img:
+        if img.size != image_size:
+            raise FormatError(f"{path}: mask is {img.size[0]}x{img.size[1]}, its image is "
+                              f"{image_size[0]}x{image_size[1]}")
+        if img.mode not in ("L", "P", "I", "I;16"):
+            raise FormatError(f"{path}: mask mode {img.mode!r}; need one channel of class ids (L, P or I)")
+        mask = np.asarray(img)
+    if mask.max(initial=0) >= N_CLASSES or mask.min(initial=0) < 0:
+        raise FormatError(f"{path}: class ids must be 0-255 (labels.bin is uint8), found {mask.min()}-{mask.max()}")
+    return mask.astype(np.uint8)
+
+
+def processed_mask(processor: Any, mask: np.ndarray, where: Path) -> np.ndarray:
+    """The mask after the processor's resize/crop, as (H', W') class ids (nearest neighbour only)."""
+    from PIL import Image
+
+    rgb = Image.fromarray(np.repeat(mask[:, :, None], 3, axis=2))
+    out = processor(images=[rgb], do_rescale=False, do_normalize=False, resample=Image.NEAREST,
+                    return_tensors="np")["pixel_values"][0, 0]
+    labels = np.rint(out).astype(np.int64)
+    # A processor that ignored `resample` would blend class ids into values no pixel had.
+    if not np.isin(labels, np.unique(mask)).all() or not np.allclose(out, labels):
+        raise ConfigError(f"{where}: {type(processor).__name__} did not resize the mask with nearest-neighbour "
+                          "resampling; class ids were interpolated")
+    return labels.astype(np.uint8)
+
+
+def aggregate(mask: np.ndarray, patch_size: int, n_patches: int, pixel_agg: str, bg_label: int,
+              where: Path) -> np.ndarray:
+    """(n_patches,) uint8: one label per patch_size tile of the processed mask, row-major like the ViT."""
+    grid_h, grid_w = mask.shape[0] // patch_size, mask.shape[1] // patch_size
+    if grid_h * grid_w != n_patches:
+        raise FormatError(f"{where}: processed mask {mask.shape[1]}x{mask.shape[0]} gives {grid_w}x{grid_h} "
+                          f"patches of {patch_size} px, the model emitted {n_patches}")
+    tiles = mask[:grid_h * patch_size, :grid_w * patch_size].reshape(grid_h, patch_size, grid_w, patch_size)
+    tiles = tiles.transpose(0, 2, 1, 3).reshape(n_patches, -1).astype(np.int64)
+    counts = np.bincount((tiles + np.arange(n_patches)[:, None] * N_CLASSES).ravel(),
+                         minlength=n_patches * N_CLASSES).reshape(n_patches, N_CLASSES)
+    if pixel_agg == "majority":
+        return counts.argmax(axis=1).astype(np.uint8)
+    if pixel_agg == "prefer-fg":
+        foreground = counts.copy()
+        foreground[:, bg_label] = 0
+        return np.where(foreground.any(axis=1), foreground.argmax(axis=1), bg_label).astype(np.uint8)
+    raise ConfigError(f"saev.patch_labels.pixel_agg = {pixel_agg!r}; use majority or prefer-fg")
+
+
+def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_path: str | Path,
+                       section: dict[str, Any], patches_per_ex: int, registers: int,
+                       progress: bool = True) -> np.ndarray:
+    """(n_images, patches_per_ex) uint8 labels.bin rows: REGISTER_LABEL for register columns, then
+    one label per patch. Every mask is checked before this returns, so a bad one fails before any write."""
+    from PIL import Image
+
+    from actstore.models import load_image_processor, read_model_config
+
+    model_config = read_model_config(model_path)
+    patch_size = int((model_config.get("vision_config") or model_config)["patch_size"])
+    processor = load_image_processor(model_path)
+    n_patches = patches_per_ex - registers
+    out = np.full((len(image_rels), patches_per_ex), REGISTER_LABEL, dtype=np.uint8)
+    for row, rel in enumerate(tqdm(image_rels, desc="patch labels", unit="image", disable=not progress)):
+        path = mask_path(section["masks"], rel, section["mask_suffix"])
+        with Image.open(Path(dataset_root) / rel) as img:
+            image_size = img.size
+        mask = processed_mask(processor, read_mask(path, image_size), path)
+        out[row, registers:] = aggregate(mask, patch_size, n_patches, section["pixel_agg"],
+                                         section["bg_label"], path)
+    return out
