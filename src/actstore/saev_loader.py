@@ -273,6 +273,7 @@ POOL_SIZE = 3
 
 
 def _batch(acts: np.ndarray, exs: np.ndarray, toks: np.ndarray, squeeze: bool) -> dict[str, torch.Tensor]:
-    """Batch tensors sharing the buffer's memory (no copy); a fresh buffer is made per refill."""
+    """Batch tensors sharing the buffer's memory (no copy); their reference keeps the buffer from
+    being recycled while the consumer holds them (_buffer)."""
     a = torch.from_numpy(acts)
     return {"act": a[:, 0] if squeeze else a, "example_idx": torch.from_numpy(exs), "token_idx": torch.from_numpy(toks)}
