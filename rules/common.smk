@@ -38,3 +38,9 @@ def bench_path(stage, name):
 
 def all_targets(wildcards):
     return [target for stage in enabled_stages(config) for target in TARGETS.get(stage, [])]
+
+
+def saev_masks(wildcards):
+    """The segmentation-mask folder behind labels.bin, when saev.patch_labels is set."""
+    labels = config["saev"].get("patch_labels")
+    return [labels["masks"]] if labels else []

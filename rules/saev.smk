@@ -6,12 +6,6 @@ from actstore import resources as actstore_resources
 SAEV_DIR = sdir("saev")
 
 
-def saev_masks(wildcards):
-    """The segmentation-mask folder behind labels.bin, when saev.patch_labels is set."""
-    labels = config["saev"].get("patch_labels")
-    return [labels["masks"]] if labels else []
-
-
 rule saev:
     input:
         index=rules.extract_index.output.index,

@@ -133,3 +133,12 @@ def test_layer_out_of_range_fails_at_parse_time(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "[6] out of range" in proc.stdout + proc.stderr
+
+
+def test_snakemake_lint_is_clean(tmp_path):
+    """`snakemake --lint` (the snakemake-workflows catalogue's bar) finds nothing to complain about."""
+    configfile = write(demo_config(tmp_path / "dump"), tmp_path / "demo.yaml")
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(REPO), "--configfile", str(configfile), "--lint"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "good condition" in proc.stdout + proc.stderr
