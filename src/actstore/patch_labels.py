@@ -1,8 +1,8 @@
 """Per-patch labels for image stores, from pixel segmentation masks (saev's labels.bin contents).
 
 Each image `<dataset.path>/<rel>` has a mask `<masks>/<rel with its suffix replaced by mask_suffix>`
-(ADE20K's `annotations/` beside `images/`): a single-channel image (mode L or P) of the same size
-whose pixel values are class ids 0-255. The mask goes through the model's own image processor with
+(ADE20K's `annotations/` beside `images/`): a single-channel image (mode L, P or 16-bit I) of the
+same size whose pixel values are class ids 0-255. The mask goes through the model's own image processor with
 NEAREST resampling and no rescale/normalise, so it is resized and cropped exactly like the pixels
 the model saw; then each patch_size x patch_size tile gets one label:
   majority   the most frequent label in the tile (ties: the smallest label), saev's default
@@ -81,17 +81,15 @@ def aggregate(mask: np.ndarray, patch_size: int, n_patches: int, pixel_agg: str,
     raise ConfigError(f"saev.patch_labels.pixel_agg = {pixel_agg!r}; use majority or prefer-fg")
 
 
-def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_path: str | Path,
+def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_path: str | Path, patch_size: int,
                        section: dict[str, Any], patches_per_ex: int, registers: int,
                        progress: bool = True) -> np.ndarray:
     """(n_images, patches_per_ex) uint8 labels.bin rows: REGISTER_LABEL for register columns, then
     one label per patch. Every mask is checked before this returns, so a bad one fails before any write."""
     from PIL import Image
 
-    from actstore.models import load_image_processor, read_model_config
+    from actstore.models import load_image_processor
 
-    model_config = read_model_config(model_path)
-    patch_size = int((model_config.get("vision_config") or model_config)["patch_size"])
     processor = load_image_processor(model_path)
     n_patches = patches_per_ex - registers
     out = np.full((len(image_rels), patches_per_ex), REGISTER_LABEL, dtype=np.uint8)

@@ -145,11 +145,13 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
             raise FormatError(f"{extraction.dir}: images have differing token counts {sorted(set(num_tokens))}")
         tokens = int(num_tokens[0]) if len(num_tokens) else 0
         cls_token = family in CLS_FAMILIES
-        registers = _registers(read_model_config(Path(meta["model"]["path"])))
-        _check_patches(read_model_config(Path(meta["model"]["path"])), tokens - int(cls_token) - registers)
+        model_config = read_model_config(Path(meta["model"]["path"]))
+        registers = _registers(model_config)
+        _check_patches(model_config, tokens - int(cls_token) - registers)
         patches, windows = tokens - int(cls_token), None
         sidecar["registers"] = registers
-        labels = _plan_labels(extraction, section, description, patches, registers, progress)
+        labels = _plan_labels(extraction, section, description, _patch_size(model_config), patches, registers,
+                              progress)
     else:
         if section.get("patch_labels"):
             raise ConfigError("saev.patch_labels: per-patch labels need an image dataset; "
@@ -173,8 +175,8 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     return Plan(metadata, windows, sidecar, labels)
 
 
-def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any], patches: int,
-                 registers: int, progress: bool) -> np.ndarray | None:
+def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any], patch_size: int,
+                 patches: int, registers: int, progress: bool) -> np.ndarray | None:
     """labels.bin rows from saev.patch_labels (None when unset); the settings join `data`, so HASH
     changes with them."""
     from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
@@ -188,8 +190,12 @@ def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any
     description["patch_labels"] = {**settings, "register_label": REGISTER_LABEL}
     meta = extraction.meta
     rels = [row["text"] for _, _, row in extraction.iter_samples()]
-    return image_patch_labels(meta["dataset"]["path"], rels, meta["model"]["path"], settings, patches,
-                              registers, progress=progress)
+    return image_patch_labels(meta["dataset"]["path"], rels, meta["model"]["path"], patch_size, settings,
+                              patches, registers, progress=progress)
+
+
+def _patch_size(model_config: dict[str, Any]) -> int:
+    return int((model_config.get("vision_config") or model_config)["patch_size"])
 
 
 def _registers(model_config: dict[str, Any]) -> int:
