@@ -137,10 +137,10 @@ def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
 
 
 def test_killed_job_leaves_nothing_that_looks_complete(model_dir, text_jsonl, tmp_path, monkeypatch):
-    import actstore.extract as ex
+    import actstore.extract.run as ex
     config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl)
     calls = {"n": 0}
-    real = ex.run_batch
+    real = ex.pack_batch
 
     def crash_after_one(*args, **kwargs):
         calls["n"] += 1
@@ -148,7 +148,7 @@ def test_killed_job_leaves_nothing_that_looks_complete(model_dir, text_jsonl, tm
             raise KeyboardInterrupt("killed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ex, "run_batch", crash_after_one)
+    monkeypatch.setattr(ex, "pack_batch", crash_after_one)
     target = tmp_path / "part-0000"
     with pytest.raises(KeyboardInterrupt):
         run_part(config, 0, target, progress=False)
@@ -186,3 +186,123 @@ def test_image_labels_are_first_level_folders(extracted):
     assert rows[0]["text"] == "animal/img_00.png"
     assert len({r["num_tokens"] for r in rows}) == 1  # 1 CLS + (32/8)^2 patches
     assert rows[0]["num_tokens"] == 1 + 16
+
+
+# --- The write pipeline: staging buffers, writer threads, storage dtype, image workers. ---
+
+def data_files(part_dir) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(part_dir.iterdir()) if p.name != "part.json"}
+
+
+def previous_release_files(config, part_dir) -> dict[str, bytes]:
+    """What the synchronous extractor of earlier releases wrote for block outputs: the same length
+    batches, each sample's rows `.float().cpu()` into an open_memmap .npy, sample_idx order."""
+    from actstore.extract import capture, length_batches, text_batch
+    part = open_part(part_dir)
+    loaded = load_model(config["model"]["path"])
+    ids = [part.token_ids(i).tolist() for i in range(len(part.samples))]
+    out = {}
+    with capture(loaded, config["extract"]["layers"], []) as captured, torch.inference_mode():
+        arrays = {}
+        for batch in length_batches([len(x) for x in ids], config["extract"]["batch_size"]):
+            loaded.model(**text_batch(loaded, [ids[i] for i in batch]))
+            for name, tensor in captured.items():
+                path = part_dir.parent / f"ref-{name}.npy"
+                if name not in arrays:
+                    arrays[name] = np.lib.format.open_memmap(path, mode="w+", dtype="float32",
+                                                             shape=(part.meta["n_tokens"], tensor.shape[-1]))
+                for row, i in enumerate(batch):
+                    arrays[name][part.sample_slice(i)] = tensor[row, :len(ids[i])].float().cpu().numpy()
+        for name, array in arrays.items():
+            array.flush()
+            out[f"layer_{int(name[6:]):03d}.npy"] = (part_dir.parent / f"ref-{name}.npy").read_bytes()
+    return out
+
+
+def test_bytes_do_not_depend_on_buffers_or_writer_threads_and_match_the_previous_release(
+        model_dir, text_jsonl, tmp_path):
+    runs = {}
+    for buffers, writers in [(1, 1), (2, 3), (4, 1), (4, 3)]:
+        config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl,
+                                  extract={"parts": 1, "buffers": buffers, "writer_threads": writers})
+        out = tmp_path / f"b{buffers}-w{writers}" / "part-0000"
+        meta = run_part(config, 0, out, progress=False)
+        open_part(out).verify()
+        runs[(buffers, writers)] = data_files(out)
+        assert meta["storage_dtype"] == "float32"
+    first = runs[(1, 1)]
+    assert all(files == first for files in runs.values())
+    assert {"topk_values.npy", "topk_indices.npy", "token_logprob.npy", "token_ids.npy"} <= set(first)
+    reference = previous_release_files(config, out)
+    assert reference and all(first[name] == data for name, data in reference.items())
+
+
+def test_a_failing_writer_names_the_file_leaves_nothing_complete_and_never_hangs(
+        model_dir, text_jsonl, tmp_path):
+    """Disk full, simulated with RLIMIT_FSIZE: the layer files (88 KB) cannot be written, the
+    small ones (< 9 KB) can. The error comes from a writer thread, in the job's own process."""
+    import subprocess
+    import sys
+    config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1, "writer_threads": 3})
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(config))
+    target = tmp_path / "out" / "part-0000"
+    code = ("import json, resource, sys; from actstore.extract import run_part; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
+            f"run_part(json.load(open({str(config_path)!r})), 0, {str(target)!r}, progress=False)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "File too large" in proc.stderr and "layer_00" in proc.stderr, proc.stderr[-2000:]
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+def test_bfloat16_storage_is_the_models_bfloat16_output_bit_for_bit(model_dir, text_jsonl, tmp_path):
+    from actstore.extract import capture, length_batches, text_batch
+    config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, model={"torch_dtype": "bfloat16"},
+                              extract={"parts": 1})
+    out = tmp_path / "part-0000"
+    meta = run_part(config, 0, out, progress=False)
+    part = open_part(out)
+    assert meta["storage_dtype"] == "bfloat16" and meta["files"]["layer_000.npy"]["dtype"] == "bfloat16"
+    assert np.load(out / "layer_000.npy").dtype == np.uint16  # numpy has no bfloat16: its bits
+    loaded = load_model(config["model"]["path"], "bfloat16")
+    ids = [part.token_ids(i).tolist() for i in range(len(part.samples))]
+    with capture(loaded, [0, 2], []) as captured, torch.inference_mode():
+        for batch in length_batches([len(x) for x in ids], config["extract"]["batch_size"]):
+            loaded.model(**text_batch(loaded, [ids[i] for i in batch]))
+            for name, tensor in captured.items():
+                assert tensor.dtype == torch.bfloat16
+                raw = part.tensor(name).raw
+                for row, i in enumerate(batch):
+                    want = tensor[row, :len(ids[i])].view(torch.int16).numpy().view(np.uint16)
+                    assert np.array_equal(raw[part.sample_slice(i)], want)
+                    widened = part.activations(name, i)
+                    assert widened.dtype == np.float32
+                    assert np.array_equal(widened, tensor[row, :len(ids[i])].float().numpy())
+
+
+def test_vit_parts_are_identical_with_and_without_decoding_workers(model_dir, image_folder, tmp_path):
+    parts = []
+    for workers in (0, 2):
+        config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder,
+                                  extract={"parts": 1, "num_workers": workers, "batch_size": 3})
+        out = tmp_path / f"w{workers}" / "part-0000"
+        assert run_part(config, 0, out, progress=False)["num_workers"] == workers
+        parts.append(data_files(out))
+    assert parts[0] == parts[1]
+
+
+def test_execution_keys_do_not_change_the_extraction_hash(model_dir, text_jsonl, tmp_path):
+    from actstore.hashing import stage_hash, stage_payload
+    base = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl)
+    same = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={
+        "num_workers": 3, "buffers": 1, "writer_threads": 5, "storage_dtype": "float32"})
+    assert stage_hash(base, "extract") == stage_hash(same, "extract")
+    # float32 storage hashes as releases before storage_dtype did: the key is absent from the payload.
+    assert "storage_dtype" not in stage_payload(base, "extract")["config"]["extract"]
+    bf16 = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"storage_dtype": "bfloat16"})
+    auto_bf16 = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, model={"torch_dtype": "bfloat16"})
+    pinned_bf16 = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, model={"torch_dtype": "bfloat16"},
+                                   extract={"storage_dtype": "bfloat16"})
+    assert stage_hash(bf16, "extract") != stage_hash(base, "extract")
+    assert stage_hash(auto_bf16, "extract") == stage_hash(pinned_bf16, "extract")

@@ -25,6 +25,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "validate": ("validate",),
 }
 STAGE_CONFIG_FILE = "actstore_config.json"
+# Keys that change how a stage runs, never what it writes (tested byte for byte): not hashed.
+EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"extract": ("num_workers", "buffers", "writer_threads")}
 
 
 def upstream_stages(config: dict[str, Any], stage: str) -> list[str]:
@@ -44,9 +46,24 @@ def stage_payload(config: dict[str, Any], stage: str) -> dict[str, Any]:
     """The exact resolved config a stage depends on, with its upstream hashes."""
     return {
         "stage": stage,
-        "config": {section: config[section] for section in STAGE_SECTIONS[stage]},
+        "config": {section: hashed_section(config, section) for section in STAGE_SECTIONS[stage]},
         "upstream": {up: stage_hash(config, up) for up in upstream_stages(config, stage)},
     }
+
+
+def hashed_section(config: dict[str, Any], section: str) -> Any:
+    """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
+    dropped when float32 (all earlier releases stored), so extractions made before it keep their hash."""
+    values = config[section]
+    if not isinstance(values, dict):
+        return values
+    values = {k: v for k, v in values.items() if k not in EXECUTION_KEYS.get(section, ())}
+    if section == "extract" and "storage_dtype" in values:
+        dtype = values.pop("storage_dtype")
+        dtype = config["model"]["torch_dtype"] if dtype == "auto" else dtype
+        if dtype != "float32":
+            values["storage_dtype"] = dtype
+    return values
 
 
 def stage_hash(config: dict[str, Any], stage: str) -> str:

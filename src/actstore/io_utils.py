@@ -82,3 +82,62 @@ def utc_now():
     if epoch:
         return dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc)
     return dt.datetime.now(dt.timezone.utc)
+
+
+class OrderedHashFile:
+    """A file filled by positioned writes in any order, whose sha256 is taken as it is written.
+
+    Each region is written once. A region that lands at the hashed prefix's end is hashed from the
+    caller's buffer at once; one that lands ahead of it is remembered, and hashed when the prefix
+    reaches it, read back through the page cache it was just written to (batches grouped by length
+    fill a token-packed file out of order). Nothing is held in memory but those region bounds.
+    """
+
+    def __init__(self, path: str | os.PathLike, size: int, head: bytes = b""):
+        self.path = Path(path)
+        self.size = size
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.digest = hashlib.sha256()
+        self.hashed = 0
+        self.ahead: dict[int, int] = {}  # start -> stop of regions written past the hashed prefix
+        self.write(0, head)
+
+    def write(self, offset: int, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        if offset == self.hashed:
+            self.digest.update(view)
+            self.hashed += len(view)
+            self._catch_up()
+        elif len(view):
+            self.ahead[offset] = offset + len(view)
+
+    def _catch_up(self) -> None:
+        if self.hashed not in self.ahead:
+            return
+        with open(self.path, "rb", buffering=0) as reader:
+            buf = bytearray(CHUNK)
+            while self.hashed in self.ahead:
+                stop = self.ahead.pop(self.hashed)
+                while self.hashed < stop:
+                    n = os.preadv(reader.fileno(), [memoryview(buf)[:min(CHUNK, stop - self.hashed)]], self.hashed)
+                    self.digest.update(memoryview(buf)[:n])
+                    self.hashed += n
+
+    def close(self) -> str:
+        """fsync, check every byte was written, close; return the hex sha256."""
+        try:
+            if self.hashed != self.size or self.ahead:
+                raise OSError(f"{self.path}: {self.hashed} of {self.size} bytes written in order")
+            os.fsync(self.fd)
+        finally:
+            self.abort()
+        return self.digest.hexdigest()
+
+    def abort(self) -> None:
+        """Close without checks (the caller deletes the half-written file)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

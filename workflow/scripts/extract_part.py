@@ -3,4 +3,4 @@ from actstore.extract import run_part
 from actstore.workflow import setup_logging
 
 setup_logging(snakemake)
-run_part(snakemake.config, snakemake.params.part, snakemake.output[0])
+run_part(snakemake.config, snakemake.params.part, snakemake.output[0], threads=snakemake.threads)

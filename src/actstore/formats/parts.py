@@ -15,8 +15,8 @@ nothing that looks complete.
 """
 from __future__ import annotations
 
+import io
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.io_utils import atomic_path, sha256_file
+from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file
 
 PART_META = "part.json"
 FORMAT_NAME = "actstore-part"
@@ -48,8 +48,46 @@ def part_dirname(part: int) -> str:
     return f"part-{part:04d}"
 
 
+# Storage dtypes of captured tensors and their .npy descr. numpy has no bfloat16: it is kept as its
+# uint16 bit pattern (part.json says "bfloat16"); every reader widens it to float32, which is exact.
+STORAGE_DESCR = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+
+
+def npy_header(shape: tuple[int, ...], descr: str) -> bytes:
+    """The .npy 1.0 header numpy itself writes for a C-order array (np.save / open_memmap)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored values as float32 (exact for every storage dtype); float32 is returned as is."""
+    if dtype == "bfloat16":
+        return (np.asarray(values).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return np.asarray(values, dtype=np.float32)
+    return values
+
+
+@dataclass
+class _Sink:
+    """One data file: sample i fills units unit_offsets[i]:unit_offsets[i+1] of unit_bytes each."""
+
+    file: OrderedHashFile
+    unit_offsets: np.ndarray
+    unit_bytes: int
+    header_bytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
 class PartWriter:
-    """Write one part: samples and offsets up front, then tensors batch by batch, then finish()."""
+    """Write one part: samples and offsets up front, then each data file declared (add_tokens /
+    add_rows) and filled sample by sample from any thread (one thread per file), then finish().
+
+    Samples arrive batched by length, so a file is filled out of order; each write goes straight to
+    its place and the file's sha256 follows the written prefix (io_utils.OrderedHashFile).
+    """
 
     def __init__(self, tmp_dir: Path, samples: list[dict], offsets: np.ndarray):
         self.dir = tmp_dir
@@ -57,46 +95,56 @@ class PartWriter:
         self.samples = samples
         self.offsets = offsets.astype(np.int64)
         self.n_tokens = int(self.offsets[-1])
-        self.arrays: dict[str, np.memmap] = {}
-        np.save(self.dir / "offsets.npy", self.offsets)
-        with (self.dir / "samples.jsonl").open("w", encoding="utf-8") as fh:
-            for row in samples:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.sinks: dict[str, _Sink] = {}
+        self.files: dict[str, dict[str, Any]] = {}
+        buf = io.BytesIO()
+        np.save(buf, self.offsets)
+        self._write_whole("offsets.npy", buf.getvalue())
+        self._write_whole("samples.jsonl", "".join(json.dumps(row, ensure_ascii=False) + "\n"
+                                                   for row in samples).encode("utf-8"))
 
-    def _array(self, file: str, shape: tuple[int, ...], dtype: str) -> np.memmap:
-        if file not in self.arrays:
-            self.arrays[file] = np.lib.format.open_memmap(self.dir / file, mode="w+", dtype=dtype, shape=shape)
-        return self.arrays[file]
+    def _write_whole(self, file: str, data: bytes) -> None:
+        sink = OrderedHashFile(self.dir / file, len(data), data)
+        self.files[file] = {"bytes": len(data), "sha256": sink.close()}
 
-    def write_tokens(self, name: str, local_idx: int, values: np.ndarray) -> None:
-        """Store the (num_tokens, d) activations of local sample `local_idx` for tensor `name`."""
-        start, stop = self.offsets[local_idx], self.offsets[local_idx + 1]
-        if values.shape[0] != stop - start:
-            raise ValueError(f"{name}: sample {local_idx} has {values.shape[0]} rows, expected {stop - start}")
-        self._array(tensor_file(name), (self.n_tokens, values.shape[1]), "float32")[start:stop] = values
+    def _add(self, file: str, unit_offsets: np.ndarray, shape: tuple[int, ...], dtype: str) -> None:
+        descr = STORAGE_DESCR.get(dtype) or np.dtype(dtype).str
+        unit_bytes = int(np.dtype(descr).itemsize * int(np.prod(shape[1:], dtype=np.int64)))
+        head = npy_header(shape, descr)
+        size = len(head) + int(unit_offsets[-1]) * unit_bytes
+        self.sinks[file] = _Sink(OrderedHashFile(self.dir / file, size, head), unit_offsets, unit_bytes,
+                                 len(head), shape, dtype)
 
-    def write_token_values(self, file: str, local_idx: int, values: np.ndarray, dtype: str) -> None:
-        """Per-token scalars (token ids, log-probs) of one sample."""
-        start, stop = self.offsets[local_idx], self.offsets[local_idx + 1]
-        self._array(file, (self.n_tokens,), dtype)[start:stop] = values
+    def add_tokens(self, file: str, width: int | None, dtype: str) -> None:
+        """A token-packed file: (n_tokens, width), or (n_tokens,) per-token scalars when width is None."""
+        self._add(file, self.offsets, (self.n_tokens,) if width is None else (self.n_tokens, width), dtype)
 
-    def write_row(self, file: str, local_idx: int, values: np.ndarray, dtype: str) -> None:
-        """A fixed-width per-sample row (top-k logits)."""
-        self._array(file, (len(self.samples), values.shape[0]), dtype)[local_idx] = values
+    def add_rows(self, file: str, width: int, dtype: str) -> None:
+        """A fixed-width row per sample (top-k logits): (n_samples, width)."""
+        self._add(file, np.arange(len(self.samples) + 1, dtype=np.int64), (len(self.samples), width), dtype)
+
+    def write(self, file: str, local_idx: int, data: np.ndarray) -> None:
+        """Store local sample `local_idx`'s values of `file` (C-order bytes in the file's dtype)."""
+        sink = self.sinks[file]
+        start, stop = sink.unit_offsets[local_idx], sink.unit_offsets[local_idx + 1]
+        if data.nbytes != (stop - start) * sink.unit_bytes:
+            raise ValueError(f"{file}: sample {local_idx} has {data.nbytes} bytes, expected "
+                             f"{(stop - start) * sink.unit_bytes}")
+        sink.file.write(sink.header_bytes + int(start) * sink.unit_bytes, data.data)
+
+    def file_path(self, file: str) -> Path:
+        return self.dir / file
+
+    def abort(self) -> None:
+        for sink in self.sinks.values():
+            sink.file.abort()
 
     def finish(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """Flush arrays, checksum every file and write part.json (the last file written)."""
-        files = {}
-        for file, array in self.arrays.items():
-            array.flush()
-            files[file] = {"shape": list(array.shape), "dtype": str(array.dtype)}
-        self.arrays.clear()
-        for file in sorted(os.listdir(self.dir)):
-            path = self.dir / file
-            with open(path, "rb+") as fh:
-                os.fsync(fh.fileno())
-            files.setdefault(file, {})
-            files[file].update({"bytes": path.stat().st_size, "sha256": sha256_file(path)})
+        """Close (fsync) every data file with its running sha256, then write part.json last."""
+        for file, sink in self.sinks.items():
+            self.files[file] = {"shape": list(sink.shape), "dtype": sink.dtype, "bytes": sink.file.size,
+                                "sha256": sink.file.close()}
+        files = {file: self.files[file] for file in sorted(self.files)}
         meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta,
                 "n_samples": len(self.samples), "n_tokens": self.n_tokens, "files": files}
         (self.dir / PART_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -106,6 +154,22 @@ class PartWriter:
 def write_part(out_dir: str | Path):
     """Context manager yielding a temp dir for PartWriter; renamed to `out_dir` on success."""
     return atomic_path(out_dir)
+
+
+class StoredTensor:
+    """A stored (n_tokens, d) tensor: indexing reads float32 whatever the storage dtype (`dtype`);
+    `raw` is the memmap in the stored dtype (bfloat16 as uint16 bits)."""
+
+    def __init__(self, raw: np.ndarray, stored_dtype: str):
+        self.raw = raw
+        self.stored_dtype = stored_dtype
+        self.shape = raw.shape
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return to_float32(self.raw[key], self.stored_dtype)
 
 
 @dataclass
@@ -133,11 +197,12 @@ class Part:
     def tensor_names(self) -> list[str]:
         return self.meta["tensors"]
 
-    def tensor(self, name: str) -> np.ndarray:
-        """(n_tokens, d) float32 memmap of a captured tensor, samples in order, no padding."""
+    def tensor(self, name: str) -> StoredTensor:
+        """(n_tokens, d) memory-mapped captured tensor, read as float32; samples in order, no padding."""
         if name not in self.meta["tensors"]:
             raise FormatError(f"{self.dir}: tensor {name!r} not captured; have {self.meta['tensors']}")
-        return self._load(tensor_file(name))
+        file = tensor_file(name)
+        return StoredTensor(self._load(file), self.meta["files"][file]["dtype"])
 
     def sample_slice(self, local_idx: int) -> slice:
         return slice(int(self.offsets[local_idx]), int(self.offsets[local_idx + 1]))
@@ -262,7 +327,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "hooks": meta["hooks"], "n_examples": sum(p.meta["n_samples"] for p in parts),
         "n_tokens": sum(p.meta["n_tokens"] for p in parts),
         "d_model": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("shape", [0, None])[1],
-        "dtype": "float32", "n_shards": len(parts),
+        "dtype": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("dtype", "float32"),
+        "n_shards": len(parts),
         "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
     }
 

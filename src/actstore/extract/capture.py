@@ -1,0 +1,48 @@
+"""Capture hooks: block outputs ("layer i" = output of block i) and named module inputs/outputs."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from actstore.errors import ConfigError
+from actstore.formats.parts import layer_tensor
+from actstore.models import LoadedModel, first_tensor, get_module
+
+
+def parse_hook(spec: str) -> tuple[str, str]:
+    module_path, _, io = spec.rpartition(":")
+    if io not in ("input", "output") or not module_path:
+        raise ConfigError(f"extract.hooks: {spec!r} must be '<module path>:input' or ':output'")
+    return module_path, io
+
+
+@contextmanager
+def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """Register forward hooks for block outputs and module inputs/outputs; yield the capture dict
+    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device)."""
+    captured: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def keep(name: str, use_input: bool):
+        def hook(module, args, kwargs, output):
+            if use_input:
+                source = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            else:
+                source = output
+            captured[name] = first_tensor(source)
+        return hook
+
+    for layer_idx in layers:
+        handles.append(loaded.blocks[layer_idx].register_forward_hook(
+            keep(layer_tensor(layer_idx), False), with_kwargs=True))
+    for spec in hooks:
+        module_path, io = parse_hook(spec)
+        handles.append(get_module(loaded.model, module_path).register_forward_hook(
+            keep(spec, io == "input"), with_kwargs=True))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()

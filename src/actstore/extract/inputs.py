@@ -1,0 +1,93 @@
+"""Model inputs batch by batch: texts tokenized up front and grouped by length; images decoded and
+run through the model's own image processor in DataLoader worker processes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from actstore.datasets import Dataset, Sample
+from actstore.errors import ConfigError
+from actstore.models import LoadedModel
+
+
+def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int) -> list[list[int]]:
+    encoded = loaded.preprocessor([s.text for s in samples], truncation=True, max_length=max_seq_length,
+                                  add_special_tokens=True)["input_ids"]
+    for sample, ids in zip(samples, encoded):
+        if not ids:
+            raise ConfigError(f"dataset row {sample.sample_idx}: text tokenizes to zero tokens")
+    return encoded
+
+
+def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Local indices grouped by length over the whole part (longest first) so batches carry little
+    padding. The grouping fixes each sample's batch companions, hence its exact float bits."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def text_batch(loaded: LoadedModel, ids: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids and attention_mask on the model's device; pad positions are never stored."""
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), loaded.preprocessor.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, seq in enumerate(ids):
+        input_ids[row, :len(seq)] = torch.tensor(seq)
+        mask[row, :len(seq)] = 1
+    return {"input_ids": input_ids.to(loaded.device, non_blocking=True),
+            "attention_mask": mask.to(loaded.device, non_blocking=True)}
+
+
+def load_pixels(processor: Any, paths: list[Path]) -> torch.Tensor:
+    """Decode images and run the image processor over them: (n, 3, H, W) pixel_values."""
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        with Image.open(path) as img:
+            images.append(img.convert("RGB"))
+    return processor(images=images, return_tensors="pt")["pixel_values"]
+
+
+def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample]) -> dict[str, torch.Tensor]:
+    pixels = load_pixels(loaded.preprocessor, [dataset.image_path(s) for s in samples])
+    return {"pixel_values": pixels.to(loaded.device, loaded.model.dtype)}
+
+
+class ImageBatches(torch.utils.data.Dataset):
+    """Item = one whole batch (a list of local indices) of processed pixels, so each worker decodes
+    and processes a batch exactly as a single process would (same processor call, same bytes)."""
+
+    def __init__(self, processor: Any, paths: list[Path]):
+        self.processor = processor
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, batch: list[int]) -> torch.Tensor:
+        return load_pixels(self.processor, [self.paths[i] for i in batch])
+
+
+def default_workers(threads: int | None) -> int:
+    """The CPUs the job was given: Snakemake's threads, else this process's CPU affinity."""
+    return threads if threads is not None else len(os.sched_getaffinity(0))
+
+
+def image_batches(loaded: LoadedModel, paths: list[Path], batches: list[list[int]],
+                  num_workers: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Model inputs batch by batch, decoded ahead by `num_workers` processes (0 = in this process)."""
+    loader = torch.utils.data.DataLoader(
+        ImageBatches(loaded.preprocessor, paths), sampler=batches, batch_size=None, num_workers=num_workers,
+        pin_memory=loaded.device.type == "cuda", prefetch_factor=4 if num_workers else None)
+    for pixels in loader:
+        yield {"pixel_values": pixels.to(loaded.device, loaded.model.dtype, non_blocking=True)}
+
+
+def text_batches(loaded: LoadedModel, token_ids: list[list[int]],
+                 batches: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+    for batch in batches:
+        yield text_batch(loaded, [token_ids[i] for i in batch])

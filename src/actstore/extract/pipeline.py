@@ -1,0 +1,191 @@
+"""The write pipeline: captured tensors leave the device through a ring of staging buffers while
+the model runs the next batch, and writer threads put them in the part's files.
+
+    forward (batch b+1)  ──►  pack on the device  ──►  staging slot (pinned; side stream on CUDA)
+                                                           │  bounded: `buffers` slots in flight
+                                 writer threads  ◄─────────┘  (one owner per file, sha256 as written)
+
+A slow disk blocks `submit` on a free slot, so it slows the GPU instead of filling memory. The same
+pipeline runs on CPU (plain buffers, synchronous copies).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from actstore.formats.parts import PartWriter
+
+ALIGN = 64  # byte alignment of each file's region in a staging slot (any dtype view is legal)
+POLL_S = 0.1  # how often a blocked submit looks for a failed writer (never hangs on a dead thread)
+
+
+@dataclass
+class BatchRows:
+    """Where a batch's samples go: batch position j is local sample local_idx[j], whose tokens are
+    packed rows token_start[j]:token_start[j] + n_tokens[j] of every token tensor."""
+
+    local_idx: np.ndarray
+    n_tokens: np.ndarray
+    token_start: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_start = np.concatenate([[0], np.cumsum(self.n_tokens)[:-1]]).astype(np.int64)
+
+
+@dataclass
+class _Region:
+    start: int        # byte offset in the slot
+    unit_bytes: int   # bytes per token row (token files) or per sample row (row files)
+    per_token: bool
+
+
+@dataclass
+class _Slot:
+    index: int
+    buffer: torch.Tensor | None = None  # flat uint8 host buffer (pinned on CUDA)
+    event: Any = None                   # CUDA event: the device->host copies are done
+    rows: BatchRows | None = None
+    regions: dict[str, _Region] = field(default_factory=dict)
+    pending: int = 0
+
+
+class WritePipeline:
+    """Context manager: `submit` each batch's packed tensors; leaving the block waits for every
+    write (raising the first writer error, naming the file) or, on an exception, abandons them."""
+
+    def __init__(self, writer: PartWriter, device: torch.device, buffers: int, writer_threads: int):
+        self.writer = writer
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.free: queue.Queue[_Slot] = queue.Queue()
+        for i in range(buffers):
+            self.free.put(_Slot(i))
+        self.lock = threading.Lock()
+        self.error: tuple[str, BaseException] | None = None
+        self.owned: list[list[str]] = [[] for _ in range(writer_threads)]
+        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in range(writer_threads)]
+        self.threads = [threading.Thread(target=self._write_loop, args=(i,), daemon=True,
+                                         name=f"part-writer-{i}") for i in range(writer_threads)]
+        for thread in self.threads:
+            thread.start()
+
+    def __enter__(self) -> WritePipeline:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            with self.lock:
+                self.error = self.error or ("", exc)
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for thread in self.threads:
+            thread.join()
+        if exc_type is None:
+            self._raise_writer_error()
+        else:
+            self.writer.abort()
+
+    def _raise_writer_error(self) -> None:
+        if self.error is not None:
+            path, exc = self.error
+            self.writer.abort()
+            raise OSError(f"{path}: writing the extraction failed: {exc}") from exc
+
+    def submit(self, rows: BatchRows, token_tensors: dict[str, torch.Tensor],
+               row_tensors: dict[str, torch.Tensor]) -> None:
+        """Queue one batch: token_tensors (n_tokens, ...) packed in batch order, row_tensors
+        (batch, ...) one row per sample; any device, already in the file's dtype."""
+        if not self.writer.sinks:
+            self._declare(token_tensors, row_tensors)
+        slot = self._free_slot()
+        slot.rows = rows
+        tensors = {**token_tensors, **row_tensors}
+        slot.regions, size = {}, 0
+        for file, tensor in tensors.items():
+            per_token = file in token_tensors
+            unit_bytes = tensor[0].nbytes if len(tensor) else 0
+            slot.regions[file] = _Region(size, unit_bytes, per_token)
+            size += -(-tensor.nbytes // ALIGN) * ALIGN
+        if slot.buffer is None or slot.buffer.numel() < size:
+            slot.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
+        self._copy_to_host(slot, tensors)
+        slot.pending = len(self.inboxes)
+        for inbox in self.inboxes:
+            inbox.put(slot)
+
+    def _declare(self, token_tensors: dict[str, torch.Tensor], row_tensors: dict[str, torch.Tensor]) -> None:
+        """Create each file from the first batch's shapes; hand files to writer threads, largest first."""
+        for file, tensor in token_tensors.items():
+            self.writer.add_tokens(file, tensor.shape[1] if tensor.dim() == 2 else None, dtype_name(tensor.dtype))
+        for file, tensor in row_tensors.items():
+            self.writer.add_rows(file, tensor.shape[1], dtype_name(tensor.dtype))
+        by_size = sorted({**token_tensors, **row_tensors}.items(), key=lambda kv: (-kv[1][0].nbytes, kv[0]))
+        for i, (file, _) in enumerate(by_size):
+            self.owned[i % len(self.owned)].append(file)
+
+    def _free_slot(self) -> _Slot:
+        while True:
+            self._raise_writer_error()
+            try:
+                return self.free.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+
+    def _copy_to_host(self, slot: _Slot, tensors: dict[str, torch.Tensor]) -> None:
+        def copy_all() -> None:
+            for file, tensor in tensors.items():
+                start = slot.regions[file].start
+                dst = slot.buffer[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+                dst.copy_(tensor, non_blocking=self.cuda)
+                if tensor.is_cuda:
+                    tensor.record_stream(self.copy_stream)  # keep it alive until the copy ran
+
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.copy_stream):
+                copy_all()
+                slot.event = torch.cuda.Event()
+                slot.event.record(self.copy_stream)
+        else:
+            copy_all()
+
+    def _write_loop(self, thread_idx: int) -> None:
+        inbox = self.inboxes[thread_idx]
+        while (slot := inbox.get()) is not None:
+            file = ""
+            try:
+                if self.error is None:
+                    if slot.event is not None:
+                        slot.event.synchronize()
+                    host = slot.buffer.numpy()
+                    for file in self.owned[thread_idx]:
+                        self._write_file(file, slot, host)
+            except BaseException as exc:  # reported by the main thread, naming the file
+                with self.lock:
+                    self.error = self.error or (str(self.writer.file_path(file)), exc)
+            finally:
+                self._release(slot)
+
+    def _write_file(self, file: str, slot: _Slot, host: np.ndarray) -> None:
+        region, rows = slot.regions[file], slot.rows
+        for j in np.argsort(rows.local_idx, kind="stable"):  # ascending: the hashed prefix moves on
+            first, count = (int(rows.token_start[j]), int(rows.n_tokens[j])) if region.per_token else (int(j), 1)
+            start = region.start + first * region.unit_bytes
+            self.writer.write(file, int(rows.local_idx[j]), host[start:start + count * region.unit_bytes])
+
+    def _release(self, slot: _Slot) -> None:
+        with self.lock:
+            slot.pending -= 1
+            done = slot.pending == 0
+        if done:
+            self.free.put(slot)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch dtype -> the name part.json records (float32, bfloat16, int64, ...)."""
+    return str(dtype).removeprefix("torch.")

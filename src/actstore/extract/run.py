@@ -1,0 +1,228 @@
+"""Run a model over one part of the dataset and write its token-packed activations (one pipeline,
+CPU and GPU): inputs (inputs.py) -> forward with capture hooks (capture.py) -> packed on the device
+-> staging buffers and writer threads (pipeline.py) -> the part directory (formats/parts.py)."""
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from actstore.datasets import Dataset, Sample, load_dataset, part_range
+from actstore.errors import ConfigError
+from actstore.extract.capture import capture, parse_hook
+from actstore.extract.inputs import (default_workers, image_batch, image_batches, length_batches,
+                                     text_batches, tokenize)
+from actstore.extract.pipeline import BatchRows, WritePipeline
+from actstore.formats.parts import PartWriter, layer_tensor, tensor_file, write_part
+from actstore.io_utils import utc_now
+from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_model, model_kind, num_blocks,
+                             read_model_config, resolve_model_path)
+
+log = logging.getLogger(__name__)
+LOGPROB_ELEMENTS = 1 << 26  # logits per log-softmax chunk: bounds its memory at 256 MiB of float32
+
+
+def check_layers(layers: list[int], n_blocks: int) -> None:
+    bad = [layer for layer in layers if not 0 <= layer < n_blocks]
+    if bad:
+        raise ConfigError(f"extract.layers: {bad} out of range; the model has blocks 0..{n_blocks - 1}")
+
+
+def storage_dtype(config: dict[str, Any]) -> str:
+    """extract.storage_dtype resolved: `auto` stores what the model computes in (model.torch_dtype)."""
+    dtype = config["extract"]["storage_dtype"]
+    return config["model"]["torch_dtype"] if dtype == "auto" else dtype
+
+
+def preflight(config: dict[str, Any]) -> tuple[Path, Dataset]:
+    """Every check that needs no weights: model path, layer range, dataset, modality, hooks."""
+    model_path = resolve_model_path(config["model"]["path"])
+    model_config = read_model_config(model_path)
+    check_layers(config["extract"]["layers"], num_blocks(model_config))
+    dataset = load_dataset(config["dataset"]["path"], config["dataset"]["limit"])
+    want = "image" if model_kind(model_config) == "vision" else "text"
+    if dataset.modality != want:
+        raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s "
+                          f"but the model at {model_path} takes {want}s")
+    for spec in config["extract"]["hooks"]:
+        parse_hook(spec)
+    return model_path, dataset
+
+
+def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: bool = True,
+             threads: int | None = None) -> dict:
+    """Extract part `part` of config's dataset into `out_dir` (atomic); return its part.json dict.
+    `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null)."""
+    ext = config["extract"]
+    model_path, dataset = preflight(config)
+    torch.manual_seed(0)
+    loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
+    for spec in ext["hooks"]:
+        get_module(loaded.model, parse_hook(spec)[0])
+    samples = [dataset.samples[i] for i in part_range(len(dataset.samples), ext["parts"], part)]
+    if loaded.kind == "vision":
+        lengths = [vision_tokens(loaded, dataset)] * len(samples) if samples else []
+        token_ids = None
+    else:
+        token_ids = tokenize(loaded, samples, ext["max_seq_length"]) if samples else []
+        lengths = [len(x) for x in token_ids]
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    batches = length_batches(lengths, ext["batch_size"])
+    if token_ids is None:
+        workers = ext["num_workers"] if ext["num_workers"] is not None else default_workers(threads)
+        inputs = image_batches(loaded, [dataset.image_path(s) for s in samples], batches, workers)
+    else:
+        workers = 0
+        inputs = text_batches(loaded, token_ids, batches)
+    started = time.perf_counter()
+    with write_part(out_dir) as tmp:
+        writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets)
+        extract_batches(loaded, ext, zip(batches, inputs), lengths, token_ids, writer,
+                        TORCH_DTYPES[storage_dtype(config)],
+                        tqdm(total=len(batches), desc=f"extract part {part}", unit="batch", disable=not progress))
+        meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
+            "storage_dtype": storage_dtype(config), "num_workers": workers,
+            "image_pipeline": "cpu" if token_ids is None else None,
+            "extraction_duration_seconds": time.perf_counter() - started})
+    log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
+    return meta
+
+
+def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[tuple[list[int], dict]],
+                    lengths: list[int], token_ids: list[list[int]] | None, writer: PartWriter,
+                    dtype: torch.dtype, bar: tqdm) -> None:
+    """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline."""
+    with WritePipeline(writer, loaded.device, ext["buffers"], ext["writer_threads"]) as pipeline, \
+            capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar:
+        for batch, inputs in batches:
+            captured.clear()
+            output = loaded.model(**inputs)
+            rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
+            pipeline.submit(rows, *pack_batch(loaded, inputs, output, captured, rows, token_ids,
+                                              dtype, ext["logits_topk"]))
+            bar.update()
+
+
+def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
+               captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: list[list[int]] | None,
+               dtype: torch.dtype, topk: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
+    order and per-sample rows. Log-probs and top-k for all rows at once (no per-row device sync)."""
+    width = next(iter(captured.values())).shape[1]
+    keep = torch.from_numpy(np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)]))
+    keep = keep.to(loaded.device, non_blocking=True)
+    tokens = {tensor_file(name): packed(t, keep).to(dtype) for name, t in captured.items()}
+    per_row: dict[str, torch.Tensor] = {}
+    if token_ids is not None:
+        tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))
+    if loaded.kind == "causal":
+        tokens["token_logprob.npy"] = packed(token_logprobs(output.logits, inputs["input_ids"]), keep)
+        last = torch.from_numpy(rows.n_tokens - 1).to(loaded.device)
+        values, indices = torch.topk(output.logits[torch.arange(len(last), device=last.device), last].float(), topk)
+        per_row = {"topk_values.npy": values, "topk_indices.npy": indices}
+    return tokens, per_row
+
+
+def packed(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(batch, width, ...) -> (kept tokens, ...): the rows of flat positions `keep`."""
+    return tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).index_select(0, keep)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(batch, width) log p(token t | tokens < t), NaN at t = 0; chunked over rows to bound memory."""
+    out = torch.full(ids.shape, float("nan"), dtype=torch.float32, device=logits.device)
+    step = max(1, LOGPROB_ELEMENTS // max(1, logits.shape[1] * logits.shape[2]))
+    for start in range(0, ids.shape[0], step):
+        chunk = torch.log_softmax(logits[start:start + step, :-1].float(), dim=-1)
+        out[start:start + step, 1:] = chunk.gather(2, ids[start:start + step, 1:, None])[..., 0]
+    return out
+
+
+def sample_rows(dataset: Dataset, samples: list[Sample], lengths: list[int]) -> list[dict]:
+    label_ids = {label: i for i, label in enumerate(dataset.labels)}
+    return [
+        {"sample_idx": s.sample_idx, "text": s.text, "label": s.label,
+         "label_id": label_ids.get(s.label, -1) if s.label is not None else -1,
+         "num_tokens": n, "metadata": s.metadata}
+        for s, n in zip(samples, lengths)
+    ]
+
+
+def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, samples: list[Sample],
+              part: int, model_path: Path) -> dict[str, Any]:
+    """part.json fields that describe what was run (the writer adds sizes, checksums and counts)."""
+    ext = config["extract"]
+    return {
+        "part": part, "parts": ext["parts"],
+        "sample_range": [samples[0].sample_idx if samples else 0, samples[-1].sample_idx + 1 if samples else 0],
+        "n_dataset_samples": len(dataset.samples),
+        "tensors": [layer_tensor(i) for i in ext["layers"]] + list(ext["hooks"]),
+        "layers": list(ext["layers"]), "hooks": list(ext["hooks"]),
+        "modality": dataset.modality, "model_kind": loaded.kind,
+        "model": {"path": str(model_path), "spec": config["model"]["path"],
+                  "name": model_name(config, loaded), "revision": config["model"]["revision"],
+                  "model_type": loaded.config.get("model_type"),
+                  "architecture": (loaded.config.get("architectures") or [type(loaded.model).__name__])[0],
+                  "torch_dtype": config["model"]["torch_dtype"], "blocks_path": loaded.blocks_path,
+                  "n_blocks": len(loaded.blocks)},
+        "dataset": {"path": str(dataset.root), "name": config["dataset"]["name"] or dataset.root.name,
+                    "split": config["dataset"]["split"], "labels": dataset.labels},
+        "max_seq_length": ext["max_seq_length"], "batch_size": ext["batch_size"],
+        "logits_topk": ext["logits_topk"] if loaded.kind == "causal" else None,
+        "device": str(loaded.device), "machine": platform.node(),
+        "created_at": utc_now().isoformat(timespec="seconds"),
+        "versions": library_versions(),
+    }
+
+
+def library_versions() -> dict[str, str]:
+    import transformers
+
+    import actstore
+    return {"actstore": actstore.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "numpy": np.__version__,
+            "python": platform.python_version()}
+
+
+def model_name(config: dict[str, Any], loaded: LoadedModel) -> str:
+    if config["model"]["name"]:
+        return config["model"]["name"]
+    spec = config["model"]["path"]
+    if spec.startswith("package:"):
+        return spec.split(":", 1)[1]
+    return loaded.config.get("_name_or_path") or loaded.path.name
+
+
+def vision_tokens(loaded: LoadedModel, dataset: Dataset) -> int:
+    """Tokens per image: measured by running the first image through the model once."""
+    with capture(loaded, [len(loaded.blocks) - 1], []) as captured, torch.inference_mode():
+        loaded.model(**image_batch(loaded, dataset, dataset.samples[:1]))
+        return int(captured[layer_tensor(len(loaded.blocks) - 1)].shape[1])
+
+
+def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
+    """Summarise all parts of an extraction (totals, tensors, per-part part.json sha256) in one JSON."""
+    from actstore.formats.parts import PART_META, open_extraction
+    from actstore.io_utils import sha256_file, write_json_atomic
+
+    extraction = open_extraction(extract_dir)
+    seen = [row["sample_idx"] for _, _, row in extraction.iter_samples()]
+    if seen != list(range(len(seen))):
+        raise ConfigError(f"{extract_dir}: parts do not cover sample_idx 0..{len(seen) - 1} exactly once")
+    index = {
+        "n_samples": extraction.n_samples, "n_tokens": extraction.n_tokens,
+        "tensors": extraction.tensor_names, "layers": extraction.meta["layers"],
+        "model": extraction.meta["model"], "dataset": extraction.meta["dataset"],
+        "extraction_duration_seconds": sum(p.meta["extraction_duration_seconds"] for p in extraction.parts),
+        "parts": [{"dir": p.dir.name, "n_samples": p.meta["n_samples"], "n_tokens": p.meta["n_tokens"],
+                   "sample_range": p.meta["sample_range"], "part_json_sha256": sha256_file(p.dir / PART_META)}
+                  for p in extraction.parts],
+    }
+    write_json_atomic(index_path, index)
+    return index
