@@ -306,3 +306,53 @@ def test_execution_keys_do_not_change_the_extraction_hash(model_dir, text_jsonl,
                                    extract={"storage_dtype": "bfloat16"})
     assert stage_hash(bf16, "extract") != stage_hash(base, "extract")
     assert stage_hash(auto_bf16, "extract") == stage_hash(pinned_bf16, "extract")
+
+
+@pytest.mark.slow
+def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_dir, text_jsonl, tmp_path):
+    """Real Snakemake, target validate: saev/pickle (float32, exact), lmprobe, zarr (float16) are
+    built from bf16 parts; validate compares each reader with the stored values; verify is clean."""
+    import subprocess
+    import sys
+
+    import yaml
+    from actstore.config import load_config
+    from actstore.hashing import stage_dir
+    from actstore.verify import find_store
+    bin_dir = tiny.Path(sys.executable).parent
+    config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("llama")), "torch_dtype": "bfloat16"},
+              "dataset": {"path": str(text_jsonl)},
+              "extract": {"layers": [0, 2], "max_seq_length": 24, "batch_size": 8, "parts": 2}}
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    proc = subprocess.run([str(bin_dir / "snakemake"), "-s", str(tiny.REPO / "Snakefile"), "-d", str(tmp_path),
+                           "--configfile", str(configfile), "--cores", "2", "validate"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    resolved = load_config(configfile)
+    report = json.loads((stage_dir(resolved, "validate") / "report.json").read_text())
+    assert set(report["formats"]) == {"extract", "saev", "pickle", "lmprobe", "zarr"}
+    assert all(f["checked"] > 0 and not f["problems"] for f in report["formats"].values())
+    assert report["formats"]["extract"]["inspect"]["dtype"] == "bfloat16"
+    for stage in ("extract", "saev", "pickle", "lmprobe", "zarr"):
+        store = stage_dir(resolved, stage) if stage == "extract" else find_store(stage_dir(resolved, stage), stage)
+        verify = subprocess.run([str(bin_dir / "actstore"), "verify", str(store)], capture_output=True, text=True)
+        assert verify.returncode == 0, (stage, verify.stdout + verify.stderr)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pipeline_stores_the_models_outputs_whatever_the_buffers(model_dir, text_jsonl, tmp_path):
+    """Pinned staging, the side copy stream and the events: the same bytes for 1 and 4 buffers, and
+    the values of a float32 CPU extraction within float tolerance (GPU kernels round differently)."""
+    files = []
+    for buffers in (1, 4):
+        config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl,
+                                  extract={"parts": 1, "device": "cuda", "buffers": buffers})
+        run_part(config, 0, tmp_path / f"cuda-{buffers}", progress=False)
+        files.append(data_files(tmp_path / f"cuda-{buffers}"))
+    assert files[0] == files[1]
+    cpu = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, extract={"parts": 1, "device": "cpu"})
+    run_part(cpu, 0, tmp_path / "cpu", progress=False)
+    gpu_part, cpu_part = open_part(tmp_path / "cuda-1"), open_part(tmp_path / "cpu")
+    for i in range(len(cpu_part.samples)):
+        assert rel_err(gpu_part.activations("layer_2", i), cpu_part.activations("layer_2", i)) <= 1e-3

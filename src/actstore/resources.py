@@ -28,10 +28,11 @@ class Workload:
     n_tensors: int       # layers + hooks
     weight_bytes: int    # bytes of weight files on disk
     data_bytes: int      # dataset size on disk
+    itemsize: int        # bytes per stored value (extract.storage_dtype)
 
     @property
     def activation_bytes(self) -> int:
-        return self.tokens * self.d * 4 * self.n_tensors
+        return self.tokens * self.d * self.itemsize * self.n_tensors
 
 
 def _count_rows(path: Path) -> tuple[int, int]:
@@ -61,9 +62,11 @@ def _workload(key: str) -> Workload:
     # Images: a ViT emits at most a few hundred tokens; text: truncated at max_seq_length.
     per_row = ext["max_seq_length"] if Path(config["dataset"]["path"]).is_file() else 1025
     weights = sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    storage = ext.get("storage_dtype", "float32")
+    storage = config["model"].get("torch_dtype", "float32") if storage == "auto" else storage
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
-                    weight_bytes=weights, data_bytes=data_bytes)
+                    weight_bytes=weights, data_bytes=data_bytes, itemsize=4 if storage == "float32" else 2)
 
 
 def workload(config: dict[str, Any]) -> Workload:
@@ -82,10 +85,12 @@ def _minutes(seconds: float, attempt: int) -> int:
 
 def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     """Host memory of one extraction job: weights loaded on the host first, the dataset's text,
-    a few copies of one batch's captures, and 3 GB for torch/CUDA."""
+    the staging ring (extract.buffers batches of captures) plus one batch being packed, and 3 GB
+    for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
-    batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * 4 * w.n_tensors * 3
+    batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors
+    batch *= ext.get("buffers", 3) + 1
     return _round_mb((1.5 * w.weight_bytes + 2 * w.data_bytes + batch) / 1e6 + 3000) * attempt
 
 

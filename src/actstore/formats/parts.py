@@ -8,8 +8,9 @@ Layout of `part-NNNN/` (the only place that knows it):
   token_ids.npy    int64 (n_tokens,)                        text models
   token_logprob.npy float32 (n_tokens,), NaN at each sample's first token   causal LMs
   topk_values.npy / topk_indices.npy  float32 / int64 (n, k) last-token top-k logits   causal LMs
-  <tensor>.npy     float32 (n_tokens, d) per captured tensor, samples in sample_idx order,
-                   no padding ("layer_3" -> layer_003.npy; hook "m.path:input" -> hook-m.path-input.npy)
+  <tensor>.npy     (n_tokens, d) per captured tensor in the storage dtype (float32, float16, or
+                   bfloat16 as its uint16 bits), samples in sample_idx order, no padding
+                   ("layer_3" -> layer_003.npy; hook "m.path:input" -> hook-m.path-input.npy)
 The directory is built under a temp name and renamed into place last, so a killed job leaves
 nothing that looks complete.
 """
@@ -157,8 +158,8 @@ def write_part(out_dir: str | Path):
 
 
 class StoredTensor:
-    """A stored (n_tokens, d) tensor: indexing reads float32 whatever the storage dtype (`dtype`);
-    `raw` is the memmap in the stored dtype (bfloat16 as uint16 bits)."""
+    """A stored (n_tokens, d) tensor: indexing reads float32 whatever the storage dtype
+    (`stored_dtype`); `raw` is the memmap as stored (bfloat16 as uint16 bits)."""
 
     def __init__(self, raw: np.ndarray, stored_dtype: str):
         self.raw = raw
