@@ -100,6 +100,7 @@ class OrderedHashFile:
         self.digest = hashlib.sha256()
         self.hashed = 0
         self.ahead: dict[int, int] = {}  # start -> stop of regions written past the hashed prefix
+        self.read_back = 0  # bytes hashed from the page cache rather than from the caller's buffer
         self.write(0, head)
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
@@ -125,6 +126,7 @@ class OrderedHashFile:
                     n = os.preadv(reader.fileno(), [memoryview(buf)[:min(CHUNK, stop - self.hashed)]], self.hashed)
                     self.digest.update(memoryview(buf)[:n])
                     self.hashed += n
+                    self.read_back += n
 
     def close(self) -> str:
         """fsync, check every byte was written, close; return the hex sha256."""

@@ -72,7 +72,7 @@ class ImageBatches(torch.utils.data.Dataset):
         return load_pixels(self.processor, [self.paths[i] for i in batch])
 
 
-def default_workers(threads: int | None) -> int:
+def default_workers(threads: int | None) -> int:  # also sizes the writer threads (run.writer_threads)
     """The CPUs the job was given: Snakemake's threads, else this process's CPU affinity."""
     return threads if threads is not None else len(os.sched_getaffinity(0))
 

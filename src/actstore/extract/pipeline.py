@@ -59,7 +59,9 @@ class WritePipeline:
     write (raising the first writer error, naming the file) or, on an exception, abandons them."""
 
     def __init__(self, writer: PartWriter, device: torch.device, buffers: int, writer_threads: int):
+        """writer_threads: at most this many (never more than the part has files)."""
         self.writer = writer
+        self.max_threads = writer_threads
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.free: queue.Queue[_Slot] = queue.Queue()
@@ -67,12 +69,9 @@ class WritePipeline:
             self.free.put(_Slot(i))
         self.lock = threading.Lock()
         self.error: tuple[str, BaseException] | None = None
-        self.owned: list[list[str]] = [[] for _ in range(writer_threads)]
-        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in range(writer_threads)]
-        self.threads = [threading.Thread(target=self._write_loop, args=(i,), daemon=True,
-                                         name=f"part-writer-{i}") for i in range(writer_threads)]
-        for thread in self.threads:
-            thread.start()
+        self.owned: list[list[str]] = []
+        self.inboxes: list[queue.Queue] = []
+        self.threads: list[threading.Thread] = []
 
     def __enter__(self) -> WritePipeline:
         return self
@@ -125,8 +124,13 @@ class WritePipeline:
         for file, tensor in row_tensors.items():
             self.writer.add_rows(file, tensor.shape[1], dtype_name(tensor.dtype))
         by_size = sorted({**token_tensors, **row_tensors}.items(), key=lambda kv: (-kv[1][0].nbytes, kv[0]))
-        for i, (file, _) in enumerate(by_size):
-            self.owned[i % len(self.owned)].append(file)
+        n_threads = min(self.max_threads, len(by_size))
+        self.owned = [[file for file, _ in by_size[i::n_threads]] for i in range(n_threads)]
+        self.inboxes = [queue.Queue() for _ in range(n_threads)]
+        self.threads = [threading.Thread(target=self._write_loop, args=(i,), daemon=True, name=f"part-writer-{i}")
+                        for i in range(n_threads)]
+        for thread in self.threads:
+            thread.start()
 
     def _free_slot(self) -> _Slot:
         while True:

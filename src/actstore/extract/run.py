@@ -74,8 +74,9 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         lengths = [len(x) for x in token_ids]
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     batches = length_batches(lengths, ext["batch_size"])
+    cpus = default_workers(threads)
     if token_ids is None:
-        workers = ext["num_workers"] if ext["num_workers"] is not None else default_workers(threads)
+        workers = ext["num_workers"] if ext["num_workers"] is not None else cpus
         inputs = image_batches(loaded, [dataset.image_path(s) for s in samples], batches, workers)
     else:
         workers = 0
@@ -85,7 +86,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets)
         extract_batches(loaded, ext, zip(batches, inputs), lengths, token_ids, writer,
                         TORCH_DTYPES[storage_dtype(config)],
-                        tqdm(total=len(batches), desc=f"extract part {part}", unit="batch", disable=not progress))
+                        tqdm(total=len(batches), desc=f"extract part {part}", unit="batch", disable=not progress),
+                        cpus)
         meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
             "storage_dtype": storage_dtype(config), "num_workers": workers,
             "image_pipeline": "cpu" if token_ids is None else None,
@@ -94,11 +96,17 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     return meta
 
 
+def writer_threads(ext: dict[str, Any], cpus: int) -> int:
+    """extract.writer_threads, or (null) one per captured tensor up to the job's CPUs: a text part's
+    files are mostly hashed at its end (see OrderedHashFile), one thread per file in parallel."""
+    return ext["writer_threads"] or max(1, min(cpus, len(ext["layers"]) + len(ext["hooks"])))
+
+
 def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[tuple[list[int], dict]],
                     lengths: list[int], token_ids: list[list[int]] | None, writer: PartWriter,
-                    dtype: torch.dtype, bar: tqdm) -> None:
+                    dtype: torch.dtype, bar: tqdm, cpus: int) -> None:
     """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline."""
-    with WritePipeline(writer, loaded.device, ext["buffers"], ext["writer_threads"]) as pipeline, \
+    with WritePipeline(writer, loaded.device, ext["buffers"], writer_threads(ext, cpus)) as pipeline, \
             capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar:
         for batch, inputs in batches:
             captured.clear()
