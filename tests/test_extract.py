@@ -356,3 +356,25 @@ def test_cuda_pipeline_stores_the_models_outputs_whatever_the_buffers(model_dir,
     gpu_part, cpu_part = open_part(tmp_path / "cuda-1"), open_part(tmp_path / "cpu")
     for i in range(len(cpu_part.samples)):
         assert rel_err(gpu_part.activations("layer_2", i), cpu_part.activations("layer_2", i)) <= 1e-3
+
+
+def test_verify_names_a_missing_part_an_unlisted_file_and_a_path_outside_the_part(extracted, tmp_path):
+    import shutil
+
+    from actstore.errors import FormatError
+    from actstore.formats import parts
+    _, out = extracted("bert", extract={"parts": 3})
+    copy = tmp_path / "extract"
+    shutil.copytree(out, copy)
+    assert parts.verify(copy) == []
+    shutil.rmtree(copy / "part-0001")
+    assert any("part-0001/part.json: missing (listed in extract.json)" in p for p in parts.verify(copy))
+    with pytest.raises(FormatError, match="part-0001"):
+        open_extraction(copy)  # extract.json says 3 parts: never half the samples
+    (copy / "part-0000" / "layer_002.npy").with_name("junk.txt").write_text("x")
+    assert any("junk.txt: not listed in part.json" in p for p in parts.verify(copy))
+    meta_path = copy / "part-0002" / "part.json"
+    meta = json.loads(meta_path.read_text())
+    meta["files"]["../../../etc/passwd"] = meta["files"].pop("offsets.npy")
+    meta_path.write_text(json.dumps(meta))
+    assert any("'../../../etc/passwd' is not a relative path inside" in p for p in parts.verify(copy))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,9 +26,11 @@ from typing import Any, Iterator
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file
+from actstore.integrity import check_file, file_problem, inside, read_json
+from actstore.io_utils import OrderedHashFile, atomic_path
 
 PART_META = "part.json"
+INDEX = "extract.json"  # beside the parts: every part's directory and part.json sha256
 FORMAT_NAME = "actstore-part"
 FORMAT_VERSION = 1
 
@@ -228,15 +231,14 @@ class Part:
         return self._load("topk_values.npy")[local_idx], self._load("topk_indices.npy")[local_idx]
 
     def verify(self) -> None:
-        """Check every file's size and sha256 against part.json; raise FormatError naming the file."""
+        """Every listed file inside the part with its size and sha256, nothing unlisted; raise
+        FormatError naming the file."""
+        source = str(self.dir / PART_META)
         for file, info in self.meta["files"].items():
-            path = self.dir / file
-            if not path.is_file():
-                raise FormatError(f"{path}: missing")
-            if path.stat().st_size != info["bytes"]:
-                raise FormatError(f"{path}: {path.stat().st_size} bytes, part.json says {info['bytes']}")
-            if sha256_file(path) != info["sha256"]:
-                raise FormatError(f"{path}: sha256 mismatch with part.json")
+            check_file(inside(self.dir, file, source), info, PART_META)
+        extra = sorted(set(os.listdir(self.dir)) - set(self.meta["files"]) - {PART_META})
+        if extra:
+            raise FormatError(f"{self.dir / extra[0]}: not listed in {PART_META}")
 
 
 def open_part(part_dir: str | Path) -> Part:
@@ -245,8 +247,8 @@ def open_part(part_dir: str | Path) -> Part:
     meta_path = part_dir / PART_META
     if not meta_path.is_file():
         raise FormatError(f"{part_dir}: no {PART_META}; the extraction part is missing or unfinished")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT_NAME:
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
     with (part_dir / "samples.jsonl").open(encoding="utf-8") as fh:
         samples = [json.loads(line) for line in fh]
@@ -259,6 +261,8 @@ class Extraction:
 
     def __init__(self, extract_dir: str | Path, n_parts: int | None = None):
         self.dir = Path(extract_dir)
+        if n_parts is None and (self.dir / INDEX).is_file():
+            n_parts = len(read_json(self.dir / INDEX)["parts"])  # a deleted part is missing, not skipped
         if n_parts is None:
             n_parts = len(sorted(self.dir.glob("part-[0-9][0-9][0-9][0-9]")))
         if n_parts == 0:
@@ -335,14 +339,29 @@ def inspect(path: str | Path) -> dict[str, Any]:
 
 
 def verify(path: str | Path) -> list[str]:
-    """Every part's files present with the recorded size and sha256; problems name the file."""
-    problems = []
-    for part_dir in _part_dirs(Path(path)):
+    """Every part extract.json lists present with its part.json, every part's files present with the
+    recorded size and sha256 and nothing unlisted; problems name the file."""
+    path = Path(path)
+    problems = _index_problems(path) if (path / INDEX).is_file() else []
+    for part_dir in _part_dirs(path):
         try:
             open_part(part_dir).verify()
         except (FormatError, OSError, ValueError) as exc:
             problems.append(str(exc))
     return problems
+
+
+def _index_problems(extract_dir: Path) -> list[str]:
+    try:
+        parts = read_json(extract_dir / INDEX)["parts"]
+        listed = {entry["dir"]: entry["part_json_sha256"] for entry in parts}
+        records = {inside(extract_dir, d, str(extract_dir / INDEX)) / PART_META: {"sha256": sha}
+                   for d, sha in listed.items()}
+    except (FormatError, KeyError, TypeError) as exc:
+        return [f"{extract_dir / INDEX}: unreadable ({exc})"]
+    problems = [p for meta, record in records.items() if (p := file_problem(meta, record, INDEX))]
+    unlisted = sorted(d.name for d in _part_dirs(extract_dir) if d.name not in listed)
+    return problems + [f"{extract_dir / d}: not listed in {INDEX}" for d in unlisted]
 
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:

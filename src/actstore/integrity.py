@@ -1,0 +1,66 @@
+"""Integrity checks every format shares: file records ({bytes, sha256}), checked files, JSON reads,
+directory sizes and names resolved inside a store. Each format keeps its own spec key names and
+passes in where a record comes from; every message names the file it is about."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from actstore.errors import FormatError
+from actstore.io_utils import sha256_file
+
+
+def file_record(path: str | os.PathLike) -> dict[str, Any]:
+    """{bytes, sha256} of a finished file, as every format records it."""
+    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+def file_problem(path: Path, record: dict[str, Any] | None, source: str) -> str | None:
+    """None when `path` is a file with the recorded bytes and sha256 (each checked when recorded),
+    else what is wrong, naming the file and `source` (where the record comes from)."""
+    if not path.is_file():
+        return f"{path}: missing (listed in {source})"
+    if not isinstance(record, dict) or not ({"bytes", "sha256"} & set(record)):
+        return f"{path}: no size or sha256 recorded in {source}"
+    size = path.stat().st_size
+    if "bytes" in record and size != record["bytes"]:
+        return f"{path}: {size} bytes, {source} says {record['bytes']}"
+    if "sha256" in record and sha256_file(path) != record["sha256"]:
+        return f"{path}: sha256 differs from {source}"
+    return None
+
+
+def check_file(path: Path, record: dict[str, Any] | None, source: str) -> None:
+    """file_problem as an exception (FormatError naming the file)."""
+    problem = file_problem(path, record, source)
+    if problem:
+        raise FormatError(problem)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content; FormatError naming the file when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+
+
+def dir_bytes(root: Path) -> int:
+    """Bytes of every file under `root`."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def inside(root: Path, name: Any, source: str) -> Path:
+    """`name` (a relative POSIX path read from metadata) as a path inside `root`; FormatError when
+    it is not a string, is absolute, climbs out with `..`, or resolves outside through a link."""
+    rel = PurePosixPath(name) if isinstance(name, str) and name else None
+    if rel is None or rel.is_absolute() or ".." in rel.parts:
+        raise FormatError(f"{source}: {name!r} is not a relative path inside {root}")
+    path = root.joinpath(*rel.parts)
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise FormatError(f"{source}: {name!r} leads outside {root} (through a link)")
+    return path
