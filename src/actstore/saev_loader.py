@@ -1,18 +1,30 @@
-"""Shuffled training loader for saev stores: large contiguous reads, a shuffle buffer, torch batches.
+"""Shuffled training loader for saev stores: batches mixed like a uniform shuffle, read at disk speed.
 
 saev's own shuffled reader gathers single 4 KiB vectors at large strides (~3.6K vectors/s on OSC
-scratch). This one reads *blocks* (a run of whole examples inside one shard, all tokens, one pread
-per block when every layer is wanted) in a seeded random order, pours `buffer_blocks` blocks into a
-buffer, permutes the buffer and yields batches from it. So disk reads stay large and sequential while
-each batch mixes many examples from all over the dataset.
-`fill_threads` threads each pread a block into a small scratch array that stays in cache, then
-scatter its vectors to their shuffled rows with streaming stores (the `_scatter` C extension; numpy's
-fancy assignment when it was not built); the next buffer fills while the current one's batches are
-consumed. Designs measured on the way: bench/README.md `## saev`.
+scratch). A batch mixes as well as a uniform shuffle only when its vectors come from as many examples
+as a uniform draw would hit (~1,770 of 2,040 for a 4,096 batch on the bench store), so reading whole
+examples into a bounded buffer cannot do it: the buffer would have to hold most of the store. This
+loader is two-level instead. Level one: the store is cut into small *blocks* (by default a run of
+~32 KiB of tokens inside one example, every wanted layer) and the blocks of the whole store are
+taken in one seeded random order, `buffer_blocks` at a time into a shuffle buffer (`buffer_bytes`,
+256 MiB by default: 8,192 blocks from all over the store). Level two: the buffer is permuted and
+yielded as batches, so a batch of B vectors draws from thousands of blocks of different examples.
+Mixing relative to a uniform shuffle is about H/B, H = M(1 - exp(-B/M)) the blocks a batch hits, M
+the blocks in the buffer: more memory or smaller blocks mix better (bench/README.md `## saev`).
 
-Each epoch every kept vector is yielded exactly once: blocks partition the examples, torch
-DataLoader workers take disjoint slices of the block permutation, and the last partial batch is
+`fill_threads` threads run one C call per few MiB of blocks (the `_scatter` extension, without the
+GIL): pread each block into a small scratch array that stays in cache, then scatter its vectors to
+their shuffled rows with streaming stores (numpy reads and fancy assignment when it was not built).
+The next buffer fills while the current one's batches are consumed. Where a block's vectors go is
+planned from the seed alone, so the batches are identical whatever the thread count.
+
+Each epoch every kept vector is yielded exactly once: blocks partition the (example, token) pairs,
+torch DataLoader workers take disjoint slices of the block permutation, and the last partial batch is
 yielded (unless drop_last). Text padding (past n_valid in windows.npy) is never yielded.
+
+Memory per process (DataLoader worker): 3 buffers of buffer_blocks blocks + one batch (row = one token,
+every wanted layer), 16 bytes of indices per buffered vector, one block of scratch per fill thread,
+and the epoch's block order (8 bytes per block).
 """
 from __future__ import annotations
 
@@ -34,8 +46,10 @@ from actstore.formats.saev import DTYPE, SaevStore
 
 try:
     from actstore import _scatter
-except ImportError:  # built without a C compiler (setup.py: optional): numpy's scatter, same results
+except ImportError:  # built without a C compiler (setup.py: optional): numpy reads + scatter, same results
     _scatter = None
+
+FILL_JOB_BYTES = 4 << 20  # blocks per C call: few enough calls that Python's share is small
 
 
 class ShuffledActivations(IterableDataset):
@@ -44,31 +58,46 @@ class ShuffledActivations(IterableDataset):
     layers: layer values to return (default all stored); one layer gives act (B, D), several give
     (B, n_layers, D) with the same token at each layer. include_cls: yield CLS vectors (ViT stores).
     keep_labels: keep only patches whose labels.bin value is in this set (CLS has no label).
+    block_bytes: store bytes per block (every stored layer); below one example a block is a run of
+    tokens of one example, else whole examples (block_examples sets their number directly).
+    buffer_blocks: blocks per shuffle buffer; by default as many as fit in buffer_bytes (the memory
+    of one buffer: the loader keeps three).
     fill_threads: threads reading and scattering blocks into the buffer (per DataLoader worker).
     """
 
     def __init__(self, path: str | Path, layers: Iterable[int] | None = None, batch_size: int = 4096,
-                 seed: int = 0, block_examples: int | None = None, buffer_blocks: int = 32,
+                 seed: int = 0, block_examples: int | None = None, buffer_blocks: int | None = None,
                  include_cls: bool = True, keep_labels: Iterable[int] | None = None, drop_last: bool = False,
-                 block_bytes: int = 4 << 20, fill_threads: int = 2):
+                 block_bytes: int = 32 << 10, fill_threads: int = 2, buffer_bytes: int = 256 << 20):
         self.path = Path(path)
         store = SaevStore(self.path)
         self.layers = list(layers) if layers is not None else list(store.layers)
         self.layer_idx = [store.layer_index(layer) for layer in self.layers]
-        if batch_size < 1 or buffer_blocks < 1:
-            raise ConfigError(f"batch_size={batch_size} and buffer_blocks={buffer_blocks} must be >= 1")
-        self.batch_size, self.seed, self.buffer_blocks, self.drop_last = batch_size, seed, buffer_blocks, drop_last
-        self.include_cls = include_cls
-        if fill_threads < 1:
-            raise ConfigError(f"fill_threads={fill_threads} must be >= 1")
-        self.fill_threads = fill_threads
+        if batch_size < 1 or fill_threads < 1 or min(block_bytes, buffer_bytes, buffer_blocks or 1) < 1:
+            raise ConfigError(f"batch_size={batch_size}, fill_threads={fill_threads}, block_bytes={block_bytes}, "
+                              f"buffer_bytes={buffer_bytes} and buffer_blocks={buffer_blocks} must be >= 1")
+        self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
+        self.include_cls, self.fill_threads = include_cls, fill_threads
         self.keep_labels = None if keep_labels is None else np.array(sorted(set(keep_labels)), dtype=np.uint8)
         if self.keep_labels is not None and store.labels() is None:
             raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
-        # Default block: ~block_bytes of contiguous shard bytes (>= 1 example).
-        self.block_examples = block_examples or max(1, block_bytes // store.example_bytes)
-        self.blocks = self._blocks(store)
+        # Sizes count every stored layer, so choosing fewer layers changes which tokens a block holds
+        # and a buffer's block count not at all (the batches are the same, narrower); memory only shrinks.
+        token_bytes = store.L * store.D * DTYPE.itemsize
+        if block_examples is None and block_bytes < store.example_bytes:  # runs of tokens inside one example
+            self.block_examples = 1
+            self.chunks_per_example = -(-store.T // max(1, block_bytes // token_bytes))
+        else:
+            self.block_examples = block_examples or block_bytes // store.example_bytes
+            self.chunks_per_example = 1
+        self.runs = self._runs(store)
+        self.block_vectors = self.block_examples * -(-store.T // self.chunks_per_example)  # at most
+        self.buffer_blocks = buffer_blocks or max(1, buffer_bytes // (self.block_vectors * token_bytes))
         self.epoch = 0
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.runs) * self.chunks_per_example
 
     def __getstate__(self) -> dict:
         """Sent to DataLoader workers without the buffers: each process makes its own."""
@@ -78,92 +107,113 @@ class ShuffledActivations(IterableDataset):
         """A new epoch gets a new (still seeded) order."""
         self.epoch = epoch
 
-    def _blocks(self, store: SaevStore) -> np.ndarray:
-        """(n_blocks, 3) shard, first example in shard, n examples: a partition of every example."""
-        out = []
-        for idx, shard in enumerate(store.shards):
-            for lo in range(0, shard["n_examples"], self.block_examples):
-                out.append((idx, lo, min(self.block_examples, shard["n_examples"] - lo)))
-        return np.array(out, dtype=np.int64).reshape(-1, 3)
-
-    def token_mask(self, store: SaevStore, labels: np.ndarray | None, first: int, n: int) -> np.ndarray:
-        """(n, T) bool: which tokens of examples first..first+n are yielded (labels: the store's)."""
-        mask = np.ones((n, store.T), dtype=bool)
-        cls = int(store.metadata["cls_token"])
-        if cls and not self.include_cls:
-            mask[:, 0] = False
-        if store.windows is not None:
-            mask &= np.arange(store.T)[None, :] < store.windows[first:first + n, 2:3]
-        if self.keep_labels is not None:
-            mask[:, cls:] &= np.isin(labels[first:first + n], self.keep_labels)
-        return mask
+    def _runs(self, store: SaevStore) -> np.ndarray:
+        """(n_runs, 2) first example, n examples: runs of block_examples inside one shard, a partition
+        of every example. Block b is token chunk b % chunks_per_example of run b // chunks_per_example."""
+        out = [(int(store.starts[idx]) + lo, min(self.block_examples, shard["n_examples"] - lo))
+               for idx, shard in enumerate(store.shards) for lo in range(0, shard["n_examples"], self.block_examples)]
+        return np.array(out, dtype=np.int64).reshape(-1, 2)
 
     def my_blocks(self) -> np.ndarray:
-        """This worker's blocks for this epoch: a disjoint slice of one seeded permutation."""
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.blocks))
+        """This worker's block ids for this epoch: a disjoint slice of one seeded permutation."""
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_blocks)
         info = get_worker_info()
-        if info is not None:
-            order = order[info.id::info.num_workers]
-        return self.blocks[order]
+        return order if info is None else order[info.id::info.num_workers]
 
-    def _fill_block(self, store: SaevStore, shards: "_ShardFiles", block: np.ndarray, first: int, mask: np.ndarray,
-                    rows: np.ndarray, out: tuple[np.ndarray, np.ndarray, np.ndarray], scratch: SimpleQueue) -> None:
-        """Read one block into a cache-resident scratch array, then scatter its kept vectors (mask
-        order) to their shuffled `rows` of the buffer. Runs on a fill thread: blocks own disjoint rows,
-        and pread and the scatter run without the GIL, so blocks fill in parallel."""
-        acts, exs, toks = out
-        shard, lo, k = (int(x) for x in block)
+    def _plan(self, store: SaevStore, shards: "_ShardFiles", labels: np.ndarray | None, ids: np.ndarray,
+              n_carry: int, rng: np.random.Generator, acts: np.ndarray) -> tuple[_Fill, _Blocks]:
+        """Where every vector of blocks `ids` goes: vector i in (block, example, token) order to row
+        rows[i] of the buffer (-1: not kept: CLS off, padding, label filter), after the n_carry rows
+        left over from the last buffer; the example/token index of every row is filled in here."""
+        run, chunk = np.divmod(ids, self.chunks_per_example)
+        first, n_ex = self.runs[run, 0], self.runs[run, 1]
+        tok_lo = chunk * store.T // self.chunks_per_example
+        n_tok = (chunk + 1) * store.T // self.chunks_per_example - tok_lo
+        counts = n_ex * n_tok
+        block = np.repeat(np.arange(len(ids)), counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        ex = first[block] + within // n_tok[block]
+        tok = tok_lo[block] + within % n_tok[block]
+        keep = self._kept(store, labels, ex, tok)
+        n = n_carry + int(keep.sum())
+        perm = rng.permutation(n)
+        rows = np.full(len(ex), -1, dtype=np.int64)
+        rows[keep] = perm[n_carry:]
+        buf = _Fill(acts[:n], np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), perm, [])
+        buf.exs[perm[n_carry:]], buf.toks[perm[n_carry:]] = ex[keep], tok[keep]
+        shard = np.searchsorted(store.starts, first, side="right") - 1
+        offsets = (first - store.starts[shard]) * store.example_bytes + tok_lo * store.D * DTYPE.itemsize
+        used, which = np.unique(shard, return_inverse=True)
+        fds = np.array([shards.fd(int(i)) for i in used], dtype=np.int64)[which]
+        return buf, _Blocks(shard, fds, offsets, n_ex, n_tok, rows, np.cumsum(counts) - counts)
+
+    def _kept(self, store: SaevStore, labels: np.ndarray | None, ex: np.ndarray, tok: np.ndarray) -> np.ndarray:
+        """Which of the (example, token) pairs are yielded (labels: the store's labels.bin)."""
+        keep = np.ones(len(ex), dtype=bool)
+        cls = int(store.metadata["cls_token"])
+        if cls and not self.include_cls:
+            keep &= tok != 0
+        if store.windows is not None:
+            keep &= tok < store.windows[ex, 2]
+        if self.keep_labels is not None:
+            patch = tok >= cls
+            keep[patch] &= np.isin(labels[ex[patch], tok[patch] - cls], self.keep_labels)
+        return keep
+
+    def _fill(self, store: SaevStore, shards: "_ShardFiles", acts: np.ndarray, blocks: "_Blocks",
+              scratch: SimpleQueue) -> None:
+        """Read blocks and scatter their kept vectors to their rows of acts. Runs on a fill thread:
+        blocks own disjoint rows, and the C call runs without the GIL, so jobs fill in parallel."""
         buf = scratch.get()
         try:
-            data = buf[:k]
-            if self.layer_idx == list(range(store.L)):  # the whole block: one large read
-                shards.read(shard, lo * store.example_bytes, data)
-            else:  # selected layers only: one read of T contiguous vectors per (example, layer)
-                layer_bytes = store.T * store.D * DTYPE.itemsize
-                for e in range(k):
-                    for j, layer in enumerate(self.layer_idx):
-                        shards.read(shard, (lo + e) * store.example_bytes + layer * layer_bytes, data[e, j])
-            if mask.all():
-                dest = rows.reshape(mask.shape)
-            else:  # dropped vectors (CLS off, padding, label filter) go to the junk row acts[-1]
-                dest = np.full(mask.shape, len(acts) - 1, dtype=np.int64)
-                dest[mask] = rows
-            _scatter_rows(acts, dest, data)
+            if _scatter is None:
+                self._fill_numpy(store, shards, acts, blocks, buf)
+                return
+            layer_off = np.array(self.layer_idx, dtype=np.int64) * store.T * store.D * DTYPE.itemsize
+            short = _scatter.fill(acts.ctypes.data, len(acts), acts.strides[0], buf.ctypes.data, buf.nbytes,
+                                  len(blocks.fds), blocks.fds.ctypes.data, blocks.offsets.ctypes.data, blocks.n_ex.ctypes.data,
+                                  blocks.n_tok.ctypes.data, store.example_bytes, len(layer_off), layer_off.ctypes.data,
+                                  store.D * DTYPE.itemsize, blocks.rows.ctypes.data)
+            if short is not None:
+                raise shards.short(int(blocks.shard[short[0]]), short[1])
         finally:
             scratch.put(buf)
-        ex, tok = np.nonzero(mask)
-        exs[rows], toks[rows] = ex + first, tok
+
+    def _fill_numpy(self, store: SaevStore, shards: "_ShardFiles", acts: np.ndarray, blocks: "_Blocks",
+                    buf: np.ndarray) -> None:
+        """The same as _scatter.fill, one block at a time (no C compiler at install)."""
+        layer_bytes = store.T * store.D * DTYPE.itemsize
+        for i, (shard, offset, ne, nt, lo) in enumerate(zip(*(a.tolist() for a in (
+                blocks.shard, blocks.offsets, blocks.n_ex, blocks.n_tok, blocks.first_row)))):
+            data = buf.reshape(-1)[:ne * len(self.layer_idx) * nt * store.D].reshape(ne, -1, nt, store.D)
+            for e in range(ne):
+                for j, layer in enumerate(self.layer_idx):
+                    shards.read(shard, offset + e * store.example_bytes + layer * layer_bytes, data[e, j])
+            rows = blocks.rows[lo:lo + ne * nt]
+            acts[rows[rows >= 0]] = data.transpose(0, 2, 1, 3).reshape(ne * nt, -1, store.D)[rows >= 0]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         store = SaevStore(self.path)  # per worker: its own file descriptors
         info = get_worker_info()
         rng = np.random.default_rng([self.seed, self.epoch, 0 if info is None else info.id + 1])
         nl, squeeze, size = len(self.layer_idx), len(self.layers) == 1, self.batch_size
-        cap = self.buffer_blocks * self.block_examples * store.T + size + 1
+        shape = (self.buffer_blocks * self.block_vectors + size, nl, store.D)
         pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
-        if pool and pool[0].shape != (cap, nl, store.D):
+        if pool and pool[0].shape != shape:
             pool.clear()
         labels = store.labels() if self.keep_labels is not None else None
         shards = _ShardFiles(store)
         fill = ThreadPoolExecutor(max_workers=self.fill_threads)
         scratch: SimpleQueue = SimpleQueue()  # one read buffer per fill thread, reused: it stays in cache
         for _ in range(self.fill_threads):
-            scratch.put(np.empty((self.block_examples, nl, store.T, store.D), dtype=DTYPE))
+            scratch.put(np.empty((self.block_vectors, nl, store.D), dtype=DTYPE))
+        per_job = max(1, FILL_JOB_BYTES // (self.block_vectors * nl * store.D * DTYPE.itemsize))
 
-        def start(group: np.ndarray, n_carry: int) -> _Fill:
-            """Plan one buffer (n_carry leftover rows of the last one first, then the blocks in order:
-            item i goes to row perm[i]) and start filling it; the carry is placed once it is known."""
-            firsts = [int(store.starts[b[0]] + b[1]) for b in group]
-            masks = [self.token_mask(store, labels, f, int(b[2])) for f, b in zip(firsts, group)]
-            counts = np.array([int(m.sum()) for m in masks], dtype=np.int64)
-            ends = n_carry + np.cumsum(counts)
-            n = int(ends[-1])
-            perm = rng.permutation(n)
-            buf = _Fill(_buffer(pool, (cap, nl, store.D))[:n + 1],  # + a junk row for dropped tokens
-                        np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), perm, [])
-            buf.jobs = [fill.submit(self._fill_block, store, shards, block, first, mask, perm[end - count:end],
-                                    buf.arrays(), scratch)
-                        for block, first, mask, count, end in zip(group, firsts, masks, counts, ends)]
+        def start(ids: np.ndarray, n_carry: int) -> _Fill:
+            """Plan one buffer and start filling it; the carry is placed once it is known."""
+            buf, blocks = self._plan(store, shards, labels, ids, n_carry, rng, _buffer(pool, shape))
+            buf.jobs = [fill.submit(self._fill, store, shards, buf.acts, blocks.slice(lo, lo + per_job), scratch)
+                        for lo in range(0, len(ids), per_job)]
             return buf
 
         try:
@@ -206,6 +256,27 @@ class _Fill:
         return self.acts, self.exs, self.toks
 
 
+@dataclass
+class _Blocks:
+    """Blocks to read (int64 arrays): shard, its file descriptor, byte offset of the first vector,
+    examples, tokens; and the destination row of each of their vectors (block i's from first_row[i])."""
+    shard: np.ndarray
+    fds: np.ndarray
+    offsets: np.ndarray
+    n_ex: np.ndarray
+    n_tok: np.ndarray
+    rows: np.ndarray
+    first_row: np.ndarray
+
+    def slice(self, lo: int, hi: int) -> "_Blocks":
+        """Blocks lo..hi with their own rows (contiguous, in the order the fill walks them)."""
+        hi = min(hi, len(self.shard))
+        start = int(self.first_row[lo])
+        end = int(self.first_row[hi]) if hi < len(self.shard) else len(self.rows)
+        return _Blocks(self.shard[lo:hi], self.fds[lo:hi], self.offsets[lo:hi], self.n_ex[lo:hi], self.n_tok[lo:hi],
+                       self.rows[start:end], self.first_row[lo:hi] - start)
+
+
 class _ShardFiles:
     """Shard file descriptors, opened on first use and shared by the fill threads."""
 
@@ -213,40 +284,29 @@ class _ShardFiles:
         self.store, self.lock = store, Lock()
         self.fds: dict[int, int] = {}
 
-    def read(self, shard: int, offset: int, out: np.ndarray) -> None:
-        """Fill a C-contiguous array from a shard at offset, resuming after short reads."""
+    def fd(self, shard: int) -> int:
         with self.lock:
             if shard not in self.fds:
                 self.fds[shard] = os.open(self.store.dir / self.store.shards[shard]["name"], os.O_RDONLY)
-            fd = self.fds[shard]
+            return self.fds[shard]
+
+    def short(self, shard: int, offset: int) -> FormatError:
+        return FormatError(f"{self.store.dir / self.store.shards[shard]['name']}: ends at byte {offset}, shards.json "
+                           f"says {self.store.shard_bytes(shard)}; was it truncated or purged?")
+
+    def read(self, shard: int, offset: int, out: np.ndarray) -> None:
+        """Fill a C-contiguous array from a shard at offset, resuming after short reads."""
+        fd = self.fd(shard)
         view, done = memoryview(out).cast("B"), 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
-                raise FormatError(f"{self.store.dir / self.store.shards[shard]['name']}: ends at byte "
-                                  f"{offset + done}, shards.json says {self.store.shard_bytes(shard)}; "
-                                  "was it truncated or purged?")
+                raise self.short(shard, offset + done)
             done += got
 
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
-
-
-def _scatter_rows(acts: np.ndarray, dest: np.ndarray, block: np.ndarray) -> None:
-    """acts[dest] = block.transpose(0, 2, 1, 3) for a (k, n_layers, T, D) block and (k, T) destination
-    rows: with streaming stores when the C extension was built (the scatter is the loader's whole cost,
-    and they make it 2.7x faster), else numpy's fancy assignment."""
-    if _scatter is None:
-        acts[dest] = block.transpose(0, 2, 1, 3)
-        return
-    k, n_layers, n_tok, d = block.shape
-    if not (acts.flags.c_contiguous and dest.flags.c_contiguous and dest.dtype == np.int64
-            and block.strides[3] == block.itemsize == acts.itemsize and dest.shape == (k, n_tok)
-            and acts.shape[1:] == (n_layers, d)):
-        raise ValueError(f"scatter: unsupported layout acts {acts.shape} dest {dest.shape} block {block.shape}")
-    _scatter.scatter(acts.ctypes.data, len(acts), acts.strides[0], block.ctypes.data, k, n_layers, n_tok,
-                     block.strides[0], block.strides[1], block.strides[2], d * block.itemsize, dest.ctypes.data)
 
 
 def _place(out: tuple[np.ndarray, ...], rows: np.ndarray, carry: tuple[np.ndarray, ...]) -> None:
