@@ -293,7 +293,7 @@ def goals(r: dict, shape: str) -> dict:
         bound = min(out["units_per_s_gpu_only"], loading, r["units"] / disk_s)
         out.update(image_loading_per_s=loading, fraction_of_bound=out["units_per_s_extract"] / bound,
                    bound_by=("CPU image decoding" if bound == loading else "disk" if bound == r["units"] / disk_s
-                             else "GPU"), goal="fraction_of_bound >= 0.8")
+                             else "model forward"), goal="fraction_of_bound >= 0.8")
     return out
 
 

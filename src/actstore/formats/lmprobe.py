@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
+from actstore.integrity import dir_bytes, file_problem, inside
 from actstore.io_utils import atomic_path, sha256_file, utc_now
 
 log = logging.getLogger(__name__)
@@ -830,7 +831,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "layers": ds.layers, "n_examples": ds.num_prompts,
         "n_tokens": int(ds.num_tokens.sum()) if ds.full_sequence else None,
         "d_model": ds.dim, "dtype": ds.dtype, "n_shards": len(files),
-        "bytes": sum(p.stat().st_size for p in root.rglob("*") if p.is_file()),
+        "bytes": dir_bytes(root),
         "storage": hidden.get("storage"), "last_token_shards": ds.last_token_shards,
         "shards_per_layer": len(hidden["shards"]), "prompt_ordering": ds.info["prompt_ordering"],
         "prompt_ordering_seed": ds.info.get("prompt_ordering_seed"),
@@ -935,17 +936,12 @@ def _verify_tensor_files(ds: LmprobeDataset) -> list[str]:
     recorded = ds.info.get("files", {})
     hidden = ds.hidden
     for rel in _tensor_files(ds.info):
-        path = ds.root / rel
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
-        want = recorded.get(rel)
-        if want is None:
-            problems.append(f"{path}: no size/sha256 recorded in lmprobe:files")
-        elif path.stat().st_size != want["bytes"]:
-            problems.append(f"{path}: {path.stat().st_size} bytes, lmprobe:files says {want['bytes']}")
-        elif sha256_file(path) != want["sha256"]:
-            problems.append(f"{path}: sha256 differs from lmprobe:files")
+        try:
+            problem = file_problem(inside(ds.root, rel, "lmprobe:tensors"), recorded.get(rel), "lmprobe:files")
+        except FormatError as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(problem)
     for layer in hidden["layers"]:
         for s, shard in enumerate(hidden["shards"]):
             path = ds.root / hidden["file_pattern"].format(layer=layer, shard=s)

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from actstore.errors import FormatError
 from actstore.formats.parts import Part, layer_tensor, open_part
+from actstore.integrity import read_json
 from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -340,10 +341,7 @@ def safe_loads(data: bytes, compressed: bool) -> Any:
 def load_metadata(output_dir: str | Path) -> dict[str, Any]:
     """Parse `metadata.json`; FormatError naming the file if it is missing or not a JSON object."""
     path = Path(output_dir) / METADATA
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{path}: cannot read metadata ({exc})") from None
+    meta = read_json(path)
     if not isinstance(meta, dict) or not isinstance(meta.get("shards"), list):
         raise FormatError(f"{path}: not a pickle-shard metadata object (no 'shards' list)")
     return meta

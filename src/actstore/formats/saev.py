@@ -34,7 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.io_utils import atomic_path, canonical_json, sha256_file, write_json_atomic
+from actstore.integrity import dir_bytes, file_problem, file_record, inside, read_json
+from actstore.io_utils import atomic_path, canonical_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -286,25 +287,20 @@ def write_raw_store(plan: Plan, fill: Callable[[int, np.ndarray], None], root: s
                 fill(start + lo, array[lo:lo + slab])
             array.flush()
             del array
-            shards.append({"name": shard_name(idx), "n_examples": size,
-                           "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+            shards.append({"name": shard_name(idx), "n_examples": size, **file_record(path)})
             start += size
         files = {}
         if plan.windows is not None:
             np.save(tmp / WINDOWS, plan.windows)
-            files[WINDOWS] = _file_info(tmp / WINDOWS)
+            files[WINDOWS] = file_record(tmp / WINDOWS)
         if plan.labels is not None:
             _write_labels_file(tmp / LABELS, plan.labels, (md["n_examples"], md["patches_per_ex"]))
-            files[LABELS] = _file_info(tmp / LABELS)
+            files[LABELS] = file_record(tmp / LABELS)
         write_json_atomic(tmp / SHARDS, shards)
         write_json_atomic(tmp / SIDECAR, {**plan.sidecar, "files": files})
         write_json_atomic(tmp / METADATA, md)  # written last: its presence marks a finished store
     log.info("saev store: %d examples in %d shards -> %s", md["n_examples"], len(sizes), final)
     return final
-
-
-def _file_info(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def write_pointer(pointer: str | Path, store: str | Path) -> None:
@@ -328,7 +324,7 @@ def write_labels(path: str | Path, labels: np.ndarray) -> None:
     store = open_store(path)
     _write_labels_file(store.dir / LABELS, labels, (store.n_examples, store.patches_per_ex))
     sidecar = store.sidecar
-    sidecar.setdefault("files", {})[LABELS] = _file_info(store.dir / LABELS)
+    sidecar.setdefault("files", {})[LABELS] = file_record(store.dir / LABELS)
     write_json_atomic(store.dir / SIDECAR, sidecar)
 
 
@@ -347,15 +343,6 @@ def resolve(path: str | Path) -> Path:
             raise FormatError(f"{pointer}: not a saev pointer (needs a 'store' key)") from None
         return (pointer.parent / target).resolve()
     raise FormatError(f"{path}: neither a saev store (no {METADATA}) nor a stage dir with {POINTER}")
-
-
-def _load_json(path: Path) -> Any:
-    if not path.is_file():
-        raise FormatError(f"{path}: missing")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise FormatError(f"{path}: invalid JSON ({exc})") from None
 
 
 def check_metadata(md: Any, where: Path) -> None:
@@ -382,15 +369,15 @@ class SaevStore:
 
     def __init__(self, path: str | Path, check_sizes: bool = True):
         self.dir = resolve(path)
-        self.metadata = _load_json(self.dir / METADATA)
+        self.metadata = read_json(self.dir / METADATA)
         check_metadata(self.metadata, self.dir / METADATA)
         if str(self.metadata["protocol"]).split(".")[0] != PROTOCOL.split(".")[0]:
             warnings.warn(f"{self.dir / METADATA}: protocol {self.metadata['protocol']} has a different major "
                           f"version than this reader's {PROTOCOL}; the layout may have changed", stacklevel=2)
-        self.shards = _load_json(self.dir / SHARDS)
+        self.shards = read_json(self.dir / SHARDS)
         self._check_shards_json()
         sidecar = self.dir / SIDECAR
-        self.sidecar = _load_json(sidecar) if sidecar.is_file() else {}
+        self.sidecar = read_json(sidecar) if sidecar.is_file() else {}
         self.starts = np.concatenate([[0], np.cumsum([s["n_examples"] for s in self.shards])]).astype(np.int64)
         self._maps: dict[int, np.memmap] = {}
         self._windows: np.ndarray | None | bool = False  # False: not looked for yet
@@ -562,10 +549,6 @@ def detect(path: str | Path) -> bool:
     return (store_dir / METADATA).is_file() and (store_dir / SHARDS).is_file()
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-
-
 def inspect(path: str | Path) -> dict[str, Any]:
     """Summary of a store for `actstore inspect`."""
     store = SaevStore(path, check_sizes=False)
@@ -576,7 +559,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "model": md["ckpt"], "family": md["family"], "layers": md["layers"], "n_examples": md["n_examples"],
         "n_tokens": int(windows[:, 2].sum()) if windows is not None else md["n_examples"] * store.T,
         "d_model": md["d_model"], "dtype": md["dtype"], "n_shards": len(store.shards),
-        "bytes": _dir_bytes(store.dir), "patches_per_ex": md["patches_per_ex"], "cls_token": md["cls_token"],
+        "bytes": dir_bytes(store.dir), "patches_per_ex": md["patches_per_ex"], "cls_token": md["cls_token"],
         "tokens_per_ex": store.T, "examples_per_shard": store.examples_per_shard,
         "patches_per_shard": md["patches_per_shard"], "dataset": md["dataset"],
         "has_labels": (store.dir / LABELS).is_file(), "text_windows": windows is not None,
@@ -603,8 +586,8 @@ def verify(path: str | Path) -> list[str]:
         if "sha256" not in shard:
             problems.append(f"{store.dir / SHARDS}: {shard['name']} has no sha256")
         elif path_.is_file() and path_.stat().st_size == store.shard_bytes(store.shards.index(shard)):
-            if sha256_file(path_) != shard["sha256"]:
-                problems.append(f"{path_}: sha256 mismatch with shards.json")
+            if problem := file_problem(path_, {"sha256": shard["sha256"]}, SHARDS):
+                problems.append(problem)
     problems += _verify_sidecar_files(store)
     return problems
 
@@ -613,11 +596,12 @@ def _verify_sidecar_files(store: SaevStore) -> list[str]:
     problems = []
     files = store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
     for name, info in files.items():
-        path = store.dir / name
-        if not path.is_file():
-            problems.append(f"{path}: missing (listed in {SIDECAR})")
-        elif path.stat().st_size != info.get("bytes") or sha256_file(path) != info.get("sha256"):
-            problems.append(f"{path}: size or sha256 mismatch with {SIDECAR}")
+        try:
+            problem = file_problem(inside(store.dir, name, str(store.dir / SIDECAR)), info, SIDECAR)
+        except FormatError as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(problem)
     if (store.dir / LABELS).is_file() and LABELS not in files:
         problems.append(f"{store.dir / LABELS}: no sha256 recorded in {SIDECAR}")
     if store.metadata["family"] not in FAMILIES.values() and WINDOWS not in files:

@@ -34,6 +34,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
+from actstore.integrity import dir_bytes, file_problem, inside, read_json
 from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -328,15 +329,6 @@ def write_manifest(run_dir: str | Path, shards: Sequence[str | Path], merged: st
 
 # ----------------------------------------------------------------------------------------- reading
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from None
-
-
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
     if value != expected:
         raise FormatError(f"{path}: {field}={value!r}, expected {expected!r}")
@@ -350,7 +342,7 @@ class ZarrStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        consolidated = _read_json(self.path / ".zmetadata")
+        consolidated = read_json(self.path / ".zmetadata")
         self.metadata: dict[str, Any] = consolidated.get("metadata", {})
         self.attrs: dict[str, Any] = self._meta(".zattrs")
         for key in REQUIRED_ATTRS:
@@ -453,7 +445,7 @@ class ZarrRun:
 
     def __init__(self, path: str | Path, merged: bool = False):
         self.path = Path(path)
-        self.manifest = _read_json(self.path / MANIFEST)
+        self.manifest = read_json(self.path / MANIFEST)
         if self.manifest.get("format") != FORMAT_NAME:
             raise FormatError(f"{self.path / MANIFEST}: format={self.manifest.get('format')!r}, expected {FORMAT_NAME!r}")
         if merged:
@@ -583,10 +575,6 @@ def detect(path: str | Path) -> bool:
     return False
 
 
-def _disk_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def inspect(path: str | Path) -> dict[str, Any]:
     """Summary of a run directory or store (the `actstore inspect` fields plus zarr specifics)."""
     path = Path(path)
@@ -597,7 +585,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
     return {
         "format": FORMAT_NAME, "model": attrs.get("model_id"), "layers": list(reader.layers),
         "n_examples": reader.n_samples, "n_tokens": int(sum(int(s.seq_len.sum()) for s in stores)),
-        "d_model": reader.hidden, "dtype": "float16", "n_shards": len(stores), "bytes": _disk_bytes(path),
+        "d_model": reader.hidden, "dtype": "float16", "n_shards": len(stores), "bytes": dir_bytes(path),
         "T_max": attrs.get("T_max"), "T_chunk": attrs.get("T_chunk"), "chunk_bytes": attrs.get("chunk_bytes"),
         "merged": bool(manifest and manifest.get("merged")), "schema_version": attrs.get("schema_version"),
     }
@@ -627,7 +615,7 @@ def verify(path: str | Path) -> list[str]:
 
 def _verify_run(run: Path) -> list[str]:
     try:
-        manifest = _read_json(run / MANIFEST)
+        manifest = read_json(run / MANIFEST)
     except FormatError as exc:
         return [str(exc)]
     where = run / MANIFEST
@@ -660,7 +648,7 @@ def _verify_store(store: Path, entry: dict | None) -> list[str]:
     if entry is not None and sha256_file(files_json) != entry["files_sha256"]:
         return [f"{files_json}: sha256 differs from manifest.json"]
     try:
-        files = _read_json(files_json)["files"]
+        files = read_json(files_json)["files"]
     except (FormatError, KeyError, TypeError) as exc:
         return [f"{files_json}: unreadable ({exc})"]
     problems = _verify_files(store, files)
@@ -677,13 +665,12 @@ def _verify_store(store: Path, entry: dict | None) -> list[str]:
 def _verify_files(store: Path, files: dict[str, dict]) -> list[str]:
     problems = []
     for rel, info in files.items():
-        path = store / rel
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != info["bytes"]:
-            problems.append(f"{path}: {path.stat().st_size} bytes, files.json says {info['bytes']}")
-        elif sha256_file(path) != info["sha256"]:
-            problems.append(f"{path}: sha256 mismatch with {FILES_JSON}")
+        try:
+            problem = file_problem(inside(store, rel, str(store / FILES_JSON)), info, FILES_JSON)
+        except FormatError as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(problem)
     extra = set(_walk(store)) - set(files) - {FILES_JSON}
     problems += [f"{store / rel}: not listed in {FILES_JSON}" for rel in sorted(extra)]
     return problems
