@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 import tiny
-from actstore.config import FORMAT_STAGES, load_config
+from actstore.config import load_config
+from actstore.formats import FORMAT_STAGES
 from actstore.hashing import stage_dir
 from actstore.verify import find_store
 

@@ -16,20 +16,19 @@ SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model"
 
 
 def _detect_or_exit(path: Path) -> str:
-    from actstore.verify import detect_format
+    from actstore.formats import FORMAT_NAMES, detect_format
 
     if not path.exists():
         sys.exit(f"actstore: {path}: no such file or directory")
     name = detect_format(path)
     if name is None:
-        print(f"actstore: {path}: holds none of the known formats (saev, pickle, lmprobe, zarr, lut, "
-              "actstore-extract)", file=sys.stderr)
+        print(f"actstore: {path}: holds none of the known formats ({', '.join(FORMAT_NAMES)})", file=sys.stderr)
         sys.exit(2)
     return name
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from actstore.verify import format_module
+    from actstore.formats import format_module
 
     name = _detect_or_exit(args.path)
     info = format_module(name).inspect(args.path)
@@ -42,7 +41,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from actstore.verify import format_module
+    from actstore.formats import format_module
 
     name = _detect_or_exit(args.path)
     problems = format_module(name).verify(args.path)

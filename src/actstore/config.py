@@ -8,10 +8,10 @@ from typing import Any
 import yaml
 
 from actstore.errors import ConfigError
+from actstore.formats import FORMAT_STAGES
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FORMAT_STAGES = ("saev", "pickle", "lmprobe", "zarr")
 
 
 def validate_config(config: dict[str, Any]) -> dict[str, Any]:

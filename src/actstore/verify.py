@@ -1,50 +1,25 @@
 """Format detection, integrity checks and cross-format agreement (the validate stage)."""
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from actstore.config import FORMAT_STAGES, enabled_stages
+from actstore.config import enabled_stages
 from actstore.errors import FormatError
+from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.parts import layer_tensor, open_extraction
 from actstore.hashing import stage_dir
 from actstore.io_utils import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-# Detection order matters: more specific layouts first.
-FORMAT_MODULES = {
-    "lut": "actstore.formats.lut",
-    "saev": "actstore.formats.saev",
-    "pickle": "actstore.formats.pickle_shards",
-    "lmprobe": "actstore.formats.lmprobe",
-    "zarr": "actstore.formats.zarr_store",
-    "extract": "actstore.formats.parts",
-}
 DTYPE_CASTS = {"float32": np.float32, "float16": np.float16}
-
-
-def format_module(name: str) -> ModuleType:
-    return importlib.import_module(FORMAT_MODULES[name])
-
-
-def detect_format(path: str | Path) -> str | None:
-    """Name of the format a directory holds (see FORMAT_MODULES), or None."""
-    for name in FORMAT_MODULES:
-        try:
-            if format_module(name).detect(path):
-                return name
-        except (ImportError, OSError, ValueError, KeyError):
-            continue
-    return None
 
 
 def find_store(directory: Path, name: str) -> Path:

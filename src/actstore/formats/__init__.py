@@ -1,0 +1,61 @@
+"""The store formats actstore writes and reads, behind one interface and one registry.
+
+Every list of formats or stages in the package (config, hashing, verify, the `actstore` command)
+is read from REGISTRY. A sixth format: one module with the Format functions, one line here.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import numpy as np
+
+
+class Format(Protocol):
+    """What every format module provides (`actstore inspect / verify`, the validate stage)."""
+
+    def detect(self, path: str | Path) -> bool: ...
+    def inspect(self, path: str | Path) -> dict[str, Any]: ...
+    def verify(self, path: str | Path) -> list[str]: ...
+    def read_vector(self, path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None: ...
+
+
+@dataclass(frozen=True)
+class FormatEntry:
+    name: str           # the stage name, and what `actstore inspect` reports
+    module: str         # the module implementing Format
+    stage: bool         # a format stage built from the extraction (target `<name>`)
+
+
+# Detection order: more specific layouts first. Format stages run in this order too.
+REGISTRY = (
+    FormatEntry("lut", "actstore.formats.lut", stage=False),
+    FormatEntry("saev", "actstore.formats.saev", stage=True),
+    FormatEntry("pickle", "actstore.formats.pickle_shards", stage=True),
+    FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True),
+    FormatEntry("zarr", "actstore.formats.zarr_store", stage=True),
+    FormatEntry("extract", "actstore.formats.parts", stage=False),
+)
+FORMAT_NAMES = tuple(entry.name for entry in REGISTRY)
+FORMAT_STAGES = tuple(entry.name for entry in REGISTRY if entry.stage)
+
+
+def format_module(name: str) -> Format:
+    """The module implementing format `name` (imported on first use)."""
+    entry = next((e for e in REGISTRY if e.name == name), None)
+    if entry is None:
+        raise KeyError(f"unknown format {name!r}; formats are {', '.join(FORMAT_NAMES)}")
+    return cast(Format, importlib.import_module(entry.module))
+
+
+def detect_format(path: str | Path) -> str | None:
+    """Name of the format a directory holds (first match in REGISTRY order), or None."""
+    for name in FORMAT_NAMES:
+        try:
+            if format_module(name).detect(path):
+                return name
+        except (ImportError, OSError, ValueError, KeyError):
+            continue
+    return None
