@@ -11,6 +11,9 @@ from typing import Any
 from actstore.errors import FormatError
 from actstore.io_utils import sha256_file
 
+# Files Snakemake adds to a directory() output: never data, so never "unlisted".
+TOOL_FILES = frozenset({".snakemake_timestamp"})
+
 
 def file_record(path: str | os.PathLike) -> dict[str, Any]:
     """{bytes, sha256} of a finished file, as every format records it."""

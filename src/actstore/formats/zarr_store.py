@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.integrity import dir_bytes, file_problem, inside, read_json
+from actstore.integrity import TOOL_FILES, dir_bytes, file_problem, inside, read_json
 from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,6 @@ MERGED = "merged"
 TARGET_CHUNK_BYTES = 1 << 20  # middle of the spec's 0.5-2 MB window
 WRITE_BLOCK_BYTES = 64 << 20  # samples buffered per zarr write
 VECTOR_CHUNK = 1 << 16  # samples per chunk of the 1-D per-sample arrays
-# Snakemake drops this marker into every directory() output after the job; not part of the store.
-IGNORED_FILES = {".snakemake_timestamp"}
 SPLIT_CODES = {"train": 0, "val": 1, "validation": 1, "test": 2}
 REQUIRED_ATTRS = ("schema_version", "model_id", "num_layers", "layers", "hidden_size", "T_max",
                   "dtype", "T_chunk", "num_samples")
@@ -168,7 +166,7 @@ def _walk(store: Path) -> list[str]:
     for dirpath, _, names in os.walk(store):
         rel = Path(dirpath).relative_to(store)
         out.extend((rel / name).as_posix() for name in names)
-    return sorted(set(out) - IGNORED_FILES)
+    return sorted(set(out) - TOOL_FILES)
 
 
 def _fill_block(part: Any, layers: list[int], start: int, stop: int, buf: np.ndarray) -> int:
