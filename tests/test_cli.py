@@ -134,3 +134,20 @@ def test_unknown_directory_exits_2(tmp_path):
 def test_every_command_has_help(command):
     proc = run(ACTSTORE, command, "--help")
     assert proc.returncode == 0 and "usage: actstore" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, metadata", [("extract", "part-0000/part.json"), ("saev", "metadata.json"),
+                                            ("pickle", "metadata.json"), ("zarr", "manifest.json"),
+                                            ("lut", "lut/metadata.json")])
+def test_invalid_top_metadata_fails_verify_naming_the_file(workflow_run, name, metadata, tmp_path):
+    tmp, configfile = workflow_run
+    config = load_config(configfile)
+    copy_root = tmp_path / "dump"
+    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
+    config["dump_to"] = str(copy_root)
+    store = store_path(config, name)
+    (store / metadata).write_text('{"truncated": ')
+    proc = run(ACTSTORE, "verify", str(store))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"BAD  {store / metadata}: not" in proc.stdout and "JSON" in proc.stdout

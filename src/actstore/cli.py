@@ -44,7 +44,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from actstore.formats import format_module
 
     name = _detect_or_exit(args.path)
-    problems = format_module(name).verify(args.path)
+    try:
+        problems = format_module(name).verify(args.path)
+    except ActstoreError as exc:  # metadata too broken to even open: still a problem naming the file
+        problems = [str(exc)]
     for problem in problems:
         print(f"BAD  {problem}")
     print(f"{name} store {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))

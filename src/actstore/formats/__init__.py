@@ -27,16 +27,25 @@ class FormatEntry:
     name: str           # the stage name, and what `actstore inspect` reports
     module: str         # the module implementing Format
     stage: bool         # a format stage built from the extraction (target `<name>`)
+    # Globs that claim a directory for the format by its file names alone (any one group, every glob
+    # in it matching), so a store whose metadata no longer parses is still verified, and named.
+    markers: tuple[tuple[str, ...], ...] = ()
+
+    def claims(self, path: Path) -> bool:
+        return any(all(next(path.glob(glob), None) for glob in group) for group in self.markers)
 
 
 # Detection order: more specific layouts first. Format stages run in this order too.
 REGISTRY = (
-    FormatEntry("lut", "actstore.formats.lut", stage=False),
-    FormatEntry("saev", "actstore.formats.saev", stage=True),
-    FormatEntry("pickle", "actstore.formats.pickle_shards", stage=True),
-    FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True),
-    FormatEntry("zarr", "actstore.formats.zarr_store", stage=True),
-    FormatEntry("extract", "actstore.formats.parts", stage=False),
+    FormatEntry("lut", "actstore.formats.lut", stage=False,
+                markers=(("lut/metadata.json",), ("metadata.json", "*.lut.safetensors"))),
+    FormatEntry("saev", "actstore.formats.saev", stage=True, markers=(("metadata.json", "shards.json"),)),
+    FormatEntry("pickle", "actstore.formats.pickle_shards", stage=True,
+                markers=(("metadata.json", "shard_*.pkl*"), ("metadata.json", "machine-*/metadata.json"))),
+    FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True,
+                markers=(("index/*.parquet", "tensors"), ("dataset/index/*.parquet", "dataset/tensors"))),
+    FormatEntry("zarr", "actstore.formats.zarr_store", stage=True, markers=(("manifest.json",), (".zattrs", "arrays"))),
+    FormatEntry("extract", "actstore.formats.parts", stage=False, markers=(("part.json",), ("part-0000/part.json",))),
 )
 FORMAT_NAMES = tuple(entry.name for entry in REGISTRY)
 FORMAT_STAGES = tuple(entry.name for entry in REGISTRY if entry.stage)
@@ -51,11 +60,12 @@ def format_module(name: str) -> Format:
 
 
 def detect_format(path: str | Path) -> str | None:
-    """Name of the format a directory holds (first match in REGISTRY order), or None."""
+    """Name of the format a directory holds (first match in REGISTRY order): by content, else by
+    file names alone (a damaged store is still some format's, for verify to name what broke)."""
     for name in FORMAT_NAMES:
         try:
             if format_module(name).detect(path):
                 return name
         except (ImportError, OSError, ValueError, KeyError):
             continue
-    return None
+    return next((entry.name for entry in REGISTRY if entry.claims(Path(path))), None)

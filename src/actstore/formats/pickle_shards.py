@@ -571,6 +571,8 @@ def verify(path: str | Path) -> list[str]:
         for info in tqdm(meta["shards"], desc="verify pickle shards", unit="shard", disable=len(meta["shards"]) < 20):
             problems += _verify_shard(path, info, seen)
         return problems + _verify_machines(path, meta)
+    except FormatError as exc:  # already names its file
+        return [str(exc)]
     except Exception as exc:  # a malformed store must yield a report, not a crash
         return [f"{path / METADATA}: {type(exc).__name__}: {exc}"]
 
