@@ -151,3 +151,44 @@ def test_invalid_top_metadata_fails_verify_naming_the_file(workflow_run, name, m
     proc = run(ACTSTORE, "verify", str(store))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"BAD  {store / metadata}: not" in proc.stdout and "JSON" in proc.stdout
+
+
+def _point_outside(store: Path, name: str, outside: Path) -> str:
+    """Plant a name leading out of the store in the metadata readers follow; return it."""
+    if name == "saev":
+        pointer = store.parent / next(p for p in store.parent.iterdir() if (p / "saev.json").is_file()) / "saev.json"
+        pointer.write_text(json.dumps({"store": str(store)}))  # absolute: a copy elsewhere would be followed
+        return str(store)
+    if name == "pickle":
+        shard = next(store.glob("machine-0000/shard_*.pkl*"))
+        shard.unlink()
+        shard.symlink_to(outside)
+        return shard.name
+    if name == "lmprobe":
+        sums = next(store.rglob("SHA256SUMS"))
+        sums.write_text(sums.read_text() + f"{'0' * 64}  {outside}\n")
+        return str(outside)
+    manifest = store / "manifest.json"
+    meta = json.loads(manifest.read_text())
+    meta["shards"][0]["path"] = "../../../" + meta["shards"][0]["path"]
+    manifest.write_text(json.dumps(meta))
+    return meta["shards"][0]["path"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["saev", "pickle", "lmprobe", "zarr"])
+def test_a_name_leading_outside_the_store_is_refused_naming_it(workflow_run, name, tmp_path):
+    tmp, configfile = workflow_run
+    config = load_config(configfile)
+    copy_root = tmp_path / "dump"
+    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
+    config["dump_to"] = str(copy_root)
+    store = store_path(config, name)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the store's")
+    planted = _point_outside(store, name, outside)
+    target = stage_dir(config, name) if name == "saev" else store
+    proc = run(ACTSTORE, "verify", str(target))
+    assert proc.returncode in (1, 2), proc.stdout + proc.stderr
+    assert planted in proc.stdout + proc.stderr
+    assert "outside" in proc.stdout + proc.stderr or "not '../<metadata sha256>'" in proc.stdout + proc.stderr

@@ -39,7 +39,8 @@ class FormatEntry:
 REGISTRY = (
     FormatEntry("lut", "actstore.formats.lut", stage=False,
                 markers=(("lut/metadata.json",), ("metadata.json", "*.lut.safetensors"))),
-    FormatEntry("saev", "actstore.formats.saev", stage=True, markers=(("metadata.json", "shards.json"),)),
+    FormatEntry("saev", "actstore.formats.saev", stage=True,
+                markers=(("metadata.json", "shards.json"), ("saev.json",))),
     FormatEntry("pickle", "actstore.formats.pickle_shards", stage=True,
                 markers=(("metadata.json", "shard_*.pkl*"), ("metadata.json", "machine-*/metadata.json"))),
     FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True,

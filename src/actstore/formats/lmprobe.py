@@ -696,7 +696,7 @@ class LmprobeDataset:
 
     def _view(self, rel: str, key: str) -> np.ndarray:
         if (rel, key) not in self._views:
-            view = open_tensor(self.root / rel, key)
+            view = open_tensor(inside(self.root, rel, f"{self.index_path} (lmprobe:tensors file_pattern)"), key)
             if view.ndim != 2:
                 raise FormatError(f"{self.root / rel}: tensor {key!r} has shape {list(view.shape)}, expected 2-D")
             self._views[(rel, key)] = view
@@ -881,10 +881,12 @@ def _verify_sums(root: Path) -> list[str]:
     problems = []
     for line in sums.read_text(errors="replace").splitlines():
         digest, _, rel = line.partition("  ")
-        target = root / rel
-        if not rel or ".." in Path(rel).parts:
-            problems.append(f"{sums}: bad line {line!r}")
-        elif not target.is_file():
+        try:
+            target = inside(root, rel, str(sums))
+        except FormatError as exc:
+            problems.append(str(exc))
+            continue
+        if not target.is_file():
             problems.append(f"{target}: missing (listed in {SUMS})")
         elif sha256_file(target) != digest:
             problems.append(f"{target}: sha256 differs from {SUMS}")

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from actstore.errors import FormatError
 from actstore.formats.parts import Part, layer_tensor, open_part
-from actstore.integrity import read_json
+from actstore.integrity import file_problem, inside, read_json
 from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -350,11 +350,10 @@ def load_metadata(output_dir: str | Path) -> dict[str, Any]:
 def shard_path(output_dir: str | Path, info: dict[str, Any]) -> Path:
     """The shard's path; refuses absolute paths and `..` so metadata cannot point outside the store."""
     name = info.get("filename")
-    rel = PurePosixPath(name) if isinstance(name, str) else None
-    if rel is None or rel.is_absolute() or ".." in rel.parts or not re.fullmatch(r"shard_\d{4,}\.pkl(\.gz)?", rel.name):
-        raise FormatError(f"{Path(output_dir) / METADATA}: shard filename {name!r} is not a shard_NNNN.pkl[.gz] "
-                          "path inside the store")
-    return Path(output_dir, *rel.parts)
+    source = str(Path(output_dir) / METADATA)
+    if not isinstance(name, str) or not re.fullmatch(r"shard_\d{4,}\.pkl(\.gz)?", PurePosixPath(name).name):
+        raise FormatError(f"{source}: shard filename {name!r} is not a shard_NNNN.pkl[.gz] path")
+    return inside(Path(output_dir), name, source)
 
 
 def read_checked(output_dir: str | Path, info: dict[str, Any]) -> bytes:
@@ -512,9 +511,13 @@ def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
     """A merged store records each machine's metadata.json sha256: check them."""
     problems = []
     for m in meta.get("distributed_config", {}).get("machines") or []:
-        mpath = path / m["dir"] / METADATA
-        if not mpath.is_file() or sha256_file(mpath) != m["metadata_sha256"]:
-            problems.append(f"{mpath}: missing or sha256 differs from the merged metadata.json")
+        try:
+            mpath = inside(path, m["dir"], str(path / METADATA)) / METADATA
+        except FormatError as exc:
+            problems.append(str(exc))
+            continue
+        if problem := file_problem(mpath, {"sha256": m["metadata_sha256"]}, "the merged metadata.json"):
+            problems.append(problem)
     return problems
 
 

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,6 +342,9 @@ def resolve(path: str | Path) -> Path:
             target = json.loads(pointer.read_text())["store"]
         except (ValueError, KeyError, TypeError):
             raise FormatError(f"{pointer}: not a saev pointer (needs a 'store' key)") from None
+        # The store is the stage dir's sibling named by its HASH, and nothing else.
+        if not isinstance(target, str) or not re.fullmatch(r"\.\./[0-9a-f]{64}", target):
+            raise FormatError(f"{pointer}: store {target!r} is not '../<metadata sha256>'")
         return (pointer.parent / target).resolve()
     raise FormatError(f"{path}: neither a saev store (no {METADATA}) nor a stage dir with {POINTER}")
 

@@ -452,7 +452,7 @@ class ZarrRun:
             entries = [self.manifest["merged"]]
         else:
             entries = self.manifest.get("shards") or []
-        self.stores = [ZarrStore(self.path / e["path"]) for e in entries]
+        self.stores = [ZarrStore(inside(self.path, e["path"], str(self.path / MANIFEST))) for e in entries]
         self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
         self.layers: list[int] = list(self.manifest["layers"])
@@ -630,11 +630,11 @@ def _verify_run(run: Path) -> list[str]:
         if entry["global_index_start"] != expected_start:
             problems.append(f"{where}: shards[{k}].global_index_start={entry['global_index_start']}, expected {expected_start}")
         expected_start += entry["num_samples"]
-        problems += _verify_store(run / entry["path"], entry)
+        problems += _verify_store(inside(run, entry["path"], str(where)), entry)
     if manifest.get("num_samples") != expected_start:
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
     if manifest.get("merged"):
-        problems += _verify_store(run / manifest["merged"]["path"], manifest["merged"])
+        problems += _verify_store(inside(run, manifest["merged"]["path"], str(where)), manifest["merged"])
     return problems
 
 
