@@ -369,7 +369,7 @@ def test_verify_reports_bad_metadata(store, tmp_path):
     meta["statistics"] = {}
     (work / "metadata.json").write_text(json.dumps(meta))
     assert any("total_shards" in p for p in ps.verify(work))
-    with pytest.raises(FormatError, match="inside the store"):
+    with pytest.raises(FormatError, match="is not a relative path inside"):
         ps.load_shard(work, meta["shards"][0])
     (work / "metadata.json").write_text("{not json")
     assert ps.verify(work) and "metadata.json" in ps.verify(work)[0]
