@@ -192,3 +192,22 @@ def test_a_name_leading_outside_the_store_is_refused_naming_it(workflow_run, nam
     assert proc.returncode in (1, 2), proc.stdout + proc.stderr
     assert planted in proc.stdout + proc.stderr
     assert "outside" in proc.stdout + proc.stderr or "not '../<metadata sha256>'" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, extra", [("saev", "acts000099.bin"), ("pickle", "machine-0000/shard_0099.pkl.gz"),
+                                         ("lmprobe", "tensors/hidden_layer000_shard099.safetensors"),
+                                         ("extract", "part-0000/layer_001.npy")])
+def test_an_unlisted_data_file_fails_verify_naming_it(workflow_run, name, extra, tmp_path):
+    tmp, configfile = workflow_run
+    config = load_config(configfile)
+    copy_root = tmp_path / "dump"
+    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
+    config["dump_to"] = str(copy_root)
+    store = store_path(config, name)
+    root = next(store.rglob("SHA256SUMS")).parent if name == "lmprobe" else store
+    planted = root / extra
+    planted.write_bytes(data_file(store).read_bytes()[:4096])
+    proc = run(ACTSTORE, "verify", str(store))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"BAD  {planted}: not listed in" in proc.stdout

@@ -11,13 +11,13 @@ from typing import Any
 
 from actstore.config import enabled_stages
 from actstore.formats import FORMAT_STAGES
+from actstore.integrity import STAGE_CONFIG_FILE
 from actstore.io_utils import canonical_json, write_json_atomic
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
 # Config sections each stage reads: its own, and for extraction also the model and dataset.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     stage: ("model", "dataset", "extract") if stage == "extract" else (stage,) for stage in STAGES}
-STAGE_CONFIG_FILE = "actstore_config.json"
 # Keys that change how a stage runs, never what it writes (tested byte for byte): not hashed.
 EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"extract": ("num_workers", "buffers", "writer_threads")}
 

@@ -11,8 +11,11 @@ from typing import Any
 from actstore.errors import FormatError
 from actstore.io_utils import sha256_file
 
-# Files Snakemake adds to a directory() output: never data, so never "unlisted".
-TOOL_FILES = frozenset({".snakemake_timestamp"})
+# The resolved config the workflow records in every stage directory (hashing.write_stage_config).
+STAGE_CONFIG_FILE = "actstore_config.json"
+# Files the workflow adds to a store (Snakemake's directory() marker, the stage config): never data,
+# so never "unlisted".
+TOOL_FILES = frozenset({".snakemake_timestamp", STAGE_CONFIG_FILE})
 
 
 def file_record(path: str | os.PathLike) -> dict[str, Any]:
@@ -50,6 +53,14 @@ def read_json(path: Path) -> Any:
         raise FormatError(f"{path}: missing") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
+
+
+def unlisted(root: Path, listed: set[str], source: str) -> list[str]:
+    """A problem for every file under `root` (relative POSIX path) that `listed` does not name:
+    an extra shard or tensor is as wrong as a missing one."""
+    extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                   if p.is_file() and p.name not in TOOL_FILES)
+    return [f"{root / rel}: not listed in {source}" for rel in extra if rel not in listed]
 
 
 def dir_bytes(root: Path) -> int:

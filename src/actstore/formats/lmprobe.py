@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
-from actstore.integrity import dir_bytes, file_problem, inside
+from actstore.integrity import dir_bytes, file_problem, inside, unlisted
 from actstore.io_utils import atomic_path, sha256_file, utc_now
 
 log = logging.getLogger(__name__)
@@ -878,9 +878,10 @@ def _verify_sums(root: Path) -> list[str]:
     sums = root / SUMS
     if not sums.is_file():
         return [f"{sums}: missing"]
-    problems = []
+    problems, listed = [], {SUMS}
     for line in sums.read_text(errors="replace").splitlines():
         digest, _, rel = line.partition("  ")
+        listed.add(rel)
         try:
             target = inside(root, rel, str(sums))
         except FormatError as exc:
@@ -890,7 +891,7 @@ def _verify_sums(root: Path) -> list[str]:
             problems.append(f"{target}: missing (listed in {SUMS})")
         elif sha256_file(target) != digest:
             problems.append(f"{target}: sha256 differs from {SUMS}")
-    return problems
+    return problems + unlisted(root, listed, SUMS)
 
 
 def _verify_index(ds: LmprobeDataset) -> list[str]:

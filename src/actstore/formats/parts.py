@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,7 +25,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.integrity import TOOL_FILES, check_file, file_problem, inside, read_json
+from actstore.integrity import check_file, file_problem, inside, read_json, unlisted
 from actstore.io_utils import OrderedHashFile, atomic_path
 
 PART_META = "part.json"
@@ -236,9 +235,9 @@ class Part:
         source = str(self.dir / PART_META)
         for file, info in self.meta["files"].items():
             check_file(inside(self.dir, file, source), info, PART_META)
-        extra = sorted(set(os.listdir(self.dir)) - set(self.meta["files"]) - {PART_META} - TOOL_FILES)
+        extra = unlisted(self.dir, set(self.meta["files"]) | {PART_META}, PART_META)
         if extra:
-            raise FormatError(f"{self.dir / extra[0]}: not listed in {PART_META}")
+            raise FormatError(extra[0])
 
 
 def open_part(part_dir: str | Path) -> Part:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from actstore.errors import FormatError
 from actstore.formats.parts import Part, layer_tensor, open_part
-from actstore.integrity import file_problem, inside, read_json
+from actstore.integrity import file_problem, inside, read_json, unlisted
 from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -507,6 +507,14 @@ def _verify_totals(path: Path, meta: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _unlisted_files(path: Path, meta: dict[str, Any]) -> list[str]:
+    """Every file is metadata.json, a listed shard, or (merged) a listed machine's metadata.json."""
+    machines = meta.get("distributed_config", {}).get("machines") or []
+    listed = {METADATA, *(str(s.get("filename")) for s in meta["shards"]),
+              *(f"{m.get('dir')}/{METADATA}" for m in machines)}
+    return unlisted(path, listed, str(path / METADATA))
+
+
 def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
     """A merged store records each machine's metadata.json sha256: check them."""
     problems = []
@@ -573,7 +581,7 @@ def verify(path: str | Path) -> list[str]:
         seen: set[int] = set()
         for info in tqdm(meta["shards"], desc="verify pickle shards", unit="shard", disable=len(meta["shards"]) < 20):
             problems += _verify_shard(path, info, seen)
-        return problems + _verify_machines(path, meta)
+        return problems + _verify_machines(path, meta) + _unlisted_files(path, meta)
     except FormatError as exc:  # already names its file
         return [str(exc)]
     except Exception as exc:  # a malformed store must yield a report, not a crash

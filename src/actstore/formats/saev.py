@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.integrity import dir_bytes, file_problem, file_record, inside, read_json
+from actstore.integrity import dir_bytes, file_problem, file_record, inside, read_json, unlisted
 from actstore.io_utils import atomic_path, canonical_json, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -593,7 +593,9 @@ def verify(path: str | Path) -> list[str]:
             if problem := file_problem(path_, {"sha256": shard["sha256"]}, SHARDS):
                 problems.append(problem)
     problems += _verify_sidecar_files(store)
-    return problems
+    sidecar_files = store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
+    listed = {METADATA, SHARDS, SIDECAR, *(s["name"] for s in store.shards), *sidecar_files}
+    return problems + unlisted(store.dir, listed, f"{SHARDS} or {SIDECAR}")
 
 
 def _verify_sidecar_files(store: SaevStore) -> list[str]:
