@@ -48,6 +48,14 @@ def workflow_run(tmp_path_factory, model_dir, text_jsonl):
     return tmp, configfile
 
 
+def copied_run(workflow_run, tmp_path: Path) -> dict:
+    """The workflow run's config, pointed at a copy of its dump_to that a test may damage."""
+    config = load_config(workflow_run[1])
+    shutil.copytree(config["dump_to"], tmp_path / "dump", symlinks=True)
+    config["dump_to"] = str(tmp_path / "dump")
+    return config
+
+
 def store_path(config: dict, name: str) -> Path:
     directory = stage_dir(config, name)
     return directory if name == "extract" else find_store(directory, name)
@@ -77,11 +85,7 @@ def test_inspect_identifies_and_clean_store_verifies(workflow_run, name):
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 @pytest.mark.parametrize("name", STORES)
 def test_damaged_data_file_fails_verify_naming_it(workflow_run, name, damage, tmp_path):
-    tmp, configfile = workflow_run
-    config = load_config(configfile)
-    copy_root = tmp_path / "dump"
-    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
-    config["dump_to"] = str(copy_root)
+    config = copied_run(workflow_run, tmp_path)
     store = store_path(config, name)
     target = data_file(store)
     data = bytearray(target.read_bytes())
@@ -141,11 +145,7 @@ def test_every_command_has_help(command):
                                             ("pickle", "metadata.json"), ("zarr", "manifest.json"),
                                             ("lut", "lut/metadata.json")])
 def test_invalid_top_metadata_fails_verify_naming_the_file(workflow_run, name, metadata, tmp_path):
-    tmp, configfile = workflow_run
-    config = load_config(configfile)
-    copy_root = tmp_path / "dump"
-    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
-    config["dump_to"] = str(copy_root)
+    config = copied_run(workflow_run, tmp_path)
     store = store_path(config, name)
     (store / metadata).write_text('{"truncated": ')
     proc = run(ACTSTORE, "verify", str(store))
@@ -178,11 +178,7 @@ def _point_outside(store: Path, name: str, outside: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["saev", "pickle", "lmprobe", "zarr"])
 def test_a_name_leading_outside_the_store_is_refused_naming_it(workflow_run, name, tmp_path):
-    tmp, configfile = workflow_run
-    config = load_config(configfile)
-    copy_root = tmp_path / "dump"
-    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
-    config["dump_to"] = str(copy_root)
+    config = copied_run(workflow_run, tmp_path)
     store = store_path(config, name)
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not the store's")
@@ -199,11 +195,7 @@ def test_a_name_leading_outside_the_store_is_refused_naming_it(workflow_run, nam
                                          ("lmprobe", "tensors/hidden_layer000_shard099.safetensors"),
                                          ("extract", "part-0000/layer_001.npy")])
 def test_an_unlisted_data_file_fails_verify_naming_it(workflow_run, name, extra, tmp_path):
-    tmp, configfile = workflow_run
-    config = load_config(configfile)
-    copy_root = tmp_path / "dump"
-    shutil.copytree(config["dump_to"], copy_root, symlinks=True)
-    config["dump_to"] = str(copy_root)
+    config = copied_run(workflow_run, tmp_path)
     store = store_path(config, name)
     root = next(store.rglob("SHA256SUMS")).parent if name == "lmprobe" else store
     planted = root / extra
