@@ -2,9 +2,10 @@
 import json
 from pathlib import Path
 
+from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
 from actstore.extract import check_layers
-from actstore.hashing import stage_dir, stage_hash
+from actstore.hashing import stage_dir, stage_hash, upstream_stages
 from actstore.models import num_blocks, read_model_config, resolve_model_path
 
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
@@ -44,3 +45,8 @@ def saev_masks(wildcards):
     """The segmentation-mask folder behind labels.bin, when saev.patch_labels is set."""
     labels = config["saev"].get("patch_labels")
     return [labels["masks"]] if labels else []
+
+
+def validate_inputs(wildcards):
+    """Every enabled stage's target files: the stores validation reads."""
+    return [target for stage in upstream_stages(config, "validate") for target in TARGETS.get(stage, [])]

@@ -1,5 +1,4 @@
 # Extraction: one job per part (the unit Slurm schedules on a GPU), then a small index.
-from actstore import resources as actstore_resources
 
 EXTRACT_DIR = sdir("extract")
 

@@ -1,6 +1,5 @@
 # lmprobe 2.0 dataset: one gather job over every extraction part writes the dataset root
 # {stage dir}/dataset/ (index/*.parquet, tensors/*.safetensors, README.md, SHA256SUMS) atomically.
-from actstore import resources as actstore_resources
 from actstore.formats.lmprobe import check_options
 
 LMPROBE_DIR = sdir("lmprobe")

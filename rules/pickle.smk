@@ -1,5 +1,4 @@
 # Pickle shards: one store per extraction part (machine), then a merged metadata.json over them.
-from actstore import resources as actstore_resources
 
 PICKLE_DIR = sdir("pickle")
 # gzip runs at a few tens of MB/s on float32: count it as extra passes over the part's bytes.

@@ -1,5 +1,4 @@
 # Validation: integrity + cross-format agreement, then the report's plots.
-from actstore.hashing import upstream_stages
 from actstore.report import PLOTS
 
 VALIDATE_DIR = sdir("validate")
@@ -7,7 +6,7 @@ VALIDATE_DIR = sdir("validate")
 
 rule validate_stores:
     input:
-        lambda wildcards: [t for s in upstream_stages(config, "validate") for t in TARGETS.get(s, [])],
+        validate_inputs,
     output:
         report=f"{VALIDATE_DIR}/report.json",
         stage_config=f"{VALIDATE_DIR}/actstore_config.json",
