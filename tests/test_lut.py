@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from actstore.errors import FormatError
 from actstore.formats import lut as lut_format
-from actstore.lut import LutEncoder, LutLinear, build_lut, install_luts
+from actstore.lut import LutEncoder, LutLinear, build_lut, install_luts, weighted_rows
 from actstore.models import get_module, load_model, resolve_model_path
 from actstore.sae import build_sae, load_sae
 
@@ -90,6 +90,56 @@ def test_runtime_equals_spec_steps_a_and_b(built, model):
     torch.testing.assert_close(lut(x.reshape(7, 1, 32))[:, 0], expect, rtol=1e-5, atol=1e-5)
 
 
+def _reference_rows(weights, indices, table):
+    """The gather the fused path replaces: materialise [rows, k, out], reduce in float64."""
+    return torch.einsum("nk,nko->no", weights.double(), table.double()[indices])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_fused_rows_equal_the_reference_gather(device):
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(300, 96, generator=g)
+    indices = torch.randint(0, 300, (513, 16), generator=g)
+    weights = torch.rand(513, 16, generator=g) * 3
+    ref = _reference_rows(weights, indices, table)
+    out = weighted_rows(weights.to(device), indices.to(device), table.to(device)).cpu()
+    assert out.dtype == torch.float32
+    assert float((out.double() - ref).norm() / ref.norm()) <= 1e-5
+    assert float(((out.double() - ref).norm(dim=1) / ref.norm(dim=1)).max()) <= 1e-5  # every row
+    # 16-bit tables: accumulated in float32, only the output rounded to the table's dtype (why a
+    # float32 model holds its tables in float32, module docstring).
+    for dtype in (torch.float16, torch.bfloat16):
+        low = table.to(dtype).to(device)
+        w16 = weights.to(dtype)
+        out16 = weighted_rows(w16.to(device), indices.to(device), low).cpu()
+        assert out16.dtype == dtype
+        rounded_fp32_sum = _reference_rows(w16, indices, low.cpu()).float().to(dtype)
+        assert float((out16 == rounded_fp32_sum).float().mean()) > 0.99
+
+
+def test_fused_lookup_reproduces_the_stage_report(built, model):
+    """The report's relative errors (the lut stage's output) recomputed with the reference gather."""
+    config, _, _, lut_out, report = built
+    from actstore.lut import heldout_inputs
+    x, _ = heldout_inputs(config, built[1], built[2])
+    for target in TARGETS:
+        tables, lut = _lut_for(built, model, target)
+        t = {k: v.float() for k, v in tables.items()}
+        w = get_module(model, target).weight.detach().T.double()
+        values, indices = lut.encoder(x)
+        lookup = _reference_rows(values, indices, t["precomputed_products"]) + t["bias_product"].double()
+        exact = x.double() @ w
+        for budget in config["lut"]["budgets"]:
+            out = lookup
+            if budget:
+                residual = x.double() - (_reference_rows(values, indices, t["decoder_weight"]) + t["decoder_bias"].double())
+                top = torch.topk(residual.abs(), budget, dim=-1).indices
+                out = lookup + _reference_rows(residual.gather(1, top), top, w)
+            expect = float((out - exact).norm() / exact.norm())
+            assert report["relative_error"][target][str(budget)]["relative_error"] == pytest.approx(expect, rel=1e-3)
+
+
 def test_full_compensation_is_exact_and_budget_helps(built, model):
     target = TARGETS[1]
     _, lut = _lut_for(built, model, target)
@@ -117,6 +167,30 @@ def test_shared_encoder_encodes_once_per_forward(built, model):
     assert isinstance(get_module(model, TARGETS[2]), LutLinear)
 
 
+def test_runtime_auto_is_lookup_up_to_the_crossover_then_dense(built, model):
+    x = torch.randn(64, 32) * 2
+    exact = {t: x @ get_module(model, t).weight.detach().T + get_module(model, t).bias.detach() for t in TARGETS}
+    lookups = {t: _lut_for(built, model, t)[1] for t in TARGETS}
+    installed = install_luts(model, lut_format.open_lut(built[3]), runtime="auto")
+    auto = installed[TARGETS[0]]
+    crossover = auto.crossover_tokens()
+    assert 0 < crossover < len(x)  # the tiny BERT's q/k/v shape has both regimes
+    encoder = auto.encoder
+    for target, lut in installed.items():
+        below, above = x[:crossover], x[:crossover + 1]
+        lookup_out = lut(below)
+        assert lut.paths == {"lookup": 1, "dense": 0}
+        # The lookup path is the runtime "lookup" itself: its error is the documented one.
+        assert torch.equal(lookup_out, lookups[target](below) + lut.target_bias)
+        dense_out = lut(above)
+        assert lut.paths == {"lookup": 1, "dense": 1}
+        torch.testing.assert_close(dense_out, exact[target][:crossover + 1], rtol=1e-5, atol=1e-5)
+    assert encoder.n_encodings == len(TARGETS)  # fresh tensors each call; dense calls never encode
+    # Compensation reads more bytes per token: the crossover can only move down.
+    auto.set_budget(8)
+    assert auto.crossover_tokens() < crossover
+
+
 def test_report_has_errors_and_end_to_end(built):
     report = built[4]
     on_disk = json.loads((built[3] / "report.json").read_text())
@@ -125,7 +199,9 @@ def test_report_has_errors_and_end_to_end(built):
         errs = report["relative_error"][target]
         assert set(errs) == {"0", "8", "32"}
         assert errs["32"]["relative_error"] < 5e-3 < errs["0"]["relative_error"]
+    assert report["end_to_end"]["runtime"] == "lookup"
     e2e = report["end_to_end"]["budgets"]
+    assert all(e2e[b]["paths"]["dense"] == 0 < e2e[b]["paths"]["lookup"] for b in e2e)
     assert e2e["32"]["cosine_mean"] > 0.999
     assert -1 <= e2e["0"]["cosine_min"] <= e2e["0"]["cosine_mean"] <= 1
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.parts import open_extraction
-from actstore.sae import (TopKSAE, auxk_loss, build_sae, data_mean, import_sae, init_sae, load_sae,
+from actstore.sae import (Prefetcher, TopKSAE, auxk_loss, build_sae, data_mean, import_sae, init_sae, load_sae,
                           resolve_hook, split_tokens, stream_batches, tensors)
 
 HOOK = "encoder.layer.1.attention.self.query:input"
@@ -58,6 +58,33 @@ def test_stream_batches_read_training_rows_from_the_memmaps(bert):
     assert batch.shape == (16, 32)
     for row in batch:  # every row is a real training token, bit for bit
         assert (train == row).all(axis=1).any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_prefetcher_yields_the_source_batches_in_order(bert, device):
+    config, extract_dir = bert
+    extraction = open_extraction(extract_dir)
+    split = split_tokens(extraction, 0.2, seed=0)
+    arrays = tensors(extraction, HOOK)
+    expect = stream_batches(arrays, split.train, 16, np.random.default_rng(3))
+    # More batches than the pinned ring has slots, so every slot is reused while batches are in use.
+    with Prefetcher(stream_batches(arrays, split.train, 16, np.random.default_rng(3)), torch.device(device)) as got:
+        kept = [next(got) for _ in range(12)]
+    for batch in kept:
+        assert batch.device.type == device
+        assert torch.equal(batch.cpu(), next(expect))
+
+
+def test_prefetcher_raises_the_source_error_in_the_training_thread():
+    def source():
+        yield torch.zeros(2, 3)
+        raise ValueError("memmap read failed")
+
+    with Prefetcher(source(), torch.device("cpu")) as batches:
+        assert torch.equal(next(batches), torch.zeros(2, 3))
+        with pytest.raises(ValueError, match="memmap read failed"):
+            next(batches)
 
 
 def test_encode_is_relu_then_topk_as_spec_step_a():

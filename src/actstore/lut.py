@@ -11,6 +11,17 @@ x_hat @ W where x_hat = sum_j values_j W_dec[indices_j] + b_dec is the TopK reco
 exact output is LUT(x) + (x - x_hat) @ W. With a budget of s input dimensions per token we add that
 residual term on the s dimensions with the largest |x - x_hat| (gather-based: s rows of W per token).
 With s = input_dim the output is x @ W up to the float16 rounding of the stored tables.
+
+Every weighted sum of table rows (Step B, the reconstruction x_hat, the compensation's rows of W) is
+one torch.nn.functional.embedding_bag(mode="sum", per_sample_weights=...): it never materialises the
+[rows, k, out] gather. It accumulates in float32 for float16/bfloat16 tables (CPU measured, CUDA by
+its kernel's accumulate type) but writes its output in the table's dtype, so tables are held in the
+dtype the model computes in: a float32 model upcasts 16-bit tables at load (otherwise its outputs
+would be rounded to 16 bits), a bfloat16 model keeps bfloat16 tables as stored.
+
+Runtime `auto` (lut.runtime): above a crossover token count a target runs the dense x @ W it replaced
+(when that weight is present). The crossover is where the lookup stops reading fewer bytes than
+dense (both are memory bound at small batches): see LutLinear.crossover_tokens.
 """
 from __future__ import annotations
 
@@ -30,18 +41,13 @@ from actstore.io_utils import write_json_atomic
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
-GATHER_ELEMS = 1 << 22  # rows * k * out per gather chunk: bounds the [rows, k, out] temporary at 16 MiB fp32
+RUNTIMES = ("lookup", "auto")
 
 
-def gather_combine(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]], chunked over rows."""
-    n, k = indices.shape
-    out = torch.empty(n, table.shape[1], dtype=table.dtype, device=table.device)
-    step = max(1, GATHER_ELEMS // max(1, k * table.shape[1]))
-    for start in range(0, n, step):
-        stop = start + step
-        out[start:stop] = torch.einsum("nk,nko->no", weights[start:stop].to(table.dtype), table[indices[start:stop]])
-    return out
+def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused
+    (no [n, k, out] temporary); weights are cast to the table's dtype, as embedding_bag requires."""
+    return nn.functional.embedding_bag(indices, table, per_sample_weights=weights.to(table.dtype), mode="sum")
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -58,6 +64,7 @@ class LutEncoder(nn.Module):
         for key in ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias"):
             self.register_buffer(key, tables[key].to(dtype), persistent=False)
         self.n_encodings = 0  # counted so tests and benches can see the sharing
+        self.target_outputs: list[int] = []  # output_dim of every LutLinear sharing this encoding
         self._last: tuple[Any, int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,15 +81,19 @@ class LutEncoder(nn.Module):
 
     def reconstruct(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x_hat = sum_j values_j * W_dec[indices_j] + b_dec: what the lookup represents in input space."""
-        return gather_combine(values, indices, self.decoder_weight) + self.decoder_bias
+        return weighted_rows(values, indices, self.decoder_weight) + self.decoder_bias
 
 
 class LutLinear(nn.Module):
-    """Drop-in replacement for an nn.Linear: Step A (shared encoder) + Step B (+ compensation)."""
+    """Drop-in replacement for an nn.Linear: Step A (shared encoder) + Step B (+ compensation), or with
+    runtime "auto" the dense x @ W above the crossover token count. `paths` counts which ran."""
 
     def __init__(self, encoder: LutEncoder, tables: dict[str, torch.Tensor], linear: nn.Linear | None,
-                 budget: int = 0, dtype: torch.dtype = torch.float32, with_bias: bool = True):
+                 budget: int = 0, dtype: torch.dtype = torch.float32, with_bias: bool = True,
+                 runtime: str = "lookup"):
         super().__init__()
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"lut.runtime {runtime!r}: expected one of {RUNTIMES}")
         self.encoder = encoder
         self.register_buffer("precomputed_products", tables["precomputed_products"].to(dtype), persistent=False)
         self.register_buffer("bias_product", tables["bias_product"].to(dtype), persistent=False)
@@ -92,11 +103,15 @@ class LutLinear(nn.Module):
         if not with_bias:
             bias = None
         self.register_buffer("target_bias", None if bias is None else bias.to(dtype), persistent=False)
-        # W_target [in, out] in full precision, only read by online compensation.
+        # W_target [in, out] (rows are what compensation sums), read by compensation and the dense path.
         w_target = None if linear is None else linear.weight.detach().T.contiguous().to(dtype)
         self.register_buffer("w_target", w_target, persistent=False)
         self.in_features = tables["decoder_weight"].shape[1]
         self.out_features = tables["precomputed_products"].shape[1]
+        encoder.target_outputs.append(self.out_features)
+        # Without W there is nothing to fall back to: auto is then the lookup.
+        self.runtime = runtime if w_target is not None else "lookup"
+        self.paths = {"lookup": 0, "dense": 0}
         self.budget = 0
         self.set_budget(budget)
 
@@ -106,22 +121,39 @@ class LutLinear(nn.Module):
             raise ConfigError("LUT compensation needs the original linear weight (W_target)")
         self.budget = max(0, min(int(budget), self.in_features))
 
+    def crossover_tokens(self) -> int:
+        """Most tokens for which encode + lookup (+ compensation) of every target sharing the encoder
+        reads fewer table bytes than their dense x @ W. Dense reads in x sum(out) once per batch; the
+        LUT reads the encoder (num_basis x in) once, then per token k rows of each table, and with
+        compensation k decoder rows and `budget` rows of each W. Bytes, not FLOPs, because both sides
+        are memory bound at the small batches where the lookup can win; 0 means dense always wins."""
+        enc, outs = self.encoder, self.encoder.target_outputs
+        k, d_in, total = enc.k_active, self.in_features, sum(outs)
+        fixed = d_in * total - enc.encoder_weight.shape[0] * d_in
+        per_token = k * total + (len(outs) * k * d_in + self.budget * total if self.budget else 0)
+        return max(0, fixed // per_token)
+
     def lookup(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Spec Step B: sum_j values_j * P[indices_j] + bias_product."""
-        return gather_combine(values, indices, self.precomputed_products) + self.bias_product
+        return weighted_rows(values, indices, self.precomputed_products) + self.bias_product
 
     def compensation(self, flat: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """(x - x_hat)[:, S] @ W_target[S, :] for the `budget` dims S of largest |x - x_hat| per token."""
         residual = flat - self.encoder.reconstruct(values, indices)
         top = torch.topk(residual.abs(), self.budget, dim=-1).indices
-        return gather_combine(residual.gather(1, top), top, self.w_target)
+        return weighted_rows(residual.gather(1, top), top, self.w_target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values, indices = self.encoder(x)
-        out = self.lookup(values, indices)
-        if self.budget:
-            flat = x.reshape(-1, x.shape[-1]).to(out.dtype)
-            out = out + self.compensation(flat, values, indices)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.runtime == "auto" and len(flat) > self.crossover_tokens():
+            self.paths["dense"] += 1
+            out = flat.to(self.w_target.dtype) @ self.w_target
+        else:
+            self.paths["lookup"] += 1
+            values, indices = self.encoder(x)
+            out = self.lookup(values, indices)
+            if self.budget:
+                out = out + self.compensation(flat.to(out.dtype), values, indices)
         if self.target_bias is not None:
             out = out + self.target_bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -134,9 +166,10 @@ def _parent(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
     return (get_module(model, parent_path) if parent_path else model), name
 
 
-def install_luts(model: nn.Module, store: LutStore, budget: int = 0,
-                 dtype: torch.dtype = torch.float32) -> dict[str, LutLinear]:
-    """Replace every layer of `store` in `model` by a LutLinear; same encoder tensors -> one LutEncoder."""
+def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torch.dtype | None = None,
+                 runtime: str = "lookup") -> dict[str, LutLinear]:
+    """Replace every layer of `store` in `model` by a LutLinear; same encoder tensors -> one LutEncoder.
+    Tables are held in `dtype`, by default the dtype of the linear they replace (module docstring)."""
     from actstore.models import get_module
 
     encoders: dict[bytes, LutEncoder] = {}
@@ -149,11 +182,12 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0,
             raise FormatError(f"{store.dir / entry['file']}: [{entry['input_dim']}, {entry['output_dim']}] does not "
                               f"fit {module_path} ({linear.in_features} -> {linear.out_features})")
         tables = store.load(module_path)
+        held = dtype or linear.weight.dtype
         key = b"".join(tables[k].contiguous().view(torch.uint8).numpy().tobytes()
                        for k in ("encoder_weight", "encoder_bias"))
         if key not in encoders:
-            encoders[key] = LutEncoder(tables, store.k_active, dtype).to(linear.weight.device)
-        lut = LutLinear(encoders[key], tables, linear, budget, dtype).to(linear.weight.device)
+            encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
+        lut = LutLinear(encoders[key], tables, linear, budget, held, runtime=runtime).to(linear.weight.device)
         parent, name = _parent(model, module_path)
         setattr(parent, name, lut)
         installed[module_path] = lut
@@ -217,7 +251,8 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
 
 def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets: list[int]) -> dict[str, Any]:
     """Per target and budget: ||LUT(x) - xW|| / ||xW|| over all held-out tokens (Frobenius) and the
-    mean of the per-token ratio. Both sides exclude the linear's bias (the spec's output ≈ x @ W)."""
+    mean of the per-token ratio. Both sides exclude the linear's bias (the spec's output ≈ x @ W).
+    Always the lookup (whatever lut.runtime says): this is the accuracy of the tables."""
     from actstore.models import get_module
 
     results = {}
@@ -255,8 +290,9 @@ def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str
 
 def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, loaded: Any,
                samples: list[int], budgets: list[int]) -> dict[str, Any]:
-    """Swap the targets into the real model: cosine of final hidden states (encoders, vision) or
-    KL(original || LUT) and perplexity change (causal LMs), on held-out samples."""
+    """Swap the targets into the real model with lut.runtime: cosine of final hidden states (encoders,
+    vision) or KL(original || LUT) and perplexity change (causal LMs), on held-out samples; per budget
+    which path (lookup or dense) the targets' calls took and each target's crossover."""
     from actstore.formats.parts import open_extraction
 
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
@@ -265,14 +301,20 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     inputs = [batch_inputs(config, extraction, loaded, batch) for batch in batches]
     with torch.inference_mode():
         reference = [run_model(loaded, inp) for inp in inputs]
-    installed = install_luts(loaded.model, open_lut(lut_root))
-    result = {"n_samples": len(samples), "model_kind": loaded.kind, "budgets": {}}
+    runtime = config["lut"].get("runtime", "lookup")
+    installed = install_luts(loaded.model, open_lut(lut_root), runtime=runtime)
+    result = {"n_samples": len(samples), "model_kind": loaded.kind, "runtime": runtime, "budgets": {}}
     for budget in budgets:
         for lut in installed.values():
             lut.set_budget(budget)
+            lut.paths = {"lookup": 0, "dense": 0}
         with torch.inference_mode():
             outs = [run_model(loaded, inp) for inp in inputs]
-        result["budgets"][str(budget)] = compare(loaded.kind, reference, outs, inputs)
+        result["budgets"][str(budget)] = {
+            **compare(loaded.kind, reference, outs, inputs),
+            # Which path each target's forward calls took (runtime auto switches by token count).
+            "paths": {path: sum(lut.paths[path] for lut in installed.values()) for path in ("lookup", "dense")},
+            "crossover_tokens": {name: lut.crossover_tokens() for name, lut in installed.items()}}
     return result
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.parts import Extraction, open_extraction
 from actstore.io_utils import atomic_path, write_json_atomic
+from actstore.lut import weighted_rows
 
 log = logging.getLogger(__name__)
 SAE_FILE = "sae.safetensors"
@@ -66,8 +68,8 @@ class TopKSAE(nn.Module):
         return torch.topk(self.pre_acts(x), self.k_active, dim=-1)
 
     def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """sum_j values_j * decoder_weight[indices_j] + decoder_bias, gather-based."""
-        return torch.einsum("bk,bkd->bd", values, self.decoder_weight[indices]) + self.decoder_bias
+        """sum_j values_j * decoder_weight[indices_j] + decoder_bias (the LUT runtime's fused row sum)."""
+        return weighted_rows(values, indices, self.decoder_weight) + self.decoder_bias
 
     def decode_dense(self, values: torch.Tensor, indices: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """Same as decode via a scattered dense code: faster on CPU for training and its backward."""
@@ -170,6 +172,81 @@ def stream_batches(arrays: list[np.ndarray], rows: list[np.ndarray], batch_size:
             yield torch.from_numpy(gather(arrays, rows, order[start:start + batch_size]))
 
 
+class Prefetcher:
+    """Batches of `source` made on a background thread, `depth` ahead of the training step.
+
+    On CUDA each batch is copied into one of a ring of pinned host buffers and sent to the device on a
+    side stream; the step's stream waits on that copy's event, the host never does (no per-step
+    synchronisation). Elsewhere the thread only overlaps the memmap gathers with the step (no pinning:
+    pinned memory only speeds up copies to a GPU). The batches and their order are those of `source`.
+    """
+
+    def __init__(self, source: Iterator[torch.Tensor], device: torch.device, depth: int = 2):
+        self.device, self.cuda = device, device.type == "cuda"
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        # A pinned slot is rewritten only after its copy finished: depth queued + 1 in use + 1 being filled.
+        self._slots = depth + 2
+        self._thread = threading.Thread(target=self._produce, args=(source,), daemon=True, name="sae-prefetch")
+        self._thread.start()
+
+    def _produce(self, source: Iterator[torch.Tensor]) -> None:
+        try:
+            stream = torch.cuda.Stream(self.device) if self.cuda else None
+            pinned: list[torch.Tensor | None] = [None] * self._slots
+            copied: list[torch.cuda.Event | None] = [None] * self._slots
+            for i, batch in enumerate(source):
+                item = (batch, None)
+                if self.cuda:
+                    slot = i % self._slots
+                    if copied[slot] is not None:
+                        copied[slot].synchronize()  # this (background) thread waits, not the step
+                    if pinned[slot] is None or pinned[slot].shape != batch.shape:
+                        pinned[slot] = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+                    pinned[slot].copy_(batch)
+                    with torch.cuda.stream(stream):
+                        on_device = pinned[slot].to(self.device, non_blocking=True)
+                        copied[slot] = torch.cuda.Event()
+                        copied[slot].record(stream)
+                    item = (on_device, copied[slot])
+                if not self._put(item):
+                    return
+        except BaseException as exc:  # re-raised in the training thread by __next__
+            self._put((exc, None))
+
+    def _put(self, item: tuple[Any, Any]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        batch, copied = self._queue.get()
+        if isinstance(batch, BaseException):
+            raise batch
+        if copied is not None:
+            step_stream = torch.cuda.current_stream(self.device)
+            step_stream.wait_event(copied)
+            batch.record_stream(step_stream)  # allocated on the side stream, used on this one
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def iter_rows(arrays: list[np.ndarray], rows: list[np.ndarray], chunk: int = 8192,
               limit: int | None = None) -> Iterator[np.ndarray]:
     """The given rows in order, `chunk` at a time, stopping after `limit` rows."""
@@ -210,15 +287,15 @@ def init_sae(sae: TopKSAE, mean: torch.Tensor, seed: int) -> None:
 
 def auxk_loss(sae: TopKSAE, x: torch.Tensor, x_hat: torch.Tensor, pre: torch.Tensor,
               dead: torch.Tensor, aux_k: int) -> torch.Tensor:
-    """Gao et al.'s AuxK: the top-aux_k dead latents reconstruct the residual, scaled by its variance."""
-    n_dead = int(dead.sum())
-    if n_dead == 0:
-        return x.new_zeros(())
+    """Gao et al.'s AuxK: the top-aux_k dead latents reconstruct the residual, scaled by its variance.
+    Never reads a value back to the host: live latents are masked to 0, so with fewer than aux_k dead
+    latents the extra picks add 0, and with none the loss is multiplied by 0."""
     masked = pre.masked_fill(~dead, 0.0)
-    values, indices = torch.topk(masked, min(aux_k, n_dead), dim=-1)
+    values, indices = torch.topk(masked, min(aux_k, sae.num_basis), dim=-1)
     residual = (x - x_hat).detach()
     recon = sae.decode_dense(values, indices, bias=False)
-    return (recon - residual).pow(2).sum(-1).mean() / residual.var(0).sum().clamp_min(1e-8)
+    loss = (recon - residual).pow(2).sum(-1).mean() / residual.var(0).sum().clamp_min(1e-8)
+    return loss * dead.any()
 
 
 @torch.no_grad()
@@ -258,6 +335,38 @@ def resolve_hook(config: dict[str, Any]) -> str:
     return hook
 
 
+def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torch.Tensor], sae_cfg: dict[str, Any],
+                progress: bool = True) -> tuple[int, list[dict[str, float]]]:
+    """sae_cfg["steps"] optimiser steps on `batches` (already on the SAE's device); returns the tokens
+    seen and the loss curve. Nothing in a step reads a device value back, so on a GPU the host runs
+    ahead and queues work; the curve's values are read once, at the end."""
+    k, steps = sae.k_active, sae_cfg["steps"]
+    aux_k = sae_cfg["aux_k"] or min(512, sae.num_basis // 2)
+    # A latent is dead when it has not fired for dead_tokens training tokens (Gao et al.: 10M; scaled).
+    last_fired = torch.zeros(sae.num_basis, dtype=torch.long, device=sae.decoder_weight.device)
+    seen, curve = 0, []
+    for step in tqdm(range(1, steps + 1), desc="train sae", unit="step", disable=not progress):
+        x = next(batches)
+        pre = sae.pre_acts(x)
+        values, indices = torch.topk(pre, k, dim=-1)
+        x_hat = sae.decode_dense(values, indices)
+        mse = (x_hat - x).pow(2).sum(-1).mean() / (x - x.mean(0)).pow(2).sum(-1).mean().clamp_min(1e-8)
+        seen += len(x)
+        last_fired.scatter_reduce_(0, indices.flatten(), torch.where(values > 0, seen, 0).flatten(), "amax")
+        dead = (seen - last_fired) >= sae_cfg["dead_tokens"]
+        aux = auxk_loss(sae, x, x_hat, pre, dead, aux_k)
+        loss = mse + sae_cfg["aux_coef"] * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sae.remove_parallel_grad()
+        opt.step()
+        sae.normalize_decoder()
+        if step == 1 or step % max(1, steps // 100) == 0 or step == steps:
+            curve.append((step, seen, torch.stack([mse.detach(), aux.detach(), dead.float().mean()])))
+    return seen, [{"step": step, "tokens": tokens, "fvu": fvu, "auxk": auxk, "dead_fraction_train": dead}
+                  for (step, tokens, values) in curve for fvu, auxk, dead in [values.tolist()]]
+
+
 def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
               progress: bool = True) -> tuple[TopKSAE, dict[str, Any]]:
     """Train a TopK SAE on `hook`'s activations; return it and the report dict."""
@@ -272,38 +381,18 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
     device = pick_device(sae_cfg["device"])
     sae.to(device)
     opt = torch.optim.Adam(sae.parameters(), lr=sae_cfg["lr"], betas=(0.9, 0.999), eps=6.25e-10)
-    aux_k = sae_cfg["aux_k"] or min(512, num_basis // 2)
-    # A latent is dead when it has not fired for dead_tokens training tokens (Gao et al.: 10M; scaled).
-    last_fired = torch.zeros(num_basis, dtype=torch.long, device=device)
-    seen, curve, started = 0, [], time.perf_counter()
-    batches = stream_batches(arrays, split.train, sae_cfg["batch_size"], np.random.default_rng(sae_cfg["seed"]))
-    steps = sae_cfg["steps"]
-    for step in tqdm(range(1, steps + 1), desc="train sae", unit="step", disable=not progress):
-        x = next(batches).to(device)
-        pre = sae.pre_acts(x)
-        values, indices = torch.topk(pre, k, dim=-1)
-        x_hat = sae.decode_dense(values, indices)
-        mse = (x_hat - x).pow(2).sum(-1).mean() / (x - x.mean(0)).pow(2).sum(-1).mean().clamp_min(1e-8)
-        seen += len(x)
-        last_fired[indices[values > 0].unique()] = seen
-        dead = (seen - last_fired) >= sae_cfg["dead_tokens"]
-        aux = auxk_loss(sae, x, x_hat, pre, dead, aux_k)
-        loss = mse + sae_cfg["aux_coef"] * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        sae.remove_parallel_grad()
-        opt.step()
-        sae.normalize_decoder()
-        if step == 1 or step % max(1, steps // 100) == 0 or step == steps:
-            curve.append({"step": step, "tokens": seen, "fvu": float(mse.detach()), "auxk": float(aux.detach()),
-                          "dead_fraction_train": float(dead.float().mean())})
+    started = time.perf_counter()
+    source = stream_batches(arrays, split.train, sae_cfg["batch_size"], np.random.default_rng(sae_cfg["seed"]))
+    with Prefetcher(source, device) as batches:
+        seen, curve = train_steps(sae, opt, batches, sae_cfg, progress)
     sae.cpu().eval()
     held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"])
     report = {"source": "trained", "hook": hook, "d_in": d_in, "num_basis": num_basis, "k_active": k,
-              "steps": steps, "batch_size": sae_cfg["batch_size"], "train_tokens_seen": seen,
+              "steps": sae_cfg["steps"], "batch_size": sae_cfg["batch_size"], "train_tokens_seen": seen,
               "n_train_tokens": split.n_train, "n_heldout_tokens": split.n_heldout,
               "heldout_samples": split.heldout_samples, "training_seconds": time.perf_counter() - started,
-              "heldout": {k_: v for k_, v in held.items() if k_ != "fires"}, "loss_curve": curve}
+              "device": device.type, "heldout": {k_: v for k_, v in held.items() if k_ != "fires"},
+              "loss_curve": curve}
     log.info("sae %s: held-out FVU %.4f, dead %.3f", hook, held["fvu"] or float("nan"), held["dead_fraction"] or 0)
     return sae, report
 
