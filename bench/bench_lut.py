@@ -1,89 +1,151 @@
-"""Time the LUT runtime against the dense matmul it replaces, same batch, same run.
+"""Time the LUT runtime against the dense matmuls it replaces, same inputs, same run.
 
-Rows: dense x @ W (the baseline), lookup alone (Step B given precomputed TopK codes), encode + lookup
-(Steps A + B), and encode + lookup + compensation at a budget. Every time is also a ratio to dense.
-Uses a real LUT directory when given (--lut, e.g. results/lut/<hash>), else random tables of the demo's
-shape (MiniLM: input 384, output 384, 1536 latents, k 32).
+For each token count: dense x @ W of every target (the baseline), Step B alone (the fused lookup given
+the TopK codes), Step A + B (one shared encoding, then every target's lookup), and A + B + online
+compensation at two budgets. Every time is also a ratio to dense; the last column says which path
+`lut.runtime: auto` takes there (LutLinear.crossover_tokens).
+
+Shapes: `demo` = MiniLM layer-3 q/k/v (input 384, three outputs of 384, 1536 latents, k 32, float16
+tables); `llama8b-mlp` = Llama-3-8B gate + up (input 4096, two outputs of 14336, 16384 latents, k 32,
+bfloat16 tables). Tables are random (the speed does not depend on their values) unless --lut names a
+real lut directory (its first target). CPU: wall clock, best and median of --repeat. CUDA: CUDA events,
+best and median of --repeat after warm-up.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from actstore.lut import LutEncoder, LutLinear
 
 OUT = Path(__file__).with_name("out")
+SHAPES = {"demo": {"d_in": 384, "outs": [384] * 3, "num_basis": 1536, "k": 32, "stored": torch.float16},
+          "llama8b-mlp": {"d_in": 4096, "outs": [14336] * 2, "num_basis": 16384, "k": 32, "stored": torch.bfloat16}}
 
 
-def best_of(fn, repeat: int) -> float:
-    fn()  # warm-up
+def timed(fn: Callable[[], object], repeat: int, device: torch.device) -> tuple[float, float]:
+    """(best, median) seconds of fn over `repeat` runs after two warm-ups."""
+    fn(), fn()
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+    return min(times), statistics.median(times)
 
 
-def tables_for(args) -> tuple[dict[str, torch.Tensor], int, torch.Tensor]:
-    if args.lut:
-        from actstore.formats.lut import open_lut
-        store = open_lut(args.lut)
-        target = next(iter(store.layers))
-        tables = store.load(target)
-        w = torch.randn(store.layers[target]["input_dim"], store.layers[target]["output_dim"])
-        return tables, store.k_active, w
+def random_luts(shape: dict, dtype: torch.dtype, device: torch.device) -> list[LutLinear]:
+    """LutLinears sharing one encoder, from random unit-norm decoder rows and random target weights."""
     g = torch.Generator().manual_seed(0)
-    d_in, d_out, n, k = args.d_in, args.d_out, args.num_basis, args.k
-    w = torch.randn(d_in, d_out, generator=g) / d_in ** 0.5
+    d_in, n = shape["d_in"], shape["num_basis"]
     dec = torch.nn.functional.normalize(torch.randn(n, d_in, generator=g), dim=1)
-    tables = {"encoder_weight": dec.clone(), "encoder_bias": torch.zeros(n), "decoder_weight": dec,
-              "decoder_bias": torch.zeros(d_in), "precomputed_products": dec @ w, "bias_product": torch.zeros(d_out)}
-    return {key: v.half() for key, v in tables.items()}, k, w
+    base = {"encoder_weight": dec, "encoder_bias": torch.zeros(n), "decoder_weight": dec,
+            "decoder_bias": torch.zeros(d_in)}
+    stored = {key: v.to(shape["stored"]) for key, v in base.items()}
+    encoder = LutEncoder(stored, shape["k"], dtype).to(device)
+    luts = []
+    for out in shape["outs"]:
+        linear = torch.nn.Linear(d_in, out, bias=False)
+        torch.nn.init.normal_(linear.weight, std=d_in ** -0.5)
+        w = linear.weight.detach().T
+        tables = {**stored, "precomputed_products": (dec @ w).to(shape["stored"]),
+                  "bias_product": torch.zeros(out, dtype=shape["stored"])}
+        luts.append(LutLinear(encoder, tables, linear, 0, dtype).to(device))
+    return luts
+
+
+def real_luts(path: str, dtype: torch.dtype, device: torch.device) -> list[LutLinear]:
+    """Every target of a lut directory, one shared encoder, random stand-ins for the original W."""
+    from actstore.formats.lut import open_lut
+
+    store = open_lut(path)
+    first = store.load(next(iter(store.layers)))
+    encoder = LutEncoder(first, store.k_active, dtype).to(device)
+    luts = []
+    for target, entry in store.layers.items():
+        linear = torch.nn.Linear(entry["input_dim"], entry["output_dim"], bias=False)
+        luts.append(LutLinear(encoder, store.load(target), linear, 0, dtype).to(device))
+    return luts
+
+
+def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device: torch.device) -> dict:
+    """Seconds (best, median) of each row for one token count, all targets together."""
+    dtype = luts[0].precomputed_products.dtype
+    x = torch.randn(tokens, luts[0].in_features, device=device, dtype=dtype)
+
+    def forward_all() -> None:
+        fresh = x.clone()  # a new tensor: the shared encoder's cache must not skip Step A
+        for lut in luts:
+            lut(fresh)
+
+    rows = {}
+    with torch.inference_mode():
+        for lut in luts:
+            lut.set_budget(0)
+        values, indices = luts[0].encoder(x)
+        rows["dense"] = timed(lambda: [x @ lut.w_target for lut in luts], args.repeat, device)
+        rows["lookup (B)"] = timed(lambda: [lut.lookup(values, indices) for lut in luts], args.repeat, device)
+        rows["encode + lookup (A+B)"] = timed(forward_all, args.repeat, device)
+        for budget in budgets:
+            for lut in luts:
+                lut.set_budget(budget)
+            rows[f"A+B+comp {budget}"] = timed(forward_all, args.repeat, device)
+        for lut in luts:
+            lut.set_budget(0)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lut", help="a lut stage directory (or its lut/); default: random demo-shaped tables")
-    parser.add_argument("--tokens", type=int, default=2048, help="batch of tokens (rows of x)")
-    parser.add_argument("--d-in", type=int, default=384)
-    parser.add_argument("--d-out", type=int, default=384)
-    parser.add_argument("--num-basis", type=int, default=1536)
-    parser.add_argument("--k", type=int, default=32)
-    parser.add_argument("--budget", type=int, default=32, help="compensation budget for the last row")
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="demo")
+    parser.add_argument("--lut", help="a lut stage directory (or its lut/) instead of random tables")
+    parser.add_argument("--tokens", default="1,8,64,512,2048", help="comma-separated token counts")
+    parser.add_argument("--budgets", default="32,128", help="two compensation budgets")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="the model's dtype (tables held in it): default float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    tables, k, w = tables_for(args)
-    linear = torch.nn.Linear(w.shape[0], w.shape[1], bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(w.T)
-    lut = LutLinear(LutEncoder(tables, k, torch.float32), tables, linear, 0)
-    x = torch.randn(args.tokens, w.shape[0])
-    with torch.inference_mode():
-        values, indices = lut.encoder(x.clone())
-        rows = {"dense x @ W": best_of(lambda: x @ w, args.repeat),
-                "lookup only (Step B)": best_of(lambda: lut.lookup(values, indices), args.repeat),
-                "encode only (Step A)": best_of(lambda: lut.encoder(x.clone()), args.repeat),
-                "encode + lookup (A + B)": best_of(lambda: lut(x.clone()), args.repeat)}
-        lut.set_budget(args.budget)
-        rows[f"A + B + compensation {args.budget}"] = best_of(lambda: lut(x.clone()), args.repeat)
-    dense = rows["dense x @ W"]
-    print(f"tokens={args.tokens} d_in={w.shape[0]} d_out={w.shape[1]} num_basis={tables['encoder_weight'].shape[0]} "
-          f"k={k} threads={args.threads}")
-    print(f"{'step':36s} {'ms':>9s} {'x dense':>9s}")
-    for name, t in rows.items():
-        verdict = "" if name.startswith("dense") else ("  slower than dense" if t > dense else "  faster than dense")
-        print(f"{name:36s} {t * 1e3:9.3f} {t / dense:9.2f}{verdict}")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    luts = real_luts(args.lut, dtype, device) if args.lut else random_luts(SHAPES[args.shape], dtype, device)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    enc = luts[0].encoder
+    print(f"device={device} shape={args.lut or args.shape} d_in={luts[0].in_features} "
+          f"outs={[lut.out_features for lut in luts]} num_basis={enc.encoder_weight.shape[0]} k={enc.k_active} "
+          f"dtype={dtype} threads={args.threads} repeat={args.repeat}; crossover (bytes model) budget 0: "
+          f"{luts[0].crossover_tokens()} tokens")
+    results = {}
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        rows = measure(luts, tokens, budgets, args, device)
+        dense = rows["dense"][0]
+        auto = "lookup" if tokens <= luts[0].crossover_tokens() else "dense"
+        print(f"\ntokens={tokens}  (auto runs {auto})\n{'row':24s} {'best ms':>10s} {'median ms':>10s} {'x dense':>8s}")
+        for name, (best, median) in rows.items():
+            print(f"{name:24s} {best * 1e3:10.3f} {median * 1e3:10.3f} {best / dense:8.2f}")
+        results[tokens] = {"seconds_best_median": rows, "ratio_to_dense_best": {n: b / dense for n, (b, _) in rows.items()},
+                           "auto_path": auto}
     OUT.mkdir(exist_ok=True)
-    result = {"args": vars(args), "seconds": rows, "ratio_to_dense": {n: t / dense for n, t in rows.items()}}
-    (OUT / "lut.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {OUT / 'lut.json'}")
+    out = OUT / f"lut-{device.type}-{args.shape if not args.lut else 'lut'}.json"
+    out.write_text(json.dumps({"args": vars(args), "crossover_tokens": luts[0].crossover_tokens(),
+                               "results": results}, indent=2) + "\n")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

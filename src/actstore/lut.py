@@ -65,7 +65,8 @@ class LutEncoder(nn.Module):
             self.register_buffer(key, tables[key].to(dtype), persistent=False)
         self.n_encodings = 0  # counted so tests and benches can see the sharing
         self.target_outputs: list[int] = []  # output_dim of every LutLinear sharing this encoding
-        self._last: tuple[Any, int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # (input, its version, its encoding, residual terms by budget) of the last input seen.
+        self._last: tuple[Any, int | None, tuple[torch.Tensor, torch.Tensor], dict] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, indices) [N, k] for x [..., input_dim] flattened to N rows."""
@@ -76,8 +77,20 @@ class LutEncoder(nn.Module):
         pre = torch.relu(flat @ self.encoder_weight.T + self.encoder_bias)
         values, indices = torch.topk(pre, self.k_active, dim=-1)
         self.n_encodings += 1
-        self._last = (weakref.ref(x), version, (values, indices))
+        self._last = (weakref.ref(x), version, (values, indices), {})
         return values, indices
+
+    def residual_top(self, x: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x - x_hat) on the `budget` dims S of largest |x - x_hat| per token, and S: computed once per
+        input and budget for all targets sharing this encoder, like the encoding itself."""
+        values, indices = self(x)
+        cached = self._last[3]
+        if budget not in cached:
+            flat = x.reshape(-1, x.shape[-1]).to(self.decoder_weight.dtype)
+            residual = flat - self.reconstruct(values, indices)
+            top = torch.topk(residual.abs(), budget, dim=-1).indices
+            cached[budget] = (residual.gather(1, top), top)
+        return cached[budget]
 
     def reconstruct(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x_hat = sum_j values_j * W_dec[indices_j] + b_dec: what the lookup represents in input space."""
@@ -137,11 +150,9 @@ class LutLinear(nn.Module):
         """Spec Step B: sum_j values_j * P[indices_j] + bias_product."""
         return weighted_rows(values, indices, self.precomputed_products) + self.bias_product
 
-    def compensation(self, flat: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def compensation(self, x: torch.Tensor) -> torch.Tensor:
         """(x - x_hat)[:, S] @ W_target[S, :] for the `budget` dims S of largest |x - x_hat| per token."""
-        residual = flat - self.encoder.reconstruct(values, indices)
-        top = torch.topk(residual.abs(), self.budget, dim=-1).indices
-        return weighted_rows(residual.gather(1, top), top, self.w_target)
+        return weighted_rows(*self.encoder.residual_top(x, self.budget), self.w_target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -153,7 +164,7 @@ class LutLinear(nn.Module):
             values, indices = self.encoder(x)
             out = self.lookup(values, indices)
             if self.budget:
-                out = out + self.compensation(flat.to(out.dtype), values, indices)
+                out = out + self.compensation(x)
         if self.target_bias is not None:
             out = out + self.target_bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
