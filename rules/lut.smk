@@ -17,8 +17,9 @@ rule build_lut:
     conda:
         "../envs/actstore.yaml"
     threads: 4
+    # One GPU when the profile gives one (profiles/osc), else the CPU: lut.device auto picks.
     resources:
-        mem_mb=4000,
+        mem_mb=lambda wildcards, attempt: actstore_resources.lut_mem_mb(config, attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=2.0),
     script:
         "../workflow/scripts/lut.py"

@@ -20,9 +20,10 @@ rule train_sae:
     conda:
         "../envs/actstore.yaml"
     threads: 4
+    # One GPU when the profile gives one (profiles/osc), else the CPU: sae.device auto picks.
     resources:
-        mem_mb=4000,
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=4.0),
+        mem_mb=lambda wildcards, attempt: actstore_resources.sae_mem_mb(config, attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.sae_runtime(config, attempt),
     script:
         "../workflow/scripts/sae.py"
 

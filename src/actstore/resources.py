@@ -115,3 +115,27 @@ def io_runtime(config: dict[str, Any], attempt: int = 1, per_part: bool = False,
     w = workload(config)
     share = w.activation_bytes / (config["extract"]["parts"] if per_part else 1)
     return _minutes(passes * share / IO_BYTES_PER_S, attempt)
+
+
+def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes for train_sae on one GPU: about 12 x d x num_basis FLOPs per training token (encoder and
+    dense decoder, forward and backward) plus reading the hook's activations a few times."""
+    w, sae = workload(config), config["sae"]
+    flops = 12 * w.d * (sae["num_basis"] or 4 * w.d) * sae["steps"] * sae["batch_size"]
+    reads = 4 * w.tokens * w.d * w.itemsize
+    return _minutes(flops / GPU_FLOPS + reads / IO_BYTES_PER_S, attempt)
+
+
+def sae_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
+    """Host memory of train_sae: the prefetch ring of float32 batches (pinned on a GPU), the held-out
+    evaluation's chunks, 3 GB for torch/CUDA."""
+    w = workload(config)
+    batches = 8 * config["sae"]["batch_size"] * w.d * 4
+    return _round_mb((batches + 8192 * w.d * 16) / 1e6 + 3000) * attempt
+
+
+def lut_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
+    """Host memory of build_lut: the model loaded in float32 on the host first (twice its weight files
+    for a 16-bit checkpoint), the tables of every target, 3 GB for torch/CUDA."""
+    w = workload(config)
+    return _round_mb(2 * w.weight_bytes / 1e6 * 1.5 + 3000) * attempt
