@@ -155,7 +155,6 @@ def test_full_compensation_is_exact_and_budget_helps(built, model):
 
 
 def test_shared_encoder_encodes_once_per_forward(built, model):
-    config, extract_dir = built[0], built[1]
     installed = install_luts(model, lut_format.open_lut(built[3]))
     encoders = {id(m.encoder) for m in installed.values()}
     assert len(encoders) == 1
