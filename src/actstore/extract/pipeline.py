@@ -46,7 +46,6 @@ class _Region:
 
 @dataclass
 class _Slot:
-    index: int
     buffer: torch.Tensor | None = None  # flat uint8 host buffer (pinned on CUDA)
     event: Any = None                   # CUDA event: the device->host copies are done
     rows: BatchRows | None = None
@@ -65,8 +64,8 @@ class WritePipeline:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.free: queue.Queue[_Slot] = queue.Queue()
-        for i in range(buffers):
-            self.free.put(_Slot(i))
+        for _ in range(buffers):
+            self.free.put(_Slot())
         self.lock = threading.Lock()
         self.error: tuple[str, BaseException] | None = None
         self.owned: list[list[str]] = []
