@@ -25,10 +25,10 @@ import torch
 
 from actstore.config import validate_config
 from actstore.extract import length_batches, preflight, run_part, tokenize
-from actstore.extract.inputs import image_batches, text_batches
+from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.parts import PartWriter
-from actstore.models import load_model
+from actstore.models import load_image_processor, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
@@ -122,19 +122,25 @@ def bare_forward(config: dict, threads: int) -> tuple[float, object, object, int
     started = time.perf_counter()
     model_path, dataset = preflight(config)
     ext = config["extract"]
-    loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
-    if loaded.kind == "vision":
+    if dataset.modality == "image":  # as run_part: the decoding workers start before the weights load
         paths = [dataset.image_path(s) for s in dataset.samples]
         batches = length_batches([1] * len(paths), ext["batch_size"])
-        make_inputs = lambda: image_batches(loaded, paths, batches, threads)  # noqa: E731
+        processor = load_image_processor(model_path)
+        pixels = lambda: image_batches(processor, paths, batches, threads, ext["device"] == "cuda")  # noqa: E731
+        first_pixels = pixels()
+        loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
+        make_inputs = lambda: to_model(loaded, pixels())  # noqa: E731
+        first_inputs = to_model(loaded, first_pixels)
         units = len(paths)
     else:
+        loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
         ids = tokenize(loaded, dataset.samples, ext["max_seq_length"])
         batches = length_batches([len(x) for x in ids], ext["batch_size"])
         make_inputs = lambda: text_batches(loaded, ids, batches)  # noqa: E731
+        first_inputs = make_inputs()
         units = sum(len(x) for x in ids)
     with torch.inference_mode():
-        for inputs in make_inputs():
+        for inputs in first_inputs:
             loaded.model(**inputs)
     sync(loaded.device)
     return time.perf_counter() - started, loaded, make_inputs, units
@@ -253,6 +259,8 @@ def main() -> None:
     parser.add_argument("--synthetic-gb", type=float, default=2.0)
     parser.add_argument("--bandwidth-gb", type=float, default=None,
                         help="GiB written for the disk bound (default: --synthetic-gb; else 4 on CUDA, 1 on CPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one extraction under cProfile: where the main thread's time goes (top 25)")
     parser.add_argument("--out-dir", default=None, help="where to write (the disk under test); default a temp dir")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "extract.json"))
     args = parser.parse_args()
@@ -272,10 +280,26 @@ def main() -> None:
             config = bench_config(args, work)
             result.update(interleaved_rounds(config, work / "parts", threads, args.repeats))
             result.update(goals(result, args.shape))
+            if args.profile:
+                profile(config, work / "profiled", threads, Path(args.out).with_suffix(".profile.txt"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for key, value in result.items():
         print(f"{key:24s} {value:.4g}" if isinstance(value, float) else f"{key:24s} {value}")
+
+
+def profile(config: dict, target: Path, threads: int, report: Path) -> None:
+    """One run_part under cProfile (main thread: waits on the loader, slots, the final fsync)."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.runcall(run_part, config, 0, target, progress=False, threads=threads)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(text.getvalue())
+    print(text.getvalue()[-6000:])
 
 
 def goals(r: dict, shape: str) -> dict:

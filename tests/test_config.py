@@ -68,3 +68,15 @@ def test_stage_dir_holds_the_config_it_was_made_from(demo, tmp_path):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "osc.example.yaml"])
+def test_library_validation_fills_what_the_snakefile_validation_fills(name):
+    import yaml
+    from snakemake.utils import validate
+
+    raw = yaml.safe_load((tiny.REPO / "config" / name).read_text())
+    for config in (raw, {"model": raw["model"], "dataset": raw["dataset"]}):
+        by_snakemake = copy.deepcopy(config)
+        validate(by_snakemake, str(tiny.REPO / "config" / "config.schema.yaml"))
+        assert validate_config(copy.deepcopy(config)) == by_snakemake

@@ -17,16 +17,34 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     """Validate `config` in place against the schema (filling defaults) and return it.
 
-    An unknown, misspelled or mistyped key raises ConfigError naming it.
+    The same JSON Schema draft and default filling as the Snakefile's `snakemake.utils.validate`
+    (tested equal), with jsonschema alone, so the library runs where Snakemake is not installed
+    (a GPU node running `run_part`, training code). An unknown, misspelled or mistyped key raises
+    ConfigError naming it.
     """
-    from snakemake.exceptions import WorkflowError
-    from snakemake.utils import validate
+    import jsonschema
 
-    try:
-        validate(config, str(SCHEMA_PATH), set_default=True)
-    except WorkflowError as exc:
-        raise ConfigError(f"invalid config: {exc}") from None
+    error = jsonschema.exceptions.best_match(_default_filling_validator().iter_errors(config))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "top level"
+        raise ConfigError(f"invalid config at {where}: {error.message}")
     return config
+
+
+def _default_filling_validator():
+    """A Draft 2020-12 validator that fills each property's schema default before checking it."""
+    from jsonschema import Draft202012Validator, validators
+
+    check_properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def fill_defaults(validator, properties, instance, schema):
+        for name, subschema in properties.items():
+            if "default" in subschema:
+                instance.setdefault(name, copy.deepcopy(subschema["default"]))
+        yield from check_properties(validator, properties, instance, schema)
+
+    filling = validators.extend(Draft202012Validator, {"properties": fill_defaults})
+    return filling(yaml.safe_load(SCHEMA_PATH.read_text()))
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

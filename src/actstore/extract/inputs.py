@@ -77,14 +77,21 @@ def default_workers(threads: int | None) -> int:  # also sizes the writer thread
     return threads if threads is not None else len(os.sched_getaffinity(0))
 
 
-def image_batches(loaded: LoadedModel, paths: list[Path], batches: list[list[int]],
-                  num_workers: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Model inputs batch by batch, decoded ahead by `num_workers` processes (0 = in this process)."""
+def image_batches(processor: Any, paths: list[Path], batches: list[list[int]], num_workers: int,
+                  pin_memory: bool) -> Iterator[torch.Tensor]:
+    """Processed pixels batch by batch, decoded ahead by `num_workers` processes (0 = in this
+    process). The workers start at once, so call it before loading the model: they decode the
+    first batches while the weights load."""
     loader = torch.utils.data.DataLoader(
-        ImageBatches(loaded.preprocessor, paths), sampler=batches, batch_size=None, num_workers=num_workers,
-        pin_memory=loaded.device.type == "cuda", prefetch_factor=4 if num_workers else None)
-    for pixels in loader:
-        yield {"pixel_values": pixels.to(loaded.device, loaded.model.dtype, non_blocking=True)}
+        ImageBatches(processor, paths), sampler=batches, batch_size=None, num_workers=num_workers,
+        pin_memory=pin_memory, prefetch_factor=4 if num_workers else None)
+    return iter(loader)
+
+
+def to_model(loaded: LoadedModel, pixels: Iterator[torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """Model inputs from image_batches: pixel_values on the model's device in its dtype."""
+    for batch in pixels:
+        yield {"pixel_values": batch.to(loaded.device, loaded.model.dtype, non_blocking=True)}
 
 
 def text_batches(loaded: LoadedModel, token_ids: list[list[int]],

@@ -17,12 +17,12 @@ from actstore.datasets import Dataset, Sample, load_dataset, part_range
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
 from actstore.extract.inputs import (default_workers, image_batch, image_batches, length_batches,
-                                     text_batches, tokenize)
+                                     text_batches, to_model, tokenize)
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.parts import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
-from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_model, model_kind, num_blocks,
-                             read_model_config, resolve_model_path)
+from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model,
+                             model_kind, num_blocks, pick_device, read_model_config, resolve_model_path)
 
 log = logging.getLogger(__name__)
 LOGPROB_ELEMENTS = 1 << 26  # logits per log-softmax chunk: bounds its memory at 256 MiB of float32
@@ -61,26 +61,28 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null)."""
     ext = config["extract"]
     model_path, dataset = preflight(config)
+    samples = [dataset.samples[i] for i in part_range(len(dataset.samples), ext["parts"], part)]
+    cpus = default_workers(threads)
+    vision = dataset.modality == "image"
+    workers = (ext["num_workers"] if ext["num_workers"] is not None else cpus) if vision else 0
+    if vision:  # every image has the same token count: the batches are known before the model is
+        batches = length_batches([1] * len(samples), ext["batch_size"])
+        pixels = image_batches(load_image_processor(model_path), [dataset.image_path(s) for s in samples],
+                               batches, workers, pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
     loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
     for spec in ext["hooks"]:
         get_module(loaded.model, parse_hook(spec)[0])
-    samples = [dataset.samples[i] for i in part_range(len(dataset.samples), ext["parts"], part)]
-    if loaded.kind == "vision":
+    if vision:
         lengths = [vision_tokens(loaded, dataset)] * len(samples) if samples else []
         token_ids = None
+        inputs = to_model(loaded, pixels)
     else:
         token_ids = tokenize(loaded, samples, ext["max_seq_length"]) if samples else []
         lengths = [len(x) for x in token_ids]
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    batches = length_batches(lengths, ext["batch_size"])
-    cpus = default_workers(threads)
-    if token_ids is None:
-        workers = ext["num_workers"] if ext["num_workers"] is not None else cpus
-        inputs = image_batches(loaded, [dataset.image_path(s) for s in samples], batches, workers)
-    else:
-        workers = 0
+        batches = length_batches(lengths, ext["batch_size"])
         inputs = text_batches(loaded, token_ids, batches)
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
         writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets)

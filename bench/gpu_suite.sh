@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU benchmarks in one device call per phase (see ../shared/docs/gpu-measurement.md).
+#   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14
+#   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
+#                                    and the CUDA tests
+# Needs torch + transformers (the GPU image); jsonschema etc. from wheels in .whl when absent.
+set -uo pipefail
+phase=$1 out=$(mktemp -d) dest=$2   # results tarred into $2 (the device tool fetches few files)
+trap 'tar czf "$dest/$phase.tgz" -C "$out" .' EXIT
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+case $phase in
+extract)
+  for args in "--shape llama-1b" "--shape llama-1b --all-layers --limit 128" "--shape vit-b14" \
+      "--shape vit-b14 --limit 4096"; do
+    name=$(echo "$args" | tr -d ' -' )
+    python3 bench/bench_extract.py $args --device cuda --repeats 3 --profile --out "$out/$name.json" \
+      > "$out/$name.log" 2>&1 || echo "FAILED $args"
+    grep -vE "it/s|s/it" "$out/$name.log" | tail -19
+  done ;;
+sae-lut)
+  python3 bench/bench_lut.py --device cuda --shape llama8b-mlp 2>&1 | tee "$out/lut.log" | tail -15
+  python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144 2>&1 | tee "$out/sae.log" | tail -10
+  python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C fill not built"
+  python3 bench/bench_saev.py --size-mb 4096 --fill-threads 1 2 4 8 16 --repeat 5 \
+    2>&1 | tee "$out/saev.log" | tail -25
+  python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py 2>&1 | tee "$out/pytest.log" | tail -8 ;;
+esac
