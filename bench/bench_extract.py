@@ -14,8 +14,11 @@ CPUs, extraction (`run_part`), bytes written, and the goals:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +31,7 @@ from actstore.extract import length_batches, preflight, run_part, tokenize
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.parts import PartWriter
+from actstore.io_utils import start_writeback
 from actstore.models import load_image_processor, load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,13 +50,15 @@ def sync(device: torch.device) -> None:
 
 
 def write_bandwidth(directory: Path, n_bytes: int) -> float:
-    """Sequential write of n_bytes in 64 MiB blocks, one fsync at the end: bytes/s."""
+    """Sequential write of n_bytes in 64 MiB blocks, the disk started on each block as it is
+    written (as the part writer does), one fsync at the end: bytes/s."""
     block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
     path = directory / "bandwidth.bin"
     started = time.perf_counter()
     with open(path, "wb", buffering=0) as fh:
         for _ in range(max(1, n_bytes // len(block))):
             fh.write(block)
+            start_writeback(fh.fileno())
         os.fsync(fh.fileno())
     elapsed = time.perf_counter() - started
     size = path.stat().st_size
@@ -166,22 +172,43 @@ def gpu_only_and_loading(loaded, make_inputs) -> dict:
     return result
 
 
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new interpreter, as each Snakemake job runs: no CUDA context, model or
+    forked decoding workers carried over from earlier rounds (forking a process that holds a CUDA
+    context makes worker start and exit slower than a job ever sees)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def bare_round(config: dict, threads: int) -> tuple[float, int]:
+    seconds, _, _, units = bare_forward(config, threads)
+    return seconds, units
+
+
+def extract_round(config: dict, target: Path, threads: int) -> tuple[float, int]:
+    """Seconds of run_part (its loader's workers joined when it returns) and bytes written."""
+    started = time.perf_counter()
+    written = sum(info["bytes"] for info in run_part(config, 0, target, progress=False, threads=threads)["files"].values())
+    seconds = time.perf_counter() - started
+    shutil.rmtree(target)
+    return seconds, written
+
+
 def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> dict:
-    """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
-    best times, and the median of the per-round ratios."""
-    import shutil
+    """Bare forward and extraction alternately, each in a fresh process, `repeats` rounds (a noisy
+    machine hits both alike): best times, and the median of the per-round ratios. Then, in this
+    process, GPU-only forward and image loading."""
     bare, extract, ratios = [], [], []
     for repeat in range(repeats):
-        bare_s, loaded, make_inputs, units = bare_forward(config, threads)
-        target = out / f"part-{repeat}"
-        started = time.perf_counter()
-        meta = run_part(config, 0, target, progress=False, threads=threads)
-        extract.append(time.perf_counter() - started)
+        bare_s, units = in_fresh_process(bare_round, config, threads)
+        extract_s, written = in_fresh_process(extract_round, config, out / f"part-{repeat}", threads)
         bare.append(bare_s)
-        ratios.append(extract[-1] / bare_s)
-        written = sum(info["bytes"] for info in meta["files"].values())
-        shutil.rmtree(target)
+        extract.append(extract_s)
+        ratios.append(extract_s / bare_s)
+    _, loaded, make_inputs, _ = bare_forward(config, threads)
     return {"units": units, "bare_forward_s": min(bare), "extract_s": min(extract), "bytes_written": written,
+            "bare_forward_rounds_s": [round(x, 3) for x in bare], "extract_rounds_s": [round(x, 3) for x in extract],
             "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs)}
 
 
@@ -215,7 +242,6 @@ def synthetic(out: Path, device: torch.device, n_bytes: int, d: int, n_tensors: 
 def synthetic_rounds(work: Path, device: torch.device, gb: float, args) -> dict:
     """Disk bandwidth and the synthetic pipeline alternately (`repeats` rounds): the median of the
     per-round ratios, and the last round's details."""
-    import shutil
     ratios, result = [], {}
     for _ in range(args.repeats):
         result["write_bytes_per_s"] = write_bandwidth(work, int(gb * (1 << 30)))
@@ -281,7 +307,7 @@ def main() -> None:
             result.update(interleaved_rounds(config, work / "parts", threads, args.repeats))
             result.update(goals(result, args.shape))
             if args.profile:
-                profile(config, work / "profiled", threads, Path(args.out).with_suffix(".profile.txt"))
+                in_fresh_process(profile, config, work / "profiled", threads, Path(args.out).with_suffix(".profile.txt"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for key, value in result.items():
