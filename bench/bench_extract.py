@@ -14,9 +14,7 @@ CPUs, extraction (`run_part`), bytes written, and the goals:
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -172,41 +170,20 @@ def gpu_only_and_loading(loaded, make_inputs) -> dict:
     return result
 
 
-def in_fresh_process(fn, *args):
-    """fn(*args) in a new interpreter, as each Snakemake job runs: no CUDA context, model or
-    forked decoding workers carried over from earlier rounds (forking a process that holds a CUDA
-    context makes worker start and exit slower than a job ever sees)."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(fn, *args).result()
-
-
-def bare_round(config: dict, threads: int) -> tuple[float, int]:
-    seconds, _, _, units = bare_forward(config, threads)
-    return seconds, units
-
-
-def extract_round(config: dict, target: Path, threads: int) -> tuple[float, int]:
-    """Seconds of run_part (its loader's workers joined when it returns) and bytes written."""
-    started = time.perf_counter()
-    written = sum(info["bytes"] for info in run_part(config, 0, target, progress=False, threads=threads)["files"].values())
-    seconds = time.perf_counter() - started
-    shutil.rmtree(target)
-    return seconds, written
-
-
 def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> dict:
-    """Bare forward and extraction alternately, each in a fresh process, `repeats` rounds (a noisy
-    machine hits both alike): best times, and the median of the per-round ratios. Then, in this
-    process, GPU-only forward and image loading."""
+    """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
+    best times, every round, and the median of the per-round ratios."""
     bare, extract, ratios = [], [], []
     for repeat in range(repeats):
-        bare_s, units = in_fresh_process(bare_round, config, threads)
-        extract_s, written = in_fresh_process(extract_round, config, out / f"part-{repeat}", threads)
+        bare_s, loaded, make_inputs, units = bare_forward(config, threads)
+        target = out / f"part-{repeat}"
+        started = time.perf_counter()
+        meta = run_part(config, 0, target, progress=False, threads=threads)
+        extract.append(time.perf_counter() - started)
         bare.append(bare_s)
-        extract.append(extract_s)
-        ratios.append(extract_s / bare_s)
-    _, loaded, make_inputs, _ = bare_forward(config, threads)
+        ratios.append(extract[-1] / bare_s)
+        written = sum(info["bytes"] for info in meta["files"].values())
+        shutil.rmtree(target)
     return {"units": units, "bare_forward_s": min(bare), "extract_s": min(extract), "bytes_written": written,
             "bare_forward_rounds_s": [round(x, 3) for x in bare], "extract_rounds_s": [round(x, 3) for x in extract],
             "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs)}
@@ -307,7 +284,7 @@ def main() -> None:
             result.update(interleaved_rounds(config, work / "parts", threads, args.repeats))
             result.update(goals(result, args.shape))
             if args.profile:
-                in_fresh_process(profile, config, work / "profiled", threads, Path(args.out).with_suffix(".profile.txt"))
+                profile(config, work / "profiled", threads, Path(args.out).with_suffix(".profile.txt"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for key, value in result.items():

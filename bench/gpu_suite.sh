@@ -6,6 +6,7 @@
 # Needs torch + transformers (the GPU image); jsonschema etc. from wheels in .whl when absent.
 set -uo pipefail
 phase=$1 out=$(mktemp -d) dest=$2   # results tarred into $2 (the device tool fetches few files)
+PROFILE=${PROFILE---profile}        # env: REPEATS (3), PROFILE ('' to skip), LUT (1: bench_lut after extract)
 trap 'tar czf "$dest/$phase.tgz" -C "$out" .' EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -15,13 +16,15 @@ export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 case $phase in
 extract)
-  for args in "--shape llama-1b" "--shape llama-1b --all-layers --limit 128" "--shape vit-b14" \
-      "--shape vit-b14 --limit 4096"; do
+  for args in "--shape llama-1b" "--shape llama-1b --all-layers --limit 128" "--shape vit-b14 --limit 4096" \
+      "--shape vit-b14"; do
     name=$(echo "$args" | tr -d ' -' )
-    python3 bench/bench_extract.py $args --device cuda --repeats 3 --profile --out "$out/$name.json" \
+    python3 bench/bench_extract.py $args --device cuda --repeats ${REPEATS:-3} $PROFILE --out "$out/$name.json" \
       > "$out/$name.log" 2>&1 || echo "FAILED $args"
-    grep -vE "it/s|s/it" "$out/$name.log" | tail -19
-  done ;;
+    grep -vE "it/s|s/it" "$out/$name.log" | tail -22 | grep -vE "^(cpus|buffers|writer_threads|device) "
+    tar czf "$dest/$phase.tgz" -C "$out" .   # after each bench: a run cut off still returns what it did
+  done
+  [ -n "${LUT:-}" ] && python3 bench/bench_lut.py --device cuda --shape llama8b-mlp 2>&1 | tee "$out/lut.log" | tail -12 ;;
 sae-lut)
   python3 bench/bench_lut.py --device cuda --shape llama8b-mlp 2>&1 | tee "$out/lut.log" | tail -15
   python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144 2>&1 | tee "$out/sae.log" | tail -10

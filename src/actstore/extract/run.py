@@ -86,7 +86,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
         writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets)
-        extract_batches(loaded, ext, zip(batches, inputs), lengths, token_ids, writer,
+        extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids, writer,
                         TORCH_DTYPES[storage_dtype(config)],
                         tqdm(total=len(batches), desc=f"extract part {part}", unit="batch", disable=not progress),
                         cpus)
