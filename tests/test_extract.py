@@ -237,6 +237,19 @@ def test_bytes_do_not_depend_on_buffers_or_writer_threads_and_match_the_previous
     assert reference and all(first[name] == data for name, data in reference.items())
 
 
+def test_disk_writeback_started_while_writing_changes_no_byte(model_dir, text_jsonl, tmp_path, monkeypatch):
+    from actstore import io_utils
+    config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, extract={"parts": 1})
+    run_part(config, 0, tmp_path / "default", progress=False)
+    results, start_writeback = [], io_utils.start_writeback
+    monkeypatch.setattr(io_utils, "WRITEBACK_BYTES", 4096)  # start the disk after every few rows
+    monkeypatch.setattr(io_utils, "start_writeback", lambda fd: results.append(start_writeback(fd)))
+    run_part(config, 0, tmp_path / "eager", progress=False)
+    open_part(tmp_path / "eager").verify()
+    assert data_files(tmp_path / "eager") == data_files(tmp_path / "default")
+    assert len(results) > 10 and set(results) == {0}  # sync_file_range accepted every call
+
+
 def test_a_failing_writer_names_the_file_leaves_nothing_complete_and_never_hangs(
         model_dir, text_jsonl, tmp_path):
     """Disk full, simulated with RLIMIT_FSIZE: the layer files (88 KB) cannot be written, the
