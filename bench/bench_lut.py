@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from actstore.lut import LutEncoder, LutLinear
+from actstore.lut_runtime import LutEncoder, LutLinear
 
 OUT = Path(__file__).with_name("out")
 SHAPES = {"demo": {"d_in": 384, "outs": [384] * 3, "num_basis": 1536, "k": 32, "stored": torch.float16},

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from actstore.errors import FormatError
 from actstore.formats import lut as lut_format
-from actstore.lut import LutEncoder, LutLinear, build_lut, install_luts, weighted_rows
+from actstore.lut import build_lut
+from actstore.lut_runtime import LutEncoder, LutLinear, install_luts, weighted_rows
 from actstore.models import get_module, load_model, resolve_model_path
 from actstore.sae import build_sae, load_sae
 
@@ -236,6 +237,18 @@ def test_flipped_byte_and_missing_file_are_named(copy_of):
     assert len(problems) == 2
 
 
+def test_a_table_linked_from_outside_the_store_is_refused(copy_of, tmp_path):
+    file = copy_of / f"{TARGETS[0]}.lut.safetensors"
+    outside = tmp_path / "elsewhere.lut.safetensors"
+    outside.write_bytes(file.read_bytes())  # the same bytes: only where they live is wrong
+    file.unlink()
+    file.symlink_to(outside)
+    problems = lut_format.verify(copy_of)
+    assert len(problems) == 1 and file.name in problems[0] and "outside" in problems[0]
+    with pytest.raises(FormatError, match="outside"):
+        lut_format.open_lut(copy_of).load(TARGETS[0])
+
+
 def _rewrite(copy_of, target, edit):
     """Rewrite one LUT file with edited tensors and re-record its sha256 (a well-formed but wrong file)."""
     from actstore.io_utils import sha256_file
@@ -275,7 +288,7 @@ def test_metadata_missing_field_is_named(copy_of):
     with pytest.raises(FormatError, match="sae_config.k_active"):
         lut_format.open_lut(copy_of)
     (copy_of / "metadata.json").write_text("{not json")
-    assert "not JSON" in lut_format.verify(copy_of)[0]
+    assert "not valid JSON" in lut_format.verify(copy_of)[0]
 
 
 def test_causal_lm_end_to_end_reports_kl_and_perplexity(extracted, tmp_path):

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.parts import Extraction, open_extraction
 from actstore.io_utils import atomic_path, write_json_atomic
-from actstore.lut import weighted_rows
+from actstore.lut_runtime import weighted_rows
 
 log = logging.getLogger(__name__)
 SAE_FILE = "sae.safetensors"

@@ -1,0 +1,145 @@
+"""Check a LUT (the Format interface): metadata fields, every table's size, sha256, keys, shapes and
+dtypes, files the metadata does not list, names that would lead outside the lut/ directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.lut.layout import (META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, expected_shapes,
+                                         layer_index, lut_dir)
+from actstore.integrity import file_problem, inside, read_json
+
+
+def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
+    if not isinstance(meta, dict):
+        return [f"{meta_path}: top level is not an object"]
+    problems = []
+    if not isinstance(meta.get("version"), str):
+        problems.append(f"{meta_path}: field 'version' missing or not a string")
+    sae_config = meta.get("sae_config")
+    for key in ("num_basis", "k_active"):
+        if not isinstance(sae_config, dict) or not _is_int(sae_config.get(key)) or sae_config[key] < 1:
+            problems.append(f"{meta_path}: field 'sae_config.{key}' missing or not a positive int")
+    if not problems and meta["sae_config"]["k_active"] > meta["sae_config"]["num_basis"]:
+        problems.append(f"{meta_path}: sae_config.k_active > sae_config.num_basis")
+    for key in ("model_config", "creation_info"):
+        if key in meta and not isinstance(meta[key], dict):
+            problems.append(f"{meta_path}: field '{key}' is not an object")
+    layers = meta.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        return problems + [f"{meta_path}: field 'layers' missing, empty or not an object"]
+    for name, entry in layers.items():
+        for key in ("input_dim", "output_dim"):
+            if not isinstance(entry, dict) or not _is_int(entry.get(key)) or entry[key] < 1:
+                problems.append(f"{meta_path}: field 'layers.{name}.{key}' missing or not a positive int")
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            problems.append(f"{meta_path}: field 'layers.{name}.file' missing or not a string")
+        elif Path(entry["file"]).name != entry["file"] or not entry["file"].endswith(SUFFIX):
+            problems.append(f"{meta_path}: layers.{name}.file {entry['file']!r} must be a bare '*{SUFFIX}' name")
+    return problems
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def table_problems(file_path: Path, meta: dict[str, Any], entry: dict[str, Any]) -> list[str]:
+    """Keys, shapes and dtypes of one LUT file, read from its safetensors header (no tensor data)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file_path), framework="pt") as fh:
+            infos = {key: (tuple(fh.get_slice(key).get_shape()), fh.get_slice(key).get_dtype()) for key in fh.keys()}
+    except Exception as exc:  # a truncated or garbled header: safetensors raises its own errors
+        return [f"{file_path}: unreadable safetensors ({exc})"]
+    shapes = expected_shapes(meta["sae_config"]["num_basis"], entry["input_dim"], entry["output_dim"])
+    problems = [f"{file_path}: missing key {key!r}" for key in REQUIRED_KEYS if key not in infos]
+    dtypes = set()
+    for key, (shape, dtype) in infos.items():
+        if key not in shapes:
+            continue  # unknown extra keys are allowed, never interpreted
+        if shape != shapes[key]:
+            problems.append(f"{file_path}: key {key!r} has shape {list(shape)}, expected {list(shapes[key])}")
+        if dtype not in SAFETENSORS_DTYPES:
+            problems.append(f"{file_path}: key {key!r} has dtype {dtype}, expected F16 or BF16")
+        dtypes.add(dtype)
+    if len(dtypes) > 1:
+        problems.append(f"{file_path}: mixed dtypes {sorted(dtypes)}")
+    return problems
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """metadata.json with every spec-required field checked; FormatError names the file and field."""
+    meta_path = lut_dir(path) / META_FILE
+    meta = read_json(meta_path)
+    problems = metadata_problems(meta, meta_path)
+    if problems:
+        raise FormatError(problems[0])
+    return meta
+
+
+def detect(path: str | Path) -> bool:
+    """A lut/ directory (or its parent) with a metadata.json naming sae_config and layers."""
+    try:
+        meta = read_json(lut_dir(path) / META_FILE)
+    except FormatError:
+        return False
+    return isinstance(meta, dict) and "sae_config" in meta and "layers" in meta
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary for `actstore inspect`: a LUT stores tables, not activations (n_examples is None)."""
+    root = lut_dir(path)
+    meta = read_metadata(root)
+    layers = meta["layers"]
+    files = [inside(root, entry["file"], f"{root / META_FILE} layers.{name}.file") for name, entry in layers.items()]
+    indices = sorted({i for i in (layer_index(p) for p in layers) if i is not None})
+    first = next(iter(layers.values()))
+    return {
+        "format": "lut", "version": meta["version"],
+        "model": meta.get("creation_info", {}).get("source_model"),
+        "layers": indices, "targets": sorted(layers), "n_examples": None, "n_tokens": None,
+        "d_model": meta.get("model_config", {}).get("hidden_size", first["input_dim"]),
+        "dtype": first.get("dtype", "float16"), "n_shards": len(files),
+        "bytes": sum(f.stat().st_size for f in files if f.is_file()) + (root / META_FILE).stat().st_size,
+        "num_basis": meta["sae_config"]["num_basis"], "k_active": meta["sae_config"]["k_active"],
+        "input_dims": {p: e["input_dim"] for p, e in layers.items()},
+        "output_dims": {p: e["output_dim"] for p, e in layers.items()},
+    }
+
+
+def verify(path: str | Path) -> list[str]:
+    """Every required field; every listed file inside lut/, not a link out, with its recorded size and
+    sha256 (when recorded: other writers may omit them), keys, shapes and dtypes; no unlisted table."""
+    root = lut_dir(path)
+    meta_path = root / META_FILE
+    try:
+        meta = read_json(meta_path)
+    except FormatError as exc:
+        return [str(exc)]
+    problems = metadata_problems(meta, meta_path)
+    if problems:
+        return problems
+    for name, entry in meta["layers"].items():
+        source = f"metadata.json layers.{name}"
+        try:
+            file_path = inside(root, entry["file"], f"{meta_path} layers.{name}.file")
+        except FormatError as exc:
+            problems.append(str(exc))
+            continue
+        record = {key: entry[key] for key in ("bytes", "sha256") if key in entry}
+        problem = file_problem(file_path, record, source) if record else (
+            None if file_path.is_file() else f"{file_path}: missing (listed in {source})")
+        problems += [problem] if problem else table_problems(file_path, meta, entry)
+    listed = {entry["file"] for entry in meta["layers"].values()}
+    problems += [f"{f}: LUT file not listed in metadata.json" for f in sorted(root.glob(f"*{SUFFIX}"))
+                 if f.name not in listed]
+    return problems
+
+
+def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
+    """A LUT holds lookup tables, not activations: no (sample, layer, token) vector is stored."""
+    return None

@@ -1,0 +1,51 @@
+"""Read a LUT: metadata.json checked field by field, each table checked before it is loaded."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actstore.errors import FormatError
+from actstore.formats.lut.check import read_metadata, table_problems
+from actstore.formats.lut.layout import META_FILE, lut_dir
+from actstore.integrity import inside
+
+
+class LutStore:
+    """An opened lut/ directory: metadata plus validated per-layer tables."""
+
+    def __init__(self, path: str | Path):
+        self.dir = lut_dir(path)
+        self.meta = read_metadata(self.dir)
+
+    @property
+    def layers(self) -> dict[str, dict[str, Any]]:
+        return self.meta["layers"]
+
+    @property
+    def k_active(self) -> int:
+        return self.meta["sae_config"]["k_active"]
+
+    @property
+    def num_basis(self) -> int:
+        return self.meta["sae_config"]["num_basis"]
+
+    def load(self, module_path: str) -> dict[str, torch.Tensor]:
+        """One layer's tensors after checking keys, shapes and dtypes; FormatError names file and key."""
+        from safetensors.torch import load_file
+
+        if module_path not in self.layers:
+            raise FormatError(f"{self.dir / META_FILE}: no layer {module_path!r}; has {sorted(self.layers)}")
+        entry = self.layers[module_path]
+        file_path = inside(self.dir, entry["file"], f"{self.dir / META_FILE} layers.{module_path}.file")
+        if not file_path.is_file():
+            raise FormatError(f"{file_path}: missing (listed in metadata.json layers.{module_path})")
+        problems = table_problems(file_path, self.meta, entry)
+        if problems:
+            raise FormatError("; ".join(problems))
+        return load_file(str(file_path))
+
+
+def open_lut(path: str | Path) -> LutStore:
+    return LutStore(path)

@@ -1,0 +1,60 @@
+"""Write a LUT: the spec tensors from an SAE and a target weight, then the lut/ directory atomically."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actstore.errors import FormatError
+from actstore.formats.lut.layout import BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, VERSION, lut_file
+from actstore.integrity import file_record
+from actstore.io_utils import atomic_path, utc_now
+
+
+def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias: torch.Tensor | None,
+               dtype: str = "float16") -> dict[str, torch.Tensor]:
+    """The six spec tensors (+ target_bias): products in float32, then everything cast to `dtype`.
+
+    `w_target` is [input_dim, output_dim] (an nn.Linear's weight transposed).
+    """
+    w = w_target.float()
+    tensors = {key: sae_state[key].float() for key in REQUIRED_KEYS[:4]}
+    tensors["precomputed_products"] = tensors["decoder_weight"] @ w
+    tensors["bias_product"] = tensors["decoder_bias"] @ w
+    if bias is not None:
+        tensors[BIAS_KEY] = bias.float()
+    return {key: value.to(DTYPES[dtype]).contiguous() for key, value in tensors.items()}
+
+
+def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_active: int,
+              model_config: dict[str, Any] | None = None, creation_info: dict[str, Any] | None = None) -> Path:
+    """Write `<root>/lut/` (metadata.json + one file per module path) atomically; return the lut dir.
+
+    `tables` maps module path -> the tensors from precompute(); every table must share num_basis.
+    """
+    from safetensors.torch import save_file
+
+    final = Path(root) / LUT_DIR
+    num_basis = {t["encoder_weight"].shape[0] for t in tables.values()}
+    if len(num_basis) != 1:
+        raise FormatError(f"{final}: tables disagree on num_basis {sorted(num_basis)}")
+    layers = {}
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        for module_path, tensors in tables.items():
+            file = lut_file(module_path)
+            save_file(tensors, str(tmp / file), metadata={"format": "lut", "version": VERSION})
+            in_dim, out_dim = tensors["decoder_weight"].shape[1], tensors["precomputed_products"].shape[1]
+            record = file_record(tmp / file)
+            layers[module_path] = {"input_dim": int(in_dim), "output_dim": int(out_dim), "file": file,
+                                   "sha256": record["sha256"], "bytes": record["bytes"],
+                                   "dtype": str(tensors["precomputed_products"].dtype).removeprefix("torch."),
+                                   "has_bias": BIAS_KEY in tensors}
+        info = {"created_at": utc_now().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                **(creation_info or {})}
+        meta = {"version": VERSION, "sae_config": {"num_basis": num_basis.pop(), "k_active": int(k_active)},
+                "model_config": model_config or {}, "layers": layers, "creation_info": info}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return final
