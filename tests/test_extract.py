@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
 from actstore.extract import preflight, run_part, write_index
 from actstore.formats.parts import open_extraction, open_part
 from actstore.models import get_module, load_model
@@ -134,6 +134,30 @@ def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
     target.write_bytes(bytes(data))
     with pytest.raises(Exception, match="layer_000.npy"):
         open_part(copy).verify()
+
+
+def test_a_truncated_tensor_file_is_named_not_a_numpy_error(extracted, tmp_path):
+    import shutil
+    _, out = extracted("bert")
+    copy = tmp_path / "part"
+    shutil.copytree(out / "part-0000", copy)
+    target = copy / "layer_000.npy"
+    target.write_bytes(target.read_bytes()[:-4096])
+    with pytest.raises(FormatError, match=r"layer_000.npy: \d+ bytes, part.json says \d+"):
+        open_part(copy).tensor("layer_0")[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_truncated_image_is_named(model_dir, image_folder, tmp_path, workers):
+    import shutil
+    data = tmp_path / "images"
+    shutil.copytree(image_folder, data)
+    victim = sorted(data.rglob("*.png"))[3]
+    victim.write_bytes(victim.read_bytes()[:200])
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"parts": 1, "num_workers": workers})
+    with pytest.raises(Exception, match=f"{victim.name}: cannot decode the image"):
+        run_part(config, 0, tmp_path / "part", progress=False)
+    assert not (tmp_path / "part").exists()
 
 
 def test_killed_job_leaves_nothing_that_looks_complete(model_dir, text_jsonl, tmp_path, monkeypatch):

@@ -47,8 +47,11 @@ def load_pixels(processor: Any, paths: list[Path]) -> torch.Tensor:
 
     images = []
     for path in paths:
-        with Image.open(path) as img:
-            images.append(img.convert("RGB"))
+        try:
+            with Image.open(path) as img:
+                images.append(img.convert("RGB"))
+        except OSError as exc:  # truncated or not an image: PIL's message names no file
+            raise ConfigError(f"{path}: cannot decode the image ({exc})") from None
     return processor(images=images, return_tensors="pt")["pixel_values"]
 
 

@@ -189,7 +189,8 @@ class Part:
         if file not in self._arrays:
             if file not in self.meta["files"]:
                 raise FormatError(f"{self.dir}: no {file} in this part")
-            self._arrays[file] = np.load(self.dir / file, mmap_mode="r")
+            self._arrays[file] = load_npy(inside(self.dir, file, str(self.dir / PART_META)),
+                                          self.meta["files"][file].get("bytes"), mmap_mode="r")
         return self._arrays[file]
 
     @property
@@ -249,10 +250,34 @@ def open_part(part_dir: str | Path) -> Part:
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
-    with (part_dir / "samples.jsonl").open(encoding="utf-8") as fh:
-        samples = [json.loads(line) for line in fh]
-    offsets = np.load(part_dir / "offsets.npy")
+    samples = read_jsonl(part_dir / "samples.jsonl")
+    offsets = load_npy(part_dir / "offsets.npy", meta.get("files", {}).get("offsets.npy", {}).get("bytes"))
     return Part(part_dir, meta, samples, offsets)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """One JSON object per line; FormatError naming the file and line."""
+    try:
+        with path.open(encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh]
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON lines ({exc})") from None
+
+
+def load_npy(path: Path, recorded_bytes: int | None, mmap_mode: str | None = None) -> np.ndarray:
+    """A part's .npy file, its size checked against part.json before it is mapped (a truncated
+    file is named, never a bare numpy "mmap length" error)."""
+    if not path.is_file():
+        raise FormatError(f"{path}: missing (listed in {PART_META})")
+    size = path.stat().st_size
+    if recorded_bytes is not None and size != recorded_bytes:
+        raise FormatError(f"{path}: {size} bytes, {PART_META} says {recorded_bytes} (truncated or replaced)")
+    try:
+        return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise FormatError(f"{path}: not a readable .npy file ({exc})") from None
 
 
 class Extraction:
