@@ -29,6 +29,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.parts import Extraction, open_extraction
 from actstore.io_utils import atomic_path, write_json_atomic
 from actstore.lut_runtime import weighted_rows
+from actstore.models import pick_device
 
 log = logging.getLogger(__name__)
 SAE_FILE = "sae.safetensors"
@@ -395,12 +396,6 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
               "loss_curve": curve}
     log.info("sae %s: held-out FVU %.4f, dead %.3f", hook, held["fvu"] or float("nan"), held["dead_fraction"] or 0)
     return sae, report
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ---------------------------------------------------------------- import and save/load

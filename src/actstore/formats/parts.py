@@ -250,20 +250,9 @@ def open_part(part_dir: str | Path) -> Part:
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
-    samples = read_jsonl(part_dir / "samples.jsonl")
+    samples = read_json(part_dir / "samples.jsonl", lines=True)
     offsets = load_npy(part_dir / "offsets.npy", meta.get("files", {}).get("offsets.npy", {}).get("bytes"))
     return Part(part_dir, meta, samples, offsets)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """One JSON object per line; FormatError naming the file and line."""
-    try:
-        with path.open(encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh]
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON lines ({exc})") from None
 
 
 def load_npy(path: Path, recorded_bytes: int | None, mmap_mode: str | None = None) -> np.ndarray:
