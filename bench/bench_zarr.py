@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actstore.formats import zarr_store as zs
+from actstore.formats import zarr as zs
 from actstore.formats.parts import PartWriter, layer_tensor, write_part
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -9,14 +9,18 @@ import pytest
 import torch
 
 from actstore.errors import FormatError
-from actstore.formats import zarr_store as zs
+from actstore.formats import zarr as zs
 from actstore.formats.parts import layer_tensor, open_extraction
+
+
+GIT_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # what the zarr_part script passes in
 
 
 def build_run(extract_dir, run_dir, t_chunk=None, merged=True):
     """The workflow's zarr stage by hand: one shard per part, optional merge, manifest last."""
     extraction = open_extraction(extract_dir)
-    shards = [zs.write_shard(p.dir, run_dir / "shards" / zs.shard_name(k), t_chunk, progress=False)
+    shards = [zs.write_shard(p.dir, run_dir / "shards" / zs.shard_name(k), t_chunk, git_commit=GIT_COMMIT,
+                             progress=False)
               for k, p in enumerate(extraction.parts)]
     paths = [run_dir / "shards" / s["path"] for s in shards]
     merged_path = run_dir / zs.MERGED if merged else None
@@ -63,6 +67,7 @@ def test_plain_zarr_client_reads_same_values(bert_run):
         assert acts.chunks == (1, 1, 8, fast.hidden)
         np.testing.assert_array_equal(group["arrays/seq_len"][:], fast.seq_len)
         assert group.attrs["layers"] == [0, 2] and group.attrs["T_max"] == 24
+        assert group.attrs["git_commit"] == GIT_COMMIT
         for i in range(entry["num_samples"]):
             n = int(group["arrays/seq_len"][i])
             for l, layer in enumerate(fast.layers):

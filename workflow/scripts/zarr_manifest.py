@@ -1,7 +1,7 @@
 """Rule zarr_manifest: manifest.json (global index -> shard, per-store checksums) and the stage config."""
 from pathlib import Path
 
-from actstore.formats.zarr_store import write_manifest
+from actstore.formats.zarr import write_manifest
 from actstore.hashing import write_stage_config
 from actstore.workflow import setup_logging
 

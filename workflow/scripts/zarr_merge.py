@@ -1,5 +1,5 @@
 """Rule zarr_merge: the optional single merged store over every shard (spec Option B)."""
-from actstore.formats.zarr_store import merge_stores
+from actstore.formats.zarr import merge_stores
 from actstore.workflow import setup_logging
 
 setup_logging(snakemake)

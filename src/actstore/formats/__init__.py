@@ -45,7 +45,7 @@ REGISTRY = (
                 markers=(("metadata.json", "shard_*.pkl*"), ("metadata.json", "machine-*/metadata.json"))),
     FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True,
                 markers=(("index/*.parquet", "tensors"), ("dataset/index/*.parquet", "dataset/tensors"))),
-    FormatEntry("zarr", "actstore.formats.zarr_store", stage=True, markers=(("manifest.json",), (".zattrs", "arrays"))),
+    FormatEntry("zarr", "actstore.formats.zarr", stage=True, markers=(("manifest.json",), (".zattrs", "arrays"))),
     FormatEntry("extract", "actstore.formats.parts", stage=False, markers=(("part.json",), ("part-0000/part.json",))),
 )
 FORMAT_NAMES = tuple(entry.name for entry in REGISTRY)

@@ -1,0 +1,153 @@
+"""The Format-protocol functions of the Zarr activation logger (`actstore inspect / verify`, the
+validate stage): detect, inspect, read_vector and the full integrity check."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.zarr.layout import ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS, acts_chunk_key
+from actstore.formats.zarr.read import ZarrRun, ZarrStore, list_store_files, open_zarr
+from actstore.integrity import dir_bytes, file_problem, inside, read_json
+from actstore.io_utils import sha256_file
+
+
+def detect(path: str | Path) -> bool:
+    """True for a run directory (manifest.json of this format) or a single store of this format."""
+    path = Path(path)
+    for file, key in ((path / MANIFEST, "format"), (path / ".zattrs", "format")):
+        try:
+            if json.loads(file.read_text()).get(key) == FORMAT_NAME:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary of a run directory or store (the `actstore inspect` fields plus zarr specifics)."""
+    path = Path(path)
+    reader = open_zarr(path)
+    stores = reader.stores if isinstance(reader, ZarrRun) else [reader]
+    attrs = stores[0].attrs if stores else {}
+    manifest = reader.manifest if isinstance(reader, ZarrRun) else None
+    return {
+        "format": FORMAT_NAME, "model": attrs.get("model_id"), "layers": list(reader.layers),
+        "n_examples": reader.n_samples, "n_tokens": int(sum(int(s.seq_len.sum()) for s in stores)),
+        "d_model": reader.hidden, "dtype": "float16", "n_shards": len(stores), "bytes": dir_bytes(path),
+        "T_max": attrs.get("T_max"), "T_chunk": attrs.get("T_chunk"), "chunk_bytes": attrs.get("chunk_bytes"),
+        "merged": bool(manifest and manifest.get("merged")), "schema_version": attrs.get("schema_version"),
+    }
+
+
+def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
+    """float32 (H,) of dataset row `sample_idx`, block `layer_idx`, token `token_idx`; None if layer not stored."""
+    reader = open_zarr(path)
+    if layer_idx not in reader.layers:
+        return None
+    x = reader.read(sample_idx, layer_idx)
+    if not 0 <= token_idx < x.shape[0]:
+        raise IndexError(f"{path}: token {token_idx} out of range [0, {x.shape[0]}) for sample {sample_idx}")
+    return x[token_idx].astype(np.float32)
+
+
+def verify(path: str | Path) -> list[str]:
+    """Full integrity check of a run (manifest + every store) or of one store; problems name the file."""
+    path = Path(path)
+    try:
+        if (path / MANIFEST).is_file():
+            return _verify_run(path)
+        return _verify_store(path, None)
+    except Exception as exc:  # a bad store must yield problems, never an exception
+        return [f"{path}: cannot verify ({type(exc).__name__}: {exc})"]
+
+
+def _verify_run(run: Path) -> list[str]:
+    try:
+        manifest = read_json(run / MANIFEST)
+    except FormatError as exc:
+        return [str(exc)]
+    where = run / MANIFEST
+    problems = [] if manifest.get("format") == FORMAT_NAME else [f"{where}: format={manifest.get('format')!r}"]
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not shards:
+        return problems + [f"{where}: 'shards' must be a non-empty list"]
+    expected_start = 0
+    for k, entry in enumerate(shards):
+        missing = [key for key in MANIFEST_ENTRY_KEYS if key not in entry]
+        if missing:
+            problems.append(f"{where}: shards[{k}] lacks {missing}")
+            continue
+        if entry["global_index_start"] != expected_start:
+            problems.append(f"{where}: shards[{k}].global_index_start={entry['global_index_start']}, expected {expected_start}")
+        expected_start += entry["num_samples"]
+        problems += _verify_store(inside(run, entry["path"], str(where)), entry)
+    if manifest.get("num_samples") != expected_start:
+        problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
+    if manifest.get("merged"):
+        problems += _verify_store(inside(run, manifest["merged"]["path"], str(where)), manifest["merged"])
+    return problems
+
+
+def _verify_store(store: Path, entry: dict | None) -> list[str]:
+    """Checksums of every file, no file missing or extra, spec fields, consolidated == per-file metadata."""
+    files_json = store / FILES_JSON
+    if not files_json.is_file():
+        return [f"{files_json}: missing"]
+    if entry is not None and sha256_file(files_json) != entry["files_sha256"]:
+        return [f"{files_json}: sha256 differs from manifest.json"]
+    try:
+        files = read_json(files_json)["files"]
+    except (FormatError, KeyError, TypeError) as exc:
+        return [f"{files_json}: unreadable ({exc})"]
+    problems = _verify_files(store, files)
+    try:
+        reader = ZarrStore(store)
+    except FormatError as exc:
+        return problems + [str(exc)]
+    problems += _verify_metadata(store, reader, files)
+    if entry is not None and entry["num_samples"] != reader.n_samples:
+        problems.append(f"{store}/.zattrs: num_samples={reader.n_samples}, manifest.json says {entry['num_samples']}")
+    return problems
+
+
+def _verify_files(store: Path, files: dict[str, dict]) -> list[str]:
+    problems = []
+    for rel, info in files.items():
+        try:
+            problem = file_problem(inside(store, rel, str(store / FILES_JSON)), info, FILES_JSON)
+        except FormatError as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(problem)
+    extra = set(list_store_files(store)) - set(files) - {FILES_JSON}
+    problems += [f"{store / rel}: not listed in {FILES_JSON}" for rel in sorted(extra)]
+    return problems
+
+
+def _verify_metadata(store: Path, reader: ZarrStore, files: dict[str, dict]) -> list[str]:
+    problems = []
+    for key, value in reader.metadata.items():  # what plain zarr clients see must equal the files
+        path = store / key
+        try:
+            on_disk = json.loads(path.read_text())
+        except (OSError, ValueError):
+            problems.append(f"{path}: missing or not JSON (listed in .zmetadata)")
+            continue
+        if isinstance(value, dict):  # zarr-python nests a consolidated_metadata stub in sub-group entries
+            value = {k: v for k, v in value.items() if k != "consolidated_metadata"}
+        if on_disk != value:
+            problems.append(f"{path}: differs from its entry in {store}/.zmetadata")
+    chunks = {acts_chunk_key(i, l, c) for i in range(reader.n_samples) for l in range(len(reader.layers))
+              for c in range(reader.n_chunks)}
+    lost = chunks - set(files)
+    if lost:
+        problems.append(f"{store}/{ACTS}: {len(lost)} chunk files not recorded, e.g. {sorted(lost)[0]}")
+    if reader.attrs.get("dtype") != "float16":
+        problems.append(f"{store}/.zattrs: dtype={reader.attrs.get('dtype')!r}, expected 'float16'")
+    if reader.attrs.get("num_layers") != len(reader.layers):
+        problems.append(f"{store}/.zattrs: num_layers={reader.attrs.get('num_layers')} != len(layers)")
+    return problems

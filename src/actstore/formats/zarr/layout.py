@@ -1,0 +1,110 @@
+"""The bytes of the Zarr activation logger: names, constants, array encoding and the JSON documents.
+
+Writer, reader and verifier all take the layout from here, so they cannot drift apart.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+FORMAT_NAME = "actstore-zarr-activation-logger"
+SCHEMA_VERSION = 1
+
+# Run directory and store file names.
+MANIFEST = "manifest.json"
+MERGED = "merged"
+FILES_JSON = "meta/files.json"
+PROMPTS_JSONL = "text/prompts.jsonl"
+ACTS = "arrays/activations"
+
+# Encoding of every array (the reader's fast path depends on exactly this).
+ZARR_FORMAT = 2
+ACTS_DTYPE = "<f2"
+ORDER = "C"
+SEPARATOR = "/"
+ACTS_ZARRAY = {"zarr_format": ZARR_FORMAT, "dtype": ACTS_DTYPE, "order": ORDER, "compressor": None,
+               "filters": None, "dimension_separator": SEPARATOR}
+VECTOR_ZARRAY = {"zarr_format": ZARR_FORMAT, "compressor": None, "filters": None}
+
+TARGET_CHUNK_BYTES = 1 << 20  # middle of the spec's 0.5-2 MB window
+WRITE_BLOCK_BYTES = 64 << 20  # samples buffered per zarr write
+VECTOR_CHUNK = 1 << 16  # samples per chunk of the 1-D per-sample arrays
+SPLIT_CODES = {"train": 0, "val": 1, "validation": 1, "test": 2}
+REQUIRED_ATTRS = ("schema_version", "model_id", "num_layers", "layers", "hidden_size", "T_max",
+                  "dtype", "T_chunk", "num_samples")
+# Attrs every shard of one run must share (checked before merging).
+COMPATIBLE_ATTRS = ("layers", "hidden_size", "T_max", "T_chunk", "dtype", "model_id", "schema_version")
+MANIFEST_ENTRY_KEYS = ("path", "num_samples", "global_index_start", "files_sha256")
+
+
+def shard_name(part: int) -> str:
+    return f"shard-{part:04d}.zarr"
+
+
+def acts_chunk_key(i: int, l: int, c: int) -> str:
+    """Key of the activations chunk of sample i, layer position l, token chunk c."""
+    return f"{ACTS}/{i}/{l}/{c}/0"
+
+
+def choose_t_chunk(t_max: int, hidden: int, t_chunk: int | None = None) -> int:
+    """Tokens per chunk: the configured value, else the power of two nearest a 1 MiB chunk; <= T_max."""
+    if t_chunk is None:
+        t_chunk = 2 ** max(0, round(math.log2(TARGET_CHUNK_BYTES / (2 * hidden))))
+    return max(1, min(int(t_chunk), t_max))
+
+
+def vector_chunks(n: int) -> tuple[int]:
+    return (max(1, min(n, VECTOR_CHUNK)),)
+
+
+def vector_fill(name: str) -> Any:
+    return b"" if name == "sample_key" else 0
+
+
+def sample_key(text: str) -> bytes:
+    """The |S64 per-sample key: sha256 hex of the sample's text (its image path for images)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest().encode("ascii")
+
+
+def store_attrs(meta: dict[str, Any], n: int, start: int, t_chunk: int, hidden: int, created: str,
+                git_commit: str | None) -> dict[str, Any]:
+    """Global metadata kept in the group attrs (never per-sample data: the spec's attrs guardrail)."""
+    layers = list(meta["layers"])
+    return {
+        "format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "model_id": meta["model"]["name"],
+        "num_layers": len(layers), "layers": layers, "model_num_blocks": meta["model"].get("n_blocks"),
+        "hidden_size": hidden, "T_max": int(meta["max_seq_length"]), "dtype": "float16",
+        "T_chunk": t_chunk, "chunk_shape": [1, 1, t_chunk, hidden], "chunk_bytes": t_chunk * hidden * 2,
+        "num_samples": n, "global_index_start": start,
+        "created": created, "git_commit": git_commit,
+        "dataset": meta["dataset"], "model": meta["model"], "modality": meta.get("modality"),
+        "model_kind": meta.get("model_kind"), "label_names": meta["dataset"].get("labels") or [],
+        "split_codes": SPLIT_CODES, "extraction_created_at": meta.get("created_at"),
+    }
+
+
+def prompt_line(i: int, row: dict[str, Any]) -> str:
+    """One line of text/prompts.jsonl for local sample i."""
+    return json.dumps({"i": i, "sample_idx": row["sample_idx"], "sample_key": sample_key(row["text"]).decode(),
+                       "prompt": row["text"], "label": row.get("label"), "metadata": row.get("metadata")},
+                      ensure_ascii=False) + "\n"
+
+
+def files_json_text(files: dict[str, dict]) -> str:
+    """meta/files.json: bytes + sha256 of every other file of the store."""
+    doc = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "files": files}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+def manifest_doc(first_attrs: dict[str, Any], entries: list[dict], merged: dict | None, created: str) -> dict:
+    """manifest.json of a run: every shard's entry (global_index_start = sample_idx), merged when built."""
+    a = first_attrs
+    return {
+        "format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "model_id": a["model_id"],
+        "num_samples": sum(e["num_samples"] for e in entries), "layers": a["layers"],
+        "num_layers": a["num_layers"], "hidden_size": a["hidden_size"], "T_max": a["T_max"],
+        "T_chunk": a["T_chunk"], "dtype": "float16", "shards": entries, "merged": merged,
+        "created": created,
+    }

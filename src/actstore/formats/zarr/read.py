@@ -1,0 +1,262 @@
+"""Reading Zarr activation logger stores without zarr: validated metadata, then raw chunk reads.
+
+Also the torch side: a map-style Dataset over (sample, layer), the spec's training-pattern batch
+sampler and a padding collate function.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, REQUIRED_ATTRS,
+                                          VECTOR_ZARRAY)
+from actstore.integrity import TOOL_FILES, inside, read_json
+
+
+def _expect(path: str, field: str, value: Any, expected: Any) -> None:
+    if value != expected:
+        raise FormatError(f"{path}: {field}={value!r}, expected {expected!r}")
+
+
+def _expect_fields(path: str, zarray: dict[str, Any], expected: dict[str, Any]) -> None:
+    for field, value in expected.items():
+        _expect(path, field, zarray.get(field), value)
+
+
+def list_store_files(store: Path) -> list[str]:
+    """Every file under `store`, as sorted POSIX paths relative to it (Snakemake's marker excluded)."""
+    out = []
+    for dirpath, _, names in os.walk(store):
+        rel = Path(dirpath).relative_to(store)
+        out.extend((rel / name).as_posix() for name in names)
+    return sorted(set(out) - TOOL_FILES)
+
+
+class ZarrStore:
+    """One store (a shard or merged/) opened read-only: metadata validated once, chunks read raw.
+
+    Holds no file handles and no zarr objects, so it is safe to use after fork in DataLoader workers.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        consolidated = read_json(self.path / ".zmetadata")
+        self.metadata: dict[str, Any] = consolidated.get("metadata", {})
+        self.attrs: dict[str, Any] = self._meta(".zattrs")
+        for key in REQUIRED_ATTRS:
+            if key not in self.attrs:
+                raise FormatError(f"{self.path}/.zattrs: required field {key!r} missing")
+        self.layers: list[int] = list(self.attrs["layers"])
+        self._layer_pos = {layer: l for l, layer in enumerate(self.layers)}
+        self.n_samples = int(self.attrs["num_samples"])
+        self.hidden = int(self.attrs["hidden_size"])
+        self.t_max = int(self.attrs["T_max"])
+        self._validate_activations()
+        self.seq_len = self.vector("seq_len")
+        if self.seq_len.shape != (self.n_samples,) or (self.seq_len > self.t_max).any() or (self.seq_len < 0).any():
+            raise FormatError(f"{self.path}/arrays/seq_len: values outside [0, T_max={self.t_max}] or wrong length")
+        self._acts = str(self.path / ACTS)
+        self._seq: list[int] = self.seq_len.tolist()  # Python ints: cheaper than numpy scalars per read
+
+    def _meta(self, key: str) -> dict[str, Any]:
+        if key not in self.metadata:
+            raise FormatError(f"{self.path}/.zmetadata: no entry {key!r}")
+        return self.metadata[key]
+
+    def _validate_activations(self) -> None:
+        """The fast path is only correct for raw little-endian float16 C-order chunks: check exactly that."""
+        z = self._meta(f"{ACTS}/.zarray")
+        where = f"{self.path}/{ACTS}/.zarray"
+        shape = [self.n_samples, len(self.layers), self.t_max, self.hidden]
+        _expect_fields(where, z, {**ACTS_ZARRAY, "shape": shape})
+        chunks = z.get("chunks")
+        if not (isinstance(chunks, list) and len(chunks) == 4 and chunks[:2] == [1, 1] and chunks[3] == self.hidden
+                and isinstance(chunks[2], int) and chunks[2] >= 1):
+            raise FormatError(f"{where}: chunks={chunks!r}, expected [1, 1, T_chunk, {self.hidden}]")
+        self.t_chunk = chunks[2]
+        self.chunk_bytes = self.t_chunk * self.hidden * 2
+        self.n_chunks = math.ceil(self.t_max / self.t_chunk)
+
+    @property
+    def vector_names(self) -> list[str]:
+        return sorted(k.split("/")[1] for k in self.metadata if k.startswith("arrays/") and k.endswith("/.zarray")
+                      and k != f"{ACTS}/.zarray")
+
+    def vector(self, name: str) -> np.ndarray:
+        """A 1-D per-sample array (seq_len, sample_key, ...) read raw after validating its .zarray."""
+        where = f"{self.path}/arrays/{name}/.zarray"
+        z = self._meta(f"arrays/{name}/.zarray")
+        _expect_fields(where, z, {**VECTOR_ZARRAY, "shape": [self.n_samples]})
+        dtype, chunk = np.dtype(z["dtype"]), int(z["chunks"][0])
+        parts = []
+        for c in range(math.ceil(self.n_samples / chunk)):
+            path = self.path / "arrays" / name / str(c)
+            raw = path.read_bytes() if path.is_file() else b""
+            if len(raw) != chunk * dtype.itemsize:
+                raise FormatError(f"{path}: {len(raw)} bytes, expected {chunk * dtype.itemsize}")
+            parts.append(np.frombuffer(raw, dtype=dtype))
+        out = np.concatenate(parts)[: self.n_samples] if parts else np.zeros(0, dtype)
+        return out.astype(dtype.newbyteorder("="))
+
+    def layer_position(self, layer: int) -> int:
+        """Position on the L axis of block `layer`; FormatError naming the stored layers if absent."""
+        try:
+            return self._layer_pos[layer]
+        except KeyError:
+            raise FormatError(f"{self.path}: layer {layer} not stored; layers are {self.layers}") from None
+
+    def chunk_path(self, i: int, l: int, c: int) -> str:
+        return f"{self._acts}/{i}/{l}/{c}/0"
+
+    def read(self, i: int, layer: int) -> np.ndarray:
+        """(seq_len[i], H) float16 activations of local sample i, block `layer`: only its own chunks."""
+        if not 0 <= i < self.n_samples:
+            raise IndexError(f"{self.path}: sample {i} out of range [0, {self.n_samples})")
+        l = self.layer_position(layer)
+        n = self._seq[i]
+        out = np.empty((n, self.hidden), dtype=np.float16)
+        tc = self.t_chunk
+        for c in range(-(-n // tc)):  # row slices of a C-order array are contiguous buffers
+            self._read_chunk(self.chunk_path(i, l, c), out[c * tc: (c + 1) * tc])
+        return out
+
+    def _read_chunk(self, path: str, into: np.ndarray) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise FormatError(f"{path}: chunk file missing") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.chunk_bytes:  # a truncated or padded chunk is corruption, not fill
+                raise FormatError(f"{path}: {size} bytes, expected {self.chunk_bytes}")
+            if os.preadv(fd, [into], 0) != into.nbytes:
+                raise FormatError(f"{path}: short read")
+        finally:
+            os.close(fd)
+
+
+class ZarrRun:
+    """A run directory read through its manifest (Option A), or its merged/ store (Option B)."""
+
+    def __init__(self, path: str | Path, merged: bool = False):
+        self.path = Path(path)
+        self.manifest = read_json(self.path / MANIFEST)
+        if self.manifest.get("format") != FORMAT_NAME:
+            raise FormatError(f"{self.path / MANIFEST}: format={self.manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+        if merged:
+            if not self.manifest.get("merged"):
+                raise FormatError(f"{self.path / MANIFEST}: no merged store (build it with zarr.merged: true)")
+            entries = [self.manifest["merged"]]
+        else:
+            entries = self.manifest.get("shards") or []
+        self.stores = [ZarrStore(inside(self.path, e["path"], str(self.path / MANIFEST))) for e in entries]
+        self._starts = [int(e["global_index_start"]) for e in entries]
+        self.n_samples = int(sum(e["num_samples"] for e in entries))
+        self.layers: list[int] = list(self.manifest["layers"])
+        self.hidden = int(self.manifest["hidden_size"])
+
+    def locate(self, sample_idx: int) -> tuple[ZarrStore, int]:
+        """The store holding global `sample_idx` and its local index there."""
+        if not 0 <= sample_idx < self.n_samples:
+            raise IndexError(f"{self.path}: sample_idx {sample_idx} out of range [0, {self.n_samples})")
+        k = bisect.bisect_right(self._starts, sample_idx) - 1
+        while sample_idx - self._starts[k] >= self.stores[k].n_samples:  # skip empty shards
+            k += 1
+        return self.stores[k], sample_idx - self._starts[k]
+
+    def read(self, sample_idx: int, layer: int) -> np.ndarray:
+        store, local = self.locate(sample_idx)
+        return store.read(local, layer)
+
+    def seq_len(self, sample_idx: int) -> int:
+        store, local = self.locate(sample_idx)
+        return int(store.seq_len[local])
+
+
+def open_zarr(path: str | Path, merged: bool = False) -> ZarrRun | ZarrStore:
+    """A run directory (manifest.json) or a single store, for reading."""
+    path = Path(path)
+    return ZarrRun(path, merged) if (path / MANIFEST).is_file() else ZarrStore(path)
+
+
+# ----------------------------------------------------------------------------------------- torch
+
+try:
+    from torch.utils.data import Dataset as _TorchDataset, Sampler as _TorchSampler
+except ImportError:  # torch is optional for plain numpy readers
+    _TorchDataset = _TorchSampler = object
+
+
+class ZarrActivationDataset(_TorchDataset):
+    """Map-style dataset: key (sample_idx, layer) -> (seq_len, H) float16 tensor.
+
+    An int key k means (k // L, layers[k % L]). The reader is rebuilt in each process (pid check),
+    so DataLoader workers never share state with the parent.
+    """
+
+    def __init__(self, path: str | Path, merged: bool = False):
+        self.path, self.merged = Path(path), merged
+        self._pid, self._reader = os.getpid(), open_zarr(self.path, merged)
+        self.layers: list[int] = list(self._reader.layers)
+        self.n_samples = self._reader.n_samples
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_reader": None, "_pid": None}
+
+    @property
+    def reader(self) -> ZarrRun | ZarrStore:
+        if self._reader is None or self._pid != os.getpid():
+            self._pid, self._reader = os.getpid(), open_zarr(self.path, self.merged)
+        return self._reader
+
+    def __len__(self) -> int:
+        return self.n_samples * len(self.layers)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+        import torch
+        if isinstance(key, tuple):
+            i, layer = key
+        else:
+            i, layer = int(key) // len(self.layers), self.layers[int(key) % len(self.layers)]
+        return torch.from_numpy(self.reader.read(int(i), int(layer)))
+
+
+class TrainingPatternSampler(_TorchSampler):
+    """Batch sampler for the spec's pattern: b random samples x `layers_per_sample` random layers each.
+
+    Yields lists of (sample_idx, layer) keys; a new permutation per epoch (seed + epoch).
+    """
+
+    def __init__(self, n_samples: int, layers: Sequence[int], batch_samples: int, layers_per_sample: int = 2,
+                 num_batches: int | None = None, seed: int = 0):
+        if layers_per_sample > len(layers):
+            raise ValueError(f"layers_per_sample={layers_per_sample} > {len(layers)} stored layers {list(layers)}")
+        if not 1 <= batch_samples <= n_samples:
+            raise ValueError(f"batch_samples={batch_samples} must be in [1, n_samples={n_samples}]")
+        self.n_samples, self.layers, self.b = n_samples, np.asarray(layers), batch_samples
+        self.k, self.seed, self.epoch = layers_per_sample, seed, 0
+        self.num_batches = num_batches if num_batches is not None else n_samples // batch_samples
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        rng = np.random.default_rng(self.seed + self.epoch)
+        self.epoch += 1
+        for _ in range(self.num_batches):
+            samples = rng.choice(self.n_samples, size=self.b, replace=False)
+            yield [(int(i), int(layer)) for i in samples
+                   for layer in rng.choice(self.layers, size=self.k, replace=False)]
+
+
+def collate_padded(batch: list[Any]) -> tuple[Any, Any]:
+    """Stack (seq_len, H) tensors into (B, max_len, H) zero-padded plus the (B,) lengths."""
+    import torch
+    lengths = torch.tensor([x.shape[0] for x in batch], dtype=torch.int64)
+    return torch.nn.utils.rnn.pad_sequence(list(batch), batch_first=True), lengths
