@@ -185,8 +185,11 @@ def test_killed_job_leaves_nothing_that_looks_complete(model_dir, text_jsonl, tm
     ({"extract": {"layers": [0, 7]}}, r"\[7\] out of range"),
     ({"extract": {"hooks": ["encoder.layer.9.nothing:input"]}}, "encoder.layer.9.nothing"),
 ])
-def test_bad_input_fails_before_heavy_work_naming_the_value(change, message, model_dir, text_jsonl, tmp_path):
+def test_bad_input_fails_before_heavy_work_naming_the_value(change, message, model_dir, text_jsonl, tmp_path,
+                                                           monkeypatch):
+    import actstore.extract.run as ex
     config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, **change)
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
     with pytest.raises(ConfigError, match=message):
         run_part(config, 0, tmp_path / "part-0000", progress=False)
     assert not (tmp_path / "part-0000").exists()

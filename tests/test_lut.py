@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from actstore.errors import FormatError
+from actstore.errors import ConfigError, FormatError
 from actstore.formats import lut as lut_format
 from actstore.lut import build_lut
 from actstore.lut_runtime import LutEncoder, LutLinear, install_luts, weighted_rows
@@ -307,3 +307,19 @@ def test_causal_lm_end_to_end_reports_kl_and_perplexity(extracted, tmp_path):
     assert abs(exact["perplexity_change"]) < 1e-3 * exact["perplexity_original"]
     assert e2e["0"]["kl_mean"] > exact["kl_mean"]
     assert e2e["0"]["perplexity_original"] == exact["perplexity_original"]
+
+
+@pytest.mark.parametrize("target, message", [
+    ("encoder.layer.1.attention.output.LayerNorm", "is a LayerNorm, not nn.Linear"),
+    ("encoder.layer.1.intermediate.dense.nothing", "does not exist"),
+    ("encoder.layer.1.output.dense", "takes 64 inputs, the SAE 32")])
+def test_a_bad_lut_target_fails_before_the_sae_trains(built, target, message, monkeypatch):
+    import actstore.models
+    from actstore.lut import check_targets_before_training
+    config = copy.deepcopy(built[0])
+    config["lut"]["targets"] = [TARGETS[0], target]
+    monkeypatch.setattr(actstore.models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match=f"{target}.*{message}"):
+        check_targets_before_training(config, built[1])
+    config["lut"]["targets"] = TARGETS
+    check_targets_before_training(config, built[1])

@@ -31,15 +31,14 @@ def model_config_summary(config_json: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in summary.items() if v is not None}
 
 
-def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Precompute each target's tables from the live model's weights."""
+def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str, nn.Linear]:
+    """lut.targets resolved on `model` (a model skeleton works: the sae job checks them before it
+    trains); ConfigError naming a target that is missing, not an nn.Linear or of another width."""
     from actstore.models import get_module
 
-    targets = config["lut"]["targets"]
     if not targets:
         raise ConfigError("lut.targets is empty: list the nn.Linear module paths that read sae.hook's tensor")
-    d_in = sae_state["encoder_weight"].shape[1]
-    tables = {}
+    linears = {}
     for module_path in targets:
         try:
             linear = get_module(model, module_path)
@@ -49,6 +48,26 @@ def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, 
             raise ConfigError(f"lut.targets: {module_path!r} is a {type(linear).__name__}, not nn.Linear")
         if linear.in_features != d_in:
             raise ConfigError(f"lut.targets: {module_path!r} takes {linear.in_features} inputs, the SAE {d_in}")
+        linears[module_path] = linear
+    return linears
+
+
+def check_targets_before_training(config: dict[str, Any], extract_dir: str | Path) -> None:
+    """The lut stage's targets checked on the model skeleton against sae.hook's width, so a bad
+    target fails before the SAE trains rather than after."""
+    from actstore.models import model_skeleton, resolve_model_path
+    from actstore.formats.parts import open_extraction
+    from actstore.sae import resolve_hook, tensors
+
+    d_in = tensors(open_extraction(extract_dir, config["extract"]["parts"]), resolve_hook(config))[0].shape[1]
+    target_linears(model_skeleton(resolve_model_path(config["model"]["path"])), config["lut"]["targets"], d_in)
+
+
+def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Precompute each target's tables from the live model's weights."""
+    tables = {}
+    for module_path, linear in target_linears(model, config["lut"]["targets"],
+                                              sae_state["encoder_weight"].shape[1]).items():
         w_target = linear.weight.detach().float().cpu().T
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
         tables[module_path] = precompute(sae_state, w_target, bias, config["lut"]["dtype"])

@@ -107,11 +107,25 @@ def _from_pretrained(kind: str, path: Path, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModel, AutoModelForCausalLM
 
     cls = AutoModelForCausalLM if kind == "causal" else AutoModel
-    model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
-    # Composite image-text checkpoints: keep the vision tower only.
+    return _vision_tower(kind, cls.from_pretrained(path, dtype=dtype, local_files_only=True))
+
+
+def _vision_tower(kind: str, model: nn.Module) -> nn.Module:
+    """Composite image-text checkpoints: keep the vision tower only."""
     if kind == "vision" and hasattr(model, "vision_model") and hasattr(model, "text_model"):
-        model = model.vision_model
+        return model.vision_model
     return model
+
+
+def model_skeleton(path: str | Path) -> nn.Module:
+    """The model's module tree with no weights (meta device, seconds even for large models), so
+    module paths (hooks, LUT targets) are checked before any weight is loaded."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    kind = model_kind(read_model_config(path))
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModel
+    with torch.device("meta"):
+        return _vision_tower(kind, cls.from_config(AutoConfig.from_pretrained(Path(path), local_files_only=True)))
 
 
 def load_image_processor(path: str | Path) -> Any:

@@ -22,7 +22,8 @@ from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.parts import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model,
-                             model_kind, num_blocks, pick_device, read_model_config, resolve_model_path)
+                             model_kind, model_skeleton, num_blocks, pick_device, read_model_config,
+                             resolve_model_path)
 
 log = logging.getLogger(__name__)
 LOGPROB_ELEMENTS = 1 << 26  # logits per log-softmax chunk: bounds its memory at 256 MiB of float32
@@ -50,8 +51,10 @@ def preflight(config: dict[str, Any]) -> tuple[Path, Dataset]:
     if dataset.modality != want:
         raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s "
                           f"but the model at {model_path} takes {want}s")
-    for spec in config["extract"]["hooks"]:
-        parse_hook(spec)
+    if config["extract"]["hooks"]:
+        skeleton = model_skeleton(model_path)
+        for spec in config["extract"]["hooks"]:
+            get_module(skeleton, parse_hook(spec)[0])
     return model_path, dataset
 
 
@@ -71,8 +74,6 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                                batches, workers, pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
     loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
-    for spec in ext["hooks"]:
-        get_module(loaded.model, parse_hook(spec)[0])
     if vision:
         lengths = [vision_tokens(loaded, dataset)] * len(samples) if samples else []
         token_ids = None
