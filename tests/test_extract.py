@@ -160,6 +160,20 @@ def test_a_truncated_image_is_named(model_dir, image_folder, tmp_path, workers):
     assert not (tmp_path / "part").exists()
 
 
+def test_a_rerun_removes_what_a_killed_writer_left_and_sizes_ignore_it(model_dir, text_jsonl, tmp_path):
+    from actstore.integrity import dir_bytes
+    stage = tmp_path / "stage"
+    stale = stage / ".part-0000.k1ll3d.tmp"  # what kill -9 leaves of atomic_path's temp
+    stale.mkdir(parents=True)
+    (stale / "layer_000.npy").write_bytes(b"x" * 1000)
+    other = stage / ".part-0001.k1ll3d.tmp"  # another job's: not this writer's to remove
+    other.mkdir()
+    assert dir_bytes(stage) == 0
+    run_part(tiny.make_config(tmp_path, model_dir("bert"), text_jsonl), 0, stage / "part-0000", progress=False)
+    assert not stale.exists() and other.exists()
+    assert dir_bytes(stage) == dir_bytes(stage / "part-0000") > 0
+
+
 def test_killed_job_leaves_nothing_that_looks_complete(model_dir, text_jsonl, tmp_path, monkeypatch):
     import actstore.extract.run as ex
     config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl)

@@ -9,7 +9,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from actstore.errors import FormatError
-from actstore.io_utils import sha256_file
+from actstore.io_utils import is_temp, sha256_file
 
 # The resolved config the workflow records in every stage directory (hashing.write_stage_config).
 STAGE_CONFIG_FILE = "actstore_config.json"
@@ -69,8 +69,8 @@ def unlisted(root: Path, listed: set[str], source: str) -> list[str]:
 
 
 def dir_bytes(root: Path) -> int:
-    """Bytes of every file under `root`."""
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """Bytes of every file under `root`, not counting a killed writer's temps (io_utils.is_temp)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not is_temp(p.relative_to(root)))
 
 
 def inside(root: Path, name: Any, source: str) -> Path:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import hashlib
 import json
 import os
@@ -51,6 +52,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+TEMP_SUFFIX = ".tmp"  # atomic_path's temps: f".{final name}.<random>.tmp" beside the final path
+
+
+def is_temp(path: Path) -> bool:
+    """An atomic_path temp (or inside one): debris of a killed writer, never data."""
+    return any(part.startswith(".") and part.endswith(TEMP_SUFFIX) for part in path.parts)
+
+
+def remove_stale_temps(final: Path) -> None:
+    """Delete the temps a killed writer of `final` left (a job owns its output: Snakemake locks it)."""
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.*{TEMP_SUFFIX}"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success fsync and rename it into place, else delete it.
@@ -59,7 +77,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    remove_stale_temps(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent))
     tmp.rmdir()
     try:
         yield tmp
