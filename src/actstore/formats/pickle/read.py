@@ -88,7 +88,7 @@ class ActivationDataset(_TorchDataset):
     """The spec's ActivationDataset, but indexed from metadata.json (no shard is read to build it)
     and loading each shard verified and safely; one shard cached at a time."""
 
-    def __init__(self, output_dir: str | Path, layer_idx: int):
+    def __init__(self, output_dir: str | Path, layer_idx: int) -> None:
         self.output_dir = Path(output_dir)
         self.layer_idx = layer_idx
         self.layer_key = layer_key(layer_idx)
