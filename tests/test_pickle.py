@@ -14,8 +14,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from actstore.errors import FormatError
-from actstore.formats import pickle_shards as ps
+from actstore.formats import pickle as ps
 from actstore.formats.parts import layer_tensor, open_extraction
+from actstore.models import model_params, read_model_config
 
 SPEC = Path("/work/shared/specs/pickle-shard-format.md")
 SMALL_MB = 0.02  # ~20 kB of raw activations per shard: forces many shards from 15 tiny samples
@@ -106,6 +107,11 @@ class ActivationDataset(Dataset):
 # ---- end of the spec's code ----
 
 
+def params_of(config: dict) -> dict:
+    """The model parameters the pickle_part workflow script passes to write_machine."""
+    return model_params(read_model_config(config["model"]["path"]))
+
+
 @pytest.fixture(scope="module")
 def store(extracted, tmp_path_factory):
     """(config, extraction, merged store dir): two machines with small gzip shards, merged."""
@@ -113,7 +119,7 @@ def store(extracted, tmp_path_factory):
     out = tmp_path_factory.mktemp("pickle")
     for part in range(config["extract"]["parts"]):
         ps.write_machine(extract_dir / f"part-{part:04d}", out / ps.machine_dirname(part),
-                         shard_size_mb=SMALL_MB, progress=False)
+                         model_params=params_of(config), shard_size_mb=SMALL_MB, progress=False)
     ps.merge_machines([out / ps.machine_dirname(p) for p in range(config["extract"]["parts"])], out)
     return config, open_extraction(extract_dir), out
 
@@ -211,6 +217,19 @@ def test_merge_is_consistent_and_verifies(store):
     assert ps.read_vector(out, 3, 0, 10_000) is None
 
 
+def test_model_params_come_from_the_model_config_aliases():
+    """What pickle_part passes in: GPT-2's n_* names and a vision tower's nested config understood."""
+    gpt2 = {"n_embd": 32, "n_layer": 3, "n_head": 4, "vocab_size": 300}
+    clip = {"text_config": {"hidden_size": 64, "vocab_size": 99},
+            "vision_config": {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4}}
+    assert model_params(gpt2) == {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                  "vocab_size": 300}
+    assert model_params(clip) == {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                  "vocab_size": 99}
+    assert model_params({}) == dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                              "vocab_size"))
+
+
 def test_merge_refuses_overlapping_sample_ids(store, tmp_path):
     _, _, out = store
     with pytest.raises(FormatError, match="overlap"):
@@ -244,7 +263,7 @@ def test_library_dataset_matches_spec_dataset_without_reading_shards(store, monk
     spec_ds = ActivationDataset(out, layer_idx=2)
     calls = []
     real = ps.load_shard
-    monkeypatch.setattr(ps, "load_shard", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(ps.read, "load_shard", lambda *a: calls.append(a) or real(*a))
     ours = ps.ActivationDataset(out, 2)
     assert calls == []  # index built from metadata.json alone
     assert len(ours) == len(spec_ds) == 30
@@ -262,10 +281,11 @@ def test_library_dataset_matches_spec_dataset_without_reading_shards(store, monk
 
 def test_uncompressed_and_deterministic(extracted, tmp_path):
     config, extract_dir = extracted("bert")
-    a = ps.write_machine(extract_dir / "part-0000", tmp_path / "a", compression="none", shard_size_mb=SMALL_MB,
-                         progress=False)
-    b = ps.write_machine(extract_dir / "part-0000", tmp_path / "b", compression="none", shard_size_mb=SMALL_MB,
-                         progress=False)
+    params = params_of(config)
+    a = ps.write_machine(extract_dir / "part-0000", tmp_path / "a", model_params=params, compression="none",
+                         shard_size_mb=SMALL_MB, progress=False)
+    b = ps.write_machine(extract_dir / "part-0000", tmp_path / "b", model_params=params, compression="none",
+                         shard_size_mb=SMALL_MB, progress=False)
     assert [s["checksum"] for s in a["shards"]] == [s["checksum"] for s in b["shards"]]
     assert a["shards"][0]["filename"] == "shard_0001.pkl" and a["shards"][0]["compressed"] is False
     assert (tmp_path / "a" / "shard_0001.pkl").read_bytes()[:1] == b"\x80"  # a bare pickle
@@ -274,11 +294,14 @@ def test_uncompressed_and_deterministic(extracted, tmp_path):
     extraction = open_extraction(extract_dir)
     for it in items:
         np.testing.assert_array_equal(it["activation"], extraction.activations("layer_0", it["sample_idx"]))
-    gz = ps.write_machine(extract_dir / "part-0000", tmp_path / "gz", shard_size_mb=SMALL_MB, progress=False)
-    gz2 = ps.write_machine(extract_dir / "part-0000", tmp_path / "gz2", shard_size_mb=SMALL_MB, progress=False)
+    gz = ps.write_machine(extract_dir / "part-0000", tmp_path / "gz", model_params=params, shard_size_mb=SMALL_MB,
+                          progress=False)
+    gz2 = ps.write_machine(extract_dir / "part-0000", tmp_path / "gz2", model_params=params, shard_size_mb=SMALL_MB,
+                           progress=False)
     assert [s["checksum"] for s in gz["shards"]] == [s["checksum"] for s in gz2["shards"]]
     with pytest.raises(FormatError, match="compression"):
-        ps.write_machine(extract_dir / "part-0000", tmp_path / "c", compression="lz4", progress=False)
+        ps.write_machine(extract_dir / "part-0000", tmp_path / "c", model_params=params, compression="lz4",
+                         progress=False)
 
 
 class _Payload:

@@ -51,13 +51,33 @@ def model_kind(config: dict[str, Any]) -> str:
     return "encoder"
 
 
+# The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer...).
+CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
+                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+                  "num_attention_heads": ("num_attention_heads", "n_head"),
+                  "vocab_size": ("vocab_size",)}
+
+
+def config_int(config: dict[str, Any], setting: str) -> int | None:
+    """An integer size setting (a CONFIG_ALIASES key) from config.json under any of its names, else
+    from the nested vision_config (vision towers) or text_config; None when no scope has it."""
+    scopes = (config, config.get("vision_config") or {}, config.get("text_config") or {})
+    return next((scope[name] for scope in scopes for name in CONFIG_ALIASES[setting]
+                 if isinstance(scope.get(name), int)), None)
+
+
 def num_blocks(config: dict[str, Any]) -> int:
     """Number of transformer blocks, from config.json (vision towers nest it in vision_config)."""
-    for cfg in (config, config.get("vision_config") or {}, config.get("text_config") or {}):
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
-            if isinstance(cfg.get(key), int):
-                return cfg[key]
-    raise ConfigError("model config.json names no num_hidden_layers / n_layer")
+    blocks = config_int(config, "num_hidden_layers")
+    if blocks is None:
+        raise ConfigError("model config.json names no num_hidden_layers / n_layer")
+    return blocks
+
+
+def model_params(config: dict[str, Any]) -> dict[str, int | None]:
+    """hidden_size, num_hidden_layers, num_attention_heads, vocab_size from a config.json dict
+    (None where the model has none, e.g. a vision tower's vocab_size)."""
+    return {setting: config_int(config, setting) for setting in CONFIG_ALIASES}
 
 
 def find_blocks(model: nn.Module, n_blocks: int) -> tuple[str, nn.ModuleList]:

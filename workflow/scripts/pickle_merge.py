@@ -1,7 +1,7 @@
 """Rule pickle_merge: one metadata.json over every machine's shards (referenced in place, not copied)."""
 from pathlib import Path
 
-from actstore.formats.pickle_shards import merge_machines
+from actstore.formats.pickle import merge_machines
 from actstore.hashing import write_stage_config
 from actstore.workflow import setup_logging
 

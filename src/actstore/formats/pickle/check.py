@@ -1,0 +1,193 @@
+"""The Format protocol for pickle-shard stores: detect, inspect, verify, read_vector.
+
+verify checks metadata.json against the spec, every shard's bytes (size, sha256), its safe load and
+its content against its metadata entry, and (merged stores) each machine's metadata.json.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from actstore.errors import FormatError
+from actstore.formats.pickle.layout import (CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA, PREVIEW_CHARS, REQUIRED,
+                                            SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name, layer_key)
+from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
+from actstore.integrity import file_problem, inside, unlisted
+
+PROGRESS_FROM_SHARDS = 20  # verify shows a progress bar from this many shards
+
+
+def detect(path: str | Path) -> bool:
+    """A directory whose metadata.json has the spec's required fields and shard_*.pkl[.gz] entries."""
+    try:
+        meta = load_metadata(path)
+    except FormatError:
+        return False
+    return all(k in meta for k in REQUIRED) and all(
+        isinstance(s, dict) and ends_in_shard_name(str(s.get("filename", ""))) for s in meta["shards"])
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary from metadata.json alone (no shard is read)."""
+    meta = load_metadata(path)
+    ext, stats, cfg = meta.get("actstore", {}), meta["statistics"], meta["extraction_config"]
+    shard_bytes = sum(s["size_bytes"] for s in meta["shards"])
+    return {
+        "format": FORMAT, "version": meta["version"], "model": cfg["model_name"],
+        "layers": list(cfg["layers_extracted"]), "n_examples": stats["total_samples"],
+        "n_tokens": stats.get("total_tokens"),
+        "d_model": ext.get("d_model") or cfg["model_params"].get("hidden_size"),
+        "dtype": ext.get("dtype", "float32"), "n_shards": len(meta["shards"]),
+        "bytes": shard_bytes + (Path(path) / METADATA).stat().st_size,
+        "compressed": sorted({bool(s["compressed"]) for s in meta["shards"]}),
+        "machines": meta.get("distributed_config", {}).get("total_machines"),
+        "merged": bool(ext.get("merged")),
+    }
+
+
+def _verify_metadata(path: Path, meta: dict[str, Any]) -> list[str]:
+    where = path / METADATA
+    problems = [f"{where}: missing required field {k!r}" for k in REQUIRED if k not in meta]
+    if problems:
+        return problems
+    try:
+        dt.datetime.fromisoformat(str(meta["created_at"]).replace("Z", "+00:00"))
+    except ValueError:
+        problems.append(f"{where}: created_at {meta['created_at']!r} is not ISO 8601")
+    problems += [f"{where}: extraction_config lacks {k!r}" for k in CONFIG_FIELDS if k not in meta["extraction_config"]]
+    problems += [f"{where}: statistics lacks {k!r}" for k in STAT_FIELDS if k not in meta["statistics"]]
+    for i, info in enumerate(meta["shards"]):
+        missing = [k for k in SHARD_FIELDS if k not in info] if isinstance(info, dict) else list(SHARD_FIELDS)
+        problems += [f"{where}: shards[{i}] lacks {k!r}" for k in missing]
+    return problems
+
+
+def _verify_totals(path: Path, meta: dict[str, Any]) -> list[str]:
+    """Unique shard ids; statistics equal to the sums over shards."""
+    where, problems = path / METADATA, []
+    ids = [s["shard_id"] for s in meta["shards"]]
+    if len(set(ids)) != len(ids):
+        problems.append(f"{where}: shard_id values are not unique")
+    stats = meta["statistics"]
+    for key, want in (("total_shards", len(meta["shards"])),
+                      ("total_samples", sum(s["num_samples"] for s in meta["shards"])),
+                      ("total_size_bytes", sum(s["size_bytes"] for s in meta["shards"]))):
+        if stats[key] != want:
+            problems.append(f"{where}: statistics.{key} = {stats[key]} but the shards sum to {want}")
+    return problems
+
+
+def _unlisted_files(path: Path, meta: dict[str, Any]) -> list[str]:
+    """Every file is metadata.json, a listed shard, or (merged) a listed machine's metadata.json."""
+    machines = meta.get("distributed_config", {}).get("machines") or []
+    listed = {METADATA, *(str(s.get("filename")) for s in meta["shards"]),
+              *(f"{m.get('dir')}/{METADATA}" for m in machines)}
+    return unlisted(path, listed, str(path / METADATA))
+
+
+def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
+    """A merged store records each machine's metadata.json sha256: check them."""
+    problems = []
+    for m in meta.get("distributed_config", {}).get("machines") or []:
+        try:
+            mpath = inside(path, m["dir"], str(path / METADATA)) / METADATA
+        except FormatError as exc:
+            problems.append(str(exc))
+            continue
+        if problem := file_problem(mpath, {"sha256": m["metadata_sha256"]}, "the merged metadata.json"):
+            problems.append(problem)
+    return problems
+
+
+def _verify_items(name: Path, key: str, items: Any, num_samples: int) -> list[str]:
+    """One layer's item list: its length, each item's fields, activation dtype/shape and preview."""
+    if not isinstance(items, list) or len(items) != num_samples:
+        return [f"{name}: {key} holds {len(items) if isinstance(items, list) else '?'} items, "
+                f"num_samples={num_samples}"]
+    problems = []
+    for item in items:
+        if not isinstance(item, dict) or any(k not in item for k in ITEM_FIELDS):
+            problems.append(f"{name}: {key} item lacks one of {ITEM_FIELDS}")
+            break
+        act = item["activation"]
+        if act.dtype != np.float32 or act.ndim != 2 or tuple(item["shape"]) != act.shape:
+            problems.append(f"{name}: {key} sample {item['sample_idx']}: activation {act.dtype} {act.shape} "
+                            f"vs shape {item['shape']}")
+        if not isinstance(item["text_preview"], str) or len(item["text_preview"]) > PREVIEW_CHARS:
+            problems.append(f"{name}: {key} sample {item['sample_idx']}: bad text_preview")
+    return problems
+
+
+def _verify_shard(path: Path, info: dict[str, Any], seen: set[int]) -> list[str]:
+    """One shard: bytes, safe load, and content against its metadata entry."""
+    try:
+        name = shard_path(path, info)
+        shard = load_shard(path, info)
+    except FormatError as exc:
+        return [str(exc)]
+    want_keys = {layer_key(layer) for layer in info["layers"]}
+    if set(shard) != want_keys:
+        return [f"{name}: layer keys {sorted(shard)} != metadata layers {sorted(want_keys)}"]
+    problems, ids_by_layer = [], []
+    for key, items in shard.items():
+        problems += _verify_items(name, key, items, info["num_samples"])
+        if isinstance(items, list) and len(items) == info["num_samples"]:
+            ids_by_layer.append([item.get("sample_idx") for item in items if isinstance(item, dict)])
+    if problems:
+        return problems
+    ids = ids_by_layer[0] if ids_by_layer else []
+    lo, hi = info["sample_id_range"]
+    if any(other != ids for other in ids_by_layer) or (ids and (min(ids) != lo or max(ids) != hi)):
+        problems.append(f"{name}: sample ids {ids[:1]}..{ids[-1:]} disagree across layers or with "
+                        f"sample_id_range {info['sample_id_range']}")
+    if len(set(ids)) != len(ids) or seen & set(ids):
+        problems.append(f"{name}: duplicate sample_idx within the store")
+    seen.update(ids)
+    return problems
+
+
+def verify(path: str | Path) -> list[str]:
+    """Full integrity check; every problem names its file. Never raises on a bad store."""
+    path = Path(path)
+    try:
+        meta = load_metadata(path)
+        problems = _verify_metadata(path, meta)
+        if problems:  # required fields missing: nothing further can be trusted
+            return problems
+        problems = _verify_totals(path, meta)
+        seen: set[int] = set()
+        for info in tqdm(meta["shards"], desc="verify pickle shards", unit="shard",
+                         disable=len(meta["shards"]) < PROGRESS_FROM_SHARDS):
+            problems += _verify_shard(path, info, seen)
+        return problems + _verify_machines(path, meta) + _unlisted_files(path, meta)
+    except FormatError as exc:  # already names its file
+        return [str(exc)]
+    except Exception as exc:  # a malformed store must yield a report, not a crash
+        return [f"{path / METADATA}: {type(exc).__name__}: {exc}"]
+
+
+_CACHE: dict[tuple, dict] = {}
+
+
+def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
+    """float32 (d,) activation of one token, or None when the store does not hold that coordinate.
+    The last shard read stays cached (keyed on its path, size and mtime)."""
+    meta = load_metadata(path)
+    for info in meta["shards"]:
+        lo, hi = info["sample_id_range"]
+        if lo <= sample_idx <= hi and layer_idx in info["layers"]:
+            file = shard_path(path, info)
+            stat = file.stat()
+            key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, info["checksum"])
+            if key not in _CACHE:
+                _CACHE.clear()
+                _CACHE[key] = load_shard(path, info)
+            for item in _CACHE[key][layer_key(layer_idx)]:
+                if item["sample_idx"] == sample_idx:
+                    act = item["activation"]
+                    return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < act.shape[0] else None
+    return None

@@ -1,0 +1,127 @@
+"""Reading a pickle-shard store: metadata, verified shard loading, iteration, a torch Dataset.
+
+Loading never trusts a shard: size and sha256 are checked against metadata.json first, then the
+bytes go through the restricted unpickler (unpickler.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle  # absolute import: the standard library, not this package
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.pickle.layout import CHECKSUM_PREFIX, METADATA, is_shard_name, layer_key
+from actstore.formats.pickle.unpickler import safe_loads
+from actstore.integrity import inside, read_json
+
+# What a hostile or broken shard can raise from decompression or the restricted unpickler.
+LOAD_ERRORS = (pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, AttributeError, IndexError,
+               KeyError, MemoryError)
+
+
+def load_metadata(output_dir: str | Path) -> dict[str, Any]:
+    """Parse `metadata.json`; FormatError naming the file if it is missing or not a JSON object."""
+    path = Path(output_dir) / METADATA
+    meta = read_json(path)
+    if not isinstance(meta, dict) or not isinstance(meta.get("shards"), list):
+        raise FormatError(f"{path}: not a pickle-shard metadata object (no 'shards' list)")
+    return meta
+
+
+def shard_path(output_dir: str | Path, info: dict[str, Any]) -> Path:
+    """The shard's path; refuses absolute paths and `..` so metadata cannot point outside the store."""
+    name = info.get("filename")
+    source = str(Path(output_dir) / METADATA)
+    if not isinstance(name, str) or not is_shard_name(PurePosixPath(name).name):
+        raise FormatError(f"{source}: shard filename {name!r} is not a shard_NNNN.pkl[.gz] path")
+    return inside(Path(output_dir), name, source)
+
+
+def read_checked(output_dir: str | Path, info: dict[str, Any]) -> bytes:
+    """The shard's bytes, after checking they exist, have size_bytes and match the sha256 checksum."""
+    path = shard_path(output_dir, info)
+    if not path.is_file():
+        raise FormatError(f"{path}: shard missing")
+    data = path.read_bytes()
+    if len(data) != info.get("size_bytes"):
+        raise FormatError(f"{path}: {len(data)} bytes, metadata.json says size_bytes={info.get('size_bytes')}")
+    digest = CHECKSUM_PREFIX + hashlib.sha256(data).hexdigest()
+    if digest != info.get("checksum"):
+        raise FormatError(f"{path}: checksum {digest} != metadata.json checksum {info.get('checksum')}")
+    return data
+
+
+def load_shard(output_dir: str | Path, info: dict[str, Any]) -> dict[str, list[dict]]:
+    """Verify then safely unpickle one shard; FormatError naming the shard on any problem."""
+    data = read_checked(output_dir, info)
+    path = shard_path(output_dir, info)
+    try:
+        shard = safe_loads(data, bool(info.get("compressed")))
+    except LOAD_ERRORS as exc:
+        raise FormatError(f"{path}: refused to load shard: {exc}") from None
+    if not isinstance(shard, dict):
+        raise FormatError(f"{path}: shard is a {type(shard).__name__}, not a dict of layers")
+    return shard
+
+
+def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[str, Any]]:
+    """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time."""
+    key = layer_key(layer_idx)
+    for info in load_metadata(output_dir)["shards"]:
+        if layer_idx not in info["layers"]:
+            continue
+        shard = load_shard(output_dir, info)
+        yield from shard.get(key, [])
+        del shard
+
+
+try:  # torch is a dependency of actstore, but keep the module importable without it
+    from torch.utils.data import Dataset as _TorchDataset
+except ImportError:  # pragma: no cover
+    _TorchDataset = object  # type: ignore[misc,assignment]
+
+
+class ActivationDataset(_TorchDataset):
+    """The spec's ActivationDataset, but indexed from metadata.json (no shard is read to build it)
+    and loading each shard verified and safely; one shard cached at a time."""
+
+    def __init__(self, output_dir: str | Path, layer_idx: int) -> None:
+        self.output_dir = Path(output_dir)
+        self.layer_idx = layer_idx
+        self.layer_key = layer_key(layer_idx)
+        self.metadata = load_metadata(output_dir)
+        self.shards = {s["shard_id"]: s for s in self.metadata["shards"]}
+        self.index = [(s["shard_id"], i) for s in self.metadata["shards"] if layer_idx in s["layers"]
+                      for i in range(s["num_samples"])]
+        self.current_shard_id: int | None = None
+        self.current_shard: dict | None = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        shard_id, item_idx = self.index[idx]
+        if shard_id != self.current_shard_id:
+            self.current_shard = None  # drop the old shard before loading the next
+            self.current_shard = load_shard(self.output_dir, self.shards[shard_id])
+            self.current_shard_id = shard_id
+        item = self.current_shard[self.layer_key][item_idx]
+        return {"activation": item["activation"], "sample_idx": item["sample_idx"], "text": item["text_preview"]}
+
+
+def collate_padded(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """DataLoader collate_fn for variable-length samples: activations zero-padded to the longest,
+    plus `lengths` (the default collate needs equal shapes, which unpadded samples do not have)."""
+    import torch
+
+    lengths = [item["activation"].shape[0] for item in batch]
+    d = batch[0]["activation"].shape[1]
+    out = torch.zeros((len(batch), max(lengths), d), dtype=torch.float32)
+    for row, item in enumerate(batch):
+        out[row, :lengths[row]] = torch.from_numpy(np.asarray(item["activation"]))
+    return {"activation": out, "lengths": torch.tensor(lengths),
+            "sample_idx": torch.tensor([item["sample_idx"] for item in batch]),
+            "text": [item["text"] for item in batch]}

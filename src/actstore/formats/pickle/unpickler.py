@@ -1,0 +1,90 @@
+"""Safe unpickling of shards: a restricted unpickler that can only build dict/list/tuple/str/int/
+float/bool/None and plain numeric numpy arrays, and a check of everything it built."""
+from __future__ import annotations
+
+import gzip
+import io
+import pickle  # absolute import: the standard library, not this package
+from typing import Any
+
+import numpy as np
+
+from actstore.formats.pickle.layout import NUMERIC_KINDS
+
+MAX_DEPTH = 16
+
+
+def _numeric_dtype(dtype: np.dtype, where: str) -> np.dtype:
+    if dtype.kind not in NUMERIC_KINDS or dtype.hasobject or dtype.fields is not None or dtype.subdtype:
+        raise pickle.UnpicklingError(f"{where}: dtype {dtype} is not a plain numeric dtype")
+    return dtype
+
+
+def _make_dtype(*args: Any) -> np.dtype:
+    return _numeric_dtype(np.dtype(*args), "numpy.dtype")
+
+
+def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> np.ndarray:
+    if subtype is not np.ndarray:
+        raise pickle.UnpicklingError(f"_reconstruct of {subtype!r}: only numpy.ndarray is admitted")
+    from numpy._core.multiarray import _reconstruct as real
+    return real(np.ndarray, shape, dtype_code)
+
+
+def _frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
+    from numpy._core.numeric import _frombuffer as real
+    return real(buf, _numeric_dtype(np.dtype(dtype), "_frombuffer"), shape, order)
+
+
+# Exactly the globals numpy's own pickles of plain arrays name (protocols 3-5, numpy 1.x and 2.x
+# module paths), each wrapped so that only numeric dtypes and plain ndarrays come out.
+ALLOWED_GLOBALS = {
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): _make_dtype,
+    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy._core.numeric", "_frombuffer"): _frombuffer,
+    ("numpy.core.numeric", "_frombuffer"): _frombuffer,
+}
+PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Refuses every global but the numpy array constructors above; never imports anything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED_GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a shard") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed in a shard")
+
+
+def _check_plain(obj: Any, depth: int = 0) -> None:
+    """After loading: only the admitted container/scalar types and numeric arrays remain."""
+    if depth > MAX_DEPTH:
+        raise pickle.UnpicklingError(f"nesting deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, np.ndarray):
+        if type(obj) is not np.ndarray:
+            raise pickle.UnpicklingError(f"array subclass {type(obj).__name__}")
+        _numeric_dtype(obj.dtype, "array")
+    elif type(obj) is dict:
+        for key, value in obj.items():
+            _check_plain(key, depth + 1)
+            _check_plain(value, depth + 1)
+    elif type(obj) in (list, tuple):
+        for value in obj:
+            _check_plain(value, depth + 1)
+    elif type(obj) not in PLAIN_TYPES:
+        raise pickle.UnpicklingError(f"object of type {type(obj).__name__} is not allowed in a shard")
+
+
+def safe_loads(data: bytes, compressed: bool) -> Any:
+    """Decompress (if gzip) and unpickle with the restricted unpickler; check what came out."""
+    # One-shot decompression of the whole member(s) is several times faster than streaming GzipFile.
+    raw = gzip.decompress(data) if compressed else data
+    obj = RestrictedUnpickler(io.BytesIO(raw)).load()
+    _check_plain(obj)
+    return obj

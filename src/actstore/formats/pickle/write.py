@@ -1,0 +1,214 @@
+"""Writing pickle-shard stores: one complete store per extraction part (machine), then a merged
+`metadata.json` beside them that references the machine shards in place (relative `filename`,
+`shard_id` renumbered 1..N across the store), so no byte is copied.
+
+Shards are pickled (protocol 5) and gzipped with mtime 0 and no file name: equal inputs, equal bytes.
+"""
+from __future__ import annotations
+
+import gzip
+import logging
+import math
+import os
+import pickle  # absolute import: the standard library, not this package
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from actstore.errors import FormatError
+from actstore.formats.parts import Part, layer_tensor, open_part
+from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, FORMAT, METADATA, PICKLE_PROTOCOL, PREVIEW_CHARS,
+                                            distributed_config, layer_key, shard_filename, statistics,
+                                            store_metadata)
+from actstore.formats.pickle.read import load_metadata
+from actstore.io_utils import atomic_path, sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+COMPRESSIONS = ("gzip", "none")
+MERGE_MUST_AGREE = ("model_name", "layers_extracted", "max_seq_length")
+
+
+def extraction_config(meta: dict[str, Any], model_params: dict[str, int | None]) -> dict[str, Any]:
+    """The spec's extraction_config block, from a part.json and the model's parameters."""
+    return {
+        "model_name": meta["model"]["name"],
+        "model_architecture": meta["model"].get("model_type") or meta["model"]["architecture"],
+        "model_params": model_params,
+        "dataset_name": meta["dataset"]["name"],
+        "dataset_config": None,  # local JSONL/image folder: no Hugging Face config name
+        "dataset_split": meta["dataset"]["split"],
+        "layers_extracted": list(meta["layers"]),
+        "max_seq_length": meta["max_seq_length"],
+        "batch_size": meta["batch_size"],
+    }
+
+
+def plan_shards(part: Part, n_layers: int, d: int, target_bytes: float) -> list[range]:
+    """Contiguous local-sample ranges whose raw float32 bytes (all layers) stay under the target;
+    a shard always holds at least one sample."""
+    sizes = np.diff(part.offsets) * (n_layers * d * 4)
+    groups, start, acc = [], 0, 0
+    for i, size in enumerate(sizes.tolist()):
+        if i > start and acc + size > target_bytes:
+            groups.append(range(start, i))
+            start, acc = i, 0
+        acc += size
+    if len(sizes) > start:
+        groups.append(range(start, len(sizes)))
+    return groups
+
+
+def shard_items(part: Part, layers: list[int], local: range, machine_id: int) -> dict[str, list[dict]]:
+    """The shard dict for local samples `local` of a part, activations copied out of the memmaps."""
+    shard: dict[str, list[dict]] = {}
+    for layer in layers:
+        tensor = part.tensor(layer_tensor(layer))
+        items = []
+        for i in local:
+            row = part.samples[i]
+            act = np.array(tensor[part.sample_slice(i)], dtype=np.float32, order="C")
+            items.append({
+                "sample_idx": int(row["sample_idx"]),
+                "activation": act,
+                "shape": tuple(act.shape),
+                "text_preview": str(row["text"])[:PREVIEW_CHARS],
+                "metadata": {"token_count": int(row["num_tokens"]), "dataset_idx": int(row["sample_idx"]),
+                             "machine_id": machine_id, "label": row.get("label"),
+                             "label_id": row.get("label_id")},
+            })
+        shard[layer_key(layer)] = items
+    return shard
+
+
+def dump_shard(shard: dict, path: Path, compressed: bool, compresslevel: int) -> None:
+    """Pickle one shard; gzip with mtime 0 and no file name so equal inputs give equal bytes."""
+    with open(path, "wb") as raw:
+        if compressed:
+            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=compresslevel, mtime=0) as fh:
+                pickle.dump(shard, fh, protocol=PICKLE_PROTOCOL)
+        else:
+            pickle.dump(shard, raw, protocol=PICKLE_PROTOCOL)
+        raw.flush()
+        os.fsync(raw.fileno())
+
+
+def check_sample_ids(part: Part) -> int:
+    """Spec: sample_idx = machine_id * samples_per_machine + local_idx. Holds for our contiguous parts
+    of ceil(N/P) samples; checked rather than assumed. Returns samples_per_machine."""
+    per_machine = math.ceil(part.meta["n_dataset_samples"] / part.meta["parts"])
+    machine_id = part.meta["part"]
+    for local, row in enumerate(part.samples):
+        if row["sample_idx"] != machine_id * per_machine + local:
+            raise FormatError(f"{part.dir}/samples.jsonl: sample_idx {row['sample_idx']} at local index {local} "
+                              f"is not machine_id*{per_machine}+local")
+    return per_machine
+
+
+def write_shard(part: Part, layers: list[int], local: range, path: Path, compressed: bool,
+                compresslevel: int) -> dict[str, Any]:
+    """Dump the shard of local samples `local` to `path`; return its metadata.json entry (shard_id unset)."""
+    dump_shard(shard_items(part, layers, local, part.meta["part"]), path, compressed, compresslevel)
+    ids = [part.samples[i]["sample_idx"] for i in local]
+    return {"filename": path.name, "size_bytes": path.stat().st_size, "num_samples": len(local),
+            "layers": layers, "sample_id_range": [ids[0], ids[-1]], "compressed": compressed,
+            "checksum": CHECKSUM_PREFIX + sha256_file(path),
+            "num_tokens": int(part.offsets[local.stop] - part.offsets[local.start])}
+
+
+def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: dict[str, int | None],
+                  shard_size_mb: float = 100.0, compression: str = "gzip", compresslevel: int = 1,
+                  progress: bool = True) -> dict[str, Any]:
+    """Write one extraction part as a complete pickle-shard store (atomic); return its metadata.
+    `model_params`: the spec's hidden_size / num_hidden_layers / num_attention_heads / vocab_size."""
+    if compression not in COMPRESSIONS:
+        raise FormatError(f"pickle.compression: {compression!r} must be 'gzip' or 'none'")
+    part = open_part(part_dir)
+    meta, machine_id = part.meta, part.meta["part"]
+    layers = list(meta["layers"])
+    per_machine = check_sample_ids(part)
+    d = part.tensor(layer_tensor(layers[0])).shape[1] if part.meta["n_tokens"] else 0
+    compressed = compression == "gzip"
+    groups = plan_shards(part, len(layers), d, shard_size_mb * 1e6)
+    shards = []
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        for shard_id, local in enumerate(tqdm(groups, desc=f"pickle machine {machine_id}", unit="shard",
+                                              disable=not progress), start=1):
+            entry = write_shard(part, layers, local, tmp / shard_filename(shard_id, compressed), compressed,
+                                compresslevel)
+            shards.append({"shard_id": shard_id, **entry})
+        metadata = store_metadata(extraction_config(meta, model_params),
+                                  distributed_config(machine_id, meta["parts"], per_machine),
+                                  shards, statistics(shards, layers, meta["extraction_duration_seconds"]),
+                                  actstore_block(meta, d, compression, compresslevel))
+        write_json_atomic(tmp / METADATA, metadata)
+    log.info("machine %d: %d samples in %d shards -> %s", machine_id, part.meta["n_samples"], len(shards), out_dir)
+    return metadata
+
+
+def actstore_block(meta: dict[str, Any], d: int, compression: str, compresslevel: int) -> dict[str, Any]:
+    """Optional extension key: what the spec does not say but a reader may want."""
+    return {"format": FORMAT, "d_model": d, "dtype": "float32", "modality": meta["modality"],
+            "model_kind": meta["model_kind"], "model_path": meta["model"]["path"],
+            "n_dataset_samples": meta["n_dataset_samples"], "compression": compression,
+            "compresslevel": compresslevel if compression == "gzip" else None,
+            "pickle_protocol": PICKLE_PROTOCOL, "sample_idx": "dataset row index"}
+
+
+def relative(path: Path, start: Path) -> str:
+    """`path` relative to `start`, with forward slashes (metadata.json is portable)."""
+    return os.path.relpath(path, start).replace(os.sep, "/")
+
+
+def check_same_extraction(mdir: Path, meta: dict[str, Any], first_dir: Path, first: dict[str, Any]) -> None:
+    """Machines merge only when they come from one extraction."""
+    for key in MERGE_MUST_AGREE:
+        if meta["extraction_config"][key] != first["extraction_config"][key]:
+            raise FormatError(f"{mdir / METADATA}: extraction_config.{key} = {meta['extraction_config'][key]!r} "
+                              f"differs from {first_dir / METADATA}")
+
+
+def machine_shards(mdir: Path, meta: dict[str, Any], out_dir: Path, seen: set[int], first_id: int) -> list[dict]:
+    """One machine's shard entries, re-pointed from `out_dir` and numbered from `first_id`; each
+    shard file checked present at its size, its sample ids checked against `seen` (then added)."""
+    shards = []
+    for info in meta["shards"]:
+        path = mdir / info["filename"]
+        if not path.is_file() or path.stat().st_size != info["size_bytes"]:
+            raise FormatError(f"{path}: missing or not {info['size_bytes']} bytes as {mdir / METADATA} says")
+        lo, hi = info["sample_id_range"]
+        ids = set(range(lo, hi + 1))
+        if len(ids) != info["num_samples"] or ids & seen:
+            raise FormatError(f"{path}: sample ids {lo}..{hi} overlap another shard or disagree with num_samples")
+        seen |= ids
+        shards.append({**info, "shard_id": first_id + len(shards), "filename": relative(path, out_dir),
+                       "machine_id": meta["distributed_config"]["machine_id"]})
+    return shards
+
+
+def merge_machines(machine_dirs: list[str | Path], out_dir: str | Path) -> dict[str, Any]:
+    """Write `out_dir/metadata.json` over per-machine stores: shards referenced in place by relative
+    path, shard_id renumbered 1..N in machine order; sample ids checked unique."""
+    out_dir = Path(out_dir)
+    machines = [(Path(m), load_metadata(m)) for m in machine_dirs]
+    machines.sort(key=lambda m: m[1]["distributed_config"]["machine_id"])
+    first_dir, first = machines[0]
+    shards: list[dict] = []
+    seen: set[int] = set()
+    for mdir, meta in machines:
+        check_same_extraction(mdir, meta, first_dir, first)
+        shards += machine_shards(mdir, meta, out_dir, seen, len(shards) + 1)
+    duration = sum((meta["statistics"]["extraction_duration_seconds"] for _, meta in machines), 0.0)
+    listing = [{"machine_id": meta["distributed_config"]["machine_id"], "dir": relative(mdir, out_dir),
+                "metadata_sha256": sha256_file(mdir / METADATA)} for mdir, meta in machines]
+    first_dc = first["distributed_config"]
+    merged = store_metadata(first["extraction_config"],
+                            distributed_config(None, first_dc["total_machines"], first_dc.get("samples_per_machine"),
+                                               machines=listing),
+                            shards, statistics(shards, first["extraction_config"]["layers_extracted"], duration),
+                            {**first["actstore"], "merged": True})
+    write_json_atomic(out_dir / METADATA, merged)
+    return merged
