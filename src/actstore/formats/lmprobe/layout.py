@@ -78,7 +78,8 @@ def from_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     """float32 rows -> storage dtype (bfloat16 rounded to nearest even by torch)."""
     if dtype == "bfloat16":
         import torch
-        return torch.from_numpy(np.array(array, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        rounded = torch.from_numpy(np.array(array, dtype=np.float32)).to(torch.bfloat16)
+        return rounded.view(torch.int16).numpy().view(np.uint16)
     return np.asarray(array, dtype=DTYPES[dtype][1])
 
 
