@@ -1,0 +1,178 @@
+"""The bytes of an lmprobe 2.0 dataset: file and key names, dtypes, the safetensors header codec,
+the stored-dtype conversions and the prompt permutation. Pure, apart from reading a shard's header.
+
+The safetensors files are encoded and decoded here directly (u64 length + JSON header + raw
+little-endian data) so 1 GiB shards stream to disk and memory-map back without a copy;
+`safetensors.safe_open` reads them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import ConfigError, FormatError
+
+FORMAT = "lmprobe"
+FORMAT_VERSION = "2.0"
+PREFIX = "lmprobe:"  # schema-metadata key prefix of the index parquet
+HIDDEN_FILE_PATTERN = "tensors/hidden_layer{layer:03d}_shard{shard:03d}.safetensors"
+HIDDEN_KEY_PATTERN = "hidden.layer_{layer}"
+LOGITS_FILE_PATTERN = "tensors/logits_topk_{shard:03d}.safetensors"
+LOGITS_VALUES_KEY = "topk_values"
+LOGITS_INDICES_KEY = "topk_indices"
+SUMS = "SHA256SUMS"
+CARD = "README.md"
+DATASET_DIR = "dataset"  # the dataset root inside an actstore lmprobe stage directory
+REQUIRED_INFO = ("format_version", "model", "num_prompts", "prompt_ordering", "tensors", "provenance")
+CORE_COLUMNS = ("text", "label", "num_tokens", "shard_index", "row_offset")
+FULL_COLUMNS = ("token_offset", "token_shard_ids", "token_shard_offsets")
+LOGITS_COLUMNS = ("shard_index_logits", "row_offset_logits")
+HIDDEN_KEYS = ("layers", "dim", "dtype", "layout", "file_pattern", "key_pattern", "storage", "shards")
+# dtype name -> (safetensors dtype, numpy storage dtype); bfloat16 is stored as raw uint16 bits.
+DTYPES = {"float32": ("F32", np.dtype("<f4")), "float16": ("F16", np.dtype("<f2")),
+          "bfloat16": ("BF16", np.dtype("<u2"))}
+ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"),
+             "I32": np.dtype("<i4")}
+ST_METADATA = {"format": "pt"}  # the __metadata__ of every shard
+MAX_HEADER = 100 << 20
+LOGITS_ROW_BYTES_PER_K = 4 + 8  # float32 value + int64 index
+MAX_SHARD_ROWS = 2**31 - 1  # shard_index/row_offset columns are int32
+
+TensorSpec = tuple[str, str, list[int]]  # (key, safetensors dtype, shape)
+
+
+def index_name(split: str) -> str:
+    """The index parquet of a split, relative to the dataset root."""
+    return f"index/{split}-00000-of-00001.parquet"
+
+
+def rows_per_shard(shard_bytes: int, row_bytes: int) -> int:
+    """Rows a shard of `shard_bytes` target size holds (at least one, at most int32)."""
+    return max(1, min(shard_bytes // row_bytes, MAX_SHARD_ROWS))
+
+
+def prompt_order(n: int, ordering: str, seed: int | None) -> np.ndarray:
+    """sample_idx of each index row: `np.random.default_rng(seed).permutation(n)` or identity."""
+    if ordering == "random":
+        return np.random.default_rng(seed).permutation(n).astype(np.int64)
+    if ordering == "original":
+        return np.arange(n, dtype=np.int64)
+    raise ConfigError(f"lmprobe.prompt_ordering: unknown value {ordering!r} (random or original)")
+
+
+# ---------------------------------------------------------------- stored dtypes
+
+def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored rows -> float32 (bfloat16 bits are the top half of a float32)."""
+    if dtype == "bfloat16":
+        return (np.asarray(array, dtype=np.uint32) << 16).view(np.float32)
+    return np.asarray(array, dtype=np.float32)
+
+
+def from_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 rows -> storage dtype (bfloat16 rounded to nearest even by torch)."""
+    if dtype == "bfloat16":
+        import torch
+        rounded = torch.from_numpy(np.array(array, dtype=np.float32)).to(torch.bfloat16)
+        return rounded.view(torch.int16).numpy().view(np.uint16)
+    return np.asarray(array, dtype=DTYPES[dtype][1])
+
+
+# ---------------------------------------------------------------- safetensors header codec
+
+def tensor_bytes(st_dtype: str, shape: list[int] | tuple[int, ...]) -> int:
+    return ST_DTYPES[st_dtype].itemsize * math.prod(shape)
+
+
+def encode_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """Header bytes (u64 length + JSON padded with spaces to 8 bytes) for tensors laid out in order."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, st_dtype, shape in specs:
+        nbytes = tensor_bytes(st_dtype, shape)
+        header[key] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
+    """(header dict, data start) of a safetensors file, checked for sane sizes; never executes content."""
+    path = Path(path)
+    if not path.is_file():
+        raise FormatError(f"{path}: shard file missing")
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(MAX_HEADER, size - 8):
+            raise FormatError(f"{path}: safetensors header length {n} exceeds the file ({size} bytes)")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{path}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+def tensor_entry(path: Path, header: dict[str, Any], start: int, key: str) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(numpy dtype, shape, absolute byte offset) of `key`, validated against the file size."""
+    entry = header.get(key)
+    if not isinstance(entry, dict):
+        have = sorted(k for k in header if k != "__metadata__")
+        raise FormatError(f"{path}: no tensor {key!r} in this shard (has {have})")
+    try:
+        dtype = ST_DTYPES[entry["dtype"]]
+        shape = tuple(int(x) for x in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise FormatError(f"{path}: tensor {key!r} has a bad header entry {entry!r}") from None
+    if end - begin != dtype.itemsize * math.prod(shape) or start + end > path.stat().st_size:
+        raise FormatError(f"{path}: tensor {key!r} data_offsets {entry['data_offsets']} do not fit "
+                          f"shape {list(shape)} {entry['dtype']} in {path.stat().st_size} bytes")
+    return dtype, shape, start + begin
+
+
+def dataset_card(info: dict[str, Any], index_rel: str) -> str:
+    """README.md: a short Hugging Face dataset card describing the dataset and how to read it. Its
+    snippet resolves the first prompt's last-token vector and runs as written (the tests exec it)."""
+    hidden = info["tensors"]["hidden_layers"]
+    split = info["dataset"]["split"]
+    return f"""---
+configs:
+- config_name: default
+  data_files:
+  - split: {split}
+    path: {index_rel}
+---
+# lmprobe {info['format_version']} activations of {info['model']['name']}
+
+{info['num_prompts']} prompts from `{info['dataset']['name']}`, layers {hidden['layers']} (dim {hidden['dim']},
+{hidden['dtype']}, {hidden['storage']} storage), prompt ordering `{info['prompt_ordering']}`
+(seed {info.get('prompt_ordering_seed')}). Written by actstore {info['provenance']['actstore_version']}.
+
+Everything is described in the schema metadata (`lmprobe:*` keys) of `{index_rel}`; see the lmprobe
+2.0 format specification. `shard_index`/`row_offset` resolve to the last-token vector of a prompt:
+
+```python
+import json, pyarrow.parquet as pq
+from safetensors import safe_open
+table = pq.read_table("{index_rel}")
+hidden = json.loads(table.schema.metadata[b"lmprobe:tensors"])["hidden_layers"]
+row = table.slice(0, 1).to_pylist()[0]
+layer = hidden["layers"][0]
+with safe_open(hidden["file_pattern"].format(layer=layer, shard=row["shard_index"]), framework="pt") as f:
+    vector = f.get_tensor(hidden["key_pattern"].format(layer=layer))[row["row_offset"]]
+```
+
+`sample_idx` is the source dataset row. `sha256sum -c {SUMS}` checks every file.
+"""

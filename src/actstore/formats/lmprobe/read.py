@@ -1,0 +1,316 @@
+"""Reading an lmprobe 2.0 dataset: the index parquet and its `lmprobe:` metadata, memory-mapped
+shards, LmprobeDataset (prompts are index rows, in df.iloc order) and the torch ProbeDataset."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_VERSION, LOGITS_INDICES_KEY,
+                                             LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, index_name,
+                                             read_safetensors_header, tensor_entry, to_float32)
+from actstore.integrity import inside
+
+
+def dataset_root(path: str | Path) -> Path:
+    """The dataset root: `path` itself, or `path/dataset` for an actstore lmprobe stage directory."""
+    path = Path(path)
+    if not (path / "index").is_dir() and (path / DATASET_DIR / "index").is_dir():
+        return path / DATASET_DIR
+    return path
+
+
+def find_index(root: str | Path, split: str | None = None) -> Path:
+    """The index parquet of a dataset root: index/{split}-00000-of-00001.parquet (the only one, or train)."""
+    root = dataset_root(root)
+    if split is not None:
+        path = root / index_name(split)
+        if not path.is_file():
+            raise FormatError(f"{path}: index parquet missing")
+        return path
+    found = sorted((root / "index").glob("*.parquet")) if (root / "index").is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    if (root / index_name("train")).is_file():
+        return root / index_name("train")
+    if not found:
+        raise FormatError(f"{root}: no index/*.parquet; not an lmprobe dataset")
+    raise FormatError(f"{root}: several index parquets {[p.name for p in found]}; pass split=")
+
+
+def read_info(index_path: str | Path) -> dict[str, Any]:
+    """The `lmprobe:` schema metadata of an index parquet, JSON-decoded, checked for the format version."""
+    index_path = Path(index_path)
+    info = _prefixed_metadata(index_path)
+    if not info:
+        raise FormatError(f"{index_path}: parquet has no 'lmprobe:' schema metadata; not an lmprobe index")
+    if info.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{index_path}: lmprobe:format_version {info.get('format_version')!r} unknown "
+                          f"(this reader knows {FORMAT_VERSION!r})")
+    missing = [k for k in REQUIRED_INFO if k not in info]
+    if missing:
+        raise FormatError(f"{index_path}: schema metadata lacks lmprobe:{', lmprobe:'.join(missing)}")
+    if "hidden_layers" not in info["tensors"]:
+        raise FormatError(f"{index_path}: lmprobe:tensors has no 'hidden_layers' descriptor")
+    return info
+
+
+def _prefixed_metadata(index_path: Path) -> dict[str, Any]:
+    """Every `lmprobe:` schema-metadata entry, JSON-decoded, keyed without the prefix."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_schema(index_path).metadata or {}
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        raise FormatError(f"{index_path}: not a readable parquet file ({exc})") from None
+    info = {}
+    for k, v in metadata.items():
+        if k.decode(errors="replace").startswith(PREFIX):
+            key = k.decode().removeprefix(PREFIX)
+            try:
+                info[key] = json.loads(v)
+            except json.JSONDecodeError:
+                raise FormatError(f"{index_path}: schema metadata {k.decode()!r} is not JSON") from None
+    return info
+
+
+def open_tensor(path: str | Path, key: str) -> np.ndarray:
+    """Read-only memmap of one tensor of a safetensors file (raw storage dtype; bf16 as uint16)."""
+    path = Path(path)
+    header, start = read_safetensors_header(path)
+    dtype, shape, offset = tensor_entry(path, header, start, key)
+    if math.prod(shape) == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+
+def _list_column(table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, flat values) of a list<int64> column as numpy, without per-row Python objects."""
+    import pyarrow as pa
+
+    column = table.column(name).combine_chunks()
+    column = column.cast(pa.large_list(column.type.value_type))
+    offsets = column.offsets.to_numpy() - column.offsets[0].as_py()
+    return offsets.astype(np.int64), column.flatten().to_numpy(zero_copy_only=False)
+
+
+class LmprobeDataset:
+    """An lmprobe 2.0 dataset opened by its root directory. Prompts are index rows (df.iloc order)."""
+
+    def __init__(self, root: str | Path, split: str | None = None):
+        import pyarrow.parquet as pq
+
+        self.root = dataset_root(root)
+        self.index_path = find_index(self.root, split)
+        self.info = read_info(self.index_path)
+        self.hidden = self.info["tensors"]["hidden_layers"]
+        self.logits_desc = self.info["tensors"].get("logits_topk")
+        self.column_names = pq.read_schema(self.index_path).names
+        missing = [c for c in CORE_COLUMNS if c not in self.column_names]
+        if missing:
+            raise FormatError(f"{self.index_path}: core columns missing: {missing}")
+        # Only the addressing columns are read up front; text/token lists load on first use of .table.
+        wanted = ["num_tokens", "shard_index", "row_offset"] + [c for c in ("sample_idx",) if c in self.column_names]
+        address = pq.read_table(self.index_path, columns=wanted)
+        self.num_tokens = address.column("num_tokens").to_numpy().astype(np.int64)
+        self.shard_index = address.column("shard_index").to_numpy().astype(np.int64)
+        self.row_offset = address.column("row_offset").to_numpy().astype(np.int64)
+        self.sample_idx = (address.column("sample_idx").to_numpy().astype(np.int64)
+                           if "sample_idx" in self.column_names else np.arange(address.num_rows))
+        self._row_of_map: dict[int, int] | None = None
+        self._table = None
+        self._token_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._views: dict[tuple[str, str], np.ndarray] = {}
+
+    @property
+    def table(self):
+        """The whole index as a pyarrow Table (read on first use)."""
+        import pyarrow.parquet as pq
+
+        if self._table is None:
+            self._table = pq.read_table(self.index_path)
+        return self._table
+
+    def has_sample(self, sample_idx: int) -> bool:
+        """Is source dataset row `sample_idx` in the index?"""
+        return int(sample_idx) in self._row_of
+
+    @property
+    def _row_of(self) -> dict[int, int]:
+        if self._row_of_map is None:
+            self._row_of_map = {int(s): r for r, s in enumerate(self.sample_idx.tolist())}
+        return self._row_of_map
+
+    def token_addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(list offsets, flat token_shard_ids, flat token_shard_offsets) of a full-sequence index."""
+        if not self.full_sequence:
+            raise FormatError(f"{self.index_path}: pooled dataset stores only the last token of each prompt")
+        if self._token_cache is None:
+            import pyarrow.parquet as pq
+
+            table = self._table or pq.read_table(self.index_path, columns=["token_shard_ids", "token_shard_offsets"])
+            offsets, ids = _list_column(table, "token_shard_ids")
+            self._token_cache = (offsets, ids, _list_column(table, "token_shard_offsets")[1])
+        return self._token_cache
+
+    # -- descriptor
+    @property
+    def num_prompts(self) -> int:
+        return len(self.shard_index)
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.hidden["layers"])
+
+    @property
+    def dim(self) -> int:
+        return int(self.hidden["dim"])
+
+    @property
+    def dtype(self) -> str:
+        return self.hidden["dtype"]
+
+    @property
+    def full_sequence(self) -> bool:
+        return self.hidden.get("storage") == "full_sequence"
+
+    @property
+    def last_token_shards(self) -> int:
+        return int(self.hidden.get("last_token_shards", len(self.hidden["shards"])))
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Integer label per prompt (label_id column, else position in sorted label names; -1 = none)."""
+        if "label_id" in self.column_names:
+            return self.table.column("label_id").fill_null(-1).to_numpy().astype(np.int64)
+        names = self.table.column("label").to_pylist()
+        classes = {v: i for i, v in enumerate(sorted({x for x in names if x is not None}))}
+        return np.array([classes.get(x, -1) for x in names], dtype=np.int64)
+
+    def row_of(self, sample_idx: int) -> int:
+        """Index row of a source dataset row."""
+        try:
+            return self._row_of[int(sample_idx)]
+        except KeyError:
+            raise IndexError(f"{self.index_path}: no prompt with sample_idx {sample_idx}") from None
+
+    # -- tensors
+    def check_layer(self, layer: int) -> None:
+        """KeyError unless `layer` is stored."""
+        if layer not in self.hidden["layers"]:
+            raise KeyError(f"{self.index_path}: layer {layer} not stored (layers {self.hidden['layers']})")
+
+    def hidden_tensor(self, layer: int, shard: int) -> np.ndarray:
+        """Memmap (rows, dim) of one hidden shard, raw storage dtype."""
+        self.check_layer(layer)
+        rel = self.hidden["file_pattern"].format(layer=layer, shard=shard)
+        return self._view(rel, self.hidden["key_pattern"].format(layer=layer))
+
+    def _view(self, rel: str, key: str) -> np.ndarray:
+        if (rel, key) not in self._views:
+            view = open_tensor(inside(self.root, rel, f"{self.index_path} (lmprobe:tensors file_pattern)"), key)
+            if view.ndim != 2:
+                raise FormatError(f"{self.root / rel}: tensor {key!r} has shape {list(view.shape)}, expected 2-D")
+            self._views[(rel, key)] = view
+        return self._views[(rel, key)]
+
+    def _rows(self, layer: int, shards: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """float32 rows at (shard, offset) pairs of a layer, one fancy read per shard."""
+        out = np.empty((len(shards), self.dim), np.float32)
+        for s in np.unique(shards):
+            mask = shards == s
+            view = self.hidden_tensor(layer, int(s))
+            wanted = offsets[mask]
+            if wanted.size and (wanted.min() < 0 or wanted.max() >= view.shape[0]):
+                raise FormatError(f"{self.root}: layer {layer} shard {s} has {view.shape[0]} rows, "
+                                  f"index asks for row {int(wanted.max())}")
+            out[mask] = to_float32(view[wanted], self.dtype)
+        return out
+
+    def get(self, prompt: int, layer: int, token: int | None = None) -> np.ndarray:
+        """float32 (dim,) activation of index row `prompt` at `layer`: the last token, or token `token`."""
+        n = int(self.num_tokens[prompt])
+        if token is None or token == n - 1 or token == -1:
+            return self._rows(layer, self.shard_index[[prompt]], self.row_offset[[prompt]])[0]
+        if not -n <= token < n:
+            raise IndexError(f"token {token} out of range for prompt {prompt} with {n} tokens")
+        return self.tokens(prompt, layer)[token]
+
+    def tokens(self, prompt: int, layer: int) -> np.ndarray:
+        """float32 (num_tokens, dim) activations of every token of a prompt (full_sequence only)."""
+        offsets, ids, token_offsets = self.token_addresses()
+        a, b = offsets[prompt], offsets[prompt + 1]
+        return self._rows(layer, ids[a:b], token_offsets[a:b])
+
+    def last_tokens(self, layer: int) -> np.ndarray:
+        """float32 (num_prompts, dim): every prompt's last-token vector in index order; reads only
+        last-token shards, with one sequential read per shard when the shard's rows are in order."""
+        self.check_layer(layer)
+        out = np.empty((self.num_prompts, self.dim), np.float32)
+        for s in range(self.last_token_shards):
+            rows = np.flatnonzero(self.shard_index == s)
+            if len(rows):
+                self._read_last_token_shard(layer, s, rows, out)
+        return out
+
+    def _read_last_token_shard(self, layer: int, shard: int, rows: np.ndarray, out: np.ndarray) -> None:
+        view = self.hidden_tensor(layer, shard)
+        a = int(rows[0])
+        contiguous = (rows[-1] - a + 1 == len(rows) and
+                      np.array_equal(self.row_offset[rows], np.arange(len(rows))) and view.shape[0] == len(rows))
+        if contiguous and self.dtype == "float32":
+            with open(view.filename, "rb") as fh:  # straight into the output buffer
+                fh.seek(view.offset)
+                fh.readinto(memoryview(out[a:a + len(rows)]).cast("B"))
+        elif contiguous:
+            out[a:a + len(rows)] = to_float32(view, self.dtype)
+        else:
+            out[rows] = to_float32(view[self.row_offset[rows]], self.dtype)
+
+    def logits(self, prompt: int) -> tuple[np.ndarray, np.ndarray]:
+        """(topk_values float32 (k,), topk_indices int64 (k,)) at the last token of a prompt."""
+        if self.logits_desc is None:
+            raise FormatError(f"{self.index_path}: no logits_topk tensors in this dataset")
+        shard = int(self.table.column("shard_index_logits")[prompt].as_py())
+        offset = int(self.table.column("row_offset_logits")[prompt].as_py())
+        rel = self.logits_desc["file_pattern"].format(shard=shard)
+        return (np.asarray(self._view(rel, LOGITS_VALUES_KEY)[offset]),
+                np.asarray(self._view(rel, LOGITS_INDICES_KEY)[offset]))
+
+    def torch_dataset(self, layers: list[int] | None = None) -> ProbeDataset:
+        """A torch Dataset over (prompt, layer) pairs yielding {activation, label, layer, prompt, sample_idx}."""
+        return ProbeDataset(self, layers)
+
+
+class ProbeDataset:
+    """torch.utils.data.Dataset over (prompt, layer), layer-major; last-token activations + labels."""
+
+    def __init__(self, dataset: LmprobeDataset, layers: list[int] | None = None):
+        import torch  # noqa: F401  (fail early when torch is absent)
+
+        self.dataset = dataset
+        self.layers = list(layers) if layers is not None else dataset.layers
+        for layer in self.layers:
+            dataset.check_layer(layer)
+        self.labels = dataset.labels
+
+    def __len__(self) -> int:
+        return len(self.layers) * self.dataset.num_prompts
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        layer, prompt = self.layers[i // self.dataset.num_prompts], i % self.dataset.num_prompts
+        return {"activation": torch.from_numpy(self.dataset.get(prompt, layer)), "label": int(self.labels[prompt]),
+                "layer": layer, "prompt": prompt, "sample_idx": int(self.dataset.sample_idx[prompt])}
+
+
+def open_dataset(root: str | Path, split: str | None = None) -> LmprobeDataset:
+    """Open an lmprobe 2.0 dataset by its root directory."""
+    return LmprobeDataset(root, split)
