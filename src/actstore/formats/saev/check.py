@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.saev.layout import FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, WINDOWS, decode_data, metadata_hash
+from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, WINDOWS, decode_data,
+                                          metadata_hash)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
 from actstore.integrity import dir_bytes, file_problem, inside, unlisted
 

@@ -62,18 +62,12 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     config.json (image stores need it). Patch labels are computed here, so a bad mask fails before
     anything is written."""
     meta = extraction.meta
-    layers = list(section.get("layers") or meta["layers"])
-    missing = [layer for layer in layers if layer_tensor(layer) not in meta["tensors"]]
-    if missing:
-        raise ConfigError(f"saev.layers: {missing} not extracted; extract.layers = {meta['layers']}")
+    layers = _stored_layers(meta, section)
     d_model = int(extraction.parts[0].tensor(layer_tensor(layers[0])).shape[1])
     num_tokens = np.array([row["num_tokens"] for _, _, row in extraction.iter_samples()], dtype=np.int64)
     model_type = meta["model"]["model_type"] or "unknown"
     sidecar: dict[str, Any] = {"source_extraction": extract_hash, "model_type": model_type}
-    description = {"source": "actstore", "extract_hash": extract_hash, "modality": meta["modality"],
-                   "dataset": {k: meta["dataset"].get(k) for k in ("path", "name", "split")},
-                   "n_samples": int(len(num_tokens)), "model_revision": meta["model"]["revision"],
-                   "torch_dtype": meta["model"]["torch_dtype"]}
+    description = _description(meta, extract_hash, len(num_tokens))
     if meta["modality"] == "image":
         family = FAMILIES.get(model_type, model_type)
         cls_token = family in CLS_FAMILIES
@@ -90,9 +84,10 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         windows = text_windows(num_tokens, patches)
         description["tokens_per_window"] = patches
         description["max_seq_length"] = meta["max_seq_length"]
+    n_examples = int(len(num_tokens) if windows is None else len(windows))
     metadata = {
         "family": family, "ckpt": meta["model"]["name"], "layers": layers, "patches_per_ex": patches,
-        "cls_token": cls_token, "d_model": d_model, "n_examples": int(len(num_tokens) if windows is None else len(windows)),
+        "cls_token": cls_token, "d_model": d_model, "n_examples": n_examples,
         "patches_per_shard": int(section["patches_per_shard"]), "data": encode_data(description),
         "dataset": str(Path(meta["dataset"]["path"]).resolve()), "dtype": "float32", "protocol": PROTOCOL,
     }
@@ -100,6 +95,23 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         raise ConfigError(f"saev.patches_per_shard={metadata['patches_per_shard']} is smaller than one example "
                           f"({patches + int(cls_token)} tokens x {len(layers)} layers)")
     return Plan(metadata, windows, sidecar, labels)
+
+
+def _stored_layers(meta: dict[str, Any], section: dict[str, Any]) -> list[int]:
+    """saev.layers (default: every extracted layer), each of them extracted."""
+    layers = list(section.get("layers") or meta["layers"])
+    missing = [layer for layer in layers if layer_tensor(layer) not in meta["tensors"]]
+    if missing:
+        raise ConfigError(f"saev.layers: {missing} not extracted; extract.layers = {meta['layers']}")
+    return layers
+
+
+def _description(meta: dict[str, Any], extract_hash: str | None, n_samples: int) -> dict[str, Any]:
+    """The plain dict pickled into `data` (its key order is part of HASH: keep it)."""
+    return {"source": "actstore", "extract_hash": extract_hash, "modality": meta["modality"],
+            "dataset": {k: meta["dataset"].get(k) for k in ("path", "name", "split")},
+            "n_samples": int(n_samples), "model_revision": meta["model"]["revision"],
+            "torch_dtype": meta["model"]["torch_dtype"]}
 
 
 def _image_patches(extraction, num_tokens: np.ndarray, cls_token: bool,
