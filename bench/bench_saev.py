@@ -32,7 +32,7 @@ import torch
 
 from actstore import sae as sae_lib
 from actstore.formats import saev
-from actstore.saev_loader import ShuffledActivations
+from actstore.formats.saev.loader import ShuffledActivations
 
 OUT = Path(__file__).resolve().parent / "out"
 # The loader before issue 21, as the bench configured it: blocks of whole examples (4 MiB: 3 ViT-L

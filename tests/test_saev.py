@@ -14,9 +14,11 @@ import torch
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import saev
 from actstore.formats.parts import open_extraction
+from actstore.formats.saev import loader as saev_loader
+from actstore.formats.saev.loader import ShuffledActivations
 from actstore.hashing import stage_hash
-from actstore import saev_loader
-from actstore.saev_loader import ShuffledActivations
+from actstore.models import read_model_config
+from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 
 import tiny
 
@@ -28,8 +30,15 @@ def build(extracted, kind, data=None, **section):
     extraction = open_extraction(extract_dir)
     sec = {**config["saev"], "patches_per_shard": PPS, **section}
     root = extract_dir.parent.parent / "saev"
-    store = saev.write_store(extraction, sec, root, stage_hash(config, "extract"), progress=False)
-    return extraction, store
+    return extraction, write(extraction, sec, root, stage_hash(config, "extract"))
+
+
+def write(extraction, section, root, extract_hash=None):
+    """write_store as workflow/scripts/saev.py calls it: the model's config.json and the labeler passed in."""
+    image = extraction.meta["modality"] == "image"
+    model_config = read_model_config(extraction.meta["model"]["path"]) if image else None
+    return saev.write_store(extraction, section, root, extract_hash, model_config=model_config,
+                            labeler=saev.PatchLabeler(image_patch_labels, REGISTER_LABEL), progress=False)
 
 
 def spec_read(store_dir, example, layer, token):
@@ -454,8 +463,6 @@ def segmentation(tmp_path_factory):
 def test_labels_bin_from_masks_follows_the_processor(extracted, segmentation, kind, pixel_agg):
     """labels.bin holds, per image, the label of every patch of the mask resized and cropped exactly as
     the pixels were; register columns hold 255; the settings change HASH; the loader filters on it."""
-    from actstore.patch_labels import REGISTER_LABEL
-
     images, masks, coarse = segmentation(kind)
     _, _, crop, registers = GEOMETRY[kind]
     labels_cfg = {"masks": str(masks), "mask_suffix": ".png", "pixel_agg": pixel_agg, "bg_label": 0}
@@ -496,7 +503,7 @@ def test_bad_masks_are_named_and_nothing_is_written(extracted, segmentation, tmp
 
     def fails(match):
         with pytest.raises((FormatError, ConfigError), match=match):
-            saev.write_store(extraction, cfg, root, progress=False)
+            write(extraction, cfg, root)
         assert not root.exists() or not any(root.iterdir())  # nothing half-written under the store name
 
     victim.unlink()

@@ -1,4 +1,4 @@
-/* Block reads + row scatter with non-temporal stores, for the saev shuffled loader (actstore.saev_loader).
+/* Block reads + row scatter with non-temporal stores, for the saev shuffled loader (actstore.formats.saev.loader).
  *
  * The loader reads many small blocks (a few tokens of one example) and copies each activation vector
  * to a random row of a shuffle buffer far larger than the cache. Both halves live here so one call

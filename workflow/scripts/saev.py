@@ -2,16 +2,23 @@
 from pathlib import Path
 
 from actstore.formats.parts import open_extraction
-from actstore.formats.saev import open_store, write_pointer, write_store
+from actstore.formats.saev import PatchLabeler, open_store, write_pointer, write_store
 from actstore.hashing import stage_hash, write_stage_config
+from actstore.models import read_model_config
+from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 from actstore.workflow import setup_logging
 
 setup_logging(snakemake)
 config = snakemake.config
 pointer = Path(snakemake.output.pointer)
 extraction = open_extraction(Path(snakemake.input.index).parent, config["extract"]["parts"])
+# What the format needs from the model and the masks, which it does not read itself (image stores only).
+image = extraction.meta["modality"] == "image"
+model_config = read_model_config(extraction.meta["model"]["path"]) if image else None
+labeler = PatchLabeler(image_patch_labels, REGISTER_LABEL)
 # The store is a sibling of the stage dir: {dump_to}/saev/<HASH>/ next to {dump_to}/saev/<stage hash>/.
-store = write_store(extraction, config["saev"], pointer.parent.parent, stage_hash(config, "extract"))
+store = write_store(extraction, config["saev"], pointer.parent.parent, stage_hash(config, "extract"),
+                    model_config=model_config, labeler=labeler)
 open_store(store)  # re-open: every shard present with its exact size
 write_pointer(pointer, store)
 write_stage_config(config, "saev", pointer.parent)

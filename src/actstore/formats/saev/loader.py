@@ -42,7 +42,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.saev import DTYPE, SaevStore
+from actstore.formats.saev.layout import DTYPE
+from actstore.formats.saev.read import SaevStore
 
 try:
     from actstore import _scatter

@@ -1,0 +1,103 @@
+"""The Format protocol for saev stores (detect / inspect / verify / read_vector) and the full
+integrity check behind `actstore verify`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, WINDOWS, decode_data,
+                                          metadata_hash)
+from actstore.formats.saev.read import SaevStore, open_store, resolve
+from actstore.integrity import dir_bytes, file_problem, inside, unlisted
+
+
+def detect(path: str | Path) -> bool:
+    """Does `path` hold a saev store (or point at one)?"""
+    try:
+        store_dir = resolve(path)
+    except FormatError:
+        return False
+    return (store_dir / METADATA).is_file() and (store_dir / SHARDS).is_file()
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary of a store for `actstore inspect`."""
+    store = SaevStore(path, check_sizes=False)
+    md = store.metadata
+    windows = store.windows
+    return {
+        "format": "saev", "protocol": md["protocol"], "path": str(store.dir), "hash": store.dir.name,
+        "model": md["ckpt"], "family": md["family"], "layers": md["layers"], "n_examples": md["n_examples"],
+        "n_tokens": int(windows[:, 2].sum()) if windows is not None else md["n_examples"] * store.T,
+        "d_model": md["d_model"], "dtype": md["dtype"], "n_shards": len(store.shards),
+        "bytes": dir_bytes(store.dir), "patches_per_ex": md["patches_per_ex"], "cls_token": md["cls_token"],
+        "tokens_per_ex": store.T, "examples_per_shard": store.examples_per_shard,
+        "patches_per_shard": md["patches_per_shard"], "dataset": md["dataset"],
+        "has_labels": (store.dir / LABELS).is_file(), "text_windows": windows is not None,
+    }
+
+
+def verify(path: str | Path) -> list[str]:
+    """Full integrity check; a list of problems each naming its file (empty = clean). Never raises."""
+    try:
+        store = SaevStore(path, check_sizes=False)
+    except (FormatError, OSError) as exc:
+        return [str(exc)]
+    problems = []
+    if store.dir.name != metadata_hash(store.metadata):
+        problems.append(f"{store.dir / METADATA}: sha256 {metadata_hash(store.metadata)} does not match "
+                        f"the directory name {store.dir.name} (config drift)")
+    try:
+        decode_data(store.metadata["data"])
+    except FormatError as exc:
+        problems.append(f"{store.dir / METADATA}: {exc}")
+    problems += store.size_problems()
+    for shard in store.shards:
+        path_ = store.dir / shard["name"]
+        if "sha256" not in shard:
+            problems.append(f"{store.dir / SHARDS}: {shard['name']} has no sha256")
+        elif path_.is_file() and path_.stat().st_size == store.shard_bytes(store.shards.index(shard)):
+            if problem := file_problem(path_, {"sha256": shard["sha256"]}, SHARDS):
+                problems.append(problem)
+    problems += _verify_sidecar_files(store)
+    sidecar_files = store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
+    listed = {METADATA, SHARDS, SIDECAR, *(s["name"] for s in store.shards), *sidecar_files}
+    return problems + unlisted(store.dir, listed, f"{SHARDS} or {SIDECAR}")
+
+
+def _verify_sidecar_files(store: SaevStore) -> list[str]:
+    problems = []
+    files = store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
+    for name, info in files.items():
+        try:
+            problem = file_problem(inside(store.dir, name, str(store.dir / SIDECAR)), info, SIDECAR)
+        except FormatError as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(problem)
+    if (store.dir / LABELS).is_file() and LABELS not in files:
+        problems.append(f"{store.dir / LABELS}: no sha256 recorded in {SIDECAR}")
+    if store.metadata["family"] not in FAMILIES.values() and WINDOWS not in files:
+        problems.append(f"{store.dir / WINDOWS}: text store without a recorded windows.npy")
+    if WINDOWS in files and not problems:
+        try:
+            w = store.windows
+            if w.shape != (store.n_examples, 3) or (w[:, 2] < 1).any() or (w[:, 2] > store.T).any():
+                problems.append(f"{store.dir / WINDOWS}: shape {w.shape} or n_valid out of [1, {store.T}]")
+        except (ValueError, OSError) as exc:
+            problems.append(f"{store.dir / WINDOWS}: unreadable ({exc})")
+    return problems
+
+
+def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
+    """(d,) float32 activation of dataset row sample_idx, block layer_idx, token token_idx, or None."""
+    store = open_store(path)
+    if layer_idx not in store.layers:
+        return None
+    where = store.find(sample_idx, token_idx)
+    if where is None:
+        return None
+    return store.vector(where[0], layer_idx, where[1])

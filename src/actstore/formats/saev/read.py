@@ -1,0 +1,210 @@
+"""Reading a saev store: resolve a path to the store, open it, address vectors as the spec's §4 says."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from actstore.errors import FormatError
+from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
+                                          check_metadata, examples_per_shard, shard_name)
+from actstore.integrity import read_json
+
+
+def resolve(path: str | Path) -> Path:
+    """The store directory from itself, a stage dir holding saev.json, or saev.json itself."""
+    path = Path(path)
+    if path.is_dir() and (path / METADATA).is_file():
+        return path
+    pointer = path / POINTER if path.is_dir() else path
+    if pointer.name == POINTER and pointer.is_file():
+        try:
+            target = json.loads(pointer.read_text())["store"]
+        except (ValueError, KeyError, TypeError):
+            raise FormatError(f"{pointer}: not a saev pointer (needs a 'store' key)") from None
+        # The store is the stage dir's sibling named by its HASH, and nothing else.
+        if not isinstance(target, str) or not re.fullmatch(r"\.\./[0-9a-f]{64}", target):
+            raise FormatError(f"{pointer}: store {target!r} is not '../<metadata sha256>'")
+        return (pointer.parent / target).resolve()
+    raise FormatError(f"{path}: neither a saev store (no {METADATA}) nor a stage dir with {POINTER}")
+
+
+class SaevStore:
+    """An opened store: spec §4 addressing, per-shard memmaps, ordered iteration."""
+
+    def __init__(self, path: str | Path, check_sizes: bool = True):
+        self.dir = resolve(path)
+        self.metadata = read_json(self.dir / METADATA)
+        check_metadata(self.metadata, self.dir / METADATA)
+        if str(self.metadata["protocol"]).split(".")[0] != PROTOCOL.split(".")[0]:
+            warnings.warn(f"{self.dir / METADATA}: protocol {self.metadata['protocol']} has a different major "
+                          f"version than this reader's {PROTOCOL}; the layout may have changed", stacklevel=2)
+        self.shards = read_json(self.dir / SHARDS)
+        self._check_shards_json()
+        sidecar = self.dir / SIDECAR
+        self.sidecar = read_json(sidecar) if sidecar.is_file() else {}
+        self.starts = np.concatenate([[0], np.cumsum([s["n_examples"] for s in self.shards])]).astype(np.int64)
+        self._maps: dict[int, np.memmap] = {}
+        self._windows: np.ndarray | None | bool = False  # False: not looked for yet
+        if check_sizes:
+            problems = self.size_problems()
+            if problems:
+                raise FormatError("; ".join(problems))
+
+    # spec §4.1 names
+    @property
+    def layers(self) -> list[int]:
+        return self.metadata["layers"]
+
+    @property
+    def L(self) -> int:
+        return len(self.layers)
+
+    @property
+    def patches_per_ex(self) -> int:
+        return self.metadata["patches_per_ex"]
+
+    @property
+    def T(self) -> int:
+        return self.patches_per_ex + int(self.metadata["cls_token"])
+
+    @property
+    def D(self) -> int:
+        return self.metadata["d_model"]
+
+    @property
+    def n_examples(self) -> int:
+        return self.metadata["n_examples"]
+
+    @property
+    def examples_per_shard(self) -> int:
+        return examples_per_shard(self.metadata["patches_per_shard"], self.T, self.L)
+
+    @property
+    def example_bytes(self) -> int:
+        return self.L * self.T * self.D * DTYPE.itemsize
+
+    def _check_shards_json(self) -> None:
+        where = self.dir / SHARDS
+        if not isinstance(self.shards, list) or not self.shards and self.n_examples:
+            raise FormatError(f"{where}: must be a non-empty array of shard objects")
+        per = self.examples_per_shard
+        for i, shard in enumerate(self.shards):
+            if not isinstance(shard, dict) or shard.get("name") != shard_name(i):
+                raise FormatError(f"{where}: entry {i} must be named {shard_name(i)!r}, got {shard!r:.80}")
+            n = shard.get("n_examples")
+            if not isinstance(n, int) or n < 1 or n > per or (i < len(self.shards) - 1 and n != per):
+                raise FormatError(f"{where}: {shard_name(i)} n_examples={n!r}; expected {per} "
+                                  f"(only the last shard may be smaller)")
+        total = sum(s["n_examples"] for s in self.shards)
+        if total != self.n_examples:
+            raise FormatError(f"{where}: shards hold {total} examples, metadata.json n_examples={self.n_examples}")
+
+    def shard_bytes(self, idx: int) -> int:
+        return self.shards[idx]["n_examples"] * self.example_bytes
+
+    def size_problems(self) -> list[str]:
+        """Every shard present with exactly n_examples * L * T * D * 4 bytes (checked before any read)."""
+        problems = []
+        for i, shard in enumerate(self.shards):
+            path = self.dir / shard["name"]
+            if not path.is_file():
+                problems.append(f"{path}: missing shard")
+            elif path.stat().st_size != self.shard_bytes(i):
+                problems.append(f"{path}: {path.stat().st_size} bytes, expected {self.shard_bytes(i)} "
+                                f"({shard['n_examples']} x {self.L} x {self.T} x {self.D} float32)")
+        return problems
+
+    def layer_index(self, layer: int) -> int:
+        """Spec §4.2 step 2: a layer not stored is an error naming the stored layers."""
+        if layer not in self.layers:
+            raise FormatError(f"{self.dir}: layer {layer} not stored; stored layers are {self.layers}")
+        return self.layers.index(layer)
+
+    def locate(self, example: int, layer: int, token: int) -> tuple[Path, int]:
+        """Spec §4.2: (shard file, byte offset) of vector [example, layer value, token]."""
+        if not 0 <= example < self.n_examples:
+            raise IndexError(f"example {example} out of range [0, {self.n_examples})")
+        if not 0 <= token < self.T:
+            raise IndexError(f"token {token} out of range [0, {self.T})")
+        s = self.examples_per_shard
+        shard_idx, ex_in_shard = divmod(example, s)
+        offset_in_vectors = ex_in_shard * self.L * self.T + self.layer_index(layer) * self.T + token
+        return self.dir / shard_name(shard_idx), offset_in_vectors * self.D * DTYPE.itemsize
+
+    def vector(self, example: int, layer: int, token: int) -> np.ndarray:
+        """One (D,) vector by seek + read at the spec's byte offset."""
+        path, offset = self.locate(example, layer, token)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, self.D * DTYPE.itemsize, offset)
+        finally:
+            os.close(fd)
+        return np.frombuffer(raw, dtype=DTYPE).astype(np.float32)
+
+    def memmap(self, shard_idx: int) -> np.memmap:
+        """Read-only (S, L, T, D) memmap of one shard (random access for visualisation)."""
+        if shard_idx not in self._maps:
+            self._maps[shard_idx] = np.memmap(self.dir / shard_name(shard_idx), dtype=DTYPE, mode="r",
+                                              shape=(self.shards[shard_idx]["n_examples"], self.L, self.T, self.D))
+        return self._maps[shard_idx]
+
+    def example(self, example: int) -> np.ndarray:
+        """(L, T, D) view of one example through the shard memmap."""
+        shard_idx, ex_in_shard = divmod(example, self.examples_per_shard)
+        return self.memmap(shard_idx)[ex_in_shard]
+
+    def iter_ordered(self, chunk_examples: int = 1024, progress: bool = False) -> Iterator[tuple[int, np.ndarray]]:
+        """(first example, (n, L, T, D) array) in example order, one large sequential read each."""
+        for idx, shard in enumerate(tqdm(self.shards, desc="saev read", disable=not progress)):
+            path = self.dir / shard["name"]
+            with open(path, "rb", buffering=0) as fh:
+                for lo in range(0, shard["n_examples"], chunk_examples):
+                    n = min(chunk_examples, shard["n_examples"] - lo)
+                    out = np.empty((n, self.L, self.T, self.D), dtype=DTYPE)
+                    fh.seek(lo * self.example_bytes)
+                    fh.readinto(memoryview(out).cast("B"))
+                    yield int(self.starts[idx]) + lo, out
+
+    @property
+    def windows(self) -> np.ndarray | None:
+        """Text stores: (n_examples, 3) sample_idx, token_start, n_valid; None for images."""
+        if self._windows is False:  # looked up once: the loader asks for every block
+            path = self.dir / WINDOWS
+            self._windows = np.load(path, allow_pickle=False) if path.is_file() else None
+        return self._windows
+
+    def labels(self) -> np.ndarray | None:
+        """labels.bin as a read-only uint8 (n_examples, patches_per_ex) memmap, or None."""
+        path = self.dir / LABELS
+        if not path.is_file():
+            return None
+        want = self.n_examples * self.patches_per_ex
+        if path.stat().st_size != want:
+            raise FormatError(f"{path}: {path.stat().st_size} bytes, expected {want} (uint8 n_examples x patches_per_ex)")
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(self.n_examples, self.patches_per_ex))
+
+    def find(self, sample_idx: int, token_idx: int) -> tuple[int, int] | None:
+        """(example, token) holding token `token_idx` of dataset row `sample_idx`, or None."""
+        windows = self.windows
+        if windows is None:
+            ok = 0 <= sample_idx < self.n_examples and 0 <= token_idx < self.T
+            return (sample_idx, token_idx) if ok else None
+        lo, hi = np.searchsorted(windows[:, 0], [sample_idx, sample_idx + 1])
+        for ex in range(lo, hi):
+            _, start, valid = windows[ex]
+            if start <= token_idx < start + valid:
+                return int(ex), int(token_idx - start)
+        return None
+
+
+def open_store(path: str | Path) -> SaevStore:
+    """Open a store (or a stage dir / saev.json pointing at one); checks every shard's size first."""
+    return SaevStore(path)
+
