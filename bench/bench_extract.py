@@ -28,7 +28,7 @@ from actstore.config import validate_config
 from actstore.extract import length_batches, preflight, run_part, tokenize
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
-from actstore.formats.parts import PartWriter
+from actstore.formats.extract import PartWriter
 from actstore.io_utils import start_writeback
 from actstore.models import load_image_processor, load_model
 

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from actstore.formats import lmprobe
-from actstore.formats.parts import PartWriter, write_part
+from actstore.formats.extract import PartWriter, write_part
 
 REPO = Path(__file__).resolve().parents[1]
 

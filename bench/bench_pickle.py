@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from actstore.formats import pickle as ps
-from actstore.formats.parts import open_part
+from actstore.formats.extract import open_part
 
 OUT = Path(__file__).resolve().parent / "out"
 

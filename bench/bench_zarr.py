@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from actstore.formats import zarr as zs
-from actstore.formats.parts import PartWriter, layer_tensor, write_part
+from actstore.formats.extract import PartWriter, layer_tensor, write_part
 
 OUT = Path(__file__).resolve().parent / "out"
 

@@ -39,7 +39,8 @@ def image_folder(tmp_path_factory):
 def extracted(tmp_path_factory, model_dir, text_jsonl, image_folder):
     """extracted(kind, data=None, **sections) -> (config, extract_dir) after running every part of a
     tiny extraction (data: the dataset path, default the shared images or texts for the kind)."""
-    from actstore.extract import run_part, write_index
+    from actstore.extract import run_part
+    from actstore.formats.extract import write_index
     from actstore.hashing import stage_dir
 
     cache = {}

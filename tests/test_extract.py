@@ -9,8 +9,9 @@ import torch
 
 import tiny
 from actstore.errors import ConfigError, FormatError
-from actstore.extract import preflight, run_part, write_index
-from actstore.formats.parts import open_extraction, open_part
+from actstore.extract import preflight, run_part
+from actstore.formats.extract import write_index
+from actstore.formats.extract import open_extraction, open_part
 from actstore.models import get_module, load_model
 
 REL_TOL = 1e-5
@@ -416,19 +417,19 @@ def test_verify_names_a_missing_part_an_unlisted_file_and_a_path_outside_the_par
     import shutil
 
     from actstore.errors import FormatError
-    from actstore.formats import parts
+    from actstore.formats import extract as extract_format
     _, out = extracted("bert", extract={"parts": 3})
     copy = tmp_path / "extract"
     shutil.copytree(out, copy)
-    assert parts.verify(copy) == []
+    assert extract_format.verify(copy) == []
     shutil.rmtree(copy / "part-0001")
-    assert any("part-0001/part.json: missing (listed in extract.json)" in p for p in parts.verify(copy))
+    assert any("part-0001/part.json: missing (listed in extract.json)" in p for p in extract_format.verify(copy))
     with pytest.raises(FormatError, match="part-0001"):
         open_extraction(copy)  # extract.json says 3 parts: never half the samples
     (copy / "part-0000" / "layer_002.npy").with_name("junk.txt").write_text("x")
-    assert any("junk.txt: not listed in part.json" in p for p in parts.verify(copy))
+    assert any("junk.txt: not listed in part.json" in p for p in extract_format.verify(copy))
     meta_path = copy / "part-0002" / "part.json"
     meta = json.loads(meta_path.read_text())
     meta["files"]["../../../etc/passwd"] = meta["files"].pop("offsets.npy")
     meta_path.write_text(json.dumps(meta))
-    assert any("'../../../etc/passwd' is not a relative path inside" in p for p in parts.verify(copy))
+    assert any("'../../../etc/passwd' is not a relative path inside" in p for p in extract_format.verify(copy))

@@ -13,7 +13,7 @@ import torch
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import lmprobe
-from actstore.formats.parts import open_extraction
+from actstore.formats.extract import open_extraction
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "lmprobe-format-2.0.md"
 

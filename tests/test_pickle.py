@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from actstore.errors import FormatError
 from actstore.formats import pickle as ps
-from actstore.formats.parts import layer_tensor, open_extraction
+from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.models import model_params, read_model_config
 
 SPEC = Path("/work/shared/specs/pickle-shard-format.md")

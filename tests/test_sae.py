@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.parts import open_extraction
+from actstore.formats.extract import open_extraction
 from actstore.sae import (Prefetcher, TopKSAE, auxk_loss, build_sae, data_mean, import_sae, init_sae, load_sae,
                           resolve_hook, split_tokens, stream_batches, tensors)
 

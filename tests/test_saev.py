@@ -13,7 +13,7 @@ import torch
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import saev
-from actstore.formats.parts import open_extraction
+from actstore.formats.extract import open_extraction
 from actstore.formats.saev import loader as saev_loader
 from actstore.formats.saev.loader import ShuffledActivations
 from actstore.hashing import stage_hash

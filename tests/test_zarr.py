@@ -10,7 +10,7 @@ import torch
 
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
-from actstore.formats.parts import layer_tensor, open_extraction
+from actstore.formats.extract import layer_tensor, open_extraction
 
 
 GIT_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # what the zarr_part script passes in

@@ -56,7 +56,7 @@ def check_targets_before_training(config: dict[str, Any], extract_dir: str | Pat
     """The lut stage's targets checked on the model skeleton against sae.hook's width, so a bad
     target fails before the SAE trains rather than after."""
     from actstore.models import model_skeleton, resolve_model_path
-    from actstore.formats.parts import open_extraction
+    from actstore.formats.extract import open_extraction
     from actstore.sae import resolve_hook, tensors
 
     d_in = tensors(open_extraction(extract_dir, config["extract"]["parts"]), resolve_hook(config))[0].shape[1]
@@ -121,7 +121,7 @@ def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str
     """The SAE's held-out tokens of its hook tensor (at most lut.eval_tokens) and held-out samples."""
     import json
 
-    from actstore.formats.parts import open_extraction
+    from actstore.formats.extract import open_extraction
     from actstore.sae import REPORT_FILE as SAE_REPORT, iter_rows, split_tokens, tensors
 
     sae_report = json.loads((Path(sae_dir) / SAE_REPORT).read_text())
@@ -137,7 +137,7 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     """Swap the targets into the real model with lut.runtime: cosine of final hidden states (encoders,
     vision) or KL(original || LUT) and perplexity change (causal LMs), on held-out samples; per budget
     which path (lookup or dense) the targets' calls took and each target's crossover."""
-    from actstore.formats.parts import open_extraction
+    from actstore.formats.extract import open_extraction
 
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
     samples = samples[:config["lut"]["eval_samples"]]

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from actstore.formats.parts import Extraction, layer_tensor  # noqa: E402
+from actstore.formats.extract import Extraction, layer_tensor  # noqa: E402
 
 MAX_TOKENS_PER_LAYER = 20000
 

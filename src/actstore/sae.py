@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.parts import Extraction, open_extraction
+from actstore.formats.extract import Extraction, open_extraction
 from actstore.io_utils import atomic_path, write_json_atomic
 from actstore.lut_runtime import weighted_rows
 from actstore.models import pick_device

@@ -13,7 +13,7 @@ import numpy as np
 from actstore.config import enabled_stages
 from actstore.errors import FormatError
 from actstore.formats import FORMAT_STAGES, format_module
-from actstore.formats.parts import layer_tensor, open_extraction
+from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.hashing import stage_dir
 from actstore.io_utils import write_json_atomic
 

@@ -1,7 +1,7 @@
 """Rule extract_index: check every part and summarise the extraction stage."""
 from pathlib import Path
 
-from actstore.extract import write_index
+from actstore.formats.extract import write_index
 from actstore.hashing import write_stage_config
 from actstore.workflow import setup_logging
 

@@ -1,7 +1,7 @@
 """Rule pickle_part: write one extraction part (machine) as a complete pickle-shard store."""
 from pathlib import Path
 
-from actstore.formats.parts import PART_META
+from actstore.formats.extract import PART_META
 from actstore.formats.pickle import write_machine
 from actstore.integrity import read_json
 from actstore.models import model_params, read_model_config

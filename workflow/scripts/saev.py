@@ -1,7 +1,7 @@
 """Rule saev: write the extraction as a saev protocol 2.1 store and point the stage dir at it."""
 from pathlib import Path
 
-from actstore.formats.parts import open_extraction
+from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, open_store, write_pointer, write_store
 from actstore.hashing import stage_hash, write_stage_config
 from actstore.models import read_model_config

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from actstore.formats.parts import open_extraction
+from actstore.formats.extract import open_extraction
 from actstore.report import PLOTS, make_plots
 from actstore.workflow import setup_logging
 

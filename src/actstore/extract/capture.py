@@ -7,7 +7,7 @@ from typing import Iterator
 import torch
 
 from actstore.errors import ConfigError
-from actstore.formats.parts import layer_tensor
+from actstore.formats.extract import layer_tensor
 from actstore.models import LoadedModel, first_tensor, get_module
 
 

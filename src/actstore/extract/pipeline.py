@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.formats.parts import PartWriter
+from actstore.formats.extract import PartWriter
 
 ALIGN = 64  # byte alignment of each file's region in a staging slot (any dtype view is legal)
 POLL_S = 0.1  # how often a blocked submit looks for a failed writer (never hangs on a dead thread)

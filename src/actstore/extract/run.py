@@ -1,6 +1,6 @@
 """Run a model over one part of the dataset and write its token-packed activations (one pipeline,
 CPU and GPU): inputs (inputs.py) -> forward with capture hooks (capture.py) -> packed on the device
--> staging buffers and writer threads (pipeline.py) -> the part directory (formats/parts.py)."""
+-> staging buffers and writer threads (pipeline.py) -> the part directory (formats/extract/)."""
 from __future__ import annotations
 
 import logging
@@ -19,7 +19,7 @@ from actstore.extract.capture import capture, parse_hook
 from actstore.extract.inputs import (default_workers, image_batch, image_batches, length_batches,
                                      text_batches, to_model, tokenize)
 from actstore.extract.pipeline import BatchRows, WritePipeline
-from actstore.formats.parts import PartWriter, layer_tensor, tensor_file, write_part
+from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model,
                              model_kind, model_skeleton, num_blocks, pick_device, read_model_config,
@@ -215,25 +215,3 @@ def vision_tokens(loaded: LoadedModel, dataset: Dataset) -> int:
     with capture(loaded, [len(loaded.blocks) - 1], []) as captured, torch.inference_mode():
         loaded.model(**image_batch(loaded, dataset, dataset.samples[:1]))
         return int(captured[layer_tensor(len(loaded.blocks) - 1)].shape[1])
-
-
-def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
-    """Summarise all parts of an extraction (totals, tensors, per-part part.json sha256) in one JSON."""
-    from actstore.formats.parts import PART_META, open_extraction
-    from actstore.io_utils import sha256_file, write_json_atomic
-
-    extraction = open_extraction(extract_dir)
-    seen = [row["sample_idx"] for _, _, row in extraction.iter_samples()]
-    if seen != list(range(len(seen))):
-        raise ConfigError(f"{extract_dir}: parts do not cover sample_idx 0..{len(seen) - 1} exactly once")
-    index = {
-        "n_samples": extraction.n_samples, "n_tokens": extraction.n_tokens,
-        "tensors": extraction.tensor_names, "layers": extraction.meta["layers"],
-        "model": extraction.meta["model"], "dataset": extraction.meta["dataset"],
-        "extraction_duration_seconds": sum(p.meta["extraction_duration_seconds"] for p in extraction.parts),
-        "parts": [{"dir": p.dir.name, "n_samples": p.meta["n_samples"], "n_tokens": p.meta["n_tokens"],
-                   "sample_range": p.meta["sample_range"], "part_json_sha256": sha256_file(p.dir / PART_META)}
-                  for p in extraction.parts],
-    }
-    write_json_atomic(index_path, index)
-    return index

@@ -46,7 +46,7 @@ REGISTRY = (
     FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True,
                 markers=(("index/*.parquet", "tensors"), ("dataset/index/*.parquet", "dataset/tensors"))),
     FormatEntry("zarr", "actstore.formats.zarr", stage=True, markers=(("manifest.json",), (".zattrs", "arrays"))),
-    FormatEntry("extract", "actstore.formats.parts", stage=False, markers=(("part.json",), ("part-0000/part.json",))),
+    FormatEntry("extract", "actstore.formats.extract", stage=False, markers=(("part.json",), ("part-0000/part.json",))),
 )
 FORMAT_NAMES = tuple(entry.name for entry in REGISTRY)
 FORMAT_STAGES = tuple(entry.name for entry in REGISTRY if entry.stage)

@@ -193,7 +193,7 @@ def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[st
 
     `options` = the `lmprobe` config section (defaults as in the schema).
     """
-    from actstore.formats.parts import open_extraction
+    from actstore.formats.extract import open_extraction
 
     extraction = open_extraction(extract_dir)
     opts = _options(options, extraction)

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import FormatError
-from actstore.formats.parts import Part, layer_tensor, open_part
+from actstore.formats.extract import Part, layer_tensor, open_part
 from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, FORMAT, METADATA, PICKLE_PROTOCOL, PREVIEW_CHARS,
                                             distributed_config, layer_key, shard_filename, statistics,
                                             store_metadata)

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.parts import layer_tensor
+from actstore.formats.extract import layer_tensor
 from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, LABELS, METADATA, PROTOCOL, SHARDS,
                                           SIDECAR, WINDOWS, encode_data, examples_per_shard, metadata_hash,
                                           shard_name, shard_sizes, text_windows)

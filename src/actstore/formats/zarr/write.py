@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.parts import layer_tensor, open_part
+from actstore.formats.extract import layer_tensor, open_part
 from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, COMPATIBLE_ATTRS, FILES_JSON, MANIFEST, ORDER,
                                           PROMPTS_JSONL, SEPARATOR, SPLIT_CODES, WRITE_BLOCK_BYTES,
                                           ZARR_FORMAT, choose_t_chunk, files_json_text, manifest_doc,

@@ -1,0 +1,74 @@
+"""Check an extraction (the Format interface): every part extract.json lists, every file each
+part.json lists with its size and sha256, nothing unlisted, no name leading outside a part."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part_dirname, tensor_file
+from actstore.formats.extract.read import open_extraction, open_part
+from actstore.integrity import file_problem, inside, read_json
+
+
+def detect(path: str | Path) -> bool:
+    """An extraction stage directory (part-NNNN/part.json) or a single part directory."""
+    path = Path(path)
+    return (path / PART_META).is_file() or (path / part_dirname(0) / PART_META).is_file()
+
+
+def _part_dirs(path: Path) -> list[Path]:
+    return [path] if (path / PART_META).is_file() else sorted(path.glob("part-[0-9][0-9][0-9][0-9]"))
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary of an extraction (all parts) for `actstore inspect`."""
+    parts = [open_part(p) for p in _part_dirs(Path(path))]
+    meta = parts[0].meta
+    first_layer = layer_tensor(meta["layers"][0])
+    return {
+        "format": "actstore-extract", "model": meta["model"]["name"], "layers": meta["layers"],
+        "hooks": meta["hooks"], "n_examples": sum(p.meta["n_samples"] for p in parts),
+        "n_tokens": sum(p.meta["n_tokens"] for p in parts),
+        "d_model": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("shape", [0, None])[1],
+        "dtype": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("dtype", "float32"),
+        "n_shards": len(parts),
+        "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
+    }
+
+
+def verify(path: str | Path) -> list[str]:
+    """Every part extract.json lists present with its part.json, every part's files present with the
+    recorded size and sha256 and nothing unlisted; problems name the file."""
+    path = Path(path)
+    problems = _index_problems(path) if (path / INDEX).is_file() else []
+    for part_dir in _part_dirs(path):
+        try:
+            open_part(part_dir).verify()
+        except (FormatError, OSError, ValueError) as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _index_problems(extract_dir: Path) -> list[str]:
+    try:
+        parts = read_json(extract_dir / INDEX)["parts"]
+        listed = {entry["dir"]: entry["part_json_sha256"] for entry in parts}
+        records = {inside(extract_dir, d, str(extract_dir / INDEX)) / PART_META: {"sha256": sha}
+                   for d, sha in listed.items()}
+    except (FormatError, KeyError, TypeError) as exc:
+        return [f"{extract_dir / INDEX}: unreadable ({exc})"]
+    problems = [p for meta, record in records.items() if (p := file_problem(meta, record, INDEX))]
+    unlisted = sorted(d.name for d in _part_dirs(extract_dir) if d.name not in listed)
+    return problems + [f"{extract_dir / d}: not listed in {INDEX}" for d in unlisted]
+
+
+def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
+    """The stored float32 vector of (dataset row, block output, token)."""
+    extraction = open_extraction(path)
+    if layer_idx not in extraction.meta["layers"]:
+        return None
+    rows = extraction.activations(layer_tensor(layer_idx), sample_idx)
+    return np.array(rows[token_idx]) if token_idx < len(rows) else None

@@ -1,0 +1,64 @@
+"""The extraction intermediate's layout: the only place that knows its names and bytes.
+
+`part-NNNN/`:
+  part.json        metadata: sample range, tensors {name: {file, shape, dtype, sha256}}, model, ...
+  samples.jsonl    one row per sample: sample_idx, text (or image path), label, label_id,
+                   num_tokens, metadata (extra dataset fields)
+  offsets.npy      int64 (n+1,): tokens of local sample i are rows offsets[i]:offsets[i+1]
+  token_ids.npy    int64 (n_tokens,)                        text models
+  token_logprob.npy float32 (n_tokens,), NaN at each sample's first token   causal LMs
+  topk_values.npy / topk_indices.npy  float32 / int64 (n, k) last-token top-k logits   causal LMs
+  <tensor>.npy     (n_tokens, d) per captured tensor in the storage dtype (float32, float16, or
+                   bfloat16 as its uint16 bits), samples in sample_idx order, no padding
+                   ("layer_3" -> layer_003.npy; hook "m.path:input" -> hook-m.path-input.npy)
+The directory is built under a temp name and renamed into place last, so a killed job leaves
+nothing that looks complete.
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+PART_META = "part.json"
+INDEX = "extract.json"  # beside the parts: every part's directory and part.json sha256
+FORMAT_NAME = "actstore-part"
+FORMAT_VERSION = 1
+
+
+def layer_tensor(layer_idx: int) -> str:
+    """Tensor name of block `layer_idx`'s output."""
+    return f"layer_{layer_idx}"
+
+
+def tensor_file(name: str) -> str:
+    """File name of a captured tensor inside a part directory."""
+    if name.startswith("layer_"):
+        return f"layer_{int(name[6:]):03d}.npy"
+    module_path, _, io = name.partition(":")
+    return f"hook-{module_path}-{io}.npy"
+
+
+def part_dirname(part: int) -> str:
+    return f"part-{part:04d}"
+
+
+# Storage dtypes of captured tensors and their .npy descr. numpy has no bfloat16: it is kept as its
+# uint16 bit pattern (part.json says "bfloat16"); every reader widens it to float32, which is exact.
+STORAGE_DESCR = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+
+
+def npy_header(shape: tuple[int, ...], descr: str) -> bytes:
+    """The .npy 1.0 header numpy itself writes for a C-order array (np.save / open_memmap)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored values as float32 (exact for every storage dtype); float32 is returned as is."""
+    if dtype == "bfloat16":
+        return (np.asarray(values).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return np.asarray(values, dtype=np.float32)
+    return values

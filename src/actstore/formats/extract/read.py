@@ -1,0 +1,179 @@
+"""Read an extraction: one part (Part) or all of them addressed by sample_idx (Extraction)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.extract.layout import (INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file,
+                                             to_float32)
+from actstore.integrity import check_file, inside, read_json, unlisted
+
+
+class StoredTensor:
+    """A stored (n_tokens, d) tensor: indexing reads float32 whatever the storage dtype
+    (`stored_dtype`); `raw` is the memmap as stored (bfloat16 as uint16 bits)."""
+
+    def __init__(self, raw: np.ndarray, stored_dtype: str):
+        self.raw = raw
+        self.stored_dtype = stored_dtype
+        self.shape = raw.shape
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return to_float32(self.raw[key], self.stored_dtype)
+
+
+@dataclass
+class Part:
+    """A finished part opened read-only; arrays are memory-mapped on first use."""
+
+    dir: Path
+    meta: dict[str, Any]
+    samples: list[dict]
+    offsets: np.ndarray
+    _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def _load(self, file: str) -> np.ndarray:
+        if file not in self._arrays:
+            if file not in self.meta["files"]:
+                raise FormatError(f"{self.dir}: no {file} in this part")
+            self._arrays[file] = load_npy(inside(self.dir, file, str(self.dir / PART_META)),
+                                          self.meta["files"][file].get("bytes"), mmap_mode="r")
+        return self._arrays[file]
+
+    @property
+    def sample_start(self) -> int:
+        return self.meta["sample_range"][0]
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return self.meta["tensors"]
+
+    def tensor(self, name: str) -> StoredTensor:
+        """(n_tokens, d) memory-mapped captured tensor, read as float32; samples in order, no padding."""
+        if name not in self.meta["tensors"]:
+            raise FormatError(f"{self.dir}: tensor {name!r} not captured; have {self.meta['tensors']}")
+        file = tensor_file(name)
+        return StoredTensor(self._load(file), self.meta["files"][file]["dtype"])
+
+    def sample_slice(self, local_idx: int) -> slice:
+        return slice(int(self.offsets[local_idx]), int(self.offsets[local_idx + 1]))
+
+    def activations(self, name: str, local_idx: int) -> np.ndarray:
+        """(num_tokens, d) activations of one sample."""
+        return self.tensor(name)[self.sample_slice(local_idx)]
+
+    def token_ids(self, local_idx: int) -> np.ndarray | None:
+        if "token_ids.npy" not in self.meta["files"]:
+            return None
+        return self._load("token_ids.npy")[self.sample_slice(local_idx)]
+
+    def token_logprob(self, local_idx: int) -> np.ndarray | None:
+        if "token_logprob.npy" not in self.meta["files"]:
+            return None
+        return self._load("token_logprob.npy")[self.sample_slice(local_idx)]
+
+    def topk(self, local_idx: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if "topk_values.npy" not in self.meta["files"]:
+            return None
+        return self._load("topk_values.npy")[local_idx], self._load("topk_indices.npy")[local_idx]
+
+    def verify(self) -> None:
+        """Every listed file inside the part with its size and sha256, nothing unlisted; raise
+        FormatError naming the file."""
+        source = str(self.dir / PART_META)
+        for file, info in self.meta["files"].items():
+            check_file(inside(self.dir, file, source), info, PART_META)
+        extra = unlisted(self.dir, set(self.meta["files"]) | {PART_META}, PART_META)
+        if extra:
+            raise FormatError(extra[0])
+
+
+def open_part(part_dir: str | Path) -> Part:
+    """Open a finished part directory; a missing part.json means the part never finished."""
+    part_dir = Path(part_dir)
+    meta_path = part_dir / PART_META
+    if not meta_path.is_file():
+        raise FormatError(f"{part_dir}: no {PART_META}; the extraction part is missing or unfinished")
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise FormatError(f"{meta_path}: not an actstore extraction part")
+    samples = read_json(part_dir / "samples.jsonl", lines=True)
+    offsets = load_npy(part_dir / "offsets.npy", meta.get("files", {}).get("offsets.npy", {}).get("bytes"))
+    return Part(part_dir, meta, samples, offsets)
+
+
+def load_npy(path: Path, recorded_bytes: int | None, mmap_mode: str | None = None) -> np.ndarray:
+    """A part's .npy file, its size checked against part.json before it is mapped (a truncated
+    file is named, never a bare numpy "mmap length" error)."""
+    if not path.is_file():
+        raise FormatError(f"{path}: missing (listed in {PART_META})")
+    size = path.stat().st_size
+    if recorded_bytes is not None and size != recorded_bytes:
+        raise FormatError(f"{path}: {size} bytes, {PART_META} says {recorded_bytes} (truncated or replaced)")
+    try:
+        return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise FormatError(f"{path}: not a readable .npy file ({exc})") from None
+
+
+class Extraction:
+    """All parts of one extraction stage directory, addressed by global sample_idx."""
+
+    def __init__(self, extract_dir: str | Path, n_parts: int | None = None):
+        self.dir = Path(extract_dir)
+        if n_parts is None and (self.dir / INDEX).is_file():
+            n_parts = len(read_json(self.dir / INDEX)["parts"])  # a deleted part is missing, not skipped
+        if n_parts is None:
+            n_parts = len(sorted(self.dir.glob("part-[0-9][0-9][0-9][0-9]")))
+        if n_parts == 0:
+            raise FormatError(f"{self.dir}: no extraction parts")
+        self.parts = [open_part(self.dir / part_dirname(p)) for p in range(n_parts)]
+        self.meta = self.parts[0].meta
+        self._starts = np.array([p.sample_start for p in self.parts])
+
+    @property
+    def n_samples(self) -> int:
+        return sum(p.meta["n_samples"] for p in self.parts)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(p.meta["n_tokens"] for p in self.parts)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return self.meta["tensors"]
+
+    def locate(self, sample_idx: int) -> tuple[Part, int]:
+        """The part holding `sample_idx` and the sample's local index in it."""
+        if not 0 <= sample_idx < self.n_samples:
+            raise IndexError(f"sample_idx {sample_idx} out of range [0, {self.n_samples})")
+        p = int(np.searchsorted(self._starts, sample_idx, side="right") - 1)
+        while self.parts[p].meta["n_samples"] == 0 or sample_idx >= self.parts[p].sample_start + self.parts[p].meta["n_samples"]:
+            p += 1
+        return self.parts[p], sample_idx - self.parts[p].sample_start
+
+    def activations(self, name: str, sample_idx: int) -> np.ndarray:
+        part, local = self.locate(sample_idx)
+        return part.activations(name, local)
+
+    def sample(self, sample_idx: int) -> dict:
+        part, local = self.locate(sample_idx)
+        return part.samples[local]
+
+    def iter_samples(self) -> Iterator[tuple[Part, int, dict]]:
+        """(part, local index, sample row) for every sample in sample_idx order."""
+        for part in self.parts:
+            for local, row in enumerate(part.samples):
+                yield part, local, row
+
+
+def open_extraction(extract_dir: str | Path, n_parts: int | None = None) -> Extraction:
+    """Open every part of an extraction stage directory."""
+    return Extraction(extract_dir, n_parts)

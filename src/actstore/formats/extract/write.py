@@ -1,0 +1,124 @@
+"""Write an extraction part (PartWriter, atomically) and the extraction's index (extract.json)."""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import FormatError
+from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, PART_META, STORAGE_DESCR,
+                                             npy_header)
+from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file, write_json_atomic
+
+
+@dataclass
+class _Sink:
+    """One data file: sample i fills units unit_offsets[i]:unit_offsets[i+1] of unit_bytes each."""
+
+    file: OrderedHashFile
+    unit_offsets: np.ndarray
+    unit_bytes: int
+    header_bytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class PartWriter:
+    """Write one part: samples and offsets up front, then each data file declared (add_tokens /
+    add_rows) and filled sample by sample from any thread (one thread per file), then finish().
+
+    Samples arrive batched by length, so a file is filled out of order; each write goes straight to
+    its place and the file's sha256 follows the written prefix (io_utils.OrderedHashFile).
+    """
+
+    def __init__(self, tmp_dir: Path, samples: list[dict], offsets: np.ndarray):
+        self.dir = tmp_dir
+        self.dir.mkdir(parents=True)
+        self.samples = samples
+        self.offsets = offsets.astype(np.int64)
+        self.n_tokens = int(self.offsets[-1])
+        self.sinks: dict[str, _Sink] = {}
+        self.files: dict[str, dict[str, Any]] = {}
+        buf = io.BytesIO()
+        np.save(buf, self.offsets)
+        self._write_whole("offsets.npy", buf.getvalue())
+        self._write_whole("samples.jsonl", "".join(json.dumps(row, ensure_ascii=False) + "\n"
+                                                   for row in samples).encode("utf-8"))
+
+    def _write_whole(self, file: str, data: bytes) -> None:
+        sink = OrderedHashFile(self.dir / file, len(data), data)
+        self.files[file] = {"bytes": len(data), "sha256": sink.close()}
+
+    def _add(self, file: str, unit_offsets: np.ndarray, shape: tuple[int, ...], dtype: str) -> None:
+        descr = STORAGE_DESCR.get(dtype) or np.dtype(dtype).str
+        unit_bytes = int(np.dtype(descr).itemsize * int(np.prod(shape[1:], dtype=np.int64)))
+        head = npy_header(shape, descr)
+        size = len(head) + int(unit_offsets[-1]) * unit_bytes
+        self.sinks[file] = _Sink(OrderedHashFile(self.dir / file, size, head), unit_offsets, unit_bytes,
+                                 len(head), shape, dtype)
+
+    def add_tokens(self, file: str, width: int | None, dtype: str) -> None:
+        """A token-packed file: (n_tokens, width), or (n_tokens,) per-token scalars when width is None."""
+        self._add(file, self.offsets, (self.n_tokens,) if width is None else (self.n_tokens, width), dtype)
+
+    def add_rows(self, file: str, width: int, dtype: str) -> None:
+        """A fixed-width row per sample (top-k logits): (n_samples, width)."""
+        self._add(file, np.arange(len(self.samples) + 1, dtype=np.int64), (len(self.samples), width), dtype)
+
+    def write(self, file: str, local_idx: int, data: np.ndarray) -> None:
+        """Store local sample `local_idx`'s values of `file` (C-order bytes in the file's dtype)."""
+        sink = self.sinks[file]
+        start, stop = sink.unit_offsets[local_idx], sink.unit_offsets[local_idx + 1]
+        if data.nbytes != (stop - start) * sink.unit_bytes:
+            raise ValueError(f"{file}: sample {local_idx} has {data.nbytes} bytes, expected "
+                             f"{(stop - start) * sink.unit_bytes}")
+        sink.file.write(sink.header_bytes + int(start) * sink.unit_bytes, data.data)
+
+    def file_path(self, file: str) -> Path:
+        return self.dir / file
+
+    def abort(self) -> None:
+        for sink in self.sinks.values():
+            sink.file.abort()
+
+    def finish(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Close (fsync) every data file with its running sha256, then write part.json last."""
+        for file, sink in self.sinks.items():
+            self.files[file] = {"shape": list(sink.shape), "dtype": sink.dtype, "bytes": sink.file.size,
+                                "sha256": sink.file.close()}
+        files = {file: self.files[file] for file in sorted(self.files)}
+        meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta,
+                "n_samples": len(self.samples), "n_tokens": self.n_tokens, "files": files}
+        (self.dir / PART_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return meta
+
+
+def write_part(out_dir: str | Path):
+    """Context manager yielding a temp dir for PartWriter; renamed to `out_dir` on success."""
+    return atomic_path(out_dir)
+
+
+def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
+    """extract.json: the extraction's totals, tensors and every part's directory and part.json sha256
+    (so a deleted part is named, never skipped); the parts must cover sample_idx 0..n-1 once."""
+    from actstore.formats.extract.read import open_extraction
+
+    extraction = open_extraction(extract_dir)
+    seen = [row["sample_idx"] for _, _, row in extraction.iter_samples()]
+    if seen != list(range(len(seen))):
+        raise FormatError(f"{extract_dir}: parts do not cover sample_idx 0..{len(seen) - 1} exactly once")
+    index = {
+        "n_samples": extraction.n_samples, "n_tokens": extraction.n_tokens,
+        "tensors": extraction.tensor_names, "layers": extraction.meta["layers"],
+        "model": extraction.meta["model"], "dataset": extraction.meta["dataset"],
+        "extraction_duration_seconds": sum(p.meta["extraction_duration_seconds"] for p in extraction.parts),
+        "parts": [{"dir": p.dir.name, "n_samples": p.meta["n_samples"], "n_tokens": p.meta["n_tokens"],
+                   "sample_range": p.meta["sample_range"], "part_json_sha256": sha256_file(p.dir / PART_META)}
+                  for p in extraction.parts],
+    }
+    write_json_atomic(index_path, index)
+    return index
