@@ -1,0 +1,180 @@
+"""The SAE's data: a held-out split of whole samples, the hook's memmaps, shuffled batch streaming and
+a background Prefetcher that makes the next batches (and sends them to the GPU) during the step."""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from actstore.errors import ConfigError
+from actstore.formats.extract import Extraction
+
+
+@dataclass
+class TokenSplit:
+    """Token rows of each part for training and for held-out evaluation (whole samples)."""
+
+    train: list[np.ndarray]
+    heldout: list[np.ndarray]
+    heldout_samples: list[int]
+
+    @property
+    def n_train(self) -> int:
+        return sum(len(rows) for rows in self.train)
+
+    @property
+    def n_heldout(self) -> int:
+        return sum(len(rows) for rows in self.heldout)
+
+
+def split_tokens(extraction: Extraction, heldout_fraction: float, seed: int) -> TokenSplit:
+    """Hold out a seeded random fraction of samples; every token of a sample goes to one side."""
+    n = extraction.n_samples
+    rng = np.random.default_rng(seed)
+    n_held = min(n - 1, max(1, int(round(n * heldout_fraction)))) if n > 1 else 0
+    held = np.zeros(n, dtype=bool)
+    held[rng.permutation(n)[:n_held]] = True
+    train, heldout = [], []
+    for part in extraction.parts:
+        start = part.sample_start
+        counts = np.diff(part.offsets)
+        is_held = np.repeat(held[start:start + len(counts)], counts)
+        rows = np.arange(int(part.offsets[-1]), dtype=np.int64)
+        train.append(rows[~is_held])
+        heldout.append(rows[is_held])
+    return TokenSplit(train, heldout, [int(i) for i in np.flatnonzero(held)])
+
+
+def tensors(extraction: Extraction, hook: str) -> list[np.ndarray]:
+    """The hook's (n_tokens, d) float32 memmap of each part (nothing is loaded here)."""
+    if hook not in extraction.tensor_names:
+        raise ConfigError(f"sae.hook {hook!r} was not captured by the extraction at {extraction.dir}; "
+                          f"captured: {extraction.tensor_names} (add it to extract.hooks)")
+    return [part.tensor(hook) for part in extraction.parts]
+
+
+def gather(arrays: list[np.ndarray], rows: list[np.ndarray], picks: np.ndarray) -> np.ndarray:
+    """Rows `picks` (indices into the concatenation of `rows`) read from the memmaps, sorted per part
+    so each read walks the file forward."""
+    sizes = np.cumsum([0] + [len(r) for r in rows])
+    out = []
+    for p, (array, part_rows) in enumerate(zip(arrays, rows)):
+        local = picks[(picks >= sizes[p]) & (picks < sizes[p + 1])] - sizes[p]
+        if len(local):
+            out.append(np.asarray(array[np.sort(part_rows[local])], dtype=np.float32))
+    return np.concatenate(out) if out else np.empty((0, arrays[0].shape[1]), np.float32)
+
+
+def stream_batches(arrays: list[np.ndarray], rows: list[np.ndarray], batch_size: int,
+                   rng: np.random.Generator) -> Iterator[torch.Tensor]:
+    """Endless shuffled batches: each epoch is a fresh permutation of the training rows."""
+    total = sum(len(r) for r in rows)
+    if total == 0:
+        raise ConfigError("sae: no training tokens (dataset too small for sae.heldout_fraction)")
+    while True:
+        order = rng.permutation(total)
+        for start in range(0, total - batch_size + 1 if total >= batch_size else 1, batch_size):
+            yield torch.from_numpy(gather(arrays, rows, order[start:start + batch_size]))
+
+
+class Prefetcher:
+    """Batches of `source` made on a background thread, `depth` ahead of the training step.
+
+    On CUDA each batch is copied into one of a ring of pinned host buffers and sent to the device on a
+    side stream; the step's stream waits on that copy's event, the host never does (no per-step
+    synchronisation). Elsewhere the thread only overlaps the memmap gathers with the step (no pinning:
+    pinned memory only speeds up copies to a GPU). The batches and their order are those of `source`.
+    """
+
+    def __init__(self, source: Iterator[torch.Tensor], device: torch.device, depth: int = 2):
+        self.device, self.cuda = device, device.type == "cuda"
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        # A pinned slot is rewritten only after its copy finished: depth queued + 1 in use + 1 being filled.
+        self._slots = depth + 2
+        self._thread = threading.Thread(target=self._produce, args=(source,), daemon=True, name="sae-prefetch")
+        self._thread.start()
+
+    def _produce(self, source: Iterator[torch.Tensor]) -> None:
+        try:
+            stream = torch.cuda.Stream(self.device) if self.cuda else None
+            pinned: list[torch.Tensor | None] = [None] * self._slots
+            copied: list[torch.cuda.Event | None] = [None] * self._slots
+            for i, batch in enumerate(source):
+                item = (batch, None)
+                if self.cuda:
+                    slot = i % self._slots
+                    if copied[slot] is not None:
+                        copied[slot].synchronize()  # this (background) thread waits, not the step
+                    if pinned[slot] is None or pinned[slot].shape != batch.shape:
+                        pinned[slot] = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+                    pinned[slot].copy_(batch)
+                    with torch.cuda.stream(stream):
+                        on_device = pinned[slot].to(self.device, non_blocking=True)
+                        copied[slot] = torch.cuda.Event()
+                        copied[slot].record(stream)
+                    item = (on_device, copied[slot])
+                if not self._put(item):
+                    return
+        except BaseException as exc:  # re-raised in the training thread by __next__
+            self._put((exc, None))
+
+    def _put(self, item: tuple[Any, Any]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        batch, copied = self._queue.get()
+        if isinstance(batch, BaseException):
+            raise batch
+        if copied is not None:
+            step_stream = torch.cuda.current_stream(self.device)
+            step_stream.wait_event(copied)
+            batch.record_stream(step_stream)  # allocated on the side stream, used on this one
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def iter_rows(arrays: list[np.ndarray], rows: list[np.ndarray], chunk: int = 8192,
+              limit: int | None = None) -> Iterator[np.ndarray]:
+    """The given rows in order, `chunk` at a time, stopping after `limit` rows."""
+    seen = 0
+    for array, part_rows in zip(arrays, rows):
+        for start in range(0, len(part_rows), chunk):
+            take = part_rows[start:start + chunk]
+            if limit is not None:
+                take = take[:max(0, limit - seen)]
+            if len(take) == 0:
+                return
+            seen += len(take)
+            yield np.asarray(array[take], dtype=np.float32)
+
+
+def data_mean(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 65536) -> torch.Tensor:
+    total, count = None, 0
+    for block in iter_rows(arrays, rows, limit=limit):
+        s = block.astype(np.float64).sum(0)
+        total = s if total is None else total + s
+        count += len(block)
+    return torch.from_numpy(total / max(count, 1)).float()

@@ -1,0 +1,47 @@
+"""The sae stage: an SAE trained (or imported) on the configured hook, written with its report."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from actstore.errors import ConfigError
+from actstore.formats.extract import Extraction, open_extraction
+from actstore.io_utils import write_json_atomic
+from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, import_sae, save_sae
+from actstore.sae.data import split_tokens, tensors
+from actstore.sae.model import TopKSAE
+from actstore.sae.train import evaluate, heldout_summary, resolve_hook, train_sae
+
+
+def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> tuple[TopKSAE, dict[str, Any]]:
+    """sae.import's checkpoint, checked against the hook's width and evaluated on the same held-out
+    split a trained SAE would get; return it and the report dict."""
+    imported = sae_cfg["import"]
+    sae = import_sae(imported["path"], imported["style"], sae_cfg["k_active"])
+    arrays = tensors(extraction, hook)
+    if arrays[0].shape[1] != sae.d_in:
+        raise ConfigError(f"sae.import.path {imported['path']}: d_in {sae.d_in} != {hook} width {arrays[0].shape[1]}")
+    split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
+    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"])
+    report = {"source": f"import:{imported['style']}", "import_path": str(imported["path"]), "hook": hook,
+              "d_in": sae.d_in, "num_basis": sae.num_basis, "k_active": sae.k_active,
+              "n_heldout_tokens": split.n_heldout, "heldout_samples": split.heldout_samples,
+              "heldout": heldout_summary(held), "loss_curve": []}
+    return sae, report
+
+
+def build_sae(config: dict[str, Any], extract_dir: str | Path, out_dir: str | Path,
+              progress: bool = True) -> dict[str, Any]:
+    """The sae stage: train (or import) an SAE on the configured hook; write sae.safetensors + report.json."""
+    sae_cfg = config["sae"]
+    hook = resolve_hook(config)
+    extraction = open_extraction(extract_dir, config["extract"]["parts"])
+    out_dir = Path(out_dir)
+    if sae_cfg.get("import"):
+        sae, report = imported_sae(extraction, hook, sae_cfg)
+    else:
+        sae, report = train_sae(extraction, hook, sae_cfg, progress)
+    save_sae(sae, out_dir / SAE_FILE, {"hook": hook, "source": report["source"],
+                                       "model": extraction.meta["model"]["name"]})
+    write_json_atomic(out_dir / REPORT_FILE, report)
+    return report

@@ -1,0 +1,127 @@
+"""SAE training (Gao et al. 2024, "Scaling and evaluating sparse autoencoders") and held-out evaluation.
+
+Decoder rows are kept unit-norm (the gradient parallel to each row is removed before the step), dead
+latents get the AuxK loss, and the report's held-out split is of whole samples (never tokens of a
+sample seen in training).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from actstore.errors import ConfigError
+from actstore.formats.extract import Extraction
+from actstore.models import pick_device
+from actstore.sae.data import Prefetcher, data_mean, iter_rows, split_tokens, stream_batches, tensors
+from actstore.sae.model import TopKSAE, auxk_loss, init_sae
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], limit: int | None = None,
+             device: str = "cpu") -> dict[str, Any]:
+    """Held-out FVU (sum ||x - x_hat||^2 / sum ||x - mean||^2), MSE and per-latent firing counts."""
+    sq_err, sq, s, n = 0.0, 0.0, None, 0
+    fires = torch.zeros(sae.num_basis, dtype=torch.long)
+    for block in iter_rows(arrays, rows, limit=limit):
+        x = torch.from_numpy(block).to(device)
+        values, indices = sae.encode(x)
+        x_hat = sae.decode_dense(values, indices)
+        sq_err += float((x - x_hat).double().pow(2).sum())
+        sq += float(x.double().pow(2).sum())
+        s = x.double().sum(0) if s is None else s + x.double().sum(0)
+        n += len(x)
+        fires += torch.bincount(indices[values > 0].cpu(), minlength=sae.num_basis)
+    if n == 0:
+        return {"n_tokens": 0, "fvu": None, "mse": None, "dead_fraction": None}
+    total_var = sq - float((s * s).sum()) / n
+    return {"n_tokens": n, "fvu": sq_err / max(total_var, 1e-30), "mse": sq_err / (n * sae.d_in),
+            "dead_fraction": float((fires == 0).float().mean()), "fires": fires}
+
+
+def heldout_summary(held: dict[str, Any]) -> dict[str, Any]:
+    """evaluate's result for report.json: without the per-latent firing counts (a tensor)."""
+    return {key: value for key, value in held.items() if key != "fires"}
+
+
+def resolve_hook(config: dict[str, Any]) -> str:
+    """sae.hook, or the first ':input' entry of extract.hooks; must be captured by extract.hooks."""
+    hook = config["sae"].get("hook")
+    hooks = config["extract"]["hooks"]
+    if hook is None:
+        inputs = [h for h in hooks if h.endswith(":input")]
+        if not inputs:
+            raise ConfigError("sae.hook is null and extract.hooks has no '<module>:input' capture; "
+                              "add the target modules' input to extract.hooks or set sae.enabled: false")
+        return inputs[0]
+    if hook not in hooks:
+        raise ConfigError(f"sae.hook {hook!r} is not captured: extract.hooks = {hooks}; add it there")
+    return hook
+
+
+def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torch.Tensor], sae_cfg: dict[str, Any],
+                progress: bool = True) -> tuple[int, list[dict[str, float]]]:
+    """sae_cfg["steps"] optimiser steps on `batches` (already on the SAE's device); returns the tokens
+    seen and the loss curve. Nothing in a step reads a device value back, so on a GPU the host runs
+    ahead and queues work; the curve's values are read once, at the end."""
+    k, steps = sae.k_active, sae_cfg["steps"]
+    aux_k = sae_cfg["aux_k"] or min(512, sae.num_basis // 2)
+    # A latent is dead when it has not fired for dead_tokens training tokens (Gao et al.: 10M; scaled).
+    last_fired = torch.zeros(sae.num_basis, dtype=torch.long, device=sae.decoder_weight.device)
+    seen, curve = 0, []
+    for step in tqdm(range(1, steps + 1), desc="train sae", unit="step", disable=not progress):
+        x = next(batches)
+        pre = sae.pre_acts(x)
+        values, indices = torch.topk(pre, k, dim=-1)
+        x_hat = sae.decode_dense(values, indices)
+        mse = (x_hat - x).pow(2).sum(-1).mean() / (x - x.mean(0)).pow(2).sum(-1).mean().clamp_min(1e-8)
+        seen += len(x)
+        last_fired.scatter_reduce_(0, indices.flatten(), torch.where(values > 0, seen, 0).flatten(), "amax")
+        dead = (seen - last_fired) >= sae_cfg["dead_tokens"]
+        aux = auxk_loss(sae, x, x_hat, pre, dead, aux_k)
+        loss = mse + sae_cfg["aux_coef"] * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sae.remove_parallel_grad()
+        opt.step()
+        sae.normalize_decoder()
+        if step == 1 or step % max(1, steps // 100) == 0 or step == steps:
+            curve.append((step, seen, torch.stack([mse.detach(), aux.detach(), dead.float().mean()])))
+    return seen, [{"step": step, "tokens": tokens, "fvu": fvu, "auxk": auxk, "dead_fraction_train": dead}
+                  for (step, tokens, values) in curve for fvu, auxk, dead in [values.tolist()]]
+
+
+def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
+              progress: bool = True) -> tuple[TopKSAE, dict[str, Any]]:
+    """Train a TopK SAE on `hook`'s activations; return it and the report dict."""
+    arrays = tensors(extraction, hook)
+    d_in = arrays[0].shape[1]
+    num_basis = sae_cfg["num_basis"] or 4 * d_in
+    k = sae_cfg["k_active"]
+    split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
+    torch.manual_seed(sae_cfg["seed"])
+    sae = TopKSAE(d_in, num_basis, k)
+    init_sae(sae, data_mean(arrays, split.train), sae_cfg["seed"])
+    device = pick_device(sae_cfg["device"])
+    sae.to(device)
+    opt = torch.optim.Adam(sae.parameters(), lr=sae_cfg["lr"], betas=(0.9, 0.999), eps=6.25e-10)
+    started = time.perf_counter()
+    source = stream_batches(arrays, split.train, sae_cfg["batch_size"], np.random.default_rng(sae_cfg["seed"]))
+    with Prefetcher(source, device) as batches:
+        seen, curve = train_steps(sae, opt, batches, sae_cfg, progress)
+    sae.cpu().eval()
+    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"])
+    report = {"source": "trained", "hook": hook, "d_in": d_in, "num_basis": num_basis, "k_active": k,
+              "steps": sae_cfg["steps"], "batch_size": sae_cfg["batch_size"], "train_tokens_seen": seen,
+              "n_train_tokens": split.n_train, "n_heldout_tokens": split.n_heldout,
+              "heldout_samples": split.heldout_samples, "training_seconds": time.perf_counter() - started,
+              "device": device.type, "heldout": heldout_summary(held),
+              "loss_curve": curve}
+    log.info("sae %s: held-out FVU %.4f, dead %.3f", hook, held["fvu"] or float("nan"), held["dead_fraction"] or 0)
+    return sae, report
