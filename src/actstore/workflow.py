@@ -1,9 +1,16 @@
-"""Glue for workflow/scripts: logging to the rule's log file, config access."""
+"""What every rule's script shares: logging to the rule's log file and, when the rule finishes a
+stage, the resolved config recorded in its directory (so a stage directory says what made it)."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import subprocess
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
+
+from actstore.config import REPO_ROOT
+from actstore.hashing import write_stage_config
 
 
 def setup_logging(snakemake: Any) -> None:
@@ -12,3 +19,22 @@ def setup_logging(snakemake: Any) -> None:
         sys.stderr = open(snakemake.log[0], "w", buffering=1)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+@contextlib.contextmanager
+def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """The script of the rule that completes `stage`: logging set up, the config yielded, and on
+    success the stage's resolved config written into `stage_dir` (nothing when the body raises)."""
+    setup_logging(snakemake)
+    yield snakemake.config
+    write_stage_config(snakemake.config, stage, Path(stage_dir))
+
+
+def git_commit() -> str | None:
+    """HEAD of the repository actstore runs from (the zarr store records it), None outside a checkout."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -3,14 +3,11 @@ from pathlib import Path
 
 from actstore.errors import FormatError
 from actstore.formats import lmprobe
-from actstore.hashing import write_stage_config
-from actstore.workflow import setup_logging
+from actstore.workflow import stage_rule
 
-setup_logging(snakemake)
-config = snakemake.config
-out = Path(snakemake.output.dataset)
-lmprobe.write_dataset(Path(snakemake.input.index).parent, out, config["lmprobe"])
-problems = lmprobe.verify(out)  # every checksum, column and shard header, before declaring success
-if problems:
-    raise FormatError(f"{out}: freshly written dataset fails verification:\n" + "\n".join(problems))
-write_stage_config(config, "lmprobe", Path(snakemake.output.stage_config).parent)
+with stage_rule(snakemake, "lmprobe", Path(snakemake.output.stage_config).parent) as config:
+    out = Path(snakemake.output.dataset)
+    lmprobe.write_dataset(Path(snakemake.input.index).parent, out, config["lmprobe"])
+    problems = lmprobe.verify(out)  # every checksum, column and shard header, before declaring success
+    if problems:
+        raise FormatError(f"{out}: freshly written dataset fails verification:\n" + "\n".join(problems))

@@ -2,9 +2,7 @@
 from pathlib import Path
 
 from actstore.formats.pickle import merge_machines
-from actstore.hashing import write_stage_config
-from actstore.workflow import setup_logging
+from actstore.workflow import stage_rule
 
-setup_logging(snakemake)
-merge_machines(list(snakemake.input), Path(snakemake.output.metadata).parent)
-write_stage_config(snakemake.config, "pickle", Path(snakemake.output.stage_config).parent)
+with stage_rule(snakemake, "pickle", Path(snakemake.output.stage_config).parent):
+    merge_machines(list(snakemake.input), Path(snakemake.output.metadata).parent)

@@ -4,15 +4,14 @@ from pathlib import Path
 import torch
 
 from actstore.config import enabled_stages
-from actstore.hashing import write_stage_config
 from actstore.lut import check_targets_before_training
 from actstore.sae import build_sae
-from actstore.workflow import setup_logging
+from actstore.workflow import stage_rule
 
-setup_logging(snakemake)
-torch.set_num_threads(snakemake.threads)
 out_dir = Path(snakemake.output.sae).parent
-if "lut" in enabled_stages(snakemake.config):
-    check_targets_before_training(snakemake.config, Path(snakemake.input.index).parent)
-build_sae(snakemake.config, Path(snakemake.input.index).parent, out_dir)
-write_stage_config(snakemake.config, "sae", out_dir)
+extract_dir = Path(snakemake.input.index).parent
+with stage_rule(snakemake, "sae", out_dir) as config:
+    torch.set_num_threads(snakemake.threads)
+    if "lut" in enabled_stages(config):
+        check_targets_before_training(config, extract_dir)
+    build_sae(config, extract_dir, out_dir)

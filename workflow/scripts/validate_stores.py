@@ -1,10 +1,8 @@
 """Rule validate_stores: verify every store and compare random coordinates with the extraction."""
 from pathlib import Path
 
-from actstore.hashing import write_stage_config
 from actstore.verify import validate_all
-from actstore.workflow import setup_logging
+from actstore.workflow import stage_rule
 
-setup_logging(snakemake)
-validate_all(snakemake.config, snakemake.output.report)
-write_stage_config(snakemake.config, "validate", Path(snakemake.output.stage_config).parent)
+with stage_rule(snakemake, "validate", Path(snakemake.output.stage_config).parent) as config:
+    validate_all(config, snakemake.output.report)

@@ -2,10 +2,8 @@
 from pathlib import Path
 
 from actstore.formats.zarr import write_manifest
-from actstore.hashing import write_stage_config
-from actstore.workflow import setup_logging
+from actstore.workflow import stage_rule
 
-setup_logging(snakemake)
 run_dir = Path(snakemake.output.manifest).parent
-write_manifest(run_dir, list(snakemake.input.shards), snakemake.input.merged[0] if snakemake.input.merged else None)
-write_stage_config(snakemake.config, "zarr", run_dir)
+with stage_rule(snakemake, "zarr", run_dir):
+    write_manifest(run_dir, list(snakemake.input.shards), snakemake.input.merged[0] if snakemake.input.merged else None)
