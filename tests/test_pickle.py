@@ -363,6 +363,23 @@ def test_non_numeric_dtype_refused():
     assert ok["a"].dtype == np.int16 and ok["b"] == (1, 2.5, None, True)
 
 
+class _HugeEmptyArray:
+    """Pickles as numpy's own array constructor asked for 10^9 elements up front."""
+
+    def __reduce__(self):
+        from numpy._core.multiarray import _reconstruct
+        return (_reconstruct, (np.ndarray, (10 ** 9,), b"b"))
+
+
+def test_an_allocation_sized_by_the_file_is_refused():
+    data = pickle.dumps({"layer_0": [_HugeEmptyArray()]}, protocol=4)
+    with pytest.raises(pickle.UnpicklingError, match=r"shape \(1000000000,\) is not allowed"):
+        ps.safe_loads(data, compressed=False)
+    lying = pickle.dumps(np.arange(8, dtype=np.int64), protocol=4).replace(b"\x08\x85", b"\xff\x85")
+    with pytest.raises((pickle.UnpicklingError, ValueError)):  # state shape 255 vs 64 bytes of data
+        ps.safe_loads(lying, compressed=False)
+
+
 def test_missing_shard_and_checksum_mismatch_named(store, tmp_path):
     _, _, out = store
     work = copy_store(out, tmp_path / "store")

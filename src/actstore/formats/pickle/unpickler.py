@@ -27,6 +27,10 @@ def _make_dtype(*args: Any) -> np.dtype:
 def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> np.ndarray:
     if subtype is not np.ndarray:
         raise pickle.UnpicklingError(f"_reconstruct of {subtype!r}: only numpy.ndarray is admitted")
+    # numpy's own pickles always start from an empty array and fill it from the state's bytes (whose
+    # length numpy checks); any other shape would be an allocation sized by the untrusted file.
+    if shape != (0,):
+        raise pickle.UnpicklingError(f"_reconstruct of shape {shape!r} is not allowed: numpy pickles use (0,)")
     from numpy._core.multiarray import _reconstruct as real
     return real(np.ndarray, shape, dtype_code)
 
