@@ -60,6 +60,12 @@ def read_json(path: Path, lines: bool = False) -> Any:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
 
+def refuse(problems: list[str]) -> None:
+    """A reader opened with verify=True: FormatError naming every problem the format's verify found."""
+    if problems:
+        raise FormatError("; ".join(problems))
+
+
 def unlisted(root: Path, listed: set[str], source: str) -> list[str]:
     """A problem for every file under `root` (relative POSIX path) that `listed` does not name:
     an extra shard or tensor is as wrong as a missing one."""

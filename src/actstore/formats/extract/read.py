@@ -10,7 +10,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.extract.layout import (INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file,
                                              to_float32)
-from actstore.integrity import check_file, inside, read_json, unlisted
+from actstore.integrity import check_file, inside, read_json, refuse, unlisted
 
 
 class StoredTensor:
@@ -174,6 +174,10 @@ class Extraction:
                 yield part, local, row
 
 
-def open_extraction(extract_dir: str | Path, n_parts: int | None = None) -> Extraction:
-    """Open every part of an extraction stage directory."""
+def open_extraction(extract_dir: str | Path, n_parts: int | None = None, verify: bool = False) -> Extraction:
+    """Open every part of an extraction stage directory. verify=True first checks every file's size
+    and sha256 against part.json and extract.json (reads each file once)."""
+    if verify:
+        from actstore.formats.extract.check import verify as problems
+        refuse(problems(extract_dir))
     return Extraction(extract_dir, n_parts)

@@ -13,7 +13,7 @@ from actstore.errors import FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_VERSION, LOGITS_INDICES_KEY,
                                              LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, index_name,
                                              read_safetensors_header, tensor_entry, to_float32)
-from actstore.integrity import inside
+from actstore.integrity import inside, refuse
 
 
 def dataset_root(path: str | Path) -> Path:
@@ -311,6 +311,10 @@ class ProbeDataset:
                 "layer": layer, "prompt": prompt, "sample_idx": int(self.dataset.sample_idx[prompt])}
 
 
-def open_dataset(root: str | Path, split: str | None = None) -> LmprobeDataset:
-    """Open an lmprobe 2.0 dataset by its root directory."""
+def open_dataset(root: str | Path, split: str | None = None, verify: bool = False) -> LmprobeDataset:
+    """Open an lmprobe 2.0 dataset by its root directory. verify=True first checks every file
+    against SHA256SUMS, the index columns and every shard's header (reads each file once)."""
+    if verify:
+        from actstore.formats.lmprobe.check import verify as problems
+        refuse(problems(root))
     return LmprobeDataset(root, split)

@@ -8,8 +8,9 @@ import torch
 
 from actstore.errors import FormatError
 from actstore.formats.lut.check import read_metadata, table_problems
+from actstore.formats.lut.check import verify as check_store
 from actstore.formats.lut.layout import META_FILE, lut_dir
-from actstore.integrity import inside
+from actstore.integrity import inside, refuse
 
 
 class LutStore:
@@ -47,5 +48,9 @@ class LutStore:
         return load_file(str(file_path))
 
 
-def open_lut(path: str | Path) -> LutStore:
+def open_lut(path: str | Path, verify: bool = False) -> LutStore:
+    """Open a lut/ directory (or its parent). verify=True first checks every table's size, sha256
+    (when recorded), keys, shapes and dtypes; by default each table is checked when it loads."""
+    if verify:
+        refuse(check_store(path))
     return LutStore(path)

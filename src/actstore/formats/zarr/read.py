@@ -16,7 +16,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, REQUIRED_ATTRS,
                                           VECTOR_ZARRAY)
-from actstore.integrity import TOOL_FILES, inside, read_json
+from actstore.integrity import TOOL_FILES, inside, read_json, refuse
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -179,9 +179,13 @@ class ZarrRun:
         return int(store.seq_len[local])
 
 
-def open_zarr(path: str | Path, merged: bool = False) -> ZarrRun | ZarrStore:
-    """A run directory (manifest.json) or a single store, for reading."""
+def open_zarr(path: str | Path, merged: bool = False, verify: bool = False) -> ZarrRun | ZarrStore:
+    """A run directory (manifest.json) or a single store, for reading. verify=True first checks
+    every file against meta/files.json and the manifest (reads each file once)."""
     path = Path(path)
+    if verify:
+        from actstore.formats.zarr.check import verify as problems
+        refuse(problems(path))
     return ZarrRun(path, merged) if (path / MANIFEST).is_file() else ZarrStore(path)
 
 

@@ -1,0 +1,143 @@
+"""One table of damage for every format: each corruption is named by the format's verify, and the
+reader either refuses it (FormatError) or returns exactly the undamaged data, never wrong data.
+Format-specific attacks (names planted in metadata, hostile pickles, saev's pointer) are in each
+format's own tests."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from actstore.errors import FormatError
+from actstore.formats import format_module
+from actstore.formats import lmprobe
+from actstore.formats import pickle as pickle_format
+from actstore.formats import zarr as zarr_format
+from actstore.formats.extract import open_extraction
+from actstore.formats.lut import open_lut, precompute, write_lut
+from actstore.models import model_params, read_model_config
+
+DAMAGES = ("flip", "truncate", "delete", "garbage metadata", "extra file", "symlink out")
+
+
+@dataclass
+class Store:
+    root: Path
+    data: str      # a data file (relative to root) the damage hits
+    meta: str      # the top metadata file
+    extra: str     # an unlisted file that looks like data
+    read: Callable[[Path], bytes]  # everything the reader returns, as bytes (verify=True where offered)
+
+
+def read_extraction(root: Path) -> bytes:
+    extraction = open_extraction(root, verify=True)
+    return b"".join(np.ascontiguousarray(extraction.activations("layer_0", i)).tobytes()
+                    for i in range(extraction.n_samples))
+
+
+def read_lmprobe(root: Path) -> bytes:
+    dataset = lmprobe.open_dataset(root, verify=True)
+    return b"".join(np.ascontiguousarray(dataset.tokens(i, 0)).tobytes() for i in range(dataset.num_prompts))
+
+
+def read_zarr(root: Path) -> bytes:
+    run = zarr_format.open_zarr(root, verify=True)
+    return b"".join(np.ascontiguousarray(run.read(i, 0)).tobytes() for i in range(run.n_samples))
+
+
+def read_pickle(root: Path) -> bytes:  # no verify option: every shard's checksum is checked as it loads
+    return b"".join(np.ascontiguousarray(item["activation"]).tobytes()
+                    for item in pickle_format.iter_activations(root, 0))
+
+
+def read_lut(root: Path) -> bytes:
+    store = open_lut(root, verify=True)
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
+                    for path in sorted(store.layers) for t in store.load(path).values())
+
+
+def build_lut(root: Path) -> Path:
+    torch.manual_seed(0)
+    sae = {"encoder_weight": torch.randn(16, 8), "encoder_bias": torch.randn(16),
+           "decoder_weight": torch.randn(16, 8), "decoder_bias": torch.randn(8)}
+    tables = {f"encoder.layer.1.{name}": precompute(sae, torch.randn(8, 4), torch.randn(4)) for name in ("q", "k")}
+    return write_lut(root, tables, 4)
+
+
+@pytest.fixture(scope="module")
+def stores(extracted, tmp_path_factory) -> dict[str, Store]:
+    config, extract_dir = extracted("bert")
+    out = tmp_path_factory.mktemp("stores")
+    extraction = open_extraction(extract_dir)
+    lmprobe.write_dataset(extract_dir, out / "lmprobe", {}, progress=False)
+    shards = [out / "zarr" / "shards" / zarr_format.shard_name(k) for k in range(len(extraction.parts))]
+    for part, shard in zip(extraction.parts, shards):
+        zarr_format.write_shard(part.dir, shard, None, git_commit="0" * 40, progress=False)
+    zarr_format.write_manifest(out / "zarr", shards, None)
+    params = model_params(read_model_config(extraction.meta["model"]["path"]))
+    machines = [out / "pickle" / pickle_format.machine_dirname(k) for k in range(len(extraction.parts))]
+    for part, machine in zip(extraction.parts, machines):
+        pickle_format.write_machine(part.dir, machine, model_params=params, progress=False)
+    pickle_format.merge_machines(machines, out / "pickle")
+    lut_dir = build_lut(out / "lut")
+    first = next(p.name for p in sorted((out / "pickle" / "machine-0000").iterdir()) if p.name.startswith("shard_"))
+    return {
+        "extract": Store(extract_dir, "part-0000/layer_000.npy", "part-0000/part.json", "part-0000/layer_009.npy",
+                         read_extraction),
+        "lmprobe": Store(out / "lmprobe", "tensors/hidden_layer000_shard000.safetensors",
+                         "index/train-00000-of-00001.parquet", "tensors/hidden_layer000_shard009.safetensors",
+                         read_lmprobe),
+        "zarr": Store(out / "zarr", "shards/shard-0000.zarr/arrays/activations/0/0/0/0", "manifest.json",
+                      "shards/shard-0000.zarr/arrays/activations/9/0/0/0", read_zarr),
+        "pickle": Store(out / "pickle", f"machine-0000/{first}", "metadata.json", "machine-0000/shard_0099.pkl.gz",
+                        read_pickle),
+        "lut": Store(lut_dir, "encoder.layer.1.q.lut.safetensors", "metadata.json",
+                     "encoder.layer.1.v.lut.safetensors", read_lut),
+    }
+
+
+def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
+    """Apply `kind` to a copy of the store; return the file a verify problem must name."""
+    data, meta = root / store.data, root / store.meta
+    if kind == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0x01
+        data.write_bytes(bytes(raw))
+    elif kind == "truncate":
+        data.write_bytes(data.read_bytes()[:-1])
+    elif kind == "delete":
+        data.unlink()
+    elif kind == "garbage metadata":
+        meta.write_bytes(b"{not json, not parquet")
+        return meta
+    elif kind == "extra file":
+        (root / store.extra).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(data, root / store.extra)
+        return root / store.extra
+    elif kind == "symlink out":  # the same bytes, but living outside the store
+        shutil.copyfile(data, outside)
+        data.unlink()
+        data.symlink_to(outside)
+    return data
+
+
+@pytest.mark.parametrize("kind", DAMAGES)
+@pytest.mark.parametrize("name", ["extract", "lmprobe", "zarr", "pickle", "lut"])
+def test_damage_is_named_by_verify_and_never_read_as_data(stores, name, kind, tmp_path):
+    store = stores[name]
+    root = tmp_path / "store"
+    shutil.copytree(store.root, root, symlinks=True)
+    expected = store.read(root)
+    named = damage(kind, root, store, tmp_path / "outside.bin")
+    problems = format_module(name).verify(root)
+    assert any(named.name in p for p in problems), problems
+    try:
+        served = store.read(root)
+    except FormatError:
+        served = None  # refused
+    assert served in (None, expected)  # the reader may serve what it still can, exactly
