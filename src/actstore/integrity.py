@@ -23,19 +23,30 @@ def file_record(path: str | os.PathLike) -> dict[str, Any]:
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
 
 
-def file_problem(path: Path, record: dict[str, Any] | None, source: str) -> str | None:
+def file_problem(path: Path, record: dict[str, Any] | None, source: str, required: bool = True) -> str | None:
     """None when `path` is a file with the recorded bytes and sha256 (each checked when recorded),
-    else what is wrong, naming the file and `source` (where the record comes from)."""
+    else what is wrong, naming the file and `source` (where the record comes from). `required`:
+    a record with neither is itself a problem (where the format's own writer always records them)."""
     if not path.is_file():
         return f"{path}: missing (listed in {source})"
     if not isinstance(record, dict) or not ({"bytes", "sha256"} & set(record)):
-        return f"{path}: no size or sha256 recorded in {source}"
+        return f"{path}: no size or sha256 recorded in {source}" if required else None
     size = path.stat().st_size
     if "bytes" in record and size != record["bytes"]:
         return f"{path}: {size} bytes, {source} says {record['bytes']}"
     if "sha256" in record and sha256_file(path) != record["sha256"]:
         return f"{path}: sha256 differs from {source}"
     return None
+
+
+def listed_problem(root: Path, name: Any, record: dict[str, Any] | None, source: str,
+                   name_source: str | None = None, required: bool = True) -> str | None:
+    """file_problem of a file that `source` lists by `name`, the name first resolved inside `root`
+    (a name leading outside is itself the problem, reported against `name_source`)."""
+    try:
+        return file_problem(inside(root, name, name_source or source), record, source, required)
+    except FormatError as exc:
+        return str(exc)
 
 
 def check_file(path: Path, record: dict[str, Any] | None, source: str) -> None:

@@ -11,7 +11,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
-from actstore.integrity import dir_bytes, file_problem, inside, unlisted
+from actstore.integrity import dir_bytes, inside, listed_problem, unlisted
 from actstore.io_utils import sha256_file
 
 
@@ -186,11 +186,7 @@ def _verify_tensor_files(ds: LmprobeDataset) -> list[str]:
     problems = []
     recorded = ds.info.get("files", {})
     for rel in tensor_files(ds.info):
-        try:
-            problem = file_problem(inside(ds.root, rel, "lmprobe:tensors"), recorded.get(rel), "lmprobe:files")
-        except FormatError as exc:
-            problem = str(exc)
-        if problem:
+        if problem := listed_problem(ds.root, rel, recorded.get(rel), "lmprobe:files", "lmprobe:tensors"):
             problems.append(problem)
     for layer in ds.hidden["layers"]:
         for s, shard in enumerate(ds.hidden["shards"]):

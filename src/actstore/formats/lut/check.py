@@ -10,7 +10,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, expected_shapes,
                                          layer_index, lut_dir)
-from actstore.integrity import file_problem, inside, read_json
+from actstore.integrity import inside, listed_problem, read_json
 
 
 def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
@@ -124,16 +124,10 @@ def verify(path: str | Path) -> list[str]:
     if problems:
         return problems
     for name, entry in meta["layers"].items():
-        source = f"metadata.json layers.{name}"
-        try:
-            file_path = inside(root, entry["file"], f"{meta_path} layers.{name}.file")
-        except FormatError as exc:
-            problems.append(str(exc))
-            continue
-        record = {key: entry[key] for key in ("bytes", "sha256") if key in entry}
-        problem = file_problem(file_path, record, source) if record else (
-            None if file_path.is_file() else f"{file_path}: missing (listed in {source})")
-        problems += [problem] if problem else table_problems(file_path, meta, entry)
+        # The spec records neither size nor sha256 (our writer adds both): presence, keys and shapes then.
+        problem = listed_problem(root, entry["file"], entry, f"metadata.json layers.{name}",
+                                 f"{meta_path} layers.{name}.file", required=False)
+        problems += [problem] if problem else table_problems(root / entry["file"], meta, entry)
     listed = {entry["file"] for entry in meta["layers"].values()}
     problems += [f"{f}: LUT file not listed in metadata.json" for f in sorted(root.glob(f"*{SUFFIX}"))
                  if f.name not in listed]

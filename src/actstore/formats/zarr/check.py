@@ -11,7 +11,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS, acts_chunk_key
 from actstore.formats.zarr.read import ZarrRun, ZarrStore, list_store_files, open_zarr
-from actstore.integrity import dir_bytes, file_problem, inside, read_json
+from actstore.integrity import dir_bytes, inside, listed_problem, read_json
 from actstore.io_utils import sha256_file
 
 
@@ -117,11 +117,7 @@ def _verify_store(store: Path, entry: dict | None) -> list[str]:
 def _verify_files(store: Path, files: dict[str, dict]) -> list[str]:
     problems = []
     for rel, info in files.items():
-        try:
-            problem = file_problem(inside(store, rel, str(store / FILES_JSON)), info, FILES_JSON)
-        except FormatError as exc:
-            problem = str(exc)
-        if problem:
+        if problem := listed_problem(store, rel, info, FILES_JSON, str(store / FILES_JSON)):
             problems.append(problem)
     extra = set(list_store_files(store)) - set(files) - {FILES_JSON}
     problems += [f"{store / rel}: not listed in {FILES_JSON}" for rel in sorted(extra)]
