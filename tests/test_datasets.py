@@ -102,6 +102,7 @@ def test_chat_prompts_store_the_rendered_tokens_and_lmprobe_text(model_dir, tmp_
     data = tiny.write_parquet(tmp_path / "chat", pa.table({"messages": MESSAGES, "id": [1, 2, 3, 4]}))
     config = tiny.make_config(tmp_path, chat_model, data, dataset={"messages_field": "messages", "keep_fields": ["id"]},
                               extract={"max_seq_length": 128, "parts": 1})
+    check_dataset(config["dataset"])  # the parse-time check needs no tokenizer
     out = tmp_path / "extract"
     run_part(config, 0, out / "part-0000", progress=False)
     write_index(out, out / "extract.json")

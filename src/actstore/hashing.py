@@ -78,12 +78,20 @@ def dataset_identity(section: dict[str, Any]) -> dict[str, str]:
 
 
 def _legacy_dataset(section: dict[str, Any]) -> bool:
-    from actstore.datasets import resolve_source
-
+    """A config earlier releases read: no new key, and a JSONL file or an image folder (or data not
+    at hand: results are found by hash where the data is not)."""
+    path = Path(section["path"])
     if set(section) - LEGACY_DATASET_KEYS or glob.has_magic(section["path"]):
         return False
-    # Missing data hashes as before too (results are found by hash where the data is not at hand).
-    return not Path(section["path"]).exists() or resolve_source(section["path"]).format in ("jsonl", "image_folder")
+    return not path.exists() or _auto_format(str(path)) == ("image_folder" if path.is_dir() else "jsonl")
+
+
+@functools.lru_cache(maxsize=16)
+def _auto_format(path: str) -> str:
+    """The format `auto` reads `path` as (cached: listing a large image folder once per parse is enough)."""
+    from actstore.datasets import resolve_source
+
+    return resolve_source(path).format
 
 
 def _data_digest(section: dict[str, Any], mode: str) -> str:

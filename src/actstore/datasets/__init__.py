@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
@@ -34,7 +34,7 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     and field if a column is missing or mistyped, or the path holds no samples. `model_path`: the
     model whose tokenizer renders chat messages (dataset.messages_field)."""
     source = resolve_source(str(path), options.get("format", "auto"), split)
-    fields = _fields(options, model_path)
+    fields = _fields(options, _renderer(options, model_path))
     if source.format == "image_folder":
         dataset = Dataset(source.root.resolve(), "image", read_image_folder(source, limit),
                           opener=ImageOpener(source))
@@ -67,12 +67,16 @@ def check_dataset(section: dict[str, Any]) -> None:
             check_columns(path, fields, schema_of(source.format, path))
 
 
-def _fields(options: dict[str, Any], model_path: Path | None) -> Fields:
-    render = None
-    if options.get("messages_field"):
-        if model_path is None:
-            raise ConfigError("dataset.messages_field: rendering chat messages needs the model's tokenizer")
-        render = chat_renderer(load_tokenizer(model_path), model_path, options.get("add_generation_prompt", True))
+def _renderer(options: dict[str, Any], model_path: Path | None) -> Callable[[Any, str], str] | None:
+    """The chat template renderer when dataset.messages_field is set (it needs the model's tokenizer)."""
+    if not options.get("messages_field"):
+        return None
+    if model_path is None:
+        raise ConfigError("dataset.messages_field: rendering chat messages needs the model's tokenizer")
+    return chat_renderer(load_tokenizer(model_path), model_path, options.get("add_generation_prompt", True))
+
+
+def _fields(options: dict[str, Any], render: Callable[[Any, str], str] | None) -> Fields:
     keep = options.get("keep_fields")
     return Fields(text=options.get("text_field", "text"), label=options.get("label_field", "label"),
                   label_required="label_field" in options, image=options.get("image_field"),

@@ -30,23 +30,12 @@ class ImageOpener:
         self._block: tuple[tuple[int, int], list] | None = None
 
     def __call__(self, sample: Sample) -> Any:
-        from PIL import Image
-
         if sample.ref is None:
             path = self.source.root / sample.text
-            try:
-                with Image.open(path) as img:
-                    return img.convert("RGB")
-            except OSError as exc:  # truncated or not an image: PIL's message names no file
-                raise ConfigError(f"{path}: cannot decode the image ({exc})") from None
+            return _decode(path, str(path))
         shard, block, row = sample.ref
-        value = self._values(shard, block)[row]
         where = f"{self.source.files[shard]}: {sample.text}, column {self.field!r}"
-        try:
-            with Image.open(self._image_file(value, shard, where)) as img:
-                return img.convert("RGB")
-        except OSError as exc:
-            raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
+        return _decode(self._image_file(self._values(shard, block)[row], shard, where), where)
 
     def _values(self, shard: int, block: int) -> list:
         if self._block is None or self._block[0] != (shard, block):
@@ -67,3 +56,13 @@ class ImageOpener:
     def __getstate__(self) -> dict[str, Any]:  # workers start with no cached block
         return {**self.__dict__, "_block": None}
 
+
+def _decode(file: Any, where: str) -> Any:
+    """An RGB image from a path or file object; ConfigError naming `where` if it cannot be decoded."""
+    from PIL import Image
+
+    try:
+        with Image.open(file) as img:
+            return img.convert("RGB")
+    except OSError as exc:  # truncated or not an image: PIL's message names no file
+        raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
