@@ -143,10 +143,12 @@ def test_a_tokenizer_without_a_chat_template_is_named_before_weights_load(model_
 
 # --- Image tables. ---
 
-@pytest.mark.parametrize("with_paths", [True, False])
-def test_an_image_table_extracts_the_image_folder_bytes(with_paths, model_dir, image_folder, tmp_path):
+@pytest.mark.parametrize("storage, with_paths", [("parquet", True), ("parquet", False), ("hf_disk", True)])
+def test_an_image_table_extracts_the_image_folder_bytes(storage, with_paths, model_dir, image_folder, tmp_path):
     table = tiny.image_table(image_folder, ["animal", "object"], with_paths)
-    data = tiny.write_parquet(tmp_path / "images", table, shards=2, row_group_size=3)
+    features = json.loads(table.schema.metadata[b"huggingface"])["info"]["features"]
+    data = (tiny.write_parquet(tmp_path / "images", table, shards=2, row_group_size=3) if storage == "parquet"
+            else tiny.write_hf_disk(tmp_path / "images", {"train": table.replace_schema_metadata()}, features))
     folder = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"batch_size": 3})
     config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"batch_size": 3, "num_workers": 2})
     expected, got = part_files(folder, tmp_path / "folder"), part_files(config, tmp_path / "table")
@@ -156,6 +158,14 @@ def test_an_image_table_extracts_the_image_folder_bytes(with_paths, model_dir, i
         [p.pop("samples.jsonl") for p in expected]
     assert got == expected
     assert load_dataset(data).labels == ["animal", "object"]  # ClassLabel names from the Hub metadata
+
+
+def test_classlabel_names_keep_their_order_and_name_each_row(image_folder, tmp_path):
+    table = tiny.image_table(image_folder, ["object", "animal"])  # not sorted: label_id = class index
+    dataset = load_dataset(tiny.write_parquet(tmp_path / "images", table))
+    assert dataset.labels == ["object", "animal"]
+    assert [s.label for s in dataset.samples] == [s.text.split("/")[0] for s in dataset.samples]
+    assert dataset.modality == "image" and dataset.samples[0].text == "animal/img_00.png"
 
 
 def test_an_undecodable_image_in_a_table_names_file_and_column(model_dir, image_folder, tmp_path):
