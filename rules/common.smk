@@ -4,6 +4,7 @@ from pathlib import Path
 
 from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
+from actstore.datasets import check_dataset
 from actstore.extract import check_layers
 from actstore.hashing import stage_dir, stage_hash, upstream_stages
 from actstore.models import num_blocks, read_model_config, resolve_model_path
@@ -11,8 +12,7 @@ from actstore.models import num_blocks, read_model_config, resolve_model_path
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
 MODEL_PATH = resolve_model_path(config["model"]["path"])
 check_layers(config["extract"]["layers"], num_blocks(read_model_config(MODEL_PATH)))
-if not Path(config["dataset"]["path"]).exists():
-    raise ValueError(f"dataset.path does not exist: {config['dataset']['path']}")
+check_dataset(config["dataset"])  # path, shards, and each table's columns and types (no rows read)
 if config["saev"].get("patch_labels") and not Path(config["saev"]["patch_labels"]["masks"]).is_dir():
     raise ValueError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
 

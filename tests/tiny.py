@@ -166,3 +166,81 @@ def write_segmentation_folder(root: Path, coarse_hw: tuple[int, int], factor: tu
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             img.save((folder / rel).with_suffix(".png"))
     return images, masks, coarse
+
+
+# --- The datasets users already have: Parquet, Arrow, CSV, save_to_disk folders, image tables. ---
+
+def write_parquet(path: Path, table, shards: int = 1, row_group_size: int = 64) -> Path:
+    """`table` (a pyarrow Table) as `shards` Parquet files train-0000N-of-0000S.parquet under `path`
+    (a folder, as the Hub lays them out), small row groups so reading crosses them."""
+    import pyarrow.parquet as pq
+
+    path.mkdir(parents=True, exist_ok=True)
+    per = -(-table.num_rows // shards)
+    for i in range(shards):
+        pq.write_table(table.slice(i * per, per), path / f"train-{i:05d}-of-{shards:05d}.parquet",
+                       row_group_size=row_group_size)
+    return path
+
+
+def write_arrow_stream(path: Path, table, batch_rows: int = 64) -> Path:
+    """An Arrow IPC stream file, as `datasets.save_to_disk` writes its data files."""
+    import pyarrow as pa
+
+    with pa.ipc.new_stream(path, table.schema) as writer:
+        writer.write_table(table, max_chunksize=batch_rows)
+    return path
+
+
+def write_hf_disk(root: Path, splits: dict, features: dict) -> Path:
+    """A save_to_disk DatasetDict folder, as `datasets` 2.x-4.x writes it: dataset_dict.json, and per
+    split state.json, dataset_info.json (the features) and data-0000N-of-0000S.arrow streams."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    for split, table in splits.items():
+        folder = root / split
+        folder.mkdir()
+        half = table.num_rows // 2
+        names = [f"data-0000{i}-of-00002.arrow" for i in range(2)]
+        for name, part in zip(names, (table.slice(0, half), table.slice(half))):
+            write_arrow_stream(folder / name, part, batch_rows=32)
+        (folder / "state.json").write_text(json.dumps({
+            "_data_files": [{"filename": n} for n in names], "_split": split, "_format_type": None}))
+        (folder / "dataset_info.json").write_text(json.dumps({"features": features}))
+    return root
+
+
+def image_table(folder: Path, class_names: list[str], with_paths: bool = True):
+    """The images of an image folder as a Hub-style table: `image` = {bytes, path} structs (the
+    Image feature; path = the image's path in the folder) or plain bytes, `label` = ClassLabel ids,
+    and the features in the `huggingface` schema metadata, in the folder's sorted order."""
+    import pyarrow as pa
+
+    files = sorted(p for p in folder.rglob("*.png"))
+    rels = [p.relative_to(folder).as_posix() for p in files]
+    images = [{"bytes": p.read_bytes(), "path": rel} for p, rel in zip(files, rels)]
+    features = {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": class_names}}
+    table = pa.table({"image": images if with_paths else [i["bytes"] for i in images],
+                      "label": pa.array([class_names.index(r.split("/")[0]) for r in rels], pa.int64())})
+    return table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|endoftext|>assistant:{% endif %}")
+
+
+def add_chat_template(model: Path, out: Path) -> Path:
+    """A copy of a tiny causal model whose tokenizer has a chat template and, like Llama's, adds a
+    BOS token when asked for special tokens (so a template's own BOS must not be doubled)."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model, out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.convert_tokens_to_ids("<|endoftext|>"))])
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out

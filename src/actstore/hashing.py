@@ -5,6 +5,8 @@ its upstream stages' hashes, so identical configs reuse outputs and divergent on
 """
 from __future__ import annotations
 
+import functools
+import glob
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,9 @@ STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
 # Config sections each stage reads: its own, and for extraction also the model and dataset.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     stage: ("model", "dataset", "extract") if stage == "extract" else (stage,) for stage in STAGES}
+# dataset keys of earlier releases: a config with only these, on a JSONL file or an image folder,
+# hashes its dataset by path as those releases did (see dataset_identity).
+LEGACY_DATASET_KEYS = {"path", "name", "split", "limit"}
 # Keys that change how a stage runs, never what it writes (tested byte for byte): not hashed.
 EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"extract": ("num_workers", "buffers", "writer_threads")}
 
@@ -51,12 +56,66 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
     if not isinstance(values, dict):
         return values
     values = {k: v for k, v in values.items() if k not in EXECUTION_KEYS.get(section, ())}
+    if section == "dataset":
+        values |= dataset_identity(values)
     if section == "extract" and "storage_dtype" in values:
         dtype = values.pop("storage_dtype")
         dtype = config["model"]["torch_dtype"] if dtype == "auto" else dtype
         if dtype != "float32":
             values["storage_dtype"] = dtype
     return values
+
+
+def dataset_identity(section: dict[str, Any]) -> dict[str, str]:
+    """What the hash adds for the data itself (dataset.identity): `stat` = the sizes and mtimes of the
+    files read, `content` = their sha256, `path` = nothing (only the config's path). Unset: `path`
+    for a config of earlier releases (a JSONL file or image folder, no new key), so its hash is
+    unchanged, and `stat` for everything else, so editing the data re-extracts."""
+    mode = section.get("identity") or ("path" if _legacy_dataset(section) else "stat")
+    if mode == "path":
+        return {}
+    return {f"data_{mode}": _data_digest(section, mode)}
+
+
+def _legacy_dataset(section: dict[str, Any]) -> bool:
+    """A config earlier releases read: no new key, and a JSONL file or an image folder (or data not
+    at hand: results are found by hash where the data is not)."""
+    path = Path(section["path"])
+    if set(section) - LEGACY_DATASET_KEYS or glob.has_magic(section["path"]):
+        return False
+    return not path.exists() or _auto_format(str(path)) == ("image_folder" if path.is_dir() else "jsonl")
+
+
+@functools.lru_cache(maxsize=16)
+def _auto_format(path: str) -> str:
+    """The format `auto` reads `path` as (cached: listing a large image folder once per parse is enough)."""
+    from actstore.datasets import resolve_source
+
+    return resolve_source(path).format
+
+
+def _data_digest(section: dict[str, Any], mode: str) -> str:
+    """sha256 over each data file's name relative to the root and its (size, mtime_ns) or sha256."""
+    from actstore.datasets import identity_files, resolve_source
+
+    source = resolve_source(section["path"], section.get("format", "auto"), section.get("split", "train"))
+    listing = []
+    for path in identity_files(source):
+        stat = path.stat()
+        facts = [_file_sha256(str(path), stat.st_size, stat.st_mtime_ns)] if mode == "content" else \
+            [stat.st_size, stat.st_mtime_ns]
+        listing.append([source.name(path), *facts])
+    return hashlib.sha256(canonical_json(listing).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """A file's sha256, cached while its size and mtime stay (Snakemake hashes a config once per rule)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def stage_hash(config: dict[str, Any], stage: str) -> str:

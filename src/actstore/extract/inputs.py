@@ -1,21 +1,24 @@
-"""Model inputs batch by batch: texts tokenized up front and grouped by length; images decoded and
-run through the model's own image processor in DataLoader worker processes."""
+"""Model inputs batch by batch: texts tokenized up front and grouped by length; images (files, or
+bytes read from a table) decoded and run through the model's own image processor in DataLoader
+worker processes."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from actstore.datasets import Dataset, Sample
+from actstore.datasets.images import ImageOpener
 from actstore.errors import ConfigError
 from actstore.models import LoadedModel
 
 
-def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int) -> list[list[int]]:
+def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
+             add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids per sample; add_special_tokens=False for rendered chat templates (they hold their own)."""
     encoded = loaded.preprocessor([s.text for s in samples], truncation=True, max_length=max_seq_length,
-                                  add_special_tokens=True)["input_ids"]
+                                  add_special_tokens=add_special_tokens)["input_ids"]
     for sample, ids in zip(samples, encoded):
         if not ids:
             raise ConfigError(f"dataset row {sample.sample_idx}: text tokenizes to zero tokens")
@@ -41,22 +44,14 @@ def text_batch(loaded: LoadedModel, ids: list[list[int]]) -> dict[str, torch.Ten
             "attention_mask": mask.to(loaded.device, non_blocking=True)}
 
 
-def load_pixels(processor: Any, paths: list[Path]) -> torch.Tensor:
-    """Decode images and run the image processor over them: (n, 3, H, W) pixel_values."""
-    from PIL import Image
-
-    images = []
-    for path in paths:
-        try:
-            with Image.open(path) as img:
-                images.append(img.convert("RGB"))
-        except OSError as exc:  # truncated or not an image: PIL's message names no file
-            raise ConfigError(f"{path}: cannot decode the image ({exc})") from None
-    return processor(images=images, return_tensors="pt")["pixel_values"]
+def load_pixels(processor: Any, opener: ImageOpener, samples: list[Sample]) -> torch.Tensor:
+    """Decode images (ImageOpener names the file or table row it cannot decode) and run the image
+    processor over them: (n, 3, H, W) pixel_values."""
+    return processor(images=[opener(s) for s in samples], return_tensors="pt")["pixel_values"]
 
 
 def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample]) -> dict[str, torch.Tensor]:
-    pixels = load_pixels(loaded.preprocessor, [dataset.image_path(s) for s in samples])
+    pixels = load_pixels(loaded.preprocessor, dataset.opener, samples)
     return {"pixel_values": pixels.to(loaded.device, loaded.model.dtype)}
 
 
@@ -64,15 +59,16 @@ class ImageBatches(torch.utils.data.Dataset):
     """Item = one whole batch (a list of local indices) of processed pixels, so each worker decodes
     and processes a batch exactly as a single process would (same processor call, same bytes)."""
 
-    def __init__(self, processor: Any, paths: list[Path]):
+    def __init__(self, processor: Any, opener: ImageOpener, samples: list[Sample]):
         self.processor = processor
-        self.paths = paths
+        self.opener = opener
+        self.samples = samples
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.samples)
 
     def __getitem__(self, batch: list[int]) -> torch.Tensor:
-        return load_pixels(self.processor, [self.paths[i] for i in batch])
+        return load_pixels(self.processor, self.opener, [self.samples[i] for i in batch])
 
 
 def default_workers(threads: int | None) -> int:  # also sizes the writer threads (run.writer_threads)
@@ -80,13 +76,13 @@ def default_workers(threads: int | None) -> int:  # also sizes the writer thread
     return threads if threads is not None else len(os.sched_getaffinity(0))
 
 
-def image_batches(processor: Any, paths: list[Path], batches: list[list[int]], num_workers: int,
-                  pin_memory: bool) -> Iterator[torch.Tensor]:
+def image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], batches: list[list[int]],
+                  num_workers: int, pin_memory: bool) -> Iterator[torch.Tensor]:
     """Processed pixels batch by batch, decoded ahead by `num_workers` processes (0 = in this
     process). The workers start at once, so call it before loading the model: they decode the
     first batches while the weights load."""
     loader = torch.utils.data.DataLoader(
-        ImageBatches(processor, paths), sampler=batches, batch_size=None, num_workers=num_workers,
+        ImageBatches(processor, opener, samples), sampler=batches, batch_size=None, num_workers=num_workers,
         pin_memory=pin_memory, prefetch_factor=4 if num_workers else None)
     return iter(loader)
 

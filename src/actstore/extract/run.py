@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from actstore.datasets import Dataset, Sample, load_dataset, part_range
+from actstore.datasets import Dataset, Sample, dataset_options, load_dataset, part_range
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
 from actstore.extract.inputs import (default_workers, image_batch, image_batches, length_batches,
@@ -46,10 +46,11 @@ def preflight(config: dict[str, Any]) -> tuple[Path, Dataset]:
     model_path = resolve_model_path(config["model"]["path"])
     model_config = read_model_config(model_path)
     check_layers(config["extract"]["layers"], num_blocks(model_config))
-    dataset = load_dataset(config["dataset"]["path"], config["dataset"]["limit"])
+    section = config["dataset"]
+    dataset = load_dataset(section["path"], section["limit"], section["split"], model_path, **dataset_options(section))
     want = "image" if model_kind(model_config) == "vision" else "text"
     if dataset.modality != want:
-        raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s "
+        raise ConfigError(f"dataset.path {section['path']} holds {dataset.modality}s "
                           f"but the model at {model_path} takes {want}s")
     if config["extract"]["hooks"]:
         skeleton = model_skeleton(model_path)
@@ -70,7 +71,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     workers = (ext["num_workers"] if ext["num_workers"] is not None else cpus) if vision else 0
     if vision:  # every image has the same token count: the batches are known before the model is
         batches = length_batches([1] * len(samples), ext["batch_size"])
-        pixels = image_batches(load_image_processor(model_path), [dataset.image_path(s) for s in samples],
+        pixels = image_batches(load_image_processor(model_path), dataset.opener, samples,
                                batches, workers, pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
     loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
@@ -79,7 +80,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         token_ids = None
         inputs = to_model(loaded, pixels)
     else:
-        token_ids = tokenize(loaded, samples, ext["max_seq_length"]) if samples else []
+        token_ids = tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat) if samples else []
         lengths = [len(x) for x in token_ids]
         batches = length_batches(lengths, ext["batch_size"])
         inputs = text_batches(loaded, token_ids, batches)

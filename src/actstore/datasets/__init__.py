@@ -1,0 +1,93 @@
+"""Dataset inputs: JSONL, Parquet, Arrow, CSV and Hugging Face save_to_disk tables (texts, chat
+messages or image bytes), and folders of images (ImageFolder convention).
+
+Rooms: source.py (dataset.path -> format and files in read order), jsonl.py, tables.py (pyarrow,
+block by block), images.py (image folders; decoding table bytes), chat.py (chat templates).
+sample_idx of every sample is its row index in the order defined here, in every format.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from actstore.datasets.chat import chat_renderer, load_tokenizer
+from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
+from actstore.datasets.images import ImageOpener, read_image_folder
+from actstore.datasets.jsonl import read_jsonl
+from actstore.datasets.source import Source, identity_files, resolve_source
+from actstore.datasets.tables import check_columns, image_field, read_table, schema_of
+from actstore.errors import ConfigError
+
+__all__ = ["FIELD_KEYS", "Dataset", "Sample", "check_dataset", "dataset_options", "identity_files",
+           "load_dataset", "part_range", "resolve_source"]
+
+
+def dataset_options(section: dict[str, Any]) -> dict[str, Any]:
+    """The dataset.* keys that choose how rows are read, as load_dataset takes them."""
+    return {k: section[k] for k in FIELD_KEYS if k in section}
+
+
+def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",
+                 model_path: Path | None = None, **options: Any) -> Dataset:
+    """Read `path` (options: the dataset.* keys in FIELD_KEYS); raise ConfigError naming the file
+    and field if a column is missing or mistyped, or the path holds no samples. `model_path`: the
+    model whose tokenizer renders chat messages (dataset.messages_field)."""
+    source = resolve_source(str(path), options.get("format", "auto"), split)
+    fields = _fields(options, _renderer(options, model_path))
+    if source.format == "image_folder":
+        dataset = Dataset(source.root.resolve(), "image", read_image_folder(source, limit),
+                          opener=ImageOpener(source))
+    elif source.format == "jsonl":
+        if fields.image:
+            raise ConfigError(f"dataset.image_field: {path} is JSONL, which holds no images")
+        dataset = Dataset(source.root.resolve(), "text", read_jsonl(source.files, fields, limit),
+                          chat=fields.messages is not None)
+    else:
+        fields = _table_fields(source, fields)
+        samples, names = read_table(source, fields, limit)
+        dataset = Dataset(source.root.resolve(), "image" if fields.image else "text", samples, names,
+                          chat=fields.messages is not None and not fields.image,
+                          opener=ImageOpener(source, fields.image) if fields.image else None)
+    if not dataset.samples:
+        raise ConfigError(f"dataset.path {path} holds no samples")
+    return dataset
+
+
+def check_dataset(section: dict[str, Any]) -> None:
+    """The cheap checks (at parse time): the path resolves to files, and every table shard has the
+    columns the config reads, of the right types. Rows are not read."""
+    options = dataset_options(section)
+    source = resolve_source(section["path"], options.get("format", "auto"), section.get("split", "train"))
+    if not source.files:
+        raise ConfigError(f"dataset.path {section['path']} holds no samples")
+    if source.table:
+        fields = _table_fields(source, _fields(options, None))
+        for path in source.files:
+            check_columns(path, fields, schema_of(source.format, path))
+
+
+def _renderer(options: dict[str, Any], model_path: Path | None) -> Callable[[Any, str], str] | None:
+    """The chat template renderer when dataset.messages_field is set (it needs the model's tokenizer)."""
+    if not options.get("messages_field"):
+        return None
+    if model_path is None:
+        raise ConfigError("dataset.messages_field: rendering chat messages needs the model's tokenizer")
+    return chat_renderer(load_tokenizer(model_path), model_path, options.get("add_generation_prompt", True))
+
+
+def _fields(options: dict[str, Any], render: Callable[[Any, str], str] | None) -> Fields:
+    keep = options.get("keep_fields")
+    return Fields(text=options.get("text_field", "text"), label=options.get("label_field", "label"),
+                  label_required="label_field" in options, image=options.get("image_field"),
+                  messages=options.get("messages_field"), keep=tuple(keep) if keep is not None else None,
+                  render=render)
+
+
+def _table_fields(source: Source, fields: Fields) -> Fields:
+    """Fields with the image column resolved from the first shard's schema (see tables.image_field)."""
+    image = image_field(source, fields, schema_of(source.format, source.files[0])) if source.files else None
+    if image and source.format == "csv":
+        raise ConfigError(f"dataset.path {source.root}: CSV holds no image bytes; use Parquet, Arrow, "
+                          f"save_to_disk or an image folder")
+    return replace(fields, image=image)

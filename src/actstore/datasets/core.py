@@ -1,0 +1,69 @@
+"""What every dataset reader produces: samples in sample_idx order, and the fields it reads them from."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+# dataset.* keys that choose how rows are read (path, limit and split are passed on their own).
+FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_field", "keep_fields",
+              "add_generation_prompt")
+
+
+@dataclass
+class Sample:
+    """One dataset row. `text` is the text (a chat sample: the rendered prompt), or the image's name:
+    its path relative to the dataset root, or for a table the image's own path or `<shard>#<row>`."""
+
+    sample_idx: int
+    text: str
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    ref: tuple[int, int, int] | None = None  # image tables: (shard, block, row in block) of the image
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The columns a reader takes. keep=None: JSONL keeps every other field (as it always has), a
+    table none. render: the tokenizer's chat template, set when messages are read."""
+
+    text: str = "text"
+    label: str = "label"
+    label_required: bool = False  # dataset.label_field set: the column must exist
+    image: str | None = None
+    messages: str | None = None
+    keep: tuple[str, ...] | None = None
+    render: Callable[[Any, str], str] | None = None
+
+    @property
+    def prompt(self) -> str:
+        """The field the prompt text comes from."""
+        return self.messages or self.text
+
+    def own(self) -> set[str]:
+        return {self.prompt, self.label, *([self.image] if self.image else [])}
+
+
+@dataclass
+class Dataset:
+    root: Path
+    modality: str  # "text" | "image"
+    samples: list[Sample]
+    label_names: list | None = None  # ClassLabel names (label_id = class index) when the features give them
+    chat: bool = False  # texts are rendered chat templates: they carry their own special tokens
+    opener: Any = None  # images.ImageOpener for image datasets
+
+    @property
+    def labels(self) -> list:
+        """The label names (label_id = position in this list): ClassLabel names, else the sorted
+        distinct labels."""
+        if self.label_names is not None:
+            return list(self.label_names)
+        return sorted({s.label for s in self.samples if s.label is not None}, key=str)
+
+
+def part_range(n_samples: int, parts: int, part: int) -> range:
+    """Contiguous slice of ceil(N/P) samples for part `part` (the last may be shorter or empty)."""
+    per_part = math.ceil(n_samples / parts)
+    return range(min(n_samples, part * per_part), min(n_samples, (part + 1) * per_part))

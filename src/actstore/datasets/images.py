@@ -1,0 +1,68 @@
+"""Images: a folder of image files (ImageFolder convention: label = first-level subfolder), or a
+table column of image bytes / {bytes, path} structs (the Hub's Image feature). ImageOpener decodes
+them in whichever process asks, so DataLoader workers do the reading and decoding."""
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from actstore.datasets.core import Sample
+from actstore.datasets.source import Source
+from actstore.datasets.tables import read_block
+from actstore.errors import ConfigError
+
+
+def read_image_folder(source: Source, limit: int | None) -> list[Sample]:
+    paths = [p.relative_to(source.root).as_posix() for p in source.files]
+    if limit is not None:
+        paths = paths[:limit]
+    return [Sample(i, rel, rel.split("/")[0] if "/" in rel else None) for i, rel in enumerate(paths)]
+
+
+class ImageOpener:
+    """sample -> RGB PIL image. Table images are read one block at a time (a Parquet row group or
+    an Arrow record batch, the image column only); the last block stays cached, and a part's
+    batches run in sample order, so each block is read once per process."""
+
+    def __init__(self, source: Source, field: str | None = None):
+        self.source = source
+        self.field = field
+        self._block: tuple[tuple[int, int], list] | None = None
+
+    def __call__(self, sample: Sample) -> Any:
+        if sample.ref is None:
+            path = self.source.root / sample.text
+            return _decode(path, str(path))
+        shard, block, row = sample.ref
+        where = f"{self.source.files[shard]}: {sample.text}, column {self.field!r}"
+        return _decode(self._image_file(self._values(shard, block)[row], shard, where), where)
+
+    def _values(self, shard: int, block: int) -> list:
+        if self._block is None or self._block[0] != (shard, block):
+            column = read_block(self.source.format, self.source.files[shard], block, self.field)
+            self._block = ((shard, block), column.to_pylist())
+        return self._block[1]
+
+    def _image_file(self, value: Any, shard: int, where: str) -> Any:
+        """Bytes as a file object, or the path (relative to the shard's folder) when no bytes are stored."""
+        if isinstance(value, dict):
+            value = value.get("bytes") or value.get("path")
+        if isinstance(value, bytes):
+            return io.BytesIO(value)
+        if isinstance(value, str):
+            return self.source.files[shard].parent / value
+        raise ConfigError(f"{where}: holds no image (null)")
+
+    def __getstate__(self) -> dict[str, Any]:  # workers start with no cached block
+        return {**self.__dict__, "_block": None}
+
+
+def _decode(file: Any, where: str) -> Any:
+    """An RGB image from a path or file object; ConfigError naming `where` if it cannot be decoded."""
+    from PIL import Image
+
+    try:
+        with Image.open(file) as img:
+            return img.convert("RGB")
+    except OSError as exc:  # truncated or not an image: PIL's message names no file
+        raise ConfigError(f"{where}: cannot decode the image ({exc})") from None

@@ -1,0 +1,123 @@
+"""Where a dataset's rows live: `dataset.path` (a file, a folder of shards, a glob, a Hugging Face
+`save_to_disk` folder or a folder of images) resolved to a format and its files in read order.
+
+Shards are read in sorted path order (a save_to_disk folder: the order its state.json lists), so
+sample_idx = row index over the shards in that order.
+"""
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actstore.errors import ConfigError
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
+FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table")
+IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved dataset path. `format` is how the files are read (image_table resolves to the
+    table format holding the images, with `image_table` set)."""
+
+    format: str  # jsonl | parquet | arrow | csv | hf_disk | image_folder
+    root: Path  # the file, the folder, or a glob's folder: image paths and shard names are relative to it
+    files: tuple[Path, ...]  # data files in read order (image_folder: the images)
+    features: dict[str, Any] = field(default_factory=dict)  # hf_disk dataset_info.json features
+    image_table: bool = False
+
+    @property
+    def table(self) -> bool:
+        return self.format in ("parquet", "arrow", "csv", "hf_disk")
+
+    def name(self, path: Path) -> str:
+        """A file's name relative to the root, as errors and image-table sample texts give it."""
+        return path.relative_to(self.root).as_posix() if path != self.root else path.name
+
+
+def resolve_source(path: str, fmt: str = "auto", split: str = "train") -> Source:
+    """Resolve `dataset.path` for `dataset.format`; ConfigError naming the path if it cannot be read."""
+    if fmt == "image_table":
+        source = resolve_source(path, "auto", split)
+        if source.format not in IMAGE_TABLE_FORMATS:
+            raise ConfigError(f"dataset.format image_table: {path} is {source.format}; image tables "
+                              f"are {', '.join(IMAGE_TABLE_FORMATS)}")
+        return Source(source.format, source.root, source.files, source.features, image_table=True)
+    if glob.has_magic(path):
+        return _glob_source(path, fmt)
+    root = Path(path)
+    if root.is_file():
+        return Source(fmt if fmt != "auto" else SHARD_SUFFIXES.get(root.suffix.lower(), "jsonl"), root, (root,))
+    if not root.is_dir():
+        raise ConfigError(f"dataset.path does not exist: {root}")
+    if fmt == "hf_disk" or (fmt == "auto" and any((root / m).is_file() for m in HF_MARKERS)):
+        return _hf_disk_source(root, split)
+    return _folder_source(root, fmt)
+
+
+def _glob_source(pattern: str, fmt: str) -> Source:
+    files = tuple(sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()))
+    if not files:
+        raise ConfigError(f"dataset.path {pattern} matches no file")
+    if fmt == "auto":
+        fmt = _one_format(pattern, {SHARD_SUFFIXES.get(p.suffix.lower(), "jsonl") for p in files})
+    root = Path(pattern.split("*")[0].split("?")[0].split("[")[0])
+    return Source(fmt, root if root.is_dir() else root.parent, files)
+
+
+def _folder_source(root: Path, fmt: str) -> Source:
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    images = tuple(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
+    if fmt == "image_folder" or (fmt == "auto" and images):
+        return Source("image_folder", root, images)
+    shards = {p: SHARD_SUFFIXES[p.suffix.lower()] for p in files if p.suffix.lower() in SHARD_SUFFIXES}
+    if fmt == "auto":
+        if not shards:
+            return Source("image_folder", root, ())  # empty: load_dataset names it
+        fmt = _one_format(str(root), set(shards.values()))
+    return Source(fmt, root, tuple(p for p, kind in shards.items() if kind == fmt))
+
+
+def _one_format(where: str, formats: set[str]) -> str:
+    if len(formats) > 1:
+        raise ConfigError(f"dataset.path {where} holds {' and '.join(sorted(formats))} files: "
+                          f"set dataset.format, or narrow the path with a glob")
+    return formats.pop()
+
+
+def _hf_disk_source(root: Path, split: str) -> Source:
+    """A save_to_disk folder: a Dataset (state.json, dataset_info.json, data-*.arrow) or a
+    DatasetDict (dataset_dict.json naming one such folder per split)."""
+    if (root / "dataset_dict.json").is_file():
+        splits = _read_json(root / "dataset_dict.json").get("splits", [])
+        if split not in splits:
+            raise ConfigError(f"{root / 'dataset_dict.json'}: dataset.split {split!r} is not a split "
+                              f"of this dataset (splits: {', '.join(splits)})")
+        root = root / split
+    state = _read_json(root / "state.json") if (root / "state.json").is_file() else {}
+    names = [f["filename"] for f in state.get("_data_files", [])]
+    files = tuple(root / n for n in names) if names else tuple(sorted(root.glob("*.arrow")))
+    missing = [p for p in files if not p.is_file()]
+    if missing or not files:
+        raise ConfigError(f"{root}: save_to_disk folder lacks its data file {missing[0] if missing else '*.arrow'}")
+    info = _read_json(root / "dataset_info.json") if (root / "dataset_info.json").is_file() else {}
+    return Source("hf_disk", root, files, info.get("features") or {})
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+
+
+def identity_files(source: Source) -> list[Path]:
+    """Every file whose bytes decide the samples (the data files, and the features that name labels)."""
+    extra = [source.root / "dataset_info.json"] if source.format == "hf_disk" else []
+    return [*source.files, *(p for p in extra if p.is_file())]

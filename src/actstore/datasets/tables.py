@@ -1,0 +1,206 @@
+"""Parquet, Arrow (IPC file or stream, as save_to_disk writes) and CSV tables, read with pyarrow one
+block at a time (a Parquet row group, an Arrow record batch, a CSV block) and only the columns used,
+so memory holds one block, never the whole table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+
+from actstore.datasets.core import Fields, Sample
+from actstore.datasets.source import Source
+from actstore.errors import ConfigError
+
+CSV_BLOCK_BYTES = 1 << 24
+
+
+def schema_of(fmt: str, path: Path) -> pa.Schema:
+    try:
+        if fmt == "csv":
+            return _open_csv(path, None).schema
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+            return pq.read_schema(path)
+        return _open_ipc(path).schema
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ConfigError(f"{path}: cannot read as {fmt} ({exc})") from None
+
+
+def blocks(fmt: str, path: Path, columns: list[str]) -> Iterator[pa.Table]:
+    """The file's blocks in order, each with `columns` only ("image.path": that struct child only)."""
+    if fmt == "csv":
+        for batch in _open_csv(path, columns):
+            yield pa.Table.from_batches([batch])
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.num_row_groups):
+            yield parquet.read_row_group(group, columns=columns)
+    else:
+        for batch in _ipc_batches(path):
+            yield _select(pa.Table.from_batches([batch]), columns)
+
+
+def read_block(fmt: str, path: Path, index: int, column: str) -> pa.ChunkedArray:
+    """Column `column` of block `index` (image bytes, read in the DataLoader worker that decodes them)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(path).read_row_group(index, columns=[column]).column(column)
+    reader = _open_ipc(path)
+    if isinstance(reader, pa.ipc.RecordBatchFileReader):
+        return pa.chunked_array([reader.get_batch(index).column(column)])
+    for i, batch in enumerate(reader):  # a stream has no batch index; memory-mapped, skipping is free
+        if i == index:
+            return pa.chunked_array([batch.column(column)])
+    raise ConfigError(f"{path}: has no record batch {index} (the file changed since it was read)")
+
+
+def _open_csv(path: Path, columns: list[str] | None):
+    from pyarrow import csv
+    return csv.open_csv(path, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+                        convert_options=csv.ConvertOptions(include_columns=columns))
+
+
+def _open_ipc(path: Path):
+    source = pa.memory_map(str(path))  # pages are read when touched: the file is never loaded whole
+    try:
+        return pa.ipc.open_file(source)
+    except pa.ArrowInvalid:
+        return pa.ipc.open_stream(source)
+
+
+def _ipc_batches(path: Path) -> Iterator[pa.RecordBatch]:
+    reader = _open_ipc(path)
+    if isinstance(reader, pa.ipc.RecordBatchFileReader):
+        yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+    else:
+        yield from reader
+
+
+def _select(table: pa.Table, columns: list[str]) -> pa.Table:
+    return table.select([c.split(".")[0] for c in columns])
+
+
+# --- Column checks: each shard's schema, before any row is read. ---
+
+def is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def is_bytes(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
+
+
+def _struct_of(t: pa.DataType, names: tuple[str, ...]) -> bool:
+    return pa.types.is_struct(t) and all(t.get_field_index(n) >= 0 for n in names)
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _struct_of(t.value_type, ("role", "content"))
+
+
+def _is_image(t: pa.DataType) -> bool:
+    return is_bytes(t) or is_text(t) or (_struct_of(t, ("bytes",)) and is_bytes(t.field("bytes").type))
+
+
+def _is_label(t: pa.DataType) -> bool:
+    return (is_text(t) or pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
+            or pa.types.is_dictionary(t))
+
+
+def _is_json(t: pa.DataType) -> bool:
+    return not (is_bytes(t) or pa.types.is_temporal(t) or pa.types.is_decimal(t))
+
+
+def image_field(source: Source, fields: Fields, schema: pa.Schema) -> str | None:
+    """The image column: dataset.image_field; `image` for an image_table; and for an auto table
+    with no `text` column (and no messages_field) an `image` column, as the Hub's vision sets have."""
+    if fields.image or source.image_table:
+        return fields.image or "image"
+    auto = fields.messages is None and fields.text == "text" and "text" not in schema.names
+    return "image" if auto and "image" in schema.names and _is_image(schema.field("image").type) else None
+
+
+def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
+    """ConfigError naming the file and column if a column the config reads is missing or mistyped."""
+    wanted = [("dataset.image_field", fields.image, _is_image, "image bytes, a {bytes, path} struct or a path")]
+    if not fields.image:
+        wanted = [("dataset.messages_field", fields.messages, _is_messages, "a list of {role, content}")
+                  if fields.messages else ("dataset.text_field", fields.text, is_text, "a string column")]
+    if fields.label_required or fields.label in schema.names:
+        wanted.append(("dataset.label_field", fields.label, _is_label, "strings, integers or a ClassLabel"))
+    wanted += [("dataset.keep_fields", k, _is_json, "JSON values (not bytes or dates)") for k in fields.keep or ()]
+    for key, name, ok, expected in wanted:
+        if name not in schema.names:
+            raise ConfigError(f"{path}: no column {name!r} ({key}); columns: {', '.join(schema.names)}")
+        if not ok(schema.field(name).type):
+            raise ConfigError(f"{path}: column {name!r} ({key}) is {schema.field(name).type}, expected {expected}")
+
+
+def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
+    """ClassLabel names of the label column from the Hugging Face features (save_to_disk's
+    dataset_info.json, or the `huggingface` schema metadata the Hub writes in Parquet/Arrow)."""
+    features = source.features
+    if not features and schema.metadata and b"huggingface" in schema.metadata:
+        features = json.loads(schema.metadata[b"huggingface"]).get("info", {}).get("features", {})
+    feature = features.get(label) or {}
+    return list(feature["names"]) if feature.get("_type") == "ClassLabel" and "names" in feature else None
+
+
+# --- Rows. ---
+
+def read_table(source: Source, fields: Fields, limit: int | None) -> tuple[list[Sample], list | None]:
+    """Samples of every shard in order (checked shard by shard first) and the ClassLabel names."""
+    schemas = [schema_of(source.format, path) for path in source.files]
+    for path, schema in zip(source.files, schemas):
+        check_columns(path, fields, schema)
+    names = class_names(source, schemas[0], fields.label) if schemas else None
+    samples: list[Sample] = []
+    for shard, (path, schema) in enumerate(zip(source.files, schemas)):
+        columns = _columns(fields, schema)
+        start = 0
+        for block, table in enumerate(blocks(source.format, path, columns)):
+            row_of = _row_reader(source, fields, table, names, f"{source.name(path)}#", start)
+            for row in range(table.num_rows):
+                if limit is not None and len(samples) >= limit:
+                    return samples, names
+                text, label, kept = row_of(row)
+                samples.append(Sample(len(samples), text, label, kept,
+                                      (shard, block, row) if fields.image else None))
+            start += table.num_rows
+    return samples, names
+
+
+def _columns(fields: Fields, schema: pa.Schema) -> list[str]:
+    """Columns read for the samples. Images: only the struct's path (the bytes are read when decoded)."""
+    if fields.image:
+        kind = schema.field(fields.image).type
+        first = [f"{fields.image}.path"] if _struct_of(kind, ("path",)) else [fields.image] if is_text(kind) else []
+    else:
+        first = [fields.prompt]
+    label = [fields.label] if fields.label in schema.names else []
+    return list(dict.fromkeys(first + label + list(fields.keep or ())))
+
+
+def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | None, shard: str,
+                start: int) -> Callable[[int], tuple[str, Any, dict]]:
+    """row -> (text, label, kept fields) for one block, its columns converted to Python once."""
+    values = {name: table.column(name).to_pylist() for name in table.column_names}
+    labels = values.get(fields.label, [None] * table.num_rows)
+    if names is not None:
+        labels = [names[v] if isinstance(v, int) and 0 <= v < len(names) else None for v in labels]
+
+    def text(row: int) -> str:
+        if fields.image:
+            value = values.get(fields.image, [None] * table.num_rows)[row]
+            value = value.get("path") if isinstance(value, dict) else value
+            return value or f"{shard}{start + row}"
+        value = values[fields.prompt][row]
+        where = f"{source.root}: {shard}{start + row}, column {fields.prompt!r}"
+        if value is None:
+            raise ConfigError(f"{where}: null where a prompt is needed")
+        return fields.render(value, where) if fields.render else value
+
+    return lambda row: (text(row), labels[row], {k: values[k][row] for k in fields.keep or ()})

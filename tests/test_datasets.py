@@ -1,0 +1,254 @@
+"""The datasets users already have (Parquet, Arrow, CSV, save_to_disk, chat prompts, image tables)
+extract exactly as the same rows in JSONL or an image folder; bad columns fail before weights load."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import tiny
+from actstore.datasets import check_dataset, load_dataset
+from actstore.errors import ConfigError
+from actstore.extract import run_part
+from actstore.formats.extract import open_extraction, write_index
+from actstore.hashing import stage_hash, stage_payload
+
+N_ROWS = 200
+EXTRAS = ["module", "qualname"]  # the corpus's other JSONL fields: kept as metadata
+
+
+def part_files(config, root: Path) -> list[dict[str, bytes]]:
+    """Every file of every part but part.json (which records times and paths): samples.jsonl,
+    offsets, token ids, activations."""
+    parts = []
+    for part in range(config["extract"]["parts"]):
+        out = root / f"part-{part:04d}"
+        run_part(config, part, out, progress=False)
+        parts.append({p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "part.json"})
+    return parts
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tiny.write_jsonl(tmp_path_factory.mktemp("rows") / "docs.jsonl", N_ROWS)
+    return path, [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tables(rows, tmp_path_factory):
+    """The same 200 rows as Parquet (2 shards), CSV, Arrow and a save_to_disk DatasetDict (label a
+    ClassLabel), each with the dataset keys that read it as the JSONL is read."""
+    from pyarrow import csv
+
+    root = tmp_path_factory.mktemp("tables")
+    table = pa.Table.from_pylist(rows[1])
+    csv.write_csv(table, root / "docs.csv")
+    names = sorted({r["label"] for r in rows[1]})
+    as_ids = table.set_column(1, "label", pa.array([names.index(r["label"]) for r in rows[1]], pa.int64()))
+    features = {"text": {"dtype": "string", "_type": "Value"}, "label": {"names": names, "_type": "ClassLabel"},
+                **{k: {"dtype": "string", "_type": "Value"} for k in EXTRAS}}
+    keep = {"keep_fields": EXTRAS}
+    return {
+        "parquet": (tiny.write_parquet(root / "parquet", table, shards=2), keep),
+        "csv": (root / "docs.csv", keep),
+        "arrow": (tiny.write_arrow_stream(root / "docs.arrow", table), keep),
+        "hf_disk": (tiny.write_hf_disk(root / "hf", {"train": as_ids, "test": as_ids.slice(0, 5)}, features), keep),
+        "parquet_glob": (f"{root}/parquet/train-*.parquet", {**keep, "format": "parquet"}),
+    }
+
+
+@pytest.fixture(scope="module")
+def jsonl_parts(rows, model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("jsonl")
+    parts = part_files(tiny.make_config(tmp, model_dir("gpt2"), rows[0]), tmp)
+    assert b'"metadata": {"module": "codecs", "qualname": "codecs"}' in parts[0]["samples.jsonl"]
+    return parts
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "arrow", "hf_disk", "parquet_glob"])
+def test_every_table_format_extracts_the_jsonl_bytes(kind, rows, tables, jsonl_parts, model_dir, tmp_path):
+    path, options = tables[kind]
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), path, dataset=options)
+    assert load_dataset(path, **options).labels == load_dataset(rows[0]).labels
+    assert part_files(config, tmp_path / kind) == jsonl_parts
+
+
+def test_limit_counts_rows_across_shards_in_sorted_order(tables):
+    path, options = tables["parquet"]
+    dataset = load_dataset(path, limit=150, **options)
+    assert [s.sample_idx for s in dataset.samples] == list(range(150))  # 100 rows per shard: crosses into shard 2
+    whole = load_dataset(path, **options)
+    assert [s.text for s in dataset.samples] == [s.text for s in whole.samples[:150]]
+
+
+# --- Chat prompts. ---
+
+MESSAGES = [[{"role": "system", "content": "You answer in one word."},
+             {"role": "user", "content": f"What does module {name} do?"}] for name in ("codecs", "os", "re", "json")]
+
+
+def test_chat_prompts_store_the_rendered_tokens_and_lmprobe_text(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from actstore.formats import lmprobe
+
+    chat_model = tiny.add_chat_template(model_dir("llama"), tmp_path / "chat-llama")
+    data = tiny.write_parquet(tmp_path / "chat", pa.table({"messages": MESSAGES, "id": [1, 2, 3, 4]}))
+    config = tiny.make_config(tmp_path, chat_model, data, dataset={"messages_field": "messages", "keep_fields": ["id"]},
+                              extract={"max_seq_length": 128, "parts": 1})
+    check_dataset(config["dataset"])  # the parse-time check needs no tokenizer
+    out = tmp_path / "extract"
+    run_part(config, 0, out / "part-0000", progress=False)
+    write_index(out, out / "extract.json")
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in MESSAGES]
+    extraction = open_extraction(out)
+    for part, local, row in extraction.iter_samples():
+        ids = tokenizer.apply_chat_template(MESSAGES[row["sample_idx"]], tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
+        assert row["text"] == rendered[row["sample_idx"]] and row["text"].endswith("assistant:")
+        assert part.token_ids(local).tolist() == list(ids)
+        assert list(ids).count(tokenizer.bos_token_id) == 3  # the template's own BOS tokens, none added
+        assert row["metadata"] == {"id": row["sample_idx"] + 1}
+    assert tokenizer("x")["input_ids"][0] == tokenizer.bos_token_id  # it would have added one
+    lmprobe.write_dataset(out, tmp_path / "lmprobe", {}, progress=False)
+    index = pq.read_table(tmp_path / "lmprobe" / "index" / "train-00000-of-00001.parquet").to_pylist()
+    assert {r["sample_idx"]: r["text"] for r in index} == dict(enumerate(rendered))
+
+
+def test_chat_jsonl_renders_like_the_table(model_dir, tmp_path):
+    chat_model = tiny.add_chat_template(model_dir("llama"), tmp_path / "chat-llama")
+    lines = tmp_path / "chat.jsonl"
+    lines.write_text("".join(json.dumps({"messages": m}) + "\n" for m in MESSAGES))
+    no_prompt = load_dataset(lines, model_path=chat_model, messages_field="messages", add_generation_prompt=False)
+    assert no_prompt.chat and not no_prompt.samples[0].text.endswith("assistant:")
+    assert no_prompt.samples[0].text.startswith("<|endoftext|>system: You answer")
+
+
+def test_a_tokenizer_without_a_chat_template_is_named_before_weights_load(model_dir, tmp_path, monkeypatch):
+    import actstore.extract.run as ex
+    lines = tmp_path / "chat.jsonl"
+    lines.write_text(json.dumps({"messages": MESSAGES[0]}) + "\n")
+    config = tiny.make_config(tmp_path, model_dir("llama"), lines, dataset={"messages_field": "messages"})
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=f"tokenizer at {model_dir('llama')} has no chat template"):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+
+
+# --- Image tables. ---
+
+@pytest.mark.parametrize("storage, with_paths", [("parquet", True), ("parquet", False), ("hf_disk", True)])
+def test_an_image_table_extracts_the_image_folder_bytes(storage, with_paths, model_dir, image_folder, tmp_path):
+    table = tiny.image_table(image_folder, ["animal", "object"], with_paths)
+    features = json.loads(table.schema.metadata[b"huggingface"])["info"]["features"]
+    data = (tiny.write_parquet(tmp_path / "images", table, shards=2, row_group_size=3) if storage == "parquet"
+            else tiny.write_hf_disk(tmp_path / "images", {"train": table.replace_schema_metadata()}, features))
+    folder = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"batch_size": 3})
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"batch_size": 3, "num_workers": 2})
+    expected, got = part_files(folder, tmp_path / "folder"), part_files(config, tmp_path / "table")
+    if not with_paths:  # no path stored: the sample text names the shard and row instead
+        texts = [json.loads(line)["text"] for p in got for line in p.pop("samples.jsonl").splitlines()]
+        assert texts[:2] == ["train-00000-of-00002.parquet#0", "train-00000-of-00002.parquet#1"]
+        [p.pop("samples.jsonl") for p in expected]
+    assert got == expected
+    assert load_dataset(data).labels == ["animal", "object"]  # ClassLabel names from the Hub metadata
+
+
+def test_classlabel_names_keep_their_order_and_name_each_row(image_folder, tmp_path):
+    table = tiny.image_table(image_folder, ["object", "animal"])  # not sorted: label_id = class index
+    dataset = load_dataset(tiny.write_parquet(tmp_path / "images", table))
+    assert dataset.labels == ["object", "animal"]
+    assert [s.label for s in dataset.samples] == [s.text.split("/")[0] for s in dataset.samples]
+    assert dataset.modality == "image" and dataset.samples[0].text == "animal/img_00.png"
+
+
+def test_an_undecodable_image_in_a_table_names_file_and_column(model_dir, image_folder, tmp_path):
+    table = tiny.image_table(image_folder, ["animal", "object"])
+    broken = table.set_column(0, "image", pa.array([{"bytes": b"not a png", "path": "x.png"}] * table.num_rows))
+    data = tiny.write_parquet(tmp_path / "broken", broken)
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), data, dataset={"format": "image_table"},
+                              extract={"parts": 1, "num_workers": 0})
+    with pytest.raises(ConfigError, match=r"train-00000-of-00001.parquet: x.png, column 'image': cannot decode"):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+
+
+# --- Errors before weights load (run_part) and at parse time (check_dataset, snakemake -n). ---
+
+@pytest.fixture
+def bad_inputs(tables):
+    parquet, csv_path, hf = tables["parquet"][0], tables["csv"][0], tables["hf_disk"][0]
+    return {
+        "missing column": (parquet, {"text_field": "body"},
+                           r"train-00000-of-00002.parquet: no column 'body' \(dataset.text_field\)"),
+        "missing csv column": (csv_path, {"keep_fields": ["author"]},
+                               r"docs.csv: no column 'author' \(dataset.keep_fields\)"),
+        "wrong type": (hf, {"text_field": "label"},
+                       r"data-00000-of-00002.arrow: column 'label' \(dataset.text_field\) is int64"),
+        "missing split": (hf, {"split": "validation"},
+                          r"dataset_dict.json: dataset.split 'validation' is not a split .*splits: train, test"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing column", "missing csv column", "wrong type", "missing split"])
+def test_bad_columns_fail_before_weights_load_naming_file_and_column(case, bad_inputs, model_dir, tmp_path,
+                                                                     monkeypatch):
+    import actstore.extract.run as ex
+    path, options, message = bad_inputs[case]
+    config = tiny.make_config(tmp_path, model_dir("bert"), path, dataset=options)
+    with pytest.raises(ConfigError, match=message):
+        check_dataset(config["dataset"])
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=message):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+
+
+def test_a_mistyped_image_column_is_named(model_dir, image_folder, tmp_path):
+    table = tiny.image_table(image_folder, ["animal", "object"]).append_column("score", pa.array([0.5] * 8))
+    data = tiny.write_parquet(tmp_path / "images", table)
+    with pytest.raises(ConfigError, match=r"column 'score' \(dataset.image_field\) is double"):
+        check_dataset({"path": str(data), "image_field": "score"})
+
+
+def test_snakemake_dry_run_names_the_missing_column(tables, model_dir, tmp_path):
+    config = tiny.make_config(tmp_path, model_dir("bert"), tables["parquet"][0], dataset={"text_field": "body"})
+    configfile = tiny.save_config(config, tmp_path / "config.yaml")
+    snakemake = str(Path(sys.executable).with_name("snakemake"))
+    proc = subprocess.run([snakemake, "-s", str(tiny.REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+                           str(configfile), "--cores", "1", "-n"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "train-00000-of-00002.parquet: no column 'body' (dataset.text_field)" in proc.stdout + proc.stderr
+
+
+# --- Dataset identity in the extract hash. ---
+
+def test_earlier_configs_keep_their_hash_and_new_sources_hash_their_files(rows, tables, model_dir, image_folder,
+                                                                          tmp_path):
+    for data in (rows[0], image_folder):  # JSONL file and image folder, no new key: hashed as before
+        config = tiny.make_config(tmp_path, model_dir("bert"), data)
+        assert stage_payload(config, "extract")["config"]["dataset"] == config["dataset"]
+    path, options = tables["parquet"]
+    config = tiny.make_config(tmp_path, model_dir("bert"), path, dataset=options)
+    assert "data_stat" in stage_payload(config, "extract")["config"]["dataset"]
+    stated = tiny.make_config(tmp_path, model_dir("bert"), rows[0], dataset={"identity": "stat"})
+    assert "data_stat" in stage_payload(stated, "extract")["config"]["dataset"]
+
+
+@pytest.mark.parametrize("identity, touch_changes, edit_changes", [
+    (None, True, True), ("stat", True, True), ("content", False, True), ("path", False, False)])
+def test_editing_the_data_changes_the_extract_hash(identity, touch_changes, edit_changes, rows, model_dir, tmp_path):
+    data = tiny.write_parquet(tmp_path / "data", pa.Table.from_pylist(rows[1][:20]), shards=2)
+    shard = data / "train-00001-of-00002.parquet"
+    options = {"identity": identity} if identity else {}
+    config = tiny.make_config(tmp_path, model_dir("bert"), data, dataset=options)
+    before = stage_hash(config, "extract")
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert (stage_hash(config, "extract") != before) == touch_changes
+    pq.write_table(pa.Table.from_pylist(rows[1][10:19]), shard)
+    assert (stage_hash(config, "extract") != before) == edit_changes
