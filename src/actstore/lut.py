@@ -163,11 +163,11 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
 
 
 def batch_inputs(config: dict[str, Any], extraction: Any, loaded: Any, batch: list[int]) -> dict[str, torch.Tensor]:
-    from actstore.datasets import load_dataset
+    from actstore.datasets import configured_dataset
     from actstore.extract import image_batch, text_batch
 
     if loaded.kind == "vision":
-        dataset = load_dataset(config["dataset"]["path"], config["dataset"]["limit"])
+        dataset = configured_dataset(config, loaded.path)
         return image_batch(loaded, dataset, [dataset.samples[i] for i in batch])
     ids = []
     for sample_idx in batch:

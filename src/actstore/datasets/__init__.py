@@ -28,6 +28,12 @@ def dataset_options(section: dict[str, Any]) -> dict[str, Any]:
     return {k: section[k] for k in FIELD_KEYS if k in section}
 
 
+def configured_dataset(config: dict[str, Any], model_path: Path) -> Dataset:
+    """The dataset a resolved config names (its dataset section), as extraction reads it."""
+    section = config["dataset"]
+    return load_dataset(section["path"], section["limit"], section["split"], model_path, **dataset_options(section))
+
+
 def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",
                  model_path: Path | None = None, **options: Any) -> Dataset:
     """Read `path` (options: the dataset.* keys in FIELD_KEYS); raise ConfigError naming the file

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from actstore.datasets import Dataset, Sample, dataset_options, load_dataset, part_range
+from actstore.datasets import Dataset, Sample, configured_dataset, part_range
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
 from actstore.extract.inputs import (default_workers, image_batch, image_batches, length_batches,
@@ -46,11 +46,10 @@ def preflight(config: dict[str, Any]) -> tuple[Path, Dataset]:
     model_path = resolve_model_path(config["model"]["path"])
     model_config = read_model_config(model_path)
     check_layers(config["extract"]["layers"], num_blocks(model_config))
-    section = config["dataset"]
-    dataset = load_dataset(section["path"], section["limit"], section["split"], model_path, **dataset_options(section))
+    dataset = configured_dataset(config, model_path)
     want = "image" if model_kind(model_config) == "vision" else "text"
     if dataset.modality != want:
-        raise ConfigError(f"dataset.path {section['path']} holds {dataset.modality}s "
+        raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s "
                           f"but the model at {model_path} takes {want}s")
     if config["extract"]["hooks"]:
         skeleton = model_skeleton(model_path)
