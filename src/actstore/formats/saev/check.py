@@ -48,7 +48,8 @@ def verify(path: str | Path) -> list[str]:
         return [str(exc)]
     problems = _verify_name(store)
     try:
-        decode_data(store.metadata["data"])
+        if store.sidecar:  # ours pickle a plain dict; saev pickles its dataset classes, never unpickled here
+            decode_data(store.metadata["data"])
     except FormatError as exc:
         problems.append(f"{store.dir / METADATA}: {exc}")
     problems += store.size_problems() + _verify_shard_checksums(store) + _verify_sidecar_files(store)

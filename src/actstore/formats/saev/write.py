@@ -5,6 +5,7 @@ What the format needs from the model and from segmentation masks is handed in by
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -266,9 +267,16 @@ def write_raw_store(plan: Plan, fill: Callable[[int, np.ndarray], None], root: s
             files[LABELS] = file_record(tmp / LABELS)
         write_json_atomic(tmp / SHARDS, shards)
         write_json_atomic(tmp / SIDECAR, {**plan.sidecar, "files": files})
-        write_json_atomic(tmp / METADATA, plan.file_metadata)  # written last: its presence marks a finished store
+        _write_metadata(tmp / METADATA, plan)  # written last: its presence marks a finished store
     log.info("saev store: %d examples in %d shards -> %s", md["n_examples"], len(sizes), final)
     return final
+
+
+def _write_metadata(path: Path, plan: Plan) -> None:
+    """metadata.json: keys sorted (spec, as every actstore JSON), or in saev's field order (upstream,
+    as saev writes it)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(plan.file_metadata, indent=2, sort_keys=plan.flavor == "spec") + "\n")
 
 
 def write_pointer(pointer: str | Path, store: str | Path) -> None:
