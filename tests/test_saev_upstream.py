@@ -175,3 +175,33 @@ def test_stores_with_checksums_in_shards_json_still_verify(extracted, tmp_path):
     with open(store_dir / "acts000000.bin", "r+b") as fh:
         fh.write(b"\x01")
     assert saev.verify(store_dir) == [f"{store_dir / 'acts000000.bin'}: sha256 differs from shards.json"]
+
+
+def test_flavor_has_no_default_so_saev_hashes_stay():
+    from actstore.config import validate_config
+
+    base = {"dump_to": "/d", "model": {"path": "/m"}, "dataset": {"path": "/x"}}
+    plain = validate_config(json.loads(json.dumps(base)))
+    assert "flavor" not in plain["saev"]
+    upstream = validate_config({**json.loads(json.dumps(base)), "saev": {"flavor": "upstream"}})
+    assert stage_hash(upstream, "saev") != stage_hash(plain, "saev")
+
+
+def test_snakemake_saev_upstream_store_behind_the_stage_pointer(model_dir, image_folder, tmp_path):
+    import subprocess
+    import sys
+
+    import tiny
+
+    config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("dinov2"))},
+              "dataset": {"path": str(image_folder)}, "extract": {"layers": [1], "parts": 1, "batch_size": 4},
+              "saev": {"flavor": "upstream"},
+              **{s: {"enabled": False} for s in ("pickle", "lmprobe", "zarr", "sae", "validate")}}
+    configfile = tiny.save_config(config, tmp_path / "upstream.yaml")
+    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(tiny.REPO / "Snakefile"), "-d",
+           str(tmp_path), "--configfile", str(configfile), "--cores", "2", "saev"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    store = saev.resolve(next((tmp_path / "dump" / "saev").glob("*/saev.json")))
+    assert store.parent == tmp_path / "dump" / "saev" / "shards" and saev.verify(store) == []
+    assert list(json.loads((store / "metadata.json").read_text())) == SAEV_METADATA
