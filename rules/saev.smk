@@ -1,6 +1,6 @@
-# saev protocol 2.1 shards. The store's own name is the sha256 of its metadata.json (unknown at parse
-# time), so the declared output is a pointer file in the stage dir naming the sibling store
-# {dump_to}/saev/<HASH>/ (see docs/formats/saev.md).
+# saev protocol 2.1 shards. The store's own name is the hash of its metadata.json (unknown at parse
+# time), so the declared output is a pointer file in the stage dir naming the store beside it:
+# {dump_to}/saev/<HASH>/, or {dump_to}/saev/shards/<8 hex>/ for saev.flavor upstream (docs/formats/saev.md).
 
 SAEV_DIR = sdir("saev")
 

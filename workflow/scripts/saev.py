@@ -16,7 +16,8 @@ extraction = open_extraction(Path(snakemake.input.index).parent, config["extract
 image = extraction.meta["modality"] == "image"
 model_config = read_model_config(extraction.meta["model"]["path"]) if image else None
 labeler = PatchLabeler(image_patch_labels, REGISTER_LABEL)
-# The store is a sibling of the stage dir: {dump_to}/saev/<HASH>/ next to {dump_to}/saev/<stage hash>/.
+# The store sits beside the stage dir {dump_to}/saev/<stage hash>/: {dump_to}/saev/<HASH>/ (saev.flavor spec)
+# or {dump_to}/saev/shards/<8 hex>/ (upstream, the directory saev's code requires).
 store = write_store(extraction, config["saev"], pointer.parent.parent, stage_hash(config, "extract"),
                     model_config=model_config, labeler=labeler)
 open_store(store)  # re-open: every shard present with its exact size

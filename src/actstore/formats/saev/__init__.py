@@ -1,10 +1,12 @@
 """The saev sharded activation protocol 2.1 (../shared/specs/saev-protocol.md), to the byte.
 
-Store layout (`<dump_to>/saev/<HASH>/`, HASH = full sha256 of the canonical metadata.json):
-  metadata.json    the spec's 12 fields, nothing else (so HASH depends on spec fields only)
-  shards.json      [{"name": "acts000000.bin", "n_examples": S, "bytes": ..., "sha256": ...}, ...]
-                   ("bytes"/"sha256": optional keys, a backward-compatible minor addition)
-  acts%06d.bin     raw C-order float32 (S, L, T, D), no header
+Store layout (flavor spec: `<dump_to>/saev/<HASH>/`, HASH = full sha256 of the canonical metadata.json;
+flavor upstream: `<dump_to>/saev/shards/<8 hex>/`, saev's hash of its own field set):
+  metadata.json    the spec's 12 fields, nothing else (so HASH depends on spec fields only); upstream:
+                   saev's 13 (two renamed, pixel_agg added)
+  shards.json      [{"name": "acts000000.bin", "n_examples": S}, ...], exactly the spec's fields
+  acts%06d.bin     raw C-order float32 (S, L, T, D), no header; upstream pads the last shard to
+                   examples_per_shard with a hole (sparse), n_examples in shards.json stays true
   labels.bin       optional per-patch labels: raw C-order uint8 (n_examples, patches_per_ex), no CLS
                    column (saev's layout); written from segmentation masks by the caller's PatchLabeler
                    (saev.patch_labels; actstore.patch_labels in the workflow) or attached later with
@@ -12,8 +14,8 @@ Store layout (`<dump_to>/saev/<HASH>/`, HASH = full sha256 of the canonical meta
   windows.npy      text stores only (optional extension): int64 (n_examples, 3) rows
                    (sample_idx, token_start, n_valid): example e = tokens token_start..+n_valid of
                    dataset row sample_idx; tokens n_valid..T-1 are zero padding
-  actstore.json    optional extension: sizes and sha256 of windows.npy / labels.bin, the source
-                   extraction, registers; not part of HASH
+  actstore.json    optional extension: sizes and sha256 of every shard and windows.npy / labels.bin,
+                   the source extraction, registers; not part of HASH (stores saev wrote have none)
 Text models: each sample's tokens are cut into windows of T = tokens_per_window tokens that never
 cross samples; a sample's last, shorter window is zero-padded (n_valid in windows.npy says where).
 
@@ -23,13 +25,13 @@ read_vector), loader (ShuffledActivations, the shuffled torch training loader; i
 actstore.formats.saev.loader, so that opening a store does not import torch).
 """
 from actstore.formats.saev.check import detect, inspect, read_vector, verify
-from actstore.formats.saev.layout import (METADATA_FIELDS, PROTOCOL, SIDECAR, decode_data, encode_data,
-                                          metadata_hash)
+from actstore.formats.saev.layout import (METADATA_FIELDS, PROTOCOL, SIDECAR, UPSTREAM_FIELDS, decode_data,
+                                          encode_data, metadata_hash, upstream_hash)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
 from actstore.formats.saev.write import PatchLabeler, Plan, write_labels, write_pointer, write_raw_store, write_store
 
 __all__ = [
-    "METADATA_FIELDS", "PROTOCOL", "SIDECAR", "PatchLabeler", "Plan", "SaevStore", "decode_data", "detect",
-    "encode_data", "inspect", "metadata_hash", "open_store", "read_vector", "resolve", "verify", "write_labels",
-    "write_pointer", "write_raw_store", "write_store",
+    "METADATA_FIELDS", "PROTOCOL", "SIDECAR", "UPSTREAM_FIELDS", "PatchLabeler", "Plan", "SaevStore", "decode_data", "detect",
+    "encode_data", "inspect", "metadata_hash", "open_store", "read_vector", "resolve", "upstream_hash", "verify",
+    "write_labels", "write_pointer", "write_raw_store", "write_store",
 ]

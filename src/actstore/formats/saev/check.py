@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, WINDOWS, decode_data,
-                                          metadata_hash)
+from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS,
+                                          decode_data, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
 from actstore.integrity import dir_bytes, file_problem, inside, unlisted
 
@@ -29,7 +29,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
     md = store.metadata
     windows = store.windows
     return {
-        "format": "saev", "protocol": md["protocol"], "path": str(store.dir), "hash": store.dir.name,
+        "format": "saev", "flavor": store.flavor, "protocol": md["protocol"], "path": str(store.dir), "hash": store.dir.name,
         "model": md["ckpt"], "family": md["family"], "layers": md["layers"], "n_examples": md["n_examples"],
         "n_tokens": int(windows[:, 2].sum()) if windows is not None else md["n_examples"] * store.T,
         "d_model": md["d_model"], "dtype": md["dtype"], "n_shards": len(store.shards),
@@ -46,31 +46,53 @@ def verify(path: str | Path) -> list[str]:
         store = SaevStore(path, check_sizes=False)
     except (FormatError, OSError) as exc:
         return [str(exc)]
-    problems = []
-    if store.dir.name != metadata_hash(store.metadata):
-        problems.append(f"{store.dir / METADATA}: sha256 {metadata_hash(store.metadata)} does not match "
-                        f"the directory name {store.dir.name} (config drift)")
+    problems = _verify_name(store)
     try:
-        decode_data(store.metadata["data"])
+        if store.sidecar:  # ours pickle a plain dict; saev pickles its dataset classes, never unpickled here
+            decode_data(store.metadata["data"])
     except FormatError as exc:
         problems.append(f"{store.dir / METADATA}: {exc}")
-    problems += store.size_problems()
-    for shard in store.shards:
-        path_ = store.dir / shard["name"]
-        if "sha256" not in shard:
-            problems.append(f"{store.dir / SHARDS}: {shard['name']} has no sha256")
-        elif path_.is_file() and path_.stat().st_size == store.shard_bytes(store.shards.index(shard)):
-            if problem := file_problem(path_, {"sha256": shard["sha256"]}, SHARDS):
-                problems.append(problem)
-    problems += _verify_sidecar_files(store)
-    sidecar_files = store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
-    listed = {METADATA, SHARDS, SIDECAR, *(s["name"] for s in store.shards), *sidecar_files}
+    problems += store.size_problems() + _verify_shard_checksums(store) + _verify_sidecar_files(store)
+    listed = {METADATA, SHARDS, SIDECAR, *(s["name"] for s in store.shards), *_recorded(store)}
     return problems + unlisted(store.dir, listed, f"{SHARDS} or {SIDECAR}")
 
 
+def _verify_name(store: SaevStore) -> list[str]:
+    """The directory is named by the metadata hash of its flavor (config drift otherwise)."""
+    want = store_name(store.file_metadata)
+    have = "/".join(store.dir.parts[-len(Path(want).parts):])
+    if have == want:
+        return []
+    return [f"{store.dir / METADATA}: its hash {want!r} does not match the directory name {have!r} (config drift)"]
+
+
+def _recorded(store: SaevStore) -> dict[str, Any]:
+    """actstore.json's {file: {bytes, sha256}}; a store saev wrote has none."""
+    return store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
+
+
+def _verify_shard_checksums(store: SaevStore) -> list[str]:
+    """Each shard of the right size against its sha256: in actstore.json, or in shards.json for stores
+    written before the checksums moved. Stores without actstore.json (saev's) have none to check."""
+    problems, files = [], _recorded(store)
+    for i, shard in enumerate(store.shards):
+        path, record = store.dir / shard["name"], files.get(shard["name"])
+        source = SIDECAR if record else SHARDS
+        record = record or ({"sha256": shard["sha256"]} if "sha256" in shard else None)
+        if record is None:
+            if store.sidecar:
+                problems.append(f"{store.dir / SIDECAR}: {shard['name']} has no sha256")
+        elif path.is_file() and path.stat().st_size in store.allowed_bytes(i):
+            if problem := file_problem(path, record, source):
+                problems.append(problem)
+    return problems
+
+
 def _verify_sidecar_files(store: SaevStore) -> list[str]:
+    """windows.npy / labels.bin against actstore.json (the shards are _verify_shard_checksums')."""
     problems = []
-    files = store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
+    shards = {shard["name"] for shard in store.shards}
+    files = {name: info for name, info in _recorded(store).items() if name not in shards}
     for name, info in files.items():
         try:
             problem = file_problem(inside(store.dir, name, str(store.dir / SIDECAR)), info, SIDECAR)
@@ -78,9 +100,9 @@ def _verify_sidecar_files(store: SaevStore) -> list[str]:
             problem = str(exc)
         if problem:
             problems.append(problem)
-    if (store.dir / LABELS).is_file() and LABELS not in files:
+    if store.sidecar and (store.dir / LABELS).is_file() and LABELS not in files:
         problems.append(f"{store.dir / LABELS}: no sha256 recorded in {SIDECAR}")
-    if store.metadata["family"] not in FAMILIES.values() and WINDOWS not in files:
+    if store.metadata["family"] not in {*FAMILIES.values(), *UPSTREAM_FAMILIES} and WINDOWS not in files:
         problems.append(f"{store.dir / WINDOWS}: text store without a recorded windows.npy")
     if WINDOWS in files and not problems:
         try:

@@ -1,5 +1,8 @@
 """The bytes of a saev protocol 2.1 store: file names, metadata fields, dtype, shard arithmetic.
 
+Two flavors share the shard bytes and differ in metadata.json and the directory name: `spec` (the
+protocol document) and `upstream` (what saev's code reads, checked at commit 3d73f1f). Readers take
+either and see the spec's field names (to_spec).
 Every other room asks this one where a byte goes; nothing here reads or writes a file.
 """
 from __future__ import annotations
@@ -7,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,18 @@ METADATA_FIELDS = {
     "d_model": int, "n_examples": int, "patches_per_shard": int, "data": str, "dataset": str,
     "dtype": str, "protocol": str,
 }
+# saev's Metadata (3d73f1f), in its field order: the order its 8-hex hash is taken in.
+UPSTREAM_FIELDS = {
+    "family": str, "ckpt": str, "layers": list, "content_tokens_per_example": int, "cls_token": bool,
+    "d_model": int, "n_examples": int, "max_tokens_per_shard": int, "data": str, "dataset": str,
+    "pixel_agg": str, "dtype": str, "protocol": str,
+}
+UPSTREAM_RENAMED = {"patches_per_ex": "content_tokens_per_example", "patches_per_shard": "max_tokens_per_shard"}
+UPSTREAM_FAMILIES = ("bird-mae", "clip", "dinov2", "dinov3", "fake-clip", "pe-core", "pe-spatial", "siglip")
+PIXEL_AGGS = ("majority", "prefer-fg")
+UPSTREAM_ROOT = "shards"  # saev requires .../saev/shards/<hash>
+FLAVORS = ("spec", "upstream")
+POSITIVE = ("patches_per_ex", "d_model", "patches_per_shard", *UPSTREAM_RENAMED.values())
 # model_type -> spec family; text models keep their model_type (a documented extension).
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "clip": "clip",
             "clip_vision_model": "clip", "siglip": "siglip", "siglip_vision_model": "siglip"}
@@ -42,6 +58,37 @@ def shard_name(idx: int) -> str:
 def metadata_hash(metadata: dict[str, Any]) -> str:
     """The store's directory name: full sha256 hex of the canonical metadata JSON (spec §1)."""
     return hashlib.sha256(canonical_json(metadata).encode("utf-8")).hexdigest()
+
+
+def upstream_hash(metadata: dict[str, Any]) -> str:
+    """saev's directory name: the first 8 hex of the sha256 of orjson's compact dump of its Metadata
+    dataclass, which keeps field order (OPT_SORT_KEYS sorts dicts only) and writes UTF-8 unescaped."""
+    ordered = {name: metadata[name] for name in UPSTREAM_FIELDS}
+    return hashlib.sha256(json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()[:8]
+
+
+def flavor_of(metadata: dict[str, Any]) -> str:
+    return "upstream" if "content_tokens_per_example" in metadata else "spec"
+
+
+def store_name(metadata: dict[str, Any]) -> str:
+    """The store's path under {dump_to}/saev: <sha256> (spec) or shards/<8 hex> (upstream)."""
+    if flavor_of(metadata) == "upstream":
+        return f"{UPSTREAM_ROOT}/{upstream_hash(metadata)}"
+    return metadata_hash(metadata)
+
+
+def to_upstream(metadata: dict[str, Any], pixel_agg: str) -> dict[str, Any]:
+    """saev's metadata.json from the spec's: two renamed fields and pixel_agg, in saev's field order."""
+    renamed = {UPSTREAM_RENAMED.get(name, name): value for name, value in metadata.items()}
+    renamed["pixel_agg"] = pixel_agg
+    return {name: renamed[name] for name in UPSTREAM_FIELDS}
+
+
+def to_spec(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The spec's 12 fields of either flavor (the names every reader uses)."""
+    spec_name = {new: old for old, new in UPSTREAM_RENAMED.items()}
+    return {spec_name.get(name, name): metadata[name] for name in metadata if name != "pixel_agg"}
 
 
 def examples_per_shard(patches_per_shard: int, tokens_per_ex: int, n_layers: int) -> int:
@@ -88,10 +135,14 @@ def decode_data(data: str) -> Any:
 
 
 def check_metadata(md: Any, where: Path) -> None:
-    """Every spec field present with its type; raise FormatError naming the field."""
+    """Every field of the store's flavor present with its type; raise FormatError naming the field."""
     if not isinstance(md, dict):
         raise FormatError(f"{where}: top level must be an object")
-    for name, kind in METADATA_FIELDS.items():
+    upstream = flavor_of(md) == "upstream"
+    if upstream and md.get("pixel_agg") not in PIXEL_AGGS:
+        raise FormatError(f"{where}: field 'pixel_agg' = {md.get('pixel_agg')!r} is not one of {PIXEL_AGGS}")
+    fields = UPSTREAM_FIELDS if upstream else METADATA_FIELDS
+    for name, kind in fields.items():
         if name not in md:
             raise FormatError(f"{where}: field {name!r} missing")
         value = md[name]
@@ -101,6 +152,6 @@ def check_metadata(md: Any, where: Path) -> None:
         raise FormatError(f"{where}: dtype {md['dtype']!r}; protocol {PROTOCOL} fixes 'float32'")
     if not md["layers"] or not all(isinstance(x, int) for x in md["layers"]):
         raise FormatError(f"{where}: layers {md['layers']!r} must be a non-empty int list")
-    for name in ("patches_per_ex", "d_model", "patches_per_shard"):
+    for name in (name for name in fields if name in POSITIVE):
         if md[name] < 1:
             raise FormatError(f"{where}: {name} = {md[name]} must be >= 1")

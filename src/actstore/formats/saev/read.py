@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from actstore.errors import FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
-                                          check_metadata, examples_per_shard, shard_name)
+                                          check_metadata, examples_per_shard, flavor_of, shard_name, to_spec)
 from actstore.integrity import read_json
 
 
@@ -28,20 +28,23 @@ def resolve(path: str | Path) -> Path:
             target = json.loads(pointer.read_text())["store"]
         except (ValueError, KeyError, TypeError):
             raise FormatError(f"{pointer}: not a saev pointer (needs a 'store' key)") from None
-        # The store is the stage dir's sibling named by its HASH, and nothing else.
-        if not isinstance(target, str) or not re.fullmatch(r"\.\./[0-9a-f]{64}", target):
-            raise FormatError(f"{pointer}: store {target!r} is not '../<metadata sha256>'")
+        # The store is the stage dir's sibling named by its HASH (spec) or shards/<8 hex> (upstream).
+        if not isinstance(target, str) or not re.fullmatch(r"\.\./([0-9a-f]{64}|shards/[0-9a-f]{8})", target):
+            raise FormatError(f"{pointer}: store {target!r} is not '../<metadata sha256>' or '../shards/<8 hex>'")
         return (pointer.parent / target).resolve()
     raise FormatError(f"{path}: neither a saev store (no {METADATA}) nor a stage dir with {POINTER}")
 
 
 class SaevStore:
-    """An opened store: spec §4 addressing, per-shard memmaps, ordered iteration."""
+    """An opened store of either flavor, or one saev wrote: spec §4 addressing, per-shard memmaps,
+    ordered iteration. `metadata` has the spec's field names whatever the file's (`file_metadata`)."""
 
     def __init__(self, path: str | Path, check_sizes: bool = True):
         self.dir = resolve(path)
-        self.metadata = read_json(self.dir / METADATA)
-        check_metadata(self.metadata, self.dir / METADATA)
+        self.file_metadata = read_json(self.dir / METADATA)
+        check_metadata(self.file_metadata, self.dir / METADATA)
+        self.flavor = flavor_of(self.file_metadata)
+        self.metadata = to_spec(self.file_metadata)
         if str(self.metadata["protocol"]).split(".")[0] != PROTOCOL.split(".")[0]:
             warnings.warn(f"{self.dir / METADATA}: protocol {self.metadata['protocol']} has a different major "
                           f"version than this reader's {PROTOCOL}; the layout may have changed", stacklevel=2)
@@ -98,8 +101,9 @@ class SaevStore:
         for i, shard in enumerate(self.shards):
             if not isinstance(shard, dict) or shard.get("name") != shard_name(i):
                 raise FormatError(f"{where}: entry {i} must be named {shard_name(i)!r}, got {shard!r:.80}")
-            n = shard.get("n_examples")
-            if not isinstance(n, int) or n < 1 or n > per or (i < len(self.shards) - 1 and n != per):
+            n, last = shard.get("n_examples"), i == len(self.shards) - 1
+            # saev's writer ends with an empty shard when n_examples is a multiple of examples_per_shard.
+            if not isinstance(n, int) or n < int(not last) or n > per or (not last and n != per):
                 raise FormatError(f"{where}: {shard_name(i)} n_examples={n!r}; expected {per} "
                                   f"(only the last shard may be smaller)")
         total = sum(s["n_examples"] for s in self.shards)
@@ -109,14 +113,21 @@ class SaevStore:
     def shard_bytes(self, idx: int) -> int:
         return self.shards[idx]["n_examples"] * self.example_bytes
 
+    def allowed_bytes(self, idx: int) -> tuple[int, ...]:
+        """A shard's size: n_examples examples; the last one may also be padded to examples_per_shard
+        (saev memory-maps every shard at full size; padding rows are never read)."""
+        if idx == len(self.shards) - 1:
+            return self.shard_bytes(idx), self.examples_per_shard * self.example_bytes
+        return (self.shard_bytes(idx),)
+
     def size_problems(self) -> list[str]:
-        """Every shard present with exactly n_examples * L * T * D * 4 bytes (checked before any read)."""
+        """Every shard present with an allowed size (checked before any read)."""
         problems = []
         for i, shard in enumerate(self.shards):
             path = self.dir / shard["name"]
             if not path.is_file():
                 problems.append(f"{path}: missing shard")
-            elif path.stat().st_size != self.shard_bytes(i):
+            elif path.stat().st_size not in self.allowed_bytes(i):
                 problems.append(f"{path}: {path.stat().st_size} bytes, expected {self.shard_bytes(i)} "
                                 f"({shard['n_examples']} x {self.L} x {self.T} x {self.D} float32)")
         return problems

@@ -5,6 +5,7 @@ What the format needs from the model and from segmentation masks is handed in by
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import layer_tensor
-from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, LABELS, METADATA, PROTOCOL, SHARDS,
-                                          SIDECAR, WINDOWS, encode_data, examples_per_shard, metadata_hash,
-                                          shard_name, shard_sizes, text_windows)
+from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS, LABELS, METADATA, PROTOCOL,
+                                          SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, encode_data,
+                                          examples_per_shard, shard_name, shard_sizes, store_name, text_windows,
+                                          to_upstream)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import file_record
 from actstore.io_utils import atomic_path, write_json_atomic
@@ -43,16 +45,24 @@ class PatchLabeler:
 
 @dataclass
 class Plan:
-    """What to write: spec metadata plus how to fill examples from the extraction."""
+    """What to write: spec metadata plus how to fill examples from the extraction.
+    flavor upstream: metadata.json in saev's field names, the last shard padded (sparse) to full size."""
 
     metadata: dict[str, Any]
     windows: np.ndarray | None  # text: (n_examples, 3) sample_idx, token_start, n_valid
     sidecar: dict[str, Any]
     labels: np.ndarray | None = None  # images: (n_examples, patches_per_ex) uint8 -> labels.bin
+    flavor: str = "spec"
+    pixel_agg: str = "majority"  # upstream's pixel_agg field (saev's default when there are no labels)
 
     @property
     def tokens_per_ex(self) -> int:
         return self.metadata["patches_per_ex"] + int(self.metadata["cls_token"])
+
+    @property
+    def file_metadata(self) -> dict[str, Any]:
+        """metadata.json as this flavor writes it."""
+        return to_upstream(self.metadata, self.pixel_agg) if self.flavor == "upstream" else self.metadata
 
 
 def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = None, *,
@@ -94,7 +104,19 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     if examples_per_shard(metadata["patches_per_shard"], patches + int(cls_token), len(layers)) < 1:
         raise ConfigError(f"saev.patches_per_shard={metadata['patches_per_shard']} is smaller than one example "
                           f"({patches + int(cls_token)} tokens x {len(layers)} layers)")
-    return Plan(metadata, windows, sidecar, labels)
+    pixel_agg = (section.get("patch_labels") or {}).get("pixel_agg", "majority")
+    return Plan(metadata, windows, sidecar, labels, _flavor(section, meta["modality"], family), pixel_agg)
+
+
+def _flavor(section: dict[str, Any], modality: str, family: str) -> str:
+    """saev.flavor (absent = spec); upstream only where saev's Metadata accepts the family."""
+    flavor = section.get("flavor") or "spec"
+    if flavor not in FLAVORS:
+        raise ConfigError(f"saev.flavor = {flavor!r}; use one of {FLAVORS}")
+    if flavor == "upstream" and (modality != "image" or family not in UPSTREAM_FAMILIES):
+        raise ConfigError(f"saev.flavor: upstream needs an image model of a family saev knows {UPSTREAM_FAMILIES}; "
+                          f"this is a {modality} model of family {family!r} (use flavor: spec)")
+    return flavor
 
 
 def _stored_layers(meta: dict[str, Any], section: dict[str, Any]) -> list[int]:
@@ -214,15 +236,17 @@ def write_store(extraction, section: dict[str, Any], root: str | Path, extract_h
 
 def write_raw_store(plan: Plan, fill: Callable[[int, np.ndarray], None], root: str | Path,
                     progress: bool = True) -> Path:
-    """Write metadata, shards (filled slab by slab by `fill(first_example, out)`) and sidecars."""
+    """Write metadata, shards (filled slab by slab by `fill(first_example, out)`) and sidecars under
+    root/<sha256> (spec) or root/shards/<8 hex> (upstream); every file's size and sha256 go to actstore.json."""
     md = plan.metadata
-    final = Path(root) / metadata_hash(md)
+    final = Path(root) / store_name(plan.file_metadata)
     t, n_layers, d = plan.tokens_per_ex, len(md["layers"]), md["d_model"]
-    sizes = shard_sizes(md["n_examples"], examples_per_shard(md["patches_per_shard"], t, n_layers))
+    per_shard = examples_per_shard(md["patches_per_shard"], t, n_layers)
+    sizes = shard_sizes(md["n_examples"], per_shard)
     slab = max(1, CHUNK_BYTES // (n_layers * t * d * DTYPE.itemsize))
     with atomic_path(final) as tmp:
         tmp.mkdir()
-        shards, start = [], 0
+        shards, files, start = [], {}, 0
         for idx, size in enumerate(tqdm(sizes, desc="saev shards", unit="shard", disable=not progress)):
             path = tmp / shard_name(idx)
             array = np.memmap(path, dtype=DTYPE, mode="w+", shape=(size, n_layers, t, d))
@@ -230,9 +254,11 @@ def write_raw_store(plan: Plan, fill: Callable[[int, np.ndarray], None], root: s
                 fill(start + lo, array[lo:lo + slab])
             array.flush()
             del array
-            shards.append({"name": shard_name(idx), "n_examples": size, **file_record(path)})
+            if plan.flavor == "upstream":  # saev maps every shard at full size: pad with a hole, no blocks
+                os.truncate(path, per_shard * n_layers * t * d * DTYPE.itemsize)
+            shards.append({"name": shard_name(idx), "n_examples": size})
+            files[shard_name(idx)] = file_record(path)
             start += size
-        files = {}
         if plan.windows is not None:
             np.save(tmp / WINDOWS, plan.windows)
             files[WINDOWS] = file_record(tmp / WINDOWS)
@@ -241,9 +267,16 @@ def write_raw_store(plan: Plan, fill: Callable[[int, np.ndarray], None], root: s
             files[LABELS] = file_record(tmp / LABELS)
         write_json_atomic(tmp / SHARDS, shards)
         write_json_atomic(tmp / SIDECAR, {**plan.sidecar, "files": files})
-        write_json_atomic(tmp / METADATA, md)  # written last: its presence marks a finished store
+        _write_metadata(tmp / METADATA, plan)  # written last: its presence marks a finished store
     log.info("saev store: %d examples in %d shards -> %s", md["n_examples"], len(sizes), final)
     return final
+
+
+def _write_metadata(path: Path, plan: Plan) -> None:
+    """metadata.json: keys sorted (spec, as every actstore JSON), or in saev's field order (upstream,
+    as saev writes it)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(plan.file_metadata, indent=2, sort_keys=plan.flavor == "spec") + "\n")
 
 
 def write_pointer(pointer: str | Path, store: str | Path) -> None:
