@@ -252,3 +252,14 @@ def test_editing_the_data_changes_the_extract_hash(identity, touch_changes, edit
     assert (stage_hash(config, "extract") != before) == touch_changes
     pq.write_table(pa.Table.from_pylist(rows[1][10:19]), shard)
     assert (stage_hash(config, "extract") != before) == edit_changes
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "arrow", "hf_disk", "parquet_glob"])
+def test_slurm_sizing_counts_the_rows_of_every_table_format(kind, tables, model_dir, tmp_path):
+    from actstore import resources
+    path, options = tables[kind]
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), path, dataset=options)
+    load = resources.workload(config)
+    assert load.rows == N_ROWS and load.tokens == N_ROWS * config["extract"]["max_seq_length"]
+    config["dataset"]["limit"] = 7
+    assert resources.workload(config).rows == 7

@@ -8,10 +8,11 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from actstore.models import read_model_config, resolve_model_path
+from actstore.datasets.source import resolve_source
+from actstore.datasets.tables import count_rows
+from actstore.models import model_kind, read_model_config, resolve_model_path
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
 IO_BYTES_PER_S = 100e6    # write/read rate assumed on /fs/scratch for one job (shared Lustre, pessimistic)
@@ -35,16 +36,20 @@ class Workload:
         return self.tokens * self.d * self.itemsize * self.n_tensors
 
 
-def _count_rows(path: Path) -> tuple[int, int]:
-    """(rows, bytes) of a JSONL file (newline count) or an image folder (file count)."""
-    if path.is_file():
-        rows, size = 0, path.stat().st_size
-        with path.open("rb") as fh:
+def _count_rows(section: dict[str, Any]) -> tuple[int, int]:
+    """(rows, bytes) of the dataset: table rows from the files' own metadata, JSONL newlines, or
+    the images of a folder; nothing is parsed."""
+    source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
+    size = sum(p.stat().st_size for p in source.files)
+    if source.table:
+        return max(sum(count_rows(source.format, p) for p in source.files), 1), size
+    if source.format == "jsonl":
+        rows = 0
+        with source.files[0].open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 24), b""):
                 rows += chunk.count(b"\n")
         return max(rows, 1), size
-    files = [p for p in path.rglob("*") if p.is_file()]
-    return max(len(files), 1), sum(p.stat().st_size for p in files)
+    return max(len(source.files), 1), size
 
 
 @functools.lru_cache(maxsize=16)
@@ -52,15 +57,16 @@ def _workload(key: str) -> Workload:
     config = json.loads(key)
     model_path = resolve_model_path(config["model"]["path"])
     model = read_model_config(model_path)
+    vision = model_kind(model) == "vision"
     model = model.get("text_config", model) if "hidden_size" not in model else model
     hidden = int(model.get("hidden_size") or model.get("n_embd") or model.get("d_model") or 1024)
     inner = int(model.get("intermediate_size") or model.get("n_inner") or 4 * hidden)
     ext = config["extract"]
-    rows, data_bytes = _count_rows(Path(config["dataset"]["path"]))
+    rows, data_bytes = _count_rows(config["dataset"])
     if config["dataset"].get("limit"):
         rows = min(rows, config["dataset"]["limit"])
     # Images: a ViT emits at most a few hundred tokens; text: truncated at max_seq_length.
-    per_row = ext["max_seq_length"] if Path(config["dataset"]["path"]).is_file() else 1025
+    per_row = 1025 if vision else ext["max_seq_length"]
     weights = sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     storage = ext.get("storage_dtype", "float32")
     storage = config["model"].get("torch_dtype", "float32") if storage == "auto" else storage
