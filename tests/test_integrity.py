@@ -17,9 +17,11 @@ from actstore.errors import FormatError
 from actstore.formats import format_module
 from actstore.formats import lmprobe
 from actstore.formats import pickle as pickle_format
+from actstore.formats import saev
 from actstore.formats import zarr as zarr_format
 from actstore.formats.extract import open_extraction
 from actstore.formats.lut import open_lut, precompute, write_lut
+from actstore.hashing import stage_hash
 from actstore.models import model_params, read_model_config
 
 DAMAGES = ("flip", "truncate", "delete", "garbage metadata", "extra file", "symlink out")
@@ -55,6 +57,12 @@ def read_pickle(root: Path) -> bytes:  # no verify option: every shard's checksu
                     for item in pickle_format.iter_activations(root, 0))
 
 
+def read_saev(root: Path) -> bytes:
+    store = saev.open_store(root, verify=True)
+    return b"".join(store.vector(ex, layer, tok).tobytes() for ex in range(store.n_examples)
+                    for layer in store.layers for tok in range(store.T))
+
+
 def read_lut(root: Path) -> bytes:
     store = open_lut(root, verify=True)
     return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
@@ -85,6 +93,8 @@ def stores(extracted, tmp_path_factory) -> dict[str, Store]:
         pickle_format.write_machine(part.dir, machine, model_params=params, progress=False)
     pickle_format.merge_machines(machines, out / "pickle")
     lut_dir = build_lut(out / "lut")
+    saev_dir = saev.write_store(extraction, {**config["saev"], "patches_per_shard": 100}, out / "saev",
+                                stage_hash(config, "extract"), model_config=None, progress=False)
     first = next(p.name for p in sorted((out / "pickle" / "machine-0000").iterdir()) if p.name.startswith("shard_"))
     return {
         "extract": Store(extract_dir, "part-0000/layer_000.npy", "part-0000/part.json", "part-0000/layer_009.npy",
@@ -98,6 +108,7 @@ def stores(extracted, tmp_path_factory) -> dict[str, Store]:
                         read_pickle),
         "lut": Store(lut_dir, "encoder.layer.1.q.lut.safetensors", "metadata.json",
                      "encoder.layer.1.v.lut.safetensors", read_lut),
+        "saev": Store(saev_dir, "acts000000.bin", "metadata.json", "acts000099.bin", read_saev),
     }
 
 
@@ -127,10 +138,10 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind", DAMAGES)
-@pytest.mark.parametrize("name", ["extract", "lmprobe", "zarr", "pickle", "lut"])
+@pytest.mark.parametrize("name", ["extract", "saev", "lmprobe", "zarr", "pickle", "lut"])
 def test_damage_is_named_by_verify_and_never_read_as_data(stores, name, kind, tmp_path):
     store = stores[name]
-    root = tmp_path / "store"
+    root = tmp_path / store.root.name  # the same name: a saev store's directory is its metadata's hash
     shutil.copytree(store.root, root, symlinks=True)
     expected = store.read(root)
     named = damage(kind, root, store, tmp_path / "outside.bin")
@@ -141,3 +152,13 @@ def test_damage_is_named_by_verify_and_never_read_as_data(stores, name, kind, tm
     except FormatError:
         served = None  # refused
     assert served in (None, expected)  # the reader may serve what it still can, exactly
+
+
+def test_a_store_whose_loader_index_would_not_fit_is_named_not_a_memory_error(stores, monkeypatch):
+    from actstore.errors import ConfigError
+    from actstore.formats.saev import loader
+    store = stores["saev"].root
+    assert len(loader.ShuffledActivations(store).runs) > 0
+    monkeypatch.setattr(loader, "index_budget", lambda: 1024)  # as if the store were a million times larger
+    with pytest.raises(ConfigError, match=rf"{store.name}: .* blocks .* examples\): the loader's block index"):
+        loader.ShuffledActivations(store)

@@ -11,7 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS,
                                           decode_data, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
-from actstore.integrity import dir_bytes, file_problem, inside, unlisted
+from actstore.integrity import dir_bytes, file_problem, listed_problem, unlisted
 
 
 def detect(path: str | Path) -> bool:
@@ -94,11 +94,7 @@ def _verify_sidecar_files(store: SaevStore) -> list[str]:
     shards = {shard["name"] for shard in store.shards}
     files = {name: info for name, info in _recorded(store).items() if name not in shards}
     for name, info in files.items():
-        try:
-            problem = file_problem(inside(store.dir, name, str(store.dir / SIDECAR)), info, SIDECAR)
-        except FormatError as exc:
-            problem = str(exc)
-        if problem:
+        if problem := listed_problem(store.dir, name, info, SIDECAR, str(store.dir / SIDECAR)):
             problems.append(problem)
     if store.sidecar and (store.dir / LABELS).is_file() and LABELS not in files:
         problems.append(f"{store.dir / LABELS}: no sha256 recorded in {SIDECAR}")

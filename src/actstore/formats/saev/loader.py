@@ -91,7 +91,7 @@ class ShuffledActivations(IterableDataset):
         else:
             self.block_examples = block_examples or block_bytes // store.example_bytes
             self.chunks_per_example = 1
-        self.runs = self._runs(store)
+        self.runs = self._runs(store, block_bytes)
         self.block_vectors = self.block_examples * -(-store.T // self.chunks_per_example)  # at most
         self.buffer_blocks = buffer_blocks or max(1, buffer_bytes // (self.block_vectors * token_bytes))
         self.epoch = 0
@@ -108,12 +108,24 @@ class ShuffledActivations(IterableDataset):
         """A new epoch gets a new (still seeded) order."""
         self.epoch = epoch
 
-    def _runs(self, store: SaevStore) -> np.ndarray:
+    def _runs(self, store: SaevStore, block_bytes: int) -> np.ndarray:
         """(n_runs, 2) first example, n examples: runs of block_examples inside one shard, a partition
-        of every example. Block b is token chunk b % chunks_per_example of run b // chunks_per_example."""
-        out = [(int(store.starts[idx]) + lo, min(self.block_examples, shard["n_examples"] - lo))
-               for idx, shard in enumerate(store.shards) for lo in range(0, shard["n_examples"], self.block_examples)]
-        return np.array(out, dtype=np.int64).reshape(-1, 2)
+        of every example. Block b is token chunk b % chunks_per_example of run b // chunks_per_example.
+        The index is sized by the store's example count, so it is checked against memory first."""
+        n = np.array([shard["n_examples"] for shard in store.shards], dtype=np.int64)
+        runs_per_shard = -(-n // self.block_examples)
+        n_runs = int(runs_per_shard.sum())
+        need = n_runs * 16 + n_runs * self.chunks_per_example * 16  # runs, then an epoch's order + a slice
+        if need > index_budget():
+            raise ConfigError(f"{store.dir}: {n_runs * self.chunks_per_example:,} blocks of {block_bytes} bytes "
+                              f"({int(n.sum()):,} examples): the loader's block index would need "
+                              f"{need / 1e9:.1f} GB, over a quarter of this machine's memory; pass a larger "
+                              f"block_bytes (or block_examples)")
+        shard = np.repeat(np.arange(len(n)), runs_per_shard)
+        lo = (np.arange(n_runs) - np.repeat(np.cumsum(runs_per_shard) - runs_per_shard, runs_per_shard)) \
+            * self.block_examples
+        first = np.asarray(store.starts, dtype=np.int64)[shard] + lo
+        return np.stack([first, np.minimum(self.block_examples, n[shard] - lo)], axis=1).reshape(-1, 2)
 
     def my_blocks(self) -> np.ndarray:
         """This worker's block ids for this epoch: a disjoint slice of one seeded permutation."""
@@ -308,6 +320,11 @@ class _ShardFiles:
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
+
+
+def index_budget() -> int:
+    """Bytes the loader's block index may take: a quarter of the machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
 def _place(out: tuple[np.ndarray, ...], rows: np.ndarray, carry: tuple[np.ndarray, ...]) -> None:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from actstore.errors import FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
                                           check_metadata, examples_per_shard, flavor_of, shard_name, to_spec)
-from actstore.integrity import read_json
+from actstore.integrity import inside, read_json, refuse
 
 
 def resolve(path: str | Path) -> Path:
@@ -124,7 +124,11 @@ class SaevStore:
         """Every shard present with an allowed size (checked before any read)."""
         problems = []
         for i, shard in enumerate(self.shards):
-            path = self.dir / shard["name"]
+            try:  # a shard linked to a file outside the store is never read
+                path = inside(self.dir, shard["name"], str(self.dir / SHARDS))
+            except FormatError as exc:
+                problems.append(str(exc))
+                continue
             if not path.is_file():
                 problems.append(f"{path}: missing shard")
             elif path.stat().st_size not in self.allowed_bytes(i):
@@ -215,7 +219,11 @@ class SaevStore:
         return None
 
 
-def open_store(path: str | Path) -> SaevStore:
-    """Open a store (or a stage dir / saev.json pointing at one); checks every shard's size first."""
+def open_store(path: str | Path, verify: bool = False) -> SaevStore:
+    """Open a store (or a stage dir / saev.json pointing at one); checks every shard's size first.
+    verify=True first runs the full verify (every shard's sha256, metadata, sidecar; reads each once)."""
+    if verify:
+        from actstore.formats.saev.check import verify as problems
+        refuse(problems(path))
     return SaevStore(path)
 
