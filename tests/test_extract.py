@@ -148,13 +148,32 @@ def test_a_truncated_tensor_file_is_named_not_a_numpy_error(extracted, tmp_path)
         open_part(copy).tensor("layer_0")[0]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_truncated_image_is_named(model_dir, image_folder, tmp_path, workers):
+def test_a_truncated_image_is_named_before_weights_load(model_dir, image_folder, tmp_path, monkeypatch):
     import shutil
+
+    import actstore.extract.run as ex
     data = tmp_path / "images"
     shutil.copytree(image_folder, data)
     victim = sorted(data.rglob("*.png"))[3]
     victim.write_bytes(victim.read_bytes()[:200])
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"parts": 1})
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=f"{victim.name}: not a readable image"):
+        run_part(config, 0, tmp_path / "part", progress=False)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_image_only_decoding_can_fault_is_named_when_decoded(model_dir, image_folder, tmp_path, workers):
+    import shutil
+
+    from PIL import Image
+    data = tmp_path / "images"
+    shutil.copytree(image_folder, data)
+    source = sorted(data.rglob("*.png"))[3]
+    victim = source.with_suffix(".jpg")
+    Image.open(source).convert("RGB").save(victim, quality=90)
+    source.unlink()
+    victim.write_bytes(victim.read_bytes()[:-600])  # headers intact, the scan cut short: verify() passes
     config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"parts": 1, "num_workers": workers})
     with pytest.raises(Exception, match=f"{victim.name}: cannot decode the image"):
         run_part(config, 0, tmp_path / "part", progress=False)

@@ -30,12 +30,30 @@ class ImageOpener:
         self._block: tuple[tuple[int, int], list] | None = None
 
     def __call__(self, sample: Sample) -> Any:
+        """The sample's image decoded to RGB; ConfigError naming the file (and column) if it cannot be."""
+        return _decode(*self._locate(sample))
+
+    def check(self, sample: Sample) -> None:
+        """The sample's image opened and its structure verified without decoding the pixels (PIL's
+        verify: headers, chunk checksums); ConfigError naming it. Pixel data a header cannot vouch
+        for (a JPEG's truncated scan) is named when it is decoded."""
+        from PIL import Image
+
+        file, where = self._locate(sample)
+        try:
+            with Image.open(file) as img:
+                img.verify()
+        except (OSError, SyntaxError, ValueError) as exc:  # PIL raises SyntaxError for broken headers
+            raise ConfigError(f"{where}: not a readable image ({exc})") from None
+
+    def _locate(self, sample: Sample) -> tuple[Any, str]:
+        """(path or file object, its name for errors)."""
         if sample.ref is None:
             path = self.source.root / sample.text
-            return _decode(path, str(path))
+            return path, str(path)
         shard, block, row = sample.ref
         where = f"{self.source.files[shard]}: {sample.text}, column {self.field!r}"
-        return _decode(self._image_file(self._values(shard, block)[row], shard, where), where)
+        return self._image_file(self._values(shard, block)[row], shard, where), where
 
     def _values(self, shard: int, block: int) -> list:
         if self._block is None or self._block[0] != (shard, block):
@@ -55,6 +73,19 @@ class ImageOpener:
 
     def __getstate__(self) -> dict[str, Any]:  # workers start with no cached block
         return {**self.__dict__, "_block": None}
+
+
+def check_images(opener: ImageOpener, samples: list[Sample], threads: int) -> None:
+    """Every sample's image verified (ImageOpener.check) in `threads` threads, before the weights
+    load; ConfigError naming the first bad one in sample order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if opener.field is not None:  # table images: blocks are read in order, one at a time
+        for sample in samples:
+            opener.check(sample)
+        return
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(opener.check, samples))
 
 
 def _decode(file: Any, where: str) -> Any:

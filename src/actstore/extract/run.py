@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from actstore.datasets import Dataset, Sample, configured_dataset, part_range
+from actstore.datasets.images import check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
 from actstore.extract.inputs import (default_workers, image_batch, image_batches, length_batches,
@@ -69,6 +70,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     vision = dataset.modality == "image"
     workers = (ext["num_workers"] if ext["num_workers"] is not None else cpus) if vision else 0
     if vision:  # every image has the same token count: the batches are known before the model is
+        check_images(dataset.opener, samples, cpus)
         batches = length_batches([1] * len(samples), ext["batch_size"])
         pixels = image_batches(load_image_processor(model_path), dataset.opener, samples,
                                batches, workers, pick_device(ext["device"]).type == "cuda")
