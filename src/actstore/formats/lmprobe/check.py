@@ -11,8 +11,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
-from actstore.integrity import dir_bytes, inside, listed_problem, unlisted
-from actstore.io_utils import sha256_file
+from actstore.integrity import dir_bytes, listed_problem, unlisted
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -110,15 +109,8 @@ def _verify_sums(root: Path) -> list[str]:
     for line in sums.read_text(errors="replace").splitlines():
         digest, _, rel = line.partition("  ")
         listed.add(rel)
-        try:
-            target = inside(root, rel, str(sums))
-        except FormatError as exc:
-            problems.append(str(exc))
-            continue
-        if not target.is_file():
-            problems.append(f"{target}: missing (listed in {SUMS})")
-        elif sha256_file(target) != digest:
-            problems.append(f"{target}: sha256 differs from {SUMS}")
+        if problem := listed_problem(root, rel, {"sha256": digest}, SUMS, str(sums)):
+            problems.append(problem)
     return problems + unlisted(root, listed, SUMS)
 
 
