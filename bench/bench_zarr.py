@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import multiprocessing as mp
 import shutil
 import tempfile

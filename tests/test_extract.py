@@ -10,7 +10,6 @@ import torch
 import tiny
 from actstore.errors import ConfigError, FormatError
 from actstore.extract import preflight, run_part
-from actstore.formats.extract import write_index
 from actstore.formats.extract import open_extraction, open_part
 from actstore.models import get_module, load_model
 
