@@ -159,6 +159,6 @@ def test_a_store_whose_loader_index_would_not_fit_is_named_not_a_memory_error(st
     from actstore.formats.saev import loader
     store = stores["saev"].root
     assert len(loader.ShuffledActivations(store).runs) > 0
-    monkeypatch.setattr(loader, "index_budget", lambda: 0)  # as if the store outgrew the machine
+    monkeypatch.setattr(loader, "memory_budget", lambda: 0)  # as if the store outgrew the machine
     with pytest.raises(ConfigError, match=r"blocks of \d+ bytes \(\d+ examples\): the loader.s block index would need"):
         loader.ShuffledActivations(store)

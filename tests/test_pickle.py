@@ -380,6 +380,18 @@ def test_an_allocation_sized_by_the_file_is_refused():
         ps.safe_loads(lying, compressed=False)
 
 
+def test_a_gzip_bomb_is_refused_before_it_fills_memory(monkeypatch):
+    import actstore.formats.pickle.unpickler as unpickler
+    bomb = gzip.compress(b"\0" * (8 << 20))  # 8 MiB of zeros in about 8 KiB
+    monkeypatch.setattr(unpickler, "memory_budget", lambda: 1 << 20)
+    with pytest.raises(pickle.UnpicklingError, match="decompresses to more than 1,048,576 bytes"):
+        ps.safe_loads(bomb, compressed=True)
+    two_members = gzip.compress(pickle.dumps({"a": 1})[:5]) + gzip.compress(pickle.dumps({"a": 1})[5:])
+    assert ps.safe_loads(two_members, compressed=True) == {"a": 1}
+    with pytest.raises(pickle.UnpicklingError, match="not gzip data|truncated"):
+        ps.safe_loads(gzip.compress(pickle.dumps({"a": 1}))[:-12], compressed=True)
+
+
 def test_missing_shard_and_checksum_mismatch_named(store, tmp_path):
     _, _, out = store
     work = copy_store(out, tmp_path / "store")

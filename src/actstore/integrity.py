@@ -18,6 +18,12 @@ STAGE_CONFIG_FILE = "actstore_config.json"
 TOOL_FILES = frozenset({".snakemake_timestamp", STAGE_CONFIG_FILE})
 
 
+def memory_budget() -> int:
+    """Bytes one allocation sized by a file's own claims may take: a quarter of physical memory.
+    Past it a reader refuses, naming the file, instead of failing with a MemoryError or worse."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
 def file_record(path: str | os.PathLike) -> dict[str, Any]:
     """{bytes, sha256} of a finished file, as every format records it."""
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}

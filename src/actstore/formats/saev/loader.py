@@ -44,6 +44,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev.layout import DTYPE
 from actstore.formats.saev.read import SaevStore
+from actstore.integrity import memory_budget
 
 try:
     from actstore import _scatter
@@ -116,7 +117,7 @@ class ShuffledActivations(IterableDataset):
         runs_per_shard = -(-n // self.block_examples)
         n_runs = int(runs_per_shard.sum())
         need = n_runs * 16 + n_runs * self.chunks_per_example * 16  # runs, then an epoch's order + a slice
-        if need > index_budget():
+        if need > memory_budget():
             raise ConfigError(f"{store.dir}: {n_runs * self.chunks_per_example:,} blocks of {block_bytes} bytes "
                               f"({int(n.sum()):,} examples): the loader's block index would need "
                               f"{need / 1e9:.1f} GB, over a quarter of this machine's memory; pass a larger "
@@ -320,11 +321,6 @@ class _ShardFiles:
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
-
-
-def index_budget() -> int:
-    """Bytes the loader's block index may take: a quarter of the machine's physical memory."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
 def _place(out: tuple[np.ndarray, ...], rows: np.ndarray, carry: tuple[np.ndarray, ...]) -> None:
