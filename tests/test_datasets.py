@@ -174,7 +174,7 @@ def test_an_undecodable_image_in_a_table_names_file_and_column(model_dir, image_
     data = tiny.write_parquet(tmp_path / "broken", broken)
     config = tiny.make_config(tmp_path, model_dir("dinov2"), data, dataset={"format": "image_table"},
                               extract={"parts": 1, "num_workers": 0})
-    with pytest.raises(ConfigError, match=r"train-00000-of-00001.parquet: x.png, column 'image': cannot decode"):
+    with pytest.raises(ConfigError, match=r"train-00000-of-00001.parquet: x.png, column 'image': not a readable image"):
         run_part(config, 0, tmp_path / "part-0000", progress=False)
 
 

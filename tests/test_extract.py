@@ -451,3 +451,21 @@ def test_verify_names_a_missing_part_an_unlisted_file_and_a_path_outside_the_par
     meta["files"]["../../../etc/passwd"] = meta["files"].pop("offsets.npy")
     meta_path.write_text(json.dumps(meta))
     assert any("'../../../etc/passwd' is not a relative path inside" in p for p in extract_format.verify(copy))
+
+
+def test_the_extraction_contract_types_part_json_and_names_a_missing_field(extracted, tmp_path):
+    import shutil
+    config, out = extracted("gpt2")
+    part = open_part(out / "part-0000")
+    info = part.info
+    assert (info.layers, info.modality, info.model_kind) == (config["extract"]["layers"], "text", "causal")
+    assert (info.n_samples, info.n_tokens) == (len(part.samples), int(part.offsets[-1]))
+    assert info.model.record == part.meta["model"] and info.model.name == part.meta["model"]["name"]
+    assert info.logits_topk == config["extract"]["logits_topk"]
+    copy = tmp_path / "part"
+    shutil.copytree(out / "part-0000", copy)
+    meta = json.loads((copy / "part.json").read_text())
+    del meta["model"]["architecture"]
+    (copy / "part.json").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match=r"part.json: field 'architecture' missing"):
+        open_part(copy)

@@ -25,10 +25,10 @@ def activation_norms(extraction: Extraction, path: Path) -> None:
     """Box plot of per-token L2 norms for every stored layer (a seeded token subsample)."""
     rng = np.random.default_rng(0)
     norms = []
-    for layer in extraction.meta["layers"]:
+    for layer in extraction.info.layers:
         values = []
         for part in extraction.parts:
-            if part.meta["n_tokens"] == 0:
+            if part.info.n_tokens == 0:
                 continue
             tensor = part.tensor(layer_tensor(layer))
             take = np.sort(rng.choice(len(tensor), size=min(len(tensor), MAX_TOKENS_PER_LAYER // len(extraction.parts)), replace=False))
@@ -36,7 +36,7 @@ def activation_norms(extraction: Extraction, path: Path) -> None:
         norms.append(np.concatenate(values))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.boxplot(norms, showfliers=False)
-    ax.set_xticks(range(1, len(norms) + 1), [str(layer) for layer in extraction.meta["layers"]])
+    ax.set_xticks(range(1, len(norms) + 1), [str(layer) for layer in extraction.info.layers])
     ax.set(xlabel="layer (block output)", ylabel="token L2 norm", title="Activation norm per layer")
     _save(fig, path)
 

@@ -46,7 +46,7 @@ def sample_coordinates(extraction, n_coords: int, seed: int) -> list[tuple[int, 
     coords = []
     for sample_idx in sorted(rng.choice(extraction.n_samples, size=min(n_coords, extraction.n_samples), replace=False)):
         n_tokens = extraction.sample(int(sample_idx))["num_tokens"]
-        layer = int(rng.choice(extraction.meta["layers"]))
+        layer = int(rng.choice(extraction.info.layers))
         for token in {int(rng.integers(n_tokens)), n_tokens - 1}:
             coords.append((int(sample_idx), layer, token))
     return coords

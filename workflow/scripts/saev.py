@@ -13,8 +13,8 @@ config = snakemake.config
 pointer = Path(snakemake.output.pointer)
 extraction = open_extraction(Path(snakemake.input.index).parent, config["extract"]["parts"])
 # What the format needs from the model and the masks, which it does not read itself (image stores only).
-image = extraction.meta["modality"] == "image"
-model_config = read_model_config(extraction.meta["model"]["path"]) if image else None
+image = extraction.info.modality == "image"
+model_config = read_model_config(extraction.info.model.path) if image else None
 labeler = PatchLabeler(image_patch_labels, REGISTER_LABEL)
 # The store sits beside the stage dir {dump_to}/saev/<stage hash>/: {dump_to}/saev/<HASH>/ (saev.flavor spec)
 # or {dump_to}/saev/shards/<8 hex>/ (upstream, the directory saev's code requires).

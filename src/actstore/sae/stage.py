@@ -42,6 +42,6 @@ def build_sae(config: dict[str, Any], extract_dir: str | Path, out_dir: str | Pa
     else:
         sae, report = train_sae(extraction, hook, sae_cfg, progress)
     save_sae(sae, out_dir / SAE_FILE, {"hook": hook, "source": report["source"],
-                                       "model": extraction.meta["model"]["name"]})
+                                       "model": extraction.info.model.name})
     write_json_atomic(out_dir / REPORT_FILE, report)
     return report

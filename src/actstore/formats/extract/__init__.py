@@ -2,17 +2,20 @@
 `{dump_to}/extract/{hash}/part-NNNN/`, and `extract.json` over all parts. Every format stage reads
 it; `actstore.extract` writes it. Reference: docs/formats/extract.md.
 
-Rooms: layout (file names, dtypes, .npy headers: the only place that knows the bytes), write
+Rooms: layout (file names, dtypes, .npy headers: the only place that knows the bytes), contract
+(PartInfo: part.json typed, what every format writer reads), write
 (PartWriter, write_part, write_index), read (Part, Extraction, open_part, open_extraction), check
 (detect / inspect / verify / read_vector).
 """
 from actstore.formats.extract.check import detect, inspect, read_vector, verify
+from actstore.formats.extract.contract import DatasetInfo, ModelInfo, PartInfo
 from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, PART_META, STORAGE_DESCR,
                                              layer_tensor, npy_header, part_dirname, tensor_file, to_float32)
 from actstore.formats.extract.read import Extraction, Part, StoredTensor, load_npy, open_extraction, open_part
 from actstore.formats.extract.write import PartWriter, write_index, write_part
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INDEX", "PART_META", "STORAGE_DESCR", "Extraction", "Part",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INDEX", "PART_META", "STORAGE_DESCR", "DatasetInfo", "Extraction",
+           "ModelInfo", "Part", "PartInfo",
            "PartWriter", "StoredTensor", "detect", "inspect", "layer_tensor", "load_npy", "npy_header",
            "open_extraction", "open_part", "part_dirname", "read_vector", "tensor_file", "to_float32", "verify",
            "write_index", "write_part"]

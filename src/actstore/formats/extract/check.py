@@ -26,12 +26,12 @@ def _part_dirs(path: Path) -> list[Path]:
 def inspect(path: str | Path) -> dict[str, Any]:
     """Summary of an extraction (all parts) for `actstore inspect`."""
     parts = [open_part(p) for p in _part_dirs(Path(path))]
-    meta = parts[0].meta
-    first_layer = layer_tensor(meta["layers"][0])
+    info = parts[0].info
+    first_layer = layer_tensor(info.layers[0])
     return {
-        "format": "actstore-extract", "model": meta["model"]["name"], "layers": meta["layers"],
-        "hooks": meta["hooks"], "n_examples": sum(p.meta["n_samples"] for p in parts),
-        "n_tokens": sum(p.meta["n_tokens"] for p in parts),
+        "format": "actstore-extract", "model": info.model.name, "layers": info.layers,
+        "hooks": info.hooks, "n_examples": sum(p.info.n_samples for p in parts),
+        "n_tokens": sum(p.info.n_tokens for p in parts),
         "d_model": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("shape", [0, None])[1],
         "dtype": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("dtype", "float32"),
         "n_shards": len(parts),
@@ -68,7 +68,7 @@ def _index_problems(extract_dir: Path) -> list[str]:
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """The stored float32 vector of (dataset row, block output, token)."""
     extraction = open_extraction(path)
-    if layer_idx not in extraction.meta["layers"]:
+    if layer_idx not in extraction.info.layers:
         return None
     rows = extraction.activations(layer_tensor(layer_idx), sample_idx)
     return np.array(rows[token_idx]) if token_idx < len(rows) else None

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from actstore.errors import FormatError
+from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file,
                                              to_float32)
 from actstore.integrity import check_file, inside, read_json, refuse, unlisted
@@ -34,7 +35,8 @@ class Part:
     """A finished part opened read-only; arrays are memory-mapped on first use."""
 
     dir: Path
-    meta: dict[str, Any]
+    meta: dict[str, Any]  # part.json as written; read it through `info`
+    info: PartInfo
     samples: list[dict]
     offsets: np.ndarray
     _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
@@ -49,16 +51,16 @@ class Part:
 
     @property
     def sample_start(self) -> int:
-        return self.meta["sample_range"][0]
+        return self.info.sample_range[0]
 
     @property
     def tensor_names(self) -> list[str]:
-        return self.meta["tensors"]
+        return self.info.tensors
 
     def tensor(self, name: str) -> StoredTensor:
         """(n_tokens, d) memory-mapped captured tensor, read as float32; samples in order, no padding."""
-        if name not in self.meta["tensors"]:
-            raise FormatError(f"{self.dir}: tensor {name!r} not captured; have {self.meta['tensors']}")
+        if name not in self.info.tensors:
+            raise FormatError(f"{self.dir}: tensor {name!r} not captured; have {self.info.tensors}")
         file = tensor_file(name)
         return StoredTensor(self._load(file), self.meta["files"][file]["dtype"])
 
@@ -106,7 +108,7 @@ def open_part(part_dir: str | Path) -> Part:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
     samples = read_json(part_dir / "samples.jsonl", lines=True)
     offsets = load_npy(part_dir / "offsets.npy", meta.get("files", {}).get("offsets.npy", {}).get("bytes"))
-    return Part(part_dir, meta, samples, offsets)
+    return Part(part_dir, meta, PartInfo.parse(meta, meta_path), samples, offsets)
 
 
 def load_npy(path: Path, recorded_bytes: int | None, mmap_mode: str | None = None) -> np.ndarray:
@@ -136,26 +138,27 @@ class Extraction:
             raise FormatError(f"{self.dir}: no extraction parts")
         self.parts = [open_part(self.dir / part_dirname(p)) for p in range(n_parts)]
         self.meta = self.parts[0].meta
+        self.info = self.parts[0].info  # run-wide fields; the counts below are the totals
         self._starts = np.array([p.sample_start for p in self.parts])
 
     @property
     def n_samples(self) -> int:
-        return sum(p.meta["n_samples"] for p in self.parts)
+        return sum(p.info.n_samples for p in self.parts)
 
     @property
     def n_tokens(self) -> int:
-        return sum(p.meta["n_tokens"] for p in self.parts)
+        return sum(p.info.n_tokens for p in self.parts)
 
     @property
     def tensor_names(self) -> list[str]:
-        return self.meta["tensors"]
+        return self.info.tensors
 
     def locate(self, sample_idx: int) -> tuple[Part, int]:
         """The part holding `sample_idx` and the sample's local index in it."""
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"sample_idx {sample_idx} out of range [0, {self.n_samples})")
         p = int(np.searchsorted(self._starts, sample_idx, side="right") - 1)
-        while self.parts[p].meta["n_samples"] == 0 or sample_idx >= self.parts[p].sample_start + self.parts[p].meta["n_samples"]:
+        while self.parts[p].info.n_samples == 0 or sample_idx >= self.parts[p].sample_start + self.parts[p].info.n_samples:
             p += 1
         return self.parts[p], sample_idx - self.parts[p].sample_start
 

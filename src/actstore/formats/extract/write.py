@@ -113,11 +113,11 @@ def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
         raise FormatError(f"{extract_dir}: parts do not cover sample_idx 0..{len(seen) - 1} exactly once")
     index = {
         "n_samples": extraction.n_samples, "n_tokens": extraction.n_tokens,
-        "tensors": extraction.tensor_names, "layers": extraction.meta["layers"],
-        "model": extraction.meta["model"], "dataset": extraction.meta["dataset"],
-        "extraction_duration_seconds": sum(p.meta["extraction_duration_seconds"] for p in extraction.parts),
-        "parts": [{"dir": p.dir.name, "n_samples": p.meta["n_samples"], "n_tokens": p.meta["n_tokens"],
-                   "sample_range": p.meta["sample_range"], "part_json_sha256": sha256_file(p.dir / PART_META)}
+        "tensors": extraction.tensor_names, "layers": extraction.info.layers,
+        "model": extraction.info.model.record, "dataset": extraction.info.dataset.record,
+        "extraction_duration_seconds": sum(p.info.extraction_duration_seconds for p in extraction.parts),
+        "parts": [{"dir": p.dir.name, "n_samples": p.info.n_samples, "n_tokens": p.info.n_tokens,
+                   "sample_range": list(p.info.sample_range), "part_json_sha256": sha256_file(p.dir / PART_META)}
                   for p in extraction.parts],
     }
     write_json_atomic(index_path, index)

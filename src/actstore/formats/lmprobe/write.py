@@ -64,7 +64,7 @@ class _TokenRows:
     def __init__(self, extraction):
         self.extraction = extraction
         self.parts = extraction.parts
-        self.sample_part = np.concatenate([np.full(p.meta["n_samples"], i, np.int64) for i, p in enumerate(self.parts)])
+        self.sample_part = np.concatenate([np.full(p.info.n_samples, i, np.int64) for i, p in enumerate(self.parts)])
         self.start = np.concatenate([p.offsets[:-1] for p in self.parts]).astype(np.int64)
         self.stop = np.concatenate([p.offsets[1:] for p in self.parts]).astype(np.int64)
 
@@ -95,16 +95,16 @@ class _TokenRows:
 
 def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
     """Resolved writer options, checked against the extraction; ConfigError names the key at fault."""
-    meta = extraction.meta
+    info = extraction.info
     opts = {**DEFAULTS, **options}
     opts.pop("enabled", None)
     if opts["storage"] not in ("pooled", "full_sequence"):
         raise ConfigError(f"lmprobe.storage: unknown value {opts['storage']!r} (pooled or full_sequence)")
     if opts["dtype"] not in DTYPES:
         raise ConfigError(f"lmprobe.dtype: unknown value {opts['dtype']!r} ({', '.join(DTYPES)})")
-    layers = opts["layers"] if opts["layers"] is not None else meta["layers"]
-    k_have = meta.get("logits_topk")
-    check_selection(layers, opts["logits_topk"], meta["layers"], k_have)
+    layers = opts["layers"] if opts["layers"] is not None else info.layers
+    k_have = info.logits_topk
+    check_selection(layers, opts["logits_topk"], info.layers, k_have)
     opts["layers"] = sorted(layers)
     opts["logits_topk"] = (opts["logits_topk"] or k_have) if k_have is not None else None
     return opts
@@ -177,12 +177,12 @@ def _provenance(extraction) -> dict[str, Any]:
     import safetensors
 
     import actstore
-    versions = extraction.meta.get("versions", {})
+    versions = extraction.info.versions
     return {"lmprobe_version": None, "actstore_version": actstore.__version__, "extraction_backend": "local",
             "nnsight_version": None, "torch_version": versions.get("torch"),
             "transformers_version": versions.get("transformers"), "python_version": versions.get("python"),
             "numpy_version": versions.get("numpy"), "pyarrow_version": pyarrow.__version__,
-            "safetensors_version": safetensors.__version__, "extracted_at": extraction.meta.get("created_at"),
+            "safetensors_version": safetensors.__version__, "extracted_at": extraction.info.created_at,
             "created_at": utc_now().isoformat(timespec="seconds"),
             "platform": platform.platform()}
 
@@ -226,7 +226,7 @@ def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[st
         columns.update(_token_columns(src, order, opts["token_strings"]))
         columns.update(_sample_columns(extraction, order, set(columns)))
         info = _info(extraction, opts, tensors, files)
-        index_rel = index_name(extraction.meta["dataset"]["split"])
+        index_rel = index_name(extraction.info.dataset.split)
         _write_index(tmp / index_rel, columns, info)
         (tmp / CARD).write_text(dataset_card(info, index_rel))
         write_sums(tmp)
@@ -238,11 +238,12 @@ def _info(extraction, opts: dict[str, Any], tensors: dict[str, Any], files: dict
     """The lmprobe:* schema metadata (key order is part of the index bytes)."""
     return {
         "format_version": FORMAT_VERSION,
-        "model": {"name": extraction.meta["model"]["name"], "revision": extraction.meta["model"]["revision"]},
+        "model": {"name": extraction.info.model.name, "revision": extraction.info.model.revision},
         "num_prompts": extraction.n_samples, "prompt_ordering": opts["prompt_ordering"],
         "prompt_ordering_seed": opts["seed"] if opts["prompt_ordering"] == "random" else None,
         "tensors": tensors, "provenance": _provenance(extraction),
-        "dataset": {k: extraction.meta["dataset"][k] for k in ("name", "split", "labels")},
+        "dataset": {"name": extraction.info.dataset.name, "split": extraction.info.dataset.split,
+                    "labels": extraction.info.dataset.labels},
         "files": files,
     }
 
@@ -326,7 +327,7 @@ def _decode(extraction, flat_ids: np.ndarray) -> list[str]:
     """Each token decoded on its own with the model's tokenizer (special tokens kept)."""
     from transformers import AutoTokenizer
 
-    path = extraction.meta["model"]["path"]
+    path = extraction.info.model.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import FormatError
-from actstore.formats.extract import Part, layer_tensor, open_part
+from actstore.formats.extract import Part, PartInfo, layer_tensor, open_part
 from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, FORMAT, METADATA, PICKLE_PROTOCOL, PREVIEW_CHARS,
                                             distributed_config, layer_key, shard_filename, statistics,
                                             store_metadata)
@@ -31,18 +31,18 @@ COMPRESSIONS = ("gzip", "none")
 MERGE_MUST_AGREE = ("model_name", "layers_extracted", "max_seq_length")
 
 
-def extraction_config(meta: dict[str, Any], model_params: dict[str, int | None]) -> dict[str, Any]:
-    """The spec's extraction_config block, from a part.json and the model's parameters."""
+def extraction_config(info: PartInfo, model_params: dict[str, int | None]) -> dict[str, Any]:
+    """The spec's extraction_config block, from a part and the model's parameters."""
     return {
-        "model_name": meta["model"]["name"],
-        "model_architecture": meta["model"].get("model_type") or meta["model"]["architecture"],
+        "model_name": info.model.name,
+        "model_architecture": info.model.model_type or info.model.architecture,
         "model_params": model_params,
-        "dataset_name": meta["dataset"]["name"],
+        "dataset_name": info.dataset.name,
         "dataset_config": None,  # local JSONL/image folder: no Hugging Face config name
-        "dataset_split": meta["dataset"]["split"],
-        "layers_extracted": list(meta["layers"]),
-        "max_seq_length": meta["max_seq_length"],
-        "batch_size": meta["batch_size"],
+        "dataset_split": info.dataset.split,
+        "layers_extracted": list(info.layers),
+        "max_seq_length": info.max_seq_length,
+        "batch_size": info.batch_size,
     }
 
 
@@ -98,8 +98,8 @@ def dump_shard(shard: dict, path: Path, compressed: bool, compresslevel: int) ->
 def check_sample_ids(part: Part) -> int:
     """Spec: sample_idx = machine_id * samples_per_machine + local_idx. Holds for our contiguous parts
     of ceil(N/P) samples; checked rather than assumed. Returns samples_per_machine."""
-    per_machine = math.ceil(part.meta["n_dataset_samples"] / part.meta["parts"])
-    machine_id = part.meta["part"]
+    per_machine = math.ceil(part.info.n_dataset_samples / part.info.parts)
+    machine_id = part.info.part
     for local, row in enumerate(part.samples):
         if row["sample_idx"] != machine_id * per_machine + local:
             raise FormatError(f"{part.dir}/samples.jsonl: sample_idx {row['sample_idx']} at local index {local} "
@@ -110,7 +110,7 @@ def check_sample_ids(part: Part) -> int:
 def write_shard(part: Part, layers: list[int], local: range, path: Path, compressed: bool,
                 compresslevel: int) -> dict[str, Any]:
     """Dump the shard of local samples `local` to `path`; return its metadata.json entry (shard_id unset)."""
-    dump_shard(shard_items(part, layers, local, part.meta["part"]), path, compressed, compresslevel)
+    dump_shard(shard_items(part, layers, local, part.info.part), path, compressed, compresslevel)
     ids = [part.samples[i]["sample_idx"] for i in local]
     return {"filename": path.name, "size_bytes": path.stat().st_size, "num_samples": len(local),
             "layers": layers, "sample_id_range": [ids[0], ids[-1]], "compressed": compressed,
@@ -126,10 +126,10 @@ def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: di
     if compression not in COMPRESSIONS:
         raise FormatError(f"pickle.compression: {compression!r} must be 'gzip' or 'none'")
     part = open_part(part_dir)
-    meta, machine_id = part.meta, part.meta["part"]
-    layers = list(meta["layers"])
+    info, machine_id = part.info, part.info.part
+    layers = list(info.layers)
     per_machine = check_sample_ids(part)
-    d = part.tensor(layer_tensor(layers[0])).shape[1] if part.meta["n_tokens"] else 0
+    d = part.tensor(layer_tensor(layers[0])).shape[1] if info.n_tokens else 0
     compressed = compression == "gzip"
     groups = plan_shards(part, len(layers), d, shard_size_mb * 1e6)
     shards = []
@@ -140,20 +140,20 @@ def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: di
             entry = write_shard(part, layers, local, tmp / shard_filename(shard_id, compressed), compressed,
                                 compresslevel)
             shards.append({"shard_id": shard_id, **entry})
-        metadata = store_metadata(extraction_config(meta, model_params),
-                                  distributed_config(machine_id, meta["parts"], per_machine),
-                                  shards, statistics(shards, layers, meta["extraction_duration_seconds"]),
-                                  actstore_block(meta, d, compression, compresslevel))
+        metadata = store_metadata(extraction_config(info, model_params),
+                                  distributed_config(machine_id, info.parts, per_machine),
+                                  shards, statistics(shards, layers, info.extraction_duration_seconds),
+                                  actstore_block(info, d, compression, compresslevel))
         write_json_atomic(tmp / METADATA, metadata)
-    log.info("machine %d: %d samples in %d shards -> %s", machine_id, part.meta["n_samples"], len(shards), out_dir)
+    log.info("machine %d: %d samples in %d shards -> %s", machine_id, info.n_samples, len(shards), out_dir)
     return metadata
 
 
-def actstore_block(meta: dict[str, Any], d: int, compression: str, compresslevel: int) -> dict[str, Any]:
+def actstore_block(info: PartInfo, d: int, compression: str, compresslevel: int) -> dict[str, Any]:
     """Optional extension key: what the spec does not say but a reader may want."""
-    return {"format": FORMAT, "d_model": d, "dtype": "float32", "modality": meta["modality"],
-            "model_kind": meta["model_kind"], "model_path": meta["model"]["path"],
-            "n_dataset_samples": meta["n_dataset_samples"], "compression": compression,
+    return {"format": FORMAT, "d_model": d, "dtype": "float32", "modality": info.modality,
+            "model_kind": info.model_kind, "model_path": info.model.path,
+            "n_dataset_samples": info.n_dataset_samples, "compression": compression,
             "compresslevel": compresslevel if compression == "gzip" else None,
             "pickle_protocol": PICKLE_PROTOCOL, "sample_idx": "dataset row index"}
 

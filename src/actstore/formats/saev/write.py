@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.extract import layer_tensor
+from actstore.formats.extract import PartInfo, layer_tensor
 from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS, LABELS, METADATA, PROTOCOL,
                                           SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, encode_data,
                                           examples_per_shard, shard_name, shard_sizes, store_name, text_windows,
@@ -71,14 +71,14 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     """Spec metadata for an extraction and the `saev` config section. model_config: the model's
     config.json (image stores need it). Patch labels are computed here, so a bad mask fails before
     anything is written."""
-    meta = extraction.meta
-    layers = _stored_layers(meta, section)
+    info = extraction.info
+    layers = _stored_layers(info, section)
     d_model = int(extraction.parts[0].tensor(layer_tensor(layers[0])).shape[1])
     num_tokens = np.array([row["num_tokens"] for _, _, row in extraction.iter_samples()], dtype=np.int64)
-    model_type = meta["model"]["model_type"] or "unknown"
+    model_type = info.model.model_type or "unknown"
     sidecar: dict[str, Any] = {"source_extraction": extract_hash, "model_type": model_type}
-    description = _description(meta, extract_hash, len(num_tokens))
-    if meta["modality"] == "image":
+    description = _description(info, extract_hash, len(num_tokens))
+    if info.modality == "image":
         family = FAMILIES.get(model_type, model_type)
         cls_token = family in CLS_FAMILIES
         patches, registers = _image_patches(extraction, num_tokens, cls_token, model_config)
@@ -88,24 +88,24 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     else:
         if section.get("patch_labels"):
             raise ConfigError("saev.patch_labels: per-patch labels need an image dataset; "
-                              f"{meta['dataset']['path']} is text")
+                              f"{info.dataset.path} is text")
         family, cls_token, labels = model_type, False, None
         patches = int(section["tokens_per_window"])
         windows = text_windows(num_tokens, patches)
         description["tokens_per_window"] = patches
-        description["max_seq_length"] = meta["max_seq_length"]
+        description["max_seq_length"] = info.max_seq_length
     n_examples = int(len(num_tokens) if windows is None else len(windows))
     metadata = {
-        "family": family, "ckpt": meta["model"]["name"], "layers": layers, "patches_per_ex": patches,
+        "family": family, "ckpt": info.model.name, "layers": layers, "patches_per_ex": patches,
         "cls_token": cls_token, "d_model": d_model, "n_examples": n_examples,
         "patches_per_shard": int(section["patches_per_shard"]), "data": encode_data(description),
-        "dataset": str(Path(meta["dataset"]["path"]).resolve()), "dtype": "float32", "protocol": PROTOCOL,
+        "dataset": str(Path(info.dataset.path).resolve()), "dtype": "float32", "protocol": PROTOCOL,
     }
     if examples_per_shard(metadata["patches_per_shard"], patches + int(cls_token), len(layers)) < 1:
         raise ConfigError(f"saev.patches_per_shard={metadata['patches_per_shard']} is smaller than one example "
                           f"({patches + int(cls_token)} tokens x {len(layers)} layers)")
     pixel_agg = (section.get("patch_labels") or {}).get("pixel_agg", "majority")
-    return Plan(metadata, windows, sidecar, labels, _flavor(section, meta["modality"], family), pixel_agg)
+    return Plan(metadata, windows, sidecar, labels, _flavor(section, info.modality, family), pixel_agg)
 
 
 def _flavor(section: dict[str, Any], modality: str, family: str) -> str:
@@ -119,21 +119,21 @@ def _flavor(section: dict[str, Any], modality: str, family: str) -> str:
     return flavor
 
 
-def _stored_layers(meta: dict[str, Any], section: dict[str, Any]) -> list[int]:
+def _stored_layers(info: PartInfo, section: dict[str, Any]) -> list[int]:
     """saev.layers (default: every extracted layer), each of them extracted."""
-    layers = list(section.get("layers") or meta["layers"])
-    missing = [layer for layer in layers if layer_tensor(layer) not in meta["tensors"]]
+    layers = list(section.get("layers") or info.layers)
+    missing = [layer for layer in layers if layer_tensor(layer) not in info.tensors]
     if missing:
-        raise ConfigError(f"saev.layers: {missing} not extracted; extract.layers = {meta['layers']}")
+        raise ConfigError(f"saev.layers: {missing} not extracted; extract.layers = {info.layers}")
     return layers
 
 
-def _description(meta: dict[str, Any], extract_hash: str | None, n_samples: int) -> dict[str, Any]:
+def _description(info: PartInfo, extract_hash: str | None, n_samples: int) -> dict[str, Any]:
     """The plain dict pickled into `data` (its key order is part of HASH: keep it)."""
-    return {"source": "actstore", "extract_hash": extract_hash, "modality": meta["modality"],
-            "dataset": {k: meta["dataset"].get(k) for k in ("path", "name", "split")},
-            "n_samples": int(n_samples), "model_revision": meta["model"]["revision"],
-            "torch_dtype": meta["model"]["torch_dtype"]}
+    return {"source": "actstore", "extract_hash": extract_hash, "modality": info.modality,
+            "dataset": {"path": info.dataset.path, "name": info.dataset.name, "split": info.dataset.split},
+            "n_samples": int(n_samples), "model_revision": info.model.revision,
+            "torch_dtype": info.model.torch_dtype}
 
 
 def _image_patches(extraction, num_tokens: np.ndarray, cls_token: bool,
@@ -162,10 +162,9 @@ def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any
     if not Path(settings["masks"]).is_dir():
         raise ConfigError(f"saev.patch_labels.masks: {settings['masks']} is not a directory")
     description["patch_labels"] = {**settings, "register_label": labeler.register_label}
-    meta = extraction.meta
     rels = [row["text"] for _, _, row in extraction.iter_samples()]
     patch_size, patches, registers = geometry
-    return labeler.compute(meta["dataset"]["path"], rels, meta["model"]["path"], patch_size, settings,
+    return labeler.compute(extraction.info.dataset.path, rels, extraction.info.model.path, patch_size, settings,
                            patches, registers, progress=progress)
 
 
@@ -190,7 +189,7 @@ def _fill_images(extraction, layers: list[str], start: int, out: np.ndarray) -> 
     done = 0
     while done < n:
         part, local = extraction.locate(start + done)
-        take = min(n - done, part.meta["n_samples"] - local)
+        take = min(n - done, part.info.n_samples - local)
         rows = slice(int(part.offsets[local]), int(part.offsets[local + take]))
         for li, name in enumerate(layers):
             out[done:done + take, li] = part.tensor(name)[rows].reshape(take, t, -1)
@@ -202,7 +201,7 @@ def _fill_windows(extraction, layers: list[str], windows: np.ndarray, out: np.nd
     t = out.shape[2]
     out[:] = 0
     for part in extraction.parts:
-        lo, hi = part.sample_start, part.sample_start + part.meta["n_samples"]
+        lo, hi = part.sample_start, part.sample_start + part.info.n_samples
         sel = np.nonzero((windows[:, 0] >= lo) & (windows[:, 0] < hi))[0]
         if not len(sel):
             continue

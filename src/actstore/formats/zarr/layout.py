@@ -9,6 +9,8 @@ import json
 import math
 from typing import Any
 
+from actstore.formats.extract import PartInfo
+
 FORMAT_NAME = "actstore-zarr-activation-logger"
 SCHEMA_VERSION = 1
 
@@ -68,20 +70,20 @@ def sample_key(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).hexdigest().encode("ascii")
 
 
-def store_attrs(meta: dict[str, Any], n: int, start: int, t_chunk: int, hidden: int, created: str,
+def store_attrs(info: PartInfo, n: int, t_chunk: int, hidden: int, created: str,
                 git_commit: str | None) -> dict[str, Any]:
     """Global metadata kept in the group attrs (never per-sample data: the spec's attrs guardrail)."""
-    layers = list(meta["layers"])
+    layers = list(info.layers)
     return {
-        "format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "model_id": meta["model"]["name"],
-        "num_layers": len(layers), "layers": layers, "model_num_blocks": meta["model"].get("n_blocks"),
-        "hidden_size": hidden, "T_max": int(meta["max_seq_length"]), "dtype": "float16",
+        "format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "model_id": info.model.name,
+        "num_layers": len(layers), "layers": layers, "model_num_blocks": info.model.n_blocks,
+        "hidden_size": hidden, "T_max": int(info.max_seq_length), "dtype": "float16",
         "T_chunk": t_chunk, "chunk_shape": [1, 1, t_chunk, hidden], "chunk_bytes": t_chunk * hidden * 2,
-        "num_samples": n, "global_index_start": start,
+        "num_samples": n, "global_index_start": int(info.sample_range[0]),
         "created": created, "git_commit": git_commit,
-        "dataset": meta["dataset"], "model": meta["model"], "modality": meta.get("modality"),
-        "model_kind": meta.get("model_kind"), "label_names": meta["dataset"].get("labels") or [],
-        "split_codes": SPLIT_CODES, "extraction_created_at": meta.get("created_at"),
+        "dataset": info.dataset.record, "model": info.model.record, "modality": info.modality,
+        "model_kind": info.model_kind, "label_names": info.dataset.labels,
+        "split_codes": SPLIT_CODES, "extraction_created_at": info.created_at,
     }
 
 

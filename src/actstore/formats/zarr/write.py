@@ -121,11 +121,11 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     from tqdm import tqdm
 
     part = open_part(part_dir)
-    meta, rows = part.meta, part.samples
-    n, layers, t_max = len(rows), list(meta["layers"]), int(meta["max_seq_length"])
+    rows = part.samples
+    n, layers, t_max = len(rows), list(part.info.layers), int(part.info.max_seq_length)
     hidden = int(part.tensor(layer_tensor(layers[0])).shape[1])
     tc = choose_t_chunk(t_max, hidden, t_chunk)
-    attrs = store_attrs(meta, n, int(meta["sample_range"][0]), tc, hidden, _now(), git_commit)
+    attrs = store_attrs(part.info, n, tc, hidden, _now(), git_commit)
     with atomic_path(out_path) as tmp:
         root, arrays, acts = _open_root(tmp, attrs, (n, len(layers), t_max, hidden), tc)
         _write_vectors(arrays, rows, attrs)

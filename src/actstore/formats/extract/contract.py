@@ -1,0 +1,84 @@
+"""The extraction contract: what a part's part.json says about how it was made, typed. Every format
+writer reads a part through PartInfo (`Part.info`, `Extraction.info`) instead of string keys, so
+only this module and the writer in actstore.extract know part.json's field names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actstore.errors import FormatError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model a part was extracted with."""
+
+    path: str                  # the resolved local folder
+    name: str
+    revision: str | None
+    model_type: str | None     # config.json model_type
+    architecture: str          # config.json architectures[0], else the loaded class
+    torch_dtype: str
+    n_blocks: int | None
+    record: dict[str, Any] = field(repr=False, compare=False)  # as part.json has it, for formats that embed it
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """The dataset a part's samples come from (sample_idx = its row)."""
+
+    path: str
+    name: str
+    split: str
+    labels: list[Any]          # sorted distinct labels: label_id = position
+    record: dict[str, Any] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One part.json, typed. For an extraction (all parts) the run-wide fields are the same in every
+    part; the counts are the part's own (Extraction.n_samples / n_tokens give the totals)."""
+
+    part: int
+    parts: int
+    sample_range: tuple[int, int]  # dataset rows [start, stop) of this part
+    n_dataset_samples: int
+    n_samples: int
+    n_tokens: int
+    tensors: list[str]             # layer_<i> and hook specs, as captured
+    layers: list[int]
+    hooks: list[str]
+    modality: str                  # text | image
+    model_kind: str                # encoder | causal | vision
+    max_seq_length: int
+    batch_size: int
+    logits_topk: int | None        # causal LMs only
+    created_at: str | None
+    extraction_duration_seconds: float
+    versions: dict[str, str]
+    model: ModelInfo
+    dataset: DatasetInfo
+
+    @classmethod
+    def parse(cls, meta: dict[str, Any], source: Path) -> PartInfo:
+        """part.json as a PartInfo; FormatError naming `source` and the field that is missing."""
+        try:
+            model, dataset = meta["model"], meta["dataset"]
+            return cls(
+                part=meta["part"], parts=meta["parts"], sample_range=tuple(meta["sample_range"]),
+                n_dataset_samples=meta["n_dataset_samples"], n_samples=meta["n_samples"],
+                n_tokens=meta["n_tokens"], tensors=list(meta["tensors"]), layers=list(meta["layers"]),
+                hooks=list(meta.get("hooks", [])), modality=meta["modality"], model_kind=meta["model_kind"], max_seq_length=meta["max_seq_length"],
+                batch_size=meta["batch_size"], logits_topk=meta.get("logits_topk"),
+                created_at=meta.get("created_at"),
+                extraction_duration_seconds=meta.get("extraction_duration_seconds", 0.0),
+                versions=meta.get("versions", {}),
+                model=ModelInfo(path=model["path"], name=model["name"], revision=model.get("revision"),
+                                model_type=model.get("model_type"), architecture=model["architecture"],
+                                torch_dtype=model.get("torch_dtype", "float32"), n_blocks=model.get("n_blocks"),
+                                record=model),
+                dataset=DatasetInfo(path=dataset["path"], name=dataset["name"], split=dataset["split"],
+                                    labels=list(dataset.get("labels") or []), record=dataset))
+        except (KeyError, TypeError) as exc:
+            raise FormatError(f"{source}: field {exc} missing or malformed") from None
