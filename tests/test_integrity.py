@@ -4,6 +4,7 @@ Format-specific attacks (names planted in metadata, hostile pickles, saev's poin
 format's own tests."""
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +25,19 @@ from actstore.formats.lut import open_lut, precompute, write_lut
 from actstore.hashing import stage_hash
 from actstore.models import model_params, read_model_config
 
-DAMAGES = ("flip", "truncate", "delete", "garbage metadata", "extra file", "symlink out")
+DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "extra file", "symlink out",
+           "traversal name", "absolute name")
 
 
 @dataclass
 class Store:
     root: Path
     data: str      # a data file (relative to root) the damage hits
+    other: str     # a second data file, of the same kind (swapped with `data`)
     meta: str      # the top metadata file
     extra: str     # an unlisted file that looks like data
     read: Callable[[Path], bytes]  # everything the reader returns, as bytes (verify=True where offered)
+    plant: Callable[[Path, str], None]  # make the metadata list one of its files by another name
 
 
 def read_extraction(root: Path) -> bytes:
@@ -69,6 +73,22 @@ def read_lut(root: Path) -> bytes:
                     for path in sorted(store.layers) for t in store.load(path).values())
 
 
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def rename_key(mapping: dict, old: str, new: str) -> None:
+    mapping[new] = mapping.pop(old)
+
+
+def plant_sums(root: Path, name: str) -> None:
+    lines = (root / "SHA256SUMS").read_text().splitlines()
+    digest, _, _ = lines[0].partition("  ")
+    (root / "SHA256SUMS").write_text("\n".join([f"{digest}  {name}", *lines[1:]]) + "\n")
+
+
 def build_lut(root: Path) -> Path:
     torch.manual_seed(0)
     sae = {"encoder_weight": torch.randn(16, 8), "encoder_bias": torch.randn(16),
@@ -90,25 +110,33 @@ def stores(extracted, tmp_path_factory) -> dict[str, Store]:
     params = model_params(read_model_config(extraction.meta["model"]["path"]))
     machines = [out / "pickle" / pickle_format.machine_dirname(k) for k in range(len(extraction.parts))]
     for part, machine in zip(extraction.parts, machines):
-        pickle_format.write_machine(part.dir, machine, model_params=params, progress=False)
+        pickle_format.write_machine(part.dir, machine, model_params=params, shard_size_mb=0.02, progress=False)
     pickle_format.merge_machines(machines, out / "pickle")
     lut_dir = build_lut(out / "lut")
     saev_dir = saev.write_store(extraction, {**config["saev"], "patches_per_shard": 100}, out / "saev",
                                 stage_hash(config, "extract"), model_config=None, progress=False)
-    first = next(p.name for p in sorted((out / "pickle" / "machine-0000").iterdir()) if p.name.startswith("shard_"))
+    shards = [p.name for p in sorted((out / "pickle" / "machine-0000").iterdir()) if p.name.startswith("shard_")]
     return {
-        "extract": Store(extract_dir, "part-0000/layer_000.npy", "part-0000/part.json", "part-0000/layer_009.npy",
-                         read_extraction),
+        "extract": Store(extract_dir, "part-0000/layer_000.npy", "part-0000/layer_002.npy", "part-0000/part.json",
+                         "part-0000/layer_009.npy", read_extraction,
+                         lambda r, n: edit_json(r / "part-0000/part.json",
+                                                lambda m: rename_key(m["files"], "layer_000.npy", n))),
+        "saev": Store(saev_dir, "acts000000.bin", "acts000001.bin", "metadata.json", "acts000099.bin", read_saev,
+                      lambda r, n: edit_json(r / "actstore.json", lambda m: rename_key(m["files"], "windows.npy", n))),
         "lmprobe": Store(out / "lmprobe", "tensors/hidden_layer000_shard000.safetensors",
-                         "index/train-00000-of-00001.parquet", "tensors/hidden_layer000_shard009.safetensors",
-                         read_lmprobe),
-        "zarr": Store(out / "zarr", "shards/shard-0000.zarr/arrays/activations/0/0/0/0", "manifest.json",
-                      "shards/shard-0000.zarr/arrays/activations/9/0/0/0", read_zarr),
-        "pickle": Store(out / "pickle", f"machine-0000/{first}", "metadata.json", "machine-0000/shard_0099.pkl.gz",
-                        read_pickle),
-        "lut": Store(lut_dir, "encoder.layer.1.q.lut.safetensors", "metadata.json",
-                     "encoder.layer.1.v.lut.safetensors", read_lut),
-        "saev": Store(saev_dir, "acts000000.bin", "metadata.json", "acts000099.bin", read_saev),
+                         "tensors/hidden_layer002_shard000.safetensors", "index/train-00000-of-00001.parquet",
+                         "tensors/hidden_layer000_shard009.safetensors", read_lmprobe, plant_sums),
+        "zarr": Store(out / "zarr", "shards/shard-0000.zarr/arrays/activations/0/0/0/0",
+                      "shards/shard-0000.zarr/arrays/activations/0/1/0/0", "manifest.json",
+                      "shards/shard-0000.zarr/arrays/activations/9/0/0/0", read_zarr,
+                      lambda r, n: edit_json(r / "manifest.json", lambda m: m["shards"][0].update(path=n))),
+        "pickle": Store(out / "pickle", f"machine-0000/{shards[0]}", f"machine-0000/{shards[1]}", "metadata.json",
+                        "machine-0000/shard_0099.pkl.gz", read_pickle,
+                        lambda r, n: edit_json(r / "metadata.json", lambda m: m["shards"][0].update(filename=n))),
+        "lut": Store(lut_dir, "encoder.layer.1.q.lut.safetensors", "encoder.layer.1.k.lut.safetensors",
+                     "metadata.json", "encoder.layer.1.v.lut.safetensors", read_lut,
+                     lambda r, n: edit_json(r / "metadata.json",
+                                            lambda m: m["layers"]["encoder.layer.1.q"].update(file=n))),
     }
 
 
@@ -123,6 +151,11 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
         data.write_bytes(data.read_bytes()[:-1])
     elif kind == "delete":
         data.unlink()
+    elif kind == "swap":  # two listed files trade places: each is whole, neither is where it belongs
+        other = root / store.other
+        first = data.read_bytes()
+        data.write_bytes(other.read_bytes())
+        other.write_bytes(first)
     elif kind == "garbage metadata":
         meta.write_bytes(b"{not json, not parquet")
         return meta
@@ -134,6 +167,11 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
         shutil.copyfile(data, outside)
         data.unlink()
         data.symlink_to(outside)
+    elif kind in ("traversal name", "absolute name"):  # the metadata points at a file outside
+        shutil.copyfile(data, outside)
+        name = f"../../../../../../..{outside}" if kind == "traversal name" else str(outside)
+        store.plant(root, name)
+        return outside
     return data
 
 
