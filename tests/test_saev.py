@@ -537,20 +537,12 @@ def test_mask_through_an_interpolating_processor_is_refused(tmp_path):
 
 def test_snakemake_saev_target_writes_labels_bin(model_dir, segmentation, tmp_path):
     """The workflow path: `snakemake saev` with saev.patch_labels writes the same labels.bin as the library."""
-    import subprocess
-    import sys
-
     images, masks, coarse = segmentation("dinov2")
     config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("dinov2"))},
               "dataset": {"path": str(images)}, "extract": {"layers": [1], "parts": 2, "batch_size": 4},
               "saev": {"patch_labels": {"masks": str(masks), "pixel_agg": "prefer-fg"}},
               **{s: {"enabled": False} for s in ("pickle", "lmprobe", "zarr", "sae", "validate")}}
-    configfile = tiny.save_config(config, tmp_path / "seg.yaml")
-    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(tiny.REPO / "Snakefile"), "-d",
-           str(tmp_path), "--configfile", str(configfile), "--cores", "2", "saev"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    store = saev.resolve(next((tmp_path / "dump" / "saev").glob("*/saev.json")))
+    store = tiny.run_saev_stage(tmp_path, config, "seg")
     assert saev.verify(store) == []
     labels = np.fromfile(store / "labels.bin", dtype=np.uint8).reshape(6, 16)
     extraction = open_extraction(next((tmp_path / "dump" / "extract").glob("*/extract.json")).parent)

@@ -188,20 +188,12 @@ def test_flavor_has_no_default_so_saev_hashes_stay():
 
 
 def test_snakemake_saev_upstream_store_behind_the_stage_pointer(model_dir, image_folder, tmp_path):
-    import subprocess
-    import sys
-
     import tiny
 
     config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("dinov2"))},
               "dataset": {"path": str(image_folder)}, "extract": {"layers": [1], "parts": 1, "batch_size": 4},
               "saev": {"flavor": "upstream"},
               **{s: {"enabled": False} for s in ("pickle", "lmprobe", "zarr", "sae", "validate")}}
-    configfile = tiny.save_config(config, tmp_path / "upstream.yaml")
-    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(tiny.REPO / "Snakefile"), "-d",
-           str(tmp_path), "--configfile", str(configfile), "--cores", "2", "saev"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    store = saev.resolve(next((tmp_path / "dump" / "saev").glob("*/saev.json")))
+    store = tiny.run_saev_stage(tmp_path, config, "upstream")
     assert store.parent == tmp_path / "dump" / "saev" / "shards" and saev.verify(store) == []
     assert list(json.loads((store / "metadata.json").read_text())) == SAEV_METADATA

@@ -136,6 +136,20 @@ def make_config(tmp: Path, model_path: Path | str, data_path: Path | str, **sect
     return validate_config(copy.deepcopy(config))
 
 
+def run_saev_stage(tmp_path: Path, config: dict, name: str) -> Path:
+    """`snakemake saev` on `config` (saved as <name>.yaml in tmp_path); the store its pointer names."""
+    import subprocess
+    import sys
+
+    from actstore.formats import saev
+    configfile = save_config(config, tmp_path / f"{name}.yaml")
+    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(REPO / "Snakefile"), "-d",
+           str(tmp_path), "--configfile", str(configfile), "--cores", "2", "saev"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return saev.resolve(next((Path(config["dump_to"]) / "saev").glob("*/saev.json")))
+
+
 def save_config(config: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(config))
     return path
