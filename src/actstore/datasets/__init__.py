@@ -19,8 +19,8 @@ from actstore.datasets.source import Source, identity_files, resolve_source
 from actstore.datasets.tables import check_columns, image_field, read_table, schema_of
 from actstore.errors import ConfigError
 
-__all__ = ["FIELD_KEYS", "Dataset", "Sample", "check_dataset", "dataset_options", "identity_files",
-           "load_dataset", "part_range", "resolve_source"]
+__all__ = ["FIELD_KEYS", "Dataset", "Sample", "check_dataset", "configured_dataset", "dataset_options",
+           "identity_files", "load_dataset", "part_range", "resolve_source"]
 
 
 def dataset_options(section: dict[str, Any]) -> dict[str, Any]:

@@ -158,7 +158,7 @@ class Extraction:
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"sample_idx {sample_idx} out of range [0, {self.n_samples})")
         p = int(np.searchsorted(self._starts, sample_idx, side="right") - 1)
-        while self.parts[p].info.n_samples == 0 or sample_idx >= self.parts[p].sample_start + self.parts[p].info.n_samples:
+        while sample_idx >= self.parts[p].sample_start + self.parts[p].info.n_samples:  # skips empty parts
             p += 1
         return self.parts[p], sample_idx - self.parts[p].sample_start
 
