@@ -254,10 +254,16 @@ def test_editing_the_data_changes_the_extract_hash(identity, touch_changes, edit
     assert (stage_hash(config, "extract") != before) == edit_changes
 
 
-@pytest.mark.parametrize("kind", ["parquet", "csv", "arrow", "hf_disk", "parquet_glob"])
-def test_slurm_sizing_counts_the_rows_of_every_table_format(kind, tables, model_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["parquet", "csv", "arrow", "hf_disk", "parquet_glob", "jsonl_shards"])
+def test_slurm_sizing_counts_the_rows_of_every_table_format(kind, tables, rows, model_dir, tmp_path):
     from actstore import resources
-    path, options = tables[kind]
+    if kind == "jsonl_shards":  # the same rows cut into two JSONL files, read through a glob
+        lines = rows[0].read_text().splitlines(keepends=True)
+        for i, shard in enumerate((lines[:N_ROWS // 3], lines[N_ROWS // 3:])):
+            (tmp_path / f"docs-{i}.jsonl").write_text("".join(shard))
+        path, options = f"{tmp_path}/docs-*.jsonl", {}
+    else:
+        path, options = tables[kind]
     config = tiny.make_config(tmp_path, model_dir("gpt2"), path, dataset=options)
     load = resources.workload(config)
     assert load.rows == N_ROWS and load.tokens == N_ROWS * config["extract"]["max_seq_length"]

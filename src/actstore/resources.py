@@ -8,6 +8,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from actstore.datasets.source import resolve_source
@@ -44,12 +45,13 @@ def _count_rows(section: dict[str, Any]) -> tuple[int, int]:
     if source.table:
         return max(sum(count_rows(source.format, p) for p in source.files), 1), size
     if source.format == "jsonl":
-        rows = 0
-        with source.files[0].open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                rows += chunk.count(b"\n")
-        return max(rows, 1), size
+        return max(sum(_newlines(p) for p in source.files), 1), size
     return max(len(source.files), 1), size
+
+
+def _newlines(path: Path) -> int:
+    with path.open("rb") as fh:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 24), b""))
 
 
 @functools.lru_cache(maxsize=16)
