@@ -14,7 +14,7 @@ from typing import Any
 from actstore.config import enabled_stages
 from actstore.formats import FORMAT_STAGES
 from actstore.integrity import STAGE_CONFIG_FILE
-from actstore.io_utils import canonical_json, write_json_atomic
+from actstore.io_utils import canonical_json, sha256_file, write_json_atomic
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
 # Config sections each stage reads: its own, and for extraction also the model and dataset.
@@ -111,11 +111,7 @@ def _data_digest(section: dict[str, Any], mode: str) -> str:
 @functools.lru_cache(maxsize=4096)
 def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     """A file's sha256, cached while its size and mtime stay (Snakemake hashes a config once per rule)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_file(path)
 
 
 def stage_hash(config: dict[str, Any], stage: str) -> str:
