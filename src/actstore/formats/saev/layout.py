@@ -102,13 +102,17 @@ def shard_sizes(n_examples: int, per_shard: int) -> list[int]:
     return [per_shard] * full + ([rest] if rest else [])
 
 
+def groups_and_ranks(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For groups of counts[i] items laid end to end: each item's group and its rank inside it."""
+    group = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    return group, np.arange(len(group), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def text_windows(num_tokens: np.ndarray, window: int) -> np.ndarray:
     """windows.npy rows (n_windows, 3) sample_idx, token_start, n_valid: windows never cross samples,
     the last one of a sample is short."""
-    n_win = -(-num_tokens // window)
-    sample = np.repeat(np.arange(len(num_tokens), dtype=np.int64), n_win)
-    first = np.repeat(np.cumsum(n_win) - n_win, n_win)
-    start = (np.arange(len(sample), dtype=np.int64) - first) * window
+    sample, nth = groups_and_ranks(-(-num_tokens // window))
+    start = nth * window
     valid = np.minimum(window, num_tokens[sample] - start)
     return np.stack([sample, start, valid], axis=1).astype(np.int64)
 

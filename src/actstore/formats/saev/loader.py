@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.saev.layout import DTYPE
+from actstore.formats.saev.layout import DTYPE, groups_and_ranks
 from actstore.formats.saev.read import SaevStore
 from actstore.integrity import memory_budget
 
@@ -122,9 +122,8 @@ class ShuffledActivations(IterableDataset):
                               f"({int(n.sum()):,} examples): the loader's block index would need "
                               f"{need / 1e9:.1f} GB, over a quarter of this machine's memory; pass a larger "
                               f"block_bytes (or block_examples)")
-        shard = np.repeat(np.arange(len(n)), runs_per_shard)
-        lo = (np.arange(n_runs) - np.repeat(np.cumsum(runs_per_shard) - runs_per_shard, runs_per_shard)) \
-            * self.block_examples
+        shard, nth = groups_and_ranks(runs_per_shard)
+        lo = nth * self.block_examples
         first = np.asarray(store.starts, dtype=np.int64)[shard] + lo
         return np.stack([first, np.minimum(self.block_examples, n[shard] - lo)], axis=1).reshape(-1, 2)
 
@@ -144,8 +143,7 @@ class ShuffledActivations(IterableDataset):
         tok_lo = chunk * store.T // self.chunks_per_example
         n_tok = (chunk + 1) * store.T // self.chunks_per_example - tok_lo
         counts = n_ex * n_tok
-        block = np.repeat(np.arange(len(ids)), counts)
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        block, within = groups_and_ranks(counts)
         ex = first[block] + within // n_tok[block]
         tok = tok_lo[block] + within % n_tok[block]
         keep = self._kept(store, labels, ex, tok)
