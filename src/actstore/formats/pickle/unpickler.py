@@ -89,14 +89,15 @@ def _check_plain(obj: Any, depth: int = 0) -> None:
 def gunzip_bounded(data: bytes, limit: int) -> bytes:
     """Every gzip member of `data`, refused once the output passes `limit` bytes (a gzip bomb
     expands about a thousandfold). One-shot zlib calls: several times faster than GzipFile."""
-    out, rest = [], data
+    out, size, rest = [], 0, data
     while rest:
         member = zlib.decompressobj(wbits=31)
         try:
-            out.append(member.decompress(rest, limit + 1 - sum(map(len, out))))
+            out.append(member.decompress(rest, limit + 1 - size))
         except zlib.error as exc:
             raise pickle.UnpicklingError(f"not gzip data ({exc})") from None
-        if sum(map(len, out)) > limit or member.unconsumed_tail:
+        size += len(out[-1])
+        if size > limit or member.unconsumed_tail:
             raise pickle.UnpicklingError(f"decompresses to more than {limit:,} bytes")
         if not member.eof:
             raise pickle.UnpicklingError("truncated gzip data")
