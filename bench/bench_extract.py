@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from actstore.config import validate_config
+from actstore.datasets.images import check_images
 from actstore.extract import length_batches, preflight, run_part, tokenize
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
@@ -126,19 +127,21 @@ def bare_forward(config: dict, threads: int) -> tuple[float, object, object, int
     started = time.perf_counter()
     model_path, dataset = preflight(config)
     ext = config["extract"]
-    if dataset.modality == "image":  # as run_part: the decoding workers start before the weights load
-        paths = [dataset.image_path(s) for s in dataset.samples]
-        batches = length_batches([1] * len(paths), ext["batch_size"])
+    samples = dataset.samples
+    if dataset.modality == "image":  # as run_part: images verified, then decoding starts before the weights load
+        check_images(dataset.opener, samples, threads)
+        batches = length_batches([1] * len(samples), ext["batch_size"])
         processor = load_image_processor(model_path)
-        pixels = lambda: image_batches(processor, paths, batches, threads, ext["device"] == "cuda")  # noqa: E731
+        pixels = lambda: image_batches(processor, dataset.opener, samples, batches, threads,  # noqa: E731
+                                       ext["device"] == "cuda")
         first_pixels = pixels()
         loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
         make_inputs = lambda: to_model(loaded, pixels())  # noqa: E731
         first_inputs = to_model(loaded, first_pixels)
-        units = len(paths)
+        units = len(samples)
     else:
         loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
-        ids = tokenize(loaded, dataset.samples, ext["max_seq_length"])
+        ids = tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat)
         batches = length_batches([len(x) for x in ids], ext["batch_size"])
         make_inputs = lambda: text_batches(loaded, ids, batches)  # noqa: E731
         first_inputs = make_inputs()
