@@ -9,6 +9,7 @@ import tiny
 from actstore.config import load_config, validate_config
 from actstore.errors import ConfigError
 from actstore.hashing import STAGES, stage_dir, stage_hash, stage_payload, write_stage_config
+from actstore.jobs import job_items, write_jobs
 
 
 @pytest.fixture()
@@ -80,3 +81,29 @@ def test_library_validation_fills_what_the_snakefile_validation_fills(name):
         by_snakemake = copy.deepcopy(config)
         validate(by_snakemake, str(tiny.REPO / "config" / "config.schema.yaml"))
         assert validate_config(copy.deepcopy(config)) == by_snakemake
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("saev", "jobs", 7), ("lmprobe", "jobs", 3), ("zarr", "merge_jobs", 5), ("pickle", "threads", 1),
+    ("extract", "writer_threads", 2)])
+def test_execution_keys_leave_every_hash_alone(demo, section, key, value):
+    changed = copy.deepcopy(demo)
+    changed[section][key] = value
+    assert {s: stage_hash(validate_config(changed), s) for s in STAGES} == {s: stage_hash(demo, s) for s in STAGES}
+
+
+@pytest.mark.parametrize("n_items", [0, 1, 5, 17])
+@pytest.mark.parametrize("jobs", [1, 2, 3, 8])
+def test_job_items_cover_every_item_once_in_order_and_balanced(n_items, jobs):
+    ranges = [job_items(n_items, jobs, job) for job in range(jobs)]
+    assert [i for r in ranges for i in r] == list(range(n_items))
+    assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+    with pytest.raises(ValueError, match="job 8"):
+        job_items(n_items, 8, 8)
+
+
+def test_write_jobs_default_to_one_per_extraction_part(demo):
+    assert write_jobs(demo, "saev") == demo["extract"]["parts"]
+    changed = copy.deepcopy(demo)
+    changed["zarr"]["merge_jobs"] = 5
+    assert write_jobs(changed, "zarr") == 5
