@@ -20,11 +20,12 @@ rule pickle_part:
         bench_path("pickle", "machine-{part}")
     wildcard_constraints:
         part=r"\d{4}",
-    threads: 1
-    # One shard in memory, plus its pickle stream.
+    # pickle.threads shards dumped and gzipped at once, one per thread.
+    threads: config["pickle"]["threads"]
+    # One shard in memory per thread, plus its pickle stream.
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(
-            config, attempt, per_part=True, buffered_mb=int(3 * config["pickle"]["shard_size_mb"])),
+        mem_mb=lambda wildcards, threads, attempt: actstore_resources.io_mem_mb(
+            config, attempt, per_part=True, buffered_mb=int(3 * threads * config["pickle"]["shard_size_mb"])),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
             config, attempt, per_part=True, passes=PICKLE_PASSES),
     conda:

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, PART_META, STORAGE_DESCR,
-                                             npy_header)
+from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, PART_META, STORAGE_DESCR,
+                                             layer_tensor, npy_header, part_dirname, tensor_file)
 from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file, write_json_atomic
 
 
@@ -122,3 +122,55 @@ def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
     }
     write_json_atomic(index_path, index)
     return index
+
+
+SYNTHETIC_POOL = 16 << 20  # random float32 values drawn once; each sample's rows are a slice of them
+
+
+def synthetic_extraction(root: str | Path, n_bytes: int, parts: int, dim: int, layers: list[int],
+                         seed: int = 0) -> Path:
+    """A text extraction of random float32 activations for benchmarks and scale tests, written by
+    PartWriter like a real one: samples of 64-512 tokens until the layers hold `n_bytes`, split
+    into `parts` parts, token ids, a bert-like model record (no model folder), extract.json."""
+    root = Path(root)
+    rng = np.random.default_rng(seed)
+    lengths: list[int] = []
+    while sum(lengths) * len(layers) * dim * 4 < n_bytes:
+        lengths.append(int(rng.integers(64, 513)))
+    pool = rng.standard_normal(SYNTHETIC_POOL, dtype=np.float32)
+    per_part = -(-len(lengths) // parts)
+    for part in range(parts):
+        rows = range(part * per_part, min(len(lengths), (part + 1) * per_part))
+        with write_part(root / part_dirname(part)) as tmp:
+            _synthetic_part(tmp, rows, lengths, layers, dim, pool, rng).finish(
+                _synthetic_meta(root, part, parts, rows, len(lengths), layers))
+    write_index(root, root / INDEX)
+    return root
+
+
+def _synthetic_part(tmp: Path, rows: range, lengths: list[int], layers: list[int], dim: int, pool: np.ndarray,
+                    rng: np.random.Generator) -> PartWriter:
+    local = [lengths[i] for i in rows]
+    samples = [{"sample_idx": i, "text": f"synthetic sample {i}", "label": None, "label_id": None,
+                "num_tokens": lengths[i], "metadata": {}} for i in rows]
+    writer = PartWriter(tmp, samples, np.concatenate([[0], np.cumsum(local)]))
+    writer.add_tokens("token_ids.npy", None, "int64")
+    files = [tensor_file(layer_tensor(layer)) for layer in layers]
+    for file in files:
+        writer.add_tokens(file, dim, "float32")
+    for j, tokens in enumerate(local):
+        writer.write("token_ids.npy", j, rng.integers(0, 30522, tokens, dtype=np.int64))
+        for file in files:
+            start = int(rng.integers(0, len(pool) - tokens * dim))
+            writer.write(file, j, pool[start:start + tokens * dim])
+    return writer
+
+
+def _synthetic_meta(root: Path, part: int, parts: int, rows: range, n_dataset: int, layers: list[int]) -> dict:
+    return {"part": part, "parts": parts, "sample_range": [rows.start, rows.stop], "n_dataset_samples": n_dataset,
+            "tensors": [layer_tensor(layer) for layer in layers], "layers": list(layers), "hooks": [],
+            "modality": "text", "model_kind": "encoder", "max_seq_length": 512, "batch_size": 32,
+            "logits_topk": None, "created_at": "1970-01-01T00:00:00+00:00", "versions": {},
+            "model": {"name": "synthetic", "revision": None, "path": str(root), "model_type": "bert",
+                      "architecture": "BertModel", "torch_dtype": "float32", "n_blocks": 6},
+            "dataset": {"name": "synthetic", "split": "train", "path": str(root), "labels": []}}

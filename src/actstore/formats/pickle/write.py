@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import pickle  # absolute import: the standard library, not this package
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,11 @@ def write_shard(part: Part, layers: list[int], local: range, path: Path, compres
 
 def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: dict[str, int | None],
                   shard_size_mb: float = 100.0, compression: str = "gzip", compresslevel: int = 1,
-                  progress: bool = True) -> dict[str, Any]:
+                  threads: int = 1, progress: bool = True) -> dict[str, Any]:
     """Write one extraction part as a complete pickle-shard store (atomic); return its metadata.
-    `model_params`: the spec's hidden_size / num_hidden_layers / num_attention_heads / vocab_size."""
+    `model_params`: the spec's hidden_size / num_hidden_layers / num_attention_heads / vocab_size.
+    `threads` shards are dumped at once, one per thread (zlib and file writes release the GIL), so
+    memory holds `threads` shards; the bytes do not depend on it."""
     if compression not in COMPRESSIONS:
         raise FormatError(f"pickle.compression: {compression!r} must be 'gzip' or 'none'")
     part = open_part(part_dir)
@@ -132,14 +135,15 @@ def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: di
     d = part.tensor(layer_tensor(layers[0])).shape[1] if info.n_tokens else 0
     compressed = compression == "gzip"
     groups = plan_shards(part, len(layers), d, shard_size_mb * 1e6)
-    shards = []
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir) as tmp, ThreadPoolExecutor(max_workers=threads) as pool:
         tmp.mkdir()
-        for shard_id, local in enumerate(tqdm(groups, desc=f"pickle machine {machine_id}", unit="shard",
-                                              disable=not progress), start=1):
-            entry = write_shard(part, layers, local, tmp / shard_filename(shard_id, compressed), compressed,
-                                compresslevel)
-            shards.append({"shard_id": shard_id, **entry})
+
+        def dump(shard_id: int) -> dict[str, Any]:
+            path = tmp / shard_filename(shard_id, compressed)
+            return {"shard_id": shard_id, **write_shard(part, layers, groups[shard_id - 1], path, compressed,
+                                                        compresslevel)}
+        shards = list(tqdm(pool.map(dump, range(1, len(groups) + 1)), total=len(groups),
+                           desc=f"pickle machine {machine_id}", unit="shard", disable=not progress))
         metadata = store_metadata(extraction_config(info, model_params),
                                   distributed_config(machine_id, info.parts, per_machine),
                                   shards, statistics(shards, layers, info.extraction_duration_seconds),

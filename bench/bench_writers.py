@@ -1,0 +1,175 @@
+"""Benchmark every format writer on a synthetic extraction against `cp` + `sync` of its .npy files.
+
+Builds (once, in --work) an extraction with the real PartWriter: --parts parts of samples of 64-512
+tokens, layers 1/3/5, d = --dim, float32, --gb GB of activations in all. Then, page cache warm, each
+writer runs as its own process(es) (a job of the workflow), followed by `sync`; the baseline is
+`cp` of the same .npy files + `sync`, measured in the same run (best of --repeat each). Reported per
+writer and job shape: MB/s of activation bytes (1 MB = 1e6 B), the ratio to cp, and the peak
+anonymous + dirty file-mapped memory summed over its concurrent processes (actstore.memwatch).
+Writes bench/out/writers.json and prints a markdown table.
+
+Job shapes: `1 job` = one process writes everything (or one job per part, run one after the other);
+`N jobs` = the scattered writer's N jobs run at once, then its finishing job. pickle: 1 and 2
+compression threads per part job.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from actstore.formats.extract import INDEX, open_extraction, part_dirname, synthetic_extraction
+from actstore.jobs import job_items
+from actstore.memwatch import Memory, PeakMemory
+
+OUT = Path(__file__).resolve().parent / "out"
+LAYERS = [1, 3, 5]  # as the issue measured
+PARAMS = {"hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16, "vocab_size": 30522}
+
+
+def activation_files(extract: Path) -> list[Path]:
+    return sorted(extract.glob("part-*/layer_*.npy"))
+
+
+# ------------------------------------------------------------------ one job, run in its own process
+
+def run_job(args: argparse.Namespace) -> None:
+    """The body of one writer job (`--job NAME`), as the workflow's script would run it."""
+    from actstore.formats import lmprobe, pickle, saev, zarr
+
+    extract, out = Path(args.extract), Path(args.out)
+    name = args.job
+    if name == "saev":
+        saev.write_store(open_extraction(extract), {"patches_per_shard": 2_400_000, "tokens_per_window": 32},
+                         out, model_config=None, progress=False)
+    elif name == "lmprobe":
+        lmprobe.write_dataset(extract, out / "dataset", {"token_strings": False}, progress=False)
+    elif name == "pickle":
+        pickle.write_machine(extract / part_dirname(args.part), out / part_dirname(args.part), model_params=PARAMS,
+                             threads=args.threads, progress=False)
+    elif name == "zarr":
+        zarr.write_shard(extract / part_dirname(args.part), out / f"shard-{args.part:04d}.zarr", progress=False)
+    elif name == "zarr-merge":
+        zarr.merge_stores(sorted(Path(args.shards).glob("shard-*.zarr")), out / "merged", progress=False)
+    else:
+        raise SystemExit(f"unknown job {name!r}")
+
+
+# ------------------------------------------------------------------ the driver
+
+def job_argv(name: str, extract: Path, out: Path, **extra) -> list[str]:
+    argv = [sys.executable, __file__, "--job", name, "--extract", str(extract), "--out", str(out)]
+    for key, value in extra.items():
+        argv += [f"--{key}", str(value)]
+    return argv
+
+
+def run_phases(phases: list[list[list[str]]]) -> tuple[float, Memory]:
+    """Run each phase's jobs at once, phases one after the other, then `sync`: (seconds, peak memory)."""
+    peak = Memory()
+    t0 = time.perf_counter()
+    for phase in phases:
+        procs = [subprocess.Popen(argv) for argv in phase]
+        with PeakMemory([p.pid for p in procs]) as watch:
+            codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"a job failed ({codes}): {phase}")
+        peak = watch.peak if watch.peak.total > peak.total else peak
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t0, peak
+
+
+def cp_baseline(files: list[Path], dest: Path) -> float:
+    t0 = time.perf_counter()
+    for part in sorted({f.parent for f in files}):
+        (dest / part.name).mkdir(parents=True)
+        subprocess.run(["cp", *(str(f) for f in files if f.parent == part), str(dest / part.name)], check=True)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - t0
+
+
+def variants(extract: Path, work: Path, parts: int, jobs: int) -> dict[str, tuple[str, list[list[list[str]]]]]:
+    """writer -> (job shape, phases of concurrent job argvs)."""
+    out = work / "w"
+    per_part = lambda name, **kw: [[job_argv(name, extract, out, part=p, **kw)] for p in range(parts)]  # noqa: E731
+    return {
+        "saev": ("1 job", [[job_argv("saev", extract, out)]]),
+        "lmprobe": ("1 job", [[job_argv("lmprobe", extract, out)]]),
+        "pickle (gzip-1), 1 thread": ("per part", per_part("pickle", threads=1)),
+        "pickle (gzip-1), 2 threads": ("per part", per_part("pickle", threads=2)),
+        "zarr shard": ("per part", per_part("zarr")),
+        "zarr merge": ("1 job", [[job_argv("zarr-merge", extract, out, shards=work / "zarr-shards")]]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=2.0, help="GB of activations in the synthetic extraction")
+    parser.add_argument("--parts", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--jobs", type=int, default=2, help="jobs of the scattered writers")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--only", nargs="*", help="writers whose name starts with one of these")
+    parser.add_argument("--work", default=str(OUT / "writers-work"), help="where the extraction is built (kept)")
+    # one job (internal): run by the driver in its own process
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--extract", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--shards", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        return run_job(args)
+    work = Path(args.work)
+    extract = work / f"extract-{args.gb:g}gb-{args.parts}p-d{args.dim}"
+    if not (extract / INDEX).is_file():
+        shutil.rmtree(extract, ignore_errors=True)
+        synthetic_extraction(extract, int(args.gb * 1e9), args.parts, args.dim, LAYERS)
+    files = activation_files(extract)
+    n_bytes = sum(f.stat().st_size for f in files)
+    for f in files:  # warm the page cache, as every run below finds it
+        subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
+    zarr_shards = work / "zarr-shards"
+    if not zarr_shards.is_dir():
+        run_phases([[job_argv("zarr", extract, zarr_shards, part=p)] for p in range(args.parts)])
+    rows = []
+    cp_s = []
+    for name, (shape, phases) in variants(extract, work, args.parts, args.jobs).items():
+        if args.only and not name.startswith(tuple(args.only)):
+            continue
+        best = None
+        for _ in range(args.repeat):
+            shutil.rmtree(work / "cp", ignore_errors=True)
+            cp_s.append(cp_baseline(files, work / "cp"))
+            shutil.rmtree(work / "cp")
+            shutil.rmtree(work / "w", ignore_errors=True)
+            (work / "w").mkdir()
+            seconds, peak = run_phases(phases)
+            shutil.rmtree(work / "w")
+            if best is None or seconds < best[0]:
+                best = (seconds, peak)
+        rows.append({"writer": name, "shape": shape, "seconds": best[0], "mb_per_s": n_bytes / best[0] / 1e6,
+                     "anonymous_mb": best[1].anonymous / 1e6, "dirty_mapped_mb": best[1].dirty_mapped / 1e6})
+    cp_rate = n_bytes / min(cp_s) / 1e6
+    for row in rows:
+        row["x_cp"] = row["mb_per_s"] / cp_rate
+    result = {"bytes": n_bytes, "parts": args.parts, "dim": args.dim, "layers": LAYERS,
+              "n_samples": open_extraction(extract).n_samples, "cp_mb_per_s": cp_rate, "writers": rows}
+    OUT.mkdir(exist_ok=True)
+    (OUT / "writers.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{n_bytes / 1e9:.2f} GB, {result['n_samples']} samples, cp + sync {cp_rate:.1f} MB/s (best of {len(cp_s)})")
+    print("| writer | job shape | MB/s | x cp | peak anonymous | peak dirty mapped |\n|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['writer']} | {r['shape']} | {r['mb_per_s']:.1f} | {r['x_cp']:.2f} | {r['anonymous_mb']:.0f} MB | "
+              f"{r['dirty_mapped_mb']:.0f} MB |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1700000000")
+    main()
