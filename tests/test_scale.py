@@ -1,0 +1,85 @@
+"""Writers' memory is bounded by design: each writer job runs in its own process on a synthetic
+extraction and on one 8x larger, with its copy buffers shrunk to 1 MiB so that both are many
+buffers long; its peak anonymous + dirty file-mapped memory (what a Slurm memory cgroup charges
+and cannot drop) must not grow with the data, and must stay under the mem_mb its rule asks for."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actstore import resources
+from actstore.formats.extract import synthetic_extraction
+from actstore.memwatch import PeakMemory
+
+SMALL_MB = 8           # activations of the smaller extraction; the larger holds LARGER x as many
+LARGER = 8
+DIM = 32               # narrow rows: many tokens per MB, so per-token structures would show
+LAYERS = [1, 3, 5]
+GROWTH_MB = 8          # allowed difference between the two peaks (allocator noise, per-sample rows)
+
+# One writer job, as the workflow's script runs it, with every copy buffer at 1 MiB.
+JOB = """
+import sys
+from pathlib import Path
+from actstore.formats import lmprobe, pickle, saev, zarr
+from actstore.formats.extract import open_extraction
+import actstore.formats.saev.write as saev_write
+import actstore.formats.lmprobe.write as lmprobe_write
+import actstore.formats.zarr.write as zarr_write
+
+saev_write.CHUNK_BYTES = lmprobe_write.COPY_BYTES = zarr_write.WRITE_BLOCK_BYTES = 1 << 20
+name, extract, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+if name == "saev":
+    saev.write_store(open_extraction(extract), {"patches_per_shard": 2_400_000, "tokens_per_window": 32}, out,
+                     model_config=None, progress=False)
+elif name == "lmprobe":
+    lmprobe.write_dataset(extract, out / "dataset", {"token_strings": False, "shard_bytes": 4 << 20}, progress=False)
+elif name == "pickle":
+    pickle.write_machine(extract / "part-0000", out / "machine", model_params={}, shard_size_mb=1, threads=2,
+                         progress=False)
+elif name == "zarr":
+    zarr.write_shard(extract / "part-0000", out / "shard.zarr", progress=False)
+elif name == "zarr-merge":
+    shards = [zarr.write_shard(extract / f"part-{p:04d}", out / f"shard-{p}.zarr", progress=False) for p in (0, 1)]
+    print("shards written", flush=True)
+    sys.stdin.readline()  # the parent starts measuring the merge alone
+    zarr.merge_stores([out / "shard-0.zarr", out / "shard-1.zarr"], out / "merged", progress=False)
+"""
+
+
+@pytest.fixture(scope="module")
+def extractions(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    return {size: synthetic_extraction(root / f"extract-{size}", size * SMALL_MB * 10**6, 2, DIM, LAYERS)
+            for size in (1, LARGER)}
+
+
+def peak_mb(name: str, extract: Path, out: Path) -> float:
+    proc = subprocess.Popen([sys.executable, "-c", JOB, name, str(extract), str(out)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    if name == "zarr-merge":
+        assert proc.stdout.readline().strip() == "shards written"
+    with PeakMemory([proc.pid], interval=0.005) as watch:
+        proc.stdin.close()
+        assert proc.wait() == 0, f"{name} job failed"
+    return watch.peak.total / 1e6
+
+
+RULE_MEM_MB = {  # the mem_mb each writer's rule asks for (first attempt), for the demo config
+    "saev": lambda config: resources.io_mem_mb(config, buffered_mb=300),
+    "lmprobe": lambda config: resources.io_mem_mb(config, buffered_mb=1000),
+    "pickle": lambda config: resources.io_mem_mb(config, per_part=True, buffered_mb=3 * 2 * 1),
+    "zarr": lambda config: resources.io_mem_mb(config, per_part=True, buffered_mb=200),
+    "zarr-merge": lambda config: resources.io_mem_mb(config),
+}
+
+
+@pytest.mark.parametrize("name", ["saev", "lmprobe", "pickle", "zarr", "zarr-merge"])
+def test_writer_memory_does_not_grow_with_the_data(extractions, name, tmp_path):
+    small = peak_mb(name, extractions[1], tmp_path / "small")
+    large = peak_mb(name, extractions[LARGER], tmp_path / "large")
+    assert large - small < GROWTH_MB, f"{name}: peak {small:.0f} MB on {SMALL_MB} MB, {large:.0f} MB on {LARGER}x that"
+    assert large < RULE_MEM_MB[name]({}), f"{name}: peak {large:.0f} MB over its rule's mem_mb"
