@@ -102,8 +102,11 @@ def test_job_items_cover_every_item_once_in_order_and_balanced(n_items, jobs):
         job_items(n_items, 8, 8)
 
 
-def test_write_jobs_default_to_one_per_extraction_part(demo):
+def test_write_jobs_default_to_one_per_extraction_part_up_to_64(demo):
     assert write_jobs(demo, "saev") == demo["extract"]["parts"]
+    many = copy.deepcopy(demo)
+    many["extract"]["parts"] = 4096
+    assert write_jobs(many, "lmprobe") == 64
     changed = copy.deepcopy(demo)
     changed["zarr"]["merge_jobs"] = 5
     assert write_jobs(changed, "zarr") == 5

@@ -7,11 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 JOBS_KEY = {"saev": "jobs", "lmprobe": "jobs", "zarr": "merge_jobs"}
+# Unset, a writer gets a job per extraction part up to this many: at 10 TB each job then writes
+# ~160 GB (about 15 min at Lustre's per-job rate), and the DAG of a 4,096-part run stays small.
+DEFAULT_MAX_JOBS = 64
 
 
 def write_jobs(config: dict[str, Any], stage: str) -> int:
-    """Jobs writing `stage` (its `jobs` key; null = one per extraction part)."""
-    return int(config[stage].get(JOBS_KEY[stage]) or config["extract"]["parts"])
+    """Jobs writing `stage`: its `jobs` key, or one per extraction part up to DEFAULT_MAX_JOBS."""
+    return int(config[stage].get(JOBS_KEY[stage]) or min(config["extract"]["parts"], DEFAULT_MAX_JOBS))
 
 
 def job_items(n_items: int, jobs: int, job: int) -> range:
