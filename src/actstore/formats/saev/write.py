@@ -233,22 +233,24 @@ def _fill_images(extraction, layers: list[str], start: int, out: np.ndarray) -> 
 
 
 def _fill_windows(extraction, layers: list[str], windows: np.ndarray, out: np.ndarray) -> None:
-    """out (n, L, T, D) <- the token windows `windows` (n, 3), zero padding past n_valid."""
-    t = out.shape[2]
-    out[:] = 0
+    """out (n, L, T, D) <- the token windows `windows` (n, 3), zero padding past n_valid. The windows
+    are consecutive rows of text_windows, so a part's share is one run of them reading one run of its
+    token rows: each layer's rows are copied straight into their places, no gathered temporaries."""
+    valid = np.arange(out.shape[2])[None, :] < windows[:, 2:3]
+    for li in range(len(layers)):
+        out[:, li][~valid] = 0
+    samples = windows[:, 0]
     for part in extraction.parts:
-        lo, hi = part.sample_start, part.sample_start + part.info.n_samples
-        sel = np.nonzero((windows[:, 0] >= lo) & (windows[:, 0] < hi))[0]
-        if not len(sel):
+        lo = part.sample_start
+        a, b = np.searchsorted(samples, [lo, lo + part.info.n_samples])
+        if a == b:
             continue
-        w = windows[sel]
-        rows = part.offsets[w[:, 0] - lo][:, None] + w[:, 1:2] + np.arange(t)[None, :]
-        valid = np.arange(t)[None, :] < w[:, 2:3]
+        first = int(part.offsets[samples[a] - lo] + windows[a, 1])
+        count = int(windows[a:b, 2].sum())
+        if first + count != int(part.offsets[samples[b - 1] - lo] + windows[b - 1, 1] + windows[b - 1, 2]):
+            raise ValueError(f"{part.dir}: windows {a}..{b} of this slab are not consecutive")
         for li, name in enumerate(layers):
-            tensor = part.tensor(name)
-            block = out[sel, li]
-            block[valid] = tensor[rows[valid]]
-            out[sel, li] = block
+            out[a:b, li][valid[a:b]] = part.tensor(name)[first:first + count]
 
 
 def extraction_fill(extraction, plan: Plan) -> Fill:
