@@ -374,22 +374,23 @@ def _job_shards(plan: Plan, job_dirs: list[Path]) -> dict[str, tuple[Path, dict[
         for name, file in record["files"].items():
             if name in found:
                 raise FormatError(f"{record_path}: {name} also written by {found[name][0].parent}")
+            if not isinstance(file, dict) or not {"bytes", "sha256"} <= set(file):
+                raise FormatError(f"{record_path}: no bytes and sha256 recorded for {name}")
             found[name] = (job_dir / name, file)
     shards = {}
     for idx, n in enumerate(plan.shard_sizes):
         name, size = shard_name(idx), plan.shard_bytes(n)
         if name not in found:
             raise FormatError(f"{name}: no job record lists it (records in {', '.join(map(str, job_dirs))})")
-        path, record = shards[name] = found.pop(name)
-        actual = path.stat().st_size if path.is_file() else None
-        if actual is None:
+        path, file = shards[name] = found.pop(name)
+        if not path.is_file():
             raise FormatError(f"{path}: missing (listed in {path.parent / JOB_RECORD})")
-        if actual != size or not isinstance(record, dict) or record.get("bytes") != size:
-            raise FormatError(f"{path}: {actual} bytes, expected {size} ({path.parent / JOB_RECORD} records "
-                              f"{record.get('bytes') if isinstance(record, dict) else record!r})")
+        if path.stat().st_size != size or file["bytes"] != size:
+            raise FormatError(f"{path}: {path.stat().st_size} bytes, expected {size} "
+                              f"({path.parent / JOB_RECORD} records {file['bytes']})")
     if found:
-        raise FormatError(f"{sorted(found)[0]}: not a shard of store {plan.store_name} "
-                          f"(listed in {found[sorted(found)[0]][0].parent / JOB_RECORD})")
+        path = next(iter(found.values()))[0]
+        raise FormatError(f"{path}: not a shard of store {plan.store_name} (listed in {path.parent / JOB_RECORD})")
     return shards
 
 
