@@ -1,14 +1,49 @@
 # saev protocol 2.1 shards. The store's own name is the hash of its metadata.json (unknown at parse
 # time), so the declared output is a pointer file in the stage dir naming the store beside it:
 # {dump_to}/saev/<HASH>/, or {dump_to}/saev/shards/<8 hex>/ for saev.flavor upstream (docs/formats/saev.md).
+# Written by saev.jobs scatter jobs (default: one per extraction part), each writing a contiguous range
+# of shards (known only once the extraction exists, so the job count is fixed here and a job may get
+# none), then one small job that assembles the store from their files and writes its metadata last.
+from actstore.jobs import write_jobs
 
 SAEV_DIR = sdir("saev")
+SAEV_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "saev"))]
+
+
+rule saev_shards:
+    input:
+        index=rules.extract_index.output.index,
+    output:
+        temp(directory(f"{SAEV_DIR}/scatter/job-{{job}}")),
+    params:
+        job=lambda wildcards: int(wildcards.job),
+        jobs=len(SAEV_JOBS),
+    log:
+        log_path("saev", "job-{job}"),
+    benchmark:
+        bench_path("saev", "job-{job}")
+    wildcard_constraints:
+        job=r"\d{4}",
+    threads: 1
+    # One ~64 MiB slab buffer (filled from the extraction, written and checksummed from it) plus the
+    # per-slab gather temporaries; reads and writes its share of the activations once each
+    # (io_runtime's per_part share is per extraction part, scaled here to the job's share).
+    resources:
+        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, per_part=True, buffered_mb=300),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
+            config, attempt, per_part=True, passes=2.0 * N_PARTS / len(SAEV_JOBS)
+        ),
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/saev_shards.py"
 
 
 rule saev:
     input:
         index=rules.extract_index.output.index,
         masks=saev_masks,
+        jobs=expand(f"{SAEV_DIR}/scatter/job-{{job}}", job=SAEV_JOBS),
     output:
         pointer=f"{SAEV_DIR}/saev.json",
         stage_config=f"{SAEV_DIR}/actstore_config.json",
@@ -17,10 +52,11 @@ rule saev:
     benchmark:
         bench_path("saev", "saev")
     threads: 1
-    # Streams ~64 MiB slabs into each shard; reads the extraction once, writes and checksums once.
+    # Links the jobs' shard files into the store (no copy) and writes the small files; labels.bin
+    # (saev.patch_labels) is computed here from the masks.
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, buffered_mb=300),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=3.0),
+        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt),
+        runtime=lambda wildcards, attempt: 30 * attempt,
     conda:
         "../envs/actstore.yaml"
     script:

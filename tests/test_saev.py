@@ -15,8 +15,10 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats import saev
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import loader as saev_loader
+from actstore.formats.saev import write as saev_write
 from actstore.formats.saev.loader import ShuffledActivations
 from actstore.hashing import stage_hash
+from actstore.jobs import job_items
 from actstore.models import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 
@@ -158,6 +160,113 @@ def test_missing_truncated_and_corrupt_shards_named(extracted, tmp_path):
         fh.seek(1234)
         fh.write(bytes([byte[0] ^ 1]))
     assert saev.verify(store_dir) == [f"{store_dir / 'acts000001.bin'}: sha256 differs from actstore.json"]
+
+
+def scatter(extraction, section, root, jobs, extract_hash=None):
+    """The workflow's shard jobs (plans without labels, as saev_shards.py makes them): their dirs."""
+    image = extraction.meta["modality"] == "image"
+    plan = saev.plan_store(extraction, section, extract_hash, labels=False,
+                           model_config=read_model_config(extraction.meta["model"]["path"]) if image else None,
+                           labeler=saev.PatchLabeler(image_patch_labels, REGISTER_LABEL))
+    dirs = [root / "scatter" / f"job-{job:04d}" for job in range(jobs)]
+    for job, job_dir in enumerate(dirs):
+        saev.write_shards(plan, saev.extraction_fill(extraction, plan), job_dir,
+                          job_items(len(plan.shard_sizes), jobs, job))
+    return dirs
+
+
+def finish(extraction, section, root, dirs, extract_hash=None):
+    """The workflow's finishing job: the full plan (labels computed) assembled from the jobs' dirs."""
+    image = extraction.meta["modality"] == "image"
+    plan = saev.plan_store(extraction, section, extract_hash,
+                           model_config=read_model_config(extraction.meta["model"]["path"]) if image else None,
+                           labeler=saev.PatchLabeler(image_patch_labels, REGISTER_LABEL))
+    return saev.finish_store(plan, dirs, root)
+
+
+def tree_bytes(store_dir):
+    return {p.relative_to(store_dir): p.read_bytes() for p in sorted(store_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind, jobs, section", [
+    ("gpt2", 3, {"tokens_per_window": 8}),  # many shards, a short last one
+    ("dinov2", 7, {}),  # 4 shards: three jobs write none
+    ("dinov2", 3, {"flavor": "upstream", "patches_per_shard": 5 * 17 * 2}),  # shards of 5 + 3 (padded: a hole)
+])
+def test_scattered_store_is_byte_identical_to_one_job(extracted, tmp_path, monkeypatch, kind, jobs, section):
+    """Shard jobs + the finishing job write, file for file and byte for byte, what write_store writes in
+    one go; slabs of one example (CHUNK_BYTES tiny) change nothing either."""
+    config, extract_dir = extracted(kind)
+    extraction = open_extraction(extract_dir)
+    sec = {**config["saev"], "patches_per_shard": PPS, **section}
+    one = write(extraction, sec, tmp_path / "one")
+    n_shards = len(saev.open_store(one).shards)
+    monkeypatch.setattr(saev_write, "CHUNK_BYTES", 1)
+    dirs = scatter(extraction, sec, tmp_path / "many", jobs)
+    records = [json.loads((d / "job.json").read_text()) for d in dirs]
+    assert sum(len(r["files"]) for r in records) == n_shards >= 2
+    assert [len(r["files"]) for r in records].count(0) == max(0, jobs - n_shards)
+    many = finish(extraction, sec, tmp_path / "many", dirs)
+    assert many.relative_to(tmp_path / "many") == one.relative_to(tmp_path / "one")
+    assert tree_bytes(many) == tree_bytes(one)
+    assert saev.verify(many) == []
+    if section.get("flavor") == "upstream":  # the padding is a hole, as before
+        last = many / saev.open_store(many).shards[-1]["name"]
+        assert last.stat().st_blocks * 512 < last.stat().st_size
+
+
+def test_finish_refuses_missing_or_short_shards_and_records(extracted, tmp_path):
+    """A shard job's missing record, a missing or short shard, a record of another store: refused naming
+    the file, no store under its final name; the job dirs are untouched, so the finish then succeeds."""
+    config, extract_dir = extracted("dinov2")
+    extraction = open_extraction(extract_dir)
+    sec = {**config["saev"], "patches_per_shard": PPS}
+    root = tmp_path / "saev"
+    dirs = scatter(extraction, sec, root, 3)
+    shard = dirs[1] / "acts000002.bin"  # 4 shards over 3 jobs: 0-1, 2, 3
+    saved = {p: p.read_bytes() for p in (shard, dirs[0] / "job.json", dirs[2] / "job.json")}
+
+    def refused(match):
+        with pytest.raises(FormatError, match=match):
+            finish(extraction, sec, root, dirs)
+        assert [p.name for p in root.iterdir()] == ["scatter"]  # no store, no temp left beside it
+        for path, data in saved.items():
+            path.write_bytes(data)
+
+    (dirs[2] / "job.json").unlink()
+    refused(r"job-0002/job\.json: missing")
+    shard.unlink()
+    refused(r"job-0001/acts000002\.bin: missing \(listed in .*job-0001/job\.json\)")
+    with open(shard, "r+b") as fh:
+        fh.truncate(100)
+    refused(r"job-0001/acts000002\.bin: 100 bytes, expected 8704")
+    record = json.loads(saved[dirs[2] / "job.json"])
+    (dirs[2] / "job.json").write_text(json.dumps({**record, "store": "0" * 64}))
+    refused(r"job-0002/job\.json: shards of store '0{64}'")
+    (dirs[0] / "job.json").write_text((dirs[1] / "job.json").read_text())
+    refused(r"job-0001/job\.json: acts000002\.bin also written by .*job-0000")
+    store = finish(extraction, sec, root, dirs)
+    assert saev.verify(store) == [] and all((d / "job.json").is_file() for d in dirs)
+
+
+def test_shards_written_from_one_bounded_buffer(tmp_path, monkeypatch):
+    """Every slab handed to fill is a view of one buffer of at most CHUNK_BYTES (or one example) that
+    is reused: no memory-mapped shard, nothing that grows with the data."""
+    monkeypatch.setattr(saev_write, "CHUNK_BYTES", 3 * 16 * 8 * 4)  # 3 examples of 16 tokens x d 8
+    md = {"family": "dinov2", "ckpt": "synthetic", "layers": [0], "patches_per_ex": 15, "cls_token": True,
+          "d_model": 8, "n_examples": 50, "patches_per_shard": 7 * 16, "dtype": "float32",
+          "data": saev.encode_data({"source": "test"}), "dataset": str(tmp_path), "protocol": saev.PROTOCOL}
+    seen = []
+
+    def fill(start: int, out: np.ndarray) -> None:
+        assert not isinstance(out, np.memmap) and not isinstance(out.base, np.memmap)
+        seen.append((start, len(out), out.__array_interface__["data"][0], out.nbytes))
+        out[:] = np.arange(start, start + len(out), dtype=np.float32)[:, None, None, None]
+    store = saev.open_store(saev.write_raw_store(saev.Plan(md, None, {}), fill, tmp_path, progress=False))
+    assert [(s, n) for s, n, _, _ in seen][:4] == [(0, 3), (3, 3), (6, 1), (7, 3)]  # shards of 7: 3 + 3 + 1
+    assert len({address for _, _, address, _ in seen}) == 1 and max(b for *_, b in seen) == 3 * 16 * 8 * 4
+    assert sum(n for _, n, _, _ in seen) == 50 and store.example(49)[0, 0, 0] == 49
+    assert saev.verify(store.dir) == []
 
 
 def test_bad_metadata_and_layer_errors(extracted, tmp_path):

@@ -1,8 +1,8 @@
-"""Rule saev: write the extraction as a saev protocol 2.1 store and point the stage dir at it."""
+"""Rule saev: assemble the saev protocol 2.1 store from the shard jobs' files and point the stage dir at it."""
 from pathlib import Path
 
 from actstore.formats.extract import open_extraction
-from actstore.formats.saev import PatchLabeler, open_store, write_pointer, write_store
+from actstore.formats.saev import PatchLabeler, finish_store, open_store, plan_store, write_pointer
 from actstore.hashing import stage_hash, write_stage_config
 from actstore.models import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
@@ -15,11 +15,11 @@ extraction = open_extraction(Path(snakemake.input.index).parent, config["extract
 # What the format needs from the model and the masks, which it does not read itself (image stores only).
 image = extraction.info.modality == "image"
 model_config = read_model_config(extraction.info.model.path) if image else None
-labeler = PatchLabeler(image_patch_labels, REGISTER_LABEL)
+plan = plan_store(extraction, config["saev"], stage_hash(config, "extract"), model_config=model_config,
+                  labeler=PatchLabeler(image_patch_labels, REGISTER_LABEL), progress=True)
 # The store sits beside the stage dir {dump_to}/saev/<stage hash>/: {dump_to}/saev/<HASH>/ (saev.flavor spec)
 # or {dump_to}/saev/shards/<8 hex>/ (upstream, the directory saev's code requires).
-store = write_store(extraction, config["saev"], pointer.parent.parent, stage_hash(config, "extract"),
-                    model_config=model_config, labeler=labeler)
+store = finish_store(plan, snakemake.input.jobs, pointer.parent.parent)
 open_store(store)  # re-open: every shard present with its exact size
 write_pointer(pointer, store)
 write_stage_config(config, "saev", pointer.parent)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -22,12 +23,17 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
                                           examples_per_shard, shard_name, shard_sizes, store_name, text_windows,
                                           to_upstream)
 from actstore.formats.saev.read import open_store
-from actstore.integrity import file_record
-from actstore.io_utils import atomic_path, write_json_atomic
+from actstore.integrity import file_record, read_json
+from actstore.io_utils import TEMP_SUFFIX, OrderedHashFile, atomic_path, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 << 20  # examples are copied into a shard in ~64 MiB slabs
+# The one slab buffer a shard writer holds: examples are filled into it and written from it, so memory
+# does not grow with the data (no dirty memory-mapped pages, which a Slurm job's cgroup is charged for).
+CHUNK_BYTES = 64 << 20
+JOB_RECORD = "job.json"  # what a shard job wrote: {"store", "n_examples", "files": {name: {bytes, sha256}}}
+ZEROS = bytes(1 << 20)  # hashed in place of an upstream shard's hole
+Fill = Callable[[int, np.ndarray], None]  # fill(first_example, out (n, L, T, D))
 
 
 @dataclass(frozen=True)
@@ -64,13 +70,41 @@ class Plan:
         """metadata.json as this flavor writes it."""
         return to_upstream(self.metadata, self.pixel_agg) if self.flavor == "upstream" else self.metadata
 
+    @property
+    def store_name(self) -> str:
+        return store_name(self.file_metadata)
+
+    @property
+    def example_shape(self) -> tuple[int, int, int]:
+        """(L, T, D) of one example."""
+        return len(self.metadata["layers"]), self.tokens_per_ex, self.metadata["d_model"]
+
+    @property
+    def example_bytes(self) -> int:
+        return int(np.prod(self.example_shape)) * DTYPE.itemsize
+
+    @property
+    def per_shard(self) -> int:
+        return examples_per_shard(self.metadata["patches_per_shard"], self.tokens_per_ex,
+                                  len(self.metadata["layers"]))
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Examples in each shard."""
+        return shard_sizes(self.metadata["n_examples"], self.per_shard)
+
+    def shard_bytes(self, n_examples: int) -> int:
+        """A shard file's size: its examples, or (upstream) always a full shard, since saev maps every
+        shard at full size (the tail a hole, no blocks)."""
+        return (self.per_shard if self.flavor == "upstream" else n_examples) * self.example_bytes
+
 
 def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = None, *,
                model_config: dict[str, Any] | None, labeler: PatchLabeler | None = None,
-               progress: bool = False) -> Plan:
+               progress: bool = False, labels: bool = True) -> Plan:
     """Spec metadata for an extraction and the `saev` config section. model_config: the model's
     config.json (image stores need it). Patch labels are computed here, so a bad mask fails before
-    anything is written."""
+    anything is written; labels=False leaves them out (a shard job: the same metadata, no masks read)."""
     info = extraction.info
     layers = _stored_layers(info, section)
     d_model = int(extraction.parts[0].tensor(layer_tensor(layers[0])).shape[1])
@@ -84,7 +118,7 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         patches, registers = _image_patches(extraction, num_tokens, cls_token, model_config)
         windows, sidecar["registers"] = None, registers
         labels = _plan_labels(extraction, section, description, labeler,
-                              (_patch_size(model_config), patches, registers), progress)
+                              (_patch_size(model_config), patches, registers), progress, labels)
     else:
         if section.get("patch_labels"):
             raise ConfigError("saev.patch_labels: per-patch labels need an image dataset; "
@@ -150,9 +184,9 @@ def _image_patches(extraction, num_tokens: np.ndarray, cls_token: bool,
 
 
 def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any], labeler: PatchLabeler | None,
-                 geometry: tuple[int, int, int], progress: bool) -> np.ndarray | None:
-    """labels.bin rows from saev.patch_labels (None when unset); the settings join `data`, so HASH
-    changes with them. geometry: patch_size, patches_per_ex, registers."""
+                 geometry: tuple[int, int, int], progress: bool, compute: bool) -> np.ndarray | None:
+    """labels.bin rows from saev.patch_labels (None when unset, or when not `compute`); the settings
+    join `data` either way, so HASH changes with them. geometry: patch_size, patches_per_ex, registers."""
     settings = section.get("patch_labels")
     if not settings:
         return None
@@ -162,6 +196,8 @@ def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any
     if not Path(settings["masks"]).is_dir():
         raise ConfigError(f"saev.patch_labels.masks: {settings['masks']} is not a directory")
     description["patch_labels"] = {**settings, "register_label": labeler.register_label}
+    if not compute:
+        return None
     rels = [row["text"] for _, _, row in extraction.iter_samples()]
     patch_size, patches, registers = geometry
     return labeler.compute(extraction.info.dataset.path, rels, extraction.info.model.path, patch_size, settings,
@@ -197,22 +233,37 @@ def _fill_images(extraction, layers: list[str], start: int, out: np.ndarray) -> 
 
 
 def _fill_windows(extraction, layers: list[str], windows: np.ndarray, out: np.ndarray) -> None:
-    """out (n, L, T, D) <- the token windows `windows` (n, 3), zero padding past n_valid."""
-    t = out.shape[2]
-    out[:] = 0
+    """out (n, L, T, D) <- the token windows `windows` (n, 3), zero padding past n_valid. The windows
+    are consecutive rows of text_windows, so a part's share is one run of them reading one run of its
+    token rows: each layer's rows are copied straight into their places, no gathered temporaries."""
+    valid = np.arange(out.shape[2])[None, :] < windows[:, 2:3]
+    for li in range(len(layers)):
+        out[:, li][~valid] = 0
+    samples = windows[:, 0]
     for part in extraction.parts:
-        lo, hi = part.sample_start, part.sample_start + part.info.n_samples
-        sel = np.nonzero((windows[:, 0] >= lo) & (windows[:, 0] < hi))[0]
-        if not len(sel):
+        lo = part.sample_start
+        a, b = np.searchsorted(samples, [lo, lo + part.info.n_samples])
+        if a == b:
             continue
-        w = windows[sel]
-        rows = part.offsets[w[:, 0] - lo][:, None] + w[:, 1:2] + np.arange(t)[None, :]
-        valid = np.arange(t)[None, :] < w[:, 2:3]
+        first = int(part.offsets[samples[a] - lo] + windows[a, 1])
+        count = int(windows[a:b, 2].sum())
+        if first + count != int(part.offsets[samples[b - 1] - lo] + windows[b - 1, 1] + windows[b - 1, 2]):
+            raise ValueError(f"{part.dir}: windows {a}..{b} of this slab are not consecutive")
         for li, name in enumerate(layers):
-            tensor = part.tensor(name)
-            block = out[sel, li]
-            block[valid] = tensor[rows[valid]]
-            out[sel, li] = block
+            out[a:b, li][valid[a:b]] = part.tensor(name)[first:first + count]
+
+
+def extraction_fill(extraction, plan: Plan) -> Fill:
+    """fill(first_example, out) copying the plan's examples from the extraction."""
+    names = [layer_tensor(layer) for layer in plan.metadata["layers"]]
+    windows = plan.windows
+
+    def fill(start: int, out: np.ndarray) -> None:
+        if windows is None:
+            _fill_images(extraction, names, start, out)
+        else:
+            _fill_windows(extraction, names, windows[start:start + len(out)], out)
+    return fill
 
 
 def write_store(extraction, section: dict[str, Any], root: str | Path, extract_hash: str | None = None, *,
@@ -222,53 +273,125 @@ def write_store(extraction, section: dict[str, Any], root: str | Path, extract_h
     model_config and labeler: as plan_store takes them."""
     plan = plan_store(extraction, section, extract_hash, model_config=model_config, labeler=labeler,
                       progress=progress)
-    names = [layer_tensor(layer) for layer in plan.metadata["layers"]]
-    windows = plan.windows
-
-    def fill(start: int, out: np.ndarray) -> None:
-        if windows is None:
-            _fill_images(extraction, names, start, out)
-        else:
-            _fill_windows(extraction, names, windows[start:start + len(out)], out)
-    return write_raw_store(plan, fill, root, progress=progress)
+    return write_raw_store(plan, extraction_fill(extraction, plan), root, progress=progress)
 
 
-def write_raw_store(plan: Plan, fill: Callable[[int, np.ndarray], None], root: str | Path,
-                    progress: bool = True) -> Path:
+def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = True) -> Path:
     """Write metadata, shards (filled slab by slab by `fill(first_example, out)`) and sidecars under
-    root/<sha256> (spec) or root/shards/<8 hex> (upstream); every file's size and sha256 go to actstore.json."""
+    root/<sha256> (spec) or root/shards/<8 hex> (upstream); every file's size and sha256 go to actstore.json.
+    One job writing every shard, then finishing the store: what the workflow's shard jobs and its
+    finishing job do apart."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".saev-shards.", suffix=TEMP_SUFFIX, dir=root) as job_dir:
+        write_shards(plan, fill, job_dir, range(len(plan.shard_sizes)), progress=progress)
+        return finish_store(plan, [job_dir], root)
+
+
+def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, shards: range, progress: bool = False) -> Path:
+    """Write shards `shards` of the plan's store into out_dir, then its job record (JOB_RECORD: each
+    file's bytes and sha256, taken as it was written) last; return the record's path. Holds one slab
+    buffer of CHUNK_BYTES (at least one example) whatever the data's size."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sizes = plan.shard_sizes
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    slab = max(1, min(CHUNK_BYTES // plan.example_bytes, max(sizes, default=1)))
+    buffer = np.empty((slab, *plan.example_shape), DTYPE)
+    files = {}
+    for idx in tqdm(shards, desc="saev shards", unit="shard", disable=not progress):
+        path = out_dir / shard_name(idx)
+        files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffer, plan.shard_bytes(sizes[idx]))
+    record = {"store": plan.store_name, "n_examples": sum(sizes[idx] for idx in shards), "files": files}
+    write_json_atomic(out_dir / JOB_RECORD, record)
+    return out_dir / JOB_RECORD
+
+
+def _write_shard(path: Path, fill: Fill, start: int, n: int, buffer: np.ndarray, size: int) -> dict[str, Any]:
+    """Examples start..start+n written slab by slab from `buffer`, hashed as written (no second read);
+    the file is `size` bytes, the tail past the examples a hole (upstream). Returns its {bytes, sha256}."""
+    per_example = buffer[0].nbytes
+    out = OrderedHashFile(path, n * per_example)
+    try:
+        os.ftruncate(out.fd, size)
+        for lo in range(0, n, len(buffer)):
+            slab = buffer[:min(len(buffer), n - lo)]
+            fill(start + lo, slab)
+            out.write(lo * per_example, slab)
+        sha256 = out.close()
+    except BaseException:
+        out.abort()
+        path.unlink(missing_ok=True)
+        raise
+    if size > n * per_example:  # the hole reads as zeros: hash them after the examples
+        for lo in range(n * per_example, size, len(ZEROS)):
+            out.digest.update(memoryview(ZEROS)[:min(len(ZEROS), size - lo)])
+        sha256 = out.digest.hexdigest()
+    return {"bytes": size, "sha256": sha256}
+
+
+def finish_store(plan: Plan, job_dirs: Sequence[str | Path], root: str | Path) -> Path:
+    """Assemble the plan's store under root from the shard files its jobs wrote into job_dirs: each
+    shard hard-linked in (no copy; the job dirs keep theirs until removed, so a finish that fails can
+    run again), its record taken from the job's, not re-hashed; then windows.npy, labels.bin,
+    shards.json, actstore.json and metadata.json last, in a temp dir renamed to the store's name."""
     md = plan.metadata
-    final = Path(root) / store_name(plan.file_metadata)
-    t, n_layers, d = plan.tokens_per_ex, len(md["layers"]), md["d_model"]
-    per_shard = examples_per_shard(md["patches_per_shard"], t, n_layers)
-    sizes = shard_sizes(md["n_examples"], per_shard)
-    slab = max(1, CHUNK_BYTES // (n_layers * t * d * DTYPE.itemsize))
+    final = Path(root) / plan.store_name
+    shards = _job_shards(plan, [Path(d) for d in job_dirs])
     with atomic_path(final) as tmp:
         tmp.mkdir()
-        shards, files, start = [], {}, 0
-        for idx, size in enumerate(tqdm(sizes, desc="saev shards", unit="shard", disable=not progress)):
-            path = tmp / shard_name(idx)
-            array = np.memmap(path, dtype=DTYPE, mode="w+", shape=(size, n_layers, t, d))
-            for lo in range(0, size, slab):
-                fill(start + lo, array[lo:lo + slab])
-            array.flush()
-            del array
-            if plan.flavor == "upstream":  # saev maps every shard at full size: pad with a hole, no blocks
-                os.truncate(path, per_shard * n_layers * t * d * DTYPE.itemsize)
-            shards.append({"name": shard_name(idx), "n_examples": size})
-            files[shard_name(idx)] = file_record(path)
-            start += size
+        files = {}
+        for name, (path, record) in shards.items():
+            os.link(path, tmp / name)
+            files[name] = record
         if plan.windows is not None:
             np.save(tmp / WINDOWS, plan.windows)
             files[WINDOWS] = file_record(tmp / WINDOWS)
         if plan.labels is not None:
             _write_labels_file(tmp / LABELS, plan.labels, (md["n_examples"], md["patches_per_ex"]))
             files[LABELS] = file_record(tmp / LABELS)
-        write_json_atomic(tmp / SHARDS, shards)
+        write_json_atomic(tmp / SHARDS, [{"name": shard_name(idx), "n_examples": size}
+                                         for idx, size in enumerate(plan.shard_sizes)])
         write_json_atomic(tmp / SIDECAR, {**plan.sidecar, "files": files})
         _write_metadata(tmp / METADATA, plan)  # written last: its presence marks a finished store
-    log.info("saev store: %d examples in %d shards -> %s", md["n_examples"], len(sizes), final)
+    log.info("saev store: %d examples in %d shards from %d jobs -> %s", md["n_examples"], len(shards),
+             len(job_dirs), final)
     return final
+
+
+def _job_shards(plan: Plan, job_dirs: list[Path]) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Every shard of the plan, in order: where a job wrote it and the job's record of it. FormatError
+    naming the file when a job record is missing or for another store, or a shard is missing, of the
+    wrong size, or written twice."""
+    found: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for job_dir in job_dirs:
+        record_path = job_dir / JOB_RECORD
+        record = read_json(record_path)
+        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+            raise FormatError(f"{record_path}: not a saev job record (no 'files' object)")
+        if record.get("store") != plan.store_name:
+            raise FormatError(f"{record_path}: shards of store {record.get('store')!r}, not {plan.store_name!r} "
+                              "(a job of another config?)")
+        for name, file in record["files"].items():
+            if name in found:
+                raise FormatError(f"{record_path}: {name} also written by {found[name][0].parent}")
+            if not isinstance(file, dict) or not {"bytes", "sha256"} <= set(file):
+                raise FormatError(f"{record_path}: no bytes and sha256 recorded for {name}")
+            found[name] = (job_dir / name, file)
+    shards = {}
+    for idx, n in enumerate(plan.shard_sizes):
+        name, size = shard_name(idx), plan.shard_bytes(n)
+        if name not in found:
+            raise FormatError(f"{name}: no job record lists it (records in {', '.join(map(str, job_dirs))})")
+        path, file = shards[name] = found.pop(name)
+        if not path.is_file():
+            raise FormatError(f"{path}: missing (listed in {path.parent / JOB_RECORD})")
+        if path.stat().st_size != size or file["bytes"] != size:
+            raise FormatError(f"{path}: {path.stat().st_size} bytes, expected {size} "
+                              f"({path.parent / JOB_RECORD} records {file['bytes']})")
+    if found:
+        path = next(iter(found.values()))[0]
+        raise FormatError(f"{path}: not a shard of store {plan.store_name} (listed in {path.parent / JOB_RECORD})")
+    return shards
 
 
 def _write_metadata(path: Path, plan: Plan) -> None:
