@@ -23,29 +23,9 @@ import numpy as np
 import torch
 
 from actstore.formats import zarr as zs
-from actstore.formats.extract import PartWriter, layer_tensor, write_part
+from actstore.formats.extract import open_part, part_dirname, synthetic_extraction
 
 OUT = Path(__file__).resolve().parent / "out"
-
-
-def synthetic_part(root: Path, part: int, start: int, n: int, layers: int, hidden: int, t_max: int) -> Path:
-    """An extraction part of n samples with lengths uniform in [t_max/8, t_max]."""
-    rng = np.random.default_rng(part)
-    lengths = rng.integers(max(1, t_max // 8), t_max + 1, size=n)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    rows = [{"sample_idx": start + i, "text": f"sample {start + i}", "label": None, "label_id": -1,
-             "num_tokens": int(k), "metadata": {}} for i, k in enumerate(lengths)]
-    out = root / f"part-{part:04d}"
-    with write_part(out) as tmp:
-        writer = PartWriter(tmp, rows, offsets)
-        for layer in range(layers):
-            for i in range(n):
-                writer.write_tokens(layer_tensor(layer), i, rng.standard_normal((lengths[i], hidden), dtype=np.float32))
-        writer.finish({"layers": list(range(layers)), "tensors": [layer_tensor(x) for x in range(layers)],
-                       "sample_range": [start, start + n], "max_seq_length": t_max, "modality": "text",
-                       "model_kind": "encoder", "model": {"name": "synthetic", "n_blocks": layers},
-                       "dataset": {"name": "synthetic", "split": "train", "labels": []}})
-    return out
 
 
 def write_runs(parts: list[Path], run: Path, writers: int) -> float:
@@ -131,10 +111,12 @@ def main() -> None:
 
 
 def run(args, work: Path) -> None:
-    half = args.samples // 2
-    parts = [synthetic_part(work / "extract", p, p * half, half, args.layers, args.hidden, args.t_max) for p in (0, 1)]
+    mean_tokens = (args.t_max // 8 + args.t_max) / 2  # samples of t_max/8 .. t_max tokens
+    extract = synthetic_extraction(work / "extract", int(args.samples * mean_tokens * args.layers * args.hidden * 4), 2,
+                                   args.hidden, list(range(args.layers)), tokens=(max(1, args.t_max // 8), args.t_max))
+    parts = [extract / part_dirname(p) for p in (0, 1)]
     run_dir = work / "zarr"
-    act_bytes = 2 * half * args.layers * args.t_max * args.hidden * 2
+    act_bytes = sum(open_part(p).info.n_samples for p in parts) * args.layers * args.t_max * args.hidden * 2
     writes = {}
     for w in (1, 2):
         seconds = write_runs(parts, run_dir, w)

@@ -128,22 +128,23 @@ SYNTHETIC_POOL = 16 << 20  # random float32 values drawn once; each sample's row
 
 
 def synthetic_extraction(root: str | Path, n_bytes: int, parts: int, dim: int, layers: list[int],
-                         seed: int = 0) -> Path:
+                         tokens: tuple[int, int] = (64, 512), seed: int = 0) -> Path:
     """A text extraction of random float32 activations for benchmarks and scale tests, written by
-    PartWriter like a real one: samples of 64-512 tokens until the layers hold `n_bytes`, split
-    into `parts` parts, token ids, a bert-like model record (no model folder), extract.json."""
+    PartWriter like a real one: samples of tokens[0]..tokens[1] tokens (= max_seq_length) until the
+    layers hold `n_bytes`, split into `parts` parts, token ids, a bert-like model record (no model
+    folder), extract.json."""
     root = Path(root)
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
     while sum(lengths) * len(layers) * dim * 4 < n_bytes:
-        lengths.append(int(rng.integers(64, 513)))
+        lengths.append(int(rng.integers(tokens[0], tokens[1] + 1)))
     pool = rng.standard_normal(SYNTHETIC_POOL, dtype=np.float32)
     per_part = -(-len(lengths) // parts)
     for part in range(parts):
         rows = range(part * per_part, min(len(lengths), (part + 1) * per_part))
         with write_part(root / part_dirname(part)) as tmp:
             _synthetic_part(tmp, rows, lengths, layers, dim, pool, rng).finish(
-                _synthetic_meta(root, part, parts, rows, len(lengths), layers))
+                _synthetic_meta(root, part, parts, rows, len(lengths), layers, tokens[1]))
     write_index(root, root / INDEX)
     return root
 
@@ -166,10 +167,11 @@ def _synthetic_part(tmp: Path, rows: range, lengths: list[int], layers: list[int
     return writer
 
 
-def _synthetic_meta(root: Path, part: int, parts: int, rows: range, n_dataset: int, layers: list[int]) -> dict:
+def _synthetic_meta(root: Path, part: int, parts: int, rows: range, n_dataset: int, layers: list[int],
+                    max_seq_length: int) -> dict:
     return {"part": part, "parts": parts, "sample_range": [rows.start, rows.stop], "n_dataset_samples": n_dataset,
             "tensors": [layer_tensor(layer) for layer in layers], "layers": list(layers), "hooks": [],
-            "modality": "text", "model_kind": "encoder", "max_seq_length": 512, "batch_size": 32,
+            "modality": "text", "model_kind": "encoder", "max_seq_length": max_seq_length, "batch_size": 32,
             "logits_topk": None, "created_at": "1970-01-01T00:00:00+00:00", "versions": {},
             "model": {"name": "synthetic", "revision": None, "path": str(root), "model_type": "bert",
                       "architecture": "BertModel", "torch_dtype": "float32", "n_blocks": 6},
