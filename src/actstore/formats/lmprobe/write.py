@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -22,6 +23,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
+from actstore.formats.extract.layout import to_float32 as to_stored_float32
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
                                              LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
@@ -34,7 +36,7 @@ from actstore.jobs import job_items
 
 log = logging.getLogger(__name__)
 
-COPY_BYTES = 64 << 20  # the fixed buffer a shard is gathered into before each write
+COPY_BYTES = 64 << 20  # the fixed buffer a shard is gathered into between writes
 JOB_RECORD = "files.json"  # in a job directory: {"jobs", "job", "files": {rel path: {bytes, sha256}}}
 # Index row groups: at most ROW_GROUP_ROWS rows (pq.write_table's default, so a small index is one
 # group and byte-identical to writing it whole) and ending at the first row that brings the group
@@ -121,9 +123,33 @@ class _TokenRows:
             out[where] = self.parts[p].tensor(name)[self.stop[samples[where]] - 1]
         return out
 
+    def read_rows(self, name: str, p: int, a: int, b: int, out: np.ndarray) -> None:
+        """Token rows [a, b) of part `p`'s tensor `name` into float32 `out`, read with pread rather
+        than copied out of the part's mapping: no page faults on the bulk of the bytes, and the job's
+        resident memory stays at its buffers (last-token rows, one per prompt, are gathered through
+        the mapping: clean pages the kernel reclaims)."""
+        tensor = self.parts[p].tensor(name)
+        raw = tensor.raw  # the part's np.memmap: its file and data offset
+        target = out if tensor.stored_dtype == "float32" else np.empty((b - a, raw.shape[1]), raw.dtype)
+        view = memoryview(target).cast("B")
+        start = raw.offset + a * raw.shape[1] * raw.dtype.itemsize
+        fd = os.open(raw.filename, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    raise FormatError(f"{raw.filename}: ends before token row {b}")
+                done += n
+        finally:
+            os.close(fd)
+        if target is not out:
+            out[:] = to_stored_float32(target, tensor.stored_dtype)
+
     def chunks(self, name: str, samples: np.ndarray, last_only: bool, dtype: str) -> Iterator[np.ndarray]:
         """Rows of tensor `name` for `samples` (or their last tokens), converted to `dtype`, gathered
-        into one fixed COPY_BYTES buffer: memory does not grow with the shard."""
+        into one fixed COPY_BYTES buffer (valid until the next chunk is asked for): memory does not
+        grow with the shard."""
         dim = self.parts[0].tensor(name).shape[1]
         buf = np.empty((max(1, COPY_BYTES // (dim * 4)), dim), np.float32)
         if last_only:
@@ -132,10 +158,9 @@ class _TokenRows:
             return
         fill = 0
         for p, a, b in self.runs(samples):
-            tensor = self.parts[p].tensor(name)
             while a < b:
                 n = min(b - a, len(buf) - fill)
-                buf[fill:fill + n] = tensor[a:a + n]
+                self.read_rows(name, p, a, a + n, buf[fill:fill + n])
                 fill, a = fill + n, a + n
                 if fill == len(buf):
                     yield from_float32(buf, dtype)
@@ -588,8 +613,10 @@ def _metadata_types(plan: Plan) -> dict[str, Any]:
 
 
 def _unify(a, b):
+    """The type pyarrow infers for values of types a and b together (null + T = T, int + float = double)."""
     import pyarrow as pa
 
     if a == b:
         return a
-    return pa.unify_schemas([pa.schema([("x", a)]), pa.schema([("x", b)])], promote_options="permissive").field("x").type
+    schemas = [pa.schema([("x", a)]), pa.schema([("x", b)])]
+    return pa.unify_schemas(schemas, promote_options="permissive").field("x").type
