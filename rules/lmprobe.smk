@@ -51,7 +51,7 @@ rule lmprobe_dataset:
         bench_path("lmprobe", "lmprobe")
     threads: 1
     # Tensor files are renamed, not read; the index is streamed one row group at a time
-    # (write.ROW_GROUP_TOKENS tokens, about 0.5 GB), a small pass over the data's bytes.
+    # (write.ROW_GROUP_TOKENS tokens, about 100 MB) beside the per-prompt arrays and sample rows.
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, buffered_mb=1000),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=0.1),

@@ -481,3 +481,26 @@ def test_half_precision_extraction_converts_through_the_gather(extracted, tmp_pa
         s = int(ds.sample_idx[prompt])
         assert np.array_equal(ds.tokens(prompt, 2), ext.activations("layer_2", s))
         assert np.array_equal(ds.get(prompt, 0), ext.activations("layer_0", s)[-1])
+
+
+def test_verify_without_checksums_checks_sizes_headers_and_recorded_digests(extracted, tmp_path):
+    clean, _, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    rel = "tensors/hidden_layer002_shard004.safetensors"
+    assert lmprobe.verify(clean, checksums=False) == []
+    cases = {"flipped": lambda root: flip(root / rel, (root / rel).stat().st_size - 9),
+             "short": lambda root: (root / rel).write_bytes((root / rel).read_bytes()[:-4]),
+             "sums": lambda root: (root / "SHA256SUMS").write_text(
+                 (root / "SHA256SUMS").read_text().replace(lmprobe.read_info(lmprobe.find_index(root))["files"][rel]
+                                                           ["sha256"], "0" * 64)),
+             "index": lambda root: flip(lmprobe.find_index(root), 100)}
+    found = {}
+    for name, damage in cases.items():
+        root = tmp_path / name
+        shutil.copytree(clean, root)
+        damage(root)
+        found[name] = lmprobe.verify(root, checksums=False)
+        assert lmprobe.verify(root) and all(str(root) in p for p in lmprobe.verify(root))
+    assert found["flipped"] == []  # a flipped data byte needs the full hash: what checksums=False skips
+    assert any(rel in p and "bytes" in p for p in found["short"])
+    assert any(rel in p and "differs from lmprobe:files" in p for p in found["sums"])
+    assert any("index/train-00000-of-00001.parquet" in p for p in found["index"])

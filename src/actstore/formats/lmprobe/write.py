@@ -40,10 +40,11 @@ COPY_BYTES = 64 << 20  # the fixed buffer a shard is gathered into between write
 JOB_RECORD = "files.json"  # in a job directory: {"jobs", "job", "files": {rel path: {bytes, sha256}}}
 # Index row groups: at most ROW_GROUP_ROWS rows (pq.write_table's default, so a small index is one
 # group and byte-identical to writing it whole) and ending at the first row that brings the group
-# to ROW_GROUP_TOKENS tokens. The token lists of one group (about 60 bytes a token in arrow, and
-# again encoded) are all the finishing job holds: about 0.5 GB at 2**22 tokens.
+# to ROW_GROUP_TOKENS tokens. One group's columns, as arrow arrays and again encoded, are what the
+# finishing job holds beyond its per-prompt arrays: measured 70 B a token without token_strings
+# (about 70 MB at 2**20 tokens; 2**22 held 480 MB in all where the whole 11.5M-token index held 730).
 ROW_GROUP_ROWS = 1024 * 1024
-ROW_GROUP_TOKENS = 1 << 22
+ROW_GROUP_TOKENS = 1 << 20
 DEFAULTS = {"storage": "full_sequence", "prompt_ordering": "random", "seed": 0, "dtype": "float32",
             "shard_bytes": 1 << 30, "logits_topk": None, "layers": None, "token_strings": True}
 
@@ -195,7 +196,7 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the plan every job computes alike
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """Everything about a dataset that follows from the extraction and the options alone."""
 
