@@ -1,15 +1,47 @@
-# lmprobe 2.0 dataset: one gather job over every extraction part writes the dataset root
-# {stage dir}/dataset/ (index/*.parquet, tensors/*.safetensors, README.md, SHA256SUMS) atomically.
+# lmprobe 2.0 dataset: write_jobs(config, "lmprobe") jobs each write a contiguous range of the planned
+# tensor files (hidden (layer, shard) files, then top-k logits shards) into scatter/job-NNNN/ with
+# their {bytes, sha256}; one finishing job renames them into the dataset root {stage dir}/dataset/,
+# streams the index parquet in bounded row groups and writes README.md and SHA256SUMS, atomically.
 from actstore.formats.lmprobe import check_options
+from actstore.jobs import write_jobs
 
 LMPROBE_DIR = sdir("lmprobe")
+LMPROBE_JOBS = write_jobs(config, "lmprobe")
 check_options(config)  # lmprobe.layers / logits_topk against extract.*, before any job runs
+
+
+rule lmprobe_tensors:
+    input:
+        index=rules.extract_index.output.index,
+        parts=expand(f"{EXTRACT_DIR}/part-{{part}}", part=PARTS),
+    output:
+        temp(directory(f"{LMPROBE_DIR}/scatter/job-{{job}}")),
+    params:
+        jobs=LMPROBE_JOBS,
+    log:
+        log_path("lmprobe", "tensors-{job}"),
+    benchmark:
+        bench_path("lmprobe", "tensors-{job}")
+    wildcard_constraints:
+        job=r"\d{4}",
+    threads: 1
+    # One 64 MiB gather buffer (plus its dtype conversion); dirty pages are written back every 64 MiB.
+    # Reads and writes a 1/jobs share of the activations once (per_part counts 1/parts of them).
+    resources:
+        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, per_part=True, buffered_mb=500),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
+            config, attempt, per_part=True, passes=2.0 * N_PARTS / LMPROBE_JOBS),
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/lmprobe_tensors.py"
 
 
 rule lmprobe_dataset:
     input:
         index=rules.extract_index.output.index,
         parts=expand(f"{EXTRACT_DIR}/part-{{part}}", part=PARTS),
+        jobs=expand(f"{LMPROBE_DIR}/scatter/job-{{job}}", job=[f"{j:04d}" for j in range(LMPROBE_JOBS)]),
     output:
         dataset=directory(f"{LMPROBE_DIR}/dataset"),
         stage_config=f"{LMPROBE_DIR}/actstore_config.json",
@@ -18,10 +50,11 @@ rule lmprobe_dataset:
     benchmark:
         bench_path("lmprobe", "lmprobe")
     threads: 1
-    # Streams each shard in 64 MiB copies; the index columns (token lists) are held in memory.
+    # Tensor files are renamed, not read; the index is streamed one row group at a time
+    # (write.ROW_GROUP_TOKENS tokens, about 100 MB) beside the per-prompt arrays and sample rows.
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, buffered_mb=1000),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=3.0),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=0.1),
     conda:
         "../envs/actstore.yaml"
     script:

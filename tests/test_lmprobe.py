@@ -349,3 +349,158 @@ def test_stage_dir_resolves_and_dataset_card_snippet_runs(extracted, tmp_path, m
     lmprobe.check_options(config)
     with pytest.raises(ConfigError, match="lmprobe.layers"):
         lmprobe.check_options({**config, "lmprobe": {**config["lmprobe"], "layers": [0, 1]}})
+
+
+# ---------------------------------------------------------------- scattered jobs and the finishing job
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def scattered(extract_dir: Path, out: Path, options: dict, jobs: int) -> list[Path]:
+    """`jobs` write_job directories under out.parent/scatter (what the lmprobe_tensors rule runs)."""
+    job_dirs = [out.parent / "scatter" / f"job-{j:04d}" for j in range(jobs)]
+    for j, job_dir in enumerate(job_dirs):
+        lmprobe.write_job(extract_dir, job_dir, options, jobs=jobs, job=j, progress=False)
+    return job_dirs
+
+
+@pytest.mark.parametrize("storage", ["full_sequence", "pooled"])
+def test_scattered_jobs_and_finish_are_byte_identical_to_one_go(extracted, tmp_path, monkeypatch, storage):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")  # created_at in the index provenance
+    _, extract_dir = extracted("gpt2")
+    options = {"storage": storage, **SMALL}
+    one, _, _ = build(extracted, "gpt2", tmp_path, "one", **options)
+    want = tree(one)
+    n_tensors = sum(rel.startswith("tensors/") for rel in want)
+    assert n_tensors > 6 and "tensors/logits_topk_000.safetensors" in want
+    for jobs in (3, n_tensors + 2):  # the last jobs of n_tensors + 2 get no file
+        out = tmp_path / f"jobs{jobs}" / "dataset"
+        job_dirs = scattered(extract_dir, out, options, jobs)
+        records = [json.loads((d / "files.json").read_text())["files"] for d in job_dirs]
+        assert sum(map(len, records)) == n_tensors and (jobs <= n_tensors or records[-1] == {})
+        lmprobe.finish_dataset(extract_dir, job_dirs, out, options)
+        assert tree(out) == want, jobs
+        assert not any(p.is_file() and p.parent.name == "tensors" for d in job_dirs for p in d.rglob("*"))  # moved
+        assert lmprobe.verify(out, checksums=False) == []
+
+
+@pytest.fixture(scope="module")
+def typed_metadata(tmp_path_factory):
+    """The test corpus with a `score` field null in the first rows, then ints, then floats, and a
+    `note` field only in the last rows: types pyarrow finds only by looking past the first rows."""
+    from tests import tiny
+
+    path = tiny.write_jsonl(tmp_path_factory.mktemp("typed") / "docs.jsonl", 30)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["score"] = None if i < 10 else (i if i < 20 else i + 0.5)
+        if i >= 25:
+            row["note"] = f"n{i}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_index_streamed_in_small_row_groups_reads_back_as_one(extracted, typed_metadata, tmp_path, monkeypatch):
+    from actstore.formats.lmprobe import write
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    _, extract_dir = extracted("gpt2", data=typed_metadata)
+    options = {"storage": "full_sequence", "prompt_ordering": "original", **SMALL}
+    one = tmp_path / "one"
+    lmprobe.write_dataset(extract_dir, one, options, progress=False)
+    monkeypatch.setattr(write, "ROW_GROUP_TOKENS", 40)  # a group ends at the row that reaches 40 tokens
+    streamed = tmp_path / "streamed"
+    lmprobe.write_dataset(extract_dir, streamed, options, progress=False)
+    a, b = pq.ParquetFile(lmprobe.find_index(one)), pq.ParquetFile(lmprobe.find_index(streamed))
+    assert a.metadata.num_row_groups == 1 and b.metadata.num_row_groups > 5
+    group_tokens = [sum(b.read_row_group(g, columns=["num_tokens"]).column(0).to_pylist())
+                    for g in range(b.metadata.num_row_groups)]
+    assert max(group_tokens) < 40 + 24  # bound + one prompt (max_seq_length 24)
+    ta, tb = a.read(), b.read()
+    assert ta.schema == tb.schema and ta.schema.metadata == tb.schema.metadata
+    assert str(tb.schema.field("score").type) == "double" and str(tb.schema.field("note").type) == "string"
+    for name in ta.column_names:  # NaN perplexity at token 0: compare as strings
+        assert str(ta.column(name).to_pylist()) == str(tb.column(name).to_pylist()), name
+    assert tb.column("score").to_pylist()[:12] == [None] * 10 + [10.0, 11.0]
+    assert tree(one)["tensors/hidden_layer002_shard004.safetensors"] == tree(streamed)[
+        "tensors/hidden_layer002_shard004.safetensors"]
+    assert lmprobe.verify(streamed) == []
+    ds = lmprobe.open_dataset(streamed)
+    ext = open_extraction(extract_dir)
+    for prompt in (0, 13, 29):
+        assert np.array_equal(ds.tokens(prompt, 2), ext.activations("layer_2", int(ds.sample_idx[prompt])))
+
+
+def test_finish_with_a_missing_or_short_file_fails_naming_it_and_leaves_no_dataset(extracted, tmp_path):
+    _, extract_dir = extracted("gpt2")
+    options = {"storage": "full_sequence", **SMALL}
+    out = tmp_path / "dataset"
+    job_dirs = scattered(extract_dir, out, options, 3)
+    before = tree(tmp_path / "scatter")
+    victim = next(p for p in sorted((job_dirs[2] / "tensors").iterdir()))
+    for damage, match in ((lambda: victim.write_bytes(victim.read_bytes()[:-4]), f"{victim.name}: .* bytes"),
+                          (victim.unlink, f"{victim.name}: missing"),
+                          (lambda: (job_dirs[1] / "files.json").unlink(), "job-0001/files.json: missing")):
+        damage()
+        with pytest.raises(FormatError, match=match):
+            lmprobe.finish_dataset(extract_dir, job_dirs, out, options)
+        assert not out.exists() and not list(tmp_path.glob(".dataset*"))
+        assert (job_dirs[0] / "files.json").is_file() and any((job_dirs[0] / "tensors").iterdir())
+    with pytest.raises(FormatError, match="job-0000/files.json: not the record of job 0 of 2"):
+        lmprobe.finish_dataset(extract_dir, [job_dirs[0], job_dirs[2]], out, options)
+    untouched = {rel: data for rel, data in before.items() if rel.startswith("job-0000/")}
+    assert untouched and all(tree(tmp_path / "scatter")[rel] == data for rel, data in untouched.items())
+
+
+def test_finish_failing_after_the_moves_puts_the_files_back(extracted, tmp_path, monkeypatch):
+    _, extract_dir = extracted("gpt2")
+    options = {"storage": "pooled", **SMALL}
+    out = tmp_path / "dataset"
+    job_dirs = scattered(extract_dir, out, options, 2)
+    before = tree(tmp_path / "scatter")
+    (Path(open_extraction(extract_dir).info.model.path) / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+    try:
+        with pytest.raises(ConfigError, match="lmprobe.token_strings"):
+            lmprobe.finish_dataset(extract_dir, job_dirs, out, options)
+    finally:
+        (tmp_path / "tokenizer.json").rename(Path(open_extraction(extract_dir).info.model.path) / "tokenizer.json")
+    assert not out.exists() and tree(tmp_path / "scatter") == before
+    lmprobe.finish_dataset(extract_dir, job_dirs, out, options)  # the rerun finds every job's files
+    assert lmprobe.verify(out) == []
+
+
+def test_half_precision_extraction_converts_through_the_gather(extracted, tmp_path):
+    """Tensor rows stored bfloat16 by the extraction are read raw and widened like the reader does."""
+    _, extract_dir = extracted("gpt2", extract={"storage_dtype": "bfloat16"})
+    out = tmp_path / "ds"
+    lmprobe.write_dataset(extract_dir, out, {"storage": "full_sequence", **SMALL}, progress=False)
+    ds, ext = lmprobe.open_dataset(out), open_extraction(extract_dir)
+    assert ext.parts[0].tensor("layer_2").stored_dtype == "bfloat16"
+    for prompt in (0, 11, 29):
+        s = int(ds.sample_idx[prompt])
+        assert np.array_equal(ds.tokens(prompt, 2), ext.activations("layer_2", s))
+        assert np.array_equal(ds.get(prompt, 0), ext.activations("layer_0", s)[-1])
+
+
+def test_verify_without_checksums_checks_sizes_headers_and_recorded_digests(extracted, tmp_path):
+    clean, _, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    rel = "tensors/hidden_layer002_shard004.safetensors"
+    assert lmprobe.verify(clean, checksums=False) == []
+    cases = {"flipped": lambda root: flip(root / rel, (root / rel).stat().st_size - 9),
+             "short": lambda root: (root / rel).write_bytes((root / rel).read_bytes()[:-4]),
+             "sums": lambda root: (root / "SHA256SUMS").write_text(
+                 (root / "SHA256SUMS").read_text().replace(lmprobe.read_info(lmprobe.find_index(root))["files"][rel]
+                                                           ["sha256"], "0" * 64)),
+             "index": lambda root: flip(lmprobe.find_index(root), 100)}
+    found = {}
+    for name, damage in cases.items():
+        root = tmp_path / name
+        shutil.copytree(clean, root)
+        damage(root)
+        found[name] = lmprobe.verify(root, checksums=False)
+        assert lmprobe.verify(root) and all(str(root) in p for p in lmprobe.verify(root))
+    assert found["flipped"] == []  # a flipped data byte needs the full hash: what checksums=False skips
+    assert any(rel in p and "bytes" in p for p in found["short"])
+    assert any(rel in p and "differs from lmprobe:files" in p for p in found["sums"])
+    assert any("index/train-00000-of-00001.parquet" in p for p in found["index"])

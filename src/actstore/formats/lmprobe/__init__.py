@@ -11,13 +11,14 @@ duplicated there, so one slice returns a whole prompt); a prompt never spans two
 Extensions (optional keys): info `prompt_ordering_seed`, `dataset`, `files` {path: {bytes, sha256}};
 columns `sample_idx`, `label_id`, `token_logprob`.
 
-Rooms: layout (names, dtypes, the safetensors header codec, the dataset card), write (write_dataset),
+Rooms: layout (names, dtypes, the safetensors header codec, the dataset card), write (write_dataset; or scattered:
+write_job per job, then finish_dataset),
 read (LmprobeDataset, the torch ProbeDataset), check (detect/inspect/verify/read_vector, check_options).
 """
 from actstore.formats.lmprobe.check import check_options, detect, inspect, read_vector, verify
 from actstore.formats.lmprobe.layout import DATASET_DIR
 from actstore.formats.lmprobe.read import LmprobeDataset, find_index, open_dataset, read_info
-from actstore.formats.lmprobe.write import write_dataset
+from actstore.formats.lmprobe.write import finish_dataset, write_dataset, write_job
 
-__all__ = ["DATASET_DIR", "LmprobeDataset", "check_options", "detect", "find_index", "inspect", "open_dataset",
-           "read_info", "read_vector", "verify", "write_dataset"]
+__all__ = ["DATASET_DIR", "LmprobeDataset", "check_options", "detect", "find_index", "finish_dataset", "inspect",
+           "open_dataset", "read_info", "read_vector", "verify", "write_dataset", "write_job"]

@@ -81,27 +81,32 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
     return ds.get(prompt, layer_idx, token_idx)
 
 
-def verify(path: str | Path) -> list[str]:
-    """Every problem found (each naming its file); empty = the dataset is intact. Never raises."""
+def verify(path: str | Path, checksums: bool = True) -> list[str]:
+    """Every problem found (each naming its file); empty = the dataset is intact. Never raises.
+
+    checksums=False skips hashing the tensor files (what a job that wrote none of them checks): each is
+    checked by size against lmprobe:files, whose sha256 SHA256SUMS must repeat, and by its header;
+    the index and card are still hashed, the index columns still checked."""
     root = dataset_root(path)
     try:
-        return _verify(root)
+        return _verify(root, checksums)
     except Exception as exc:  # a damaged store must be reported, not crash the validator
         return [f"{root}: verification aborted: {type(exc).__name__}: {exc}"]
 
 
-def _verify(root: Path) -> list[str]:
-    problems = _verify_sums(root)
+def _verify(root: Path, checksums: bool) -> list[str]:
     try:
         ds = open_dataset(root)
     except (FormatError, OSError, ValueError) as exc:
-        return problems + [str(exc)]
+        return _verify_sums(root) + [str(exc)]
     except Exception as exc:  # pyarrow errors on a damaged parquet
-        return problems + [f"{find_index(root)}: unreadable index ({type(exc).__name__}: {exc})"]
-    return problems + _verify_index(ds) + _verify_tensor_files(ds)
+        return _verify_sums(root) + [f"{find_index(root)}: unreadable index ({type(exc).__name__}: {exc})"]
+    trusted = {} if checksums else ds.info.get("files", {})
+    return _verify_sums(root, trusted) + _verify_index(ds) + _verify_tensor_files(ds, checksums)
 
 
-def _verify_sums(root: Path) -> list[str]:
+def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]:
+    """SHA256SUMS against the files; a file in `trusted` (lmprobe:files) only against that record."""
     sums = root / SUMS
     if not sums.is_file():
         return [f"{sums}: missing"]
@@ -109,7 +114,10 @@ def _verify_sums(root: Path) -> list[str]:
     for line in sums.read_text(errors="replace").splitlines():
         digest, _, rel = line.partition("  ")
         listed.add(rel)
-        if problem := listed_problem(root, rel, {"sha256": digest}, SUMS, str(sums)):
+        if isinstance(trusted, dict) and rel in trusted:
+            if not isinstance(trusted[rel], dict) or trusted[rel].get("sha256") != digest:
+                problems.append(f"{root / rel}: sha256 in {SUMS} differs from lmprobe:files")
+        elif problem := listed_problem(root, rel, {"sha256": digest}, SUMS, str(sums)):
             problems.append(problem)
     return problems + unlisted(root, listed, SUMS)
 
@@ -173,12 +181,16 @@ def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
     return []
 
 
-def _verify_tensor_files(ds: LmprobeDataset) -> list[str]:
-    """Each shard against lmprobe:files, then each hidden shard's header against its descriptor."""
+def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
+    """Each shard against lmprobe:files (its size only without `checksums`), then each hidden
+    shard's header against its descriptor."""
     problems = []
     recorded = ds.info.get("files", {})
     for rel in tensor_files(ds.info):
-        if problem := listed_problem(ds.root, rel, recorded.get(rel), "lmprobe:files", "lmprobe:tensors"):
+        record = recorded.get(rel)
+        if not checksums and isinstance(record, dict):
+            record = {k: v for k, v in record.items() if k != "sha256"}
+        if problem := listed_problem(ds.root, rel, record, "lmprobe:files", "lmprobe:tensors"):
             problems.append(problem)
     for layer in ds.hidden["layers"]:
         for s, shard in enumerate(ds.hidden["shards"]):

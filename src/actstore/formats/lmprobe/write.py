@@ -1,49 +1,77 @@
-"""Writing an lmprobe 2.0 dataset from an extraction: hidden and top-k logits shards streamed
-straight from the parts, the index parquet with the `lmprobe:` metadata, README.md and SHA256SUMS."""
+"""Writing an lmprobe 2.0 dataset from an extraction, in two steps that may run as separate jobs.
+
+1. Tensor files: a deterministic plan (prompt order, shard assignment, the file list: every hidden
+   (layer, shard) file, then the top-k logits shards) is computed from the extraction and options
+   alone, so any number of jobs agree on it; each job writes a contiguous range of the files
+   (`write_job`) and records their {bytes, sha256}, hashed as they are written.
+2. Finishing (`finish_dataset`): the files are renamed (never copied) out of the job directories
+   into the dataset, the index parquet is streamed in bounded row groups, README.md and SHA256SUMS
+   (tensor digests from the jobs' records; only index and card hashed here) follow, and the dataset
+   appears under its final name at once.
+`write_dataset` is both in one process: all files, then the same finishing step.
+"""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import platform
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
+from actstore.formats.extract.layout import to_float32 as to_stored_float32
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
                                              LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
                                              LOGITS_VALUES_KEY, PREFIX, ST_METADATA, SUMS, TensorSpec, dataset_card,
                                              encode_header, from_float32, index_name, prompt_order, rows_per_shard,
                                              tensor_bytes)
-from actstore.io_utils import atomic_path, sha256_file, utc_now
+from actstore.integrity import file_problem, read_json
+from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file, utc_now
+from actstore.jobs import job_items
 
 log = logging.getLogger(__name__)
 
-COPY_BYTES = 64 << 20  # rows copied per write while streaming a shard
+COPY_BYTES = 64 << 20  # the fixed buffer a shard is gathered into between writes
+JOB_RECORD = "files.json"  # in a job directory: {"jobs", "job", "files": {rel path: {bytes, sha256}}}
+# Index row groups: at most ROW_GROUP_ROWS rows (pq.write_table's default, so a small index is one
+# group and byte-identical to writing it whole) and ending at the first row that brings the group
+# to ROW_GROUP_TOKENS tokens. One group's columns, as arrow arrays and again encoded, are what the
+# finishing job holds beyond its per-prompt arrays: measured 70 B a token without token_strings
+# (about 70 MB at 2**20 tokens; 2**22 held 480 MB in all where the whole 11.5M-token index held 730).
+ROW_GROUP_ROWS = 1024 * 1024
+ROW_GROUP_TOKENS = 1 << 20
 DEFAULTS = {"storage": "full_sequence", "prompt_ordering": "random", "seed": 0, "dtype": "float32",
             "shard_bytes": 1 << 30, "logits_topk": None, "layers": None, "token_strings": True}
 
 
 def write_safetensors(path: Path, specs: list[TensorSpec], chunks: Iterable[np.ndarray],
                       metadata: dict[str, str] | None = None) -> dict[str, Any]:
-    """Stream `chunks` (in spec order) into a safetensors file; return its {bytes, sha256}."""
-    digest = hashlib.sha256()
+    """Stream `chunks` (in spec order) into a safetensors file; return its {bytes, sha256}. Positioned
+    writes with the disk started every few tens of MB (io_utils.OrderedHashFile): dirty pages stay
+    bounded whatever the shard size. A failed write leaves no file."""
     header = encode_header(specs, metadata)
-    expected = sum(tensor_bytes(d, s) for _, d, s in specs)
-    written = 0
-    with open(path, "wb") as fh:
-        for block in (header, *(np.ascontiguousarray(c).view(np.uint8).reshape(-1) for c in chunks)):
-            fh.write(block)
-            digest.update(block)
+    size = len(header) + sum(tensor_bytes(d, s) for _, d, s in specs)
+    sink = OrderedHashFile(path, size, header)
+    try:
+        written = len(header)
+        for chunk in chunks:
+            block = np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)
+            if written + len(block) > size:
+                break
+            sink.write(written, block)
             written += len(block)
-        os.fsync(fh.fileno())
-    if written != len(header) + expected:
-        raise FormatError(f"{path}: wrote {written - len(header)} data bytes, header declares {expected}")
-    return {"bytes": written, "sha256": digest.hexdigest()}
+        if written != size:
+            raise FormatError(f"{path}: data does not match the header's {size - len(header)} bytes")
+        return {"bytes": size, "sha256": sink.close()}
+    except BaseException:
+        sink.abort()
+        path.unlink(missing_ok=True)
+        raise
 
 
 def pack_shards(sizes: np.ndarray, capacity: int) -> np.ndarray:
@@ -59,22 +87,21 @@ def pack_shards(sizes: np.ndarray, capacity: int) -> np.ndarray:
 
 
 class _TokenRows:
-    """Global token addressing over an extraction: sample_idx -> (part, global token rows)."""
+    """Global token addressing over an extraction: sample_idx -> (part, token rows in the part)."""
 
     def __init__(self, extraction):
         self.extraction = extraction
         self.parts = extraction.parts
         self.sample_part = np.concatenate([np.full(p.info.n_samples, i, np.int64) for i, p in enumerate(self.parts)])
+        self.local = np.concatenate([np.arange(p.info.n_samples, dtype=np.int64) for p in self.parts])
         self.start = np.concatenate([p.offsets[:-1] for p in self.parts]).astype(np.int64)
         self.stop = np.concatenate([p.offsets[1:] for p in self.parts]).astype(np.int64)
 
-    def runs(self, samples: np.ndarray, last_only: bool) -> Iterator[tuple[int, int, int]]:
-        """(part, start, stop) token-row runs for `samples` in order, adjacent runs merged."""
+    def runs(self, samples: np.ndarray) -> Iterator[tuple[int, int, int]]:
+        """(part, start, stop) token-row runs of `samples` in order, adjacent runs merged."""
         run = None
         for s in samples.tolist():
             p, a, b = int(self.sample_part[s]), int(self.start[s]), int(self.stop[s])
-            if last_only:
-                a = b - 1
             if run and run[0] == p and run[2] == a:
                 run[2] = b
             else:
@@ -84,13 +111,70 @@ class _TokenRows:
         if run:
             yield tuple(run)
 
+    def by_part(self, samples: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """(part, positions in `samples`) of each part the samples come from."""
+        parts = self.sample_part[samples]
+        for p in np.unique(parts).tolist():
+            yield p, np.flatnonzero(parts == p)
+
+    def last_rows(self, name: str, samples: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The last-token rows of `samples` gathered into `out[:len(samples)]` (float32)."""
+        out = out[:len(samples)]
+        for p, where in self.by_part(samples):
+            out[where] = self.parts[p].tensor(name)[self.stop[samples[where]] - 1]
+        return out
+
+    def read_rows(self, name: str, p: int, a: int, b: int, out: np.ndarray) -> None:
+        """Token rows [a, b) of part `p`'s tensor `name` into float32 `out`, read with pread rather
+        than copied out of the part's mapping: no page faults on the bulk of the bytes, and the job's
+        resident memory stays at its buffers (last-token rows, one per prompt, are gathered through
+        the mapping: clean pages the kernel reclaims)."""
+        tensor = self.parts[p].tensor(name)
+        raw = tensor.raw  # the part's np.memmap: its file and data offset
+        target = out if tensor.stored_dtype == "float32" else np.empty((b - a, raw.shape[1]), raw.dtype)
+        view = memoryview(target).cast("B")
+        start = raw.offset + a * raw.shape[1] * raw.dtype.itemsize
+        fd = os.open(raw.filename, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    raise FormatError(f"{raw.filename}: ends before token row {b}")
+                done += n
+        finally:
+            os.close(fd)
+        if target is not out:
+            out[:] = to_stored_float32(target, tensor.stored_dtype)
+
     def chunks(self, name: str, samples: np.ndarray, last_only: bool, dtype: str) -> Iterator[np.ndarray]:
-        """Rows of tensor `name` for `samples` (or their last tokens), converted to `dtype`, in bounded copies."""
-        for p, a, b in self.runs(samples, last_only):
-            tensor = self.parts[p].tensor(name)
-            step = max(1, COPY_BYTES // (tensor.shape[1] * 4))  # bounded memory per copy
-            for lo in range(a, b, step):
-                yield from_float32(tensor[lo:min(b, lo + step)], dtype)
+        """Rows of tensor `name` for `samples` (or their last tokens), converted to `dtype`, gathered
+        into one fixed COPY_BYTES buffer (valid until the next chunk is asked for): memory does not
+        grow with the shard."""
+        dim = self.parts[0].tensor(name).shape[1]
+        buf = np.empty((max(1, COPY_BYTES // (dim * 4)), dim), np.float32)
+        if last_only:
+            for lo in range(0, len(samples), len(buf)):
+                yield from_float32(self.last_rows(name, samples[lo:lo + len(buf)], buf), dtype)
+            return
+        fill = 0
+        for p, a, b in self.runs(samples):
+            while a < b:
+                n = min(b - a, len(buf) - fill)
+                self.read_rows(name, p, a, a + n, buf[fill:fill + n])
+                fill, a = fill + n, a + n
+                if fill == len(buf):
+                    yield from_float32(buf, dtype)
+                    fill = 0
+        if fill:
+            yield from_float32(buf[:fill], dtype)
+
+    def topk(self, samples: np.ndarray, k: int, which: int) -> np.ndarray:
+        """Top-k values (which=0, float32) or indices (which=1, int64) of `samples`, first k kept."""
+        out = np.empty((len(samples), k), (np.float32, np.int64)[which])
+        for p, where in self.by_part(samples):
+            out[where] = self.parts[p].topk(self.local[samples[where]])[which][:, :k]
+        return out
 
 
 def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
@@ -110,66 +194,226 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
     return opts
 
 
-def _hidden_files(out: Path, src: _TokenRows, order: np.ndarray, lt_shard: np.ndarray, seq_shard: np.ndarray | None,
-                  opts: dict[str, Any], dim: int, progress: bool) -> tuple[list[dict], dict[str, dict]]:
-    """Write every hidden-layer shard; return the shard descriptors and {file: {bytes, sha256}}."""
+# ---------------------------------------------------------------- the plan every job computes alike
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Everything about a dataset that follows from the extraction and the options alone."""
+
+    extraction: Any
+    opts: dict[str, Any]
+    src: _TokenRows
+    order: np.ndarray          # sample_idx of each index row
+    num_tokens: np.ndarray     # tokens of each index row
+    dim: int
+    lt_rows: int               # rows of a last-token shard (and of a sequence shard at most)
+    groups: list[tuple[int, int, bool]]  # each hidden shard: index rows [start, stop), last token only
+    seq_shard: np.ndarray | None  # full_sequence: hidden shard of each row's tokens
+    seq_first: np.ndarray | None  # full_sequence: row of each prompt's first token in that shard
+    logits_rows: int           # rows of a logits shard
+    files: list[str]           # every tensor file, relative to the root, in the order jobs split them
+
+    @property
+    def n(self) -> int:
+        return len(self.order)
+
+    @property
+    def last_token_shards(self) -> int:
+        return sum(last for _, _, last in self.groups)
+
+    @property
+    def n_hidden_files(self) -> int:
+        return len(self.opts["layers"]) * len(self.groups)
+
+
+def plan_dataset(extract_dir: str | Path, options: dict[str, Any]) -> Plan:
+    """The plan of the dataset `options` (the `lmprobe` config section) make of an extraction."""
+    from actstore.formats.extract import open_extraction
+
+    extraction = open_extraction(extract_dir)
+    opts = _options(options, extraction)
+    n = extraction.n_samples
+    if n == 0:
+        raise FormatError(f"{extract_dir}: extraction has no samples")
+    src = _TokenRows(extraction)
+    order = prompt_order(n, opts["prompt_ordering"], opts["seed"])
+    num_tokens = src.stop[order] - src.start[order]
+    dim = extraction.parts[0].tensor(f"layer_{opts['layers'][0]}").shape[1]
+    per_shard = rows_per_shard(opts["shard_bytes"], dim * DTYPES[opts["dtype"]][1].itemsize)
+    groups = [(a, min(n, a + per_shard), True) for a in range(0, n, per_shard)]
+    seq_shard = seq_first = None
+    if opts["storage"] == "full_sequence":
+        packed = pack_shards(num_tokens, per_shard)
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(packed)) + 1]).astype(np.int64)
+        groups += [(a, b, False) for a, b in zip(starts.tolist(), [*starts[1:].tolist(), n])]
+        seq_shard = packed + len(groups) - len(starts)
+        before = np.cumsum(num_tokens) - num_tokens  # tokens of the rows before each row
+        seq_first = before - before[starts[packed]]
+    k = opts["logits_topk"]
+    logits_rows = rows_per_shard(opts["shard_bytes"], k * LOGITS_ROW_BYTES_PER_K) if k else 0
+    files = [HIDDEN_FILE_PATTERN.format(layer=layer, shard=s) for layer in opts["layers"] for s in range(len(groups))]
+    if k:
+        files += [LOGITS_FILE_PATTERN.format(shard=s) for s in range(-(-n // logits_rows))]
+    return Plan(extraction, opts, src, order, num_tokens, dim, per_shard, groups, seq_shard, seq_first,
+                logits_rows, files)
+
+
+# ---------------------------------------------------------------- step 1: tensor files
+
+def write_tensor_files(plan: Plan, root: Path, items: range, progress: bool = False) -> dict[str, dict]:
+    """Write the planned files `items` under `root`; return {rel path: {bytes, sha256}}."""
     from tqdm import tqdm
 
-    num_tokens = src.stop[order] - src.start[order]
-    groups = [(np.flatnonzero(lt_shard == s), True) for s in range(int(lt_shard.max()) + 1)]
-    if seq_shard is not None:
-        groups += [(np.flatnonzero(seq_shard == s), False) for s in range(int(seq_shard.max()) + 1)]
-    shards = [{"num_prompts": len(rows), "num_tokens": len(rows) if last else int(num_tokens[rows].sum())}
-              for rows, last in groups]
-    files: dict[str, dict] = {}
-    st_dtype = DTYPES[opts["dtype"]][0]
-    jobs = [(layer, s) for layer in opts["layers"] for s in range(len(groups))]
-    for layer, s in tqdm(jobs, desc="lmprobe hidden shards", unit="shard", disable=not progress):
-        rows, last = groups[s]
-        rel = HIDDEN_FILE_PATTERN.format(layer=layer, shard=s)
-        spec = [(HIDDEN_KEY_PATTERN.format(layer=layer), st_dtype, [shards[s]["num_tokens"], dim])]
-        chunks = src.chunks(f"layer_{layer}", order[rows], last, opts["dtype"])
-        files[rel] = write_safetensors(out / rel, spec, chunks, ST_METADATA)
-    if seq_shard is None:
-        for shard in shards:
-            shard.pop("num_tokens")  # the spec's pooled descriptor lists num_prompts only
-    return shards, files
+    (root / "tensors").mkdir(parents=True, exist_ok=True)
+    records = {}
+    for i in tqdm(items, desc="lmprobe tensor files", unit="file", disable=not progress):
+        rel = plan.files[i]
+        specs, chunks = _hidden_file(plan, i) if i < plan.n_hidden_files else _logits_file(plan, i)
+        records[rel] = write_safetensors(root / rel, specs, chunks, ST_METADATA)
+    return records
 
 
-def _hidden_descriptor(opts: dict[str, Any], dim: int, row_bytes: int, lt_shard: np.ndarray,
-                       seq_shard: np.ndarray | None, shards: list[dict]) -> dict[str, Any]:
+def _hidden_file(plan: Plan, i: int) -> tuple[list[TensorSpec], Iterator[np.ndarray]]:
+    layer, s = plan.opts["layers"][i // len(plan.groups)], i % len(plan.groups)
+    a, b, last = plan.groups[s]
+    rows = b - a if last else int(plan.num_tokens[a:b].sum())
+    spec = [(HIDDEN_KEY_PATTERN.format(layer=layer), DTYPES[plan.opts["dtype"]][0], [rows, plan.dim])]
+    return spec, plan.src.chunks(f"layer_{layer}", plan.order[a:b], last, plan.opts["dtype"])
+
+
+def _logits_file(plan: Plan, i: int) -> tuple[list[TensorSpec], Iterator[np.ndarray]]:
+    k, s = plan.opts["logits_topk"], i - plan.n_hidden_files
+    samples = plan.order[s * plan.logits_rows:(s + 1) * plan.logits_rows]
+    spec = [(LOGITS_VALUES_KEY, "F32", [len(samples), k]), (LOGITS_INDICES_KEY, "I64", [len(samples), k])]
+    step = max(1, COPY_BYTES // (k * LOGITS_ROW_BYTES_PER_K))
+    chunks = (plan.src.topk(samples[lo:lo + step], k, which)
+              for which in (0, 1) for lo in range(0, len(samples), step))
+    return spec, chunks
+
+
+def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, Any], jobs: int, job: int,
+              progress: bool = True) -> dict[str, dict]:
+    """Job `job` of `jobs`: its contiguous range of the planned tensor files, under `job_dir`
+    (atomically) with JOB_RECORD; return {rel path: {bytes, sha256}}."""
+    plan = plan_dataset(extract_dir, options)
+    items = job_items(len(plan.files), jobs, job)
+    with atomic_path(job_dir) as tmp:
+        records = write_tensor_files(plan, tmp, items, progress)
+        (tmp / JOB_RECORD).write_text(json.dumps({"jobs": jobs, "job": job, "files": records}, indent=1) + "\n")
+    log.info("lmprobe job %d/%d: %d tensor files -> %s", job, jobs, len(items), job_dir)
+    return records
+
+
+# ---------------------------------------------------------------- step 2: finishing
+
+def finish_dataset(extract_dir: str | Path, job_dirs: list[str | Path], out_dir: str | Path,
+                   options: dict[str, Any]) -> dict[str, Any]:
+    """Move the tensor files of `job_dirs` (job 0, 1, ... as `write_job` wrote them) into the dataset
+    `out_dir`, then write its index, card and checksums; atomic. Return the info dict.
+
+    Every job's record and file size is checked before anything moves (FormatError naming the file);
+    on a later failure the files are moved back, so the jobs' outputs stay whole for a rerun."""
+    plan = plan_dataset(extract_dir, options)
+    moves = _collect(plan, [Path(d) for d in job_dirs])
+    with atomic_path(out_dir) as tmp:
+        (tmp / "tensors").mkdir(parents=True)
+        done: list[tuple[Path, Path]] = []
+        try:
+            for rel, (source, _) in moves.items():
+                source.rename(tmp / rel)
+                done.append((source, tmp / rel))
+            info = _finish(plan, tmp, {rel: record for rel, (_, record) in moves.items()})
+        except BaseException:
+            for source, moved in reversed(done):
+                moved.rename(source)
+            raise
+    log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
+    return info
+
+
+def _collect(plan: Plan, job_dirs: list[Path]) -> dict[str, tuple[Path, dict]]:
+    """rel path -> (file in its job directory, {bytes, sha256}), in plan order, every file checked to
+    exist with its recorded size and every job's record to list exactly its planned files."""
+    found = {}
+    for job, job_dir in enumerate(job_dirs):
+        record_path = job_dir / JOB_RECORD
+        record = read_json(record_path)
+        planned = [plan.files[i] for i in job_items(len(plan.files), len(job_dirs), job)]
+        if not isinstance(record, dict) or (record.get("jobs"), record.get("job")) != (len(job_dirs), job):
+            raise FormatError(f"{record_path}: not the record of job {job} of {len(job_dirs)}")
+        files = record.get("files") if isinstance(record.get("files"), dict) else {}
+        if list(files) != planned:
+            missing = [rel for rel in planned if rel not in files] or sorted(set(files) - set(planned))
+            raise FormatError(f"{record_path}: lists {len(files)} files, the plan gives job {job} "
+                              f"{len(planned)} (first difference {missing[:1] or 'in order'})")
+        for rel, entry in files.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+                raise FormatError(f"{record_path}: no sha256 recorded for {rel}")
+            if problem := file_problem(job_dir / rel, {"bytes": entry.get("bytes")}, str(record_path)):
+                raise FormatError(problem)
+            found[rel] = (job_dir / rel, {"bytes": entry["bytes"], "sha256": entry["sha256"]})
+    return found
+
+
+def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[str, Any],
+                  progress: bool = True) -> dict[str, Any]:
+    """Write an lmprobe 2.0 dataset of an extraction into `out_dir` (atomically); return its info dict.
+
+    `options` = the `lmprobe` config section (defaults as in the schema). One process doing what the
+    scattered jobs and the finishing job do: every tensor file, then the same finishing step."""
+    plan = plan_dataset(extract_dir, options)
+    with atomic_path(out_dir) as tmp:
+        records = write_tensor_files(plan, tmp, range(len(plan.files)), progress)
+        info = _finish(plan, tmp, records)
+    log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
+    return info
+
+
+def _finish(plan: Plan, root: Path, records: dict[str, dict]) -> dict[str, Any]:
+    """Index, card and checksums into a root that holds every planned tensor file (`records`)."""
+    tensors: dict[str, Any] = {"hidden_layers": _hidden_descriptor(plan)}
+    if plan.opts["logits_topk"]:
+        tensors["logits_topk"] = _logits_descriptor(plan)
+    info = _info(plan, tensors, {rel: records[rel] for rel in plan.files})
+    index_rel = index_name(plan.extraction.info.dataset.split)
+    (root / "index").mkdir()
+    _write_index(root / index_rel, plan, info)
+    (root / CARD).write_text(dataset_card(info, index_rel))
+    digests = {rel: record["sha256"] for rel, record in records.items()}
+    write_sums(root, {**digests, index_rel: sha256_file(root / index_rel), CARD: sha256_file(root / CARD)})
+    return info
+
+
+def write_sums(root: Path, digests: dict[str, str]) -> None:
+    """SHA256SUMS (sha256sum format) of `digests` {rel path: sha256}, in path order."""
+    lines = [f"{digests[rel]}  {rel}\n" for rel in sorted(digests, key=lambda rel: PurePosixPath(rel).parts)]
+    (root / SUMS).write_text("".join(lines))
+
+
+def _hidden_descriptor(plan: Plan) -> dict[str, Any]:
     """lmprobe:tensors.hidden_layers (key order is part of the index bytes)."""
-    hidden = {"type": "hidden", "layers": opts["layers"], "dim": int(dim), "dtype": opts["dtype"],
+    opts, full = plan.opts, plan.seq_shard is not None
+    shards = [{"num_prompts": b - a, "num_tokens": b - a if last else int(plan.num_tokens[a:b].sum())}
+              if full else {"num_prompts": b - a}  # the spec's pooled descriptor lists num_prompts only
+              for a, b, last in plan.groups]
+    row_bytes = plan.dim * DTYPES[opts["dtype"]][1].itemsize
+    hidden = {"type": "hidden", "layers": opts["layers"], "dim": int(plan.dim), "dtype": opts["dtype"],
               "layout": "per_layer", "file_pattern": HIDDEN_FILE_PATTERN, "key_pattern": HIDDEN_KEY_PATTERN}
-    if seq_shard is None:
-        hidden.update(storage="pooled", pooling="last_token", row_bytes=int(row_bytes), shards=shards)
+    if full:
+        hidden.update(storage="full_sequence", last_token_shards=plan.last_token_shards, row_bytes=row_bytes,
+                      sequence_includes_last_token=True, shards=shards)
     else:
-        hidden.update(storage="full_sequence", last_token_shards=int(lt_shard.max()) + 1,
-                      row_bytes=int(row_bytes), sequence_includes_last_token=True, shards=shards)
+        hidden.update(storage="pooled", pooling="last_token", row_bytes=row_bytes, shards=shards)
     return hidden
 
 
-def _logits_files(out: Path, src: _TokenRows, order: np.ndarray, k: int, shard_bytes: int,
-                  ) -> tuple[dict[str, Any], np.ndarray, np.ndarray, dict[str, dict]]:
-    """Write top-k logits shards; return the descriptor, per-row (shard, offset) and file checksums."""
-    row_bytes = k * LOGITS_ROW_BYTES_PER_K
-    per_shard = rows_per_shard(shard_bytes, row_bytes)
-    shard, offset = np.arange(len(order)) // per_shard, np.arange(len(order)) % per_shard
-    values, indices = np.empty((len(order), k), np.float32), np.empty((len(order), k), np.int64)
-    for r, s in enumerate(order.tolist()):
-        part, local = src.extraction.locate(s)
-        v, i = part.topk(local)
-        values[r], indices[r] = v[:k], i[:k]
-    shards, files = [], {}
-    for s in range(int(shard.max()) + 1):
-        rows = np.flatnonzero(shard == s)
-        rel = LOGITS_FILE_PATTERN.format(shard=s)
-        spec = [(LOGITS_VALUES_KEY, "F32", [len(rows), k]), (LOGITS_INDICES_KEY, "I64", [len(rows), k])]
-        files[rel] = write_safetensors(out / rel, spec, [values[rows], indices[rows]], ST_METADATA)
-        shards.append({"file": rel, "num_prompts": len(rows)})
-    desc = {"type": "logits_topk", "k": k, "dtype": "float32", "pooling": "last_token",
-            "file_pattern": LOGITS_FILE_PATTERN, "row_bytes": row_bytes, "shards": shards}
-    return desc, shard, offset, files
+def _logits_descriptor(plan: Plan) -> dict[str, Any]:
+    k = plan.opts["logits_topk"]
+    rels = plan.files[plan.n_hidden_files:]
+    shards = [{"file": rel, "num_prompts": min(plan.n, (s + 1) * plan.logits_rows) - s * plan.logits_rows}
+              for s, rel in enumerate(rels)]
+    return {"type": "logits_topk", "k": k, "dtype": "float32", "pooling": "last_token",
+            "file_pattern": LOGITS_FILE_PATTERN, "row_bytes": k * LOGITS_ROW_BYTES_PER_K, "shards": shards}
 
 
 def _provenance(extraction) -> dict[str, Any]:
@@ -187,55 +431,9 @@ def _provenance(extraction) -> dict[str, Any]:
             "platform": platform.platform()}
 
 
-def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[str, Any],
-                  progress: bool = True) -> dict[str, Any]:
-    """Write an lmprobe 2.0 dataset of an extraction into `out_dir` (atomically); return its info dict.
-
-    `options` = the `lmprobe` config section (defaults as in the schema).
-    """
-    from actstore.formats.extract import open_extraction
-
-    extraction = open_extraction(extract_dir)
-    opts = _options(options, extraction)
-    src = _TokenRows(extraction)
-    n = extraction.n_samples
-    if n == 0:
-        raise FormatError(f"{extract_dir}: extraction has no samples")
-    order = prompt_order(n, opts["prompt_ordering"], opts["seed"])
-    dim = extraction.parts[0].tensor(f"layer_{opts['layers'][0]}").shape[1]
-    row_bytes = dim * DTYPES[opts["dtype"]][1].itemsize
-    per_shard = rows_per_shard(opts["shard_bytes"], row_bytes)
-    lt_shard = np.arange(n) // per_shard
-    row_offset = np.arange(n) % per_shard
-    num_tokens = src.stop[order] - src.start[order]
-    with atomic_path(out_dir) as tmp:
-        (tmp / "tensors").mkdir(parents=True)
-        (tmp / "index").mkdir()
-        seq_shard = pack_shards(num_tokens, per_shard) if opts["storage"] == "full_sequence" else None
-        shards, files = _hidden_files(tmp, src, order, lt_shard, seq_shard, opts, dim, progress)
-        hidden = _hidden_descriptor(opts, dim, row_bytes, lt_shard, seq_shard, shards)
-        tensors: dict[str, Any] = {"hidden_layers": hidden}
-        columns = _base_columns(extraction, order, num_tokens, lt_shard, row_offset)
-        if seq_shard is not None:
-            columns.update(_sequence_columns(num_tokens, row_offset, seq_shard + hidden["last_token_shards"]))
-        if opts["logits_topk"]:
-            desc, l_shard, l_offset, l_files = _logits_files(tmp, src, order, opts["logits_topk"], opts["shard_bytes"])
-            tensors["logits_topk"] = desc
-            files.update(l_files)
-            columns.update(shard_index_logits=l_shard.astype(np.int32), row_offset_logits=l_offset.astype(np.int32))
-        columns.update(_token_columns(src, order, opts["token_strings"]))
-        columns.update(_sample_columns(extraction, order, set(columns)))
-        info = _info(extraction, opts, tensors, files)
-        index_rel = index_name(extraction.info.dataset.split)
-        _write_index(tmp / index_rel, columns, info)
-        (tmp / CARD).write_text(dataset_card(info, index_rel))
-        write_sums(tmp)
-    log.info("lmprobe: %d prompts, layers %s, %s -> %s", n, opts["layers"], opts["storage"], out_dir)
-    return info
-
-
-def _info(extraction, opts: dict[str, Any], tensors: dict[str, Any], files: dict[str, dict]) -> dict[str, Any]:
+def _info(plan: Plan, tensors: dict[str, Any], files: dict[str, dict]) -> dict[str, Any]:
     """The lmprobe:* schema metadata (key order is part of the index bytes)."""
+    extraction, opts = plan.extraction, plan.opts
     return {
         "format_version": FORMAT_VERSION,
         "model": {"name": extraction.info.model.name, "revision": extraction.info.model.revision},
@@ -248,32 +446,103 @@ def _info(extraction, opts: dict[str, Any], tensors: dict[str, Any], files: dict
     }
 
 
-# ---------------------------------------------------------------- index columns
+# ---------------------------------------------------------------- the index, streamed in row groups
 
-def _rows(extraction, order: np.ndarray) -> list[dict]:
-    return [extraction.sample(s) for s in order.tolist()]
+def row_groups(num_tokens: np.ndarray) -> Iterator[tuple[int, int]]:
+    """[start, stop) index rows of each row group: ROW_GROUP_ROWS rows at most, ending at the row that
+    brings the group to ROW_GROUP_TOKENS tokens."""
+    ends = np.cumsum(num_tokens)
+    start = 0
+    while start < len(num_tokens):
+        before = int(ends[start - 1]) if start else 0
+        full = int(np.searchsorted(ends, before + ROW_GROUP_TOKENS, side="left")) + 1
+        stop = min(len(num_tokens), full, start + ROW_GROUP_ROWS)
+        yield start, stop
+        start = stop
 
 
-def _base_columns(extraction, order: np.ndarray, num_tokens: np.ndarray, lt_shard: np.ndarray,
-                  row_offset: np.ndarray) -> dict[str, Any]:
-    rows = _rows(extraction, order)
-    return {"text": [r["text"] for r in rows], "label": [r["label"] for r in rows],
-            "num_tokens": num_tokens.astype(np.int32), "shard_index": lt_shard.astype(np.int32),
-            "row_offset": row_offset.astype(np.int32)}
+def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
+    """The index parquet, one row group at a time (the schema fixed beforehand, see _metadata_types)."""
+    import pyarrow.parquet as pq
+
+    metadata = {f"{PREFIX}{k}".encode(): json.dumps(v).encode() for k, v in info.items()}
+    columns = _IndexColumns(plan)
+    writer = None
+    try:
+        for start, stop in row_groups(plan.num_tokens):
+            table = columns.block(start, stop)
+            if writer is None:
+                writer = pq.ParquetWriter(path, table.schema.with_metadata(metadata), write_page_checksum=True)
+            writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
-def _sequence_columns(num_tokens: np.ndarray, row_offset: np.ndarray, seq_shard: np.ndarray) -> dict[str, Any]:
+class _IndexColumns:
+    """The index columns of any block of rows, typed alike for every block."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        parts = [p for p in plan.extraction.parts if p.info.n_samples]
+        self.token_ids = all("token_ids.npy" in p.meta["files"] for p in parts)
+        self.logprob = self.token_ids and all("token_logprob.npy" in p.meta["files"] for p in parts)
+        self.strings = _TokenStrings(plan.extraction) if self.token_ids and plan.opts["token_strings"] else None
+        self.meta_types = _metadata_types(plan)
+
+    def block(self, start: int, stop: int):
+        """Index rows [start, stop) as a pyarrow Table (columns in the order of the spec's tables)."""
+        import pyarrow as pa
+
+        plan = self.plan
+        order, num_tokens = plan.order[start:stop], plan.num_tokens[start:stop]
+        samples = [plan.extraction.sample(s) for s in order.tolist()]
+        rows = np.arange(start, stop)
+        cols: dict[str, Any] = {
+            "text": pa.array([r["text"] for r in samples], pa.string()),
+            "label": pa.array([r["label"] for r in samples], pa.string()),
+            "num_tokens": num_tokens.astype(np.int32), "shard_index": (rows // plan.lt_rows).astype(np.int32),
+            "row_offset": (rows % plan.lt_rows).astype(np.int32)}
+        if plan.seq_shard is not None:
+            cols.update(_sequence_columns(plan, start, stop))
+        if plan.opts["logits_topk"]:
+            cols.update(shard_index_logits=(rows // plan.logits_rows).astype(np.int32),
+                        row_offset_logits=(rows % plan.logits_rows).astype(np.int32))
+        if self.token_ids:
+            cols.update(self._token_columns(order))
+        cols["sample_idx"] = pa.array(order, pa.int64())
+        cols["label_id"] = pa.array([None if r["label"] is None else r["label_id"] for r in samples], pa.int32())
+        taken = set(cols)
+        for key, type_ in self.meta_types.items():  # a clash with a column already taken gets `meta_`
+            cols[f"meta_{key}" if key in taken else key] = pa.array([r["metadata"].get(key) for r in samples], type_)
+        return pa.table(cols)
+
+    def _token_columns(self, order: np.ndarray) -> dict[str, Any]:
+        """token_ids / perplexity_* / token_perplexity / token_logprob / token_strings."""
+        import pyarrow as pa
+
+        located = [self.plan.extraction.locate(s) for s in order.tolist()]
+        ids = [part.token_ids(local) for part, local in located]
+        list_offsets = np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int32)
+        flat_ids = np.concatenate(ids).astype(np.int64)
+        cols: dict[str, Any] = {"token_ids": pa.ListArray.from_arrays(list_offsets, pa.array(flat_ids, pa.int64()))}
+        if self.logprob:
+            logprobs = np.concatenate([part.token_logprob(local) for part, local in located]).astype(np.float32)
+            cols.update(_perplexity_columns(list_offsets, logprobs))
+        if self.strings:
+            cols["token_strings"] = pa.ListArray.from_arrays(list_offsets,
+                                                             pa.array(self.strings.decode(flat_ids), pa.string()))
+        return cols
+
+
+def _sequence_columns(plan: Plan, start: int, stop: int) -> dict[str, Any]:
     """token_offset (= row_offset) and per-token shard ids/offsets into the packed sequence shards."""
+    num_tokens = plan.num_tokens[start:stop]
     list_offsets = np.concatenate([[0], np.cumsum(num_tokens)]).astype(np.int64)
-    # first token of each prompt within its shard: running sum of the tokens before it in that shard
-    first = np.zeros(len(num_tokens), np.int64)
-    for s in np.unique(seq_shard):
-        rows = np.flatnonzero(seq_shard == s)
-        first[rows] = np.concatenate([[0], np.cumsum(num_tokens[rows])[:-1]])
-    ids = np.repeat(seq_shard.astype(np.int64), num_tokens)
+    ids = np.repeat(plan.seq_shard[start:stop], num_tokens)
     within = np.arange(list_offsets[-1]) - np.repeat(list_offsets[:-1], num_tokens)
-    offsets = np.repeat(first, num_tokens) + within
-    return {"token_offset": row_offset.astype(np.int64),
+    offsets = np.repeat(plan.seq_first[start:stop], num_tokens) + within
+    return {"token_offset": (np.arange(start, stop) % plan.lt_rows).astype(np.int64),
             "token_shard_ids": _int64_lists(list_offsets, ids),
             "token_shard_offsets": _int64_lists(list_offsets, offsets)}
 
@@ -283,28 +552,6 @@ def _int64_lists(list_offsets: np.ndarray, values: np.ndarray):
     import pyarrow as pa
 
     return pa.LargeListArray.from_arrays(list_offsets, pa.array(values, pa.int64())).cast(pa.list_(pa.int64()))
-
-
-def _token_columns(src: _TokenRows, order: np.ndarray, want_strings: bool) -> dict[str, Any]:
-    """token_ids / token_perplexity / token_logprob / token_strings / perplexity_* columns, when available."""
-    import pyarrow as pa
-
-    ext = src.extraction
-    cols: dict[str, Any] = {}
-    located = [ext.locate(s) for s in order.tolist()]
-    ids = [part.token_ids(local) for part, local in located]
-    if any(x is None for x in ids):
-        return cols
-    lengths = np.array([len(x) for x in ids], dtype=np.int64)
-    list_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    flat_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
-    cols["token_ids"] = pa.ListArray.from_arrays(list_offsets, pa.array(flat_ids, pa.int64()))
-    logprobs = [part.token_logprob(local) for part, local in located]
-    if all(x is not None for x in logprobs):
-        cols.update(_perplexity_columns(list_offsets, np.concatenate(logprobs).astype(np.float32)))
-    if want_strings:
-        cols["token_strings"] = pa.ListArray.from_arrays(list_offsets, pa.array(_decode(ext, flat_ids), pa.string()))
-    return cols
 
 
 def _perplexity_columns(list_offsets: np.ndarray, flat_lp: np.ndarray) -> dict[str, Any]:
@@ -323,49 +570,54 @@ def _perplexity_columns(list_offsets: np.ndarray, flat_lp: np.ndarray) -> dict[s
     return cols
 
 
-def _decode(extraction, flat_ids: np.ndarray) -> list[str]:
-    """Each token decoded on its own with the model's tokenizer (special tokens kept)."""
-    from transformers import AutoTokenizer
+class _TokenStrings:
+    """Each token decoded on its own with the model's tokenizer (special tokens kept); decoded ids
+    are kept, so memory is bounded by the vocabulary, not the data."""
 
-    path = extraction.info.model.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"lmprobe.token_strings: cannot load the tokenizer from {path} ({exc}); "
-                          "set lmprobe.token_strings: false") from None
-    uniq, inverse = np.unique(flat_ids, return_inverse=True)
-    strings = np.array(tokenizer.batch_decode([[int(i)] for i in uniq]), dtype=object)
-    return strings[inverse].tolist()
+    def __init__(self, extraction):
+        from transformers import AutoTokenizer
 
+        path = extraction.info.model.path
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"lmprobe.token_strings: cannot load the tokenizer from {path} ({exc}); "
+                              "set lmprobe.token_strings: false") from None
+        self.known: dict[int, str] = {}
 
-def _sample_columns(extraction, order: np.ndarray, taken: set[str]) -> dict[str, Any]:
-    """sample_idx, label_id, then the user metadata fields (auto-typed by pyarrow); a clash with a
-    column already taken gets `meta_`."""
-    rows = _rows(extraction, order)
-    columns: dict[str, Any] = {"sample_idx": order,
-                               "label_id": [None if r["label"] is None else r["label_id"] for r in rows]}
-    taken = taken | set(columns)
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row["metadata"] if k not in keys]
-    columns.update({(f"meta_{k}" if k in taken else k): [row["metadata"].get(k) for row in rows] for k in keys})
-    return columns
+    def decode(self, flat_ids: np.ndarray) -> list[str]:
+        uniq, inverse = np.unique(flat_ids, return_inverse=True)
+        new = [i for i in uniq.tolist() if i not in self.known]
+        self.known.update(zip(new, self.tokenizer.batch_decode([[i] for i in new])))
+        return np.array([self.known[i] for i in uniq.tolist()], dtype=object)[inverse].tolist()
 
 
-def _write_index(path: Path, columns: dict[str, Any], info: dict[str, Any]) -> None:
+def _metadata_types(plan: Plan) -> dict[str, Any]:
+    """User metadata field -> its arrow type, as pyarrow infers it over every row, found block by
+    block (the same blocks the index is written in): a field null in the first blocks takes its type
+    from later ones, ints and floats unify to double; incompatible types fail naming the field."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    types = {"text": pa.string(), "label": pa.string(), "label_id": pa.int32(), "sample_idx": pa.int64()}
-    arrays = {k: v if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array(v, types.get(k))
-              for k, v in columns.items()}
-    metadata = {f"{PREFIX}{k}".encode(): json.dumps(v).encode() for k, v in info.items()}
-    table = pa.table(arrays).replace_schema_metadata(metadata)
-    pq.write_table(table, path, write_page_checksum=True)
+    types: dict[str, Any] = {}
+    for start, stop in row_groups(plan.num_tokens):
+        rows = [plan.extraction.sample(s)["metadata"] for s in plan.order[start:stop].tolist()]
+        for row in rows:
+            types.update({k: pa.null() for k in row if k not in types})
+        for key, have in types.items():
+            values = [row.get(key) for row in rows]
+            try:
+                types[key] = _unify(have, pa.array(values).type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                raise FormatError(f"{plan.extraction.dir}: sample metadata field {key!r} mixes types "
+                                  f"({exc}); lmprobe cannot store it as one index column") from None
+    return types
 
 
-def write_sums(root: Path) -> None:
-    """SHA256SUMS (sha256sum format) for every file under root except itself, sorted by path."""
-    lines = [f"{sha256_file(p)}  {p.relative_to(root).as_posix()}\n"
-             for p in sorted(root.rglob("*")) if p.is_file() and p.name != SUMS]
-    (root / SUMS).write_text("".join(lines))
+def _unify(a, b):
+    """The type pyarrow infers for values of types a and b together (null + T = T, int + float = double)."""
+    import pyarrow as pa
+
+    if a == b:
+        return a
+    schemas = [pa.schema([("x", a)]), pa.schema([("x", b)])]
+    return pa.unify_schemas(schemas, promote_options="permissive").field("x").type

@@ -1,0 +1,9 @@
+"""Rule lmprobe_tensors: one scatter job's contiguous range of the lmprobe dataset's tensor files."""
+from pathlib import Path
+
+from actstore.formats import lmprobe
+from actstore.workflow import setup_logging
+
+setup_logging(snakemake)
+lmprobe.write_job(Path(snakemake.input.index).parent, snakemake.output[0], snakemake.config["lmprobe"],
+                  jobs=snakemake.params.jobs, job=int(snakemake.wildcards.job))
