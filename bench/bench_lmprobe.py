@@ -23,31 +23,9 @@ import time
 import numpy as np
 
 from actstore.formats import lmprobe
-from actstore.formats.extract import PartWriter, write_part
+from actstore.formats.extract import synthetic_extraction
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def synthetic_extraction(root: Path, prompts: int, dim: int, tokens: int) -> Path:
-    """One extraction part of `prompts` samples x `tokens` tokens of random float32 (layer 0)."""
-    rng = np.random.default_rng(0)
-    offsets = np.arange(prompts + 1, dtype=np.int64) * tokens
-    samples = [{"sample_idx": i, "text": f"prompt {i}", "label": "ab"[i % 2], "label_id": i % 2,
-                "num_tokens": tokens, "metadata": {}} for i in range(prompts)]
-    out = root / "extract" / "part-0000"
-    with write_part(out) as tmp:
-        writer = PartWriter(tmp, samples, offsets)
-        block = 4096
-        for start in range(0, prompts, block):
-            stop = min(prompts, start + block)
-            values = rng.standard_normal(((stop - start) * tokens, dim), dtype=np.float32)
-            writer._array("layer_000.npy", (int(offsets[-1]), dim), "float32")[offsets[start]:offsets[stop]] = values
-        writer.finish({"part": 0, "parts": 1, "sample_range": [0, prompts], "tensors": ["layer_0"], "layers": [0],
-                       "hooks": [], "modality": "text", "model_kind": "encoder", "logits_topk": None,
-                       "model": {"name": "synthetic", "revision": "none", "path": str(root)},
-                       "dataset": {"name": "synthetic", "split": "train", "labels": ["a", "b"]},
-                       "created_at": "1970-01-01T00:00:00+00:00", "versions": {}})
-    return out.parent
 
 
 def raw_read(ds: lmprobe.LmprobeDataset, layer: int) -> np.ndarray:
@@ -87,8 +65,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.dataset) if args.dataset else Path(tmp) / "lmprobe"
         if not args.dataset:
-            extract_dir = synthetic_extraction(Path(tmp), args.prompts, args.dim, args.tokens)
-            lmprobe.write_dataset(extract_dir, root, {"storage": "pooled", "prompt_ordering": "original",
+            extract_dir = synthetic_extraction(Path(tmp) / "extract", args.prompts * args.tokens * args.dim * 4, 1, args.dim,
+                                               [0], tokens=(args.tokens, args.tokens))
+            lmprobe.write_dataset(extract_dir, root, {"storage": "pooled", "prompt_ordering": "original", "token_strings": False,
                                                       "shard_bytes": int(args.shard_mb * 2**20)}, progress=False)
         result = run(lmprobe.open_dataset(root), args.repeats)
     result["dataset"] = args.dataset or f"synthetic {args.prompts} prompts x dim {args.dim}"

@@ -1,6 +1,6 @@
 # lmprobe 2.0 dataset: write_jobs(config, "lmprobe") jobs each write a contiguous range of the planned
 # tensor files (hidden (layer, shard) files, then top-k logits shards) into scatter/job-NNNN/ with
-# their {bytes, sha256}; one finishing job renames them into the dataset root {stage dir}/dataset/,
+# their {bytes, sha256}; one finishing job hard-links them into the dataset root {stage dir}/dataset/,
 # streams the index parquet in bounded row groups and writes README.md and SHA256SUMS, atomically.
 from actstore.formats.lmprobe import check_options
 from actstore.jobs import write_jobs

@@ -381,7 +381,8 @@ def test_scattered_jobs_and_finish_are_byte_identical_to_one_go(extracted, tmp_p
         assert sum(map(len, records)) == n_tensors and (jobs <= n_tensors or records[-1] == {})
         lmprobe.finish_dataset(extract_dir, job_dirs, out, options)
         assert tree(out) == want, jobs
-        assert not any(p.is_file() and p.parent.name == "tensors" for d in job_dirs for p in d.rglob("*"))  # moved
+        linked = [p for d in job_dirs for p in (d / "tensors").glob("*") if p.is_file()]
+        assert len(linked) == n_tensors and all(p.samefile(out / "tensors" / p.name) for p in linked)  # not copied
         assert lmprobe.verify(out, checksums=False) == []
 
 
@@ -453,7 +454,7 @@ def test_finish_with_a_missing_or_short_file_fails_naming_it_and_leaves_no_datas
     assert untouched and all(tree(tmp_path / "scatter")[rel] == data for rel, data in untouched.items())
 
 
-def test_finish_failing_after_the_moves_puts_the_files_back(extracted, tmp_path, monkeypatch):
+def test_finish_failing_after_linking_leaves_the_jobs_whole(extracted, tmp_path, monkeypatch):
     _, extract_dir = extracted("gpt2")
     options = {"storage": "pooled", **SMALL}
     out = tmp_path / "dataset"

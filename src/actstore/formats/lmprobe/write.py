@@ -308,25 +308,19 @@ def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, A
 
 def finish_dataset(extract_dir: str | Path, job_dirs: list[str | Path], out_dir: str | Path,
                    options: dict[str, Any]) -> dict[str, Any]:
-    """Move the tensor files of `job_dirs` (job 0, 1, ... as `write_job` wrote them) into the dataset
+    """Link the tensor files of `job_dirs` (job 0, 1, ... as `write_job` wrote them) into the dataset
     `out_dir`, then write its index, card and checksums; atomic. Return the info dict.
 
-    Every job's record and file size is checked before anything moves (FormatError naming the file);
-    on a later failure the files are moved back, so the jobs' outputs stay whole for a rerun."""
+    Every job's record and file size is checked before anything is linked (FormatError naming the
+    file). Hard links, not renames: no byte is copied, and a finisher killed at any point leaves the
+    jobs' outputs whole for a rerun (Snakemake removes them, temp(), once this job succeeds)."""
     plan = plan_dataset(extract_dir, options)
-    moves = _collect(plan, [Path(d) for d in job_dirs])
+    sources = _collect(plan, [Path(d) for d in job_dirs])
     with atomic_path(out_dir) as tmp:
         (tmp / "tensors").mkdir(parents=True)
-        done: list[tuple[Path, Path]] = []
-        try:
-            for rel, (source, _) in moves.items():
-                source.rename(tmp / rel)
-                done.append((source, tmp / rel))
-            info = _finish(plan, tmp, {rel: record for rel, (_, record) in moves.items()})
-        except BaseException:
-            for source, moved in reversed(done):
-                moved.rename(source)
-            raise
+        for rel, (source, _) in sources.items():
+            os.link(source, tmp / rel)
+        info = _finish(plan, tmp, {rel: record for rel, (_, record) in sources.items()})
     log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
     return info
 
