@@ -1,10 +1,15 @@
 # Zarr activation logger: one shard store per extraction part (the spec's parallel writers), an
-# optional merged store (zarr.merged), then manifest.json, written last, marks the run complete.
+# optional merged store (zarr.merged: zarr.merge_jobs chunk-copy jobs over consecutive shards, then
+# one finishing job), then manifest.json, written last, marks the run complete.
 from actstore import resources as actstore_resources
+from actstore.jobs import job_items, write_jobs
 
 ZARR_DIR = sdir("zarr")
 ZARR_SHARDS = expand(f"{ZARR_DIR}/shards/shard-{{part}}.zarr", part=PARTS)
 ZARR_MERGED = [f"{ZARR_DIR}/merged"] if config["zarr"]["merged"] else []
+ZARR_MERGE_JOBS = write_jobs(config, "zarr")
+# The most parts one chunk-copy job takes: its runtime is that many parts' bytes copied once.
+ZARR_PARTS_PER_MERGE_JOB = -(-N_PARTS // ZARR_MERGE_JOBS)
 
 
 rule zarr_part:
@@ -30,9 +35,35 @@ rule zarr_part:
         "../workflow/scripts/zarr_part.py"
 
 
+# Job {job} copies the chunks of its consecutive shards (none when there are more jobs than parts).
+rule zarr_merge_chunks:
+    input:
+        lambda wildcards: [ZARR_SHARDS[p] for p in job_items(N_PARTS, ZARR_MERGE_JOBS, int(wildcards.job))],
+    output:
+        temp(directory(f"{ZARR_DIR}/scatter/merge-{{job}}")),
+    log:
+        log_path("zarr", "merge-{job}"),
+    benchmark:
+        bench_path("zarr", "merge-{job}")
+    wildcard_constraints:
+        job=r"\d+",
+    threads: 1
+    resources:
+        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
+            config, attempt, per_part=True, passes=float(ZARR_PARTS_PER_MERGE_JOB)),
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/zarr_merge_chunks.py"
+
+
+# Moves the copied chunk directories into place by rename and writes the small files: it reads the
+# shards' metadata, 1-D arrays and prompts, never their activations.
 rule zarr_merge:
     input:
-        ZARR_SHARDS,
+        shards=ZARR_SHARDS,
+        chunks=expand(f"{ZARR_DIR}/scatter/merge-{{job}}", job=range(ZARR_MERGE_JOBS)),
     output:
         directory(f"{ZARR_DIR}/merged"),
     log:
@@ -42,7 +73,7 @@ rule zarr_merge:
     threads: 1
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=1.0),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, per_part=True, passes=1.0),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -142,3 +142,12 @@ def test_snakemake_lint_is_clean(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "good condition" in proc.stdout + proc.stderr
+
+
+def test_zarr_merge_is_scattered_over_merge_jobs_in_the_dry_run(tmp_path):
+    """zarr.merged: zarr.merge_jobs chunk-copy jobs (here more than the parts), then one finishing job."""
+    config = demo_config(tmp_path / "dump")
+    config["zarr"] = {"merged": True, "merge_jobs": 3}
+    jobs = scheduled(tmp_path, write(config, tmp_path / "merged.yaml"))
+    assert jobs["zarr_part"] == config["extract"]["parts"] == 2
+    assert jobs["zarr_merge_chunks"] == 3 and jobs["zarr_merge"] == 1 and jobs["zarr_manifest"] == 1

@@ -10,7 +10,8 @@ import torch
 
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
-from actstore.formats.extract import layer_tensor, open_extraction
+from actstore.formats.extract import PartWriter, layer_tensor, open_extraction, tensor_file, write_part
+from actstore.jobs import job_items
 
 
 GIT_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # what the zarr_part script passes in
@@ -206,3 +207,101 @@ def test_chunk_choice_and_vision(extracted, tmp_path):
         np.testing.assert_array_equal(reader.read(row["sample_idx"], 2),
                                       part.activations("layer_2", local).astype(np.float16))
     assert zs.verify(tmp_path / "run") == []
+
+
+@pytest.fixture(scope="module")
+def three_shards(extracted, tmp_path_factory):
+    """Shards of a 3-part extraction (the merge's unit of work)."""
+    _, extract_dir = extracted("bert", extract={"parts": 3})
+    shards = tmp_path_factory.mktemp("zarr3") / "shards"
+    for k, part in enumerate(open_extraction(extract_dir).parts):
+        zs.write_shard(part.dir, shards / zs.shard_name(k), 8, git_commit=GIT_COMMIT, progress=False)
+    return [shards / zs.shard_name(k) for k in range(3)]
+
+
+def scattered_chunks(shards, root, jobs):
+    """The workflow's zarr_merge_chunks jobs by hand: job j copies its contiguous shards."""
+    dirs = [root / "scatter" / f"merge-{j}" for j in range(jobs)]
+    for j, d in enumerate(dirs):
+        zs.copy_chunks([shards[p] for p in job_items(len(shards), jobs, j)], d, progress=False)
+    return dirs
+
+
+def tree_bytes(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("jobs", [2, 5])
+def test_scattered_merge_equals_one_job_merge(three_shards, tmp_path, monkeypatch, jobs):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")  # the merged store's "created"
+    zs.merge_stores(three_shards, tmp_path / "one" / zs.MERGED, progress=False)
+    dirs = scattered_chunks(three_shards, tmp_path, jobs)
+    zs.finish_merge(three_shards, dirs, tmp_path / "scattered" / zs.MERGED, progress=False)
+    one, scattered = tree_bytes(tmp_path / "one" / zs.MERGED), tree_bytes(tmp_path / "scattered" / zs.MERGED)
+    assert len(one) > 30 * 2 * 3 and scattered.keys() == one.keys()
+    assert [rel for rel in one if scattered[rel] != one[rel]] == []
+    assert zs.verify(tmp_path / "scattered" / zs.MERGED) == []
+    assert [p.name for p in (tmp_path / "one").iterdir()] == [zs.MERGED]  # merge_stores' scratch is gone
+
+
+@pytest.mark.parametrize("damage", ["chunk dir", "record", "chunks.json", "shard order"])
+def test_finish_merge_refuses_incomplete_chunks_and_leaves_them_whole(three_shards, tmp_path, damage):
+    dirs = scattered_chunks(three_shards, tmp_path, 2)
+    record = dirs[1] / "chunks.json"
+    last = json.loads(record.read_text())
+    g = max(int(k.split("/")[2]) for k in last["files"])  # the last sample, in the second job
+    if damage == "chunk dir":
+        shutil.rmtree(dirs[1] / zs.ACTS / str(g))
+        match = f"merge-1/{zs.ACTS}/{g}: chunk directory missing"
+    elif damage == "record":
+        del last["files"][f"{zs.ACTS}/{g}/1/2/0"]
+        record.write_text(json.dumps(last))
+        match = f"merge-1/chunks.json: no entry for {zs.ACTS}/{g}/1/2/0"
+    elif damage == "chunks.json":
+        record.unlink()
+        match = "merge-1/chunks.json: missing"
+    else:
+        dirs.reverse()
+        match = "chunk records cover"
+    before = tree_bytes(dirs[0])
+    out = tmp_path / zs.MERGED
+    with pytest.raises(FormatError, match=match):
+        zs.finish_merge(three_shards, dirs, out, progress=False)
+    assert not out.exists() and list(tmp_path.glob(f".{zs.MERGED}*")) == []
+    assert tree_bytes(dirs[0]) == before  # the sample directories already moved were moved back
+
+
+def test_float16_overflow_counted_and_stored_as_inf(tmp_path):
+    """Values past float16's range (65504; 65520 and up round to inf) are +-inf and counted; float32
+    infinities are stored as they are and not counted; everything else, NaNs too, as numpy casts it."""
+    x = np.random.default_rng(0).standard_normal((2 * 5, 16)).astype(np.float32)
+    x[1, :4] = [65504, 65519, 65520, -1e6]  # two overflow
+    x[7, 0], x[7, 1], x[8, 5], x[9, 9] = np.inf, -np.inf, 3e38, np.nan  # one more overflow
+    x.view(np.uint32)[9, 10] = 0x7F8CFC76  # a signalling NaN: numpy keeps its payload (0x7C67)
+    part = synthetic_part(tmp_path / "part-0000", x, [5, 5])
+    zs.write_shard(part, tmp_path / "shard.zarr", t_chunk=2, git_commit=GIT_COMMIT, progress=False)
+    store = zs.ZarrStore(tmp_path / "shard.zarr")
+    assert store.attrs["float16_overflow_count"] == 3
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    got = np.concatenate([store.read(i, 0) for i in range(2)])
+    assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()  # to the bit, NaN included
+    np.testing.assert_array_equal(np.isinf(got[1, :4]), [False, False, True, True])
+
+
+def synthetic_part(out, x, lengths):
+    """An extraction part of one layer holding the float32 rows `x`, samples of `lengths` tokens."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rows = [{"sample_idx": i, "text": f"t{i}", "label": None, "label_id": -1, "num_tokens": n, "metadata": {}}
+            for i, n in enumerate(lengths)]
+    with write_part(out) as tmp:
+        writer = PartWriter(tmp, rows, offsets)
+        writer.add_tokens(tensor_file(layer_tensor(0)), x.shape[1], "float32")
+        for i in range(len(lengths)):
+            writer.write(tensor_file(layer_tensor(0)), i, x[offsets[i]:offsets[i + 1]])
+        writer.finish({"part": 0, "parts": 1, "sample_range": [0, len(lengths)], "n_dataset_samples": len(lengths),
+                       "tensors": [layer_tensor(0)], "layers": [0], "hooks": [], "modality": "text",
+                       "model_kind": "encoder", "max_seq_length": max(lengths), "batch_size": 1, "logits_topk": None,
+                       "model": {"name": "synthetic", "path": "-", "architecture": "-", "n_blocks": 1},
+                       "dataset": {"name": "synthetic", "path": "-", "split": "train", "labels": []}})
+    return out

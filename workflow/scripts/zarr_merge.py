@@ -1,6 +1,7 @@
-"""Rule zarr_merge: the optional single merged store over every shard (spec Option B)."""
-from actstore.formats.zarr import merge_stores
+"""Rule zarr_merge: the optional single merged store over every shard (spec Option B), finished from
+the zarr_merge_chunks jobs' copies."""
+from actstore.formats.zarr import finish_merge
 from actstore.workflow import setup_logging
 
 setup_logging(snakemake)
-merge_stores(list(snakemake.input), snakemake.output[0])
+finish_merge(list(snakemake.input.shards), list(snakemake.input.chunks), snakemake.output[0])

@@ -20,6 +20,8 @@ MERGED = "merged"
 FILES_JSON = "meta/files.json"
 PROMPTS_JSONL = "text/prompts.jsonl"
 ACTS = "arrays/activations"
+# In the output of each chunk-copy job of the scattered merge (the chunks under their merged keys, beside it).
+MERGE_CHUNKS_JSON = "chunks.json"
 
 # Encoding of every array (the reader's fast path depends on exactly this).
 ZARR_FORMAT = 2
@@ -31,7 +33,6 @@ ACTS_ZARRAY = {"zarr_format": ZARR_FORMAT, "dtype": ACTS_DTYPE, "order": ORDER, 
 VECTOR_ZARRAY = {"zarr_format": ZARR_FORMAT, "compressor": None, "filters": None}
 
 TARGET_CHUNK_BYTES = 1 << 20  # middle of the spec's 0.5-2 MB window
-WRITE_BLOCK_BYTES = 64 << 20  # samples buffered per zarr write
 VECTOR_CHUNK = 1 << 16  # samples per chunk of the 1-D per-sample arrays
 SPLIT_CODES = {"train": 0, "val": 1, "validation": 1, "test": 2}
 REQUIRED_ATTRS = ("schema_version", "model_id", "num_layers", "layers", "hidden_size", "T_max",
@@ -98,6 +99,12 @@ def files_json_text(files: dict[str, dict]) -> str:
     """meta/files.json: bytes + sha256 of every other file of the store."""
     doc = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "files": files}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+def merge_chunks_doc(shards: list[str], files: dict[str, dict]) -> dict[str, Any]:
+    """MERGE_CHUNKS_JSON: the shards a chunk-copy job took (by name, in order) and bytes + sha256 of
+    each chunk it copied, under its key in the merged store."""
+    return {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "shards": shards, "files": files}
 
 
 def manifest_doc(first_attrs: dict[str, Any], entries: list[dict], merged: dict | None, created: str) -> dict:

@@ -1,27 +1,32 @@
-"""Writing Zarr activation logger stores: one shard per extraction part, the merged store, the manifest.
+"""Writing Zarr activation logger stores: one shard per extraction part, the manifest (the merged
+store: merge.py).
 
-Writes go through zarr-python 3 (zarr_format=2); every store is built in a temporary directory and
-renamed into place, so a half-written store never exists under its final name.
+Metadata and the 1-D arrays go through zarr-python 3 (zarr_format=2); activation chunks are written
+raw, the bytes zarr writes for an uncompressed chunk, at a fraction of its cost. Every store is built
+in a temporary directory and renamed into place, so a half-written store never exists under its
+final name.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
-import shutil
+import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor, open_part
-from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, COMPATIBLE_ATTRS, FILES_JSON, MANIFEST, ORDER,
-                                          PROMPTS_JSONL, SEPARATOR, SPLIT_CODES, WRITE_BLOCK_BYTES,
-                                          ZARR_FORMAT, choose_t_chunk, files_json_text, manifest_doc,
-                                          prompt_line, sample_key, store_attrs, vector_chunks, vector_fill)
+from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL,
+                                          SEPARATOR, SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk,
+                                          files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
+                                          vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
-from actstore.io_utils import atomic_path, sha256_file, utc_now, write_json_atomic
+from actstore.io_utils import atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +50,14 @@ def _create_vector(arrays: Any, name: str, values: np.ndarray) -> None:
         z[:] = values
 
 
-def _open_root(path: Path, attrs: dict[str, Any], shape: tuple[int, int, int, int], t_chunk: int) -> tuple[Any, Any, Any]:
-    """A new store at `path`: the root group with `attrs`, its arrays/ group and the activations array."""
+def _open_root(path: Path, attrs: dict[str, Any], shape: tuple[int, int, int, int], t_chunk: int) -> tuple[Any, Any]:
+    """A new store at `path`: the root group with `attrs`, its arrays/ group and the activations
+    array's metadata (its chunk files are written raw, by the callers)."""
     import zarr
     root = zarr.open_group(str(path), mode="w", zarr_format=ZARR_FORMAT, attributes=attrs)
     arrays = root.create_group("arrays")
-    acts = _create(arrays, "activations", shape, (1, 1, t_chunk, shape[3]), ACTS_DTYPE)
-    return root, arrays, acts
+    _create(arrays, "activations", shape, (1, 1, t_chunk, shape[3]), ACTS_DTYPE)
+    return root, arrays
 
 
 def _write_vectors(arrays: Any, rows: list[dict], attrs: dict[str, Any]) -> None:
@@ -86,10 +92,15 @@ def _consolidate(store: Path) -> None:
 
 
 def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None:
-    """Record bytes + sha256 of every file in the store (reusing `known` hashes of copied files)."""
+    """Record bytes + sha256 of every file in the store, reusing the `known` entries of the files
+    written or copied with their hashes (each of which must be there)."""
     known = known or {}
+    listed = list_store_files(store)
+    missing = known.keys() - set(listed)
+    if missing:
+        raise FormatError(f"{store}/{min(missing)}: missing (written or moved in, then gone)")
     files = {}
-    for rel in list_store_files(store):
+    for rel in listed:
         if rel == FILES_JSON:
             continue
         size = (store / rel).stat().st_size
@@ -99,17 +110,89 @@ def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None
     (store / FILES_JSON).write_text(files_json_text(files))
 
 
-def _fill_block(part: Any, layers: list[int], start: int, stop: int, buf: np.ndarray) -> int:
-    """Copy samples [start, stop) of a part into a zeroed float16 block; return float16 overflows."""
-    buf[: stop - start] = 0
-    overflow = 0
+F16_EXPONENT = 0x7C00  # float16 bits with every exponent bit set: +-inf or NaN
+
+
+def _to_float16(x: np.ndarray, out: np.ndarray) -> int:
+    """Rows `x` (float32) cast into the first rows of `out` (float16), zeros after them; return how
+    many finite values overflowed to +-inf.
+
+    torch's cast is vectorised (F16C), numpy's is not (~10x slower), and the two give the same bits
+    for every float32 but NaN (checked over all 2**32 values), where numpy keeps a signalling NaN's
+    payload as it is: the rare inf/NaN results are redone with numpy, so the bytes are numpy's."""
+    import torch
+
+    k = len(x)
+    torch.from_numpy(out[:k]).copy_(torch.from_numpy(x))
+    out[k:] = 0
+    bits = out[:k].reshape(-1).view(np.uint16)
+    if not k or int((bits & 0x7FFF).max()) < F16_EXPONENT:
+        return 0
+    special = np.flatnonzero(bits & F16_EXPONENT == F16_EXPONENT)
+    src = x.reshape(-1)[special]
     with np.errstate(over="ignore"):
-        for j, local in enumerate(range(start, stop)):
-            for l, layer in enumerate(layers):
-                x = part.activations(layer_tensor(layer), local)
-                buf[j, l, : x.shape[0]] = x
-                overflow += int(np.isinf(buf[j, l, : x.shape[0]]).sum() - np.isinf(x).sum())
-    return overflow
+        out[:k].reshape(-1)[special] = src.astype(np.float16)
+    return int(np.isinf(out[:k].reshape(-1)[special]).sum() - np.isinf(src).sum())
+
+
+def _write_chunk(path: str, data: np.ndarray, entry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One chunk file from `data`'s bytes, and its files.json entry: `entry` when the caller knows it,
+    else hashed from `data` (never read back). The disk is started on the file at once, so dirty
+    memory stays bounded and the disk works while the next chunks are cast."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        start_writeback(fd)
+    finally:
+        os.close(fd)
+    return entry or {"bytes": data.nbytes, "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the block: casting from the part's memory map, a second
+    thread makes the cast ~3x slower (page faults taken by both), not faster."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chunks: int,
+                  progress: bool) -> tuple[dict[str, dict], int]:
+    """Every activation chunk of the part, cast into one (T_chunk, H) float16 buffer and written raw:
+    the bytes zarr writes for an uncompressed C-order chunk, and every chunk file exists (the store's
+    write_empty_chunks). Returns {key: files.json entry} and the count of values that overflowed
+    float16. (A writer thread overlapping the writes and hashes with the casts measured slower here.)"""
+    from tqdm import tqdm
+
+    tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
+    chunk = np.empty((t_chunk, tensors[0].shape[1]), dtype=np.float16)
+    # Chunks wholly past seq_len (most of them when T_max is many T_chunks) are zeros: hashed once.
+    zero = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(np.zeros_like(chunk)).hexdigest()}
+    files, overflow = {}, 0
+    with _torch_threads(1), warnings.catch_warnings():
+        # torch.from_numpy of the part's read-only map, which is only ever read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
+            rows = part.sample_slice(i)
+            os.mkdir(store / ACTS / str(i))
+            for l, tensor in enumerate(tensors):
+                x = tensor[rows]
+                os.mkdir(store / ACTS / str(i) / str(l))
+                for c in range(n_chunks):
+                    key = acts_chunk_key(i, l, c)
+                    os.mkdir(store / key.rsplit("/", 1)[0])
+                    piece = x[c * t_chunk: (c + 1) * t_chunk]
+                    overflow += _to_float16(piece, chunk)
+                    files[key] = _write_chunk(str(store / key), chunk, None if len(piece) else zero)
+    return files, overflow
 
 
 def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None = None,
@@ -118,8 +201,6 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
 
     `git_commit` is the commit of the code that wrote it, recorded in the attrs (None: unknown).
     """
-    from tqdm import tqdm
-
     part = open_part(part_dir)
     rows = part.samples
     n, layers, t_max = len(rows), list(part.info.layers), int(part.info.max_seq_length)
@@ -127,22 +208,15 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     tc = choose_t_chunk(t_max, hidden, t_chunk)
     attrs = store_attrs(part.info, n, tc, hidden, _now(), git_commit)
     with atomic_path(out_path) as tmp:
-        root, arrays, acts = _open_root(tmp, attrs, (n, len(layers), t_max, hidden), tc)
+        root, arrays = _open_root(tmp, attrs, (n, len(layers), t_max, hidden), tc)
         _write_vectors(arrays, rows, attrs)
-        per_block = max(1, WRITE_BLOCK_BYTES // (len(layers) * t_max * hidden * 2))
-        buf = np.zeros((min(per_block, max(n, 1)), len(layers), t_max, hidden), dtype=np.float16)
-        overflow = 0
-        for start in tqdm(range(0, n, per_block), desc=f"zarr {Path(out_path).name}", unit="block",
-                          disable=not progress):
-            stop = min(n, start + per_block)
-            overflow += _fill_block(part, layers, start, stop, buf)
-            acts[start:stop] = buf[: stop - start]  # whole samples: chunk-aligned writes
+        files, overflow = _write_chunks(part, layers, tmp, tc, -(-t_max // tc), progress)
         if overflow:
             log.warning("%s: %d activation values exceed float16 range and are stored as +-inf", part_dir, overflow)
             root.attrs["float16_overflow_count"] = overflow
         _consolidate(tmp)
         _write_text(tmp, rows)
-        _write_files_json(tmp)
+        _write_files_json(tmp, files)
     return store_entry(out_path)
 
 
@@ -155,83 +229,6 @@ def store_entry(store: str | Path, rel_to: str | Path | None = None) -> dict[str
             "num_samples": attrs["num_samples"], "global_index_start": attrs["global_index_start"],
             "files_sha256": sha256_file(store / FILES_JSON), "n_files": len(files) + 1,
             "bytes": sum(f["bytes"] for f in files.values()) + (store / FILES_JSON).stat().st_size}
-
-
-def _check_compatible(stores: list[Path], attrs: list[dict]) -> None:
-    for store, a in zip(stores[1:], attrs[1:]):
-        for key in COMPATIBLE_ATTRS:
-            if a.get(key) != attrs[0].get(key):
-                raise FormatError(f"{store}/.zattrs: {key}={a.get(key)!r} differs from {stores[0]} ({attrs[0].get(key)!r})")
-    expected = 0
-    for store, a in zip(stores, attrs):
-        if a["global_index_start"] != expected and a["num_samples"]:
-            raise FormatError(f"{store}/.zattrs: global_index_start={a['global_index_start']}, expected {expected}")
-        expected += a["num_samples"]
-
-
-def _merged_attrs(shards: list[Path], attrs: list[dict]) -> dict[str, Any]:
-    """The first shard's attrs over every sample; float16 overflows summed over the shards."""
-    merged = {**attrs[0], "num_samples": sum(a["num_samples"] for a in attrs), "global_index_start": 0,
-              "merged_from": [s.name for s in shards], "created": _now()}
-    merged.pop("float16_overflow_count", None)
-    overflow = sum(a.get("float16_overflow_count", 0) for a in attrs)
-    if overflow:
-        merged["float16_overflow_count"] = overflow
-    return merged
-
-
-def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: bool = True) -> dict[str, Any]:
-    """Option B: one store over every shard, in shard order (atomic).
-
-    Chunking and encoding are identical, so activation chunks are copied file for file (renumbered on
-    the sample axis) instead of decoded and re-encoded; the 1-D arrays are concatenated through zarr.
-    """
-    from tqdm import tqdm
-
-    shards = [Path(s) for s in shards]
-    readers = [ZarrStore(s) for s in shards]
-    attrs = [r.attrs for r in readers]
-    _check_compatible(shards, attrs)
-    merged_attrs = _merged_attrs(shards, attrs)
-    a0, n = attrs[0], merged_attrs["num_samples"]
-    with atomic_path(out_path) as tmp:
-        _, arrays, _ = _open_root(tmp, merged_attrs, (n, a0["num_layers"], a0["T_max"], a0["hidden_size"]),
-                                  a0["T_chunk"])
-        for name in readers[0].vector_names:
-            _create_vector(arrays, name, np.concatenate([r.vector(name) for r in readers]))
-        known: dict[str, dict] = {}
-        g = 0
-        for shard, reader in zip(shards, tqdm(readers, desc="zarr merge", unit="shard", disable=not progress)):
-            shard_files = json.loads((shard / FILES_JSON).read_text())["files"]
-            for local in range(reader.n_samples):
-                _copy_sample_chunks(shard, tmp, local, g, shard_files, known)
-                g += 1
-        _consolidate(tmp)
-        _merge_text(shards, tmp)
-        _write_files_json(tmp, known)
-    return store_entry(out_path)
-
-
-def _copy_sample_chunks(src: Path, dst: Path, local: int, g: int, src_files: dict, known: dict) -> None:
-    for chunk in sorted((src / ACTS / str(local)).rglob("*")):
-        if chunk.is_dir():
-            continue
-        rel = chunk.relative_to(src / ACTS / str(local)).as_posix()
-        target = f"{ACTS}/{g}/{rel}"
-        (dst / target).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(chunk, dst / target)
-        known[target] = src_files[f"{ACTS}/{local}/{rel}"]
-
-
-def _merge_text(shards: list[Path], dst: Path) -> None:
-    (dst / "text").mkdir()
-    i = 0
-    with (dst / PROMPTS_JSONL).open("w", encoding="utf-8") as out:
-        for shard in shards:
-            with (shard / PROMPTS_JSONL).open(encoding="utf-8") as fh:
-                for line in fh:  # renumber "i" in place, every other field as the shard wrote it
-                    out.write(json.dumps({**json.loads(line), "i": i}, ensure_ascii=False) + "\n")
-                    i += 1
 
 
 def write_manifest(run_dir: str | Path, shards: Sequence[str | Path], merged: str | Path | None = None) -> dict:
