@@ -26,11 +26,10 @@ rule lmprobe_tensors:
         job=r"\d{4}",
     threads: 1
     # One 64 MiB gather buffer (plus its dtype conversion); dirty pages are written back every 64 MiB.
-    # Reads and writes a 1/jobs share of the activations once (per_part counts 1/parts of them).
+    # Reads and writes a 1/jobs share of the activations once.
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, per_part=True, buffered_mb=500),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
-            config, attempt, per_part=True, passes=2.0 * N_PARTS / LMPROBE_JOBS),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "lmprobe_tensors", attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=LMPROBE_JOBS),
     conda:
         "../envs/actstore.yaml"
     script:
@@ -50,10 +49,10 @@ rule lmprobe_dataset:
     benchmark:
         bench_path("lmprobe", "lmprobe")
     threads: 1
-    # Tensor files are renamed, not read; the index is streamed one row group at a time
+    # Tensor files are linked, not read; the index is streamed one row group at a time
     # (write.ROW_GROUP_TOKENS tokens, about 100 MB) beside the per-prompt arrays and sample rows.
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, buffered_mb=1000),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "lmprobe_dataset", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=0.1),
     conda:
         "../envs/actstore.yaml"

@@ -24,10 +24,9 @@ rule pickle_part:
     threads: config["pickle"]["threads"]
     # One shard in memory per thread, plus its pickle stream.
     resources:
-        mem_mb=lambda wildcards, threads, attempt: actstore_resources.io_mem_mb(
-            config, attempt, per_part=True, buffered_mb=int(3 * threads * config["pickle"]["shard_size_mb"])),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "pickle_part", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
-            config, attempt, per_part=True, passes=PICKLE_PASSES),
+            config, attempt, jobs=N_PARTS, passes=PICKLE_PASSES),
     conda:
         "../envs/actstore.yaml"
     script:

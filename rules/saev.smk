@@ -25,14 +25,11 @@ rule saev_shards:
     wildcard_constraints:
         job=r"\d{4}",
     threads: 1
-    # One ~64 MiB slab buffer (filled from the extraction, written and checksummed from it) plus the
-    # per-slab gather temporaries; reads and writes its share of the activations once each
-    # (io_runtime's per_part share is per extraction part, scaled here to the job's share).
+    # One ~64 MiB slab buffer (filled from the extraction, written and checksummed from it); reads
+    # and writes its share of the activations once each.
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, per_part=True, buffered_mb=300),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
-            config, attempt, per_part=True, passes=2.0 * N_PARTS / len(SAEV_JOBS)
-        ),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "saev_shards", attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=len(SAEV_JOBS)),
     conda:
         "../envs/actstore.yaml"
     script:
@@ -55,7 +52,7 @@ rule saev:
     # Links the jobs' shard files into the store (no copy) and writes the small files; labels.bin
     # (saev.patch_labels) is computed here from the masks.
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "saev", attempt),
         runtime=lambda wildcards, attempt: 30 * attempt,
     conda:
         "../envs/actstore.yaml"

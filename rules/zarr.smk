@@ -27,8 +27,8 @@ rule zarr_part:
         part=r"\d{4}",
     threads: 1
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt, per_part=True, buffered_mb=200),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, per_part=True, passes=2.0),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_part", attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=N_PARTS, passes=2.0),
     conda:
         "../envs/actstore.yaml"
     script:
@@ -49,9 +49,9 @@ rule zarr_merge_chunks:
         job=r"\d+",
     threads: 1
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_merge_chunks", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
-            config, attempt, per_part=True, passes=float(ZARR_PARTS_PER_MERGE_JOB)),
+            config, attempt, jobs=N_PARTS, passes=float(ZARR_PARTS_PER_MERGE_JOB)),
     conda:
         "../envs/actstore.yaml"
     script:
@@ -72,8 +72,8 @@ rule zarr_merge:
         bench_path("zarr", "merge")
     threads: 1
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.io_mem_mb(config, attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, per_part=True, passes=1.0),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_merge", attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=N_PARTS, passes=1.0),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -1,7 +1,8 @@
 """Writers' memory is bounded by design: each writer job runs in its own process on a synthetic
 extraction and on one 8x larger, with its copy buffers shrunk to 1 MiB so that both are many
 buffers long; its peak anonymous + dirty file-mapped memory (what a Slurm memory cgroup charges
-and cannot drop) must not grow with the data, and must stay under the mem_mb its rule asks for."""
+and cannot drop) must not grow with the data, and must stay under the bound its rules' mem_mb
+states (actstore.resources.writer_mem_mb) for that extraction."""
 from __future__ import annotations
 
 import subprocess
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+import tiny
 from actstore import resources
-from actstore.formats.extract import synthetic_extraction
+from actstore.config import load_config
+from actstore.formats.extract import open_extraction, synthetic_extraction
 from actstore.memwatch import PeakMemory
 
 SMALL_MB = 8           # activations of the smaller extraction; the larger holds LARGER x as many
@@ -28,9 +31,8 @@ from actstore.formats import lmprobe, pickle, saev, zarr
 from actstore.formats.extract import open_extraction
 import actstore.formats.saev.write as saev_write
 import actstore.formats.lmprobe.write as lmprobe_write
-import actstore.formats.zarr.write as zarr_write
 
-saev_write.CHUNK_BYTES = lmprobe_write.COPY_BYTES = zarr_write.WRITE_BLOCK_BYTES = 1 << 20
+saev_write.CHUNK_BYTES = lmprobe_write.COPY_BYTES = 1 << 20  # zarr writes one chunk (here 64 KiB) at a time
 name, extract, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 if name == "saev":
     saev.write_store(open_extraction(extract), {"patches_per_shard": 2_400_000, "tokens_per_window": 32}, out,
@@ -68,13 +70,21 @@ def peak_mb(name: str, extract: Path, out: Path) -> float:
     return watch.peak.total / 1e6
 
 
-RULE_MEM_MB = {  # the mem_mb each writer's rule asks for (first attempt), for the demo config
-    "saev": lambda config: resources.io_mem_mb(config, buffered_mb=300),
-    "lmprobe": lambda config: resources.io_mem_mb(config, buffered_mb=1000),
-    "pickle": lambda config: resources.io_mem_mb(config, per_part=True, buffered_mb=3 * 2 * 1),
-    "zarr": lambda config: resources.io_mem_mb(config, per_part=True, buffered_mb=200),
-    "zarr-merge": lambda config: resources.io_mem_mb(config),
-}
+# The rules whose work each job above does in one process: its peak must stay under the larger bound.
+RULES = {"saev": ("saev_shards", "saev"), "lmprobe": ("lmprobe_tensors", "lmprobe_dataset"),
+         "pickle": ("pickle_part",), "zarr": ("zarr_part",), "zarr-merge": ("zarr_merge_chunks", "zarr_merge")}
+
+
+def bound_mb(name: str, extract: Path) -> float:
+    """The mem_mb the rules state for this extraction, before rounding up to whole GB."""
+    extraction = open_extraction(extract)
+    config = load_config(tiny.REPO / "config" / "config.yaml")
+    config["extract"].update(layers=LAYERS, max_seq_length=extraction.info.max_seq_length, parts=2)
+    config["pickle"].update(threads=2, shard_size_mb=1)
+    text_bytes = sum((part.dir / "samples.jsonl").stat().st_size for part in extraction.parts)
+    w = resources.Workload(rows=extraction.n_samples, tokens=extraction.n_tokens, d=DIM, n_tensors=len(LAYERS),
+                           weight_bytes=0, data_bytes=text_bytes, itemsize=4)
+    return resources.WRITER_BASE_MB + max(resources.writer_buffer_bytes(w, config, rule) for rule in RULES[name]) / 1e6
 
 
 @pytest.mark.parametrize("name", ["saev", "lmprobe", "pickle", "zarr", "zarr-merge"])
@@ -82,4 +92,5 @@ def test_writer_memory_does_not_grow_with_the_data(extractions, name, tmp_path):
     small = peak_mb(name, extractions[1], tmp_path / "small")
     large = peak_mb(name, extractions[LARGER], tmp_path / "large")
     assert large - small < GROWTH_MB, f"{name}: peak {small:.0f} MB on {SMALL_MB} MB, {large:.0f} MB on {LARGER}x that"
-    assert large < RULE_MEM_MB[name]({}), f"{name}: peak {large:.0f} MB over its rule's mem_mb"
+    bound = bound_mb(name, extractions[LARGER])
+    assert large < bound, f"{name}: peak {large:.0f} MB over the {bound:.0f} MB its rules ask for"

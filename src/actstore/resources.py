@@ -13,6 +13,7 @@ from typing import Any
 
 from actstore.datasets.source import resolve_source
 from actstore.datasets.tables import count_rows
+from actstore.jobs import write_jobs
 from actstore.models import model_kind, read_model_config, resolve_model_path
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
@@ -111,18 +112,57 @@ def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     return _minutes(seconds, attempt)
 
 
-def io_mem_mb(config: dict[str, Any], attempt: int = 1, per_part: bool = False, buffered_mb: int = 0) -> int:
-    """Memory of a format writer that streams the activations: `buffered_mb` it keeps (a shard,
-    a chunk), 2 GB for the interpreter and libraries."""
-    return _round_mb(2000 + buffered_mb) * attempt
+WRITER_BASE_MB = 1000  # a writer process: interpreter, numpy, pyarrow, zarr (bench_writers: 150-300 MB anonymous)
+PYTHON_ROW_BYTES = 400  # a sample row (dict) as open_extraction holds it, beyond its text
+WINDOW_BYTES = 24       # saev text windows: (sample_idx, token_start, n_valid) int64
+FILES_JSON_ENTRY_BYTES = 400  # one chunk's {bytes, sha256} entry of a zarr meta/files.json, parsed
 
 
-def io_runtime(config: dict[str, Any], attempt: int = 1, per_part: bool = False, passes: float = 2.0) -> int:
-    """Minutes for a job that reads and writes the activations `passes` times in total
-    (all of them, or one part's share when per_part)."""
+def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
+    """Activation chunk files of every zarr shard store: each sample is padded to max_seq_length and
+    every chunk is written (zarr.t_chunk tokens, or the layout's choice)."""
+    from actstore.formats.zarr.layout import choose_t_chunk
+
+    t_max = config["extract"]["max_seq_length"]
+    t_chunk = choose_t_chunk(t_max, w.d, config["zarr"]["t_chunk"])
+    return w.rows * len(config["extract"]["layers"]) * -(-t_max // t_chunk)
+
+
+def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
+    """What format writer job `job` (its rule's name) holds by design: its fixed copy buffers and the
+    plan every job of its stage computes from the sample rows (which grow with the number of samples
+    and their text, never with the activations). tests/test_scale.py checks real peaks against it."""
+    from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_TOKENS
+    from actstore.formats.saev.write import CHUNK_BYTES
+
+    rows = 2 * w.data_bytes + PYTHON_ROW_BYTES * w.rows  # every job opens the extraction: all sample rows
+    windows = WINDOW_BYTES * w.tokens // config["saev"]["tokens_per_window"]
+    pickle_shards = 3 * config["pickle"]["threads"] * config["pickle"]["shard_size_mb"] * 1e6
+    zarr_records = FILES_JSON_ENTRY_BYTES * zarr_chunks(w, config)  # meta/files.json held whole
+    parts = config["extract"]["parts"]
+    buffers = {
+        "saev_shards": 2 * CHUNK_BYTES + windows,
+        "saev": windows + w.rows * 1025,  # windows, or labels.bin (uint8 per patch) of an image store
+        "lmprobe_tensors": 2 * COPY_BYTES + 64 * w.rows,
+        "lmprobe_dataset": 128 * ROW_GROUP_TOKENS + 64 * w.rows,  # one row group of per-token columns
+        "pickle_part": pickle_shards,
+        "zarr_part": zarr_records / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's float32 rows
+        "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr")),
+        "zarr_merge": zarr_records + 128 * w.rows,  # + the merged 1-D vectors
+    }[job]
+    return int(rows + buffers)
+
+
+def writer_mem_mb(config: dict[str, Any], job: str, attempt: int = 1) -> int:
+    """mem_mb of format writer job `job`: WRITER_BASE_MB plus writer_buffer_bytes."""
+    return _round_mb(WRITER_BASE_MB + writer_buffer_bytes(workload(config), config, job) / 1e6) * attempt
+
+
+def io_runtime(config: dict[str, Any], attempt: int = 1, jobs: int = 1, passes: float = 2.0) -> int:
+    """Minutes for one of `jobs` jobs sharing the work of reading and writing the activations
+    `passes` times in total."""
     w = workload(config)
-    share = w.activation_bytes / (config["extract"]["parts"] if per_part else 1)
-    return _minutes(passes * share / IO_BYTES_PER_S, attempt)
+    return _minutes(passes * w.activation_bytes / jobs / IO_BYTES_PER_S, attempt)
 
 
 def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
