@@ -29,6 +29,8 @@ from actstore.memwatch import Memory, PeakMemory
 
 OUT = Path(__file__).resolve().parent / "out"
 LAYERS = [1, 3, 5]  # as the issue measured
+SAEV = {"patches_per_shard": 2_400_000, "tokens_per_window": 32}  # the schema's defaults
+LMPROBE = {"token_strings": False}  # the synthetic extraction has no tokenizer
 PARAMS = {"hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16, "vocab_size": 30522}
 
 
@@ -43,12 +45,23 @@ def run_job(args: argparse.Namespace) -> None:
     from actstore.formats import lmprobe, pickle, saev, zarr
 
     extract, out = Path(args.extract), Path(args.out)
-    name = args.job
-    if name == "saev":
-        saev.write_store(open_extraction(extract), {"patches_per_shard": 2_400_000, "tokens_per_window": 32},
-                         out, model_config=None, progress=False)
+    name, job_dirs = args.job, [out / f"job-{j:04d}" for j in range(args.jobs)]
+    if name.startswith("saev"):
+        extraction = open_extraction(extract)
+        plan = saev.plan_store(extraction, SAEV, model_config=None, labels=False)
+        if name == "saev":
+            saev.write_store(extraction, SAEV, out, model_config=None, progress=False)
+        elif name == "saev-shards":
+            shards = job_items(len(plan.shard_sizes), args.jobs, args.job_index)
+            saev.write_shards(plan, saev.extraction_fill(extraction, plan), job_dirs[args.job_index], shards)
+        else:
+            saev.finish_store(plan, job_dirs, out)
     elif name == "lmprobe":
-        lmprobe.write_dataset(extract, out / "dataset", {"token_strings": False}, progress=False)
+        lmprobe.write_dataset(extract, out / "dataset", LMPROBE, progress=False)
+    elif name == "lmprobe-tensors":
+        lmprobe.write_job(extract, job_dirs[args.job_index], LMPROBE, args.jobs, args.job_index, progress=False)
+    elif name == "lmprobe-finish":
+        lmprobe.finish_dataset(extract, job_dirs, out / "dataset", LMPROBE)
     elif name == "pickle":
         pickle.write_machine(extract / part_dirname(args.part), out / part_dirname(args.part), model_params=PARAMS,
                              threads=args.threads, progress=False)
@@ -56,6 +69,12 @@ def run_job(args: argparse.Namespace) -> None:
         zarr.write_shard(extract / part_dirname(args.part), out / f"shard-{args.part:04d}.zarr", progress=False)
     elif name == "zarr-merge":
         zarr.merge_stores(sorted(Path(args.shards).glob("shard-*.zarr")), out / "merged", progress=False)
+    elif name == "zarr-chunks":
+        shards = sorted(Path(args.shards).glob("shard-*.zarr"))
+        zarr.copy_chunks([shards[i] for i in job_items(len(shards), args.jobs, args.job_index)],
+                         job_dirs[args.job_index], progress=False)
+    elif name == "zarr-finish":
+        zarr.finish_merge(sorted(Path(args.shards).glob("shard-*.zarr")), job_dirs, out / "merged", progress=False)
     else:
         raise SystemExit(f"unknown job {name!r}")
 
@@ -65,7 +84,7 @@ def run_job(args: argparse.Namespace) -> None:
 def job_argv(name: str, extract: Path, out: Path, **extra) -> list[str]:
     argv = [sys.executable, __file__, "--job", name, "--extract", str(extract), "--out", str(out)]
     for key, value in extra.items():
-        argv += [f"--{key}", str(value)]
+        argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
 
 
@@ -95,15 +114,22 @@ def cp_baseline(files: list[Path], dest: Path) -> float:
 
 def variants(extract: Path, work: Path, parts: int, jobs: int) -> dict[str, tuple[str, list[list[list[str]]]]]:
     """writer -> (job shape, phases of concurrent job argvs)."""
-    out = work / "w"
+    out, shards = work / "w", work / "zarr-shards"
     per_part = lambda name, **kw: [[job_argv(name, extract, out, part=p, **kw)] for p in range(parts)]  # noqa: E731
+
+    def scattered(name: str, finish: str, **kw) -> tuple[str, list[list[list[str]]]]:
+        scatter = [job_argv(name, extract, out, jobs=jobs, job_index=j, **kw) for j in range(jobs)]
+        return f"{jobs} jobs + finish", [scatter, [job_argv(finish, extract, out, jobs=jobs, **kw)]]
     return {
         "saev": ("1 job", [[job_argv("saev", extract, out)]]),
+        "saev, scattered": scattered("saev-shards", "saev-finish"),
         "lmprobe": ("1 job", [[job_argv("lmprobe", extract, out)]]),
+        "lmprobe, scattered": scattered("lmprobe-tensors", "lmprobe-finish"),
         "pickle (gzip-1), 1 thread": ("per part", per_part("pickle", threads=1)),
         "pickle (gzip-1), 2 threads": ("per part", per_part("pickle", threads=2)),
         "zarr shard": ("per part", per_part("zarr")),
-        "zarr merge": ("1 job", [[job_argv("zarr-merge", extract, out, shards=work / "zarr-shards")]]),
+        "zarr merge": ("1 job", [[job_argv("zarr-merge", extract, out, shards=shards)]]),
+        "zarr merge, scattered": scattered("zarr-chunks", "zarr-finish", shards=shards),
     }
 
 
@@ -123,6 +149,7 @@ def main() -> None:
     parser.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--shards", help=argparse.SUPPRESS)
+    parser.add_argument("--job-index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         return run_job(args)
