@@ -10,10 +10,11 @@ LMPROBE_JOBS = write_jobs(config, "lmprobe")
 check_options(config)  # lmprobe.layers / logits_topk against extract.*, before any job runs
 
 
+# Only the index as input: it already depends on every part (and records each part.json's sha256),
+# and 64 jobs x every part would make the DAG of a 4,096-part run quadratic to build.
 rule lmprobe_tensors:
     input:
         index=rules.extract_index.output.index,
-        parts=expand(f"{EXTRACT_DIR}/part-{{part}}", part=PARTS),
     output:
         temp(directory(f"{LMPROBE_DIR}/scatter/job-{{job}}")),
     params:
