@@ -22,8 +22,10 @@ rule pickle_part:
         part=r"\d{4}",
     # pickle.threads shards dumped and gzipped at once, one per thread.
     threads: config["pickle"]["threads"]
-    # One shard in memory per thread, plus its pickle stream.
+    # One shard in memory per thread, plus its pickle stream. cpus_per_task: the Slurm profile's
+    # default-resources give every job 1 CPU, which the jobstep would otherwise use over threads.
     resources:
+        cpus_per_task=config["pickle"]["threads"],
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "pickle_part", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
             config, attempt, jobs=N_PARTS, passes=PICKLE_PASSES),
