@@ -505,3 +505,23 @@ def test_verify_without_checksums_checks_sizes_headers_and_recorded_digests(extr
     assert any(rel in p and "bytes" in p for p in found["short"])
     assert any(rel in p and "differs from lmprobe:files" in p for p in found["sums"])
     assert any("index/train-00000-of-00001.parquet" in p for p in found["index"])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda ids: [[i + 10_000 for i in row] if n == 17 else row for n, row in enumerate(ids)], "point outside"),
+    (lambda ids: [row[:-1] if n == 29 else row for n, row in enumerate(ids)], "lengths differ from num_tokens")])
+def test_token_addresses_checked_batch_by_batch_name_the_index(extracted, tmp_path, monkeypatch, damage, message):
+    """A token_shard_ids entry out of the sequence shards, or a list one short, past the first batch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actstore.formats.lmprobe import check
+
+    monkeypatch.setattr(check, "TOKEN_BATCH_ROWS", 4)  # 30 prompts: the damage sits in a later batch
+    out, _, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    index = lmprobe.open_dataset(out).index_path
+    table = pq.read_table(index)
+    ids = pa.array(damage(table.column("token_shard_ids").to_pylist()), pa.list_(pa.int64()))
+    table = table.set_column(table.schema.get_field_index("token_shard_ids"), "token_shard_ids", ids)
+    pq.write_table(table, index)
+    assert any(message in p and str(index) in p for p in lmprobe.verify(out, checksums=False))

@@ -81,6 +81,9 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
     return ds.get(prompt, layer_idx, token_idx)
 
 
+TOKEN_BATCH_ROWS = 4096  # index rows whose token_shard_ids are checked at once
+
+
 def verify(path: str | Path, checksums: bool = True) -> list[str]:
     """Every problem found (each naming its file); empty = the dataset is intact. Never raises.
 
@@ -173,11 +176,20 @@ def _verify_order(ds: LmprobeDataset) -> list[str]:
 
 
 def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
-    offsets, ids, _ = ds.token_addresses()
-    if not np.array_equal(np.diff(offsets), ds.num_tokens):
-        return [f"{ds.index_path}: token_shard_ids lengths differ from num_tokens"]
-    if len(ids) and (ids.min() < ds.last_token_shards or ids.max() >= len(ds.hidden["shards"])):
-        return [f"{ds.index_path}: token_shard_ids point outside the sequence shards"]
+    """Each prompt's token_shard_ids: one per token, each inside the sequence shards. Read a batch of
+    rows at a time: the column holds an int64 per token (gigabytes at terabyte scale)."""
+    import pyarrow.parquet as pq
+
+    start, first, stop = 0, ds.last_token_shards, len(ds.hidden["shards"])
+    for batch in pq.ParquetFile(ds.index_path).iter_batches(columns=["token_shard_ids"], batch_size=TOKEN_BATCH_ROWS):
+        column = batch.column(0)
+        lengths = np.diff(column.offsets.to_numpy())
+        if not np.array_equal(lengths, ds.num_tokens[start:start + len(lengths)]) or column.null_count:
+            return [f"{ds.index_path}: token_shard_ids lengths differ from num_tokens"]
+        ids = column.flatten().to_numpy()
+        if len(ids) and (ids.min() < first or ids.max() >= stop):
+            return [f"{ds.index_path}: token_shard_ids point outside the sequence shards"]
+        start += len(lengths)
     return []
 
 
