@@ -1,7 +1,7 @@
 # saev protocol 2.1 shards. The store's own name is the hash of its metadata.json (unknown at parse
 # time), so the declared output is a pointer file in the stage dir naming the store beside it:
 # {dump_to}/saev/<HASH>/, or {dump_to}/saev/shards/<8 hex>/ for saev.flavor upstream (docs/formats/saev.md).
-# Written by saev.jobs scatter jobs (default: one per extraction part), each writing a contiguous range
+# Written by saev.jobs scatter jobs (default: one per extraction part, at most 64), each writing a contiguous range
 # of shards (known only once the extraction exists, so the job count is fixed here and a job may get
 # none), then one small job that assembles the store from their files and writes its metadata last.
 from actstore.jobs import write_jobs
