@@ -94,3 +94,23 @@ def test_writer_memory_does_not_grow_with_the_data(extractions, name, tmp_path):
     assert large - small < GROWTH_MB, f"{name}: peak {small:.0f} MB on {SMALL_MB} MB, {large:.0f} MB on {LARGER}x that"
     bound = bound_mb(name, extractions[LARGER])
     assert large < bound, f"{name}: peak {large:.0f} MB over the {bound:.0f} MB its rules ask for"
+
+
+def test_scatter_jobs_never_read_the_sample_rows(tmp_path):
+    """saev_shards and lmprobe_tensors plan from the token offsets alone: with every samples.jsonl
+    made unreadable JSON they still write their files (the finishing jobs are the ones that need rows)."""
+    from actstore.formats import lmprobe, saev
+
+    extract = synthetic_extraction(tmp_path / "extract", 2 * 10**6, 2, DIM, LAYERS)
+    for rows in extract.glob("part-*/samples.jsonl"):
+        rows.write_text("not json\n")
+    extraction = open_extraction(extract)
+    plan = saev.plan_store(extraction, {"patches_per_shard": 5_000, "tokens_per_window": 32}, model_config=None,
+                           labels=False)
+    saev.write_shards(plan, saev.extraction_fill(extraction, plan), tmp_path / "saev-job", range(len(plan.shard_sizes)))
+    written = lmprobe.write_job(extract, tmp_path / "lmprobe-job", {"token_strings": False}, jobs=1, job=0,
+                                progress=False)
+    assert len(plan.shard_sizes) > 1 and len(list((tmp_path / "saev-job").glob("acts*.bin"))) == len(plan.shard_sizes)
+    assert written and all((tmp_path / "lmprobe-job" / rel).is_file() for rel in written)
+    with pytest.raises(Exception, match="samples.jsonl"):
+        extraction.sample(0)  # the rows really are unreadable

@@ -129,28 +129,29 @@ def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
 
 
 def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
-    """What format writer job `job` (its rule's name) holds by design: its fixed copy buffers and the
-    plan every job of its stage computes from the sample rows (which grow with the number of samples
-    and their text, never with the activations). tests/test_scale.py checks real peaks against it."""
+    """What format writer job `job` (its rule's name) holds by design: its fixed copy buffers, what
+    it plans per sample or per file, and the sample rows (texts) of the parts it reads them from.
+    None of it grows with the activations. tests/test_scale.py checks real peaks against it."""
     from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_TOKENS
     from actstore.formats.saev.write import CHUNK_BYTES
 
-    rows = 2 * w.data_bytes + PYTHON_ROW_BYTES * w.rows  # every job opens the extraction: all sample rows
+    parts = config["extract"]["parts"]
+    rows = 2 * w.data_bytes + PYTHON_ROW_BYTES * w.rows  # every part's samples.jsonl rows, as Python objects
     windows = WINDOW_BYTES * w.tokens // config["saev"]["tokens_per_window"]
+    labels = w.rows * 1025 + rows if config["saev"].get("patch_labels") else 0  # labels.bin from the masks
     pickle_shards = 3 * config["pickle"]["threads"] * config["pickle"]["shard_size_mb"] * 1e6
     zarr_records = FILES_JSON_ENTRY_BYTES * zarr_chunks(w, config)  # meta/files.json held whole
-    parts = config["extract"]["parts"]
     buffers = {
         "saev_shards": 2 * CHUNK_BYTES + windows,
-        "saev": windows + w.rows * 1025,  # windows, or labels.bin (uint8 per patch) of an image store
-        "lmprobe_tensors": 2 * COPY_BYTES + 64 * w.rows,
-        "lmprobe_dataset": 128 * ROW_GROUP_TOKENS + 64 * w.rows,  # one row group of per-token columns
-        "pickle_part": pickle_shards,
-        "zarr_part": zarr_records / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's float32 rows
+        "saev": windows + labels,
+        "lmprobe_tensors": 2 * COPY_BYTES + 64 * w.rows,  # + the plan's per-prompt arrays
+        "lmprobe_dataset": rows + 128 * ROW_GROUP_TOKENS + 64 * w.rows,  # one row group of per-token columns
+        "pickle_part": rows / parts + pickle_shards,
+        "zarr_part": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows
         "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr")),
         "zarr_merge": zarr_records + 128 * w.rows,  # + the merged 1-D vectors
     }[job]
-    return int(rows + buffers)
+    return int(buffers)
 
 
 def writer_mem_mb(config: dict[str, Any], job: str, attempt: int = 1) -> int:

@@ -37,9 +37,17 @@ class Part:
     dir: Path
     meta: dict[str, Any]  # part.json as written; read it through `info`
     info: PartInfo
-    samples: list[dict]
     offsets: np.ndarray
     _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _samples: list[dict] | None = field(default=None, repr=False)
+
+    @property
+    def samples(self) -> list[dict]:
+        """samples.jsonl's rows, read on first use: a job that needs only the token offsets (a
+        scattered writer's plan) never holds every part's rows and texts."""
+        if self._samples is None:
+            self._samples = read_json(self.dir / "samples.jsonl", lines=True)
+        return self._samples
 
     def _load(self, file: str) -> np.ndarray:
         if file not in self._arrays:
@@ -106,9 +114,8 @@ def open_part(part_dir: str | Path) -> Part:
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
-    samples = read_json(part_dir / "samples.jsonl", lines=True)
     offsets = load_npy(part_dir / "offsets.npy", meta.get("files", {}).get("offsets.npy", {}).get("bytes"))
-    return Part(part_dir, meta, PartInfo.parse(meta, meta_path), samples, offsets)
+    return Part(part_dir, meta, PartInfo.parse(meta, meta_path), offsets)
 
 
 def load_npy(path: Path, recorded_bytes: int | None, mmap_mode: str | None = None) -> np.ndarray:

@@ -108,7 +108,7 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     info = extraction.info
     layers = _stored_layers(info, section)
     d_model = int(extraction.parts[0].tensor(layer_tensor(layers[0])).shape[1])
-    num_tokens = np.array([row["num_tokens"] for _, _, row in extraction.iter_samples()], dtype=np.int64)
+    num_tokens = np.concatenate([np.diff(part.offsets) for part in extraction.parts]).astype(np.int64)
     model_type = info.model.model_type or "unknown"
     sidecar: dict[str, Any] = {"source_extraction": extract_hash, "model_type": model_type}
     description = _description(info, extract_hash, len(num_tokens))
