@@ -7,9 +7,9 @@ from actstore.jobs import job_items, write_jobs
 ZARR_DIR = sdir("zarr")
 ZARR_SHARDS = expand(f"{ZARR_DIR}/shards/shard-{{part}}.zarr", part=PARTS)
 ZARR_MERGED = [f"{ZARR_DIR}/merged"] if config["zarr"]["merged"] else []
-ZARR_MERGE_JOBS = write_jobs(config, "zarr")
+ZARR_MERGE_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr"))]
 # The most parts one chunk-copy job takes: its runtime is that many parts' bytes copied once.
-ZARR_PARTS_PER_MERGE_JOB = -(-N_PARTS // ZARR_MERGE_JOBS)
+ZARR_PARTS_PER_MERGE_JOB = -(-N_PARTS // len(ZARR_MERGE_JOBS))
 
 
 rule zarr_part:
@@ -38,7 +38,7 @@ rule zarr_part:
 # Job {job} copies the chunks of its consecutive shards (none when there are more jobs than parts).
 rule zarr_merge_chunks:
     input:
-        lambda wildcards: [ZARR_SHARDS[p] for p in job_items(N_PARTS, ZARR_MERGE_JOBS, int(wildcards.job))],
+        lambda wildcards: [ZARR_SHARDS[p] for p in job_items(N_PARTS, len(ZARR_MERGE_JOBS), int(wildcards.job))],
     output:
         temp(directory(f"{ZARR_DIR}/scatter/merge-{{job}}")),
     log:
@@ -46,7 +46,7 @@ rule zarr_merge_chunks:
     benchmark:
         bench_path("zarr", "merge-{job}")
     wildcard_constraints:
-        job=r"\d+",
+        job=r"\d{4}",
     threads: 1
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_merge_chunks", attempt),
@@ -63,7 +63,7 @@ rule zarr_merge_chunks:
 rule zarr_merge:
     input:
         shards=ZARR_SHARDS,
-        chunks=expand(f"{ZARR_DIR}/scatter/merge-{{job}}", job=range(ZARR_MERGE_JOBS)),
+        chunks=expand(f"{ZARR_DIR}/scatter/merge-{{job}}", job=ZARR_MERGE_JOBS),
     output:
         directory(f"{ZARR_DIR}/merged"),
     log:
