@@ -2,27 +2,27 @@
 
 For each token count: dense x @ W of every target (the baseline), Step B alone (the fused lookup given
 the TopK codes), Step A + B (one shared encoding, then every target's lookup), and A + B + online
-compensation at two budgets. Every time is also a ratio to dense; the last column says which path
-`lut.runtime: auto` takes there (LutLinear.crossover_tokens).
+compensation at two budgets. Every time is also a ratio to dense. First `lut.runtime: auto`'s own
+calibration runs (actstore.lut_runtime.calibrate, budget 0): its table and crossover are printed, and
+each token count's block says which path the calibrated auto takes there.
 
 Shapes: `demo` = MiniLM layer-3 q/k/v (input 384, three outputs of 384, 1536 latents, k 32, float16
 tables); `llama8b-mlp` = Llama-3-8B gate + up (input 4096, two outputs of 14336, 16384 latents, k 32,
 bfloat16 tables). Tables are random (the speed does not depend on their values) unless --lut names a
 real lut directory (its first target). CPU: wall clock, best and median of --repeat. CUDA: CUDA events,
-best and median of --repeat after warm-up.
+best and median of --repeat after a warm-up call.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from actstore.lut_runtime import LutEncoder, LutLinear
+from actstore.lut_runtime import LutEncoder, LutLinear, calibrate, call_seconds
 
 OUT = Path(__file__).with_name("out")
 SHAPES = {"demo": {"d_in": 384, "outs": [384] * 3, "num_basis": 1536, "k": 32, "stored": torch.float16},
@@ -30,21 +30,8 @@ SHAPES = {"demo": {"d_in": 384, "outs": [384] * 3, "num_basis": 1536, "k": 32, "
 
 
 def timed(fn: Callable[[], object], repeat: int, device: torch.device) -> tuple[float, float]:
-    """(best, median) seconds of fn over `repeat` runs after two warm-ups."""
-    fn(), fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        else:
-            start_s = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start_s)
+    """(best, median) seconds of fn over `repeat` runs after a warm-up (the runtime's own timer)."""
+    times = call_seconds(fn, device, repeat)
     return min(times), statistics.median(times)
 
 
@@ -129,13 +116,18 @@ def main() -> None:
     enc = luts[0].encoder
     print(f"device={device} shape={args.lut or args.shape} d_in={luts[0].in_features} "
           f"outs={[lut.out_features for lut in luts]} num_basis={enc.encoder_weight.shape[0]} k={enc.k_active} "
-          f"dtype={dtype} threads={args.threads} repeat={args.repeat}; crossover (bytes model) budget 0: "
-          f"{luts[0].crossover_tokens()} tokens")
+          f"dtype={dtype} threads={args.threads} repeat={args.repeat}")
+    calibration = calibrate(luts)
+    crossover = calibration["crossover_tokens"]
+    print(f"auto's calibration (budget 0, {calibration['seconds']:.2f} s): crossover {crossover} tokens\n"
+          f"{'tokens':>8s} {'lookup ms':>10s} {'dense ms':>10s}")
+    for row in calibration["rows"]:
+        print(f"{row['tokens']:8d} {row['lookup_ms']:10.3f} {row['dense_ms']:10.3f}")
     results = {}
     for tokens in [int(t) for t in args.tokens.split(",")]:
         rows = measure(luts, tokens, budgets, args, device)
         dense = rows["dense"][0]
-        auto = "lookup" if tokens <= luts[0].crossover_tokens() else "dense"
+        auto = "lookup" if tokens <= crossover else "dense"
         print(f"\ntokens={tokens}  (auto runs {auto})\n{'row':24s} {'best ms':>10s} {'median ms':>10s} {'x dense':>8s}")
         for name, (best, median) in rows.items():
             print(f"{name:24s} {best * 1e3:10.3f} {median * 1e3:10.3f} {best / dense:8.2f}")
@@ -143,8 +135,7 @@ def main() -> None:
                            "auto_path": auto}
     OUT.mkdir(exist_ok=True)
     out = OUT / f"lut-{device.type}-{args.shape if not args.lut else 'lut'}.json"
-    out.write_text(json.dumps({"args": vars(args), "crossover_tokens": luts[0].crossover_tokens(),
-                               "results": results}, indent=2) + "\n")
+    out.write_text(json.dumps({"args": vars(args), "calibration": calibration, "results": results}, indent=2) + "\n")
     print(f"\nwrote {out}")
 
 

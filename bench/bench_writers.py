@@ -52,8 +52,8 @@ def run_job(args: argparse.Namespace) -> None:
         if name == "saev":
             saev.write_store(extraction, SAEV, out, model_config=None, progress=False)
         elif name == "saev-shards":
-            shards = job_items(len(plan.shard_sizes), args.jobs, args.job_index)
-            saev.write_shards(plan, saev.extraction_fill(extraction, plan), job_dirs[args.job_index], shards)
+            saev.write_shards(plan, saev.extraction_fill(extraction, plan), job_dirs[args.job_index], args.jobs,
+                              args.job_index)
         else:
             saev.finish_store(plan, job_dirs, out)
     elif name == "lmprobe":
@@ -72,7 +72,7 @@ def run_job(args: argparse.Namespace) -> None:
     elif name == "zarr-chunks":
         shards = sorted(Path(args.shards).glob("shard-*.zarr"))
         zarr.copy_chunks([shards[i] for i in job_items(len(shards), args.jobs, args.job_index)],
-                         job_dirs[args.job_index], progress=False)
+                         job_dirs[args.job_index], args.jobs, args.job_index, progress=False)
     elif name == "zarr-finish":
         zarr.finish_merge(sorted(Path(args.shards).glob("shard-*.zarr")), job_dirs, out / "merged", progress=False)
     else:

@@ -41,6 +41,8 @@ rule zarr_merge_chunks:
         lambda wildcards: [ZARR_SHARDS[p] for p in job_items(N_PARTS, len(ZARR_MERGE_JOBS), int(wildcards.job))],
     output:
         temp(directory(f"{ZARR_DIR}/scatter/merge-{{job}}")),
+    params:
+        jobs=len(ZARR_MERGE_JOBS),
     log:
         log_path("zarr", "merge-{job}"),
     benchmark:

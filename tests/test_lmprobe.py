@@ -377,7 +377,7 @@ def test_scattered_jobs_and_finish_are_byte_identical_to_one_go(extracted, tmp_p
     for jobs in (3, n_tensors + 2):  # the last jobs of n_tensors + 2 get no file
         out = tmp_path / f"jobs{jobs}" / "dataset"
         job_dirs = scattered(extract_dir, out, options, jobs)
-        records = [json.loads((d / "files.json").read_text())["files"] for d in job_dirs]
+        records = [json.loads((d / "job.json").read_text())["files"] for d in job_dirs]
         assert sum(map(len, records)) == n_tensors and (jobs <= n_tensors or records[-1] == {})
         lmprobe.finish_dataset(extract_dir, job_dirs, out, options)
         assert tree(out) == want, jobs
@@ -440,15 +440,21 @@ def test_finish_with_a_missing_or_short_file_fails_naming_it_and_leaves_no_datas
     job_dirs = scattered(extract_dir, out, options, 3)
     before = tree(tmp_path / "scatter")
     victim = next(p for p in sorted((job_dirs[2] / "tensors").iterdir()))
+    record, rel = job_dirs[2] / "job.json", victim.relative_to(job_dirs[2]).as_posix()
+    saved = json.loads(record.read_text())
+    record.write_text(json.dumps({**saved, "files": {k: v for k, v in saved["files"].items() if k != rel}}))
+    with pytest.raises(FormatError, match=f"job-0002/job.json: does not list {rel}, a file the plan gives job 2"):
+        lmprobe.finish_dataset(extract_dir, job_dirs, out, options)
+    record.write_text(json.dumps(saved))
     for damage, match in ((lambda: victim.write_bytes(victim.read_bytes()[:-4]), f"{victim.name}: .* bytes"),
                           (victim.unlink, f"{victim.name}: missing"),
-                          (lambda: (job_dirs[1] / "files.json").unlink(), "job-0001/files.json: missing")):
+                          (lambda: (job_dirs[1] / "job.json").unlink(), "job-0001/job.json: missing")):
         damage()
         with pytest.raises(FormatError, match=match):
             lmprobe.finish_dataset(extract_dir, job_dirs, out, options)
         assert not out.exists() and not list(tmp_path.glob(".dataset*"))
-        assert (job_dirs[0] / "files.json").is_file() and any((job_dirs[0] / "tensors").iterdir())
-    with pytest.raises(FormatError, match="job-0000/files.json: not the record of job 0 of 2"):
+        assert (job_dirs[0] / "job.json").is_file() and any((job_dirs[0] / "tensors").iterdir())
+    with pytest.raises(FormatError, match="job-0002/job.json: records of 3 jobs, none of job 1"):
         lmprobe.finish_dataset(extract_dir, [job_dirs[0], job_dirs[2]], out, options)
     untouched = {rel: data for rel, data in before.items() if rel.startswith("job-0000/")}
     assert untouched and all(tree(tmp_path / "scatter")[rel] == data for rel, data in untouched.items())

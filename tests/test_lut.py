@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import lut as lut_format
 from actstore.lut import build_lut
-from actstore.lut_runtime import LutEncoder, LutLinear, install_luts, weighted_rows
+from actstore.lut_runtime import (CALIBRATION_TOKENS, LutEncoder, LutLinear, calibrate, calibrate_auto, crossover_from,
+                                  install_luts, weighted_rows)
 from actstore.models import get_module, load_model, resolve_model_path
 from actstore.sae import build_sae, load_sae
 
@@ -167,28 +168,90 @@ def test_shared_encoder_encodes_once_per_forward(built, model):
     assert isinstance(get_module(model, TARGETS[2]), LutLinear)
 
 
-def test_runtime_auto_is_lookup_up_to_the_crossover_then_dense(built, model):
-    x = torch.randn(64, 32) * 2
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_runtime_auto_is_lookup_up_to_a_pinned_crossover_then_dense(built, model, device):
+    x = (torch.randn(64, 32) * 2).to(device)
+    model.to(device)
     exact = {t: x @ get_module(model, t).weight.detach().T + get_module(model, t).bias.detach() for t in TARGETS}
-    lookups = {t: _lut_for(built, model, t)[1] for t in TARGETS}
-    installed = install_luts(model, lut_format.open_lut(built[3]), runtime="auto")
-    auto = installed[TARGETS[0]]
-    crossover = auto.crossover_tokens()
-    assert 0 < crossover < len(x)  # the tiny BERT's q/k/v shape has both regimes
-    encoder = auto.encoder
+    lookups = {t: _lut_for(built, model, t)[1].to(device) for t in TARGETS}
+    installed = install_luts(model, lut_format.open_lut(built[3]), runtime="auto", crossover_tokens=16)
+    encoder = installed[TARGETS[0]].encoder
     for target, lut in installed.items():
-        below, above = x[:crossover], x[:crossover + 1]
+        assert lut.crossover_tokens == 16 and lut.calibration is None  # pinned: nothing measured
+        below, above = x[:16], x[:17]
         lookup_out = lut(below)
         assert lut.paths == {"lookup": 1, "dense": 0}
         # The lookup path is the runtime "lookup" itself: its error is the documented one.
-        assert torch.equal(lookup_out, lookups[target](below) + lut.target_bias)
+        torch.testing.assert_close(lookup_out, lookups[target](below) + lut.target_bias, rtol=1e-6, atol=1e-6)
         dense_out = lut(above)
         assert lut.paths == {"lookup": 1, "dense": 1}
-        torch.testing.assert_close(dense_out, exact[target][:crossover + 1], rtol=1e-5, atol=1e-5)
-    assert encoder.n_encodings == len(TARGETS)  # fresh tensors each call; dense calls never encode
-    # Compensation reads more bytes per token: the crossover can only move down.
-    auto.set_budget(8)
-    assert auto.crossover_tokens() < crossover
+        torch.testing.assert_close(dense_out, exact[target][:17], rtol=1e-5, atol=1e-5)
+        # A pinned crossover holds at every budget; full compensation is x @ W up to the tables' rounding.
+        lut.set_budget(32)
+        full = lut(below) - lut.target_bias
+        assert lut.paths["lookup"] == 2
+        reference = exact[target][:16] - lut.target_bias
+        assert float((full - reference).norm() / reference.norm()) < 5e-3
+    assert encoder.n_encodings == len(TARGETS)  # one per input tensor (a new slice per target); dense never encodes
+
+
+def _rows(lookup_ms, dense_ms, tokens=CALIBRATION_TOKENS):
+    return [{"tokens": n, "lookup_ms": a, "dense_ms": b} for n, a, b in zip(tokens, lookup_ms, dense_ms)]
+
+
+@pytest.mark.parametrize("rows, crossover", [
+    (_rows([2, 2, 3, 9, 30], [1, 1, 2, 4, 9]), 0),  # never faster: always dense (the CPU demo shape)
+    (_rows([1, 2, 10, 50, 200], [2, 3, 5, 20, 60]), 8 + int(56 * 1 / 6)),  # zero of the 8 -> 64 line
+    (_rows([1, 1, 1, 1, 1], [2, 2, 2, 2, 2]), 2048),  # never beyond the largest measured count
+    (_rows([1, 3, 1, 9, 30], [2, 2, 2, 4, 9]), 64 + int(448 * 1 / 6)),  # the largest count that won
+    (_rows([1, 4], [2, 4]), 8),  # a tie at the next count: the threshold reaches it
+    ([], 0)])
+def test_crossover_rule_on_given_times(rows, crossover):
+    assert crossover_from(rows) == crossover
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_calibration_measures_each_group_on_its_device(built, model, device):
+    model.to(device)
+    installed = install_luts(model, lut_format.open_lut(built[3]), runtime="auto")
+    table = installed[TARGETS[0]].calibration
+    assert all(lut.calibration is table for lut in installed.values())  # one group: one shared encoder
+    assert table["targets"] == TARGETS and table["budgets"] == [0, 0, 0]
+    assert table["device"].startswith(device) and table["dtype"] == "float32"
+    assert [row["tokens"] for row in table["rows"]] == list(CALIBRATION_TOKENS)[:len(table["rows"])]
+    assert all(row["lookup_ms"] > 0 and row["dense_ms"] > 0 for row in table["rows"])
+    assert table["crossover_tokens"] == crossover_from(table["rows"]) == installed[TARGETS[0]].crossover_tokens
+    assert installed[TARGETS[0]].encoder.n_encodings == 0  # calibration encodings are not counted
+    # Another budget: the measured crossover no longer holds until it is measured again.
+    for lut in installed.values():
+        lut.set_budget(8)
+    with pytest.raises(ConfigError, match="calibrate_auto"):
+        installed[TARGETS[0]](torch.randn(2, 32, device=device))
+    [again] = calibrate_auto(installed)
+    assert again["budgets"] == [8, 8, 8] and installed[TARGETS[0]].calibration is again
+    # The time bound: past it only the first count is measured.
+    assert len(calibrate(list(installed.values()), max_seconds=0)["rows"]) == 1
+
+
+def test_stage_reports_the_calibration_per_budget(built):
+    from actstore.lut import end_to_end, heldout_inputs
+    config, extract_dir, sae_dir, lut_out, _ = built
+    config = copy.deepcopy(config)
+    config["lut"]["runtime"] = "auto"
+    loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", "cpu")
+    samples = heldout_inputs(config, extract_dir, sae_dir)[1]
+    result = end_to_end(config, extract_dir, lut_out / "lut", loaded, samples, [0, 8])
+    for budget in ("0", "8"):
+        [table] = result["budgets"][budget]["calibration"]
+        assert table["budgets"] == [int(budget)] * 3
+        crossover = result["budgets"][budget]["crossover_tokens"]
+        assert crossover == {t: table["crossover_tokens"] for t in TARGETS}
+        by_target = result["budgets"][budget]["paths_by_target"]
+        assert set(by_target) == set(TARGETS) and all(sum(paths.values()) > 0 for paths in by_target.values())
+        assert result["budgets"][budget]["paths"] == {p: sum(t[p] for t in by_target.values()) for p in ("lookup", "dense")}
 
 
 def test_report_has_errors_and_end_to_end(built):
@@ -201,6 +264,7 @@ def test_report_has_errors_and_end_to_end(built):
         assert errs["32"]["relative_error"] < 5e-3 < errs["0"]["relative_error"]
     assert report["end_to_end"]["runtime"] == "lookup"
     e2e = report["end_to_end"]["budgets"]
+    assert all(e2e[b]["calibration"] == [] for b in e2e)  # nothing to measure: the lookup always runs
     assert all(e2e[b]["paths"]["dense"] == 0 < e2e[b]["paths"]["lookup"] for b in e2e)
     assert e2e["32"]["cosine_mean"] > 0.999
     assert -1 <= e2e["0"]["cosine_min"] <= e2e["0"]["cosine_mean"] <= 1

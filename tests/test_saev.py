@@ -18,7 +18,6 @@ from actstore.formats.saev import loader as saev_loader
 from actstore.formats.saev import write as saev_write
 from actstore.formats.saev.loader import ShuffledActivations
 from actstore.hashing import stage_hash
-from actstore.jobs import job_items
 from actstore.models import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 
@@ -170,8 +169,7 @@ def scatter(extraction, section, root, jobs, extract_hash=None):
                            labeler=saev.PatchLabeler(image_patch_labels, REGISTER_LABEL))
     dirs = [root / "scatter" / f"job-{job:04d}" for job in range(jobs)]
     for job, job_dir in enumerate(dirs):
-        saev.write_shards(plan, saev.extraction_fill(extraction, plan), job_dir,
-                          job_items(len(plan.shard_sizes), jobs, job))
+        saev.write_shards(plan, saev.extraction_fill(extraction, plan), job_dir, jobs, job)
     return dirs
 
 
@@ -216,8 +214,8 @@ def test_scattered_store_is_byte_identical_to_one_job(extracted, tmp_path, monke
 
 
 def test_finish_refuses_missing_or_short_shards_and_records(extracted, tmp_path):
-    """A shard job's missing record, a missing or short shard, a record of another store: refused naming
-    the file, no store under its final name; the job dirs are untouched, so the finish then succeeds."""
+    """A shard job's missing record, a missing or short shard, a record of another store, a shard listed
+    by two jobs, a job's record twice: refused naming the file, no store under its final name; the job dirs are untouched, so the finish then succeeds."""
     config, extract_dir = extracted("dinov2")
     extraction = open_extraction(extract_dir)
     sec = {**config["saev"], "patches_per_shard": PPS}
@@ -239,12 +237,15 @@ def test_finish_refuses_missing_or_short_shards_and_records(extracted, tmp_path)
     refused(r"job-0001/acts000002\.bin: missing \(listed in .*job-0001/job\.json\)")
     with open(shard, "r+b") as fh:
         fh.truncate(100)
-    refused(r"job-0001/acts000002\.bin: 100 bytes, expected 8704")
+    refused(r"job-0001/acts000002\.bin: 100 bytes, .*job-0001/job\.json says 8704")
     record = json.loads(saved[dirs[2] / "job.json"])
     (dirs[2] / "job.json").write_text(json.dumps({**record, "store": "0" * 64}))
     refused(r"job-0002/job\.json: shards of store '0{64}'")
+    twice = {**record["files"], "acts000002.bin": record["files"]["acts000003.bin"]}
+    (dirs[2] / "job.json").write_text(json.dumps({**record, "files": twice}))
+    refused(r"job-0002/job\.json: acts000002\.bin also listed in .*job-0001/job\.json")
     (dirs[0] / "job.json").write_text((dirs[1] / "job.json").read_text())
-    refused(r"job-0001/job\.json: acts000002\.bin also written by .*job-0000")
+    refused(r"job-0001/job\.json: the record of job 1 of 3, as is .*job-0000/job\.json")
     store = finish(extraction, sec, root, dirs)
     assert saev.verify(store) == [] and all((d / "job.json").is_file() for d in dirs)
 

@@ -11,6 +11,7 @@ import torch
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
 from actstore.formats.extract import PartWriter, layer_tensor, open_extraction, tensor_file, write_part
+from actstore.formats.zarr import merge as zarr_merge
 from actstore.jobs import job_items
 
 
@@ -223,7 +224,7 @@ def scattered_chunks(shards, root, jobs):
     """The workflow's zarr_merge_chunks jobs by hand: job j copies its contiguous shards."""
     dirs = [root / "scatter" / f"merge-{j}" for j in range(jobs)]
     for j, d in enumerate(dirs):
-        zs.copy_chunks([shards[p] for p in job_items(len(shards), jobs, j)], d, progress=False)
+        zs.copy_chunks([shards[p] for p in job_items(len(shards), jobs, j)], d, jobs, j, progress=False)
     return dirs
 
 
@@ -244,25 +245,33 @@ def test_scattered_merge_equals_one_job_merge(three_shards, tmp_path, monkeypatc
     assert [p.name for p in (tmp_path / "one").iterdir()] == [zs.MERGED]  # merge_stores' scratch is gone
 
 
-@pytest.mark.parametrize("damage", ["chunk dir", "record", "chunks.json", "shard order"])
-def test_finish_merge_refuses_incomplete_chunks_and_leaves_them_whole(three_shards, tmp_path, damage):
+@pytest.mark.parametrize("damage", ["chunk dir", "record", "job.json", "job order", "shards", "after the moves"])
+def test_finish_merge_refuses_incomplete_chunks_and_leaves_them_whole(three_shards, tmp_path, monkeypatch, damage):
     dirs = scattered_chunks(three_shards, tmp_path, 2)
-    record = dirs[1] / "chunks.json"
+    record = dirs[1] / "job.json"
     last = json.loads(record.read_text())
     g = max(int(k.split("/")[2]) for k in last["files"])  # the last sample, in the second job
     if damage == "chunk dir":
         shutil.rmtree(dirs[1] / zs.ACTS / str(g))
-        match = f"merge-1/{zs.ACTS}/{g}: chunk directory missing"
+        match = f"merge-1/{zs.ACTS}/{g}/0/0/0: missing \\(listed in .*merge-1/job.json\\)"
     elif damage == "record":
         del last["files"][f"{zs.ACTS}/{g}/1/2/0"]
         record.write_text(json.dumps(last))
-        match = f"merge-1/chunks.json: no entry for {zs.ACTS}/{g}/1/2/0"
-    elif damage == "chunks.json":
+        match = f"merge-1/job.json: no entry for {zs.ACTS}/{g}/1/2/0"
+    elif damage == "job.json":
         record.unlink()
-        match = "merge-1/chunks.json: missing"
-    else:
+        match = "merge-1/job.json: missing"
+    elif damage == "job order":
         dirs.reverse()
-        match = "chunk records cover"
+        match = "merge-1/job.json: the record of job 1 of 2, given as job 0 of 2"
+    elif damage == "shards":
+        record.write_text(json.dumps({**last, "shards": [zs.shard_name(0)]}))
+        match = "merge-1/job.json: copied shards .*, job 1 of 2 takes"
+    else:  # every check passed and every sample directory moved: they are moved back
+        def fail(*_):
+            raise FormatError("files.json failed")
+        monkeypatch.setattr(zarr_merge, "_write_files_json", fail)
+        match = "files.json failed"
     before = tree_bytes(dirs[0])
     out = tmp_path / zs.MERGED
     with pytest.raises(FormatError, match=match):

@@ -1,10 +1,17 @@
-"""Scattered writers: how many jobs write a stage and which contiguous range of items each takes.
+"""Scattered writers: how many jobs write a stage, which contiguous range of items each takes, and
+the job record each leaves for the finishing job (one format and one reader for every writer).
 
 A writer's items (saev shards, lmprobe tensor files, zarr parts) are known only once the extraction
 exists, but the number of jobs is fixed at parse time, so `snakemake -n` shows the whole DAG."""
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from actstore.errors import FormatError
+from actstore.integrity import listed_problem, read_json
+from actstore.io_utils import write_json_atomic
 
 JOBS_KEY = {"saev": "jobs", "lmprobe": "jobs", "zarr": "merge_jobs"}
 # Unset, a writer gets a job per extraction part up to this many: at 10 TB each job then writes
@@ -25,3 +32,84 @@ def job_items(n_items: int, jobs: int, job: int) -> range:
     base, extra = divmod(n_items, jobs)
     start = job * base + min(job, extra)
     return range(start, start + base + (job < extra))
+
+
+# ---------------------------------------------------------------- the job record every scattered writer keeps
+
+JOB_RECORD = "job.json"  # in a job dir: {"jobs", "job", "files": {rel path: {bytes, sha256}}, **the format's own}
+RECORD_KEYS = ("jobs", "job", "files")
+# rel path -> (its job dir, {bytes, sha256}): the dir, not the file's path, so that a finisher of
+# millions of chunk files holds one Path per job (a Path per file was ~40 % of the records' memory)
+JobFiles = dict[str, tuple[Path, dict[str, Any]]]
+
+
+def write_job_record(job_dir: str | Path, jobs: int, job: int, files: dict[str, dict[str, Any]],
+                     **extra: Any) -> Path:
+    """Record what job `job` of `jobs` wrote into `job_dir`: each file (a relative POSIX path) with its
+    {bytes, sha256}, taken as it was written, plus the format's own `extra` keys; written atomically,
+    after the files, so a record means the job finished. Returns the record's path."""
+    path = Path(job_dir) / JOB_RECORD
+    # Compact and in insertion order: the files in the order written (a zarr merge job lists millions).
+    write_json_atomic(path, {**extra, "jobs": jobs, "job": job, "files": files}, indent=None)
+    return path
+
+
+@dataclass(frozen=True)
+class JobRecords:
+    """What read_job_records found: every job's own keys and every file the jobs wrote."""
+
+    extras: list[dict[str, Any]]  # each record's keys beyond RECORD_KEYS, in job order
+    files: JobFiles               # in job order, each job's files in the order it listed them
+
+
+def read_job_records(job_dirs: Sequence[str | Path]) -> JobRecords:
+    """The records of jobs 0, 1, ... of one scattered write, in `job_dirs` order, checked before the
+    finisher touches a file: each record well-formed and the job it says it is (none missing, twice
+    or of another run), each listed name inside its job dir and listed once over all jobs, each file
+    there with its recorded size. FormatError names the record or file at fault. No file is read:
+    the recorded sha256 stands (the job hashed the bytes as it wrote them)."""
+    dirs = [Path(d) for d in job_dirs]
+    records = [_read_record(d / JOB_RECORD) for d in dirs]
+    _check_numbering([d / JOB_RECORD for d in dirs], records)
+    files: JobFiles = {}
+    for job_dir, record in zip(dirs, records):
+        source = str(job_dir / JOB_RECORD)
+        for name, entry in record["files"].items():
+            if name in files:
+                raise FormatError(f"{source}: {name} also listed in {files[name][0] / JOB_RECORD}")
+            problem = listed_problem(job_dir, name, {"bytes": entry["bytes"]}, source)
+            if problem:
+                raise FormatError(problem)
+            files[name] = (job_dir, entry)
+    return JobRecords([{k: v for k, v in r.items() if k not in RECORD_KEYS} for r in records], files)
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """A job record, its shared keys checked for type (every entry with an int size and a sha256)."""
+    record = read_json(path)
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), int) for k in ("jobs", "job")) \
+            or not isinstance(record.get("files"), dict):
+        raise FormatError(f"{path}: not a job record (needs integers jobs and job and a files object)")
+    for name, entry in record["files"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
+                or not isinstance(entry.get("sha256"), str):
+            raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
+    return record
+
+
+def _check_numbering(paths: list[Path], records: list[dict[str, Any]]) -> None:
+    """Record i is job i of len(records): a job missing, recorded twice or of another run is named."""
+    claims = [(r["jobs"], r["job"]) for r in records]
+    counts = {jobs for jobs, _ in claims}
+    if len(counts) == 1 and (jobs := counts.pop()) > len(records):
+        missing = sorted(set(range(jobs)) - {job for _, job in claims})
+        raise FormatError(f"{', '.join(map(str, paths))}: records of {jobs} jobs, none of job "
+                          f"{', '.join(map(str, missing))}")
+    seen: dict[tuple[int, int], Path] = {}
+    for path, claim in zip(paths, claims):
+        if claim in seen:
+            raise FormatError(f"{path}: the record of job {claim[1]} of {claim[0]}, as is {seen[claim]}")
+        seen[claim] = path
+    for i, (path, (jobs, job)) in enumerate(zip(paths, claims)):
+        if (jobs, job) != (len(records), i):
+            raise FormatError(f"{path}: the record of job {job} of {jobs}, given as job {i} of {len(records)}")

@@ -14,7 +14,7 @@ from torch import nn
 
 from actstore.errors import ConfigError
 from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
-from actstore.lut_runtime import LutEncoder, LutLinear, install_luts
+from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts
 from actstore.io_utils import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
                samples: list[int], budgets: list[int]) -> dict[str, Any]:
     """Swap the targets into the real model with lut.runtime: cosine of final hidden states (encoders,
     vision) or KL(original || LUT) and perplexity change (causal LMs), on held-out samples; per budget
-    which path (lookup or dense) the targets' calls took and each target's crossover."""
+    which path (lookup or dense) the targets' calls took, each target's crossover and (runtime auto,
+    not pinned by lut.crossover_tokens) the measured times it came from."""
     from actstore.formats.extract import open_extraction
 
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
@@ -146,19 +147,23 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     with torch.inference_mode():
         reference = [run_model(loaded, inp) for inp in inputs]
     runtime = config["lut"].get("runtime", "lookup")
-    installed = install_luts(loaded.model, open_lut(lut_root), runtime=runtime)
+    installed = install_luts(loaded.model, open_lut(lut_root), budgets[0], runtime=runtime,
+                             crossover_tokens=config["lut"].get("crossover_tokens"))
     result = {"n_samples": len(samples), "model_kind": loaded.kind, "runtime": runtime, "budgets": {}}
     for budget in budgets:
         for lut in installed.values():
             lut.set_budget(budget)
             lut.paths = {"lookup": 0, "dense": 0}
+        calibration = calibrate_auto(installed)  # a crossover holds for the budget it was measured at
         with torch.inference_mode():
             outs = [run_model(loaded, inp) for inp in inputs]
         result["budgets"][str(budget)] = {
             **compare(loaded.kind, reference, outs, inputs),
             # Which path each target's forward calls took (runtime auto switches by token count).
             "paths": {path: sum(lut.paths[path] for lut in installed.values()) for path in ("lookup", "dense")},
-            "crossover_tokens": {name: lut.crossover_tokens() for name, lut in installed.items()}}
+            "paths_by_target": {name: dict(lut.paths) for name, lut in installed.items()},
+            "crossover_tokens": {name: lut.crossover_tokens for name, lut in installed.items()},
+            "calibration": calibration}
     return result
 
 

@@ -20,14 +20,20 @@ dtype the model computes in: a float32 model upcasts 16-bit tables at load (othe
 would be rounded to 16 bits), a bfloat16 model keeps bfloat16 tables as stored.
 
 Runtime `auto` (lut.runtime): above a crossover token count a target runs the dense x @ W it replaced
-(when that weight is present). The crossover is where the lookup stops reading fewer bytes than
-dense (both are memory bound at small batches): see LutLinear.crossover_tokens.
+(when that weight is present). The crossover is measured, not modelled: `calibrate` times, on the
+device and dtype the tables are held in, the lookup path of every target sharing an encoder (one
+encoding + each lookup + compensation at its budget) against their dense matmuls at a few token
+counts, and `crossover_from` turns those times into the threshold (a bytes model picked the lookup
+on an H100 where it was 1.1-1.8x slower than dense: bench/README.md `## lut`). It is measured when
+install_luts installs (not on the first forward, which may be traced or captured into a CUDA graph
+and where nobody expects seconds of timing), or pinned by the caller.
 """
 from __future__ import annotations
 
 import logging
+import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -37,6 +43,11 @@ from actstore.formats.lut import LutStore
 
 log = logging.getLogger(__name__)
 RUNTIMES = ("lookup", "auto")
+CALIBRATION_TOKENS = (1, 8, 64, 512, 2048)
+CALIBRATION_SECONDS = 2.0  # per group of targets sharing an encoder (see calibrate)
+# Activations one calibration call may hold beside the loaded model: larger token counts are not timed.
+CALIBRATION_BYTES = 512 * 2**20
+CALIBRATION_REPEATS = 3  # best of, after one warm-up call
 
 
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -59,7 +70,6 @@ class LutEncoder(nn.Module):
         for key in ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias"):
             self.register_buffer(key, tables[key].to(dtype), persistent=False)
         self.n_encodings = 0  # counted so tests and benches can see the sharing
-        self.target_outputs: list[int] = []  # output_dim of every LutLinear sharing this encoding
         # (input, its version, its encoding, residual terms by budget) of the last input seen.
         self._last: tuple[Any, int | None, tuple[torch.Tensor, torch.Tensor], dict] | None = None
 
@@ -74,6 +84,10 @@ class LutEncoder(nn.Module):
         self.n_encodings += 1
         self._last = (weakref.ref(x), version, (values, indices), {})
         return values, indices
+
+    def forget(self) -> None:
+        """Drop the cached encoding, so that the next call encodes (calibration times each encoding)."""
+        self._last = None
 
     def residual_top(self, x: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x - x_hat) on the `budget` dims S of largest |x - x_hat| per token, and S: computed once per
@@ -94,7 +108,8 @@ class LutEncoder(nn.Module):
 
 class LutLinear(nn.Module):
     """Drop-in replacement for an nn.Linear: Step A (shared encoder) + Step B (+ compensation), or with
-    runtime "auto" the dense x @ W above the crossover token count. `paths` counts which ran."""
+    runtime "auto" the dense x @ W above `crossover_tokens` (calibrated or pinned by install_luts).
+    `paths` counts which ran; `calibration` is the measured table the crossover came from."""
 
     def __init__(self, encoder: LutEncoder, tables: dict[str, torch.Tensor], linear: nn.Linear | None,
                  budget: int = 0, dtype: torch.dtype = torch.float32, with_bias: bool = True,
@@ -116,30 +131,23 @@ class LutLinear(nn.Module):
         self.register_buffer("w_target", w_target, persistent=False)
         self.in_features = tables["decoder_weight"].shape[1]
         self.out_features = tables["precomputed_products"].shape[1]
-        encoder.target_outputs.append(self.out_features)
         # Without W there is nothing to fall back to: auto is then the lookup.
         self.runtime = runtime if w_target is not None else "lookup"
         self.paths = {"lookup": 0, "dense": 0}
+        self.crossover_tokens: int | None = None
+        self.calibration: dict[str, Any] | None = None
         self.budget = 0
         self.set_budget(budget)
 
     def set_budget(self, budget: int) -> None:
-        """Input dims per token computed exactly online (0 = pure lookup, input_dim = exact)."""
+        """Input dims per token computed exactly online (0 = pure lookup, input_dim = exact). A crossover
+        measured at another budget no longer holds: calibrate_auto measures it again (a pinned one stays)."""
         if budget and self.w_target is None:
             raise ConfigError("LUT compensation needs the original linear weight (W_target)")
-        self.budget = max(0, min(int(budget), self.in_features))
-
-    def crossover_tokens(self) -> int:
-        """Most tokens for which encode + lookup (+ compensation) of every target sharing the encoder
-        reads fewer table bytes than their dense x @ W. Dense reads in x sum(out) once per batch; the
-        LUT reads the encoder (num_basis x in) once, then per token k rows of each table, and with
-        compensation k decoder rows and `budget` rows of each W. Bytes, not FLOPs, because both sides
-        are memory bound at the small batches where the lookup can win; 0 means dense always wins."""
-        enc, outs = self.encoder, self.encoder.target_outputs
-        k, d_in, total = enc.k_active, self.in_features, sum(outs)
-        fixed = d_in * total - enc.encoder_weight.shape[0] * d_in
-        per_token = k * total + (len(outs) * k * d_in + self.budget * total if self.budget else 0)
-        return max(0, fixed // per_token)
+        budget = max(0, min(int(budget), self.in_features))
+        if self.calibration is not None and budget != self.budget:
+            self.crossover_tokens = self.calibration = None
+        self.budget = budget
 
     def lookup(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Spec Step B: sum_j values_j * P[indices_j] + bias_product."""
@@ -149,20 +157,138 @@ class LutLinear(nn.Module):
         """(x - x_hat)[:, S] @ W_target[S, :] for the `budget` dims S of largest |x - x_hat| per token."""
         return weighted_rows(*self.encoder.residual_top(x, self.budget), self.w_target)
 
+    def lookup_path(self, x: torch.Tensor) -> torch.Tensor:
+        """Step A (cached per input, shared) + Step B (+ compensation): [N, out], without target_bias."""
+        out = self.lookup(*self.encoder(x))
+        return out + self.compensation(x) if self.budget else out
+
+    def dense_path(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W_target: [N, out], without target_bias."""
+        return x.reshape(-1, x.shape[-1]).to(self.w_target.dtype) @ self.w_target
+
+    def runs_dense(self, tokens: int) -> bool:
+        """Runtime auto above the crossover (a lookup-only target never does)."""
+        if self.runtime == "lookup":
+            return False
+        if self.crossover_tokens is None:
+            raise ConfigError("lut.runtime auto: no crossover for this budget; call calibrate_auto(installed) "
+                              "after set_budget, or pin crossover_tokens")
+        return tokens > self.crossover_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if self.runtime == "auto" and len(flat) > self.crossover_tokens():
-            self.paths["dense"] += 1
-            out = flat.to(self.w_target.dtype) @ self.w_target
-        else:
-            self.paths["lookup"] += 1
-            values, indices = self.encoder(x)
-            out = self.lookup(values, indices)
-            if self.budget:
-                out = out + self.compensation(x)
+        path = "dense" if self.runs_dense(x.numel() // x.shape[-1]) else "lookup"
+        self.paths[path] += 1
+        out = self.dense_path(x) if path == "dense" else self.lookup_path(x)
         if self.target_bias is not None:
             out = out + self.target_bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+# ---------------------------------------------------------------- auto: the measured crossover
+
+def crossover_from(rows: list[dict[str, float]]) -> int:
+    """The most tokens for which auto runs the lookup, from rows {tokens, lookup_ms, dense_ms} at
+    increasing token counts. Rule: take the largest measured count where the lookup was faster; if a
+    larger count was measured (where it was not), move the threshold to where the straight line
+    between the two points' time differences crosses zero (both paths' times are close to affine in
+    the token count between neighbouring points). 0 if the lookup never won. Never beyond the
+    largest measured count: there is no evidence there, and dense is the exact path."""
+    won = [i for i, row in enumerate(rows) if row["lookup_ms"] < row["dense_ms"]]
+    if not won:
+        return 0
+    i = won[-1]
+    if i + 1 == len(rows):
+        return int(rows[i]["tokens"])
+    here, there = rows[i], rows[i + 1]
+    gain, loss = here["dense_ms"] - here["lookup_ms"], there["lookup_ms"] - there["dense_ms"]
+    return int(here["tokens"] + (there["tokens"] - here["tokens"]) * gain / (gain + loss))
+
+
+def call_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of fn after one warm-up (lazy init, allocator, caches);
+    CUDA by events around the call, the CPU by perf_counter."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+    return times
+
+
+def token_bytes(luts: list[LutLinear]) -> int:
+    """Activation bytes per token that one calibration call holds: the input and residual, the
+    pre-activations over the basis, every target's lookup and dense output."""
+    table = luts[0].precomputed_products
+    d_in, basis, outs = luts[0].in_features, table.shape[0], sum(lut.out_features for lut in luts)
+    return table.element_size() * (2 * d_in + basis + 2 * outs)
+
+
+def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKENS,
+              max_seconds: float = CALIBRATION_SECONDS) -> dict[str, Any]:
+    """Time the lookup path of targets sharing one encoder (one encoding, then every target's lookup
+    and compensation at its budget: how forward runs them) against their dense x @ W, on the tables'
+    device and dtype, at each of `tokens` whose activations fit CALIBRATION_BYTES; best of
+    CALIBRATION_REPEATS. Time bound: a count is skipped (with every larger one) when the time so
+    far plus its cost predicted linearly from the previous count exceeds max_seconds; the first
+    count is always measured. Returns rows {tokens, lookup_ms, dense_ms} and crossover_tokens."""
+    encoder, table = luts[0].encoder, luts[0].precomputed_products
+    counts = [n for n in tokens if n * token_bytes(luts) <= CALIBRATION_BYTES]
+    rows: list[dict[str, float]] = []
+    start, encodings = time.perf_counter(), encoder.n_encodings
+
+    def lookup_all(x: torch.Tensor) -> list[torch.Tensor]:
+        encoder.forget()  # every call pays the encoding, as every new input does
+        return [lut.lookup_path(x) for lut in luts]
+
+    with torch.inference_mode():
+        for n in counts:
+            if rows and time.perf_counter() - start + predicted_seconds(rows[-1], n) > max_seconds:
+                break
+            x = torch.randn(n, luts[0].in_features, device=table.device, dtype=table.dtype)
+            lookup = min(call_seconds(lambda: lookup_all(x), table.device, CALIBRATION_REPEATS))
+            dense = min(call_seconds(lambda: [lut.dense_path(x) for lut in luts], table.device, CALIBRATION_REPEATS))
+            rows.append({"tokens": n, "lookup_ms": lookup * 1e3, "dense_ms": dense * 1e3})
+    encoder.forget()
+    encoder.n_encodings = encodings  # the calibration's encodings are not the model's
+    return {"device": str(table.device), "dtype": str(table.dtype).removeprefix("torch."),
+            "budgets": [lut.budget for lut in luts], "rows": rows, "crossover_tokens": crossover_from(rows),
+            "seconds": time.perf_counter() - start}
+
+
+def predicted_seconds(previous: dict[str, float], tokens: int) -> float:
+    """Cost of timing `tokens` (warm-up + repeats of both paths), scaled linearly from the previous
+    row: an overestimate where per-call overhead dominates, close where the work does."""
+    per_call = (previous["lookup_ms"] + previous["dense_ms"]) / 1e3 * tokens / previous["tokens"]
+    return (1 + CALIBRATION_REPEATS) * per_call
+
+
+def calibrate_auto(installed: dict[str, LutLinear], max_seconds: float = CALIBRATION_SECONDS) -> list[dict[str, Any]]:
+    """Calibrate each group of runtime-auto targets sharing an encoder that has no crossover yet (just
+    installed, or its budget changed) and set their crossover_tokens; every group's table, with its
+    targets (pinned crossovers have none)."""
+    groups: dict[LutEncoder, dict[str, LutLinear]] = {}
+    for name, lut in installed.items():
+        if lut.runtime == "auto":
+            groups.setdefault(lut.encoder, {})[name] = lut
+    tables = []
+    for members in groups.values():
+        luts = list(members.values())
+        if any(lut.crossover_tokens is None for lut in luts):
+            table = {"targets": list(members), **calibrate(luts, max_seconds=max_seconds)}
+            for lut in luts:
+                lut.crossover_tokens, lut.calibration = table["crossover_tokens"], table
+        if luts[0].calibration is not None:
+            tables.append(luts[0].calibration)
+    return tables
 
 
 def _parent(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
@@ -173,9 +299,11 @@ def _parent(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
 
 
 def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torch.dtype | None = None,
-                 runtime: str = "lookup") -> dict[str, LutLinear]:
+                 runtime: str = "lookup", crossover_tokens: int | None = None) -> dict[str, LutLinear]:
     """Replace every layer of `store` in `model` by a LutLinear; same encoder tensors -> one LutEncoder.
-    Tables are held in `dtype`, by default the dtype of the linear they replace (module docstring)."""
+    Tables are held in `dtype`, by default the dtype of the linear they replace (module docstring).
+    runtime "auto": the crossover is `crossover_tokens` when given (reproducible runs, tests), else
+    measured now by calibrate_auto (each target's `calibration` holds its group's table)."""
     from actstore.models import get_module
 
     encoders: dict[bytes, LutEncoder] = {}
@@ -194,7 +322,9 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
         if key not in encoders:
             encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
         lut = LutLinear(encoders[key], tables, linear, budget, held, runtime=runtime).to(linear.weight.device)
+        lut.crossover_tokens = crossover_tokens
         parent, name = _parent(model, module_path)
         setattr(parent, name, lut)
         installed[module_path] = lut
+    calibrate_auto(installed)
     return installed

@@ -4,7 +4,6 @@ from pathlib import Path
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, extraction_fill, plan_store, write_shards
 from actstore.hashing import stage_hash
-from actstore.jobs import job_items
 from actstore.models import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 from actstore.workflow import setup_logging
@@ -17,5 +16,5 @@ model_config = read_model_config(extraction.info.model.path) if image else None
 # The store's metadata (its name goes into the job record) without computing labels.bin: the finishing job does.
 plan = plan_store(extraction, config["saev"], stage_hash(config, "extract"), model_config=model_config,
                   labeler=PatchLabeler(image_patch_labels, REGISTER_LABEL), labels=False)
-shards = job_items(len(plan.shard_sizes), snakemake.params.jobs, snakemake.params.job)
-write_shards(plan, extraction_fill(extraction, plan), snakemake.output[0], shards, progress=True)
+write_shards(plan, extraction_fill(extraction, plan), snakemake.output[0], snakemake.params.jobs, snakemake.params.job,
+             progress=True)

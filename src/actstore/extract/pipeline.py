@@ -3,7 +3,7 @@ the model runs the next batch, and writer threads put them in the part's files.
 
     forward (batch b+1)  ──►  pack on the device  ──►  staging slot (pinned; side stream on CUDA)
                                                            │  bounded: `buffers` slots in flight
-                                 writer threads  ◄─────────┘  (one owner per file, sha256 as written)
+                                 writer threads  ◄─────────┘  (one owner per file, hashed as written)
 
 A slow disk blocks `submit` on a free slot, so it slows the GPU instead of filling memory. The same
 pipeline runs on CPU (plain buffers, synchronous copies).

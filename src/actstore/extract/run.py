@@ -102,8 +102,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
 
 
 def writer_threads(ext: dict[str, Any], cpus: int) -> int:
-    """extract.writer_threads, or (null) one per captured tensor up to the job's CPUs: a text part's
-    files are mostly hashed at its end (see OrderedHashFile), one thread per file in parallel."""
+    """extract.writer_threads, or (null) one per captured tensor up to the job's CPUs: each thread
+    owns its files and hashes them as they fill (see io_utils.TreeHashFile)."""
     return ext["writer_threads"] or max(1, min(cpus, len(ext["layers"]) + len(ext["hooks"])))
 
 

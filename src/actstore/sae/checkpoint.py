@@ -8,6 +8,7 @@ from typing import Any
 
 from actstore.errors import ConfigError, FormatError
 from actstore.io_utils import atomic_path
+from actstore.safetensors_io import save_safetensors
 from actstore.sae.model import SAE_KEYS, TopKSAE
 
 SAE_FILE = "sae.safetensors"
@@ -50,12 +51,10 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
 
 def save_sae(sae: TopKSAE, path: str | Path, meta: dict[str, Any]) -> None:
     """float32 safetensors with the LUT key names; meta (hook, k_active, ...) in the header."""
-    from safetensors.torch import save_file
-
     header = {key: str(value) for key, value in {**meta, "k_active": sae.k_active,
                                                  "num_basis": sae.num_basis, "d_in": sae.d_in}.items()}
     with atomic_path(path) as tmp:
-        save_file(sae.state(), str(tmp), metadata=header)
+        save_safetensors(sae.state(), tmp, header)
 
 
 def load_sae(path: str | Path) -> tuple[TopKSAE, dict[str, str]]:

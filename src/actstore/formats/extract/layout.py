@@ -1,7 +1,9 @@
 """The extraction intermediate's layout: the only place that knows its names and bytes.
 
 `part-NNNN/`:
-  part.json        metadata: sample range, tensors {name: {file, shape, dtype, sha256}}, model, ...
+  part.json        metadata: sample range, files {name: {bytes, sha256_tree[, shape, dtype]}}, model, ...
+                   (version 1 recorded plain sha256; the tree hash, 1 MiB leaves, lets a file filled
+                   out of order be hashed as it fills: integrity.DIGESTS checks either)
   samples.jsonl    one row per sample: sample_idx, text (or image path), label, label_id,
                    num_tokens, metadata (extra dataset fields)
   offsets.npy      int64 (n+1,): tokens of local sample i are rows offsets[i]:offsets[i+1]
@@ -23,7 +25,7 @@ import numpy as np
 PART_META = "part.json"
 INDEX = "extract.json"  # beside the parts: every part's directory and part.json sha256
 FORMAT_NAME = "actstore-part"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def layer_tensor(layer_idx: int) -> str:

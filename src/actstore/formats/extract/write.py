@@ -12,14 +12,15 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, PART_META, STORAGE_DESCR,
                                              layer_tensor, npy_header, part_dirname, tensor_file)
-from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file, write_json_atomic
+from actstore.integrity import TREE_HASH_KEY
+from actstore.io_utils import TreeHashFile, atomic_path, sha256_file, write_json_atomic
 
 
 @dataclass
 class _Sink:
     """One data file: sample i fills units unit_offsets[i]:unit_offsets[i+1] of unit_bytes each."""
 
-    file: OrderedHashFile
+    file: TreeHashFile
     unit_offsets: np.ndarray
     unit_bytes: int
     header_bytes: int
@@ -32,7 +33,8 @@ class PartWriter:
     add_rows) and filled sample by sample from any thread (one thread per file), then finish().
 
     Samples arrive batched by length, so a file is filled out of order; each write goes straight to
-    its place and the file's sha256 follows the written prefix (io_utils.OrderedHashFile).
+    its place and each 1 MiB of the file is hashed as soon as it is whole: part.json records the
+    SHA-256 tree hash (io_utils.TreeHashFile), complete when the last write returns.
     """
 
     def __init__(self, tmp_dir: Path, samples: list[dict], offsets: np.ndarray):
@@ -50,15 +52,15 @@ class PartWriter:
                                                    for row in samples).encode("utf-8"))
 
     def _write_whole(self, file: str, data: bytes) -> None:
-        sink = OrderedHashFile(self.dir / file, len(data), data)
-        self.files[file] = {"bytes": len(data), "sha256": sink.close()}
+        sink = TreeHashFile(self.dir / file, len(data), data)
+        self.files[file] = {"bytes": len(data), TREE_HASH_KEY: sink.close()}
 
     def _add(self, file: str, unit_offsets: np.ndarray, shape: tuple[int, ...], dtype: str) -> None:
         descr = STORAGE_DESCR.get(dtype) or np.dtype(dtype).str
         unit_bytes = int(np.dtype(descr).itemsize * int(np.prod(shape[1:], dtype=np.int64)))
         head = npy_header(shape, descr)
         size = len(head) + int(unit_offsets[-1]) * unit_bytes
-        self.sinks[file] = _Sink(OrderedHashFile(self.dir / file, size, head), unit_offsets, unit_bytes,
+        self.sinks[file] = _Sink(TreeHashFile(self.dir / file, size, head), unit_offsets, unit_bytes,
                                  len(head), shape, dtype)
 
     def add_tokens(self, file: str, width: int | None, dtype: str) -> None:
@@ -86,10 +88,10 @@ class PartWriter:
             sink.file.abort()
 
     def finish(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """Close (fsync) every data file with its running sha256, then write part.json last."""
+        """Close (fsync) every data file with its tree hash, then write part.json last."""
         for file, sink in self.sinks.items():
             self.files[file] = {"shape": list(sink.shape), "dtype": sink.dtype, "bytes": sink.file.size,
-                                "sha256": sink.file.close()}
+                                TREE_HASH_KEY: sink.file.close()}
         files = {file: self.files[file] for file in sorted(self.files)}
         meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta,
                 "n_samples": len(self.samples), "n_tokens": self.n_tokens, "files": files}

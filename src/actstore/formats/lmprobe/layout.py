@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
+from actstore.safetensors_io import header_bytes
 
 FORMAT = "lmprobe"
 FORMAT_VERSION = "2.0"
@@ -97,9 +98,7 @@ def encode_header(specs: list[TensorSpec], metadata: dict[str, str] | None = Non
         nbytes = tensor_bytes(st_dtype, shape)
         header[key] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(len(text) + 8) % 8)
-    return struct.pack("<Q", len(text)) + text
+    return header_bytes(header)
 
 
 def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:

@@ -30,14 +30,12 @@ from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDE
                                              LOGITS_VALUES_KEY, PREFIX, ST_METADATA, SUMS, TensorSpec, dataset_card,
                                              encode_header, from_float32, index_name, prompt_order, rows_per_shard,
                                              tensor_bytes)
-from actstore.integrity import file_problem, read_json
 from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file, utc_now
-from actstore.jobs import job_items
+from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 
 log = logging.getLogger(__name__)
 
 COPY_BYTES = 64 << 20  # the fixed buffer a shard is gathered into between writes
-JOB_RECORD = "files.json"  # in a job directory: {"jobs", "job", "files": {rel path: {bytes, sha256}}}
 # Index row groups: at most ROW_GROUP_ROWS rows (pq.write_table's default, so a small index is one
 # group and byte-identical to writing it whole) and ending at the first row that brings the group
 # to ROW_GROUP_TOKENS tokens. One group's columns, as arrow arrays and again encoded, are what the
@@ -294,12 +292,12 @@ def _logits_file(plan: Plan, i: int) -> tuple[list[TensorSpec], Iterator[np.ndar
 def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, Any], jobs: int, job: int,
               progress: bool = True) -> dict[str, dict]:
     """Job `job` of `jobs`: its contiguous range of the planned tensor files, under `job_dir`
-    (atomically) with JOB_RECORD; return {rel path: {bytes, sha256}}."""
+    (atomically) with its job record (jobs.write_job_record); return {rel path: {bytes, sha256}}."""
     plan = plan_dataset(extract_dir, options)
     items = job_items(len(plan.files), jobs, job)
     with atomic_path(job_dir) as tmp:
         records = write_tensor_files(plan, tmp, items, progress)
-        (tmp / JOB_RECORD).write_text(json.dumps({"jobs": jobs, "job": job, "files": records}, indent=1) + "\n")
+        write_job_record(tmp, jobs, job, records)
     log.info("lmprobe job %d/%d: %d tensor files -> %s", job, jobs, len(items), job_dir)
     return records
 
@@ -318,35 +316,27 @@ def finish_dataset(extract_dir: str | Path, job_dirs: list[str | Path], out_dir:
     sources = _collect(plan, [Path(d) for d in job_dirs])
     with atomic_path(out_dir) as tmp:
         (tmp / "tensors").mkdir(parents=True)
-        for rel, (source, _) in sources.items():
-            os.link(source, tmp / rel)
+        for rel, (job_dir, _) in sources.items():
+            os.link(job_dir / rel, tmp / rel)
         info = _finish(plan, tmp, {rel: record for rel, (_, record) in sources.items()})
     log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
     return info
 
 
-def _collect(plan: Plan, job_dirs: list[Path]) -> dict[str, tuple[Path, dict]]:
-    """rel path -> (file in its job directory, {bytes, sha256}), in plan order, every file checked to
-    exist with its recorded size and every job's record to list exactly its planned files."""
-    found = {}
+def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
+    """rel path -> (its job directory, {bytes, sha256}), in plan order, from the jobs' records
+    (jobs.read_job_records: each file there with its recorded size); every job must list exactly
+    the files the plan gives it (jobs.job_items)."""
+    files = read_job_records(job_dirs).files
     for job, job_dir in enumerate(job_dirs):
-        record_path = job_dir / JOB_RECORD
-        record = read_json(record_path)
-        planned = [plan.files[i] for i in job_items(len(plan.files), len(job_dirs), job)]
-        if not isinstance(record, dict) or (record.get("jobs"), record.get("job")) != (len(job_dirs), job):
-            raise FormatError(f"{record_path}: not the record of job {job} of {len(job_dirs)}")
-        files = record.get("files") if isinstance(record.get("files"), dict) else {}
-        if list(files) != planned:
-            missing = [rel for rel in planned if rel not in files] or sorted(set(files) - set(planned))
-            raise FormatError(f"{record_path}: lists {len(files)} files, the plan gives job {job} "
-                              f"{len(planned)} (first difference {missing[:1] or 'in order'})")
-        for rel, entry in files.items():
-            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-                raise FormatError(f"{record_path}: no sha256 recorded for {rel}")
-            if problem := file_problem(job_dir / rel, {"bytes": entry.get("bytes")}, str(record_path)):
-                raise FormatError(problem)
-            found[rel] = (job_dir / rel, {"bytes": entry["bytes"], "sha256": entry["sha256"]})
-    return found
+        for rel in (plan.files[i] for i in job_items(len(plan.files), len(job_dirs), job)):
+            if files.get(rel, (None,))[0] != job_dir:
+                raise FormatError(f"{job_dir / JOB_RECORD}: does not list {rel}, a file the plan gives job {job}")
+    if len(files) != len(plan.files):
+        planned = set(plan.files)
+        rel, job_dir = next((rel, job_dir) for rel, (job_dir, _) in files.items() if rel not in planned)
+        raise FormatError(f"{job_dir / rel}: not a file of the planned dataset (listed in {job_dir / JOB_RECORD})")
+    return {rel: files[rel] for rel in plan.files}
 
 
 def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[str, Any],
@@ -456,7 +446,11 @@ def row_groups(num_tokens: np.ndarray) -> Iterator[tuple[int, int]]:
 
 
 def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
-    """The index parquet, one row group at a time (the schema fixed beforehand, see _metadata_types)."""
+    """The index parquet, one row group at a time (the schema fixed beforehand, see _metadata_types).
+    Arrow's allocator (mimalloc) keeps freed pages for reuse, and a finished group's arrays are
+    never the size of the next: without handing them back after each group the job's memory grew
+    ~1 MB a group (tests/test_scale.py), with it stays at one group's."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     metadata = {f"{PREFIX}{k}".encode(): json.dumps(v).encode() for k, v in info.items()}
@@ -468,6 +462,8 @@ def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
             if writer is None:
                 writer = pq.ParquetWriter(path, table.schema.with_metadata(metadata), write_page_checksum=True)
             writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+            del table
+            pa.default_memory_pool().release_unused()
     finally:
         if writer is not None:
             writer.close()

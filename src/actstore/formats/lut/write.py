@@ -11,6 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.lut.layout import BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, VERSION, lut_file
 from actstore.integrity import file_record
 from actstore.io_utils import atomic_path, utc_now
+from actstore.safetensors_io import save_safetensors
 
 
 def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias: torch.Tensor | None,
@@ -34,8 +35,6 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
 
     `tables` maps module path -> the tensors from precompute(); every table must share num_basis.
     """
-    from safetensors.torch import save_file
-
     final = Path(root) / LUT_DIR
     num_basis = {t["encoder_weight"].shape[0] for t in tables.values()}
     if len(num_basis) != 1:
@@ -45,7 +44,7 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
         tmp.mkdir()
         for module_path, tensors in tables.items():
             file = lut_file(module_path)
-            save_file(tensors, str(tmp / file), metadata={"format": "lut", "version": VERSION})
+            save_safetensors(tensors, tmp / file, {"format": "lut", "version": VERSION})
             in_dim, out_dim = tensors["decoder_weight"].shape[1], tensors["precomputed_products"].shape[1]
             record = file_record(tmp / file)
             layers[module_path] = {"input_dim": int(in_dim), "output_dim": int(out_dim), "file": file,

@@ -23,15 +23,15 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
                                           examples_per_shard, shard_name, shard_sizes, store_name, text_windows,
                                           to_upstream)
 from actstore.formats.saev.read import open_store
-from actstore.integrity import file_record, read_json
+from actstore.integrity import file_record
 from actstore.io_utils import TEMP_SUFFIX, OrderedHashFile, atomic_path, write_json_atomic
+from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 
 log = logging.getLogger(__name__)
 
 # The one slab buffer a shard writer holds: examples are filled into it and written from it, so memory
 # does not grow with the data (no dirty memory-mapped pages, which a Slurm job's cgroup is charged for).
 CHUNK_BYTES = 64 << 20
-JOB_RECORD = "job.json"  # what a shard job wrote: {"store", "n_examples", "files": {name: {bytes, sha256}}}
 ZEROS = bytes(1 << 20)  # hashed in place of an upstream shard's hole
 Fill = Callable[[int, np.ndarray], None]  # fill(first_example, out (n, L, T, D))
 
@@ -283,15 +283,16 @@ def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = T
     finishing job do apart."""
     Path(root).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".saev-shards.", suffix=TEMP_SUFFIX, dir=root) as job_dir:
-        write_shards(plan, fill, job_dir, range(len(plan.shard_sizes)), progress=progress)
+        write_shards(plan, fill, job_dir, 1, 0, progress=progress)
         return finish_store(plan, [job_dir], root)
 
 
-def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, shards: range, progress: bool = False) -> Path:
-    """Write shards `shards` of the plan's store into out_dir, then its job record (JOB_RECORD: each
-    file's bytes and sha256, taken as it was written) last; return the record's path. Holds one slab
-    buffer of CHUNK_BYTES (at least one example) whatever the data's size."""
+def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: int, progress: bool = False) -> Path:
+    """Write job `job` of `jobs`' shards of the plan's store (jobs.job_items) into out_dir, then its
+    job record (jobs.write_job_record, with the store's name) last; return the record's path. Holds
+    one slab buffer of CHUNK_BYTES (at least one example) whatever the data's size."""
     out_dir = Path(out_dir)
+    shards = job_items(len(plan.shard_sizes), jobs, job)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = plan.shard_sizes
     starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
@@ -301,9 +302,7 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, shards: range, pro
     for idx in tqdm(shards, desc="saev shards", unit="shard", disable=not progress):
         path = out_dir / shard_name(idx)
         files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffer, plan.shard_bytes(sizes[idx]))
-    record = {"store": plan.store_name, "n_examples": sum(sizes[idx] for idx in shards), "files": files}
-    write_json_atomic(out_dir / JOB_RECORD, record)
-    return out_dir / JOB_RECORD
+    return write_job_record(out_dir, jobs, job, files, store=plan.store_name)
 
 
 def _write_shard(path: Path, fill: Fill, start: int, n: int, buffer: np.ndarray, size: int) -> dict[str, Any]:
@@ -340,8 +339,8 @@ def finish_store(plan: Plan, job_dirs: Sequence[str | Path], root: str | Path) -
     with atomic_path(final) as tmp:
         tmp.mkdir()
         files = {}
-        for name, (path, record) in shards.items():
-            os.link(path, tmp / name)
+        for name, (job_dir, record) in shards.items():
+            os.link(job_dir / name, tmp / name)
             files[name] = record
         if plan.windows is not None:
             np.save(tmp / WINDOWS, plan.windows)
@@ -358,39 +357,29 @@ def finish_store(plan: Plan, job_dirs: Sequence[str | Path], root: str | Path) -
     return final
 
 
-def _job_shards(plan: Plan, job_dirs: list[Path]) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """Every shard of the plan, in order: where a job wrote it and the job's record of it. FormatError
-    naming the file when a job record is missing or for another store, or a shard is missing, of the
-    wrong size, or written twice."""
-    found: dict[str, tuple[Path, dict[str, Any]]] = {}
-    for job_dir in job_dirs:
-        record_path = job_dir / JOB_RECORD
-        record = read_json(record_path)
-        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-            raise FormatError(f"{record_path}: not a saev job record (no 'files' object)")
-        if record.get("store") != plan.store_name:
-            raise FormatError(f"{record_path}: shards of store {record.get('store')!r}, not {plan.store_name!r} "
-                              "(a job of another config?)")
-        for name, file in record["files"].items():
-            if name in found:
-                raise FormatError(f"{record_path}: {name} also written by {found[name][0].parent}")
-            if not isinstance(file, dict) or not {"bytes", "sha256"} <= set(file):
-                raise FormatError(f"{record_path}: no bytes and sha256 recorded for {name}")
-            found[name] = (job_dir / name, file)
+def _job_shards(plan: Plan, job_dirs: list[Path]) -> JobFiles:
+    """Every shard of the plan, in order, from its jobs' records (jobs.read_job_records: each file there
+    with its recorded size). FormatError naming the record or file when a job wrote another store's
+    shards, or a shard is missing, recorded at the wrong size or not one of the plan's."""
+    found = read_job_records(job_dirs)
+    for job_dir, extra in zip(job_dirs, found.extras):
+        if extra.get("store") != plan.store_name:
+            raise FormatError(f"{job_dir / JOB_RECORD}: shards of store {extra.get('store')!r}, not "
+                              f"{plan.store_name!r} (a job of another config?)")
+    files = dict(found.files)
     shards = {}
     for idx, n in enumerate(plan.shard_sizes):
         name, size = shard_name(idx), plan.shard_bytes(n)
-        if name not in found:
+        if name not in files:
             raise FormatError(f"{name}: no job record lists it (records in {', '.join(map(str, job_dirs))})")
-        path, file = shards[name] = found.pop(name)
-        if not path.is_file():
-            raise FormatError(f"{path}: missing (listed in {path.parent / JOB_RECORD})")
-        if path.stat().st_size != size or file["bytes"] != size:
-            raise FormatError(f"{path}: {path.stat().st_size} bytes, expected {size} "
-                              f"({path.parent / JOB_RECORD} records {file['bytes']})")
-    if found:
-        path = next(iter(found.values()))[0]
-        raise FormatError(f"{path}: not a shard of store {plan.store_name} (listed in {path.parent / JOB_RECORD})")
+        job_dir, record = shards[name] = files.pop(name)
+        if record["bytes"] != size:
+            raise FormatError(f"{job_dir / name}: {record['bytes']} bytes, expected {size} "
+                              f"(recorded in {job_dir / JOB_RECORD})")
+    if files:
+        name, (job_dir, _) = next(iter(files.items()))
+        raise FormatError(f"{job_dir / name}: not a shard of store {plan.store_name} "
+                          f"(listed in {job_dir / JOB_RECORD})")
     return shards
 
 

@@ -20,8 +20,6 @@ MERGED = "merged"
 FILES_JSON = "meta/files.json"
 PROMPTS_JSONL = "text/prompts.jsonl"
 ACTS = "arrays/activations"
-# In the output of each chunk-copy job of the scattered merge (the chunks under their merged keys, beside it).
-MERGE_CHUNKS_JSON = "chunks.json"
 
 # Encoding of every array (the reader's fast path depends on exactly this).
 ZARR_FORMAT = 2
@@ -99,12 +97,6 @@ def files_json_text(files: dict[str, dict]) -> str:
     """meta/files.json: bytes + sha256 of every other file of the store."""
     doc = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "files": files}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n"
-
-
-def merge_chunks_doc(shards: list[str], files: dict[str, dict]) -> dict[str, Any]:
-    """MERGE_CHUNKS_JSON: the shards a chunk-copy job took (by name, in order) and bytes + sha256 of
-    each chunk it copied, under its key in the merged store."""
-    return {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "shards": shards, "files": files}
 
 
 def manifest_doc(first_attrs: dict[str, Any], entries: list[dict], merged: dict | None, created: str) -> dict:

@@ -20,13 +20,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, MERGE_CHUNKS_JSON, PROMPTS_JSONL,
-                                          acts_chunk_key, merge_chunks_doc)
+from actstore.formats.zarr.layout import ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key
 from actstore.formats.zarr.read import ZarrStore
 from actstore.formats.zarr.write import (_consolidate, _create_vector, _now, _open_root, _write_files_json,
                                          store_entry)
 from actstore.integrity import read_json
 from actstore.io_utils import TEMP_SUFFIX, atomic_path
+from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 
 
 def _check_compatible(stores: list[Path], attrs: list[dict], start: int = 0) -> None:
@@ -74,16 +74,17 @@ def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: b
     with tempfile.TemporaryDirectory(prefix=f".{out_path.name}-chunks.", suffix=TEMP_SUFFIX,
                                      dir=out_path.parent) as scratch:
         chunk_dir = Path(scratch) / "merge-0"
-        copy_chunks(shards, chunk_dir, progress)
+        copy_chunks(shards, chunk_dir, 1, 0, progress)
         return finish_merge(shards, [chunk_dir], out_path, progress)
 
 
-def copy_chunks(shards: Sequence[str | Path], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
-    """One job of the scattered merge (atomic): the activation chunks of `shards`, consecutive shards
-    of one run, copied file for file under their merged names (sample axis = the shard's
-    global_index_start + local; chunking and encoding are identical, so the bytes are too), and
-    MERGE_CHUNKS_JSON recording their bytes + sha256 as each shard's meta/files.json has them
-    (no re-hash). Returns that record."""
+def copy_chunks(shards: Sequence[str | Path], out_dir: str | Path, jobs: int, job: int,
+                progress: bool = True) -> dict[str, dict]:
+    """Job `job` of `jobs` of the scattered merge (atomic): the activation chunks of `shards`, its
+    consecutive shards of the run (jobs.job_items), copied file for file under their merged names
+    (sample axis = the shard's global_index_start + local; chunking and encoding are identical, so
+    the bytes are too), and its job record (jobs.write_job_record, with the shards' names) of their
+    bytes + sha256 as each shard's meta/files.json has them (no re-hash). Returns those entries."""
     from tqdm import tqdm
 
     shards, readers = _open_shards(shards, start=None)
@@ -92,9 +93,8 @@ def copy_chunks(shards: Sequence[str | Path], out_dir: str | Path, progress: boo
         (tmp / ACTS).mkdir(parents=True)
         for shard, reader in zip(shards, tqdm(readers, desc="zarr merge chunks", unit="shard", disable=not progress)):
             files.update(_copy_shard_chunks(shard, reader, tmp))
-        record = merge_chunks_doc([s.name for s in shards], files)
-        (tmp / MERGE_CHUNKS_JSON).write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n")
-    return record
+        write_job_record(tmp, jobs, job, files, shards=[s.name for s in shards])
+    return files
 
 
 def _copy_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, dict]:
@@ -125,12 +125,13 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
     """The merge's finishing job (atomic): the merged store over every shard from `chunk_dirs`, the
     outputs of `copy_chunks` over consecutive runs of `shards`, in order. Writes the small parts
     (attrs, array metadata, the concatenated 1-D arrays, prompts.jsonl), moves each sample's chunk
-    directory in by rename (no copy), then files.json from the chunk records. Every check comes
+    directory in by rename (no copy), then files.json from the jobs' records. Every check comes
     before the first rename; a failure after it renames them back, so the chunk dirs stay whole."""
     shards, readers = _open_shards(shards)
     chunk_dirs = [Path(d) for d in chunk_dirs]
-    records = [read_json(d / MERGE_CHUNKS_JSON) for d in chunk_dirs]
-    _check_records(shards, readers, chunk_dirs, records)
+    found = read_job_records(chunk_dirs)  # each chunk there with its recorded size
+    covered = [extra.get("shards") for extra in found.extras]
+    _check_records(shards, readers, chunk_dirs, covered, found.files)
     merged_attrs = _merged_attrs(shards, [r.attrs for r in readers])
     a0, n = readers[0].attrs, merged_attrs["num_samples"]
     with atomic_path(out_path) as tmp:
@@ -140,39 +141,41 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
             _create_vector(arrays, name, np.concatenate([r.vector(name) for r in readers]))
         _consolidate(tmp)
         _merge_text(shards, tmp)
-        moves = functools.partial(_sample_moves, chunk_dirs, records, readers, tmp)
+        moves = functools.partial(_sample_moves, chunk_dirs, covered, readers, tmp)
         with _renamed_back_on_error(moves, progress):
-            _write_files_json(tmp, {key: entry for record in records for key, entry in record["files"].items()})
+            _write_files_json(tmp, {key: entry for key, (_, entry) in found.files.items()})
     return store_entry(out_path)
 
 
-def _check_records(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list[Path], records: list[dict]) -> None:
-    """The chunk records cover the shards in order, once each, and name every chunk of their samples."""
-    covered = [name for record in records for name in record["shards"]]
-    if covered != [s.name for s in shards]:
-        raise FormatError(f"{', '.join(str(d) for d in chunk_dirs)}: chunk records cover {covered}, "
-                          f"expected {[s.name for s in shards]}")
-    for d, record, reader, local, g in _record_samples(chunk_dirs, records, readers):
+def _check_records(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list[Path], covered: list[Any],
+                   files: JobFiles) -> None:
+    """Each job copied the shards job_items gives it and lists every chunk of their samples."""
+    for job, (d, names) in enumerate(zip(chunk_dirs, covered)):
+        expected = [shards[i].name for i in job_items(len(shards), len(chunk_dirs), job)]
+        if names != expected:
+            raise FormatError(f"{d / JOB_RECORD}: copied shards {names}, job {job} of {len(chunk_dirs)} "
+                              f"takes {expected}")
+    for d, reader, local, g in _record_samples(chunk_dirs, covered, readers):
         for _, target in _sample_chunk_keys(reader, local, g):
-            if target not in record["files"]:
-                raise FormatError(f"{d / MERGE_CHUNKS_JSON}: no entry for {target}")
+            if files.get(target, (None,))[0] != d:
+                raise FormatError(f"{d / JOB_RECORD}: no entry for {target}")
 
 
-def _record_samples(chunk_dirs: list[Path], records: list[dict],
-                    readers: list[ZarrStore]) -> Iterator[tuple[Path, dict, ZarrStore, int, int]]:
-    """(chunk dir, its record, shard, local index, merged index) of every sample, in merged order."""
+def _record_samples(chunk_dirs: list[Path], covered: list[list[str]],
+                    readers: list[ZarrStore]) -> Iterator[tuple[Path, ZarrStore, int, int]]:
+    """(chunk dir, shard, local index, merged index) of every sample, in merged order."""
     by_name = {r.path.name: r for r in readers}
-    for d, record in zip(chunk_dirs, records):
-        for reader in (by_name[name] for name in record["shards"]):
+    for d, names in zip(chunk_dirs, covered):
+        for reader in (by_name[name] for name in names):
             start = reader.attrs["global_index_start"]
             for local in range(reader.n_samples):
-                yield d, record, reader, local, start + local
+                yield d, reader, local, start + local
 
 
-def _sample_moves(chunk_dirs: list[Path], records: list[dict], readers: list[ZarrStore],
+def _sample_moves(chunk_dirs: list[Path], covered: list[list[str]], readers: list[ZarrStore],
                   dst: Path) -> Iterator[tuple[Path, Path]]:
     """(chunk directory in a chunk dir, its place in `dst`) of every merged sample, in order."""
-    for d, _, _, _, g in _record_samples(chunk_dirs, records, readers):
+    for d, _, _, g in _record_samples(chunk_dirs, covered, readers):
         yield d / ACTS / str(g), dst / ACTS / str(g)
 
 
@@ -185,11 +188,7 @@ def _renamed_back_on_error(moves: Callable[[], Iterator[tuple[Path, Path]]], pro
     done = 0
     try:
         for src, dst in tqdm(moves(), desc="zarr merge", unit="sample", disable=not progress):
-            try:
-                os.rename(src, dst)
-            except FileNotFoundError:
-                raise FormatError(f"{src}: chunk directory missing (its chunk-copy job's output is "
-                                  "incomplete: run that job again)") from None
+            os.rename(src, dst)
             done += 1
         yield
     except BaseException:

@@ -1,0 +1,112 @@
+"""Files written by positioned writes in any order, hashed as they fill (io_utils): the extraction's
+SHA-256 tree hash and the formats' plain sha256, against references computed here from the bytes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+
+import pytest
+
+from actstore.errors import FormatError
+from actstore.formats.extract import open_part
+from actstore.io_utils import OrderedHashFile, TreeHashFile, sha256_tree_file
+
+MIB = 1 << 20
+SIZES = [0, 5, MIB - 1, MIB, MIB + 1, 3 * MIB + 777, 7 * MIB]
+
+
+def reference_tree_hash(data: bytes) -> str:
+    """The SHA-256 tree hash as a recursive Merkle split (the left subtree holds the largest power of
+    two of leaves below the count), a formulation independent of the level-by-level one it tests."""
+    leaves = [hashlib.sha256(data[i:i + MIB]).digest() for i in range(0, len(data), MIB)]
+    if not leaves:
+        return hashlib.sha256(b"").hexdigest()
+
+    def root(nodes: list[bytes]) -> bytes:
+        if len(nodes) == 1:
+            return nodes[0]
+        split = 1 << (len(nodes) - 1).bit_length() - 1
+        return hashlib.sha256(root(nodes[:split]) + root(nodes[split:])).digest()
+    return root(leaves).hex()
+
+
+def shuffled_regions(size: int, rng: random.Random) -> list[tuple[int, int]]:
+    """The file cut at random points (some inside leaves, some across them), in random order."""
+    cuts = sorted({0, size, *(rng.randrange(size + 1) for _ in range(12))})
+    regions = list(zip(cuts, cuts[1:]))
+    rng.shuffle(regions)
+    return regions
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("kind", [TreeHashFile, OrderedHashFile])
+def test_out_of_order_writes_give_the_digest_of_the_bytes(kind, size, tmp_path):
+    rng = random.Random(size)
+    data = rng.randbytes(size)
+    sink = kind(tmp_path / "f", size)
+    for start, stop in shuffled_regions(size, rng):
+        sink.write(start, data[start:stop])
+    digest = sink.close()
+    assert (tmp_path / "f").read_bytes() == data
+    expected = reference_tree_hash(data) if kind is TreeHashFile else hashlib.sha256(data).hexdigest()
+    assert digest == expected
+    if kind is TreeHashFile:
+        assert sha256_tree_file(tmp_path / "f", threads=1) == sha256_tree_file(tmp_path / "f", threads=3) == expected
+        # one leaf or none: the tree hash is the plain sha256, so small files read the same either way
+        assert (expected == hashlib.sha256(data).hexdigest()) == (size <= MIB)
+
+
+def test_every_leaf_is_hashed_when_the_last_write_returns(tmp_path):
+    """The point of the tree hash: nothing is left to hash after the run's last batch, whatever the
+    order the batches filled the file in."""
+    rng = random.Random(1)
+    size = 5 * MIB + 123
+    data = rng.randbytes(size)
+    sink = TreeHashFile(tmp_path / "f", size)
+    regions = shuffled_regions(size, rng)
+    for start, stop in regions[:-1]:
+        sink.write(start, data[start:stop])
+    assert None in sink.leaves
+    start, stop = regions[-1]
+    sink.write(start, data[start:stop])
+    assert None not in sink.leaves
+    assert sink.close() == reference_tree_hash(data)
+
+
+def test_a_region_written_twice_or_never_is_named(tmp_path):
+    twice = TreeHashFile(tmp_path / "twice", 2 * MIB)
+    twice.write(0, bytes(MIB + 10))
+    with pytest.raises(OSError, match=r"twice: bytes 0\.\.1048576 written more than once"):
+        twice.write(0, bytes(10))
+    twice.abort()
+    gap = TreeHashFile(tmp_path / "gap", 2 * MIB)
+    gap.write(0, bytes(MIB))
+    with pytest.raises(OSError, match=f"gap: {MIB} of {2 * MIB} bytes written"):
+        gap.close()
+    past = TreeHashFile(tmp_path / "past", 10)
+    with pytest.raises(OSError, match="past: a write ends at byte 11, past the file's 10"):
+        past.write(5, bytes(6))
+    past.abort()
+
+
+def test_part_json_records_tree_hashes_and_an_older_plain_sha256_still_verifies(extracted, tmp_path):
+    _, out = extracted("bert")
+    meta = json.loads((out / "part-0000" / "part.json").read_text())
+    assert meta["version"] == 2
+    for name, record in meta["files"].items():
+        assert record["sha256_tree"] == reference_tree_hash((out / "part-0000" / name).read_bytes())
+    # a part written before the tree hash (version 1) records plain sha256: still checked
+    old = tmp_path / "old"
+    shutil.copytree(out / "part-0000", old)
+    for name, record in meta["files"].items():
+        record["sha256"] = hashlib.sha256((old / name).read_bytes()).hexdigest()
+        del record["sha256_tree"]
+    (old / "part.json").write_text(json.dumps({**meta, "version": 1}))
+    open_part(old).verify()
+    target = old / "layer_000.npy"
+    data = target.read_bytes()
+    target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(FormatError, match="layer_000.npy: sha256 differs from part.json"):
+        open_part(old).verify()
