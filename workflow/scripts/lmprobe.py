@@ -1,7 +1,12 @@
 """Rule lmprobe_dataset: the finishing job. Moves the scatter jobs' tensor files into the dataset,
 streams the index, writes README.md and SHA256SUMS, then checks what it can without re-reading the
 tensor bytes (the validate stage and `actstore verify` hash everything)."""
+import os
 from pathlib import Path
+
+# Before pyarrow loads: arrow's default allocator (mimalloc) held 6-13 MB more while the index was
+# written, at random, and more the longer the index; the C library's malloc 1-3.5 MB (docs/scale.md).
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 from actstore.errors import FormatError
 from actstore.formats import lmprobe

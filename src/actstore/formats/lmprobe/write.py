@@ -447,9 +447,9 @@ def row_groups(num_tokens: np.ndarray) -> Iterator[tuple[int, int]]:
 
 def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
     """The index parquet, one row group at a time (the schema fixed beforehand, see _metadata_types).
-    Arrow's allocator (mimalloc) keeps freed pages for reuse, and a finished group's arrays are
-    never the size of the next: without handing them back after each group the job's memory grew
-    ~1 MB a group (tests/test_scale.py), with it stays at one group's."""
+    Arrow's allocator (mimalloc in pyarrow 26) keeps freed pages for reuse, and a finished group's
+    arrays are rarely the size of the next: unless they are handed back after each group the job
+    grew ~1 MB a group (tests/test_scale.py); handed back, it holds one group's."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
