@@ -93,14 +93,14 @@ RULES = {"saev": ("saev_shards", "saev"), "lmprobe": ("lmprobe_tensors", "lmprob
          "pickle": ("pickle_part",), "zarr": ("zarr_part",), "zarr-merge": ("zarr_merge_chunks", "zarr_merge")}
 
 
-def bound_mb(name: str, extract: Path) -> float:
+def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS) -> float:
     """The mem_mb the rules state for this extraction, before rounding up to whole GB."""
     extraction = open_extraction(extract)
     config = load_config(tiny.REPO / "config" / "config.yaml")
-    config["extract"].update(layers=LAYERS, max_seq_length=extraction.info.max_seq_length, parts=2)
+    config["extract"].update(layers=layers, max_seq_length=extraction.info.max_seq_length, parts=2)
     config["pickle"].update(threads=2, shard_size_mb=1)
     text_bytes = sum((part.dir / "samples.jsonl").stat().st_size for part in extraction.parts)
-    w = resources.Workload(rows=extraction.n_samples, tokens=extraction.n_tokens, d=DIM, n_tensors=len(LAYERS),
+    w = resources.Workload(rows=extraction.n_samples, tokens=extraction.n_tokens, d=DIM, n_tensors=len(layers),
                            weight_bytes=0, data_bytes=text_bytes, itemsize=4)
     return resources.WRITER_BASE_MB + max(resources.writer_buffer_bytes(w, config, rule) for rule in RULES[name]) / 1e6
 
@@ -113,6 +113,23 @@ def test_writer_memory_does_not_grow_with_the_data(extractions, name, tmp_path):
                                              f"{LARGER}x that took {large_write:.1f} MB")
     bound = bound_mb(name, extractions[LARGER])
     assert large < bound, f"{name}: peak {large:.0f} MB over the {bound:.0f} MB its rules ask for"
+
+
+def test_lmprobe_index_holds_one_row_group_of_rows(tmp_path):
+    """Many short samples (1-4 tokens; an index row group holds ~6,500): the finisher parses
+    each part's rows as it writes them (extract.read.SampleRows), so it grows only by the per-row
+    arrays its rules state (the plan's and the rows' line index, resources.py). Holding every row as a
+    dict, as it once did, took ~500 B a row more."""
+    extracts = {n: synthetic_extraction(tmp_path / f"extract-{n}", n * 2.5 * 32 * 4, 2, 32, [1], tokens=(1, 4))
+                for n in (8_000, 32_000)}
+    rows = {n: open_extraction(e).n_samples for n, e in extracts.items()}
+    small, _ = write_mb("lmprobe", extracts[8_000], tmp_path / "small")
+    large_write, large = write_mb("lmprobe", extracts[32_000], tmp_path / "large")
+    designed = (resources.LMPROBE_PLAN_ROW_BYTES + resources.ROW_INDEX_BYTES) * (rows[32_000] - rows[8_000]) / 1e6
+    assert large_write - small < designed + 4, (f"lmprobe: {small:.1f} MB at {rows[8_000]} rows, "
+                                                f"{large_write:.1f} MB at {rows[32_000]}")
+    bound = bound_mb("lmprobe", extracts[32_000], layers=[1])
+    assert large < bound, f"lmprobe: peak {large:.0f} MB over the {bound:.0f} MB its rules ask for"
 
 
 def test_scatter_jobs_never_read_the_sample_rows(tmp_path):

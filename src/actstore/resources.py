@@ -113,7 +113,9 @@ def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
 
 
 WRITER_BASE_MB = 1000  # a writer process: interpreter, numpy, pyarrow, zarr (bench_writers: 150-300 MB anonymous)
-PYTHON_ROW_BYTES = 400  # a sample row (dict) as open_extraction holds it, beyond its text
+PYTHON_ROW_BYTES = 400  # a sample row (dict) as samples.jsonl parses to, beyond its text
+ROW_INDEX_BYTES = 8     # a row of an opened part's samples.jsonl: where its line starts (SampleRows)
+LMPROBE_PLAN_ROW_BYTES = 160  # lmprobe's jobs per prompt: the plan's arrays (72 B traced), ~130 B of memory measured
 WINDOW_BYTES = 24       # saev text windows: (sample_idx, token_start, n_valid) int64
 FILES_JSON_ENTRY_BYTES = 400  # one chunk's {bytes, sha256} entry of a zarr meta/files.json, parsed
 # The merge finisher per chunk file: its job record entry, the files.json entry built from it, the
@@ -140,7 +142,9 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     from actstore.formats.saev.write import CHUNK_BYTES
 
     parts = config["extract"]["parts"]
-    rows = 2 * w.data_bytes + PYTHON_ROW_BYTES * w.rows  # every part's samples.jsonl rows, as Python objects
+    row_bytes = ROW_INDEX_BYTES + PYTHON_ROW_BYTES + 2 * w.data_bytes / max(w.rows, 1)
+    rows = row_bytes * w.rows  # every row of every part parsed and held (a part's, per part)
+    group_rows = ROW_INDEX_BYTES * w.rows + row_bytes * min(w.rows, ROW_GROUP_TOKENS)  # one index row group's
     windows = WINDOW_BYTES * w.tokens // config["saev"]["tokens_per_window"]
     labels = w.rows * 1025 + rows if config["saev"].get("patch_labels") else 0  # labels.bin from the masks
     pickle_shards = 3 * config["pickle"]["threads"] * config["pickle"]["shard_size_mb"] * 1e6
@@ -148,8 +152,8 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     buffers = {
         "saev_shards": 2 * CHUNK_BYTES + windows,
         "saev": windows + labels,
-        "lmprobe_tensors": 2 * COPY_BYTES + 64 * w.rows,  # + the plan's per-prompt arrays
-        "lmprobe_dataset": rows + 128 * ROW_GROUP_TOKENS + 64 * w.rows,  # one row group of per-token columns
+        "lmprobe_tensors": 2 * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,
+        "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "pickle_part": rows / parts + pickle_shards,
         "zarr_part": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows
         "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr")),

@@ -1,6 +1,10 @@
 """Read an extraction: one part (Part) or all of them addressed by sample_idx (Extraction)."""
 from __future__ import annotations
 
+import json
+import mmap
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,6 +34,49 @@ class StoredTensor:
         return to_float32(self.raw[key], self.stored_dtype)
 
 
+class SampleRows(Sequence):
+    """A part's samples.jsonl, one dict per sample, parsed when asked for. The file is memory-mapped
+    and indexed by where each line starts (8 bytes a row), so a job that reads every part's rows
+    (the lmprobe index) holds one at a time, not millions of dicts and texts."""
+
+    SCAN_BYTES = 1 << 20  # the newline scan compares this much at a time
+
+    def __init__(self, path: Path, n_samples: int):
+        self.path = path
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                self._bytes = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except FileNotFoundError:
+            raise FormatError(f"{path}: missing") from None
+        self._starts = self._line_starts(size)
+        if len(self) != n_samples:
+            raise FormatError(f"{path}: {len(self)} rows, {PART_META} says {n_samples} samples")
+
+    def _line_starts(self, size: int) -> np.ndarray:
+        """Offset of each line's first byte, then one past the last line's newline (a last line
+        without one counts as if it had it). Split on "\n" only, as the writer joins rows."""
+        ends = [np.flatnonzero(np.frombuffer(self._bytes, np.uint8, min(self.SCAN_BYTES, size - a), a) == 0x0A) + a + 1
+                for a in range(0, size, self.SCAN_BYTES)]  # read in place: one block's comparison at a time
+        starts = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
+        if size and starts[-1] != size:
+            starts = np.append(starts, size + 1)
+        return starts
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def __getitem__(self, local: int) -> dict:
+        if not -len(self) <= local < len(self):
+            raise IndexError(f"{self.path}: row {local} of {len(self)}")
+        local %= len(self)
+        line = self._bytes[self._starts[local]:self._starts[local + 1] - 1]
+        try:
+            return json.loads(line.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FormatError(f"{self.path}: line {local + 1} is not valid JSON ({exc})") from None
+
+
 @dataclass
 class Part:
     """A finished part opened read-only; arrays are memory-mapped on first use."""
@@ -39,14 +86,15 @@ class Part:
     info: PartInfo
     offsets: np.ndarray
     _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    _samples: list[dict] | None = field(default=None, repr=False)
+    _samples: SampleRows | None = field(default=None, repr=False)
 
     @property
-    def samples(self) -> list[dict]:
-        """samples.jsonl's rows, read on first use: a job that needs only the token offsets (a
-        scattered writer's plan) never holds every part's rows and texts."""
+    def samples(self) -> SampleRows:
+        """samples.jsonl's rows, indexed on first use (a scattered writer's plan needs only the token
+        offsets and never opens it) and parsed one at a time (SampleRows)."""
         if self._samples is None:
-            self._samples = read_json(self.dir / "samples.jsonl", lines=True)
+            self._samples = SampleRows(inside(self.dir, "samples.jsonl", str(self.dir / PART_META)),
+                                       self.info.n_samples)
         return self._samples
 
     def _load(self, file: str) -> np.ndarray:

@@ -202,7 +202,7 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     `git_commit` is the commit of the code that wrote it, recorded in the attrs (None: unknown).
     """
     part = open_part(part_dir)
-    rows = part.samples
+    rows = list(part.samples)  # one part's rows, held: the vectors and the text arrays each pass over them
     n, layers, t_max = len(rows), list(part.info.layers), int(part.info.max_seq_length)
     hidden = int(part.tensor(layer_tensor(layers[0])).shape[1])
     tc = choose_t_chunk(t_max, hidden, t_chunk)

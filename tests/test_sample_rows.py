@@ -1,0 +1,97 @@
+"""A part's samples.jsonl read row by row (extract.read.SampleRows): the same dicts the writer
+joined, errors naming the file and line, and memory that does not hold the rows."""
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import pytest
+
+from actstore.errors import FormatError
+from actstore.formats.extract import open_extraction, synthetic_extraction
+from actstore.formats.extract.read import SampleRows
+
+
+def write_rows(path, rows, final_newline=True):
+    text = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + ("\n" if final_newline else "")
+    path.write_text(text, encoding="utf-8")
+
+
+ROWS = [{"sample_idx": 0, "text": "line\u2028separator and \u00e9", "label": None},
+        {"sample_idx": 1, "text": "", "label": "b", "metadata": {"k": [1, 2]}},
+        {"sample_idx": 2, "text": "x" * 70_000, "label": "a"}]
+
+
+@pytest.mark.parametrize("final_newline", [True, False])
+def test_rows_are_the_lines_parsed(tmp_path, final_newline):
+    write_rows(tmp_path / "samples.jsonl", ROWS, final_newline)
+    rows = SampleRows(tmp_path / "samples.jsonl", len(ROWS))
+    assert len(rows) == 3 and list(rows) == ROWS and rows[-1] == ROWS[2]
+    with pytest.raises(IndexError):
+        rows[3]
+
+
+def test_rows_across_scan_blocks(tmp_path, monkeypatch):
+    """Newlines found block by block: rows straddling a block boundary come back whole."""
+    monkeypatch.setattr(SampleRows, "SCAN_BYTES", 7)
+    many = [{"sample_idx": i, "text": "t" * (i % 13)} for i in range(200)]
+    write_rows(tmp_path / "samples.jsonl", many)
+    assert list(SampleRows(tmp_path / "samples.jsonl", 200)) == many
+
+
+def test_empty_part(tmp_path):
+    (tmp_path / "samples.jsonl").write_bytes(b"")
+    assert len(SampleRows(tmp_path / "samples.jsonl", 0)) == 0
+
+
+def test_row_count_must_match_part_json(tmp_path):
+    write_rows(tmp_path / "samples.jsonl", ROWS)
+    with pytest.raises(FormatError, match=r"samples\.jsonl: 3 rows, part\.json says 4 samples"):
+        SampleRows(tmp_path / "samples.jsonl", 4)
+
+
+def test_bad_line_is_named(tmp_path):
+    (tmp_path / "samples.jsonl").write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
+    rows = SampleRows(tmp_path / "samples.jsonl", 3)
+    assert rows[0] == {"a": 1} and rows[2] == {"a": 3}
+    with pytest.raises(FormatError, match=r"samples\.jsonl: line 2 is not valid JSON"):
+        rows[1]
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FormatError, match=r"samples\.jsonl: missing"):
+        SampleRows(tmp_path / "samples.jsonl", 1)
+
+
+def test_reading_every_row_holds_none_of_them(tmp_path):
+    """200,000 rows of ~100 B: the index is 8 B a row (1.6 MB); as dicts they took ~100 MB."""
+    n = 200_000
+    write_rows(tmp_path / "samples.jsonl", ({"sample_idx": i, "text": f"sample text number {i}" * 3, "label": None,
+                                              "label_id": None, "metadata": {}} for i in range(n)))
+    tracemalloc.start()
+    try:
+        rows = SampleRows(tmp_path / "samples.jsonl", n)
+        seen = sum(row["sample_idx"] for row in rows)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert seen == n * (n - 1) // 2
+    assert held < 8 * n + 1_000_000 and peak < 4 * 8 * n + 10_000_000, (held, peak)
+
+
+def test_extraction_rows_read_through_the_part(tmp_path):
+    extract = synthetic_extraction(tmp_path / "extract", 2 * 10**6, 2, 16, [1])
+    extraction = open_extraction(extract)
+    by_line = [json.loads(line) for p in extraction.parts for line in (p.dir / "samples.jsonl").read_text().splitlines()]
+    assert [extraction.sample(i) for i in range(extraction.n_samples)] == by_line
+    assert [row for _, _, row in extraction.iter_samples()] == by_line
+
+
+def test_samples_jsonl_outside_the_part_is_refused(tmp_path):
+    extract = synthetic_extraction(tmp_path / "extract", 10**6, 1, 16, [1])
+    part = extract / "part-0000"
+    outside = tmp_path / "elsewhere.jsonl"
+    (part / "samples.jsonl").rename(outside)
+    (part / "samples.jsonl").symlink_to(outside)
+    with pytest.raises(FormatError, match="samples.jsonl"):
+        open_extraction(extract).sample(0)
