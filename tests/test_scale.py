@@ -132,6 +132,33 @@ def test_lmprobe_index_holds_one_row_group_of_rows(tmp_path):
     assert large < bound, f"lmprobe: peak {large:.0f} MB over the {bound:.0f} MB its rules ask for"
 
 
+MANY_PARTS = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from actstore.formats import lmprobe, saev
+from actstore.formats.extract import open_extraction
+extract, out = Path(sys.argv[1]), Path(sys.argv[2])
+lmprobe.write_dataset(extract, out / "lmprobe", {"token_strings": False}, progress=False)
+saev.write_store(open_extraction(extract), {"patches_per_shard": 5_000, "tokens_per_window": 4}, out / "saev",
+                 model_config=None, progress=False)
+"""
+
+
+def test_jobs_reading_every_part_stay_under_the_open_files_limit(tmp_path):
+    """96 parts read in a random prompt order with the soft limit at 64 descriptors: each part's
+    maps (token ids, a layer) and samples.jsonl would hold ~4 descriptors a part, and the job
+    failed with "Too many open files"; the parts now keep a quarter of the limit mapped at once."""
+    from actstore.formats import lmprobe, saev
+
+    extract = synthetic_extraction(tmp_path / "extract", 96 * 2_000, 96, 8, [1, 2], tokens=(2, 8))
+    run = subprocess.run([sys.executable, "-c", MANY_PARTS, str(extract), str(tmp_path)], capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (store,) = (tmp_path / "saev").iterdir()  # root/<hash>/
+    assert lmprobe.verify(tmp_path / "lmprobe") == [] and saev.verify(store) == []
+
+
 def test_scatter_jobs_never_read_the_sample_rows(tmp_path):
     """saev_shards and lmprobe_tensors plan from the token offsets alone: with every samples.jsonl
     made unreadable JSON they still write their files (the finishing jobs are the ones that need rows)."""

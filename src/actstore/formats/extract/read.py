@@ -4,7 +4,12 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import resource
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,9 +40,10 @@ class StoredTensor:
 
 
 class SampleRows(Sequence):
-    """A part's samples.jsonl, one dict per sample, parsed when asked for. The file is memory-mapped
-    and indexed by where each line starts (8 bytes a row), so a job that reads every part's rows
-    (the lmprobe index) holds one at a time, not millions of dicts and texts."""
+    """A part's samples.jsonl, one dict per sample, parsed when asked for. The file is indexed once by
+    where each line starts (8 bytes a row) and then read a line at a time, holding no open file: a
+    job that reads every row of thousands of parts (the lmprobe index) holds neither their rows nor
+    their file descriptors."""
 
     SCAN_BYTES = 1 << 20  # the newline scan compares this much at a time
 
@@ -46,18 +52,18 @@ class SampleRows(Sequence):
         try:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
-                self._bytes = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else nullcontext(b"") as data:
+                    self._starts = self._line_starts(data, size)
         except FileNotFoundError:
             raise FormatError(f"{path}: missing") from None
-        self._starts = self._line_starts(size)
         if len(self) != n_samples:
             raise FormatError(f"{path}: {len(self)} rows, {PART_META} says {n_samples} samples")
 
-    def _line_starts(self, size: int) -> np.ndarray:
+    def _line_starts(self, data: Any, size: int) -> np.ndarray:
         """Offset of each line's first byte, then one past the last line's newline (a last line
         without one counts as if it had it). Split on "\n" only, as the writer joins rows."""
-        ends = [np.flatnonzero(np.frombuffer(self._bytes, np.uint8, min(self.SCAN_BYTES, size - a), a) == 0x0A) + a + 1
-                for a in range(0, size, self.SCAN_BYTES)]  # read in place: one block's comparison at a time
+        ends = [np.flatnonzero(np.frombuffer(data, np.uint8, min(self.SCAN_BYTES, size - a), a) == 0x0A) + a + 1
+                for a in range(0, size, self.SCAN_BYTES)]  # in place: one block's comparison at a time
         starts = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
         if size and starts[-1] != size:
             starts = np.append(starts, size + 1)
@@ -70,11 +76,51 @@ class SampleRows(Sequence):
         if not -len(self) <= local < len(self):
             raise IndexError(f"{self.path}: row {local} of {len(self)}")
         local %= len(self)
-        line = self._bytes[self._starts[local]:self._starts[local + 1] - 1]
+        start, stop = int(self._starts[local]), int(self._starts[local + 1]) - 1
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return self._parse(local, os.pread(fd, stop - start, start))
+        finally:
+            os.close(fd)
+
+    def __iter__(self) -> Iterator[dict]:
+        with open(self.path, "rb") as fh:
+            for local in range(len(self)):
+                yield self._parse(local, fh.readline().removesuffix(b"\n"))
+
+    def _parse(self, local: int, line: bytes) -> dict:
         try:
             return json.loads(line.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
             raise FormatError(f"{self.path}: line {local + 1} is not valid JSON ({exc})") from None
+
+
+class _OpenMaps:
+    """The memory maps every open Part holds, least recently used first. Each holds a file descriptor:
+    a job reading all parts of a 4,096-part extraction would hold ~16K of them (measured ~4 a part),
+    past a common soft limit of 1,024. Past the budget, a quarter of the soft limit, the oldest map
+    is let go; its Part maps the file again when next asked."""
+
+    def __init__(self):
+        self._order: OrderedDict[tuple[int, str], weakref.ref] = OrderedDict()
+        self._lock = threading.Lock()
+        self.budget = None  # set on first use, from the limit the process then has
+
+    def used(self, part: Part, file: str) -> None:
+        if self.budget is None:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self.budget = 1 << 16 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
+        key = (id(part), file)
+        with self._lock:
+            self._order[key] = weakref.ref(part)
+            self._order.move_to_end(key)
+            while len(self._order) > self.budget:
+                (_, old_file), ref = self._order.popitem(last=False)
+                if (old := ref()) is not None:
+                    old._arrays.pop(old_file, None)
+
+
+OPEN_MAPS = _OpenMaps()
 
 
 @dataclass
@@ -98,12 +144,14 @@ class Part:
         return self._samples
 
     def _load(self, file: str) -> np.ndarray:
-        if file not in self._arrays:
+        array = self._arrays.get(file)
+        if array is None:
             if file not in self.meta["files"]:
                 raise FormatError(f"{self.dir}: no {file} in this part")
-            self._arrays[file] = load_npy(inside(self.dir, file, str(self.dir / PART_META)),
-                                          self.meta["files"][file].get("bytes"), mmap_mode="r")
-        return self._arrays[file]
+            array = self._arrays[file] = load_npy(inside(self.dir, file, str(self.dir / PART_META)),
+                                                  self.meta["files"][file].get("bytes"), mmap_mode="r")
+        OPEN_MAPS.used(self, file)
+        return array
 
     @property
     def sample_start(self) -> int:
@@ -127,20 +175,23 @@ class Part:
         """(num_tokens, d) activations of one sample."""
         return self.tensor(name)[self.sample_slice(local_idx)]
 
+    # One sample's small arrays come back as copies: a view would keep its part's map (and a file
+    # descriptor) open for as long as the caller holds it, whatever OPEN_MAPS lets go.
+
     def token_ids(self, local_idx: int) -> np.ndarray | None:
         if "token_ids.npy" not in self.meta["files"]:
             return None
-        return self._load("token_ids.npy")[self.sample_slice(local_idx)]
+        return self._load("token_ids.npy")[self.sample_slice(local_idx)].copy()
 
     def token_logprob(self, local_idx: int) -> np.ndarray | None:
         if "token_logprob.npy" not in self.meta["files"]:
             return None
-        return self._load("token_logprob.npy")[self.sample_slice(local_idx)]
+        return self._load("token_logprob.npy")[self.sample_slice(local_idx)].copy()
 
     def topk(self, local_idx: int) -> tuple[np.ndarray, np.ndarray] | None:
         if "topk_values.npy" not in self.meta["files"]:
             return None
-        return self._load("topk_values.npy")[local_idx], self._load("topk_indices.npy")[local_idx]
+        return self._load("topk_values.npy")[local_idx].copy(), self._load("topk_indices.npy")[local_idx].copy()
 
     def verify(self) -> None:
         """Every listed file inside the part with its size and sha256, nothing unlisted; raise
