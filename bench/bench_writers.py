@@ -3,9 +3,11 @@
 Builds (once, in --work) an extraction with the real PartWriter: --parts parts of samples of 64-512
 tokens, layers 1/3/5, d = --dim, float32, --gb GB of activations in all. Then, page cache warm, each
 writer runs as its own process(es) (a job of the workflow), followed by `sync`; the baseline is
-`cp` of the same .npy files + `sync`, measured in the same run (best of --repeat each). Reported per
-writer and job shape: MB/s of activation bytes (1 MB = 1e6 B), the ratio to cp, and the peak
-anonymous + dirty file-mapped memory summed over its concurrent processes (actstore.memwatch).
+`cp` of the same .npy files + `sync`, run just before each writer run (best of --repeat each). Reported
+per writer and job shape: MB/s of activation bytes (1 MB = 1e6 B), the ratio to the best cp of the
+whole run, the median ratio to the cp run just before (paired: the disk's speed drifts between
+runs, up to 5x on the development VM), and the peak anonymous + dirty file-mapped memory summed over
+its concurrent processes (actstore.memwatch).
 Writes bench/out/writers.json and prints a markdown table.
 
 Job shapes: `1 job` = one process writes everything (or one job per part, run one after the other);
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -170,7 +173,7 @@ def main() -> None:
     for name, (shape, phases) in variants(extract, work, args.parts, args.jobs).items():
         if args.only and not name.startswith(tuple(args.only)):
             continue
-        best = None
+        best, paired = None, []
         for _ in range(args.repeat):
             shutil.rmtree(work / "cp", ignore_errors=True)
             cp_s.append(cp_baseline(files, work / "cp"))
@@ -179,9 +182,11 @@ def main() -> None:
             (work / "w").mkdir()
             seconds, peak = run_phases(phases)
             shutil.rmtree(work / "w")
+            paired.append(cp_s[-1] / seconds)
             if best is None or seconds < best[0]:
                 best = (seconds, peak)
         rows.append({"writer": name, "shape": shape, "seconds": best[0], "mb_per_s": n_bytes / best[0] / 1e6,
+                     "x_cp_paired": statistics.median(paired), "x_cp_paired_all": paired,
                      "anonymous_mb": best[1].anonymous / 1e6, "dirty_mapped_mb": best[1].dirty_mapped / 1e6})
     cp_rate = n_bytes / min(cp_s) / 1e6
     for row in rows:
@@ -191,10 +196,12 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     (OUT / "writers.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{n_bytes / 1e9:.2f} GB, {result['n_samples']} samples, cp + sync {cp_rate:.1f} MB/s (best of {len(cp_s)})")
-    print("| writer | job shape | MB/s | x cp | peak anonymous | peak dirty mapped |\n|---|---|---:|---:|---:|---:|")
+    print("| writer | job shape | MB/s | x best cp | x cp, paired | peak anonymous | peak dirty mapped |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['writer']} | {r['shape']} | {r['mb_per_s']:.1f} | {r['x_cp']:.2f} | {r['anonymous_mb']:.0f} MB | "
-              f"{r['dirty_mapped_mb']:.0f} MB |")
+        spread = f"{min(r['x_cp_paired_all']):.2f}–{max(r['x_cp_paired_all']):.2f}"
+        print(f"| {r['writer']} | {r['shape']} | {r['mb_per_s']:.1f} | {r['x_cp']:.2f} | {r['x_cp_paired']:.2f} "
+              f"({spread}) | {r['anonymous_mb']:.0f} MB | {r['dirty_mapped_mb']:.0f} MB |")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
+#   bench/gpu_suite.sh writers DEST  bench_writers on the node's NVMe (8 GB, 8 parts, 8 scattered jobs):
+#                                    issue 18's 0.8 x cp goal, which the development VM's disk cannot measure
 # Needs torch + transformers (the GPU image); jsonschema etc. from wheels in .whl when absent.
 set -uo pipefail
 phase=$1 out=$(mktemp -d) dest=$2   # results tarred into $2 (the device tool fetches few files)
@@ -32,4 +34,9 @@ sae-lut)
   python3 bench/bench_saev.py --size-mb 4096 --fill-threads 1 2 4 8 16 --repeat 5 \
     2>&1 | tee "$out/saev.log" | tail -25
   python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py 2>&1 | tee "$out/pytest.log" | tail -8 ;;
+writers)
+  python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C fill not built"
+  python3 bench/bench_writers.py --gb 8 --parts 8 --jobs 8 --repeat 3 --work /tmp/writers \
+    --only saev lmprobe zarr "pickle (gzip-1), 2" 2>&1 | tee "$out/writers.log" | tail -14
+  cp bench/out/writers.json "$out/" ;;
 esac
