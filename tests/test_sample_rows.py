@@ -95,3 +95,22 @@ def test_samples_jsonl_outside_the_part_is_refused(tmp_path):
     (part / "samples.jsonl").symlink_to(outside)
     with pytest.raises(FormatError, match="samples.jsonl"):
         open_extraction(extract).sample(0)
+
+
+def test_rows_by_sample_idx_skip_empty_parts(tmp_path):
+    """Parts left empty (more parts than samples) record sample_range [0, 0], as extraction writes
+    them: sample(), samples() and iter_samples() still address every row by its sample_idx."""
+    extract = synthetic_extraction(tmp_path / "extract", 5 * 64 * 16 * 4, 8, 16, [1], tokens=(64, 64))
+    for meta_path in extract.glob("part-*/part.json"):
+        meta = json.loads(meta_path.read_text())
+        if meta["sample_range"][0] >= meta["sample_range"][1]:
+            meta["sample_range"] = [0, 0]
+            meta_path.write_text(json.dumps(meta))
+    extraction = open_extraction(extract)
+    assert 0 < sum(not p.info.n_samples for p in extraction.parts) and extraction.n_samples == 5
+    by_line = [json.loads(line) for p in extraction.parts for line in (p.dir / "samples.jsonl").read_text().splitlines()]
+    order = [4, 0, 3, 3, 1, 2]
+    assert extraction.samples(order) == [by_line[i] for i in order] == [extraction.sample(i) for i in order]
+    assert [row["sample_idx"] for _, _, row in extraction.iter_samples()] == list(range(5))
+    with pytest.raises(IndexError):
+        extraction.samples([5])

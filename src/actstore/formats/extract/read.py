@@ -73,13 +73,21 @@ class SampleRows(Sequence):
         return len(self._starts) - 1
 
     def __getitem__(self, local: int) -> dict:
-        if not -len(self) <= local < len(self):
-            raise IndexError(f"{self.path}: row {local} of {len(self)}")
-        local %= len(self)
-        start, stop = int(self._starts[local]), int(self._starts[local + 1]) - 1
+        return self.rows([local])[0]
+
+    def rows(self, locals_: Sequence[int]) -> list[dict]:
+        """The rows at `locals_`, in that order, the file opened once for all of them."""
+        n = len(self)
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            return self._parse(local, os.pread(fd, stop - start, start))
+            out = []
+            for local in locals_:
+                if not -n <= local < n:
+                    raise IndexError(f"{self.path}: row {local} of {n}")
+                local %= n
+                start, stop = int(self._starts[local]), int(self._starts[local + 1]) - 1
+                out.append(self._parse(local, os.pread(fd, stop - start, start)))
+            return out
         finally:
             os.close(fd)
 
@@ -245,7 +253,8 @@ class Extraction:
         self.parts = [open_part(self.dir / part_dirname(p)) for p in range(n_parts)]
         self.meta = self.parts[0].meta
         self.info = self.parts[0].info  # run-wide fields; the counts below are the totals
-        self._starts = np.array([p.sample_start for p in self.parts])
+        self._filled = [p for p in self.parts if p.info.n_samples]  # an empty part records sample_range [0, 0]
+        self._filled_starts = np.array([p.sample_start for p in self._filled], dtype=np.int64)
 
     @property
     def n_samples(self) -> int:
@@ -263,10 +272,8 @@ class Extraction:
         """The part holding `sample_idx` and the sample's local index in it."""
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"sample_idx {sample_idx} out of range [0, {self.n_samples})")
-        p = int(np.searchsorted(self._starts, sample_idx, side="right") - 1)
-        while sample_idx >= self.parts[p].sample_start + self.parts[p].info.n_samples:  # skips empty parts
-            p += 1
-        return self.parts[p], sample_idx - self.parts[p].sample_start
+        w = int(np.searchsorted(self._filled_starts, sample_idx, side="right")) - 1
+        return self._filled[w], sample_idx - int(self._filled_starts[w])
 
     def activations(self, name: str, sample_idx: int) -> np.ndarray:
         part, local = self.locate(sample_idx)
@@ -275,6 +282,22 @@ class Extraction:
     def sample(self, sample_idx: int) -> dict:
         part, local = self.locate(sample_idx)
         return part.samples[local]
+
+    def samples(self, sample_idxs: Sequence[int]) -> list[dict]:
+        """The rows of `sample_idxs`, in that order; each part's samples.jsonl opened once."""
+        idx = np.asarray(sample_idxs, dtype=np.int64)
+        if len(idx) and not (0 <= idx.min() and idx.max() < self.n_samples):
+            raise IndexError(f"sample_idx out of range [0, {self.n_samples})")
+        which = np.searchsorted(self._filled_starts, idx, side="right") - 1
+        local = idx - self._filled_starts[which]
+        by_part = np.argsort(which, kind="stable")
+        bounds = np.flatnonzero(np.diff(which[by_part])) + 1
+        out: list[Any] = [None] * len(idx)
+        for positions in np.split(by_part, bounds) if len(idx) else []:
+            part = self._filled[int(which[positions[0]])]
+            for i, row in zip(positions.tolist(), part.samples.rows(local[positions].tolist())):
+                out[i] = row
+        return out
 
     def iter_samples(self) -> Iterator[tuple[Part, int, dict]]:
         """(part, local index, sample row) for every sample in sample_idx order."""

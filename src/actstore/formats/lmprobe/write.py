@@ -486,7 +486,7 @@ class _IndexColumns:
 
         plan = self.plan
         order, num_tokens = plan.order[start:stop], plan.num_tokens[start:stop]
-        samples = [plan.extraction.sample(s) for s in order.tolist()]
+        samples = plan.extraction.samples(order.tolist())
         rows = np.arange(start, stop)
         cols: dict[str, Any] = {
             "text": pa.array([r["text"] for r in samples], pa.string()),
@@ -590,7 +590,7 @@ def _metadata_types(plan: Plan) -> dict[str, Any]:
 
     types: dict[str, Any] = {}
     for start, stop in row_groups(plan.num_tokens):
-        rows = [plan.extraction.sample(s)["metadata"] for s in plan.order[start:stop].tolist()]
+        rows = [row["metadata"] for row in plan.extraction.samples(plan.order[start:stop].tolist())]
         for row in rows:
             types.update({k: pa.null() for k in row if k not in types})
         for key, have in types.items():
