@@ -22,7 +22,6 @@ LARGER = 8
 DIM = 32               # narrow rows: many tokens per MB, so per-token structures would show
 LAYERS = [1, 3, 5]
 GROWTH_MB = 8          # allowed difference between the two writes' memory (allocator noise, per-sample rows)
-RUNS = 2               # runs of each job; the smaller is taken
 
 # One writer job, as the workflow's script runs it, with every copy buffer at 1 MiB.
 JOB = """
@@ -69,15 +68,8 @@ def extractions(tmp_path_factory):
 
 
 def write_mb(name: str, extract: Path, out: Path) -> tuple[float, float]:
-    """(MB the job's write adds to what it held before, peak MB), the smaller of RUNS runs: arrow's
-    allocator (mimalloc) now and then holds ~13 MB more for a moment whatever the data size, while
-    memory that grows with the data shows in every run."""
-    runs = [peak_mb(name, extract, out / f"run-{r}") for r in range(RUNS)]
-    return min(peak - before for peak, before in runs), min(peak for peak, _ in runs)
-
-
-def peak_mb(name: str, extract: Path, out: Path) -> tuple[float, float]:
-    """(peak MB of the job while it writes, MB it held before: imports and, for the merge, its shards)."""
+    """(MB the job's write adds to what it held before it: its imports and, for the merge, its
+    shards; the job's peak MB)."""
     proc = subprocess.Popen([sys.executable, "-c", JOB, name, str(extract), str(out)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready", f"{name} job failed to start"
@@ -85,7 +77,8 @@ def peak_mb(name: str, extract: Path, out: Path) -> tuple[float, float]:
     with PeakMemory([proc.pid], interval=0.005) as watch:
         proc.stdin.close()
         assert proc.wait() == 0, f"{name} job failed"
-    return watch.peak.total / 1e6, before
+    peak = watch.peak.total / 1e6
+    return peak - before, peak
 
 
 # The rules whose work each job above does in one process: its peak must stay under the larger bound.

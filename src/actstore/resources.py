@@ -115,7 +115,7 @@ def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
 WRITER_BASE_MB = 1000  # a writer process: interpreter, numpy, pyarrow, zarr (bench_writers: 150-300 MB anonymous)
 PYTHON_ROW_BYTES = 400  # a sample row (dict) as samples.jsonl parses to, beyond its text
 ROW_INDEX_BYTES = 8     # a row of an opened part's samples.jsonl: where its line starts (SampleRows)
-LMPROBE_PLAN_ROW_BYTES = 160  # lmprobe's jobs per prompt: the plan's arrays (72 B traced), ~130 B of memory measured
+LMPROBE_PLAN_ROW_BYTES = 240  # lmprobe's jobs per prompt: the plan's arrays (72 B traced), 130-230 B of memory measured
 WINDOW_BYTES = 24       # saev text windows: (sample_idx, token_start, n_valid) int64
 FILES_JSON_ENTRY_BYTES = 400  # one chunk's {bytes, sha256} entry of a zarr meta/files.json, parsed
 # The merge finisher per chunk file: its job record entry, the files.json entry built from it, the
