@@ -68,15 +68,10 @@ def check_file(path: Path, record: dict[str, Any] | None, source: str) -> None:
         raise FormatError(problem)
 
 
-def read_json(path: Path, lines: bool = False) -> Any:
-    """A JSON file's content, or with `lines` a list of one value per line (JSON lines);
-    FormatError naming the file when it is missing or not JSON."""
+def read_json(path: Path) -> Any:
+    """A JSON file's content; FormatError naming the file when it is missing or not JSON."""
     try:
-        text = path.read_text(encoding="utf-8")
-        if not lines:
-            return json.loads(text)
-        # split on "\n" only: text written with ensure_ascii=False may hold U+2028 and friends
-        return [json.loads(line) for line in text.removesuffix("\n").split("\n")] if text else []
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FormatError(f"{path}: missing") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -61,7 +61,8 @@ class SampleRows(Sequence):
 
     def _line_starts(self, data: Any, size: int) -> np.ndarray:
         """Offset of each line's first byte, then one past the last line's newline (a last line
-        without one counts as if it had it). Split on "\n" only, as the writer joins rows."""
+        without one counts as if it had it). Split on "\n" only, as the writer joins rows: text written
+        with ensure_ascii=False may hold U+2028 and friends."""
         ends = [np.flatnonzero(np.frombuffer(data, np.uint8, min(self.SCAN_BYTES, size - a), a) == 0x0A) + a + 1
                 for a in range(0, size, self.SCAN_BYTES)]  # in place: one block's comparison at a time
         starts = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
