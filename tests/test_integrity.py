@@ -200,3 +200,33 @@ def test_a_store_whose_loader_index_would_not_fit_is_named_not_a_memory_error(st
     monkeypatch.setattr(loader, "memory_budget", lambda: 0)  # as if the store outgrew the machine
     with pytest.raises(ConfigError, match=r"blocks of \d+ bytes \(\d+ examples\): the loader.s block index would need"):
         loader.ShuffledActivations(store)
+
+
+def test_json_streamed_in_small_blocks_reads_as_json_loads(tmp_path, monkeypatch):
+    """stream_json_object at 7 characters a block: values split anywhere (numbers, escapes, multi-byte
+    text), any spacing, the nested object read or skipped; bad JSON is named with its character."""
+    import random
+
+    from actstore import integrity
+
+    monkeypatch.setattr(integrity, "JSON_BLOCK_CHARS", 7)
+    rng, path = random.Random(0), tmp_path / "doc.json"
+    for _ in range(50):
+        files = {f"d/{i}/é\u2028\"x": {"bytes": rng.randrange(10**12), "sha256": "%064x" % rng.getrandbits(256)}
+                 for i in range(rng.randrange(6))}
+        doc = {"a": rng.random(), "files": files, "z": [1, {"q": None}], "n": 123456789}
+        path.write_text(json.dumps(doc, indent=rng.choice([None, 1]), ensure_ascii=rng.random() < 0.5),
+                        encoding="utf-8")
+        read = {k: dict(v) if k == "files" else v for k, v in integrity.stream_json_object(path, "files")}
+        assert read == doc
+        assert {k: v for k, v in integrity.stream_json_object(path, "files") if k != "files"} == \
+            {k: v for k, v in doc.items() if k != "files"}
+    for text, match in [("{", r"not valid JSON \(Expecting value at character 1\)"), ("[]", "not a listing"),
+                        ('{"files": [1]}', "not a listing"), ('{"a": 1} x', r"not valid JSON \(extra data at character 9\)"),
+                        ('{"a" 1}', r"not valid JSON \(expected : at character 5\)"),
+                        ("{1: 2}", r"not valid JSON \(a key that is not a string at character 1\)")]:
+        path.write_text(text)
+        with pytest.raises(FormatError, match=f"doc.json: {match}"):
+            [(k, list(v) if k == "files" else v) for k, v in integrity.stream_json_object(path, "files", "a listing")]
+    with pytest.raises(FormatError, match="nothing.json: missing"):
+        list(integrity.stream_json_object(tmp_path / "nothing.json", "files"))

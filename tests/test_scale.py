@@ -170,3 +170,41 @@ def test_scatter_jobs_never_read_the_sample_rows(tmp_path):
     assert written and all((tmp_path / "lmprobe-job" / rel).is_file() for rel in written)
     with pytest.raises(Exception, match="samples.jsonl"):
         extraction.sample(0)  # the rows really are unreadable
+
+
+MERGE_FINISH = """
+import sys
+from pathlib import Path
+from actstore.formats import zarr
+root = Path(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+zarr.finish_merge(sorted(root.glob("shard-*.zarr")), sorted(root.glob("merge-*")), root / "merged", progress=False)
+"""
+
+
+def test_zarr_merge_finisher_holds_no_record_per_chunk_file(tmp_path):
+    """Samples of 2-4 tokens in 1-token chunks: ~4 chunk files a sample, 10K and 40K files. The
+    finisher streams the jobs' records into a table on disk and files.json out in name order, so
+    it grows by the merged 1-D vectors alone (resources: 128 B a sample); holding the records, the
+    listing and files.json as dicts took ~500 B a file more (the larger run: +15 MB)."""
+    from actstore.formats import zarr
+
+    grown = {}
+    for rows in (1_000, 4_000):
+        root = tmp_path / str(rows)
+        extract = synthetic_extraction(root / "extract", rows * 3 * 8 * 4, 2, 8, [1], tokens=(2, 4))
+        shards = [zarr.write_shard(extract / f"part-{p:04d}", root / f"shard-{p}.zarr", t_chunk=1, progress=False)
+                  for p in (0, 1)]
+        for job in (0, 1):
+            zarr.copy_chunks([root / shards[job]["path"]], root / f"merge-{job}", 2, job, progress=False)
+        proc = subprocess.Popen([sys.executable, "-c", MERGE_FINISH, str(root)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        before = process_memory(proc.pid).total / 1e6
+        with PeakMemory([proc.pid], interval=0.005) as watch:
+            proc.stdin.close()
+            assert proc.wait() == 0, "finish_merge failed"
+        grown[rows] = watch.peak.total / 1e6 - before
+    designed = 128 * (4_000 - 1_000) / 1e6
+    assert grown[4_000] - grown[1_000] < designed + 4, f"finisher grew {grown[1_000]:.1f} MB, then {grown[4_000]:.1f} MB"

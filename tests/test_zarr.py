@@ -12,6 +12,9 @@ from actstore.errors import FormatError
 from actstore.formats import zarr as zs
 from actstore.formats.extract import PartWriter, layer_tensor, open_extraction, tensor_file, write_part
 from actstore.formats.zarr import merge as zarr_merge
+from actstore.formats.zarr.layout import FILES_JSON, files_json_text
+from actstore.formats.zarr.read import list_store_files
+from actstore.integrity import file_record
 from actstore.jobs import job_items
 
 
@@ -242,6 +245,10 @@ def test_scattered_merge_equals_one_job_merge(three_shards, tmp_path, monkeypatc
     assert len(one) > 30 * 2 * 3 and scattered.keys() == one.keys()
     assert [rel for rel in one if scattered[rel] != one[rel]] == []
     assert zs.verify(tmp_path / "scattered" / zs.MERGED) == []
+    # files.json, streamed in name order (sample 10 before 2), is the text of every other file's record
+    store = tmp_path / "scattered" / zs.MERGED
+    listed = {rel: file_record(store / rel) for rel in list_store_files(store) if rel != FILES_JSON}
+    assert scattered[FILES_JSON].decode() == files_json_text(listed)
     assert [p.name for p in (tmp_path / "one").iterdir()] == [zs.MERGED]  # merge_stores' scratch is gone
 
 
@@ -270,7 +277,7 @@ def test_finish_merge_refuses_incomplete_chunks_and_leaves_them_whole(three_shar
     else:  # every check passed and every sample directory moved: they are moved back
         def fail(*_):
             raise FormatError("files.json failed")
-        monkeypatch.setattr(zarr_merge, "_write_files_json", fail)
+        monkeypatch.setattr(zarr_merge, "_write_merged_files_json", fail)
         match = "files.json failed"
     before = tree_bytes(dirs[0])
     out = tmp_path / zs.MERGED

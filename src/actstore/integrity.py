@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Iterator
 
 from actstore.errors import FormatError
 from actstore.io_utils import is_temp, sha256_file, sha256_tree_file
@@ -76,6 +77,110 @@ def read_json(path: Path) -> Any:
         raise FormatError(f"{path}: missing") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
+
+
+JSON_BLOCK_CHARS = 1 << 20  # what stream_json_object reads at a time
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_JSON_DECODER = json.JSONDecoder()
+
+
+def stream_json_object(path: Path, big: str, what: str = "a JSON object") -> Iterator[tuple[str, Any]]:
+    """The members (key, value) of the JSON object in `path`, in file order, read 1 MiB at a time;
+    the value of member `big`, an object, comes as an iterator of its own members, to be consumed
+    before the next one is asked for. For files that list millions of files (a merged zarr store's
+    meta/files.json, a zarr merge job's record): parsed whole, each listed file takes ~1 KB.
+    FormatError names the file: missing, not valid JSON, or not `what` (not an object, or `big`
+    not an object)."""
+    try:
+        with path.open(encoding="utf-8") as fh:
+            stream = _JsonStream(fh, path, what)
+            yield from stream.members(big)
+            stream.end()
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+
+
+class _JsonStream:
+    """A JSON text read in blocks: the scanner of the json module on a window of the file."""
+
+    def __init__(self, fh: Any, path: Path, what: str) -> None:
+        self.fh, self.path, self.what = fh, path, what
+        self.buf, self.pos, self.consumed, self.eof = "", 0, 0, False
+
+    def members(self, big: str | None = None) -> Iterator[tuple[str, Any]]:
+        """The members of the object that starts here; `big`'s value as a nested iterator, drained
+        (what the caller left unread) before going on."""
+        if self._peek() != "{":
+            raise FormatError(f"{self.path}: not {self.what}")
+        self.pos += 1
+        if self._peek() == "}":
+            self.pos += 1
+            return
+        while True:
+            self._peek()
+            at, key = self._offset(), self._value()
+            if not isinstance(key, str):
+                raise FormatError(f"{self.path}: not valid JSON (a key that is not a string at character {at})")
+            self._take(":")
+            if key == big:
+                nested = self.members()
+                yield key, nested
+                for _ in nested:
+                    pass
+            else:
+                yield key, self._value()
+            if self._take(",}") == "}":
+                return
+
+    def end(self) -> None:
+        """Nothing but white space after the object."""
+        if self._peek():
+            raise FormatError(f"{self.path}: not valid JSON (extra data at character {self._offset()})")
+
+    def _offset(self) -> int:
+        return self.consumed + self.pos
+
+    def _more(self) -> bool:
+        """Append the next block (dropping what was parsed); False at the end of the file."""
+        block = "" if self.eof else self.fh.read(JSON_BLOCK_CHARS)
+        if not block:
+            self.eof = True
+            return False
+        self.consumed += self.pos
+        self.buf, self.pos = self.buf[self.pos:] + block, 0
+        return True
+
+    def _peek(self) -> str:
+        """The next character that is not white space ("" at the end), not taken."""
+        while True:
+            self.pos = _JSON_SPACE.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf) or not self._more():
+                return self.buf[self.pos:self.pos + 1]
+
+    def _take(self, chars: str) -> str:
+        c = self._peek()
+        if not c or c not in chars:
+            raise FormatError(f"{self.path}: not valid JSON (expected {' or '.join(chars)} at character "
+                              f"{self._offset()})")
+        self.pos += 1
+        return c
+
+    def _value(self) -> Any:
+        """The value that starts here (a value ending at the window's end may go on: a number)."""
+        self._peek()
+        while True:
+            try:
+                value, end = _JSON_DECODER.raw_decode(self.buf, self.pos)
+                if end < len(self.buf) or self.eof:
+                    self.pos = end
+                    return value
+            except json.JSONDecodeError as exc:
+                if self.eof:
+                    raise FormatError(f"{self.path}: not valid JSON ({exc.msg} at character "
+                                      f"{self.consumed + exc.pos})") from None
+            self._more()
 
 
 def refuse(problems: list[str]) -> None:

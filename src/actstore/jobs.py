@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from actstore.errors import FormatError
-from actstore.integrity import listed_problem, read_json
+from actstore.integrity import listed_problem, stream_json_object
 from actstore.io_utils import write_json_atomic
 
 JOBS_KEY = {"saev": "jobs", "lmprobe": "jobs", "zarr": "merge_jobs"}
@@ -63,38 +63,66 @@ class JobRecords:
 
 
 def read_job_records(job_dirs: Sequence[str | Path]) -> JobRecords:
-    """The records of jobs 0, 1, ... of one scattered write, in `job_dirs` order, checked before the
-    finisher touches a file: each record well-formed and the job it says it is (none missing, twice
-    or of another run), each listed name inside its job dir and listed once over all jobs, each file
-    there with its recorded size. FormatError names the record or file at fault. No file is read:
-    the recorded sha256 stands (the job hashed the bytes as it wrote them)."""
-    dirs = [Path(d) for d in job_dirs]
-    records = [_read_record(d / JOB_RECORD) for d in dirs]
-    _check_numbering([d / JOB_RECORD for d in dirs], records)
+    """The records of jobs 0, 1, ... of one scattered write, in `job_dirs` order, held: every check of
+    iter_job_records, and each name listed once over all jobs."""
+    extras: list[dict[str, Any]] = []
     files: JobFiles = {}
-    for job_dir, record in zip(dirs, records):
-        source = str(job_dir / JOB_RECORD)
-        for name, entry in record["files"].items():
-            if name in files:
-                raise FormatError(f"{source}: {name} also listed in {files[name][0] / JOB_RECORD}")
+    for job_dir, extra, listed in iter_job_records(job_dirs, files):
+        extras.append(extra)
+        files.update((name, (job_dir, entry)) for name, entry in listed)
+    return JobRecords(extras, files)
+
+
+def iter_job_records(job_dirs: Sequence[str | Path], earlier: JobFiles | None = None,
+                     ) -> Iterator[tuple[Path, dict[str, Any], Iterator[tuple[str, dict]]]]:
+    """(job dir, the record's own keys, its files) of jobs 0, 1, ... of one scattered write, in
+    `job_dirs` order, checked before the finisher touches a file: first every record's head (each
+    well-formed and the job it says it is: none missing, twice or of another run), then, as each
+    job's files are streamed (a record is read 1 MiB at a time, so millions of files cost no
+    memory), each name inside its job dir, not among the files of `earlier` jobs (when the caller
+    holds them), and each file there with its recorded size. FormatError names the record or file at
+    fault. No file is read: the recorded sha256 stands (the job hashed the bytes as it wrote them)."""
+    dirs = [Path(d) for d in job_dirs]
+    heads = [_read_head(d / JOB_RECORD) for d in dirs]
+    _check_numbering([d / JOB_RECORD for d in dirs], heads)
+    for job_dir, head in zip(dirs, heads):
+        yield job_dir, {k: v for k, v in head.items() if k not in RECORD_KEYS}, _record_files(job_dir, earlier or {})
+
+
+_NOT_A_RECORD = "a job record (needs integers jobs and job and a files object)"
+
+
+def _read_head(path: Path) -> dict[str, Any]:
+    """A job record's keys before its files (write_job_record puts them first), checked for type."""
+    head: dict[str, Any] = {}
+    for key, value in stream_json_object(path, "files", _NOT_A_RECORD):
+        if key == "files":
+            break
+        head[key] = value
+    else:
+        raise FormatError(f"{path}: not {_NOT_A_RECORD}")
+    if not all(isinstance(head.get(k), int) for k in ("jobs", "job")):
+        raise FormatError(f"{path}: not {_NOT_A_RECORD}")
+    return head
+
+
+def _record_files(job_dir: Path, earlier: JobFiles) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, {bytes, sha256}) of each file the record in `job_dir` lists, each checked there."""
+    path = job_dir / JOB_RECORD
+    source = str(path)
+    for key, listed in stream_json_object(path, "files", _NOT_A_RECORD):
+        if key != "files":
+            continue
+        for name, entry in listed:
+            if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
+                    or not isinstance(entry.get("sha256"), str):
+                raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
+            if name in earlier:
+                raise FormatError(f"{path}: {name} also listed in {earlier[name][0] / JOB_RECORD}")
             problem = listed_problem(job_dir, name, {"bytes": entry["bytes"]}, source)
             if problem:
                 raise FormatError(problem)
-            files[name] = (job_dir, entry)
-    return JobRecords([{k: v for k, v in r.items() if k not in RECORD_KEYS} for r in records], files)
-
-
-def _read_record(path: Path) -> dict[str, Any]:
-    """A job record, its shared keys checked for type (every entry with an int size and a sha256)."""
-    record = read_json(path)
-    if not isinstance(record, dict) or not all(isinstance(record.get(k), int) for k in ("jobs", "job")) \
-            or not isinstance(record.get("files"), dict):
-        raise FormatError(f"{path}: not a job record (needs integers jobs and job and a files object)")
-    for name, entry in record["files"].items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
-                or not isinstance(entry.get("sha256"), str):
-            raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
-    return record
+            yield name, entry
 
 
 def _check_numbering(paths: list[Path], records: list[dict[str, Any]]) -> None:

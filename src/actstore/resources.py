@@ -118,10 +118,6 @@ ROW_INDEX_BYTES = 8     # a row of an opened part's samples.jsonl: where its lin
 LMPROBE_PLAN_ROW_BYTES = 240  # lmprobe's jobs per prompt: the plan's arrays (72 B traced), 130-230 B of memory measured
 WINDOW_BYTES = 24       # saev text windows: (sample_idx, token_start, n_valid) int64
 FILES_JSON_ENTRY_BYTES = 400  # one chunk's {bytes, sha256} entry of a zarr meta/files.json, parsed
-# The merge finisher per chunk file: its job record entry, the files.json entry built from it, the
-# store's file listing and the JSON text. Measured (tracemalloc peak of finish_merge): 1,043 B per
-# file at 82,824 files, 945 B per added file between 5,136 and 82,824.
-MERGE_FINISH_CHUNK_BYTES = 1100
 
 
 def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
@@ -157,7 +153,8 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "pickle_part": rows / parts + pickle_shards,
         "zarr_part": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows
         "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr")),
-        "zarr_merge": MERGE_FINISH_CHUNK_BYTES * zarr_chunks(w, config) + 128 * w.rows,  # + the merged 1-D vectors
+        # the merged 1-D vectors; the chunks' records stream through a table on disk (zarr.merge)
+        "zarr_merge": 128 * w.rows,
     }[job]
     return int(buffers)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from actstore.formats.extract import PartInfo
 
@@ -95,8 +95,18 @@ def prompt_line(i: int, row: dict[str, Any]) -> str:
 
 def files_json_text(files: dict[str, dict]) -> str:
     """meta/files.json: bytes + sha256 of every other file of the store."""
-    doc = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "files": files}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n"
+    return "".join(files_json_pieces(sorted(files.items())))
+
+
+def files_json_pieces(entries: Iterable[tuple[str, dict]]) -> Iterator[str]:
+    """meta/files.json's text in pieces, from its (name, entry) pairs in name order: the JSON of
+    {"files", "format", "schema_version"} with sorted keys, compact, streamed (a merged store lists
+    millions of files)."""
+    yield '{"files":{'
+    for i, (name, entry) in enumerate(entries):
+        yield ("," if i else "") + json.dumps(name) + ":" + json.dumps(entry, sort_keys=True, separators=(",", ":"))
+    rest = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION}  # keys sorting after "files"
+    yield "}," + json.dumps(rest, sort_keys=True, separators=(",", ":"))[1:] + "\n"
 
 
 def manifest_doc(first_attrs: dict[str, Any], entries: list[dict], merged: dict | None, created: str) -> dict:

@@ -9,24 +9,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
 import itertools
 import json
+import operator
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key
+from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key,
+                                          files_json_pieces)
 from actstore.formats.zarr.read import ZarrStore
-from actstore.formats.zarr.write import (_consolidate, _create_vector, _now, _open_root, _write_files_json,
-                                         store_entry)
-from actstore.integrity import read_json
+from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
+from actstore.integrity import TOOL_FILES, file_record, read_json
 from actstore.io_utils import TEMP_SUFFIX, atomic_path
-from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
+from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
 
 def _check_compatible(stores: list[Path], attrs: list[dict], start: int = 0) -> None:
@@ -120,45 +123,137 @@ def _sample_chunk_keys(reader: ZarrStore, local: int, g: int) -> Iterator[tuple[
             yield acts_chunk_key(local, l, c), acts_chunk_key(g, l, c)
 
 
+# The finisher's table of every chunk's {bytes, sha256}, in merged (sample, layer, chunk) order: a
+# file, 40 B a chunk, where a dict of the records took ~1 KB a chunk (94 GB at 100 TB).
+TABLE_ENTRY = struct.Struct("<q32s")
+
+
 def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path], out_path: str | Path,
                  progress: bool = True) -> dict[str, Any]:
     """The merge's finishing job (atomic): the merged store over every shard from `chunk_dirs`, the
     outputs of `copy_chunks` over consecutive runs of `shards`, in order. Writes the small parts
     (attrs, array metadata, the concatenated 1-D arrays, prompts.jsonl), moves each sample's chunk
     directory in by rename (no copy), then files.json from the jobs' records. Every check comes
-    before the first rename; a failure after it renames them back, so the chunk dirs stay whole."""
+    before the first rename; a failure after it renames them back, so the chunk dirs stay whole.
+    Memory does not grow with the chunk files: the records are streamed into a table on disk."""
     shards, readers = _open_shards(shards)
-    chunk_dirs = [Path(d) for d in chunk_dirs]
-    found = read_job_records(chunk_dirs)  # each chunk there with its recorded size
-    covered = [extra.get("shards") for extra in found.extras]
-    _check_records(shards, readers, chunk_dirs, covered, found.files)
+    chunk_dirs, out_path = [Path(d) for d in chunk_dirs], Path(out_path)
     merged_attrs = _merged_attrs(shards, [r.attrs for r in readers])
     a0, n = readers[0].attrs, merged_attrs["num_samples"]
-    with atomic_path(out_path) as tmp:
-        _, arrays = _open_root(tmp, merged_attrs, (n, a0["num_layers"], a0["T_max"], a0["hidden_size"]),
-                               a0["T_chunk"])
-        for name in readers[0].vector_names:
-            _create_vector(arrays, name, np.concatenate([r.vector(name) for r in readers]))
-        _consolidate(tmp)
-        _merge_text(shards, tmp)
-        moves = functools.partial(_sample_moves, chunk_dirs, covered, readers, tmp)
-        with _renamed_back_on_error(moves, progress):
-            _write_files_json(tmp, {key: entry for key, (_, entry) in found.files.items()})
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_path.parent) as table:  # unnamed: gone with the job, however it ends
+        covered = _record_table(shards, readers, chunk_dirs, table)
+        table.flush()
+        with atomic_path(out_path) as tmp:
+            _, arrays = _open_root(tmp, merged_attrs, (n, a0["num_layers"], a0["T_max"], a0["hidden_size"]),
+                                   a0["T_chunk"])
+            for name in readers[0].vector_names:
+                _create_vector(arrays, name, np.concatenate([r.vector(name) for r in readers]))
+            _consolidate(tmp)
+            _merge_text(shards, tmp)
+            moves = functools.partial(_sample_moves, chunk_dirs, covered, readers, tmp)
+            with _renamed_back_on_error(moves, progress):
+                _write_merged_files_json(tmp, table.fileno(), n, len(readers[0].layers), readers[0].n_chunks)
     return store_entry(out_path)
 
 
-def _check_records(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list[Path], covered: list[Any],
-                   files: JobFiles) -> None:
-    """Each job copied the shards job_items gives it and lists every chunk of their samples."""
-    for job, (d, names) in enumerate(zip(chunk_dirs, covered)):
+def _record_table(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list[Path], table: BinaryIO) -> list[list[str]]:
+    """Each job copied the shards job_items gives it and lists every chunk of their samples, in order
+    (as copy_chunks writes them): their {bytes, sha256} appended to `table`, in merged order. Returns
+    the shards each job covered."""
+    covered = []
+    for job, (d, extra, listed) in enumerate(iter_job_records(chunk_dirs)):
+        record, names = d / JOB_RECORD, extra.get("shards")
         expected = [shards[i].name for i in job_items(len(shards), len(chunk_dirs), job)]
         if names != expected:
-            raise FormatError(f"{d / JOB_RECORD}: copied shards {names}, job {job} of {len(chunk_dirs)} "
-                              f"takes {expected}")
-    for d, reader, local, g in _record_samples(chunk_dirs, covered, readers):
-        for _, target in _sample_chunk_keys(reader, local, g):
-            if files.get(target, (None,))[0] != d:
-                raise FormatError(f"{d / JOB_RECORD}: no entry for {target}")
+            raise FormatError(f"{record}: copied shards {names}, job {job} of {len(chunk_dirs)} takes {expected}")
+        covered.append(names)
+        for _, reader, local, g in _record_samples([d], [names], readers):
+            for _, target in _sample_chunk_keys(reader, local, g):
+                name, entry = next(listed, (None, None))
+                if name != target:
+                    raise FormatError(f"{record}: no entry for {target}" + (f" (next: {name})" if name else ""))
+                table.write(TABLE_ENTRY.pack(entry["bytes"], _digest(entry["sha256"], record, name)))
+        for name, _ in listed:
+            raise FormatError(f"{record}: lists {name}, not a chunk of its shards")
+    return covered
+
+
+def _digest(sha256: str, record: Path, name: str) -> bytes:
+    digest = bytes.fromhex(sha256) if len(sha256) == 64 else b""
+    if digest.hex() != sha256:
+        raise FormatError(f"{record}: sha256 of {name} is not 64 lowercase hex digits")
+    return digest
+
+
+def _write_merged_files_json(store: Path, table: int, n: int, n_layers: int, n_chunks: int) -> None:
+    """meta/files.json of the merged store (write._write_files_json's bytes), streamed in name order:
+    every file but the chunks hashed, each chunk's entry from the table (a chunk whose size is not
+    the recorded one hashed again), an expected chunk that is not there refused."""
+    small = ((name, None) for name in _small_files(store, n))
+    entries = heapq.merge(small, _chunk_entries(store, table, n, n_layers, n_chunks), key=operator.itemgetter(0))
+    (store / "meta").mkdir(exist_ok=True)
+    with (store / FILES_JSON).open("w", encoding="utf-8") as out:
+        out.writelines(files_json_pieces((name, entry or file_record(store / name)) for name, entry in entries))
+
+
+def _small_files(store: Path, n: int) -> list[str]:
+    """Every file of `store` but the sample directories' (sorted names; files.json and the tool files
+    left out): a few per array. The activations' directory is scanned, never listed whole."""
+    acts = store / ACTS
+    found = []
+    for dirpath, dirnames, filenames in os.walk(store):
+        if dirpath == str(acts.parent):
+            dirnames.remove(acts.name)
+        found += [os.path.join(dirpath, f) for f in filenames]
+    with os.scandir(acts) as entries:
+        for entry in entries:
+            if entry.is_dir() and not _sample_name(entry.name, n):
+                found += [os.path.join(d, f) for d, _, fs in os.walk(entry.path) for f in fs]
+            elif not entry.is_dir():
+                found.append(entry.path)
+    return sorted({Path(p).relative_to(store).as_posix() for p in found} - TOOL_FILES - {FILES_JSON})
+
+
+def _sample_name(name: str, n: int) -> bool:
+    return name.isdigit() and str(int(name)) == name and int(name) < n
+
+
+def _chunk_entries(store: Path, table: int, n: int, n_layers: int, n_chunks: int) -> Iterator[tuple[str, dict]]:
+    """(name, entry) of every file in the sample directories, in name order."""
+    per_sample = n_layers * n_chunks
+    expected = {f"{l}/{c}/0": l * n_chunks + c for l in range(n_layers) for c in range(n_chunks)}
+    for g in _in_name_order(n):
+        sample = store / ACTS / str(g)
+        recorded = os.pread(table, TABLE_ENTRY.size * per_sample, TABLE_ENTRY.size * per_sample * g)
+        present = sorted(os.path.relpath(os.path.join(d, f), sample) for d, _, fs in os.walk(sample) for f in fs)
+        for rel in expected.keys() - set(present):
+            raise FormatError(f"{store}/{ACTS}/{g}/{rel}: missing (written or moved in, then gone)")
+        for rel in present:
+            name = f"{ACTS}/{g}/{rel}"
+            if rel not in expected:
+                yield name, None
+                continue
+            size, digest = TABLE_ENTRY.unpack_from(recorded, TABLE_ENTRY.size * expected[rel])
+            yield name, {"bytes": size, "sha256": digest.hex()} if size == os.stat(store / name).st_size else None
+
+
+def _in_name_order(n: int) -> Iterator[int]:
+    """0 .. n-1 in the order of their decimal names (0, 1, 10, 100, 101, ..., 11, ...), as sorted keys
+    list the sample directories ("/" sorts before every digit), one at a time."""
+    if n:
+        yield 0
+    g = 1
+    for _ in range(n - 1):
+        yield g
+        if g * 10 < n:
+            g *= 10
+            continue
+        if g + 1 >= n:
+            g //= 10
+        g += 1
+        while g % 10 == 0:
+            g //= 10
 
 
 def _record_samples(chunk_dirs: list[Path], covered: list[list[str]],

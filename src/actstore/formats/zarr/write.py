@@ -26,6 +26,7 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
+from actstore.integrity import stream_json_object
 from actstore.io_utils import atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -224,11 +225,14 @@ def store_entry(store: str | Path, rel_to: str | Path | None = None) -> dict[str
     """The manifest record of a finished store: path, counts and the sha256 of its meta/files.json."""
     store = Path(store)
     attrs = json.loads((store / ".zattrs").read_text())
-    files = json.loads((store / FILES_JSON).read_text())["files"]
+    n_files, n_bytes = 1, (store / FILES_JSON).stat().st_size
+    for key, listed in stream_json_object(store / FILES_JSON, "files"):  # millions of entries when merged
+        if key == "files":
+            for _, entry in listed:
+                n_files, n_bytes = n_files + 1, n_bytes + entry["bytes"]
     return {"path": store.relative_to(rel_to).as_posix() if rel_to else store.name,
             "num_samples": attrs["num_samples"], "global_index_start": attrs["global_index_start"],
-            "files_sha256": sha256_file(store / FILES_JSON), "n_files": len(files) + 1,
-            "bytes": sum(f["bytes"] for f in files.values()) + (store / FILES_JSON).stat().st_size}
+            "files_sha256": sha256_file(store / FILES_JSON), "n_files": n_files, "bytes": n_bytes}
 
 
 def write_manifest(run_dir: str | Path, shards: Sequence[str | Path], merged: str | Path | None = None) -> dict:
