@@ -2,6 +2,8 @@
 identified, verifies clean, and one flipped byte or one truncated file is caught by name."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 import yaml
 
 import tiny
+from actstore import cli
 from actstore.config import load_config
 from actstore.formats import FORMAT_STAGES
 from actstore.hashing import stage_dir
@@ -35,6 +38,16 @@ def tiny_workflow_config(tmp: Path, model: Path, data: Path) -> dict:
 
 def run(*cmd: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def actstore(*args: str) -> subprocess.CompletedProcess:
+    """`actstore ARGS` run in this process through its entry point, cli.main: the damage tests run it
+    dozens of times, ~2.5 s of imports each as a process (the installed command itself is run by the
+    inspect, help and exit-code tests)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess(["actstore", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +90,7 @@ def test_inspect_identifies_and_clean_store_verifies(workflow_run, name):
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert name in info["format"] or (name, info["format"]) == ("extract", "actstore-extract")
-    proc = run(ACTSTORE, "verify", str(store))
+    proc = actstore("verify", str(store))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -94,7 +107,7 @@ def test_damaged_data_file_fails_verify_naming_it(workflow_run, name, damage, tm
     else:
         data = data[:-1]
     target.write_bytes(bytes(data))
-    proc = run(ACTSTORE, "verify", str(store))
+    proc = actstore("verify", str(store))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert target.name in proc.stdout
 
@@ -148,7 +161,7 @@ def test_invalid_top_metadata_fails_verify_naming_the_file(workflow_run, name, m
     config = copied_run(workflow_run, tmp_path)
     store = store_path(config, name)
     (store / metadata).write_text('{"truncated": ')
-    proc = run(ACTSTORE, "verify", str(store))
+    proc = actstore("verify", str(store))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"BAD  {store / metadata}: not" in proc.stdout and "JSON" in proc.stdout
 
@@ -184,7 +197,7 @@ def test_a_name_leading_outside_the_store_is_refused_naming_it(workflow_run, nam
     outside.write_bytes(b"not the store's")
     planted = _point_outside(store, name, outside)
     target = stage_dir(config, name) if name == "saev" else store
-    proc = run(ACTSTORE, "verify", str(target))
+    proc = actstore("verify", str(target))
     assert proc.returncode in (1, 2), proc.stdout + proc.stderr
     assert planted in proc.stdout + proc.stderr
     assert "outside" in proc.stdout + proc.stderr or "not '../<metadata sha256>'" in proc.stdout + proc.stderr
@@ -200,6 +213,6 @@ def test_an_unlisted_data_file_fails_verify_naming_it(workflow_run, name, extra,
     root = next(store.rglob("SHA256SUMS")).parent if name == "lmprobe" else store
     planted = root / extra
     planted.write_bytes(data_file(store).read_bytes()[:4096])
-    proc = run(ACTSTORE, "verify", str(store))
+    proc = actstore("verify", str(store))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"BAD  {planted}: not listed in" in proc.stdout
