@@ -230,3 +230,18 @@ def test_json_streamed_in_small_blocks_reads_as_json_loads(tmp_path, monkeypatch
             [(k, list(v) if k == "files" else v) for k, v in integrity.stream_json_object(path, "files", "a listing")]
     with pytest.raises(FormatError, match="nothing.json: missing"):
         list(integrity.stream_json_object(tmp_path / "nothing.json", "files"))
+
+
+def test_sorted_files_walks_in_sorted_name_order(tmp_path):
+    """Names that sort around "/" ("a.x", "a-b", "a0" against the directory "a"), digits sorted as
+    text, links listed and not followed: one directory at a time gives what sorting every name does."""
+    from actstore.integrity import sorted_files
+
+    for rel in ["a/b", "a/c/d", "a.x", "a-b", "a0", "ab/1", "10/0", "2/0", "1/0", "b", ".z", "a/.b/c"]:
+        (tmp_path / "root" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "root" / rel).write_text(rel)
+    (tmp_path / "root" / "link").symlink_to(tmp_path / "root" / "a")
+    names = [p.relative_to(tmp_path / "root").as_posix() for p in (tmp_path / "root").rglob("*")
+             if p.is_file() and not p.is_relative_to(tmp_path / "root" / "link") or p.is_symlink()]
+    assert list(sorted_files(tmp_path / "root")) == sorted(names)
+    assert "link" in names and "a/c/d" in names and len(names) == 13

@@ -180,18 +180,23 @@ root = Path(sys.argv[1])
 print("ready", flush=True)
 sys.stdin.readline()
 zarr.finish_merge(sorted(root.glob("shard-*.zarr")), sorted(root.glob("merge-*")), root / "merged", progress=False)
+print("merged", flush=True)
+sys.stdin.readline()
+assert zarr.verify(root / "merged") == []
 """
 
 
-def test_zarr_merge_finisher_holds_no_record_per_chunk_file(tmp_path):
-    """Samples of 2-4 tokens in 1-token chunks: ~4 chunk files a sample, 10K and 40K files. The
-    finisher streams the jobs' records into a table on disk and files.json out in name order, so
-    it grows by the merged 1-D vectors alone (resources: 128 B a sample); holding the records, the
-    listing and files.json as dicts took ~500 B a file more (the larger run: +15 MB)."""
+def test_zarr_merge_finisher_and_verify_hold_nothing_per_chunk_file(tmp_path):
+    """Samples of 2-4 tokens in 1-token chunks: ~4 chunk files a sample, 7.5K and 30K files. The
+    finisher streams the jobs' records into a table on disk and files.json out in name order, and
+    verify walks files.json beside the store in that order, so each grows by per-sample arrays alone
+    (resources: the merged 1-D vectors and the activations' directory listing, 300 B a sample). Holding
+    the records, the listing and files.json as dicts took ~500 B a file more in the finisher (the
+    larger run: +11 MB), ~700 B in verify (+16 MB)."""
     from actstore.formats import zarr
 
     grown = {}
-    for rows in (1_000, 4_000):
+    for rows in (750, 3_000):
         root = tmp_path / str(rows)
         extract = synthetic_extraction(root / "extract", rows * 3 * 8 * 4, 2, 8, [1], tokens=(2, 4))
         shards = [zarr.write_shard(extract / f"part-{p:04d}", root / f"shard-{p}.zarr", t_chunk=1, progress=False)
@@ -201,10 +206,14 @@ def test_zarr_merge_finisher_holds_no_record_per_chunk_file(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", MERGE_FINISH, str(root)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        before = process_memory(proc.pid).total / 1e6
-        with PeakMemory([proc.pid], interval=0.005) as watch:
-            proc.stdin.close()
-            assert proc.wait() == 0, "finish_merge failed"
-        grown[rows] = watch.peak.total / 1e6 - before
-    designed = 128 * (4_000 - 1_000) / 1e6
-    assert grown[4_000] - grown[1_000] < designed + 4, f"finisher grew {grown[1_000]:.1f} MB, then {grown[4_000]:.1f} MB"
+        for step, done in (("finish", lambda: proc.stdout.readline().strip() == "merged"), ("verify", proc.wait)):
+            before = process_memory(proc.pid).total / 1e6
+            with PeakMemory([proc.pid], interval=0.005) as watch:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                assert done() in (True, 0), f"{step} failed"
+            grown[step, rows] = watch.peak.total / 1e6 - before
+    designed = resources.ZARR_MERGE_SAMPLE_BYTES * (3_000 - 750) / 1e6
+    for step in ("finish", "verify"):
+        assert grown[step, 3_000] - grown[step, 750] < designed + 4, \
+            f"{step}: grew {grown[step, 750]:.1f} MB, then {grown[step, 3_000]:.1f} MB"

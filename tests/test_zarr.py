@@ -162,6 +162,25 @@ def test_tampered_metadata_is_refused(bert_run, tmp_path):
     assert zs.verify(tmp_path / "nothing") and not zs.detect(tmp_path / "nothing")
 
 
+def test_files_json_is_checked_in_name_order_naming_what_is_wrong(bert_run, tmp_path):
+    """verify walks files.json beside the store and the chunk keys, all in name order: an entry
+    dropped, one leading outside, a listing out of order are each named."""
+    _, run_dir = bert_run
+    store = tmp_path / "s.zarr"
+    shutil.copytree(run_dir / "shards" / "shard-0000.zarr", store)
+    files = json.loads((store / FILES_JSON).read_text())["files"]
+    dropped = f"{zs.ACTS}/10/1/0/0"
+    (store / FILES_JSON).write_text(files_json_text({k: v for k, v in files.items() if k != dropped}))
+    assert set(zs.verify(store)) == {f"{store}/{zs.ACTS}: 1 chunk files not recorded, e.g. {dropped}",
+                                     f"{store / dropped}: not listed in {FILES_JSON}"}
+    (store / FILES_JSON).write_text(files_json_text({**files, "../outside": files[dropped]}))
+    assert [p for p in zs.verify(store) if "outside" in p] == \
+        [f"{store / FILES_JSON}: '../outside' is not a relative path inside {store}"]
+    doc = {"files": dict(reversed(files.items())), "format": "actstore-zarr-activation-logger", "schema_version": 1}
+    (store / FILES_JSON).write_text(json.dumps(doc))
+    assert any("out of name order" in p for p in zs.verify(store))
+
+
 def test_cli_functions(bert_run):
     extraction, run_dir = bert_run
     assert zs.detect(run_dir) and zs.detect(run_dir / "shards" / "shard-0000.zarr")

@@ -197,6 +197,23 @@ def unlisted(root: Path, listed: set[str], source: str) -> list[str]:
     return [f"{root / rel}: not listed in {source}" for rel in extra if rel not in listed]
 
 
+def sorted_files(root: Path) -> Iterator[str]:
+    """Every file under `root` as a relative POSIX name, in sorted() order, one directory listed at a
+    time (a store's millions of chunk files are never held): a directory's entries are ordered by
+    name + "/" for subdirectories, which is where sorted() puts their files ("a.x" before "a/b").
+    Links are listed as files, never followed."""
+    def walk(directory: str, prefix: str) -> Iterator[str]:
+        with os.scandir(directory) as it:
+            entries = sorted((e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e.path) for e in it)
+        for name, path in entries:
+            if name.endswith("/"):
+                yield from walk(path, prefix + name)
+            else:
+                yield prefix + name
+
+    return walk(str(root), "")
+
+
 def dir_bytes(root: Path) -> int:
     """Bytes of every file under `root`, not counting a killed writer's temps (io_utils.is_temp)."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not is_temp(p.relative_to(root)))

@@ -118,6 +118,9 @@ ROW_INDEX_BYTES = 8     # a row of an opened part's samples.jsonl: where its lin
 LMPROBE_PLAN_ROW_BYTES = 240  # lmprobe's jobs per prompt: the plan's arrays (72 B traced), 130-230 B of memory measured
 WINDOW_BYTES = 24       # saev text windows: (sample_idx, token_start, n_valid) int64
 FILES_JSON_ENTRY_BYTES = 400  # one chunk's {bytes, sha256} entry of a zarr meta/files.json, parsed
+# The zarr merge's finisher (and verify of the merged store) per sample: the merged 1-D vectors and
+# the activations' directory listing. The chunks' records stream through a table on disk (zarr.merge).
+ZARR_MERGE_SAMPLE_BYTES = 300
 
 
 def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
@@ -153,8 +156,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "pickle_part": rows / parts + pickle_shards,
         "zarr_part": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows
         "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr")),
-        # the merged 1-D vectors; the chunks' records stream through a table on disk (zarr.merge)
-        "zarr_merge": 128 * w.rows,
+        "zarr_merge": ZARR_MERGE_SAMPLE_BYTES * w.rows,
     }[job]
     return int(buffers)
 

@@ -2,6 +2,7 @@
 validate stage): detect, inspect, read_vector and the full integrity check."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -9,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS, acts_chunk_key
-from actstore.formats.zarr.read import ZarrRun, ZarrStore, list_store_files, open_zarr
-from actstore.integrity import dir_bytes, inside, listed_problem, read_json
+from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
+                                          chunk_keys_in_name_order)
+from actstore.formats.zarr.read import ZarrRun, ZarrStore, open_zarr, store_files
+from actstore.integrity import dir_bytes, inside, listed_problem, read_json, stream_json_object
 from actstore.io_utils import sha256_file
 
 
@@ -100,31 +102,52 @@ def _verify_store(store: Path, entry: dict | None) -> list[str]:
     if entry is not None and sha256_file(files_json) != entry["files_sha256"]:
         return [f"{files_json}: sha256 differs from manifest.json"]
     try:
-        files = read_json(files_json)["files"]
-    except (FormatError, KeyError, TypeError) as exc:
-        return [f"{files_json}: unreadable ({exc})"]
-    problems = _verify_files(store, files)
-    try:
         reader = ZarrStore(store)
     except FormatError as exc:
-        return problems + [str(exc)]
-    problems += _verify_metadata(store, reader, files)
+        return _verify_files(store, None) + [str(exc)]
+    problems = _verify_files(store, reader) + _verify_metadata(store, reader)
     if entry is not None and entry["num_samples"] != reader.n_samples:
         problems.append(f"{store}/.zattrs: num_samples={reader.n_samples}, manifest.json says {entry['num_samples']}")
     return problems
 
 
-def _verify_files(store: Path, files: dict[str, dict]) -> list[str]:
-    problems = []
-    for rel, info in files.items():
-        if problem := listed_problem(store, rel, info, FILES_JSON, str(store / FILES_JSON)):
-            problems.append(problem)
-    extra = set(list_store_files(store)) - set(files) - {FILES_JSON}
-    problems += [f"{store / rel}: not listed in {FILES_JSON}" for rel in sorted(extra)]
+def _verify_files(store: Path, reader: ZarrStore | None) -> list[str]:
+    """files.json (in name order, as written) read 1 MiB at a time beside the store's files and the
+    activations' chunk keys walked in the same order: a merged store lists millions, none held. Each
+    listed file checked against its record, each file on disk listed, each chunk recorded."""
+    files_json, problems = store / FILES_JSON, []
+    on_disk = (name for name in store_files(store) if name != FILES_JSON)
+    chunks = (key for key, _ in chunk_keys_in_name_order(reader.n_samples, len(reader.layers), reader.n_chunks)) \
+        if reader else iter(())
+    disk, chunk, lost, first_lost, previous = next(on_disk, None), next(chunks, None), 0, None, None
+    try:
+        for key, listed in stream_json_object(files_json, "files", "a files.json (needs a files object)"):
+            for name, info in listed if key == "files" else ():
+                if previous is not None and name <= previous:
+                    return problems + [f"{files_json}: {name!r} out of name order (after {previous!r})"]
+                previous = name
+                while disk is not None and disk <= name:
+                    if disk < name:
+                        problems.append(f"{store / disk}: not listed in {FILES_JSON}")
+                    disk = next(on_disk, None)
+                while chunk is not None and chunk <= name:
+                    if chunk < name:
+                        lost, first_lost = lost + 1, first_lost or chunk
+                    chunk = next(chunks, None)
+                if problem := listed_problem(store, name, info, FILES_JSON, str(files_json)):
+                    problems.append(problem)
+    except FormatError as exc:
+        return problems + [f"{files_json}: unreadable ({exc})"]
+    for rest in itertools.chain([disk] if disk else [], on_disk):
+        problems.append(f"{store / rest}: not listed in {FILES_JSON}")
+    for rest in itertools.chain([chunk] if chunk else [], chunks):
+        lost, first_lost = lost + 1, first_lost or rest
+    if lost:
+        problems.append(f"{store}/{ACTS}: {lost} chunk files not recorded, e.g. {first_lost}")
     return problems
 
 
-def _verify_metadata(store: Path, reader: ZarrStore, files: dict[str, dict]) -> list[str]:
+def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
     problems = []
     for key, value in reader.metadata.items():  # what plain zarr clients see must equal the files
         path = store / key
@@ -137,11 +160,6 @@ def _verify_metadata(store: Path, reader: ZarrStore, files: dict[str, dict]) -> 
             value = {k: v for k, v in value.items() if k != "consolidated_metadata"}
         if on_disk != value:
             problems.append(f"{path}: differs from its entry in {store}/.zmetadata")
-    chunks = {acts_chunk_key(i, l, c) for i in range(reader.n_samples) for l in range(len(reader.layers))
-              for c in range(reader.n_chunks)}
-    lost = chunks - set(files)
-    if lost:
-        problems.append(f"{store}/{ACTS}: {len(lost)} chunk files not recorded, e.g. {sorted(lost)[0]}")
     if reader.attrs.get("dtype") != "float16":
         problems.append(f"{store}/.zattrs: dtype={reader.attrs.get('dtype')!r}, expected 'float16'")
     if reader.attrs.get("num_layers") != len(reader.layers):

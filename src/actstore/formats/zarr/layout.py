@@ -49,6 +49,32 @@ def acts_chunk_key(i: int, l: int, c: int) -> str:
     return f"{ACTS}/{i}/{l}/{c}/0"
 
 
+def chunk_keys_in_name_order(n: int, n_layers: int, n_chunks: int) -> Iterator[tuple[str, int]]:
+    """(key, flat index (i * n_layers + l) * n_chunks + c) of every activations chunk, in the order of
+    sorted keys ("/" sorts before every digit: samples 0, 1, 10, 100, ..., 2), one at a time."""
+    in_sample = [(l, c) for l in in_name_order(n_layers) for c in in_name_order(n_chunks)]
+    for i in in_name_order(n):
+        for l, c in in_sample:
+            yield acts_chunk_key(i, l, c), (i * n_layers + l) * n_chunks + c
+
+
+def in_name_order(n: int) -> Iterator[int]:
+    """0 .. n-1 in the order of their decimal names (0, 1, 10, 100, 101, ..., 11, ...), one at a time."""
+    if n:
+        yield 0
+    i = 1
+    for _ in range(n - 1):
+        yield i
+        if i * 10 < n:
+            i *= 10
+            continue
+        if i + 1 >= n:
+            i //= 10
+        i += 1
+        while i % 10 == 0:
+            i //= 10
+
+
 def choose_t_chunk(t_max: int, hidden: int, t_chunk: int | None = None) -> int:
     """Tokens per chunk: the configured value, else the power of two nearest a 1 MiB chunk; <= T_max."""
     if t_chunk is None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import heapq
 import itertools
 import json
-import operator
 import os
 import shutil
 import struct
@@ -24,10 +22,10 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key,
-                                          files_json_pieces)
-from actstore.formats.zarr.read import ZarrStore
+                                          chunk_keys_in_name_order, files_json_pieces)
+from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
-from actstore.integrity import TOOL_FILES, file_record, read_json
+from actstore.integrity import file_record, read_json
 from actstore.io_utils import TEMP_SUFFIX, atomic_path
 from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
@@ -188,72 +186,30 @@ def _digest(sha256: str, record: Path, name: str) -> bytes:
 
 def _write_merged_files_json(store: Path, table: int, n: int, n_layers: int, n_chunks: int) -> None:
     """meta/files.json of the merged store (write._write_files_json's bytes), streamed in name order:
-    every file but the chunks hashed, each chunk's entry from the table (a chunk whose size is not
-    the recorded one hashed again), an expected chunk that is not there refused."""
-    small = ((name, None) for name in _small_files(store, n))
-    entries = heapq.merge(small, _chunk_entries(store, table, n, n_layers, n_chunks), key=operator.itemgetter(0))
+    the store's files walked in that order beside the chunks' keys, each chunk's entry from the table
+    (one whose size is not the recorded one hashed again), every other file hashed; an expected chunk
+    that is not there is refused."""
+    entries = _merged_entries(store, table, chunk_keys_in_name_order(n, n_layers, n_chunks))
     (store / "meta").mkdir(exist_ok=True)
     with (store / FILES_JSON).open("w", encoding="utf-8") as out:
-        out.writelines(files_json_pieces((name, entry or file_record(store / name)) for name, entry in entries))
+        out.writelines(files_json_pieces(entries))
 
 
-def _small_files(store: Path, n: int) -> list[str]:
-    """Every file of `store` but the sample directories' (sorted names; files.json and the tool files
-    left out): a few per array. The activations' directory is scanned, never listed whole."""
-    acts = store / ACTS
-    found = []
-    for dirpath, dirnames, filenames in os.walk(store):
-        if dirpath == str(acts.parent):
-            dirnames.remove(acts.name)
-        found += [os.path.join(dirpath, f) for f in filenames]
-    with os.scandir(acts) as entries:
-        for entry in entries:
-            if entry.is_dir() and not _sample_name(entry.name, n):
-                found += [os.path.join(d, f) for d, _, fs in os.walk(entry.path) for f in fs]
-            elif not entry.is_dir():
-                found.append(entry.path)
-    return sorted({Path(p).relative_to(store).as_posix() for p in found} - TOOL_FILES - {FILES_JSON})
-
-
-def _sample_name(name: str, n: int) -> bool:
-    return name.isdigit() and str(int(name)) == name and int(name) < n
-
-
-def _chunk_entries(store: Path, table: int, n: int, n_layers: int, n_chunks: int) -> Iterator[tuple[str, dict]]:
-    """(name, entry) of every file in the sample directories, in name order."""
-    per_sample = n_layers * n_chunks
-    expected = {f"{l}/{c}/0": l * n_chunks + c for l in range(n_layers) for c in range(n_chunks)}
-    for g in _in_name_order(n):
-        sample = store / ACTS / str(g)
-        recorded = os.pread(table, TABLE_ENTRY.size * per_sample, TABLE_ENTRY.size * per_sample * g)
-        present = sorted(os.path.relpath(os.path.join(d, f), sample) for d, _, fs in os.walk(sample) for f in fs)
-        for rel in expected.keys() - set(present):
-            raise FormatError(f"{store}/{ACTS}/{g}/{rel}: missing (written or moved in, then gone)")
-        for rel in present:
-            name = f"{ACTS}/{g}/{rel}"
-            if rel not in expected:
-                yield name, None
-                continue
-            size, digest = TABLE_ENTRY.unpack_from(recorded, TABLE_ENTRY.size * expected[rel])
-            yield name, {"bytes": size, "sha256": digest.hex()} if size == os.stat(store / name).st_size else None
-
-
-def _in_name_order(n: int) -> Iterator[int]:
-    """0 .. n-1 in the order of their decimal names (0, 1, 10, 100, 101, ..., 11, ...), as sorted keys
-    list the sample directories ("/" sorts before every digit), one at a time."""
-    if n:
-        yield 0
-    g = 1
-    for _ in range(n - 1):
-        yield g
-        if g * 10 < n:
-            g *= 10
+def _merged_entries(store: Path, table: int, chunks: Iterator[tuple[str, int]]) -> Iterator[tuple[str, dict]]:
+    want = next(chunks, None)
+    for name in store_files(store):
+        if name == FILES_JSON:
             continue
-        if g + 1 >= n:
-            g //= 10
-        g += 1
-        while g % 10 == 0:
-            g //= 10
+        entry = None
+        if want and want[0] <= name:
+            if want[0] < name:
+                break
+            size, digest = TABLE_ENTRY.unpack(os.pread(table, TABLE_ENTRY.size, TABLE_ENTRY.size * want[1]))
+            entry = {"bytes": size, "sha256": digest.hex()} if size == os.stat(store / name).st_size else None
+            want = next(chunks, None)
+        yield name, entry or file_record(store / name)
+    if want:
+        raise FormatError(f"{store}/{want[0]}: missing (written or moved in, then gone)")
 
 
 def _record_samples(chunk_dirs: list[Path], covered: list[list[str]],

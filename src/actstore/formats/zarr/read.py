@@ -16,7 +16,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, REQUIRED_ATTRS,
                                           VECTOR_ZARRAY)
-from actstore.integrity import TOOL_FILES, inside, read_json, refuse
+from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -31,11 +31,12 @@ def _expect_fields(path: str, zarray: dict[str, Any], expected: dict[str, Any]) 
 
 def list_store_files(store: Path) -> list[str]:
     """Every file under `store`, as sorted POSIX paths relative to it (Snakemake's marker excluded)."""
-    out = []
-    for dirpath, _, names in os.walk(store):
-        rel = Path(dirpath).relative_to(store)
-        out.extend((rel / name).as_posix() for name in names)
-    return sorted(set(out) - TOOL_FILES)
+    return list(store_files(store))
+
+
+def store_files(store: Path) -> Iterator[str]:
+    """list_store_files one at a time, walking one directory at a time (integrity.sorted_files)."""
+    return (name for name in sorted_files(store) if name not in TOOL_FILES)
 
 
 class ZarrStore:
