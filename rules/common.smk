@@ -5,9 +5,8 @@ from pathlib import Path
 from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
 from actstore.datasets import check_dataset
-from actstore.extract import check_layers
 from actstore.hashing import stage_dir, stage_hash, upstream_stages
-from actstore.models import num_blocks, read_model_config, resolve_model_path
+from actstore.model_config import check_layers, num_blocks, read_model_config, resolve_model_path
 
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
 MODEL_PATH = resolve_model_path(config["model"]["path"])

@@ -1,5 +1,5 @@
 # SAE: train (or import) a TopK SAE on the captured input of the LUT target modules.
-from actstore.sae import resolve_hook
+from actstore.config import resolve_hook
 
 SAE_DIR = sdir("sae")
 if config["sae"]["enabled"]:

@@ -23,7 +23,7 @@ from actstore.formats import zarr as zarr_format
 from actstore.formats.extract import open_extraction
 from actstore.formats.lut import open_lut, precompute, write_lut
 from actstore.hashing import stage_hash
-from actstore.models import model_params, read_model_config
+from actstore.model_config import model_params, read_model_config
 
 DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "extra file", "symlink out",
            "traversal name", "absolute name")

@@ -13,7 +13,8 @@ from actstore.formats import lut as lut_format
 from actstore.lut import build_lut
 from actstore.lut_runtime import (CALIBRATION_TOKENS, LutEncoder, LutLinear, calibrate, calibrate_auto, crossover_from,
                                   install_luts, weighted_rows)
-from actstore.models import get_module, load_model, resolve_model_path
+from actstore.model_config import resolve_model_path
+from actstore.models import get_module, load_model
 from actstore.sae import build_sae, load_sae
 
 HOOK = "encoder.layer.1.attention.self.query:input"

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from actstore.errors import FormatError
 from actstore.formats import pickle as ps
 from actstore.formats.extract import layer_tensor, open_extraction
-from actstore.models import model_params, read_model_config
+from actstore.model_config import model_params, read_model_config
 
 SPEC = Path("/work/shared/specs/pickle-shard-format.md")
 SMALL_MB = 0.02  # ~20 kB of raw activations per shard: forces many shards from 15 tiny samples

@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from actstore.config import resolve_hook
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import open_extraction
 from actstore.sae import (Prefetcher, TopKSAE, auxk_loss, build_sae, data_mean, import_sae, init_sae, load_sae,
-                          resolve_hook, split_tokens, stream_batches, tensors)
+                          split_tokens, stream_batches, tensors)
 
 HOOK = "encoder.layer.1.attention.self.query:input"
 SAE = {"num_basis": 64, "k_active": 4, "steps": 150, "batch_size": 64, "lr": 0.003, "dead_tokens": 2000}

@@ -18,7 +18,7 @@ from actstore.formats.saev import loader as saev_loader
 from actstore.formats.saev import write as saev_write
 from actstore.formats.saev.loader import ShuffledActivations
 from actstore.hashing import stage_hash
-from actstore.models import read_model_config
+from actstore.model_config import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 
 import tiny

@@ -69,3 +69,18 @@ def enabled_stages(config: dict[str, Any]) -> list[str]:
     if config["validate"].get("enabled", True):
         stages.append("validate")
     return stages
+
+
+def resolve_hook(config: dict[str, Any]) -> str:
+    """sae.hook, or the first ':input' entry of extract.hooks; must be captured by extract.hooks."""
+    hook = config["sae"].get("hook")
+    hooks = config["extract"]["hooks"]
+    if hook is None:
+        inputs = [h for h in hooks if h.endswith(":input")]
+        if not inputs:
+            raise ConfigError("sae.hook is null and extract.hooks has no '<module>:input' capture; "
+                              "add the target modules' input to extract.hooks or set sae.enabled: false")
+        return inputs[0]
+    if hook not in hooks:
+        raise ConfigError(f"sae.hook {hook!r} is not captured: extract.hooks = {hooks}; add it there")
+    return hook

@@ -55,9 +55,11 @@ def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str,
 def check_targets_before_training(config: dict[str, Any], extract_dir: str | Path) -> None:
     """The lut stage's targets checked on the model skeleton against sae.hook's width, so a bad
     target fails before the SAE trains rather than after."""
-    from actstore.models import model_skeleton, resolve_model_path
+    from actstore.model_config import resolve_model_path
+    from actstore.models import model_skeleton
     from actstore.formats.extract import open_extraction
-    from actstore.sae import resolve_hook, tensors
+    from actstore.config import resolve_hook
+    from actstore.sae import tensors
 
     d_in = tensors(open_extraction(extract_dir, config["extract"]["parts"]), resolve_hook(config))[0].shape[1]
     target_linears(model_skeleton(resolve_model_path(config["model"]["path"])), config["lut"]["targets"], d_in)
@@ -77,7 +79,8 @@ def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, 
 def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path, out_dir: str | Path,
               progress: bool = True) -> dict[str, Any]:
     """The lut stage: write <out_dir>/lut/ per spec, then evaluate it and write <out_dir>/report.json."""
-    from actstore.models import load_model, resolve_model_path
+    from actstore.model_config import resolve_model_path
+    from actstore.models import load_model
     from actstore.sae import SAE_FILE, load_sae
 
     sae, sae_meta = load_sae(Path(sae_dir) / SAE_FILE)

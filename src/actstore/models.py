@@ -1,8 +1,6 @@
 """Load a local HF model for extraction and locate its transformer blocks and hook targets."""
 from __future__ import annotations
 
-import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,73 +9,9 @@ import torch
 from torch import nn
 
 from actstore.errors import ConfigError
+from actstore.model_config import model_kind, num_blocks, read_model_config
 
-PACKAGE_PREFIX = "package:"
-VISION_TYPES = ("dinov2", "dinov2_with_registers", "clip", "clip_vision_model", "siglip",
-                "siglip_vision_model", "vit")
-CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_model_path(spec: str) -> Path:
-    """`package:<module>` -> <module>.get_model_path(); anything else is a local folder."""
-    if spec.startswith(PACKAGE_PREFIX):
-        module_name = spec[len(PACKAGE_PREFIX):]
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            raise ConfigError(f"model.path {spec!r}: package module {module_name!r} is not installed") from None
-        if not hasattr(module, "get_model_path"):
-            raise ConfigError(f"model.path {spec!r}: {module_name} has no get_model_path()")
-        path = Path(module.get_model_path())
-    else:
-        path = Path(spec)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path {spec!r}: no model folder with config.json at {path}")
-    return path.resolve()
-
-
-def read_model_config(path: str | Path) -> dict[str, Any]:
-    """The model folder's config.json as a dict."""
-    return json.loads((Path(path) / "config.json").read_text())
-
-
-def model_kind(config: dict[str, Any]) -> str:
-    """'vision', 'causal' or 'encoder' from a config.json dict."""
-    if config.get("model_type") in VISION_TYPES:
-        return "vision"
-    if any(a.endswith(CAUSAL_SUFFIXES) for a in config.get("architectures") or []):
-        return "causal"
-    return "encoder"
-
-
-# The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer...).
-CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
-                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-                  "num_attention_heads": ("num_attention_heads", "n_head"),
-                  "vocab_size": ("vocab_size",)}
-
-
-def config_int(config: dict[str, Any], setting: str) -> int | None:
-    """An integer size setting (a CONFIG_ALIASES key) from config.json under any of its names, else
-    from the nested vision_config (vision towers) or text_config; None when no scope has it."""
-    scopes = (config, config.get("vision_config") or {}, config.get("text_config") or {})
-    return next((scope[name] for scope in scopes for name in CONFIG_ALIASES[setting]
-                 if isinstance(scope.get(name), int)), None)
-
-
-def num_blocks(config: dict[str, Any]) -> int:
-    """Number of transformer blocks, from config.json (vision towers nest it in vision_config)."""
-    blocks = config_int(config, "num_hidden_layers")
-    if blocks is None:
-        raise ConfigError("model config.json names no num_hidden_layers / n_layer")
-    return blocks
-
-
-def model_params(config: dict[str, Any]) -> dict[str, int | None]:
-    """hidden_size, num_hidden_layers, num_attention_heads, vocab_size from a config.json dict
-    (None where the model has none, e.g. a vision tower's vocab_size)."""
-    return {setting: config_int(config, setting) for setting in CONFIG_ALIASES}
 
 
 def find_blocks(model: nn.Module, n_blocks: int) -> tuple[str, nn.ModuleList]:

@@ -14,7 +14,7 @@ from typing import Any
 from actstore.datasets.source import resolve_source
 from actstore.datasets.tables import count_rows
 from actstore.jobs import write_jobs
-from actstore.models import model_kind, read_model_config, resolve_model_path
+from actstore.model_config import model_kind, read_model_config, resolve_model_path
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
 IO_BYTES_PER_S = 100e6    # write/read rate assumed on /fs/scratch for one job (shared Lustre, pessimistic)

@@ -1,7 +1,7 @@
 """Rule pickle_part: write one extraction part (machine) as a complete pickle-shard store."""
 from actstore.formats.extract import open_part
 from actstore.formats.pickle import write_machine
-from actstore.models import model_params, read_model_config
+from actstore.model_config import model_params, read_model_config
 from actstore.workflow import setup_logging
 
 setup_logging(snakemake)

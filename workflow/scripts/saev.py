@@ -4,7 +4,7 @@ from pathlib import Path
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, finish_store, open_store, plan_store, write_pointer
 from actstore.hashing import stage_hash, write_stage_config
-from actstore.models import read_model_config
+from actstore.model_config import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 from actstore.workflow import setup_logging
 

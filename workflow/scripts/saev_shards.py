@@ -4,7 +4,7 @@ from pathlib import Path
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, extraction_fill, plan_store, write_shards
 from actstore.hashing import stage_hash
-from actstore.models import read_model_config
+from actstore.model_config import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 from actstore.workflow import setup_logging
 

@@ -22,18 +22,12 @@ from actstore.extract.inputs import (default_workers, image_batch, image_batches
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
-from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model,
-                             model_kind, model_skeleton, num_blocks, pick_device, read_model_config,
-                             resolve_model_path)
+from actstore.model_config import check_layers, model_kind, num_blocks, read_model_config, resolve_model_path
+from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, model_skeleton,
+                             pick_device)
 
 log = logging.getLogger(__name__)
 LOGPROB_ELEMENTS = 1 << 26  # logits per log-softmax chunk: bounds its memory at 256 MiB of float32
-
-
-def check_layers(layers: list[int], n_blocks: int) -> None:
-    bad = [layer for layer in layers if not 0 <= layer < n_blocks]
-    if bad:
-        raise ConfigError(f"extract.layers: {bad} out of range; the model has blocks 0..{n_blocks - 1}")
 
 
 def storage_dtype(config: dict[str, Any]) -> str:

@@ -9,8 +9,8 @@ from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, import_sae, load_sae
 from actstore.sae.data import Prefetcher, data_mean, iter_rows, split_tokens, stream_batches, tensors
 from actstore.sae.model import TopKSAE, auxk_loss, init_sae
 from actstore.sae.stage import build_sae
-from actstore.sae.train import evaluate, resolve_hook, train_steps
+from actstore.sae.train import evaluate, train_steps
 
 __all__ = ["REPORT_FILE", "SAE_FILE", "Prefetcher", "TopKSAE", "auxk_loss", "build_sae", "data_mean", "evaluate",
-           "import_sae", "init_sae", "iter_rows", "load_sae", "resolve_hook", "split_tokens", "stream_batches",
+           "import_sae", "init_sae", "iter_rows", "load_sae", "split_tokens", "stream_batches",
            "tensors", "train_steps"]

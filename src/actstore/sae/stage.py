@@ -4,13 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from actstore.config import resolve_hook
 from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction, open_extraction
 from actstore.io_utils import write_json_atomic
 from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, import_sae, save_sae
 from actstore.sae.data import split_tokens, tensors
 from actstore.sae.model import TopKSAE
-from actstore.sae.train import evaluate, heldout_summary, resolve_hook, train_sae
+from actstore.sae.train import evaluate, heldout_summary, train_sae
 
 
 def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> tuple[TopKSAE, dict[str, Any]]:

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction
 from actstore.models import pick_device
 from actstore.sae.data import Prefetcher, data_mean, iter_rows, split_tokens, stream_batches, tensors
@@ -48,21 +47,6 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
 def heldout_summary(held: dict[str, Any]) -> dict[str, Any]:
     """evaluate's result for report.json: without the per-latent firing counts (a tensor)."""
     return {key: value for key, value in held.items() if key != "fires"}
-
-
-def resolve_hook(config: dict[str, Any]) -> str:
-    """sae.hook, or the first ':input' entry of extract.hooks; must be captured by extract.hooks."""
-    hook = config["sae"].get("hook")
-    hooks = config["extract"]["hooks"]
-    if hook is None:
-        inputs = [h for h in hooks if h.endswith(":input")]
-        if not inputs:
-            raise ConfigError("sae.hook is null and extract.hooks has no '<module>:input' capture; "
-                              "add the target modules' input to extract.hooks or set sae.enabled: false")
-        return inputs[0]
-    if hook not in hooks:
-        raise ConfigError(f"sae.hook {hook!r} is not captured: extract.hooks = {hooks}; add it there")
-    return hook
 
 
 def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torch.Tensor], sae_cfg: dict[str, Any],

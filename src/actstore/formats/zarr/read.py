@@ -191,15 +191,13 @@ def open_zarr(path: str | Path, merged: bool = False, verify: bool = False) -> Z
 
 
 # ----------------------------------------------------------------------------------------- torch
-
-try:
-    from torch.utils.data import Dataset as _TorchDataset, Sampler as _TorchSampler
-except ImportError:  # torch is optional for plain numpy readers
-    _TorchDataset = _TorchSampler = object
+# A DataLoader takes any object with __len__ and __getitem__ (a sampler: any iterable), so these do
+# not subclass torch's Dataset and Sampler: torch is imported on first use, not by every writer job
+# and every workflow parse that imports this package (~2 s, ~150 MB each).
 
 
-class ZarrActivationDataset(_TorchDataset):
-    """Map-style dataset: key (sample_idx, layer) -> (seq_len, H) float16 tensor.
+class ZarrActivationDataset:
+    """Map-style dataset for torch's DataLoader: key (sample_idx, layer) -> (seq_len, H) float16 tensor.
 
     An int key k means (k // L, layers[k % L]). The reader is rebuilt in each process (pid check),
     so DataLoader workers never share state with the parent.
@@ -232,8 +230,8 @@ class ZarrActivationDataset(_TorchDataset):
         return torch.from_numpy(self.reader.read(int(i), int(layer)))
 
 
-class TrainingPatternSampler(_TorchSampler):
-    """Batch sampler for the spec's pattern: b random samples x `layers_per_sample` random layers each.
+class TrainingPatternSampler:
+    """Batch sampler (DataLoader's batch_sampler) for the spec's pattern: b random samples x `layers_per_sample` random layers each.
 
     Yields lists of (sample_idx, layer) keys; a new permutation per epoch (seed + epoch).
     """

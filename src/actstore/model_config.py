@@ -1,0 +1,84 @@
+"""A local HF model's config.json: where the folder is, what kind of model, its sizes. No torch: the
+workflow's parse (common.smk, resources.py) and the writer jobs read these, and importing torch
+costs each of them ~2 s and ~150 MB (on Slurm every job parses the workflow again)."""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from actstore.errors import ConfigError
+
+PACKAGE_PREFIX = "package:"
+VISION_TYPES = ("dinov2", "dinov2_with_registers", "clip", "clip_vision_model", "siglip",
+                "siglip_vision_model", "vit")
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def resolve_model_path(spec: str) -> Path:
+    """`package:<module>` -> <module>.get_model_path(); anything else is a local folder."""
+    if spec.startswith(PACKAGE_PREFIX):
+        module_name = spec[len(PACKAGE_PREFIX):]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            raise ConfigError(f"model.path {spec!r}: package module {module_name!r} is not installed") from None
+        if not hasattr(module, "get_model_path"):
+            raise ConfigError(f"model.path {spec!r}: {module_name} has no get_model_path()")
+        path = Path(module.get_model_path())
+    else:
+        path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path {spec!r}: no model folder with config.json at {path}")
+    return path.resolve()
+
+
+def read_model_config(path: str | Path) -> dict[str, Any]:
+    """The model folder's config.json as a dict."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def model_kind(config: dict[str, Any]) -> str:
+    """'vision', 'causal' or 'encoder' from a config.json dict."""
+    if config.get("model_type") in VISION_TYPES:
+        return "vision"
+    if any(a.endswith(CAUSAL_SUFFIXES) for a in config.get("architectures") or []):
+        return "causal"
+    return "encoder"
+
+
+# The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer...).
+CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
+                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+                  "num_attention_heads": ("num_attention_heads", "n_head"),
+                  "vocab_size": ("vocab_size",)}
+
+
+def config_int(config: dict[str, Any], setting: str) -> int | None:
+    """An integer size setting (a CONFIG_ALIASES key) from config.json under any of its names, else
+    from the nested vision_config (vision towers) or text_config; None when no scope has it."""
+    scopes = (config, config.get("vision_config") or {}, config.get("text_config") or {})
+    return next((scope[name] for scope in scopes for name in CONFIG_ALIASES[setting]
+                 if isinstance(scope.get(name), int)), None)
+
+
+def num_blocks(config: dict[str, Any]) -> int:
+    """Number of transformer blocks, from config.json (vision towers nest it in vision_config)."""
+    blocks = config_int(config, "num_hidden_layers")
+    if blocks is None:
+        raise ConfigError("model config.json names no num_hidden_layers / n_layer")
+    return blocks
+
+
+def model_params(config: dict[str, Any]) -> dict[str, int | None]:
+    """hidden_size, num_hidden_layers, num_attention_heads, vocab_size from a config.json dict
+    (None where the model has none, e.g. a vision tower's vocab_size)."""
+    return {setting: config_int(config, setting) for setting in CONFIG_ALIASES}
+
+
+def check_layers(layers: list[int], n_blocks: int) -> None:
+    """extract.layers within the model's blocks 0..n_blocks-1 (checked at parse time by common.smk)."""
+    bad = [layer for layer in layers if not 0 <= layer < n_blocks]
+    if bad:
+        raise ConfigError(f"extract.layers: {bad} out of range; the model has blocks 0..{n_blocks - 1}")
