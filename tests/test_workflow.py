@@ -151,3 +151,20 @@ def test_zarr_merge_is_scattered_over_merge_jobs_in_the_dry_run(tmp_path):
     jobs = scheduled(tmp_path, write(config, tmp_path / "merged.yaml"))
     assert jobs["zarr_part"] == config["extract"]["parts"] == 2
     assert jobs["zarr_merge_chunks"] == 3 and jobs["zarr_merge"] == 1 and jobs["zarr_manifest"] == 1
+
+
+# The rules that run no model: their scripts' imports must not pull in torch.
+NO_MODEL_SCRIPTS = ["saev", "saev_shards", "pickle_part", "pickle_merge", "lmprobe", "lmprobe_tensors", "zarr_part",
+                    "zarr_merge_chunks", "zarr_merge", "zarr_manifest"]
+
+
+@pytest.mark.parametrize("what", ["parse", *NO_MODEL_SCRIPTS])
+def test_the_workflow_parse_and_writer_jobs_never_import_torch(what):
+    """torch costs a process ~2 s and ~150 MB: the Snakefile's parse (run again by every Slurm job)
+    and the writer jobs import only what reads configs and files."""
+    sources = list((REPO / "rules").glob("*.smk")) if what == "parse" else [REPO / "workflow" / "scripts" / f"{what}.py"]
+    modules = sorted({m for src in sources for m in re.findall(r"^\s*from (actstore[\w.]*) import", src.read_text(), re.M)})
+    assert modules, what
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", (modules, run.stdout, run.stderr[-2000:])
