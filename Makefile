@@ -5,7 +5,7 @@ SMK := $(VENV)/bin/snakemake
 STAMP := $(VENV)/.actstore-installed
 PYTHON ?= python3
 
-.PHONY: demo test install report lint clean-venv
+.PHONY: demo test test-scale install report lint clean-venv
 
 install: $(STAMP)
 
@@ -23,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-scale: $(STAMP)  # each writer on data 4x its memory bound: ~10 min, ~15 GB of disk
+	ACTSTORE_SCALE_TESTS=1 $(PY) -m pytest -q -s tests/test_scale.py -k 4x_larger $(PYTEST_ARGS)
 
 report: $(STAMP)
 	$(SMK) --cores all --configfile config/config.yaml --report report.html

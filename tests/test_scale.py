@@ -5,6 +5,8 @@ and cannot drop) must not grow with the data, and must stay under the bound its 
 states (actstore.resources.writer_mem_mb) for that extraction."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +32,15 @@ from pathlib import Path
 from actstore.formats.extract import open_extraction
 
 name, extract, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+shrunk = sys.argv[4:] != ["real"]  # "real": the writers' own buffer sizes (the data-4x-the-bound test)
 fmt = importlib.import_module("actstore.formats." + name.removesuffix("-merge"))  # its imports only
-if name == "saev":
+if name == "saev" and shrunk:
     fmt.write.CHUNK_BYTES = 1 << 20
 if name == "lmprobe":
     import os
     os.environ["ARROW_DEFAULT_MEMORY_POOL"] = "system"  # as workflow/scripts/lmprobe.py sets it
     import pandas, pyarrow.parquet  # the index's imports (pa.array imports pandas): constants, measured before
+if name == "lmprobe" and shrunk:
     fmt.write.COPY_BYTES = 1 << 20
     # The index's row groups (per-token columns, ~50 B a token) are bounded at 2^20 tokens, more than the
     # larger extraction holds: shrunk, so the bound is what is measured, not a group still filling.
@@ -67,10 +71,10 @@ def extractions(tmp_path_factory):
             for size in (1, LARGER)}
 
 
-def write_mb(name: str, extract: Path, out: Path) -> tuple[float, float]:
+def write_mb(name: str, extract: Path, out: Path, *flags: str) -> tuple[float, float]:
     """(MB the job's write adds to what it held before it: its imports and, for the merge, its
     shards; the job's peak MB)."""
-    proc = subprocess.Popen([sys.executable, "-c", JOB, name, str(extract), str(out)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", JOB, name, str(extract), str(out), *flags], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready", f"{name} job failed to start"
     before = process_memory(proc.pid).total / 1e6
@@ -86,14 +90,14 @@ RULES = {"saev": ("saev_shards", "saev"), "lmprobe": ("lmprobe_tensors", "lmprob
          "pickle": ("pickle_part",), "zarr": ("zarr_part",), "zarr-merge": ("zarr_merge_chunks", "zarr_merge")}
 
 
-def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS) -> float:
+def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS, dim: int = DIM) -> float:
     """The mem_mb the rules state for this extraction, before rounding up to whole GB."""
     extraction = open_extraction(extract)
     config = load_config(tiny.REPO / "config" / "config.yaml")
     config["extract"].update(layers=layers, max_seq_length=extraction.info.max_seq_length, parts=2)
     config["pickle"].update(threads=2, shard_size_mb=1)
     text_bytes = sum((part.dir / "samples.jsonl").stat().st_size for part in extraction.parts)
-    w = resources.Workload(rows=extraction.n_samples, tokens=extraction.n_tokens, d=DIM, n_tensors=len(layers),
+    w = resources.Workload(rows=extraction.n_samples, tokens=extraction.n_tokens, d=dim, n_tensors=len(layers),
                            weight_bytes=0, data_bytes=text_bytes, itemsize=4)
     return resources.WRITER_BASE_MB + max(resources.writer_buffer_bytes(w, config, rule) for rule in RULES[name]) / 1e6
 
@@ -106,6 +110,30 @@ def test_writer_memory_does_not_grow_with_the_data(extractions, name, tmp_path):
                                              f"{LARGER}x that took {large_write:.1f} MB")
     bound = bound_mb(name, extractions[LARGER])
     assert large < bound, f"{name}: peak {large:.0f} MB over the {bound:.0f} MB its rules ask for"
+
+
+SCALE = os.environ.get("ACTSTORE_SCALE_TESTS") == "1"  # `make test-scale`: minutes and ~15 GB of disk
+
+
+@pytest.fixture(scope="module")
+def extraction_4x_the_bound(tmp_path_factory):
+    """An extraction (d = 1024, layers 1/3/5) holding 4.5 GB: more than 4x each writer's mem_mb."""
+    return synthetic_extraction(tmp_path_factory.mktemp("scale-4x") / "extract", 4_500 * 10**6, 2, 1024, LAYERS)
+
+
+@pytest.mark.skipif(not SCALE, reason="data 4x the memory bound: run with make test-scale")
+@pytest.mark.parametrize("name", ["saev", "lmprobe", "pickle", "zarr", "zarr-merge"])
+def test_writer_peak_stays_under_its_mem_mb_on_data_4x_larger(extraction_4x_the_bound, name, tmp_path):
+    """Each writer job with its own buffer sizes on activations over 4x the mem_mb its rules ask for:
+    its peak anonymous + dirty file-mapped memory stays under that mem_mb (unrounded)."""
+    extract = extraction_4x_the_bound
+    data_mb = sum(f.stat().st_size for f in extract.glob("part-*/layer_*.npy")) / 1e6
+    bound = bound_mb(name, extract, dim=1024)
+    assert data_mb > 4 * bound, f"{data_mb:.0f} MB of activations, not 4x the {bound:.0f} MB bound"
+    _, peak = write_mb(name, extract, tmp_path, "real")
+    shutil.rmtree(tmp_path)
+    print(f"{name}: peak {peak:.0f} MB, mem_mb {bound:.0f} (unrounded), data {data_mb:.0f} MB")
+    assert peak < bound, f"{name}: peak {peak:.0f} MB over the {bound:.0f} MB its rules ask for"
 
 
 def test_lmprobe_index_holds_one_row_group_of_rows(tmp_path):
