@@ -117,8 +117,8 @@ SCALE = os.environ.get("ACTSTORE_SCALE_TESTS") == "1"  # `make test-scale`: minu
 
 @pytest.fixture(scope="module")
 def extraction_4x_the_bound(tmp_path_factory):
-    """An extraction (d = 1024, layers 1/3/5) holding 4.5 GB: more than 4x each writer's mem_mb."""
-    return synthetic_extraction(tmp_path_factory.mktemp("scale-4x") / "extract", 4_500 * 10**6, 2, 1024, LAYERS)
+    """An extraction (d = 1024, layers 1/3/5) holding 5.2 GB: more than 4x each writer's mem_mb (<= 1.3 GB)."""
+    return synthetic_extraction(tmp_path_factory.mktemp("scale-4x") / "extract", 5_200 * 10**6, 2, 1024, LAYERS)
 
 
 @pytest.mark.skipif(not SCALE, reason="data 4x the memory bound: run with make test-scale")

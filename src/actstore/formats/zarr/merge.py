@@ -196,6 +196,8 @@ def _write_merged_files_json(store: Path, table: int, n: int, n_layers: int, n_c
 
 
 def _merged_entries(store: Path, table: int, chunks: Iterator[tuple[str, int]]) -> Iterator[tuple[str, dict]]:
+    """(name, {bytes, sha256}) of every file of `store` in name order, `chunks` (key, table index)
+    walked beside them in the same order."""
     want = next(chunks, None)
     for name in store_files(store):
         if name == FILES_JSON:
