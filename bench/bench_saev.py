@@ -14,7 +14,7 @@ per batch divided by the expectation for a perfectly uniform shuffle of the stor
 are sparse sums of their example's dictionary atoms); a TopK SAE (actstore.sae) trained for the
 same steps from the same seed on batches of the loader, of the old loader and of a perfectly
 shuffled in-memory copy; held-out FVU on examples generated apart.
-Writes bench/out/saev.json (bench/out/saev_sae.json with --sae).
+Writes bench/out/saev.json (bench/out/saev_sae_seed<N>.json with --sae).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def structured_examples(rng: np.random.Generator, classes: np.ndarray, atoms: np
 
 def sae_store(root: Path, args) -> tuple[Path, np.ndarray]:
     """The structured store (examples sorted by class) and held-out examples of the same classes."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.sae_seed)
     d, n, tokens, n_classes = args.sae_d, args.sae_examples, args.tokens, 32
     atoms = rng.standard_normal((2048, d)).astype(np.float32)
     atoms /= np.linalg.norm(atoms, axis=1, keepdims=True)
@@ -152,9 +152,9 @@ def sae_store(root: Path, args) -> tuple[Path, np.ndarray]:
 def train_fvu(batches, steps: int, mean: torch.Tensor, held: np.ndarray, args) -> float:
     """A TopK SAE (actstore.sae: Gao et al.'s recipe, AuxK included) trained for `steps` batches from
     a fixed seed; its FVU on the held-out vectors."""
-    torch.manual_seed(0)
+    torch.manual_seed(args.sae_seed)
     model = sae_lib.TopKSAE(args.sae_d, args.sae_latents, args.sae_k)
-    sae_lib.init_sae(model, mean, seed=0)
+    sae_lib.init_sae(model, mean, seed=args.sae_seed)
     opt = torch.optim.Adam(model.parameters(), lr=args.sae_lr, eps=6.25e-10)
     last_fired, seen = torch.zeros(args.sae_latents, dtype=torch.long), 0
     for _, x in zip(range(steps), batches):
@@ -181,9 +181,9 @@ def loader_batches(ds: ShuffledActivations):
             yield batch["act"].clone()
 
 
-def memory_batches(data: np.ndarray, batch_size: int):
+def memory_batches(data: np.ndarray, batch_size: int, seed: int):
     """The baseline: a perfectly uniform shuffle of the whole store, held in memory."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     while True:
         order = rng.permutation(len(data))
         for lo in range(0, len(order) - batch_size + 1, batch_size):
@@ -206,8 +206,8 @@ def sae_proof(args) -> dict:
                    "old loader (scaled)": {"block_examples": 3, "buffer_blocks": 32}}
 
         def loader(cfg: dict) -> ShuffledActivations:
-            return ShuffledActivations(store.dir, batch_size=args.batch_size, drop_last=True, **cfg)
-        sources = {"in-memory uniform shuffle (baseline)": lambda: memory_batches(data, args.batch_size),
+            return ShuffledActivations(store.dir, batch_size=args.batch_size, drop_last=True, seed=args.sae_seed, **cfg)
+        sources = {"in-memory uniform shuffle (baseline)": lambda: memory_batches(data, args.batch_size, args.sae_seed),
                    **{name: (lambda cfg=cfg: loader_batches(loader(cfg))) for name, cfg in configs.items()}}
         out = {"steps": steps, "vectors": len(data), "heldout_vectors": len(held), "fvu": {}, "mixing": {}}
         for name, make in sources.items():
@@ -277,6 +277,8 @@ def main() -> None:
     parser.add_argument("--sae-k", type=int, default=16, help="--sae: active latents (TopK)")
     parser.add_argument("--sae-lr", type=float, default=1e-3, help="--sae: Adam learning rate")
     parser.add_argument("--sae-epochs", type=int, default=4, help="--sae: epochs of the store (sets the steps)")
+    parser.add_argument("--sae-seed", type=int, default=0,
+                        help="--sae: one seed for the store's data, the SAE's init and every batch order")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     if args.sae:
@@ -286,7 +288,7 @@ def main() -> None:
             mix = result["mixing"].get(name)
             print(f"{name:40} FVU {fvu:.4f}  {fvu / base - 1:+.2%} vs baseline"
                   + (f"  mixing {mix:.3f} of uniform" if mix is not None else ""))
-        (OUT / "saev_sae.json").write_text(json.dumps({"args": vars(args), **result}, indent=2))
+        (OUT / f"saev_sae_seed{args.sae_seed}.json").write_text(json.dumps({"args": vars(args), **result}, indent=2))
         return
     with tempfile.TemporaryDirectory(dir=OUT) as tmp:
         store = saev.open_store(args.store or synthetic_store(Path(tmp), args.size_mb, args.d, args.tokens,
