@@ -102,6 +102,13 @@ def stream_json_object(path: Path, big: str, what: str = "a JSON object") -> Ite
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
 
+def stream_json_members(path: Path, big: str, what: str = "a JSON object") -> Iterator[tuple[str, Any]]:
+    """stream_json_object's members of member `big` alone (none when it is absent)."""
+    for key, value in stream_json_object(path, big, what):
+        if key == big:
+            yield from value
+
+
 class _JsonStream:
     """A JSON text read in blocks: the scanner of the json module on a window of the file."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from actstore.errors import FormatError
-from actstore.integrity import listed_problem, stream_json_object
+from actstore.integrity import listed_problem, stream_json_members, stream_json_object
 from actstore.io_utils import write_json_atomic
 
 JOBS_KEY = {"saev": "jobs", "lmprobe": "jobs", "zarr": "merge_jobs"}
@@ -110,19 +110,16 @@ def _record_files(job_dir: Path, earlier: JobFiles) -> Iterator[tuple[str, dict[
     """(name, {bytes, sha256}) of each file the record in `job_dir` lists, each checked there."""
     path = job_dir / JOB_RECORD
     source = str(path)
-    for key, listed in stream_json_object(path, "files", _NOT_A_RECORD):
-        if key != "files":
-            continue
-        for name, entry in listed:
-            if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
-                    or not isinstance(entry.get("sha256"), str):
-                raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
-            if name in earlier:
-                raise FormatError(f"{path}: {name} also listed in {earlier[name][0] / JOB_RECORD}")
-            problem = listed_problem(job_dir, name, {"bytes": entry["bytes"]}, source)
-            if problem:
-                raise FormatError(problem)
-            yield name, entry
+    for name, entry in stream_json_members(path, "files", _NOT_A_RECORD):
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
+                or not isinstance(entry.get("sha256"), str):
+            raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
+        if name in earlier:
+            raise FormatError(f"{path}: {name} also listed in {earlier[name][0] / JOB_RECORD}")
+        problem = listed_problem(job_dir, name, {"bytes": entry["bytes"]}, source)
+        if problem:
+            raise FormatError(problem)
+        yield name, entry
 
 
 def _check_numbering(paths: list[Path], records: list[dict[str, Any]]) -> None:

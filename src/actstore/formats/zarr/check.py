@@ -13,7 +13,7 @@ from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           chunk_keys_in_name_order)
 from actstore.formats.zarr.read import ZarrRun, ZarrStore, open_zarr, store_files
-from actstore.integrity import dir_bytes, inside, listed_problem, read_json, stream_json_object
+from actstore.integrity import dir_bytes, inside, listed_problem, read_json, stream_json_members
 from actstore.io_utils import sha256_file
 
 
@@ -121,21 +121,20 @@ def _verify_files(store: Path, reader: ZarrStore | None) -> list[str]:
         if reader else iter(())
     disk, chunk, lost, first_lost, previous = next(on_disk, None), next(chunks, None), 0, None, None
     try:
-        for key, listed in stream_json_object(files_json, "files", "a files.json (needs a files object)"):
-            for name, info in listed if key == "files" else ():
-                if previous is not None and name <= previous:
-                    return problems + [f"{files_json}: {name!r} out of name order (after {previous!r})"]
-                previous = name
-                while disk is not None and disk <= name:
-                    if disk < name:
-                        problems.append(f"{store / disk}: not listed in {FILES_JSON}")
-                    disk = next(on_disk, None)
-                while chunk is not None and chunk <= name:
-                    if chunk < name:
-                        lost, first_lost = lost + 1, first_lost or chunk
-                    chunk = next(chunks, None)
-                if problem := listed_problem(store, name, info, FILES_JSON, str(files_json)):
-                    problems.append(problem)
+        for name, info in stream_json_members(files_json, "files", "a files.json (needs a files object)"):
+            if previous is not None and name <= previous:
+                return problems + [f"{files_json}: {name!r} out of name order (after {previous!r})"]
+            previous = name
+            while disk is not None and disk <= name:
+                if disk < name:
+                    problems.append(f"{store / disk}: not listed in {FILES_JSON}")
+                disk = next(on_disk, None)
+            while chunk is not None and chunk <= name:
+                if chunk < name:
+                    lost, first_lost = lost + 1, first_lost or chunk
+                chunk = next(chunks, None)
+            if problem := listed_problem(store, name, info, FILES_JSON, str(files_json)):
+                problems.append(problem)
     except FormatError as exc:
         return problems + [f"{files_json}: unreadable ({exc})"]
     for rest in itertools.chain([disk] if disk else [], on_disk):

@@ -231,7 +231,8 @@ class ZarrActivationDataset:
 
 
 class TrainingPatternSampler:
-    """Batch sampler (DataLoader's batch_sampler) for the spec's pattern: b random samples x `layers_per_sample` random layers each.
+    """Batch sampler (DataLoader's batch_sampler) for the spec's pattern: b random samples x
+    `layers_per_sample` random layers each.
 
     Yields lists of (sample_idx, layer) keys; a new permutation per epoch (seed + epoch).
     """
