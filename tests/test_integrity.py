@@ -26,7 +26,7 @@ from actstore.hashing import stage_hash
 from actstore.model_config import model_params, read_model_config
 
 DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "extra file", "symlink out",
-           "traversal name", "absolute name")
+           "linked directory", "traversal name", "absolute name")
 
 
 @dataclass
@@ -167,6 +167,13 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
         shutil.copyfile(data, outside)
         data.unlink()
         data.symlink_to(outside)
+    elif kind == "linked directory":  # an unlisted link, named like data, to a directory outside the store
+        outside.mkdir()
+        shutil.copyfile(data, outside / data.name)
+        link = (root / store.extra).with_name("linked-directory-" + Path(store.extra).name)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(outside, target_is_directory=True)
+        return link
     elif kind in ("traversal name", "absolute name"):  # the metadata points at a file outside
         shutil.copyfile(data, outside)
         name = f"../../../../../../..{outside}" if kind == "traversal name" else str(outside)

@@ -198,10 +198,10 @@ def refuse(problems: list[str]) -> None:
 
 def unlisted(root: Path, listed: set[str], source: str) -> list[str]:
     """A problem for every file under `root` (relative POSIX path) that `listed` does not name:
-    an extra shard or tensor is as wrong as a missing one."""
-    extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                   if p.is_file() and p.name not in TOOL_FILES)
-    return [f"{root / rel}: not listed in {source}" for rel in extra if rel not in listed]
+    an extra shard or tensor is as wrong as a missing one, and so is any link (sorted_files lists
+    links, to files or directories, dangling or not, as files and never follows them)."""
+    return [f"{root / rel}: not listed in {source}" for rel in sorted_files(root)
+            if rel not in listed and PurePosixPath(rel).name not in TOOL_FILES]
 
 
 def sorted_files(root: Path) -> Iterator[str]:
@@ -222,8 +222,9 @@ def sorted_files(root: Path) -> Iterator[str]:
 
 
 def dir_bytes(root: Path) -> int:
-    """Bytes of every file under `root`, not counting a killed writer's temps (io_utils.is_temp)."""
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not is_temp(p.relative_to(root)))
+    """Bytes of every file under `root`, not counting a killed writer's temps (io_utils.is_temp); a
+    link counts as itself, never as what it points to (nothing outside the store is looked at)."""
+    return sum(os.lstat(root / rel).st_size for rel in sorted_files(root) if not is_temp(Path(rel)))
 
 
 def inside(root: Path, name: Any, source: str) -> Path:
