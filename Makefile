@@ -9,7 +9,7 @@ PYTHON ?= python3
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py src/actstore/_scatter.c
+$(STAMP): pyproject.toml setup.py src/actstore/_scatter.c src/actstore/_float16.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -24,8 +24,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-scale: $(STAMP)  # each writer on data 4x its memory bound: ~10 min, ~15 GB of disk
-	ACTSTORE_SCALE_TESTS=1 $(PY) -m pytest -q -s tests/test_scale.py -k 4x_larger $(PYTEST_ARGS)
+test-scale: $(STAMP)  # each writer on data 4x its memory bound, every float32 cast: ~20 min, ~15 GB of disk
+	ACTSTORE_SCALE_TESTS=1 $(PY) -m pytest -q -s tests/test_scale.py tests/test_casts.py -k "4x_larger or every_float32" $(PYTEST_ARGS)
 
 report: $(STAMP)
 	$(SMK) --cores all --configfile config/config.yaml --report report.html

@@ -168,3 +168,22 @@ def test_the_workflow_parse_and_writer_jobs_never_import_torch(what):
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "[]", (modules, run.stdout, run.stderr[-2000:])
+
+
+def test_the_float16_and_bfloat16_writers_run_without_torch(tmp_path):
+    """The imports above are only half of it: zarr's and lmprobe's float16 / bfloat16 casts once
+    imported torch when they ran (actstore.casts does them now). Run those writers and look."""
+    code = f"""
+import sys
+from pathlib import Path
+from actstore.formats import lmprobe, zarr
+from actstore.formats.extract import part_dirname, synthetic_extraction
+root = Path({str(tmp_path)!r})
+extract = synthetic_extraction(root / "extract", 2_000_000, parts=1, dim=64, layers=[0, 1], tokens=(8, 32))
+zarr.write_shard(extract / part_dirname(0), root / "shard.zarr", progress=False)
+for dtype in ("float16", "bfloat16"):
+    lmprobe.write_dataset(extract, root / dtype, {{"token_strings": False, "dtype": dtype}}, progress=False)
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", (run.stdout, run.stderr[-2000:])

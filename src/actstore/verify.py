@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits
 from actstore.config import enabled_stages
 from actstore.errors import FormatError
 from actstore.formats import FORMAT_STAGES, format_module
@@ -34,8 +35,7 @@ def find_store(directory: Path, name: str) -> Path:
 
 def reference_dtype(dtype: str) -> type:
     if dtype == "bfloat16":
-        import torch
-        return lambda x: torch.from_numpy(np.asarray(x)).to(torch.bfloat16).float().numpy()
+        return lambda x: bfloat16_bits_to_float32(to_bfloat16_bits(x))
     cast = DTYPE_CASTS.get(dtype, np.float32)
     return lambda x: np.asarray(x).astype(cast).astype(np.float32)
 

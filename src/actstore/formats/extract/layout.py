@@ -22,6 +22,8 @@ import io
 
 import numpy as np
 
+from actstore.casts import bfloat16_bits_to_float32
+
 PART_META = "part.json"
 INDEX = "extract.json"  # beside the parts: every part's directory and part.json sha256
 FORMAT_NAME = "actstore-part"
@@ -60,7 +62,7 @@ def npy_header(shape: tuple[int, ...], descr: str) -> bytes:
 def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     """Stored values as float32 (exact for every storage dtype); float32 is returned as is."""
     if dtype == "bfloat16":
-        return (np.asarray(values).astype(np.uint32) << 16).view(np.float32)
+        return bfloat16_bits_to_float32(values)
     if dtype == "float16":
         return np.asarray(values, dtype=np.float32)
     return values

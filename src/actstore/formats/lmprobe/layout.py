@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits, to_float16
 from actstore.errors import ConfigError, FormatError
 from actstore.safetensors_io import header_bytes
 
@@ -71,16 +72,19 @@ def prompt_order(n: int, ordering: str, seed: int | None) -> np.ndarray:
 def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     """Stored rows -> float32 (bfloat16 bits are the top half of a float32)."""
     if dtype == "bfloat16":
-        return (np.asarray(array, dtype=np.uint32) << 16).view(np.float32)
+        return bfloat16_bits_to_float32(array)
     return np.asarray(array, dtype=np.float32)
 
 
 def from_float32(array: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 rows -> storage dtype (bfloat16 rounded to nearest even by torch)."""
+    """float32 rows -> storage dtype (bfloat16 and float16 rounded to nearest even, the bits torch
+    and numpy give: actstore.casts)."""
     if dtype == "bfloat16":
-        import torch
-        rounded = torch.from_numpy(np.array(array, dtype=np.float32)).to(torch.bfloat16)
-        return rounded.view(torch.int16).numpy().view(np.uint16)
+        return to_bfloat16_bits(array)
+    if dtype == "float16":
+        out = np.empty(np.shape(array), np.float16)
+        to_float16(array, out)
+        return out
     return np.asarray(array, dtype=DTYPES[dtype][1])
 
 

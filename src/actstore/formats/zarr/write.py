@@ -8,17 +8,17 @@ final name.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from actstore.casts import to_float16
 from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor, open_part
 from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL,
@@ -111,31 +111,6 @@ def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None
     (store / FILES_JSON).write_text(files_json_text(files))
 
 
-F16_EXPONENT = 0x7C00  # float16 bits with every exponent bit set: +-inf or NaN
-
-
-def _to_float16(x: np.ndarray, out: np.ndarray) -> int:
-    """Rows `x` (float32) cast into the first rows of `out` (float16), zeros after them; return how
-    many finite values overflowed to +-inf.
-
-    torch's cast is vectorised (F16C), numpy's is not (~10x slower), and the two give the same bits
-    for every float32 but NaN (checked over all 2**32 values), where numpy keeps a signalling NaN's
-    payload as it is: the rare inf/NaN results are redone with numpy, so the bytes are numpy's."""
-    import torch
-
-    k = len(x)
-    torch.from_numpy(out[:k]).copy_(torch.from_numpy(x))
-    out[k:] = 0
-    bits = out[:k].reshape(-1).view(np.uint16)
-    if not k or int((bits & 0x7FFF).max()) < F16_EXPONENT:
-        return 0
-    special = np.flatnonzero(bits & F16_EXPONENT == F16_EXPONENT)
-    src = x.reshape(-1)[special]
-    with np.errstate(over="ignore"):
-        out[:k].reshape(-1)[special] = src.astype(np.float16)
-    return int(np.isinf(out[:k].reshape(-1)[special]).sum() - np.isinf(src).sum())
-
-
 def _write_chunk(path: str, data: np.ndarray, entry: dict[str, Any] | None = None) -> dict[str, Any]:
     """One chunk file from `data`'s bytes, and its files.json entry: `entry` when the caller knows it,
     else hashed from `data` (never read back). The disk is started on the file at once, so dirty
@@ -151,20 +126,6 @@ def _write_chunk(path: str, data: np.ndarray, entry: dict[str, Any] | None = Non
     return entry or {"bytes": data.nbytes, "sha256": hashlib.sha256(data).hexdigest()}
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to `n` for the block: casting from the part's memory map, a second
-    thread makes the cast ~3x slower (page faults taken by both), not faster."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chunks: int,
                   progress: bool) -> tuple[dict[str, dict], int]:
     """Every activation chunk of the part, cast into one (T_chunk, H) float16 buffer and written raw:
@@ -178,21 +139,19 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chu
     # Chunks wholly past seq_len (most of them when T_max is many T_chunks) are zeros: hashed once.
     zero = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(np.zeros_like(chunk)).hexdigest()}
     files, overflow = {}, 0
-    with _torch_threads(1), warnings.catch_warnings():
-        # torch.from_numpy of the part's read-only map, which is only ever read
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
-            rows = part.sample_slice(i)
-            os.mkdir(store / ACTS / str(i))
-            for l, tensor in enumerate(tensors):
-                x = tensor[rows]
-                os.mkdir(store / ACTS / str(i) / str(l))
-                for c in range(n_chunks):
-                    key = acts_chunk_key(i, l, c)
-                    os.mkdir(store / key.rsplit("/", 1)[0])
-                    piece = x[c * t_chunk: (c + 1) * t_chunk]
-                    overflow += _to_float16(piece, chunk)
-                    files[key] = _write_chunk(str(store / key), chunk, None if len(piece) else zero)
+    for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
+        rows = part.sample_slice(i)
+        os.mkdir(store / ACTS / str(i))
+        for l, tensor in enumerate(tensors):
+            x = tensor[rows]
+            os.mkdir(store / ACTS / str(i) / str(l))
+            for c in range(n_chunks):
+                key = acts_chunk_key(i, l, c)
+                os.mkdir(store / key.rsplit("/", 1)[0])
+                piece = x[c * t_chunk: (c + 1) * t_chunk]
+                overflow += to_float16(piece, chunk[:len(piece)])
+                chunk[len(piece):] = 0
+                files[key] = _write_chunk(str(store / key), chunk, None if len(piece) else zero)
     return files, overflow
 
 

@@ -1,0 +1,59 @@
+"""float32 -> float16 and bfloat16 the way the writers store them, without torch (its import costs a
+writer job seconds and ~150 MB): float16 with numpy's bits (round to nearest even, NaN payloads as
+numpy keeps them), bfloat16 with torch's (round to nearest even, every NaN 0xFFFF), the bytes that
+earlier releases wrote through torch."""
+from __future__ import annotations
+
+import numpy as np
+
+try:  # the CPU's F16C instructions (src/actstore/_float16.c), ~25x numpy's cast
+    from actstore import _float16
+except ImportError:  # built without a C compiler, or a CPU without F16C: numpy's cast, the same bits
+    _float16 = None
+
+F16_EXPONENT = 0x7C00  # float16 bits with every exponent bit set: +-inf or NaN
+BLOCK = 1 << 16  # values per step of the bfloat16 cast
+
+
+def to_float16(x: np.ndarray, out: np.ndarray) -> int:
+    """out[...] = x (float32, out's shape) as float16; returns how many finite values overflowed to
+    +-inf. Memory: nothing beyond out, unless x is not C-contiguous float32 (then one copy of it)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape != out.shape or out.dtype != np.float16 or not out.flags.c_contiguous:
+        raise ValueError(f"to_float16: float32 {x.shape} into {out.dtype} {out.shape}")
+    flat = x.reshape(-1)
+    if _float16 is None:
+        with np.errstate(over="ignore"):
+            np.copyto(out, x, casting="same_kind")
+        special = np.flatnonzero(out.reshape(-1).view(np.uint16) & F16_EXPONENT == F16_EXPONENT)
+    elif _float16.f32_to_f16(x, out):
+        # inf or NaN: numpy's bits for those few (F16C truncates NaN payloads)
+        special = np.flatnonzero(out.reshape(-1).view(np.uint16) & F16_EXPONENT == F16_EXPONENT)
+        with np.errstate(over="ignore"):
+            out.reshape(-1)[special] = flat[special].astype(np.float16)
+    else:
+        return 0
+    return int(np.isinf(out.reshape(-1)[special]).sum() - np.isinf(flat[special]).sum())
+
+
+def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """x (float32) as bfloat16 bit patterns (uint16, numpy has no bfloat16): round to nearest even,
+    as torch's cast does, and every NaN 0xFFFF, as torch's vectorised cast writes it."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(x.shape, np.uint16)
+    flat, dst = x.reshape(-1), out.reshape(-1)
+    for lo in range(0, len(flat), BLOCK):  # blocks that stay in cache: 4x faster than whole arrays
+        bits = flat[lo:lo + BLOCK].view(np.uint32)
+        halves = bits.view(np.uint16)  # little-endian: [1::2] is each value's top half, no shifts
+        biased = bits + np.uint32(0x7FFF)
+        biased += halves[1::2] & np.uint16(1)  # ties to even: + 1 more when the kept lsb is 1
+        dst[lo:lo + BLOCK] = biased.view(np.uint16)[1::2]
+        nan = np.isnan(flat[lo:lo + BLOCK])
+        if nan.any():
+            dst[lo:lo + BLOCK][nan] = 0xFFFF
+    return out
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns -> float32, exact (they are a float32's top half)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,112 @@
+"""actstore.casts: the float16 and bfloat16 bits the writers store, without torch, equal numpy's and
+torch's own casts bit for bit, on every class of float32 (rounding ties, subnormals, overflow, inf,
+NaN payloads), on the F16C extension and on numpy's cast (its stand-in without a C compiler)."""
+import os
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from actstore import casts
+
+SCALE = os.environ.get("ACTSTORE_SCALE_TESTS") == "1"  # `make test-scale`
+
+
+def _cpu_has_f16c() -> bool:
+    try:
+        return " f16c" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def tricky_float32_bits() -> np.ndarray:
+    """Every sign/exponent/top-mantissa pattern with the low half bits that decide float16 rounding
+    (ties, just under and over them), float16-subnormal ties for each exponent, and random patterns."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    low = np.array([0x0000, 0x0001, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FFF, 0x8000, 0xF000,
+                    0xFFFF], dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    ties = []
+    for exponent in range(102, 113):  # values that round to float16 subnormals (or to zero)
+        drop = 13 + 113 - exponent  # mantissa bits below the last float16 bit: 14..24
+        top = rng.integers(0, 1 << max(0, 23 - drop), 512).astype(np.int64) << min(drop, 23)
+        for delta in (-1, 0, 1):  # just under, at and over the tie
+            mantissa = ((top + ((1 << (drop - 1)) & 0x7FFFFF) + delta) & 0x7FFFFF).astype(np.uint32)
+            for sign in (0, 1 << 31):
+                ties.append(np.uint32(sign | exponent << 23) | mantissa)
+    randoms = rng.integers(0, 1 << 32, 1 << 22, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([(high[:, None] | low[None, :]).ravel(), *ties, randoms])
+
+
+@pytest.fixture(params=["f16c", "numpy"])
+def float16_path(request, monkeypatch):
+    if request.param == "numpy":
+        monkeypatch.setattr(casts, "_float16", None)
+    elif casts._float16 is None:
+        pytest.skip("the F16C extension is not built here")
+    return request.param
+
+
+def assert_float16_like_numpy(bits: np.ndarray) -> None:
+    x = bits.view(np.float32)
+    out = np.empty(x.shape, np.float16)
+    overflow = casts.to_float16(x, out)
+    with np.errstate(over="ignore"):
+        expected = x.astype(np.float16)
+    mismatch = np.flatnonzero(out.view(np.uint16) != expected.view(np.uint16))
+    assert not len(mismatch), [(hex(int(bits[i])), hex(int(out.view(np.uint16)[i])),
+                                hex(int(expected.view(np.uint16)[i]))) for i in mismatch[:5]]
+    assert overflow == int((np.isinf(expected) & np.isfinite(x)).sum())
+
+
+def test_float16_bits_equal_numpys_cast(float16_path):
+    bits = tricky_float32_bits()
+    assert_float16_like_numpy(bits)
+    assert_float16_like_numpy(bits[:13])  # shorter than one 8-wide vector: the scalar tail alone
+
+
+def test_float16_counts_overflow_and_keeps_nan_payloads(float16_path):
+    x = np.array([65504.0, 65520.0, -1e6, np.inf, -np.inf, 1.0], np.float32)
+    nan = np.array([0x7F800001, 0xFFC12345, 0x7FBFE000], np.uint32).view(np.float32)  # signalling / quiet NaNs
+    out = np.empty(9, np.float16)
+    assert casts.to_float16(np.concatenate([x, nan]), out) == 2  # 65520 and -1e6; inf was inf already
+    with np.errstate(over="ignore"):
+        assert out.view(np.uint16).tolist() == np.concatenate([x, nan]).astype(np.float16).view(np.uint16).tolist()
+
+
+def test_float16_takes_any_layout_and_refuses_a_wrong_target(float16_path):
+    x = np.arange(48, dtype=np.float64).reshape(6, 8)[:, ::2]  # float64, not contiguous
+    out = np.empty((6, 4), np.float16)
+    assert casts.to_float16(x, out) == 0 and (out == x.astype(np.float16)).all()
+    with pytest.raises(ValueError, match=r"float32 \(6, 4\) into float16 \(4, 6\)"):
+        casts.to_float16(x, np.empty((4, 6), np.float16))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_f16c(),
+                    reason="the F16C extension is built for x86 CPUs with F16C only")
+def test_the_f16c_extension_is_built_where_the_cpu_has_f16c():
+    """Without it every zarr and float16 lmprobe writer casts ~25x slower: a build that lost it fails here."""
+    assert casts._float16 is not None
+
+
+def test_bfloat16_bits_equal_torchs_cast():
+    bits = tricky_float32_bits()
+    x = bits.view(np.float32)
+    expected = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = casts.to_bfloat16_bits(x)
+    mismatch = np.flatnonzero(got != expected)
+    assert not len(mismatch), [(hex(int(bits[i])), hex(int(got[i])), hex(int(expected[i]))) for i in mismatch[:5]]
+    back = casts.bfloat16_bits_to_float32(got)
+    finite = np.isfinite(back)
+    assert (back[finite] == torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()[finite]).all()
+
+
+@pytest.mark.skipif(not SCALE, reason="all 2**32 float32 values, ~2 min: run with make test-scale")
+def test_every_float32_casts_like_numpy_and_torch():
+    block = 1 << 24
+    for start in range(0, 1 << 32, block):
+        bits = np.arange(start, start + block, dtype=np.uint64).astype(np.uint32)
+        assert_float16_like_numpy(bits)
+        expected = torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
+        assert (casts.to_bfloat16_bits(bits.view(np.float32)) == expected.view(np.uint16)).all(), hex(start)
