@@ -26,7 +26,7 @@ from actstore.hashing import stage_hash
 from actstore.model_config import model_params, read_model_config
 
 DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "extra file", "symlink out",
-           "linked directory", "traversal name", "absolute name")
+           "linked directory", "directory moved out", "traversal name", "absolute name")
 
 
 @dataclass
@@ -174,6 +174,13 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(outside, target_is_directory=True)
         return link
+    elif kind == "directory moved out":  # the data file's directory lives outside, linked back in
+        folder = data.parent
+        if folder == root:
+            pytest.skip("this format keeps its data files at the store's root")
+        shutil.move(folder, outside)
+        folder.symlink_to(outside, target_is_directory=True)
+        return folder
     elif kind in ("traversal name", "absolute name"):  # the metadata points at a file outside
         shutil.copyfile(data, outside)
         name = f"../../../../../../..{outside}" if kind == "traversal name" else str(outside)
