@@ -7,7 +7,8 @@ best of --repeat:
   sha256 only      hashing the uncompressed shard file (the check done before every unpickle)
   pkl plain        pickle.load of the uncompressed shard, no checks (the spec's loader)
   pkl safe         actstore load_shard: size + sha256 + restricted unpickler
-  gz-N safe/plain  the same for gzip level N shards, plus write speed and compression ratio
+  gz-C-N safe/plain  the same for gzip shards of compressor C (isal, zlib) at level N, plus write
+                   speed and compression ratio
 Activation MB/s counts the raw float32 bytes delivered (1 MB = 1e6 bytes). Writes bench/out/pickle.json.
 """
 from __future__ import annotations
@@ -45,9 +46,9 @@ def pick_samples(part, n_layers: int, d: int, mb: float) -> range:
     return range(min(n, len(sizes)))
 
 
-def write_variant(shard: dict, path: Path, compressed: bool, level: int) -> tuple[dict, float]:
+def write_variant(shard: dict, path: Path, compressed: bool, level: int, compressor: str) -> tuple[dict, float]:
     t0 = time.perf_counter()
-    ps.dump_shard(shard, path, compressed, level)
+    ps.dump_shard(shard, path, compressed, level, compressor)
     seconds = time.perf_counter() - t0
     data = path.read_bytes()
     info = {"filename": path.name, "size_bytes": len(data), "compressed": compressed,
@@ -64,7 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", help="an extraction part dir (default: results/extract/*/part-0000)")
     parser.add_argument("--mb", type=float, default=64, help="raw float32 MB of activations in the shard")
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 6, 9], help="gzip levels to measure")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 3, 6, 9],
+                        help="gzip levels to measure (each compressor at those it has: isal 1-3, zlib 1-9)")
+    parser.add_argument("--compressors", nargs="+", default=["isal", "zlib"], choices=sorted(ps.LEVELS))
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     part_dir = args.part or sorted(glob.glob("results/extract/*/part-0000"))[0]
@@ -84,11 +87,12 @@ def main() -> None:
                 for it in items:
                     fh.write(it["activation"].tobytes())
         rows.append({"reader": "raw float32", "seconds": best(lambda: np.fromfile(flat, np.float32), args.repeat)})
-        variants = [("pkl", False, 0)] + [(f"gz-{lvl}", True, lvl) for lvl in args.levels]
-        for name, compressed, level in variants:
+        variants = [("pkl", False, 0, "zlib")] + [(f"gz-{c}-{lvl}", True, lvl, c) for c in args.compressors
+                                                  for lvl in args.levels if lvl in ps.LEVELS[c]]
+        for name, compressed, level, compressor in variants:
             (tmp / name).mkdir()
             path = tmp / name / ps.shard_filename(1, compressed)
-            info, write_s = write_variant(shard, path, compressed, level)
+            info, write_s = write_variant(shard, path, compressed, level, compressor)
             if not compressed:
                 rows.append({"reader": "sha256 only", "seconds": best(lambda: hashlib.sha256(path.read_bytes()),
                                                                       args.repeat)})

@@ -12,7 +12,7 @@ Writes bench/out/writers.json and prints a markdown table.
 
 Job shapes: `1 job` = one process writes everything (or one job per part, run one after the other);
 `N jobs` = the scattered writer's N jobs run at once, then its finishing job. pickle: 1 and 2
-compression threads per part job.
+compression threads per part job, with each compressor (isal, the default, and zlib).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def run_job(args: argparse.Namespace) -> None:
         lmprobe.finish_dataset(extract, job_dirs, out / "dataset", LMPROBE)
     elif name == "pickle":
         pickle.write_machine(extract / part_dirname(args.part), out / part_dirname(args.part), model_params=PARAMS,
-                             threads=args.threads, progress=False)
+                             threads=args.threads, compressor=args.compressor, progress=False)
     elif name == "zarr":
         zarr.write_shard(extract / part_dirname(args.part), out / f"shard-{args.part:04d}.zarr", progress=False)
     elif name == "zarr-merge":
@@ -128,8 +128,10 @@ def variants(extract: Path, work: Path, parts: int, jobs: int) -> dict[str, tupl
         "saev, scattered": scattered("saev-shards", "saev-finish"),
         "lmprobe": ("1 job", [[job_argv("lmprobe", extract, out)]]),
         "lmprobe, scattered": scattered("lmprobe-tensors", "lmprobe-finish"),
-        "pickle (gzip-1), 1 thread": ("per part", per_part("pickle", threads=1)),
-        "pickle (gzip-1), 2 threads": ("per part", per_part("pickle", threads=2)),
+        "pickle (gzip-1, isal), 1 thread": ("per part", per_part("pickle", threads=1)),
+        "pickle (gzip-1, isal), 2 threads": ("per part", per_part("pickle", threads=2)),
+        "pickle (gzip-1, zlib), 1 thread": ("per part", per_part("pickle", threads=1, compressor="zlib")),
+        "pickle (gzip-1, zlib), 2 threads": ("per part", per_part("pickle", threads=2, compressor="zlib")),
         "zarr shard": ("per part", per_part("zarr")),
         "zarr merge": ("1 job", [[job_argv("zarr-merge", extract, out, shards=shards)]]),
         "zarr merge, scattered": scattered("zarr-chunks", "zarr-finish", shards=shards),
@@ -151,6 +153,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--compressor", default="isal", help=argparse.SUPPRESS)
     parser.add_argument("--shards", help=argparse.SUPPRESS)
     parser.add_argument("--job-index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -5,7 +5,8 @@
 #                                    and the CUDA tests
 #   bench/gpu_suite.sh writers DEST  bench_writers on the node's NVMe (8 GB, 8 parts, 8 scattered jobs):
 #                                    issue 18's 0.8 x cp goal, which the development VM's disk cannot measure
-# Needs torch + transformers (the GPU image); jsonschema etc. from wheels in .whl when absent.
+# Needs torch + transformers (the GPU image); jsonschema, zarr, numcodecs, isal (cp312 wheels, with
+# their dependencies) from .whl when absent.
 set -uo pipefail
 phase=$1 out=$(mktemp -d) dest=$2   # results tarred into $2 (the device tool fetches few files)
 PROFILE=${PROFILE---profile}        # env: REPEATS (3), PROFILE ('' to skip), LUT (1: bench_lut after extract)

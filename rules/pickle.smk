@@ -1,8 +1,9 @@
 # Pickle shards: one store per extraction part (machine), then a merged metadata.json over them.
 
 PICKLE_DIR = sdir("pickle")
-# gzip runs at a few tens of MB/s on float32: count it as extra passes over the part's bytes.
-PICKLE_PASSES = 6.0 if config["pickle"]["compression"] == "gzip" else 2.0
+# gzip runs at a few tens (zlib) or hundreds (isal) of MB/s on float32: extra passes over the part's bytes.
+PICKLE_PASSES = {"none": 2.0, "isal": 3.0, "zlib": 6.0}[
+    config["pickle"]["compressor"] if config["pickle"]["compression"] == "gzip" else "none"]
 
 
 rule pickle_part:
@@ -14,6 +15,7 @@ rule pickle_part:
         shard_size_mb=config["pickle"]["shard_size_mb"],
         compression=config["pickle"]["compression"],
         compresslevel=config["pickle"]["compresslevel"],
+        compressor=config["pickle"]["compressor"],
     log:
         log_path("pickle", "machine-{part}"),
     benchmark:

@@ -306,6 +306,50 @@ def test_uncompressed_and_deterministic(extracted, tmp_path):
                          progress=False)
 
 
+def test_isal_and_zlib_write_standard_gzip_of_the_same_pickles(extracted, tmp_path):
+    """Both compressors: what gzip.open (the spec's loader) gives back is the same pickle stream,
+    byte for byte, and the store verifies; the zlib store is what earlier releases wrote (its metadata
+    has no compressor key, and its config hashes without it); a level ISA-L lacks is refused."""
+    config, extract_dir = extracted("bert")
+    params = params_of(config)
+    stores = {name: ps.write_machine(extract_dir / "part-0000", tmp_path / name, model_params=params,
+                                     shard_size_mb=SMALL_MB, compressor=name, progress=False)
+              for name in ("isal", "zlib")}
+    assert stores["isal"]["actstore"]["compressor"] == "isal" and "compressor" not in stores["zlib"]["actstore"]
+    names = [s["filename"] for s in stores["zlib"]["shards"]]
+    assert names == [s["filename"] for s in stores["isal"]["shards"]] and len(names) > 1
+    for name in names:
+        isal_bytes, zlib_bytes = ((tmp_path / c / name).read_bytes() for c in ("isal", "zlib"))
+        assert isal_bytes != zlib_bytes and gzip.decompress(isal_bytes) == gzip.decompress(zlib_bytes)
+    with gzip.open(tmp_path / "isal" / names[0]) as fh:  # the spec's loader on our own file
+        first = pickle.load(fh)["layer_0"][0]
+    assert first["activation"].flags.writeable  # pickled from a copy, as a bytearray: users may modify it
+    assert ps.verify(tmp_path / "isal") == [] and ps.verify(tmp_path / "zlib") == []
+    with pytest.raises(FormatError, match="compressor 'isal' with compresslevel 6: levels are isal 1-3, zlib 1-9"):
+        ps.write_machine(extract_dir / "part-0000", tmp_path / "c", model_params=params, compresslevel=6,
+                         progress=False)
+
+
+def test_the_compressor_is_hashed_only_when_it_changes_the_bytes():
+    """The pickle stage hash covers hashing.hashed_section("pickle"): zlib (the bytes of earlier
+    releases, whose configs had no compressor key) and uncompressed stores hash as before; isal,
+    the default, hashes apart. ISA-L's missing levels are refused when the config is read."""
+    from actstore.config import validate_config
+    from actstore.errors import ConfigError
+    from actstore.hashing import hashed_section
+
+    def config(**pickle_section):
+        return validate_config({"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}, "pickle": pickle_section})
+
+    earlier = {k: v for k, v in config()["pickle"].items() if k not in ("compressor", "threads")}
+    assert hashed_section(config(compressor="zlib"), "pickle") == earlier
+    assert hashed_section(config(), "pickle") == {**earlier, "compressor": "isal"}
+    assert "compressor" not in hashed_section(config(compression="none"), "pickle")
+    with pytest.raises(ConfigError, match="pickle/compresslevel: 6 is greater than the maximum of 3 .*zlib has 1-9"):
+        config(compresslevel=6)
+    assert config(compresslevel=6, compressor="zlib")["pickle"]["compresslevel"] == 6
+
+
 class _Payload:
     def __init__(self, marker: Path):
         self.marker = marker

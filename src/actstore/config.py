@@ -27,7 +27,8 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     error = jsonschema.exceptions.best_match(_default_filling_validator().iter_errors(config))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "top level"
-        raise ConfigError(f"invalid config at {where}: {error.message}")
+        why = error.schema.get("description") if isinstance(error.schema, dict) else None
+        raise ConfigError(f"invalid config at {where}: {error.message}" + (f" ({why})" if why else ""))
     return config
 
 

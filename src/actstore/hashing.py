@@ -53,13 +53,16 @@ def stage_payload(config: dict[str, Any], stage: str) -> dict[str, Any]:
 
 def hashed_section(config: dict[str, Any], section: str) -> Any:
     """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
-    dropped when float32 (all earlier releases stored), so extractions made before it keep their hash."""
+    dropped when float32 (all earlier releases stored), so extractions made before it keep their hash;
+    likewise pickle.compressor when zlib (or when nothing is compressed)."""
     values = config[section]
     if not isinstance(values, dict):
         return values
     values = {k: v for k, v in values.items() if k not in EXECUTION_KEYS.get(section, ())}
     if section == "dataset":
         values |= dataset_identity(values)
+    if section == "pickle" and (values.get("compressor") == "zlib" or values.get("compression") == "none"):
+        values.pop("compressor", None)
     if section == "extract" and "storage_dtype" in values:
         dtype = values.pop("storage_dtype")
         dtype = config["model"]["torch_dtype"] if dtype == "auto" else dtype

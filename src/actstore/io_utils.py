@@ -125,6 +125,22 @@ def utc_now():
     return dt.datetime.now(dt.timezone.utc)
 
 
+class HashingWriter:
+    """A binary file's write() that also feeds sha256, for streams written front to back (gzip,
+    pickle): the digest of what was written, with no second read of the file."""
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.raw.write(data)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
 class PositionedFile(abc.ABC):
     """A file of known size filled by positioned writes, each region once, in any order.
 

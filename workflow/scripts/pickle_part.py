@@ -9,4 +9,5 @@ setup_logging(snakemake)
 model_path = open_part(snakemake.input[0]).info.model.path
 write_machine(snakemake.input[0], snakemake.output[0], model_params=model_params(read_model_config(model_path)),
               shard_size_mb=snakemake.params.shard_size_mb, compression=snakemake.params.compression,
-              compresslevel=snakemake.params.compresslevel, threads=snakemake.threads)
+              compresslevel=snakemake.params.compresslevel, compressor=snakemake.params.compressor,
+              threads=snakemake.threads)

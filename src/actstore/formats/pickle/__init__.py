@@ -13,8 +13,8 @@ from actstore.formats.pickle.layout import machine_dirname, shard_filename
 from actstore.formats.pickle.read import (ActivationDataset, collate_padded, iter_activations, load_metadata,
                                           load_shard)
 from actstore.formats.pickle.unpickler import safe_loads
-from actstore.formats.pickle.write import dump_shard, merge_machines, shard_items, write_machine
+from actstore.formats.pickle.write import LEVELS, dump_shard, merge_machines, shard_items, write_machine
 
-__all__ = ["ActivationDataset", "collate_padded", "detect", "dump_shard", "inspect", "iter_activations",
+__all__ = ["LEVELS", "ActivationDataset", "collate_padded", "detect", "dump_shard", "inspect", "iter_activations",
            "load_metadata", "load_shard", "machine_dirname", "merge_machines", "read_vector", "safe_loads",
            "shard_filename", "shard_items", "verify", "write_machine"]
