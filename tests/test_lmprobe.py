@@ -203,6 +203,26 @@ def test_half_dtypes_round_like_torch(extracted, tmp_path, monkeypatch, dtype):
                           torch.from_numpy(ext.activations("layer_0", s).copy()).to(tdtype).float().numpy())
 
 
+def test_float16_overflow_is_counted_and_logged_not_silent(tmp_path, caplog):
+    """Activations past float16's range (some LLMs have them) become +-inf with lmprobe.dtype float16
+    (the synthetic extraction has no inf of its own): the job says how many, exactly the infs stored."""
+    from safetensors.numpy import load_file
+
+    from actstore.formats.extract import synthetic_extraction
+
+    extract = synthetic_extraction(tmp_path / "extract", 400_000, parts=2, dim=16, layers=[0, 1], tokens=(4, 16),
+                                   scale=30_000.0)
+    with caplog.at_level("WARNING", logger="actstore.formats.lmprobe.write"):
+        lmprobe.write_dataset(extract, tmp_path / "ds", {"token_strings": False, "dtype": "float16",
+                                                           "storage": "full_sequence"}, progress=False)
+    stored = sum(int(np.isinf(array).sum()) for path in (tmp_path / "ds" / "tensors").glob("*.safetensors")
+                 for array in load_file(path).values())
+    assert stored > 100 and f"lmprobe.dtype float16: {stored} finite activations beyond +-65504" in caplog.text
+    caplog.clear()
+    lmprobe.write_dataset(extract, tmp_path / "bf16", {"token_strings": False, "dtype": "bfloat16"}, progress=False)
+    assert "beyond" not in caplog.text
+
+
 def test_reader_matches_extraction(extracted, tmp_path):
     root, ext, _ = build(extracted, "llama", tmp_path, storage="full_sequence", logits_topk=5, **SMALL)
     ds = lmprobe.open_dataset(root)

@@ -130,17 +130,17 @@ SYNTHETIC_POOL = 16 << 20  # random float32 values drawn once; each sample's row
 
 
 def synthetic_extraction(root: str | Path, n_bytes: int, parts: int, dim: int, layers: list[int],
-                         tokens: tuple[int, int] = (64, 512), seed: int = 0) -> Path:
-    """A text extraction of random float32 activations for benchmarks and scale tests, written by
-    PartWriter like a real one: samples of tokens[0]..tokens[1] tokens (= max_seq_length) until the
-    layers hold `n_bytes`, split into `parts` parts, token ids, a bert-like model record (no model
-    folder), extract.json."""
+                         tokens: tuple[int, int] = (64, 512), seed: int = 0, scale: float = 1.0) -> Path:
+    """A text extraction of random float32 activations (normal, standard deviation `scale`) for
+    benchmarks and scale tests, written by PartWriter like a real one: samples of tokens[0]..tokens[1]
+    tokens (= max_seq_length) until the layers hold `n_bytes`, split into `parts` parts, token ids, a
+    bert-like model record (no model folder), extract.json."""
     root = Path(root)
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
     while sum(lengths) * len(layers) * dim * 4 < n_bytes:
         lengths.append(int(rng.integers(tokens[0], tokens[1] + 1)))
-    pool = rng.standard_normal(SYNTHETIC_POOL, dtype=np.float32)
+    pool = rng.standard_normal(SYNTHETIC_POOL, dtype=np.float32) * np.float32(scale)
     per_part = -(-len(lengths) // parts)
     for part in range(parts):
         rows = range(part * per_part, min(len(lengths), (part + 1) * per_part))

@@ -76,16 +76,15 @@ def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(array, dtype=np.float32)
 
 
-def from_float32(array: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 rows -> storage dtype (bfloat16 and float16 rounded to nearest even, the bits torch
-    and numpy give: actstore.casts)."""
+def from_float32(array: np.ndarray, dtype: str) -> tuple[np.ndarray, int]:
+    """float32 rows -> (rows in the storage dtype, how many finite values overflowed it to +-inf):
+    bfloat16 and float16 rounded to nearest even, the bits torch and numpy give (actstore.casts)."""
     if dtype == "bfloat16":
-        return to_bfloat16_bits(array)
+        return to_bfloat16_bits(array), 0  # bfloat16 has float32's range: only rounding past its max
     if dtype == "float16":
         out = np.empty(np.shape(array), np.float16)
-        to_float16(array, out)
-        return out
-    return np.asarray(array, dtype=DTYPES[dtype][1])
+        return out, to_float16(array, out)
+    return np.asarray(array, dtype=DTYPES[dtype][1]), 0
 
 
 # ---------------------------------------------------------------- safetensors header codec

@@ -94,6 +94,7 @@ class _TokenRows:
         self.local = np.concatenate([np.arange(p.info.n_samples, dtype=np.int64) for p in self.parts])
         self.start = np.concatenate([p.offsets[:-1] for p in self.parts]).astype(np.int64)
         self.stop = np.concatenate([p.offsets[1:] for p in self.parts]).astype(np.int64)
+        self.float16_overflow = 0  # finite values that became +-inf in float16 (lmprobe.dtype float16)
 
     def runs(self, samples: np.ndarray) -> Iterator[tuple[int, int, int]]:
         """(part, start, stop) token-row runs of `samples` in order, adjacent runs merged."""
@@ -153,7 +154,7 @@ class _TokenRows:
         buf = np.empty((max(1, COPY_BYTES // (dim * 4)), dim), np.float32)
         if last_only:
             for lo in range(0, len(samples), len(buf)):
-                yield from_float32(self.last_rows(name, samples[lo:lo + len(buf)], buf), dtype)
+                yield self._stored(self.last_rows(name, samples[lo:lo + len(buf)], buf), dtype)
             return
         fill = 0
         for p, a, b in self.runs(samples):
@@ -162,10 +163,16 @@ class _TokenRows:
                 self.read_rows(name, p, a, a + n, buf[fill:fill + n])
                 fill, a = fill + n, a + n
                 if fill == len(buf):
-                    yield from_float32(buf, dtype)
+                    yield self._stored(buf, dtype)
                     fill = 0
         if fill:
-            yield from_float32(buf[:fill], dtype)
+            yield self._stored(buf[:fill], dtype)
+
+    def _stored(self, rows: np.ndarray, dtype: str) -> np.ndarray:
+        """float32 rows in the storage dtype; float16 overflows are counted (write_tensor_files logs them)."""
+        stored, overflow = from_float32(rows, dtype)
+        self.float16_overflow += overflow
+        return stored
 
     def topk(self, samples: np.ndarray, k: int, which: int) -> np.ndarray:
         """Top-k values (which=0, float32) or indices (which=1, int64) of `samples`, first k kept."""
@@ -268,6 +275,9 @@ def write_tensor_files(plan: Plan, root: Path, items: range, progress: bool = Fa
         rel = plan.files[i]
         specs, chunks = _hidden_file(plan, i) if i < plan.n_hidden_files else _logits_file(plan, i)
         records[rel] = write_safetensors(root / rel, specs, chunks, ST_METADATA)
+    if plan.src.float16_overflow:
+        log.warning("lmprobe.dtype float16: %d finite activations beyond +-65504 are stored as +-inf in %s "
+                    "(bfloat16 or float32 keeps them)", plan.src.float16_overflow, root / "tensors")
     return records
 
 
