@@ -354,6 +354,33 @@ def test_bfloat16_storage_is_the_models_bfloat16_output_bit_for_bit(model_dir, t
                     assert np.array_equal(widened, tensor[row, :len(ids[i])].float().numpy())
 
 
+def test_float16_storage_counts_the_activations_it_turns_into_inf(model_dir, text_jsonl, tmp_path, caplog):
+    """A float32 model whose block-0 output is scaled far past float16's range (its LayerNorm
+    weight x 1e6): part.json's float16_overflow_count is exactly the infs stored, and a warning
+    says so; a part with no overflow has no such key (its part.json as before)."""
+    import transformers as tf
+
+    scaled = tmp_path / "scaled-bert"
+    model = tf.BertModel.from_pretrained(model_dir("bert"))
+    with torch.no_grad():
+        model.encoder.layer[0].output.LayerNorm.weight.mul_(1e6)
+    model.save_pretrained(scaled)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir("bert") / name).is_file():
+            (scaled / name).write_bytes((model_dir("bert") / name).read_bytes())
+    config = tiny.make_config(tmp_path, scaled, text_jsonl, extract={"parts": 1, "storage_dtype": "float16"})
+    with caplog.at_level("WARNING", logger="actstore.extract.run"):
+        meta = run_part(config, 0, tmp_path / "part-0000", progress=False)
+    stored = sum(int(np.isinf(np.load(tmp_path / "part-0000" / f)).sum()) for f in ("layer_000.npy", "layer_002.npy"))
+    assert stored > 1000 and meta["float16_overflow_count"] == stored
+    assert json.loads((tmp_path / "part-0000" / "part.json").read_text())["float16_overflow_count"] == stored
+    assert f"part 0: {stored} finite activations beyond +-65504" in caplog.text
+    from actstore.formats import extract as extract_format
+    assert extract_format.verify(tmp_path / "part-0000") == []
+    plain = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1, "storage_dtype": "float16"})
+    assert "float16_overflow_count" not in run_part(plain, 0, tmp_path / "plain", progress=False)
+
+
 def test_vit_parts_are_identical_with_and_without_decoding_workers(model_dir, image_folder, tmp_path):
     parts = []
     for workers in (0, 2):

@@ -83,14 +83,18 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
         writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets)
-        extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids, writer,
-                        TORCH_DTYPES[storage_dtype(config)],
-                        tqdm(total=len(batches), desc=f"extract part {part}", unit="batch", disable=not progress),
-                        cpus)
+        overflow = extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids, writer,
+                                   TORCH_DTYPES[storage_dtype(config)],
+                                   tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
+                                        disable=not progress), cpus)
+        if overflow:
+            log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (extract.storage_dtype "
+                        "float16; auto, bfloat16 or float32 keeps them)", part, overflow)
         meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
             "storage_dtype": storage_dtype(config), "num_workers": workers,
             "image_pipeline": "cpu" if token_ids is None else None,
-            "extraction_duration_seconds": time.perf_counter() - started})
+            "extraction_duration_seconds": time.perf_counter() - started} | (
+            {"float16_overflow_count": overflow} if overflow else {}))
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
     return meta
 
@@ -103,28 +107,40 @@ def writer_threads(ext: dict[str, Any], cpus: int) -> int:
 
 def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[tuple[list[int], dict]],
                     lengths: list[int], token_ids: list[list[int]] | None, writer: PartWriter,
-                    dtype: torch.dtype, bar: tqdm, cpus: int) -> None:
-    """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline."""
+                    dtype: torch.dtype, bar: tqdm, cpus: int) -> int:
+    """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline.
+    Returns how many finite activations overflowed to +-inf in a float16 storage dtype, counted on
+    the device and read once at the end (no sync per batch)."""
     with WritePipeline(writer, loaded.device, ext["buffers"], writer_threads(ext, cpus)) as pipeline, \
             capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar:
+        overflow = (torch.zeros((), dtype=torch.int64, device=loaded.device)
+                    if dtype == torch.float16 and loaded.model.dtype != torch.float16 else None)
         for batch, inputs in batches:
             captured.clear()
             output = loaded.model(**inputs)
             rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
             pipeline.submit(rows, *pack_batch(loaded, inputs, output, captured, rows, token_ids,
-                                              dtype, ext["logits_topk"]))
+                                              dtype, ext["logits_topk"], overflow))
             bar.update()
+        return 0 if overflow is None else int(overflow)
 
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
                captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: list[list[int]] | None,
-               dtype: torch.dtype, topk: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+               dtype: torch.dtype, topk: int, overflow: torch.Tensor | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
-    order and per-sample rows. Log-probs and top-k for all rows at once (no per-row device sync)."""
+    order and per-sample rows. Log-probs and top-k for all rows at once (no per-row device sync).
+    `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf."""
     width = next(iter(captured.values())).shape[1]
     keep = torch.from_numpy(np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)]))
     keep = keep.to(loaded.device, non_blocking=True)
-    tokens = {tensor_file(name): packed(t, keep).to(dtype) for name, t in captured.items()}
+    tokens = {}
+    for name, tensor in captured.items():
+        computed = packed(tensor, keep)
+        tokens[tensor_file(name)] = stored = computed.to(dtype)
+        if overflow is not None:
+            overflow.add_((stored.isinf() & computed.isfinite()).sum())
     per_row: dict[str, torch.Tensor] = {}
     if token_ids is not None:
         tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))
