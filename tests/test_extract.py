@@ -377,6 +377,7 @@ def test_float16_storage_counts_the_activations_it_turns_into_inf(model_dir, tex
     assert f"part 0: {stored} finite activations beyond +-65504" in caplog.text
     from actstore.formats import extract as extract_format
     assert extract_format.verify(tmp_path / "part-0000") == []
+    assert extract_format.inspect(tmp_path / "part-0000")["float16_overflow_count"] == stored
     plain = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1, "storage_dtype": "float16"})
     assert "float16_overflow_count" not in run_part(plain, 0, tmp_path / "plain", progress=False)
 

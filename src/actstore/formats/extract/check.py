@@ -36,6 +36,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "dtype": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("dtype", "float32"),
         "n_shards": len(parts),
         "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
+        # finite activations a float16 storage dtype turned into +-inf (part.json, when any)
+        "float16_overflow_count": sum(int(p.meta.get("float16_overflow_count", 0)) for p in parts),
     }
 
 
