@@ -388,3 +388,21 @@ def test_a_bad_lut_target_fails_before_the_sae_trains(built, target, message, mo
         check_targets_before_training(config, built[1])
     config["lut"]["targets"] = TARGETS
     check_targets_before_training(config, built[1])
+
+
+def test_a_table_past_float16s_range_is_refused_naming_it():
+    """A product beyond +-65504 would be stored as inf and make every lookup through it inf: the
+    precomputation refuses it, naming the module and tensor; bfloat16 keeps it."""
+    from actstore.formats.lut import precompute
+
+    torch.manual_seed(0)
+    sae = {"encoder_weight": torch.randn(16, 8), "encoder_bias": torch.zeros(16),
+           "decoder_weight": torch.randn(16, 8), "decoder_bias": torch.randn(8)}
+    w_target = torch.randn(8, 4)
+    w_target[:, 1] *= 1e6
+    with pytest.raises(ConfigError, match=r"encoder.layer.1.q precomputed_products: \d+ values exceed float16's "
+                                          r"range .*use lut.dtype: bfloat16"):
+        precompute(sae, w_target, None, "float16", "encoder.layer.1.q")
+    tables = precompute(sae, w_target, None, "bfloat16", "encoder.layer.1.q")
+    assert torch.isfinite(tables["precomputed_products"].float()).all()
+    assert torch.isfinite(precompute(sae, torch.randn(8, 4), None, "float16")["precomputed_products"]).all()

@@ -72,7 +72,7 @@ def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, 
                                               sae_state["encoder_weight"].shape[1]).items():
         w_target = linear.weight.detach().float().cpu().T
         bias = None if linear.bias is None else linear.bias.detach().float().cpu()
-        tables[module_path] = precompute(sae_state, w_target, bias, config["lut"]["dtype"])
+        tables[module_path] = precompute(sae_state, w_target, bias, config["lut"]["dtype"], module_path)
     return tables
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from actstore.errors import FormatError
+from actstore.errors import ConfigError, FormatError
 from actstore.formats.lut.layout import BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, VERSION, lut_file
 from actstore.integrity import file_record
 from actstore.io_utils import atomic_path, utc_now
@@ -15,10 +15,12 @@ from actstore.safetensors_io import save_safetensors
 
 
 def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias: torch.Tensor | None,
-               dtype: str = "float16") -> dict[str, torch.Tensor]:
+               dtype: str = "float16", name: str = "the LUT") -> dict[str, torch.Tensor]:
     """The six spec tensors (+ target_bias): products in float32, then everything cast to `dtype`.
 
-    `w_target` is [input_dim, output_dim] (an nn.Linear's weight transposed).
+    `w_target` is [input_dim, output_dim] (an nn.Linear's weight transposed). ConfigError naming
+    `name` and the tensor when the cast would turn finite values into +-inf (float16's +-65504): a
+    table that silently holds inf would make every lookup through it inf.
     """
     w = w_target.float()
     tensors = {key: sae_state[key].float() for key in REQUIRED_KEYS[:4]}
@@ -26,7 +28,13 @@ def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias:
     tensors["bias_product"] = tensors["decoder_bias"] @ w
     if bias is not None:
         tensors[BIAS_KEY] = bias.float()
-    return {key: value.to(DTYPES[dtype]).contiguous() for key, value in tensors.items()}
+    cast = {key: value.to(DTYPES[dtype]).contiguous() for key, value in tensors.items()}
+    for key, value in cast.items():
+        overflow = int((value.isinf() & tensors[key].isfinite()).sum())
+        if overflow:
+            raise ConfigError(f"{name} {key}: {overflow} values exceed {dtype}'s range (largest "
+                              f"{tensors[key].abs().max().item():.4g}); use lut.dtype: bfloat16")
+    return cast
 
 
 def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_active: int,
