@@ -9,7 +9,7 @@ PYTHON ?= python3
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py src/actstore/_scatter.c src/actstore/_float16.c
+$(STAMP): pyproject.toml setup.py src/actstore/_scatter.c src/actstore/_casts.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'

@@ -1,6 +1,6 @@
 """actstore.casts: the float16 and bfloat16 bits the writers store, without torch, equal numpy's and
 torch's own casts bit for bit, on every class of float32 (rounding ties, subnormals, overflow, inf,
-NaN payloads), on the F16C extension and on numpy's cast (its stand-in without a C compiler)."""
+NaN payloads), through the C casts (F16C) and through numpy (their stand-in without a C compiler)."""
 import os
 import platform
 
@@ -39,12 +39,12 @@ def tricky_float32_bits() -> np.ndarray:
     return np.concatenate([(high[:, None] | low[None, :]).ravel(), *ties, randoms])
 
 
-@pytest.fixture(params=["f16c", "numpy"])
-def float16_path(request, monkeypatch):
+@pytest.fixture(params=["C", "numpy"])
+def cast_path(request, monkeypatch):
     if request.param == "numpy":
-        monkeypatch.setattr(casts, "_float16", None)
-    elif casts._float16 is None:
-        pytest.skip("the F16C extension is not built here")
+        monkeypatch.setattr(casts, "_casts", None)
+    elif casts._casts is None:
+        pytest.skip("the C casts (actstore._casts) are not built here")
     return request.param
 
 
@@ -60,13 +60,13 @@ def assert_float16_like_numpy(bits: np.ndarray) -> None:
     assert overflow == int((np.isinf(expected) & np.isfinite(x)).sum())
 
 
-def test_float16_bits_equal_numpys_cast(float16_path):
+def test_float16_bits_equal_numpys_cast(cast_path):
     bits = tricky_float32_bits()
     assert_float16_like_numpy(bits)
     assert_float16_like_numpy(bits[:13])  # shorter than one 8-wide vector: the scalar tail alone
 
 
-def test_float16_counts_overflow_and_keeps_nan_payloads(float16_path):
+def test_float16_counts_overflow_and_keeps_nan_payloads(cast_path):
     x = np.array([65504.0, 65520.0, -1e6, np.inf, -np.inf, 1.0], np.float32)
     nan = np.array([0x7F800001, 0xFFC12345, 0x7FBFE000], np.uint32).view(np.float32)  # signalling / quiet NaNs
     out = np.empty(9, np.float16)
@@ -75,7 +75,7 @@ def test_float16_counts_overflow_and_keeps_nan_payloads(float16_path):
         assert out.view(np.uint16).tolist() == np.concatenate([x, nan]).astype(np.float16).view(np.uint16).tolist()
 
 
-def test_float16_takes_any_layout_and_refuses_a_wrong_target(float16_path):
+def test_float16_takes_any_layout_and_refuses_a_wrong_target(cast_path):
     x = np.arange(48, dtype=np.float64).reshape(6, 8)[:, ::2]  # float64, not contiguous
     out = np.empty((6, 4), np.float16)
     assert casts.to_float16(x, out) == 0 and (out == x.astype(np.float16)).all()
@@ -85,18 +85,19 @@ def test_float16_takes_any_layout_and_refuses_a_wrong_target(float16_path):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_f16c(),
                     reason="the F16C extension is built for x86 CPUs with F16C only")
-def test_the_f16c_extension_is_built_where_the_cpu_has_f16c():
-    """Without it every zarr and float16 lmprobe writer casts ~25x slower: a build that lost it fails here."""
-    assert casts._float16 is not None
+def test_the_c_casts_are_built_where_the_cpu_has_f16c():
+    """Without them every zarr and 16-bit lmprobe writer casts ~3-15x slower: a build that lost them fails here."""
+    assert casts._casts is not None
 
 
-def test_bfloat16_bits_equal_torchs_cast():
+def test_bfloat16_bits_equal_torchs_cast(cast_path):
     bits = tricky_float32_bits()
     x = bits.view(np.float32)
     expected = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     got = casts.to_bfloat16_bits(x)
     mismatch = np.flatnonzero(got != expected)
     assert not len(mismatch), [(hex(int(bits[i])), hex(int(got[i])), hex(int(expected[i]))) for i in mismatch[:5]]
+    assert np.array_equal(casts.to_bfloat16_bits(x[:13]), expected[:13])  # shorter than a block or a vector
     back = casts.bfloat16_bits_to_float32(got)
     finite = np.isfinite(back)
     assert (back[finite] == torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()[finite]).all()

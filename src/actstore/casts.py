@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # the CPU's F16C instructions (src/actstore/_float16.c), ~25x numpy's cast
-    from actstore import _float16
-except ImportError:  # built without a C compiler, or a CPU without F16C: numpy's cast, the same bits
-    _float16 = None
+try:  # C casts (src/actstore/_casts.c): float16 by the CPU's F16C, ~15x numpy's; bfloat16 ~3x numpy's
+    from actstore import _casts
+except ImportError:  # built without a C compiler, or a CPU without F16C: numpy, the same bits
+    _casts = None
 
 F16_EXPONENT = 0x7C00  # float16 bits with every exponent bit set: +-inf or NaN
 BLOCK = 1 << 16  # values per step of the bfloat16 cast
@@ -22,11 +22,11 @@ def to_float16(x: np.ndarray, out: np.ndarray) -> int:
     if x.shape != out.shape or out.dtype != np.float16 or not out.flags.c_contiguous:
         raise ValueError(f"to_float16: float32 {x.shape} into {out.dtype} {out.shape}")
     flat = x.reshape(-1)
-    if _float16 is None:
+    if _casts is None:
         with np.errstate(over="ignore"):
             np.copyto(out, x, casting="same_kind")
         special = np.flatnonzero(out.reshape(-1).view(np.uint16) & F16_EXPONENT == F16_EXPONENT)
-    elif _float16.f32_to_f16(x, out):
+    elif _casts.f32_to_f16(x, out):
         # inf or NaN: numpy's bits for those few (F16C truncates NaN payloads)
         special = np.flatnonzero(out.reshape(-1).view(np.uint16) & F16_EXPONENT == F16_EXPONENT)
         with np.errstate(over="ignore"):
@@ -41,6 +41,9 @@ def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     as torch's cast does, and every NaN 0xFFFF, as torch's vectorised cast writes it."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(x.shape, np.uint16)
+    if _casts is not None:
+        _casts.f32_to_bf16(x, out)
+        return out
     flat, dst = x.reshape(-1), out.reshape(-1)
     for lo in range(0, len(flat), BLOCK):  # blocks that stay in cache: 4x faster than whole arrays
         bits = flat[lo:lo + BLOCK].view(np.uint32)
