@@ -51,9 +51,10 @@ def test_safetensors_reads_our_file_as_its_own(tmp_path):
 def test_sae_and_lut_files_are_byte_reproducible(tmp_path):
     from actstore.formats.lut import precompute, write_lut
     from actstore.sae.checkpoint import save_sae
-    from actstore.sae.model import TopKSAE
+    from actstore.sae.model import TopKSAE, init_sae
 
     sae = TopKSAE(8, 16, 2)
+    init_sae(sae, torch.zeros(8), seed=0)  # seeded weights (a bare TopKSAE holds torch.empty's garbage)
     meta = {"hook": "layer.0:input", "model": "m", "seed": 0}
     save_sae(sae, tmp_path / "a.safetensors", meta)
     save_sae(sae, tmp_path / "b.safetensors", dict(reversed(meta.items())))
