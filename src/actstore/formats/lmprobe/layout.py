@@ -77,10 +77,11 @@ def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def from_float32(array: np.ndarray, dtype: str) -> tuple[np.ndarray, int]:
-    """float32 rows -> (rows in the storage dtype, how many finite values overflowed it to +-inf):
-    bfloat16 and float16 rounded to nearest even, the bits torch and numpy give (actstore.casts)."""
+    """float32 rows -> (rows in the storage dtype, how many finite values float16 turned into +-inf;
+    0 for the other dtypes): bfloat16 and float16 rounded to nearest even, the bits torch and numpy
+    give (actstore.casts)."""
     if dtype == "bfloat16":
-        return to_bfloat16_bits(array), 0  # bfloat16 has float32's range: only rounding past its max
+        return to_bfloat16_bits(array), 0  # float32's range: only |x| > 3.39e38 could round to inf
     if dtype == "float16":
         out = np.empty(np.shape(array), np.float16)
         return out, to_float16(array, out)
