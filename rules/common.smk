@@ -6,6 +6,7 @@ from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
 from actstore.datasets import check_dataset
 from actstore.hashing import stage_dir, stage_hash, upstream_stages
+from actstore.jobs import job_items
 from actstore.model_config import check_layers, num_blocks, read_model_config, resolve_model_path
 
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
@@ -38,6 +39,17 @@ def bench_path(stage, name):
 
 def all_targets(wildcards):
     return [target for stage in enabled_stages(config) for target in TARGETS.get(stage, [])]
+
+
+def job_parts(jobs, wildcards):
+    """The extraction parts that job {job} of `jobs` writes (pickle machines, zarr shard stores), a
+    contiguous range; none when there are more jobs than parts."""
+    return job_items(N_PARTS, jobs, int(wildcards.job))
+
+
+def job_part_dirs(jobs, wildcards):
+    """The extraction part directories job {job} of `jobs` reads."""
+    return [f"{EXTRACT_DIR}/part-{PARTS[p]}" for p in job_parts(jobs, wildcards)]
 
 
 def saev_masks(wildcards):

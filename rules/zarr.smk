@@ -1,47 +1,58 @@
-# Zarr activation logger: one shard store per extraction part (the spec's parallel writers), an
-# optional merged store (zarr.merged: zarr.merge_jobs chunk-copy jobs over consecutive shards, then
-# one finishing job), then manifest.json, written last, marks the run complete.
+# Zarr activation logger: one shard store per extraction part (the spec's parallel writers), written
+# by zarr.jobs jobs (default: one per part, at most 64), each taking a contiguous range of parts one
+# after another; an optional merged store (zarr.merged: zarr.merge_jobs chunk-copy jobs over
+# consecutive shards, then one finishing job); then manifest.json, written last, marks the run
+# complete. A shard job's declared output is its record (the parts it wrote): the shard stores go
+# straight to shards/, so nothing is moved or copied afterwards.
 from actstore import resources as actstore_resources
-from actstore.jobs import job_items, write_jobs
+from actstore.jobs import jobs_covering, write_jobs
 
 ZARR_DIR = sdir("zarr")
 ZARR_SHARDS = expand(f"{ZARR_DIR}/shards/shard-{{part}}.zarr", part=PARTS)
+ZARR_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr"))]
+ZARR_RECORDS = expand(f"{ZARR_DIR}/scatter/shards-{{job}}", job=ZARR_JOBS)
 ZARR_MERGED = [f"{ZARR_DIR}/merged"] if config["zarr"]["merged"] else []
-ZARR_MERGE_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr"))]
+ZARR_MERGE_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr", "merge_jobs"))]
 # The most parts one chunk-copy job takes: its runtime is that many parts' bytes copied once.
 ZARR_PARTS_PER_MERGE_JOB = -(-N_PARTS // len(ZARR_MERGE_JOBS))
 
 
-rule zarr_part:
+rule zarr_shards:
     input:
-        f"{EXTRACT_DIR}/part-{{part}}",
+        lambda wildcards: job_part_dirs(len(ZARR_JOBS), wildcards),
     output:
-        directory(f"{ZARR_DIR}/shards/shard-{{part}}.zarr"),
+        temp(directory(f"{ZARR_DIR}/scatter/shards-{{job}}")),
     params:
+        shards=lambda wildcards: [ZARR_SHARDS[p] for p in job_parts(len(ZARR_JOBS), wildcards)],
+        parts=lambda wildcards: list(job_parts(len(ZARR_JOBS), wildcards)),
+        jobs=len(ZARR_JOBS),
         t_chunk=config["zarr"]["t_chunk"],
     log:
-        log_path("zarr", "shard-{part}"),
+        log_path("zarr", "shards-{job}"),
     benchmark:
-        bench_path("zarr", "shard-{part}")
+        bench_path("zarr", "shards-{job}")
     wildcard_constraints:
-        part=r"\d{4}",
+        job=r"\d{4}",
     threads: 1
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_part", attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=N_PARTS, passes=2.0),
+        mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_shards", attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
+            config, attempt, jobs=len(ZARR_JOBS), passes=2.0),
     conda:
         "../envs/actstore.yaml"
     script:
-        "../workflow/scripts/zarr_part.py"
+        "../workflow/scripts/zarr_shards.py"
 
 
-# Job {job} copies the chunks of its consecutive shards (none when there are more jobs than parts).
+# Job {job} copies the chunks of its consecutive shards (none when there are more jobs than parts),
+# once the shard jobs that wrote them are done.
 rule zarr_merge_chunks:
     input:
-        lambda wildcards: [ZARR_SHARDS[p] for p in job_items(N_PARTS, len(ZARR_MERGE_JOBS), int(wildcards.job))],
+        lambda wildcards: [ZARR_RECORDS[j] for j in jobs_covering(N_PARTS, len(ZARR_JOBS), job_parts(len(ZARR_MERGE_JOBS), wildcards))],
     output:
         temp(directory(f"{ZARR_DIR}/scatter/merge-{{job}}")),
     params:
+        shards=lambda wildcards: [ZARR_SHARDS[p] for p in job_parts(len(ZARR_MERGE_JOBS), wildcards)],
         jobs=len(ZARR_MERGE_JOBS),
     log:
         log_path("zarr", "merge-{job}"),
@@ -64,10 +75,12 @@ rule zarr_merge_chunks:
 # shards' metadata, 1-D arrays and prompts, never their activations.
 rule zarr_merge:
     input:
-        shards=ZARR_SHARDS,
+        records=ZARR_RECORDS,
         chunks=expand(f"{ZARR_DIR}/scatter/merge-{{job}}", job=ZARR_MERGE_JOBS),
     output:
         directory(f"{ZARR_DIR}/merged"),
+    params:
+        shards=ZARR_SHARDS,
     log:
         log_path("zarr", "merge"),
     benchmark:
@@ -84,11 +97,13 @@ rule zarr_merge:
 
 rule zarr_manifest:
     input:
-        shards=ZARR_SHARDS,
+        records=ZARR_RECORDS,
         merged=ZARR_MERGED,
     output:
         manifest=f"{ZARR_DIR}/manifest.json",
         stage_config=f"{ZARR_DIR}/actstore_config.json",
+    params:
+        shards=ZARR_SHARDS,
     log:
         log_path("zarr", "manifest"),
     threads: 1

@@ -9,7 +9,7 @@ import tiny
 from actstore.config import load_config, validate_config
 from actstore.errors import ConfigError
 from actstore.hashing import STAGES, stage_dir, stage_hash, stage_payload, write_stage_config
-from actstore.jobs import job_items, write_jobs
+from actstore.jobs import job_items, jobs_covering, write_jobs
 
 
 @pytest.fixture()
@@ -84,7 +84,8 @@ def test_library_validation_fills_what_the_snakefile_validation_fills(name):
 
 
 @pytest.mark.parametrize("section, key, value", [
-    ("saev", "jobs", 7), ("lmprobe", "jobs", 3), ("zarr", "merge_jobs", 5), ("pickle", "threads", 1),
+    ("saev", "jobs", 7), ("lmprobe", "jobs", 3), ("zarr", "merge_jobs", 5), ("zarr", "jobs", 2), ("pickle", "threads", 1),
+    ("pickle", "jobs", 3),
     ("extract", "writer_threads", 2)])
 def test_execution_keys_leave_every_hash_alone(demo, section, key, value):
     changed = copy.deepcopy(demo)
@@ -102,11 +103,22 @@ def test_job_items_cover_every_item_once_in_order_and_balanced(n_items, jobs):
         job_items(n_items, 8, 8)
 
 
+@pytest.mark.parametrize("n_items, jobs, other_jobs", [(10, 3, 4), (4096, 64, 7), (5, 8, 2), (64, 64, 64), (7, 2, 5)])
+def test_jobs_covering_names_exactly_the_jobs_holding_a_range(n_items, jobs, other_jobs):
+    """A zarr chunk-copy job (one split of the parts) waits for exactly the shard jobs (another
+    split) that wrote any of its parts."""
+    for other in range(other_jobs):
+        items = job_items(n_items, other_jobs, other)
+        expected = [job for job in range(jobs) if set(job_items(n_items, jobs, job)) & set(items)]
+        assert list(jobs_covering(n_items, jobs, items)) == expected
+
+
 def test_write_jobs_default_to_one_per_extraction_part_up_to_64(demo):
     assert write_jobs(demo, "saev") == demo["extract"]["parts"]
     many = copy.deepcopy(demo)
     many["extract"]["parts"] = 4096
     assert write_jobs(many, "lmprobe") == 64
+    assert write_jobs(many, "pickle") == write_jobs(many, "zarr") == write_jobs(many, "zarr", "merge_jobs") == 64
     changed = copy.deepcopy(demo)
-    changed["zarr"]["merge_jobs"] = 5
-    assert write_jobs(changed, "zarr") == 5
+    changed["zarr"].update(jobs=3, merge_jobs=5)
+    assert write_jobs(changed, "zarr") == 3 and write_jobs(changed, "zarr", "merge_jobs") == 5

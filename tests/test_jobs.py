@@ -9,7 +9,7 @@ import pytest
 
 from actstore.errors import FormatError
 from actstore.integrity import file_record
-from actstore.jobs import JOB_RECORD, read_job_records, write_job_record
+from actstore.jobs import JOB_RECORD, check_job_parts, read_job_records, write_job_record
 
 
 def write_jobs(root: Path, contents: list[dict[str, bytes]]) -> list[Path]:
@@ -121,3 +121,33 @@ def test_bad_record_is_named(dirs, text, match):
     with pytest.raises(FormatError, match=match):
         read_job_records(dirs)
 
+
+
+def part_records(root: Path, parts: list[list[int]]) -> list[Path]:
+    """The records pickle_machines / zarr_shards leave: no files of their own, the parts they wrote."""
+    dirs = []
+    for job, written in enumerate(parts):
+        write_job_record(root / f"job-{job:04d}", len(parts), job, {}, parts=written)
+        dirs.append(root / f"job-{job:04d}")
+    return dirs
+
+
+def test_part_records_covering_every_part_in_order_pass(tmp_path):
+    check_job_parts(part_records(tmp_path, [[0, 1], [2], []]), 3)
+
+
+@pytest.mark.parametrize("parts, n_parts, match", [
+    ([[0, 1], [3]], 4, r"job-0001/job\.json: the jobs wrote parts \[0, 1, 3\] of 4, none of part 2"),
+    ([[0], [1]], 3, r"the jobs wrote parts \[0, 1\] of 3, none of part 2"),
+    ([[1], [0]], 2, r"the jobs wrote parts \[1, 0\] of 2$"),
+])
+def test_part_records_missing_or_out_of_order_are_named(tmp_path, parts, n_parts, match):
+    with pytest.raises(FormatError, match=match):
+        check_job_parts(part_records(tmp_path, parts), n_parts)
+
+
+def test_part_record_of_another_run_is_named(tmp_path):
+    dirs = part_records(tmp_path / "a", [[0], [1]])
+    other = part_records(tmp_path / "b", [[0], [1], [2]])
+    with pytest.raises(FormatError, match=r"b/job-0001/job\.json: the record of job 1 of 3, given as job 1 of 2"):
+        check_job_parts([dirs[0], other[1]], 2)

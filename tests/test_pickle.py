@@ -108,7 +108,7 @@ class ActivationDataset(Dataset):
 
 
 def params_of(config: dict) -> dict:
-    """The model parameters the pickle_part workflow script passes to write_machine."""
+    """The model parameters the pickle_machines workflow script passes to write_machine."""
     return model_params(read_model_config(config["model"]["path"]))
 
 
@@ -218,7 +218,7 @@ def test_merge_is_consistent_and_verifies(store):
 
 
 def test_model_params_come_from_the_model_config_aliases():
-    """What pickle_part passes in: GPT-2's n_* names and a vision tower's nested config understood."""
+    """What pickle_machines passes in: GPT-2's n_* names and a vision tower's nested config understood."""
     gpt2 = {"n_embd": 32, "n_layer": 3, "n_head": 4, "vocab_size": 300}
     clip = {"text_config": {"hidden_size": 64, "vocab_size": 99},
             "vision_config": {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4}}

@@ -87,7 +87,7 @@ def write_mb(name: str, extract: Path, out: Path, *flags: str) -> tuple[float, f
 
 # The rules whose work each job above does in one process: its peak must stay under the larger bound.
 RULES = {"saev": ("saev_shards", "saev"), "lmprobe": ("lmprobe_tensors", "lmprobe_dataset"),
-         "pickle": ("pickle_part",), "zarr": ("zarr_part",), "zarr-merge": ("zarr_merge_chunks", "zarr_merge")}
+         "pickle": ("pickle_machines",), "zarr": ("zarr_shards",), "zarr-merge": ("zarr_merge_chunks", "zarr_merge")}
 
 
 def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS, dim: int = DIM) -> float:

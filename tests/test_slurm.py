@@ -226,7 +226,7 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
             assert row["Partition"] == "gpu" and "gres/gpu=1" in row["AllocTRES"], row
         else:
             assert row["Partition"] == "cpu" and "gres/gpu" not in row["AllocTRES"], row
-        if rule == "pickle_part":  # pickle.threads (4 by default): as many CPUs as its threads
+        if rule == "pickle_machines":  # pickle.threads (4 by default): as many CPUs as its threads
             assert "cpu=4" in row["AllocTRES"].split(","), row
 
     assert assert_same_outputs(tmp_path / "local" / "dump", tmp_path / "slurm" / "dump") > 0

@@ -149,12 +149,53 @@ def test_zarr_merge_is_scattered_over_merge_jobs_in_the_dry_run(tmp_path):
     config = demo_config(tmp_path / "dump")
     config["zarr"] = {"merged": True, "merge_jobs": 3}
     jobs = scheduled(tmp_path, write(config, tmp_path / "merged.yaml"))
-    assert jobs["zarr_part"] == config["extract"]["parts"] == 2
+    assert jobs["zarr_shards"] == config["extract"]["parts"] == 2
     assert jobs["zarr_merge_chunks"] == 3 and jobs["zarr_merge"] == 1 and jobs["zarr_manifest"] == 1
 
 
+def test_pickle_and_zarr_jobs_each_write_a_range_of_parts_byte_identical_to_a_job_per_part(
+        tmp_path, model_dir, text_jsonl):
+    """pickle.jobs / zarr.jobs group the parts (2 jobs over 3 parts, the merge split 3 ways) and write
+    the same bytes as a job per part, from the same extraction, with every store in its place."""
+    import shutil
+
+    def config(dump: str, **jobs: int) -> dict:
+        return {"dump_to": str(tmp_path / dump), "model": {"path": str(model_dir("bert"))},
+                "dataset": {"path": str(text_jsonl)},
+                "extract": {"layers": [0, 1], "max_seq_length": 16, "batch_size": 8, "parts": 3},
+                "pickle": {"jobs": jobs["pickle"], "shard_size_mb": 0.01},
+                "zarr": {"jobs": jobs["zarr"], "merged": True, "merge_jobs": 3}}
+
+    env = {**__import__("os").environ, "SOURCE_DATE_EPOCH": "1700000000"}
+    per_part = write(config("per_part", pickle=3, zarr=3), tmp_path / "per_part.yaml")
+    grouped = write(config("grouped", pickle=2, zarr=2), tmp_path / "grouped.yaml")
+    for configfile in (per_part, grouped):
+        if configfile is grouped:  # the same extraction (its timings are part of the pickle metadata)
+            shutil.copytree(tmp_path / "per_part" / "extract", tmp_path / "grouped" / "extract", symlinks=True)
+        jobs = scheduled(tmp_path, configfile)
+        n = 2 if configfile is grouped else 3
+        assert jobs["pickle_machines"] == jobs["zarr_shards"] == n and jobs["zarr_merge_chunks"] == 3, jobs
+        cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile", str(configfile),
+               "--cores", "2", "pickle", "zarr"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for stage in ("pickle", "zarr"):
+        a, b = tmp_path / "per_part" / stage, tmp_path / "grouped" / stage
+        files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+        assert {f.name for f in files} >= {"metadata.json" if stage == "pickle" else "manifest.json"}
+        assert not any("scatter" in f.parts for f in files), files
+        # Snakemake marks its directory() outputs; the part stores no longer are any.
+        assert not any(f.name == ".snakemake_timestamp" and f.parts[1] != "merged" for f in files), files
+        for rel in files:
+            assert (a / rel).read_bytes() == (b / rel).read_bytes(), f"{stage}/{rel}"
+    for part in range(3):
+        assert next((tmp_path / "grouped" / "pickle").glob(f"*/machine-{part:04d}/metadata.json"))
+        assert next((tmp_path / "grouped" / "zarr").glob(f"*/shards/shard-{part:04d}.zarr/.zattrs"))
+
+
 # The rules that run no model: their scripts' imports must not pull in torch.
-NO_MODEL_SCRIPTS = ["saev", "saev_shards", "pickle_part", "pickle_merge", "lmprobe", "lmprobe_tensors", "zarr_part",
+NO_MODEL_SCRIPTS = ["saev", "saev_shards", "pickle_machines", "pickle_merge", "lmprobe", "lmprobe_tensors", "zarr_shards",
                     "zarr_merge_chunks", "zarr_merge", "zarr_manifest"]
 
 

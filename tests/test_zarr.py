@@ -18,7 +18,7 @@ from actstore.integrity import file_record
 from actstore.jobs import job_items
 
 
-GIT_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # what the zarr_part script passes in
+GIT_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # what the zarr_shards script passes in
 
 
 def build_run(extract_dir, run_dir, t_chunk=None, merged=True):

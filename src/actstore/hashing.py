@@ -25,8 +25,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 LEGACY_DATASET_KEYS = {"path", "name", "split", "limit"}
 # Keys that change how a stage runs, never what it writes (tested byte for byte): not hashed.
 EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"extract": ("num_workers", "buffers", "writer_threads"),
-                                              "saev": ("jobs",), "lmprobe": ("jobs",), "zarr": ("merge_jobs",),
-                                              "pickle": ("threads",)}
+                                              "saev": ("jobs",), "lmprobe": ("jobs",), "zarr": ("jobs", "merge_jobs"),
+                                              "pickle": ("threads", "jobs")}
 
 
 def upstream_stages(config: dict[str, Any], stage: str) -> list[str]:

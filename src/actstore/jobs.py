@@ -1,8 +1,9 @@
 """Scattered writers: how many jobs write a stage, which contiguous range of items each takes, and
 the job record each leaves for the finishing job (one format and one reader for every writer).
 
-A writer's items (saev shards, lmprobe tensor files, zarr parts) are known only once the extraction
-exists, but the number of jobs is fixed at parse time, so `snakemake -n` shows the whole DAG."""
+A writer's items (saev shards, lmprobe tensor files, extraction parts for pickle and zarr) are known
+only once the extraction exists, but the number of jobs is fixed at parse time, so `snakemake -n`
+shows the whole DAG."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,15 +14,15 @@ from actstore.errors import FormatError
 from actstore.integrity import listed_problem, stream_json_members, stream_json_object
 from actstore.io_utils import write_json_atomic
 
-JOBS_KEY = {"saev": "jobs", "lmprobe": "jobs", "zarr": "merge_jobs"}
 # Unset, a writer gets a job per extraction part up to this many: at 10 TB each job then writes
 # ~160 GB (about 15 min at Lustre's per-job rate), and the DAG of a 4,096-part run stays small.
 DEFAULT_MAX_JOBS = 64
 
 
-def write_jobs(config: dict[str, Any], stage: str) -> int:
-    """Jobs writing `stage`: its `jobs` key, or one per extraction part up to DEFAULT_MAX_JOBS."""
-    return int(config[stage].get(JOBS_KEY[stage]) or min(config["extract"]["parts"], DEFAULT_MAX_JOBS))
+def write_jobs(config: dict[str, Any], stage: str, key: str = "jobs") -> int:
+    """Jobs writing `stage`: its `key` (`jobs`, or zarr's `merge_jobs`), or one per extraction part
+    up to DEFAULT_MAX_JOBS."""
+    return int(config[stage].get(key) or min(config["extract"]["parts"], DEFAULT_MAX_JOBS))
 
 
 def job_items(n_items: int, jobs: int, job: int) -> range:
@@ -32,6 +33,19 @@ def job_items(n_items: int, jobs: int, job: int) -> range:
     base, extra = divmod(n_items, jobs)
     start = job * base + min(job, extra)
     return range(start, start + base + (job < extra))
+
+
+def jobs_covering(n_items: int, jobs: int, items: range) -> range:
+    """The jobs of `jobs` (as job_items splits n_items) that hold any of the consecutive `items`."""
+    if not items:
+        return range(0)
+    base, extra = divmod(n_items, jobs)
+
+    def job_of(item: int) -> int:
+        big = extra * (base + 1)  # the first `extra` jobs take one item more
+        return item // (base + 1) if item < big else extra + (item - big) // base
+
+    return range(job_of(items[0]), job_of(items[-1]) + 1)
 
 
 # ---------------------------------------------------------------- the job record every scattered writer keeps
@@ -52,6 +66,20 @@ def write_job_record(job_dir: str | Path, jobs: int, job: int, files: dict[str, 
     # Compact and in insertion order: the files in the order written (a zarr merge job lists millions).
     write_json_atomic(path, {**extra, "jobs": jobs, "job": job, "files": files}, indent=None)
     return path
+
+
+def check_job_parts(job_dirs: Sequence[str | Path], n_parts: int) -> None:
+    """The records of a writer whose jobs each wrote a range of extraction parts into the stage dir
+    (pickle machines, zarr shard stores: its `parts` key): every job's there, each of this run, and
+    together they wrote parts 0..n_parts-1 in order. FormatError names what is wrong."""
+    written = [part for extra in read_job_records(job_dirs).extras for part in extra.get("parts", [])]
+    if written != list(range(n_parts)):
+        missing = sorted(set(range(n_parts)) - set(written))
+        records = [str(Path(d) / JOB_RECORD) for d in job_dirs]
+        named = ", ".join(records) if len(records) <= 4 else f"{records[0]} ... {records[-1]}"
+        raise FormatError(f"{named}: the jobs wrote parts {written[:8]}"
+                          f"{'...' if len(written) > 8 else ''} of {n_parts}"
+                          + (f", none of part {', '.join(map(str, missing[:8]))}" if missing else ""))
 
 
 @dataclass(frozen=True)

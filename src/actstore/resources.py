@@ -153,9 +153,9 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "saev": windows + labels,
         "lmprobe_tensors": 2 * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
-        "pickle_part": rows / parts + pickle_shards,
-        "zarr_part": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows
-        "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr")),
+        "pickle_machines": rows / parts + pickle_shards,  # one part at a time
+        "zarr_shards": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows
+        "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr", "merge_jobs")),
         "zarr_merge": ZARR_MERGE_SAMPLE_BYTES * w.rows,
     }[job]
     return int(buffers)

@@ -4,4 +4,4 @@ from actstore.formats.zarr import copy_chunks
 from actstore.workflow import setup_logging
 
 setup_logging(snakemake)
-copy_chunks(list(snakemake.input), snakemake.output[0], snakemake.params.jobs, int(snakemake.wildcards.job))
+copy_chunks(list(snakemake.params.shards), snakemake.output[0], snakemake.params.jobs, int(snakemake.wildcards.job))
