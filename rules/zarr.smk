@@ -48,7 +48,8 @@ rule zarr_shards:
 # once the shard jobs that wrote them are done.
 rule zarr_merge_chunks:
     input:
-        lambda wildcards: [ZARR_RECORDS[j] for j in jobs_covering(N_PARTS, len(ZARR_JOBS), job_parts(len(ZARR_MERGE_JOBS), wildcards))],
+        lambda wildcards: [ZARR_RECORDS[j] for j in jobs_covering(
+            N_PARTS, len(ZARR_JOBS), job_parts(len(ZARR_MERGE_JOBS), wildcards))],
     output:
         temp(directory(f"{ZARR_DIR}/scatter/merge-{{job}}")),
     params:

@@ -153,6 +153,18 @@ def test_zarr_merge_is_scattered_over_merge_jobs_in_the_dry_run(tmp_path):
     assert jobs["zarr_merge_chunks"] == 3 and jobs["zarr_merge"] == 1 and jobs["zarr_manifest"] == 1
 
 
+def test_many_parts_are_written_by_at_most_64_jobs_per_format_in_the_dry_run(tmp_path):
+    """The DAG grows by one job per part (its extraction), not four: every format's writers default to
+    one job per part up to 64, each taking a contiguous range (a 4,096-part run: 4,362 jobs)."""
+    config = demo_config(tmp_path / "dump")
+    config["extract"]["parts"] = 200
+    config["zarr"] = {"merged": True}
+    jobs = scheduled(tmp_path, write(config, tmp_path / "parts200.yaml"))
+    assert jobs["extract_part"] == 200
+    for rule in ("pickle_machines", "zarr_shards", "zarr_merge_chunks", "saev_shards", "lmprobe_tensors"):
+        assert jobs[rule] == 64, (rule, jobs)
+
+
 def test_pickle_and_zarr_jobs_each_write_a_range_of_parts_byte_identical_to_a_job_per_part(
         tmp_path, model_dir, text_jsonl):
     """pickle.jobs / zarr.jobs group the parts (2 jobs over 3 parts, the merge split 3 ways) and write
@@ -172,13 +184,13 @@ def test_pickle_and_zarr_jobs_each_write_a_range_of_parts_byte_identical_to_a_jo
     for configfile in (per_part, grouped):
         if configfile is grouped:  # the same extraction (its timings are part of the pickle metadata)
             shutil.copytree(tmp_path / "per_part" / "extract", tmp_path / "grouped" / "extract", symlinks=True)
-        jobs = scheduled(tmp_path, configfile)
-        n = 2 if configfile is grouped else 3
-        assert jobs["pickle_machines"] == jobs["zarr_shards"] == n and jobs["zarr_merge_chunks"] == 3, jobs
         cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile", str(configfile),
                "--cores", "2", "pickle", "zarr"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        ran = dict(re.findall(r"^(\w+)\s+(\d+)$", (proc.stdout + proc.stderr).split("Job stats:")[1], re.M))
+        n = "2" if configfile is grouped else "3"
+        assert ran["pickle_machines"] == ran["zarr_shards"] == n and ran["zarr_merge_chunks"] == "3", ran
     for stage in ("pickle", "zarr"):
         a, b = tmp_path / "per_part" / stage, tmp_path / "grouped" / stage
         files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
