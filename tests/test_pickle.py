@@ -279,7 +279,9 @@ def test_library_dataset_matches_spec_dataset_without_reading_shards(store, monk
     assert torch.all(batch["activation"][1, lengths[1]:] == 0)
 
 
-def test_uncompressed_and_deterministic(extracted, tmp_path):
+def test_uncompressed_and_deterministic(extracted, tmp_path, monkeypatch):
+    # created_at from SOURCE_DATE_EPOCH: the four writes below may straddle a second.
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     config, extract_dir = extracted("bert")
     params = params_of(config)
     a = ps.write_machine(extract_dir / "part-0000", tmp_path / "a", model_params=params, compression="none",
