@@ -122,7 +122,6 @@ def test_bad_record_is_named(dirs, text, match):
         read_job_records(dirs)
 
 
-
 def part_records(root: Path, parts: list[list[int]]) -> list[Path]:
     """The records pickle_machines / zarr_shards leave: no files of their own, the parts they wrote."""
     dirs = []

@@ -3,7 +3,9 @@ schedule exactly what a config change invalidates."""
 from __future__ import annotations
 
 import copy
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +28,10 @@ def demo_config(dump_to: Path) -> dict:
     return config
 
 
-def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 900) -> str:
+def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 900, env: dict | None = None) -> str:
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--configfile", str(configfile),
            "--cores", "2", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     return output
@@ -186,8 +188,6 @@ def test_pickle_and_zarr_jobs_each_write_a_range_of_parts_byte_identical_to_a_jo
         tmp_path, model_dir, text_jsonl):
     """pickle.jobs / zarr.jobs group the parts (2 jobs over 3 parts, the merge split 3 ways) and write
     the same bytes as a job per part, from the same extraction, with every store in its place."""
-    import shutil
-
     def config(dump: str, **jobs: int) -> dict:
         return {"dump_to": str(tmp_path / dump), "model": {"path": str(model_dir("bert"))},
                 "dataset": {"path": str(text_jsonl)},
@@ -195,17 +195,14 @@ def test_pickle_and_zarr_jobs_each_write_a_range_of_parts_byte_identical_to_a_jo
                 "pickle": {"jobs": jobs["pickle"], "shard_size_mb": 0.01},
                 "zarr": {"jobs": jobs["zarr"], "merged": True, "merge_jobs": 3}}
 
-    env = {**__import__("os").environ, "SOURCE_DATE_EPOCH": "1700000000"}
+    env = {**os.environ, "SOURCE_DATE_EPOCH": "1700000000"}
     per_part = write(config("per_part", pickle=3, zarr=3), tmp_path / "per_part.yaml")
     grouped = write(config("grouped", pickle=2, zarr=2), tmp_path / "grouped.yaml")
     for configfile in (per_part, grouped):
         if configfile is grouped:  # the same extraction (its timings are part of the pickle metadata)
             shutil.copytree(tmp_path / "per_part" / "extract", tmp_path / "grouped" / "extract", symlinks=True)
-        cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile", str(configfile),
-               "--cores", "2", "pickle", "zarr"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-        ran = dict(re.findall(r"^(\w+)\s+(\d+)$", (proc.stdout + proc.stderr).split("Job stats:")[1], re.M))
+        output = snakemake(tmp_path, configfile, "pickle", "zarr", timeout=600, env=env)
+        ran = dict(re.findall(r"^(\w+)\s+(\d+)$", output.split("Job stats:")[1], re.M))
         n = "2" if configfile is grouped else "3"
         assert ran["pickle_machines"] == ran["zarr_shards"] == n and ran["zarr_merge_chunks"] == "3", ran
     for stage in ("pickle", "zarr"):
