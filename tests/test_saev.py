@@ -14,6 +14,7 @@ import torch
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import saev
 from actstore.formats.extract import open_extraction
+from actstore.io_utils import BEHIND
 from actstore.formats.saev import loader as saev_loader
 from actstore.formats.saev import write as saev_write
 from actstore.formats.saev.loader import ShuffledActivations
@@ -250,9 +251,10 @@ def test_finish_refuses_missing_or_short_shards_and_records(extracted, tmp_path)
     assert saev.verify(store) == [] and all((d / "job.json").is_file() for d in dirs)
 
 
-def test_shards_written_from_one_bounded_buffer(tmp_path, monkeypatch):
-    """Every slab handed to fill is a view of one buffer of at most CHUNK_BYTES (or one example) that
-    is reused: no memory-mapped shard, nothing that grows with the data."""
+def test_shards_written_from_a_ring_of_bounded_buffers(tmp_path, monkeypatch):
+    """Every slab handed to fill is a view of one of BEHIND + 1 buffers of at most CHUNK_BYTES (or one
+    example), used in turn (one is filled while the slabs before are written): no memory-mapped
+    shard, nothing that grows with the data."""
     monkeypatch.setattr(saev_write, "CHUNK_BYTES", 3 * 16 * 8 * 4)  # 3 examples of 16 tokens x d 8
     md = {"family": "dinov2", "ckpt": "synthetic", "layers": [0], "patches_per_ex": 15, "cls_token": True,
           "d_model": 8, "n_examples": 50, "patches_per_shard": 7 * 16, "dtype": "float32",
@@ -265,7 +267,7 @@ def test_shards_written_from_one_bounded_buffer(tmp_path, monkeypatch):
         out[:] = np.arange(start, start + len(out), dtype=np.float32)[:, None, None, None]
     store = saev.open_store(saev.write_raw_store(saev.Plan(md, None, {}), fill, tmp_path, progress=False))
     assert [(s, n) for s, n, _, _ in seen][:4] == [(0, 3), (3, 3), (6, 1), (7, 3)]  # shards of 7: 3 + 3 + 1
-    assert len({address for _, _, address, _ in seen}) == 1 and max(b for *_, b in seen) == 3 * 16 * 8 * 4
+    assert len({address for _, _, address, _ in seen}) == BEHIND + 1 and max(b for *_, b in seen) == 3 * 16 * 8 * 4
     assert sum(n for _, n, _, _ in seen) == 50 and store.example(49)[0, 0, 0] == 49
     assert saev.verify(store.dir) == []
 

@@ -1,17 +1,20 @@
 """Files written by positioned writes in any order, hashed as they fill (io_utils): the extraction's
-SHA-256 tree hash and the formats' plain sha256, against references computed here from the bytes."""
+SHA-256 tree hash and the formats' plain sha256, against references computed here from the bytes;
+and the same files filled behind their caller (WriteBehind) from a ring of reused buffers."""
 from __future__ import annotations
 
 import hashlib
 import json
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from actstore.errors import FormatError
 from actstore.formats.extract import open_part
-from actstore.io_utils import OrderedHashFile, TreeHashFile, sha256_tree_file
+from actstore.io_utils import BEHIND, OrderedHashFile, TreeHashFile, WriteBehind, sha256_tree_file
 
 MIB = 1 << 20
 SIZES = [0, 5, MIB - 1, MIB, MIB + 1, 3 * MIB + 777, 7 * MIB]
@@ -56,6 +59,47 @@ def test_out_of_order_writes_give_the_digest_of_the_bytes(kind, size, tmp_path):
         assert sha256_tree_file(tmp_path / "f", threads=1) == sha256_tree_file(tmp_path / "f", threads=3) == expected
         # one leaf or none: the tree hash is the plain sha256, so small files read the same either way
         assert (expected == hashlib.sha256(data).hexdigest()) == (size <= MIB)
+
+
+@pytest.mark.parametrize("size", [0, 3 * MIB + 777, 7 * MIB])
+@pytest.mark.parametrize("kind", [TreeHashFile, OrderedHashFile])
+def test_written_behind_from_a_ring_of_reused_buffers_gives_the_bytes_and_their_digest(kind, size, tmp_path):
+    """Each region is copied into the next of BEHIND + 1 buffers, which is overwritten BEHIND + 1
+    regions later: a region written or hashed after its buffer was reused would change the file or
+    the digest. Regions out of order exercise the OrderedHashFile's read-back of regions ahead."""
+    rng = random.Random(size)
+    data = rng.randbytes(size)
+    ring = [bytearray(size) for _ in range(BEHIND + 1)]
+    regions = shuffled_regions(size, rng) + [(size, size)]  # and an empty one
+    with WriteBehind(kind(tmp_path / "f", size)) as behind:
+        for turn, (start, stop) in enumerate(regions):
+            buffer = memoryview(ring[turn % len(ring)])[:stop - start]
+            buffer[:] = data[start:stop]
+            behind.submit(start, buffer)
+    assert (tmp_path / "f").read_bytes() == data
+    assert behind.digest == (reference_tree_hash(data) if kind is TreeHashFile else hashlib.sha256(data).hexdigest())
+
+
+def test_a_failed_write_behind_names_the_file_and_never_hangs(tmp_path):
+    """Disk full, simulated with RLIMIT_FSIZE (the process ignores SIGXFSZ, as Python does): the
+    writer thread's error reaches the caller, at a later submit or when the block ends, naming the file."""
+    target = tmp_path / "big.bin"
+    code = ("import resource; from actstore.io_utils import OrderedHashFile, WriteBehind\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))\n"
+            f"with WriteBehind(OrderedHashFile({str(target)!r}, 64 << 20)) as behind:\n"
+            "    for i in range(64): behind.submit(i << 20, bytes(1 << 20))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"OSError: {target}: [Errno 27] File too large" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_exception_in_the_caller_abandons_the_file_without_waiting_for_it(tmp_path):
+    sink = OrderedHashFile(tmp_path / "f", 4 * MIB)
+    with pytest.raises(ValueError, match="the caller's own"):
+        with WriteBehind(sink) as behind:
+            behind.submit(0, bytes(MIB))
+            raise ValueError("the caller's own")
+    assert sink.fd == -1 and behind.digest is None
 
 
 def test_every_leaf_is_hashed_when_the_last_write_returns(tmp_path):

@@ -8,8 +8,10 @@ import glob
 import hashlib
 import json
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -159,6 +161,12 @@ class PositionedFile(abc.ABC):
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
+        self._put(offset, view)
+        if len(view):
+            self._hash(offset, view)
+
+    def _put(self, offset: int, view: memoryview) -> None:
+        """The bytes of view written at offset; the disk started on them every WRITEBACK_BYTES."""
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
@@ -166,8 +174,6 @@ class PositionedFile(abc.ABC):
         if self.unsynced >= WRITEBACK_BYTES:
             start_writeback(self.fd)
             self.unsynced = 0
-        if len(view):
-            self._hash(offset, view)
 
     def _read_back(self, start: int, stop: int, buf: bytearray) -> Iterator[memoryview]:
         """The written bytes start:stop again, from the page cache they were just written to."""
@@ -242,6 +248,84 @@ class OrderedHashFile(PositionedFile):
 
     def _hexdigest(self) -> str:
         return self.digest.hexdigest()
+
+
+BEHIND = 2  # regions a WriteBehind holds unfinished: its caller fills a ring of BEHIND + 1 buffers
+
+
+class WriteBehind:
+    """A PositionedFile filled behind its caller. `submit(offset, data)` hands the region to a thread
+    that writes it, which passes it on to a thread that hashes it, and returns once at most BEHIND
+    regions are unfinished: the caller gathers the next region while the disk and sha256 work on the
+    ones before (pwrite and hashlib release the GIL), where one thread would do the three in turn.
+    `data` must stay unchanged until it is finished; a ring of BEHIND + 1 buffers used in turn
+    guarantees it. Memory: those buffers. A region is hashed only after it and every region before
+    it are written, so an OrderedHashFile's read-back of regions written ahead finds their bytes.
+
+    Use as a context manager: leaving the block normally waits for every region, raises the first
+    error (naming the file) and closes the file (`digest` then holds its hex digest); leaving it on
+    an exception, or after an error, abandons what is queued and closes the file without checks.
+    """
+
+    def __init__(self, sink: PositionedFile):
+        self.sink = sink
+        self.digest: str | None = None
+        self.unfinished = threading.Semaphore(BEHIND)
+        self.error: BaseException | None = None
+        self.to_write: queue.Queue = queue.Queue()
+        self.to_hash: queue.Queue = queue.Queue()
+        self.threads = [threading.Thread(target=self._loop, args=(self.to_write, self._write_one), daemon=True),
+                        threading.Thread(target=self._loop, args=(self.to_hash, self._hash_one), daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop()
+        if exc_type is not None or self.error is not None:
+            self.sink.abort()
+            if exc_type is None:
+                raise OSError(f"{self.sink.path}: {self.error}") from self.error
+            return
+        self.digest = self.sink.close()
+
+    def submit(self, offset: int, data: memoryview | bytes | Any) -> None:
+        """Queue the bytes of data (any contiguous buffer) for offset; raise a thread's error."""
+        self.unfinished.acquire()
+        if self.error is not None:
+            self.unfinished.release()
+            raise OSError(f"{self.sink.path}: {self.error}") from self.error
+        self.to_write.put((offset, memoryview(data).cast("B")))
+
+    def _write_one(self, offset: int, view: memoryview) -> None:
+        self.sink._put(offset, view)
+        self.to_hash.put((offset, view))
+
+    def _hash_one(self, offset: int, view: memoryview) -> None:
+        if len(view):
+            self.sink._hash(offset, view)
+        self.unfinished.release()
+
+    def _loop(self, inbox: queue.Queue, work: Callable[[int, memoryview], None]) -> None:
+        """Run work on each region until the None that _stop sends; after an error, only release
+        the regions' places (a blocked submit wakes and raises; nothing waits on a dead thread)."""
+        while (item := inbox.get()) is not None:
+            if self.error is None:
+                try:
+                    work(*item)
+                    continue
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                    self.error = exc
+            self.unfinished.release()
+
+    def _stop(self) -> None:
+        """Wait for the threads to drain their queues and end."""
+        self.to_write.put(None)
+        self.threads[0].join()
+        self.to_hash.put(None)
+        self.threads[1].join()
 
 
 TREE_LEAF = 1 << 20  # the SHA-256 tree hash's leaf: 1 MiB, as Amazon S3 Glacier defines it

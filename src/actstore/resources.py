@@ -139,6 +139,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     None of it grows with the activations. tests/test_scale.py checks real peaks against it."""
     from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_TOKENS
     from actstore.formats.saev.write import CHUNK_BYTES
+    from actstore.io_utils import BEHIND
 
     parts = config["extract"]["parts"]
     row_bytes = ROW_INDEX_BYTES + PYTHON_ROW_BYTES + 2 * w.data_bytes / max(w.rows, 1)
@@ -149,9 +150,9 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     pickle_shards = 3 * config["pickle"]["threads"] * config["pickle"]["shard_size_mb"] * 1e6
     zarr_records = FILES_JSON_ENTRY_BYTES * zarr_chunks(w, config)  # meta/files.json held whole
     buffers = {
-        "saev_shards": 2 * CHUNK_BYTES + windows,
+        "saev_shards": (BEHIND + 2) * CHUNK_BYTES + windows,  # the ring + a fill's temporaries
         "saev": windows + labels,
-        "lmprobe_tensors": 2 * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,
+        "lmprobe_tensors": 2 * (BEHIND + 1) * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,  # ring + 16-bit casts
         "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "pickle_machines": rows / parts + pickle_shards,  # one part at a time
         "zarr_shards": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows

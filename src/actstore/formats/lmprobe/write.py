@@ -30,12 +30,12 @@ from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDE
                                              LOGITS_VALUES_KEY, PREFIX, ST_METADATA, SUMS, TensorSpec, dataset_card,
                                              encode_header, from_float32, index_name, prompt_order, rows_per_shard,
                                              tensor_bytes)
-from actstore.io_utils import OrderedHashFile, atomic_path, sha256_file, utc_now
+from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, sha256_file, utc_now
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 
 log = logging.getLogger(__name__)
 
-COPY_BYTES = 64 << 20  # the fixed buffer a shard is gathered into between writes
+COPY_BYTES = 32 << 20  # each of the BEHIND + 1 buffers a shard is gathered into while earlier ones are written
 # Index row groups: at most ROW_GROUP_ROWS rows (pq.write_table's default, so a small index is one
 # group and byte-identical to writing it whole) and ending at the first row that brings the group
 # to ROW_GROUP_TOKENS tokens. One group's columns, as arrow arrays and again encoded, are what the
@@ -49,23 +49,25 @@ DEFAULTS = {"storage": "full_sequence", "prompt_ordering": "random", "seed": 0, 
 
 def write_safetensors(path: Path, specs: list[TensorSpec], chunks: Iterable[np.ndarray],
                       metadata: dict[str, str] | None = None) -> dict[str, Any]:
-    """Stream `chunks` (in spec order) into a safetensors file; return its {bytes, sha256}. Positioned
-    writes with the disk started every few tens of MB (io_utils.OrderedHashFile): dirty pages stay
-    bounded whatever the shard size. A failed write leaves no file."""
+    """Stream `chunks` (in spec order; each left unchanged until BEHIND more are asked for) into a
+    safetensors file; return its {bytes, sha256}. Each chunk is written and hashed while the next is
+    gathered (io_utils.WriteBehind), the disk started every few tens of MB: dirty pages stay bounded
+    whatever the shard size. A failed write leaves no file."""
     header = encode_header(specs, metadata)
     size = len(header) + sum(tensor_bytes(d, s) for _, d, s in specs)
     sink = OrderedHashFile(path, size, header)
     try:
-        written = len(header)
-        for chunk in chunks:
-            block = np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)
-            if written + len(block) > size:
-                break
-            sink.write(written, block)
-            written += len(block)
-        if written != size:
-            raise FormatError(f"{path}: data does not match the header's {size - len(header)} bytes")
-        return {"bytes": size, "sha256": sink.close()}
+        with WriteBehind(sink) as behind:
+            written = len(header)
+            for chunk in chunks:
+                block = np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)
+                if written + len(block) > size:
+                    break
+                behind.submit(written, block)
+                written += len(block)
+            if written != size:
+                raise FormatError(f"{path}: data does not match the header's {size - len(header)} bytes")
+        return {"bytes": size, "sha256": behind.digest}
     except BaseException:
         sink.abort()
         path.unlink(missing_ok=True)
@@ -148,25 +150,27 @@ class _TokenRows:
 
     def chunks(self, name: str, samples: np.ndarray, last_only: bool, dtype: str) -> Iterator[np.ndarray]:
         """Rows of tensor `name` for `samples` (or their last tokens), converted to `dtype`, gathered
-        into one fixed COPY_BYTES buffer (valid until the next chunk is asked for): memory does not
-        grow with the shard."""
+        into a ring of BEHIND + 1 fixed COPY_BYTES buffers used in turn (each chunk valid until BEHIND
+        more are asked for, as write_safetensors needs): memory does not grow with the shard."""
         dim = self.parts[0].tensor(name).shape[1]
-        buf = np.empty((max(1, COPY_BYTES // (dim * 4)), dim), np.float32)
+        ring = [np.empty((max(1, COPY_BYTES // (dim * 4)), dim), np.float32) for _ in range(BEHIND + 1)]
+        rows = len(ring[0])
         if last_only:
-            for lo in range(0, len(samples), len(buf)):
-                yield self._stored(self.last_rows(name, samples[lo:lo + len(buf)], buf), dtype)
+            for i, lo in enumerate(range(0, len(samples), rows)):
+                yield self._stored(self.last_rows(name, samples[lo:lo + rows], ring[i % len(ring)]), dtype)
             return
-        fill = 0
+        fill, turn = 0, 0
         for p, a, b in self.runs(samples):
             while a < b:
-                n = min(b - a, len(buf) - fill)
+                buf = ring[turn % len(ring)]
+                n = min(b - a, rows - fill)
                 self.read_rows(name, p, a, a + n, buf[fill:fill + n])
                 fill, a = fill + n, a + n
-                if fill == len(buf):
+                if fill == rows:
                     yield self._stored(buf, dtype)
-                    fill = 0
+                    fill, turn = 0, turn + 1
         if fill:
-            yield self._stored(buf[:fill], dtype)
+            yield self._stored(ring[turn % len(ring)][:fill], dtype)
 
     def _stored(self, rows: np.ndarray, dtype: str) -> np.ndarray:
         """float32 rows in the storage dtype; float16 overflows are counted (write_tensor_files logs them)."""

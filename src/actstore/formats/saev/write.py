@@ -24,14 +24,15 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
                                           to_upstream)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import file_record
-from actstore.io_utils import TEMP_SUFFIX, OrderedHashFile, atomic_path, write_json_atomic
+from actstore.io_utils import BEHIND, TEMP_SUFFIX, OrderedHashFile, WriteBehind, atomic_path, write_json_atomic
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 
 log = logging.getLogger(__name__)
 
-# The one slab buffer a shard writer holds: examples are filled into it and written from it, so memory
-# does not grow with the data (no dirty memory-mapped pages, which a Slurm job's cgroup is charged for).
-CHUNK_BYTES = 64 << 20
+# A shard writer's slab buffer (it holds BEHIND + 1): examples are filled into one while the ones
+# before are written and hashed, so memory does not grow with the data (no dirty memory-mapped pages,
+# which a Slurm job's cgroup is charged for).
+CHUNK_BYTES = 32 << 20
 ZEROS = bytes(1 << 20)  # hashed in place of an upstream shard's hole
 Fill = Callable[[int, np.ndarray], None]  # fill(first_example, out (n, L, T, D))
 
@@ -290,37 +291,39 @@ def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = T
 def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: int, progress: bool = False) -> Path:
     """Write job `job` of `jobs`' shards of the plan's store (jobs.job_items) into out_dir, then its
     job record (jobs.write_job_record, with the store's name) last; return the record's path. Holds
-    one slab buffer of CHUNK_BYTES (at least one example) whatever the data's size."""
+    BEHIND + 1 slab buffers of CHUNK_BYTES (at least one example each) whatever the data's size."""
     out_dir = Path(out_dir)
     shards = job_items(len(plan.shard_sizes), jobs, job)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = plan.shard_sizes
     starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     slab = max(1, min(CHUNK_BYTES // plan.example_bytes, max(sizes, default=1)))
-    buffer = np.empty((slab, *plan.example_shape), DTYPE)
+    buffers = [np.empty((slab, *plan.example_shape), DTYPE) for _ in range(BEHIND + 1)]
     files = {}
     for idx in tqdm(shards, desc="saev shards", unit="shard", disable=not progress):
         path = out_dir / shard_name(idx)
-        files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffer, plan.shard_bytes(sizes[idx]))
+        files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffers, plan.shard_bytes(sizes[idx]))
     return write_job_record(out_dir, jobs, job, files, store=plan.store_name)
 
 
-def _write_shard(path: Path, fill: Fill, start: int, n: int, buffer: np.ndarray, size: int) -> dict[str, Any]:
-    """Examples start..start+n written slab by slab from `buffer`, hashed as written (no second read);
-    the file is `size` bytes, the tail past the examples a hole (upstream). Returns its {bytes, sha256}."""
-    per_example = buffer[0].nbytes
+def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int) -> dict[str, Any]:
+    """Examples start..start+n filled slab by slab into the buffers in turn while the slabs before
+    are written and hashed (io_utils.WriteBehind: no second read); the file is `size` bytes, the tail
+    past the examples a hole (upstream). Returns its {bytes, sha256}."""
+    per_example, slab = buffers[0][0].nbytes, len(buffers[0])
     out = OrderedHashFile(path, n * per_example)
     try:
         os.ftruncate(out.fd, size)
-        for lo in range(0, n, len(buffer)):
-            slab = buffer[:min(len(buffer), n - lo)]
-            fill(start + lo, slab)
-            out.write(lo * per_example, slab)
-        sha256 = out.close()
+        with WriteBehind(out) as behind:
+            for i, lo in enumerate(range(0, n, slab)):
+                region = buffers[i % len(buffers)][:min(slab, n - lo)]
+                fill(start + lo, region)
+                behind.submit(lo * per_example, region)
     except BaseException:
         out.abort()
         path.unlink(missing_ok=True)
         raise
+    sha256 = behind.digest
     if size > n * per_example:  # the hole reads as zeros: hash them after the examples
         for lo in range(n * per_example, size, len(ZEROS)):
             out.digest.update(memoryview(ZEROS)[:min(len(ZEROS), size - lo)])
