@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -340,3 +341,21 @@ def synthetic_part(out, x, lengths):
                        "model": {"name": "synthetic", "path": "-", "architecture": "-", "n_blocks": 1},
                        "dataset": {"name": "synthetic", "path": "-", "split": "train", "labels": []}})
     return out
+
+
+def test_a_chunk_that_cannot_be_written_names_its_file_and_leaves_no_shard(tmp_path):
+    """Disk full, simulated with RLIMIT_FSIZE below one chunk (512 KiB) but above the metadata: the
+    error comes from the thread writing the chunks behind the casts, names the chunk file, and the
+    shard store is not left behind, whole or half."""
+    import subprocess
+    import sys
+    x = np.random.default_rng(0).standard_normal((2 * 64, 4096)).astype(np.float32)
+    part = synthetic_part(tmp_path / "part-0000", x, [64, 64])
+    out = tmp_path / "shard.zarr"
+    code = ("import resource; from actstore.formats import zarr\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+            f"zarr.write_shard({str(part)!r}, {str(out)!r}, t_chunk=64, git_commit='0' * 40, progress=False)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert re.search(r"OSError: \[Errno 27\] \S+/arrays/activations/0/0/0/0: File too large", proc.stderr), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-0000"]

@@ -250,82 +250,110 @@ class OrderedHashFile(PositionedFile):
         return self.digest.hexdigest()
 
 
-BEHIND = 2  # regions a WriteBehind holds unfinished: its caller fills a ring of BEHIND + 1 buffers
+BEHIND = 2  # items a ThreadChain holds unfinished: its caller fills a ring of BEHIND + 1 buffers
+
+
+class ThreadChain:
+    """Items handed down a chain of stages, each a function run by its own thread on every item in
+    the order submitted, while the caller prepares the next item; the stages' work must release the
+    GIL (pwrite, hashlib, file creation do). `submit` returns once at most BEHIND items are
+    unfinished, so memory is what BEHIND + 1 items hold, and an item's buffers must stay unchanged
+    until then: a ring of BEHIND + 1 buffers used in turn guarantees it.
+
+    The first error a stage raises is kept; later work is skipped (every item still passes every
+    stage, so nothing waits on a thread that stopped) and `submit` raises it: as an OSError naming
+    `what`, or as it is when `what` is None (its stages name their files). As a context manager,
+    leaving the block waits for every item, then raises that error unless the block itself raised.
+    """
+
+    def __init__(self, stages: list[Callable[..., None]], what: str | None = None):
+        self.what = what
+        self.error: BaseException | None = None
+        self.unfinished = threading.Semaphore(BEHIND)
+        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in stages]
+        self.threads = [threading.Thread(target=self._loop, args=(i, stage), daemon=True)
+                        for i, stage in enumerate(stages)]
+        for thread in self.threads:
+            thread.start()
+
+    def __enter__(self) -> ThreadChain:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.drain()
+        if exc_type is None:
+            self.raise_error()
+
+    def submit(self, *item: Any) -> None:
+        """Hand item (the first stage's arguments) down the chain; raise a stage's error."""
+        self.unfinished.acquire()
+        if self.error is not None:
+            self.unfinished.release()
+            self.raise_error()
+        self.inboxes[0].put(item)
+
+    def drain(self) -> None:
+        """Wait for every item to pass every stage, and the threads to end."""
+        for inbox, thread in zip(self.inboxes, self.threads):
+            inbox.put(None)
+            thread.join()
+
+    def raise_error(self) -> None:
+        if self.error is not None and self.what is None:
+            raise self.error
+        if self.error is not None:
+            raise OSError(f"{self.what}: {self.error}") from self.error
+
+    def _loop(self, index: int, stage: Callable[..., None]) -> None:
+        inbox, last = self.inboxes[index], index == len(self.inboxes) - 1
+        while (item := inbox.get()) is not None:
+            if self.error is None:
+                try:
+                    stage(*item)
+                except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                    self.error = exc
+            if last:
+                self.unfinished.release()
+            else:
+                self.inboxes[index + 1].put(item)
 
 
 class WriteBehind:
-    """A PositionedFile filled behind its caller. `submit(offset, data)` hands the region to a thread
-    that writes it, which passes it on to a thread that hashes it, and returns once at most BEHIND
-    regions are unfinished: the caller gathers the next region while the disk and sha256 work on the
-    ones before (pwrite and hashlib release the GIL), where one thread would do the three in turn.
-    `data` must stay unchanged until it is finished; a ring of BEHIND + 1 buffers used in turn
-    guarantees it. Memory: those buffers. A region is hashed only after it and every region before
-    it are written, so an OrderedHashFile's read-back of regions written ahead finds their bytes.
+    """A PositionedFile filled behind its caller: `submit(offset, data)` hands the region to a thread
+    that writes it, then to one that hashes it (a ThreadChain), so the caller gathers the next region
+    while the disk and sha256 work on the ones before, where one thread would do the three in turn.
+    A region is hashed only after it and every region before it are written, so an OrderedHashFile's
+    read-back of regions written ahead finds their bytes.
 
-    Use as a context manager: leaving the block normally waits for every region, raises the first
-    error (naming the file) and closes the file (`digest` then holds its hex digest); leaving it on
-    an exception, or after an error, abandons what is queued and closes the file without checks.
+    As a context manager: leaving the block normally waits for every region, raises the first error
+    (naming the file) and closes the file (`digest` then holds its hex digest); leaving it on an
+    exception, or after an error, closes the file without checks.
     """
 
     def __init__(self, sink: PositionedFile):
         self.sink = sink
         self.digest: str | None = None
-        self.unfinished = threading.Semaphore(BEHIND)
-        self.error: BaseException | None = None
-        self.to_write: queue.Queue = queue.Queue()
-        self.to_hash: queue.Queue = queue.Queue()
-        self.threads = [threading.Thread(target=self._loop, args=(self.to_write, self._write_one), daemon=True),
-                        threading.Thread(target=self._loop, args=(self.to_hash, self._hash_one), daemon=True)]
-        for thread in self.threads:
-            thread.start()
+        self.chain = ThreadChain([sink._put, self._hash], str(sink.path))
 
     def __enter__(self) -> WriteBehind:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._stop()
-        if exc_type is not None or self.error is not None:
-            self.sink.abort()
-            if exc_type is None:
-                raise OSError(f"{self.sink.path}: {self.error}") from self.error
+        self.chain.drain()
+        if exc_type is None and self.chain.error is None:
+            self.digest = self.sink.close()
             return
-        self.digest = self.sink.close()
+        self.sink.abort()
+        if exc_type is None:
+            self.chain.raise_error()
 
     def submit(self, offset: int, data: memoryview | bytes | Any) -> None:
         """Queue the bytes of data (any contiguous buffer) for offset; raise a thread's error."""
-        self.unfinished.acquire()
-        if self.error is not None:
-            self.unfinished.release()
-            raise OSError(f"{self.sink.path}: {self.error}") from self.error
-        self.to_write.put((offset, memoryview(data).cast("B")))
+        self.chain.submit(offset, memoryview(data).cast("B"))
 
-    def _write_one(self, offset: int, view: memoryview) -> None:
-        self.sink._put(offset, view)
-        self.to_hash.put((offset, view))
-
-    def _hash_one(self, offset: int, view: memoryview) -> None:
+    def _hash(self, offset: int, view: memoryview) -> None:
         if len(view):
             self.sink._hash(offset, view)
-        self.unfinished.release()
-
-    def _loop(self, inbox: queue.Queue, work: Callable[[int, memoryview], None]) -> None:
-        """Run work on each region until the None that _stop sends; after an error, only release
-        the regions' places (a blocked submit wakes and raises; nothing waits on a dead thread)."""
-        while (item := inbox.get()) is not None:
-            if self.error is None:
-                try:
-                    work(*item)
-                    continue
-                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                    self.error = exc
-            self.unfinished.release()
-
-    def _stop(self) -> None:
-        """Wait for the threads to drain their queues and end."""
-        self.to_write.put(None)
-        self.threads[0].join()
-        self.to_hash.put(None)
-        self.threads[1].join()
 
 
 TREE_LEAF = 1 << 20  # the SHA-256 tree hash's leaf: 1 MiB, as Amazon S3 Glacier defines it

@@ -38,6 +38,27 @@ class StoredTensor:
     def __getitem__(self, key: Any) -> np.ndarray:
         return to_float32(self.raw[key], self.stored_dtype)
 
+    def read_rows(self, a: int, b: int, out: np.ndarray) -> None:
+        """Rows [a, b) into float32 `out`, read with pread rather than copied out of the mapping: a
+        writer streaming every row pays no page fault per 4 KiB (half its time, measured, in a zarr
+        shard's float16 cast), and its resident memory stays at its buffers."""
+        raw = self.raw
+        target = out if self.stored_dtype == "float32" else np.empty((b - a, raw.shape[1]), raw.dtype)
+        view = memoryview(target).cast("B")
+        start = raw.offset + a * raw.shape[1] * raw.dtype.itemsize
+        fd = os.open(raw.filename, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    raise FormatError(f"{raw.filename}: ends before token row {b}")
+                done += n
+        finally:
+            os.close(fd)
+        if target is not out:
+            out[:] = to_float32(target, self.stored_dtype)
+
 
 class SampleRows(Sequence):
     """A part's samples.jsonl, one dict per sample, parsed when asked for. The file is indexed once by

@@ -23,7 +23,6 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.extract.layout import to_float32 as to_stored_float32
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
                                              LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
@@ -125,29 +124,6 @@ class _TokenRows:
             out[where] = self.parts[p].tensor(name)[self.stop[samples[where]] - 1]
         return out
 
-    def read_rows(self, name: str, p: int, a: int, b: int, out: np.ndarray) -> None:
-        """Token rows [a, b) of part `p`'s tensor `name` into float32 `out`, read with pread rather
-        than copied out of the part's mapping: no page faults on the bulk of the bytes, and the job's
-        resident memory stays at its buffers (last-token rows, one per prompt, are gathered through
-        the mapping: clean pages the kernel reclaims)."""
-        tensor = self.parts[p].tensor(name)
-        raw = tensor.raw  # the part's np.memmap: its file and data offset
-        target = out if tensor.stored_dtype == "float32" else np.empty((b - a, raw.shape[1]), raw.dtype)
-        view = memoryview(target).cast("B")
-        start = raw.offset + a * raw.shape[1] * raw.dtype.itemsize
-        fd = os.open(raw.filename, os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], start + done)
-                if n == 0:
-                    raise FormatError(f"{raw.filename}: ends before token row {b}")
-                done += n
-        finally:
-            os.close(fd)
-        if target is not out:
-            out[:] = to_stored_float32(target, tensor.stored_dtype)
-
     def chunks(self, name: str, samples: np.ndarray, last_only: bool, dtype: str) -> Iterator[np.ndarray]:
         """Rows of tensor `name` for `samples` (or their last tokens), converted to `dtype`, gathered
         into a ring of BEHIND + 1 fixed COPY_BYTES buffers used in turn (each chunk valid until BEHIND
@@ -164,7 +140,7 @@ class _TokenRows:
             while a < b:
                 buf = ring[turn % len(ring)]
                 n = min(b - a, rows - fill)
-                self.read_rows(name, p, a, a + n, buf[fill:fill + n])
+                self.parts[p].tensor(name).read_rows(a, a + n, buf[fill:fill + n])
                 fill, a = fill + n, a + n
                 if fill == rows:
                     yield self._stored(buf, dtype)

@@ -27,7 +27,7 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
 from actstore.integrity import stream_json_members
-from actstore.io_utils import atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
+from actstore.io_utils import BEHIND, ThreadChain, atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -111,47 +111,56 @@ def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None
     (store / FILES_JSON).write_text(files_json_text(files))
 
 
-def _write_chunk(path: str, data: np.ndarray, entry: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One chunk file from `data`'s bytes, and its files.json entry: `entry` when the caller knows it,
-    else hashed from `data` (never read back). The disk is started on the file at once, so dirty
-    memory stays bounded and the disk works while the next chunks are cast."""
+def _write_chunk(path: str, data: np.ndarray) -> None:
+    """One new chunk file of `data`'s bytes. The disk is started on the file at once, so dirty memory
+    stays bounded and the disk works while the next chunks are cast."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         view = memoryview(data).cast("B")
         while view:
             view = view[os.write(fd, view):]
         start_writeback(fd)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{path}: {exc.strerror}") from exc
     finally:
         os.close(fd)
-    return entry or {"bytes": data.nbytes, "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chunks: int,
                   progress: bool) -> tuple[dict[str, dict], int]:
-    """Every activation chunk of the part, cast into one (T_chunk, H) float16 buffer and written raw:
+    """Every activation chunk of the part, cast into (T_chunk, H) float16 buffers and written raw:
     the bytes zarr writes for an uncompressed C-order chunk, and every chunk file exists (the store's
-    write_empty_chunks). Returns {key: files.json entry} and the count of values that overflowed
-    float16. (A writer thread overlapping the writes and hashes with the casts measured slower here.)"""
+    write_empty_chunks). Each file is written, then hashed (never read back), by a ThreadChain while
+    the next chunks are read and cast. Returns {key: files.json entry} and the count of values that
+    overflowed float16."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
-    chunk = np.empty((t_chunk, tensors[0].shape[1]), dtype=np.float16)
+    ring = [np.empty((t_chunk, tensors[0].shape[1]), dtype=np.float16) for _ in range(BEHIND + 1)]
+    sample = np.empty((t_chunk * n_chunks, tensors[0].shape[1]), dtype=np.float32)  # one sample's rows
     # Chunks wholly past seq_len (most of them when T_max is many T_chunks) are zeros: hashed once.
-    zero = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(np.zeros_like(chunk)).hexdigest()}
-    files, overflow = {}, 0
-    for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
-        rows = part.sample_slice(i)
-        os.mkdir(store / ACTS / str(i))
-        for l, tensor in enumerate(tensors):
-            x = tensor[rows]
-            os.mkdir(store / ACTS / str(i) / str(l))
-            for c in range(n_chunks):
-                key = acts_chunk_key(i, l, c)
-                os.mkdir(store / key.rsplit("/", 1)[0])
-                piece = x[c * t_chunk: (c + 1) * t_chunk]
-                overflow += to_float16(piece, chunk[:len(piece)])
-                chunk[len(piece):] = 0
-                files[key] = _write_chunk(str(store / key), chunk, None if len(piece) else zero)
+    zero = {"bytes": ring[0].nbytes, "sha256": hashlib.sha256(np.zeros_like(ring[0])).hexdigest()}
+    files, overflow, turn = {}, 0, 0
+
+    def record(key: str, chunk: np.ndarray, known: dict | None) -> None:
+        files[key] = known or {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
+
+    with ThreadChain([lambda key, chunk, _: _write_chunk(str(store / key), chunk), record]) as chain:
+        for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
+            rows = part.sample_slice(i)
+            os.mkdir(store / ACTS / str(i))
+            for l, tensor in enumerate(tensors):
+                x = sample[:rows.stop - rows.start]
+                tensor.read_rows(rows.start, rows.stop, x)
+                os.mkdir(store / ACTS / str(i) / str(l))
+                for c in range(n_chunks):
+                    key = acts_chunk_key(i, l, c)
+                    os.mkdir(store / key.rsplit("/", 1)[0])
+                    piece, chunk = x[c * t_chunk: (c + 1) * t_chunk], ring[turn % len(ring)]
+                    overflow += to_float16(piece, chunk[:len(piece)])
+                    chunk[len(piece):] = 0
+                    chain.submit(key, chunk, None if len(piece) else zero)
+                    turn += 1
     return files, overflow
 
 
