@@ -37,6 +37,14 @@ def bench_path(stage, name):
     return str(DUMP_TO / "benchmarks" / stage / stage_hash(config, stage) / f"{name}.tsv")
 
 
+def job_name(prefix, jobs):
+    """A scatter job's log and benchmark name, `<prefix>-{job}-of-<jobs>`. Snakemake takes a job's
+    benchmark file for one of its outputs: a run whose job count changed would otherwise find job
+    0's benchmark from a layout that covered fewer parts, older than its new parts, and redo a
+    finished stage (the job count is an execution key, never a reason to rewrite)."""
+    return f"{prefix}-{{job}}-of-{jobs:04d}"
+
+
 def all_targets(wildcards):
     return [target for stage in enabled_stages(config) for target in TARGETS.get(stage, [])]
 

@@ -20,9 +20,9 @@ rule lmprobe_tensors:
     params:
         jobs=LMPROBE_JOBS,
     log:
-        log_path("lmprobe", "tensors-{job}"),
+        log_path("lmprobe", job_name("tensors", LMPROBE_JOBS)),
     benchmark:
-        bench_path("lmprobe", "tensors-{job}")
+        bench_path("lmprobe", job_name("tensors", LMPROBE_JOBS))
     wildcard_constraints:
         job=r"\d{4}",
     threads: 1

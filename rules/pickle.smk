@@ -26,9 +26,9 @@ rule pickle_machines:
         compresslevel=config["pickle"]["compresslevel"],
         compressor=config["pickle"]["compressor"],
     log:
-        log_path("pickle", "job-{job}"),
+        log_path("pickle", job_name("job", len(PICKLE_JOBS))),
     benchmark:
-        bench_path("pickle", "job-{job}")
+        bench_path("pickle", job_name("job", len(PICKLE_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
     # pickle.threads shards dumped and gzipped at once, one per thread.

@@ -19,9 +19,9 @@ rule saev_shards:
         job=lambda wildcards: int(wildcards.job),
         jobs=len(SAEV_JOBS),
     log:
-        log_path("saev", "job-{job}"),
+        log_path("saev", job_name("job", len(SAEV_JOBS))),
     benchmark:
-        bench_path("saev", "job-{job}")
+        bench_path("saev", job_name("job", len(SAEV_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
     threads: 1

@@ -28,9 +28,9 @@ rule zarr_shards:
         jobs=len(ZARR_JOBS),
         t_chunk=config["zarr"]["t_chunk"],
     log:
-        log_path("zarr", "shards-{job}"),
+        log_path("zarr", job_name("shards", len(ZARR_JOBS))),
     benchmark:
-        bench_path("zarr", "shards-{job}")
+        bench_path("zarr", job_name("shards", len(ZARR_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
     threads: 1
@@ -56,9 +56,9 @@ rule zarr_merge_chunks:
         shards=lambda wildcards: [ZARR_SHARDS[p] for p in job_parts(len(ZARR_MERGE_JOBS), wildcards)],
         jobs=len(ZARR_MERGE_JOBS),
     log:
-        log_path("zarr", "merge-{job}"),
+        log_path("zarr", job_name("merge", len(ZARR_MERGE_JOBS))),
     benchmark:
-        bench_path("zarr", "merge-{job}")
+        bench_path("zarr", job_name("merge", len(ZARR_MERGE_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
     threads: 1
