@@ -6,7 +6,7 @@
 #   bench/gpu_suite.sh writers DEST  bench_writers on the node's NVMe (8 GB, 8 parts, 8 scattered jobs):
 #                                    issue 18's 0.8 x cp goal, which the development VM's disk cannot measure
 # Needs torch + transformers (the GPU image); jsonschema, zarr, numcodecs, isal (cp312 wheels, with
-# their dependencies) from .whl when absent.
+# their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
 set -uo pipefail
 phase=$1 out=$(mktemp -d) dest=$2   # results tarred into $2 (the device tool fetches few files)
 PROFILE=${PROFILE---profile}        # env: REPEATS (3), PROFILE ('' to skip), LUT (1: bench_lut after extract)
