@@ -359,3 +359,13 @@ def test_a_chunk_that_cannot_be_written_names_its_file_and_leaves_no_shard(tmp_p
     assert proc.returncode != 0
     assert re.search(r"OSError: \[Errno 27\] \S+/arrays/activations/0/0/0/0: File too large", proc.stderr), proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["part-0000"]
+
+
+def test_a_sample_longer_than_the_parts_max_seq_length_is_refused_by_name(tmp_path):
+    x = np.random.default_rng(0).standard_normal((2 * 5, 16)).astype(np.float32)
+    part = synthetic_part(tmp_path / "part-0000", x, [5, 5])
+    meta = json.loads((part / "part.json").read_text())
+    (part / "part.json").write_text(json.dumps({**meta, "max_seq_length": 3}))
+    with pytest.raises(FormatError, match=r"part-0000: sample 0 has 5 tokens, more than the part's max_seq_length 3"):
+        zs.write_shard(part, tmp_path / "shard.zarr", t_chunk=2, git_commit=GIT_COMMIT, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-0000"]

@@ -42,6 +42,8 @@ class StoredTensor:
         """Rows [a, b) into float32 `out`, read with pread rather than copied out of the mapping: a
         writer streaming every row pays no page fault per 4 KiB (half its time, measured, in a zarr
         shard's float16 cast), and its resident memory stays at its buffers."""
+        if len(out) != b - a:
+            raise ValueError(f"rows {a}..{b} of {self.raw.filename} into {len(out)} rows")
         raw = self.raw
         target = out if self.stored_dtype == "float32" else np.empty((b - a, raw.shape[1]), raw.dtype)
         view = memoryview(target).cast("B")

@@ -148,6 +148,9 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chu
     with ThreadChain([lambda key, chunk, _: _write_chunk(str(store / key), chunk), record]) as chain:
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
             rows = part.sample_slice(i)
+            if rows.stop - rows.start > len(sample):
+                raise FormatError(f"{part.dir}: sample {i} has {rows.stop - rows.start} tokens, more than the "
+                                  f"part's max_seq_length {part.info.max_seq_length}")
             os.mkdir(store / ACTS / str(i))
             for l, tensor in enumerate(tensors):
                 x = sample[:rows.stop - rows.start]
