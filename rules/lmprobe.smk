@@ -25,10 +25,12 @@ rule lmprobe_tensors:
         bench_path("lmprobe", job_name("tensors", LMPROBE_JOBS))
     wildcard_constraints:
         job=r"\d{4}",
-    threads: 1
-    # One 64 MiB gather buffer (plus its dtype conversion); dirty pages are written back every 64 MiB.
-    # Reads and writes a 1/jobs share of the activations once.
+    # The rows being gathered and the sha256 of the chunk before run at once (io_utils.WriteBehind).
+    threads: 2
+    # Three 32 MiB gather buffers (plus their dtype conversions); dirty pages are written back every
+    # 16 MiB. Reads and writes a 1/jobs share of the activations once.
     resources:
+        cpus_per_task=2,
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "lmprobe_tensors", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=LMPROBE_JOBS),
     conda:

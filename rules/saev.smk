@@ -24,10 +24,13 @@ rule saev_shards:
         bench_path("saev", job_name("job", len(SAEV_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
-    threads: 1
-    # One ~64 MiB slab buffer (filled from the extraction, written and checksummed from it); reads
+    # The slab being filled and the sha256 of the one before run at once (io_utils.WriteBehind; a
+    # third thread's pwrite mostly waits on the disk). cpus_per_task: Slurm's CPUs for those threads.
+    threads: 2
+    # Three 32 MiB slab buffers (filled from the extraction, written and checksummed from them); reads
     # and writes its share of the activations once each.
     resources:
+        cpus_per_task=2,
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "saev_shards", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=len(SAEV_JOBS)),
     conda:

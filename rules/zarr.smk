@@ -33,8 +33,10 @@ rule zarr_shards:
         bench_path("zarr", job_name("shards", len(ZARR_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
-    threads: 1
+    # The float16 cast and the sha256 of the chunk before run at once (io_utils.ThreadChain).
+    threads: 2
     resources:
+        cpus_per_task=2,
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_shards", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
             config, attempt, jobs=len(ZARR_JOBS), passes=2.0),

@@ -228,5 +228,7 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
             assert row["Partition"] == "cpu" and "gres/gpu" not in row["AllocTRES"], row
         if rule == "pickle_machines":  # pickle.threads (4 by default): as many CPUs as its threads
             assert "cpu=4" in row["AllocTRES"].split(","), row
+        if rule in ("saev_shards", "lmprobe_tensors", "zarr_shards"):  # gathering and hashing at once
+            assert "cpu=2" in row["AllocTRES"].split(","), row
 
     assert assert_same_outputs(tmp_path / "local" / "dump", tmp_path / "slurm" / "dump") > 0
