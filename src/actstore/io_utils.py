@@ -299,10 +299,11 @@ class ThreadChain:
             thread.join()
 
     def raise_error(self) -> None:
-        if self.error is not None and self.what is None:
+        if self.error is None:
+            return
+        if self.what is None:
             raise self.error
-        if self.error is not None:
-            raise OSError(f"{self.what}: {self.error}") from self.error
+        raise OSError(f"{self.what}: {self.error}") from self.error
 
     def _loop(self, index: int, stage: Callable[..., None]) -> None:
         inbox, last = self.inboxes[index], index == len(self.inboxes) - 1
