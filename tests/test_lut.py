@@ -166,7 +166,32 @@ def test_shared_encoder_encodes_once_per_forward(built, model):
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=torch.ones_like(ids))
     assert encoder.n_encodings == 1
+    assert encoder.n_lookups == 1  # Step B of q, k and v in one lookup
     assert isinstance(get_module(model, TARGETS[2]), LutLinear)
+
+
+@pytest.mark.parametrize("budget", [0, 8])
+def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, budget):
+    """q, k, v share one P [B, 3 x out] and one W [in, 3 x out]; each target's columns of the group's
+    lookup and compensation are the sums its own tables give."""
+    alone = {target: _lut_for(built, model, target, budget)[1] for target in TARGETS}
+    installed = install_luts(model, lut_format.open_lut(built[3]), budget)
+    encoder = installed[TARGETS[0]].encoder
+    assert encoder.products.shape == (64, 3 * 32) and encoder.weights.shape == (32, 3 * 32)
+    x = torch.randn(2, 5, 32) * 2
+    with torch.inference_mode():
+        for target in TARGETS:
+            assert torch.equal(installed[target](x), alone[target](x) + installed[target].target_bias)
+            assert torch.equal(installed[target].precomputed_products, alone[target].precomputed_products)
+            assert torch.equal(installed[target].w_target, alone[target].w_target)
+        assert encoder.n_lookups == 1
+        # Every target took its columns, so the group holds no lookup: a second call looks up again.
+        installed[TARGETS[1]](x)
+    assert encoder.n_lookups == 2 and encoder.n_encodings == 1
+    # A group's targets all have their W or none has: nothing to compensate with otherwise.
+    tables = lut_format.open_lut(built[3]).load(TARGETS[0])
+    with pytest.raises(ConfigError, match="linear weight"):
+        LutLinear(encoder, tables, None)
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))

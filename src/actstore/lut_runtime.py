@@ -3,7 +3,12 @@
 Runtime, per spec: Step A values, indices = TopK(ReLU(x @ E.T + e)); Step B
 out = sum_j values_j * P[indices_j] + bias_product (+ the linear's own bias, an extension).
 Targets whose tables hold the same encoder share one LutEncoder, which encodes each input tensor once
-per forward (q/k/v all see the same hidden_states object).
+per forward (q/k/v all see the same hidden_states object), and runs Step B, the compensation and
+runtime auto's dense x @ W once for all of them: it holds their P (and W) side by side as one
+[B, sum of outs] ([in, sum of outs]) table, so one lookup reads each selected row of every target at
+once and each target takes its columns. At decode-sized batches a lookup is mostly per-call overhead,
+which this pays once per group instead of once per target (bench/README.md `## lut`); every lookup
+column is the same sum as a lookup in the target's own table, bit for bit.
 
 Online compensation, done soundly (the spec's sketch overwrites output columns with a partial product
 over a subset of *input* dimensions, which is not a correction of anything): the LUT output equals
@@ -62,44 +67,116 @@ def _version(x: torch.Tensor) -> int | None:
 
 
 class LutEncoder(nn.Module):
-    """Spec Step A, shared by every target with the same SAE; caches the last input's encoding."""
+    """Spec Step A, shared by every target with the same SAE, and every sum over all those targets at
+    once (Step B, the compensation, the dense x @ W): add_target appends each target's P and W to the
+    group's tables (module docstring). What it computes for an input is kept for that input only."""
 
     def __init__(self, tables: dict[str, torch.Tensor], k_active: int, dtype: torch.dtype):
         super().__init__()
         self.k_active = k_active
         for key in ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias"):
             self.register_buffer(key, tables[key].to(dtype), persistent=False)
+        basis, weight = self.encoder_weight.shape[0], self.encoder_weight
+        self.register_buffer("products", weight.new_empty(basis, 0), persistent=False)
+        self.register_buffer("bias_products", weight.new_empty(0), persistent=False)
+        # Every target's W_target [in, out] side by side, or None when the targets come without their linear.
+        self.register_buffer("weights", None, persistent=False)
+        self.n_targets = 0
         self.n_encodings = 0  # counted so tests and benches can see the sharing
-        # (input, its version, its encoding, residual terms by budget) of the last input seen.
-        self._last: tuple[Any, int | None, tuple[torch.Tensor, torch.Tensor], dict] | None = None
+        self.n_lookups = 0
+        # Per path, the last input it saw: (input, its version, what was computed for it). "lookup": the
+        # encoding, residual terms by budget, the group's lookup and compensation; "dense": the group's
+        # x @ W (group sums with the targets that took their columns). Separate, so that a dense call
+        # between two calls on one input does not make the second encode again.
+        self._last: dict[str, tuple[Any, int | None, dict[Any, Any]]] = {}
+
+    def add_target(self, products: torch.Tensor, bias_product: torch.Tensor, weight: torch.Tensor | None) -> slice:
+        """Append a target's P [B, out], bias_product [out] and W_target [in, out] (None: no linear) to
+        the group's tables, in the encoder's dtype and device; returns its columns. Called once per
+        target when it is installed; the targets of a group all have their W or none has."""
+        if self.n_targets and (weight is None) != (self.weights is None):
+            raise ConfigError("LUT targets sharing an encoder must all come with their linear weight, or none")
+        start = self.products.shape[1]
+        self.products = torch.cat([self.products, products.to(self.products)], dim=1)
+        self.bias_products = torch.cat([self.bias_products, bias_product.to(self.bias_products)])
+        if weight is not None:
+            held = [] if self.weights is None else [self.weights]
+            self.weights = torch.cat([*held, weight.to(self.products)], dim=1)
+        self.n_targets += 1
+        self.forget()
+        return slice(start, self.products.shape[1])
+
+    def _results(self, x: torch.Tensor, path: str = "lookup") -> dict[Any, Any]:
+        """What `path` computed for x, or a new empty record when x is not its last input (or was edited)."""
+        last, version = self._last.get(path), _version(x)
+        if last is None or last[0]() is not x or last[1] != version:
+            self._last[path] = last = (weakref.ref(x), version, {})
+        return last[2]
+
+    def forget(self) -> None:
+        """Drop what was computed for the last inputs, so that the next call encodes (calibration times
+        each encoding)."""
+        self._last = {}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, indices) [N, k] for x [..., input_dim] flattened to N rows."""
-        last, version = self._last, _version(x)
-        if last is not None and last[0]() is x and last[1] == version:
-            return last[2]
-        flat = x.reshape(-1, x.shape[-1]).to(self.encoder_weight.dtype)
-        pre = torch.relu(flat @ self.encoder_weight.T + self.encoder_bias)
-        values, indices = torch.topk(pre, self.k_active, dim=-1)
-        self.n_encodings += 1
-        self._last = (weakref.ref(x), version, (values, indices), {})
-        return values, indices
+        results = self._results(x)
+        if "encoding" not in results:
+            flat = x.reshape(-1, x.shape[-1]).to(self.encoder_weight.dtype)
+            # In place: the same sums without two more [N, B] temporaries (134 MB each for 2048 tokens
+            # over 16384 latents in float32).
+            pre = (flat @ self.encoder_weight.T).add_(self.encoder_bias).relu_()
+            results["encoding"] = torch.topk(pre, self.k_active, dim=-1)
+            self.n_encodings += 1
+        return results["encoding"]
 
-    def forget(self) -> None:
-        """Drop the cached encoding, so that the next call encodes (calibration times each encoding)."""
-        self._last = None
+    def lookup(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Spec Step B of every target: sum_j values_j * P[indices_j] + bias_product, [N, sum of outs]."""
+        self.n_lookups += 1
+        return weighted_rows(values, indices, self.products) + self.bias_products
 
     def residual_top(self, x: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x - x_hat) on the `budget` dims S of largest |x - x_hat| per token, and S: computed once per
         input and budget for all targets sharing this encoder, like the encoding itself."""
         values, indices = self(x)
-        cached = self._last[3]
-        if budget not in cached:
+        results = self._results(x)
+        if ("residual", budget) not in results:
             flat = x.reshape(-1, x.shape[-1]).to(self.decoder_weight.dtype)
             residual = flat - self.reconstruct(values, indices)
             top = torch.topk(residual.abs(), budget, dim=-1).indices
-            cached[budget] = (residual.gather(1, top), top)
-        return cached[budget]
+            results["residual", budget] = (residual.gather(1, top), top)
+        return results["residual", budget]
+
+    def target_lookup(self, x: torch.Tensor, columns: slice) -> torch.Tensor:
+        """One target's Step B for x: its columns of the group's lookup."""
+        return self._columns_of(x, "lookup", lambda: self.lookup(*self(x)), columns)
+
+    def target_compensation(self, x: torch.Tensor, budget: int, columns: slice) -> torch.Tensor:
+        """One target's (x - x_hat)[:, S] @ W_target[S, :], S the `budget` dims of largest |x - x_hat|
+        per token: its columns of the group's sum of S rows of every W (targets of one group at
+        different budgets each pay a whole group's sum)."""
+        return self._columns_of(x, ("compensation", budget),
+                                lambda: weighted_rows(*self.residual_top(x, budget), self.weights), columns)
+
+    def target_dense(self, x: torch.Tensor, columns: slice) -> torch.Tensor:
+        """One target's x @ W_target: its columns of one matmul for the whole group (never encodes)."""
+        def dense() -> torch.Tensor:
+            return x.reshape(-1, x.shape[-1]).to(self.weights.dtype) @ self.weights
+        return self._columns_of(x, "dense", dense, columns, path="dense")
+
+    def _columns_of(self, x: torch.Tensor, key: Any, compute: Callable[[], torch.Tensor], columns: slice,
+                    path: str = "lookup") -> torch.Tensor:
+        """`columns` of x's result `key` for all targets, computed on the first target's call. It is
+        dropped once every target has taken its columns, so no group holds an [N, outs] beyond its
+        forward (a target called again with the same x then computes it again)."""
+        results = self._results(x, path)
+        if key not in results:
+            results[key] = (compute(), set())
+        out, taken = results[key]
+        taken.add(columns.start)
+        if len(taken) == self.n_targets:
+            del results[key]
+        return out[:, columns]
 
     def reconstruct(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x_hat = sum_j values_j * W_dec[indices_j] + b_dec: what the lookup represents in input space."""
@@ -112,27 +189,24 @@ class LutLinear(nn.Module):
     `paths` counts which ran; `calibration` is the measured table the crossover came from."""
 
     def __init__(self, encoder: LutEncoder, tables: dict[str, torch.Tensor], linear: nn.Linear | None,
-                 budget: int = 0, dtype: torch.dtype = torch.float32, with_bias: bool = True,
-                 runtime: str = "lookup"):
+                 budget: int = 0, with_bias: bool = True, runtime: str = "lookup"):
         super().__init__()
         if runtime not in RUNTIMES:
             raise ConfigError(f"lut.runtime {runtime!r}: expected one of {RUNTIMES}")
         self.encoder = encoder
-        self.register_buffer("precomputed_products", tables["precomputed_products"].to(dtype), persistent=False)
-        self.register_buffer("bias_product", tables["bias_product"].to(dtype), persistent=False)
+        # W_target [in, out]: rows are what compensation sums.
+        self.columns = encoder.add_target(tables["precomputed_products"], tables["bias_product"],
+                                          None if linear is None else linear.weight.detach().T)
         bias = tables.get("target_bias")
         if bias is None and linear is not None and linear.bias is not None:
             bias = linear.bias.detach()
         if not with_bias:
             bias = None
-        self.register_buffer("target_bias", None if bias is None else bias.to(dtype), persistent=False)
-        # W_target [in, out] (rows are what compensation sums), read by compensation and the dense path.
-        w_target = None if linear is None else linear.weight.detach().T.contiguous().to(dtype)
-        self.register_buffer("w_target", w_target, persistent=False)
+        self.register_buffer("target_bias", None if bias is None else bias.to(encoder.products), persistent=False)
         self.in_features = tables["decoder_weight"].shape[1]
         self.out_features = tables["precomputed_products"].shape[1]
         # Without W there is nothing to fall back to: auto is then the lookup.
-        self.runtime = runtime if w_target is not None else "lookup"
+        self.runtime = runtime if linear is not None else "lookup"
         self.paths = {"lookup": 0, "dense": 0}
         self.crossover_tokens: int | None = None
         self.calibration: dict[str, Any] | None = None
@@ -149,22 +223,24 @@ class LutLinear(nn.Module):
             self.crossover_tokens = self.calibration = None
         self.budget = budget
 
-    def lookup(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Spec Step B: sum_j values_j * P[indices_j] + bias_product."""
-        return weighted_rows(values, indices, self.precomputed_products) + self.bias_product
+    @property
+    def precomputed_products(self) -> torch.Tensor:
+        """This target's P [B, out]: its columns of the group's table."""
+        return self.encoder.products[:, self.columns]
 
-    def compensation(self, x: torch.Tensor) -> torch.Tensor:
-        """(x - x_hat)[:, S] @ W_target[S, :] for the `budget` dims S of largest |x - x_hat| per token."""
-        return weighted_rows(*self.encoder.residual_top(x, self.budget), self.w_target)
+    @property
+    def w_target(self) -> torch.Tensor | None:
+        """This target's W_target [in, out] (its columns of the group's), None without its linear."""
+        return None if self.encoder.weights is None else self.encoder.weights[:, self.columns]
 
     def lookup_path(self, x: torch.Tensor) -> torch.Tensor:
         """Step A (cached per input, shared) + Step B (+ compensation): [N, out], without target_bias."""
-        out = self.lookup(*self.encoder(x))
-        return out + self.compensation(x) if self.budget else out
+        out = self.encoder.target_lookup(x, self.columns)
+        return out + self.encoder.target_compensation(x, self.budget, self.columns) if self.budget else out
 
     def dense_path(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W_target: [N, out], without target_bias."""
-        return x.reshape(-1, x.shape[-1]).to(self.w_target.dtype) @ self.w_target
+        """x @ W_target (one matmul for the targets sharing the encoder): [N, out], without target_bias."""
+        return self.encoder.target_dense(x, self.columns)
 
     def runs_dense(self, tokens: int) -> bool:
         """Runtime auto above the crossover (a lookup-only target never does)."""
@@ -301,7 +377,8 @@ def _parent(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
 def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torch.dtype | None = None,
                  runtime: str = "lookup", crossover_tokens: int | None = None) -> dict[str, LutLinear]:
     """Replace every layer of `store` in `model` by a LutLinear; same encoder tensors -> one LutEncoder.
-    Tables are held in `dtype`, by default the dtype of the linear they replace (module docstring).
+    Tables are held in `dtype`, by default the dtype of the linear they replace (module docstring); the
+    targets sharing an encoder share its tables, in the first one's.
     runtime "auto": the crossover is `crossover_tokens` when given (reproducible runs, tests), else
     measured now by calibrate_auto (each target's `calibration` holds its group's table)."""
     from actstore.models import get_module
@@ -321,7 +398,7 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
                        for k in ("encoder_weight", "encoder_bias"))
         if key not in encoders:
             encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
-        lut = LutLinear(encoders[key], tables, linear, budget, held, runtime=runtime).to(linear.weight.device)
+        lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime).to(linear.weight.device)
         lut.crossover_tokens = crossover_tokens
         parent, name = _parent(model, module_path)
         setattr(parent, name, lut)
