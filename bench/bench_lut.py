@@ -1,10 +1,12 @@
 """Time the LUT runtime against the dense matmuls it replaces, same inputs, same run.
 
 For each token count: dense x @ W of every target (the baseline), Step B alone (the fused lookup of
-every target at once given the TopK codes), Step A + B (one shared encoding, then every target's lookup), and A + B + online
-compensation at two budgets. Every time is also a ratio to dense. First `lut.runtime: auto`'s own
-calibration runs (actstore.lut_runtime.calibrate, budget 0): its table and crossover are printed, and
-each token count's block says which path the calibrated auto takes there.
+every target at once given the TopK codes), Step A + B (one shared encoding, then every target's
+lookup), and A + B + online compensation at two budgets; on CUDA also dense and A + B each captured in
+one CUDA graph (the kernels without Python and launch overhead, as a decode loop run through a graph
+pays). Every time is also a ratio to dense. First `lut.runtime: auto`'s own calibration runs
+(actstore.lut_runtime.calibrate, budget 0): its table and crossover are printed, and each token
+count's block says which path the calibrated auto takes there.
 
 Shapes: `demo` = MiniLM layer-3 q/k/v (input 384, three outputs of 384, 1536 latents, k 32, float16
 tables); `llama8b-mlp` = Llama-3-8B gate + up (input 4096, two outputs of 14336, 16384 latents, k 32,
@@ -33,6 +35,21 @@ def timed(fn: Callable[[], object], repeat: int, device: torch.device) -> tuple[
     """(best, median) seconds of fn over `repeat` runs after a warm-up (the runtime's own timer)."""
     times = call_seconds(fn, device, repeat)
     return min(times), statistics.median(times)
+
+
+def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured into one CUDA graph (after warm-up calls on a side stream, as torch.cuda.graph
+    requires); returns its replay: the same kernels without the per-call Python and launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def random_luts(shape: dict, dtype: torch.dtype, device: torch.device) -> list[LutLinear]:
@@ -89,6 +106,12 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
         rows["dense"] = timed(lambda: [x @ w for w in weights], args.repeat, device)
         rows["lookup (B)"] = timed(lambda: luts[0].encoder.lookup(values, indices), args.repeat, device)
         rows["encode + lookup (A+B)"] = timed(forward_all, args.repeat, device)
+        if device.type == "cuda":  # what a decode loop captured in a CUDA graph pays: the kernels alone
+            for name, fn in (("dense, CUDA graph", lambda: [x @ w for w in weights]), ("A+B, CUDA graph", forward_all)):
+                try:
+                    rows[name] = timed(graph_replay(fn), args.repeat, device)
+                except RuntimeError as exc:  # an op that cannot be captured: say which, keep the other rows
+                    print(f"{name}: not captured ({exc})")
         for budget in budgets:
             for lut in luts:
                 lut.set_budget(budget)
