@@ -194,6 +194,21 @@ def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, b
         LutLinear(encoder, tables, None)
 
 
+def test_each_targets_output_is_a_tensor_of_its_own(built, model):
+    """Without a bias to add, a target's columns of the group's lookup are still copied out, as an
+    nn.Linear's output is its own: a view would keep the group's [N, 3 x out] alive and refuse .view."""
+    store = lut_format.open_lut(built[3])
+    tables = {target: store.load(target) for target in TARGETS}
+    encoder = LutEncoder(tables[TARGETS[0]], store.k_active, torch.float32)
+    luts = [LutLinear(encoder, tables[t], get_module(model, t), with_bias=False) for t in TARGETS]
+    x = torch.randn(2, 5, 32)
+    for lut in luts:
+        out = lut(x)
+        assert out.is_contiguous() and out.untyped_storage().nbytes() == out.numel() * out.element_size()
+        assert out.view(-1).shape == (2 * 5 * 32,)
+    assert encoder.n_lookups == 1
+
+
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
 
 

@@ -257,7 +257,9 @@ class LutLinear(nn.Module):
         out = self.dense_path(x) if path == "dense" else self.lookup_path(x)
         if self.target_bias is not None:
             out = out + self.target_bias
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        # Columns of the group's result made a tensor of their own, as an nn.Linear's output is: a view
+        # would keep the group's whole [N, outs] alive (a KV cache holds k and v) and refuse some .view()s.
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype).contiguous()
 
 
 # ---------------------------------------------------------------- auto: the measured crossover
