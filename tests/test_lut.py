@@ -22,6 +22,7 @@ TARGETS = [f"encoder.layer.1.attention.self.{m}" for m in ("query", "key", "valu
 SAE = {"num_basis": 64, "k_active": 4, "steps": 100, "batch_size": 64, "lr": 0.003, "dead_tokens": 2000,
        "device": "cpu"}
 LUT = {"targets": TARGETS, "budgets": [0, 8, 32], "eval_samples": 8, "device": "cpu"}
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,7 @@ def _reference_rows(weights, indices, table):
     return torch.einsum("nk,nko->no", weights.double(), table.double()[indices])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_fused_rows_equal_the_reference_gather(device):
     g = torch.Generator().manual_seed(0)
     table = torch.randn(300, 96, generator=g)
@@ -170,15 +170,16 @@ def test_shared_encoder_encodes_once_per_forward(built, model):
     assert isinstance(get_module(model, TARGETS[2]), LutLinear)
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("budget", [0, 8])
-def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, budget):
+def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, budget, device):
     """q, k, v share one P [B, 3 x out] and one W [in, 3 x out]; each target's columns of the group's
     lookup and compensation are the sums its own tables give."""
-    alone = {target: _lut_for(built, model, target, budget)[1] for target in TARGETS}
-    installed = install_luts(model, lut_format.open_lut(built[3]), budget)
+    alone = {target: _lut_for(built, model, target, budget)[1].to(device) for target in TARGETS}
+    installed = install_luts(model.to(device), lut_format.open_lut(built[3]), budget)
     encoder = installed[TARGETS[0]].encoder
     assert encoder.products.shape == (64, 3 * 32) and encoder.weights.shape == (32, 3 * 32)
-    x = torch.randn(2, 5, 32) * 2
+    x = torch.randn(2, 5, 32, device=device) * 2
     with torch.inference_mode():
         for target in TARGETS:
             assert torch.equal(installed[target](x), alone[target](x) + installed[target].target_bias)
@@ -207,9 +208,6 @@ def test_each_targets_output_is_a_tensor_of_its_own(built, model):
         assert out.is_contiguous() and out.untyped_storage().nbytes() == out.numel() * out.element_size()
         assert out.view(-1).shape == (2 * 5 * 32,)
     assert encoder.n_lookups == 1
-
-
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
