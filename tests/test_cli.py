@@ -42,8 +42,7 @@ def run(*cmd: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 def actstore(*args: str) -> subprocess.CompletedProcess:
     """`actstore ARGS` run in this process through its entry point, cli.main: the damage tests run it
-    dozens of times, ~2.5 s of imports each as a process (the installed command itself is run by the
-    inspect, help and exit-code tests)."""
+    dozens of times (the installed command itself is run by the inspect, help and exit-code tests)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(list(args))
@@ -92,6 +91,24 @@ def test_inspect_identifies_and_clean_store_verifies(workflow_run, name):
     assert name in info["format"] or (name, info["format"]) == ("extract", "actstore-extract")
     proc = actstore("verify", str(store))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_the_command_never_imports_torch(workflow_run):
+    """inspect, verify and locate on every store, in one fresh process: none of them loads torch
+    (~2 s of a login node's time per call, before the LUT format stopped importing it)."""
+    tmp, configfile = workflow_run
+    stores = [str(store_path(load_config(configfile), name)) for name in STORES]
+    code = f"""
+import sys
+from actstore import cli
+for store in {stores!r}:
+    assert cli.main(["inspect", store]) == 0 and cli.main(["verify", store]) == 0, store
+assert cli.main(["locate", "--configfile", {str(configfile)!r}]) == 0
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+    proc = run(sys.executable, "-c", code)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[]", (proc.stdout[-2000:], proc.stderr[-2000:])
 
 
 @pytest.mark.slow

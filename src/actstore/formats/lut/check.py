@@ -51,7 +51,7 @@ def table_problems(file_path: Path, meta: dict[str, Any], entry: dict[str, Any])
     from safetensors import safe_open
 
     try:
-        with safe_open(str(file_path), framework="pt") as fh:
+        with safe_open(str(file_path), framework="numpy") as fh:  # the header alone: no torch needed
             infos = {key: (tuple(fh.get_slice(key).get_shape()), fh.get_slice(key).get_dtype()) for key in fh.keys()}
     except Exception as exc:  # a truncated or garbled header: safetensors raises its own errors
         return [f"{file_path}: unreadable safetensors ({exc})"]

@@ -16,8 +16,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
 VERSION = "1.0"
 LUT_DIR = "lut"
 META_FILE = "metadata.json"
@@ -25,7 +23,7 @@ SUFFIX = ".lut.safetensors"
 REQUIRED_KEYS = ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias",
                  "precomputed_products", "bias_product")
 BIAS_KEY = "target_bias"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float16", "bfloat16")  # lut.dtype: the tables' dtype, by its torch name
 SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16"}
 
 

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from actstore.errors import FormatError
 from actstore.formats.lut.check import read_metadata, table_problems
 from actstore.formats.lut.check import verify as check_store
 from actstore.formats.lut.layout import META_FILE, lut_dir
 from actstore.integrity import inside, refuse
+
+if TYPE_CHECKING:  # load() imports it: opening or checking a store never loads torch
+    import torch
 
 
 class LutStore:

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lut.layout import BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, VERSION, lut_file
 from actstore.integrity import file_record
 from actstore.io_utils import atomic_path, utc_now
 from actstore.safetensors_io import save_safetensors
+
+if TYPE_CHECKING:
+    import torch
 
 
 def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias: torch.Tensor | None,
@@ -22,13 +23,17 @@ def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias:
     `name` and the tensor when the cast would turn finite values into +-inf (float16's +-65504): a
     table that silently holds inf would make every lookup through it inf.
     """
+    import torch  # here, not at the top: opening or checking a store never loads torch
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"{name}: lut.dtype {dtype!r}, expected one of {', '.join(DTYPES)}")
     w = w_target.float()
     tensors = {key: sae_state[key].float() for key in REQUIRED_KEYS[:4]}
     tensors["precomputed_products"] = tensors["decoder_weight"] @ w
     tensors["bias_product"] = tensors["decoder_bias"] @ w
     if bias is not None:
         tensors[BIAS_KEY] = bias.float()
-    cast = {key: value.to(DTYPES[dtype]).contiguous() for key, value in tensors.items()}
+    cast = {key: value.to(getattr(torch, dtype)).contiguous() for key, value in tensors.items()}
     for key, value in cast.items():
         overflow = int((value.isinf() & tensors[key].isfinite()).sum())
         if overflow:
