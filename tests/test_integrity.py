@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,7 @@ from actstore.formats import zarr as zarr_format
 from actstore.formats.extract import open_extraction
 from actstore.formats.lut import open_lut, precompute, write_lut
 from actstore.hashing import stage_hash
+from actstore.integrity import file_problem, file_record, problems_of
 from actstore.model_config import model_params, read_model_config
 
 DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "extra file", "symlink out",
@@ -259,3 +261,29 @@ def test_sorted_files_walks_in_sorted_name_order(tmp_path):
              if p.is_file() and not p.is_relative_to(tmp_path / "root" / "link") or p.is_symlink()]
     assert list(sorted_files(tmp_path / "root")) == sorted(names)
     assert "link" in names and "a/c/d" in names and len(names) == 13
+
+
+def test_problems_of_checks_at_once_in_item_order(tmp_path):
+    """Files are checked `threads` at a time (a barrier only two concurrent checks can pass), the
+    problems come back in the items' order however the checks finish, and a check's error is raised."""
+    files = [tmp_path / f"f{i}" for i in range(9)]
+    for i, path in enumerate(files):
+        path.write_bytes(bytes([i]) * 1000)
+    records = [file_record(path) for path in files]
+    for i in (2, 7):
+        files[i].write_bytes(b"x" * 1000)
+    meeting = threading.Barrier(2, timeout=10)
+
+    def check(i: int) -> list[str]:
+        if i < 2:
+            meeting.wait()  # raises BrokenBarrierError unless items 0 and 1 are checked at once
+        return [p] if (p := file_problem(files[i], records[i], "the test's records")) else []
+
+    assert problems_of(check, range(9), threads=2) == [f"{files[i]}: sha256 differs from the test's records"
+                                                       for i in (2, 7)]
+
+    def broken(i: int) -> list[str]:
+        raise FormatError(f"item {i}")
+
+    with pytest.raises(FormatError, match="item 0"):
+        problems_of(broken, range(3), threads=2)

@@ -4,11 +4,13 @@ own spec key names and passes in where a record comes from; every message names 
 about."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from actstore.errors import FormatError
 from actstore.io_utils import is_temp, sha256_file, sha256_tree_file
@@ -22,6 +24,26 @@ TOOL_FILES = frozenset({".snakemake_timestamp", STAGE_CONFIG_FILE})
 # io_utils.sha256_tree_file) of files written out of order, which can be hashed as they fill.
 TREE_HASH_KEY = "sha256_tree"
 DIGESTS = {"sha256": sha256_file, TREE_HASH_KEY: sha256_tree_file}
+
+
+# Files a verify checks at once: hashing and reading release the GIL, so a store's files go at the
+# cores' and disks' speed instead of one sha256 at a time; at most 8, as login nodes are shared.
+CHECK_THREADS = min(8, len(os.sched_getaffinity(0)))
+Item = TypeVar("Item")
+
+
+def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threads: int | None = None) -> list[str]:
+    """Every item's problems, in item order, `threads` (default CHECK_THREADS) checks at once; items
+    are taken a window at a time, so a list of millions of files costs no memory. An exception a
+    check raises is raised here."""
+    threads = threads or CHECK_THREADS
+    problems: list[str] = []
+    todo = iter(items)
+    with ThreadPoolExecutor(threads) as pool:
+        while window := list(itertools.islice(todo, 4 * threads)):
+            for found in pool.map(check, window):
+                problems += found
+    return problems
 
 
 def memory_budget() -> int:

@@ -11,7 +11,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
-from actstore.integrity import dir_bytes, listed_problem, unlisted
+from actstore.integrity import dir_bytes, listed_problem, problems_of, unlisted
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -113,16 +113,17 @@ def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]
     sums = root / SUMS
     if not sums.is_file():
         return [f"{sums}: missing"]
-    problems, listed = [], {SUMS}
-    for line in sums.read_text(errors="replace").splitlines():
-        digest, _, rel = line.partition("  ")
-        listed.add(rel)
+    lines = [line.partition("  ")[::2] for line in sums.read_text(errors="replace").splitlines()]
+
+    def check(line: tuple[str, str]) -> list[str]:
+        digest, rel = line
         if isinstance(trusted, dict) and rel in trusted:
             if not isinstance(trusted[rel], dict) or trusted[rel].get("sha256") != digest:
-                problems.append(f"{root / rel}: sha256 in {SUMS} differs from lmprobe:files")
-        elif problem := listed_problem(root, rel, {"sha256": digest}, SUMS, str(sums)):
-            problems.append(problem)
-    return problems + unlisted(root, listed, SUMS)
+                return [f"{root / rel}: sha256 in {SUMS} differs from lmprobe:files"]
+            return []
+        return [problem] if (problem := listed_problem(root, rel, {"sha256": digest}, SUMS, str(sums))) else []
+
+    return problems_of(check, lines) + unlisted(root, {SUMS, *(rel for _, rel in lines)}, SUMS)
 
 
 def _verify_index(ds: LmprobeDataset) -> list[str]:
@@ -196,14 +197,16 @@ def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
 def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
     """Each shard against lmprobe:files (its size only without `checksums`), then each hidden
     shard's header against its descriptor."""
-    problems = []
     recorded = ds.info.get("files", {})
-    for rel in tensor_files(ds.info):
+
+    def check(rel: str) -> list[str]:
         record = recorded.get(rel)
         if not checksums and isinstance(record, dict):
             record = {k: v for k, v in record.items() if k != "sha256"}
-        if problem := listed_problem(ds.root, rel, record, "lmprobe:files", "lmprobe:tensors"):
-            problems.append(problem)
+        problem = listed_problem(ds.root, rel, record, "lmprobe:files", "lmprobe:tensors")
+        return [problem] if problem else []
+
+    problems = problems_of(check, tensor_files(ds.info))
     for layer in ds.hidden["layers"]:
         for s, shard in enumerate(ds.hidden["shards"]):
             problems += _verify_hidden_shard(ds, layer, s, shard)

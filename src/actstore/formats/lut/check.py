@@ -10,7 +10,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, expected_shapes,
                                          layer_index, lut_dir)
-from actstore.integrity import inside, listed_problem, read_json
+from actstore.integrity import inside, listed_problem, problems_of, read_json
 
 
 def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
@@ -123,11 +123,15 @@ def verify(path: str | Path) -> list[str]:
     problems = metadata_problems(meta, meta_path)
     if problems:
         return problems
-    for name, entry in meta["layers"].items():
+
+    def check(layer: tuple[str, dict[str, Any]]) -> list[str]:
+        name, entry = layer
         # The spec records neither size nor sha256 (our writer adds both): presence, keys and shapes then.
         problem = listed_problem(root, entry["file"], entry, f"metadata.json layers.{name}",
                                  f"{meta_path} layers.{name}.file", required=False)
-        problems += [problem] if problem else table_problems(root / entry["file"], meta, entry)
+        return [problem] if problem else table_problems(root / entry["file"], meta, entry)
+
+    problems += problems_of(check, meta["layers"].items())
     listed = {entry["file"] for entry in meta["layers"].values()}
     problems += [f"{f}: LUT file not listed in metadata.json" for f in sorted(root.glob(f"*{SUFFIX}"))
                  if f.name not in listed]

@@ -11,7 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS,
                                           decode_data, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
-from actstore.integrity import dir_bytes, file_problem, listed_problem, unlisted
+from actstore.integrity import dir_bytes, file_problem, listed_problem, problems_of, unlisted
 
 
 def detect(path: str | Path) -> bool:
@@ -74,18 +74,20 @@ def _recorded(store: SaevStore) -> dict[str, Any]:
 def _verify_shard_checksums(store: SaevStore) -> list[str]:
     """Each shard of the right size against its sha256: in actstore.json, or in shards.json for stores
     written before the checksums moved. Stores without actstore.json (saev's) have none to check."""
-    problems, files = [], _recorded(store)
-    for i, shard in enumerate(store.shards):
+    files = _recorded(store)
+
+    def check(i: int) -> list[str]:
+        shard = store.shards[i]
         path, record = store.dir / shard["name"], files.get(shard["name"])
         source = SIDECAR if record else SHARDS
         record = record or ({"sha256": shard["sha256"]} if "sha256" in shard else None)
         if record is None:
-            if store.sidecar:
-                problems.append(f"{store.dir / SIDECAR}: {shard['name']} has no sha256")
-        elif path.is_file() and path.stat().st_size in store.allowed_bytes(i):
-            if problem := file_problem(path, record, source):
-                problems.append(problem)
-    return problems
+            return [f"{store.dir / SIDECAR}: {shard['name']} has no sha256"] if store.sidecar else []
+        if path.is_file() and path.stat().st_size in store.allowed_bytes(i):
+            return [problem] if (problem := file_problem(path, record, source)) else []
+        return []  # missing or of the wrong size: _verify_sizes names it
+
+    return problems_of(check, range(len(store.shards)))
 
 
 def _verify_sidecar_files(store: SaevStore) -> list[str]:
