@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           chunk_keys_in_name_order)
 from actstore.formats.zarr.read import ZarrRun, ZarrStore, open_zarr, store_files
-from actstore.integrity import dir_bytes, inside, listed_problem, read_json, stream_json_members
+from actstore.integrity import dir_bytes, inside, listed_problem, problems_of, read_json, stream_json_members
 from actstore.io_utils import sha256_file
 
 
@@ -114,8 +114,25 @@ def _verify_store(store: Path, entry: dict | None) -> list[str]:
 def _verify_files(store: Path, reader: ZarrStore | None) -> list[str]:
     """files.json (in name order, as written) read 1 MiB at a time beside the store's files and the
     activations' chunk keys walked in the same order: a merged store lists millions, none held. Each
-    listed file checked against its record, each file on disk listed, each chunk recorded."""
-    files_json, problems = store / FILES_JSON, []
+    listed file checked against its record (problems_of: several at once), each file on disk listed,
+    each chunk recorded."""
+    return problems_of(lambda check: check(), _file_checks(store, reader))
+
+
+def _found(problem: str) -> Callable[[], list[str]]:
+    return lambda: [problem]
+
+
+def _listed(store: Path, name: str, info: Any) -> Callable[[], list[str]]:
+    def check() -> list[str]:
+        problem = listed_problem(store, name, info, FILES_JSON, str(store / FILES_JSON))
+        return [problem] if problem else []
+    return check
+
+
+def _file_checks(store: Path, reader: ZarrStore | None) -> Iterator[Callable[[], list[str]]]:
+    """_verify_files' walk: each problem it finds, and each listed file's check, in name order."""
+    files_json = store / FILES_JSON
     on_disk = (name for name in store_files(store) if name != FILES_JSON)
     chunks = (key for key, _ in chunk_keys_in_name_order(reader.n_samples, len(reader.layers), reader.n_chunks)) \
         if reader else iter(())
@@ -123,27 +140,27 @@ def _verify_files(store: Path, reader: ZarrStore | None) -> list[str]:
     try:
         for name, info in stream_json_members(files_json, "files", "a files.json (needs a files object)"):
             if previous is not None and name <= previous:
-                return problems + [f"{files_json}: {name!r} out of name order (after {previous!r})"]
+                yield _found(f"{files_json}: {name!r} out of name order (after {previous!r})")
+                return
             previous = name
             while disk is not None and disk <= name:
                 if disk < name:
-                    problems.append(f"{store / disk}: not listed in {FILES_JSON}")
+                    yield _found(f"{store / disk}: not listed in {FILES_JSON}")
                 disk = next(on_disk, None)
             while chunk is not None and chunk <= name:
                 if chunk < name:
                     lost, first_lost = lost + 1, first_lost or chunk
                 chunk = next(chunks, None)
-            if problem := listed_problem(store, name, info, FILES_JSON, str(files_json)):
-                problems.append(problem)
+            yield _listed(store, name, info)
     except FormatError as exc:
-        return problems + [f"{files_json}: unreadable ({exc})"]
+        yield _found(f"{files_json}: unreadable ({exc})")
+        return
     for rest in itertools.chain([disk] if disk else [], on_disk):
-        problems.append(f"{store / rest}: not listed in {FILES_JSON}")
+        yield _found(f"{store / rest}: not listed in {FILES_JSON}")
     for rest in itertools.chain([chunk] if chunk else [], chunks):
         lost, first_lost = lost + 1, first_lost or rest
     if lost:
-        problems.append(f"{store}/{ACTS}: {lost} chunk files not recorded, e.g. {first_lost}")
-    return problems
+        yield _found(f"{store}/{ACTS}: {lost} chunk files not recorded, e.g. {first_lost}")
 
 
 def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
