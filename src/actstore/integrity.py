@@ -10,7 +10,9 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
+
+from tqdm import tqdm
 
 from actstore.errors import FormatError
 from actstore.io_utils import is_temp, sha256_file, sha256_tree_file
@@ -32,17 +34,22 @@ CHECK_THREADS = min(8, len(os.sched_getaffinity(0)))
 Item = TypeVar("Item")
 
 
-def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threads: int | None = None) -> list[str]:
+def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threads: int | None = None,
+                desc: str = "verify files") -> list[str]:
     """Every item's problems, in item order, `threads` (default CHECK_THREADS) checks at once; items
     are taken a window at a time, so a list of millions of files costs no memory. An exception a
-    check raises is raised here."""
+    check raises is raised here. A progress bar (`desc`) on a terminal, from 20 items or when they
+    are not counted beforehand."""
     threads = threads or CHECK_THREADS
     problems: list[str] = []
     todo = iter(items)
-    with ThreadPoolExecutor(threads) as pool:
+    total = len(items) if isinstance(items, Sized) else None
+    quiet = True if total is not None and total < 20 else None  # None: tqdm shows a bar on a terminal only
+    with ThreadPoolExecutor(threads) as pool, tqdm(total=total, desc=desc, unit="file", disable=quiet) as bar:
         while window := list(itertools.islice(todo, 4 * threads)):
             for found in pool.map(check, window):
                 problems += found
+                bar.update()
     return problems
 
 

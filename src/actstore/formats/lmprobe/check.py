@@ -123,7 +123,7 @@ def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]
             return []
         return [problem] if (problem := listed_problem(root, rel, {"sha256": digest}, SUMS, str(sums))) else []
 
-    return problems_of(check, lines) + unlisted(root, {SUMS, *(rel for _, rel in lines)}, SUMS)
+    return problems_of(check, lines, desc=f"verify {SUMS}") + unlisted(root, {SUMS, *(rel for _, rel in lines)}, SUMS)
 
 
 def _verify_index(ds: LmprobeDataset) -> list[str]:
@@ -206,7 +206,7 @@ def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
         problem = listed_problem(ds.root, rel, record, "lmprobe:files", "lmprobe:tensors")
         return [problem] if problem else []
 
-    problems = problems_of(check, tensor_files(ds.info))
+    problems = problems_of(check, tensor_files(ds.info), desc="verify lmprobe tensors")
     for layer in ds.hidden["layers"]:
         for s, shard in enumerate(ds.hidden["shards"]):
             problems += _verify_hidden_shard(ds, layer, s, shard)

@@ -131,7 +131,7 @@ def verify(path: str | Path) -> list[str]:
                                  f"{meta_path} layers.{name}.file", required=False)
         return [problem] if problem else table_problems(root / entry["file"], meta, entry)
 
-    problems += problems_of(check, meta["layers"].items())
+    problems += problems_of(check, meta["layers"].items(), desc="verify LUT tables")
     listed = {entry["file"] for entry in meta["layers"].values()}
     problems += [f"{f}: LUT file not listed in metadata.json" for f in sorted(root.glob(f"*{SUFFIX}"))
                  if f.name not in listed]

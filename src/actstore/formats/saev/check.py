@@ -87,7 +87,7 @@ def _verify_shard_checksums(store: SaevStore) -> list[str]:
             return [problem] if (problem := file_problem(path, record, source)) else []
         return []  # missing or of the wrong size: _verify_sizes names it
 
-    return problems_of(check, range(len(store.shards)))
+    return problems_of(check, range(len(store.shards)), desc="verify saev shards")
 
 
 def _verify_sidecar_files(store: SaevStore) -> list[str]:
