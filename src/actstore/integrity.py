@@ -35,21 +35,27 @@ Item = TypeVar("Item")
 
 
 def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threads: int | None = None,
-                desc: str = "verify files") -> list[str]:
-    """Every item's problems, in item order, `threads` (default CHECK_THREADS) checks at once; items
-    are taken a window at a time, so a list of millions of files costs no memory. An exception a
-    check raises is raised here. A progress bar (`desc`) on a terminal, from 20 items or when they
-    are not counted beforehand."""
+                desc: str = "verify files", batch: int = 1) -> list[str]:
+    """Every item's problems, in item order, `threads` (default CHECK_THREADS) tasks of `batch` items
+    at once (a batch per task where items are small files, whose checks are mostly Python that holds
+    the GIL: one per task would cost more in handing over than the threads gain); items are taken a
+    window at a time, so a list of millions of files costs no memory. An exception a check raises is
+    raised here. A progress bar (`desc`) on a terminal, from 20 items or when they are not counted
+    beforehand."""
     threads = threads or CHECK_THREADS
     problems: list[str] = []
     todo = iter(items)
     total = len(items) if isinstance(items, Sized) else None
     quiet = True if total is not None and total < 20 else None  # None: tqdm shows a bar on a terminal only
+
+    def check_batch(batch_items: list[Item]) -> list[str]:
+        return [problem for item in batch_items for problem in check(item)]
+
     with ThreadPoolExecutor(threads) as pool, tqdm(total=total, desc=desc, unit="file", disable=quiet) as bar:
-        while window := list(itertools.islice(todo, 4 * threads)):
-            for found in pool.map(check, window):
+        while window := list(itertools.islice(todo, 4 * threads * batch)):
+            for found in pool.map(check_batch, [window[i:i + batch] for i in range(0, len(window), batch)]):
                 problems += found
-                bar.update()
+            bar.update(len(window))
     return problems
 
 

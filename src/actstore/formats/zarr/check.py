@@ -116,7 +116,7 @@ def _verify_files(store: Path, reader: ZarrStore | None) -> list[str]:
     activations' chunk keys walked in the same order: a merged store lists millions, none held. Each
     listed file checked against its record (problems_of: several at once), each file on disk listed,
     each chunk recorded."""
-    return problems_of(lambda check: check(), _file_checks(store, reader), desc="verify zarr files")
+    return problems_of(lambda check: check(), _file_checks(store, reader), desc="verify zarr files", batch=64)
 
 
 def _found(problem: str) -> Callable[[], list[str]]:
