@@ -170,6 +170,19 @@ def test_shared_encoder_encodes_once_per_forward(built, model):
     assert isinstance(get_module(model, TARGETS[2]), LutLinear)
 
 
+def test_targets_with_another_encoder_get_their_own(built, model, tmp_path):
+    """Targets share a LutEncoder only when their encoder bytes are equal: one bias value changed in
+    v's table gives v its own encoder (and group), q and k still share theirs."""
+    store = lut_format.open_lut(built[3])
+    tables = {target: store.load(target) for target in TARGETS}
+    tables[TARGETS[2]]["encoder_bias"][0] += 1
+    lut_format.write_lut(tmp_path, tables, store.k_active)
+    installed = install_luts(model, lut_format.open_lut(tmp_path))
+    q, k, v = (installed[target].encoder for target in TARGETS)
+    assert q is k and v is not q and (q.n_targets, v.n_targets) == (2, 1)
+    torch.testing.assert_close(v.encoder_bias[0], tables[TARGETS[2]]["encoder_bias"][0].float())
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("budget", [0, 8])
 def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, budget, device):

@@ -35,6 +35,7 @@ and where nobody expects seconds of timing), or pinned by the caller.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import weakref
@@ -376,6 +377,15 @@ def _parent(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
     return (get_module(model, parent_path) if parent_path else model), name
 
 
+def _encoder_digest(tables: dict[str, torch.Tensor]) -> bytes:
+    """sha256 of a table file's encoder bytes: targets whose digests match share one LutEncoder. A
+    digest, not the bytes, as the key: an 8B model's encoder is 134 MB a layer, held per distinct SAE."""
+    digest = hashlib.sha256()
+    for key in ("encoder_weight", "encoder_bias"):
+        digest.update(tables[key].contiguous().view(torch.uint8).numpy())
+    return digest.digest()
+
+
 def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torch.dtype | None = None,
                  runtime: str = "lookup", crossover_tokens: int | None = None) -> dict[str, LutLinear]:
     """Replace every layer of `store` in `model` by a LutLinear; same encoder tensors -> one LutEncoder.
@@ -396,8 +406,7 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
                               f"fit {module_path} ({linear.in_features} -> {linear.out_features})")
         tables = store.load(module_path)
         held = dtype or linear.weight.dtype
-        key = b"".join(tables[k].contiguous().view(torch.uint8).numpy().tobytes()
-                       for k in ("encoder_weight", "encoder_bias"))
+        key = _encoder_digest(tables)
         if key not in encoders:
             encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
         lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime).to(linear.weight.device)
