@@ -14,7 +14,11 @@ rule validate_stores:
         log_path("validate", "validate_stores"),
     benchmark:
         bench_path("validate", "validate_stores")
+    # verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the
+    # CPUs it is given. cpus_per_task: Slurm's CPUs for those threads.
+    threads: 8
     resources:
+        cpus_per_task=8,
         mem_mb=4000,
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=1.0),
     conda:
