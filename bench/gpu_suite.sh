@@ -4,7 +4,8 @@
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
 #   bench/gpu_suite.sh writers DEST  bench_writers on the node's NVMe (8 GB, 8 parts, 8 scattered jobs):
-#                                    issue 18's 0.8 x cp goal, which the development VM's disk cannot measure
+#                                    issue 18's 0.8 x cp goal, which the development VM's disk cannot measure;
+#                                    bench_verify with 1-8 files checked at once on the node's 16 cores
 # Needs torch + transformers (the GPU image); jsonschema, zarr, numcodecs, isal (cp312 wheels, with
 # their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
 set -uo pipefail
@@ -39,5 +40,6 @@ writers)
   python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C fill not built"
   python3 bench/bench_writers.py --gb 8 --parts 8 --jobs 8 --repeat 3 --work /tmp/writers \
     --only saev lmprobe zarr "pickle (gzip-1), 2" 2>&1 | tee "$out/writers.log" | tail -14
-  cp bench/out/writers.json "$out/" ;;
+  cp bench/out/writers.json "$out/"
+  python3 bench/bench_verify.py --size-mb 8192 --shards 16 --threads 1 2 4 8 2>&1 | tee "$out/verify.log" | tail -6 ;;
 esac
