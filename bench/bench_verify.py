@@ -49,9 +49,9 @@ def main() -> None:
         for _ in range(args.repeat):
             rows["sha256, one shard after another"].append(seconds(lambda: [sha256_file(f) for f in files]))
             for n in args.threads:
-                integrity.CHECK_THREADS = n  # what verify's problems_of uses by default
                 problems: list[str] = []
-                rows[f"verify, {n} at once"].append(seconds(lambda: problems.extend(saev.verify(path))))
+                with integrity.check_threads(n):
+                    rows[f"verify, {n} at once"].append(seconds(lambda: problems.extend(saev.verify(path))))
                 assert not problems, problems
     base = min(rows["sha256, one shard after another"])
     print(f"{n_bytes / 1e9:.2f} GB in {len(files)} shards, best of {args.repeat}\n"

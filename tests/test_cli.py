@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import tiny
-from actstore import cli
+from actstore import cli, integrity
 from actstore.config import load_config
 from actstore.formats import FORMAT_STAGES
 from actstore.hashing import stage_dir
@@ -24,6 +24,7 @@ ACTSTORE = str(Path(sys.executable).with_name("actstore"))
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 METADATA_SUFFIXES = (".json", ".jsonl", ".zarray", ".zattrs", ".zgroup", ".zmetadata", ".parquet", ".log", ".tsv")
 STORES = ("extract", *FORMAT_STAGES, "lut")
+DEFAULT_CHECK_THREADS = integrity.CHECK_THREADS
 
 
 def tiny_workflow_config(tmp: Path, model: Path, data: Path) -> dict:
@@ -127,6 +128,15 @@ def test_damaged_data_file_fails_verify_naming_it(workflow_run, name, damage, tm
     proc = actstore("verify", str(store))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert target.name in proc.stdout
+    # One file at a time or three at once: the same report.
+    assert actstore("verify", "--threads", "1", str(store)).stdout == proc.stdout
+    assert actstore("verify", "--threads", "3", str(store)).stdout == proc.stdout
+    assert integrity.CHECK_THREADS == DEFAULT_CHECK_THREADS  # the option holds for its own call only
+
+
+def test_verify_threads_must_be_at_least_one(tmp_path):
+    proc = run(ACTSTORE, "verify", "--threads", "0", str(tmp_path))
+    assert proc.returncode == 2 and "--threads: '0': a whole number of at least 1" in proc.stderr
 
 
 @pytest.mark.slow

@@ -41,11 +41,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from actstore import integrity
     from actstore.formats import format_module
 
     name = _detect_or_exit(args.path)
     try:
-        problems = format_module(name).verify(args.path)
+        with integrity.check_threads(args.threads or integrity.CHECK_THREADS):
+            problems = format_module(name).verify(args.path)
     except ActstoreError as exc:  # metadata too broken to even open: still a problem naming the file
         problems = [str(exc)]
     for problem in problems:
@@ -69,6 +71,13 @@ def cmd_locate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    """A whole number >= 1 (argparse reports anything else as bad usage, exit code 2)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=cmd_inspect)
     verify = sub.add_parser("verify", help="full integrity check: files, sizes, sha256, spec fields (exit 1 on problems)")
     verify.add_argument("path", type=Path)
+    verify.add_argument("--threads", type=_at_least_one, default=None,
+                        help="files checked at once (default: the CPUs this process may use, at most 8)")
     verify.set_defaults(func=cmd_verify)
     locate = sub.add_parser("locate", help="print each stage's output directory for a config")
     locate.add_argument("--configfile", type=Path, default=Path("config/config.yaml"))

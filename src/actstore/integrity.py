@@ -9,6 +9,7 @@ import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
 
@@ -32,6 +33,17 @@ DIGESTS = {"sha256": sha256_file, TREE_HASH_KEY: sha256_tree_file}
 # cores' and disks' speed instead of one sha256 at a time; at most 8, as login nodes are shared.
 CHECK_THREADS = min(8, len(os.sched_getaffinity(0)))
 Item = TypeVar("Item")
+
+
+@contextmanager
+def check_threads(threads: int) -> Iterator[None]:
+    """problems_of's default thread count within the block (`actstore verify --threads`)."""
+    global CHECK_THREADS
+    before, CHECK_THREADS = CHECK_THREADS, threads
+    try:
+        yield
+    finally:
+        CHECK_THREADS = before
 
 
 def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threads: int | None = None,
