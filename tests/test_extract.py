@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -479,6 +480,48 @@ def test_verify_names_a_missing_part_an_unlisted_file_and_a_path_outside_the_par
     meta["files"]["../../../etc/passwd"] = meta["files"].pop("offsets.npy")
     meta_path.write_text(json.dumps(meta))
     assert any("'../../../etc/passwd' is not a relative path inside" in p for p in extract_format.verify(copy))
+
+
+@pytest.mark.parametrize("record", [-1, {}, {"bytes": "x", "sha256": "0" * 64}])
+def test_a_mistyped_file_record_is_named_by_verify_and_inspect(extracted, tmp_path, record):
+    """A part.json file record of the wrong shape is a FormatError naming part.json, for verify and for
+    inspect (which sums the records' bytes), never a TypeError or KeyError."""
+    import shutil
+
+    from actstore.formats import extract as extract_format
+    _, out = extracted("bert")
+    copy = tmp_path / "extract"
+    shutil.copytree(out, copy)
+    meta_path = copy / "part-0001" / "part.json"
+    meta = json.loads(meta_path.read_text())
+    meta["files"]["layer_002.npy"] = record
+    meta_path.write_text(json.dumps(meta))
+    named = rf"{meta_path}: files\['layer_002.npy'\] must be an object with a whole number of bytes"
+    assert any(re.match(named, p) for p in extract_format.verify(copy))
+    with pytest.raises(FormatError, match=named):
+        extract_format.inspect(copy)
+
+
+@pytest.mark.parametrize("key, value", [("n_tokens", 1), ("layers", [1]), ("tensors", ["layer_1"]),
+                                        ("parts", None), ("model", {"name": "another"})])
+def test_an_index_that_misstates_its_parts_is_named(extracted, tmp_path, key, value):
+    """extract.json's totals, tensors, model and part list are checked against the parts themselves
+    (each part.json has its sha256 there, so the parts are what is trusted)."""
+    import shutil
+
+    from actstore.formats import extract as extract_format
+    _, out = extracted("bert")
+    copy = tmp_path / "extract"
+    shutil.copytree(out, copy)
+    index = json.loads((copy / "extract.json").read_text())
+    right = index[key] if key != "parts" else index["parts"][1]["sample_range"]
+    if key == "parts":  # a part's own line: the sample range it covers
+        key, value = "parts[1].sample_range", [right[0] + 1, right[1]]
+        index["parts"][1]["sample_range"] = value
+    else:
+        index[key] = value
+    (copy / "extract.json").write_text(json.dumps(index))
+    assert extract_format.verify(copy) == [f"{copy / 'extract.json'}: {key} = {value!r} but the parts say {right!r:.100}"]
 
 
 def test_the_extraction_contract_types_part_json_and_names_a_missing_field(extracted, tmp_path):

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -474,3 +475,23 @@ def test_verify_reports_bad_metadata(store, tmp_path):
     (work / "metadata.json").write_text("{not json")
     assert ps.verify(work) and "metadata.json" in ps.verify(work)[0]
     assert not ps.detect(work)
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda m: m["actstore"].update(d_model=31), r"shard_\d+\.pkl\.gz: layer_0 sample 0: activation float32 \(\d+, 32\) "
+                                                 r"vs shape \(\d+, 32\), d_model 31 in metadata.json"),
+    (lambda m: m["shards"][0].update(num_tokens=m["shards"][0]["num_tokens"] + 1),
+     r"shard_0001\.pkl\.gz: \[\d+\] token rows per layer, metadata.json says num_tokens=\d+"),
+    (lambda m: m["statistics"].update(total_tokens=-1), r"metadata.json: statistics.total_tokens = -1 but the shards sum to \d+"),
+    (lambda m: m["distributed_config"].update(total_machines="x"),
+     r"metadata.json: distributed_config.total_machines = x but 2 machines are listed"),
+])
+def test_metadata_that_misstates_the_data_is_named(store, tmp_path, edit, named):
+    """What `inspect` reports (d_model, tokens, machines) is checked against the shards by verify."""
+    _, _, out = store
+    work = copy_store(out, tmp_path / "store")
+    meta = json.loads((work / "metadata.json").read_text())
+    edit(meta)
+    (work / "metadata.json").write_text(json.dumps(meta))
+    problems = ps.verify(work)
+    assert any(re.search(named, p) for p in problems), problems

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import warnings
@@ -161,6 +162,27 @@ def test_missing_truncated_and_corrupt_shards_named(extracted, tmp_path):
         fh.write(bytes([byte[0] ^ 1]))
     assert saev.verify(store_dir) == [f"{store_dir / 'acts000001.bin'}: sha256 differs from actstore.json"]
 
+
+
+@pytest.mark.parametrize("edit", [lambda side: side.update(files=-1), lambda side: side.update(files={"acts000000.bin": []}),
+                                  lambda side: side["files"]["acts000001.bin"].update(bytes="x")])
+def test_a_mistyped_sidecar_record_is_named_not_a_crash(extracted, tmp_path, edit):
+    """actstore.json's file records are checked for shape when the store opens: verify reports the
+    file, inspect and the reader refuse it (before, verify raised AttributeError or TypeError)."""
+    import shutil
+
+    _, src = build(extracted, "dinov2")
+    store_dir = tmp_path / src.name
+    shutil.copytree(src, store_dir)
+    sidecar = json.loads((store_dir / saev.SIDECAR).read_text())
+    edit(sidecar)
+    (store_dir / saev.SIDECAR).write_text(json.dumps(sidecar))
+    named = rf"{store_dir / saev.SIDECAR}: files"
+    assert len(problems := saev.verify(store_dir)) == 1 and re.match(named, problems[0]), problems
+    with pytest.raises(FormatError, match=named):
+        saev.inspect(store_dir)
+    with pytest.raises(FormatError, match=named):
+        saev.open_store(store_dir)
 
 def scatter(extraction, section, root, jobs, extract_hash=None):
     """The workflow's shard jobs (plans without labels, as saev_shards.py makes them): their dirs."""

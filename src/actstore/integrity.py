@@ -82,6 +82,21 @@ def file_record(path: str | os.PathLike) -> dict[str, Any]:
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
 
 
+def file_records(records: Any, source: str) -> dict[str, dict[str, Any]]:
+    """A metadata file's {name: {bytes, sha256, ...}} map, its shape checked before anything sums
+    or looks up its fields: FormatError naming `source` and the entry when it is not an object of
+    objects each with a whole number of bytes (every writer records them)."""
+    if not isinstance(records, dict):
+        raise FormatError(f"{source}: files must be an object of name -> {{bytes, sha256}}, "
+                          f"got {type(records).__name__}")
+    for name, record in records.items():
+        size = record.get("bytes") if isinstance(record, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FormatError(f"{source}: files[{name!r}] must be an object with a whole number of bytes, "
+                              f"got {record!r:.80}")
+    return records
+
+
 def file_problem(path: Path, record: dict[str, Any] | None, source: str, required: bool = True) -> str | None:
     """None when `path` is a file with the recorded bytes and sha256 (each checked when recorded),
     else what is wrong, naming the file and `source` (where the record comes from). `required`:

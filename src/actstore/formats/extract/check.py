@@ -10,6 +10,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part_dirname, tensor_file
 from actstore.formats.extract.read import open_extraction, open_part
+from actstore.formats.extract.write import index_of
 from actstore.integrity import file_problem, inside, read_json
 
 
@@ -51,7 +52,23 @@ def verify(path: str | Path) -> list[str]:
             open_part(part_dir).verify()
         except (FormatError, OSError, ValueError) as exc:
             problems.append(str(exc))
-    return problems
+    return problems or (_summary_problems(path) if (path / INDEX).is_file() else [])
+
+
+def _summary_problems(extract_dir: Path) -> list[str]:
+    """extract.json's totals, tensors, model and dataset against what its (whole) parts say. A key
+    the parts give and the file lacks (written by an earlier release) is not a problem."""
+    have = read_json(extract_dir / INDEX)
+    try:
+        want = index_of(open_extraction(extract_dir))
+    except FormatError as exc:
+        return [str(exc)]
+    pairs = [(key, have.get(key), value) for key, value in want.items() if key != "parts" and key in have]
+    listed = have.get("parts") if isinstance(have.get("parts"), list) else []
+    pairs += [(f"parts[{i}].{key}", entry.get(key) if isinstance(entry, dict) else None, value)
+              for i, (entry, part) in enumerate(zip(listed, want["parts"])) for key, value in part.items()]
+    return [f"{extract_dir / INDEX}: {key} = {stored!r:.100} but the parts say {value!r:.100}"
+            for key, stored, value in pairs if stored != value]
 
 
 def _index_problems(extract_dir: Path) -> list[str]:

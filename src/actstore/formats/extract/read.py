@@ -20,7 +20,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file,
                                              to_float32)
-from actstore.integrity import check_file, inside, read_json, refuse, unlisted
+from actstore.integrity import check_file, file_records, inside, read_json, refuse, unlisted
 
 
 class StoredTensor:
@@ -245,7 +245,8 @@ def open_part(part_dir: str | Path) -> Part:
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
-    offsets = load_npy(part_dir / "offsets.npy", meta.get("files", {}).get("offsets.npy", {}).get("bytes"))
+    files = file_records(meta.get("files"), str(meta_path))
+    offsets = load_npy(part_dir / "offsets.npy", files.get("offsets.npy", {}).get("bytes"))
     return Part(part_dir, meta, PartInfo.parse(meta, meta_path), offsets)
 
 

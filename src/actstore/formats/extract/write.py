@@ -5,7 +5,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,6 +14,9 @@ from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX,
                                              layer_tensor, npy_header, part_dirname, tensor_file)
 from actstore.integrity import TREE_HASH_KEY
 from actstore.io_utils import TreeHashFile, atomic_path, sha256_file, write_json_atomic
+
+if TYPE_CHECKING:  # read imports this module
+    from actstore.formats.extract.read import Extraction
 
 
 @dataclass
@@ -105,15 +108,22 @@ def write_part(out_dir: str | Path):
 
 
 def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
-    """extract.json: the extraction's totals, tensors and every part's directory and part.json sha256
-    (so a deleted part is named, never skipped); the parts must cover sample_idx 0..n-1 once."""
+    """extract.json (index_of the extraction in extract_dir), written atomically."""
     from actstore.formats.extract.read import open_extraction
 
-    extraction = open_extraction(extract_dir)
+    index = index_of(open_extraction(extract_dir))
+    write_json_atomic(index_path, index)
+    return index
+
+
+def index_of(extraction: Extraction) -> dict:
+    """extract.json's content: the extraction's totals, tensors and every part's directory and
+    part.json sha256 (so a deleted part is named, never skipped); the parts must cover sample_idx
+    0..n-1 once. verify compares a store's extract.json with it."""
     seen = [row["sample_idx"] for _, _, row in extraction.iter_samples()]
     if seen != list(range(len(seen))):
-        raise FormatError(f"{extract_dir}: parts do not cover sample_idx 0..{len(seen) - 1} exactly once")
-    index = {
+        raise FormatError(f"{extraction.dir}: parts do not cover sample_idx 0..{len(seen) - 1} exactly once")
+    return {
         "n_samples": extraction.n_samples, "n_tokens": extraction.n_tokens,
         "tensors": extraction.tensor_names, "layers": extraction.info.layers,
         "model": extraction.info.model.record, "dataset": extraction.info.dataset.record,
@@ -122,8 +132,6 @@ def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
                    "sample_range": list(p.info.sample_range), "part_json_sha256": sha256_file(p.dir / PART_META)}
                   for p in extraction.parts],
     }
-    write_json_atomic(index_path, index)
-    return index
 
 
 SYNTHETIC_POOL = 16 << 20  # random float32 values drawn once; each sample's rows are a slice of them

@@ -72,12 +72,18 @@ def _verify_totals(path: Path, meta: dict[str, Any]) -> list[str]:
     ids = [s["shard_id"] for s in meta["shards"]]
     if len(set(ids)) != len(ids):
         problems.append(f"{where}: shard_id values are not unique")
-    stats = meta["statistics"]
-    for key, want in (("total_shards", len(meta["shards"])),
-                      ("total_samples", sum(s["num_samples"] for s in meta["shards"])),
-                      ("total_size_bytes", sum(s["size_bytes"] for s in meta["shards"]))):
+    stats, totals = meta["statistics"], [("total_shards", len(meta["shards"])),
+                                          ("total_samples", sum(s["num_samples"] for s in meta["shards"])),
+                                          ("total_size_bytes", sum(s["size_bytes"] for s in meta["shards"]))]
+    if "total_tokens" in stats:  # our extension, with each shard's num_tokens (which _verify_shard counts)
+        totals.append(("total_tokens", sum(s.get("num_tokens", 0) for s in meta["shards"])))
+    for key, want in totals:
         if stats[key] != want:
             problems.append(f"{where}: statistics.{key} = {stats[key]} but the shards sum to {want}")
+    machines = meta.get("distributed_config", {}).get("machines")
+    if machines and meta["distributed_config"].get("total_machines") != len(machines):
+        problems.append(f"{where}: distributed_config.total_machines = "
+                        f"{meta['distributed_config'].get('total_machines')} but {len(machines)} machines are listed")
     return problems
 
 
@@ -103,8 +109,9 @@ def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _verify_items(name: Path, key: str, items: Any, num_samples: int) -> list[str]:
-    """One layer's item list: its length, each item's fields, activation dtype/shape and preview."""
+def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any) -> list[str]:
+    """One layer's item list: its length, each item's fields, activation dtype/shape (`width` columns:
+    the d_model metadata.json states) and preview."""
     if not isinstance(items, list) or len(items) != num_samples:
         return [f"{name}: {key} holds {len(items) if isinstance(items, list) else '?'} items, "
                 f"num_samples={num_samples}"]
@@ -114,16 +121,19 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int) -> list[st
             problems.append(f"{name}: {key} item lacks one of {ITEM_FIELDS}")
             break
         act = item["activation"]
-        if act.dtype != np.float32 or act.ndim != 2 or tuple(item["shape"]) != act.shape:
+        if act.dtype != np.float32 or act.ndim != 2 or tuple(item["shape"]) != act.shape \
+                or width is not None and act.shape[1] != width:
             problems.append(f"{name}: {key} sample {item['sample_idx']}: activation {act.dtype} {act.shape} "
-                            f"vs shape {item['shape']}")
+                            f"vs shape {item['shape']}, d_model {width!r} in {METADATA}")
+            break  # one bad item names the layer; every other one is likely the same
         if not isinstance(item["text_preview"], str) or len(item["text_preview"]) > PREVIEW_CHARS:
             problems.append(f"{name}: {key} sample {item['sample_idx']}: bad text_preview")
     return problems
 
 
-def _verify_shard(path: Path, info: dict[str, Any], seen: set[int]) -> list[str]:
-    """One shard: bytes, safe load, and content against its metadata entry."""
+def _verify_shard(path: Path, info: dict[str, Any], width: Any, seen: set[int]) -> list[str]:
+    """One shard: bytes, safe load, and content against its metadata entry (activations `width` wide,
+    as many token rows in each layer as its num_tokens when recorded)."""
     try:
         name = shard_path(path, info)
         shard = load_shard(path, info)
@@ -134,11 +144,14 @@ def _verify_shard(path: Path, info: dict[str, Any], seen: set[int]) -> list[str]
         return [f"{name}: layer keys {sorted(shard)} != metadata layers {sorted(want_keys)}"]
     problems, ids_by_layer = [], []
     for key, items in shard.items():
-        problems += _verify_items(name, key, items, info["num_samples"])
+        problems += _verify_items(name, key, items, info["num_samples"], width)
         if isinstance(items, list) and len(items) == info["num_samples"]:
             ids_by_layer.append([item.get("sample_idx") for item in items if isinstance(item, dict)])
     if problems:
         return problems
+    rows = {sum(item["activation"].shape[0] for item in items) for items in shard.values()}
+    if "num_tokens" in info and rows != {info["num_tokens"]}:
+        return [f"{name}: {sorted(rows)} token rows per layer, {METADATA} says num_tokens={info['num_tokens']!r}"]
     ids = ids_by_layer[0] if ids_by_layer else []
     lo, hi = info["sample_id_range"]
     if any(other != ids for other in ids_by_layer) or (ids and (min(ids) != lo or max(ids) != hi)):
@@ -159,10 +172,11 @@ def verify(path: str | Path) -> list[str]:
         if problems:  # required fields missing: nothing further can be trusted
             return problems
         problems = _verify_totals(path, meta)
+        width = meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
         seen: set[int] = set()
         for info in tqdm(meta["shards"], desc="verify pickle shards", unit="shard",
                          disable=len(meta["shards"]) < PROGRESS_FROM_SHARDS):
-            problems += _verify_shard(path, info, seen)
+            problems += _verify_shard(path, info, width, seen)
         return problems + _verify_machines(path, meta) + _unlisted_files(path, meta)
     except FormatError as exc:  # already names its file
         return [str(exc)]

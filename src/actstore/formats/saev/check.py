@@ -68,7 +68,7 @@ def _verify_name(store: SaevStore) -> list[str]:
 
 def _recorded(store: SaevStore) -> dict[str, Any]:
     """actstore.json's {file: {bytes, sha256}}; a store saev wrote has none."""
-    return store.sidecar.get("files", {}) if isinstance(store.sidecar, dict) else {}
+    return store.sidecar.get("files", {})
 
 
 def _verify_shard_checksums(store: SaevStore) -> list[str]:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from actstore.errors import FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
                                           check_metadata, examples_per_shard, flavor_of, shard_name, to_spec)
-from actstore.integrity import inside, read_json, refuse
+from actstore.integrity import file_records, inside, read_json, refuse
 
 
 def resolve(path: str | Path) -> Path:
@@ -50,8 +50,7 @@ class SaevStore:
                           f"version than this reader's {PROTOCOL}; the layout may have changed", stacklevel=2)
         self.shards = read_json(self.dir / SHARDS)
         self._check_shards_json()
-        sidecar = self.dir / SIDECAR
-        self.sidecar = read_json(sidecar) if sidecar.is_file() else {}
+        self.sidecar = self._read_sidecar()
         self.starts = np.concatenate([[0], np.cumsum([s["n_examples"] for s in self.shards])]).astype(np.int64)
         self._maps: dict[int, np.memmap] = {}
         self._windows: np.ndarray | None | bool = False  # False: not looked for yet
@@ -59,6 +58,18 @@ class SaevStore:
             problems = self.size_problems()
             if problems:
                 raise FormatError("; ".join(problems))
+
+    def _read_sidecar(self) -> dict:
+        """actstore.json ({} for a store saev wrote): an object whose `files` records are checked for
+        shape here, so that verify reports a bad record instead of failing on it."""
+        path = self.dir / SIDECAR
+        if not path.is_file():
+            return {}
+        sidecar = read_json(path)
+        if not isinstance(sidecar, dict):
+            raise FormatError(f"{path}: must be a JSON object, got {type(sidecar).__name__}")
+        file_records(sidecar.get("files", {}), str(path))
+        return sidecar
 
     # spec §4.1 names
     @property
