@@ -151,6 +151,33 @@ def test_validate_report_covers_every_format(workflow_run):
 
 
 @pytest.mark.slow
+def test_an_edited_or_misplaced_stage_config_fails_verify_and_validate(workflow_run, tmp_path):
+    """A stage's actstore_config.json says which config made its outputs: one edited by hand, or
+    copied in from another stage directory, is named by verify (on the stage directory or a store
+    inside it) and by the validate stage."""
+    from actstore.errors import FormatError
+    from actstore.verify import validate_all
+
+    config = copied_run(workflow_run, tmp_path)
+    extract, lmprobe, pickle = (stage_dir(config, name) for name in ("extract", "lmprobe", "pickle"))
+    edited = json.loads((lmprobe / "actstore_config.json").read_text())
+    edited["config"]["lmprobe"]["dtype"] = "float16"
+    (lmprobe / "actstore_config.json").write_text(json.dumps(edited))
+    shutil.copyfile(extract / "actstore_config.json", pickle / "actstore_config.json")
+    edited_problem = f"{lmprobe / 'actstore_config.json'}: its content hashes to "
+    moved_problem = (f"{pickle / 'actstore_config.json'}: the config of stage directory {extract.name}, "
+                     f"found in {pickle.name}")
+    for store, problem in [(store_path(config, "lmprobe"), edited_problem), (lmprobe, edited_problem),
+                           (pickle, moved_problem)]:
+        proc = actstore("verify", str(store))
+        assert proc.returncode == 1 and f"BAD  {problem}" in proc.stdout, (store, proc.stdout)
+    assert actstore("verify", str(extract)).returncode == 0
+    with pytest.raises(FormatError) as raised:
+        validate_all(config, tmp_path / "report.json")
+    assert edited_problem in str(raised.value) and moved_problem in str(raised.value)
+
+
+@pytest.mark.slow
 def test_report_builds(workflow_run):
     tmp, configfile = workflow_run
     out = tmp / "report.html"

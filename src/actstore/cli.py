@@ -50,6 +50,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems = format_module(name).verify(args.path)
     except ActstoreError as exc:  # metadata too broken to even open: still a problem naming the file
         problems = [str(exc)]
+    # The stage config of the workflow stage holding the store: the path itself or its parent.
+    for directory in dict.fromkeys([args.path, args.path.parent]):
+        try:
+            problems += integrity.stage_config_problems(directory)
+        except ActstoreError as exc:
+            problems.append(str(exc))
     for problem in problems:
         print(f"BAD  {problem}")
     print(f"{name} store {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))

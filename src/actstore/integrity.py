@@ -4,6 +4,7 @@ own spec key names and passes in where a record comes from; every message names 
 about."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
 from tqdm import tqdm
 
 from actstore.errors import FormatError
-from actstore.io_utils import is_temp, sha256_file, sha256_tree_file
+from actstore.io_utils import canonical_json, is_temp, sha256_file, sha256_tree_file
 
 # The resolved config the workflow records in every stage directory (hashing.write_stage_config).
 STAGE_CONFIG_FILE = "actstore_config.json"
@@ -75,6 +76,24 @@ def memory_budget() -> int:
     """Bytes one allocation sized by a file's own claims may take: a quarter of physical memory.
     Past it a reader refuses, naming the file, instead of failing with a MemoryError or worse."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
+def stage_config_problems(directory: Path) -> list[str]:
+    """The stage config a workflow stage directory holds (hashing.write_stage_config), if any: its
+    recorded hash must be the sha256 of the rest of it (so it was not edited), and a directory named
+    by a stage hash must be named by this one (so it is not another run's config)."""
+    path = directory / STAGE_CONFIG_FILE
+    if not path.is_file():
+        return []
+    record = read_json(path)
+    if not isinstance(record, dict) or not {"stage", "config", "upstream", "hash"} <= set(record):
+        return [f"{path}: not a stage config (an object with stage, config, upstream and hash)"]
+    digest = hashlib.sha256(canonical_json({k: v for k, v in record.items() if k != "hash"}).encode()).hexdigest()
+    if digest != record["hash"]:
+        return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
+    if re.fullmatch("[0-9a-f]{64}", directory.name) and directory.name != digest:
+        return [f"{path}: the config of stage directory {digest}, found in {directory.name}"]
+    return []
 
 
 def file_record(path: str | os.PathLike) -> dict[str, Any]:

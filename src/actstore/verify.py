@@ -16,6 +16,7 @@ from actstore.errors import FormatError
 from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.hashing import stage_dir
+from actstore.integrity import stage_config_problems
 from actstore.io_utils import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         entry["store"] = os.path.relpath(entry["store"], config["dump_to"])
         entry["inspect"] = {key: _relative(value, config["dump_to"]) for key, value in entry["inspect"].items()}
     problems = [p for entry in report["formats"].values() for p in entry["problems"]]
+    problems += [p for stage in stages if stage != "validate" for p in stage_config_problems(stage_dir(config, stage))]
     if problems:
         raise FormatError("validation failed:\n" + "\n".join(problems))
     write_json_atomic(report_path, report)
