@@ -15,7 +15,8 @@ rule validate_stores:
     benchmark:
         bench_path("validate", "validate_stores")
     # verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the
-    # CPUs it is given. cpus_per_task: Slurm's CPUs for those threads.
+    # CPUs it is given. cpus_per_task: Slurm's CPUs for those threads. mem_mb: pickle shards checked at
+    # once hold up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES), the rest is small.
     threads: 8
     resources:
         cpus_per_task=8,

@@ -495,3 +495,25 @@ def test_metadata_that_misstates_the_data_is_named(store, tmp_path, edit, named)
     (work / "metadata.json").write_text(json.dumps(meta))
     problems = ps.verify(work)
     assert any(re.search(named, p) for p in problems), problems
+
+
+def test_shards_checked_at_once_still_find_a_sample_in_two_shards(store, tmp_path):
+    """verify checks shards on several threads; a sample stored twice (metadata listing shard 0's
+    file again, as shard 1) is still named, and the report is the same one shard at a time."""
+    from actstore import integrity
+    from actstore.formats.pickle import check
+
+    _, _, out = store
+    work = copy_store(out, tmp_path / "store")
+    meta = json.loads((work / "metadata.json").read_text())
+    meta["shards"][1] = {**meta["shards"][0], "shard_id": meta["shards"][1]["shard_id"]}
+    (work / "metadata.json").write_text(json.dumps(meta))
+    problems = ps.verify(work)
+    assert f"{work / meta['shards'][0]['filename']}: duplicate sample_idx within the store" in problems, problems
+    with integrity.check_threads(1):
+        assert ps.verify(work) == problems
+    # As many at once as SHARDS_VERIFY_BYTES holds at ~3x a shard's raw bytes: here every thread.
+    assert check._shard_threads(meta["shards"], 32) == integrity.CHECK_THREADS
+    big = [{**meta["shards"][0], "size_bytes": check.SHARDS_VERIFY_BYTES // 6}]
+    assert check._shard_threads(big, 32) == min(2, integrity.CHECK_THREADS)
+    assert check._shard_threads([{**big[0], "size_bytes": check.SHARDS_VERIFY_BYTES}], 32) == 1

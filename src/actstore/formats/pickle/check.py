@@ -10,15 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from actstore import integrity
 from actstore.errors import FormatError
 from actstore.formats.pickle.layout import (CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA, PREVIEW_CHARS, REQUIRED,
                                             SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name, layer_key)
 from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
-from actstore.integrity import file_problem, inside, unlisted
+from actstore.integrity import file_problem, inside, problems_of, unlisted
 
-PROGRESS_FROM_SHARDS = 20  # verify shows a progress bar from this many shards
+# Shard bytes verify holds at once (validate_stores' mem_mb leaves room for it): with the default
+# 100 MB shards, 3 checked at once; 500 MB shards (the spec's largest) one at a time.
+SHARDS_VERIFY_BYTES = 1 << 30
 
 
 def detect(path: str | Path) -> bool:
@@ -131,36 +133,63 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any
     return problems
 
 
-def _verify_shard(path: Path, info: dict[str, Any], width: Any, seen: set[int]) -> list[str]:
+def _verify_shard(path: Path, info: dict[str, Any], width: Any) -> tuple[list[str], list[int]]:
     """One shard: bytes, safe load, and content against its metadata entry (activations `width` wide,
-    as many token rows in each layer as its num_tokens when recorded)."""
+    as many token rows in each layer as its num_tokens when recorded); its problems, and its sample
+    ids when it is whole (verify checks them against the other shards')."""
     try:
         name = shard_path(path, info)
         shard = load_shard(path, info)
     except FormatError as exc:
-        return [str(exc)]
+        return [str(exc)], []
     want_keys = {layer_key(layer) for layer in info["layers"]}
     if set(shard) != want_keys:
-        return [f"{name}: layer keys {sorted(shard)} != metadata layers {sorted(want_keys)}"]
+        return [f"{name}: layer keys {sorted(shard)} != metadata layers {sorted(want_keys)}"], []
     problems, ids_by_layer = [], []
     for key, items in shard.items():
         problems += _verify_items(name, key, items, info["num_samples"], width)
         if isinstance(items, list) and len(items) == info["num_samples"]:
             ids_by_layer.append([item.get("sample_idx") for item in items if isinstance(item, dict)])
     if problems:
-        return problems
+        return problems, []
     rows = {sum(item["activation"].shape[0] for item in items) for items in shard.values()}
     if "num_tokens" in info and rows != {info["num_tokens"]}:
-        return [f"{name}: {sorted(rows)} token rows per layer, {METADATA} says num_tokens={info['num_tokens']!r}"]
+        return [f"{name}: {sorted(rows)} token rows per layer, {METADATA} says num_tokens={info['num_tokens']!r}"], []
     ids = ids_by_layer[0] if ids_by_layer else []
     lo, hi = info["sample_id_range"]
     if any(other != ids for other in ids_by_layer) or (ids and (min(ids) != lo or max(ids) != hi)):
         problems.append(f"{name}: sample ids {ids[:1]}..{ids[-1:]} disagree across layers or with "
                         f"sample_id_range {info['sample_id_range']}")
-    if len(set(ids)) != len(ids) or seen & set(ids):
-        problems.append(f"{name}: duplicate sample_idx within the store")
-    seen.update(ids)
+    return problems, ids
+
+
+def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
+    """Every shard (_verify_shard), as many at once as SHARDS_VERIFY_BYTES holds, then the sample ids
+    of all of them: each once in the store."""
+    shards = meta["shards"]
+    width = meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
+    ids_of: dict[int, list[int]] = {}
+
+    def check(i: int) -> list[str]:
+        found, ids_of[i] = _verify_shard(path, shards[i], width)
+        return found
+
+    problems = problems_of(check, range(len(shards)), threads=_shard_threads(shards, width), desc="verify pickle shards")
+    seen: set[int] = set()
+    for i, info in enumerate(shards):
+        ids = ids_of[i]
+        if len(set(ids)) != len(ids) or seen & set(ids):
+            problems.append(f"{shard_path(path, info)}: duplicate sample_idx within the store")
+        seen.update(ids)
     return problems
+
+
+def _shard_threads(shards: list[dict[str, Any]], width: Any) -> int:
+    """Shards checked at once: each check holds the file, its decompressed pickle and the arrays, about
+    3x the shard's raw bytes (its recorded rows x width when known, else its size), and together they
+    stay within SHARDS_VERIFY_BYTES: one at a time at least, CHECK_THREADS at most."""
+    raw = max(max(s["size_bytes"], s.get("num_tokens", 0) * (width or 0) * 4 * len(s["layers"])) for s in shards)
+    return max(1, min(integrity.CHECK_THREADS, SHARDS_VERIFY_BYTES // max(1, 3 * raw)))
 
 
 def verify(path: str | Path) -> list[str]:
@@ -171,12 +200,7 @@ def verify(path: str | Path) -> list[str]:
         problems = _verify_metadata(path, meta)
         if problems:  # required fields missing: nothing further can be trusted
             return problems
-        problems = _verify_totals(path, meta)
-        width = meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
-        seen: set[int] = set()
-        for info in tqdm(meta["shards"], desc="verify pickle shards", unit="shard",
-                         disable=len(meta["shards"]) < PROGRESS_FROM_SHARDS):
-            problems += _verify_shard(path, info, width, seen)
+        problems = _verify_totals(path, meta) + _verify_shards(path, meta)
         return problems + _verify_machines(path, meta) + _unlisted_files(path, meta)
     except FormatError as exc:  # already names its file
         return [str(exc)]
