@@ -188,7 +188,8 @@ def _shard_threads(shards: list[dict[str, Any]], width: Any) -> int:
     """Shards checked at once: each check holds the file, its decompressed pickle and the arrays, about
     3x the shard's raw bytes (its recorded rows x width when known, else its size), and together they
     stay within SHARDS_VERIFY_BYTES: one at a time at least, CHECK_THREADS at most."""
-    raw = max(max(s["size_bytes"], s.get("num_tokens", 0) * (width or 0) * 4 * len(s["layers"])) for s in shards)
+    raw = max((max(s["size_bytes"], s.get("num_tokens", 0) * (width or 0) * 4 * len(s["layers"])) for s in shards),
+              default=0)
     return max(1, min(integrity.CHECK_THREADS, SHARDS_VERIFY_BYTES // max(1, 3 * raw)))
 
 
