@@ -27,7 +27,7 @@ from actstore.hashing import stage_hash
 from actstore.integrity import file_problem, file_record, problems_of
 from actstore.model_config import model_params, read_model_config
 
-DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "extra file", "symlink out",
+DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "mistyped record", "extra file", "symlink out",
            "linked directory", "directory moved out", "traversal name", "absolute name")
 
 
@@ -40,6 +40,7 @@ class Store:
     extra: str     # an unlisted file that looks like data
     read: Callable[[Path], bytes]  # everything the reader returns, as bytes (verify=True where offered)
     plant: Callable[[Path, str], None]  # make the metadata list one of its files by another name
+    mistype: Callable[[Path], Path]  # give one file's record in the metadata a wrong type; that metadata file
 
 
 def read_extraction(root: Path) -> bytes:
@@ -91,6 +92,18 @@ def plant_sums(root: Path, name: str) -> None:
     (root / "SHA256SUMS").write_text("\n".join([f"{digest}  {name}", *lines[1:]]) + "\n")
 
 
+def mistyped(path: Path, edit: Callable[[dict], None]) -> Path:
+    edit_json(path, edit)
+    return path
+
+
+def mistype_sums(root: Path) -> Path:
+    """A SHA256SUMS line that is not `<64 hex>  <name>`."""
+    lines = (root / "SHA256SUMS").read_text().splitlines()
+    (root / "SHA256SUMS").write_text("\n".join(["-1", *lines[1:]]) + "\n")
+    return root / "SHA256SUMS"
+
+
 def build_lut(root: Path) -> Path:
     torch.manual_seed(0)
     sae = {"encoder_weight": torch.randn(16, 8), "encoder_bias": torch.randn(16),
@@ -122,23 +135,28 @@ def stores(extracted, tmp_path_factory) -> dict[str, Store]:
         "extract": Store(extract_dir, "part-0000/layer_000.npy", "part-0000/layer_002.npy", "part-0000/part.json",
                          "part-0000/layer_009.npy", read_extraction,
                          lambda r, n: edit_json(r / "part-0000/part.json",
-                                                lambda m: rename_key(m["files"], "layer_000.npy", n))),
+                                                lambda m: rename_key(m["files"], "layer_000.npy", n)),
+                         lambda r: mistyped(r / "part-0000/part.json", lambda m: m["files"].update({"layer_000.npy": -1}))),
         "saev": Store(saev_dir, "acts000000.bin", "acts000001.bin", "metadata.json", "acts000099.bin", read_saev,
-                      lambda r, n: edit_json(r / "actstore.json", lambda m: rename_key(m["files"], "windows.npy", n))),
+                      lambda r, n: edit_json(r / "actstore.json", lambda m: rename_key(m["files"], "windows.npy", n)),
+                      lambda r: mistyped(r / "actstore.json", lambda m: m["files"]["acts000000.bin"].update(bytes="x"))),
         "lmprobe": Store(out / "lmprobe", "tensors/hidden_layer000_shard000.safetensors",
                          "tensors/hidden_layer002_shard000.safetensors", "index/train-00000-of-00001.parquet",
-                         "tensors/hidden_layer000_shard009.safetensors", read_lmprobe, plant_sums),
+                         "tensors/hidden_layer000_shard009.safetensors", read_lmprobe, plant_sums, mistype_sums),
         "zarr": Store(out / "zarr", "shards/shard-0000.zarr/arrays/activations/0/0/0/0",
                       "shards/shard-0000.zarr/arrays/activations/0/1/0/0", "manifest.json",
                       "shards/shard-0000.zarr/arrays/activations/9/0/0/0", read_zarr,
-                      lambda r, n: edit_json(r / "manifest.json", lambda m: m["shards"][0].update(path=n))),
+                      lambda r, n: edit_json(r / "manifest.json", lambda m: m["shards"][0].update(path=n)),
+                      lambda r: mistyped(r / "manifest.json", lambda m: m["shards"].__setitem__(0, -1))),
         "pickle": Store(out / "pickle", f"machine-0000/{shards[0]}", f"machine-0000/{shards[1]}", "metadata.json",
                         "machine-0000/shard_0099.pkl.gz", read_pickle,
-                        lambda r, n: edit_json(r / "metadata.json", lambda m: m["shards"][0].update(filename=n))),
+                        lambda r, n: edit_json(r / "metadata.json", lambda m: m["shards"][0].update(filename=n)),
+                        lambda r: mistyped(r / "metadata.json", lambda m: m["shards"][0].update(size_bytes="x"))),
         "lut": Store(lut_dir, "encoder.layer.1.q.lut.safetensors", "encoder.layer.1.k.lut.safetensors",
                      "metadata.json", "encoder.layer.1.v.lut.safetensors", read_lut,
                      lambda r, n: edit_json(r / "metadata.json",
-                                            lambda m: m["layers"]["encoder.layer.1.q"].update(file=n))),
+                                            lambda m: m["layers"]["encoder.layer.1.q"].update(file=n)),
+                     lambda r: mistyped(r / "metadata.json", lambda m: m["layers"].update({"encoder.layer.1.q": -1}))),
     }
 
 
@@ -161,6 +179,8 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
     elif kind == "garbage metadata":
         meta.write_bytes(b"{not json, not parquet")
         return meta
+    elif kind == "mistyped record":
+        return store.mistype(root)
     elif kind == "extra file":
         (root / store.extra).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(data, root / store.extra)
@@ -206,6 +226,10 @@ def test_damage_is_named_by_verify_and_never_read_as_data(stores, name, kind, tm
     except FormatError:
         served = None  # refused
     assert served in (None, expected)  # the reader may serve what it still can, exactly
+    try:  # inspect summarises what it can, or refuses naming the fault: never another exception
+        format_module(name).inspect(root)
+    except FormatError:
+        pass
 
 
 def test_a_store_whose_loader_index_would_not_fit_is_named_not_a_memory_error(stores, monkeypatch):

@@ -37,7 +37,10 @@ def inspect(path: str | Path) -> dict[str, Any]:
     """Summary from metadata.json alone (no shard is read)."""
     meta = load_metadata(path)
     ext, stats, cfg = meta.get("actstore", {}), meta["statistics"], meta["extraction_config"]
-    shard_bytes = sum(s["size_bytes"] for s in meta["shards"])
+    sizes = [s.get("size_bytes") if isinstance(s, dict) else None for s in meta["shards"]]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        raise FormatError(f"{Path(path) / METADATA}: every shards[].size_bytes must be a whole number of bytes")
+    shard_bytes = sum(sizes)
     return {
         "format": FORMAT, "version": meta["version"], "model": cfg["model_name"],
         "layers": list(cfg["layers_extracted"]), "n_examples": stats["total_samples"],

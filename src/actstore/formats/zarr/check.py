@@ -10,9 +10,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
+from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST,
                                           chunk_keys_in_name_order)
-from actstore.formats.zarr.read import ZarrRun, ZarrStore, open_zarr, store_files
+from actstore.formats.zarr.read import ZarrRun, ZarrStore, entry_problem, open_zarr, store_files
 from actstore.integrity import dir_bytes, inside, listed_problem, problems_of, read_json, stream_json_members
 from actstore.io_utils import sha256_file
 
@@ -79,9 +79,8 @@ def _verify_run(run: Path) -> list[str]:
         return problems + [f"{where}: 'shards' must be a non-empty list"]
     expected_start = 0
     for k, entry in enumerate(shards):
-        missing = [key for key in MANIFEST_ENTRY_KEYS if key not in entry]
-        if missing:
-            problems.append(f"{where}: shards[{k}] lacks {missing}")
+        if problem := entry_problem(entry, f"{where}: shards[{k}]"):
+            problems.append(problem)
             continue
         if entry["global_index_start"] != expected_start:
             problems.append(f"{where}: shards[{k}].global_index_start={entry['global_index_start']}, expected {expected_start}")
@@ -89,7 +88,9 @@ def _verify_run(run: Path) -> list[str]:
         problems += _verify_store(inside(run, entry["path"], str(where)), entry)
     if manifest.get("num_samples") != expected_start:
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
-    if manifest.get("merged"):
+    if manifest.get("merged") and (problem := entry_problem(manifest["merged"], f"{where}: merged")):
+        problems.append(problem)
+    elif manifest.get("merged"):
         problems += _verify_store(inside(run, manifest["merged"]["path"], str(where)), manifest["merged"])
     return problems
 

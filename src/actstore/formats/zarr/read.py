@@ -14,8 +14,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, REQUIRED_ATTRS,
-                                          VECTOR_ZARRAY)
+from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
+                                          REQUIRED_ATTRS, VECTOR_ZARRAY)
 from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files
 
 
@@ -142,6 +142,20 @@ class ZarrStore:
             os.close(fd)
 
 
+def entry_problem(entry: Any, where: str) -> str | None:
+    """What is wrong with the shape of one manifest store entry (`where` names it), or None: an object
+    with every MANIFEST_ENTRY_KEYS key, whole-number sample counts and a path."""
+    if not isinstance(entry, dict):
+        return f"{where} must be an object, got {entry!r:.60}"
+    missing = [key for key in MANIFEST_ENTRY_KEYS if key not in entry]
+    if missing:
+        return f"{where} lacks {missing}"
+    counts = [entry.get(key) for key in ("global_index_start", "num_samples") if key in entry]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return f"{where}: global_index_start and num_samples must be whole numbers, got {counts}"
+    return None
+
+
 class ZarrRun:
     """A run directory read through its manifest (Option A), or its merged/ store (Option B)."""
 
@@ -156,6 +170,9 @@ class ZarrRun:
             entries = [self.manifest["merged"]]
         else:
             entries = self.manifest.get("shards") or []
+        for k, entry in enumerate(entries):
+            if problem := entry_problem(entry, f"{self.path / MANIFEST}: {'merged' if merged else f'shards[{k}]'}"):
+                raise FormatError(problem)
         self.stores = [ZarrStore(inside(self.path, e["path"], str(self.path / MANIFEST))) for e in entries]
         self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
