@@ -101,6 +101,11 @@ def file_record(path: str | os.PathLike) -> dict[str, Any]:
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
 
 
+def whole_number(value: Any) -> bool:
+    """A JSON value that is a count: an int (not a bool, which Python counts as one) of at least 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def file_records(records: Any, source: str) -> dict[str, dict[str, Any]]:
     """A metadata file's {name: {bytes, sha256, ...}} map, its shape checked before anything sums
     or looks up its fields: FormatError naming `source` and the entry when it is not an object of
@@ -109,8 +114,7 @@ def file_records(records: Any, source: str) -> dict[str, dict[str, Any]]:
         raise FormatError(f"{source}: files must be an object of name -> {{bytes, sha256}}, "
                           f"got {type(records).__name__}")
     for name, record in records.items():
-        size = record.get("bytes") if isinstance(record, dict) else None
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        if not whole_number(record.get("bytes") if isinstance(record, dict) else None):
             raise FormatError(f"{source}: files[{name!r}] must be an object with a whole number of bytes, "
                               f"got {record!r:.80}")
     return records

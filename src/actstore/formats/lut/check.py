@@ -10,7 +10,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, expected_shapes,
                                          layer_index, lut_dir)
-from actstore.integrity import inside, listed_problem, problems_of, read_json
+from actstore.integrity import inside, listed_problem, problems_of, read_json, whole_number
 
 
 def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
@@ -21,7 +21,7 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
         problems.append(f"{meta_path}: field 'version' missing or not a string")
     sae_config = meta.get("sae_config")
     for key in ("num_basis", "k_active"):
-        if not isinstance(sae_config, dict) or not _is_int(sae_config.get(key)) or sae_config[key] < 1:
+        if not isinstance(sae_config, dict) or not whole_number(sae_config.get(key)) or sae_config[key] < 1:
             problems.append(f"{meta_path}: field 'sae_config.{key}' missing or not a positive int")
     if not problems and meta["sae_config"]["k_active"] > meta["sae_config"]["num_basis"]:
         problems.append(f"{meta_path}: sae_config.k_active > sae_config.num_basis")
@@ -33,17 +33,13 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
         return problems + [f"{meta_path}: field 'layers' missing, empty or not an object"]
     for name, entry in layers.items():
         for key in ("input_dim", "output_dim"):
-            if not isinstance(entry, dict) or not _is_int(entry.get(key)) or entry[key] < 1:
+            if not isinstance(entry, dict) or not whole_number(entry.get(key)) or entry[key] < 1:
                 problems.append(f"{meta_path}: field 'layers.{name}.{key}' missing or not a positive int")
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             problems.append(f"{meta_path}: field 'layers.{name}.file' missing or not a string")
         elif Path(entry["file"]).name != entry["file"] or not entry["file"].endswith(SUFFIX):
             problems.append(f"{meta_path}: layers.{name}.file {entry['file']!r} must be a bare '*{SUFFIX}' name")
     return problems
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def table_problems(file_path: Path, meta: dict[str, Any], entry: dict[str, Any]) -> list[str]:

@@ -16,7 +16,7 @@ from actstore.errors import FormatError
 from actstore.formats.pickle.layout import (CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA, PREVIEW_CHARS, REQUIRED,
                                             SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name, layer_key)
 from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
-from actstore.integrity import file_problem, inside, problems_of, unlisted
+from actstore.integrity import file_problem, inside, problems_of, unlisted, whole_number
 
 # Shard bytes verify holds at once (validate_stores' mem_mb leaves room for it): with the default
 # 100 MB shards, 3 checked at once; 500 MB shards (the spec's largest) one at a time.
@@ -38,7 +38,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
     meta = load_metadata(path)
     ext, stats, cfg = meta.get("actstore", {}), meta["statistics"], meta["extraction_config"]
     sizes = [s.get("size_bytes") if isinstance(s, dict) else None for s in meta["shards"]]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+    if not all(whole_number(n) for n in sizes):
         raise FormatError(f"{Path(path) / METADATA}: every shards[].size_bytes must be a whole number of bytes")
     shard_bytes = sum(sizes)
     return {

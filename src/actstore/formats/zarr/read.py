@@ -16,7 +16,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           REQUIRED_ATTRS, VECTOR_ZARRAY)
-from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files
+from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files, whole_number
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -151,7 +151,7 @@ def entry_problem(entry: Any, where: str) -> str | None:
     if missing:
         return f"{where} lacks {missing}"
     counts = [entry.get(key) for key in ("global_index_start", "num_samples") if key in entry]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+    if not all(whole_number(n) for n in counts):
         return f"{where}: global_index_start and num_samples must be whole numbers, got {counts}"
     return None
 
