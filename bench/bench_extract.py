@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -158,7 +159,8 @@ def bare_forward(config: dict, threads: int) -> tuple[float, object, object, int
 
 def gpu_only_and_loading(loaded, make_inputs) -> dict:
     """Forward with every input already on the device and, for images, the loading rate alone
-    (decode + processor in the job's workers, no model)."""
+    (decode + processor in the job's workers, no model), the time to its first batch and the peak
+    of the decoded images waiting in shared memory."""
     result = {}
     with torch.inference_mode():
         staged = list(make_inputs())
@@ -169,11 +171,28 @@ def gpu_only_and_loading(loaded, make_inputs) -> dict:
         sync(loaded.device)
         result["gpu_only_s"] = time.perf_counter() - started
     if loaded.kind == "vision":
+        first, peak, stop = [], [0], threading.Event()
+        watcher = threading.Thread(target=watch_shared_memory, args=(peak, stop))
+        watcher.start()
         started = time.perf_counter()
         for _ in make_inputs():
-            pass
+            first = first or [time.perf_counter() - started]
         result["image_loading_s"] = time.perf_counter() - started
+        stop.set()
+        watcher.join()
+        result.update(image_first_batch_s=first[0], image_shared_memory_peak_mb=peak[0] / 1e6)
     return result
+
+
+def watch_shared_memory(peak: list[int], stop: threading.Event) -> None:
+    """Peak growth of the machine's shared memory (/proc/meminfo Shmem: the decoded images the loader's
+    workers hand over wait there) until `stop`, sampled every 10 ms."""
+    def shmem() -> int:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Shmem:"))
+    base = shmem()
+    while not stop.wait(0.01):
+        peak[0] = max(peak[0], shmem() - base)
 
 
 def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> dict:

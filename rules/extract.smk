@@ -18,7 +18,7 @@ rule extract_part:
     # Scale with the model and the part's share of the dataset (actstore/resources.py); the
     # partition, GPU and account come from the profile (profiles/osc), never from the rule.
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.extract_part_mem_mb(config, attempt),
+        mem_mb=lambda wildcards, threads, attempt: actstore_resources.extract_part_mem_mb(config, attempt, threads),
         runtime=lambda wildcards, attempt: actstore_resources.extract_part_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"

@@ -394,6 +394,20 @@ def test_vit_parts_are_identical_with_and_without_decoding_workers(model_dir, im
     assert parts[0] == parts[1]
 
 
+@pytest.mark.parametrize("kind", ["dinov2", "clip", "siglip"])
+def test_vit_parts_are_identical_whether_a_batch_is_decoded_whole_or_in_items(model_dir, image_folder, tmp_path,
+                                                                            monkeypatch, kind):
+    import actstore.extract.inputs as inputs
+    parts = []
+    for per_item, workers in ((16, 0), (2, 2)):  # a batch of 5 decoded in one processor call; in calls of 2, 2, 1
+        monkeypatch.setattr(inputs, "IMAGES_PER_ITEM", per_item)
+        config = tiny.make_config(tmp_path, model_dir(kind), image_folder,
+                                  extract={"parts": 1, "num_workers": workers, "batch_size": 5})
+        run_part(config, 0, tmp_path / f"{per_item}" / "part-0000", progress=False)
+        parts.append(data_files(tmp_path / f"{per_item}" / "part-0000"))
+    assert parts[0] == parts[1]
+
+
 def test_execution_keys_do_not_change_the_extraction_hash(model_dir, text_jsonl, tmp_path):
     from actstore.hashing import stage_hash, stage_payload
     base = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl)

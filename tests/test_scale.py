@@ -98,7 +98,7 @@ def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS, dim: int = DI
     config["pickle"].update(threads=2, shard_size_mb=1)
     text_bytes = sum((part.dir / "samples.jsonl").stat().st_size for part in extraction.parts)
     w = resources.Workload(rows=extraction.n_samples, tokens=extraction.n_tokens, d=dim, n_tensors=len(layers),
-                           weight_bytes=0, data_bytes=text_bytes, itemsize=4)
+                           weight_bytes=0, text_bytes=text_bytes, itemsize=4)
     return resources.WRITER_BASE_MB + max(resources.writer_buffer_bytes(w, config, rule) for rule in RULES[name]) / 1e6
 
 

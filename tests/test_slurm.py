@@ -119,6 +119,36 @@ def test_resources_scale_with_data(tmp_path, model_dir, text_jsonl):
     assert resources.extract_part_mem_mb(base, attempt=2) == 2 * resources.extract_part_mem_mb(base)
 
 
+def test_image_jobs_ask_for_what_they_hold_not_for_the_image_files(tmp_path, model_dir, image_folder):
+    """An image sample is held as its name (its pixels are read when decoded), so 8 GB of image
+    files ask for no more memory than 8 small ones did; what extraction adds for images is the
+    decoded pixels its workers keep ahead, which follow the worker count (extract.num_workers, else
+    the job's threads)."""
+    import shutil
+
+    from actstore import resources
+    large = tmp_path / "large"
+    shutil.copytree(image_folder, large)
+    for path in large.rglob("*.png"):
+        with path.open("r+b") as fh:
+            fh.truncate(1 << 30)  # sparse: resources reads sizes, never pixels
+    small = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"parts": 1})
+    big = tiny.make_config(tmp_path, model_dir("dinov2"), large, extract={"parts": 1})
+    assert resources.workload(big).rows == resources.workload(small).rows == 8
+    assert resources.extract_part_mem_mb(big) == resources.extract_part_mem_mb(small)
+    for job in ("saev", "pickle_machines", "zarr_shards", "lmprobe_dataset"):
+        assert resources.writer_mem_mb(big, job) == resources.writer_mem_mb(small, job), job
+    pixels = resources.workload(small).pixel_bytes
+    assert pixels >= 3 * 4 * tiny.IMAGE_SIZE ** 2  # a float32 RGB image of the tiny model's size fits
+    workers = 512  # enough decoded images ahead to cross the 1,000 MB rounding
+    ahead = (workers * resources.items_ahead(4, workers) * resources.IMAGES_PER_ITEM + 8) * pixels
+    assert ahead > 1e9
+    named = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"parts": 1, "num_workers": workers})
+    one = resources.extract_part_mem_mb(small, threads=1)
+    assert resources.extract_part_mem_mb(named, threads=1) >= one + ahead / 1e6 - 1000
+    assert resources.extract_part_mem_mb(small, threads=workers) >= one + ahead / 1e6 - 1000
+
+
 # ---------------------------------------------------------------- a real cluster
 
 

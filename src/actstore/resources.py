@@ -30,8 +30,9 @@ class Workload:
     d: int               # widest captured vector
     n_tensors: int       # layers + hooks
     weight_bytes: int    # bytes of weight files on disk
-    data_bytes: int      # dataset size on disk
+    text_bytes: int      # the samples' text every job holds: a text dataset's size on disk; for images, their names
     itemsize: int        # bytes per stored value (extract.storage_dtype)
+    pixel_bytes: int = 0  # float32 bytes of one processed image, at most (0 for text)
 
     @property
     def activation_bytes(self) -> int:
@@ -55,6 +56,16 @@ def _newlines(path: Path) -> int:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 24), b""))
 
 
+IMAGE_NAME_BYTES = 256  # an image sample's text: its path in the folder or table (the pixels are read when decoded)
+MAX_IMAGE_TOKENS = 1025  # a ViT emits at most a few hundred tokens (a CLS and 32 x 32 patches)
+IMAGES_PER_ITEM = 16  # images one DataLoader item of the extraction decodes (extract/inputs.py)
+
+
+def items_ahead(batch_size: int, workers: int) -> int:
+    """DataLoader items each image-decoding worker keeps ready: 4, and all of them at least two batches."""
+    return max(4, -(-2 * -(-batch_size // IMAGES_PER_ITEM) // max(workers, 1)))
+
+
 @functools.lru_cache(maxsize=16)
 def _workload(key: str) -> Workload:
     config = json.loads(key)
@@ -68,14 +79,16 @@ def _workload(key: str) -> Workload:
     rows, data_bytes = _count_rows(config["dataset"])
     if config["dataset"].get("limit"):
         rows = min(rows, config["dataset"]["limit"])
-    # Images: a ViT emits at most a few hundred tokens; text: truncated at max_seq_length.
-    per_row = 1025 if vision else ext["max_seq_length"]
+    per_row = MAX_IMAGE_TOKENS if vision else ext["max_seq_length"]  # text: truncated at max_seq_length
+    patch = model.get("patch_size") or model.get("vision_config", {}).get("patch_size") or 16
+    patch = max(patch) if isinstance(patch, (list, tuple)) else int(patch)  # some configs give (height, width)
     weights = sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     storage = ext.get("storage_dtype", "float32")
     storage = config["model"].get("torch_dtype", "float32") if storage == "auto" else storage
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
-                    weight_bytes=weights, data_bytes=data_bytes, itemsize=4 if storage == "float32" else 2)
+                    weight_bytes=weights, text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
+                    itemsize=4 if storage == "float32" else 2, pixel_bytes=per_row * patch ** 2 * 3 * 4 if vision else 0)
 
 
 def workload(config: dict[str, Any]) -> Workload:
@@ -92,15 +105,18 @@ def _minutes(seconds: float, attempt: int) -> int:
     return int(min(MAX_RUNTIME_MIN, math.ceil((STARTUP_MIN + 2 * seconds / 60) * attempt)))
 
 
-def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
+def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
     """Host memory of one extraction job: weights loaded on the host first, the dataset's text,
-    the staging ring (extract.buffers batches of captures) plus one batch being packed, and 3 GB
-    for torch/CUDA."""
+    the staging ring (extract.buffers batches of captures) plus one batch being packed, the decoded
+    images waiting in shared memory (extract.num_workers, else `threads`, workers' items ahead and
+    two batches), and 3 GB for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
     batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors
     batch *= ext.get("buffers", 3) + 1
-    return _round_mb((1.5 * w.weight_bytes + 2 * w.data_bytes + batch) / 1e6 + 3000) * attempt
+    workers = threads if ext.get("num_workers") is None else ext["num_workers"]
+    images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
+    return _round_mb((1.5 * w.weight_bytes + 2 * w.text_bytes + batch + images * w.pixel_bytes) / 1e6 + 3000) * attempt
 
 
 def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
@@ -142,7 +158,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     from actstore.io_utils import BEHIND
 
     parts = config["extract"]["parts"]
-    row_bytes = ROW_INDEX_BYTES + PYTHON_ROW_BYTES + 2 * w.data_bytes / max(w.rows, 1)
+    row_bytes = ROW_INDEX_BYTES + PYTHON_ROW_BYTES + 2 * w.text_bytes / max(w.rows, 1)
     rows = row_bytes * w.rows  # every row of every part parsed and held (a part's, per part)
     group_rows = ROW_INDEX_BYTES * w.rows + row_bytes * min(w.rows, ROW_GROUP_TOKENS)  # one index row group's
     windows = WINDOW_BYTES * w.tokens // config["saev"]["tokens_per_window"]

@@ -12,6 +12,7 @@ from actstore.datasets import Dataset, Sample
 from actstore.datasets.images import ImageOpener
 from actstore.errors import ConfigError
 from actstore.models import LoadedModel
+from actstore.resources import IMAGES_PER_ITEM, items_ahead
 
 
 def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
@@ -55,9 +56,14 @@ def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample]) ->
     return {"pixel_values": pixels.to(loaded.device, loaded.model.dtype)}
 
 
-class ImageBatches(torch.utils.data.Dataset):
-    """Item = one whole batch (a list of local indices) of processed pixels, so each worker decodes
-    and processes a batch exactly as a single process would (same processor call, same bytes)."""
+class ImageItems(torch.utils.data.Dataset):
+    """Item = a few images of one batch (a list of local indices), decoded and processed by one
+    processor call. Items are smaller than batches so that every worker decodes the batch the model
+    needs next: batches arrive one by one while the model and the writers work, instead of in bursts
+    of one per worker, and the decoded images waiting in shared memory are workers x items ahead x
+    IMAGES_PER_ITEM (resources.items_ahead), not x batch_size. The split depends on the batch size alone, never on the worker
+    count, so the bytes do not either (and each image processor tested treats images one by one, so
+    they equal a whole-batch call's: tests/test_extract.py)."""
 
     def __init__(self, processor: Any, opener: ImageOpener, samples: list[Sample]):
         self.processor = processor
@@ -67,8 +73,8 @@ class ImageBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, batch: list[int]) -> torch.Tensor:
-        return load_pixels(self.processor, self.opener, [self.samples[i] for i in batch])
+    def __getitem__(self, item: list[int]) -> torch.Tensor:
+        return load_pixels(self.processor, self.opener, [self.samples[i] for i in item])
 
 
 def default_workers(threads: int | None) -> int:  # also sizes the writer threads (run.writer_threads)
@@ -77,20 +83,24 @@ def default_workers(threads: int | None) -> int:  # also sizes the writer thread
 
 
 def image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], batches: list[list[int]],
-                  num_workers: int, pin_memory: bool) -> Iterator[torch.Tensor]:
-    """Processed pixels batch by batch, decoded ahead by `num_workers` processes (0 = in this
-    process). The workers start at once, so call it before loading the model: they decode the
-    first batches while the weights load."""
-    loader = torch.utils.data.DataLoader(
-        ImageBatches(processor, opener, samples), sampler=batches, batch_size=None, num_workers=num_workers,
-        pin_memory=pin_memory, prefetch_factor=4 if num_workers else None)
-    return iter(loader)
+                  num_workers: int, pin_memory: bool) -> Iterator[list[torch.Tensor]]:
+    """Processed pixels batch by batch, as the batch's items in order (to_model joins them on the
+    device), decoded ahead by `num_workers` processes (0 = in this process). The workers start at
+    once, so call it before loading the model: they decode the first batches while the weights load."""
+    items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
+    ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
+    loader = iter(torch.utils.data.DataLoader(
+        ImageItems(processor, opener, samples), sampler=[item for batch in items for item in batch], batch_size=None,
+        num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead))
+    return ([next(loader) for _ in batch] for batch in items)
 
 
-def to_model(loaded: LoadedModel, pixels: Iterator[torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-    """Model inputs from image_batches: pixel_values on the model's device in its dtype."""
-    for batch in pixels:
-        yield {"pixel_values": batch.to(loaded.device, loaded.model.dtype, non_blocking=True)}
+def to_model(loaded: LoadedModel, pixels: Iterator[list[torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Model inputs from image_batches: each item copied to the model's device in its dtype (from
+    pinned memory, asynchronously, on a GPU), then joined there."""
+    for items in pixels:
+        on_device = [item.to(loaded.device, loaded.model.dtype, non_blocking=True) for item in items]
+        yield {"pixel_values": on_device[0] if len(on_device) == 1 else torch.cat(on_device)}
 
 
 def text_batches(loaded: LoadedModel, token_ids: list[list[int]],
