@@ -269,3 +269,35 @@ def test_slurm_sizing_counts_the_rows_of_every_table_format(kind, tables, rows, 
     assert load.rows == N_ROWS and load.tokens == N_ROWS * config["extract"]["max_seq_length"]
     config["dataset"]["limit"] = 7
     assert resources.workload(config).rows == 7
+
+
+def test_an_image_folder_lists_its_files_in_the_order_pathlib_sorts_them(tmp_path):
+    """sample_idx = row in path order: the stat-free listing must order and pick exactly the files
+    `sorted(p for p in root.rglob("*") if p.is_file())` does, whatever the names and links."""
+    from actstore.datasets.source import files_under
+    root = tmp_path / "photos"
+    names = ["a-b/x.jpg", "a/b.jpg", "a.b/c.jpg", "A/z.jpg", "a/b/c.jpg", "a/b/c/d.png", ".hidden/h.jpg",
+             "ü/u.jpg", "a b/s.jpg", "top.jpg", "a/b.jpg.txt", "a0/e.JPG"]
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "deep").mkdir(parents=True)
+    (elsewhere / "deep" / "y.jpg").write_bytes(b"y")
+    (root / "a" / "link.jpg").symlink_to(elsewhere / "deep" / "y.jpg")  # a link to a file: listed
+    (root / "linked").symlink_to(elsewhere / "deep")  # a linked folder: not entered
+    (root / "a" / "broken.jpg").symlink_to(tmp_path / "gone.jpg")  # a broken link: left out
+    os.mkfifo(root / "a" / "pipe.jpg")  # not a file: left out
+    expected = sorted(p for p in root.rglob("*") if p.is_file())
+    assert files_under(root) == expected
+    assert len(expected) == len(names) + 1
+    assert [s.text for s in load_dataset(root).samples] == [
+        p.relative_to(root).as_posix() for p in expected if p.suffix.lower() in (".jpg", ".png")]
+    (root / "locked").mkdir()
+    (root / "locked").chmod(0)
+    try:
+        if not os.access(root / "locked", os.R_OK):  # root reads it anyway
+            with pytest.raises(ConfigError, match="cannot list .*locked"):
+                files_under(root)
+    finally:
+        (root / "locked").chmod(0o755)

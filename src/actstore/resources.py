@@ -41,14 +41,14 @@ class Workload:
 
 def _count_rows(section: dict[str, Any]) -> tuple[int, int]:
     """(rows, bytes) of the dataset: table rows from the files' own metadata, JSONL newlines, or
-    the images of a folder; nothing is parsed."""
+    the images of a folder (no stat of each: their bytes are never held); nothing is parsed."""
     source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
+    if source.format == "image_folder":
+        return max(len(source.files), 1), 0
     size = sum(p.stat().st_size for p in source.files)
     if source.table:
         return max(sum(count_rows(source.format, p) for p in source.files), 1), size
-    if source.format == "jsonl":
-        return max(sum(_newlines(p) for p in source.files), 1), size
-    return max(len(source.files), 1), size
+    return max(sum(_newlines(p) for p in source.files), 1), size
 
 
 def _newlines(path: Path) -> int:
