@@ -165,8 +165,8 @@ def test_shared_encoder_encodes_once_per_forward(built, model):
     ids = torch.tensor([[2, 10, 11, 12, 3]])
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    assert encoder.n_encodings == 1
-    assert encoder.n_lookups == 1  # Step B of q, k and v in one lookup
+    assert encoder.counts["encodings"] == 1
+    assert encoder.counts["lookups"] == 1  # Step B of q, k and v in one lookup
     assert isinstance(get_module(model, TARGETS[2]), LutLinear)
 
 
@@ -198,10 +198,10 @@ def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, b
             assert torch.equal(installed[target](x), alone[target](x) + installed[target].target_bias)
             assert torch.equal(installed[target].precomputed_products, alone[target].precomputed_products)
             assert torch.equal(installed[target].w_target, alone[target].w_target)
-        assert encoder.n_lookups == 1
+        assert encoder.counts["lookups"] == 1
         # Every target took its columns, so the group holds no lookup: a second call looks up again.
         installed[TARGETS[1]](x)
-    assert encoder.n_lookups == 2 and encoder.n_encodings == 1
+    assert encoder.counts["lookups"] == 2 and encoder.counts["encodings"] == 1
     # A group's targets all have their W or none has: nothing to compensate with otherwise.
     tables = lut_format.open_lut(built[3]).load(TARGETS[0])
     with pytest.raises(ConfigError, match="linear weight"):
@@ -220,7 +220,7 @@ def test_each_targets_output_is_a_tensor_of_its_own(built, model):
         out = lut(x)
         assert out.is_contiguous() and out.untyped_storage().nbytes() == out.numel() * out.element_size()
         assert out.view(-1).shape == (2 * 5 * 32,)
-    assert encoder.n_lookups == 1
+    assert encoder.counts["lookups"] == 1
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -247,7 +247,7 @@ def test_runtime_auto_is_lookup_up_to_a_pinned_crossover_then_dense(built, model
         assert lut.paths["lookup"] == 2
         reference = exact[target][:16] - lut.target_bias
         assert float((full - reference).norm() / reference.norm()) < 5e-3
-    assert encoder.n_encodings == len(TARGETS)  # one per input tensor (a new slice per target); dense never encodes
+    assert encoder.counts["encodings"] == len(TARGETS)  # one per input tensor (a new slice per target); dense never encodes
 
 
 def _rows(lookup_ms, dense_ms, tokens=CALIBRATION_TOKENS):
@@ -276,7 +276,7 @@ def test_calibration_measures_each_group_on_its_device(built, model, device):
     assert [row["tokens"] for row in table["rows"]] == list(CALIBRATION_TOKENS)[:len(table["rows"])]
     assert all(row["lookup_ms"] > 0 and row["dense_ms"] > 0 for row in table["rows"])
     assert table["crossover_tokens"] == crossover_from(table["rows"]) == installed[TARGETS[0]].crossover_tokens
-    assert installed[TARGETS[0]].encoder.n_encodings == 0  # calibration encodings are not counted
+    assert installed[TARGETS[0]].encoder.counts["encodings"] == 0  # calibration encodings are not counted
     # Another budget: the measured crossover no longer holds until it is measured again.
     for lut in installed.values():
         lut.set_budget(8)

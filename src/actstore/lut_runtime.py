@@ -35,6 +35,7 @@ and where nobody expects seconds of timing), or pinned by the caller.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -58,8 +59,22 @@ CALIBRATION_REPEATS = 3  # best of, after one warm-up call
 
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused
-    (no [n, k, out] temporary); weights are cast to the table's dtype, as embedding_bag requires."""
-    return nn.functional.embedding_bag(indices, table, per_sample_weights=weights.to(table.dtype), mode="sum")
+    (no [n, k, out] temporary); weights are cast to the table's dtype, as embedding_bag requires.
+    The op functional.embedding_bag calls for 2-D indices, with its bag offsets cached: at
+    decode-sized batches the wrapper's checks and a new offsets tensor cost more than the kernel."""
+    if weights.dtype != table.dtype:
+        weights = weights.to(table.dtype)
+    rows, k = indices.shape
+    return torch.embedding_bag(table, indices.reshape(-1), _bag_offsets(rows, k, indices.device), False, 0, False,
+                               weights.reshape(-1), False, None)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _bag_offsets(rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """Where each of `rows` bags of k indices starts; an ordinary tensor even when first asked for
+    under inference_mode, so a forward with autograd on can use it too."""
+    with torch.inference_mode(False):
+        return torch.arange(0, rows * k, k, device=device)
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -83,8 +98,9 @@ class LutEncoder(nn.Module):
         # Every target's W_target [in, out] side by side, or None when the targets come without their linear.
         self.register_buffer("weights", None, persistent=False)
         self.n_targets = 0
-        self.n_encodings = 0  # counted so tests and benches can see the sharing
-        self.n_lookups = 0
+        # Encodings and lookups, counted so tests and benches can see the sharing (in a dict: setting a
+        # Module's attribute costs microseconds, as much as the lookup itself at one token).
+        self.counts = {"encodings": 0, "lookups": 0}
         # Per path, the last input it saw: (input, its version, what was computed for it). "lookup": the
         # encoding, residual terms by budget, the group's lookup and compensation; "dense": the group's
         # x @ W (group sums with the targets that took their columns). Separate, so that a dense call
@@ -123,17 +139,19 @@ class LutEncoder(nn.Module):
         """(values, indices) [N, k] for x [..., input_dim] flattened to N rows."""
         results = self._results(x)
         if "encoding" not in results:
-            flat = x.reshape(-1, x.shape[-1]).to(self.encoder_weight.dtype)
+            weight = self.encoder_weight
+            flat = x.reshape(-1, x.shape[-1])
+            flat = flat if flat.dtype == weight.dtype else flat.to(weight.dtype)
             # In place: the same sums without two more [N, B] temporaries (134 MB each for 2048 tokens
             # over 16384 latents in float32).
-            pre = (flat @ self.encoder_weight.T).add_(self.encoder_bias).relu_()
+            pre = (flat @ weight.T).add_(self.encoder_bias).relu_()
             results["encoding"] = torch.topk(pre, self.k_active, dim=-1)
-            self.n_encodings += 1
+            self.counts["encodings"] += 1
         return results["encoding"]
 
     def lookup(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Spec Step B of every target: sum_j values_j * P[indices_j] + bias_product, [N, sum of outs]."""
-        self.n_lookups += 1
+        self.counts["lookups"] += 1
         return weighted_rows(values, indices, self.products) + self.bias_products
 
     def residual_top(self, x: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +278,8 @@ class LutLinear(nn.Module):
             out = out + self.target_bias
         # Columns of the group's result made a tensor of their own, as an nn.Linear's output is: a view
         # would keep the group's whole [N, outs] alive (a KV cache holds k and v) and refuse some .view()s.
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype).contiguous()
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return (out if out.dtype == x.dtype else out.to(x.dtype)).contiguous()
 
 
 # ---------------------------------------------------------------- auto: the measured crossover
@@ -322,7 +341,7 @@ def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKEN
     encoder, table = luts[0].encoder, luts[0].precomputed_products
     counts = [n for n in tokens if n * token_bytes(luts) <= CALIBRATION_BYTES]
     rows: list[dict[str, float]] = []
-    start, encodings = time.perf_counter(), encoder.n_encodings
+    start, encodings = time.perf_counter(), encoder.counts["encodings"]
 
     def lookup_all(x: torch.Tensor) -> list[torch.Tensor]:
         encoder.forget()  # every call pays the encoding, as every new input does
@@ -337,7 +356,7 @@ def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKEN
             dense = min(call_seconds(lambda: [lut.dense_path(x) for lut in luts], table.device, CALIBRATION_REPEATS))
             rows.append({"tokens": n, "lookup_ms": lookup * 1e3, "dense_ms": dense * 1e3})
     encoder.forget()
-    encoder.n_encodings = encodings  # the calibration's encodings are not the model's
+    encoder.counts["encodings"] = encodings  # the calibration's encodings are not the model's
     return {"device": str(table.device), "dtype": str(table.dtype).removeprefix("torch."),
             "budgets": [lut.budget for lut in luts], "rows": rows, "crossover_tokens": crossover_from(rows),
             "seconds": time.perf_counter() - start}
