@@ -61,9 +61,9 @@ class ImageItems(torch.utils.data.Dataset):
     processor call. Items are smaller than batches so that every worker decodes the batch the model
     needs next: batches arrive one by one while the model and the writers work, instead of in bursts
     of one per worker, and the decoded images waiting in shared memory are workers x items ahead x
-    IMAGES_PER_ITEM (resources.items_ahead), not x batch_size. The split depends on the batch size alone, never on the worker
-    count, so the bytes do not either (and each image processor tested treats images one by one, so
-    they equal a whole-batch call's: tests/test_extract.py)."""
+    IMAGES_PER_ITEM (resources.items_ahead), not x batch_size. The split depends on the batch size
+    alone, never on the worker count, so the bytes do not either (and each image processor tested
+    treats images one by one, so they equal a whole-batch call's: tests/test_extract.py)."""
 
     def __init__(self, processor: Any, opener: ImageOpener, samples: list[Sample]):
         self.processor = processor
