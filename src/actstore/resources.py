@@ -88,7 +88,8 @@ def _workload(key: str) -> Workload:
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
                     weight_bytes=weights, text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
-                    itemsize=4 if storage == "float32" else 2, pixel_bytes=per_row * patch ** 2 * 3 * 4 if vision else 0)
+                    itemsize=4 if storage == "float32" else 2,
+                    pixel_bytes=per_row * patch ** 2 * 3 * 4 if vision else 0)  # float32 RGB over every patch
 
 
 def workload(config: dict[str, Any]) -> Workload:
