@@ -136,7 +136,8 @@ def bare_forward(config: dict, threads: int) -> tuple[float, object, object, int
         check_images(dataset.opener, samples, threads)
         batches = length_batches([1] * len(samples), ext["batch_size"])
         processor = load_image_processor(model_path)
-        pixels = lambda: image_batches(processor, dataset.opener, samples, batches, threads,  # noqa: E731
+        workers = threads if ext["num_workers"] is None else ext["num_workers"]  # as run_part decides
+        pixels = lambda: image_batches(processor, dataset.opener, samples, batches, workers,  # noqa: E731
                                        ext["device"] == "cuda")
         first_pixels = pixels()
         loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
@@ -284,7 +285,8 @@ def bench_config(args, work: Path) -> dict:
                "extract": {"layers": list(range(16)) if args.all_layers else ([0, 2] if not text else [3, 7, 11, 15]),
                            "max_seq_length": 512, "batch_size": 32 if text else 64}}
     raw["dump_to"] = str(work / "dump")
-    raw["extract"].update(device=args.device, buffers=args.buffers, writer_threads=args.writer_threads)
+    raw["extract"].update(device=args.device, buffers=args.buffers, writer_threads=args.writer_threads,
+                          num_workers=args.num_workers)
     return validate_config(raw)
 
 
@@ -297,6 +299,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--buffers", type=int, default=3)
     parser.add_argument("--writer-threads", type=int, default=None, help="default: one per tensor, up to the CPUs")
+    parser.add_argument("--num-workers", type=int, default=None, help="images: decoding processes (default: the CPUs)")
     parser.add_argument("--synthetic", action="store_true", help="the write pipeline alone, fed at memory speed")
     parser.add_argument("--synthetic-gb", type=float, default=2.0)
     parser.add_argument("--synthetic-rate", type=float, default=None,
@@ -311,7 +314,8 @@ def main() -> None:
     device = torch.device(args.device)
     threads = len(os.sched_getaffinity(0))
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "cpus": threads, "buffers": args.buffers, "writer_threads": args.writer_threads}
+              "cpus": threads, "buffers": args.buffers, "writer_threads": args.writer_threads,
+              "num_workers": args.num_workers}
     with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:
         work = Path(tmp)
         # The disk bound is measured on as many bytes as the run writes (a small write is flattered
