@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmarks in one device call per phase (see ../shared/docs/gpu-measurement.md).
-#   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14
+#   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14; the ViT item tests
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
 #   bench/gpu_suite.sh writers DEST  bench_writers on the node's NVMe (8 GB, 8 parts, 8 scattered jobs):
@@ -29,6 +29,9 @@ extract)
     grep -vE "it/s|s/it" "$out/$name.log" | tail -22 | grep -vE "^(cpus|buffers|writer_threads|device) "
     tar czf "$dest/$phase.tgz" -C "$out" .   # after each bench: a run cut off still returns what it did
   done
+  # The image's processors are torchvision-backed (the VM's are PIL): parts equal whatever the item split or workers.
+  python3 -m pytest -q -p no:cacheprovider -k "decoded_whole_or_in_items or decoding_workers" tests/test_extract.py \
+    2>&1 | tee "$out/pytest-items.log" | tail -3
   [ -n "${LUT:-}" ] && python3 bench/bench_lut.py --device cuda --shape llama8b-mlp 2>&1 | tee "$out/lut.log" | tail -12 ;;
 sae-lut)
   python3 bench/bench_lut.py --device cuda --shape llama8b-mlp 2>&1 | tee "$out/lut.log" | tail -15
