@@ -11,6 +11,9 @@
 set -uo pipefail
 phase=$1 out=$(mktemp -d) dest=$2   # results tarred into $2 (the device tool fetches few files)
 PROFILE=${PROFILE---profile}        # env: REPEATS (3), PROFILE ('' to skip), LUT (1: bench_lut after extract)
+  # The image's processors are torchvision-backed (the VM's are PIL): parts equal whatever the item split or workers.
+  python3 -m pytest -q -p no:cacheprovider -k "decoded_whole_or_in_items or decoding_workers" tests/test_extract.py \
+    2>&1 | tee "$out/pytest-items.log" | tail -3
 trap 'tar czf "$dest/$phase.tgz" -C "$out" .' EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -29,9 +32,6 @@ extract)
     grep -vE "it/s|s/it" "$out/$name.log" | tail -22 | grep -vE "^(cpus|buffers|writer_threads|device) "
     tar czf "$dest/$phase.tgz" -C "$out" .   # after each bench: a run cut off still returns what it did
   done
-  # The image's processors are torchvision-backed (the VM's are PIL): parts equal whatever the item split or workers.
-  python3 -m pytest -q -p no:cacheprovider -k "decoded_whole_or_in_items or decoding_workers" tests/test_extract.py \
-    2>&1 | tee "$out/pytest-items.log" | tail -3
   [ -n "${LUT:-}" ] && python3 bench/bench_lut.py --device cuda --shape llama8b-mlp 2>&1 | tee "$out/lut.log" | tail -12 ;;
 sae-lut)
   python3 bench/bench_lut.py --device cuda --shape llama8b-mlp 2>&1 | tee "$out/lut.log" | tail -15
