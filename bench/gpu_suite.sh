@@ -11,9 +11,6 @@
 set -uo pipefail
 phase=$1 out=$(mktemp -d) dest=$2   # results tarred into $2 (the device tool fetches few files)
 PROFILE=${PROFILE---profile}        # env: REPEATS (3), PROFILE ('' to skip), LUT (1: bench_lut after extract)
-  # The image's processors are torchvision-backed (the VM's are PIL): parts equal whatever the item split or workers.
-  python3 -m pytest -q -p no:cacheprovider -k "decoded_whole_or_in_items or decoding_workers" tests/test_extract.py \
-    2>&1 | tee "$out/pytest-items.log" | tail -3
 trap 'tar czf "$dest/$phase.tgz" -C "$out" .' EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -23,6 +20,9 @@ export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 case $phase in
 extract)
+  # The image's processors are torchvision-backed (the VM's are PIL): parts equal whatever the item split or workers.
+  python3 -m pytest -q -p no:cacheprovider -k "decoded_whole_or_in_items or decoding_workers" tests/test_extract.py \
+    2>&1 | tee "$out/pytest-items.log" | tail -3
   # The last ViT row leaves a core each to the main process and the 2 writer threads (issue 14's next step).
   for args in "--shape llama-1b" "--shape llama-1b --all-layers --limit 128" "--shape vit-b14 --limit 4096" \
       "--shape vit-b14" "--shape vit-b14 --num-workers $(( $(nproc) - 3 ))"; do
