@@ -114,6 +114,29 @@ def build_model(shape: str, out: Path, device: torch.device) -> Path:
     return out
 
 
+def check_items(work: Path, n: int = 40) -> bool:
+    """Do the ViT image processors give the same pixels for a batch processed whole and in loader items
+    (extract.inputs: IMAGES_PER_ITEM at a time)? tests/test_extract.py asks it of the PIL processors
+    installed here; a GPU image's transformers uses torchvision-backed ones."""
+    import transformers as tf
+    from PIL import Image
+
+    from actstore.resources import IMAGES_PER_ITEM
+    images = [Image.open(p).convert("RGB") for p in sorted(jpeg_folder(work / "items", n).rglob("*.jpg"))]
+    same = True
+    for saved in (tf.BitImageProcessor(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}),
+                  tf.CLIPImageProcessor(size={"shortest_edge": 224}),
+                  tf.SiglipImageProcessor(size={"height": 224, "width": 224})):
+        saved.save_pretrained(work / "processor")
+        processor = load_image_processor(work / "processor")
+        whole = processor(images=images, return_tensors="pt")["pixel_values"]
+        items = torch.cat([processor(images=images[i:i + IMAGES_PER_ITEM], return_tensors="pt")["pixel_values"]
+                           for i in range(0, n, IMAGES_PER_ITEM)])
+        print(f"{type(processor).__name__}: items {'equal' if torch.equal(whole, items) else 'DIFFER from'} the whole batch")
+        same &= torch.equal(whole, items)
+    return same
+
+
 def train_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -308,9 +331,14 @@ def main() -> None:
                         help="GiB written for the disk bound (default: --synthetic-gb; else 4 on CUDA, 1 on CPU)")
     parser.add_argument("--profile", action="store_true",
                         help="also one extraction under cProfile: where the main thread's time goes (top 25)")
+    parser.add_argument("--check-items", action="store_true",
+                        help="only check that the ViT processors give the same pixels whole and in loader items")
     parser.add_argument("--out-dir", default=None, help="where to write (the disk under test); default a temp dir")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "extract.json"))
     args = parser.parse_args()
+    if args.check_items:
+        with tempfile.TemporaryDirectory() as tmp:
+            raise SystemExit(0 if check_items(Path(tmp)) else 1)
     device = torch.device(args.device)
     threads = len(os.sched_getaffinity(0))
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmarks in one device call per phase (see ../shared/docs/gpu-measurement.md).
-#   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14; the ViT item tests
+#   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14; the ViT loader items' pixels
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
 #   bench/gpu_suite.sh writers DEST  bench_writers on the node's NVMe (8 GB, 8 parts, 8 scattered jobs):
@@ -20,9 +20,8 @@ export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 case $phase in
 extract)
-  # The image's processors are torchvision-backed (the VM's are PIL): parts equal whatever the item split or workers.
-  python3 -m pytest -q -p no:cacheprovider -k "decoded_whole_or_in_items or decoding_workers" tests/test_extract.py \
-    2>&1 | tee "$out/pytest-items.log" | tail -3
+  # The image's processors are torchvision-backed (the VM's are PIL): the same pixels whole and in loader items?
+  python3 bench/bench_extract.py --check-items 2>&1 | grep -v Warn | tee "$out/items.log" | tail -3
   # The last ViT row leaves a core each to the main process and the 2 writer threads (issue 14's next step).
   for args in "--shape llama-1b" "--shape llama-1b --all-layers --limit 128" "--shape vit-b14 --limit 4096" \
       "--shape vit-b14" "--shape vit-b14 --num-workers $(( $(nproc) - 3 ))"; do
