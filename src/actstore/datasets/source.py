@@ -88,7 +88,8 @@ def _folder_source(root: Path, fmt: str) -> Source:
 def files_under(root: Path) -> list[Path]:
     """Every file under `root` in path order, as `sorted(p for p in root.rglob("*") if p.is_file())`
     lists them (links to files kept; linked folders not entered; broken links left out), from the
-    directory entries' own types: no stat per file, which on Lustre is a server round trip per image."""
+    directory entries' own types: no stat per file, which on Lustre is a server round trip per image.
+    A folder it cannot read is a ConfigError naming it (rglob left its images out without a word)."""
     found, folders = [], [str(root)]
     while folders:
         folder = folders.pop()
