@@ -35,7 +35,6 @@ and where nobody expects seconds of timing), or pinned by the caller.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import time
@@ -60,21 +59,15 @@ CALIBRATION_REPEATS = 3  # best of, after one warm-up call
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused
     (no [n, k, out] temporary); weights are cast to the table's dtype, as embedding_bag requires.
-    The op functional.embedding_bag calls for 2-D indices, with its bag offsets cached: at
-    decode-sized batches the wrapper's checks and a new offsets tensor cost more than the kernel."""
+    The op functional.embedding_bag calls for 2-D indices (bags of k from each row's start): at
+    decode-sized batches the wrapper's checks cost about as much as the kernel. The offsets are made
+    anew each call (a cached tensor measured no faster, and one first made inside a CUDA graph capture
+    would hold its values only after a replay)."""
     if weights.dtype != table.dtype:
         weights = weights.to(table.dtype)
     rows, k = indices.shape
-    return torch.embedding_bag(table, indices.reshape(-1), _bag_offsets(rows, k, indices.device), False, 0, False,
-                               weights.reshape(-1), False, None)[0]
-
-
-@functools.lru_cache(maxsize=64)
-def _bag_offsets(rows: int, k: int, device: torch.device) -> torch.Tensor:
-    """Where each of `rows` bags of k indices starts; an ordinary tensor even when first asked for
-    under inference_mode, so a forward with autograd on can use it too."""
-    with torch.inference_mode(False):
-        return torch.arange(0, rows * k, k, device=device)
+    offsets = torch.arange(0, rows * k, k, device=indices.device)
+    return torch.embedding_bag(table, indices.reshape(-1), offsets, False, 0, False, weights.reshape(-1), False, None)[0]
 
 
 def _version(x: torch.Tensor) -> int | None:
