@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import functools
 import glob
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from actstore.config import enabled_stages
 from actstore.formats import FORMAT_STAGES
 from actstore.integrity import STAGE_CONFIG_FILE
-from actstore.io_utils import canonical_json, sha256_file, write_json_atomic
+from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
 # Config sections each stage reads: its own, and for extraction also the model and dataset.
@@ -110,7 +109,7 @@ def _data_digest(section: dict[str, Any], mode: str) -> str:
         facts = [_file_sha256(str(path), stat.st_size, stat.st_mtime_ns)] if mode == "content" else \
             [stat.st_size, stat.st_mtime_ns]
         listing.append([source.name(path), *facts])
-    return hashlib.sha256(canonical_json(listing).encode()).hexdigest()
+    return canonical_sha256(listing)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -121,7 +120,7 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
 
 def stage_hash(config: dict[str, Any], stage: str) -> str:
     """Full sha256 hex of the stage's canonical payload."""
-    return hashlib.sha256(canonical_json(stage_payload(config, stage)).encode()).hexdigest()
+    return canonical_sha256(stage_payload(config, stage))
 
 
 def stage_dir(config: dict[str, Any], stage: str) -> Path:

@@ -4,7 +4,6 @@ own spec key names and passes in where a record comes from; every message names 
 about."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -17,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
 from tqdm import tqdm
 
 from actstore.errors import FormatError
-from actstore.io_utils import canonical_json, is_temp, sha256_file, sha256_tree_file
+from actstore.io_utils import canonical_sha256, is_temp, sha256_file, sha256_tree_file
 
 # The resolved config the workflow records in every stage directory (hashing.write_stage_config).
 STAGE_CONFIG_FILE = "actstore_config.json"
@@ -88,7 +87,7 @@ def stage_config_problems(directory: Path) -> list[str]:
     record = read_json(path)
     if not isinstance(record, dict) or not {"stage", "config", "upstream", "hash"} <= set(record):
         return [f"{path}: not a stage config (an object with stage, config, upstream and hash)"]
-    digest = hashlib.sha256(canonical_json({k: v for k, v in record.items() if k != "hash"}).encode()).hexdigest()
+    digest = canonical_sha256({k: v for k, v in record.items() if k != "hash"})  # as hashing.stage_hash
     if digest != record["hash"]:
         return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
     if re.fullmatch("[0-9a-f]{64}", directory.name) and directory.name != digest:

@@ -52,6 +52,11 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
+def canonical_sha256(obj: Any) -> str:
+    """sha256 hex of canonical_json(obj): a stage's hash, a dataset listing's digest."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
