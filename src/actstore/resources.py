@@ -65,7 +65,8 @@ IMAGES_PER_ITEM = 16  # images one DataLoader item of the extraction decodes (ex
 
 def items_ahead(batch_size: int, workers: int) -> int:
     """DataLoader items each image-decoding worker keeps ready: 4, and all of them at least two batches."""
-    return max(4, -(-2 * -(-batch_size // IMAGES_PER_ITEM) // max(workers, 1)))
+    items_per_batch = math.ceil(batch_size / IMAGES_PER_ITEM)
+    return max(4, math.ceil(2 * items_per_batch / max(workers, 1)))
 
 
 @functools.lru_cache(maxsize=16)

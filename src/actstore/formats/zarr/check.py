@@ -88,10 +88,10 @@ def _verify_run(run: Path) -> list[str]:
         problems += _verify_store(inside(run, entry["path"], str(where)), entry)
     if manifest.get("num_samples") != expected_start:
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
-    if manifest.get("merged") and (problem := entry_problem(manifest["merged"], f"{where}: merged")):
-        problems.append(problem)
-    elif manifest.get("merged"):
-        problems += _verify_store(inside(run, manifest["merged"]["path"], str(where)), manifest["merged"])
+    merged = manifest.get("merged")
+    if merged:
+        problem = entry_problem(merged, f"{where}: merged")
+        problems += [problem] if problem else _verify_store(inside(run, merged["path"], str(where)), merged)
     return problems
 
 

@@ -150,7 +150,7 @@ def entry_problem(entry: Any, where: str) -> str | None:
     missing = [key for key in MANIFEST_ENTRY_KEYS if key not in entry]
     if missing:
         return f"{where} lacks {missing}"
-    counts = [entry.get(key) for key in ("global_index_start", "num_samples") if key in entry]
+    counts = [entry["global_index_start"], entry["num_samples"]]
     if not all(whole_number(n) for n in counts):
         return f"{where}: global_index_start and num_samples must be whole numbers, got {counts}"
     return None
