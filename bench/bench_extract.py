@@ -152,7 +152,7 @@ def bare_forward(config: dict, threads: int) -> tuple[float, object, object, int
     """Everything run_part does except capturing and writing: preflight, model load, tokenize or
     decode, forward. Returns seconds, the loaded model, an input factory and units (tokens/images)."""
     started = time.perf_counter()
-    model_path, dataset = preflight(config)
+    model_path, dataset = preflight(config, 0)
     ext = config["extract"]
     samples = dataset.samples
     if dataset.modality == "image":  # as run_part: images verified, then decoding starts before the weights load

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tiny
-from actstore.datasets import check_dataset, load_dataset
+from actstore.datasets import check_dataset, load_dataset, part_range
 from actstore.errors import ConfigError
 from actstore.extract import run_part
 from actstore.formats.extract import open_extraction, write_index
@@ -301,3 +301,84 @@ def test_an_image_folder_lists_its_files_in_the_order_pathlib_sorts_them(tmp_pat
                 files_under(root)
     finally:
         (root / "locked").chmod(0o755)
+
+
+# --- Part jobs: each reads its own rows; sample_idx and label ids stay those of the whole dataset. ---
+
+def flat(dataset) -> list[tuple]:
+    return [(s.sample_idx, s.text, s.label, s.metadata, s.ref) for s in dataset.samples]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv", "arrow", "hf_disk", "parquet_glob", "images",
+                                  "image_table"])
+@pytest.mark.parametrize("limit", [None, 5, 150])
+def test_the_parts_rows_are_the_whole_datasets_rows_in_order(kind, limit, rows, tables, image_folder, tmp_path):
+    """Loading part p of P gives exactly rows part_range(N, P, p) of the whole dataset (text, label,
+    kept fields, image block reference), with the whole dataset's row count and label list."""
+    if kind in tables:
+        path, options = tables[kind]
+    elif kind == "image_table":  # row groups of 3 images: parts start and end inside blocks
+        table = tiny.image_table(image_folder, ["object", "animal"])
+        path, options = tiny.write_parquet(tmp_path / "images", table, row_group_size=3), {}
+    else:
+        path, options = {"jsonl": rows[0], "images": image_folder}[kind], {}
+    whole = load_dataset(path, limit, **options)
+    assert [s.sample_idx for s in whole.samples] == list(range(whole.n_samples))
+    for parts in (2, 3, 7):
+        read = []
+        for part in range(parts):
+            dataset = load_dataset(path, limit, parts=(parts, part), **options)
+            assert (dataset.n_samples, dataset.labels) == (whole.n_samples, whole.labels)
+            assert [s.sample_idx for s in dataset.samples] == list(part_range(whole.n_samples, parts, part))
+            read += flat(dataset)
+        assert read == flat(whole)
+
+
+def test_a_part_job_holds_its_rows_not_the_dataset(model_dir, tmp_path):
+    """A part's job parses every line once for the row count and labels, keeping none: its peak
+    follows its part, and stays under the share extract_part_mem_mb counts for it."""
+    import tracemalloc
+
+    from actstore import resources
+    path = tmp_path / "long.jsonl"
+    with path.open("w") as fh:
+        for i in range(4000):
+            fh.write(json.dumps({"text": f"row {i} " + "word " * 200, "label": f"class-{i % 7}", "n": i}) + "\n")
+
+    def peak(parts: int, part: int) -> int:
+        tracemalloc.start()
+        dataset = load_dataset(path, parts=(parts, part))
+        held = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert dataset.labels == [f"class-{i}" for i in range(7)]
+        return held
+
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), path, extract={"parts": 8})
+    part_peak, whole_peak = peak(8, 3), peak(1, 0)
+    assert part_peak < resources.dataset_bytes(config)
+    assert whole_peak > 5 * part_peak, (whole_peak, part_peak)
+
+
+def test_every_part_names_a_bad_line_anywhere_in_a_jsonl(tmp_path):
+    """The row count and labels come from every line, so a bad line in the last part stops the
+    first part's job too, naming the line; a label that is a list, or bytes that are not UTF-8, too."""
+    cases = {'{"text": "x", "label": ["a", "b"]}': r"bad.jsonl:4: field 'label' is a JSON list; a label is a string",
+             '{"label": "x"}': r"bad.jsonl:4: line has no string field 'text'",
+             "not json": r"bad.jsonl:4: not valid JSON",
+             '{"text": "caf\xe9"}': r"bad.jsonl:4: not UTF-8 text \(byte 14 of the line"}
+    for line, message in cases.items():
+        path = tmp_path / "bad.jsonl"
+        path.write_bytes(b"".join(b'{"text": "fine %d"}\n' % i for i in range(3)) + line.encode("latin-1") + b"\n")
+        with pytest.raises(ConfigError, match=message):
+            load_dataset(path, parts=(4, 0))
+
+
+def test_labels_equal_as_text_are_numbered_alike_in_every_process(tmp_path):
+    """label_id = position in the sorted label list; 1 and "1" sort alike, so they keep the order they
+    first appear in (a set's order changed with each process's string hashing)."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"text": "t", "label": label}) + "\n" for label in ["b", "1", 1, "a", 1, None]))
+    script = "from actstore.datasets import load_dataset; import sys; print(load_dataset(sys.argv[1]).labels)"
+    seen = {subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
+    assert seen == {"['1', 1, 'a', 'b']\n"}

@@ -233,11 +233,11 @@ def test_empty_dataset_and_line_without_text_are_named(model_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ConfigError, match="empty.jsonl holds no samples"):
-        preflight(tiny.make_config(tmp_path, model_dir("bert"), empty))
+        preflight(tiny.make_config(tmp_path, model_dir("bert"), empty), 0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"label": "x"}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: line has no string field 'text'"):
-        preflight(tiny.make_config(tmp_path, model_dir("bert"), bad))
+        preflight(tiny.make_config(tmp_path, model_dir("bert"), bad), 0)
 
 
 def test_image_labels_are_first_level_folders(extracted):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.datasets.source import resolve_source
-from actstore.datasets.tables import count_rows
+from actstore.datasets.tables import count_rows, largest_block_bytes
 from actstore.jobs import write_jobs
 from actstore.model_config import model_kind, read_model_config, resolve_model_path
 
@@ -30,25 +30,28 @@ class Workload:
     d: int               # widest captured vector
     n_tensors: int       # layers + hooks
     weight_bytes: int    # bytes of weight files on disk
-    text_bytes: int      # the samples' text every job holds: a text dataset's size on disk; for images, their names
+    text_bytes: int      # the samples' text: a text dataset's size on disk; for images, their names
     itemsize: int        # bytes per stored value (extract.storage_dtype)
     pixel_bytes: int = 0  # float32 bytes of one processed image, at most (0 for text)
+    block_bytes: int = 0  # a table's largest block (row group, record batch) as Arrow holds it (0 for JSONL)
 
     @property
     def activation_bytes(self) -> int:
         return self.tokens * self.d * self.itemsize * self.n_tensors
 
 
-def _count_rows(section: dict[str, Any]) -> tuple[int, int]:
-    """(rows, bytes) of the dataset: table rows from the files' own metadata, JSONL newlines, or
-    the images of a folder (no stat of each: their bytes are never held); nothing is parsed."""
+def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
+    """(rows, bytes, largest block's bytes) of the dataset: table rows and blocks from the files'
+    own metadata, JSONL newlines, or the images of a folder (no stat of each: their bytes are never
+    held); nothing is parsed."""
     source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
     if source.format == "image_folder":
-        return max(len(source.files), 1), 0
+        return max(len(source.files), 1), 0, 0
     size = sum(p.stat().st_size for p in source.files)
     if source.table:
-        return max(sum(count_rows(source.format, p) for p in source.files), 1), size
-    return max(sum(_newlines(p) for p in source.files), 1), size
+        return (max(sum(count_rows(source.format, p) for p in source.files), 1), size,
+                max(largest_block_bytes(source.format, p) for p in source.files))
+    return max(sum(_newlines(p) for p in source.files), 1), size, 0
 
 
 def _newlines(path: Path) -> int:
@@ -79,7 +82,7 @@ def _workload(key: str) -> Workload:
     hidden = int(model.get("hidden_size") or model.get("n_embd") or model.get("d_model") or 1024)
     inner = int(model.get("intermediate_size") or model.get("n_inner") or 4 * hidden)
     ext = config["extract"]
-    rows, data_bytes = _count_rows(config["dataset"])
+    rows, data_bytes, block_bytes = _count_rows(config["dataset"])
     if config["dataset"].get("limit"):
         rows = min(rows, config["dataset"]["limit"])
     per_row = MAX_IMAGE_TOKENS if vision else ext["max_seq_length"]  # text: truncated at max_seq_length
@@ -92,7 +95,8 @@ def _workload(key: str) -> Workload:
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
                     weight_bytes=weights, text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
                     itemsize=4 if storage == "float32" else 2,
-                    pixel_bytes=per_row * patch ** 2 * 3 * 4 if vision else 0)  # float32 RGB over every patch
+                    pixel_bytes=per_row * patch ** 2 * 3 * 4 if vision else 0,  # float32 RGB over every patch
+                    block_bytes=block_bytes)
 
 
 def workload(config: dict[str, Any]) -> Workload:
@@ -110,17 +114,30 @@ def _minutes(seconds: float, attempt: int) -> int:
 
 
 def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
-    """Host memory of one extraction job: weights loaded on the host first, the dataset's text,
-    the staging ring (extract.buffers batches of captures) plus one batch being packed, the decoded
-    images waiting in shared memory (extract.num_workers, else `threads`, workers' items ahead and
-    two batches), and 3 GB for torch/CUDA."""
+    """Host memory of one extraction job: weights loaded on the host first, what reading its rows
+    holds (dataset_bytes), the staging ring (extract.buffers batches of captures) plus one batch
+    being packed, the decoded images waiting in shared memory (extract.num_workers, else `threads`,
+    workers' items ahead and two batches), and 3 GB for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
     batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors
     batch *= ext.get("buffers", 3) + 1
     workers = threads if ext.get("num_workers") is None else ext["num_workers"]
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
-    return _round_mb((1.5 * w.weight_bytes + 2 * w.text_bytes + batch + images * w.pixel_bytes) / 1e6 + 3000) * attempt
+    held = dataset_bytes(config, workers) + batch + images * w.pixel_bytes
+    return _round_mb((1.5 * w.weight_bytes + held) / 1e6 + 3000) * attempt
+
+
+def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
+    """What reading the dataset holds in one extraction job: its part's rows (their text twice, as
+    str and as read, and a Python row each), the table block being converted (Arrow and its Python
+    values), and for images the name of every image (each job lists them all) and a block of image
+    bytes in each decoding worker."""
+    w = workload(config)
+    if w.pixel_bytes:
+        return 2 * w.text_bytes + (3 + workers) * w.block_bytes
+    rows = w.rows / config["extract"]["parts"]
+    return (2 * w.text_bytes / w.rows + PYTHON_ROW_BYTES) * rows + 3 * w.block_bytes
 
 
 def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:

@@ -8,15 +8,16 @@ sample_idx of every sample is its row index in the order defined here, in every 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
-from actstore.datasets.images import ImageOpener, read_image_folder
-from actstore.datasets.jsonl import read_jsonl
+from actstore.datasets.images import ImageOpener, read_image_folder, scan_image_folder
+from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.source import Source, identity_files, resolve_source
-from actstore.datasets.tables import check_columns, image_field, read_table, schema_of
+from actstore.datasets.tables import check_columns, image_field, read_table, scan_table, schema_of
 from actstore.errors import ConfigError
 
 __all__ = ["FIELD_KEYS", "Dataset", "Sample", "check_dataset", "configured_dataset", "dataset_options",
@@ -28,36 +29,42 @@ def dataset_options(section: dict[str, Any]) -> dict[str, Any]:
     return {k: section[k] for k in FIELD_KEYS if k in section}
 
 
-def configured_dataset(config: dict[str, Any], model_path: Path) -> Dataset:
-    """The dataset a resolved config names (its dataset section), as extraction reads it."""
+def configured_dataset(config: dict[str, Any], model_path: Path, part: int | None = None) -> Dataset:
+    """The dataset a resolved config names (its dataset section): every row, or only part `part`
+    of extract.parts, as that part's extraction job reads it."""
     section = config["dataset"]
-    return load_dataset(section["path"], section["limit"], section["split"], model_path, **dataset_options(section))
+    parts = None if part is None else (config["extract"]["parts"], part)
+    return load_dataset(section["path"], section["limit"], section["split"], model_path, parts,
+                        **dataset_options(section))
 
 
 def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",
-                 model_path: Path | None = None, **options: Any) -> Dataset:
+                 model_path: Path | None = None, parts: tuple[int, int] | None = None, **options: Any) -> Dataset:
     """Read `path` (options: the dataset.* keys in FIELD_KEYS); raise ConfigError naming the file
     and field if a column is missing or mistyped, or the path holds no samples. `model_path`: the
-    model whose tokenizer renders chat messages (dataset.messages_field)."""
+    model whose tokenizer renders chat messages (dataset.messages_field). `parts`: (parts, part),
+    to keep only that part's rows (part_range): the others are counted and their labels read,
+    so a job holds its own rows, never the whole dataset."""
     source = resolve_source(str(path), options.get("format", "auto"), split)
     fields = _fields(options, _renderer(options, model_path))
     if source.format == "image_folder":
-        dataset = Dataset(source.root.resolve(), "image", read_image_folder(source, limit),
-                          opener=ImageOpener(source))
+        n_samples, labels = scan_image_folder(source, limit)
+        read, modality, opener = partial(read_image_folder, source), "image", ImageOpener(source)
     elif source.format == "jsonl":
         if fields.image:
             raise ConfigError(f"dataset.image_field: {path} is JSONL, which holds no images")
-        dataset = Dataset(source.root.resolve(), "text", read_jsonl(source.files, fields, limit),
-                          chat=fields.messages is not None)
+        n_samples, labels = scan_jsonl(source.files, fields, limit)
+        read, modality, opener = partial(read_jsonl, source.files, fields), "text", None
     else:
         fields = _table_fields(source, fields)
-        samples, names = read_table(source, fields, limit)
-        dataset = Dataset(source.root.resolve(), "image" if fields.image else "text", samples, names,
-                          chat=fields.messages is not None and not fields.image,
-                          opener=ImageOpener(source, fields.image) if fields.image else None)
-    if not dataset.samples:
+        n_samples, labels = scan_table(source, fields, limit)
+        read, modality = partial(read_table, source, fields), "image" if fields.image else "text"
+        opener = ImageOpener(source, fields.image) if fields.image else None
+    if not n_samples:
         raise ConfigError(f"dataset.path {path} holds no samples")
-    return dataset
+    samples = read(part_range(n_samples, *parts) if parts else range(n_samples))
+    return Dataset(source.root.resolve(), modality, samples, n_samples, labels,
+                   chat=fields.messages is not None and modality == "text", opener=opener)
 
 
 def check_dataset(section: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 # dataset.* keys that choose how rows are read (path, limit and split are passed on their own).
 FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_field", "keep_fields",
@@ -47,20 +47,21 @@ class Fields:
 
 @dataclass
 class Dataset:
+    """The rows one job reads (every row, or one part's) and what describes the whole dataset."""
+
     root: Path
     modality: str  # "text" | "image"
-    samples: list[Sample]
-    label_names: list | None = None  # ClassLabel names (label_id = class index) when the features give them
+    samples: list[Sample]  # the rows read, in sample_idx order
+    n_samples: int  # rows in the whole dataset (after dataset.limit)
+    labels: list  # label names over the whole dataset: label_id = position in this list
     chat: bool = False  # texts are rendered chat templates: they carry their own special tokens
     opener: Any = None  # images.ImageOpener for image datasets
 
-    @property
-    def labels(self) -> list:
-        """The label names (label_id = position in this list): ClassLabel names, else the sorted
-        distinct labels."""
-        if self.label_names is not None:
-            return list(self.label_names)
-        return sorted({s.label for s in self.samples if s.label is not None}, key=str)
+
+def label_list(labels: Iterable[Any]) -> list:
+    """The distinct labels (None left out) sorted by their text; labels with the same text (1 and
+    "1") keep the order they first appear in, so every job numbers them alike."""
+    return sorted(dict.fromkeys(label for label in labels if label is not None), key=str)
 
 
 def part_range(n_samples: int, parts: int, part: int) -> range:

@@ -6,17 +6,25 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from actstore.datasets.core import Sample
+from actstore.datasets.core import Sample, label_list
 from actstore.datasets.source import Source
 from actstore.datasets.tables import read_block
 from actstore.errors import ConfigError
 
 
-def read_image_folder(source: Source, limit: int | None) -> list[Sample]:
-    paths = [p.relative_to(source.root).as_posix() for p in source.files]
-    if limit is not None:
-        paths = paths[:limit]
-    return [Sample(i, rel, rel.split("/")[0] if "/" in rel else None) for i, rel in enumerate(paths)]
+def scan_image_folder(source: Source, limit: int | None) -> tuple[int, list]:
+    """(images, labels) of the first `limit` images: the first-level folder names."""
+    files = source.files[:limit]
+    return len(files), label_list(_folder_label(source.name(p)) for p in files)
+
+
+def read_image_folder(source: Source, rows: range) -> list[Sample]:
+    names = [source.name(source.files[i]) for i in rows]
+    return [Sample(i, name, _folder_label(name)) for i, name in zip(rows, names)]
+
+
+def _folder_label(name: str) -> str | None:
+    return name.split("/")[0] if "/" in name else None
 
 
 class ImageOpener:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
-from actstore.datasets.core import Fields, Sample
+from actstore.datasets.core import Fields, Sample, label_list
 from actstore.datasets.source import Source
 from actstore.errors import ConfigError
 
@@ -28,19 +28,21 @@ def schema_of(fmt: str, path: Path) -> pa.Schema:
         raise ConfigError(f"{path}: cannot read as {fmt} ({exc})") from None
 
 
-def blocks(fmt: str, path: Path, columns: list[str]) -> Iterator[pa.Table]:
-    """The file's blocks in order, each with `columns` only ("image.path": that struct child only)."""
+def blocks(fmt: str, path: Path, columns: list[str]) -> Iterator[tuple[int, Callable[[], pa.Table]]]:
+    """(rows, read) of the file's blocks in order: read() gives the block with `columns` only
+    ("image.path": that struct child only). A Parquet row group is read only when asked for."""
     if fmt == "csv":
         for batch in _open_csv(path, columns):
-            yield pa.Table.from_batches([batch])
+            yield batch.num_rows, lambda batch=batch: pa.Table.from_batches([batch])
     elif fmt == "parquet":
         import pyarrow.parquet as pq
         parquet = pq.ParquetFile(path)
         for group in range(parquet.num_row_groups):
-            yield parquet.read_row_group(group, columns=columns)
+            yield (parquet.metadata.row_group(group).num_rows,
+                   lambda group=group: parquet.read_row_group(group, columns=columns))
     else:
         for batch in _ipc_batches(path):
-            yield _select(pa.Table.from_batches([batch]), columns)
+            yield batch.num_rows, lambda batch=batch: _select(pa.Table.from_batches([batch]), columns)
 
 
 def count_rows(fmt: str, path: Path) -> int:
@@ -52,6 +54,18 @@ def count_rows(fmt: str, path: Path) -> int:
     if fmt == "csv":
         return sum(batch.num_rows for batch in _open_csv(path, []))
     return sum(batch.num_rows for batch in _ipc_batches(path))
+
+
+def largest_block_bytes(fmt: str, path: Path) -> int:
+    """Bytes of the file's largest block as Arrow holds it, reading no values (Parquet: its row
+    groups' uncompressed sizes; Arrow: the batches' buffers; CSV: the block size it is read in)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+        metadata = pq.ParquetFile(path).metadata
+        return max((metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups)), default=0)
+    if fmt == "csv":
+        return CSV_BLOCK_BYTES
+    return max((batch.nbytes for batch in _ipc_batches(path)), default=0)
 
 
 def read_block(fmt: str, path: Path, index: int, column: str) -> pa.ChunkedArray:
@@ -162,26 +176,55 @@ def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
 
 # --- Rows. ---
 
-def read_table(source: Source, fields: Fields, limit: int | None) -> tuple[list[Sample], list | None]:
-    """Samples of every shard in order (checked shard by shard first) and the ClassLabel names."""
+def scan_table(source: Source, fields: Fields, limit: int | None) -> tuple[int, list]:
+    """(rows, labels) of the first `limit` rows, every shard's columns checked first: rows from the
+    files' metadata, labels from the features' ClassLabel names or else the label column alone."""
     schemas = [schema_of(source.format, path) for path in source.files]
     for path, schema in zip(source.files, schemas):
         check_columns(path, fields, schema)
+    n_rows = 0
+    for path in source.files:
+        n_rows += count_rows(source.format, path)
+        if limit is not None and n_rows >= limit:
+            n_rows = limit
+            break
     names = class_names(source, schemas[0], fields.label) if schemas else None
+    if names is not None or not any(fields.label in schema.names for schema in schemas):
+        return n_rows, names or []
+    return n_rows, label_list(_labels(source, fields, schemas, n_rows))
+
+
+def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], n_rows: int) -> Iterator[Any]:
+    """The labels of the first `n_rows` rows, read from the label column alone (a shard without
+    one has none)."""
+    for path, schema in zip(source.files, schemas):
+        if fields.label not in schema.names:
+            n_rows -= count_rows(source.format, path)
+            continue
+        for size, read in blocks(source.format, path, [fields.label]):
+            if n_rows <= 0:
+                return
+            yield from read().column(fields.label).to_pylist()[:n_rows]
+            n_rows -= size
+
+
+def read_table(source: Source, fields: Fields, rows: range) -> list[Sample]:
+    """The samples of `rows`; blocks before and after them are not converted (Parquet: not read)."""
+    names = class_names(source, schema_of(source.format, source.files[0]), fields.label)
     samples: list[Sample] = []
-    for shard, (path, schema) in enumerate(zip(source.files, schemas)):
-        columns = _columns(fields, schema)
-        start = 0
-        for block, table in enumerate(blocks(source.format, path, columns)):
-            row_of = _row_reader(source, fields, table, names, f"{source.name(path)}#", start)
-            for row in range(table.num_rows):
-                if limit is not None and len(samples) >= limit:
-                    return samples, names
-                text, label, kept = row_of(row)
-                samples.append(Sample(len(samples), text, label, kept,
-                                      (shard, block, row) if fields.image else None))
-            start += table.num_rows
-    return samples, names
+    start = 0  # sample_idx of the block's first row
+    for shard, path in enumerate(source.files):
+        columns, shard_start = _columns(fields, schema_of(source.format, path)), start
+        for block, (size, read) in enumerate(blocks(source.format, path, columns)):
+            if start >= rows.stop:
+                return samples
+            if start + size > rows.start:
+                row_of = _row_reader(source, fields, read(), names, f"{source.name(path)}#", start - shard_start)
+                for row in range(max(rows.start - start, 0), min(rows.stop - start, size)):
+                    text, label, kept = row_of(row)
+                    samples.append(Sample(start + row, text, label, kept, (shard, block, row) if fields.image else None))
+            start += size
+    return samples
 
 
 def _columns(fields: Fields, schema: pa.Schema) -> list[str]:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from actstore.datasets import Dataset, Sample, configured_dataset, part_range
+from actstore.datasets import Dataset, Sample, configured_dataset
 from actstore.datasets.images import check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
@@ -36,12 +36,13 @@ def storage_dtype(config: dict[str, Any]) -> str:
     return config["model"]["torch_dtype"] if dtype == "auto" else dtype
 
 
-def preflight(config: dict[str, Any]) -> tuple[Path, Dataset]:
-    """Every check that needs no weights: model path, layer range, dataset, modality, hooks."""
+def preflight(config: dict[str, Any], part: int) -> tuple[Path, Dataset]:
+    """Every check that needs no weights: model path, layer range, dataset (part `part`'s rows
+    read), modality, hooks."""
     model_path = resolve_model_path(config["model"]["path"])
     model_config = read_model_config(model_path)
     check_layers(config["extract"]["layers"], num_blocks(model_config))
-    dataset = configured_dataset(config, model_path)
+    dataset = configured_dataset(config, model_path, part)
     want = "image" if model_kind(model_config) == "vision" else "text"
     if dataset.modality != want:
         raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s "
@@ -58,8 +59,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     """Extract part `part` of config's dataset into `out_dir` (atomic); return its part.json dict.
     `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null)."""
     ext = config["extract"]
-    model_path, dataset = preflight(config)
-    samples = [dataset.samples[i] for i in part_range(len(dataset.samples), ext["parts"], part)]
+    model_path, dataset = preflight(config, part)
+    samples = dataset.samples
     cpus = default_workers(threads)
     vision = dataset.modality == "image"
     workers = (ext["num_workers"] if ext["num_workers"] is not None else cpus) if vision else 0
@@ -184,7 +185,7 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
     return {
         "part": part, "parts": ext["parts"],
         "sample_range": [samples[0].sample_idx if samples else 0, samples[-1].sample_idx + 1 if samples else 0],
-        "n_dataset_samples": len(dataset.samples),
+        "n_dataset_samples": dataset.n_samples,
         "tensors": [layer_tensor(i) for i in ext["layers"]] + list(ext["hooks"]),
         "layers": list(ext["layers"]), "hooks": list(ext["hooks"]),
         "modality": dataset.modality, "model_kind": loaded.kind,
