@@ -5,7 +5,7 @@ from pathlib import Path
 from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
 from actstore.datasets import check_dataset
-from actstore.hashing import stage_dir, stage_hash, upstream_stages
+from actstore.hashing import stage_hashes, upstream_stages
 from actstore.jobs import job_items
 from actstore.model_config import check_layers, num_blocks, read_model_config, resolve_model_path
 
@@ -17,6 +17,8 @@ if config["saev"].get("patch_labels") and not Path(config["saev"]["patch_labels"
     raise ValueError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
 
 DUMP_TO = Path(config["dump_to"])
+# Every stage's hash, computed once per parse: the data files are listed and stat'ed once.
+STAGE_HASHES = stage_hashes(config)
 N_PARTS = config["extract"]["parts"]
 PARTS = [f"{p:04d}" for p in range(N_PARTS)]
 
@@ -26,15 +28,15 @@ TARGETS = {}
 
 def sdir(stage):
     """{dump_to}/{stage}/{hash} as a string for rule inputs/outputs."""
-    return str(stage_dir(config, stage))
+    return str(DUMP_TO / stage / STAGE_HASHES[stage])
 
 
 def log_path(stage, name):
-    return str(DUMP_TO / "logs" / stage / stage_hash(config, stage) / f"{name}.log")
+    return str(DUMP_TO / "logs" / stage / STAGE_HASHES[stage] / f"{name}.log")
 
 
 def bench_path(stage, name):
-    return str(DUMP_TO / "benchmarks" / stage / stage_hash(config, stage) / f"{name}.tsv")
+    return str(DUMP_TO / "benchmarks" / stage / STAGE_HASHES[stage] / f"{name}.tsv")
 
 
 def job_name(prefix, jobs):

@@ -64,10 +64,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_locate(args: argparse.Namespace) -> int:
     from actstore.config import enabled_stages, load_config
-    from actstore.hashing import stage_dir
+    from actstore.hashing import stage_dirs
 
     config = load_config(args.configfile)
-    located = {stage: str(stage_dir(config, stage)) for stage in enabled_stages(config)}
+    dirs = stage_dirs(config)
+    located = {stage: str(dirs[stage]) for stage in enabled_stages(config)}
     if args.json:
         print(json.dumps(located, indent=2))
     else:

@@ -43,11 +43,27 @@ def upstream_stages(config: dict[str, Any], stage: str) -> list[str]:
 
 def stage_payload(config: dict[str, Any], stage: str) -> dict[str, Any]:
     """The exact resolved config a stage depends on, with its upstream hashes."""
-    return {
-        "stage": stage,
-        "config": {section: hashed_section(config, section) for section in STAGE_SECTIONS[stage]},
-        "upstream": {up: stage_hash(config, up) for up in upstream_stages(config, stage)},
-    }
+    return stage_payloads(config)[stage]
+
+
+def stage_payloads(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every stage's payload, upstream stages first so that each hash is computed once: the data
+    files are listed (and stat'ed or hashed) once, not once per stage that depends on them."""
+    payloads: dict[str, dict[str, Any]] = {}
+    hashes: dict[str, str] = {}
+    for stage in STAGES:  # in dependency order
+        payloads[stage] = {
+            "stage": stage,
+            "config": {section: hashed_section(config, section) for section in STAGE_SECTIONS[stage]},
+            "upstream": {up: hashes[up] for up in upstream_stages(config, stage)},
+        }
+        hashes[stage] = canonical_sha256(payloads[stage])
+    return payloads
+
+
+def stage_hashes(config: dict[str, Any]) -> dict[str, str]:
+    """Every stage's hash (see stage_payloads)."""
+    return {stage: canonical_sha256(payload) for stage, payload in stage_payloads(config).items()}
 
 
 def hashed_section(config: dict[str, Any], section: str) -> Any:
@@ -120,17 +136,23 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
 
 def stage_hash(config: dict[str, Any], stage: str) -> str:
     """Full sha256 hex of the stage's canonical payload."""
-    return canonical_sha256(stage_payload(config, stage))
+    return stage_hashes(config)[stage]
 
 
 def stage_dir(config: dict[str, Any], stage: str) -> Path:
     """{dump_to}/{stage}/{hash}/ for a resolved config."""
-    return Path(config["dump_to"]) / stage / stage_hash(config, stage)
+    return stage_dirs(config)[stage]
+
+
+def stage_dirs(config: dict[str, Any]) -> dict[str, Path]:
+    """{dump_to}/{stage}/{hash}/ of every stage, the hashes computed together (see stage_payloads)."""
+    return {stage: Path(config["dump_to"]) / stage / digest for stage, digest in stage_hashes(config).items()}
 
 
 def write_stage_config(config: dict[str, Any], stage: str, out_dir: str | Path | None = None) -> Path:
     """Record the resolved config a stage directory was made from (atomic, idempotent)."""
     target = Path(out_dir) if out_dir is not None else stage_dir(config, stage)
     path = target / STAGE_CONFIG_FILE
-    write_json_atomic(path, {**stage_payload(config, stage), "hash": stage_hash(config, stage)})
+    payload = stage_payload(config, stage)
+    write_json_atomic(path, {**payload, "hash": canonical_sha256(payload)})
     return path

@@ -15,7 +15,7 @@ from actstore.config import enabled_stages
 from actstore.errors import FormatError
 from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
-from actstore.hashing import stage_dir
+from actstore.hashing import stage_dirs
 from actstore.integrity import stage_config_problems
 from actstore.io_utils import write_json_atomic
 
@@ -78,22 +78,23 @@ def check_format(name: str, store: Path, extraction, coords) -> dict[str, Any]:
 
 def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, Any]:
     """Check every format the config produces; write report.json, raise FormatError on any problem."""
-    extract_dir = stage_dir(config, "extract")
+    dirs = stage_dirs(config)
+    extract_dir = dirs["extract"]
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
     coords = sample_coordinates(extraction, config["validate"]["n_coords"], config["validate"]["seed"])
     stages = enabled_stages(config)
     report: dict[str, Any] = {"coordinates": len(coords), "formats": {}}
     report["formats"]["extract"] = check_format("extract", extract_dir, extraction, coords)
     for name in [s for s in FORMAT_STAGES if s in stages]:
-        store = find_store(stage_dir(config, name), name)
+        store = find_store(dirs[name], name)
         report["formats"][name] = check_format(name, store, extraction, coords)
         log.info("%s: %d checked, %d not stored, %d problems", name, report["formats"][name]["checked"],
                  report["formats"][name]["not_stored"], len(report["formats"][name]["problems"]))
     for name in ("sae", "lut"):
         if name in stages:
-            report[name] = stage_report(stage_dir(config, name))
+            report[name] = stage_report(dirs[name])
     if "lut" in stages:
-        store = find_store(stage_dir(config, "lut"), "lut")
+        store = find_store(dirs["lut"], "lut")
         report["formats"]["lut"] = {"store": str(store), "problems": format_module("lut").verify(store),
                                     "inspect": format_module("lut").inspect(store)}
     for entry in report["formats"].values():
@@ -101,7 +102,7 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         entry["store"] = os.path.relpath(entry["store"], config["dump_to"])
         entry["inspect"] = {key: _relative(value, config["dump_to"]) for key, value in entry["inspect"].items()}
     problems = [p for entry in report["formats"].values() for p in entry["problems"]]
-    problems += [p for stage in stages if stage != "validate" for p in stage_config_problems(stage_dir(config, stage))]
+    problems += [p for stage in stages if stage != "validate" for p in stage_config_problems(dirs[stage])]
     if problems:
         raise FormatError("validation failed:\n" + "\n".join(problems))
     write_json_atomic(report_path, report)
