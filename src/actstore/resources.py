@@ -113,9 +113,12 @@ def _minutes(seconds: float, attempt: int) -> int:
     return int(min(MAX_RUNTIME_MIN, math.ceil((STARTUP_MIN + 2 * seconds / 60) * attempt)))
 
 
+TOKEN_ID_BYTES = 16  # a text part's token ids (extract.inputs.TokenIds): int64, and a second copy while joined
+
+
 def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
     """Host memory of one extraction job: weights loaded on the host first, what reading its rows
-    holds (dataset_bytes), the staging ring (extract.buffers batches of captures) plus one batch
+    holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches of captures) plus one batch
     being packed, the decoded images waiting in shared memory (extract.num_workers, else `threads`,
     workers' items ahead and two batches), and 3 GB for torch/CUDA."""
     w = workload(config)
@@ -124,7 +127,8 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     batch *= ext.get("buffers", 3) + 1
     workers = threads if ext.get("num_workers") is None else ext["num_workers"]
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
-    held = dataset_bytes(config, workers) + batch + images * w.pixel_bytes
+    token_ids = 0 if w.pixel_bytes else TOKEN_ID_BYTES * w.tokens / ext["parts"]
+    held = dataset_bytes(config, workers) + token_ids + batch + images * w.pixel_bytes
     return _round_mb((1.5 * w.weight_bytes + held) / 1e6 + 3000) * attempt
 
 

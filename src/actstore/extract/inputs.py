@@ -3,9 +3,11 @@ bytes read from a table) decoded and run through the model's own image processor
 worker processes."""
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from actstore.datasets import Dataset, Sample
@@ -15,15 +17,43 @@ from actstore.models import LoadedModel
 from actstore.resources import IMAGES_PER_ITEM, items_ahead
 
 
+TOKENIZE_TOKENS = 1 << 20  # tokens the tokenizer encodes at once, at most: its Python lists take ~230 B a token
+
+
+class TokenIds:
+    """Every sample's token ids in one flat int64 array and its offsets: 8 B a token, where the
+    tokenizer's lists for a whole part held ~230 B a token (measured on the demo tokenizer)."""
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+        self.flat, self.offsets = flat, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+    def lengths(self) -> list[int]:
+        return np.diff(self.offsets).tolist()
+
+
 def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
-             add_special_tokens: bool = True) -> list[list[int]]:
-    """Token ids per sample; add_special_tokens=False for rendered chat templates (they hold their own)."""
-    encoded = loaded.preprocessor([s.text for s in samples], truncation=True, max_length=max_seq_length,
-                                  add_special_tokens=add_special_tokens)["input_ids"]
-    for sample, ids in zip(samples, encoded):
-        if not ids:
-            raise ConfigError(f"dataset row {sample.sample_idx}: text tokenizes to zero tokens")
-    return encoded
+             add_special_tokens: bool = True) -> TokenIds:
+    """Token ids per sample; add_special_tokens=False for rendered chat templates (they hold their own).
+    Encoded TOKENIZE_TOKENS // max_seq_length texts at a time (each text is encoded alone: the ids
+    are the same as one call's)."""
+    chunks, lengths, step = [], [0], max(1, TOKENIZE_TOKENS // max_seq_length)
+    for start in range(0, len(samples), step):
+        rows = samples[start:start + step]
+        encoded = loaded.preprocessor([s.text for s in rows], truncation=True, max_length=max_seq_length,
+                                      add_special_tokens=add_special_tokens)["input_ids"]
+        for sample, ids in zip(rows, encoded):
+            if not ids:
+                raise ConfigError(f"dataset row {sample.sample_idx}: text tokenizes to zero tokens")
+            lengths.append(len(ids))
+        chunks.append(np.fromiter(itertools.chain.from_iterable(encoded), np.int64, sum(lengths[-len(rows):])))
+    flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+    return TokenIds(flat, np.cumsum(lengths, dtype=np.int64))
 
 
 def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -33,13 +63,13 @@ def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def text_batch(loaded: LoadedModel, ids: list[list[int]]) -> dict[str, torch.Tensor]:
+def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
     """Right-padded input_ids and attention_mask on the model's device; pad positions are never stored."""
     width = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), width), loaded.preprocessor.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for row, seq in enumerate(ids):
-        input_ids[row, :len(seq)] = torch.tensor(seq)
+        input_ids[row, :len(seq)] = torch.as_tensor(seq)
         mask[row, :len(seq)] = 1
     return {"input_ids": input_ids.to(loaded.device, non_blocking=True),
             "attention_mask": mask.to(loaded.device, non_blocking=True)}
@@ -103,7 +133,7 @@ def to_model(loaded: LoadedModel, pixels: Iterator[list[torch.Tensor]]) -> Itera
         yield {"pixel_values": on_device[0] if len(on_device) == 1 else torch.cat(on_device)}
 
 
-def text_batches(loaded: LoadedModel, token_ids: list[list[int]],
+def text_batches(loaded: LoadedModel, token_ids: TokenIds,
                  batches: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
     for batch in batches:
         yield text_batch(loaded, [token_ids[i] for i in batch])

@@ -17,7 +17,7 @@ from actstore.datasets import Dataset, Sample, configured_dataset
 from actstore.datasets.images import check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
-from actstore.extract.inputs import (default_workers, image_batch, image_batches, length_batches,
+from actstore.extract.inputs import (TokenIds, default_workers, image_batch, image_batches, length_batches,
                                      text_batches, to_model, tokenize)
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
@@ -76,8 +76,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         token_ids = None
         inputs = to_model(loaded, pixels)
     else:
-        token_ids = tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat) if samples else []
-        lengths = [len(x) for x in token_ids]
+        token_ids = tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat)
+        lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
         inputs = text_batches(loaded, token_ids, batches)
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
@@ -107,7 +107,7 @@ def writer_threads(ext: dict[str, Any], cpus: int) -> int:
 
 
 def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[tuple[list[int], dict]],
-                    lengths: list[int], token_ids: list[list[int]] | None, writer: PartWriter,
+                    lengths: list[int], token_ids: TokenIds | None, writer: PartWriter,
                     dtype: torch.dtype, bar: tqdm, cpus: int) -> int:
     """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline.
     Returns how many finite activations overflowed to +-inf in a float16 storage dtype, counted on
@@ -127,7 +127,7 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
 
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
-               captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: list[list[int]] | None,
+               captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: TokenIds | None,
                dtype: torch.dtype, topk: int, overflow: torch.Tensor | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
