@@ -50,7 +50,7 @@ def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     size = sum(p.stat().st_size for p in source.files)
     if source.table:
         return (max(sum(count_rows(source.format, p) for p in source.files), 1), size,
-                max(largest_block_bytes(source.format, p) for p in source.files))
+                max((largest_block_bytes(source.format, p) for p in source.files), default=0))
     return max(sum(_newlines(p) for p in source.files), 1), size, 0
 
 
@@ -118,9 +118,9 @@ TOKEN_ID_BYTES = 16  # a text part's token ids (extract.inputs.TokenIds): int64,
 
 def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
     """Host memory of one extraction job: weights loaded on the host first, what reading its rows
-    holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches of captures) plus one batch
-    being packed, the decoded images waiting in shared memory (extract.num_workers, else `threads`,
-    workers' items ahead and two batches), and 3 GB for torch/CUDA."""
+    holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches of captures)
+    plus one batch being packed, the decoded images waiting in shared memory (extract.num_workers,
+    else `threads`, workers' items ahead and two batches), and 3 GB for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
     batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors

@@ -222,7 +222,8 @@ def read_table(source: Source, fields: Fields, rows: range) -> list[Sample]:
                 row_of = _row_reader(source, fields, read(), names, f"{source.name(path)}#", start - shard_start)
                 for row in range(max(rows.start - start, 0), min(rows.stop - start, size)):
                     text, label, kept = row_of(row)
-                    samples.append(Sample(start + row, text, label, kept, (shard, block, row) if fields.image else None))
+                    ref = (shard, block, row) if fields.image else None
+                    samples.append(Sample(start + row, text, label, kept, ref))
             start += size
     return samples
 
