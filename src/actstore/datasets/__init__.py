@@ -17,7 +17,7 @@ from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_ran
 from actstore.datasets.images import ImageOpener, read_image_folder, scan_image_folder
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.source import Source, identity_files, resolve_source
-from actstore.datasets.tables import check_columns, image_field, read_table, scan_table, schema_of
+from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.errors import ConfigError
 
 __all__ = ["FIELD_KEYS", "Dataset", "Sample", "check_dataset", "configured_dataset", "dataset_options",
@@ -57,8 +57,9 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
         read, modality, opener = partial(read_jsonl, source.files, fields), "text", None
     else:
         fields = _table_fields(source, fields)
-        n_samples, labels = scan_table(source, fields, limit)
-        read, modality = partial(read_table, source, fields), "image" if fields.image else "text"
+        schemas = table_schemas(source, fields)
+        n_samples, labels = scan_table(source, fields, schemas, limit)
+        read, modality = partial(read_table, source, fields, schemas), "image" if fields.image else "text"
         opener = ImageOpener(source, fields.image) if fields.image else None
     if not n_samples:
         raise ConfigError(f"dataset.path {path} holds no samples")
@@ -75,9 +76,7 @@ def check_dataset(section: dict[str, Any]) -> None:
     if not source.files:
         raise ConfigError(f"dataset.path {section['path']} holds no samples")
     if source.table:
-        fields = _table_fields(source, _fields(options, None))
-        for path in source.files:
-            check_columns(path, fields, schema_of(source.format, path))
+        table_schemas(source, _table_fields(source, _fields(options, None)))
 
 
 def _renderer(options: dict[str, Any], model_path: Path | None) -> Callable[[Any, str], str] | None:

@@ -176,30 +176,37 @@ def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
 
 # --- Rows. ---
 
-def scan_table(source: Source, fields: Fields, limit: int | None) -> tuple[int, list]:
-    """(rows, labels) of the first `limit` rows, every shard's columns checked first: rows from the
-    files' metadata, labels from the features' ClassLabel names or else the label column alone."""
+def table_schemas(source: Source, fields: Fields) -> list[pa.Schema]:
+    """Every shard's schema, each checked for the columns the config reads (check_columns)."""
     schemas = [schema_of(source.format, path) for path in source.files]
     for path, schema in zip(source.files, schemas):
         check_columns(path, fields, schema)
-    n_rows = 0
+    return schemas
+
+
+def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: int | None) -> tuple[int, list]:
+    """(rows, labels) of the first `limit` rows: rows from the files' metadata, labels from the
+    features' ClassLabel names or else the label column alone."""
+    counts, n_rows = [], 0
     for path in source.files:
-        n_rows += count_rows(source.format, path)
+        counts.append(count_rows(source.format, path))
+        n_rows += counts[-1]
         if limit is not None and n_rows >= limit:
             n_rows = limit
             break
     names = class_names(source, schemas[0], fields.label) if schemas else None
     if names is not None or not any(fields.label in schema.names for schema in schemas):
         return n_rows, names or []
-    return n_rows, label_list(_labels(source, fields, schemas, n_rows))
+    return n_rows, label_list(_labels(source, fields, schemas, counts, n_rows))
 
 
-def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], n_rows: int) -> Iterator[Any]:
+def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
+            n_rows: int) -> Iterator[Any]:
     """The labels of the first `n_rows` rows, read from the label column alone (a shard without
-    one has none)."""
-    for path, schema in zip(source.files, schemas):
+    one, of `count` rows, has none)."""
+    for path, schema, count in zip(source.files, schemas, counts):
         if fields.label not in schema.names:
-            n_rows -= count_rows(source.format, path)
+            n_rows -= count
             continue
         for size, read in blocks(source.format, path, [fields.label]):
             if n_rows <= 0:
@@ -208,13 +215,13 @@ def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], n_rows: in
             n_rows -= size
 
 
-def read_table(source: Source, fields: Fields, rows: range) -> list[Sample]:
+def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: range) -> list[Sample]:
     """The samples of `rows`; blocks before and after them are not converted (Parquet: not read)."""
-    names = class_names(source, schema_of(source.format, source.files[0]), fields.label)
+    names = class_names(source, schemas[0], fields.label)
     samples: list[Sample] = []
     start = 0  # sample_idx of the block's first row
-    for shard, path in enumerate(source.files):
-        columns, shard_start = _columns(fields, schema_of(source.format, path)), start
+    for shard, (path, schema) in enumerate(zip(source.files, schemas)):
+        columns, shard_start = _columns(fields, schema), start
         for block, (size, read) in enumerate(blocks(source.format, path, columns)):
             if start >= rows.stop:
                 return samples
