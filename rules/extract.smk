@@ -1,9 +1,30 @@
-# Extraction: one job per part (the unit Slurm schedules on a GPU), then a small index.
+# Extraction: one scan of the dataset on a CPU, one job per part (the unit Slurm schedules on a
+# GPU) reading only its rows, then a small index.
 
 EXTRACT_DIR = sdir("extract")
 
 
+# Every job needs the dataset's row count and labels (sample_idx and label_id are over the whole
+# dataset): one job reads every row for them, and finds bad data before any GPU is held.
+rule extract_scan:
+    output:
+        temp(f"{EXTRACT_DIR}/dataset_scan.json"),
+    log:
+        log_path("extract", "scan"),
+    benchmark:
+        bench_path("extract", "scan")
+    resources:
+        mem_mb=lambda wildcards, attempt: actstore_resources.extract_scan_mem_mb(config, attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.extract_scan_runtime(config, attempt),
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/extract_scan.py"
+
+
 rule extract_part:
+    input:
+        scan=rules.extract_scan.output[0],
     output:
         directory(f"{EXTRACT_DIR}/part-{{part}}"),
     params:

@@ -13,7 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import tiny
-from actstore.datasets import check_dataset, load_dataset, part_range
+from actstore.datasets import check_dataset, load_dataset, part_range, read_scan, scan_dataset, write_scan
+from actstore.datasets.core import Fields
+from actstore.datasets.jsonl import scan_jsonl
+from actstore.datasets.source import resolve_source
+from actstore.errors import FormatError
 from actstore.errors import ConfigError
 from actstore.extract import run_part
 from actstore.formats.extract import open_extraction, write_index
@@ -343,10 +347,12 @@ def test_the_parts_rows_are_the_whole_datasets_rows_in_order(kind, limit, rows, 
         path, options = {"jsonl": rows[0], "images": image_folder}[kind], {}
     whole = load_dataset(path, limit, **options)
     assert [s.sample_idx for s in whole.samples] == list(range(whole.n_samples))
+    write_scan(scan_dataset(path, limit, **options), tmp_path / "scan.json")
     for parts in (2, 3, 7):
         read = []
         for part in range(parts):
-            dataset = load_dataset(path, limit, parts=(parts, part), **options)
+            scan = read_scan(tmp_path / "scan.json") if part % 2 else None  # the workflow's, or scanned here
+            dataset = load_dataset(path, limit, parts=(parts, part), scan=scan, **options)
             assert (dataset.n_samples, dataset.labels) == (whole.n_samples, whole.labels)
             assert [s.sample_idx for s in dataset.samples] == list(part_range(whole.n_samples, parts, part))
             read += flat(dataset)
@@ -378,9 +384,10 @@ def test_a_part_job_holds_its_rows_not_the_dataset(model_dir, tmp_path):
     assert whole_peak > 5 * part_peak, (whole_peak, part_peak)
 
 
-def test_every_part_names_a_bad_line_anywhere_in_a_jsonl(tmp_path):
-    """The row count and labels come from every line, so a bad line in the last part stops the
-    first part's job too, naming the line; a label that is a list, or bytes that are not UTF-8, too."""
+def test_the_scan_names_a_bad_line_anywhere_in_a_jsonl(tmp_path):
+    """The row count and labels come from every line, so the scan (the workflow's, before any part's
+    job; or a part's own) stops at a bad line in the last part, naming it; a label that is a list,
+    or bytes that are not UTF-8, too."""
     cases = {'{"text": "x", "label": ["a", "b"]}': r"bad.jsonl:4: field 'label' is a JSON list; a label is a string",
              '{"label": "x"}': r"bad.jsonl:4: line has no string field 'text'",
              "not json": r"bad.jsonl:4: not valid JSON",
@@ -389,7 +396,68 @@ def test_every_part_names_a_bad_line_anywhere_in_a_jsonl(tmp_path):
         path = tmp_path / "bad.jsonl"
         path.write_bytes(b"".join(b'{"text": "fine %d"}\n' % i for i in range(3)) + line.encode("latin-1") + b"\n")
         with pytest.raises(ConfigError, match=message):
+            scan_dataset(path)
+        with pytest.raises(ConfigError, match=message):
             load_dataset(path, parts=(4, 0))
+
+
+def awkward_jsonl(root: Path) -> Path:
+    """Three JSONL files with blank lines (first, last, doubled, whitespace only), CRLF endings,
+    non-ASCII text and a file of blank lines only: rows start at every kind of place."""
+    root.mkdir()
+    rows = [{"text": f"row {i} " + "\u00e9\u4e16" * (i % 5), "label": f"l{i % 3}", "i": i} for i in range(60)]
+    lines = [json.dumps(r, ensure_ascii=i % 2 == 0) for i, r in enumerate(rows)]
+    (root / "a.jsonl").write_bytes(("\n" + "\n\n".join(lines[:25]) + "\n  \n").encode())
+    (root / "b.jsonl").write_bytes("\r\n".join(lines[25:40]).encode())  # no final newline
+    (root / "c.jsonl").write_bytes(b"\n\n")
+    (root / "d.jsonl").write_bytes(("\n".join(lines[40:]) + "\n").encode())
+    return root
+
+
+@pytest.mark.parametrize("limit", [None, 33])
+def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, tmp_path):
+    """Marks every few lines (the scan marks every MARK_CHARS of text; 40 characters here) land
+    after blank lines, at file ends and inside CRLF files: every part read from the mark before it,
+    after the scan went through its file, is the rows the whole read gives, named by their lines."""
+    root = awkward_jsonl(tmp_path / "docs")
+    whole = load_dataset(root, limit)
+    assert [s.metadata["i"] for s in whole.samples] == list(range(limit or 60))
+    files = resolve_source(str(root), "auto", "train").files
+    scan = scan_jsonl(files, Fields(), limit, mark_chars=40)
+    assert len(scan.marks) > 20 and any(m.file == 1 for m in scan.marks)
+    for mark in scan.marks:  # a mark's line: the lines before its position (errors name lines from it)
+        with files[mark.file].open(encoding="utf-8") as fh:
+            fh.seek(mark.position)
+            rest, text = fh.read(), files[mark.file].read_text(encoding="utf-8")
+        before = text[:len(text) - len(rest)]
+        assert text.endswith(rest) and before.count("\n") + (before[-1:] not in ("", "\n")) == mark.line
+    write_scan(scan, tmp_path / "scan.json")
+    assert read_scan(tmp_path / "scan.json") == scan
+    for parts in (1, 4, 7, 60):
+        read = [s for part in range(parts) for s in load_dataset(root, limit, parts=(parts, part),
+                                                                  scan=read_scan(tmp_path / "scan.json")).samples]
+        assert [(s.sample_idx, s.text, s.label, s.metadata) for s in read] == \
+               [(s.sample_idx, s.text, s.label, s.metadata) for s in whole.samples]
+    (root / "b.jsonl").write_bytes((root / "b.jsonl").read_bytes().replace(b"row 30", b"row XX"))
+    with pytest.raises(ConfigError, match=r"b\.jsonl: changed since the dataset was scanned"):
+        load_dataset(root, limit, parts=(4, 3), scan=scan)
+
+
+def test_a_damaged_scan_file_is_named_not_read(tmp_path):
+    """A scan that is not JSON, counts nothing, or whose marks do not start at the first row is a
+    FormatError naming the file and the field."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(5)))
+    write_scan(scan_dataset(path), tmp_path / "scan.json")
+    good = json.loads((tmp_path / "scan.json").read_text())
+    cases = {"truncated": (None, "not valid JSON"), "n_samples": (0, "n_samples must be a whole number"),
+             "labels": ("a", "labels must be a list"), "marks": ([[1, 0, 0, 0]], "marks must start at row 0"),
+             "stamps": ([[1, -2]], "stamps must be a list of lists of 2 whole numbers")}
+    for field, (value, message) in cases.items():
+        bad = tmp_path / f"{field}.json"
+        bad.write_text(json.dumps(good)[:20] if field == "truncated" else json.dumps(good | {field: value}))
+        with pytest.raises(FormatError, match=rf"{bad.name}: {message}"):
+            read_scan(bad)
 
 
 def test_labels_equal_as_text_are_numbered_alike_in_every_process(tmp_path):

@@ -67,7 +67,8 @@ def demo_run(tmp_path_factory):
 def test_demo_runs_every_stage_and_then_has_nothing_to_do(demo_run):
     workdir, configfile, first_plan = demo_run
     config = load_config(configfile)
-    assert first_plan["extract_part"] == config["extract"]["parts"]
+    assert first_plan["extract_part"] == config["extract"]["parts"] and first_plan["extract_scan"] == 1
+    assert not list(workdir.glob("dump/extract/*/dataset_scan.json"))  # temp: gone once every part is written
     for stage in ("extract", "saev", "pickle", "lmprobe", "zarr", "sae", "lut", "validate"):
         if (REPO / "rules" / f"{stage}.smk").exists():
             directory = stage_dir(config, stage)
@@ -142,6 +143,22 @@ def test_two_configs_share_one_dump_to_without_touching_each_other(demo_run, mod
     assert after == before
     assert scheduled(workdir, configfile) == {}
     assert scheduled(workdir, other_file) == {}
+
+
+def test_a_bad_line_fails_the_scan_before_any_part_job_starts(tmp_path):
+    """A bad line deep in a JSONL is found by the one scan job, whose log names it; no part's job
+    (a GPU each on a cluster) starts."""
+    config = demo_config(tmp_path / "dump")
+    good = Path(config["dataset"]["path"]).read_text().splitlines()
+    config["dataset"]["path"] = str(tmp_path / "docs.jsonl")
+    Path(config["dataset"]["path"]).write_text("\n".join([*good[:40], '{"text": "ok", "label": ["a"]}']) + "\n")
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+           str(write(config, tmp_path / "bad.yaml")), "--cores", "2", "extract"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "Error in rule extract_scan" in proc.stdout + proc.stderr
+    log = next((tmp_path / "dump" / "logs" / "extract").glob("*/scan.log")).read_text()
+    assert "docs.jsonl:41: field 'label' is a JSON list" in log
+    assert not list((tmp_path / "dump").glob("extract/*/part-*")) and not list((tmp_path / "dump").glob("logs/extract/*/part-*"))
 
 
 def test_misspelled_key_fails_at_parse_time_naming_it(tmp_path):
@@ -231,7 +248,7 @@ def test_pickle_and_zarr_jobs_each_write_a_range_of_parts_byte_identical_to_a_jo
 
 
 # The rules that run no model: their scripts' imports must not pull in torch.
-NO_MODEL_SCRIPTS = ["saev", "saev_shards", "pickle_machines", "pickle_merge", "lmprobe", "lmprobe_tensors", "zarr_shards",
+NO_MODEL_SCRIPTS = ["extract_scan", "saev", "saev_shards", "pickle_machines", "pickle_merge", "lmprobe", "lmprobe_tensors", "zarr_shards",
                     "zarr_merge_chunks", "zarr_merge", "zarr_manifest"]
 
 

@@ -144,6 +144,23 @@ def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
     return (2 * w.text_bytes / w.rows + PYTHON_ROW_BYTES) * rows + 3 * w.block_bytes
 
 
+SCAN_BYTES_PER_S = 20e6  # the dataset scan: JSONL parsed and checked a line at a time (46 MB/s measured here)
+
+
+def extract_scan_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
+    """Host memory of the dataset scan: a Python process with pyarrow (WRITER_BASE_MB) and what the
+    scan holds: every image's name (a folder is listed whole), or a table's label-column blocks, or
+    a JSONL line at a time; and the distinct labels, assumed few."""
+    w = workload(config)
+    held = 2 * w.text_bytes if w.pixel_bytes else 3 * w.block_bytes
+    return _round_mb(WRITER_BASE_MB + held / 1e6) * attempt
+
+
+def extract_scan_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes to read every row once (image folders: their names)."""
+    return _minutes(workload(config).text_bytes / SCAN_BYTES_PER_S, attempt)
+
+
 def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     """Minutes for one part: forward FLOPs (2 per weight per token) on one GPU plus writing its share."""
     w = workload(config)

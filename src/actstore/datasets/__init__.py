@@ -1,8 +1,9 @@
 """Dataset inputs: JSONL, Parquet, Arrow, CSV and Hugging Face save_to_disk tables (texts, chat
 messages or image bytes), and folders of images (ImageFolder convention).
 
-Rooms: source.py (dataset.path -> format and files in read order), jsonl.py, tables.py (pyarrow,
-block by block), images.py (image folders; decoding table bytes), chat.py (chat templates).
+Rooms: source.py (dataset.path -> format and files in read order), scan.py (what every job needs
+of the whole dataset), jsonl.py, tables.py (pyarrow, block by block), images.py (image folders;
+decoding table bytes), chat.py (chat templates).
 sample_idx of every sample is its row index in the order defined here, in every format.
 """
 from __future__ import annotations
@@ -16,12 +17,14 @@ from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
 from actstore.datasets.images import ImageOpener, read_image_folder, scan_image_folder
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
+from actstore.datasets.scan import Scan, read_scan, write_scan
 from actstore.datasets.source import Source, identity_files, resolve_source
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.errors import ConfigError
 
-__all__ = ["FIELD_KEYS", "Dataset", "Sample", "check_dataset", "configured_dataset", "dataset_options",
-           "identity_files", "load_dataset", "part_range", "resolve_source"]
+__all__ = ["FIELD_KEYS", "Dataset", "Sample", "Scan", "check_dataset", "configured_dataset", "configured_scan",
+           "dataset_options", "identity_files", "load_dataset", "part_range", "read_scan", "resolve_source",
+           "scan_dataset", "write_scan"]
 
 
 def dataset_options(section: dict[str, Any]) -> dict[str, Any]:
@@ -29,43 +32,76 @@ def dataset_options(section: dict[str, Any]) -> dict[str, Any]:
     return {k: section[k] for k in FIELD_KEYS if k in section}
 
 
-def configured_dataset(config: dict[str, Any], model_path: Path, part: int | None = None) -> Dataset:
+def configured_dataset(config: dict[str, Any], model_path: Path, part: int | None = None,
+                       scan: Scan | None = None) -> Dataset:
     """The dataset a resolved config names (its dataset section): every row, or only part `part`
-    of extract.parts, as that part's extraction job reads it."""
+    of extract.parts, as that part's extraction job reads it (from `scan`, configured_scan's)."""
     section = config["dataset"]
     parts = None if part is None else (config["extract"]["parts"], part)
-    return load_dataset(section["path"], section["limit"], section["split"], model_path, parts,
+    return load_dataset(section["path"], section["limit"], section["split"], model_path, parts, scan,
                         **dataset_options(section))
 
 
+def configured_scan(config: dict[str, Any], progress: bool = False) -> Scan:
+    """The scan of the dataset a resolved config names (see scan_dataset)."""
+    section = config["dataset"]
+    return scan_dataset(section["path"], section["limit"], section["split"], progress, **dataset_options(section))
+
+
+def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train", progress: bool = False,
+                 **options: Any) -> Scan:
+    """One pass over every row of `path` (options: the dataset.* keys in FIELD_KEYS): its row count
+    and labels, and for JSONL where rows start, each line parsed and checked (ConfigError naming the
+    file, line or field); Parquet, Arrow and CSV rows from the metadata and labels from the label
+    column; image folders listed. Chat messages are checked present, not rendered."""
+    return _scan(*_opened(path, split, options), limit, progress)
+
+
 def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",
-                 model_path: Path | None = None, parts: tuple[int, int] | None = None, **options: Any) -> Dataset:
+                 model_path: Path | None = None, parts: tuple[int, int] | None = None,
+                 scan: Scan | None = None, **options: Any) -> Dataset:
     """Read `path` (options: the dataset.* keys in FIELD_KEYS); raise ConfigError naming the file
     and field if a column is missing or mistyped, or the path holds no samples. `model_path`: the
     model whose tokenizer renders chat messages (dataset.messages_field). `parts`: (parts, part),
-    to keep only that part's rows (part_range): the others are counted and their labels read,
-    so a job holds its own rows, never the whole dataset."""
-    source = resolve_source(str(path), options.get("format", "auto"), split)
-    fields = _fields(options, _renderer(options, model_path))
+    to keep only that part's rows (part_range), so a job holds its own rows, never the whole
+    dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
+    source, fields, schemas = _opened(path, split, options)
+    scan = scan or _scan(source, fields, schemas, limit)
+    rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
+    fields = replace(fields, render=_renderer(options, model_path))
     if source.format == "image_folder":
-        n_samples, labels = scan_image_folder(source, limit)
-        read, modality, opener = partial(read_image_folder, source), "image", ImageOpener(source)
+        samples, modality, opener = read_image_folder(source, rows), "image", ImageOpener(source)
     elif source.format == "jsonl":
-        if fields.image:
-            raise ConfigError(f"dataset.image_field: {path} is JSONL, which holds no images")
-        n_samples, labels = scan_jsonl(source.files, fields, limit)
-        read, modality, opener = partial(read_jsonl, source.files, fields), "text", None
+        samples, modality, opener = read_jsonl(source.files, fields, rows, scan), "text", None
     else:
-        fields = _table_fields(source, fields)
-        schemas = table_schemas(source, fields)
-        n_samples, labels = scan_table(source, fields, schemas, limit)
-        read, modality = partial(read_table, source, fields, schemas), "image" if fields.image else "text"
-        opener = ImageOpener(source, fields.image) if fields.image else None
-    if not n_samples:
-        raise ConfigError(f"dataset.path {path} holds no samples")
-    samples = read(part_range(n_samples, *parts) if parts else range(n_samples))
-    return Dataset(source.root.resolve(), modality, samples, n_samples, labels,
+        samples = read_table(source, fields, schemas, rows)
+        modality, opener = ("image", ImageOpener(source, fields.image)) if fields.image else ("text", None)
+    return Dataset(source.root.resolve(), modality, samples, scan.n_samples, scan.labels,
                    chat=fields.messages is not None and modality == "text", opener=opener)
+
+
+def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Source, Fields, list]:
+    """The source, the fields read (no chat renderer) and each table file's schema (checked)."""
+    source = resolve_source(str(path), options.get("format", "auto"), split)
+    fields = _fields(options, None)
+    if source.format == "jsonl" and fields.image:
+        raise ConfigError(f"dataset.image_field: {path} is JSONL, which holds no images")
+    if not source.table:
+        return source, fields, []
+    fields = _table_fields(source, fields)
+    return source, fields, table_schemas(source, fields)
+
+
+def _scan(source: Source, fields: Fields, schemas: list, limit: int | None, progress: bool = False) -> Scan:
+    if source.format == "image_folder":
+        scan = Scan(*scan_image_folder(source, limit))
+    elif source.format == "jsonl":
+        scan = scan_jsonl(source.files, fields, limit, progress)
+    else:
+        scan = Scan(*scan_table(source, fields, schemas, limit))
+    if not scan.n_samples:
+        raise ConfigError(f"dataset.path {source.root} holds no samples")
+    return scan
 
 
 def check_dataset(section: dict[str, Any]) -> None:

@@ -1,52 +1,84 @@
-"""JSONL files: one JSON object per line (blank lines skipped), read line by line in two passes: every
-line parsed and checked for the row count and the labels, then only the rows asked for kept."""
+"""JSONL files: one JSON object per line (blank lines skipped), read line by line in two passes:
+the scan parses and checks every line for the row count and the labels, marking where rows start
+every MARK_CHARS of text; a job then reads its rows from the mark before them."""
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
+
+from tqdm import tqdm
 
 from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.scan import Mark, Scan
 from actstore.errors import ConfigError
 
-
-def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None) -> tuple[int, list]:
-    """(rows, labels) of the first `limit` rows, each parsed and checked for the fields the config
-    reads; no row is kept, so memory holds one line and the distinct labels."""
-    n_rows, labels = 0, {}
-    for where, line in _lines(files):
-        if limit is not None and n_rows >= limit:
-            break
-        row = _parse(line, where)
-        _check(row, fields, where)
-        labels[_label(row, fields, where)] = None
-        n_rows += 1
-    return n_rows, label_list(labels)
+MARK_CHARS = 1 << 20  # text between marks: what a job reads past, at most, before its first row
+FIRST = Mark(0, 0, 0, 0)
 
 
-def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range) -> list[Sample]:
-    """The samples of `rows`; lines before them are counted, not parsed."""
+def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progress: bool = False,
+               mark_chars: int = MARK_CHARS) -> Scan:
+    """The scan of the first `limit` rows, each parsed and checked for the fields the config reads;
+    no row is kept, so memory holds one line, the distinct labels and the marks."""
+    n_rows, labels, marks, chars = 0, {}, [FIRST], 0
+    stamps = tuple((s.st_size, s.st_mtime_ns) for s in (path.stat() for path in files))
+    with tqdm(total=sum(size for size, _ in stamps), unit="B", unit_scale=True, desc="scan dataset",
+              disable=not progress) as bar:
+        for file, line_no, line, fh in _lines(files, FIRST):
+            if limit is not None and n_rows >= limit:
+                break
+            where = f"{files[file]}:{line_no}"
+            row = _parse(line, where)
+            _check(row, fields, where)
+            labels[_label(row, fields, where)] = None
+            n_rows += 1
+            chars += len(line)
+            if chars >= mark_chars:
+                marks.append(Mark(n_rows, file, fh.tell(), line_no))
+                bar.update(chars)
+                chars = 0
+    return Scan(n_rows, label_list(labels), tuple(marks), stamps)
+
+
+def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan) -> list[Sample]:
+    """The samples of `rows`, read from the scan's last mark before them: the lines between are
+    counted, not parsed. ConfigError naming the file if it changed since the scan."""
+    for path, stamp in zip(files, scan.stamps, strict=True):
+        now = path.stat()
+        if (now.st_size, now.st_mtime_ns) != tuple(stamp):
+            raise ConfigError(f"{path}: changed since the dataset was scanned (size {stamp[0]} -> {now.st_size} "
+                              f"bytes, or its modification time); scan it again (rule extract_scan)")
+    mark = scan.marks[bisect.bisect_right([m.row for m in scan.marks], rows.start) - 1]
     samples: list[Sample] = []
-    for sample_idx, (where, line) in enumerate(_lines(files)):
+    for sample_idx, (file, line_no, line, _) in enumerate(_lines(files, mark), start=mark.row):
         if sample_idx >= rows.stop:
             break
         if sample_idx >= rows.start:
+            where = f"{files[file]}:{line_no}"
             row = _parse(line, where)
             _check(row, fields, where)
             samples.append(Sample(sample_idx, _prompt(row, fields, where), row.get(fields.label), _kept(row, fields)))
     return samples
 
 
-def _lines(files: tuple[Path, ...]) -> Iterator[tuple[str, str]]:
-    """(file:line, line) of every non-blank line."""
-    for path in files:
-        with path.open(encoding="utf-8") as fh:
+def _lines(files: tuple[Path, ...], start: Mark) -> Iterator[tuple[int, int, str, IO[str]]]:
+    """(file, line number, line, open file) of every non-blank line from `start` on; the open file
+    is positioned just after the line (its tell() is where the next line starts)."""
+    for file in range(start.file, len(files)):
+        with files[file].open(encoding="utf-8") as fh:
+            line_no = 0
+            if file == start.file:
+                fh.seek(start.position)
+                line_no = start.line
             try:
-                for line_no, line in enumerate(fh, start=1):
+                while line := fh.readline():  # not `for line in fh`, which disables tell()
+                    line_no += 1
                     if line.strip():
-                        yield f"{path}:{line_no}", line
+                        yield file, line_no, line, fh
             except UnicodeDecodeError:
-                raise _not_utf8(path) from None
+                raise _not_utf8(files[file]) from None
 
 
 def _not_utf8(path: Path) -> ConfigError:
@@ -72,7 +104,7 @@ def _parse(line: str, where: str) -> dict[str, Any]:
 
 def _check(row: dict[str, Any], fields: Fields, where: str) -> None:
     """ConfigError naming the line and field if the row lacks a field the config reads."""
-    if fields.render is not None:
+    if fields.messages is not None:
         if fields.messages not in row:
             raise ConfigError(f"{where}: line has no field {fields.messages!r} (dataset.messages_field)")
     elif not isinstance(row.get(fields.text), str):
@@ -91,7 +123,7 @@ def _label(row: dict[str, Any], fields: Fields, where: str) -> Any:
 
 
 def _prompt(row: dict[str, Any], fields: Fields, where: str) -> str:
-    return fields.render(row[fields.messages], where) if fields.render is not None else row[fields.text]
+    return fields.render(row[fields.messages], where) if fields.messages is not None else row[fields.text]
 
 
 def _kept(row: dict[str, Any], fields: Fields) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from actstore.datasets import Dataset, Sample, configured_dataset
+from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
@@ -36,13 +36,13 @@ def storage_dtype(config: dict[str, Any]) -> str:
     return config["model"]["torch_dtype"] if dtype == "auto" else dtype
 
 
-def preflight(config: dict[str, Any], part: int) -> tuple[Path, Dataset]:
+def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None) -> tuple[Path, Dataset]:
     """Every check that needs no weights: model path, layer range, dataset (part `part`'s rows
-    read), modality, hooks."""
+    read, from the dataset scan file `scan` when given, else scanned here), modality, hooks."""
     model_path = resolve_model_path(config["model"]["path"])
     model_config = read_model_config(model_path)
     check_layers(config["extract"]["layers"], num_blocks(model_config))
-    dataset = configured_dataset(config, model_path, part)
+    dataset = configured_dataset(config, model_path, part, read_scan(scan) if scan else None)
     want = "image" if model_kind(model_config) == "vision" else "text"
     if dataset.modality != want:
         raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s "
@@ -55,11 +55,12 @@ def preflight(config: dict[str, Any], part: int) -> tuple[Path, Dataset]:
 
 
 def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: bool = True,
-             threads: int | None = None) -> dict:
+             threads: int | None = None, scan: str | Path | None = None) -> dict:
     """Extract part `part` of config's dataset into `out_dir` (atomic); return its part.json dict.
-    `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null)."""
+    `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null).
+    `scan`: the dataset's scan file (datasets.write_scan), so that the job reads only its rows."""
     ext = config["extract"]
-    model_path, dataset = preflight(config, part)
+    model_path, dataset = preflight(config, part, scan)
     samples = dataset.samples
     cpus = default_workers(threads)
     vision = dataset.modality == "image"

@@ -1,0 +1,74 @@
+"""A dataset's scan: what every extraction job needs of the whole dataset (its row count, its labels)
+and, for JSONL, where rows start, from one pass over every row. The Snakemake workflow scans once
+(rule extract_scan) and each part's job reads only its own rows; load_dataset scans in-process when
+given no scan."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actstore.errors import FormatError
+from actstore.integrity import read_json, whole_number
+from actstore.io_utils import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where JSONL row `row` can be read from: `position` (the text file's own tell()) in file `file`
+    of the dataset, after its line `line`. Blank lines may follow it."""
+
+    row: int
+    file: int
+    position: int
+    line: int
+
+
+@dataclass(frozen=True)
+class Scan:
+    """n_samples: rows after dataset.limit; labels: label_id = position in this list. JSONL only:
+    marks (the first at row 0, then every ~MARK_CHARS of text) and each file's (size, mtime_ns) when
+    scanned, so that a file changed since is refused rather than read at stale positions."""
+
+    n_samples: int
+    labels: list
+    marks: tuple[Mark, ...] = ()
+    stamps: tuple[tuple[int, int], ...] = ()
+
+
+def write_scan(scan: Scan, path: str | Path) -> None:
+    """The scan as one JSON file, written atomically."""
+    write_json_atomic(path, {"n_samples": scan.n_samples, "labels": scan.labels,
+                             "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
+                             "stamps": [list(stamp) for stamp in scan.stamps]}, indent=None)
+    log.info("dataset scan: %d rows, %d labels, %d JSONL marks -> %s", scan.n_samples, len(scan.labels),
+             len(scan.marks), path)
+
+
+def read_scan(path: str | Path) -> Scan:
+    """A scan write_scan wrote; FormatError naming the file and field when it is not one."""
+    path = Path(path)
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise FormatError(f"{path}: a dataset scan is a JSON object")
+    n_samples, labels, marks, stamps = (data.get(k) for k in ("n_samples", "labels", "marks", "stamps"))
+    if not whole_number(n_samples) or not n_samples:
+        raise FormatError(f"{path}: n_samples must be a whole number of at least 1, got {n_samples!r:.60}")
+    if not isinstance(labels, list):
+        raise FormatError(f"{path}: labels must be a list")
+    marks = [Mark(*m) for m in _numbers(marks, 4, path, "marks")]
+    if marks and (marks[0] != Mark(0, 0, 0, 0) or any(a.row > b.row for a, b in zip(marks, marks[1:]))
+                  or marks[-1].row > n_samples):
+        raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
+    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")))
+
+
+def _numbers(value: Any, width: int, path: Path, field: str) -> list[tuple[int, ...]]:
+    """A list of `width`-long lists of whole numbers, as tuples."""
+    if not isinstance(value, list) or not all(
+            isinstance(item, list) and len(item) == width and all(map(whole_number, item)) for item in value):
+        raise FormatError(f"{path}: {field} must be a list of lists of {width} whole numbers")
+    return [tuple(item) for item in value]
