@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tiny
-from actstore.datasets import check_dataset, load_dataset, part_range, read_scan, scan_dataset, write_scan
+from actstore.datasets import Scan, check_dataset, load_dataset, part_range, read_scan, scan_dataset, write_scan
 from actstore.datasets.core import Fields
 from actstore.datasets.jsonl import scan_jsonl
 from actstore.datasets.source import resolve_source
@@ -469,3 +469,35 @@ def test_labels_equal_as_text_are_numbered_alike_in_every_process(tmp_path):
     seen = {subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
     assert seen == {"['1', 1, 'a', 'b']\n"}
+
+
+@pytest.mark.parametrize("kind", ["parquet", "parquet_no_stats", "arrow", "messages"])
+def test_the_scan_names_a_null_prompt_in_a_table_before_any_part_reads_it(kind, model_dir, tmp_path):
+    """A null text (or messages list) in the last shard of a table is named by the scan, as the
+    part's job reading that row names it; a limit that stops before it lets it be. Parquet string
+    columns are checked from the row groups' null counts; without them, and in Arrow, the prompt
+    column is read. (A CSV's empty field is an empty string, never null.)"""
+    texts = [f"row {i}" for i in range(90)]
+    texts[77] = None
+    column = "messages" if kind == "messages" else "text"
+    values = [None if t is None else [{"role": "user", "content": t}] for t in texts] if kind == "messages" else texts
+    table = pa.table({column: values, "label": [i % 3 for i in range(90)]})
+    options = {"messages_field": "messages"} if kind == "messages" else {}
+    chat_model = tiny.add_chat_template(model_dir("llama"), tmp_path / "chat-llama") if options else None
+    if kind == "arrow":
+        path = tiny.write_arrow_stream(tmp_path / "data.arrow", table, batch_rows=16)
+        where = "data.arrow#77"
+    else:
+        path = tmp_path / "shards"
+        path.mkdir()
+        for i, rows in enumerate((range(0, 50), range(50, 90))):
+            pq.write_table(table.slice(rows.start, len(rows)), path / f"train-{i}.parquet", row_group_size=16,
+                           write_statistics=kind != "parquet_no_stats")
+        where = "train-1.parquet#27"
+    message = rf"{where}, column '{column}': null where a prompt is needed"
+    with pytest.raises(ConfigError, match=message):
+        scan_dataset(path, **options)
+    scan = scan_dataset(path, 77, **options)  # rows 0-76: no null among them
+    assert scan.n_samples == 77
+    with pytest.raises(ConfigError, match=message):  # the part's job reading the row names it alike
+        load_dataset(path, parts=(2, 1), scan=Scan(90, [0, 1, 2]), model_path=chat_model, **options)

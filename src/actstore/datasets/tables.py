@@ -194,10 +194,51 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
         if limit is not None and n_rows >= limit:
             n_rows = limit
             break
+    if not fields.image:
+        _check_prompts(source, fields, n_rows)
     names = class_names(source, schemas[0], fields.label) if schemas else None
     if names is not None or not any(fields.label in schema.names for schema in schemas):
         return n_rows, names or []
     return n_rows, label_list(_labels(source, fields, schemas, counts, n_rows))
+
+
+def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
+    """ConfigError naming the first of the first `n_rows` rows whose prompt is null, as the part's
+    job reading it would, but before any part's job starts. Parquet: row groups whose footer counts
+    no null in a string column are not read; other blocks are read for the prompt column alone."""
+    import pyarrow.compute as pc
+
+    start = 0
+    for path in source.files:
+        shard_start, known = start, _footer_null_counts(source.format, path, fields.prompt)
+        for block, (size, read) in enumerate(blocks(source.format, path, [fields.prompt])):
+            if start >= n_rows:
+                return
+            if (known[block] if block < len(known) else None) != 0:
+                nulls = read().column(fields.prompt).is_null()
+                row = pc.index(nulls, True).as_py()
+                if 0 <= row < n_rows - start:
+                    raise ConfigError(f"{source.root}: {source.name(path)}#{start - shard_start + row}, "
+                                      f"column {fields.prompt!r}: null where a prompt is needed")
+            start += size
+
+
+def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
+    """A Parquet file's null count of `column` in each row group, from its footer's statistics (None
+    where not recorded); [] for other formats or a nested column, whose blocks are read instead."""
+    if fmt != "parquet":
+        return []
+    import pyarrow.parquet as pq
+    metadata = pq.ParquetFile(path).metadata
+    counts = []
+    for group in range(metadata.num_row_groups):
+        chunk = next((metadata.row_group(group).column(i) for i in range(metadata.num_columns)
+                      if metadata.row_group(group).column(i).path_in_schema == column), None)
+        if chunk is None:
+            return []
+        stats = chunk.statistics
+        counts.append(stats.null_count if stats is not None and stats.has_null_count else None)
+    return counts
 
 
 def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
