@@ -9,7 +9,6 @@ sample_idx of every sample is its row index in the order defined here, in every 
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,9 +51,10 @@ def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train
                  **options: Any) -> Scan:
     """One pass over every row of `path` (options: the dataset.* keys in FIELD_KEYS): its row count
     and labels, and for JSONL where rows start, each line parsed and checked (ConfigError naming the
-    file, line or field); Parquet, Arrow and CSV rows from the metadata and labels from the label
-    column; image folders listed. Chat messages are checked present, not rendered."""
-    return _scan(*_opened(path, split, options), limit, progress)
+    file, line or field); Parquet, Arrow and CSV rows from the metadata, labels from the label
+    column, and the first null prompt named; image folders listed. Chat messages are checked
+    present, not rendered."""
+    return _scan(path, *_opened(path, split, options), limit, progress)
 
 
 def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",
@@ -66,7 +66,7 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     to keep only that part's rows (part_range), so a job holds its own rows, never the whole
     dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
     source, fields, schemas = _opened(path, split, options)
-    scan = scan or _scan(source, fields, schemas, limit)
+    scan = scan or _scan(path, source, fields, schemas, limit)
     rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
     fields = replace(fields, render=_renderer(options, model_path))
     if source.format == "image_folder":
@@ -92,7 +92,8 @@ def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Sour
     return source, fields, table_schemas(source, fields)
 
 
-def _scan(source: Source, fields: Fields, schemas: list, limit: int | None, progress: bool = False) -> Scan:
+def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit: int | None,
+          progress: bool = False) -> Scan:
     if source.format == "image_folder":
         scan = Scan(*scan_image_folder(source, limit))
     elif source.format == "jsonl":
@@ -100,7 +101,7 @@ def _scan(source: Source, fields: Fields, schemas: list, limit: int | None, prog
     else:
         scan = Scan(*scan_table(source, fields, schemas, limit))
     if not scan.n_samples:
-        raise ConfigError(f"dataset.path {source.root} holds no samples")
+        raise ConfigError(f"dataset.path {path} holds no samples")
     return scan
 
 
