@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import tiny
-from actstore.datasets import Scan, check_dataset, load_dataset, part_range, read_scan, scan_dataset, write_scan
+from actstore.datasets import check_dataset, load_dataset, part_range, read_scan, scan_dataset, write_scan
 from actstore.datasets.core import Fields
 from actstore.datasets.jsonl import scan_jsonl
+from actstore.datasets.scan import stamped
 from actstore.datasets.source import resolve_source
 from actstore.errors import FormatError
 from actstore.errors import ConfigError
@@ -422,8 +424,9 @@ def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, tmp_path):
     root = awkward_jsonl(tmp_path / "docs")
     whole = load_dataset(root, limit)
     assert [s.metadata["i"] for s in whole.samples] == list(range(limit or 60))
-    files = resolve_source(str(root), "auto", "train").files
-    scan = scan_jsonl(files, Fields(), limit, mark_chars=40)
+    source = resolve_source(str(root), "auto", "train")
+    files = source.files
+    scan = stamped(scan_jsonl(files, Fields(), limit, mark_chars=40), source)
     assert len(scan.marks) > 20 and any(m.file == 1 for m in scan.marks)
     for mark in scan.marks:  # a mark's line: the lines before its position (errors name lines from it)
         with files[mark.file].open(encoding="utf-8") as fh:
@@ -443,6 +446,27 @@ def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, tmp_path):
         load_dataset(root, limit, parts=(4, 3), scan=scan)
 
 
+def test_data_changed_since_the_scan_is_refused_by_a_part(tables, image_folder, tmp_path):
+    """Rows found from a scan of data that changed since would be other rows, silently: a part's job
+    refuses a data file whose size or mtime changed (naming it), a table folder with a file more,
+    and an image folder whose listing changed."""
+    import shutil
+
+    shards = shutil.copytree(tables["parquet"][0], tmp_path / "parquet")
+    photos = shutil.copytree(image_folder, tmp_path / "photos")
+    for path, change, message in [
+            (shards, lambda: os.utime(next(shards.glob("*00001*")), ns=(1, 1)), r"00001-of-00002\.parquet: changed since"),
+            (shards, lambda: shutil.copy(next(shards.glob("*00001*")), shards / "train-00002.parquet"),
+             r"holds 3 data files, 2 when the dataset was scanned"),
+            (photos, lambda: next(photos.rglob("*.png")).rename(photos / "moved.png"),
+             r"photos: its images changed since the dataset was scanned")]:
+        scan = scan_dataset(path)
+        load_dataset(path, parts=(2, 1), scan=scan)
+        change()
+        with pytest.raises(ConfigError, match=message + r".*snakemake --forcerun extract_scan"):
+            load_dataset(path, parts=(2, 1), scan=scan)
+
+
 def test_a_damaged_scan_file_is_named_not_read(tmp_path):
     """A scan that is not JSON, counts nothing, or whose marks do not start at the first row is a
     FormatError naming the file and the field."""
@@ -452,7 +476,8 @@ def test_a_damaged_scan_file_is_named_not_read(tmp_path):
     good = json.loads((tmp_path / "scan.json").read_text())
     cases = {"truncated": (None, "not valid JSON"), "n_samples": (0, "n_samples must be a whole number"),
              "labels": ("a", "labels must be a list"), "marks": ([[1, 0, 0, 0]], "marks must start at row 0"),
-             "stamps": ([[1, -2]], "stamps must be a list of lists of 2 whole numbers")}
+             "stamps": ([[1, -2]], "stamps must be a list of lists of 2 whole numbers"),
+             "listing": (None, "listing must be a string")}
     for field, (value, message) in cases.items():
         bad = tmp_path / f"{field}.json"
         bad.write_text(json.dumps(good)[:20] if field == "truncated" else json.dumps(good | {field: value}))
@@ -500,4 +525,4 @@ def test_the_scan_names_a_null_prompt_in_a_table_before_any_part_reads_it(kind, 
     scan = scan_dataset(path, 77, **options)  # rows 0-76: no null among them
     assert scan.n_samples == 77
     with pytest.raises(ConfigError, match=message):  # the part's job reading the row names it alike
-        load_dataset(path, parts=(2, 1), scan=Scan(90, [0, 1, 2]), model_path=chat_model, **options)
+        load_dataset(path, parts=(2, 1), scan=replace(scan, n_samples=90), model_path=chat_model, **options)

@@ -23,8 +23,7 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
     """The scan of the first `limit` rows, each parsed and checked for the fields the config reads;
     no row is kept, so memory holds one line, the distinct labels and the marks."""
     n_rows, labels, marks, chars = 0, {}, [FIRST], 0
-    stamps = tuple((s.st_size, s.st_mtime_ns) for s in (path.stat() for path in files))
-    with tqdm(total=sum(size for size, _ in stamps), unit="B", unit_scale=True, desc="scan dataset",
+    with tqdm(total=sum(path.stat().st_size for path in files), unit="B", unit_scale=True, desc="scan dataset",
               disable=not progress) as bar:
         for file, line_no, line, fh in _lines(files, FIRST):
             if limit is not None and n_rows >= limit:
@@ -39,17 +38,12 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
                 marks.append(Mark(n_rows, file, fh.tell(), line_no))
                 bar.update(chars)
                 chars = 0
-    return Scan(n_rows, label_list(labels), tuple(marks), stamps)
+    return Scan(n_rows, label_list(labels), tuple(marks))
 
 
 def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan) -> list[Sample]:
     """The samples of `rows`, read from the scan's last mark before them: the lines between are
-    counted, not parsed. ConfigError naming the file if it changed since the scan."""
-    for path, stamp in zip(files, scan.stamps, strict=True):
-        now = path.stat()
-        if (now.st_size, now.st_mtime_ns) != tuple(stamp):
-            raise ConfigError(f"{path}: changed since the dataset was scanned (size {stamp[0]} -> {now.st_size} "
-                              f"bytes, or its modification time); scan it again (rule extract_scan)")
+    counted, not parsed."""
     mark = scan.marks[bisect.bisect_right([m.row for m in scan.marks], rows.start) - 1]
     samples: list[Sample] = []
     for sample_idx, (file, line_no, line, _) in enumerate(_lines(files, mark), start=mark.row):

@@ -4,12 +4,14 @@ and, for JSONL, where rows start, from one pass over every row. The Snakemake wo
 given no scan."""
 from __future__ import annotations
 
+import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import FormatError
+from actstore.datasets.source import Source
+from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
 from actstore.io_utils import write_json_atomic
 
@@ -29,21 +31,54 @@ class Mark:
 
 @dataclass(frozen=True)
 class Scan:
-    """n_samples: rows after dataset.limit; labels: label_id = position in this list. JSONL only:
-    marks (the first at row 0, then every ~MARK_CHARS of text) and each file's (size, mtime_ns) when
-    scanned, so that a file changed since is refused rather than read at stale positions."""
+    """n_samples: rows after dataset.limit; labels: label_id = position in this list; marks (JSONL
+    only): the first at row 0, then every ~MARK_CHARS of text. What the data was when scanned, so
+    that data changed since is refused rather than read at stale rows and positions: stamps, each
+    data file's (size, mtime_ns); listing (image folders), the sha256 of the image names in order."""
 
     n_samples: int
     labels: list
     marks: tuple[Mark, ...] = ()
     stamps: tuple[tuple[int, int], ...] = ()
+    listing: str = ""
+
+
+def stamped(scan: Scan, source: Source) -> Scan:
+    """`scan` with what `source`'s data is now (see Scan): take it before scanning, so that a change
+    during the scan is seen too."""
+    if source.format == "image_folder":
+        return replace(scan, listing=_listing(source))
+    return replace(scan, stamps=tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in source.files)))
+
+
+def check_unchanged(scan: Scan, source: Source) -> None:
+    """ConfigError naming the data that changed since `scan` was taken (a file's size or mtime, the
+    number of files, or an image folder's listing)."""
+    now = stamped(Scan(scan.n_samples, scan.labels), source)
+    rescan = "scan it again (the workflow: snakemake --forcerun extract_scan)"
+    if now.listing != scan.listing:
+        raise ConfigError(f"{source.root}: its images changed since the dataset was scanned; {rescan}")
+    if len(now.stamps) != len(scan.stamps):
+        raise ConfigError(f"{source.root}: holds {len(now.stamps)} data files, {len(scan.stamps)} when the "
+                          f"dataset was scanned; {rescan}")
+    for path, was, stamp in zip(source.files, scan.stamps, now.stamps):
+        if tuple(was) != stamp:
+            raise ConfigError(f"{path}: changed since the dataset was scanned (size {was[0]} -> {stamp[0]} bytes, "
+                              f"or its modification time); {rescan}")
+
+
+def _listing(source: Source) -> str:
+    digest = hashlib.sha256()
+    for path in source.files:
+        digest.update(str(path).encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
 
 
 def write_scan(scan: Scan, path: str | Path) -> None:
     """The scan as one JSON file, written atomically."""
     write_json_atomic(path, {"n_samples": scan.n_samples, "labels": scan.labels,
                              "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
-                             "stamps": [list(stamp) for stamp in scan.stamps]}, indent=None)
+                             "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing}, indent=None)
     log.info("dataset scan: %d rows, %d labels, %d JSONL marks -> %s", scan.n_samples, len(scan.labels),
              len(scan.marks), path)
 
@@ -54,16 +89,19 @@ def read_scan(path: str | Path) -> Scan:
     data = read_json(path)
     if not isinstance(data, dict):
         raise FormatError(f"{path}: a dataset scan is a JSON object")
-    n_samples, labels, marks, stamps = (data.get(k) for k in ("n_samples", "labels", "marks", "stamps"))
+    n_samples, labels, marks, stamps, listing = (data.get(k) for k in ("n_samples", "labels", "marks", "stamps",
+                                                                       "listing"))
     if not whole_number(n_samples) or not n_samples:
         raise FormatError(f"{path}: n_samples must be a whole number of at least 1, got {n_samples!r:.60}")
     if not isinstance(labels, list):
         raise FormatError(f"{path}: labels must be a list")
+    if not isinstance(listing, str):
+        raise FormatError(f"{path}: listing must be a string")
     marks = [Mark(*m) for m in _numbers(marks, 4, path, "marks")]
     if marks and (marks[0] != Mark(0, 0, 0, 0) or any(a.row > b.row for a, b in zip(marks, marks[1:]))
                   or marks[-1].row > n_samples):
         raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
-    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")))
+    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")), listing)
 
 
 def _numbers(value: Any, width: int, path: Path, field: str) -> list[tuple[int, ...]]:
