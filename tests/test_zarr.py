@@ -142,6 +142,38 @@ def test_corruption_is_detected(bert_run, tmp_path, damage):
     assert problems and any("shard-0001.zarr/arrays/activations/4/1/0" in p for p in problems), problems
 
 
+def test_zmetadata_names_are_read_only_inside_the_store_and_only_as_metadata(bert_run, tmp_path):
+    """.zmetadata's keys are names read from metadata: one leading outside (climbing, absolute, or
+    through a link), one that is not a zarr metadata document (/dev/zero would be read forever), or
+    one naming a FIFO inside the store (reading it would block) is named by verify, never read; a
+    .zmetadata whose metadata is not an object is refused by the reader, naming it."""
+    import os
+
+    _, run_dir = bert_run
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / ".zattrs").write_text("{}")
+    os.mkfifo(outside / "fifo")
+    cases = {"../../outside/.zattrs": "is not a relative path inside", str(outside / ".zattrs"): "is not a relative path",
+             "linked/.zattrs": "leads outside", "/dev/zero": "is not a relative path",
+             "arrays/activations/0/0/0/0": "is not a zarr metadata name", "queue/.zattrs": "missing or not JSON"}
+    for key, message in cases.items():
+        store = tmp_path / "s.zarr"
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.copytree(run_dir / "shards" / "shard-0000.zarr", store)
+        (store / "linked").symlink_to(outside, target_is_directory=True)
+        (store / "queue").mkdir()
+        os.mkfifo(store / "queue" / ".zattrs")
+        meta = json.loads((store / ".zmetadata").read_text())
+        meta["metadata"][key] = {}
+        (store / ".zmetadata").write_text(json.dumps(meta))
+        problems = zs.verify(store)
+        assert any(message in p and key in p for p in problems), (key, problems)
+    (store / ".zmetadata").write_text(json.dumps({"metadata": None}))
+    with pytest.raises(FormatError, match=r"\.zmetadata: not consolidated metadata"):
+        zs.ZarrStore(store)
+
+
 def test_tampered_metadata_is_refused(bert_run, tmp_path):
     _, run_dir = bert_run
     store = tmp_path / "s.zarr"

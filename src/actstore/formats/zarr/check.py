@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST,
+from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
 from actstore.formats.zarr.read import ZarrRun, ZarrStore, entry_problem, open_zarr, store_files
 from actstore.integrity import dir_bytes, inside, listed_problem, problems_of, read_json, stream_json_members
@@ -167,8 +167,17 @@ def _file_checks(store: Path, reader: ZarrStore | None) -> Iterator[Callable[[],
 def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
     problems = []
     for key, value in reader.metadata.items():  # what plain zarr clients see must equal the files
-        path = store / key
         try:
+            path = inside(store, key, f"{store}/.zmetadata")
+        except FormatError as exc:
+            problems.append(str(exc))
+            continue
+        if PurePosixPath(key).name not in ZARR_METADATA_NAMES:
+            problems.append(f"{store}/.zmetadata: {key!r} is not a zarr metadata name ({', '.join(ZARR_METADATA_NAMES)})")
+            continue
+        try:
+            if not path.is_file():  # never open a FIFO or a device: reading one would block or never end
+                raise OSError
             on_disk = json.loads(path.read_text())
         except (OSError, ValueError):
             problems.append(f"{path}: missing or not JSON (listed in .zmetadata)")

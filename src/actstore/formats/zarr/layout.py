@@ -20,6 +20,7 @@ MERGED = "merged"
 FILES_JSON = "meta/files.json"
 PROMPTS_JSONL = "text/prompts.jsonl"
 ACTS = "arrays/activations"
+ZARR_METADATA_NAMES = (".zarray", ".zattrs", ".zgroup")  # what .zmetadata may name: zarr v2 metadata documents
 
 # Encoding of every array (the reader's fast path depends on exactly this).
 ZARR_FORMAT = 2

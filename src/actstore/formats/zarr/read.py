@@ -48,7 +48,10 @@ class ZarrStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         consolidated = read_json(self.path / ".zmetadata")
-        self.metadata: dict[str, Any] = consolidated.get("metadata", {})
+        metadata = consolidated.get("metadata", {}) if isinstance(consolidated, dict) else None
+        if not isinstance(metadata, dict):
+            raise FormatError(f"{self.path}/.zmetadata: not consolidated metadata (needs a metadata object)")
+        self.metadata: dict[str, Any] = metadata
         self.attrs: dict[str, Any] = self._meta(".zattrs")
         for key in REQUIRED_ATTRS:
             if key not in self.attrs:
@@ -66,8 +69,8 @@ class ZarrStore:
         self._seq: list[int] = self.seq_len.tolist()  # Python ints: cheaper than numpy scalars per read
 
     def _meta(self, key: str) -> dict[str, Any]:
-        if key not in self.metadata:
-            raise FormatError(f"{self.path}/.zmetadata: no entry {key!r}")
+        if not isinstance(self.metadata.get(key), dict):
+            raise FormatError(f"{self.path}/.zmetadata: no object entry {key!r}")
         return self.metadata[key]
 
     def _validate_activations(self) -> None:
