@@ -557,6 +557,32 @@ def test_an_index_that_misstates_its_parts_is_named(extracted, tmp_path, key, va
     assert extract_format.verify(copy) == [f"{copy / 'extract.json'}: {key} = {value!r} but the parts say {right!r:.100}"]
 
 
+def test_without_its_index_a_deleted_or_misplaced_part_is_still_named(extracted, tmp_path):
+    """extract.json names a deleted part; with it gone too, verify names the missing index, and the
+    reader still refuses a stage missing a part (every part.json says how many parts there are and
+    which rows it holds) rather than returning the parts that are left."""
+    import shutil
+
+    from actstore.formats import extract as extract_format
+    _, out = extracted("bert")
+    copy = tmp_path / "extract"
+    shutil.copytree(out, copy)
+    (copy / "extract.json").unlink()
+    assert extract_format.verify(copy) == [f"{copy / 'extract.json'}: missing (it lists the parts, so that a deleted "
+                                           f"part is named)"]
+    assert open_extraction(copy).n_samples == open_extraction(out).n_samples
+    shutil.rmtree(copy / "part-0001")
+    with pytest.raises(FormatError, match=r"part-0001: no part\.json; the extraction part is missing"):
+        open_extraction(copy)
+    shutil.copytree(out / "part-0001", copy / "part-0001")
+    meta = json.loads((copy / "part-0001" / "part.json").read_text())
+    start, stop = meta["sample_range"]
+    meta["sample_range"] = [start + 1, stop + 1]  # rows it does not hold, as if moved from elsewhere
+    (copy / "part-0001" / "part.json").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match=rf"part-0001/part\.json: sample_range \[{start + 1}, {stop + 1}\]"):
+        open_extraction(copy)
+
+
 def test_the_extraction_contract_types_part_json_and_names_a_missing_field(extracted, tmp_path):
     import shutil
     config, out = extracted("gpt2")

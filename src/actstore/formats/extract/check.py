@@ -43,16 +43,19 @@ def inspect(path: str | Path) -> dict[str, Any]:
 
 
 def verify(path: str | Path) -> list[str]:
-    """Every part extract.json lists present with its part.json, every part's files present with the
-    recorded size and sha256 and nothing unlisted; problems name the file."""
+    """Every part extract.json lists present with its part.json (a stage directory without
+    extract.json is a problem), every part's files present with the recorded size and sha256 and
+    nothing unlisted, the parts covering the dataset's rows in order; problems name the file."""
     path = Path(path)
-    problems = _index_problems(path) if (path / INDEX).is_file() else []
+    single = (path / PART_META).is_file()
+    problems = [] if single else _index_problems(path) if (path / INDEX).is_file() else [
+        f"{path / INDEX}: missing (it lists the parts, so that a deleted part is named)"]
     for part_dir in _part_dirs(path):
         try:
             open_part(part_dir).verify()
         except (FormatError, OSError, ValueError) as exc:
             problems.append(str(exc))
-    return problems or (_summary_problems(path) if (path / INDEX).is_file() else [])
+    return problems or ([] if single else _summary_problems(path))
 
 
 def _summary_problems(extract_dir: Path) -> list[str]:

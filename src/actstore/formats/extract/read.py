@@ -271,11 +271,13 @@ class Extraction:
         self.dir = Path(extract_dir)
         if n_parts is None and (self.dir / INDEX).is_file():
             n_parts = len(read_json(self.dir / INDEX)["parts"])  # a deleted part is missing, not skipped
-        if n_parts is None:
-            n_parts = len(sorted(self.dir.glob("part-[0-9][0-9][0-9][0-9]")))
+        if n_parts is None:  # no index yet: every part.json says how many parts there are
+            found = sorted(self.dir.glob("part-[0-9][0-9][0-9][0-9]"))
+            n_parts = open_part(found[0]).info.parts if found else 0
         if n_parts == 0:
             raise FormatError(f"{self.dir}: no extraction parts")
         self.parts = [open_part(self.dir / part_dirname(p)) for p in range(n_parts)]
+        _check_cover(self.parts)
         self.meta = self.parts[0].meta
         self.info = self.parts[0].info  # run-wide fields; the counts below are the totals
         self._filled = [p for p in self.parts if p.info.n_samples]  # an empty part records sample_range [0, 0]
@@ -329,6 +331,24 @@ class Extraction:
         for part in self.parts:
             for local, row in enumerate(part.samples):
                 yield part, local, row
+
+
+def _check_cover(parts: list[Part]) -> None:
+    """FormatError naming the part.json that does not follow on from the parts before it: each says
+    it is part p of len(parts), and together they cover sample_idx 0..n-1 of the dataset in order."""
+    start = 0
+    for p, part in enumerate(parts):
+        info, where = part.info, part.dir / PART_META
+        if (info.part, info.parts, info.n_dataset_samples) != (p, len(parts), parts[0].info.n_dataset_samples):
+            raise FormatError(f"{where}: part {info.part} of {info.parts} of {info.n_dataset_samples} samples, in an "
+                              f"extraction of {len(parts)} parts of {parts[0].info.n_dataset_samples} samples")
+        if info.n_samples and (info.sample_range[0] != start or info.sample_range[1] - start != info.n_samples):
+            raise FormatError(f"{where}: sample_range {list(info.sample_range)} with {info.n_samples} samples, "
+                              f"where the parts before end at {start}")
+        start += info.n_samples
+    if start != parts[0].info.n_dataset_samples:
+        raise FormatError(f"{parts[-1].dir / PART_META}: the parts hold {start} of the dataset's "
+                          f"{parts[0].info.n_dataset_samples} samples")
 
 
 def open_extraction(extract_dir: str | Path, n_parts: int | None = None, verify: bool = False) -> Extraction:
