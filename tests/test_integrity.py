@@ -232,6 +232,32 @@ def test_damage_is_named_by_verify_and_never_read_as_data(stores, name, kind, tm
         pass
 
 
+UNRECORD = {  # the data file's checksum taken out of its record (the metadata file, the edit)
+    "extract": ("part-0000/part.json", lambda m: m["files"]["layer_000.npy"].pop("sha256_tree")),
+    "saev": ("actstore.json", lambda m: m["files"]["acts000000.bin"].pop("sha256")),
+    "zarr": ("shards/shard-0000.zarr/meta/files.json", lambda m: m["files"]["arrays/activations/0/0/0/0"].pop("sha256")),
+    "pickle": ("machine-0000/metadata.json", lambda m: m["shards"][0].pop("checksum")),
+    "lut": ("metadata.json", lambda m: m["layers"]["encoder.layer.1.q"].pop("sha256")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNRECORD))
+def test_a_checksum_taken_out_of_its_record_is_named_not_skipped(stores, name, tmp_path):
+    """Every writer records each data file's sha256: a record left with its size alone (and a byte
+    of the file then changed) is named by verify, never passed on the size."""
+    store = stores[name]
+    root = tmp_path / store.root.name
+    shutil.copytree(store.root, root, symlinks=True)
+    meta, edit = UNRECORD[name]
+    edit_json(root / meta, edit)
+    data = root / store.data
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    problems = format_module(name).verify(root)
+    assert any(data.name in p for p in problems), problems
+
+
 def test_a_store_whose_loader_index_would_not_fit_is_named_not_a_memory_error(stores, monkeypatch):
     from actstore.errors import ConfigError
     from actstore.formats.saev import loader

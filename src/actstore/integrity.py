@@ -119,14 +119,19 @@ def file_records(records: Any, source: str) -> dict[str, dict[str, Any]]:
     return records
 
 
-def file_problem(path: Path, record: dict[str, Any] | None, source: str, required: bool = True) -> str | None:
+def file_problem(path: Path, record: dict[str, Any] | None, source: str, required: bool = True,
+                 digest: bool = True) -> str | None:
     """None when `path` is a file with the recorded bytes and sha256 (each checked when recorded),
     else what is wrong, naming the file and `source` (where the record comes from). `required`:
-    a record with neither is itself a problem (where the format's own writer always records them)."""
+    a record with neither is itself a problem (where the format's own writer always records them).
+    `digest`: a record with a size must have its sha256 too (every writer records both: one left
+    with its size alone would let any changed byte pass); off only where sizes are all that is checked."""
     if not path.is_file():
         return f"{path}: missing (listed in {source})"
     if not isinstance(record, dict) or not ({"bytes", *DIGESTS} & set(record)):
         return f"{path}: no size or sha256 recorded in {source}" if required else None
+    if digest and not set(DIGESTS) & set(record):
+        return f"{path}: no sha256 recorded in {source}"
     size = path.stat().st_size
     if "bytes" in record and size != record["bytes"]:
         return f"{path}: {size} bytes, {source} says {record['bytes']}"
@@ -137,11 +142,11 @@ def file_problem(path: Path, record: dict[str, Any] | None, source: str, require
 
 
 def listed_problem(root: Path, name: Any, record: dict[str, Any] | None, source: str,
-                   name_source: str | None = None, required: bool = True) -> str | None:
+                   name_source: str | None = None, required: bool = True, digest: bool = True) -> str | None:
     """file_problem of a file that `source` lists by `name`, the name first resolved inside `root`
     (a name leading outside is itself the problem, reported against `name_source`)."""
     try:
-        return file_problem(inside(root, name, name_source or source), record, source, required)
+        return file_problem(inside(root, name, name_source or source), record, source, required, digest)
     except FormatError as exc:
         return str(exc)
 

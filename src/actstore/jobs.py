@@ -144,7 +144,7 @@ def _record_files(job_dir: Path, earlier: JobFiles) -> Iterator[tuple[str, dict[
             raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
         if name in earlier:
             raise FormatError(f"{path}: {name} also listed in {earlier[name][0] / JOB_RECORD}")
-        problem = listed_problem(job_dir, name, {"bytes": entry["bytes"]}, source)
+        problem = listed_problem(job_dir, name, {"bytes": entry["bytes"]}, source, digest=False)
         if problem:
             raise FormatError(problem)
         yield name, entry

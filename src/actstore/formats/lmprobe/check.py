@@ -203,7 +203,7 @@ def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
         record = recorded.get(rel)
         if not checksums and isinstance(record, dict):
             record = {k: v for k, v in record.items() if k != "sha256"}
-        problem = listed_problem(ds.root, rel, record, "lmprobe:files", "lmprobe:tensors")
+        problem = listed_problem(ds.root, rel, record, "lmprobe:files", "lmprobe:tensors", digest=checksums)
         return [problem] if problem else []
 
     problems = problems_of(check, tensor_files(ds.info), desc="verify lmprobe tensors")

@@ -10,7 +10,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, expected_shapes,
                                          layer_index, lut_dir)
-from actstore.integrity import inside, listed_problem, problems_of, read_json, whole_number
+from actstore.integrity import DIGESTS, inside, listed_problem, problems_of, read_json, whole_number
 
 
 def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
@@ -120,11 +120,14 @@ def verify(path: str | Path) -> list[str]:
     if problems:
         return problems
 
+    # The spec records neither size nor sha256 (our writer adds both): presence, keys and shapes then;
+    # but where one table has them, every table must (a record removed would switch its check off).
+    recorded = any({"bytes", *DIGESTS} & set(entry) for entry in meta["layers"].values())
+
     def check(layer: tuple[str, dict[str, Any]]) -> list[str]:
         name, entry = layer
-        # The spec records neither size nor sha256 (our writer adds both): presence, keys and shapes then.
         problem = listed_problem(root, entry["file"], entry, f"metadata.json layers.{name}",
-                                 f"{meta_path} layers.{name}.file", required=False)
+                                 f"{meta_path} layers.{name}.file", required=recorded)
         return [problem] if problem else table_problems(root / entry["file"], meta, entry)
 
     problems += problems_of(check, meta["layers"].items(), desc="verify LUT tables")
