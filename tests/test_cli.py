@@ -220,6 +220,29 @@ def test_invalid_top_metadata_fails_verify_naming_the_file(workflow_run, name, m
     assert f"BAD  {store / metadata}: not" in proc.stdout and "JSON" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, metadata", [("extract", "extract.json"), ("extract", "part-0000/part.json"),
+                                            ("saev", "metadata.json"), ("pickle", "metadata.json"),
+                                            ("pickle", "machine-0000/metadata.json"), ("zarr", "manifest.json"),
+                                            ("zarr", "shards/shard-0000.zarr/meta/files.json"),
+                                            ("lmprobe", "SHA256SUMS"), ("lut", "lut/metadata.json")])
+def test_metadata_linked_from_outside_is_named_and_never_read(workflow_run, name, metadata, tmp_path):
+    """A store's metadata file replaced by a link to a FIFO outside it: reading it would block, so
+    the command finishing at all shows that neither detection nor verify read it; verify names the link."""
+    import os
+
+    config = copied_run(workflow_run, tmp_path)
+    store = store_path(config, name)
+    target = next(store.rglob(metadata)) if name == "lmprobe" else store / metadata
+    os.mkfifo(tmp_path / "outside")
+    target.unlink()
+    target.symlink_to(tmp_path / "outside")
+    code = f"import sys; from actstore import cli; sys.exit(cli.main(['verify', {str(store)!r}]))"
+    proc = run(sys.executable, "-c", code, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{target}: a link to {tmp_path / 'outside'}, outside" in proc.stdout
+
+
 def _point_outside(store: Path, name: str, outside: Path) -> str:
     """Plant a name leading out of the store in the metadata readers follow; return it."""
     if name == "saev":

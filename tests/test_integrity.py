@@ -28,7 +28,7 @@ from actstore.integrity import file_problem, file_record, problems_of
 from actstore.model_config import model_params, read_model_config
 
 DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "mistyped record", "extra file", "symlink out",
-           "linked directory", "directory moved out", "traversal name", "absolute name")
+           "metadata linked out", "linked directory", "directory moved out", "traversal name", "absolute name")
 
 
 @dataclass
@@ -189,6 +189,11 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
         shutil.copyfile(data, outside)
         data.unlink()
         data.symlink_to(outside)
+    elif kind == "metadata linked out":  # the same metadata, read from outside: nothing outside is read
+        shutil.copyfile(meta, outside)
+        meta.unlink()
+        meta.symlink_to(outside)
+        return meta
     elif kind == "linked directory":  # an unlisted link, named like data, to a directory outside the store
         outside.mkdir()
         shutil.copyfile(data, outside / data.name)

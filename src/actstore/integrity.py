@@ -310,6 +310,25 @@ def sorted_files(root: Path) -> Iterator[str]:
     return walk(str(root), "")
 
 
+def links_out(root: Path) -> list[str]:
+    """A problem for every link under `root` (a file's or a directory's; `root` itself as given)
+    that resolves outside it: a verify reports these before it reads anything, so that no metadata
+    or data outside the store is ever read. Directory links are not entered."""
+    if not root.is_dir():
+        return []  # the format names what is missing
+    top, problems, folders = root.resolve(), [], [str(root)]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    target = Path(entry.path).resolve()
+                    if not target.is_relative_to(top):
+                        problems.append(f"{entry.path}: a link to {target}, outside {root}")
+                elif entry.is_dir():
+                    folders.append(entry.path)
+    return sorted(problems)
+
+
 def dir_bytes(root: Path) -> int:
     """Bytes of every file under `root`, not counting a killed writer's temps (io_utils.is_temp); a
     link counts as itself, never as what it points to (nothing outside the store is looked at)."""

@@ -60,9 +60,24 @@ def format_module(name: str) -> Format:
     return cast(Format, importlib.import_module(entry.module))
 
 
+def _linked_near(path: Path) -> bool:
+    """Whether an entry of `path` (itself may be a link: a name users give a store), or of its
+    subdirectories, is a symbolic link."""
+    if not path.is_dir():
+        return False
+    for entry in path.iterdir():
+        if entry.is_symlink() or (entry.is_dir() and any(child.is_symlink() for child in entry.iterdir())):
+            return True
+    return False
+
+
 def detect_format(path: str | Path) -> str | None:
     """Name of the format a directory holds (first match in REGISTRY order): by content, else by
-    file names alone (a damaged store is still some format's, for verify to name what broke)."""
+    file names alone (a damaged store is still some format's, for verify to name what broke). A
+    store with a link in its top two levels, where the metadata detection reads is, is detected by
+    names alone: the link may lead outside, and nothing outside a store is read (verify names it)."""
+    if _linked_near(Path(path)):
+        return next((entry.name for entry in REGISTRY if entry.claims(Path(path))), None)
     for name in FORMAT_NAMES:
         try:
             if format_module(name).detect(path):

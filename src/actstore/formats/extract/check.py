@@ -11,7 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part_dirname, tensor_file
 from actstore.formats.extract.read import open_extraction, open_part
 from actstore.formats.extract.write import index_of
-from actstore.integrity import file_problem, inside, read_json
+from actstore.integrity import file_problem, inside, links_out, read_json
 
 
 def detect(path: str | Path) -> bool:
@@ -47,6 +47,8 @@ def verify(path: str | Path) -> list[str]:
     extract.json is a problem), every part's files present with the recorded size and sha256 and
     nothing unlisted, the parts covering the dataset's rows in order; problems name the file."""
     path = Path(path)
+    if problems := links_out(path):
+        return problems
     single = (path / PART_META).is_file()
     problems = [] if single else _index_problems(path) if (path / INDEX).is_file() else [
         f"{path / INDEX}: missing (it lists the parts, so that a deleted part is named)"]

@@ -11,7 +11,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
-from actstore.integrity import dir_bytes, listed_problem, problems_of, unlisted
+from actstore.integrity import dir_bytes, links_out, listed_problem, problems_of, unlisted
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -90,6 +90,8 @@ def verify(path: str | Path, checksums: bool = True) -> list[str]:
     checksums=False skips hashing the tensor files (what a job that wrote none of them checks): each is
     checked by size against lmprobe:files, whose sha256 SHA256SUMS must repeat, and by its header;
     the index and card are still hashed, the index columns still checked."""
+    if problems := links_out(Path(path)):
+        return problems
     root = dataset_root(path)
     try:
         return _verify(root, checksums)

@@ -10,7 +10,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, expected_shapes,
                                          layer_index, lut_dir)
-from actstore.integrity import DIGESTS, inside, listed_problem, problems_of, read_json, whole_number
+from actstore.integrity import DIGESTS, inside, links_out, listed_problem, problems_of, read_json, whole_number
 
 
 def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
@@ -110,6 +110,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
 def verify(path: str | Path) -> list[str]:
     """Every required field; every listed file inside lut/, not a link out, with its recorded size and
     sha256 (when recorded: other writers may omit them), keys, shapes and dtypes; no unlisted table."""
+    if problems := links_out(Path(path)):
+        return problems
     root = lut_dir(path)
     meta_path = root / META_FILE
     try:

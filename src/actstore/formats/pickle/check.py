@@ -16,7 +16,7 @@ from actstore.errors import FormatError
 from actstore.formats.pickle.layout import (CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA, PREVIEW_CHARS, REQUIRED,
                                             SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name, layer_key)
 from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
-from actstore.integrity import file_problem, inside, problems_of, unlisted, whole_number
+from actstore.integrity import file_problem, inside, links_out, problems_of, unlisted, whole_number
 
 # Shard bytes verify holds at once (validate_stores' mem_mb leaves room for it): with the default
 # 100 MB shards, 3 checked at once; 500 MB shards (the spec's largest) one at a time.
@@ -199,6 +199,8 @@ def _shard_threads(shards: list[dict[str, Any]], width: Any) -> int:
 def verify(path: str | Path) -> list[str]:
     """Full integrity check; every problem names its file. Never raises on a bad store."""
     path = Path(path)
+    if problems := links_out(path):
+        return problems
     try:
         meta = load_metadata(path)
         problems = _verify_metadata(path, meta)

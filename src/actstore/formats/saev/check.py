@@ -11,7 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS,
                                           decode_data, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
-from actstore.integrity import dir_bytes, file_problem, listed_problem, problems_of, unlisted
+from actstore.integrity import dir_bytes, file_problem, links_out, listed_problem, problems_of, unlisted
 
 
 def detect(path: str | Path) -> bool:
@@ -42,10 +42,14 @@ def inspect(path: str | Path) -> dict[str, Any]:
 
 def verify(path: str | Path) -> list[str]:
     """Full integrity check; a list of problems each naming its file (empty = clean). Never raises."""
+    if problems := links_out(Path(path)):
+        return problems
     try:
         store = SaevStore(path, check_sizes=False)
     except (FormatError, OSError) as exc:
         return [str(exc)]
+    if store.dir.resolve() != Path(path).resolve() and (problems := links_out(store.dir)):
+        return problems  # the store saev.json points at
     problems = _verify_name(store)
     try:
         if store.sidecar:  # ours pickle a plain dict; saev pickles its dataset classes, never unpickled here

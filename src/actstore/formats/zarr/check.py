@@ -13,7 +13,7 @@ from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
 from actstore.formats.zarr.read import ZarrRun, ZarrStore, entry_problem, open_zarr, store_files
-from actstore.integrity import dir_bytes, inside, listed_problem, problems_of, read_json, stream_json_members
+from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, read_json, stream_json_members
 from actstore.io_utils import sha256_file
 
 
@@ -59,6 +59,8 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
 def verify(path: str | Path) -> list[str]:
     """Full integrity check of a run (manifest + every store) or of one store; problems name the file."""
     path = Path(path)
+    if problems := links_out(path):
+        return problems
     try:
         if (path / MANIFEST).is_file():
             return _verify_run(path)
