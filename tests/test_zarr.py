@@ -155,23 +155,42 @@ def test_zmetadata_names_are_read_only_inside_the_store_and_only_as_metadata(ber
     (outside / ".zattrs").write_text("{}")
     os.mkfifo(outside / "fifo")
     cases = {"../../outside/.zattrs": "is not a relative path inside", str(outside / ".zattrs"): "is not a relative path",
-             "linked/.zattrs": "leads outside", "/dev/zero": "is not a relative path",
+             "linked/.zattrs": "a link to", "/dev/zero": "is not a relative path",
              "arrays/activations/0/0/0/0": "is not a zarr metadata name", "queue/.zattrs": "missing or not JSON"}
     for key, message in cases.items():
         store = tmp_path / "s.zarr"
         shutil.rmtree(store, ignore_errors=True)
         shutil.copytree(run_dir / "shards" / "shard-0000.zarr", store)
-        (store / "linked").symlink_to(outside, target_is_directory=True)
+        if key.startswith("linked"):  # a link out is named before anything is read (integrity.links_out)
+            (store / "linked").symlink_to(outside, target_is_directory=True)
         (store / "queue").mkdir()
         os.mkfifo(store / "queue" / ".zattrs")
         meta = json.loads((store / ".zmetadata").read_text())
         meta["metadata"][key] = {}
         (store / ".zmetadata").write_text(json.dumps(meta))
         problems = zs.verify(store)
-        assert any(message in p and key in p for p in problems), (key, problems)
+        named = "linked" if key.startswith("linked") else key
+        assert any(message in p and named in p for p in problems), (key, problems)
     (store / ".zmetadata").write_text(json.dumps({"metadata": None}))
     with pytest.raises(FormatError, match=r"\.zmetadata: not consolidated metadata"):
         zs.ZarrStore(store)
+
+
+@pytest.mark.parametrize("key, value", [("layers", [0, 10 ** 30]), ("hidden_size", -1), ("T_chunk", 7), ("T_max", 1),
+                                        ("num_layers", 9), ("dtype", "float32")])
+def test_a_manifest_that_misstates_its_stores_is_named_and_refused(bert_run, key, value, tmp_path):
+    """manifest.json's run-wide fields are what the run reader uses (a wrong layer list made it answer
+    "not stored"): each is checked against every store's own, by verify and on opening."""
+    _, run_dir = bert_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    manifest = json.loads((run / zs.MANIFEST).read_text())
+    manifest[key] = value
+    (run / zs.MANIFEST).write_text(json.dumps(manifest))
+    message = rf"{zs.MANIFEST}: {key}={re.escape(f'{value!r:.60}')}, but .*(shard-0000\.zarr|merged) holds"
+    assert any(re.search(message, p) for p in zs.verify(run)), zs.verify(run)
+    with pytest.raises(FormatError, match=message):
+        zs.open_zarr(run)
 
 
 def test_tampered_metadata_is_refused(bert_run, tmp_path):

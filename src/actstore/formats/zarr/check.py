@@ -12,7 +12,8 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
-from actstore.formats.zarr.read import ZarrRun, ZarrStore, entry_problem, open_zarr, store_files
+from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems,
+                                         store_files)
 from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, read_json, stream_json_members
 from actstore.io_utils import sha256_file
 
@@ -87,18 +88,19 @@ def _verify_run(run: Path) -> list[str]:
         if entry["global_index_start"] != expected_start:
             problems.append(f"{where}: shards[{k}].global_index_start={entry['global_index_start']}, expected {expected_start}")
         expected_start += entry["num_samples"]
-        problems += _verify_store(inside(run, entry["path"], str(where)), entry)
+        problems += _verify_store(inside(run, entry["path"], str(where)), entry, (manifest, where))
     if manifest.get("num_samples") != expected_start:
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
     merged = manifest.get("merged")
     if merged:
         problem = entry_problem(merged, f"{where}: merged")
-        problems += [problem] if problem else _verify_store(inside(run, merged["path"], str(where)), merged)
+        problems += [problem] if problem else _verify_store(inside(run, merged["path"], str(where)), merged, (manifest, where))
     return problems
 
 
-def _verify_store(store: Path, entry: dict | None) -> list[str]:
-    """Checksums of every file, no file missing or extra, spec fields, consolidated == per-file metadata."""
+def _verify_store(store: Path, entry: dict | None, manifest: tuple[dict, Path] | None = None) -> list[str]:
+    """Checksums of every file, no file missing or extra, spec fields, consolidated == per-file metadata;
+    in a run, the manifest's run-wide fields against the store's."""
     files_json = store / FILES_JSON
     if not files_json.is_file():
         return [f"{files_json}: missing"]
@@ -109,6 +111,8 @@ def _verify_store(store: Path, entry: dict | None) -> list[str]:
     except FormatError as exc:
         return _verify_files(store, None) + [str(exc)]
     problems = _verify_files(store, reader) + _verify_metadata(store, reader)
+    if manifest is not None:
+        problems += run_field_problems(manifest[0], reader, str(manifest[1]))
     if entry is not None and entry["num_samples"] != reader.n_samples:
         problems.append(f"{store}/.zattrs: num_samples={reader.n_samples}, manifest.json says {entry['num_samples']}")
     return problems

@@ -159,6 +159,16 @@ def entry_problem(entry: Any, where: str) -> str | None:
     return None
 
 
+def run_field_problems(manifest: dict[str, Any], store: ZarrStore, where: str) -> list[str]:
+    """The run-wide fields manifest.json repeats (what ZarrRun reads from it) against one store's
+    own: layers and hidden_size always, the others where the manifest has them (earlier releases)."""
+    have = {"layers": store.layers, "hidden_size": store.hidden, "num_layers": len(store.layers),
+            "T_max": store.t_max, "T_chunk": store.t_chunk, "dtype": "float16"}
+    return [f"{where}: {key}={manifest.get(key)!r:.60}, but {store.path} holds {value!r:.60}"
+            for key, value in have.items()
+            if (key in ("layers", "hidden_size") or key in manifest) and manifest.get(key) != value]
+
+
 class ZarrRun:
     """A run directory read through its manifest (Option A), or its merged/ store (Option B)."""
 
@@ -177,6 +187,8 @@ class ZarrRun:
             if problem := entry_problem(entry, f"{self.path / MANIFEST}: {'merged' if merged else f'shards[{k}]'}"):
                 raise FormatError(problem)
         self.stores = [ZarrStore(inside(self.path, e["path"], str(self.path / MANIFEST))) for e in entries]
+        for store in self.stores:
+            refuse(run_field_problems(self.manifest, store, str(self.path / MANIFEST)))
         self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
         self.layers: list[int] = list(self.manifest["layers"])
