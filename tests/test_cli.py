@@ -243,6 +243,22 @@ def test_metadata_linked_from_outside_is_named_and_never_read(workflow_run, name
     assert f"{target}: a link to {tmp_path / 'outside'}, outside" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, metadata", [("extract", "part-0000/part.json"), ("extract", "extract.json"),
+                                            ("saev", "metadata.json"), ("saev", "shards.json"),
+                                            ("pickle", "metadata.json"), ("zarr", "manifest.json"),
+                                            ("lmprobe", "dataset/index/train-00000-of-00001.parquet"),
+                                            ("lut", "lut/metadata.json")])
+def test_a_deleted_top_metadata_file_is_named_not_an_unknown_format(workflow_run, name, metadata, tmp_path):
+    """The store is still recognised by its other files' names, and verify names what is missing."""
+    config = copied_run(workflow_run, tmp_path)
+    store = store_path(config, name)
+    (store / metadata).unlink()
+    proc = actstore("verify", str(store))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert str(store / metadata) in proc.stdout, proc.stdout
+
+
 def _point_outside(store: Path, name: str, outside: Path) -> str:
     """Plant a name leading out of the store in the metadata readers follow; return it."""
     if name == "saev":

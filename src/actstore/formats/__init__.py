@@ -38,15 +38,18 @@ class FormatEntry:
 # Detection order: more specific layouts first. Format stages run in this order too.
 REGISTRY = (
     FormatEntry("lut", "actstore.formats.lut", stage=False,
-                markers=(("lut/metadata.json",), ("metadata.json", "*.lut.safetensors"))),
+                markers=(("lut/metadata.json",), ("lut/*.lut.safetensors",), ("*.lut.safetensors",))),
     FormatEntry("saev", "actstore.formats.saev", stage=True,
-                markers=(("metadata.json", "shards.json"), ("saev.json",))),
+                markers=(("shards.json",), ("metadata.json", "acts*.bin"), ("saev.json",))),
     FormatEntry("pickle", "actstore.formats.pickle", stage=True,
-                markers=(("metadata.json", "shard_*.pkl*"), ("metadata.json", "machine-*/metadata.json"))),
+                markers=(("shard_*.pkl*",), ("machine-*/metadata.json",), ("machine-*/shard_*.pkl*",))),
     FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True,
-                markers=(("index/*.parquet", "tensors"), ("dataset/index/*.parquet", "dataset/tensors"))),
-    FormatEntry("zarr", "actstore.formats.zarr", stage=True, markers=(("manifest.json",), (".zattrs", "arrays"))),
-    FormatEntry("extract", "actstore.formats.extract", stage=False, markers=(("part.json",), ("part-0000/part.json",))),
+                markers=(("index/*.parquet", "tensors"), ("dataset/index/*.parquet", "dataset/tensors"),
+                         ("SHA256SUMS", "tensors"), ("dataset/SHA256SUMS", "dataset/tensors"))),
+    FormatEntry("zarr", "actstore.formats.zarr", stage=True,
+                markers=(("manifest.json",), ("shards/*.zarr",), (".zattrs", "arrays"), ("meta/files.json", "arrays"))),
+    FormatEntry("extract", "actstore.formats.extract", stage=False,
+                markers=(("part.json",), ("part-0000/part.json",), ("extract.json",), ("samples.jsonl", "offsets.npy"))),
 )
 FORMAT_NAMES = tuple(entry.name for entry in REGISTRY)
 FORMAT_STAGES = tuple(entry.name for entry in REGISTRY if entry.stage)

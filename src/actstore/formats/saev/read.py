@@ -32,7 +32,8 @@ def resolve(path: str | Path) -> Path:
         if not isinstance(target, str) or not re.fullmatch(r"\.\./([0-9a-f]{64}|shards/[0-9a-f]{8})", target):
             raise FormatError(f"{pointer}: store {target!r} is not '../<metadata sha256>' or '../shards/<8 hex>'")
         return (pointer.parent / target).resolve()
-    raise FormatError(f"{path}: neither a saev store (no {METADATA}) nor a stage dir with {POINTER}")
+    raise FormatError(f"{path / METADATA}: missing (and no {POINTER}: {path} is neither a saev store nor "
+                      f"a stage dir pointing at one)")
 
 
 class SaevStore:

@@ -65,6 +65,8 @@ def verify(path: str | Path) -> list[str]:
     try:
         if (path / MANIFEST).is_file():
             return _verify_run(path)
+        if (path / "shards").is_dir():  # a run's folder: its manifest is what lists the stores
+            return [f"{path / MANIFEST}: missing"]
         return _verify_store(path, None)
     except Exception as exc:  # a bad store must yield problems, never an exception
         return [f"{path}: cannot verify ({type(exc).__name__}: {exc})"]
