@@ -361,6 +361,17 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.parametrize("entry", [{"dir": "machine-0000"}, "machine-0000", {"dir": 1, "metadata_sha256": "0" * 64}])
+def test_a_malformed_machine_entry_is_named(store, tmp_path, entry):
+    _, _, out = store
+    work = copy_store(out, tmp_path / "store")
+    meta = json.loads((work / "metadata.json").read_text())
+    meta["distributed_config"]["machines"][0] = entry
+    (work / "metadata.json").write_text(json.dumps(meta))
+    assert any(p.startswith(f"{work / 'metadata.json'}: distributed_config.machines[0]") for p in ps.verify(work)), \
+        ps.verify(work)
+
+
 def _plant(store_dir: Path, payload: object) -> tuple[Path, dict]:
     """Replace machine-0000's first shard by a gzip pickle of `payload` and fix its size and
     checksum in both metadata.json files, so only the content can give it away."""

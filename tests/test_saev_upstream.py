@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
 from actstore.formats import saev
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev.loader import ShuffledActivations
@@ -78,6 +78,10 @@ def test_stage_pointer_finds_the_upstream_store(extracted, tmp_path):
     saev.write_pointer(stage / "saev.json", store_dir)
     assert json.loads((stage / "saev.json").read_text())["store"] == f"../shards/{store_dir.name}"
     assert saev.resolve(stage) == store_dir and saev.detect(stage)
+    pointer = json.loads((stage / "saev.json").read_text())
+    (stage / "saev.json").write_text(json.dumps(pointer | {"hash": "0" * 8}))  # the stage recorded another store
+    with pytest.raises(FormatError, match=r"saev\.json: hash '00000000' is not the store's name"):
+        saev.resolve(stage)
 
 
 @pytest.mark.parametrize("flavor", ["spec", "upstream"])

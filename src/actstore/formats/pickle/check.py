@@ -96,16 +96,20 @@ def _unlisted_files(path: Path, meta: dict[str, Any]) -> list[str]:
     """Every file is metadata.json, a listed shard, or (merged) a listed machine's metadata.json."""
     machines = meta.get("distributed_config", {}).get("machines") or []
     listed = {METADATA, *(str(s.get("filename")) for s in meta["shards"]),
-              *(f"{m.get('dir')}/{METADATA}" for m in machines)}
+              *(f"{m.get('dir')}/{METADATA}" for m in machines if isinstance(m, dict))}
     return unlisted(path, listed, str(path / METADATA))
 
 
 def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
     """A merged store records each machine's metadata.json sha256: check them."""
     problems = []
-    for m in meta.get("distributed_config", {}).get("machines") or []:
+    for k, m in enumerate(meta.get("distributed_config", {}).get("machines") or []):
+        where = f"{path / METADATA}: distributed_config.machines[{k}]"
+        if not isinstance(m, dict) or not isinstance(m.get("metadata_sha256"), str):
+            problems.append(f"{where}: needs a dir and a metadata_sha256")
+            continue
         try:
-            mpath = inside(path, m["dir"], str(path / METADATA)) / METADATA
+            mpath = inside(path, m.get("dir"), where) / METADATA
         except FormatError as exc:
             problems.append(str(exc))
             continue

@@ -5,7 +5,7 @@ import json
 import os
 import re
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 import numpy as np
@@ -25,12 +25,16 @@ def resolve(path: str | Path) -> Path:
     pointer = path / POINTER if path.is_dir() else path
     if pointer.name == POINTER and pointer.is_file():
         try:
-            target = json.loads(pointer.read_text())["store"]
+            record = json.loads(pointer.read_text())
+            target = record["store"]
         except (ValueError, KeyError, TypeError):
             raise FormatError(f"{pointer}: not a saev pointer (needs a 'store' key)") from None
         # The store is the stage dir's sibling named by its HASH (spec) or shards/<8 hex> (upstream).
         if not isinstance(target, str) or not re.fullmatch(r"\.\./([0-9a-f]{64}|shards/[0-9a-f]{8})", target):
             raise FormatError(f"{pointer}: store {target!r} is not '../<metadata sha256>' or '../shards/<8 hex>'")
+        recorded = record.get("hash", PurePosixPath(target).name)
+        if recorded != PurePosixPath(target).name:  # the hash the stage recorded names the store it points at
+            raise FormatError(f"{pointer}: hash {recorded!r:.80} is not the store's name {PurePosixPath(target).name!r}")
         return (pointer.parent / target).resolve()
     raise FormatError(f"{path / METADATA}: missing (and no {POINTER}: {path} is neither a saev store nor "
                       f"a stage dir pointing at one)")
