@@ -225,19 +225,21 @@ def test_invalid_top_metadata_fails_verify_naming_the_file(workflow_run, name, m
                                             ("saev", "metadata.json"), ("pickle", "metadata.json"),
                                             ("pickle", "machine-0000/metadata.json"), ("zarr", "manifest.json"),
                                             ("zarr", "shards/shard-0000.zarr/meta/files.json"),
-                                            ("lmprobe", "SHA256SUMS"), ("lut", "lut/metadata.json")])
+                                            ("lmprobe", "SHA256SUMS"), ("lmprobe", "train-00000-of-00001.parquet"),
+                                            ("saev pointer", "shards.json"), ("lut", "lut/metadata.json")])
 def test_metadata_linked_from_outside_is_named_and_never_read(workflow_run, name, metadata, tmp_path):
     """A store's metadata file replaced by a link to a FIFO outside it: reading it would block, so
     the command finishing at all shows that neither detection nor verify read it; verify names the link."""
     import os
 
     config = copied_run(workflow_run, tmp_path)
-    store = store_path(config, name)
+    store = store_path(config, name.split()[0])
     target = next(store.rglob(metadata)) if name == "lmprobe" else store / metadata
     os.mkfifo(tmp_path / "outside")
     target.unlink()
     target.symlink_to(tmp_path / "outside")
-    code = f"import sys; from actstore import cli; sys.exit(cli.main(['verify', {str(store)!r}]))"
+    checked = stage_dir(config, "saev") if name == "saev pointer" else store  # the stage dir's saev.json leads to it
+    code = f"import sys; from actstore import cli; sys.exit(cli.main(['verify', {str(checked)!r}]))"
     proc = run(sys.executable, "-c", code, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{target}: a link to {tmp_path / 'outside'}, outside" in proc.stdout

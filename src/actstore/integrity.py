@@ -82,8 +82,8 @@ def stage_config_problems(directory: Path) -> list[str]:
     recorded hash must be the sha256 of the rest of it (so it was not edited), and a directory named
     by a stage hash must be named by this one (so it is not another run's config)."""
     path = directory / STAGE_CONFIG_FILE
-    if not path.is_file():
-        return []
+    if not path.is_file() or links_out_of(directory, path):
+        return []  # a link out is named by the format's verify, never read
     record = read_json(path)
     if not isinstance(record, dict) or not {"stage", "config", "upstream", "hash"} <= set(record):
         return [f"{path}: not a stage config (an object with stage, config, upstream and hash)"]
@@ -310,20 +310,24 @@ def sorted_files(root: Path) -> Iterator[str]:
     return walk(str(root), "")
 
 
+def links_out_of(root: Path, path: Path) -> bool:
+    """Whether `path`, under `root`, is a link that resolves outside it."""
+    return path.is_symlink() and not path.resolve().is_relative_to(root.resolve())
+
+
 def links_out(root: Path) -> list[str]:
     """A problem for every link under `root` (a file's or a directory's; `root` itself as given)
     that resolves outside it: a verify reports these before it reads anything, so that no metadata
     or data outside the store is ever read. Directory links are not entered."""
     if not root.is_dir():
         return []  # the format names what is missing
-    top, problems, folders = root.resolve(), [], [str(root)]
+    problems, folders = [], [str(root)]
     while folders:
         with os.scandir(folders.pop()) as entries:
             for entry in entries:
                 if entry.is_symlink():
-                    target = Path(entry.path).resolve()
-                    if not target.is_relative_to(top):
-                        problems.append(f"{entry.path}: a link to {target}, outside {root}")
+                    if links_out_of(root, Path(entry.path)):
+                        problems.append(f"{entry.path}: a link to {Path(entry.path).resolve()}, outside {root}")
                 elif entry.is_dir():
                     folders.append(entry.path)
     return sorted(problems)

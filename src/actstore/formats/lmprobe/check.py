@@ -11,7 +11,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
-from actstore.integrity import dir_bytes, links_out, listed_problem, problems_of, unlisted
+from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -31,9 +31,12 @@ def check_options(config: dict[str, Any]) -> None:
 
 
 def detect(path: str | Path) -> bool:
-    """Does `path` hold an lmprobe 2.0 dataset (an index parquet with lmprobe: metadata)?"""
+    """Does `path` hold an lmprobe 2.0 dataset (an index parquet with lmprobe: metadata)? An index
+    reached through a link out of `path` is not read (verify names the link)."""
     try:
-        read_info(find_index(path))
+        index = find_index(path)
+        inside(Path(path), index.relative_to(path).as_posix(), str(index))
+        read_info(index)
         return True
     except (FormatError, OSError):
         return False

@@ -45,11 +45,12 @@ def verify(path: str | Path) -> list[str]:
     if problems := links_out(Path(path)):
         return problems
     try:
+        store_dir = resolve(path)  # reads saev.json alone, inside `path`
+        if store_dir.resolve() != Path(path).resolve() and (problems := links_out(store_dir)):
+            return problems  # the store saev.json points at, checked before any of it is read
         store = SaevStore(path, check_sizes=False)
     except (FormatError, OSError) as exc:
         return [str(exc)]
-    if store.dir.resolve() != Path(path).resolve() and (problems := links_out(store.dir)):
-        return problems  # the store saev.json points at
     problems = _verify_name(store)
     try:
         if store.sidecar:  # ours pickle a plain dict; saev pickles its dataset classes, never unpickled here
