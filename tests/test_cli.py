@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -175,6 +176,88 @@ def test_an_edited_or_misplaced_stage_config_fails_verify_and_validate(workflow_
     with pytest.raises(FormatError) as raised:
         validate_all(config, tmp_path / "report.json")
     assert edited_problem in str(raised.value) and moved_problem in str(raised.value)
+
+
+@pytest.mark.slow
+def test_every_stage_seals_the_metadata_files_it_wrote(workflow_run):
+    """Each stage config records {bytes, sha256} of every metadata file its stage wrote, and of
+    nothing the workflow deletes afterwards (its temps): verify and validate check them."""
+    from actstore.formats import is_metadata_name
+
+    config = load_config(workflow_run[1])
+    must = {"extract": {"extract.json", "part-0000/part.json"}, "lut": {"lut/metadata.json", "report.json"},
+            "sae": {"report.json"}, "pickle": {"metadata.json", "machine-0000/metadata.json"},
+            "lmprobe": {"dataset/SHA256SUMS"}, "saev": {"saev.json"},
+            "zarr": {"manifest.json", "shards/shard-0000.zarr/arrays/activations/.zarray"}}
+    for stage, names in must.items():
+        directory = stage_dir(config, stage)
+        sealed = json.loads((directory / "actstore_config.json").read_text())["sealed"]
+        on_disk = {rel for rel in integrity.sorted_files(directory)
+                   if is_metadata_name(Path(rel).name) and Path(rel).name not in integrity.TOOL_FILES}
+        assert names <= set(sealed) == on_disk, stage
+        assert integrity.stage_config_problems(directory, required=True) == []
+
+
+def json_edit(edit):
+    """A text edit that changes one value of a JSON document (`edit` mutates the parsed object)."""
+    def apply(text: str) -> str:
+        document = json.loads(text)
+        edit(document)
+        return json.dumps(document, indent=2)
+    return apply
+
+
+def bump(mapping: dict, key: str) -> None:
+    mapping[key] += 1
+
+
+SEAL_ONLY_EDITS = {  # an edit no record of the format covers (found by fuzzing): the file, the edit
+    "extract": ("extract.json", json_edit(lambda m: m.pop("model"))),
+    "pickle": ("metadata.json", json_edit(lambda m: bump(m["extraction_config"]["model_params"], "num_attention_heads"))),
+    "lut": ("lut/metadata.json", json_edit(lambda m: bump(m["sae_config"], "k_active"))),
+    "lmprobe": ("dataset/SHA256SUMS", lambda text: text.rstrip("\n")),
+    "zarr": ("manifest.json", json_edit(lambda m: m.update(created="2000-01-01T00:00:00+00:00"))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SEAL_ONLY_EDITS))
+def test_a_metadata_edit_no_record_covers_is_named_by_the_stage_seal(workflow_run, name, tmp_path):
+    """A changed value in a store's top metadata file (a LUT's k_active, a deleted model entry)
+    passes every check of the format itself, which has nothing to compare it with: the stage
+    config's seal names it, in verify and in the validate stage."""
+    from actstore.errors import FormatError
+    from actstore.formats import format_module
+    from actstore.verify import validate_all
+
+    config = copied_run(workflow_run, tmp_path)
+    rel, edit = SEAL_ONLY_EDITS[name]
+    path = stage_dir(config, name) / rel
+    text = path.read_text()
+    path.write_text(edit(text))
+    assert path.read_text() != text
+    store = store_path(config, name)
+    assert format_module(name).verify(store) == []  # the format alone passes it
+    proc = actstore("verify", str(store))
+    problem = f"{path}: "
+    assert proc.returncode == 1 and problem in proc.stdout, proc.stdout
+    assert f"{stage_dir(config, name) / 'actstore_config.json'} (sealed)" in proc.stdout
+    with pytest.raises(FormatError, match=re.escape(problem)):
+        validate_all(config, tmp_path / "report.json")
+
+
+@pytest.mark.slow
+def test_a_stage_directory_without_its_stage_config_is_named_a_copied_out_store_is_not(workflow_run, tmp_path):
+    config = copied_run(workflow_run, tmp_path)
+    directory = stage_dir(config, "lut")
+    (directory / "actstore_config.json").unlink()
+    for path in (directory, directory / "lut"):
+        proc = actstore("verify", str(path))
+        assert proc.returncode == 1, proc.stdout
+        assert f"BAD  {directory / 'actstore_config.json'}: missing" in proc.stdout
+    shutil.copytree(directory / "lut", tmp_path / "mine" / "lut")  # a store outside the workflow's layout
+    assert actstore("verify", str(tmp_path / "mine" / "lut")).returncode == 0
+    assert actstore("verify", str(tmp_path / "mine")).returncode == 0
 
 
 @pytest.mark.slow

@@ -342,3 +342,33 @@ def test_problems_of_checks_at_once_in_item_order(tmp_path):
 
     with pytest.raises(FormatError, match="item 0"):
         problems_of(broken, range(3), threads=2)
+
+
+def test_a_stage_seal_is_checked_inside_its_directory_only(tmp_path):
+    """The seal of a stage config (integrity.SEAL_KEY): every name resolved inside the stage
+    directory, its records' shape checked, each file's bytes compared."""
+    from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, seal, stage_config_problems
+    from actstore.io_utils import canonical_sha256
+
+    directory = tmp_path / "stage"
+    (directory / "sub").mkdir(parents=True)
+    (directory / "report.json").write_text('{"loss": 1.0}')
+    (directory / "sub" / "data.bin").write_bytes(b"\0" * 10)
+    (tmp_path / "secret.json").write_text("{}")
+    sealed = seal(directory, lambda name: name.endswith(".json"))
+    assert sealed == {"report.json": file_record(directory / "report.json")}
+
+    def problems_with(seal_value) -> list[str]:
+        payload = {"stage": "sae", "config": {}, "upstream": {}}
+        record = {**payload, "hash": canonical_sha256(payload), SEAL_KEY: seal_value}
+        (directory / STAGE_CONFIG_FILE).write_text(json.dumps(record))
+        return stage_config_problems(directory)
+
+    assert problems_with(sealed) == []
+    assert "sealed: files must be an object" in problems_with("report.json")[0]
+    outside = {"../secret.json": file_record(tmp_path / "secret.json")}
+    assert problems_with(outside) == [f"{directory / STAGE_CONFIG_FILE} (sealed): '../secret.json' is not a "
+                                      f"relative path inside {directory}"]
+    (directory / "report.json").write_text('{"loss": 2.0}')
+    assert problems_with(sealed) == [f"{directory / 'report.json'}: sha256 differs from "
+                                     f"{directory / STAGE_CONFIG_FILE} (sealed)"]

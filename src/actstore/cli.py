@@ -43,6 +43,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from actstore import integrity
     from actstore.formats import format_module
+    from actstore.hashing import is_stage_dir
 
     name = _detect_or_exit(args.path)
     try:
@@ -53,7 +54,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # The stage config of the workflow stage holding the store: the path itself or its parent.
     for directory in dict.fromkeys([args.path, args.path.parent]):
         try:
-            problems += integrity.stage_config_problems(directory)
+            problems += integrity.stage_config_problems(directory, required=is_stage_dir(directory))
         except ActstoreError as exc:
             problems.append(str(exc))
     for problem in problems:

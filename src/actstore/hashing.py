@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import functools
 import glob
+import re
 from pathlib import Path
 from typing import Any
 
 from actstore.config import enabled_stages
 from actstore.formats import FORMAT_STAGES
-from actstore.integrity import STAGE_CONFIG_FILE
+from actstore.formats.saev.layout import POINTER as SAEV_POINTER
+from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
@@ -149,10 +151,22 @@ def stage_dirs(config: dict[str, Any]) -> dict[str, Path]:
     return {stage: Path(config["dump_to"]) / stage / digest for stage, digest in stage_hashes(config).items()}
 
 
-def write_stage_config(config: dict[str, Any], stage: str, out_dir: str | Path | None = None) -> Path:
-    """Record the resolved config a stage directory was made from (atomic, idempotent)."""
+def is_stage_dir(directory: Path) -> bool:
+    """Whether `directory` is where the workflow puts a stage, {dump_to}/{stage}/{64 hex}/, and so
+    must hold its stage config. saev's stores beside its stage directories are named by a hash too:
+    a saev stage directory is the one holding the pointer (saev.json)."""
+    directory = directory.absolute()
+    return (bool(re.fullmatch("[0-9a-f]{64}", directory.name)) and directory.parent.name in STAGES
+            and (directory.parent.name != "saev" or (directory / SAEV_POINTER).exists()))
+
+
+def write_stage_config(config: dict[str, Any], stage: str, out_dir: str | Path | None = None,
+                       sealed: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Record the resolved config a stage directory was made from (atomic, idempotent), with the
+    records of the metadata files it seals (integrity.seal), outside the hashed payload."""
     target = Path(out_dir) if out_dir is not None else stage_dir(config, stage)
     path = target / STAGE_CONFIG_FILE
     payload = stage_payload(config, stage)
-    write_json_atomic(path, {**payload, "hash": canonical_sha256(payload)})
+    write_json_atomic(path, {**payload, "hash": canonical_sha256(payload),
+                             **({SEAL_KEY: sealed} if sealed is not None else {})})
     return path

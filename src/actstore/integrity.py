@@ -11,7 +11,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
+from typing import Any, Callable, Collection, Iterable, Iterator, Sized, TypeVar
 
 from tqdm import tqdm
 
@@ -23,6 +23,10 @@ STAGE_CONFIG_FILE = "actstore_config.json"
 # Files the workflow adds to a store (Snakemake's directory() marker, the stage config): never data,
 # so never "unlisted".
 TOOL_FILES = frozenset({".snakemake_timestamp", STAGE_CONFIG_FILE})
+# The stage config's record of the metadata files the stage wrote ({name: {bytes, sha256}}): no
+# format's own record covers every one of them (a store's top metadata file records the others), so
+# without it one changed value there (a k_active, a model_config field) would pass every check.
+SEAL_KEY = "sealed"
 # A record's digest: the plain sha256 the format specs name, or the SHA-256 tree hash (1 MiB leaves,
 # io_utils.sha256_tree_file) of files written out of order, which can be hashed as they fill.
 TREE_HASH_KEY = "sha256_tree"
@@ -77,22 +81,44 @@ def memory_budget() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
-def stage_config_problems(directory: Path) -> list[str]:
-    """The stage config a workflow stage directory holds (hashing.write_stage_config), if any: its
-    recorded hash must be the sha256 of the rest of it (so it was not edited), and a directory named
-    by a stage hash must be named by this one (so it is not another run's config)."""
+def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
+    """The stage config a workflow stage directory holds (hashing.write_stage_config): its recorded
+    hash must be the sha256 of the config in it (so it was not edited), a directory named by a stage
+    hash must be named by this one (so it is not another run's config), and every file it seals
+    must hold the bytes the stage wrote. `required`: a missing stage config is itself a problem (a
+    directory the workflow wrote; a store written by the library has none)."""
     path = directory / STAGE_CONFIG_FILE
-    if not path.is_file() or links_out_of(directory, path):
+    if links_out_of(directory, path):
         return []  # a link out is named by the format's verify, never read
+    if not path.is_file():
+        return [f"{path}: missing (the workflow writes one in every stage directory)"] if required else []
     record = read_json(path)
     if not isinstance(record, dict) or not {"stage", "config", "upstream", "hash"} <= set(record):
         return [f"{path}: not a stage config (an object with stage, config, upstream and hash)"]
-    digest = canonical_sha256({k: v for k, v in record.items() if k != "hash"})  # as hashing.stage_hash
+    digest = canonical_sha256({k: v for k, v in record.items() if k not in ("hash", SEAL_KEY)})  # as hashing.stage_hash
     if digest != record["hash"]:
         return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
     if re.fullmatch("[0-9a-f]{64}", directory.name) and directory.name != digest:
         return [f"{path}: the config of stage directory {digest}, found in {directory.name}"]
-    return []
+    if SEAL_KEY not in record:
+        return []  # written before stages sealed their metadata
+    try:
+        sealed = file_records(record[SEAL_KEY], f"{path} {SEAL_KEY}")
+    except FormatError as exc:
+        return [str(exc)]
+    return [problem for name, entry in sealed.items()
+            if (problem := listed_problem(directory, name, entry, f"{path} ({SEAL_KEY})"))]
+
+
+def seal(directory: Path, sealed_name: Callable[[str], bool], skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+    """{relative name: {bytes, sha256}} of every file under `directory` whose file name
+    `sealed_name` accepts, for the stage config to record (SEAL_KEY): not the tool's own files, a
+    writer's temps, links, or anything under the top-level names in `skip` (the workflow's temps,
+    deleted once the stage is done)."""
+    return {rel: file_record(directory / rel) for rel in sorted_files(directory)
+            if PurePosixPath(rel).parts[0] not in skip and PurePosixPath(rel).name not in TOOL_FILES
+            and sealed_name(PurePosixPath(rel).name) and not is_temp(Path(rel))
+            and not (directory / rel).is_symlink()}
 
 
 def file_record(path: str | os.PathLike) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """What every rule's script shares: logging to the rule's log file and, when the rule finishes a
-stage, the resolved config recorded in its directory (so a stage directory says what made it)."""
+stage, the resolved config recorded in its directory (so a stage directory says what made it), with
+the records of the metadata files the stage wrote there."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from actstore.config import REPO_ROOT
+from actstore.formats import is_metadata_name
 from actstore.hashing import write_stage_config
+from actstore.integrity import seal
+
+# The rules' temp() outputs inside stage directories (rules/*.smk): Snakemake deletes them once the
+# stage's last rule is done, so they are never sealed.
+STAGE_TEMPS = frozenset({"scatter", "dataset_scan.json"})
 
 
 def setup_logging(snakemake: Any) -> None:
@@ -27,7 +34,14 @@ def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[di
     success the stage's resolved config written into `stage_dir` (nothing when the body raises)."""
     setup_logging(snakemake)
     yield snakemake.config
-    write_stage_config(snakemake.config, stage, Path(stage_dir))
+    record_stage(snakemake.config, stage, stage_dir)
+
+
+def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> None:
+    """Write the stage config into `stage_dir`, sealing every metadata file the stage wrote there
+    (`actstore verify` and the validate stage check them against it)."""
+    directory = Path(stage_dir)
+    write_stage_config(config, stage, directory, sealed=seal(directory, is_metadata_name, skip=STAGE_TEMPS))
 
 
 def git_commit() -> str | None:

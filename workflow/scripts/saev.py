@@ -3,10 +3,10 @@ from pathlib import Path
 
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, finish_store, open_store, plan_store, write_pointer
-from actstore.hashing import stage_hash, write_stage_config
+from actstore.hashing import stage_hash
 from actstore.model_config import read_model_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
-from actstore.workflow import setup_logging
+from actstore.workflow import record_stage, setup_logging
 
 setup_logging(snakemake)
 config = snakemake.config
@@ -22,4 +22,4 @@ plan = plan_store(extraction, config["saev"], stage_hash(config, "extract"), mod
 store = finish_store(plan, snakemake.input.jobs, pointer.parent.parent)
 open_store(store)  # re-open: every shard present with its exact size
 write_pointer(pointer, store)
-write_stage_config(config, "saev", pointer.parent)
+record_stage(config, "saev", pointer.parent)

@@ -5,6 +5,7 @@ is read from REGISTRY. A sixth format: one module with the Format functions, one
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ class FormatEntry:
     # Globs that claim a directory for the format by its file names alone (any one group, every glob
     # in it matching), so a store whose metadata no longer parses is still verified, and named.
     markers: tuple[tuple[str, ...], ...] = ()
+    # Names (fnmatch) of the format's metadata documents that are not *.json, which a workflow stage
+    # seals in its stage config with the JSON ones (is_metadata_name).
+    metadata: tuple[str, ...] = ()
 
     def claims(self, path: Path) -> bool:
         return any(all(next(path.glob(glob), None) for glob in group) for group in self.markers)
@@ -45,14 +49,23 @@ REGISTRY = (
                 markers=(("shard_*.pkl*",), ("machine-*/metadata.json",), ("machine-*/shard_*.pkl*",))),
     FormatEntry("lmprobe", "actstore.formats.lmprobe", stage=True,
                 markers=(("index/*.parquet", "tensors"), ("dataset/index/*.parquet", "dataset/tensors"),
-                         ("SHA256SUMS", "tensors"), ("dataset/SHA256SUMS", "dataset/tensors"))),
+                         ("SHA256SUMS", "tensors"), ("dataset/SHA256SUMS", "dataset/tensors")),
+                metadata=("SHA256SUMS",)),
     FormatEntry("zarr", "actstore.formats.zarr", stage=True,
-                markers=(("manifest.json",), ("shards/*.zarr",), (".zattrs", "arrays"), ("meta/files.json", "arrays"))),
+                markers=(("manifest.json",), ("shards/*.zarr",), (".zattrs", "arrays"), ("meta/files.json", "arrays")),
+                metadata=(".zarray", ".zattrs", ".zgroup", ".zmetadata")),
     FormatEntry("extract", "actstore.formats.extract", stage=False,
                 markers=(("part.json",), ("part-0000/part.json",), ("extract.json",), ("samples.jsonl", "offsets.npy"))),
 )
 FORMAT_NAMES = tuple(entry.name for entry in REGISTRY)
 FORMAT_STAGES = tuple(entry.name for entry in REGISTRY if entry.stage)
+METADATA_NAMES = ("*.json", *(glob for entry in REGISTRY for glob in entry.metadata))
+
+
+def is_metadata_name(name: str) -> bool:
+    """Whether a file named `name` is a metadata document of some format or stage (what a workflow
+    stage seals in its stage config): every JSON file, and the formats' own (METADATA_NAMES)."""
+    return any(fnmatch.fnmatchcase(name, glob) for glob in METADATA_NAMES)
 
 
 def format_module(name: str) -> Format:
