@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 import tiny
+from actstore.integrity import SEAL_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
@@ -196,9 +197,10 @@ def tree(root: Path) -> dict[str, Path]:
 def strip_volatile(obj, parent: str | None = None):
     """Drop VOLATILE_KEYS, and a store's total size in the validation report's `inspect` entries
     (metadata files that hold a duration change length with its digits; data files are compared
-    byte for byte anyway)."""
+    byte for byte anyway); a stage config's seal keeps its names alone (it records the digests of
+    metadata files that hold the volatile keys)."""
     if isinstance(obj, dict):
-        return {k: strip_volatile(v, k) for k, v in obj.items()
+        return {k: sorted(v) if k == SEAL_KEY else strip_volatile(v, k) for k, v in obj.items()
                 if k not in VOLATILE_KEYS and not (parent == "inspect" and k == "bytes")}
     if isinstance(obj, list):
         return [strip_volatile(v, parent) for v in obj]
