@@ -115,10 +115,12 @@ def seal(directory: Path, sealed_name: Callable[[str], bool], skip: Collection[s
     `sealed_name` accepts, for the stage config to record (SEAL_KEY): not the tool's own files, a
     writer's temps, links, or anything under the top-level names in `skip` (the workflow's temps,
     deleted once the stage is done)."""
-    return {rel: file_record(directory / rel) for rel in sorted_files(directory)
-            if PurePosixPath(rel).parts[0] not in skip and PurePosixPath(rel).name not in TOOL_FILES
-            and sealed_name(PurePosixPath(rel).name) and not is_temp(Path(rel))
-            and not (directory / rel).is_symlink()}
+    def sealed(rel: str) -> bool:  # string splits: a zarr stage walks millions of chunk names
+        name = rel.rpartition("/")[2]
+        return (sealed_name(name) and name not in TOOL_FILES and rel.partition("/")[0] not in skip
+                and not is_temp(Path(rel)) and not (directory / rel).is_symlink())
+
+    return {rel: file_record(directory / rel) for rel in sorted_files(directory) if sealed(rel)}
 
 
 def file_record(path: str | os.PathLike) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -60,12 +61,13 @@ REGISTRY = (
 FORMAT_NAMES = tuple(entry.name for entry in REGISTRY)
 FORMAT_STAGES = tuple(entry.name for entry in REGISTRY if entry.stage)
 METADATA_NAMES = ("*.json", *(glob for entry in REGISTRY for glob in entry.metadata))
+_METADATA_NAME = re.compile("|".join(fnmatch.translate(glob) for glob in METADATA_NAMES))
 
 
 def is_metadata_name(name: str) -> bool:
     """Whether a file named `name` is a metadata document of some format or stage (what a workflow
     stage seals in its stage config): every JSON file, and the formats' own (METADATA_NAMES)."""
-    return any(fnmatch.fnmatchcase(name, glob) for glob in METADATA_NAMES)
+    return _METADATA_NAME.match(name) is not None
 
 
 def format_module(name: str) -> Format:
