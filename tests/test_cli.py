@@ -180,20 +180,21 @@ def test_an_edited_or_misplaced_stage_config_fails_verify_and_validate(workflow_
 
 @pytest.mark.slow
 def test_every_stage_seals_the_metadata_files_it_wrote(workflow_run):
-    """Each stage config records {bytes, sha256} of every metadata file its stage wrote, and of
-    nothing the workflow deletes afterwards (its temps): verify and validate check them."""
+    """Each stage config records {bytes, sha256} of every metadata file its stage wrote (the sae
+    stage, which writes no format's store: of every file), and of nothing the workflow deletes
+    afterwards (its temps): verify and validate check them."""
     from actstore.formats import is_metadata_name
 
     config = load_config(workflow_run[1])
     must = {"extract": {"extract.json", "part-0000/part.json"}, "lut": {"lut/metadata.json", "report.json"},
-            "sae": {"report.json"}, "pickle": {"metadata.json", "machine-0000/metadata.json"},
+            "sae": {"report.json", "sae.safetensors"}, "pickle": {"metadata.json", "machine-0000/metadata.json"},
             "lmprobe": {"dataset/SHA256SUMS"}, "saev": {"saev.json"},
             "zarr": {"manifest.json", "shards/shard-0000.zarr/arrays/activations/.zarray"}}
     for stage, names in must.items():
         directory = stage_dir(config, stage)
         sealed = json.loads((directory / "actstore_config.json").read_text())["sealed"]
-        on_disk = {rel for rel in integrity.sorted_files(directory)
-                   if is_metadata_name(Path(rel).name) and Path(rel).name not in integrity.TOOL_FILES}
+        on_disk = {rel for rel in integrity.sorted_files(directory) if Path(rel).name not in integrity.TOOL_FILES
+                   and (is_metadata_name(Path(rel).name) or stage == "sae")}  # sae: no format, every file
         assert names <= set(sealed) == on_disk, stage
         assert integrity.stage_config_problems(directory, required=True) == []
 
@@ -243,6 +244,28 @@ def test_a_metadata_edit_no_record_covers_is_named_by_the_stage_seal(workflow_ru
     assert proc.returncode == 1 and problem in proc.stdout, proc.stdout
     assert f"{stage_dir(config, name) / 'actstore_config.json'} (sealed)" in proc.stdout
     with pytest.raises(FormatError, match=re.escape(problem)):
+        validate_all(config, tmp_path / "report.json")
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_the_sae_checkpoint_is_named_by_verify_and_validate(workflow_run, tmp_path):
+    """The sae stage writes no format's store: its stage config seals every file it wrote, so the
+    checkpoint users load is checked (it was recorded nowhere, and verify refused the directory)."""
+    from actstore.errors import FormatError
+    from actstore.verify import validate_all
+
+    config = copied_run(workflow_run, tmp_path)
+    directory = stage_dir(config, "sae")
+    proc = actstore("verify", str(directory))
+    assert proc.returncode == 0 and proc.stdout.strip() == f"sae stage {directory}: OK", proc.stdout
+    checkpoint = directory / "sae.safetensors"
+    raw = bytearray(checkpoint.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    checkpoint.write_bytes(bytes(raw))
+    proc = actstore("verify", str(directory))
+    assert proc.returncode == 1, proc.stdout
+    assert f"BAD  {checkpoint}: sha256 differs from {directory / 'actstore_config.json'} (sealed)" in proc.stdout
+    with pytest.raises(FormatError, match=re.escape(f"{checkpoint}: sha256 differs")):
         validate_all(config, tmp_path / "report.json")
 
 

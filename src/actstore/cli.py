@@ -42,15 +42,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from actstore import integrity
-    from actstore.formats import format_module
+    from actstore.formats import FORMAT_NAMES, detect_format, format_module
     from actstore.hashing import is_stage_dir
 
-    name = _detect_or_exit(args.path)
-    try:
-        with integrity.check_threads(args.threads or integrity.CHECK_THREADS):
-            problems = format_module(name).verify(args.path)
-    except ActstoreError as exc:  # metadata too broken to even open: still a problem naming the file
-        problems = [str(exc)]
+    stage = args.path.absolute().parent.name
+    if is_stage_dir(args.path) and stage not in FORMAT_NAMES and detect_format(args.path) is None:
+        # A stage that writes no format's store (sae: the checkpoint): its stage config's seal is the check.
+        what, problems = f"{stage} stage", []
+    else:
+        name = _detect_or_exit(args.path)
+        what = f"{name} store"
+        try:
+            with integrity.check_threads(args.threads or integrity.CHECK_THREADS):
+                problems = format_module(name).verify(args.path)
+        except ActstoreError as exc:  # metadata too broken to even open: still a problem naming the file
+            problems = [str(exc)]
     # The stage config of the workflow stage holding the store: the path itself or its parent.
     for directory in dict.fromkeys([args.path, args.path.parent]):
         try:
@@ -59,7 +65,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems.append(str(exc))
     for problem in problems:
         print(f"BAD  {problem}")
-    print(f"{name} store {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))
+    print(f"{what} {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))
     return 1 if problems else 0
 
 
@@ -95,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the full summary as JSON")
     inspect.set_defaults(func=cmd_inspect)
     verify = sub.add_parser("verify", help="full integrity check: files, sizes, sha256, spec fields (exit 1 on problems)")
-    verify.add_argument("path", type=Path)
+    verify.add_argument("path", type=Path, help="a store, or the workflow stage directory holding it (the "
+                        "sae stage's too: its files against the stage config's seal)")
     verify.add_argument("--threads", type=_at_least_one, default=None,
                         help="files checked at once (default: the CPUs this process may use, at most 8)")
     verify.set_defaults(func=cmd_verify)

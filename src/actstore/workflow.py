@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from actstore.config import REPO_ROOT
-from actstore.formats import is_metadata_name
+from actstore.formats import FORMAT_NAMES, is_metadata_name
 from actstore.hashing import write_stage_config
 from actstore.integrity import seal
 
@@ -39,9 +39,11 @@ def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[di
 
 def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> None:
     """Write the stage config into `stage_dir`, sealing every metadata file the stage wrote there
-    (`actstore verify` and the validate stage check them against it)."""
+    (`actstore verify` and the validate stage check them against it); a stage that writes no
+    format's store (sae: the checkpoint; validate) seals every file, as nothing else records them."""
     directory = Path(stage_dir)
-    write_stage_config(config, stage, directory, sealed=seal(directory, is_metadata_name, skip=STAGE_TEMPS))
+    sealed_name = is_metadata_name if stage in FORMAT_NAMES else lambda name: True
+    write_stage_config(config, stage, directory, sealed=seal(directory, sealed_name, skip=STAGE_TEMPS))
 
 
 def git_commit() -> str | None:
