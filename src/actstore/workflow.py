@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from actstore.config import REPO_ROOT
-from actstore.formats import FORMAT_NAMES, is_metadata_name
+from actstore.formats import is_metadata_name
 from actstore.hashing import write_stage_config
 from actstore.integrity import seal
 
@@ -39,10 +39,11 @@ def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[di
 
 def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> None:
     """Write the stage config into `stage_dir`, sealing every metadata file the stage wrote there
-    (`actstore verify` and the validate stage check them against it); a stage that writes no
-    format's store (sae: the checkpoint; validate) seals every file, as nothing else records them."""
+    (`actstore verify` and the validate stage check them against it). The sae stage seals every
+    file: it writes no format's store, so nothing else records its checkpoint. (validate's plots are
+    drawn after its stage config, by their own rule: only its report is sealed.)"""
     directory = Path(stage_dir)
-    sealed_name = is_metadata_name if stage in FORMAT_NAMES else lambda name: True
+    sealed_name = (lambda name: True) if stage == "sae" else is_metadata_name
     write_stage_config(config, stage, directory, sealed=seal(directory, sealed_name, skip=STAGE_TEMPS))
 
 
