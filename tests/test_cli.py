@@ -187,7 +187,8 @@ def test_every_stage_seals_the_metadata_files_it_wrote(workflow_run):
 
     config = load_config(workflow_run[1])
     must = {"extract": {"extract.json", "part-0000/part.json"}, "lut": {"lut/metadata.json", "report.json"},
-            "sae": {"report.json", "sae.safetensors"}, "validate": {"report.json"}, "pickle": {"metadata.json", "machine-0000/metadata.json"},
+            "sae": {"report.json", "sae.safetensors"}, "validate": {"report.json"},
+            "pickle": {"metadata.json", "machine-0000/metadata.json"},
             "lmprobe": {"dataset/SHA256SUMS"}, "saev": {"saev.json"},
             "zarr": {"manifest.json", "shards/shard-0000.zarr/arrays/activations/.zarray"}}
     for stage, names in must.items():
