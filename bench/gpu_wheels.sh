@@ -14,7 +14,7 @@ fetch() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]/#/--platform=}" -d .whl "$@"
 }
-fetch "$(pin zarr)" "$(pin numcodecs)" "$(pin jsonschema)" "$(pin isal)"
+fetch "$(pin zarr)" "$(pin numcodecs)" "$(pin jsonschema)" "$(pin isal)" "$(pin zstandard)"
 # zarr's and jsonschema's own needs, at the versions `make install` resolves here
 # (unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist lists them)
 fetch donfig==0.8.1.post1 google-crc32c==1.9.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \

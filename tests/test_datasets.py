@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import tiny
 from actstore.datasets import check_dataset, load_dataset, part_range, read_scan, scan_dataset, write_scan
 from actstore.datasets.core import Fields
-from actstore.datasets.jsonl import scan_jsonl
+from actstore.datasets.jsonl import open_text, scan_jsonl
 from actstore.datasets.scan import stamped
 from actstore.datasets.source import resolve_source
 from actstore.errors import FormatError
@@ -243,6 +244,10 @@ def test_earlier_configs_keep_their_hash_and_new_sources_hash_their_files(rows, 
     assert "data_stat" in stage_payload(config, "extract")["config"]["dataset"]
     stated = tiny.make_config(tmp_path, model_dir("bert"), rows[0], dataset={"identity": "stat"})
     assert "data_stat" in stage_payload(stated, "extract")["config"]["dataset"]
+    packed = tmp_path / "rows.jsonl.gz"  # a compressed file earlier releases could not read: hashed by its files
+    packed.write_bytes(compressed(Path(rows[0]).read_bytes(), ".gz"))
+    config = tiny.make_config(tmp_path, model_dir("bert"), packed)
+    assert "data_stat" in stage_payload(config, "extract")["config"]["dataset"]
 
 
 @pytest.mark.parametrize("identity, touch_changes, edit_changes", [
@@ -386,42 +391,81 @@ def test_a_part_job_holds_its_rows_not_the_dataset(model_dir, tmp_path):
     assert whole_peak > 5 * part_peak, (whole_peak, part_peak)
 
 
-def test_the_scan_names_a_bad_line_anywhere_in_a_jsonl(tmp_path):
+def compressed(data: bytes, suffix: str) -> bytes:
+    """`data` as a .gz or .zst file holds it ("": as it is)."""
+    import gzip
+
+    import zstandard
+    return {"": lambda: data, ".gz": lambda: gzip.compress(data),
+            ".zst": lambda: zstandard.ZstdCompressor().compress(data)}[suffix]()
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
+def test_the_scan_names_a_bad_line_anywhere_in_a_jsonl(suffix, tmp_path):
     """The row count and labels come from every line, so the scan (the workflow's, before any part's
     job; or a part's own) stops at a bad line in the last part, naming it; a label that is a list,
-    or bytes that are not UTF-8, too."""
-    cases = {'{"text": "x", "label": ["a", "b"]}': r"bad.jsonl:4: field 'label' is a JSON list; a label is a string",
-             '{"label": "x"}': r"bad.jsonl:4: line has no string field 'text'",
-             "not json": r"bad.jsonl:4: not valid JSON",
-             '{"text": "caf\xe9"}': r"bad.jsonl:4: not UTF-8 text \(byte 14 of the line"}
+    or bytes that are not UTF-8, too; in a compressed file alike, and a damaged one is named."""
+    cases = {'{"text": "x", "label": ["a", "b"]}': r"bad.jsonl%s:4: field 'label' is a JSON list; a label is a string",
+             '{"label": "x"}': r"bad.jsonl%s:4: line has no string field 'text'",
+             "not json": r"bad.jsonl%s:4: not valid JSON",
+             '{"text": "caf\xe9"}': r"bad.jsonl%s:4: not UTF-8 text \(byte 14 of the line"}
+    path = tmp_path / f"bad.jsonl{suffix}"
     for line, message in cases.items():
-        path = tmp_path / "bad.jsonl"
-        path.write_bytes(b"".join(b'{"text": "fine %d"}\n' % i for i in range(3)) + line.encode("latin-1") + b"\n")
-        with pytest.raises(ConfigError, match=message):
+        path.write_bytes(compressed(b"".join(b'{"text": "fine %d"}\n' % i for i in range(3)) + line.encode("latin-1")
+                                    + b"\n", suffix))
+        for read in (scan_dataset, lambda p: load_dataset(p, parts=(4, 0))):
+            with pytest.raises(ConfigError, match=message % suffix.replace(".", r"\.")):
+                read(path)
+    if suffix:  # cut short: the stream ends before its end marker
+        path.write_bytes(compressed(b'{"text": "fine"}\n' * 1000, suffix)[:-9])
+        with pytest.raises(ConfigError, match=rf"bad\.jsonl\{suffix}: cannot be decompressed after line \d+"):
             scan_dataset(path)
-        with pytest.raises(ConfigError, match=message):
-            load_dataset(path, parts=(4, 0))
 
 
-def awkward_jsonl(root: Path) -> Path:
+def awkward_jsonl(root: Path, suffix: str = "") -> Path:
     """Three JSONL files with blank lines (first, last, doubled, whitespace only), CRLF endings,
-    non-ASCII text and a file of blank lines only: rows start at every kind of place."""
+    non-ASCII text and a file of blank lines only: rows start at every kind of place. `suffix`:
+    .gz or .zst files."""
     root.mkdir()
     rows = [{"text": f"row {i} " + "\u00e9\u4e16" * (i % 5), "label": f"l{i % 3}", "i": i} for i in range(60)]
     lines = [json.dumps(r, ensure_ascii=i % 2 == 0) for i, r in enumerate(rows)]
-    (root / "a.jsonl").write_bytes(("\n" + "\n\n".join(lines[:25]) + "\n  \n").encode())
-    (root / "b.jsonl").write_bytes("\r\n".join(lines[25:40]).encode())  # no final newline
-    (root / "c.jsonl").write_bytes(b"\n\n")
-    (root / "d.jsonl").write_bytes(("\n".join(lines[40:]) + "\n").encode())
+    for name, text in [("a", "\n" + "\n\n".join(lines[:25]) + "\n  \n"),
+                       ("b", "\r\n".join(lines[25:40])),  # no final newline
+                       ("c", "\n\n"), ("d", "\n".join(lines[40:]) + "\n")]:
+        (root / f"{name}.jsonl{suffix}").write_bytes(compressed(text.encode(), suffix))
     return root
 
 
+def test_compressed_json_lines_read_as_the_text_they_hold(tmp_path):
+    """A folder of .jsonl.gz, .json.zst and plain .jsonl shards (the Pile, C4, Dolma) reads as its
+    text does, in sorted path order; other compressed files are not data; a glob picks its own."""
+    lines = [json.dumps({"text": f"row {i}", "label": i % 2}) + "\n" for i in range(30)]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(lines))
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for name, suffix, part in [("a.jsonl", ".gz", lines[:10]), ("b.json", ".zst", lines[10:25]), ("c.jsonl", "", lines[25:])]:
+        (folder / f"{name}{suffix}").write_bytes(compressed("".join(part).encode(), suffix))
+    (folder / "notes.txt.gz").write_bytes(compressed(b"not data", ".gz"))
+    source = resolve_source(str(folder), "auto", "train")
+    assert source.format == "jsonl" and [p.name for p in source.files] == ["a.jsonl.gz", "b.json.zst", "c.jsonl"]
+
+    def samples(dataset) -> list:
+        return [(s.sample_idx, s.text, s.label) for s in dataset.samples]
+
+    assert samples(load_dataset(folder)) == samples(load_dataset(plain))
+    assert samples(load_dataset(folder, parts=(3, 1))) == samples(load_dataset(plain, parts=(3, 1)))
+    assert [s.text for s in load_dataset(str(folder / "*.zst")).samples] == [f"row {i}" for i in range(10, 25)]
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
 @pytest.mark.parametrize("limit", [None, 33])
-def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, tmp_path):
+def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, suffix, tmp_path):
     """Marks every few lines (the scan marks every MARK_CHARS of text; 40 characters here) land
     after blank lines, at file ends and inside CRLF files: every part read from the mark before it,
-    after the scan went through its file, is the rows the whole read gives, named by their lines."""
-    root = awkward_jsonl(tmp_path / "docs")
+    after the scan went through its file, is the rows the whole read gives, named by their lines;
+    in .gz and .zst files too, whose marks are positions in the decompressed text."""
+    root = awkward_jsonl(tmp_path / "docs", suffix)
     whole = load_dataset(root, limit)
     assert [s.metadata["i"] for s in whole.samples] == list(range(limit or 60))
     source = resolve_source(str(root), "auto", "train")
@@ -429,9 +473,9 @@ def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, tmp_path):
     scan = stamped(scan_jsonl(files, Fields(), limit, mark_chars=40), source)
     assert len(scan.marks) > 20 and any(m.file == 1 for m in scan.marks)
     for mark in scan.marks:  # a mark's line: the lines before its position (errors name lines from it)
-        with files[mark.file].open(encoding="utf-8") as fh:
+        with open_text(files[mark.file]) as fh, open_text(files[mark.file]) as whole_file:
             fh.seek(mark.position)
-            rest, text = fh.read(), files[mark.file].read_text(encoding="utf-8")
+            rest, text = fh.read(), whole_file.read()
         before = text[:len(text) - len(rest)]
         assert text.endswith(rest) and before.count("\n") + (before[-1:] not in ("", "\n")) == mark.line
     write_scan(scan, tmp_path / "scan.json")
@@ -441,8 +485,10 @@ def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, tmp_path):
                                                                   scan=read_scan(tmp_path / "scan.json")).samples]
         assert [(s.sample_idx, s.text, s.label, s.metadata) for s in read] == \
                [(s.sample_idx, s.text, s.label, s.metadata) for s in whole.samples]
-    (root / "b.jsonl").write_bytes((root / "b.jsonl").read_bytes().replace(b"row 30", b"row XX"))
-    with pytest.raises(ConfigError, match=r"b\.jsonl: changed since the dataset was scanned"):
+    with open_text(root / f"b.jsonl{suffix}") as fh:
+        changed = fh.read().replace("row 30", "row XX").encode()
+    (root / f"b.jsonl{suffix}").write_bytes(compressed(changed, suffix))
+    with pytest.raises(ConfigError, match=rf"b\.jsonl{re.escape(suffix)}: changed since the dataset was scanned"):
         load_dataset(root, limit, parts=(4, 3), scan=scan)
 
 

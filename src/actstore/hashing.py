@@ -100,10 +100,13 @@ def dataset_identity(section: dict[str, Any]) -> dict[str, str]:
 
 
 def _legacy_dataset(section: dict[str, Any]) -> bool:
-    """A config earlier releases read: no new key, and a JSONL file or an image folder (or data not
-    at hand: results are found by hash where the data is not)."""
+    """A config earlier releases read: no new key, and a JSONL file (not a compressed one, which
+    they did not read) or an image folder (or data not at hand: results are found by hash where the
+    data is not)."""
+    from actstore.datasets.source import COMPRESSED_SUFFIXES
+
     path = Path(section["path"])
-    if set(section) - LEGACY_DATASET_KEYS or glob.has_magic(section["path"]):
+    if set(section) - LEGACY_DATASET_KEYS or glob.has_magic(section["path"]) or path.suffix.lower() in COMPRESSED_SUFFIXES:
         return False
     return not path.exists() or _auto_format(str(path)) == ("image_folder" if path.is_dir() else "jsonl")
 

@@ -4,14 +4,17 @@ every MARK_CHARS of text; a job then reads its rows from the mark before them.""
 from __future__ import annotations
 
 import bisect
+import io
 import json
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from isal import igzip
 from tqdm import tqdm
 
 from actstore.datasets.core import Fields, Sample, label_list
 from actstore.datasets.scan import Mark, Scan
+from actstore.datasets.source import COMPRESSED_SUFFIXES
 from actstore.errors import ConfigError
 
 MARK_CHARS = 1 << 20  # text between marks: what a job reads past, at most, before its first row
@@ -23,8 +26,9 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
     """The scan of the first `limit` rows, each parsed and checked for the fields the config reads;
     no row is kept, so memory holds one line, the distinct labels and the marks."""
     n_rows, labels, marks, chars = 0, {}, [FIRST], 0
-    with tqdm(total=sum(path.stat().st_size for path in files), unit="B", unit_scale=True, desc="scan dataset",
-              disable=not progress) as bar:
+    # Text read, against the files' sizes (unknown for compressed files, whose text is larger).
+    total = None if any(map(_compressed, files)) else sum(path.stat().st_size for path in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="scan dataset", disable=not progress) as bar:
         for file, line_no, line, fh in _lines(files, FIRST):
             if limit is not None and n_rows >= limit:
                 break
@@ -61,23 +65,117 @@ def _lines(files: tuple[Path, ...], start: Mark) -> Iterator[tuple[int, int, str
     """(file, line number, line, open file) of every non-blank line from `start` on; the open file
     is positioned just after the line (its tell() is where the next line starts)."""
     for file in range(start.file, len(files)):
-        with files[file].open(encoding="utf-8") as fh:
+        with open_text(files[file]) as fh:
             line_no = 0
-            if file == start.file:
-                fh.seek(start.position)
-                line_no = start.line
             try:
+                if file == start.file:
+                    fh.seek(start.position)
+                    line_no = start.line
                 while line := fh.readline():  # not `for line in fh`, which disables tell()
                     line_no += 1
                     if line.strip():
                         yield file, line_no, line, fh
             except UnicodeDecodeError:
                 raise _not_utf8(files[file]) from None
+            except (EOFError, OSError, ValueError) as exc:  # a damaged .gz or .zst (zstandard.ZstdError: ValueError)
+                raise ConfigError(f"{files[file]}: cannot be decompressed after line {line_no} ({exc})") from None
+
+
+def open_text(path: Path) -> IO[str]:
+    """A JSONL file as UTF-8 text; a .gz or .zst file decompressed as it is read. Positions (tell,
+    seek) are in the decompressed text, so the scan's marks work alike: a compressed stream cannot
+    be entered midway, so seeking to one decompresses the file up to it."""
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8")
+
+
+def _compressed(path: Path) -> bool:
+    return path.suffix.lower() in COMPRESSED_SUFFIXES
+
+
+def _open_bytes(path: Path) -> IO[bytes]:
+    """The file's bytes, decompressed when it is .gz or .zst."""
+    return io.BufferedReader(_Decompressed(path)) if _compressed(path) else path.open("rb")
+
+
+class _Decompressed(io.RawIOBase):
+    """A compressed file's decompressed bytes, seekable as text files need (TextIOWrapper's tell()
+    and seek()): a seek forward reads up to the position, one backward starts the file again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._start()
+
+    def _start(self) -> None:
+        self.blocks, self.block, self.offset, self.position = _decompressed_blocks(self.path), b"", 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self.offset == len(self.block):
+            block = next(self.blocks, None)
+            if block is None:
+                return 0
+            self.block, self.offset = block, 0
+        n = min(len(buffer), len(self.block) - self.offset)
+        buffer[:n] = self.block[self.offset:self.offset + n]
+        self.offset += n
+        self.position += n
+        return n
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_SET:
+            raise io.UnsupportedOperation("a decompressed stream seeks to absolute positions only")
+        if position < self.position:
+            self.blocks.close()
+            self._start()
+        skipped = bytearray(1 << 20)
+        while self.position < position and self.readinto(memoryview(skipped)[:position - self.position]):
+            pass
+        return self.position
+
+    def close(self) -> None:
+        self.blocks.close()
+        super().close()
+
+
+ZSTD_INPUT = 4096  # compressed bytes a zstd call takes: its output is at most ~32768x that (runs of one byte)
+
+
+def _decompressed_blocks(path: Path) -> Iterator[bytes]:
+    """The decompressed bytes of a .gz or .zst file, a block at a time, memory bounded whatever the
+    ratio; EOFError when the file ends inside a compressed stream (cut short: never fewer rows in
+    silence), ValueError when it is not that format's data."""
+    if path.suffix.lower() == ".gz":
+        with igzip.open(path, "rb") as fh:  # isal: ~3x the zlib module's speed; EOFError when cut short
+            while block := fh.read(1 << 20):
+                yield block
+        return
+    import zstandard  # only where a dataset is .zst
+    try:
+        with path.open("rb") as fh:
+            frame, inside = zstandard.ZstdDecompressor().decompressobj(), False
+            while data := fh.read(ZSTD_INPUT):
+                while data:
+                    yield frame.decompress(data)
+                    data, inside = b"", True
+                    if frame.eof:  # the next frame (zstd writes one per file, pzstd and appends several)
+                        data, frame, inside = frame.unused_data, zstandard.ZstdDecompressor().decompressobj(), False
+            if inside:
+                raise EOFError("the file ends inside a zstd frame (cut short)")
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"not zstd data: {exc}") from None
 
 
 def _not_utf8(path: Path) -> ConfigError:
     """The error naming the first line that is not UTF-8 (text mode decodes ahead, by blocks)."""
-    with path.open("rb") as fh:
+    with _open_bytes(path) as fh:
         for line_no, line in enumerate(fh, start=1):
             try:
                 line.decode("utf-8")

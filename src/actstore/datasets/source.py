@@ -17,6 +17,9 @@ from actstore.errors import ConfigError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+# Compressed JSON lines (.jsonl.gz, .json.zst: the Pile, C4, Dolma), decompressed as read (datasets.jsonl).
+COMPRESSED_SUFFIXES = (".gz", ".zst")
+JSON_LINES_SUFFIXES = (".jsonl", ".json")
 HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table")
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
@@ -54,7 +57,7 @@ def resolve_source(path: str, fmt: str = "auto", split: str = "train") -> Source
         return _glob_source(path, fmt)
     root = Path(path)
     if root.is_file():
-        return Source(fmt if fmt != "auto" else SHARD_SUFFIXES.get(root.suffix.lower(), "jsonl"), root, (root,))
+        return Source(fmt if fmt != "auto" else shard_format(root) or "jsonl", root, (root,))
     if not root.is_dir():
         raise ConfigError(f"dataset.path does not exist: {root}")
     if fmt == "hf_disk" or (fmt == "auto" and any((root / m).is_file() for m in HF_MARKERS)):
@@ -67,7 +70,7 @@ def _glob_source(pattern: str, fmt: str) -> Source:
     if not files:
         raise ConfigError(f"dataset.path {pattern} matches no file")
     if fmt == "auto":
-        fmt = _one_format(pattern, {SHARD_SUFFIXES.get(p.suffix.lower(), "jsonl") for p in files})
+        fmt = _one_format(pattern, {shard_format(p) or "jsonl" for p in files})
     root = Path(pattern.split("*")[0].split("?")[0].split("[")[0])
     return Source(fmt, root if root.is_dir() else root.parent, files)
 
@@ -77,12 +80,21 @@ def _folder_source(root: Path, fmt: str) -> Source:
     images = tuple(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
     if fmt == "image_folder" or (fmt == "auto" and images):
         return Source("image_folder", root, images)
-    shards = {p: SHARD_SUFFIXES[p.suffix.lower()] for p in files if p.suffix.lower() in SHARD_SUFFIXES}
+    shards = {p: kind for p in files if (kind := shard_format(p))}
     if fmt == "auto":
         if not shards:
             return Source("image_folder", root, ())  # empty: load_dataset names it
         fmt = _one_format(str(root), set(shards.values()))
     return Source(fmt, root, tuple(p for p, kind in shards.items() if kind == fmt))
+
+
+def shard_format(path: Path) -> str | None:
+    """The format a data file's name gives: its suffix's (SHARD_SUFFIXES), or for a compressed
+    file, JSON lines when the suffix before is .jsonl or .json; None for any other file."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
+        return "jsonl" if len(suffixes) > 1 and suffixes[-2] in JSON_LINES_SUFFIXES else None
+    return SHARD_SUFFIXES.get(path.suffix.lower())
 
 
 def files_under(root: Path) -> list[Path]:
