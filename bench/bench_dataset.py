@@ -1,6 +1,7 @@
 """What reading its rows costs one extraction job: a part of --parts of a synthetic text dataset, as
-JSONL and as Parquet (row groups of --group rows), against reading the whole file in the same run
-(the baseline: JSONL `json.loads` of every line, Parquet `pyarrow` reading the text column); what
+JSONL (plain, .gz and .zst) and as Parquet (row groups of --group rows), against reading the whole
+file in the same run (the baseline: `json.loads` of every line of the plain JSONL, for the
+compressed ones too; Parquet `pyarrow` reading the text column); what
 the one scan of the dataset costs (rule extract_scan: every row for the count and labels, and
 where JSONL rows start), which each part's job reads; and what tokenizing the part costs (the demo
 model's tokenizer), each in a fresh process for its peak resident memory. Writes bench/out/dataset.json.
@@ -24,10 +25,14 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
          "tensor layer token model probe sparse activation store shard").split()
 
 
-def build(root: Path, megabytes: int, group: int) -> tuple[Path, Path]:
-    """A JSONL of ~`megabytes` MB (texts of 20-150 words, 3 labels) and the same rows as Parquet."""
+def build(root: Path, megabytes: int, group: int) -> tuple[Path, ...]:
+    """A JSONL of ~`megabytes` MB (texts of 20-150 words, 3 labels), the same text gzip'd (level 6,
+    gzip's default) and zstd'd (level 3, zstd's), and the same rows as Parquet."""
+    import gzip
+
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import zstandard
 
     rng, rows, size = random.Random(0), [], 0
     while size < megabytes * 1e6:
@@ -36,8 +41,10 @@ def build(root: Path, megabytes: int, group: int) -> tuple[Path, Path]:
         size += len(rows[-1]["text"]) + 40
     jsonl = root / "docs.jsonl"
     jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (root / "docs.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes(), 6))
+    (root / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor(3).compress(jsonl.read_bytes()))
     pq.write_table(pa.Table.from_pylist(rows), root / "docs.parquet", row_group_size=group)
-    return jsonl, root / "docs.parquet"
+    return jsonl, root / "docs.jsonl.gz", root / "docs.jsonl.zst", root / "docs.parquet"
 
 
 def peak_mb() -> float:
@@ -94,8 +101,12 @@ def main() -> None:
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        baselines: dict[Path, dict] = {}
         for path in build(Path(tmp), args.mb, args.group):
-            baseline = fresh("baseline", path, 1, 0)
+            plain = path.with_suffix("") if path.suffix in (".gz", ".zst") else path
+            if plain not in baselines:
+                baselines[plain] = fresh("baseline", plain, 1, 0)
+            baseline = baselines[plain]
             for step, parts in (("scan", 1), ("load", 1), ("load", args.parts)):
                 took = fresh(step, path, parts, parts // 2)
                 rows.append({"file": path.name, "mb": round(path.stat().st_size / 1e6, 1), "step": step,

@@ -284,21 +284,50 @@ def test_every_stage_hash_lists_and_stats_the_data_once(image_folder, model_dir,
     assert dirs["validate"].parent == Path(config["dump_to"]) / "validate"
 
 
-@pytest.mark.parametrize("kind", ["parquet", "csv", "arrow", "hf_disk", "parquet_glob", "jsonl_shards"])
+@pytest.mark.parametrize("kind", ["parquet", "csv", "arrow", "hf_disk", "parquet_glob", "jsonl_shards", "jsonl_zst"])
 def test_slurm_sizing_counts_the_rows_of_every_table_format(kind, tables, rows, model_dir, tmp_path):
     from actstore import resources
-    if kind == "jsonl_shards":  # the same rows cut into two JSONL files, read through a glob
+    if kind.startswith("jsonl"):  # the same rows cut into two JSONL files, read through a glob
         lines = rows[0].read_text().splitlines(keepends=True)
+        suffix = ".zst" if kind == "jsonl_zst" else ""
         for i, shard in enumerate((lines[:N_ROWS // 3], lines[N_ROWS // 3:])):
-            (tmp_path / f"docs-{i}.jsonl").write_text("".join(shard))
-        path, options = f"{tmp_path}/docs-*.jsonl", {}
+            (tmp_path / f"docs-{i}.jsonl{suffix}").write_bytes(compressed("".join(shard).encode(), suffix))
+        path, options = f"{tmp_path}/docs-*.jsonl{suffix}", {}
     else:
         path, options = tables[kind]
     config = tiny.make_config(tmp_path, model_dir("gpt2"), path, dataset=options)
     load = resources.workload(config)
     assert load.rows == N_ROWS and load.tokens == N_ROWS * config["extract"]["max_seq_length"]
+    if kind.startswith("jsonl"):  # the text, decompressed: what the scan reads and a part holds
+        assert load.text_bytes == rows[0].stat().st_size
     config["dataset"]["limit"] = 7
     assert resources.workload(config).rows == 7
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
+def test_the_sizing_estimate_reads_the_starts_of_a_few_files_and_scales(suffix, monkeypatch, tmp_path):
+    """Every Snakemake parse, on every node, sizes the jobs: a large JSONL dataset is estimated from
+    the starts of a few files spread over it (the first and the last among them), within a few
+    percent for rows of one kind, and no other file is opened."""
+    from actstore.datasets import jsonl
+
+    monkeypatch.setattr(jsonl, "ESTIMATE_FILES", 3)
+    monkeypatch.setattr(jsonl, "ESTIMATE_BYTES", 3000)
+    files, n = [], 0
+    for i in range(10):
+        text = "".join(json.dumps({"text": f"row {n + j} " + "word " * (j % 9)}) + "\n" for j in range(400))
+        files.append(tmp_path / f"docs-{i:02d}.jsonl{suffix}")
+        files[-1].write_bytes(compressed(text.encode(), suffix))
+        n += 400
+    opened, real_open = [], Path.open
+    monkeypatch.setattr(Path, "open", lambda path, *a, **kw: opened.append(path.name) or real_open(path, *a, **kw))
+    lines, text = jsonl.size_estimate(tuple(files))
+    assert sorted(set(opened)) == [f"docs-{i:02d}.jsonl{suffix}" for i in (0, 4, 9)]
+    whole = 0
+    for path in files:
+        with jsonl.open_text(path) as fh:
+            whole += len(fh.read().encode())
+    assert abs(lines / n - 1) < 0.1 and abs(text / whole - 1) < 0.1, (lines, n, text, whole)
 
 
 def test_an_image_folder_lists_its_files_in_the_order_pathlib_sorts_them(tmp_path):

@@ -8,9 +8,9 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from actstore.datasets.jsonl import size_estimate
 from actstore.datasets.source import resolve_source
 from actstore.datasets.tables import count_rows, largest_block_bytes
 from actstore.jobs import write_jobs
@@ -42,8 +42,8 @@ class Workload:
 
 def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     """(rows, bytes, largest block's bytes) of the dataset: table rows and blocks from the files'
-    own metadata, JSONL newlines, or the images of a folder (no stat of each: their bytes are never
-    held); nothing is parsed."""
+    own metadata, JSONL lines and text estimated from the files' starts (datasets.jsonl.size_estimate),
+    or the images of a folder (no stat of each: their bytes are never held); nothing is parsed."""
     source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
     if source.format == "image_folder":
         return max(len(source.files), 1), 0, 0
@@ -51,12 +51,8 @@ def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     if source.table:
         return (max(sum(count_rows(source.format, p) for p in source.files), 1), size,
                 max((largest_block_bytes(source.format, p) for p in source.files), default=0))
-    return max(sum(_newlines(p) for p in source.files), 1), size, 0
-
-
-def _newlines(path: Path) -> int:
-    with path.open("rb") as fh:
-        return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 24), b""))
+    lines, text = size_estimate(source.files)  # sampled: every parse computes this, on every node
+    return max(lines, 1), text, 0
 
 
 # An image sample's text: its name in the folder or table (the pixels are read when decoded). Counted

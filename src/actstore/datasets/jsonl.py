@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from isal import igzip
+from isal import isal_zlib
 from tqdm import tqdm
 
 from actstore.datasets.core import Fields, Sample, label_list
@@ -145,32 +145,58 @@ class _Decompressed(io.RawIOBase):
         super().close()
 
 
-ZSTD_INPUT = 4096  # compressed bytes a zstd call takes: its output is at most ~32768x that (runs of one byte)
+COMPRESSED_INPUT = 4096  # compressed bytes one call decompresses: its output is at most ~32768x that (zstd RLE)
 
 
-def _decompressed_blocks(path: Path) -> Iterator[bytes]:
-    """The decompressed bytes of a .gz or .zst file, a block at a time, memory bounded whatever the
-    ratio; EOFError when the file ends inside a compressed stream (cut short: never fewer rows in
-    silence), ValueError when it is not that format's data."""
+def _decompressed_blocks(path: Path, limit: int | None = None) -> Iterator[bytes]:
+    """The decompressed bytes of a .gz or .zst file (its members or frames one after another), a
+    block at a time, memory bounded whatever the ratio; EOFError when the file ends inside a member
+    or frame (cut short: never fewer rows in silence), ValueError when it is not that format's data.
+    `limit`: decompress the first `limit` bytes of the file alone (an estimate's sample; not checked)."""
     if path.suffix.lower() == ".gz":
-        with igzip.open(path, "rb") as fh:  # isal: ~3x the zlib module's speed; EOFError when cut short
-            while block := fh.read(1 << 20):
-                yield block
-        return
-    import zstandard  # only where a dataset is .zst
+        new, errors = lambda: isal_zlib.decompressobj(wbits=31), isal_zlib.error  # isal: ~3x zlib's speed
+    else:
+        import zstandard  # only where a dataset is .zst
+        new, errors = lambda: zstandard.ZstdDecompressor().decompressobj(), zstandard.ZstdError
     try:
         with path.open("rb") as fh:
-            frame, inside = zstandard.ZstdDecompressor().decompressobj(), False
-            while data := fh.read(ZSTD_INPUT):
+            stream, inside, left = new(), False, limit
+            while data := fh.read(COMPRESSED_INPUT if left is None else min(COMPRESSED_INPUT, left)):
+                left = None if left is None else left - len(data)
                 while data:
-                    yield frame.decompress(data)
+                    yield stream.decompress(data)
                     data, inside = b"", True
-                    if frame.eof:  # the next frame (zstd writes one per file, pzstd and appends several)
-                        data, frame, inside = frame.unused_data, zstandard.ZstdDecompressor().decompressobj(), False
-            if inside:
-                raise EOFError("the file ends inside a zstd frame (cut short)")
-    except zstandard.ZstdError as exc:
-        raise ValueError(f"not zstd data: {exc}") from None
+                    if stream.eof:  # the next member or frame (bgzip, pzstd, appended files) in what is left
+                        data, stream, inside = stream.unused_data, new(), False
+            if inside and limit is None:
+                raise EOFError(f"the file ends inside a compressed {path.suffix[1:]} stream (cut short)")
+    except errors as exc:
+        raise ValueError(f"not {path.suffix[1:]} data: {exc}") from None
+
+
+ESTIMATE_FILES = 8  # files whose starts give size_estimate's sample, spread over the dataset
+ESTIMATE_BYTES = 4 << 20  # bytes read from each one's start (compressed bytes, for a compressed file)
+
+
+def size_estimate(files: tuple[Path, ...]) -> tuple[int, int]:
+    """(lines, bytes of text) of JSONL `files`, for resource requests at parse time, which every
+    Snakemake parse on every node computes and so must not read the dataset: the lines and text of
+    the first ESTIMATE_BYTES of up to ESTIMATE_FILES files spread over the dataset, scaled by the
+    files' sizes. Exact when that reads every file whole (a compressed one's text: decompressed)."""
+    sizes = [path.stat().st_size for path in files]
+    k = min(ESTIMATE_FILES, len(files))
+    picked = sorted({i * (len(files) - 1) // max(k - 1, 1) for i in range(k)})  # the first, the last, between
+    lines = text = 0
+    for i in picked:
+        if _compressed(files[i]):
+            blocks: Iterator[bytes] = _decompressed_blocks(files[i], ESTIMATE_BYTES)
+        else:
+            with files[i].open("rb") as fh:
+                blocks = iter([fh.read(ESTIMATE_BYTES)])
+        for block in blocks:
+            lines, text = lines + block.count(b"\n"), text + len(block)
+    scale = sum(sizes) / max(sum(min(sizes[i], ESTIMATE_BYTES) for i in picked), 1)
+    return round(lines * scale), round(text * scale)
 
 
 def _not_utf8(path: Path) -> ConfigError:
