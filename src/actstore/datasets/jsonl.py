@@ -77,7 +77,7 @@ def _lines(files: tuple[Path, ...], start: Mark) -> Iterator[tuple[int, int, str
                         yield file, line_no, line, fh
             except UnicodeDecodeError:
                 raise _not_utf8(files[file]) from None
-            except (EOFError, OSError, ValueError) as exc:  # a damaged .gz or .zst (zstandard.ZstdError: ValueError)
+            except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
                 raise ConfigError(f"{files[file]}: cannot be decompressed after line {line_no} ({exc})") from None
 
 
@@ -151,7 +151,8 @@ COMPRESSED_INPUT = 4096  # compressed bytes one call decompresses: its output is
 def _decompressed_blocks(path: Path, limit: int | None = None) -> Iterator[bytes]:
     """The decompressed bytes of a .gz or .zst file (its members or frames one after another), a
     block at a time, memory bounded whatever the ratio; EOFError when the file ends inside a member
-    or frame (cut short: never fewer rows in silence), ValueError when it is not that format's data.
+    or frame (cut short: never fewer rows in silence), ValueError when its data is not that format's or
+    fails its checksum (gzip always has one; zstd where the writer kept it, as the zstd tool does).
     `limit`: decompress the first `limit` bytes of the file alone (an estimate's sample; not checked)."""
     if path.suffix.lower() == ".gz":
         new, errors = lambda: isal_zlib.decompressobj(wbits=31), isal_zlib.error  # isal: ~3x zlib's speed
@@ -171,7 +172,7 @@ def _decompressed_blocks(path: Path, limit: int | None = None) -> Iterator[bytes
             if inside and limit is None:
                 raise EOFError(f"the file ends inside a compressed {path.suffix[1:]} stream (cut short)")
     except errors as exc:
-        raise ValueError(f"not {path.suffix[1:]} data: {exc}") from None
+        raise ValueError(f"damaged {path.suffix[1:]} data: {exc}") from None
 
 
 ESTIMATE_FILES = 8  # files whose starts give size_estimate's sample, spread over the dataset
