@@ -215,7 +215,8 @@ def bump(mapping: dict, key: str) -> None:
 
 SEAL_ONLY_EDITS = {  # an edit no record of the format covers (found by fuzzing): the file, the edit
     "extract": ("extract.json", json_edit(lambda m: m.pop("model"))),
-    "pickle": ("metadata.json", json_edit(lambda m: bump(m["extraction_config"]["model_params"], "num_attention_heads"))),
+    "pickle": ("metadata.json",
+               json_edit(lambda m: bump(m["extraction_config"]["model_params"], "num_attention_heads"))),
     "lut": ("lut/metadata.json", json_edit(lambda m: bump(m["sae_config"], "k_active"))),
     "lmprobe": ("dataset/SHA256SUMS", lambda text: text.rstrip("\n")),
     "zarr": ("manifest.json", json_edit(lambda m: m.update(created="2000-01-01T00:00:00+00:00"))),

@@ -473,7 +473,8 @@ def test_compressed_json_lines_read_as_the_text_they_hold(tmp_path):
     plain.write_text("".join(lines))
     folder = tmp_path / "shards"
     folder.mkdir()
-    for name, suffix, part in [("a.jsonl", ".gz", lines[:10]), ("b.json", ".zst", lines[10:25]), ("c.jsonl", "", lines[25:])]:
+    shards = [("a.jsonl", ".gz", lines[:10]), ("b.json", ".zst", lines[10:25]), ("c.jsonl", "", lines[25:])]
+    for name, suffix, part in shards:
         (folder / f"{name}{suffix}").write_bytes(compressed("".join(part).encode(), suffix))
     (folder / "notes.txt.gz").write_bytes(compressed(b"not data", ".gz"))
     source = resolve_source(str(folder), "auto", "train")

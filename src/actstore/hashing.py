@@ -106,7 +106,9 @@ def _legacy_dataset(section: dict[str, Any]) -> bool:
     from actstore.datasets.source import COMPRESSED_SUFFIXES
 
     path = Path(section["path"])
-    if set(section) - LEGACY_DATASET_KEYS or glob.has_magic(section["path"]) or path.suffix.lower() in COMPRESSED_SUFFIXES:
+    if set(section) - LEGACY_DATASET_KEYS or glob.has_magic(section["path"]):
+        return False
+    if path.suffix.lower() in COMPRESSED_SUFFIXES:
         return False
     return not path.exists() or _auto_format(str(path)) == ("image_folder" if path.is_dir() else "jsonl")
 

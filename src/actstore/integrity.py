@@ -95,7 +95,7 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
     record = read_json(path)
     if not isinstance(record, dict) or not {"stage", "config", "upstream", "hash"} <= set(record):
         return [f"{path}: not a stage config (an object with stage, config, upstream and hash)"]
-    digest = canonical_sha256({k: v for k, v in record.items() if k not in ("hash", SEAL_KEY)})  # as hashing.stage_hash
+    digest = canonical_sha256({k: v for k, v in record.items() if k not in ("hash", SEAL_KEY)})  # as stage_hash
     if digest != record["hash"]:
         return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
     if re.fullmatch("[0-9a-f]{64}", directory.name) and directory.name != digest:

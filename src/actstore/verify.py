@@ -102,7 +102,8 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         entry["store"] = os.path.relpath(entry["store"], config["dump_to"])
         entry["inspect"] = {key: _relative(value, config["dump_to"]) for key, value in entry["inspect"].items()}
     problems = [p for entry in report["formats"].values() for p in entry["problems"]]
-    problems += [p for stage in stages if stage != "validate" for p in stage_config_problems(dirs[stage], required=True)]
+    problems += [p for stage in stages if stage != "validate"
+                 for p in stage_config_problems(dirs[stage], required=True)]
     if problems:
         raise FormatError("validation failed:\n" + "\n".join(problems))
     write_json_atomic(report_path, report)
