@@ -488,6 +488,23 @@ def test_compressed_json_lines_read_as_the_text_they_hold(tmp_path):
     assert [s.text for s in load_dataset(str(folder / "*.zst")).samples] == [f"row {i}" for i in range(10, 25)]
 
 
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_compressed_csv_reads_as_the_plain_csv_and_a_cut_file_is_named(suffix, tmp_path):
+    text = "text,label\n" + "".join(f"row {i},{i % 3}\n" for i in range(3000))
+    (tmp_path / "docs.csv").write_text(text)
+    (tmp_path / f"docs.csv{suffix}").write_bytes(compressed(text.encode(), suffix))
+
+    def samples(dataset) -> list:
+        return [(s.sample_idx, s.text, s.label) for s in dataset.samples]
+
+    for parts in [None, (3, 1)]:
+        assert samples(load_dataset(tmp_path / f"docs.csv{suffix}", parts=parts)) == \
+               samples(load_dataset(tmp_path / "docs.csv", parts=parts))
+    (tmp_path / f"cut.csv{suffix}").write_bytes(compressed(text.encode(), suffix)[:-20])
+    with pytest.raises(ConfigError, match=rf"cut\.csv\{suffix}: cannot read as csv"):
+        scan_dataset(tmp_path / f"cut.csv{suffix}")
+
+
 @pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
 @pytest.mark.parametrize("limit", [None, 33])
 def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, suffix, tmp_path):

@@ -17,9 +17,10 @@ from actstore.errors import ConfigError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-# Compressed JSON lines (.jsonl.gz, .json.zst: the Pile, C4, Dolma), decompressed as read (datasets.jsonl).
+# Compressed JSON lines (.jsonl.gz, .json.zst: the Pile, C4, Dolma), decompressed as read (datasets.jsonl),
+# and compressed CSV (pyarrow decompresses by the name).
 COMPRESSED_SUFFIXES = (".gz", ".zst")
-JSON_LINES_SUFFIXES = (".jsonl", ".json")
+COMPRESSED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table")
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
@@ -90,10 +91,10 @@ def _folder_source(root: Path, fmt: str) -> Source:
 
 def shard_format(path: Path) -> str | None:
     """The format a data file's name gives: its suffix's (SHARD_SUFFIXES), or for a compressed
-    file, JSON lines when the suffix before is .jsonl or .json; None for any other file."""
+    file the suffix's before it (COMPRESSED_FORMATS); None for any other file."""
     suffixes = [suffix.lower() for suffix in path.suffixes]
     if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
-        return "jsonl" if len(suffixes) > 1 and suffixes[-2] in JSON_LINES_SUFFIXES else None
+        return COMPRESSED_FORMATS.get(suffixes[-2]) if len(suffixes) > 1 else None
     return SHARD_SUFFIXES.get(path.suffix.lower())
 
 
