@@ -12,7 +12,7 @@ from typing import Any
 
 from actstore.datasets.jsonl import size_estimate
 from actstore.datasets.source import resolve_source
-from actstore.datasets.tables import count_rows, largest_block_bytes
+from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.jobs import write_jobs
 from actstore.model_config import model_kind, read_model_config, resolve_model_path
 
@@ -41,18 +41,21 @@ class Workload:
 
 
 def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
-    """(rows, bytes, largest block's bytes) of the dataset: table rows and blocks from the files'
-    own metadata, JSONL lines and text estimated from the files' starts (datasets.jsonl.size_estimate),
-    or the images of a folder (no stat of each: their bytes are never held); nothing is parsed."""
+    """(rows, bytes, largest block's bytes) of the dataset: JSONL and CSV lines and text estimated
+    from the files' starts (datasets.jsonl.size_estimate), other tables' rows and blocks from the
+    files' own metadata, or the images of a folder (no stat of each: their bytes are never held);
+    nothing is parsed."""
     source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
     if source.format == "image_folder":
         return max(len(source.files), 1), 0, 0
+    if source.format in ("jsonl", "csv"):  # text, sampled: every parse computes this, on every node
+        lines, text = size_estimate(source.files)
+        if source.format == "jsonl":
+            return max(lines, 1), text, 0
+        return max(lines - len(source.files), 1), text, CSV_BLOCK_BYTES  # less a header line a file
     size = sum(p.stat().st_size for p in source.files)
-    if source.table:
-        return (max(sum(count_rows(source.format, p) for p in source.files), 1), size,
-                max((largest_block_bytes(source.format, p) for p in source.files), default=0))
-    lines, text = size_estimate(source.files)  # sampled: every parse computes this, on every node
-    return max(lines, 1), text, 0
+    return (max(sum(count_rows(source.format, p) for p in source.files), 1), size,
+            max((largest_block_bytes(source.format, p) for p in source.files), default=0))
 
 
 # An image sample's text: its name in the folder or table (the pixels are read when decoded). Counted

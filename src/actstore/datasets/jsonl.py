@@ -180,7 +180,7 @@ ESTIMATE_BYTES = 4 << 20  # bytes read from each one's start (compressed bytes, 
 
 
 def size_estimate(files: tuple[Path, ...]) -> tuple[int, int]:
-    """(lines, bytes of text) of JSONL `files`, for resource requests at parse time, which every
+    """(lines, bytes of text) of JSONL or CSV `files`, for resource requests at parse time, which every
     Snakemake parse on every node computes and so must not read the dataset: the lines and text of
     the first ESTIMATE_BYTES of up to ESTIMATE_FILES files spread over the dataset, scaled by the
     files' sizes. Exact when that reads every file whole (a compressed one's text: decompressed)."""
