@@ -16,7 +16,7 @@ from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
 from actstore.datasets.images import ImageOpener, read_image_folder, scan_image_folder
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
-from actstore.datasets.scan import Scan, check_unchanged, read_scan, stamped, write_scan
+from actstore.datasets.scan import Scan, check_unchanged, data_state, read_scan, stamped, write_scan
 from actstore.datasets.source import Source, identity_files, resolve_source
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.errors import ConfigError
@@ -95,7 +95,7 @@ def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Sour
 
 def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit: int | None,
           progress: bool = False) -> Scan:
-    data = stamped(Scan(0, []), source)
+    before = data_state(source)
     if source.format == "image_folder":
         scan = Scan(*scan_image_folder(source, limit))
     elif source.format == "jsonl":
@@ -104,7 +104,7 @@ def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit
         scan = Scan(*scan_table(source, fields, schemas, limit))
     if not scan.n_samples:
         raise ConfigError(f"dataset.path {path} holds no samples")
-    return replace(scan, stamps=data.stamps, listing=data.listing)
+    return stamped(scan, source, before)
 
 
 def check_dataset(section: dict[str, Any]) -> None:

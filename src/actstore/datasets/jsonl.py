@@ -135,9 +135,10 @@ class _Decompressed(io.RawIOBase):
         if position < self.position:
             self.blocks.close()
             self._start()
-        skipped = bytearray(1 << 20)
-        while self.position < position and self.readinto(memoryview(skipped)[:position - self.position]):
-            pass
+        if self.position < position:
+            skipped = memoryview(bytearray(min(1 << 20, position - self.position)))
+            while self.position < position and self.readinto(skipped[:position - self.position]):
+                pass
         return self.position
 
     def close(self) -> None:

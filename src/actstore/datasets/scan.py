@@ -43,25 +43,34 @@ class Scan:
     listing: str = ""
 
 
-def stamped(scan: Scan, source: Source) -> Scan:
-    """`scan` with what `source`'s data is now (see Scan): take it before scanning, so that a change
-    during the scan is seen too."""
+DataState = tuple[tuple[tuple[int, int], ...], str]  # Scan.stamps, Scan.listing
+
+
+def data_state(source: Source) -> DataState:
+    """What `source`'s data is now (see Scan): each data file's (size, mtime_ns), or for an image
+    folder the digest of its listing. Taken before scanning, so that a change during the scan is seen too."""
     if source.format == "image_folder":
-        return replace(scan, listing=_listing(source))
-    return replace(scan, stamps=tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in source.files)))
+        return (), _listing(source)
+    return tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in source.files)), ""
+
+
+def stamped(scan: Scan, source: Source, state: DataState | None = None) -> Scan:
+    """`scan` with `state` (default: what `source`'s data is now)."""
+    stamps, listing = state or data_state(source)
+    return replace(scan, stamps=stamps, listing=listing)
 
 
 def check_unchanged(scan: Scan, source: Source) -> None:
     """ConfigError naming the data that changed since `scan` was taken (a file's size or mtime, the
     number of files, or an image folder's listing)."""
-    now = stamped(Scan(scan.n_samples, scan.labels), source)
+    stamps, listing = data_state(source)
     rescan = "scan it again (the workflow: snakemake --forcerun extract_scan)"
-    if now.listing != scan.listing:
+    if listing != scan.listing:
         raise ConfigError(f"{source.root}: its images changed since the dataset was scanned; {rescan}")
-    if len(now.stamps) != len(scan.stamps):
-        raise ConfigError(f"{source.root}: holds {len(now.stamps)} data files, {len(scan.stamps)} when the "
+    if len(stamps) != len(scan.stamps):
+        raise ConfigError(f"{source.root}: holds {len(stamps)} data files, {len(scan.stamps)} when the "
                           f"dataset was scanned; {rescan}")
-    for path, was, stamp in zip(source.files, scan.stamps, now.stamps):
+    for path, was, stamp in zip(source.files, scan.stamps, stamps):
         if tuple(was) != stamp:
             raise ConfigError(f"{path}: changed since the dataset was scanned (size {was[0]} -> {stamp[0]} bytes, "
                               f"or its modification time); {rescan}")
