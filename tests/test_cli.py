@@ -71,8 +71,11 @@ def copied_run(workflow_run, tmp_path: Path) -> dict:
 
 
 def store_path(config: dict, name: str) -> Path:
+    """The store's own directory (a saev stage dir's pointer leads to the store beside it)."""
+    from actstore.formats import saev
+
     directory = stage_dir(config, name)
-    return directory if name == "extract" else find_store(directory, name)
+    return directory if name == "extract" else saev.resolve(directory) if name == "saev" else find_store(directory, name)
 
 
 def data_file(store: Path) -> Path:
@@ -223,12 +226,25 @@ SEAL_ONLY_EDITS = {  # an edit no record of the format covers (found by fuzzing)
 }
 
 
+def open_verified(name: str, path: Path) -> None:
+    """Open the store at `path` with the format's reader and verify=True (pickle's reader has none:
+    it checks each shard's sha256 as it loads it)."""
+    from actstore.formats.extract import open_extraction
+    from actstore.formats.lmprobe import open_dataset
+    from actstore.formats.lut import open_lut
+    from actstore.formats.saev import open_store
+    from actstore.formats.zarr import open_zarr
+
+    {"extract": open_extraction, "lut": open_lut, "lmprobe": open_dataset, "saev": open_store,
+     "zarr": open_zarr}[name](path, verify=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SEAL_ONLY_EDITS))
 def test_a_metadata_edit_no_record_covers_is_named_by_the_stage_seal(workflow_run, name, tmp_path):
     """A changed value in a store's top metadata file (a LUT's k_active, a deleted model entry)
     passes every check of the format itself, which has nothing to compare it with: the stage
-    config's seal names it, in verify and in the validate stage."""
+    config's seal names it, in verify, in the readers' verify=True and in the validate stage."""
     from actstore.errors import FormatError
     from actstore.formats import format_module
     from actstore.verify import validate_all
@@ -245,6 +261,38 @@ def test_a_metadata_edit_no_record_covers_is_named_by_the_stage_seal(workflow_ru
     problem = f"{path}: "
     assert proc.returncode == 1 and problem in proc.stdout, proc.stdout
     assert f"{stage_dir(config, name) / 'actstore_config.json'} (sealed)" in proc.stdout
+    if name != "pickle":
+        with pytest.raises(FormatError, match=re.escape(problem)):
+            open_verified(name, store)
+    with pytest.raises(FormatError, match=re.escape(problem)):
+        validate_all(config, tmp_path / "report.json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rel", ["actstore.json", "shards.json", "metadata.json"])
+def test_the_saev_pointer_seals_the_metadata_of_the_store_beside_its_stage(workflow_run, rel, tmp_path):
+    """The saev store sits beside its stage directory, outside the stage config's seal: the pointer
+    the stage config seals records the store's metadata files, so a value no record of the format
+    covers (actstore.json's model_type, found by fuzzing) is named when the stage is verified."""
+    from actstore.errors import FormatError
+    from actstore.formats import saev
+    from actstore.verify import validate_all
+
+    config = copied_run(workflow_run, tmp_path)
+    stage, store = stage_dir(config, "saev"), store_path(config, "saev")
+    assert set(json.loads((stage / "saev.json").read_text())["sealed"]) == {"actstore.json", "shards.json", "metadata.json"}
+    path, sealed_by = store / rel, f"{stage / 'saev.json'} (sealed)"
+    size = path.stat().st_size
+    text = path.read_text()  # actstore.json: another model type of the same length, so only its sha256 differs
+    path.write_text(text.replace('"', ' "', 1) if rel != "actstore.json" else text.replace('"bert"', '"gpt2"'))
+    assert path.read_text() != text
+    assert saev.verify(store) == []  # the store alone passes: JSON whitespace, or a value nothing records
+    problem = (f"{path}: sha256 differs from {sealed_by}" if rel == "actstore.json"
+               else f"{path}: {size + 1} bytes, {sealed_by} says {size}")
+    proc = actstore("verify", str(stage))
+    assert proc.returncode == 1 and problem in proc.stdout, proc.stdout
+    with pytest.raises(FormatError, match=re.escape(problem)):
+        open_verified("saev", stage)
     with pytest.raises(FormatError, match=re.escape(problem)):
         validate_all(config, tmp_path / "report.json")
 

@@ -355,20 +355,28 @@ def test_a_stage_seal_is_checked_inside_its_directory_only(tmp_path):
     (directory / "report.json").write_text('{"loss": 1.0}')
     (directory / "sub" / "data.bin").write_bytes(b"\0" * 10)
     (tmp_path / "secret.json").write_text("{}")
-    sealed = seal(directory, lambda name: name.endswith(".json"))
+    (directory / "scatter").mkdir()
+    (directory / "scatter" / "job.json").write_text("{}")  # a workflow temp (STAGE_TEMPS): never sealed
+    sealed = seal(directory, "lut")
     assert sealed == {"report.json": file_record(directory / "report.json")}
+    assert set(seal(directory, "sae")) == {"report.json", "sub/data.bin"}  # no format's store: every file
 
     def problems_with(seal_value) -> list[str]:
-        payload = {"stage": "sae", "config": {}, "upstream": {}}
+        payload = {"stage": "lut", "config": {}, "upstream": {}}
         record = {**payload, "hash": canonical_sha256(payload), SEAL_KEY: seal_value}
         (directory / STAGE_CONFIG_FILE).write_text(json.dumps(record))
         return stage_config_problems(directory)
 
     assert problems_with(sealed) == []
     assert "sealed: files must be an object" in problems_with("report.json")[0]
-    outside = {"../secret.json": file_record(tmp_path / "secret.json")}
+    outside = {**sealed, "../secret.json": file_record(tmp_path / "secret.json")}
     assert problems_with(outside) == [f"{directory / STAGE_CONFIG_FILE} (sealed): '../secret.json' is not a "
                                       f"relative path inside {directory}"]
     (directory / "report.json").write_text('{"loss": 2.0}')
     assert problems_with(sealed) == [f"{directory / 'report.json'}: sha256 differs from "
                                      f"{directory / STAGE_CONFIG_FILE} (sealed)"]
+    (directory / "report.json").write_text('{"loss": 1.0}')
+    not_sealed = f"{directory / 'report.json'}: not sealed by {directory / STAGE_CONFIG_FILE} (written after the stage, or its record removed)"
+    assert problems_with({}) == [not_sealed]  # the record removed from the seal
+    (directory / "sub" / "late.json").write_text("{}")
+    assert problems_with(sealed) == [not_sealed.replace("report.json", "sub/late.json")]

@@ -43,7 +43,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from actstore import integrity
     from actstore.formats import FORMAT_NAMES, detect_format, format_module
-    from actstore.hashing import is_stage_dir
+    from actstore.hashing import is_stage_dir, stage_problems
 
     stage = args.path.absolute().parent.name
     if is_stage_dir(args.path) and stage not in FORMAT_NAMES and detect_format(args.path) is None:
@@ -57,12 +57,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 problems = format_module(name).verify(args.path)
         except ActstoreError as exc:  # metadata too broken to even open: still a problem naming the file
             problems = [str(exc)]
-    # The stage config of the workflow stage holding the store: the path itself or its parent.
-    for directory in dict.fromkeys([args.path, args.path.parent]):
-        try:
-            problems += integrity.stage_config_problems(directory, required=is_stage_dir(directory))
-        except ActstoreError as exc:
-            problems.append(str(exc))
+    problems += stage_problems(args.path)
     for problem in problems:
         print(f"BAD  {problem}")
     print(f"{what} {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))

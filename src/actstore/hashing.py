@@ -14,7 +14,8 @@ from typing import Any
 from actstore.config import enabled_stages
 from actstore.formats import FORMAT_STAGES
 from actstore.formats.saev.layout import POINTER as SAEV_POINTER
-from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE
+from actstore.errors import ActstoreError
+from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, stage_config_problems
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
@@ -163,6 +164,21 @@ def is_stage_dir(directory: Path) -> bool:
     directory = directory.absolute()
     return (bool(re.fullmatch("[0-9a-f]{64}", directory.name)) and directory.parent.name in STAGES
             and (directory.parent.name != "saev" or (directory / SAEV_POINTER).exists()))
+
+
+def stage_problems(path: str | Path) -> list[str]:
+    """The problems of the stage config of the workflow stage directory holding the store at `path`
+    (the path itself, or its parent: lmprobe's dataset/, lut/, a pickle machine); a workflow stage
+    directory must hold one (is_stage_dir). What `actstore verify` and the readers' verify=True add
+    to a format's own checks."""
+    path = Path(path)
+    problems = []
+    for directory in dict.fromkeys([path, path.parent]):
+        try:
+            problems += stage_config_problems(directory, required=is_stage_dir(directory))
+        except ActstoreError as exc:  # a stage config too broken to read: the problem names it
+            problems.append(str(exc))
+    return problems
 
 
 def write_stage_config(config: dict[str, Any], stage: str, out_dir: str | Path | None = None,

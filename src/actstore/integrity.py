@@ -11,7 +11,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Collection, Iterable, Iterator, Sized, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
 
 from tqdm import tqdm
 
@@ -23,6 +23,9 @@ STAGE_CONFIG_FILE = "actstore_config.json"
 # Files the workflow adds to a store (Snakemake's directory() marker, the stage config): never data,
 # so never "unlisted".
 TOOL_FILES = frozenset({".snakemake_timestamp", STAGE_CONFIG_FILE})
+# The rules' temp() outputs inside stage directories (rules/*.smk): Snakemake deletes them once the
+# stage's last rule is done, so they are never sealed.
+STAGE_TEMPS = frozenset({"scatter", "dataset_scan.json"})
 # The stage config's record of the metadata files the stage wrote ({name: {bytes, sha256}}): no
 # format's own record covers every one of them (a store's top metadata file records the others), so
 # without it one changed value there (a k_active, a model_config field) would pass every check.
@@ -106,21 +109,34 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
         sealed = file_records(record[SEAL_KEY], f"{path} {SEAL_KEY}")
     except FormatError as exc:
         return [str(exc)]
-    return [problem for name, entry in sealed.items()
-            if (problem := listed_problem(directory, name, entry, f"{path} ({SEAL_KEY})"))]
+    problems = [problem for name, entry in sealed.items()
+                if (problem := listed_problem(directory, name, entry, f"{path} ({SEAL_KEY})"))]
+    # A document the seal does not list was written after the stage, or its record was removed.
+    return problems + [f"{directory / rel}: not sealed by {path} (written after the stage, or its record removed)"
+                       for rel in sealed_names(directory, str(record["stage"])) if rel not in sealed]
 
 
-def seal(directory: Path, sealed_name: Callable[[str], bool], skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
-    """{relative name: {bytes, sha256}} of every file under `directory` whose file name
-    `sealed_name` accepts, for the stage config to record (SEAL_KEY): not the tool's own files, a
-    writer's temps, links, or anything under the top-level names in `skip` (the workflow's temps,
-    deleted once the stage is done)."""
+def sealed_names(directory: Path, stage: str) -> list[str]:
+    """The files of stage directory `directory` that its stage config seals (relative names, sorted):
+    every metadata document (formats.is_metadata_name) or, for the sae stage, which writes no
+    format's store, every file; never the tool's own files, a writer's temps, links, or the
+    workflow's temps (STAGE_TEMPS)."""
+    from actstore.formats import is_metadata_name  # the formats' registry imports the formats' modules
+
+    sealed_name = (lambda name: True) if stage == "sae" else is_metadata_name
+
     def sealed(rel: str) -> bool:  # string splits: a zarr stage walks millions of chunk names
         name = rel.rpartition("/")[2]
-        return (sealed_name(name) and name not in TOOL_FILES and rel.partition("/")[0] not in skip
+        return (sealed_name(name) and name not in TOOL_FILES and rel.partition("/")[0] not in STAGE_TEMPS
                 and not is_temp(Path(rel)) and not (directory / rel).is_symlink())
 
-    return {rel: file_record(directory / rel) for rel in sorted_files(directory) if sealed(rel)}
+    return [rel for rel in sorted_files(directory) if sealed(rel)]
+
+
+def seal(directory: Path, stage: str) -> dict[str, dict[str, Any]]:
+    """{relative name: {bytes, sha256}} of the files of stage `stage` its stage config seals
+    (sealed_names), for hashing.write_stage_config to record under SEAL_KEY."""
+    return {rel: file_record(directory / rel) for rel in sealed_names(directory, stage)}
 
 
 def file_record(path: str | os.PathLike) -> dict[str, Any]:

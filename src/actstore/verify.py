@@ -25,12 +25,13 @@ DTYPE_CASTS = {"float32": np.float32, "float16": np.float16}
 
 
 def find_store(directory: Path, name: str) -> Path:
-    """The directory holding format `name`: the stage dir itself, one level below it, or where the
-    stage dir points (saev stores live in a directory named by their metadata hash)."""
+    """The directory holding format `name`, as its reader and verify take it: the stage dir itself
+    or one level below it. A saev stage dir points at the store beside it (named by its metadata
+    hash): verify given the stage dir checks the store's metadata against the pointer's seal too."""
     module = format_module(name)
     for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
         if module.detect(candidate):
-            return module.resolve(candidate) if hasattr(module, "resolve") else candidate
+            return candidate
     raise FormatError(f"{directory}: no {name} store found")
 
 

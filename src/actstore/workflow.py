@@ -11,13 +11,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from actstore.config import REPO_ROOT
-from actstore.formats import is_metadata_name
 from actstore.hashing import write_stage_config
 from actstore.integrity import seal
-
-# The rules' temp() outputs inside stage directories (rules/*.smk): Snakemake deletes them once the
-# stage's last rule is done, so they are never sealed.
-STAGE_TEMPS = frozenset({"scatter", "dataset_scan.json"})
 
 
 def setup_logging(snakemake: Any) -> None:
@@ -38,13 +33,10 @@ def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[di
 
 
 def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> None:
-    """Write the stage config into `stage_dir`, sealing every metadata file the stage wrote there
-    (`actstore verify` and the validate stage check them against it). The sae stage seals every
-    file: it writes no format's store, so nothing else records its checkpoint. (validate's plots are
-    drawn after its stage config, by their own rule: only its report is sealed.)"""
-    directory = Path(stage_dir)
-    sealed_name = (lambda name: True) if stage == "sae" else is_metadata_name
-    write_stage_config(config, stage, directory, sealed=seal(directory, sealed_name, skip=STAGE_TEMPS))
+    """Write the stage config into `stage_dir`, sealing the files the stage wrote there
+    (integrity.sealed_names; `actstore verify` and the validate stage check them against it).
+    validate's plots are drawn after its stage config, by their own rule: only its report is sealed."""
+    write_stage_config(config, stage, Path(stage_dir), sealed=seal(Path(stage_dir), stage))
 
 
 def git_commit() -> str | None:

@@ -356,5 +356,6 @@ def open_extraction(extract_dir: str | Path, n_parts: int | None = None, verify:
     and sha256 against part.json and extract.json (reads each file once)."""
     if verify:
         from actstore.formats.extract.check import verify as problems
-        refuse(problems(extract_dir))
+        from actstore.hashing import stage_problems
+        refuse(problems(extract_dir) + stage_problems(extract_dir))
     return Extraction(extract_dir, n_parts)

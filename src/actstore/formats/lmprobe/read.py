@@ -316,5 +316,6 @@ def open_dataset(root: str | Path, split: str | None = None, verify: bool = Fals
     against SHA256SUMS, the index columns and every shard's header (reads each file once)."""
     if verify:
         from actstore.formats.lmprobe.check import verify as problems
-        refuse(problems(root))
+        from actstore.hashing import stage_problems
+        refuse(problems(root) + stage_problems(root))
     return LmprobeDataset(root, split)

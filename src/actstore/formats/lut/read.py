@@ -53,5 +53,6 @@ def open_lut(path: str | Path, verify: bool = False) -> LutStore:
     """Open a lut/ directory (or its parent). verify=True first checks every table's size, sha256
     (when recorded), keys, shapes and dtypes; by default each table is checked when it loads."""
     if verify:
-        refuse(check_store(path))
+        from actstore.hashing import stage_problems
+        refuse(check_store(path) + stage_problems(path))
     return LutStore(path)

@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS,
-                                          decode_data, store_name)
+from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR,
+                                          UPSTREAM_FAMILIES, WINDOWS, decode_data, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
-from actstore.integrity import dir_bytes, file_problem, links_out, listed_problem, problems_of, unlisted
+from actstore.integrity import (SEAL_KEY, dir_bytes, file_problem, file_records, links_out, listed_problem,
+                                problems_of, read_json, unlisted)
 
 
 def detect(path: str | Path) -> bool:
@@ -51,7 +52,7 @@ def verify(path: str | Path) -> list[str]:
         store = SaevStore(path, check_sizes=False)
     except (FormatError, OSError) as exc:
         return [str(exc)]
-    problems = _verify_name(store)
+    problems = _verify_name(store) + _verify_pointer_seal(Path(path), store.dir)
     try:
         if store.sidecar:  # ours pickle a plain dict; saev pickles its dataset classes, never unpickled here
             decode_data(store.metadata["data"])
@@ -69,6 +70,29 @@ def _verify_name(store: SaevStore) -> list[str]:
     if have == want:
         return []
     return [f"{store.dir / METADATA}: its hash {want!r} does not match the directory name {have!r} (config drift)"]
+
+
+def _verify_pointer_seal(path: Path, store_dir: Path) -> list[str]:
+    """The store's metadata files against the seal of the workflow pointer `path` led through
+    (write_pointer), each listed and each of the bytes recorded; a store given by its own path, or
+    a pointer written before pointers sealed, has none to check."""
+    pointer = path / POINTER if path.is_dir() else path
+    if pointer.name != POINTER or not pointer.is_file() or store_dir.resolve() == path.resolve():
+        return []
+    record = read_json(pointer)
+    if SEAL_KEY not in record:
+        return []
+    source = f"{pointer} ({SEAL_KEY})"
+    try:
+        sealed = file_records(record[SEAL_KEY], source)
+    except FormatError as exc:
+        return [str(exc)]
+    problems = [f"{source}: {name!r} is not one of the store's metadata files {', '.join(SEALED)}"
+                for name in sealed if name not in SEALED]
+    problems += [problem for name, entry in sealed.items()
+                 if name in SEALED and (problem := listed_problem(store_dir, name, entry, source))]
+    return problems + [f"{store_dir / name}: not sealed by {pointer}" for name in SEALED
+                       if name not in sealed and (store_dir / name).is_file()]
 
 
 def _recorded(store: SaevStore) -> dict[str, Any]:

@@ -27,6 +27,9 @@ LABELS = "labels.bin"
 WINDOWS = "windows.npy"
 SIDECAR = "actstore.json"
 POINTER = "saev.json"
+# The store's metadata files its workflow pointer seals (write_pointer): the store sits outside the
+# stage directory whose stage config seals the pointer.
+SEALED = (METADATA, SHARDS, SIDECAR)
 DTYPE = np.dtype("<f4")
 METADATA_FIELDS = {
     "family": str, "ckpt": str, "layers": list, "patches_per_ex": int, "cls_token": bool,

@@ -240,6 +240,7 @@ def open_store(path: str | Path, verify: bool = False) -> SaevStore:
     verify=True first runs the full verify (every shard's sha256, metadata, sidecar; reads each once)."""
     if verify:
         from actstore.formats.saev.check import verify as problems
-        refuse(problems(path))
+        from actstore.hashing import stage_problems
+        refuse(problems(path) + stage_problems(path))
     return SaevStore(path)
 

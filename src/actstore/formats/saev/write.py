@@ -19,11 +19,11 @@ from tqdm import tqdm
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import PartInfo, layer_tensor
 from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS, LABELS, METADATA, PROTOCOL,
-                                          SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, encode_data,
+                                          SEALED, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, encode_data,
                                           examples_per_shard, shard_name, shard_sizes, store_name, text_windows,
                                           to_upstream)
 from actstore.formats.saev.read import open_store
-from actstore.integrity import file_record
+from actstore.integrity import SEAL_KEY, file_record
 from actstore.io_utils import BEHIND, TEMP_SUFFIX, OrderedHashFile, WriteBehind, atomic_path, write_json_atomic
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 
@@ -394,10 +394,14 @@ def _write_metadata(path: Path, plan: Plan) -> None:
 
 
 def write_pointer(pointer: str | Path, store: str | Path) -> None:
-    """The rule's declared output: {"store": <store dir relative to the pointer>, "hash": HASH}."""
+    """The rule's declared output: {"store": <store dir relative to the pointer>, "hash": HASH,
+    "protocol", "sealed": {name: {bytes, sha256}} of the store's metadata files}. The store sits
+    beside the stage directory, outside its stage config's seal: the stage config seals the pointer,
+    the pointer the store's metadata (actstore.json records the data files)."""
     pointer, store = Path(pointer), Path(store)
     write_json_atomic(pointer, {"store": os.path.relpath(store, pointer.parent), "hash": store.name,
-                                "protocol": PROTOCOL})
+                                "protocol": PROTOCOL, SEAL_KEY: {name: file_record(store / name)
+                                                                 for name in SEALED if (store / name).is_file()}})
 
 
 def _write_labels_file(path: Path, labels: np.ndarray, shape: tuple[int, int]) -> None:
@@ -410,7 +414,9 @@ def _write_labels_file(path: Path, labels: np.ndarray, shape: tuple[int, int]) -
 
 
 def write_labels(path: str | Path, labels: np.ndarray) -> None:
-    """Attach per-patch labels (n_examples, patches_per_ex) as labels.bin (uint8) and record its sha256."""
+    """Attach per-patch labels (n_examples, patches_per_ex) as labels.bin (uint8) and record its sha256
+    in actstore.json. A store a workflow stage points at is sealed by its pointer: labels written
+    afterwards are a change `actstore verify <stage dir>` names (the saev stage writes its own labels)."""
     store = open_store(path)
     _write_labels_file(store.dir / LABELS, labels, (store.n_examples, store.patches_per_ex))
     sidecar = store.sidecar

@@ -218,7 +218,8 @@ def open_zarr(path: str | Path, merged: bool = False, verify: bool = False) -> Z
     path = Path(path)
     if verify:
         from actstore.formats.zarr.check import verify as problems
-        refuse(problems(path))
+        from actstore.hashing import stage_problems
+        refuse(problems(path) + stage_problems(path))
     return ZarrRun(path, merged) if (path / MANIFEST).is_file() else ZarrStore(path)
 
 
