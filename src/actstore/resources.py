@@ -13,6 +13,7 @@ from typing import Any
 from actstore.datasets.jsonl import size_estimate
 from actstore.datasets.source import resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
+from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
 from actstore.model_config import model_kind, read_model_config, resolve_model_path
 
@@ -43,11 +44,13 @@ class Workload:
 def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     """(rows, bytes, largest block's bytes) of the dataset: JSONL and CSV lines and text estimated
     from the files' starts (datasets.jsonl.size_estimate), other tables' rows and blocks from the
-    files' own metadata, or the images of a folder (no stat of each: their bytes are never held);
-    nothing is parsed."""
+    files' own metadata, or the images of a folder (no stat of each: their bytes are never held) or
+    of tar shards (estimated from the first shard's start); nothing is parsed."""
     source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
     if source.format == "image_folder":
         return max(len(source.files), 1), 0, 0
+    if source.format == "webdataset":
+        return max(estimate_samples(source.files), 1), 0, 0
     if source.format in ("jsonl", "csv"):  # text, sampled: every parse computes this, on every node
         lines, text = size_estimate(source.files)
         if source.format == "jsonl":

@@ -1,9 +1,9 @@
 """Dataset inputs: JSONL, Parquet, Arrow, CSV and Hugging Face save_to_disk tables (texts, chat
-messages or image bytes), and folders of images (ImageFolder convention).
+messages or image bytes), folders of images (ImageFolder convention) and WebDataset tar shards.
 
 Rooms: source.py (dataset.path -> format and files in read order), scan.py (what every job needs
-of the whole dataset), jsonl.py, tables.py (pyarrow, block by block), images.py (image folders;
-decoding table bytes), chat.py (chat templates).
+of the whole dataset), jsonl.py, tables.py (pyarrow, block by block), webdataset.py (tar shards,
+header by header), images.py (image folders; decoding table and tar bytes), chat.py (chat templates).
 sample_idx of every sample is its row index in the order defined here, in every format.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.scan import Scan, check_unchanged, data_state, read_scan, stamped, write_scan
 from actstore.datasets.source import Source, identity_files, resolve_source
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
+from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError
 
 __all__ = ["FIELD_KEYS", "Dataset", "Sample", "Scan", "check_dataset", "configured_dataset", "configured_scan",
@@ -52,8 +53,8 @@ def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train
     """One pass over every row of `path` (options: the dataset.* keys in FIELD_KEYS): its row count
     and labels, and for JSONL where rows start, each line parsed and checked (ConfigError naming the
     file, line or field); Parquet, Arrow and CSV rows from the metadata, labels from the label
-    column, and the first null prompt named; image folders listed. Chat messages are checked
-    present, not rendered."""
+    column, and the first null prompt named; image folders listed; tar shards' headers read, each
+    sample's image found and its label read. Chat messages are checked present, not rendered."""
     return _scan(path, *_opened(path, split, options), limit, progress)
 
 
@@ -72,6 +73,8 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     fields = replace(fields, render=_renderer(options, model_path))
     if source.format == "image_folder":
         samples, modality, opener = read_image_folder(source, rows), "image", ImageOpener(source)
+    elif source.format == "webdataset":
+        samples, modality, opener = read_webdataset(source, fields, rows, scan), "image", ImageOpener(source)
     elif source.format == "jsonl":
         samples, modality, opener = read_jsonl(source.files, fields, rows, scan), "text", None
     else:
@@ -98,6 +101,8 @@ def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit
     before = data_state(source)
     if source.format == "image_folder":
         scan = Scan(*scan_image_folder(source, limit))
+    elif source.format == "webdataset":
+        scan = scan_webdataset(source, fields, limit, progress)
     elif source.format == "jsonl":
         scan = scan_jsonl(source.files, fields, limit, progress)
     else:

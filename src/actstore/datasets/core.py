@@ -14,13 +14,14 @@ FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_fi
 @dataclass
 class Sample:
     """One dataset row. `text` is the text (a chat sample: the rendered prompt), or the image's name:
-    its path relative to the dataset root, or for a table the image's own path or `<shard>#<row>`."""
+    its path relative to the dataset root, for a table the image's own path or `<shard>#<row>`, for
+    tar shards `<shard>/<key>`."""
 
     sample_idx: int
     text: str
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    ref: tuple[int, int, int] | None = None  # image tables: (shard, block, row in block) of the image
+    ref: tuple[int, int, int] | None = None  # image tables: (shard, block, row in block); tars: (shard, offset, size)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Images: a folder of image files (ImageFolder convention: label = first-level subfolder), or a
-table column of image bytes / {bytes, path} structs (the Hub's Image feature). ImageOpener decodes
-them in whichever process asks, so DataLoader workers do the reading and decoding."""
+"""Images: a folder of image files (ImageFolder convention: label = first-level subfolder), a
+table column of image bytes / {bytes, path} structs (the Hub's Image feature), or tar shards'
+members (webdataset.py). ImageOpener decodes them in whichever process asks, so DataLoader workers
+do the reading and decoding."""
 from __future__ import annotations
 
 import io
@@ -9,6 +10,7 @@ from typing import Any
 from actstore.datasets.core import Sample, label_list
 from actstore.datasets.source import Source
 from actstore.datasets.tables import read_block
+from actstore.datasets.webdataset import member_file
 from actstore.errors import ConfigError
 
 
@@ -60,6 +62,10 @@ class ImageOpener:
         if sample.ref is None:
             path = self.source.root / sample.text
             return path, str(path)
+        if self.source.format == "webdataset":  # ref: the image member's (shard, offset, size)
+            shard, offset, size = sample.ref
+            path = self.source.files[shard]
+            return member_file(path, offset, size), f"{path}: {sample.text}"
         shard, block, row = sample.ref
         where = f"{self.source.files[shard]}: {sample.text}, column {self.field!r}"
         return self._image_file(self._column(shard, block)[row].as_py(), shard, where), where

@@ -3,7 +3,6 @@ the scan parses and checks every line for the row count and the labels, marking 
 every MARK_CHARS of text; a job then reads its rows from the mark before them."""
 from __future__ import annotations
 
-import bisect
 import io
 import json
 from pathlib import Path
@@ -13,7 +12,7 @@ from isal import isal_zlib
 from tqdm import tqdm
 
 from actstore.datasets.core import Fields, Sample, label_list
-from actstore.datasets.scan import Mark, Scan
+from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import COMPRESSED_SUFFIXES
 from actstore.errors import ConfigError
 
@@ -48,7 +47,7 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
 def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan) -> list[Sample]:
     """The samples of `rows`, read from the scan's last mark before them: the lines between are
     counted, not parsed."""
-    mark = scan.marks[bisect.bisect_right([m.row for m in scan.marks], rows.start) - 1]
+    mark = mark_before(scan, rows.start)
     samples: list[Sample] = []
     for sample_idx, (file, line_no, line, _) in enumerate(_lines(files, mark), start=mark.row):
         if sample_idx >= rows.stop:

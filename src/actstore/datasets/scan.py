@@ -1,9 +1,10 @@
 """A dataset's scan: what every extraction job needs of the whole dataset (its row count, its labels)
-and, for JSONL, where rows start, from one pass over every row. The Snakemake workflow scans once
-(rule extract_scan) and each part's job reads only its own rows; load_dataset scans in-process when
-given no scan."""
+and, for JSONL and tar shards, where rows start, from one pass over every row. The Snakemake
+workflow scans once (rule extract_scan) and each part's job reads only its own rows; load_dataset
+scans in-process when given no scan."""
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 from dataclasses import dataclass, replace
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Mark:
-    """Where JSONL row `row` can be read from: `position` (the text file's own tell()) in file `file`
-    of the dataset, after its line `line`. Blank lines may follow it."""
+    """Where row `row` can be read from: `position` in file `file` of the dataset. JSONL: the text
+    file's own tell(), after its line `line` (blank lines may follow it); tar shards: the byte offset
+    of a sample's first header (line 0)."""
 
     row: int
     file: int
@@ -32,7 +34,8 @@ class Mark:
 @dataclass(frozen=True)
 class Scan:
     """n_samples: rows after dataset.limit; labels: label_id = position in this list; marks (JSONL
-    only): the first at row 0, then every ~MARK_CHARS of text. What the data was when scanned, so
+    and tar shards): the first at row 0, then every ~MARK_CHARS of text (JSONL), or at every
+    shard's start and every MARK_SAMPLES samples (tar). What the data was when scanned, so
     that data changed since is refused rather than read at stale rows and positions: stamps, each
     data file's (size, mtime_ns); listing (image folders), the sha256 of the image names in order."""
 
@@ -41,6 +44,11 @@ class Scan:
     marks: tuple[Mark, ...] = ()
     stamps: tuple[tuple[int, int], ...] = ()
     listing: str = ""
+
+
+def mark_before(scan: Scan, row: int) -> Mark:
+    """The scan's last mark at or before `row`: where a job reading from `row` on starts."""
+    return scan.marks[bisect.bisect_right([m.row for m in scan.marks], row) - 1]
 
 
 DataState = tuple[tuple[tuple[int, int], ...], str]  # Scan.stamps, Scan.listing
@@ -88,7 +96,7 @@ def write_scan(scan: Scan, path: str | Path) -> None:
     write_json_atomic(path, {"n_samples": scan.n_samples, "labels": scan.labels,
                              "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
                              "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing}, indent=None)
-    log.info("dataset scan: %d rows, %d labels, %d JSONL marks -> %s", scan.n_samples, len(scan.labels),
+    log.info("dataset scan: %d rows, %d labels, %d marks -> %s", scan.n_samples, len(scan.labels),
              len(scan.marks), path)
 
 

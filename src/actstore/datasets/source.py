@@ -1,5 +1,6 @@
 """Where a dataset's rows live: `dataset.path` (a file, a folder of shards, a glob, a Hugging Face
 `save_to_disk` folder or a folder of images) resolved to a format and its files in read order.
+WebDataset tar shards are shards like the others.
 
 Shards are read in sorted path order (a save_to_disk folder: the order its state.json lists), so
 sample_idx = row index over the shards in that order.
@@ -16,13 +17,13 @@ from typing import Any
 from actstore.errors import ConfigError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
-SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".tar": "webdataset"}
 # Compressed JSON lines (.jsonl.gz, .json.zst: the Pile, C4, Dolma), decompressed as read (datasets.jsonl),
 # and compressed CSV (pyarrow decompresses by the name).
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 COMPRESSED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
-FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table")
+FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table", "webdataset")
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
 
 
@@ -31,7 +32,7 @@ class Source:
     """A resolved dataset path. `format` is how the files are read (image_table resolves to the
     table format holding the images, with `image_table` set)."""
 
-    format: str  # jsonl | parquet | arrow | csv | hf_disk | image_folder
+    format: str  # jsonl | parquet | arrow | csv | hf_disk | image_folder | webdataset
     root: Path  # the file, the folder, or a glob's folder: image paths and shard names are relative to it
     files: tuple[Path, ...]  # data files in read order (image_folder: the images)
     features: dict[str, Any] = field(default_factory=dict)  # hf_disk dataset_info.json features

@@ -1,0 +1,260 @@
+"""WebDataset tar shards (LAION, DataComp, ImageNet-wds): samples are the members sharing a key, in
+shard then member order; a part's job reads its rows from the scan's marks, never the shards
+before them, and decodes exactly the images written; shards cut short, samples without an image
+and data changed since the scan are named; and they extract exactly as the same image folder."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import tiny
+from actstore.datasets import load_dataset, read_scan, scan_dataset, write_scan
+from actstore.datasets import webdataset
+from actstore.datasets.source import resolve_source
+from actstore.errors import ConfigError
+from actstore.hashing import stage_hash, stage_payload
+from test_datasets import part_files
+
+SHARDS = (5, 7, 4)  # samples per shard
+LONG = "long/" + "x" * 120  # a member name over tar's 100 characters: a pax header (GNU: a long-name member)
+
+
+def encoded(pixels: np.ndarray, kind: str) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=kind)
+    return buf.getvalue()
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shards(root: Path, shards: tuple[int, ...] = SHARDS) -> list[dict]:
+    """Shards shard-0000N.tar of real PNG and JPEG images (seeded random pixels, sizes varied), with
+    cls, txt and json members (every third sample without cls), a sample with a long name in each
+    shard; the middle shard in GNU format, the others pax. Returns the samples in order: text,
+    label, the pixels written (PNG) or the image bytes (JPEG)."""
+    rng = np.random.default_rng(7)
+    root.mkdir(parents=True, exist_ok=True)
+    expected = []
+    for shard, count in enumerate(shards):
+        name = f"shard-{shard:05d}.tar"
+        tar_format = tarfile.GNU_FORMAT if shard == 1 else tarfile.PAX_FORMAT
+        with tarfile.open(root / name, "w", format=tar_format) as tar:
+            for i in range(count):
+                key = f"{LONG}{shard}{i}" if i == 2 else f"d{shard}/{shard:02d}{i:04d}"
+                pixels = rng.integers(0, 256, (int(rng.integers(8, 40)), int(rng.integers(8, 40)), 3), dtype=np.uint8)
+                kind = "jpeg" if i % 2 else "png"
+                image = encoded(pixels, kind)
+                label = None if i % 3 == 1 else (shard * 10 + i) % 4
+                add(tar, f"{key}.{'jpg' if kind == 'jpeg' else 'png'}", image)
+                if label is not None:
+                    add(tar, f"{key}.cls", f"{label}\n".encode())
+                add(tar, f"{key}.txt", f"caption {shard}-{i}".encode())
+                add(tar, f"{key}.json", json.dumps({"i": i}).encode())
+                expected.append({"text": f"{name}/{key}", "label": label, "caption": f"caption {shard}-{i}",
+                                 "pixels": pixels if kind == "png" else None, "bytes": image})
+    return expected
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wds") / "shards"
+    return root, write_shards(root)
+
+
+def test_tar_shards_scan_to_their_samples_in_shard_then_member_order(shards):
+    root, expected = shards
+    for path, fmt in [(root, "auto"), (root, "webdataset"), (f"{root}/shard-*.tar", "auto")]:
+        assert resolve_source(str(path), fmt).format == "webdataset"
+        scan = scan_dataset(path, format=fmt)
+        assert scan.n_samples == sum(SHARDS) and scan.labels == [0, 1, 2, 3]
+        dataset = load_dataset(path, format=fmt)
+        assert dataset.modality == "image"
+        assert [(s.sample_idx, s.text, s.label) for s in dataset.samples] == \
+               [(i, e["text"], e["label"]) for i, e in enumerate(expected)]
+    one = load_dataset(root / "shard-00001.tar")  # one file: named by its own name
+    assert [s.text for s in one.samples] == [e["text"] for e in expected[5:12]]
+    assert len(expected[7]["text"]) > 100 and expected[7]["text"] in [s.text for s in one.samples]
+
+
+def test_a_part_seeks_to_its_rows_and_decodes_the_images_written(shards, tmp_path, monkeypatch):
+    """Marks every 3 samples: a part in the middle of the second shard starts at the mark before
+    it, opens no shard before it, and every image it reads is the one written (PNG: the same
+    pixels; JPEG: its bytes' decoding). Every part together is the whole dataset."""
+    root, expected = shards
+    monkeypatch.setattr(webdataset, "MARK_SAMPLES", 3)
+    write_scan(scan_dataset(root), tmp_path / "scan.json")
+    scan = read_scan(tmp_path / "scan.json")
+    assert [(m.row, m.file) for m in scan.marks] == [(0, 0), (3, 0), (5, 1), (6, 1), (9, 1), (12, 2), (15, 2)]
+    opened, real_open = [], Path.open
+    monkeypatch.setattr(Path, "open", lambda path, *a, **kw: opened.append(path.name) or real_open(path, *a, **kw))
+    part = load_dataset(root, parts=(4, 2), scan=scan)  # rows 8-11: inside shard 1, from the mark at row 6
+    assert [s.sample_idx for s in part.samples] == [8, 9, 10, 11]
+    assert set(opened) == {"shard-00001.tar"}
+    for sample in part.samples:
+        want = expected[sample.sample_idx]
+        image = part.opener(sample)
+        part.opener.check(sample)
+        if want["pixels"] is not None:
+            assert np.array_equal(np.asarray(image), want["pixels"])
+        else:
+            assert np.array_equal(np.asarray(image), np.asarray(Image.open(io.BytesIO(want["bytes"])).convert("RGB")))
+    monkeypatch.setattr(Path, "open", real_open)
+    whole = load_dataset(root)
+    for parts in (2, 3, 5, 16):
+        read = [s for p in range(parts) for s in load_dataset(root, parts=(parts, p), scan=scan).samples]
+        assert [(s.sample_idx, s.text, s.label, s.ref) for s in read] == \
+               [(s.sample_idx, s.text, s.label, s.ref) for s in whole.samples]
+
+
+def test_a_glob_and_a_folder_give_the_same_rows(shards, tmp_path):
+    root, _ = shards
+    (tmp_path / "notes.txt").write_text("not a shard")
+    for name in ("shard-00000.tar", "shard-00002.tar"):
+        shutil.copy(root / name, tmp_path / name)
+    folder = load_dataset(tmp_path, parts=(2, 1))
+    glob = load_dataset(f"{tmp_path}/shard-*.tar", parts=(2, 1))
+    assert [(s.sample_idx, s.text, s.label, s.ref) for s in folder.samples] == \
+           [(s.sample_idx, s.text, s.label, s.ref) for s in glob.samples]
+    assert folder.samples[-1].text.startswith("shard-00002.tar/") and folder.n_samples == 9
+
+
+def test_a_shard_cut_short_is_named_with_its_member(shards, tmp_path):
+    """Cut inside a member's data, or inside a header: the scan names the shard (and the member);
+    a part reading from a scan taken before the cut refuses the changed shard."""
+    root, _ = shards
+    cut = shutil.copytree(root, tmp_path / "cut")
+    data = (cut / "shard-00001.tar").read_bytes()
+    scan = scan_dataset(cut)
+    with tarfile.open(cut / "shard-00001.tar") as tar:
+        member = tar.getmembers()[5]
+    (cut / "shard-00001.tar").write_bytes(data[:member.offset_data + member.size // 2])
+    with pytest.raises(ConfigError, match=rf"shard-00001\.tar: member '{member.name}' ends after the end of the file"):
+        scan_dataset(cut)
+    with pytest.raises(ConfigError, match=r"shard-00001\.tar: changed since the dataset was scanned"):
+        load_dataset(cut, parts=(3, 1), scan=scan)
+    (cut / "shard-00001.tar").write_bytes(data[:member.offset + 100])
+    with pytest.raises(ConfigError, match=rf"shard-00001\.tar: damaged tar header at byte {member.offset}"):
+        scan_dataset(cut)
+    (cut / "shard-00001.tar").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"shard-00001\.tar: not an uncompressed tar file"):
+        scan_dataset(cut)
+
+
+def test_a_sample_without_one_image_is_refused_naming_its_key(tmp_path):
+    """No image, two images, or a link in place of one (never followed: the scan reads members'
+    data by offset only) is named by the scan, with the shard and key, unless dataset.limit stops
+    before it; dataset.image_field picks one of two images by extension."""
+    png = encoded(np.zeros((4, 4, 3), np.uint8), "png")
+    cases = {"none": ([("k1.cls", b"1"), ("k1.json", b"{}")], "no images"),
+             "two": ([("k1.jpg", encoded(np.ones((4, 4, 3), np.uint8), "jpeg")), ("k1.png", png)], "2 images"),
+             "link": ([("k1.cls", b"1")], "no images")}
+    for case, (members, message) in cases.items():
+        path = tmp_path / f"{case}.tar"
+        with tarfile.open(path, "w") as tar:
+            add(tar, "k0.png", png)
+            for name, data in members:
+                add(tar, name, data)
+            if case == "link":
+                link = tarfile.TarInfo("k1.png")
+                link.type, link.linkname = tarfile.SYMTYPE, "/etc/hostname"
+                tar.addfile(link)
+        with pytest.raises(ConfigError, match=rf"{case}\.tar: sample 'k1' \(members: .*\): {message}"):
+            scan_dataset(path)
+        assert scan_dataset(path, limit=1).n_samples == 1  # past the limit: not read
+    picked = load_dataset(tmp_path / "two.tar", image_field="png")
+    assert [(s.text, s.ref[2]) for s in picked.samples] == [("two.tar/k0", len(png)), ("two.tar/k1", len(png))]
+
+
+def test_member_names_are_names_not_paths(tmp_path):
+    """An absolute name or one with `..` is the sample's key; its image is read from the tar by
+    offset, so a file of that name outside the tar is never read."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    written = {"/abs/k0": np.full((6, 6, 3), 10, np.uint8), "../outside/k1": np.full((6, 6, 3), 200, np.uint8)}
+    (outside / "k1.png").write_bytes(encoded(np.zeros((6, 6, 3), np.uint8), "png"))  # not what is read
+    with tarfile.open(tmp_path / "names.tar", "w") as tar:
+        for key, pixels in written.items():
+            add(tar, f"{key}.png", encoded(pixels, "png"))
+    dataset = load_dataset(tmp_path / "names.tar")
+    assert [s.text for s in dataset.samples] == ["names.tar//abs/k0", "names.tar/../outside/k1"]
+    for sample, pixels in zip(dataset.samples, written.values()):
+        assert np.array_equal(np.asarray(dataset.opener(sample)), pixels)
+
+
+def test_label_field_names_the_label_member(shards, tmp_path):
+    """Unset: the cls member's integer when present; set: that member's text, which every sample
+    must have. A cls member that is not an integer is named."""
+    root, expected = shards
+    captions = load_dataset(root, label_field="txt")
+    assert [s.label for s in captions.samples] == [e["caption"] for e in expected]
+    with pytest.raises(ConfigError, match=r"shard-00000\.tar: sample 'd0/000001' \(members: jpg, txt, json\): "
+                                          r"no 'cls' member \(dataset.label_field\)"):
+        scan_dataset(root, label_field="cls")
+    with tarfile.open(tmp_path / "bad.tar", "w") as tar:
+        add(tar, "k.png", encoded(np.zeros((4, 4, 3), np.uint8), "png"))
+        add(tar, "k.cls", b"cat")
+    with pytest.raises(ConfigError, match=r"bad\.tar: sample 'k' .*its 'cls' member is not an integer"):
+        scan_dataset(tmp_path / "bad.tar")
+
+
+def test_data_changed_since_the_scan_is_refused_by_a_part(shards, tmp_path):
+    root, _ = shards
+    copy = shutil.copytree(root, tmp_path / "copy")
+    for change, message in [(lambda: os.utime(copy / "shard-00001.tar", ns=(1, 1)), r"shard-00001\.tar: changed since"),
+                            (lambda: shutil.copy(copy / "shard-00000.tar", copy / "shard-00003.tar"),
+                             r"holds 4 data files, 3 when the dataset was scanned")]:
+        scan = scan_dataset(copy)
+        load_dataset(copy, parts=(2, 1), scan=scan)
+        change()
+        with pytest.raises(ConfigError, match=message + r".*snakemake --forcerun extract_scan"):
+            load_dataset(copy, parts=(2, 1), scan=scan)
+
+
+def test_the_extract_hash_and_the_sizing_follow_the_shards(shards, model_dir, tmp_path):
+    from actstore import resources
+    root = shutil.copytree(shards[0], tmp_path / "shards")
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), root)
+    assert "data_stat" in stage_payload(config, "extract")["config"]["dataset"]
+    assert resources.workload(config).rows == pytest.approx(sum(SHARDS), rel=0.5)
+    before = stage_hash(config, "extract")
+    os.utime(root / "shard-00002.tar", ns=(1, 1))
+    assert stage_hash(config, "extract") != before
+    assert resources.workload(tiny.make_config(tmp_path, model_dir("dinov2"), root / "shard-00000.tar")).rows == 5
+
+
+def test_tar_shards_extract_the_image_folder_bytes(model_dir, image_folder, tmp_path):
+    """The image folder's files in its order, as two tar shards (label: a txt member holding the
+    folder name) extract to the same activations, token rows and labels; only the sample names
+    differ. Decoded in two DataLoader workers; the parts' boundary falls inside a shard."""
+    files = sorted(p for p in image_folder.rglob("*.png"))
+    root = tmp_path / "shards"
+    root.mkdir()
+    for shard, chunk in enumerate((files[:3], files[3:])):
+        with tarfile.open(root / f"train-{shard}.tar", "w") as tar:
+            for path in chunk:
+                key = path.relative_to(image_folder).with_suffix("").as_posix()
+                add(tar, f"{key}.png", path.read_bytes())
+                add(tar, f"{key}.txt", path.parent.name.encode())
+    folder = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"batch_size": 3})
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), root, dataset={"label_field": "txt"},
+                              extract={"batch_size": 3, "num_workers": 2})
+    expected, got = part_files(folder, tmp_path / "folder"), part_files(config, tmp_path / "tar")
+    rows = [[json.loads(line) for line in p.pop("samples.jsonl").splitlines()] for p in (*expected, *got)]
+    half = len(rows) // 2
+    names = [r.pop("text") for part in rows[half:] for r in part]
+    assert names[:4] == ["train-0.tar/animal/img_00", "train-0.tar/animal/img_01", "train-0.tar/animal/img_02",
+                         "train-1.tar/animal/img_03"]
+    assert [r.pop("text") for part in rows[:half] for r in part] == [n.split("/", 1)[1] + ".png" for n in names]
+    assert rows[half:] == rows[:half] and got == expected
