@@ -3,7 +3,8 @@ JSONL (plain, .gz and .zst) and as Parquet (row groups of --group rows), against
 file in the same run (the baseline: `json.loads` of every line of the plain JSONL, for the
 compressed ones too; Parquet `pyarrow` reading the text column); what
 the one scan of the dataset costs (rule extract_scan: every row for the count and labels, and
-where JSONL rows start), which each part's job reads; and what tokenizing the part costs (the demo
+where JSONL rows start), which each part's job reads, also of the same rows as 8 .jsonl.zst shards
+scanned one process a shard (1 and --workers at once); and what tokenizing the part costs (the demo
 model's tokenizer), each in a fresh process for its peak resident memory. Writes bench/out/dataset.json.
 
   time_ratio: the step / the baseline read of the whole file
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
+SHARDS = 8
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be "
          "tensor layer token model probe sparse activation store shard").split()
 
@@ -44,6 +48,10 @@ def build(root: Path, megabytes: int, group: int) -> tuple[Path, ...]:
     (root / "docs.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes(), 6))
     (root / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor(3).compress(jsonl.read_bytes()))
     pq.write_table(pa.Table.from_pylist(rows), root / "docs.parquet", row_group_size=group)
+    (root / "shards").mkdir()
+    for shard in range(SHARDS):  # the same rows as a corpus ships them: zstd'd JSONL shards
+        text = "".join(json.dumps(row) + "\n" for row in rows[shard::SHARDS])
+        (root / "shards" / f"docs-{shard:02d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor(3).compress(text.encode()))
     return jsonl, root / "docs.jsonl.gz", root / "docs.jsonl.zst", root / "docs.parquet"
 
 
@@ -75,11 +83,14 @@ def measure(step: str, path: str, parts: int, part: int) -> dict:
         scan = scan_dataset(path)
         write_scan(scan, scan_file)
         units = scan.n_samples
+    elif step == "scan_at_once":  # a folder of shards, PARTS of them at once (one process each)
+        units = scan_dataset(path, workers=parts).n_samples
     elif step == "load":
         units = len(load_dataset(path, parts=(parts, part), scan=read_scan(scan_file)).samples)
     else:
         units = len(tokenize(loaded, samples, 512).flat)
-    return {"seconds": time.perf_counter() - started, "units": units, "grow_mb": peak_mb() - before}
+    return {"seconds": time.perf_counter() - started, "units": units, "grow_mb": peak_mb() - before,
+            "child_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
 def fresh(step: str, path: Path, parts: int, part: int) -> dict:
@@ -93,6 +104,8 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="size of the JSONL")
     parser.add_argument("--parts", type=int, default=8)
     parser.add_argument("--group", type=int, default=10000, help="Parquet row group rows")
+    parser.add_argument("--workers", type=int, default=min(SHARDS, os.cpu_count() or 1),
+                        help="processes scanning the shards at once (the extract_scan rule's threads)")
     parser.add_argument("--measure", nargs=4, metavar=("STEP", "PATH", "PARTS", "PART"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -116,6 +129,14 @@ def main() -> None:
                              "grow_mb": round(took["grow_mb"]), "baseline_grow_mb": round(baseline["grow_mb"])})
                 print(json.dumps(rows[-1]), flush=True)
         jsonl = Path(tmp) / "docs.jsonl"
+        for workers in sorted({1, args.workers}):
+            took, baseline = fresh("scan_at_once", Path(tmp) / "shards", workers, 0), baselines[jsonl]
+            rows.append({"file": f"shards/ ({SHARDS} .jsonl.zst)", "step": "scan", "workers": workers,
+                         "rows": took["units"], "seconds": round(took["seconds"], 2),
+                         "baseline_s": round(baseline["seconds"], 2),
+                         "time_ratio": round(took["seconds"] / baseline["seconds"], 2),
+                         "grow_mb": round(took["grow_mb"]), "worker_peak_mb": round(took["child_peak_mb"])})
+            print(json.dumps(rows[-1]), flush=True)
         for parts in (1, args.parts):
             tokens = fresh("tokenize", jsonl, parts, parts // 2)
             rows.append({"file": jsonl.name, "parts": parts, "step": "tokenize", "tokens": tokens["units"],

@@ -13,8 +13,11 @@ rule extract_scan:
         log_path("extract", "scan"),
     benchmark:
         bench_path("extract", "scan")
+    # JSONL or tar files scanned at once, each in its own process (a corpus of shards; one otherwise).
+    threads: actstore_resources.extract_scan_threads(config)
     resources:
-        mem_mb=lambda wildcards, attempt: actstore_resources.extract_scan_mem_mb(config, attempt),
+        cpus_per_task=lambda wildcards, threads: threads,
+        mem_mb=lambda wildcards, attempt, threads: actstore_resources.extract_scan_mem_mb(config, attempt, threads),
         runtime=lambda wildcards, attempt: actstore_resources.extract_scan_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"

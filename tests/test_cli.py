@@ -269,6 +269,26 @@ def test_a_metadata_edit_no_record_covers_is_named_by_the_stage_seal(workflow_ru
 
 
 @pytest.mark.slow
+def test_a_saev_store_linked_from_outside_its_stage_is_refused_through_the_pointer(workflow_run, tmp_path):
+    """The pointer's store is the stage dir's sibling: one that is a link leading out of
+    {dump_to}/saev (an identical copy elsewhere) is named, and neither verify nor a reader follows it."""
+    from actstore.errors import FormatError
+    from actstore.formats import saev
+
+    config = copied_run(workflow_run, tmp_path)
+    stage, store = stage_dir(config, "saev"), store_path(config, "saev")
+    (tmp_path / "elsewhere").mkdir()
+    store.rename(tmp_path / "elsewhere" / store.name)
+    store.symlink_to(tmp_path / "elsewhere" / store.name)
+    problem = f"{stage / 'saev.json'}: store: '{store.name}' leads outside {store.parent} (through a link)"
+    proc = actstore("verify", str(stage))
+    assert proc.returncode == 1 and problem in proc.stdout, proc.stdout
+    with pytest.raises(FormatError, match=re.escape(problem)):
+        saev.open_store(stage)
+    assert saev.verify(store) == []  # the link given by the user is theirs to follow
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("rel", ["actstore.json", "shards.json", "metadata.json"])
 def test_the_saev_pointer_seals_the_metadata_of_the_store_beside_its_stage(workflow_run, rel, tmp_path):
     """The saev store sits beside its stage directory, outside the stage config's seal: the pointer

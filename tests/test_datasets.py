@@ -300,8 +300,13 @@ def test_slurm_sizing_counts_the_rows_of_every_table_format(kind, tables, rows, 
     assert load.rows == N_ROWS and load.tokens == N_ROWS * config["extract"]["max_seq_length"]
     if kind.startswith("jsonl"):  # the text, decompressed: what the scan reads and a part holds
         assert load.text_bytes == rows[0].stat().st_size
+    # The scan's processes: a JSONL file each; a table's scan reads its metadata, in one.
+    threads = resources.extract_scan_threads(config)
+    assert threads == (2 if kind.startswith("jsonl") else 1)
+    assert resources.extract_scan_mem_mb(config, threads=threads) >= resources.extract_scan_mem_mb(config) + \
+        (threads - 1) * resources.SCAN_WORKER_MB
     config["dataset"]["limit"] = 7
-    assert resources.workload(config).rows == 7
+    assert resources.workload(config).rows == 7 and resources.extract_scan_threads(config) == 1  # one pass, to the limit
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
@@ -539,6 +544,33 @@ def test_a_part_read_from_the_scans_marks_is_the_same_rows(limit, suffix, tmp_pa
         load_dataset(root, limit, parts=(4, 3), scan=scan)
 
 
+@pytest.mark.parametrize("suffix", ["", ".zst"])
+def test_files_scanned_at_once_give_the_one_pass_rows_labels_and_errors(suffix, tmp_path):
+    """The workflow's scan takes a corpus's JSONL files one per process (extract_scan's threads):
+    the joined scan counts the rows and labels one pass counts (1 and "1", in two files, in the
+    order they first appear), every part read from its marks is the whole read's rows, a file of
+    blank lines only is passed over, and of two bad files the first in order is named; with a
+    limit, one pass stops there and reads nothing after it."""
+    root = awkward_jsonl(tmp_path / "docs", suffix)
+    for name, label in (("0", 1), ("e", "1")):
+        (root / f"{name}.jsonl{suffix}").write_bytes(compressed(json.dumps({"text": name, "label": label}).encode(), suffix))
+    one_pass, at_once = scan_dataset(root), scan_dataset(root, workers=3)
+    assert (at_once.n_samples, at_once.labels) == (one_pass.n_samples, one_pass.labels) == (62, [1, "1", "l0", "l1", "l2"])
+    assert sorted({m.file for m in at_once.marks if m.position == 0}) == list(range(6))  # each file scanned from its start
+    whole = load_dataset(root)
+    for parts in (1, 4, 7, 62):
+        read = [s for part in range(parts) for s in load_dataset(root, parts=(parts, part), scan=at_once).samples]
+        assert [(s.sample_idx, s.text, s.label, s.metadata) for s in read] == \
+               [(s.sample_idx, s.text, s.label, s.metadata) for s in whole.samples]
+    for name in ("d", "b"):
+        with open_text(root / f"{name}.jsonl{suffix}") as fh:
+            text = fh.read()
+        (root / f"{name}.jsonl{suffix}").write_bytes(compressed(text.replace('"text"', '"txt"', 1).encode(), suffix))
+    with pytest.raises(ConfigError, match=rf"b\.jsonl{re.escape(suffix)}:1: line has no string field 'text'"):
+        scan_dataset(root, workers=3)
+    assert scan_dataset(root, limit=26, workers=3).n_samples == 26  # 0.jsonl's row and a.jsonl's 25, before b's
+
+
 def test_data_changed_since_the_scan_is_refused_by_a_part(tables, image_folder, tmp_path):
     """Rows found from a scan of data that changed since would be other rows, silently: a part's job
     refuses a data file whose size or mtime changed (naming it), a table folder with a file more,
@@ -553,11 +585,16 @@ def test_data_changed_since_the_scan_is_refused_by_a_part(tables, image_folder, 
              r"holds 3 data files, 2 when the dataset was scanned"),
             (photos, lambda: next(photos.rglob("*.png")).rename(photos / "moved.png"),
              r"photos: its images changed since the dataset was scanned")]:
-        scan = scan_dataset(path)
+        refused_once_changed(path, change, message)
+
+
+def refused_once_changed(path: Path, change, message: str) -> None:
+    """A part read from a scan of `path` reads; after `change()` it is refused with `message`."""
+    scan = scan_dataset(path)
+    load_dataset(path, parts=(2, 1), scan=scan)
+    change()
+    with pytest.raises(ConfigError, match=message + r".*snakemake --forcerun extract_scan"):
         load_dataset(path, parts=(2, 1), scan=scan)
-        change()
-        with pytest.raises(ConfigError, match=message + r".*snakemake --forcerun extract_scan"):
-            load_dataset(path, parts=(2, 1), scan=scan)
 
 
 def test_a_damaged_scan_file_is_named_not_read(tmp_path):

@@ -5,6 +5,7 @@ and data changed since the scan are named; and they extract exactly as the same 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from actstore.datasets import webdataset
 from actstore.datasets.source import resolve_source
 from actstore.errors import ConfigError
 from actstore.hashing import stage_hash, stage_payload
-from test_datasets import part_files
+from test_datasets import part_files, refused_once_changed
 
 SHARDS = (5, 7, 4)  # samples per shard
 LONG = "long/" + "x" * 120  # a member name over tar's 100 characters: a pax header (GNU: a long-name member)
@@ -112,8 +113,10 @@ def test_a_part_seeks_to_its_rows_and_decodes_the_images_written(shards, tmp_pat
             assert np.array_equal(np.asarray(image), np.asarray(Image.open(io.BytesIO(want["bytes"])).convert("RGB")))
     monkeypatch.setattr(Path, "open", real_open)
     whole = load_dataset(root)
-    for parts in (2, 3, 5, 16):
-        read = [s for p in range(parts) for s in load_dataset(root, parts=(parts, p), scan=scan).samples]
+    at_once = scan_dataset(root, workers=2)  # each shard in its own process, as the workflow's scan takes them
+    assert (at_once.n_samples, at_once.labels) == (scan.n_samples, scan.labels) and at_once.marks != scan.marks
+    for parts, joined in itertools.product((2, 3, 5, 16), (scan, at_once)):
+        read = [s for p in range(parts) for s in load_dataset(root, parts=(parts, p), scan=joined).samples]
         assert [(s.sample_idx, s.text, s.label, s.ref) for s in read] == \
                [(s.sample_idx, s.text, s.label, s.ref) for s in whole.samples]
 
@@ -215,11 +218,7 @@ def test_data_changed_since_the_scan_is_refused_by_a_part(shards, tmp_path):
     for change, message in [(lambda: os.utime(copy / "shard-00001.tar", ns=(1, 1)), r"shard-00001\.tar: changed since"),
                             (lambda: shutil.copy(copy / "shard-00000.tar", copy / "shard-00003.tar"),
                              r"holds 4 data files, 3 when the dataset was scanned")]:
-        scan = scan_dataset(copy)
-        load_dataset(copy, parts=(2, 1), scan=scan)
-        change()
-        with pytest.raises(ConfigError, match=message + r".*snakemake --forcerun extract_scan"):
-            load_dataset(copy, parts=(2, 1), scan=scan)
+        refused_once_changed(copy, change, message)
 
 
 def test_the_extract_hash_and_the_sizing_follow_the_shards(shards, model_dir, tmp_path):

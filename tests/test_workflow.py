@@ -146,18 +146,21 @@ def test_two_configs_share_one_dump_to_without_touching_each_other(demo_run, mod
 
 
 def test_a_bad_line_fails_the_scan_before_any_part_job_starts(tmp_path):
-    """A bad line deep in a JSONL is found by the one scan job, whose log names it; no part's job
-    (a GPU each on a cluster) starts."""
+    """A bad line deep in a JSONL shard is found by the one scan job, which scans the shards at
+    once on its threads, and whose log names it; no part's job (a GPU each on a cluster) starts."""
     config = demo_config(tmp_path / "dump")
     good = Path(config["dataset"]["path"]).read_text().splitlines()
-    config["dataset"]["path"] = str(tmp_path / "docs.jsonl")
-    Path(config["dataset"]["path"]).write_text("\n".join([*good[:40], '{"text": "ok", "label": ["a"]}']) + "\n")
+    config["dataset"]["path"] = str(tmp_path / "docs")
+    (tmp_path / "docs").mkdir()
+    for name, lines in (("a", good[:20]), ("b", [*good[20:40], '{"text": "ok", "label": ["a"]}']), ("c", good[40:])):
+        (tmp_path / "docs" / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
            str(write(config, tmp_path / "bad.yaml")), "--cores", "2", "extract"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "Error in rule extract_scan" in proc.stdout + proc.stderr
     log = next((tmp_path / "dump" / "logs" / "extract").glob("*/scan.log")).read_text()
-    assert "docs.jsonl:41: field 'label' is a JSON list" in log
+    assert "scan dataset (2 processes)" in log  # three shards, on the two cores Snakemake gives the rule
+    assert "b.jsonl:21: field 'label' is a JSON list" in log
     assert not list((tmp_path / "dump").glob("extract/*/part-*")) and not list((tmp_path / "dump").glob("logs/extract/*/part-*"))
 
 

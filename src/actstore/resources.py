@@ -149,13 +149,29 @@ def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
 SCAN_BYTES_PER_S = 20e6  # the dataset scan: JSONL parsed and checked a line at a time (46 MB/s measured here)
 
 
-def extract_scan_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
+SCAN_WORKERS = 8  # processes of the dataset scan at most, a JSONL or tar file each (datasets.scanned_files)
+SCAN_WORKER_MB = 200  # one of them: a forked interpreter's own pages, a decompressor's window, a line, its labels
+
+
+def extract_scan_threads(config: dict[str, Any]) -> int:
+    """Processes of the dataset scan: one per JSONL or tar file, up to SCAN_WORKERS; one when
+    dataset.limit is set (a single pass that stops there) and for the other formats, whose scan
+    reads names or the tables' own metadata."""
+    section = config["dataset"]
+    if section.get("limit") is not None:
+        return 1
+    source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
+    return min(SCAN_WORKERS, len(source.files)) if source.format in ("jsonl", "webdataset") else 1
+
+
+def extract_scan_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
     """Host memory of the dataset scan: a Python process with pyarrow (WRITER_BASE_MB) and what the
     scan holds: every image's name (a folder is listed whole), or a table's label-column blocks, or
-    a JSONL line at a time; and the distinct labels, assumed few."""
+    a JSONL line at a time; and the distinct labels, assumed few; SCAN_WORKER_MB for each of its
+    `threads` processes past the first."""
     w = workload(config)
     held = 2 * w.text_bytes if w.pixel_bytes else 3 * w.block_bytes
-    return _round_mb(WRITER_BASE_MB + held / 1e6) * attempt
+    return _round_mb(WRITER_BASE_MB + SCAN_WORKER_MB * (threads - 1) + held / 1e6) * attempt
 
 
 def extract_scan_runtime(config: dict[str, Any], attempt: int = 1) -> int:

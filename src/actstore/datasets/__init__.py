@@ -8,15 +8,19 @@ sample_idx of every sample is its row index in the order defined here, in every 
 """
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
+
+from tqdm import tqdm
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
 from actstore.datasets.images import ImageOpener, read_image_folder, scan_image_folder
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
-from actstore.datasets.scan import Scan, check_unchanged, data_state, read_scan, stamped, write_scan
+from actstore.datasets.scan import Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
 from actstore.datasets.source import Source, identity_files, resolve_source
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
@@ -42,20 +46,22 @@ def configured_dataset(config: dict[str, Any], model_path: Path, part: int | Non
                         **dataset_options(section))
 
 
-def configured_scan(config: dict[str, Any], progress: bool = False) -> Scan:
+def configured_scan(config: dict[str, Any], progress: bool = False, workers: int = 1) -> Scan:
     """The scan of the dataset a resolved config names (see scan_dataset)."""
     section = config["dataset"]
-    return scan_dataset(section["path"], section["limit"], section["split"], progress, **dataset_options(section))
+    return scan_dataset(section["path"], section["limit"], section["split"], progress, workers,
+                        **dataset_options(section))
 
 
 def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train", progress: bool = False,
-                 **options: Any) -> Scan:
+                 workers: int = 1, **options: Any) -> Scan:
     """One pass over every row of `path` (options: the dataset.* keys in FIELD_KEYS): its row count
     and labels, and for JSONL where rows start, each line parsed and checked (ConfigError naming the
     file, line or field); Parquet, Arrow and CSV rows from the metadata, labels from the label
     column, and the first null prompt named; image folders listed; tar shards' headers read, each
-    sample's image found and its label read. Chat messages are checked present, not rendered."""
-    return _scan(path, *_opened(path, split, options), limit, progress)
+    sample's image found and its label read. Chat messages are checked present, not rendered.
+    `workers`: JSONL or tar files scanned at once, each in its own process (scanned_files)."""
+    return _scan(path, *_opened(path, split, options), limit, progress, workers)
 
 
 def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",
@@ -97,19 +103,49 @@ def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Sour
 
 
 def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit: int | None,
-          progress: bool = False) -> Scan:
+          progress: bool = False, workers: int = 1) -> Scan:
     before = data_state(source)
     if source.format == "image_folder":
         scan = Scan(*scan_image_folder(source, limit))
-    elif source.format == "webdataset":
-        scan = scan_webdataset(source, fields, limit, progress)
-    elif source.format == "jsonl":
-        scan = scan_jsonl(source.files, fields, limit, progress)
+    elif source.format in ("jsonl", "webdataset"):
+        scan = scanned_files(source, fields, limit, progress, workers)
     else:
         scan = Scan(*scan_table(source, fields, schemas, limit))
     if not scan.n_samples:
         raise ConfigError(f"dataset.path {path} holds no samples")
     return stamped(scan, source, before)
+
+
+def scanned_files(source: Source, fields: Fields, limit: int | None, progress: bool = False,
+                  workers: int = 1) -> Scan:
+    """The scan of JSONL lines or tar headers, which reads every row: with several files, no limit
+    and `workers` > 1, each file in its own process (a corpus of shards scans at the speed of
+    `workers` cores) and the scans joined, as one pass would have made them. With a limit, one pass
+    that stops at its row (nothing past it is read, or refused)."""
+    if limit is not None or workers < 2 or len(source.files) < 2:
+        return _scanned_file(source, fields, limit, progress)
+    singles = [replace(source, files=(path,)) for path in source.files]
+    # fork: spawn and forkserver would import a Snakemake script's unguarded body again in each worker.
+    context = multiprocessing.get_context("fork")
+    with (ProcessPoolExecutor(min(workers, len(singles)), mp_context=context) as pool,
+          tqdm(total=sum(p.stat().st_size for p in source.files), unit="B", unit_scale=True,
+               desc=f"scan dataset ({workers} processes)", disable=not progress) as bar):
+        futures = [pool.submit(_scanned_file, single, fields, None) for single in singles]
+        scans = []
+        try:
+            for single, future in zip(singles, futures):  # in file order: the first file's error is raised
+                scans.append(future.result())
+                bar.update(single.files[0].stat().st_size)
+        finally:
+            for future in futures:
+                future.cancel()
+    return joined(scans)
+
+
+def _scanned_file(source: Source, fields: Fields, limit: int | None, progress: bool = False) -> Scan:
+    if source.format == "webdataset":
+        return scan_webdataset(source, fields, limit, progress)
+    return scan_jsonl(source.files, fields, limit, progress)
 
 
 def check_dataset(section: dict[str, Any]) -> None:

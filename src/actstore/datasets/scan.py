@@ -9,8 +9,9 @@ import hashlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
+from actstore.datasets.core import label_list
 from actstore.datasets.source import Source
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
@@ -49,6 +50,19 @@ class Scan:
 def mark_before(scan: Scan, row: int) -> Mark:
     """The scan's last mark at or before `row`: where a job reading from `row` on starts."""
     return scan.marks[bisect.bisect_right([m.row for m in scan.marks], row) - 1]
+
+
+def joined(scans: Iterable[Scan]) -> Scan:
+    """The scan of a dataset's files from scans of each file alone, in file order: rows counted on
+    across them, each file's marks moved to its rows and its file index (its first mark, at its
+    start, stays: a job may start there), labels ordered as one pass over them all would order
+    them (label_list keeps the first of labels with the same text)."""
+    n_rows, labels, marks = 0, [], []
+    for file, scan in enumerate(scans):
+        marks += [Mark(m.row + n_rows, m.file + file, m.position, m.line) for m in scan.marks]
+        labels += scan.labels
+        n_rows += scan.n_samples
+    return Scan(n_rows, label_list(labels), tuple(marks))
 
 
 DataState = tuple[tuple[tuple[int, int], ...], str]  # Scan.stamps, Scan.listing

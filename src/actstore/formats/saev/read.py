@@ -35,7 +35,8 @@ def resolve(path: str | Path) -> Path:
         recorded = record.get("hash", PurePosixPath(target).name)
         if recorded != PurePosixPath(target).name:  # the hash the stage recorded names the store it points at
             raise FormatError(f"{pointer}: hash {recorded!r:.80} is not the store's name {PurePosixPath(target).name!r}")
-        return (pointer.parent / target).resolve()
+        # Beside the stage dir, never through a link out of it: `inside` refuses one (nothing outside is read).
+        return inside(pointer.parent.parent, target.removeprefix("../"), f"{pointer}: store").resolve()
     raise FormatError(f"{path / METADATA}: missing (and no {POINTER}: {path} is neither a saev store nor "
                       f"a stage dir pointing at one)")
 
