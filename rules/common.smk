@@ -5,10 +5,13 @@ from pathlib import Path
 from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
 from actstore.datasets import check_dataset
+from actstore.datasets.source import remember_sources
 from actstore.hashing import stage_hashes, upstream_stages
 from actstore.jobs import job_items
 from actstore.model_config import check_layers, num_blocks, read_model_config, resolve_model_path
 
+# The hashes, the checks and the resource requests below resolve the dataset: list it once.
+remember_sources()
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
 MODEL_PATH = resolve_model_path(config["model"]["path"])
 check_layers(config["extract"]["layers"], num_blocks(read_model_config(MODEL_PATH)))

@@ -284,6 +284,25 @@ def test_every_stage_hash_lists_and_stats_the_data_once(image_folder, model_dir,
     assert dirs["validate"].parent == Path(config["dump_to"]) / "validate"
 
 
+def test_a_snakefile_parse_lists_the_image_folder_once(image_folder, model_dir, tmp_path, monkeypatch):
+    """The parse's checks, hashes and resource requests each resolve the dataset: after
+    remember_sources() (rules/common.smk) the folder is listed once for all of them; without it
+    (a part's job, the library) every resolve lists afresh, so a change since the scan is seen."""
+    from actstore import hashing, resources
+    from actstore.datasets import check_dataset, source
+
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder)
+    listed, real_listing = [], source.files_under
+    monkeypatch.setattr(source, "files_under", lambda root: listed.append(root) or real_listing(root))
+    monkeypatch.setattr(source, "_REMEMBERED", None)  # this process's, restored after the test
+    resolve_source(str(image_folder)), resolve_source(str(image_folder))
+    assert len(listed) == 2
+    source.remember_sources()
+    check_dataset(config["dataset"]), hashing.stage_dirs(config)
+    resources.workload(config), resources.extract_scan_threads(config), resources.extract_part_mem_mb(config)
+    assert len(listed) == 3
+
+
 @pytest.mark.parametrize("kind", ["parquet", "csv", "arrow", "hf_disk", "parquet_glob", "jsonl_shards", "jsonl_zst"])
 def test_slurm_sizing_counts_the_rows_of_every_table_format(kind, tables, rows, model_dir, tmp_path):
     from actstore import resources

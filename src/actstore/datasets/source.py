@@ -47,8 +47,31 @@ class Source:
         return path.relative_to(self.root).as_posix() if path != self.root else path.name
 
 
+# (path, format, split) -> Source, once remember_sources() is called; None: every call resolves.
+_REMEMBERED: dict[tuple[str, str, str], Source] | None = None
+
+
+def remember_sources() -> None:
+    """From now on in this process, resolve each (path, format, split) once: a Snakefile parse (every
+    Slurm job parses) resolves the dataset for the hashes, the checks and the resource requests,
+    each a listing of an image folder (1.28M images: seconds on a local disk, a metadata storm on
+    a shared one). Never where rows are read: a part's job resolves afresh, to see data changed
+    since the scan (rule scripts run in processes of their own)."""
+    global _REMEMBERED
+    _REMEMBERED = {} if _REMEMBERED is None else _REMEMBERED
+
+
 def resolve_source(path: str, fmt: str = "auto", split: str = "train") -> Source:
     """Resolve `dataset.path` for `dataset.format`; ConfigError naming the path if it cannot be read."""
+    key = (str(path), fmt, split)
+    if _REMEMBERED is None:
+        return _resolve(*key)
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = _resolve(*key)
+    return _REMEMBERED[key]
+
+
+def _resolve(path: str, fmt: str, split: str) -> Source:
     if fmt == "image_table":
         source = resolve_source(path, "auto", split)
         if source.format not in IMAGE_TABLE_FORMATS:
