@@ -469,6 +469,9 @@ def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_di
     assert set(report["formats"]) == {"extract", "saev", "pickle", "lmprobe", "zarr"}
     assert all(f["checked"] > 0 and not f["problems"] for f in report["formats"].values())
     assert report["formats"]["extract"]["inspect"]["dtype"] == "bfloat16"
+    # saev: verified through its stage dir's pointer (its seal), the store beside it inspected.
+    assert report["formats"]["saev"]["store"] == f"saev/{stage_dir(resolved, 'saev').name}"
+    assert report["formats"]["saev"]["inspect"]["path"] != report["formats"]["saev"]["store"]
     for stage in ("extract", "saev", "pickle", "lmprobe", "zarr"):
         store = stage_dir(resolved, stage) if stage == "extract" else find_store(stage_dir(resolved, stage), stage)
         verify = subprocess.run([str(bin_dir / "actstore"), "verify", str(store)], capture_output=True, text=True)
