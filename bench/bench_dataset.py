@@ -51,7 +51,8 @@ def build(root: Path, megabytes: int, group: int) -> tuple[Path, ...]:
     (root / "shards").mkdir()
     for shard in range(SHARDS):  # the same rows as a corpus ships them: zstd'd JSONL shards
         text = "".join(json.dumps(row) + "\n" for row in rows[shard::SHARDS])
-        (root / "shards" / f"docs-{shard:02d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor(3).compress(text.encode()))
+        compressed = zstandard.ZstdCompressor(3).compress(text.encode())
+        (root / "shards" / f"docs-{shard:02d}.jsonl.zst").write_bytes(compressed)
     return jsonl, root / "docs.jsonl.gz", root / "docs.jsonl.zst", root / "docs.parquet"
 
 

@@ -300,7 +300,8 @@ def test_the_saev_pointer_seals_the_metadata_of_the_store_beside_its_stage(workf
 
     config = copied_run(workflow_run, tmp_path)
     stage, store = stage_dir(config, "saev"), store_path(config, "saev")
-    assert set(json.loads((stage / "saev.json").read_text())["sealed"]) == {"actstore.json", "shards.json", "metadata.json"}
+    sealed = json.loads((stage / "saev.json").read_text())["sealed"]
+    assert set(sealed) == {"actstore.json", "shards.json", "metadata.json"}
     path, sealed_by = store / rel, f"{stage / 'saev.json'} (sealed)"
     size = path.stat().st_size
     text = path.read_text()  # actstore.json: another model type of the same length, so only its sha256 differs

@@ -572,10 +572,12 @@ def test_files_scanned_at_once_give_the_one_pass_rows_labels_and_errors(suffix, 
     limit, one pass stops there and reads nothing after it."""
     root = awkward_jsonl(tmp_path / "docs", suffix)
     for name, label in (("0", 1), ("e", "1")):
-        (root / f"{name}.jsonl{suffix}").write_bytes(compressed(json.dumps({"text": name, "label": label}).encode(), suffix))
+        row = json.dumps({"text": name, "label": label}).encode()
+        (root / f"{name}.jsonl{suffix}").write_bytes(compressed(row, suffix))
     one_pass, at_once = scan_dataset(root), scan_dataset(root, workers=3)
-    assert (at_once.n_samples, at_once.labels) == (one_pass.n_samples, one_pass.labels) == (62, [1, "1", "l0", "l1", "l2"])
-    assert sorted({m.file for m in at_once.marks if m.position == 0}) == list(range(6))  # each file scanned from its start
+    assert (at_once.n_samples, at_once.labels) == (one_pass.n_samples, one_pass.labels) == \
+           (62, [1, "1", "l0", "l1", "l2"])
+    assert sorted({m.file for m in at_once.marks if m.position == 0}) == list(range(6))  # each file from its start
     whole = load_dataset(root)
     for parts in (1, 4, 7, 62):
         read = [s for part in range(parts) for s in load_dataset(root, parts=(parts, part), scan=at_once).samples]

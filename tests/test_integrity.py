@@ -376,7 +376,8 @@ def test_a_stage_seal_is_checked_inside_its_directory_only(tmp_path):
     assert problems_with(sealed) == [f"{directory / 'report.json'}: sha256 differs from "
                                      f"{directory / STAGE_CONFIG_FILE} (sealed)"]
     (directory / "report.json").write_text('{"loss": 1.0}')
-    not_sealed = f"{directory / 'report.json'}: not sealed by {directory / STAGE_CONFIG_FILE} (written after the stage, or its record removed)"
+    not_sealed = (f"{directory / 'report.json'}: not sealed by {directory / STAGE_CONFIG_FILE} "
+                  "(written after the stage, or its record removed)")
     assert problems_with({}) == [not_sealed]  # the record removed from the seal
     (directory / "sub" / "late.json").write_text("{}")
     assert problems_with(sealed) == [not_sealed.replace("report.json", "sub/late.json")]

@@ -64,6 +64,7 @@ def write_shards(root: Path, shards: tuple[int, ...] = SHARDS) -> list[dict]:
                 add(tar, f"{key}.txt", f"caption {shard}-{i}".encode())
                 add(tar, f"{key}.json", json.dumps({"i": i}).encode())
                 expected.append({"text": f"{name}/{key}", "label": label, "caption": f"caption {shard}-{i}",
+                                 "json": {"i": i},
                                  "pixels": pixels if kind == "png" else None, "bytes": image})
     return expected
 
@@ -210,6 +211,25 @@ def test_label_field_names_the_label_member(shards, tmp_path):
         add(tar, "k.cls", b"cat")
     with pytest.raises(ConfigError, match=r"bad\.tar: sample 'k' .*its 'cls' member is not an integer"):
         scan_dataset(tmp_path / "bad.tar")
+
+
+def test_keep_fields_carry_members_as_each_samples_metadata(shards, tmp_path):
+    """dataset.keep_fields names member extensions: a caption's text as written, a json member's
+    value, read for a part's rows from the mark before them; a sample without one, or a json
+    member that is not JSON, is named by the scan, before any part's job."""
+    root, expected = shards
+    scan = scan_dataset(root, keep_fields=["txt", "json"])
+    part = load_dataset(root, parts=(3, 1), scan=scan, keep_fields=["txt", "json"])
+    assert [s.sample_idx for s in part.samples] == list(range(6, 12))
+    assert [s.metadata for s in part.samples] == \
+           [{"txt": expected[s.sample_idx]["caption"], "json": expected[s.sample_idx]["json"]} for s in part.samples]
+    with pytest.raises(ConfigError, match=r"shard-00000\.tar: sample 'd0/000000' .*no 'seg' member \(dataset.keep_fields\)"):
+        scan_dataset(root, keep_fields=["seg"])
+    with tarfile.open(tmp_path / "bad.tar", "w") as tar:
+        add(tar, "k.png", encoded(np.zeros((4, 4, 3), np.uint8), "png"))
+        add(tar, "k.json", b"{not json")
+    with pytest.raises(ConfigError, match=r"bad\.tar: sample 'k' .*its 'json' member is not JSON"):
+        scan_dataset(tmp_path / "bad.tar", keep_fields=["json"])
 
 
 def test_data_changed_since_the_scan_is_refused_by_a_part(shards, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import os
 import tarfile
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class TarSample:
     key: str
     image: tuple[int, int]  # (byte offset, size) of the image member's data
     label: Any
+    kept: dict[str, Any]  # dataset.keep_fields: the members of those extensions, decoded
 
 
 def scan_webdataset(source: Source, fields: Fields, limit: int | None, progress: bool = False) -> Scan:
@@ -60,7 +62,7 @@ def read_webdataset(source: Source, fields: Fields, rows: range, scan: Scan) -> 
     for sample_idx, sample in enumerate(read, start=mark.row):
         if sample_idx >= rows.start:
             name = f"{source.name(source.files[sample.shard])}/{sample.key}"
-            samples.append(Sample(sample_idx, name, sample.label, ref=(sample.shard, *sample.image)))
+            samples.append(Sample(sample_idx, name, sample.label, sample.kept, ref=(sample.shard, *sample.image)))
     return samples
 
 
@@ -133,7 +135,9 @@ def _split(name: str) -> tuple[str, str]:
 def _sample(fh: IO[bytes], path: Path, shard: int, key: str, members: list[tarfile.TarInfo],
             fields: Fields) -> TarSample:
     """One sample: its image (the member of dataset.image_field's extension, else the one with an
-    image extension) and its label (the member of dataset.label_field's extension, else `cls`)."""
+    image extension), its label (the member of dataset.label_field's extension, else `cls`) and
+    the members of dataset.keep_fields' extensions, each required (the scan reads them too, so a
+    missing or undecodable one is named before any part's job)."""
     extensions = [_split(m.name)[1] for m in members]
     images = [m for m, e in zip(members, extensions)
               if (e == fields.image if fields.image else f".{e.lower()}" in IMAGE_SUFFIXES)]
@@ -147,7 +151,14 @@ def _sample(fh: IO[bytes], path: Path, shard: int, key: str, members: list[tarfi
         raise ConfigError(f"{_where(path, key, extensions)}: no {extension!r} member (dataset.label_field)")
     label = None if member is None else _label(_read(fh, path, member.offset_data, member.size), extension,
                                                _where(path, key, extensions))
-    return TarSample(shard, members[0].offset, key, (images[0].offset_data, images[0].size), label)
+    kept = {}
+    for extension in fields.keep or ():
+        member = next((m for m, e in zip(members, extensions) if e == extension), None)
+        if member is None:
+            raise ConfigError(f"{_where(path, key, extensions)}: no {extension!r} member (dataset.keep_fields)")
+        kept[extension] = _kept(_read(fh, path, member.offset_data, member.size), extension,
+                                _where(path, key, extensions))
+    return TarSample(shard, members[0].offset, key, (images[0].offset_data, images[0].size), label, kept)
 
 
 def _where(path: Path, key: str, extensions: list[str]) -> str:
@@ -155,13 +166,22 @@ def _where(path: Path, key: str, extensions: list[str]) -> str:
 
 
 def _label(data: bytes, extension: str, where: str) -> str | int:
-    """A label member's text; a `cls` member's, the integer it writes."""
+    """A label member's text, stripped (any extension, `json` too: a label is a name); a `cls`
+    member's, the integer it writes."""
+    value = _kept(data, extension, where, parse_json=False)
+    return value.strip() if isinstance(value, str) else value
+
+
+def _kept(data: bytes, extension: str, where: str, parse_json: bool = True) -> Any:
+    """A kept member's value, as it goes into the samples' metadata: a `json` member's value (its
+    text when not `parse_json`), a `cls` member's integer, any other member's UTF-8 text (a caption,
+    as written)."""
+    kind = {"json": "JSON" if parse_json else "UTF-8 text", "cls": "an integer"}.get(extension, "UTF-8 text")
     try:
-        text = data.decode("utf-8").strip()
-        return int(text) if extension == "cls" else text
+        text = data.decode("utf-8")
+        return json.loads(text) if kind == "JSON" else int(text) if extension == "cls" else text
     except (UnicodeDecodeError, ValueError):
-        raise ConfigError(f"{where}: its {extension!r} member is not "
-                          f"{'an integer' if extension == 'cls' else 'UTF-8 text'} ({data[:40]!r})") from None
+        raise ConfigError(f"{where}: its {extension!r} member is not {kind} ({data[:40]!r})") from None
 
 
 def _read(fh: IO[bytes], path: Path, offset: int, size: int) -> bytes:
