@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
 from tqdm import tqdm
 
 from actstore.errors import FormatError
+from actstore.formats import is_metadata_name
 from actstore.io_utils import canonical_sha256, is_temp, sha256_file, sha256_tree_file
 
 # The resolved config the workflow records in every stage directory (hashing.write_stage_config).
@@ -121,8 +122,6 @@ def sealed_names(directory: Path, stage: str) -> list[str]:
     every metadata document (formats.is_metadata_name) or, for the sae stage, which writes no
     format's store, every file; never the tool's own files, a writer's temps, links, or the
     workflow's temps (STAGE_TEMPS)."""
-    from actstore.formats import is_metadata_name  # the formats' registry imports the formats' modules
-
     sealed_name = (lambda name: True) if stage == "sae" else is_metadata_name
 
     def sealed(rel: str) -> bool:  # string splits: a zarr stage walks millions of chunk names

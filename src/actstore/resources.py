@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actstore.datasets.jsonl import size_estimate
-from actstore.datasets.source import resolve_source
+from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
@@ -41,12 +41,17 @@ class Workload:
         return self.tokens * self.d * self.itemsize * self.n_tensors
 
 
+def _dataset_source(section: dict[str, Any]) -> Source:
+    """The dataset section's source (once a parse: datasets.source.remember_sources)."""
+    return resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
+
+
 def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     """(rows, bytes, largest block's bytes) of the dataset: JSONL and CSV lines and text estimated
     from the files' starts (datasets.jsonl.size_estimate), other tables' rows and blocks from the
     files' own metadata, or the images of a folder (no stat of each: their bytes are never held) or
     of tar shards (estimated from the first shard's start); nothing is parsed."""
-    source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
+    source = _dataset_source(section)
     if source.format == "image_folder":
         return max(len(source.files), 1), 0, 0
     if source.format == "webdataset":
@@ -160,7 +165,7 @@ def extract_scan_threads(config: dict[str, Any]) -> int:
     section = config["dataset"]
     if section.get("limit") is not None:
         return 1
-    source = resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
+    source = _dataset_source(section)
     return min(SCAN_WORKERS, len(source.files)) if source.format in ("jsonl", "webdataset") else 1
 
 

@@ -125,11 +125,12 @@ def scanned_files(source: Source, fields: Fields, limit: int | None, progress: b
     if limit is not None or workers < 2 or len(source.files) < 2:
         return _scanned_file(source, fields, limit, progress)
     singles = [replace(source, files=(path,)) for path in source.files]
+    processes = min(workers, len(singles))
     # fork: spawn and forkserver would import a Snakemake script's unguarded body again in each worker.
     context = multiprocessing.get_context("fork")
-    with (ProcessPoolExecutor(min(workers, len(singles)), mp_context=context) as pool,
+    with (ProcessPoolExecutor(processes, mp_context=context) as pool,
           tqdm(total=sum(p.stat().st_size for p in source.files), unit="B", unit_scale=True,
-               desc=f"scan dataset ({workers} processes)", disable=not progress) as bar):
+               desc=f"scan dataset ({processes} processes)", disable=not progress) as bar):
         futures = [pool.submit(_scanned_file, single, fields, None) for single in singles]
         scans = []
         try:
