@@ -381,3 +381,30 @@ def test_a_stage_seal_is_checked_inside_its_directory_only(tmp_path):
     assert problems_with({}) == [not_sealed]  # the record removed from the seal
     (directory / "sub" / "late.json").write_text("{}")
     assert problems_with(sealed) == [not_sealed.replace("report.json", "sub/late.json")]
+
+
+@pytest.mark.parametrize("linked, store_files, name", [
+    ("lut", ["lut/metadata.json"], "lut"),  # a folder part of a marker is the link
+    ("dataset", ["dataset/index/train.parquet", "dataset/tensors/x.safetensors"], "lmprobe"),
+    ("shard_0000.pkl", ["machine-0000/metadata.json"], "pickle"),  # the link is itself the marker's name
+])
+def test_detection_by_names_never_looks_through_a_link(linked, store_files, name, tmp_path, monkeypatch):
+    """A store with a link near its top is detected by its file names alone (formats.detect_format):
+    a link named by a marker is taken by its name, and the folder it leads to, outside, is never
+    listed or looked at (verify then names the link)."""
+    import os
+
+    from actstore import formats
+
+    outside = tmp_path / "outside"
+    for rel in store_files:
+        (outside / rel).parent.mkdir(parents=True, exist_ok=True)
+        (outside / rel).write_text("{}")
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / linked).symlink_to(outside / linked if (outside / linked).exists() else outside)
+    listed, real_scandir = [], os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(str(path)) or real_scandir(path))
+    assert formats.detect_format(store) == name
+    assert listed and not [p for p in listed if p.startswith(str(outside))]
+    assert formats.detect_format(outside / "nothing") is None

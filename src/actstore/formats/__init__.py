@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,29 @@ class FormatEntry:
     metadata: tuple[str, ...] = ()
 
     def claims(self, path: Path) -> bool:
-        return any(all(next(path.glob(glob), None) for glob in group) for group in self.markers)
+        return any(all(_named(path, glob) for glob in group) for group in self.markers)
+
+
+def _named(root: Path, glob: str) -> bool:
+    """Whether an entry under `root` is named by `glob` ('/'-separated fnmatch parts), by names
+    alone: a link is never followed, nor its target looked at. A link named by a folder part is
+    taken to hold the rest (it may lead outside, where nothing is read; verify names it)."""
+    if not root.is_dir():
+        return False
+    folders, parts = [root], glob.split("/")
+    for depth, part in enumerate(parts):
+        found = []
+        for folder in folders:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if not fnmatch.fnmatchcase(entry.name, part):
+                        continue
+                    if depth == len(parts) - 1 or entry.is_symlink():
+                        return True
+                    if entry.is_dir(follow_symlinks=False):
+                        found.append(entry.path)
+        folders = found
+    return False
 
 
 # Detection order: more specific layouts first. Format stages run in this order too.
