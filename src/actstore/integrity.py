@@ -106,15 +106,22 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
         return [f"{path}: the config of stage directory {digest}, found in {directory.name}"]
     if SEAL_KEY not in record:
         return []  # written before stages sealed their metadata
+    return seal_problems(directory, record[SEAL_KEY], path, sealed_names(directory, str(record["stage"])))
+
+
+def seal_problems(root: Path, records: Any, sealer: Path, must_seal: Iterable[str]) -> list[str]:
+    """The files under `root` against the seal `records` ({name: {bytes, sha256}}, SEAL_KEY) that
+    file `sealer` holds: each recorded file, its name resolved inside `root`, of the bytes
+    recorded; and each of `must_seal` recorded (one the seal does not list was written after the
+    stage, or its record was removed)."""
     try:
-        sealed = file_records(record[SEAL_KEY], f"{path} {SEAL_KEY}")
+        sealed = file_records(records, f"{sealer} {SEAL_KEY}")
     except FormatError as exc:
         return [str(exc)]
     problems = [problem for name, entry in sealed.items()
-                if (problem := listed_problem(directory, name, entry, f"{path} ({SEAL_KEY})"))]
-    # A document the seal does not list was written after the stage, or its record was removed.
-    return problems + [f"{directory / rel}: not sealed by {path} (written after the stage, or its record removed)"
-                       for rel in sealed_names(directory, str(record["stage"])) if rel not in sealed]
+                if (problem := listed_problem(root, name, entry, f"{sealer} ({SEAL_KEY})"))]
+    return problems + [f"{root / rel}: not sealed by {sealer} (written after the stage, or its record removed)"
+                       for rel in must_seal if rel not in sealed]
 
 
 def sealed_names(directory: Path, stage: str) -> list[str]:

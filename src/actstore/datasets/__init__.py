@@ -128,15 +128,16 @@ def scanned_files(source: Source, fields: Fields, limit: int | None, progress: b
     processes = min(workers, len(singles))
     # fork: spawn and forkserver would import a Snakemake script's unguarded body again in each worker.
     context = multiprocessing.get_context("fork")
+    sizes = [path.stat().st_size for path in source.files]
     with (ProcessPoolExecutor(processes, mp_context=context) as pool,
-          tqdm(total=sum(p.stat().st_size for p in source.files), unit="B", unit_scale=True,
-               desc=f"scan dataset ({processes} processes)", disable=not progress) as bar):
+          tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"scan dataset ({processes} processes)",
+               disable=not progress) as bar):
         futures = [pool.submit(_scanned_file, single, fields, None) for single in singles]
         scans = []
         try:
-            for single, future in zip(singles, futures):  # in file order: the first file's error is raised
+            for size, future in zip(sizes, futures):  # in file order: the first file's error is raised
                 scans.append(future.result())
-                bar.update(single.files[0].stat().st_size)
+                bar.update(size)
         finally:
             for future in futures:
                 future.cancel()

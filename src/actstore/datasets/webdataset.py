@@ -139,37 +139,34 @@ def _sample(fh: IO[bytes], path: Path, shard: int, key: str, members: list[tarfi
     the members of dataset.keep_fields' extensions, each required (the scan reads them too, so a
     missing or undecodable one is named before any part's job)."""
     extensions = [_split(m.name)[1] for m in members]
+    where = _where(path, key, extensions)
     images = [m for m, e in zip(members, extensions)
               if (e == fields.image if fields.image else f".{e.lower()}" in IMAGE_SUFFIXES)]
     if len(images) != 1:
         found = f"no {fields.image!r} member (dataset.image_field)" if fields.image else \
             f"{len(images) or 'no'} images; a sample has one (dataset.image_field picks it by extension)"
-        raise ConfigError(f"{_where(path, key, extensions)}: {found}")
-    extension = fields.label if fields.label_required else "cls"
-    member = next((m for m, e in zip(members, extensions) if e == extension), None)
-    if member is None and fields.label_required:
-        raise ConfigError(f"{_where(path, key, extensions)}: no {extension!r} member (dataset.label_field)")
-    label = None if member is None else _label(_read(fh, path, member.offset_data, member.size), extension,
-                                               _where(path, key, extensions))
-    kept = {}
-    for extension in fields.keep or ():
-        member = next((m for m, e in zip(members, extensions) if e == extension), None)
-        if member is None:
-            raise ConfigError(f"{_where(path, key, extensions)}: no {extension!r} member (dataset.keep_fields)")
-        kept[extension] = _kept(_read(fh, path, member.offset_data, member.size), extension,
-                                _where(path, key, extensions))
+        raise ConfigError(f"{where}: {found}")
+    first = {}
+    for member, extension in zip(members, extensions):
+        first.setdefault(extension, member)
+
+    def decoded(extension: str, option: str, parse_json: bool = True) -> Any:
+        """The first member of `extension`, decoded (_kept); ConfigError naming `option` when there is none."""
+        if extension not in first:
+            raise ConfigError(f"{where}: no {extension!r} member ({option})")
+        member = first[extension]
+        return _kept(_read(fh, path, member.offset_data, member.size), extension, where, parse_json)
+
+    label = None  # a label member's text, stripped (a `json` one's too: a label is a name); a `cls` one's integer
+    if fields.label_required or "cls" in first:
+        label = decoded(fields.label if fields.label_required else "cls", "dataset.label_field", parse_json=False)
+        label = label.strip() if isinstance(label, str) else label
+    kept = {extension: decoded(extension, "dataset.keep_fields") for extension in fields.keep or ()}
     return TarSample(shard, members[0].offset, key, (images[0].offset_data, images[0].size), label, kept)
 
 
 def _where(path: Path, key: str, extensions: list[str]) -> str:
     return f"{path}: sample {key!r} (members: {', '.join(extensions)})"
-
-
-def _label(data: bytes, extension: str, where: str) -> str | int:
-    """A label member's text, stripped (any extension, `json` too: a label is a name); a `cls`
-    member's, the integer it writes."""
-    value = _kept(data, extension, where, parse_json=False)
-    return value.strip() if isinstance(value, str) else value
 
 
 def _kept(data: bytes, extension: str, where: str, parse_json: bool = True) -> Any:

@@ -11,8 +11,8 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR,
                                           UPSTREAM_FAMILIES, WINDOWS, decode_data, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
-from actstore.integrity import (SEAL_KEY, dir_bytes, file_problem, file_records, links_out, listed_problem,
-                                problems_of, read_json, unlisted)
+from actstore.integrity import (SEAL_KEY, dir_bytes, file_problem, links_out, listed_problem, problems_of, read_json,
+                                seal_problems, unlisted)
 
 
 def detect(path: str | Path) -> bool:
@@ -82,17 +82,11 @@ def _verify_pointer_seal(path: Path, store_dir: Path) -> list[str]:
     record = read_json(pointer)
     if SEAL_KEY not in record:
         return []
-    source = f"{pointer} ({SEAL_KEY})"
-    try:
-        sealed = file_records(record[SEAL_KEY], source)
-    except FormatError as exc:
-        return [str(exc)]
-    problems = [f"{source}: {name!r} is not one of the store's metadata files {', '.join(SEALED)}"
-                for name in sealed if name not in SEALED]
-    problems += [problem for name, entry in sealed.items()
-                 if name in SEALED and (problem := listed_problem(store_dir, name, entry, source))]
-    return problems + [f"{store_dir / name}: not sealed by {pointer}" for name in SEALED
-                       if name not in sealed and (store_dir / name).is_file()]
+    sealed = record[SEAL_KEY]
+    problems = [f"{pointer} ({SEAL_KEY}): {name!r} is not one of the store's metadata files {', '.join(SEALED)}"
+                for name in (sealed if isinstance(sealed, dict) else ()) if name not in SEALED]
+    present = [name for name in SEALED if (store_dir / name).is_file()]
+    return problems + seal_problems(store_dir, sealed, pointer, present)
 
 
 def _recorded(store: SaevStore) -> dict[str, Any]:
