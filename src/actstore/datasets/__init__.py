@@ -87,7 +87,8 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
         samples = read_table(source, fields, schemas, rows)
         modality, opener = ("image", ImageOpener(source, fields.image)) if fields.image else ("text", None)
     return Dataset(source.root.resolve(), modality, samples, scan.n_samples, scan.labels,
-                   chat=fields.messages is not None and modality == "text", opener=opener)
+                   chat=fields.messages is not None and modality == "text", opener=opener,
+                   pretokenized=fields.tokens is not None)
 
 
 def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Source, Fields, list]:
@@ -96,6 +97,8 @@ def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Sour
     fields = _fields(options, None)
     if source.format == "jsonl" and fields.image:
         raise ConfigError(f"dataset.image_field: {path} is JSONL, which holds no images")
+    if fields.tokens and source.format in ("image_folder", "webdataset"):
+        raise ConfigError(f"dataset.tokens_field: {path} is {source.format.replace('_', ' ')}, which holds images")
     if not source.table:
         return source, fields, []
     fields = _table_fields(source, fields)
@@ -153,12 +156,9 @@ def _scanned_file(source: Source, fields: Fields, limit: int | None, progress: b
 def check_dataset(section: dict[str, Any]) -> None:
     """The cheap checks (at parse time): the path resolves to files, and every table shard has the
     columns the config reads, of the right types. Rows are not read."""
-    options = dataset_options(section)
-    source = resolve_source(section["path"], options.get("format", "auto"), section.get("split", "train"))
+    source = _opened(section["path"], section.get("split", "train"), dataset_options(section))[0]
     if not source.files:
         raise ConfigError(f"dataset.path {section['path']} holds no samples")
-    if source.table:
-        table_schemas(source, _table_fields(source, _fields(options, None)))
 
 
 def _renderer(options: dict[str, Any], model_path: Path | None) -> Callable[[Any, str], str] | None:
@@ -172,10 +172,14 @@ def _renderer(options: dict[str, Any], model_path: Path | None) -> Callable[[Any
 
 def _fields(options: dict[str, Any], render: Callable[[Any, str], str] | None) -> Fields:
     keep = options.get("keep_fields")
-    return Fields(text=options.get("text_field", "text"), label=options.get("label_field", "label"),
-                  label_required="label_field" in options, image=options.get("image_field"),
-                  messages=options.get("messages_field"), keep=tuple(keep) if keep is not None else None,
-                  render=render)
+    fields = Fields(text=options.get("text_field", "text"), label=options.get("label_field", "label"),
+                    label_required="label_field" in options, image=options.get("image_field"),
+                    messages=options.get("messages_field"), tokens=options.get("tokens_field"),
+                    keep=tuple(keep) if keep is not None else None, render=render)
+    if fields.tokens and (fields.messages or fields.image):
+        other = "messages_field" if fields.messages else "image_field"
+        raise ConfigError(f"dataset.tokens_field: a row's token ids are its whole input; unset dataset.{other}")
+    return fields
 
 
 def _table_fields(source: Source, fields: Fields) -> Fields:

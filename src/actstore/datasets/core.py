@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 # dataset.* keys that choose how rows are read (path, limit and split are passed on their own).
-FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_field", "keep_fields",
+FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_field", "tokens_field", "keep_fields",
               "add_generation_prompt")
 
 
@@ -22,6 +22,7 @@ class Sample:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     ref: tuple[int, int, int] | None = None  # image tables: (shard, block, row in block); tars: (shard, offset, size)
+    tokens: Any = None  # dataset.tokens_field: the row's token ids (int64 array); text is "" until decoded
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,14 @@ class Fields:
     label_required: bool = False  # dataset.label_field set: the column must exist
     image: str | None = None
     messages: str | None = None
+    tokens: str | None = None  # token ids, run as given (pre-tokenized data)
     keep: tuple[str, ...] | None = None
     render: Callable[[Any, str], str] | None = None
 
     @property
     def prompt(self) -> str:
-        """The field the prompt text comes from."""
-        return self.messages or self.text
+        """The field the prompt comes from: its token ids, its chat messages or its text."""
+        return self.tokens or self.messages or self.text
 
     def own(self) -> set[str]:
         return {self.prompt, self.label, *([self.image] if self.image else [])}
@@ -56,6 +58,7 @@ class Dataset:
     n_samples: int  # rows in the whole dataset (after dataset.limit)
     labels: list  # label names over the whole dataset: label_id = position in this list
     chat: bool = False  # texts are rendered chat templates: they carry their own special tokens
+    pretokenized: bool = False  # samples carry token ids (dataset.tokens_field), run as given
     opener: Any = None  # images.ImageOpener for image datasets
 
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+import numpy as np
 from isal import isal_zlib
 from tqdm import tqdm
 
@@ -56,7 +57,8 @@ def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan)
             where = f"{files[file]}:{line_no}"
             row = _parse(line, where)
             _check(row, fields, where)
-            samples.append(Sample(sample_idx, _prompt(row, fields, where), row.get(fields.label), _kept(row, fields)))
+            samples.append(Sample(sample_idx, _prompt(row, fields, where), row.get(fields.label), _kept(row, fields),
+                                  tokens=np.asarray(row[fields.tokens], np.int64) if fields.tokens else None))
     return samples
 
 
@@ -226,11 +228,25 @@ def _check(row: dict[str, Any], fields: Fields, where: str) -> None:
     if fields.messages is not None:
         if fields.messages not in row:
             raise ConfigError(f"{where}: line has no field {fields.messages!r} (dataset.messages_field)")
+    elif fields.tokens is not None:
+        if not _token_ids(row.get(fields.tokens)):
+            raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "
+                              f"list of token ids, whole numbers from 0, got {_short(row.get(fields.tokens))}")
     elif not isinstance(row.get(fields.text), str):
         raise ConfigError(f"{where}: line has no string field {fields.text!r}")
     missing = [k for k in fields.keep or () if k not in row]
     if missing:
         raise ConfigError(f"{where}: line has no field {missing[0]!r} (dataset.keep_fields)")
+
+
+def _token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(type(i) is int and 0 <= i < 1 << 63 for i in value))  # type(): a bool is no id
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _label(row: dict[str, Any], fields: Fields, where: str) -> Any:
@@ -242,6 +258,8 @@ def _label(row: dict[str, Any], fields: Fields, where: str) -> Any:
 
 
 def _prompt(row: dict[str, Any], fields: Fields, where: str) -> str:
+    if fields.tokens is not None:
+        return ""  # the ids' text, decoded by the model's tokenizer (extract.inputs.given_token_ids)
     return fields.render(row[fields.messages], where) if fields.messages is not None else row[fields.text]
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from actstore.datasets.core import Fields, Sample, label_list
@@ -130,6 +131,11 @@ def _is_image(t: pa.DataType) -> bool:
     return is_bytes(t) or is_text(t) or (_struct_of(t, ("bytes",)) and is_bytes(t.field("bytes").type))
 
 
+def _is_token_ids(t: pa.DataType) -> bool:
+    lists = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    return lists and pa.types.is_integer(t.value_type)
+
+
 def _is_label(t: pa.DataType) -> bool:
     return (is_text(t) or pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
             or pa.types.is_dictionary(t))
@@ -144,14 +150,16 @@ def image_field(source: Source, fields: Fields, schema: pa.Schema) -> str | None
     with no `text` column (and no messages_field) an `image` column, as the Hub's vision sets have."""
     if fields.image or source.image_table:
         return fields.image or "image"
-    auto = fields.messages is None and fields.text == "text" and "text" not in schema.names
+    auto = fields.messages is None and fields.tokens is None and fields.text == "text" and "text" not in schema.names
     return "image" if auto and "image" in schema.names and _is_image(schema.field("image").type) else None
 
 
 def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
     """ConfigError naming the file and column if a column the config reads is missing or mistyped."""
     wanted = [("dataset.image_field", fields.image, _is_image, "image bytes, a {bytes, path} struct or a path")]
-    if not fields.image:
+    if fields.tokens:
+        wanted = [("dataset.tokens_field", fields.tokens, _is_token_ids, "a list of integers (token ids)")]
+    elif not fields.image:
         wanted = [("dataset.messages_field", fields.messages, _is_messages, "a list of {role, content}")
                   if fields.messages else ("dataset.text_field", fields.text, is_text, "a string column")]
     if fields.label_required or fields.label in schema.names:
@@ -225,18 +233,20 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
 
 def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
     """A Parquet file's null count of `column` in each row group, from its footer's statistics (None
-    where not recorded); [] for other formats or a nested column, whose blocks are read instead."""
+    where not recorded). A list of token ids is stored as one leaf column (ids.list.element), whose
+    count also counts null and empty lists and null ids: 0 there is no null row too. [] for other
+    formats or a column of several leaves (chat messages), whose blocks are read instead."""
     if fmt != "parquet":
         return []
     import pyarrow.parquet as pq
     metadata = pq.ParquetFile(path).metadata
     counts = []
     for group in range(metadata.num_row_groups):
-        chunk = next((metadata.row_group(group).column(i) for i in range(metadata.num_columns)
-                      if metadata.row_group(group).column(i).path_in_schema == column), None)
-        if chunk is None:
+        chunks = [chunk for chunk in map(metadata.row_group(group).column, range(metadata.num_columns))
+                  if chunk.path_in_schema == column or chunk.path_in_schema.startswith(column + ".")]
+        if len(chunks) != 1:
             return []
-        stats = chunk.statistics
+        stats = chunks[0].statistics
         counts.append(stats.null_count if stats is not None and stats.has_null_count else None)
     return counts
 
@@ -269,9 +279,9 @@ def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: r
             if start + size > rows.start:
                 row_of = _row_reader(source, fields, read(), names, f"{source.name(path)}#", start - shard_start)
                 for row in range(max(rows.start - start, 0), min(rows.stop - start, size)):
-                    text, label, kept = row_of(row)
+                    text, label, kept, tokens = row_of(row)
                     ref = (shard, block, row) if fields.image else None
-                    samples.append(Sample(start + row, text, label, kept, ref))
+                    samples.append(Sample(start + row, text, label, kept, ref, tokens))
             start += size
     return samples
 
@@ -288,9 +298,12 @@ def _columns(fields: Fields, schema: pa.Schema) -> list[str]:
 
 
 def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | None, shard: str,
-                start: int) -> Callable[[int], tuple[str, Any, dict]]:
-    """row -> (text, label, kept fields) for one block, its columns converted to Python once."""
-    values = {name: table.column(name).to_pylist() for name in table.column_names}
+                start: int) -> Callable[[int], tuple[str, Any, dict, np.ndarray | None]]:
+    """row -> (text, label, kept fields, token ids) for one block, its columns converted to Python
+    once; token ids stay Arrow data until a row's are asked for (Python ints take 4x the memory)."""
+    ids = table.column(fields.tokens).combine_chunks() if fields.tokens else None
+    values = {name: table.column(name).to_pylist() for name in table.column_names
+              if name != fields.tokens or name in (fields.keep or ())}
     labels = values.get(fields.label, [None] * table.num_rows)
     if names is not None:
         labels = [names[v] if isinstance(v, int) and 0 <= v < len(names) else None for v in labels]
@@ -300,10 +313,29 @@ def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | N
             value = values.get(fields.image, [None] * table.num_rows)[row]
             value = value.get("path") if isinstance(value, dict) else value
             return value or f"{shard}{start + row}"
+        if fields.tokens:
+            return ""  # the ids' text, decoded by the model's tokenizer (extract.inputs.given_token_ids)
         value = values[fields.prompt][row]
         where = f"{source.root}: {shard}{start + row}, column {fields.prompt!r}"
         if value is None:
             raise ConfigError(f"{where}: null where a prompt is needed")
         return fields.render(value, where) if fields.render else value
 
-    return lambda row: (text(row), labels[row], {k: values[k][row] for k in fields.keep or ()})
+    def tokens(row: int) -> np.ndarray | None:
+        return None if ids is None else token_ids(ids[row], f"{source.root}: {shard}{start + row}, column "
+                                                            f"{fields.tokens!r} (dataset.tokens_field)")
+
+    return lambda row: (text(row), labels[row], {k: values[k][row] for k in fields.keep or ()}, tokens(row))
+
+
+def token_ids(value: pa.Scalar, where: str) -> np.ndarray:
+    """One row's token ids as int64; ConfigError naming `where` unless they are whole numbers from 0."""
+    if not value.is_valid:
+        raise ConfigError(f"{where}: null where a prompt is needed")
+    ids = value.values
+    if not len(ids) or ids.null_count:
+        raise ConfigError(f"{where}: {'a null token id' if len(ids) else 'no token ids'}")
+    array = ids.to_numpy().astype(np.int64)  # a uint64 id past int64 wraps below 0, and is named
+    if array.min() < 0:
+        raise ConfigError(f"{where}: token id {ids[int(array.argmin())]} is not a whole number from 0")
+    return array

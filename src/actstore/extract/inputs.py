@@ -56,6 +56,28 @@ def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
     return TokenIds(flat, np.cumsum(lengths, dtype=np.int64))
 
 
+def given_token_ids(loaded: LoadedModel, samples: list[Sample], max_seq_length: int) -> TokenIds:
+    """dataset.tokens_field: each row's ids run as given (no special token added: a pre-tokenized
+    dataset carries its own BOS), cut to max_seq_length as the tokenizer's truncation cuts a text.
+    An id outside the model's embedding table is named before any forward (on a GPU it would fault
+    the device). Each sample's text becomes its ids decoded, so records show what ran; the stored
+    token_ids, not that text, are the input."""
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    kept = [s.tokens[:max_seq_length] for s in samples]
+    for sample, ids in zip(samples, kept):
+        if ids.max() >= vocab:
+            raise ConfigError(f"dataset row {sample.sample_idx}: token id {ids.max()} is outside the model's "
+                              f"vocabulary of {vocab} (dataset.tokens_field)")
+    step = max(1, TOKENIZE_TOKENS // max_seq_length)
+    for start in range(0, len(samples), step):
+        texts = loaded.preprocessor.batch_decode([ids.tolist() for ids in kept[start:start + step]])
+        for sample, text in zip(samples[start:start + step], texts):
+            sample.text, sample.tokens = text, None  # the ids live on in the flat array only
+    lengths = np.array([len(ids) for ids in kept], np.int64)
+    flat = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+    return TokenIds(flat, np.concatenate([[0], np.cumsum(lengths)]))
+
+
 def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     """Local indices grouped by length over the whole part (longest first) so batches carry little
     padding. The grouping fixes each sample's batch companions, hence its exact float bits."""

@@ -17,8 +17,8 @@ from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, parse_hook
-from actstore.extract.inputs import (TokenIds, default_workers, image_batch, image_batches, length_batches,
-                                     text_batches, to_model, tokenize)
+from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batch, image_batches,
+                                     length_batches, text_batches, to_model, tokenize)
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
@@ -77,7 +77,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         token_ids = None
         inputs = to_model(loaded, pixels)
     else:
-        token_ids = tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat)
+        token_ids = (given_token_ids(loaded, samples, ext["max_seq_length"]) if dataset.pretokenized
+                     else tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat))
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
         inputs = text_batches(loaded, token_ids, batches)
