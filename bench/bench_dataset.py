@@ -5,7 +5,11 @@ compressed ones too; Parquet `pyarrow` reading the text column); what
 the one scan of the dataset costs (rule extract_scan: every row for the count and labels, and
 where JSONL rows start), which each part's job reads, also of the same rows as 8 .jsonl.zst shards
 scanned one process a shard (1 and --workers at once); and what tokenizing the part costs (the demo
-model's tokenizer), each in a fresh process for its peak resident memory. Writes bench/out/dataset.json.
+model's tokenizer), each in a fresh process for its peak resident memory. And WebDataset tar shards
+(--tar-samples samples of a JPEG-sized member, a caption and a json, as LAION ships them, in 8
+shards): the scan, which reads their headers, against GNU `tar -tf` listing the same shards (C)
+and Python's tarfile listing them (what the scan read headers with before datasets/tar.py).
+Writes bench/out/dataset.json.
 
   time_ratio: the step / the baseline read of the whole file
   grow_mb: peak resident memory the step added (VmHWM: ru_maxrss would carry over the parent's)
@@ -56,6 +60,26 @@ def build(root: Path, megabytes: int, group: int) -> tuple[Path, ...]:
     return jsonl, root / "docs.jsonl.gz", root / "docs.jsonl.zst", root / "docs.parquet"
 
 
+def build_tars(root: Path, samples: int) -> Path:
+    """SHARDS tar shards of `samples` samples: a jpg of 4-16 KB of random bytes (the scan never
+    decodes it), a caption (txt) and a json, each sample's members consecutive."""
+    import io
+    import tarfile
+
+    rng = random.Random(0)
+    (root / "tars").mkdir()
+    for shard in range(SHARDS):
+        with tarfile.open(root / "tars" / f"{shard:05d}.tar", "w") as tar:
+            for i in range(shard, samples, SHARDS):
+                for extension, data in (("jpg", rng.randbytes(rng.randint(4096, 16384))),
+                                        ("txt", " ".join(rng.choice(WORDS) for _ in range(12)).encode()),
+                                        ("json", json.dumps({"key": i, "width": 512}).encode())):
+                    info = tarfile.TarInfo(f"{i:09d}.{extension}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return root / "tars"
+
+
 def peak_mb() -> float:
     """This process's peak resident memory (its own, from exec on)."""
     status = Path("/proc/self/status").read_text()
@@ -86,6 +110,15 @@ def measure(step: str, path: str, parts: int, part: int) -> dict:
         units = scan.n_samples
     elif step == "scan_at_once":  # a folder of shards, PARTS of them at once (one process each)
         units = scan_dataset(path, workers=parts).n_samples
+    elif step == "tar_gnu":  # members, listed by GNU tar
+        units = sum(len(subprocess.run(["tar", "-tf", str(shard)], capture_output=True, check=True).stdout.split())
+                    for shard in sorted(Path(path).iterdir()))
+    elif step == "tar_tarfile":  # members, listed by Python's tarfile
+        import tarfile
+        units = 0
+        for shard in sorted(Path(path).iterdir()):
+            with tarfile.open(shard) as tar:
+                units += sum(1 for _ in tar)
     elif step == "load":
         units = len(load_dataset(path, parts=(parts, part), scan=read_scan(scan_file)).samples)
     else:
@@ -107,6 +140,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=10000, help="Parquet row group rows")
     parser.add_argument("--workers", type=int, default=min(SHARDS, os.cpu_count() or 1),
                         help="processes scanning the shards at once (the extract_scan rule's threads)")
+    parser.add_argument("--tar-samples", type=int, default=40000, help="samples of the tar shards (all 8)")
     parser.add_argument("--measure", nargs=4, metavar=("STEP", "PATH", "PARTS", "PART"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -137,6 +171,17 @@ def main() -> None:
                          "baseline_s": round(baseline["seconds"], 2),
                          "time_ratio": round(took["seconds"] / baseline["seconds"], 2),
                          "grow_mb": round(took["grow_mb"]), "worker_peak_mb": round(took["child_peak_mb"])})
+            print(json.dumps(rows[-1]), flush=True)
+        tars = build_tars(Path(tmp), args.tar_samples)
+        listings = {step: fresh(step, tars, 1, 0) for step in ("tar_gnu", "tar_tarfile")}
+        for workers in sorted({1, args.workers}):
+            took = fresh("scan_at_once", tars, workers, 0)
+            rows.append({"file": f"tars/ ({SHARDS} .tar, {listings['tar_gnu']['units']} members)", "step": "scan",
+                         "workers": workers, "rows": took["units"], "seconds": round(took["seconds"], 2),
+                         "samples_per_s": round(took["units"] / took["seconds"]),
+                         "gnu_tar_list_s": round(listings["tar_gnu"]["seconds"], 2),
+                         "time_ratio": round(took["seconds"] / listings["tar_gnu"]["seconds"], 2),
+                         "tarfile_list_s": round(listings["tar_tarfile"]["seconds"], 2)})
             print(json.dumps(rows[-1]), flush=True)
         for parts in (1, args.parts):
             tokens = fresh("tokenize", jsonl, parts, parts // 2)

@@ -1,9 +1,9 @@
 """Dataset inputs: JSONL, Parquet, Arrow, CSV and Hugging Face save_to_disk tables (texts, chat
-messages or image bytes), folders of images (ImageFolder convention) and WebDataset tar shards.
+messages, token ids or image bytes), folders of images (ImageFolder convention) and WebDataset tar shards.
 
 Rooms: source.py (dataset.path -> format and files in read order), scan.py (what every job needs
 of the whole dataset), jsonl.py, tables.py (pyarrow, block by block), webdataset.py (tar shards,
-header by header), images.py (image folders; decoding table and tar bytes), chat.py (chat templates).
+header by header, tar.py reading the headers), images.py (image folders; decoding table and tar bytes), chat.py (chat templates).
 sample_idx of every sample is its row index in the order defined here, in every format.
 """
 from __future__ import annotations

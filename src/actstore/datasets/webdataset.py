@@ -11,13 +11,13 @@ import io
 import itertools
 import json
 import os
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
 
 from tqdm import tqdm
 
+from actstore.datasets import tar
 from actstore.datasets.core import Fields, Sample, label_list
 from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import IMAGE_SUFFIXES, Source
@@ -94,35 +94,24 @@ def _samples(source: Source, fields: Fields, start: Mark) -> Iterator[TarSample]
                 yield _sample(fh, path, shard, key, members, fields)
 
 
-def _groups(fh: IO[bytes], path: Path, position: int) -> Iterator[tuple[str, list[tarfile.TarInfo]]]:
+def _groups(fh: IO[bytes], path: Path, position: int) -> Iterator[tuple[str, list[tar.Member]]]:
     """(key, its members) of the consecutive file members sharing a key, from `position` on."""
     for key, members in itertools.groupby(_members(fh, path, position), key=lambda m: _split(m.name)[0]):
         yield key, list(members)
 
 
-def _members(fh: IO[bytes], path: Path, position: int) -> Iterator[tarfile.TarInfo]:
-    """The file members whose headers start at `position` and after, their data skipped. tarfile
-    reads a pax or GNU long-name header together with the member it names; ConfigError naming the
-    shard (and the member) where a header is damaged or the file ends inside a member's data."""
-    size = os.fstat(fh.fileno()).st_size
+def _members(fh: IO[bytes], path: Path, position: int) -> Iterator[tar.Member]:
+    """The file members whose headers start at `position` and after, their data skipped (tar.py);
+    ConfigError naming the shard where it is not a tar, a header is damaged or the file ends inside
+    a member."""
     try:
-        tar = tarfile.open(fileobj=fh, mode="r:")  # decodes names as the tar's pax headers say
-    except tarfile.TarError as exc:
+        tar.check_tar(fh)
+    except tar.TarError as exc:
         raise ConfigError(f"{path}: not an uncompressed tar file ({exc})") from None
-    while True:
-        fh.seek(position)
-        try:
-            info = tarfile.TarInfo.fromtarfile(tar)
-        except (tarfile.EOFHeaderError, tarfile.EmptyHeaderError):  # the end-of-archive blocks, or none
-            return
-        except tarfile.HeaderError as exc:
-            raise ConfigError(f"{path}: damaged tar header at byte {position} ({exc})") from None
-        if info.offset_data + info.size > size:
-            raise ConfigError(f"{path}: member {info.name!r} ends after the end of the file (byte "
-                              f"{info.offset_data + info.size} of {size}): the shard is cut short")
-        if info.isreg():
-            yield info
-        position = tar.offset  # the next header, after this member's data
+    try:
+        yield from tar.members(fh, position, os.fstat(fh.fileno()).st_size)
+    except tar.TarError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -132,7 +121,7 @@ def _split(name: str) -> tuple[str, str]:
     return folder + slash + stem, extension
 
 
-def _sample(fh: IO[bytes], path: Path, shard: int, key: str, members: list[tarfile.TarInfo],
+def _sample(fh: IO[bytes], path: Path, shard: int, key: str, members: list[tar.Member],
             fields: Fields) -> TarSample:
     """One sample: its image (the member of dataset.image_field's extension, else the one with an
     image extension), its label (the member of dataset.label_field's extension, else `cls`) and

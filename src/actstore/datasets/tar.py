@@ -1,0 +1,144 @@
+"""Tar headers, read one at a time and the data between them skipped: what the WebDataset scan walks
+(a shard of 10,000 samples holds 30,000 headers). tarfile builds a TarInfo per header in Python,
+parsing every field (16k samples/s measured); this takes from each 512-byte block only what a
+sample needs, the name, type and size, with tarfile's checks (the header checksum, a truncated
+header, data past the end of the file) and its extensions: a pax (`x`) or GNU long-name (`L`)
+header naming the member after it, ustar's name prefix, base-256 sizes."""
+from __future__ import annotations
+
+import re
+from typing import IO, Iterator, NamedTuple
+
+BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
+HIGH_BYTES = bytes(range(128, 256))
+POSIX_MAGIC = b"ustar\x00"  # a GNU header's magic is b"ustar  ": its bytes 345-500 hold times, not a prefix
+REGULAR = (b"0", b"\x00", b"7")  # a file; 7: contiguous file, read as one (tarfile too)
+NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6", b"K")  # links, devices, folders, fifos: no data (tarfile's rule)
+PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+
+
+class TarError(Exception):
+    """A tar file that cannot be read as one; the message names the byte offset."""
+
+
+class Member(NamedTuple):
+    name: str
+    offset: int  # byte offset of its first header (its pax or long-name header's, when it has one)
+    offset_data: int
+    size: int
+
+
+def check_tar(fh: IO[bytes]) -> None:
+    """TarError unless the file starts with a tar header (or the end-of-archive blocks): a
+    compressed or other file is named before any member is looked for."""
+    fh.seek(0)
+    block = fh.read(BLOCK)
+    if not block:
+        raise TarError("empty file")
+    if block != ZERO_BLOCK:
+        _header(block, 0)
+
+
+def members(fh: IO[bytes], position: int, file_size: int) -> Iterator[Member]:
+    """The regular-file members whose headers start at `position` and after, in order; TarError
+    naming the byte where a header is damaged or a member ends past `file_size`."""
+    extended: dict[str, str | int] = {}  # path and size for the next member (pax, GNU long name)
+    first = position
+    while True:
+        fh.seek(position)
+        block = fh.read(BLOCK)
+        if not block or block == ZERO_BLOCK:  # the end-of-archive blocks, or the end of the file
+            return
+        if len(block) < BLOCK:
+            raise TarError(f"damaged tar header at byte {position} (truncated header)")
+        kind, name, size = _header(block, position)
+        if kind in (b"x", b"X", b"g", b"L"):
+            payload = _payload(fh, position, size, file_size, name)
+            if kind == b"L":
+                extended["path"] = payload.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+            else:
+                extended.update(_pax(payload, position, global_=kind == b"g"))
+            position += BLOCK + _padded(size)
+            continue
+        if kind == b"S":
+            raise TarError(f"member {name!r} at byte {position} is a sparse file, which a sample cannot hold")
+        name, size = str(extended.get("path", name)), int(extended.get("size", size))
+        data = position + BLOCK
+        if data + size > file_size:
+            raise TarError(f"member {name!r} ends after the end of the file (byte {data + size} of {file_size}): "
+                           f"the shard is cut short")
+        regular = kind in REGULAR and not (kind == b"\x00" and name.endswith("/"))  # V7 marks a folder so
+        if regular:
+            yield Member(name, first, data, size)
+        position = data if kind in NO_DATA or (kind == b"\x00" and not regular) else data + _padded(size)
+        extended, first = {}, position
+
+
+def _header(block: bytes, position: int) -> tuple[bytes, str, int]:
+    """(type, name, size) of a header block; TarError if its checksum or a number is not a tar's."""
+    try:
+        stored = _number(block[148:156])
+        unsigned = 256 + sum(block) - sum(block[148:156])  # the checksum field counts as 8 spaces
+        if stored != unsigned:
+            high = BLOCK - 8 - len((block[:148] + block[156:]).translate(None, HIGH_BYTES))
+            if stored != unsigned - 256 * high:  # old tars summed signed bytes (tarfile accepts both)
+                raise TarError(f"damaged tar header at byte {position} (bad checksum)")
+        size = _number(block[124:136])
+    except ValueError:
+        raise TarError(f"damaged tar header at byte {position} (invalid header)") from None
+    name = _text(block[0:100])
+    if block[257:263] == POSIX_MAGIC and block[345] != 0:
+        name = f"{_text(block[345:500])}/{name}"
+    return block[156:157], name, size
+
+
+def _number(field: bytes) -> int:
+    """A numeric field: octal digits (NUL or space ended), or base-256 when its first byte's top bit is set."""
+    if field[0] in (0o200, 0o377):  # tarfile's rule: 0o200 positive, 0o377 negative
+        value = int.from_bytes(field[1:], "big")
+        return value if field[0] == 0o200 else value - (1 << (8 * (len(field) - 1)))
+    digits = field.split(b"\x00", 1)[0].strip()
+    return int(digits, 8) if digits else 0
+
+
+def _text(field: bytes) -> str:
+    return field.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _padded(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def _payload(fh: IO[bytes], position: int, size: int, file_size: int, name: str) -> bytes:
+    if position + BLOCK + size > file_size:
+        raise TarError(f"member {name!r} ends after the end of the file (byte {position + BLOCK + size} "
+                       f"of {file_size}): the shard is cut short")
+    fh.seek(position + BLOCK)
+    return fh.read(size)
+
+
+def _pax(payload: bytes, position: int, global_: bool) -> dict[str, str | int]:
+    """A pax header's path and size, for the member after it. A global header (`g`) is for every
+    member after it, which a part's job starting mid-shard would not see: one naming a path or size
+    is refused, its other records (comments, times) are not needed."""
+    records: dict[str, str | int] = {}
+    start = 0
+    while match := PAX_RECORD.match(payload, start):
+        length = int(match.group(1))
+        if length <= len(match.group(0)):
+            raise TarError(f"damaged pax header at byte {position} (invalid record length {length})")
+        keyword = match.group(2).decode("utf-8", "surrogateescape")
+        value = payload[match.end():start + length - 1]
+        if keyword == "path":
+            records["path"] = value.decode("utf-8", "surrogateescape")
+        elif keyword == "size":
+            try:
+                records["size"] = int(value)
+            except ValueError:
+                raise TarError(f"damaged pax header at byte {position} (size {value[:20]!r})") from None
+        start += length
+    if global_ and records:
+        raise TarError(f"the global pax header at byte {position} sets {', '.join(records)} for every member after "
+                       f"it, which a shard read from a mark cannot honour")
+    return records
