@@ -8,7 +8,10 @@ scanned one process a shard (1 and --workers at once); and what tokenizing the p
 model's tokenizer), each in a fresh process for its peak resident memory. And WebDataset tar shards
 (--tar-samples samples of a JPEG-sized member, a caption and a json, as LAION ships them, in 8
 shards): the scan, which reads their headers, against GNU `tar -tf` listing the same shards (C)
-and Python's tarfile listing them (what the scan read headers with before datasets/tar.py).
+and Python's tarfile listing them (what the scan read headers with before datasets/tar.py). And
+a folder of --images empty .JPEG files in 100 folders (ImageNet's layout, its names): the scan,
+and part 4 of 8 read from the scan's runs (its folders listed) and from the whole listing (as
+before the runs), against GNU `find` listing the folder.
 Writes bench/out/dataset.json.
 
   time_ratio: the step / the baseline read of the whole file
@@ -17,6 +20,7 @@ Writes bench/out/dataset.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -80,6 +84,15 @@ def build_tars(root: Path, samples: int) -> Path:
     return root / "tars"
 
 
+def build_images(root: Path, images: int) -> Path:
+    """`images` empty .JPEG files in 100 class folders, named as ImageNet's (never decoded here)."""
+    for i in range(images):
+        folder = root / "images" / f"n{i % 100:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"n{i % 100:08d}_{i:06d}.JPEG").touch()
+    return root / "images"
+
+
 def peak_mb() -> float:
     """This process's peak resident memory (its own, from exec on)."""
     status = Path("/proc/self/status").read_text()
@@ -110,6 +123,12 @@ def measure(step: str, path: str, parts: int, part: int) -> dict:
         units = scan.n_samples
     elif step == "scan_at_once":  # a folder of shards, PARTS of them at once (one process each)
         units = scan_dataset(path, workers=parts).n_samples
+    elif step == "find":  # files, listed by GNU find
+        units = len(subprocess.run(["find", path, "-type", "f"], capture_output=True, check=True).stdout.split())
+    elif step in ("images_runs", "images_listed"):  # a part read from the scan's runs, or from the whole listing
+        scan = read_scan(scan_file)
+        scan = scan if step == "images_runs" else dataclasses.replace(scan, runs=())
+        units = len(load_dataset(path, parts=(parts, part), scan=scan).samples)
     elif step == "tar_gnu":  # members, listed by GNU tar
         units = sum(len(subprocess.run(["tar", "-tf", str(shard)], capture_output=True, check=True).stdout.split())
                     for shard in sorted(Path(path).iterdir()))
@@ -140,6 +159,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=10000, help="Parquet row group rows")
     parser.add_argument("--workers", type=int, default=min(SHARDS, os.cpu_count() or 1),
                         help="processes scanning the shards at once (the extract_scan rule's threads)")
+    parser.add_argument("--images", type=int, default=100000, help="image files of the image folder")
     parser.add_argument("--tar-samples", type=int, default=40000, help="samples of the tar shards (all 8)")
     parser.add_argument("--measure", nargs=4, metavar=("STEP", "PATH", "PARTS", "PART"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,6 +202,16 @@ def main() -> None:
                          "gnu_tar_list_s": round(listings["tar_gnu"]["seconds"], 2),
                          "time_ratio": round(took["seconds"] / listings["tar_gnu"]["seconds"], 2),
                          "tarfile_list_s": round(listings["tar_tarfile"]["seconds"], 2)})
+            print(json.dumps(rows[-1]), flush=True)
+        images = build_images(Path(tmp), args.images)
+        listing = fresh("find", images, 1, 0)
+        for step, parts in (("scan", 1), ("images_runs", args.parts), ("images_listed", args.parts)):
+            took = fresh(step, images, parts, parts // 2)
+            rows.append({"file": f"images/ ({listing['units']} files, 100 folders)", "step": step, "parts": parts,
+                         "rows": took["units"], "seconds": round(took["seconds"], 3),
+                         "find_s": round(listing["seconds"], 3),
+                         "time_ratio": round(took["seconds"] / listing["seconds"], 2),
+                         "grow_mb": round(took["grow_mb"])})
             print(json.dumps(rows[-1]), flush=True)
         for parts in (1, args.parts):
             tokens = fresh("tokenize", jsonl, parts, parts // 2)

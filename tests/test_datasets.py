@@ -354,13 +354,13 @@ def test_the_sizing_estimate_reads_the_starts_of_a_few_files_and_scales(suffix, 
     assert abs(lines / n - 1) < 0.1 and abs(text / whole - 1) < 0.1, (lines, n, text, whole)
 
 
-def test_an_image_folder_lists_its_files_in_the_order_pathlib_sorts_them(tmp_path):
-    """sample_idx = row in path order: the stat-free listing must order and pick exactly the files
-    `sorted(p for p in root.rglob("*") if p.is_file())` does, whatever the names and links."""
-    from actstore.datasets.source import files_under
+def tricky_folder(tmp_path: Path) -> Path:
+    """Images whose names sort in surprising ways (case, dots, spaces, a folder named like a file's
+    stem, so that folder a's images come before and after its subfolder b's), links to a file, to
+    a folder and to nothing, a fifo, and a file that is no image."""
     root = tmp_path / "photos"
     names = ["a-b/x.jpg", "a/b.jpg", "a.b/c.jpg", "A/z.jpg", "a/b/c.jpg", "a/b/c/d.png", ".hidden/h.jpg",
-             "ü/u.jpg", "a b/s.jpg", "top.jpg", "a/b.jpg.txt", "a0/e.JPG"]
+             "ü/u.jpg", "a b/s.jpg", "top.jpg", "a/b.jpg.txt", "a0/e.JPG", "a/a.jpg"]
     for name in names:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(b"x")
@@ -371,6 +371,16 @@ def test_an_image_folder_lists_its_files_in_the_order_pathlib_sorts_them(tmp_pat
     (root / "linked").symlink_to(elsewhere / "deep")  # a linked folder: not entered
     (root / "a" / "broken.jpg").symlink_to(tmp_path / "gone.jpg")  # a broken link: left out
     os.mkfifo(root / "a" / "pipe.jpg")  # not a file: left out
+    return root
+
+
+def test_an_image_folder_lists_its_files_in_the_order_pathlib_sorts_them(tmp_path):
+    """sample_idx = row in path order: the stat-free listing must order and pick exactly the files
+    `sorted(p for p in root.rglob("*") if p.is_file())` does, whatever the names and links."""
+    from actstore.datasets.source import files_under
+    root = tricky_folder(tmp_path)
+    names = ["a-b/x.jpg", "a/b.jpg", "a.b/c.jpg", "A/z.jpg", "a/b/c.jpg", "a/b/c/d.png", ".hidden/h.jpg",
+             "ü/u.jpg", "a b/s.jpg", "top.jpg", "a/b.jpg.txt", "a0/e.JPG", "a/a.jpg"]
     expected = sorted(p for p in root.rglob("*") if p.is_file())
     assert files_under(root) == expected
     assert len(expected) == len(names) + 1
@@ -384,6 +394,80 @@ def test_an_image_folder_lists_its_files_in_the_order_pathlib_sorts_them(tmp_pat
                 files_under(root)
     finally:
         (root / "locked").chmod(0o755)
+
+
+def test_an_image_folder_part_lists_only_the_folders_of_its_rows(tmp_path, monkeypatch):
+    """A part's job of a folder of images reads its rows from the scan's runs (consecutive images of
+    one folder): it lists only the folders of its rows, each once and not into its subfolders, and
+    gets the samples the whole listing gives, in any number of parts, through the scan file too."""
+    from actstore.datasets import source
+
+    root = tricky_folder(tmp_path)
+    whole = flat(load_dataset(root))
+    write_scan(scan_dataset(root), tmp_path / "scan.json")
+    scan = read_scan(tmp_path / "scan.json")
+    folders = [folder for folder, _, _ in scan.runs]
+    assert folders.count("a") == 2 and "" in folders and sum(count for _, count, _ in scan.runs) == len(whole)
+    assert scan_dataset(f"{root}/*/*.jpg", format="image_folder").runs == ()  # not the folders' listings
+    listed, scandir = [], os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: listed.append(Path(path)) or scandir(path))
+    monkeypatch.setattr(source, "files_under", lambda folder: pytest.fail(f"{folder} listed whole"))
+    for parts in (1, 2, 3, 7):
+        read = []
+        for part in range(parts):
+            listed.clear()
+            dataset = load_dataset(root, parts=(parts, part), scan=scan)
+            assert sorted(listed) == sorted({(root / s.text).parent for s in dataset.samples})
+            assert dataset.n_samples == len(whole)
+            with pytest.raises(ConfigError, match=re.escape(f"{root / dataset.samples[-1].text}: cannot decode")):
+                dataset.opener(dataset.samples[-1])  # opened by its name in the root (the files hold no image)
+            read += flat(dataset)
+        assert read == whole
+
+
+def test_an_image_folder_part_read_from_the_scan_file_extracts_the_same_bytes(model_dir, image_folder, tmp_path):
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"batch_size": 3})
+    write_scan(scan_dataset(image_folder), tmp_path / "scan.json")
+    for part in range(config["extract"]["parts"]):
+        outs = [tmp_path / where / f"part-{part:04d}" for where in ("listed", "runs")]
+        run_part(config, part, outs[0], progress=False)
+        run_part(config, part, outs[1], progress=False, scan=tmp_path / "scan.json")
+        listed, runs = ({p.name: p.read_bytes() for p in out.iterdir() if p.name != "part.json"} for out in outs)
+        assert listed == runs and len(listed) >= 4
+
+
+def test_an_image_folder_part_refuses_its_folders_changed_since_the_scan(image_folder, tmp_path):
+    """Each part checks the folders it reads against the scan (their images' count and names), so the
+    parts together check every folder; a folder turned into a link, or gone, is named; a scan
+    file naming a folder outside the dataset is refused; a scan without runs (earlier releases)
+    reads as before, checking the whole listing."""
+    import shutil
+
+    photos = shutil.copytree(image_folder, tmp_path / "photos")  # animal: rows 0-3, object: rows 4-7
+    scan = scan_dataset(photos)
+    (photos / "animal" / "img_00.png").rename(photos / "animal" / "img_99.png")
+    assert len(load_dataset(photos, parts=(2, 1), scan=scan).samples) == 4  # object's folder is as scanned
+    with pytest.raises(ConfigError, match=r"photos/animal: its images changed since the dataset was scanned; "
+                                          r"scan it again \(the workflow: snakemake --forcerun extract_scan\)"):
+        load_dataset(photos, parts=(2, 0), scan=scan)
+    (photos / "object" / "img_00.png").unlink()
+    with pytest.raises(ConfigError, match=r"photos/object: its images changed .* \(3 images, 4 when scanned\)"):
+        load_dataset(photos, parts=(2, 1), scan=scan)
+    shutil.rmtree(photos / "object")
+    with pytest.raises(ConfigError, match=r"photos/object: its images changed .* \(gone\)"):
+        load_dataset(photos, parts=(2, 1), scan=scan)
+    (photos / "object").symlink_to(image_folder / "object")
+    with pytest.raises(ConfigError, match=r"photos/object: its images changed .* \(no longer a folder\)"):
+        load_dataset(photos, parts=(2, 1), scan=scan)
+    write_scan(scan, tmp_path / "scan.json")
+    data = json.loads((tmp_path / "scan.json").read_text())
+    for folder in ("../outside", "/etc", "object/../..", "object//x"):
+        (tmp_path / "bad.json").write_text(json.dumps(data | {"runs": [[folder, 8, "0" * 64]]}))
+        with pytest.raises(FormatError, match=r"bad\.json: runs must be a list of \[folder inside the dataset"):
+            read_scan(tmp_path / "bad.json")
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in data.items() if k != "runs"}))
+    with pytest.raises(ConfigError, match=r"photos: its images changed since the dataset was scanned"):
+        load_dataset(photos, parts=(2, 0), scan=read_scan(tmp_path / "old.json"))
 
 
 # --- Part jobs: each reads its own rows; sample_idx and label ids stay those of the whole dataset. ---
@@ -604,8 +688,8 @@ def test_data_changed_since_the_scan_is_refused_by_a_part(tables, image_folder, 
             (shards, lambda: os.utime(next(shards.glob("*00001*")), ns=(1, 1)), r"00001-of-00002\.parquet: changed since"),
             (shards, lambda: shutil.copy(next(shards.glob("*00001*")), shards / "train-00002.parquet"),
              r"holds 3 data files, 2 when the dataset was scanned"),
-            (photos, lambda: next(photos.rglob("*.png")).rename(photos / "moved.png"),
-             r"photos: its images changed since the dataset was scanned")]:
+            (photos, lambda: (photos / "object" / "img_00.png").rename(photos / "moved.png"),
+             r"photos/object: its images changed since the dataset was scanned")]:
         refused_once_changed(path, change, message)
 
 

@@ -66,8 +66,9 @@ def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
             max((largest_block_bytes(source.format, p) for p in source.files), default=0))
 
 
-# An image sample's text: its name in the folder or table (the pixels are read when decoded). Counted
-# twice, as text is: load_dataset held 560 B a sample for 100,000 ImageNet-style names (sample, strings, Path).
+# An image sample's text: its name in the folder or table (the pixels are read when decoded). A part's
+# samples are counted twice, as text is (load_dataset held 480-560 B a sample of ImageNet-style names);
+# the listing of a folder, once (the Source's Paths: 320 B an image, 100,000 images measured).
 IMAGE_NAME_BYTES = 300
 MAX_IMAGE_TOKENS = 1025  # a ViT emits at most a few hundred tokens (a CLS and 32 x 32 patches)
 IMAGES_PER_ITEM = 16  # images one DataLoader item of the extraction decodes (extract/inputs.py)
@@ -142,11 +143,12 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
 def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
     """What reading the dataset holds in one extraction job: its part's rows (their text twice, as
     str and as read, and a Python row each), the table block being converted (Arrow and its Python
-    values), and for images the name of every image (each job lists them all) and a block of image
-    bytes in each decoding worker."""
+    values), and for images their names, the name of every image once (the Snakefile's parse in
+    the job lists an image folder; the part's script lists only its rows' folders), and a block
+    of image bytes in each decoding worker."""
     w = workload(config)
     if w.pixel_bytes:
-        return 2 * w.text_bytes + (3 + workers) * w.block_bytes
+        return w.text_bytes + 2 * w.text_bytes / config["extract"]["parts"] + (3 + workers) * w.block_bytes
     rows = w.rows / config["extract"]["parts"]
     return (2 * w.text_bytes / w.rows + PYTHON_ROW_BYTES) * rows + 3 * w.block_bytes
 

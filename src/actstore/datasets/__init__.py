@@ -1,13 +1,16 @@
 """Dataset inputs: JSONL, Parquet, Arrow, CSV and Hugging Face save_to_disk tables (texts, chat
-messages, token ids or image bytes), folders of images (ImageFolder convention) and WebDataset tar shards.
+messages, token ids or image bytes), folders of images (ImageFolder convention) and WebDataset tar
+shards.
 
 Rooms: source.py (dataset.path -> format and files in read order), scan.py (what every job needs
 of the whole dataset), jsonl.py, tables.py (pyarrow, block by block), webdataset.py (tar shards,
-header by header, tar.py reading the headers), images.py (image folders; decoding table and tar bytes), chat.py (chat templates).
+sample by sample) and tar.py (their headers), images.py (image folders, a part's folders listed from
+the scan's runs; decoding table and tar bytes), chat.py (chat templates).
 sample_idx of every sample is its row index in the order defined here, in every format.
 """
 from __future__ import annotations
 
+import glob
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -18,7 +21,7 @@ from tqdm import tqdm
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
-from actstore.datasets.images import ImageOpener, read_image_folder, scan_image_folder
+from actstore.datasets.images import ImageOpener, read_image_folder, read_image_folder_runs, scan_image_folder
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.scan import Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
 from actstore.datasets.source import Source, identity_files, resolve_source
@@ -72,6 +75,11 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     model whose tokenizer renders chat messages (dataset.messages_field). `parts`: (parts, part),
     to keep only that part's rows (part_range), so a job holds its own rows, never the whole
     dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
+    if scan is not None and scan.runs:  # a folder of images: only the folders of these rows are listed
+        rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
+        root = Path(path)
+        return Dataset(root.resolve(), "image", read_image_folder_runs(root, scan, rows), scan.n_samples,
+                       scan.labels, opener=ImageOpener(Source("image_folder", root, ())))
     source, fields, schemas = _opened(path, split, options)
     scan = scan or _scan(path, source, fields, schemas, limit)
     check_unchanged(scan, source)
@@ -109,7 +117,7 @@ def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit
           progress: bool = False, workers: int = 1) -> Scan:
     before = data_state(source)
     if source.format == "image_folder":
-        scan = Scan(*scan_image_folder(source, limit))
+        scan = scan_image_folder(source, limit, by_folder=Path(path).is_dir() and not glob.has_magic(str(path)))
     elif source.format in ("jsonl", "webdataset"):
         scan = scanned_files(source, fields, limit, progress, workers)
     else:

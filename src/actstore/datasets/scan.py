@@ -38,13 +38,17 @@ class Scan:
     and tar shards): the first at row 0, then every ~MARK_CHARS of text (JSONL), or at every
     shard's start and every MARK_SAMPLES samples (tar). What the data was when scanned, so
     that data changed since is refused rather than read at stale rows and positions: stamps, each
-    data file's (size, mtime_ns); listing (image folders), the sha256 of the image names in order."""
+    data file's (size, mtime_ns); listing (image folders), the sha256 of the image names in order.
+    runs (a folder of images): (folder relative to the root, "" for the root; images; the sha256 of
+    their names, images.names_digest) of each run of consecutive images in one folder, over every
+    image, so that a part's job lists only the folders of its rows and checks them."""
 
     n_samples: int
     labels: list
     marks: tuple[Mark, ...] = ()
     stamps: tuple[tuple[int, int], ...] = ()
     listing: str = ""
+    runs: tuple[tuple[str, int, str], ...] = ()
 
 
 def mark_before(scan: Scan, row: int) -> Mark:
@@ -65,6 +69,7 @@ def joined(scans: Iterable[Scan]) -> Scan:
     return Scan(n_rows, label_list(labels), tuple(marks))
 
 
+RESCAN = "scan it again (the workflow: snakemake --forcerun extract_scan)"
 DataState = tuple[tuple[tuple[int, int], ...], str]  # Scan.stamps, Scan.listing
 
 
@@ -86,16 +91,15 @@ def check_unchanged(scan: Scan, source: Source) -> None:
     """ConfigError naming the data that changed since `scan` was taken (a file's size or mtime, the
     number of files, or an image folder's listing)."""
     stamps, listing = data_state(source)
-    rescan = "scan it again (the workflow: snakemake --forcerun extract_scan)"
     if listing != scan.listing:
-        raise ConfigError(f"{source.root}: its images changed since the dataset was scanned; {rescan}")
+        raise ConfigError(f"{source.root}: its images changed since the dataset was scanned; {RESCAN}")
     if len(stamps) != len(scan.stamps):
         raise ConfigError(f"{source.root}: holds {len(stamps)} data files, {len(scan.stamps)} when the "
-                          f"dataset was scanned; {rescan}")
+                          f"dataset was scanned; {RESCAN}")
     for path, was, stamp in zip(source.files, scan.stamps, stamps):
         if tuple(was) != stamp:
             raise ConfigError(f"{path}: changed since the dataset was scanned (size {was[0]} -> {stamp[0]} bytes, "
-                              f"or its modification time); {rescan}")
+                              f"or its modification time); {RESCAN}")
 
 
 def _listing(source: Source) -> str:
@@ -109,7 +113,8 @@ def write_scan(scan: Scan, path: str | Path) -> None:
     """The scan as one JSON file, written atomically."""
     write_json_atomic(path, {"n_samples": scan.n_samples, "labels": scan.labels,
                              "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
-                             "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing}, indent=None)
+                             "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing,
+                             "runs": [list(run) for run in scan.runs]}, indent=None)
     log.info("dataset scan: %d rows, %d labels, %d marks -> %s", scan.n_samples, len(scan.labels),
              len(scan.marks), path)
 
@@ -132,7 +137,28 @@ def read_scan(path: str | Path) -> Scan:
     if marks and (marks[0] != Mark(0, 0, 0, 0) or any(a.row > b.row for a, b in zip(marks, marks[1:]))
                   or marks[-1].row > n_samples):
         raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
-    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")), listing)
+    runs = _runs(data.get("runs", []), n_samples, path)  # scans of earlier releases hold none
+    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")), listing, runs)
+
+
+def _runs(value: Any, n_samples: int, path: Path) -> tuple[tuple[str, int, str], ...]:
+    """A scan's runs of images: [folder, images, sha256] each, the folder inside the dataset's root,
+    together at least n_samples images."""
+    def good(run: Any) -> bool:
+        return (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str) and _inside(run[0])
+                and whole_number(run[1]) and run[1] > 0 and isinstance(run[2], str) and len(run[2]) == 64)
+
+    if not isinstance(value, list) or not all(map(good, value)):
+        raise FormatError(f"{path}: runs must be a list of [folder inside the dataset, images, sha256 of their names]")
+    if value and sum(run[1] for run in value) < n_samples:
+        raise FormatError(f"{path}: runs hold fewer images than n_samples")
+    return tuple((folder, count, digest) for folder, count, digest in value)
+
+
+def _inside(folder: str) -> bool:
+    """A folder relative to the dataset's root that stays inside it ("" = the root)."""
+    return folder == "" or not (folder.startswith("/") or "\0" in folder
+                                or any(part in ("", ".", "..") for part in folder.split("/")))
 
 
 def _numbers(value: Any, width: int, path: Path, field: str) -> list[tuple[int, ...]]:
