@@ -2,6 +2,7 @@
 extract exactly as the same rows in JSONL or an image folder; bad columns fail before weights load."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -84,6 +85,53 @@ def test_every_table_format_extracts_the_jsonl_bytes(kind, rows, tables, jsonl_p
     config = tiny.make_config(tmp_path, model_dir("gpt2"), path, dataset=options)
     assert load_dataset(path, **options).labels == load_dataset(rows[0]).labels
     assert part_files(config, tmp_path / kind) == jsonl_parts
+
+
+def test_a_text_folder_extracts_as_the_same_rows_in_jsonl(rows, model_dir, tmp_path):
+    """A folder of text files, as IMDB's aclImdb ships (train/{neg,pos,unsup}/<id>_<rating>.txt and
+    other files beside them), picked with a glob: each file a sample in path order, labelled by its
+    folder, extracts the bytes of the same rows as JSONL (text, label, and the file's name kept)."""
+    from actstore import resources
+
+    root = tmp_path / "aclImdb" / "train"
+    for i, row in enumerate(rows[1][:45]):
+        path = root / ["neg", "pos", "unsup"][i % 3] / f"{i}_{i % 10 + 1}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(row["text"] + ("<br /><br />ünïcode\n" if i % 4 == 0 else ""), encoding="utf-8")
+    (root / "urls_pos.txt").write_text("http://www.imdb.com/title/tt0453418/usercomments\n")
+    (root / "labeledBow.feat").write_bytes(b"9 0:9 1:1 \xff\n")
+    picked = f"{root}/[np]*/*.txt"
+    files = sorted(Path(p) for p in glob.glob(picked))
+    lines = tmp_path / "same.jsonl"
+    lines.write_text("".join(json.dumps({"text": p.read_text(encoding="utf-8"), "label": p.parent.name,
+                                         "file": p.relative_to(root).as_posix()}) + "\n" for p in files))
+    config = tiny.make_config(tmp_path / "folder", model_dir("gpt2"), picked, dataset={"format": "text_folder"})
+    assert len(files) == 30 and load_dataset(picked, format="text_folder").labels == ["neg", "pos"]
+    assert resources.workload(config).text_bytes == sum(p.stat().st_size for p in files)
+    assert part_files(config, tmp_path / "folder") == part_files(
+        tiny.make_config(tmp_path / "jsonl", model_dir("gpt2"), lines), tmp_path / "jsonl")
+
+
+def test_a_text_folder_is_read_by_its_parts_folders_and_a_file_not_utf8_is_named_by_the_scan(tmp_path):
+    root = tmp_path / "news"
+    for i in range(20):
+        path = root / (f"group{i % 3}" if i % 5 else ".") / f"{1000 + i}"  # 20 Newsgroups' names: no suffix
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"From: someone\n\npost {i}\n")
+    whole = flat(load_dataset(root, format="text_folder"))
+    assert [row[3]["file"] for row in whole][:2] == ["1000", "1005"] and whole[0][2] is None
+    write_scan(scan_dataset(root, format="text_folder"), tmp_path / "scan.json")
+    scan = read_scan(tmp_path / "scan.json")
+    assert scan.folder_format == "text_folder" and [folder for folder, _, _ in scan.runs] == ["", "group0", "group1",
+                                                                                             "group2"]
+    assert [row for part in range(3) for row in flat(load_dataset(root, parts=(3, part), scan=scan))] == whole
+    (root / "group1" / "2000").write_bytes("é ok\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"news/group1/2000: not UTF-8 text \(byte 1: invalid continuation byte\)"):
+        scan_dataset(root, format="text_folder")
+    with pytest.raises(ConfigError, match=r"news/group1: its files changed .* \(7 files, 6 when scanned\)"):
+        load_dataset(root, parts=(3, 1), scan=scan)
+    with pytest.raises(ConfigError, match=r"dataset.path .*news holds no samples .*dataset.format: text_folder"):
+        scan_dataset(root)  # auto never reads a folder as texts: any folder holds files
 
 
 def test_limit_counts_rows_across_shards_in_sorted_order(tables):
@@ -447,17 +495,17 @@ def test_an_image_folder_part_refuses_its_folders_changed_since_the_scan(image_f
     scan = scan_dataset(photos)
     (photos / "animal" / "img_00.png").rename(photos / "animal" / "img_99.png")
     assert len(load_dataset(photos, parts=(2, 1), scan=scan).samples) == 4  # object's folder is as scanned
-    with pytest.raises(ConfigError, match=r"photos/animal: its images changed since the dataset was scanned; "
+    with pytest.raises(ConfigError, match=r"photos/animal: its files changed since the dataset was scanned; "
                                           r"scan it again \(the workflow: snakemake --forcerun extract_scan\)"):
         load_dataset(photos, parts=(2, 0), scan=scan)
     (photos / "object" / "img_00.png").unlink()
-    with pytest.raises(ConfigError, match=r"photos/object: its images changed .* \(3 images, 4 when scanned\)"):
+    with pytest.raises(ConfigError, match=r"photos/object: its files changed .* \(3 files, 4 when scanned\)"):
         load_dataset(photos, parts=(2, 1), scan=scan)
     shutil.rmtree(photos / "object")
-    with pytest.raises(ConfigError, match=r"photos/object: its images changed .* \(gone\)"):
+    with pytest.raises(ConfigError, match=r"photos/object: its files changed .* \(gone\)"):
         load_dataset(photos, parts=(2, 1), scan=scan)
     (photos / "object").symlink_to(image_folder / "object")
-    with pytest.raises(ConfigError, match=r"photos/object: its images changed .* \(no longer a folder\)"):
+    with pytest.raises(ConfigError, match=r"photos/object: its files changed .* \(no longer a folder\)"):
         load_dataset(photos, parts=(2, 1), scan=scan)
     write_scan(scan, tmp_path / "scan.json")
     data = json.loads((tmp_path / "scan.json").read_text())
@@ -465,8 +513,8 @@ def test_an_image_folder_part_refuses_its_folders_changed_since_the_scan(image_f
         (tmp_path / "bad.json").write_text(json.dumps(data | {"runs": [[folder, 8, "0" * 64]]}))
         with pytest.raises(FormatError, match=r"bad\.json: runs must be a list of \[folder inside the dataset"):
             read_scan(tmp_path / "bad.json")
-    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in data.items() if k != "runs"}))
-    with pytest.raises(ConfigError, match=r"photos: its images changed since the dataset was scanned"):
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in data.items() if k not in ("runs", "folder_format")}))
+    with pytest.raises(ConfigError, match=r"photos: its files changed since the dataset was scanned"):
         load_dataset(photos, parts=(2, 0), scan=read_scan(tmp_path / "old.json"))
 
 
@@ -689,7 +737,7 @@ def test_data_changed_since_the_scan_is_refused_by_a_part(tables, image_folder, 
             (shards, lambda: shutil.copy(next(shards.glob("*00001*")), shards / "train-00002.parquet"),
              r"holds 3 data files, 2 when the dataset was scanned"),
             (photos, lambda: (photos / "object" / "img_00.png").rename(photos / "moved.png"),
-             r"photos/object: its images changed since the dataset was scanned")]:
+             r"photos/object: its files changed since the dataset was scanned")]:
         refused_once_changed(path, change, message)
 
 

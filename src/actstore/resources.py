@@ -46,14 +46,22 @@ def _dataset_source(section: dict[str, Any]) -> Source:
     return resolve_source(section["path"], section.get("format") or "auto", section.get("split") or "train")
 
 
+ESTIMATE_TEXT_FILES = 1000  # files of a text folder stat'ed for its size at parse time, spread over it
+
+
 def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     """(rows, bytes, largest block's bytes) of the dataset: JSONL and CSV lines and text estimated
     from the files' starts (datasets.jsonl.size_estimate), other tables' rows and blocks from the
-    files' own metadata, or the images of a folder (no stat of each: their bytes are never held) or
-    of tar shards (estimated from the first shard's start); nothing is parsed."""
+    files' own metadata, a text folder's files (the bytes of 1,000 of them, scaled), or the images
+    of a folder (no stat of each: their bytes are never held) or of tar shards (estimated from the
+    first shard's start); nothing is parsed."""
     source = _dataset_source(section)
     if source.format == "image_folder":
         return max(len(source.files), 1), 0, 0
+    if source.format == "text_folder":  # every file a text: their bytes from a sample of them
+        picked = source.files[::max(1, len(source.files) // ESTIMATE_TEXT_FILES)]
+        return max(len(source.files), 1), sum(p.stat().st_size for p in picked) * len(source.files) // max(
+            len(picked), 1), 0
     if source.format == "webdataset":
         return max(estimate_samples(source.files), 1), 0, 0
     if source.format in ("jsonl", "csv"):  # text, sampled: every parse computes this, on every node

@@ -1,11 +1,12 @@
 """Dataset inputs: JSONL, Parquet, Arrow, CSV and Hugging Face save_to_disk tables (texts, chat
-messages, token ids or image bytes), folders of images (ImageFolder convention) and WebDataset tar
-shards.
+messages, token ids or image bytes), folders of images or texts (ImageFolder convention) and
+WebDataset tar shards.
 
 Rooms: source.py (dataset.path -> format and files in read order), scan.py (what every job needs
 of the whole dataset), jsonl.py, tables.py (pyarrow, block by block), webdataset.py (tar shards,
-sample by sample) and tar.py (their headers), images.py (image folders, a part's folders listed from
-the scan's runs; decoding table and tar bytes), chat.py (chat templates).
+sample by sample) and tar.py (their headers), folders.py (folders of images or texts, a part's
+folders listed from the scan's runs), images.py (decoding files, table and tar bytes), chat.py (chat
+templates).
 sample_idx of every sample is its row index in the order defined here, in every format.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tqdm import tqdm
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
-from actstore.datasets.images import ImageOpener, read_image_folder, read_image_folder_runs, scan_image_folder
+from actstore.datasets.folders import FOLDER_FORMATS, read_folder, read_folder_runs, scan_folder
+from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.scan import Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
 from actstore.datasets.source import Source, identity_files, resolve_source
@@ -75,19 +77,18 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     model whose tokenizer renders chat messages (dataset.messages_field). `parts`: (parts, part),
     to keep only that part's rows (part_range), so a job holds its own rows, never the whole
     dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
-    if scan is not None and scan.runs:  # a folder of images: only the folders of these rows are listed
+    if scan is not None and scan.runs:  # a folder of files: only the folders of these rows are listed
         rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
-        root = Path(path)
-        return Dataset(root.resolve(), "image", read_image_folder_runs(root, scan, rows), scan.n_samples,
-                       scan.labels, opener=ImageOpener(Source("image_folder", root, ())))
+        return _folder_dataset(Source(scan.folder_format, Path(path), ()), read_folder_runs(Path(path), scan, rows),
+                               scan)
     source, fields, schemas = _opened(path, split, options)
     scan = scan or _scan(path, source, fields, schemas, limit)
     check_unchanged(scan, source)
     rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
+    if source.format in FOLDER_FORMATS:
+        return _folder_dataset(source, read_folder(source, rows), scan)
     fields = replace(fields, render=_renderer(options, model_path))
-    if source.format == "image_folder":
-        samples, modality, opener = read_image_folder(source, rows), "image", ImageOpener(source)
-    elif source.format == "webdataset":
+    if source.format == "webdataset":
         samples, modality, opener = read_webdataset(source, fields, rows, scan), "image", ImageOpener(source)
     elif source.format == "jsonl":
         samples, modality, opener = read_jsonl(source.files, fields, rows, scan), "text", None
@@ -99,14 +100,22 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
                    pretokenized=fields.tokens is not None)
 
 
+def _folder_dataset(source: Source, samples: list[Sample], scan: Scan) -> Dataset:
+    """The dataset of a folder's files: images (opened by name in the root) or texts."""
+    image = source.format == "image_folder"
+    return Dataset(source.root.resolve(), "image" if image else "text", samples, scan.n_samples, scan.labels,
+                   opener=ImageOpener(source) if image else None)
+
+
 def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Source, Fields, list]:
     """The source, the fields read (no chat renderer) and each table file's schema (checked)."""
     source = resolve_source(str(path), options.get("format", "auto"), split)
     fields = _fields(options, None)
     if source.format == "jsonl" and fields.image:
         raise ConfigError(f"dataset.image_field: {path} is JSONL, which holds no images")
-    if fields.tokens and source.format in ("image_folder", "webdataset"):
-        raise ConfigError(f"dataset.tokens_field: {path} is {source.format.replace('_', ' ')}, which holds images")
+    if fields.tokens and source.format in (*FOLDER_FORMATS, "webdataset"):
+        raise ConfigError(f"dataset.tokens_field: {path} is {source.format.replace('_', ' ')}, which holds "
+                          f"{'texts' if source.format == 'text_folder' else 'images'}, not token ids")
     if not source.table:
         return source, fields, []
     fields = _table_fields(source, fields)
@@ -116,14 +125,15 @@ def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Sour
 def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit: int | None,
           progress: bool = False, workers: int = 1) -> Scan:
     before = data_state(source)
-    if source.format == "image_folder":
-        scan = scan_image_folder(source, limit, by_folder=Path(path).is_dir() and not glob.has_magic(str(path)))
+    if source.format in FOLDER_FORMATS:
+        by_folder = Path(path).is_dir() and not glob.has_magic(str(path))
+        scan = scan_folder(source, limit, by_folder, progress)
     elif source.format in ("jsonl", "webdataset"):
         scan = scanned_files(source, fields, limit, progress, workers)
     else:
         scan = Scan(*scan_table(source, fields, schemas, limit))
     if not scan.n_samples:
-        raise ConfigError(f"dataset.path {path} holds no samples")
+        raise _no_samples(path, source)
     return stamped(scan, source, before)
 
 
@@ -166,7 +176,13 @@ def check_dataset(section: dict[str, Any]) -> None:
     columns the config reads, of the right types. Rows are not read."""
     source = _opened(section["path"], section.get("split", "train"), dataset_options(section))[0]
     if not source.files:
-        raise ConfigError(f"dataset.path {section['path']} holds no samples")
+        raise _no_samples(section["path"], source)
+
+
+def _no_samples(path: str | Path, source: Source) -> ConfigError:
+    hint = " (no images or data files: a folder of text files is read with dataset.format: text_folder)" if (
+        source.format == "image_folder" and not source.files) else ""
+    return ConfigError(f"dataset.path {path} holds no samples{hint}")
 
 
 def _renderer(options: dict[str, Any], model_path: Path | None) -> Callable[[Any, str], str] | None:

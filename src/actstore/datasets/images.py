@@ -1,109 +1,16 @@
-"""Images: a folder of image files (ImageFolder convention: label = first-level subfolder), a
-table column of image bytes / {bytes, path} structs (the Hub's Image feature), or tar shards'
-members (webdataset.py). ImageOpener decodes them in whichever process asks, so DataLoader workers
-do the reading and decoding."""
+"""Images: files of a folder (folders.py), a table column of image bytes / {bytes, path} structs
+(the Hub's Image feature), or tar shards' members (webdataset.py). ImageOpener decodes them in
+whichever process asks, so DataLoader workers do the reading and decoding."""
 from __future__ import annotations
 
-import collections
-import hashlib
 import io
-import itertools
-import os
-import stat
-from pathlib import Path
 from typing import Any
 
-from actstore.datasets.core import Sample, label_list
-from actstore.datasets.scan import RESCAN, Scan
-from actstore.datasets.source import IMAGE_SUFFIXES, Source
+from actstore.datasets.core import Sample
+from actstore.datasets.source import Source
 from actstore.datasets.tables import read_block
 from actstore.datasets.webdataset import member_file
 from actstore.errors import ConfigError
-
-
-def scan_image_folder(source: Source, limit: int | None, by_folder: bool) -> Scan:
-    """The scan of the first `limit` images: labels, the first-level folder names; `by_folder` (a
-    folder, not a glob's files, which a folder's listing would not match): the runs of images in
-    one folder (Scan.runs) over every image, so that a part's job lists only its own folders."""
-    files = source.files[:limit]
-    runs = []
-    for folder, paths in itertools.groupby(source.files, key=lambda path: path.parent) if by_folder else ():
-        names = [path.name for path in paths]
-        runs.append((folder.relative_to(source.root).as_posix() if folder != source.root else "", len(names),
-                     names_digest(names)))
-    return Scan(len(files), label_list(_folder_label(source.name(p)) for p in files), runs=tuple(runs))
-
-
-def read_image_folder(source: Source, rows: range) -> list[Sample]:
-    names = [source.name(source.files[i]) for i in rows]
-    return [Sample(i, name, _folder_label(name)) for i, name in zip(rows, names)]
-
-
-def read_image_folder_runs(root: Path, scan: Scan, rows: range) -> list[Sample]:
-    """The samples of `rows` from the scan's runs (Scan.runs), listing only the folders they are in,
-    each once and not into its subfolders: a part's job of ImageNet's 1.28M images in 1,000 folders
-    lists its own share, where resolving the folder listed (and held) every image. ConfigError
-    naming a folder whose images changed since the scan: each folder is checked by every part
-    reading from it, so all the parts together check every image the scan counted."""
-    images_in = collections.Counter()
-    for folder, count, _ in scan.runs:
-        images_in[folder] += count
-    listed: dict[str, list[str]] = {}
-    samples, start, before = [], 0, collections.Counter()  # before: a folder's images in earlier runs
-    for folder, count, digest in scan.runs:
-        if start >= rows.stop:
-            break
-        if start + count > rows.start:
-            if folder not in listed:
-                listed[folder] = _images_of(root, folder, images_in[folder])
-            run = listed[folder][before[folder]:before[folder] + count]
-            if names_digest(run) != digest:
-                raise _changed(root / folder)
-            for row in range(max(rows.start, start), min(rows.stop, start + count)):
-                name = f"{folder}/{run[row - start]}" if folder else run[row - start]
-                samples.append(Sample(row, name, _folder_label(name)))
-        before[folder] += count
-        start += count
-    return samples
-
-
-def names_digest(names: list[str]) -> str:
-    """The sha256 of a folder's image names in order (Scan.runs)."""
-    digest = hashlib.sha256()
-    for name in names:
-        digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
-    return digest.hexdigest()
-
-
-def _images_of(root: Path, folder: str, expected: int) -> list[str]:
-    """The image names directly in `folder` (relative to `root`), sorted as source.files_under
-    orders them (links to files kept); ConfigError unless it is a folder of the dataset reached
-    through no link (the walk that scanned it entered none) holding `expected` images."""
-    path = root
-    for part in folder.split("/") if folder else ():
-        path = path / part
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                raise _changed(path, "no longer a folder")
-        except FileNotFoundError:
-            raise _changed(path, "gone") from None
-    try:
-        with os.scandir(path) as entries:
-            names = sorted(e.name for e in entries if e.is_file() and Path(e.name).suffix.lower() in IMAGE_SUFFIXES)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot list the images of this folder ({exc.strerror})") from None
-    if len(names) != expected:
-        raise _changed(path, f"{len(names)} images, {expected} when scanned")
-    return names
-
-
-def _changed(folder: Path, how: str = "") -> ConfigError:
-    return ConfigError(f"{folder}: its images changed since the dataset was scanned{f' ({how})' if how else ''}; "
-                       f"{RESCAN}")
-
-
-def _folder_label(name: str) -> str | None:
-    return name.split("/")[0] if "/" in name else None
 
 
 class ImageOpener:

@@ -38,10 +38,11 @@ class Scan:
     and tar shards): the first at row 0, then every ~MARK_CHARS of text (JSONL), or at every
     shard's start and every MARK_SAMPLES samples (tar). What the data was when scanned, so
     that data changed since is refused rather than read at stale rows and positions: stamps, each
-    data file's (size, mtime_ns); listing (image folders), the sha256 of the image names in order.
-    runs (a folder of images): (folder relative to the root, "" for the root; images; the sha256 of
-    their names, images.names_digest) of each run of consecutive images in one folder, over every
-    image, so that a part's job lists only the folders of its rows and checks them."""
+    data file's (size, mtime_ns); listing (a folder of files), the sha256 of the file names in order.
+    runs (a folder of files, folder_format image_folder or text_folder): (folder relative to the
+    root, "" for the root; files; the sha256 of their names, folders.names_digest) of each run of
+    consecutive files in one folder, over every file, so that a part's job lists only the folders
+    of its rows and checks them."""
 
     n_samples: int
     labels: list
@@ -49,6 +50,7 @@ class Scan:
     stamps: tuple[tuple[int, int], ...] = ()
     listing: str = ""
     runs: tuple[tuple[str, int, str], ...] = ()
+    folder_format: str = ""
 
 
 def mark_before(scan: Scan, row: int) -> Mark:
@@ -74,9 +76,9 @@ DataState = tuple[tuple[tuple[int, int], ...], str]  # Scan.stamps, Scan.listing
 
 
 def data_state(source: Source) -> DataState:
-    """What `source`'s data is now (see Scan): each data file's (size, mtime_ns), or for an image
-    folder the digest of its listing. Taken before scanning, so that a change during the scan is seen too."""
-    if source.format == "image_folder":
+    """What `source`'s data is now (see Scan): each data file's (size, mtime_ns), or for a folder
+    of files (images, texts) the digest of its listing. Taken before scanning, so that a change during the scan is seen too."""
+    if source.format in ("image_folder", "text_folder"):
         return (), _listing(source)
     return tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in source.files)), ""
 
@@ -89,10 +91,10 @@ def stamped(scan: Scan, source: Source, state: DataState | None = None) -> Scan:
 
 def check_unchanged(scan: Scan, source: Source) -> None:
     """ConfigError naming the data that changed since `scan` was taken (a file's size or mtime, the
-    number of files, or an image folder's listing)."""
+    number of files, or a folder's listing of images or texts)."""
     stamps, listing = data_state(source)
     if listing != scan.listing:
-        raise ConfigError(f"{source.root}: its images changed since the dataset was scanned; {RESCAN}")
+        raise ConfigError(f"{source.root}: its files changed since the dataset was scanned; {RESCAN}")
     if len(stamps) != len(scan.stamps):
         raise ConfigError(f"{source.root}: holds {len(stamps)} data files, {len(scan.stamps)} when the "
                           f"dataset was scanned; {RESCAN}")
@@ -114,7 +116,8 @@ def write_scan(scan: Scan, path: str | Path) -> None:
     write_json_atomic(path, {"n_samples": scan.n_samples, "labels": scan.labels,
                              "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
                              "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing,
-                             "runs": [list(run) for run in scan.runs]}, indent=None)
+                             "runs": [list(run) for run in scan.runs], "folder_format": scan.folder_format},
+                      indent=None)
     log.info("dataset scan: %d rows, %d labels, %d marks -> %s", scan.n_samples, len(scan.labels),
              len(scan.marks), path)
 
@@ -138,20 +141,24 @@ def read_scan(path: str | Path) -> Scan:
                   or marks[-1].row > n_samples):
         raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
     runs = _runs(data.get("runs", []), n_samples, path)  # scans of earlier releases hold none
-    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")), listing, runs)
+    folder_format = data.get("folder_format", "")
+    if folder_format not in (("image_folder", "text_folder") if runs else ("",)):
+        raise FormatError(f"{path}: folder_format must be image_folder or text_folder with runs, empty without")
+    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")), listing, runs,
+                folder_format)
 
 
 def _runs(value: Any, n_samples: int, path: Path) -> tuple[tuple[str, int, str], ...]:
-    """A scan's runs of images: [folder, images, sha256] each, the folder inside the dataset's root,
-    together at least n_samples images."""
+    """A scan's runs of files: [folder, files, sha256] each, the folder inside the dataset's root,
+    together at least n_samples files."""
     def good(run: Any) -> bool:
         return (isinstance(run, list) and len(run) == 3 and isinstance(run[0], str) and _inside(run[0])
                 and whole_number(run[1]) and run[1] > 0 and isinstance(run[2], str) and len(run[2]) == 64)
 
     if not isinstance(value, list) or not all(map(good, value)):
-        raise FormatError(f"{path}: runs must be a list of [folder inside the dataset, images, sha256 of their names]")
+        raise FormatError(f"{path}: runs must be a list of [folder inside the dataset, files, sha256 of their names]")
     if value and sum(run[1] for run in value) < n_samples:
-        raise FormatError(f"{path}: runs hold fewer images than n_samples")
+        raise FormatError(f"{path}: runs hold fewer files than n_samples")
     return tuple((folder, count, digest) for folder, count, digest in value)
 
 

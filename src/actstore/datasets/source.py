@@ -23,7 +23,8 @@ SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", "
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 COMPRESSED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
-FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table", "webdataset")
+FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table", "webdataset",
+           "text_folder")
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
 
 
@@ -32,9 +33,9 @@ class Source:
     """A resolved dataset path. `format` is how the files are read (image_table resolves to the
     table format holding the images, with `image_table` set)."""
 
-    format: str  # jsonl | parquet | arrow | csv | hf_disk | image_folder | webdataset
+    format: str  # jsonl | parquet | arrow | csv | hf_disk | image_folder | webdataset | text_folder
     root: Path  # the file, the folder, or a glob's folder: image paths and shard names are relative to it
-    files: tuple[Path, ...]  # data files in read order (image_folder: the images)
+    files: tuple[Path, ...]  # data files in read order (image_folder: the images; text_folder: the texts)
     features: dict[str, Any] = field(default_factory=dict)  # hf_disk dataset_info.json features
     image_table: bool = False
 
@@ -102,6 +103,8 @@ def _glob_source(pattern: str, fmt: str) -> Source:
 
 def _folder_source(root: Path, fmt: str) -> Source:
     files = files_under(root)
+    if fmt == "text_folder":  # every file a text: never chosen by auto, as any folder holds files
+        return Source(fmt, root, tuple(files))
     images = tuple(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
     if fmt == "image_folder" or (fmt == "auto" and images):
         return Source("image_folder", root, images)

@@ -1,0 +1,137 @@
+"""A folder of files, a sample each, in path order, labelled by their first-level folder (the
+ImageFolder convention): images (image_folder), or texts (text_folder: every file under the path,
+or those a glob matches, as IMDB's aclImdb and 20 Newsgroups ship: `aclImdb/train/[np]*/*.txt`).
+
+The scan records each run of consecutive files in one folder (Scan.runs: folder, count, sha256 of
+the names), so a part's job lists only the folders of its rows, each once and not into its
+subfolders, and checks them against the scan: ImageNet's 1.28M images in 1,000 folders are
+listed once by the scan, and ~16 folders by each of 64 parts. The scan reads every text file
+(UTF-8 checked, nothing kept), so a bad one is named before any part's job starts."""
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import os
+import stat
+from pathlib import Path
+
+from tqdm import tqdm
+
+from actstore.datasets.core import Sample, label_list
+from actstore.datasets.scan import RESCAN, Scan
+from actstore.datasets.source import IMAGE_SUFFIXES, Source
+from actstore.errors import ConfigError
+
+FOLDER_FORMATS = ("image_folder", "text_folder")
+
+
+def scan_folder(source: Source, limit: int | None, by_folder: bool, progress: bool = False) -> Scan:
+    """The scan of the first `limit` files: labels, the first-level folder names; a text folder's
+    files read and checked. `by_folder` (a folder, not a glob's files, which a folder's listing would
+    not match): the runs of files in one folder (Scan.runs) over every file."""
+    files = source.files[:limit]
+    if source.format == "text_folder":
+        for path in tqdm(files, desc="scan dataset", unit="file", disable=not progress):
+            read_text(path)
+    runs = []
+    for folder, paths in itertools.groupby(source.files, key=lambda path: path.parent) if by_folder else ():
+        names = [path.name for path in paths]
+        runs.append((_relative(folder, source.root), len(names), names_digest(names)))
+    return Scan(len(files), label_list(folder_label(source.name(p)) for p in files), runs=tuple(runs),
+                folder_format=source.format if by_folder else "")
+
+
+def read_folder(source: Source, rows: range) -> list[Sample]:
+    """The samples of `rows` from the whole listing (`source.files`)."""
+    return [_sample(source.format, source.root, i, source.name(source.files[i])) for i in rows]
+
+
+def read_folder_runs(root: Path, scan: Scan, rows: range) -> list[Sample]:
+    """The samples of `rows` from the scan's runs, listing only the folders they are in, each once
+    and not into its subfolders. ConfigError naming a folder whose files changed since the scan:
+    each folder is checked by every part reading from it, so all the parts together check every
+    file the scan counted."""
+    files_in = collections.Counter()
+    for folder, count, _ in scan.runs:
+        files_in[folder] += count
+    listed: dict[str, list[str]] = {}
+    samples, start, before = [], 0, collections.Counter()  # before: a folder's files in earlier runs
+    for folder, count, digest in scan.runs:
+        if start >= rows.stop:
+            break
+        if start + count > rows.start:
+            if folder not in listed:
+                listed[folder] = _files_of(root, folder, scan.folder_format, files_in[folder])
+            run = listed[folder][before[folder]:before[folder] + count]
+            if names_digest(run) != digest:
+                raise _changed(root / folder)
+            for row in range(max(rows.start, start), min(rows.stop, start + count)):
+                name = f"{folder}/{run[row - start]}" if folder else run[row - start]
+                samples.append(_sample(scan.folder_format, root, row, name))
+        before[folder] += count
+        start += count
+    return samples
+
+
+def _sample(fmt: str, root: Path, row: int, name: str) -> Sample:
+    """An image's sample: its name (the image is decoded later); a text file's: its text, the name kept."""
+    if fmt == "image_folder":
+        return Sample(row, name, folder_label(name))
+    return Sample(row, read_text(root / name), folder_label(name), {"file": name})
+
+
+def read_text(path: Path) -> str:
+    """A text file's text, as written; ConfigError naming the file unless it is UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start + 1}: {exc.reason})") from None
+
+
+def folder_label(name: str) -> str | None:
+    """The first-level folder of a name relative to the root; None for a file in the root."""
+    return name.split("/")[0] if "/" in name else None
+
+
+def names_digest(names: list[str]) -> str:
+    """The sha256 of a folder's file names in order (Scan.runs)."""
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+def _relative(folder: Path, root: Path) -> str:
+    return folder.relative_to(root).as_posix() if folder != root else ""
+
+
+def _files_of(root: Path, folder: str, fmt: str, expected: int) -> list[str]:
+    """The names of the dataset's files directly in `folder` (relative to `root`; an image folder's:
+    images), sorted as source.files_under orders them (links to files kept); ConfigError unless
+    it is a folder of the dataset reached through no link (the walk that scanned it entered none)
+    holding `expected` of them."""
+    path = root
+    for part in folder.split("/") if folder else ():
+        path = path / part
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                raise _changed(path, "no longer a folder")
+        except FileNotFoundError:
+            raise _changed(path, "gone") from None
+    images = fmt == "image_folder"
+    try:
+        with os.scandir(path) as entries:
+            names = sorted(e.name for e in entries
+                           if e.is_file() and (not images or Path(e.name).suffix.lower() in IMAGE_SUFFIXES))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot list the files of this folder ({exc.strerror})") from None
+    if len(names) != expected:
+        raise _changed(path, f"{len(names)} files, {expected} when scanned")
+    return names
+
+
+def _changed(folder: Path, how: str = "") -> ConfigError:
+    return ConfigError(f"{folder}: its files changed since the dataset was scanned{f' ({how})' if how else ''}; "
+                       f"{RESCAN}")
