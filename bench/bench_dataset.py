@@ -1,7 +1,8 @@
 """What reading its rows costs one extraction job: a part of --parts of a synthetic text dataset, as
-JSONL (plain, .gz and .zst) and as Parquet (row groups of --group rows), against reading the whole
-file in the same run (the baseline: `json.loads` of every line of the plain JSONL, for the
-compressed ones too; Parquet `pyarrow` reading the text column); what
+JSONL (plain, .gz and .zst), as one pretty-printed JSON array and as Parquet (row groups of --group
+rows), against reading the whole file in the same run (the baseline: `json.loads` of every line of
+the plain JSONL, for the compressed ones and the array too; Parquet `pyarrow` reading the text
+column); what
 the one scan of the dataset costs (rule extract_scan: every row for the count and labels, and
 where JSONL rows start), which each part's job reads, also of the same rows as 8 .jsonl.zst shards
 scanned one process a shard (1 and --workers at once); and what tokenizing the part costs (the demo
@@ -61,7 +62,8 @@ def build(root: Path, megabytes: int, group: int) -> tuple[Path, ...]:
         text = "".join(json.dumps(row) + "\n" for row in rows[shard::SHARDS])
         compressed = zstandard.ZstdCompressor(3).compress(text.encode())
         (root / "shards" / f"docs-{shard:02d}.jsonl.zst").write_bytes(compressed)
-    return jsonl, root / "docs.jsonl.gz", root / "docs.jsonl.zst", root / "docs.parquet"
+    (root / "docs.json").write_text(json.dumps(rows, indent=2))  # one JSON array, as Alpaca ships
+    return jsonl, root / "docs.jsonl.gz", root / "docs.jsonl.zst", root / "docs.json", root / "docs.parquet"
 
 
 def build_tars(root: Path, samples: int) -> Path:
@@ -172,6 +174,7 @@ def main() -> None:
         baselines: dict[Path, dict] = {}
         for path in build(Path(tmp), args.mb, args.group):
             plain = path.with_suffix("") if path.suffix in (".gz", ".zst") else path
+            plain = plain.with_suffix(".jsonl") if plain.suffix == ".json" else plain  # the same rows as lines
             if plain not in baselines:
                 baselines[plain] = fresh("baseline", plain, 1, 0)
             baseline = baselines[plain]

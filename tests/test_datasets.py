@@ -607,6 +607,72 @@ def test_the_scan_names_a_bad_line_anywhere_in_a_jsonl(suffix, tmp_path):
             scan_dataset(path)
 
 
+@pytest.mark.parametrize("suffix", ["", ".zst"])
+def test_a_json_array_reads_as_the_same_rows_in_jsonl(suffix, rows, jsonl_parts, model_dir, tmp_path):
+    """A file holding one JSON array of objects (Alpaca's alpaca_data.json, ShareGPT dumps), pretty
+    printed or on one line, plain or compressed, is read element by element: the same samples and
+    extraction bytes as the rows in JSON lines; the scan's marks fall between elements, and every
+    part read from them is the whole read's share."""
+    pretty = tmp_path / f"pretty.json{suffix}"
+    pretty.write_bytes(compressed(json.dumps(rows[1], indent=2, ensure_ascii=False).encode(), suffix))
+    one_line = tmp_path / "one_line.json"
+    one_line.write_text(" [" + ",".join(json.dumps(r) for r in rows[1]) + "]\n")
+    from actstore import resources
+
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), pretty)
+    assert part_files(config, tmp_path / "parts") == jsonl_parts
+    whole = flat(load_dataset(rows[0]))
+    for path in (pretty, one_line):
+        source = resolve_source(str(path))
+        assert source.format == "jsonl" and flat(load_dataset(path)) == whole
+        # The Slurm sizing counts elements, not lines (one line holds them all, or an element spans 6).
+        assert resources.workload(tiny.make_config(tmp_path, model_dir("gpt2"), path)).rows == N_ROWS
+        scan = stamped(scan_jsonl(source.files, Fields(), None, mark_chars=3000), source)
+        assert len(scan.marks) > 10
+        for parts in (1, 4, 7):
+            assert [r for part in range(parts) for r in flat(load_dataset(path, parts=(parts, part), scan=scan))] \
+                == whole
+
+
+def test_a_json_array_read_a_few_bytes_at_a_time_gives_the_same_rows_and_marks(tmp_path, monkeypatch):
+    """Elements, multi-byte characters and numbers cut by the read's chunks; the text dropped as it
+    is passed: the same rows, and marks (byte positions) from which every part reads its share."""
+    from actstore.datasets import json_array
+
+    rows = [{"text": f"row {i} " + "\u00e9\u4e16" * (i % 4), "label": i % 3, "n": 10 ** (i % 7)} for i in range(40)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
+    whole = flat(load_dataset(path))
+    assert [(text, label, meta) for _, text, label, meta, _ in whole] == [(r["text"], r["label"], {"n": r["n"]})
+                                                                            for r in rows]
+    monkeypatch.setattr(json_array, "CHUNK", 7)
+    source = resolve_source(str(path))
+    scan = stamped(scan_jsonl(source.files, Fields(), None, mark_chars=60), source)
+    assert len(scan.marks) > 15 and flat(load_dataset(path)) == whole
+    for parts in (3, 40):
+        assert [r for part in range(parts) for r in flat(load_dataset(path, parts=(parts, part), scan=scan))] == whole
+
+
+def test_a_json_array_that_is_not_one_is_named_with_its_element(tmp_path):
+    path = tmp_path / "data.json"
+    good = [{"text": f"row {i}", "label": i % 2} for i in range(5)]
+    cases = {json.dumps(good)[:-30]: r"element 5 \(byte \d+\): not valid JSON \(the file ends inside it",
+             json.dumps(good)[:-1] + " ": r"after element 5 \(byte \d+\): expected , or \], the file ends",
+             json.dumps(good).replace("}, {", "} {", 1): r"after element 1 \(byte 31\): expected , or \], found '\{'",
+             json.dumps(good) + " []": r"byte \d+: '\[' after the array's closing \]",
+             json.dumps(good[:2] + [3]): r"data.json: element 3: element is not a JSON object",
+             json.dumps(good[:2] + [{"label": 1}]): r"data.json: element 3: element has no string field 'text'"}
+    for text, message in cases.items():
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            scan_dataset(path)
+    path.write_text("[]")
+    with pytest.raises(ConfigError, match="holds no samples"):
+        scan_dataset(path)
+    path.write_text(json.dumps(good, indent=1))
+    assert scan_dataset(path, limit=2).n_samples == 2
+
+
 def awkward_jsonl(root: Path, suffix: str = "") -> Path:
     """Three JSONL files with blank lines (first, last, doubled, whitespace only), CRLF endings,
     non-ASCII text and a file of blank lines only: rows start at every kind of place. `suffix`:

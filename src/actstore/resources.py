@@ -65,7 +65,7 @@ def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     if source.format == "webdataset":
         return max(estimate_samples(source.files), 1), 0, 0
     if source.format in ("jsonl", "csv"):  # text, sampled: every parse computes this, on every node
-        lines, text = size_estimate(source.files)
+        lines, text = size_estimate(source.files, arrays=source.format == "jsonl")
         if source.format == "jsonl":
             return max(lines, 1), text, 0
         return max(lines - len(source.files), 1), text, CSV_BLOCK_BYTES  # less a header line a file

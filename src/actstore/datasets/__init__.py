@@ -3,10 +3,10 @@ messages, token ids or image bytes), folders of images or texts (ImageFolder con
 WebDataset tar shards.
 
 Rooms: source.py (dataset.path -> format and files in read order), scan.py (what every job needs
-of the whole dataset), jsonl.py, tables.py (pyarrow, block by block), webdataset.py (tar shards,
-sample by sample) and tar.py (their headers), folders.py (folders of images or texts, a part's
-folders listed from the scan's runs), images.py (decoding files, table and tar bytes), chat.py (chat
-templates).
+of the whole dataset), jsonl.py (and json_array.py: a file of one JSON array), tables.py (pyarrow,
+block by block), webdataset.py (tar shards, sample by sample) and tar.py (their headers),
+folders.py (folders of images or texts, a part's folders listed from the scan's runs), images.py
+(decoding files, table and tar bytes), chat.py (chat templates).
 sample_idx of every sample is its row index in the order defined here, in every format.
 """
 from __future__ import annotations

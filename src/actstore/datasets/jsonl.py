@@ -1,18 +1,20 @@
-"""JSONL files: one JSON object per line (blank lines skipped), read line by line in two passes:
-the scan parses and checks every line for the row count and the labels, marking where rows start
-every MARK_CHARS of text; a job then reads its rows from the mark before them."""
+"""JSON lines files: one JSON object per line (blank lines skipped), or a file holding one JSON
+array of objects (json_array.py), read row by row in two passes: the scan parses and checks every
+row for the row count and the labels, marking where rows start every MARK_CHARS of text; a job
+then reads its rows from the mark before them."""
 from __future__ import annotations
 
 import io
 import json
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 from isal import isal_zlib
 from tqdm import tqdm
 
 from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.json_array import ArrayError, elements, starts_array
 from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import COMPRESSED_SUFFIXES
 from actstore.errors import ConfigError
@@ -24,22 +26,21 @@ FIRST = Mark(0, 0, 0, 0)
 def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progress: bool = False,
                mark_chars: int = MARK_CHARS) -> Scan:
     """The scan of the first `limit` rows, each parsed and checked for the fields the config reads;
-    no row is kept, so memory holds one line, the distinct labels and the marks."""
+    no row is kept, so memory holds one line (or array element), the distinct labels and the marks."""
     n_rows, labels, marks, chars = 0, {}, [FIRST], 0
     # Text read, against the files' sizes (unknown for compressed files, whose text is larger).
     total = None if any(map(_compressed, files)) else sum(path.stat().st_size for path in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="scan dataset", disable=not progress) as bar:
-        for file, line_no, line, fh in _lines(files, FIRST):
+        for row in _rows(files, FIRST):
             if limit is not None and n_rows >= limit:
                 break
-            where = f"{files[file]}:{line_no}"
-            row = _parse(line, where)
-            _check(row, fields, where)
-            labels[_label(row, fields, where)] = None
+            parsed = _parse(row.item, row.where)
+            _check(parsed, fields, row.where, row.noun)
+            labels[_label(parsed, fields, row.where)] = None
             n_rows += 1
-            chars += len(line)
+            chars += row.chars
             if chars >= mark_chars:
-                marks.append(Mark(n_rows, file, fh.tell(), line_no))
+                marks.append(Mark(n_rows, row.file, row.position(), row.number))
                 bar.update(chars)
                 chars = 0
     return Scan(n_rows, label_list(labels), tuple(marks))
@@ -47,39 +48,84 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
 
 def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan) -> list[Sample]:
     """The samples of `rows`, read from the scan's last mark before them: the lines between are
-    counted, not parsed."""
+    counted, not parsed (an array's elements are parsed to find where each ends)."""
     mark = mark_before(scan, rows.start)
     samples: list[Sample] = []
-    for sample_idx, (file, line_no, line, _) in enumerate(_lines(files, mark), start=mark.row):
+    for sample_idx, row in enumerate(_rows(files, mark), start=mark.row):
         if sample_idx >= rows.stop:
             break
         if sample_idx >= rows.start:
-            where = f"{files[file]}:{line_no}"
-            row = _parse(line, where)
-            _check(row, fields, where)
-            samples.append(Sample(sample_idx, _prompt(row, fields, where), row.get(fields.label), _kept(row, fields),
-                                  tokens=np.asarray(row[fields.tokens], np.int64) if fields.tokens else None))
+            parsed = _parse(row.item, row.where)
+            _check(parsed, fields, row.where, row.noun)
+            samples.append(Sample(sample_idx, _prompt(parsed, fields, row.where), parsed.get(fields.label),
+                                  _kept(parsed, fields),
+                                  tokens=np.asarray(parsed[fields.tokens], np.int64) if fields.tokens else None))
     return samples
 
 
-def _lines(files: tuple[Path, ...], start: Mark) -> Iterator[tuple[int, int, str, IO[str]]]:
-    """(file, line number, line, open file) of every non-blank line from `start` on; the open file
-    is positioned just after the line (its tell() is where the next line starts)."""
+class Row(NamedTuple):
+    file: int
+    number: int  # its line (JSON lines) or element (an array) in the file, from 1
+    where: str  # for errors: file:line, or file: element N
+    item: Any  # the line's text, or the element's value (parsed to find its end)
+    chars: int
+    position: Callable[[], int]  # where the next row starts: a Mark's position
+
+    @property
+    def noun(self) -> str:
+        return "line" if isinstance(self.item, str) else "element"
+
+
+def _rows(files: tuple[Path, ...], start: Mark) -> Iterator[Row]:
+    """Every row from `start` on: each non-blank line of a JSON lines file, or each element of a
+    file holding one JSON array (json_array.py)."""
     for file in range(start.file, len(files)):
-        with open_text(files[file]) as fh:
-            line_no = 0
-            try:
-                if file == start.file:
-                    fh.seek(start.position)
-                    line_no = start.line
-                while line := fh.readline():  # not `for line in fh`, which disables tell()
-                    line_no += 1
-                    if line.strip():
-                        yield file, line_no, line, fh
-            except UnicodeDecodeError:
-                raise _not_utf8(files[file]) from None
-            except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
-                raise ConfigError(f"{files[file]}: cannot be decompressed after line {line_no} ({exc})") from None
+        begin = start if file == start.file else FIRST
+        try:
+            if _is_array(files[file]):
+                with _open_bytes(files[file]) as fh:
+                    for number, value, chars, position in elements(fh, begin.position, begin.line):
+                        yield Row(file, number, f"{files[file]}: element {number}", value, chars, position)
+            else:
+                yield from _lines(files, file, begin)
+        except ArrayError as exc:
+            raise ConfigError(f"{files[file]}: not one JSON array of objects: {exc}") from None
+        except UnicodeDecodeError:
+            raise _not_utf8(files[file]) from None
+        except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
+            raise ConfigError(f"{files[file]}: cannot be decompressed ({exc})") from None
+
+
+def _is_array(path: Path) -> bool:
+    """Whether the file's text starts with `[` (a compressed file's start decompressed unchecked:
+    a damaged or cut file is named by the read that follows, with its line)."""
+    if not _compressed(path):
+        with path.open("rb") as fh:
+            return starts_array(fh.read(4096))
+    for block in _decompressed_blocks(path, HEAD_BYTES):  # a zstd block gives nothing until it is whole
+        if block.strip():
+            return starts_array(block)
+    return False
+
+
+HEAD_BYTES = 1 << 20  # compressed bytes _is_array decompresses, at most, to find the text's first character
+
+def _lines(files: tuple[Path, ...], file: int, start: Mark) -> Iterator[Row]:
+    """The non-blank lines of JSON lines file `file` from `start`; a row's position is the file's
+    tell() just after its line, where the next line starts."""
+    with open_text(files[file]) as fh:
+        line_no = 0
+        try:
+            fh.seek(start.position)
+            line_no = start.line
+            while line := fh.readline():  # not `for line in fh`, which disables tell()
+                line_no += 1
+                if line.strip():
+                    yield Row(file, line_no, f"{files[file]}:{line_no}", line, len(line), fh.tell)
+        except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
+            if isinstance(exc, UnicodeDecodeError):
+                raise
+            raise ConfigError(f"{files[file]}: cannot be decompressed after line {line_no} ({exc})") from None
 
 
 def open_text(path: Path) -> IO[str]:
@@ -181,11 +227,13 @@ ESTIMATE_FILES = 8  # files whose starts give size_estimate's sample, spread ove
 ESTIMATE_BYTES = 4 << 20  # bytes read from each one's start (compressed bytes, for a compressed file)
 
 
-def size_estimate(files: tuple[Path, ...]) -> tuple[int, int]:
+def size_estimate(files: tuple[Path, ...], arrays: bool = False) -> tuple[int, int]:
     """(lines, bytes of text) of JSONL or CSV `files`, for resource requests at parse time, which every
     Snakemake parse on every node computes and so must not read the dataset: the lines and text of
     the first ESTIMATE_BYTES of up to ESTIMATE_FILES files spread over the dataset, scaled by the
-    files' sizes. Exact when that reads every file whole (a compressed one's text: decompressed)."""
+    files' sizes. Exact when that reads every file whole (a compressed one's text: decompressed).
+    `arrays` (JSON rows): a file holding a JSON array counts the elements whole in its start, not
+    its lines (one line may hold them all, or an element span many)."""
     sizes = [path.stat().st_size for path in files]
     k = min(ESTIMATE_FILES, len(files))
     picked = sorted({i * (len(files) - 1) // max(k - 1, 1) for i in range(k)})  # the first, the last, between
@@ -196,10 +244,22 @@ def size_estimate(files: tuple[Path, ...]) -> tuple[int, int]:
         else:
             with files[i].open("rb") as fh:
                 blocks = iter([fh.read(ESTIMATE_BYTES)])
-        for block in blocks:
-            lines, text = lines + block.count(b"\n"), text + len(block)
+        head = b"".join(blocks)
+        lines += _elements_in(head) if arrays and starts_array(head) else head.count(b"\n")
+        text += len(head)
     scale = sum(sizes) / max(sum(min(sizes[i], ESTIMATE_BYTES) for i in picked), 1)
     return round(lines * scale), round(text * scale)
+
+
+def _elements_in(head: bytes) -> int:
+    """The elements whole in the start of a JSON array file."""
+    count = 0
+    try:
+        for count, *_ in elements(io.BytesIO(head)):
+            pass
+    except (ArrayError, UnicodeDecodeError):  # the start ends inside an element (or a character)
+        pass
+    return count
 
 
 def _not_utf8(path: Path) -> ConfigError:
@@ -213,30 +273,31 @@ def _not_utf8(path: Path) -> ConfigError:
     return ConfigError(f"{path}: not UTF-8 text")
 
 
-def _parse(line: str, where: str) -> dict[str, Any]:
+def _parse(item: Any, where: str) -> dict[str, Any]:
+    """A row: a line's JSON parsed, or an array's element (parsed already); ConfigError unless an object."""
     try:
-        row = json.loads(line)
+        row = json.loads(item) if isinstance(item, str) else item
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(row, dict):
-        raise ConfigError(f"{where}: line is not a JSON object")
+        raise ConfigError(f"{where}: {'line' if isinstance(item, str) else 'element'} is not a JSON object")
     return row
 
 
-def _check(row: dict[str, Any], fields: Fields, where: str) -> None:
-    """ConfigError naming the line and field if the row lacks a field the config reads."""
+def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
+    """ConfigError naming the line (or element) and field if the row lacks a field the config reads."""
     if fields.messages is not None:
         if fields.messages not in row:
-            raise ConfigError(f"{where}: line has no field {fields.messages!r} (dataset.messages_field)")
+            raise ConfigError(f"{where}: {noun} has no field {fields.messages!r} (dataset.messages_field)")
     elif fields.tokens is not None:
         if not _token_ids(row.get(fields.tokens)):
             raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "
                               f"list of token ids, whole numbers from 0, got {_short(row.get(fields.tokens))}")
     elif not isinstance(row.get(fields.text), str):
-        raise ConfigError(f"{where}: line has no string field {fields.text!r}")
+        raise ConfigError(f"{where}: {noun} has no string field {fields.text!r}")
     missing = [k for k in fields.keep or () if k not in row]
     if missing:
-        raise ConfigError(f"{where}: line has no field {missing[0]!r} (dataset.keep_fields)")
+        raise ConfigError(f"{where}: {noun} has no field {missing[0]!r} (dataset.keep_fields)")
 
 
 def _token_ids(value: Any) -> bool:
