@@ -58,10 +58,10 @@ def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     source = _dataset_source(section)
     if source.format == "image_folder":
         return max(len(source.files), 1), 0, 0
-    if source.format == "text_folder":  # every file a text: their bytes from a sample of them
+    if source.format == "text_folder":  # every file a text: their bytes scaled from a sample of them
         picked = source.files[::max(1, len(source.files) // ESTIMATE_TEXT_FILES)]
-        return max(len(source.files), 1), sum(p.stat().st_size for p in picked) * len(source.files) // max(
-            len(picked), 1), 0
+        text = sum(p.stat().st_size for p in picked) * len(source.files) // max(len(picked), 1)
+        return max(len(source.files), 1), text, 0
     if source.format == "webdataset":
         return max(estimate_samples(source.files), 1), 0, 0
     if source.format in ("jsonl", "csv"):  # text, sampled: every parse computes this, on every node

@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
 from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
-from actstore.datasets.folders import FOLDER_FORMATS, read_folder, read_folder_runs, scan_folder
+from actstore.datasets.folders import read_folder, read_folder_runs, scan_folder
 from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.scan import Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
-from actstore.datasets.source import Source, identity_files, resolve_source
+from actstore.datasets.source import FOLDER_FORMATS, Source, identity_files, resolve_source
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError

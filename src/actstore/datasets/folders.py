@@ -23,8 +23,6 @@ from actstore.datasets.scan import RESCAN, Scan
 from actstore.datasets.source import IMAGE_SUFFIXES, Source
 from actstore.errors import ConfigError
 
-FOLDER_FORMATS = ("image_folder", "text_folder")
-
 
 def scan_folder(source: Source, limit: int | None, by_folder: bool, progress: bool = False) -> Scan:
     """The scan of the first `limit` files: labels, the first-level folder names; a text folder's

@@ -34,7 +34,7 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
         for row in _rows(files, FIRST):
             if limit is not None and n_rows >= limit:
                 break
-            parsed = _parse(row.item, row.where)
+            parsed = _parse(row.item, row.where, row.noun)
             _check(parsed, fields, row.where, row.noun)
             labels[_label(parsed, fields, row.where)] = None
             n_rows += 1
@@ -55,7 +55,7 @@ def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan)
         if sample_idx >= rows.stop:
             break
         if sample_idx >= rows.start:
-            parsed = _parse(row.item, row.where)
+            parsed = _parse(row.item, row.where, row.noun)
             _check(parsed, fields, row.where, row.noun)
             samples.append(Sample(sample_idx, _prompt(parsed, fields, row.where), parsed.get(fields.label),
                                   _kept(parsed, fields),
@@ -110,6 +110,7 @@ def _is_array(path: Path) -> bool:
 
 HEAD_BYTES = 1 << 20  # compressed bytes _is_array decompresses, at most, to find the text's first character
 
+
 def _lines(files: tuple[Path, ...], file: int, start: Mark) -> Iterator[Row]:
     """The non-blank lines of JSON lines file `file` from `start`; a row's position is the file's
     tell() just after its line, where the next line starts."""
@@ -122,9 +123,9 @@ def _lines(files: tuple[Path, ...], file: int, start: Mark) -> Iterator[Row]:
                 line_no += 1
                 if line.strip():
                     yield Row(file, line_no, f"{files[file]}:{line_no}", line, len(line), fh.tell)
+        except UnicodeDecodeError:
+            raise  # named by _rows
         except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
-            if isinstance(exc, UnicodeDecodeError):
-                raise
             raise ConfigError(f"{files[file]}: cannot be decompressed after line {line_no} ({exc})") from None
 
 
@@ -273,14 +274,14 @@ def _not_utf8(path: Path) -> ConfigError:
     return ConfigError(f"{path}: not UTF-8 text")
 
 
-def _parse(item: Any, where: str) -> dict[str, Any]:
+def _parse(item: Any, where: str, noun: str) -> dict[str, Any]:
     """A row: a line's JSON parsed, or an array's element (parsed already); ConfigError unless an object."""
     try:
         row = json.loads(item) if isinstance(item, str) else item
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(row, dict):
-        raise ConfigError(f"{where}: {'line' if isinstance(item, str) else 'element'} is not a JSON object")
+        raise ConfigError(f"{where}: {noun} is not a JSON object")
     return row
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from actstore.datasets.core import label_list
-from actstore.datasets.source import Source
+from actstore.datasets.source import FOLDER_FORMATS, Source
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
 from actstore.io_utils import write_json_atomic
@@ -77,8 +77,9 @@ DataState = tuple[tuple[tuple[int, int], ...], str]  # Scan.stamps, Scan.listing
 
 def data_state(source: Source) -> DataState:
     """What `source`'s data is now (see Scan): each data file's (size, mtime_ns), or for a folder
-    of files (images, texts) the digest of its listing. Taken before scanning, so that a change during the scan is seen too."""
-    if source.format in ("image_folder", "text_folder"):
+    of files (images, texts) the digest of its listing. Taken before scanning, so that a change
+    during the scan is seen too."""
+    if source.format in FOLDER_FORMATS:
         return (), _listing(source)
     return tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in source.files)), ""
 
@@ -142,7 +143,7 @@ def read_scan(path: str | Path) -> Scan:
         raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
     runs = _runs(data.get("runs", []), n_samples, path)  # scans of earlier releases hold none
     folder_format = data.get("folder_format", "")
-    if folder_format not in (("image_folder", "text_folder") if runs else ("",)):
+    if folder_format not in (FOLDER_FORMATS if runs else ("",)):
         raise FormatError(f"{path}: folder_format must be image_folder or text_folder with runs, empty without")
     return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")), listing, runs,
                 folder_format)

@@ -26,6 +26,7 @@ HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table", "webdataset",
            "text_folder")
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
+FOLDER_FORMATS = ("image_folder", "text_folder")  # a sample a file (datasets/folders.py)
 
 
 @dataclass(frozen=True)
