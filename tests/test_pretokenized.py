@@ -165,6 +165,18 @@ def test_an_id_past_the_vocabulary_is_named_before_any_forward(model_dir, tmp_pa
     assert not (tmp_path / "part-0000").exists()
 
 
+def test_token_ids_read_as_text_point_to_tokens_field(tmp_path):
+    path = tiny.write_parquet(tmp_path / "ids", pa.table({"attention_mask": [[1, 1], [1]], "input_ids": [[1, 2], [3]]}))
+    with pytest.raises(ConfigError, match=re.escape("no column 'text' (dataset.text_field); columns: attention_mask, "
+                                                    "input_ids (token ids in 'input_ids': set dataset.tokens_field)")):
+        check_dataset({"path": str(path)})
+    lines = tmp_path / "ids.jsonl"
+    lines.write_text(json.dumps({"tokens": [5, 6]}) + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{lines}:1: line has no string field 'text' (token ids in "
+                                                    f"'tokens': set dataset.tokens_field)")):
+        scan_dataset(lines)
+
+
 def test_token_ids_with_messages_images_or_csv_are_refused_at_parse_time(image_folder, tmp_path):
     lines = tmp_path / "ids.jsonl"
     lines.write_text(json.dumps({"input_ids": [1, 2], "messages": []}) + "\n")

@@ -295,7 +295,9 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
             raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "
                               f"list of token ids, whole numbers from 0, got {_short(row.get(fields.tokens))}")
     elif not isinstance(row.get(fields.text), str):
-        raise ConfigError(f"{where}: {noun} has no string field {fields.text!r}")
+        ids = [k for k in ("input_ids", "tokens") if _token_ids(row.get(k))]
+        hint = f" (token ids in {ids[0]!r}: set dataset.tokens_field)" if ids else ""
+        raise ConfigError(f"{where}: {noun} has no string field {fields.text!r}{hint}")
     missing = [k for k in fields.keep or () if k not in row]
     if missing:
         raise ConfigError(f"{where}: {noun} has no field {missing[0]!r} (dataset.keep_fields)")

@@ -167,7 +167,10 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
     wanted += [("dataset.keep_fields", k, _is_json, "JSON values (not bytes or dates)") for k in fields.keep or ()]
     for key, name, ok, expected in wanted:
         if name not in schema.names:
-            raise ConfigError(f"{path}: no column {name!r} ({key}); columns: {', '.join(schema.names)}")
+            ids = [n for n in schema.names if key == "dataset.text_field" and _is_token_ids(schema.field(n).type)]
+            ids.sort(key=lambda n: n not in ("input_ids", "tokens"))  # before an attention_mask
+            hint = f" (token ids in {ids[0]!r}: set dataset.tokens_field)" if ids else ""
+            raise ConfigError(f"{path}: no column {name!r} ({key}); columns: {', '.join(schema.names)}{hint}")
         if not ok(schema.field(name).type):
             raise ConfigError(f"{path}: column {name!r} ({key}) is {schema.field(name).type}, expected {expected}")
 
