@@ -186,6 +186,32 @@ def test_chat_jsonl_renders_like_the_table(model_dir, tmp_path):
     assert no_prompt.samples[0].text.startswith("<|endoftext|>system: You answer")
 
 
+def test_sharegpt_conversations_render_as_the_same_role_content_messages(model_dir, tmp_path):
+    """ShareGPT's {from, value} turns (FastChat, axolotl and LLaMA-Factory `sharegpt` data), in JSONL
+    or a table, render as the {role, content} messages they are (human: user, gpt: assistant); a
+    speaker that is no chat role is named."""
+    chat_model = tiny.add_chat_template(model_dir("llama"), tmp_path / "chat-llama")
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    shared = [[{"from": speakers[m["role"]], "value": m["content"]} for m in turns + [
+        {"role": "assistant", "content": "Encodes."}]] for turns in MESSAGES]
+    roles = tmp_path / "roles.jsonl"
+    roles.write_text("".join(json.dumps({"messages": [*m, {"role": "assistant", "content": "Encodes."}]}) + "\n"
+                             for m in MESSAGES))
+    lines = tmp_path / "sharegpt.jsonl"
+    lines.write_text("".join(json.dumps({"conversations": c, "id": i}) + "\n" for i, c in enumerate(shared)))
+    table = tiny.write_parquet(tmp_path / "sharegpt", pa.table({"conversations": shared}))
+    expected = [s.text for s in load_dataset(roles, model_path=chat_model, messages_field="messages").samples]
+    assert len(set(expected)) == 4 and all("assistant: Encodes." in text for text in expected)
+    for path in (lines, table):
+        check_dataset({"path": str(path), "messages_field": "conversations"})
+        read = load_dataset(path, model_path=chat_model, messages_field="conversations")
+        assert [s.text for s in read.samples] == expected
+    lines.write_text(json.dumps({"conversations": [{"from": "bing", "value": "hi"}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"sharegpt.jsonl:1: a ShareGPT message from 'bing'; the speakers that "
+                                          r"are chat roles: human, gpt, system, user, assistant"):
+        load_dataset(lines, model_path=chat_model, messages_field="conversations")
+
+
 def test_a_tokenizer_without_a_chat_template_is_named_before_weights_load(model_dir, tmp_path, monkeypatch):
     import actstore.extract.run as ex
     lines = tmp_path / "chat.jsonl"

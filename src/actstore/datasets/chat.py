@@ -1,6 +1,7 @@
-"""Chat prompts: a list of {role, content} messages rendered with the tokenizer's own chat template.
-The rendered text is the prompt every format records; it already holds the template's special
-tokens, so it is tokenized without adding any (the ids apply_chat_template(tokenize=True) gives)."""
+"""Chat prompts: a list of {role, content} messages (or ShareGPT's {from, value}) rendered with the
+tokenizer's own chat template. The rendered text is the prompt every format records; it already
+holds the template's special tokens, so it is tokenized without adding any (the ids
+apply_chat_template(tokenize=True) gives)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,10 +23,25 @@ def chat_renderer(tokenizer: Any, model_path: Path, add_generation_prompt: bool)
                           f"(chat_template in tokenizer_config.json or chat_template.jinja)")
 
     def render(messages: Any, where: str) -> str:
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+        if not isinstance(messages, list):
             raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings")
-        return tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+        return tokenizer.apply_chat_template([_message(m, where) for m in messages],
                                              tokenize=False, add_generation_prompt=add_generation_prompt)
     return render
+
+
+# ShareGPT's speakers (FastChat, axolotl's and LLaMA-Factory's `sharegpt` datasets) as chat roles.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def _message(message: Any, where: str) -> dict[str, str]:
+    """A {role, content} message, or ShareGPT's {from, value} one as the same, its speaker mapped by
+    SHAREGPT_ROLES; ConfigError naming `where` for anything else."""
+    if isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str):
+        return {"role": message["role"], "content": message["content"]}
+    if isinstance(message, dict) and isinstance(message.get("from"), str) and isinstance(message.get("value"), str):
+        if message["from"] not in SHAREGPT_ROLES:
+            raise ConfigError(f"{where}: a ShareGPT message from {message['from']!r}; the speakers that are chat "
+                              f"roles: {', '.join(SHAREGPT_ROLES)}")
+        return {"role": SHAREGPT_ROLES[message["from"]], "content": message["value"]}
+    raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings (or ShareGPT's {{from, value}})")

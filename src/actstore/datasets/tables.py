@@ -124,7 +124,9 @@ def _struct_of(t: pa.DataType, names: tuple[str, ...]) -> bool:
 
 
 def _is_messages(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _struct_of(t.value_type, ("role", "content"))
+    """A list of {role, content} structs, or of ShareGPT's {from, value}."""
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+        _struct_of(t.value_type, ("role", "content")) or _struct_of(t.value_type, ("from", "value")))
 
 
 def _is_image(t: pa.DataType) -> bool:
@@ -160,7 +162,8 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
     if fields.tokens:
         wanted = [("dataset.tokens_field", fields.tokens, _is_token_ids, "a list of integers (token ids)")]
     elif not fields.image:
-        wanted = [("dataset.messages_field", fields.messages, _is_messages, "a list of {role, content}")
+        messages = "a list of {role, content} (or ShareGPT's {from, value})"
+        wanted = [("dataset.messages_field", fields.messages, _is_messages, messages)
                   if fields.messages else ("dataset.text_field", fields.text, is_text, "a string column")]
     if fields.label_required or fields.label in schema.names:
         wanted.append(("dataset.label_field", fields.label, _is_label, "strings, integers or a ClassLabel"))
