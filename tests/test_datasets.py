@@ -134,6 +134,46 @@ def test_a_text_folder_is_read_by_its_parts_folders_and_a_file_not_utf8_is_named
         scan_dataset(root)  # auto never reads a folder as texts: any folder holds files
 
 
+TEMPLATE = "Module {module} ({qualname}):\n{text}\n{{label}}:"
+
+
+def test_a_prompt_template_makes_the_prompt_of_the_rows_fields(rows, tables, model_dir, tmp_path):
+    """dataset.prompt_template fills plain {field} placeholders from each row, in JSONL and tables
+    alike: the extraction stores exactly what the same prompts written out as text store."""
+    prompts = [TEMPLATE.format_map(row) for row in rows[1]]
+    assert prompts[0].startswith("Module codecs (codecs):\n") and prompts[0].endswith("\n{label}:")
+    written = tmp_path / "written.jsonl"
+    written.write_text("".join(json.dumps({"text": p, "label": r["label"]}) + "\n" for p, r in zip(prompts, rows[1])))
+    stored = [part_files(tiny.make_config(tmp_path / "written", model_dir("gpt2"), written), tmp_path / "written")]
+    for name, path in (("jsonl", rows[0]), ("parquet", tables["parquet"][0])):
+        options = {"prompt_template": TEMPLATE, "keep_fields": []}
+        assert [s.text for s in load_dataset(path, **options).samples] == prompts
+        config = tiny.make_config(tmp_path / name, model_dir("gpt2"), path, dataset=options)
+        check_dataset(config["dataset"])
+        stored.append(part_files(config, tmp_path / name))
+    assert stored[0] == stored[1] == stored[2]
+
+
+def test_a_prompt_template_is_checked_at_parse_time_and_a_missing_field_named(tables, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "a", "n": 3}) + "\n" + json.dumps({"text": "b"}) + "\n")
+    assert [s.text for s in load_dataset(path, prompt_template="{text} x{n}", limit=1).samples] == ["a x3"]
+    with pytest.raises(ConfigError, match=r"docs.jsonl:2: line has no string or number field 'n' "
+                                          r"\(dataset.prompt_template\)"):
+        scan_dataset(path, prompt_template="{text} x{n}")
+    for template, message in [("{text.upper}", r"placeholder \{text.upper\} is not a field's name alone"),
+                              ("{0}", r"placeholder \{0\} is not"), ("{text!r}", r"placeholder \{text!r\} is not"),
+                              ("{text:>9}", r"placeholder \{text:>9\} is not"), ("no field", "names no field"),
+                              ("{text", "expected '}' before end of string")]:
+        with pytest.raises(ConfigError, match=r"dataset.prompt_template: " + message):
+            check_dataset({"path": str(path), "prompt_template": template})
+    with pytest.raises(ConfigError, match=r"unset dataset.text_field \(name the field in the template: \{body\}\)"):
+        check_dataset({"path": str(path), "prompt_template": "{body}", "text_field": "body"})
+    parquet = tables["parquet"][0]
+    with pytest.raises(ConfigError, match=r"no column 'title' \(dataset.prompt_template\); columns: text, label"):
+        check_dataset({"path": str(parquet), "prompt_template": "{title}: {text}"})
+
+
 def test_limit_counts_rows_across_shards_in_sorted_order(tables):
     path, options = tables["parquet"]
     dataset = load_dataset(path, limit=150, **options)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
-from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range
+from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range, template_fields
 from actstore.datasets.folders import read_folder, read_folder_runs, scan_folder
 from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
@@ -199,10 +199,17 @@ def _fields(options: dict[str, Any], render: Callable[[Any, str], str] | None) -
     fields = Fields(text=options.get("text_field", "text"), label=options.get("label_field", "label"),
                     label_required="label_field" in options, image=options.get("image_field"),
                     messages=options.get("messages_field"), tokens=options.get("tokens_field"),
-                    keep=tuple(keep) if keep is not None else None, render=render)
+                    template=options.get("prompt_template"), keep=tuple(keep) if keep is not None else None,
+                    render=render)
     if fields.tokens and (fields.messages or fields.image):
         other = "messages_field" if fields.messages else "image_field"
         raise ConfigError(f"dataset.tokens_field: a row's token ids are its whole input; unset dataset.{other}")
+    if fields.template is not None:
+        others = [k for k in ("text_field", "messages_field", "tokens_field", "image_field") if options.get(k)]
+        if others:
+            raise ConfigError(f"dataset.prompt_template makes the prompt of the row's fields; unset "
+                              f"dataset.{others[0]} (name the field in the template: {{{options[others[0]]}}})")
+        template_fields(fields.template)  # its placeholders checked here, at parse time
     return fields
 
 

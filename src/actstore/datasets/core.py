@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from actstore.errors import ConfigError
+
 # dataset.* keys that choose how rows are read (path, limit and split are passed on their own).
-FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_field", "tokens_field", "keep_fields",
-              "add_generation_prompt")
+FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_field", "tokens_field", "prompt_template",
+              "keep_fields", "add_generation_prompt")
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Fields:
     image: str | None = None
     messages: str | None = None
     tokens: str | None = None  # token ids, run as given (pre-tokenized data)
+    template: str | None = None  # dataset.prompt_template: the prompt made of the row's fields
     keep: tuple[str, ...] | None = None
     render: Callable[[Any, str], str] | None = None
 
@@ -44,8 +48,34 @@ class Fields:
         """The field the prompt comes from: its token ids, its chat messages or its text."""
         return self.tokens or self.messages or self.text
 
+    @property
+    def prompts(self) -> tuple[str, ...]:
+        """The fields a prompt is made of: a template's placeholders, else the one prompt field."""
+        return template_fields(self.template) if self.template else (self.prompt,)
+
     def own(self) -> set[str]:
-        return {self.prompt, self.label, *([self.image] if self.image else [])}
+        return {*self.prompts, self.label, *([self.image] if self.image else [])}
+
+
+def template_fields(template: str) -> tuple[str, ...]:
+    """The fields `{name}` placeholders of a prompt template name, in order, each once; ConfigError
+    for any other placeholder (a position, an attribute or item, a conversion or format spec: the
+    template is filled from a row's fields and nothing else)."""
+    names: dict[str, None] = {}
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError(f"dataset.prompt_template: {exc} (write {{{{ and }}}} for braces)") from None
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name or name.isdigit() or any(c in name for c in ".[]") or spec or conversion:
+            raise ConfigError(f"dataset.prompt_template: placeholder {{{name}{'!' + conversion if conversion else ''}"
+                              f"{':' + spec if spec else ''}}} is not a field's name alone, e.g. {{text}}")
+        names[name] = None
+    if not names:
+        raise ConfigError("dataset.prompt_template: names no field, e.g. 'Review: {text}'")
+    return tuple(names)
 
 
 @dataclass

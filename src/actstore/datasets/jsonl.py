@@ -290,6 +290,10 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
     if fields.messages is not None:
         if fields.messages not in row:
             raise ConfigError(f"{where}: {noun} has no field {fields.messages!r} (dataset.messages_field)")
+    elif fields.template is not None:
+        for name in fields.prompts:
+            if not isinstance(row.get(name), (str, int, float)):
+                raise ConfigError(f"{where}: {noun} has no string or number field {name!r} (dataset.prompt_template)")
     elif fields.tokens is not None:
         if not _token_ids(row.get(fields.tokens)):
             raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "
@@ -324,6 +328,8 @@ def _label(row: dict[str, Any], fields: Fields, where: str) -> Any:
 def _prompt(row: dict[str, Any], fields: Fields, where: str) -> str:
     if fields.tokens is not None:
         return ""  # the ids' text, decoded by the model's tokenizer (extract.inputs.given_token_ids)
+    if fields.template is not None:
+        return fields.template.format_map({name: row[name] for name in fields.prompts})
     return fields.render(row[fields.messages], where) if fields.messages is not None else row[fields.text]
 
 

@@ -138,6 +138,10 @@ def _is_token_ids(t: pa.DataType) -> bool:
     return lists and pa.types.is_integer(t.value_type)
 
 
+def _is_scalar(t: pa.DataType) -> bool:
+    return is_text(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
 def _is_label(t: pa.DataType) -> bool:
     return (is_text(t) or pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
             or pa.types.is_dictionary(t))
@@ -161,6 +165,8 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
     wanted = [("dataset.image_field", fields.image, _is_image, "image bytes, a {bytes, path} struct or a path")]
     if fields.tokens:
         wanted = [("dataset.tokens_field", fields.tokens, _is_token_ids, "a list of integers (token ids)")]
+    elif fields.template:
+        wanted = [("dataset.prompt_template", name, _is_scalar, "strings or numbers") for name in fields.prompts]
     elif not fields.image:
         messages = "a list of {role, content} (or ShareGPT's {from, value})"
         wanted = [("dataset.messages_field", fields.messages, _is_messages, messages)
@@ -219,22 +225,23 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
 def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
     """ConfigError naming the first of the first `n_rows` rows whose prompt is null, as the part's
     job reading it would, but before any part's job starts. Parquet: row groups whose footer counts
-    no null in a string column are not read; other blocks are read for the prompt column alone."""
+    no null in a string column are not read; other blocks are read for the prompt's columns alone
+    (a template's each)."""
     import pyarrow.compute as pc
 
-    start = 0
-    for path in source.files:
-        shard_start, known = start, _footer_null_counts(source.format, path, fields.prompt)
-        for block, (size, read) in enumerate(blocks(source.format, path, [fields.prompt])):
-            if start >= n_rows:
-                return
-            if (known[block] if block < len(known) else None) != 0:
-                nulls = read().column(fields.prompt).is_null()
-                row = pc.index(nulls, True).as_py()
-                if 0 <= row < n_rows - start:
-                    raise ConfigError(f"{source.root}: {source.name(path)}#{start - shard_start + row}, "
-                                      f"column {fields.prompt!r}: null where a prompt is needed")
-            start += size
+    for column in fields.prompts:  # a template's columns, else the one prompt column
+        start = 0
+        for path in source.files:
+            shard_start, known = start, _footer_null_counts(source.format, path, column)
+            for block, (size, read) in enumerate(blocks(source.format, path, [column])):
+                if start >= n_rows:
+                    break
+                if (known[block] if block < len(known) else None) != 0:
+                    row = pc.index(read().column(column).is_null(), True).as_py()
+                    if 0 <= row < n_rows - start:
+                        raise ConfigError(f"{source.root}: {source.name(path)}#{start - shard_start + row}, "
+                                          f"column {column!r}: null where a prompt is needed")
+                start += size
 
 
 def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
@@ -298,7 +305,7 @@ def _columns(fields: Fields, schema: pa.Schema) -> list[str]:
         kind = schema.field(fields.image).type
         first = [f"{fields.image}.path"] if _struct_of(kind, ("path",)) else [fields.image] if is_text(kind) else []
     else:
-        first = [fields.prompt]
+        first = list(fields.prompts)
     label = [fields.label] if fields.label in schema.names else []
     return list(dict.fromkeys(first + label + list(fields.keep or ())))
 
@@ -321,6 +328,12 @@ def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | N
             return value or f"{shard}{start + row}"
         if fields.tokens:
             return ""  # the ids' text, decoded by the model's tokenizer (extract.inputs.given_token_ids)
+        if fields.template:
+            for name in fields.prompts:
+                if values[name][row] is None:
+                    raise ConfigError(f"{source.root}: {shard}{start + row}, column {name!r}: null where a prompt "
+                                      f"is needed")
+            return fields.template.format_map({name: values[name][row] for name in fields.prompts})
         value = values[fields.prompt][row]
         where = f"{source.root}: {shard}{start + row}, column {fields.prompt!r}"
         if value is None:
