@@ -126,8 +126,13 @@ def test_a_text_folder_is_read_by_its_parts_folders_and_a_file_not_utf8_is_named
                                                                                              "group2"]
     assert [row for part in range(3) for row in flat(load_dataset(root, parts=(3, part), scan=scan))] == whole
     (root / "group1" / "2000").write_bytes("é ok\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"news/group1/2000: not UTF-8 text \(byte 1: invalid continuation byte\)"):
+    with pytest.raises(ConfigError, match=r"news/group1/2000: not utf-8 text \(byte 1: invalid continuation byte; "
+                                          r"another encoding: dataset.encoding\)"):
         scan_dataset(root, format="text_folder")
+    latin = load_dataset(root, format="text_folder", encoding="latin-1")  # 20 Newsgroups' posts are latin-1
+    assert [s.text for s in latin.samples if s.metadata["file"] == "group1/2000"] == ["é ok\n"]
+    with pytest.raises(ConfigError, match="dataset.encoding: 'latin-9x' is not an encoding Python knows"):
+        check_dataset({"path": str(root), "format": "text_folder", "encoding": "latin-9x"})
     with pytest.raises(ConfigError, match=r"news/group1: its files changed .* \(7 files, 6 when scanned\)"):
         load_dataset(root, parts=(3, 1), scan=scan)
     with pytest.raises(ConfigError, match=r"dataset.path .*news holds no samples .*dataset.format: text_folder"):

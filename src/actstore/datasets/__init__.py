@@ -11,6 +11,7 @@ sample_idx of every sample is its row index in the order defined here, in every 
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -79,14 +80,14 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
     if scan is not None and scan.runs:  # a folder of files: only the folders of these rows are listed
         rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
-        return _folder_dataset(Source(scan.folder_format, Path(path), ()), read_folder_runs(Path(path), scan, rows),
-                               scan)
+        samples = read_folder_runs(Path(path), scan, rows, _fields(options, None).encoding)
+        return _folder_dataset(Source(scan.folder_format, Path(path), ()), samples, scan)
     source, fields, schemas = _opened(path, split, options)
     scan = scan or _scan(path, source, fields, schemas, limit)
     check_unchanged(scan, source)
     rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
     if source.format in FOLDER_FORMATS:
-        return _folder_dataset(source, read_folder(source, rows), scan)
+        return _folder_dataset(source, read_folder(source, rows, fields.encoding), scan)
     fields = replace(fields, render=_renderer(options, model_path))
     if source.format == "webdataset":
         samples, modality, opener = read_webdataset(source, fields, rows, scan), "image", ImageOpener(source)
@@ -127,7 +128,7 @@ def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit
     before = data_state(source)
     if source.format in FOLDER_FORMATS:
         by_folder = Path(path).is_dir() and not glob.has_magic(str(path))
-        scan = scan_folder(source, limit, by_folder, progress)
+        scan = scan_folder(source, limit, by_folder, fields.encoding, progress)
     elif source.format in ("jsonl", "webdataset"):
         scan = scanned_files(source, fields, limit, progress, workers)
     else:
@@ -200,7 +201,11 @@ def _fields(options: dict[str, Any], render: Callable[[Any, str], str] | None) -
                     label_required="label_field" in options, image=options.get("image_field"),
                     messages=options.get("messages_field"), tokens=options.get("tokens_field"),
                     template=options.get("prompt_template"), keep=tuple(keep) if keep is not None else None,
-                    render=render)
+                    render=render, encoding=options.get("encoding", "utf-8"))
+    try:
+        codecs.lookup(fields.encoding)
+    except LookupError:
+        raise ConfigError(f"dataset.encoding: {fields.encoding!r} is not an encoding Python knows") from None
     if fields.tokens and (fields.messages or fields.image):
         other = "messages_field" if fields.messages else "image_field"
         raise ConfigError(f"dataset.tokens_field: a row's token ids are its whole input; unset dataset.{other}")

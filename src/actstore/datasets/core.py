@@ -11,7 +11,7 @@ from actstore.errors import ConfigError
 
 # dataset.* keys that choose how rows are read (path, limit and split are passed on their own).
 FIELD_KEYS = ("format", "text_field", "label_field", "image_field", "messages_field", "tokens_field", "prompt_template",
-              "keep_fields", "add_generation_prompt")
+              "keep_fields", "add_generation_prompt", "encoding")
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Fields:
     messages: str | None = None
     tokens: str | None = None  # token ids, run as given (pre-tokenized data)
     template: str | None = None  # dataset.prompt_template: the prompt made of the row's fields
+    encoding: str = "utf-8"  # dataset.encoding: a text folder's files' (JSON is UTF-8)
     keep: tuple[str, ...] | None = None
     render: Callable[[Any, str], str] | None = None
 

@@ -1,12 +1,13 @@
 """A folder of files, a sample each, in path order, labelled by their first-level folder (the
 ImageFolder convention): images (image_folder), or texts (text_folder: every file under the path,
-or those a glob matches, as IMDB's aclImdb and 20 Newsgroups ship: `aclImdb/train/[np]*/*.txt`).
+or those a glob matches, as IMDB's aclImdb and 20 Newsgroups ship: `aclImdb/train/[np]*/*.txt`;
+UTF-8, or dataset.encoding: 20 Newsgroups' posts are latin-1).
 
 The scan records each run of consecutive files in one folder (Scan.runs: folder, count, sha256 of
 the names), so a part's job lists only the folders of its rows, each once and not into its
 subfolders, and checks them against the scan: ImageNet's 1.28M images in 1,000 folders are
 listed once by the scan, and ~16 folders by each of 64 parts. The scan reads every text file
-(UTF-8 checked, nothing kept), so a bad one is named before any part's job starts."""
+(decoded, nothing kept), so a bad one is named before any part's job starts."""
 from __future__ import annotations
 
 import collections
@@ -24,14 +25,14 @@ from actstore.datasets.source import IMAGE_SUFFIXES, Source
 from actstore.errors import ConfigError
 
 
-def scan_folder(source: Source, limit: int | None, by_folder: bool, progress: bool = False) -> Scan:
+def scan_folder(source: Source, limit: int | None, by_folder: bool, encoding: str, progress: bool = False) -> Scan:
     """The scan of the first `limit` files: labels, the first-level folder names; a text folder's
     files read and checked. `by_folder` (a folder, not a glob's files, which a folder's listing would
     not match): the runs of files in one folder (Scan.runs) over every file."""
     files = source.files[:limit]
     if source.format == "text_folder":
         for path in tqdm(files, desc="scan dataset", unit="file", disable=not progress):
-            read_text(path)
+            read_text(path, encoding)
     runs = []
     for folder, paths in itertools.groupby(source.files, key=lambda path: path.parent) if by_folder else ():
         names = [path.name for path in paths]
@@ -40,12 +41,12 @@ def scan_folder(source: Source, limit: int | None, by_folder: bool, progress: bo
                 folder_format=source.format if by_folder else "")
 
 
-def read_folder(source: Source, rows: range) -> list[Sample]:
+def read_folder(source: Source, rows: range, encoding: str) -> list[Sample]:
     """The samples of `rows` from the whole listing (`source.files`)."""
-    return [_sample(source.format, source.root, i, source.name(source.files[i])) for i in rows]
+    return [_sample(source.format, source.root, i, source.name(source.files[i]), encoding) for i in rows]
 
 
-def read_folder_runs(root: Path, scan: Scan, rows: range) -> list[Sample]:
+def read_folder_runs(root: Path, scan: Scan, rows: range, encoding: str) -> list[Sample]:
     """The samples of `rows` from the scan's runs, listing only the folders they are in, each once
     and not into its subfolders. ConfigError naming a folder whose files changed since the scan:
     each folder is checked by every part reading from it, so all the parts together check every
@@ -66,26 +67,27 @@ def read_folder_runs(root: Path, scan: Scan, rows: range) -> list[Sample]:
                 raise _changed(root / folder)
             for row in range(max(rows.start, start), min(rows.stop, start + count)):
                 name = f"{folder}/{run[row - start]}" if folder else run[row - start]
-                samples.append(_sample(scan.folder_format, root, row, name))
+                samples.append(_sample(scan.folder_format, root, row, name, encoding))
         before[folder] += count
         start += count
     return samples
 
 
-def _sample(fmt: str, root: Path, row: int, name: str) -> Sample:
+def _sample(fmt: str, root: Path, row: int, name: str, encoding: str) -> Sample:
     """An image's sample: its name (the image is decoded later); a text file's: its text, the name kept."""
     if fmt == "image_folder":
         return Sample(row, name, folder_label(name))
-    return Sample(row, read_text(root / name), folder_label(name), {"file": name})
+    return Sample(row, read_text(root / name, encoding), folder_label(name), {"file": name})
 
 
-def read_text(path: Path) -> str:
-    """A text file's text, as written; ConfigError naming the file unless it is UTF-8."""
+def read_text(path: Path, encoding: str) -> str:
+    """A text file's text, as written; ConfigError naming the file unless it is text in `encoding`."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode(encoding)
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start + 1}: {exc.reason})") from None
+        raise ConfigError(f"{path}: not {encoding} text (byte {exc.start + 1}: {exc.reason}; "
+                          f"another encoding: dataset.encoding)") from None
 
 
 def folder_label(name: str) -> str | None:
