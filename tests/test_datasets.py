@@ -724,6 +724,29 @@ def test_a_json_array_read_a_few_bytes_at_a_time_gives_the_same_rows_and_marks(t
         assert [r for part in range(parts) for r in flat(load_dataset(path, parts=(parts, part), scan=scan))] == whole
 
 
+def test_a_json_array_is_scanned_and_read_in_bounded_memory(tmp_path):
+    """The scan of an array on one line holds a few chunks of it, however long the file (json.load
+    held 2.5x the file); a part's job holds its rows and the chunks it reads through."""
+    import tracemalloc
+
+    def peaks(rows: int) -> tuple[int, int, int]:
+        path = tmp_path / f"{rows}.json"
+        path.write_text(json.dumps([{"text": f"row {i} " + "word " * 100, "label": i % 3} for i in range(rows)]))
+        tracemalloc.start()
+        scan = scan_dataset(path)
+        scan_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        part = load_dataset(path, parts=(8, 5), scan=scan)
+        part_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert scan.n_samples == rows and len(part.samples) == rows // 8
+        return path.stat().st_size, scan_peak, part_peak
+
+    small, large = peaks(24000), peaks(96000)  # 12.9 MB and 51.4 MB on one line: scan peaks 6.4 and 6.3 MB
+    assert large[1] < small[1] + (1 << 20) and large[1] < large[0] / 6, (small, large)
+    assert large[2] < 2 * large[0] / 8 + small[1], (small, large)  # its rows' text, twice, and the chunks
+
+
 def test_a_json_array_that_is_not_one_is_named_with_its_element(tmp_path):
     path = tmp_path / "data.json"
     good = [{"text": f"row {i}", "label": i % 2} for i in range(5)]
