@@ -1,6 +1,7 @@
 """What every dataset reader produces: samples in sample_idx order, and the fields it reads them from."""
 from __future__ import annotations
 
+import functools
 import math
 import string
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Fields:
         """The field the prompt comes from: its token ids, its chat messages or its text."""
         return self.tokens or self.messages or self.text
 
-    @property
+    @functools.cached_property  # asked of every row: parsing the template each time tripled a JSONL scan
     def prompts(self) -> tuple[str, ...]:
         """The fields a prompt is made of: a template's placeholders, else the one prompt field."""
         return template_fields(self.template) if self.template else (self.prompt,)

@@ -20,8 +20,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from actstore.datasets.core import Sample, label_list
-from actstore.datasets.scan import RESCAN, Scan
-from actstore.datasets.source import IMAGE_SUFFIXES, Source
+from actstore.datasets.scan import Scan, files_changed
+from actstore.datasets.source import Source, folder_file
 from actstore.errors import ConfigError
 
 
@@ -64,7 +64,7 @@ def read_folder_runs(root: Path, scan: Scan, rows: range, encoding: str) -> list
                 listed[folder] = _files_of(root, folder, scan.folder_format, files_in[folder])
             run = listed[folder][before[folder]:before[folder] + count]
             if names_digest(run) != digest:
-                raise _changed(root / folder)
+                raise files_changed(root / folder)
             for row in range(max(rows.start, start), min(rows.stop, start + count)):
                 name = f"{folder}/{run[row - start]}" if folder else run[row - start]
                 samples.append(_sample(scan.folder_format, root, row, name, encoding))
@@ -117,21 +117,14 @@ def _files_of(root: Path, folder: str, fmt: str, expected: int) -> list[str]:
         path = path / part
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode):
-                raise _changed(path, "no longer a folder")
+                raise files_changed(path, "no longer a folder")
         except FileNotFoundError:
-            raise _changed(path, "gone") from None
-    images = fmt == "image_folder"
+            raise files_changed(path, "gone") from None
     try:
         with os.scandir(path) as entries:
-            names = sorted(e.name for e in entries
-                           if e.is_file() and (not images or Path(e.name).suffix.lower() in IMAGE_SUFFIXES))
+            names = sorted(e.name for e in entries if e.is_file() and folder_file(e.name, fmt))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot list the files of this folder ({exc.strerror})") from None
     if len(names) != expected:
-        raise _changed(path, f"{len(names)} files, {expected} when scanned")
+        raise files_changed(path, f"{len(names)} files, {expected} when scanned")
     return names
-
-
-def _changed(folder: Path, how: str = "") -> ConfigError:
-    return ConfigError(f"{folder}: its files changed since the dataset was scanned{f' ({how})' if how else ''}; "
-                       f"{RESCAN}")

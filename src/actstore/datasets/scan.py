@@ -95,7 +95,7 @@ def check_unchanged(scan: Scan, source: Source) -> None:
     number of files, or a folder's listing of images or texts)."""
     stamps, listing = data_state(source)
     if listing != scan.listing:
-        raise ConfigError(f"{source.root}: its files changed since the dataset was scanned; {RESCAN}")
+        raise files_changed(source.root)
     if len(stamps) != len(scan.stamps):
         raise ConfigError(f"{source.root}: holds {len(stamps)} data files, {len(scan.stamps)} when the "
                           f"dataset was scanned; {RESCAN}")
@@ -103,6 +103,12 @@ def check_unchanged(scan: Scan, source: Source) -> None:
         if tuple(was) != stamp:
             raise ConfigError(f"{path}: changed since the dataset was scanned (size {was[0]} -> {stamp[0]} bytes, "
                               f"or its modification time); {RESCAN}")
+
+
+def files_changed(folder: Path, how: str = "") -> ConfigError:
+    """The error for a folder of files (or one of its folders) whose listing changed since the scan."""
+    return ConfigError(f"{folder}: its files changed since the dataset was scanned{f' ({how})' if how else ''}; "
+                       f"{RESCAN}")
 
 
 def _listing(source: Source) -> str:

@@ -102,11 +102,17 @@ def _glob_source(pattern: str, fmt: str) -> Source:
     return Source(fmt, root if root.is_dir() else root.parent, files)
 
 
+def folder_file(name: str, fmt: str) -> bool:
+    """Whether a file of this name is a sample of a folder of format `fmt`: every file of a text
+    folder, an image of an image folder. The one rule for the whole listing and a part's folders."""
+    return fmt == "text_folder" or Path(name).suffix.lower() in IMAGE_SUFFIXES
+
+
 def _folder_source(root: Path, fmt: str) -> Source:
     files = files_under(root)
-    if fmt == "text_folder":  # every file a text: never chosen by auto, as any folder holds files
+    if fmt == "text_folder":  # never chosen by auto, as any folder holds files
         return Source(fmt, root, tuple(files))
-    images = tuple(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
+    images = tuple(p for p in files if folder_file(p.name, "image_folder"))
     if fmt == "image_folder" or (fmt == "auto" and images):
         return Source("image_folder", root, images)
     shards = {p: kind for p in files if (kind := shard_format(p))}
