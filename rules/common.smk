@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+from actstore import parse_memo
 from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
 from actstore.datasets import check_dataset
@@ -10,8 +11,12 @@ from actstore.hashing import stage_hashes, upstream_stages
 from actstore.jobs import job_items
 from actstore.model_config import check_layers, num_blocks, read_model_config, resolve_model_path
 
-# The hashes, the checks and the resource requests below resolve the dataset: list it once.
+# The hashes, the checks and the resource requests below resolve the dataset: list it once, and
+# only in the main process: the jobs it submits parse this file again and take its word for what it
+# learnt of the data (actstore/parse_memo.py), so they neither list nor stat it, and name their
+# outputs by the same hashes.
 remember_sources()
+parse_memo.start(main_process=workflow.is_main_process)
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
 MODEL_PATH = resolve_model_path(config["model"]["path"])
 check_layers(config["extract"]["layers"], num_blocks(read_model_config(MODEL_PATH)))
@@ -27,6 +32,18 @@ PARTS = [f"{p:04d}" for p in range(N_PARTS)]
 
 # Filled by each rules/<stage>.smk: stage -> the files its target rule builds.
 TARGETS = {}
+
+
+onstart:
+    parse_memo.hand_over(DUMP_TO / "logs" / "parse")
+
+
+onsuccess:
+    parse_memo.withdraw()
+
+
+onerror:
+    parse_memo.withdraw()
 
 
 def sdir(stage):

@@ -249,6 +249,11 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
     localrules = len(re.findall(r"^localrule ", remote.stdout, re.M))
     assert sorted(submitted) == sorted(jobs) and len(jobs) == n_jobs - localrules, remote.stdout[-4000:]
     assert sorted(jobs.values()).count("extract_part") == 2 and {"extract_scan", "extract_index"} <= set(jobs.values())
+    # Each job's parse took what the main process had learnt of the data (actstore/parse_memo.py),
+    # from a file it removed when the run was over.
+    for log in logdir.rglob("*.log"):
+        assert "actstore: the dataset as the main process read it:" in log.read_text(), log
+    assert not list((tmp_path / "slurm" / "dump" / "logs" / "parse").iterdir())
 
     acct = sacct(list(jobs))
     for job_id, rule in jobs.items():

@@ -3,6 +3,7 @@ schedule exactly what a config change invalidates."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -162,6 +163,56 @@ def test_a_bad_line_fails_the_scan_before_any_part_job_starts(tmp_path):
     assert "scan dataset (2 processes)" in log  # three shards, on the two cores Snakemake gives the rule
     assert "b.jsonl:21: field 'label' is a JSON list" in log
     assert not list((tmp_path / "dump").glob("extract/*/part-*")) and not list((tmp_path / "dump").glob("logs/extract/*/part-*"))
+
+
+# What rules/common.smk's parse learns of the data, handed over as the main process's onstart does.
+MAIN_PARSE = """
+import json, sys
+from pathlib import Path
+from actstore import hashing, parse_memo, resources
+from actstore.datasets import check_dataset
+from actstore.datasets.source import remember_sources
+config = json.loads(sys.argv[1])
+remember_sources()
+parse_memo.start(main_process=True)
+check_dataset(config["dataset"]), hashing.stage_dirs(config), resources.extract_scan_threads(config)
+resources.extract_scan_mem_mb(config), resources.extract_part_mem_mb(config)
+print(parse_memo.hand_over(Path(sys.argv[2])))
+"""
+
+
+def test_a_job_takes_the_main_processs_hashes_and_its_scan_refuses_data_changed_since(model_dir, tmp_path):
+    """A cluster job parses the Snakefile again and takes what the main process's parse learnt of the
+    data from the file its environment names (actstore/parse_memo.py); here the job runs as Slurm's
+    jobstep runs it. Data touched after the main process read it would be extracted under the old
+    data's hash: the scan job refuses it. Handed the data as it is, the same job scans it."""
+    data = tiny.write_jsonl(tmp_path / "docs.jsonl", 12)
+    config = tiny.make_config(tmp_path, model_dir("bert"), data, dataset={"identity": "stat"})
+    job = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+           str(write(config, tmp_path / "job.yaml")), "--cores", "1", "--target-jobs", "extract_scan:",
+           "--allowed-rules", "extract_scan", "--force", "--nolock", "--no-hooks", "--mode", "subprocess"]
+
+    def main_parse() -> str:
+        return subprocess.run([sys.executable, "-c", MAIN_PARSE, json.dumps(config), str(tmp_path / "handed")],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    def job_run(handed: str) -> subprocess.CompletedProcess:
+        return subprocess.run(job, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "ACTSTORE_PARSE_MEMO": handed})
+
+    handed = main_parse()
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
+    refused = job_run(handed)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and f"the dataset as the main process read it: {handed}" in output
+    scan_log = next((tmp_path / "dump" / "logs" / "extract").glob("*/scan.log"))
+    assert "the data changed after Snakemake read it" in scan_log.read_text()
+    assert scan_log.parent.name != stage_dir(config, "extract").name  # named by the main process's hash
+    assert not list((tmp_path / "dump").glob("extract/*/dataset_scan.json"))
+
+    scanned = job_run(main_parse())  # the main process read the data as it is now
+    assert scanned.returncode == 0, (scanned.stdout + scanned.stderr)[-4000:]
+    assert (stage_dir(config, "extract") / "dataset_scan.json").is_file()
 
 
 def test_misspelled_key_fails_at_parse_time_naming_it(tmp_path):

@@ -17,6 +17,7 @@ from actstore.formats.saev.layout import POINTER as SAEV_POINTER
 from actstore.errors import ActstoreError
 from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, stage_config_problems
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
+from actstore.parse_memo import remembered
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
 # Config sections each stage reads: its own, and for extraction also the model and dataset.
@@ -93,7 +94,12 @@ def dataset_identity(section: dict[str, Any]) -> dict[str, str]:
     """What the hash adds for the data itself (dataset.identity): `stat` = the sizes and mtimes of the
     files read, `content` = their sha256, `path` = nothing (only the config's path). Unset: `path`
     for a config of earlier releases (a JSONL file or image folder, no new key), so its hash is
-    unchanged, and `stat` for everything else, so editing the data re-extracts."""
+    unchanged, and `stat` for everything else, so editing the data re-extracts. Once per Snakefile
+    parse: a job's parse takes the main process's (parse_memo)."""
+    return remembered("dataset identity", section, lambda: _identity(section))
+
+
+def _identity(section: dict[str, Any]) -> dict[str, str]:
     mode = section.get("identity") or ("path" if _legacy_dataset(section) else "stat")
     if mode == "path":
         return {}

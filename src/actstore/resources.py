@@ -16,6 +16,7 @@ from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
 from actstore.model_config import model_kind, read_model_config, resolve_model_path
+from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
 IO_BYTES_PER_S = 100e6    # write/read rate assumed on /fs/scratch for one job (shared Lustre, pessimistic)
@@ -54,7 +55,11 @@ def _count_rows(section: dict[str, Any]) -> tuple[int, int, int]:
     from the files' starts (datasets.jsonl.size_estimate), other tables' rows and blocks from the
     files' own metadata, a text folder's files (the bytes of 1,000 of them, scaled), or the images
     of a folder (no stat of each: their bytes are never held) or of tar shards (estimated from the
-    first shard's start); nothing is parsed."""
+    first shard's start); nothing is parsed. Once per Snakefile parse (parse_memo)."""
+    return tuple(remembered("dataset size", section, lambda: _dataset_size(section)))
+
+
+def _dataset_size(section: dict[str, Any]) -> tuple[int, int, int]:
     source = _dataset_source(section)
     if source.format == "image_folder":
         return max(len(source.files), 1), 0, 0
@@ -175,7 +180,11 @@ def extract_scan_threads(config: dict[str, Any]) -> int:
     section = config["dataset"]
     if section.get("limit") is not None:
         return 1
-    source = _dataset_source(section)
+    return remembered("dataset scan processes", section, lambda: _scan_processes(_dataset_source(section)))
+
+
+def _scan_processes(source: Source) -> int:
+    """A process per JSONL or tar file (scanned_files), up to SCAN_WORKERS; one for other formats."""
     return min(SCAN_WORKERS, len(source.files)) if source.format in ("jsonl", "webdataset") else 1
 
 

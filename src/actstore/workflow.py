@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from actstore.config import REPO_ROOT
-from actstore.hashing import write_stage_config
+from actstore.errors import ConfigError
+from actstore.hashing import stage_hash, write_stage_config
 from actstore.integrity import seal
 
 
@@ -37,6 +38,17 @@ def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> N
     (integrity.sealed_names; `actstore verify` and the validate stage check them against it).
     validate's plots are drawn after its stage config, by their own rule: only its report is sealed."""
     write_stage_config(config, stage, Path(stage_dir), sealed=seal(Path(stage_dir), stage))
+
+
+def check_data_unchanged(config: dict[str, Any], extract_dir: str | Path) -> None:
+    """ConfigError unless `extract_dir` is named by the extract stage's hash of the data as it is now.
+    The jobs of a run name their outputs by the hash the main Snakemake process computed when it
+    started (parse_memo): data changed since then would be extracted under the old data's name."""
+    now = stage_hash(config, "extract")
+    if Path(extract_dir).name != now:
+        raise ConfigError(f"dataset.path {config['dataset']['path']}: the data changed after Snakemake read it "
+                          f"(dataset.identity: the extraction {extract_dir} is named for the data as it was, "
+                          f"{now[:12]}... for the data now); run snakemake again")
 
 
 def git_commit() -> str | None:

@@ -1,7 +1,11 @@
 """Rule extract_scan: one pass over the dataset (row count, labels, where JSONL or tar rows start) that
-every part's job reads, so each reads only its own rows; its files scanned at once on the rule's threads."""
+every part's job reads, so each reads only its own rows; its files scanned at once on the rule's threads.
+First the data is checked to be what the stage's hash was computed from when Snakemake started."""
+from pathlib import Path
+
 from actstore.datasets import configured_scan, write_scan
-from actstore.workflow import setup_logging
+from actstore.workflow import check_data_unchanged, setup_logging
 
 setup_logging(snakemake)
+check_data_unchanged(snakemake.config, Path(snakemake.output[0]).parent)
 write_scan(configured_scan(snakemake.config, progress=True, workers=snakemake.threads), snakemake.output[0])

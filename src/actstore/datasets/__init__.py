@@ -31,6 +31,7 @@ from actstore.datasets.source import FOLDER_FORMATS, Source, identity_files, res
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError
+from actstore.parse_memo import remembered
 
 __all__ = ["FIELD_KEYS", "Dataset", "Sample", "Scan", "check_dataset", "configured_dataset", "configured_scan",
            "dataset_options", "identity_files", "load_dataset", "part_range", "read_scan", "resolve_source",
@@ -174,7 +175,12 @@ def _scanned_file(source: Source, fields: Fields, limit: int | None, progress: b
 
 def check_dataset(section: dict[str, Any]) -> None:
     """The cheap checks (at parse time): the path resolves to files, and every table shard has the
-    columns the config reads, of the right types. Rows are not read."""
+    columns the config reads, of the right types. Rows are not read. Once per Snakefile parse: a
+    job's parse takes the main process's word for it (parse_memo)."""
+    remembered("dataset checked", section, lambda: _check_dataset(section))
+
+
+def _check_dataset(section: dict[str, Any]) -> None:
     source = _opened(section["path"], section.get("split", "train"), dataset_options(section))[0]
     if not source.files:
         raise _no_samples(section["path"], source)
