@@ -156,8 +156,9 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
 def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
     """What reading the dataset holds in one extraction job: its part's rows (their text twice, as
     str and as read, and a Python row each), the table block being converted (Arrow and its Python
-    values), and for images their names, the name of every image once (the Snakefile's parse in
-    the job lists an image folder; the part's script lists only its rows' folders), and a block
+    values), and for images their names, the name of every image once (the Snakefile's parse in a
+    job lists an image folder where its environment names no facts of the main process's, parse_memo;
+    the part's script lists only its rows' folders), and a block
     of image bytes in each decoding worker."""
     w = workload(config)
     if w.pixel_bytes:
