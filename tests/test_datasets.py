@@ -2,6 +2,7 @@
 extract exactly as the same rows in JSONL or an image folder; bad columns fail before weights load."""
 from __future__ import annotations
 
+import csv
 import glob
 import json
 import os
@@ -649,6 +650,129 @@ def test_an_image_folder_part_refuses_its_folders_changed_since_the_scan(image_f
     (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in data.items() if k not in ("runs", "folder_format")}))
     with pytest.raises(ConfigError, match=r"photos: its files changed since the dataset was scanned"):
         load_dataset(photos, parts=(2, 0), scan=read_scan(tmp_path / "old.json"))
+
+
+# --- An image folder's metadata file (Hugging Face's imagefolder convention). ---
+
+CAPTIONS = {"animal": "a cat, cropped", "object": "a thing, cropped"}
+
+
+def write_metadata(photos: Path, suffix: str, rows: list[dict]) -> Path:
+    """metadata.jsonl or metadata.csv at the folder's root, the rows in the order given."""
+    path = photos / f"metadata{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        with open(path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+def described_photos(image_folder: Path, tmp_path: Path, suffix: str) -> tuple[Path, list[dict]]:
+    """A copy of the photos with a metadata file: a row per image, newest image first (the file's
+    order is not the samples'), a caption, a kind (the label to probe for) and a size as text."""
+    photos = shutil.copytree(image_folder, tmp_path / "photos")
+    names = sorted(p.relative_to(photos).as_posix() for p in photos.rglob("*.png"))
+    rows = [{"file_name": name, "caption": f"{CAPTIONS[name.split('/')[0]]} #{i}",
+             "kind": "striped" if i % 3 == 0 else "plain", "size": str(i * 10)} for i, name in enumerate(names)]
+    write_metadata(photos, suffix, rows[::-1])
+    return photos, rows
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_an_image_folder_metadata_file_gives_each_image_its_fields_and_label(suffix, image_folder, model_dir,
+                                                                            tmp_path):
+    """Each image gets its own row's fields (every one but file_name, or dataset.keep_fields) and,
+    with dataset.label_field, its label from the row instead of its folder; samples stay in path
+    order; each part reads the rows of its images; the extraction's samples carry them."""
+    photos, rows = described_photos(image_folder, tmp_path, suffix)
+    whole = load_dataset(photos)
+    assert [(s.text, s.label, s.metadata) for s in whole.samples] == [
+        (r["file_name"], r["file_name"].split("/")[0], {k: r[k] for k in ("caption", "kind", "size")}) for r in rows]
+    probed = load_dataset(photos, label_field="kind", keep_fields=["caption"])
+    assert probed.labels == ["plain", "striped"]
+    assert [(s.label, s.metadata) for s in probed.samples] == [(r["kind"], {"caption": r["caption"]}) for r in rows]
+    scan = scan_dataset(photos, label_field="kind", keep_fields=["caption"])
+    assert scan.metadata == f"metadata{suffix}" and scan.labels == ["plain", "striped"]
+    parts = [load_dataset(photos, parts=(3, p), scan=scan, label_field="kind", keep_fields=["caption"]) for p in range(3)]
+    assert [flat(d) for d in parts] == [flat(d) for d in (load_dataset(photos, parts=(3, p), label_field="kind",
+                                                                       keep_fields=["caption"]) for p in range(3))]
+    assert sum((flat(d) for d in parts), []) == flat(probed)
+
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), photos, dataset={"label_field": "kind"},
+                              extract={"batch_size": 3})
+    write_scan(scan_dataset(photos, label_field="kind"), tmp_path / "scan.json")
+    run_part(config, 1, tmp_path / "part-0001", progress=False, scan=tmp_path / "scan.json")
+    stored = [json.loads(line) for line in (tmp_path / "part-0001" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["sample_idx"], r["text"], r["label"], r["label_id"], r["metadata"]) for r in stored] == [
+        (i, rows[i]["file_name"], rows[i]["kind"], ["plain", "striped"].index(rows[i]["kind"]),
+         {k: rows[i][k] for k in ("caption", "size")}) for i in range(4, 8)]
+
+
+def test_an_image_folder_metadata_file_is_checked_against_every_image(image_folder, model_dir, tmp_path):
+    """An image without a row, a row for no image, a second row, a row without file_name or a field
+    the config reads, and lines that are not rows are each named with file and line; a metadata file
+    below the root (it would be left out) or two of them are refused, as are label and kept fields
+    for a folder without one; a part refuses the file changed since the scan; and the file is part of
+    the data the extract hash records."""
+    photos, rows = described_photos(image_folder, tmp_path, ".jsonl")
+    path = photos / "metadata.jsonl"
+    cases = [
+        (rows[1:], r"metadata\.jsonl: no row for the image 'animal/img_00\.png' \(1 images have none\)"),
+        (rows + [{"file_name": "animal/img_09.png"}], r"metadata\.jsonl:9: file_name 'animal/img_09\.png' is not an image"),
+        (rows + [rows[2]], r"metadata\.jsonl:9: a second row for 'animal/img_02\.png'"),
+        ([*rows[:3], {"caption": "x"}, *rows[3:]], r"metadata\.jsonl:4: no 'file_name' naming the image"),
+        ([*rows[:5], {**rows[5], "kind": ["a"]}, *rows[6:]], r"metadata\.jsonl:6: field 'kind' is a JSON list"),
+        ([*rows[:6], {k: v for k, v in rows[6].items() if k != "kind"}, *rows[7:]],
+         r"metadata\.jsonl:7: no field 'kind' \(dataset\.label_field\)"),
+    ]
+    for written, error in cases:
+        write_metadata(photos, ".jsonl", written)
+        with pytest.raises(ConfigError, match=error):
+            scan_dataset(photos, label_field="kind")
+    path.write_text(json.dumps(rows[0]) + "\n[1]\n")
+    with pytest.raises(ConfigError, match=r"metadata\.jsonl:2: not a JSON object"):
+        scan_dataset(photos)
+    path.write_text(json.dumps(rows[0]) + "\n{oops\n")
+    with pytest.raises(ConfigError, match=r"metadata\.jsonl:2: not valid JSON"):
+        scan_dataset(photos)
+    path.unlink()
+    csv_path = write_metadata(photos, ".csv", [{"name": r["file_name"], "caption": r["caption"]} for r in rows])
+    with pytest.raises(ConfigError, match=r"metadata\.csv: the header names no 'file_name' column"):
+        scan_dataset(photos)
+    csv_path.write_text("file_name,caption\nanimal/img_00.png,a,b\n")
+    with pytest.raises(ConfigError, match=r"metadata\.csv:2: more values than the header has columns"):
+        scan_dataset(photos)
+    csv_path.unlink()
+
+    with pytest.raises(ConfigError, match=r"dataset\.label_field: .*photos is an image folder without a metadata "
+                                          r"file \(metadata\.jsonl or metadata\.csv at its root\)"):
+        check_dataset({"path": str(photos), "label_field": "kind"})
+    write_metadata(photos / "animal", ".jsonl", rows[:4])
+    with pytest.raises(ConfigError, match=r"animal/metadata\.jsonl is a metadata file below the folder's root"):
+        check_dataset({"path": str(photos)})
+    (photos / "animal" / "metadata.jsonl").unlink()
+    write_metadata(photos, ".jsonl", rows), write_metadata(photos, ".csv", rows)
+    with pytest.raises(ConfigError, match=r"holds both metadata\.csv and metadata\.jsonl; keep one"):
+        check_dataset({"path": str(photos)})
+    (photos / "metadata.csv").unlink()
+
+    scan = scan_dataset(photos)
+    write_metadata(photos, ".jsonl", [{**r, "caption": "edited"} for r in rows])
+    for scanned in (scan, None):  # from the scan's runs, and from a scan taken now: the rows as edited
+        if scanned:
+            with pytest.raises(ConfigError, match=r"metadata\.jsonl: changed since the dataset was scanned"):
+                load_dataset(photos, parts=(2, 1), scan=scanned)
+        else:
+            assert {s.metadata["caption"] for s in load_dataset(photos, parts=(2, 1)).samples} == {"edited"}
+
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), photos)  # no new key, but a file earlier releases
+    assert "data_stat" in stage_payload(config, "extract")["config"]["dataset"]  # did not read: hashed by its files
+    before = stage_hash(config, "extract")
+    write_metadata(photos, ".jsonl", rows)
+    assert stage_hash(config, "extract") != before
 
 
 # --- Part jobs: each reads its own rows; sample_idx and label ids stay those of the whole dataset. ---

@@ -108,8 +108,8 @@ def _identity(section: dict[str, Any]) -> dict[str, str]:
 
 def _legacy_dataset(section: dict[str, Any]) -> bool:
     """A config earlier releases read: no new key, and a JSONL file (not a compressed one, which
-    they did not read) or an image folder (or data not at hand: results are found by hash where the
-    data is not)."""
+    they did not read) or an image folder without a metadata file (which they did not read), or
+    data not at hand: results are found by hash where the data is not."""
     from actstore.datasets.source import COMPRESSED_SUFFIXES
 
     path = Path(section["path"])
@@ -122,10 +122,12 @@ def _legacy_dataset(section: dict[str, Any]) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _auto_format(path: str) -> str:
-    """The format `auto` reads `path` as (cached: listing a large image folder once per parse is enough)."""
+    """The format `auto` reads `path` as, an image folder with a metadata file apart (cached: listing
+    a large image folder once per parse is enough)."""
     from actstore.datasets import resolve_source
 
-    return resolve_source(path).format
+    source = resolve_source(path)
+    return "image_folder with metadata" if source.metadata else source.format
 
 
 def _data_digest(section: dict[str, Any], mode: str) -> str:

@@ -5,8 +5,9 @@ WebDataset tar shards.
 Rooms: source.py (dataset.path -> format and files in read order), scan.py (what every job needs
 of the whole dataset), jsonl.py (and json_array.py: a file of one JSON array), tables.py (pyarrow,
 block by block), webdataset.py (tar shards, sample by sample) and tar.py (their headers),
-folders.py (folders of images or texts, a part's folders listed from the scan's runs), images.py
-(decoding files, table and tar bytes), chat.py (chat templates).
+folders.py (folders of images or texts, a part's folders listed from the scan's runs; an image
+folder's metadata file: folder_metadata.py), images.py (decoding files, table and tar bytes), chat.py
+(chat templates).
 sample_idx of every sample is its row index in the order defined here, in every format.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from actstore.datasets.folders import read_folder, read_folder_runs, scan_folder
 from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.scan import Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
-from actstore.datasets.source import FOLDER_FORMATS, Source, identity_files, resolve_source
+from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, identity_files, resolve_source
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError
@@ -81,14 +82,14 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
     if scan is not None and scan.runs:  # a folder of files: only the folders of these rows are listed
         rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
-        samples = read_folder_runs(Path(path), scan, rows, _fields(options, None).encoding)
+        samples = read_folder_runs(Path(path), scan, rows, _fields(options, None))
         return _folder_dataset(Source(scan.folder_format, Path(path), ()), samples, scan)
     source, fields, schemas = _opened(path, split, options)
     scan = scan or _scan(path, source, fields, schemas, limit)
     check_unchanged(scan, source)
     rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
     if source.format in FOLDER_FORMATS:
-        return _folder_dataset(source, read_folder(source, rows, fields.encoding), scan)
+        return _folder_dataset(source, read_folder(source, rows, fields), scan)
     fields = replace(fields, render=_renderer(options, model_path))
     if source.format == "webdataset":
         samples, modality, opener = read_webdataset(source, fields, rows, scan), "image", ImageOpener(source)
@@ -118,6 +119,11 @@ def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Sour
     if fields.tokens and source.format in (*FOLDER_FORMATS, "webdataset"):
         raise ConfigError(f"dataset.tokens_field: {path} is {source.format.replace('_', ' ')}, which holds "
                           f"{'texts' if source.format == 'text_folder' else 'images'}, not token ids")
+    if source.format in FOLDER_FORMATS and not source.metadata and (fields.label_required or fields.keep is not None):
+        key = "label_field" if fields.label_required else "keep_fields"
+        what = "a text folder" if source.format == "text_folder" else \
+            f"an image folder without a metadata file ({' or '.join(METADATA_NAMES)} at its root)"
+        raise ConfigError(f"dataset.{key}: {path} is {what}: its labels are its folders, and it has no other fields")
     if not source.table:
         return source, fields, []
     fields = _table_fields(source, fields)
@@ -129,7 +135,7 @@ def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit
     before = data_state(source)
     if source.format in FOLDER_FORMATS:
         by_folder = Path(path).is_dir() and not glob.has_magic(str(path))
-        scan = scan_folder(source, limit, by_folder, fields.encoding, progress)
+        scan = scan_folder(source, limit, by_folder, fields, progress)
     elif source.format in ("jsonl", "webdataset"):
         scan = scanned_files(source, fields, limit, progress, workers)
     else:

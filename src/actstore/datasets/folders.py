@@ -7,7 +7,9 @@ The scan records each run of consecutive files in one folder (Scan.runs: folder,
 the names), so a part's job lists only the folders of its rows, each once and not into its
 subfolders, and checks them against the scan: ImageNet's 1.28M images in 1,000 folders are
 listed once by the scan, and ~16 folders by each of 64 parts. The scan reads every text file
-(decoded, nothing kept), so a bad one is named before any part's job starts."""
+(decoded, nothing kept), so a bad one is named before any part's job starts. An image folder's
+metadata file (folder_metadata.py) gives its images their fields, and their labels when
+dataset.label_field names one."""
 from __future__ import annotations
 
 import collections
@@ -19,34 +21,41 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from actstore.datasets.core import Sample, label_list
-from actstore.datasets.scan import Scan, files_changed
+from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.folder_metadata import described, rows_of, scan_metadata
+from actstore.datasets.scan import Scan, check_metadata_unchanged, files_changed
 from actstore.datasets.source import Source, folder_file
 from actstore.errors import ConfigError
 
 
-def scan_folder(source: Source, limit: int | None, by_folder: bool, encoding: str, progress: bool = False) -> Scan:
-    """The scan of the first `limit` files: labels, the first-level folder names; a text folder's
-    files read and checked. `by_folder` (a folder, not a glob's files, which a folder's listing would
-    not match): the runs of files in one folder (Scan.runs) over every file."""
+def scan_folder(source: Source, limit: int | None, by_folder: bool, fields: Fields, progress: bool = False) -> Scan:
+    """The scan of the first `limit` files: labels, the first-level folder names (or the metadata
+    file's label field); a text folder's files read and checked, an image folder's metadata file
+    checked against every image. `by_folder` (a folder, not a glob's files, which a folder's listing
+    would not match): the runs of files in one folder (Scan.runs) over every file."""
     files = source.files[:limit]
     if source.format == "text_folder":
         for path in tqdm(files, desc="scan dataset", unit="file", disable=not progress):
-            read_text(path, encoding)
+            read_text(path, fields.encoding)
+    names = [source.name(p) for p in files]
+    labels = [folder_label(name) for name in names]
+    if source.metadata:
+        labelled = scan_metadata(source.metadata, [source.name(p) for p in source.files], fields)
+        labels = [labelled[name] for name in names] if fields.label_required else labels
     runs = []
     for folder, paths in itertools.groupby(source.files, key=lambda path: path.parent) if by_folder else ():
         names = [path.name for path in paths]
         runs.append((_relative(folder, source.root), len(names), names_digest(names)))
-    return Scan(len(files), label_list(folder_label(source.name(p)) for p in files), runs=tuple(runs),
-                folder_format=source.format if by_folder else "")
+    return Scan(len(files), label_list(labels), runs=tuple(runs), folder_format=source.format if by_folder else "")
 
 
-def read_folder(source: Source, rows: range, encoding: str) -> list[Sample]:
+def read_folder(source: Source, rows: range, fields: Fields) -> list[Sample]:
     """The samples of `rows` from the whole listing (`source.files`)."""
-    return [_sample(source.format, source.root, i, source.name(source.files[i]), encoding) for i in rows]
+    named = {i: source.name(source.files[i]) for i in rows}
+    return _samples(source.format, source.root, named, fields, source.metadata)
 
 
-def read_folder_runs(root: Path, scan: Scan, rows: range, encoding: str) -> list[Sample]:
+def read_folder_runs(root: Path, scan: Scan, rows: range, fields: Fields) -> list[Sample]:
     """The samples of `rows` from the scan's runs, listing only the folders they are in, each once
     and not into its subfolders. ConfigError naming a folder whose files changed since the scan:
     each folder is checked by every part reading from it, so all the parts together check every
@@ -54,8 +63,9 @@ def read_folder_runs(root: Path, scan: Scan, rows: range, encoding: str) -> list
     files_in = collections.Counter()
     for folder, count, _ in scan.runs:
         files_in[folder] += count
+    check_metadata_unchanged(scan, root)
     listed: dict[str, list[str]] = {}
-    samples, start, before = [], 0, collections.Counter()  # before: a folder's files in earlier runs
+    named, start, before = {}, 0, collections.Counter()  # before: a folder's files in earlier runs
     for folder, count, digest in scan.runs:
         if start >= rows.stop:
             break
@@ -66,18 +76,26 @@ def read_folder_runs(root: Path, scan: Scan, rows: range, encoding: str) -> list
             if names_digest(run) != digest:
                 raise files_changed(root / folder)
             for row in range(max(rows.start, start), min(rows.stop, start + count)):
-                name = f"{folder}/{run[row - start]}" if folder else run[row - start]
-                samples.append(_sample(scan.folder_format, root, row, name, encoding))
+                named[row] = f"{folder}/{run[row - start]}" if folder else run[row - start]
         before[folder] += count
         start += count
+    return _samples(scan.folder_format, root, named, fields, root / scan.metadata if scan.metadata else None)
+
+
+def _samples(fmt: str, root: Path, named: dict[int, str], fields: Fields, metadata: Path | None) -> list[Sample]:
+    """The samples of rows -> names: an image's, its name (the image is decoded later) and its
+    metadata row's fields; a text file's, its text, the name kept."""
+    if fmt == "text_folder":
+        return [Sample(row, read_text(root / name, fields.encoding), folder_label(name), {"file": name})
+                for row, name in named.items()]
+    if metadata is None:
+        return [Sample(row, name, folder_label(name)) for row, name in named.items()]
+    rows = rows_of(metadata, named.values())
+    samples = []
+    for row, name in named.items():
+        label, kept = described(rows[name], fields, f"{metadata}: the row of {name!r}")
+        samples.append(Sample(row, name, label if fields.label_required else folder_label(name), kept))
     return samples
-
-
-def _sample(fmt: str, root: Path, row: int, name: str, encoding: str) -> Sample:
-    """An image's sample: its name (the image is decoded later); a text file's: its text, the name kept."""
-    if fmt == "image_folder":
-        return Sample(row, name, folder_label(name))
-    return Sample(row, read_text(root / name, encoding), folder_label(name), {"file": name})
 
 
 def read_text(path: Path, encoding: str) -> str:

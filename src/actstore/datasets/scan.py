@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from actstore.datasets.core import label_list
-from actstore.datasets.source import FOLDER_FORMATS, Source
+from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
 from actstore.io_utils import write_json_atomic
@@ -42,7 +42,8 @@ class Scan:
     runs (a folder of files, folder_format image_folder or text_folder): (folder relative to the
     root, "" for the root; files; the sha256 of their names, folders.names_digest) of each run of
     consecutive files in one folder, over every file, so that a part's job lists only the folders
-    of its rows and checks them."""
+    of its rows and checks them. metadata: an image folder's metadata file (source.METADATA_NAMES,
+    at its root; "" for none), whose (size, mtime_ns) is then the one stamp."""
 
     n_samples: int
     labels: list
@@ -51,6 +52,7 @@ class Scan:
     listing: str = ""
     runs: tuple[tuple[str, int, str], ...] = ()
     folder_format: str = ""
+    metadata: str = ""
 
 
 def mark_before(scan: Scan, row: int) -> Mark:
@@ -79,23 +81,25 @@ def data_state(source: Source) -> DataState:
     """What `source`'s data is now (see Scan): each data file's (size, mtime_ns), or for a folder
     of files (images, texts) the digest of its listing. Taken before scanning, so that a change
     during the scan is seen too."""
-    if source.format in FOLDER_FORMATS:
-        return (), _listing(source)
-    return tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in source.files)), ""
+    files = (source.metadata,) if source.metadata else () if source.format in FOLDER_FORMATS else source.files
+    stamps = tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in files))
+    return stamps, _listing(source) if source.format in FOLDER_FORMATS else ""
 
 
 def stamped(scan: Scan, source: Source, state: DataState | None = None) -> Scan:
     """`scan` with `state` (default: what `source`'s data is now)."""
     stamps, listing = state or data_state(source)
-    return replace(scan, stamps=stamps, listing=listing)
+    return replace(scan, stamps=stamps, listing=listing, metadata=source.metadata.name if source.metadata else "")
 
 
 def check_unchanged(scan: Scan, source: Source) -> None:
     """ConfigError naming the data that changed since `scan` was taken (a file's size or mtime, the
-    number of files, or a folder's listing of images or texts)."""
+    number of files, a folder's listing of images or texts, an image folder's metadata file)."""
     stamps, listing = data_state(source)
     if listing != scan.listing:
         raise files_changed(source.root)
+    if source.format in FOLDER_FORMATS:
+        return check_metadata_unchanged(scan, source.root)
     if len(stamps) != len(scan.stamps):
         raise ConfigError(f"{source.root}: holds {len(stamps)} data files, {len(scan.stamps)} when the "
                           f"dataset was scanned; {RESCAN}")
@@ -103,6 +107,18 @@ def check_unchanged(scan: Scan, source: Source) -> None:
         if tuple(was) != stamp:
             raise ConfigError(f"{path}: changed since the dataset was scanned (size {was[0]} -> {stamp[0]} bytes, "
                               f"or its modification time); {RESCAN}")
+
+
+def check_metadata_unchanged(scan: Scan, root: Path) -> None:
+    """ConfigError naming an image folder's metadata file if it changed since `scan` (or is gone)."""
+    if not scan.metadata:
+        return
+    try:
+        stat = (root / scan.metadata).stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{root / scan.metadata}: gone since the dataset was scanned; {RESCAN}") from None
+    if (stat.st_size, stat.st_mtime_ns) != tuple(scan.stamps[0]):
+        raise ConfigError(f"{root / scan.metadata}: changed since the dataset was scanned; {RESCAN}")
 
 
 def files_changed(folder: Path, how: str = "") -> ConfigError:
@@ -123,7 +139,8 @@ def write_scan(scan: Scan, path: str | Path) -> None:
     write_json_atomic(path, {"n_samples": scan.n_samples, "labels": scan.labels,
                              "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
                              "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing,
-                             "runs": [list(run) for run in scan.runs], "folder_format": scan.folder_format},
+                             "runs": [list(run) for run in scan.runs], "folder_format": scan.folder_format,
+                             "metadata": scan.metadata},
                       indent=None)
     log.info("dataset scan: %d rows, %d labels, %d marks -> %s", scan.n_samples, len(scan.labels),
              len(scan.marks), path)
@@ -151,8 +168,11 @@ def read_scan(path: str | Path) -> Scan:
     folder_format = data.get("folder_format", "")
     if folder_format not in (FOLDER_FORMATS if runs else ("",)):
         raise FormatError(f"{path}: folder_format must be image_folder or text_folder with runs, empty without")
-    return Scan(n_samples, labels, tuple(marks), tuple(_numbers(stamps, 2, path, "stamps")), listing, runs,
-                folder_format)
+    stamps = tuple(_numbers(stamps, 2, path, "stamps"))
+    metadata = data.get("metadata", "")
+    if metadata not in ("", *METADATA_NAMES) or (metadata and len(stamps) != 1):
+        raise FormatError(f"{path}: metadata must be one of {', '.join(METADATA_NAMES)} with its one stamp, or empty")
+    return Scan(n_samples, labels, tuple(marks), stamps, listing, runs, folder_format, metadata)
 
 
 def _runs(value: Any, n_samples: int, path: Path) -> tuple[tuple[str, int, str], ...]:

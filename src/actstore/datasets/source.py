@@ -27,6 +27,7 @@ FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder"
            "text_folder")
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
 FOLDER_FORMATS = ("image_folder", "text_folder")  # a sample a file (datasets/folders.py)
+METADATA_NAMES = ("metadata.jsonl", "metadata.csv")  # an image folder's metadata file (datasets/folder_metadata.py)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Source:
     files: tuple[Path, ...]  # data files in read order (image_folder: the images; text_folder: the texts)
     features: dict[str, Any] = field(default_factory=dict)  # hf_disk dataset_info.json features
     image_table: bool = False
+    metadata: Path | None = None  # an image folder's metadata file (METADATA_NAMES), at its root
 
     @property
     def table(self) -> bool:
@@ -114,13 +116,27 @@ def _folder_source(root: Path, fmt: str) -> Source:
         return Source(fmt, root, tuple(files))
     images = tuple(p for p in files if folder_file(p.name, "image_folder"))
     if fmt == "image_folder" or (fmt == "auto" and images):
-        return Source("image_folder", root, images)
+        return Source("image_folder", root, images, metadata=_metadata_file(root, files))
     shards = {p: kind for p in files if (kind := shard_format(p))}
     if fmt == "auto":
         if not shards:
             return Source("image_folder", root, ())  # empty: load_dataset names it
         fmt = _one_format(str(root), set(shards.values()))
     return Source(fmt, root, tuple(p for p, kind in shards.items() if kind == fmt))
+
+
+def _metadata_file(root: Path, files: list[Path]) -> Path | None:
+    """An image folder's metadata file: one of METADATA_NAMES at its root, or none. ConfigError for
+    two, or for one below the root (Hugging Face reads those too, for the folders below them; here
+    they would be left out without a word)."""
+    found = [p for p in files if p.name in METADATA_NAMES]
+    below = [p for p in found if p.parent != root]
+    if below:
+        raise ConfigError(f"dataset.path {root}: {below[0]} is a metadata file below the folder's root; only "
+                          f"{' or '.join(METADATA_NAMES)} at the root is read (set dataset.path to its folder)")
+    if len(found) > 1:
+        raise ConfigError(f"dataset.path {root}: holds both {found[0].name} and {found[1].name}; keep one")
+    return found[0] if found else None
 
 
 def shard_format(path: Path) -> str | None:
@@ -188,5 +204,5 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def identity_files(source: Source) -> list[Path]:
     """Every file whose bytes decide the samples (the data files, and the features that name labels)."""
-    extra = [source.root / "dataset_info.json"] if source.format == "hf_disk" else []
-    return [*source.files, *(p for p in extra if p.is_file())]
+    extra = [source.root / "dataset_info.json"] if source.format == "hf_disk" else [source.metadata]
+    return [*source.files, *(p for p in extra if p and p.is_file())]

@@ -1,0 +1,105 @@
+"""An image folder's metadata file, as Hugging Face's `imagefolder` reads it: `metadata.jsonl` (an
+object a line) or `metadata.csv` (a header line) at the folder's root, a row per image, whose
+`file_name` is the image's path relative to the root and whose other fields describe it (a caption,
+attributes to probe for, a label). Every image has exactly one row and every row names an image of
+the folder: an image left out, or a row for an image that is not there, would silently be a sample
+without its fields or a field without its sample, so each is named. CSV values are text.
+
+The scan reads the file once, keeping a name per image (and its label); a part's job reads it again,
+keeping the rows of its own images only."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from actstore.datasets.core import Fields
+from actstore.errors import ConfigError
+
+NAME_FIELD = "file_name"
+
+
+def metadata_rows(path: Path) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(where, image name, row) for every row of the file, in file order; ConfigError naming the
+    line if it is not a row with a `file_name`."""
+    with open(path, encoding="utf-8", newline="") as fh:
+        try:
+            if path.suffix == ".csv":
+                reader = csv.DictReader(fh)
+                if NAME_FIELD not in (reader.fieldnames or ()):
+                    raise ConfigError(f"{path}: the header names no {NAME_FIELD!r} column (the image a row describes)")
+                lines: Iterable[tuple[int, Any]] = ((reader.line_num, row) for row in reader)
+            else:
+                lines = ((number, _parsed(line, path, number)) for number, line in enumerate(fh, 1) if line.strip())
+            for number, row in lines:
+                if None in row:  # csv.DictReader's key for values past the header's
+                    raise ConfigError(f"{path}:{number}: more values than the header has columns")
+                name = row.get(NAME_FIELD)
+                if not isinstance(name, str) or not name:
+                    raise ConfigError(f"{path}:{number}: no {NAME_FIELD!r} naming the image the row describes")
+                yield f"{path}:{number}", Path(name).as_posix().removeprefix("./"), row
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text ({exc.reason})") from None
+        except csv.Error as exc:
+            raise ConfigError(f"{path}: not CSV ({exc})") from None
+
+
+def _parsed(line: str, path: Path, number: int) -> Any:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{path}:{number}: not a JSON object")
+    return row
+
+
+def scan_metadata(path: Path, names: list[str], fields: Fields) -> dict[str, Any]:
+    """Each image's label from the file (dataset.label_field; None when it is unset), checking that
+    every image of `names` has exactly one row, every row names one of them and has the fields the
+    config reads. ConfigError naming the file and line, or the image."""
+    images = dict.fromkeys(names)
+    seen: set[str] = set()
+    for where, name, row in metadata_rows(path):
+        if name not in images:
+            raise ConfigError(f"{where}: {NAME_FIELD} {name!r} is not an image of the folder")
+        if name in seen:
+            raise ConfigError(f"{where}: a second row for {name!r}")
+        seen.add(name)
+        images[name] = described(row, fields, where)[0]
+    if len(seen) < len(images):
+        missing = next(name for name in names if name not in seen)
+        raise ConfigError(f"{path}: no row for the image {missing!r} ({len(images) - len(seen)} images have none)")
+    return images
+
+
+def rows_of(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The rows of the images `names` (a part's), read from the file; ConfigError naming an image
+    without one (the file changed since the scan)."""
+    wanted = set(names)
+    rows = {name: row for _, name, row in metadata_rows(path) if name in wanted}
+    if len(rows) < len(wanted):
+        raise ConfigError(f"{path}: no row for the image {min(wanted - set(rows))!r}; it changed since the "
+                          f"dataset was scanned")
+    return rows
+
+
+def described(row: dict[str, Any], fields: Fields, where: str) -> tuple[Any, dict[str, Any]]:
+    """(label, kept fields) of an image's row: the label from dataset.label_field (None when unset:
+    the image's folder is its label), and dataset.keep_fields, or every field but the name and label."""
+    label = None
+    if fields.label_required:
+        if fields.label not in row:
+            raise ConfigError(f"{where}: no field {fields.label!r} (dataset.label_field)")
+        label = row[fields.label]
+        if isinstance(label, (list, dict)):
+            raise ConfigError(f"{where}: field {fields.label!r} is a JSON {type(label).__name__}; a label is a "
+                              f"string, number, boolean or null")
+    if fields.keep is None:
+        skip = {NAME_FIELD, fields.label} if fields.label_required else {NAME_FIELD}
+        return label, {k: v for k, v in row.items() if k not in skip}
+    missing = [k for k in fields.keep if k not in row]
+    if missing:
+        raise ConfigError(f"{where}: no field {missing[0]!r} (dataset.keep_fields)")
+    return label, {k: row[k] for k in fields.keep}
