@@ -12,7 +12,9 @@ shards): the scan, which reads their headers, against GNU `tar -tf` listing the 
 and Python's tarfile listing them (what the scan read headers with before datasets/tar.py). And
 a folder of --images empty .JPEG files in 100 folders (ImageNet's layout, its names): the scan,
 and part 4 of 8 read from the scan's runs (its folders listed) and from the whole listing (as
-before the runs), against GNU `find` listing the folder.
+before the runs), against GNU `find` listing the folder; then the scan and the part again with a
+metadata.jsonl at the folder's root (Hugging Face's imagefolder: a caption per image), which the
+scan checks against every image and the part reads its images' rows from.
 Writes bench/out/dataset.json.
 
   time_ratio: the step / the baseline read of the whole file
@@ -93,6 +95,15 @@ def build_images(root: Path, images: int) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"n{i % 100:08d}_{i:06d}.JPEG").touch()
     return root / "images"
+
+
+def describe_images(images: Path) -> None:
+    """A metadata.jsonl at the folder's root (Hugging Face's imagefolder): a caption per image, in
+    reverse path order (the samples' order is the paths', not the file's)."""
+    names = sorted(p.relative_to(images).as_posix() for p in images.rglob("*.JPEG"))
+    with open(images / "metadata.jsonl", "w") as fh:
+        for i, name in reversed(list(enumerate(names))):
+            fh.write(json.dumps({"file_name": name, "caption": f"photograph {i} of class {name[:9]}"}) + "\n")
 
 
 def peak_mb() -> float:
@@ -208,9 +219,14 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         images = build_images(Path(tmp), args.images)
         listing = fresh("find", images, 1, 0)
-        for step, parts in (("scan", 1), ("images_runs", args.parts), ("images_listed", args.parts)):
+        for step, parts, described in (("scan", 1, False), ("images_runs", args.parts, False),
+                                       ("images_listed", args.parts, False), ("scan", 1, True),
+                                       ("images_runs", args.parts, True)):
+            if described and not (images / "metadata.jsonl").exists():
+                describe_images(images)
             took = fresh(step, images, parts, parts // 2)
-            rows.append({"file": f"images/ ({listing['units']} files, 100 folders)", "step": step, "parts": parts,
+            what = "100 folders, metadata.jsonl" if described else "100 folders"
+            rows.append({"file": f"images/ ({listing['units']} files, {what})", "step": step, "parts": parts,
                          "rows": took["units"], "seconds": round(took["seconds"], 3),
                          "find_s": round(listing["seconds"], 3),
                          "time_ratio": round(took["seconds"] / listing["seconds"], 2),

@@ -18,6 +18,7 @@ from actstore.datasets.core import Fields
 from actstore.errors import ConfigError
 
 NAME_FIELD = "file_name"
+_NO_ROW = object()  # an image no row has described yet
 
 
 def metadata_rows(path: Path) -> Iterator[tuple[str, str, dict[str, Any]]]:
@@ -59,18 +60,18 @@ def scan_metadata(path: Path, names: list[str], fields: Fields) -> dict[str, Any
     """Each image's label from the file (dataset.label_field; None when it is unset), checking that
     every image of `names` has exactly one row, every row names one of them and has the fields the
     config reads. ConfigError naming the file and line, or the image."""
-    images = dict.fromkeys(names)
-    seen: set[str] = set()
+    images = dict.fromkeys(names, _NO_ROW)  # one entry an image: 1.28M of them are ~150 MB
+    described_rows = 0
     for where, name, row in metadata_rows(path):
         if name not in images:
             raise ConfigError(f"{where}: {NAME_FIELD} {name!r} is not an image of the folder")
-        if name in seen:
+        if images[name] is not _NO_ROW:
             raise ConfigError(f"{where}: a second row for {name!r}")
-        seen.add(name)
         images[name] = described(row, fields, where)[0]
-    if len(seen) < len(images):
-        missing = next(name for name in names if name not in seen)
-        raise ConfigError(f"{path}: no row for the image {missing!r} ({len(images) - len(seen)} images have none)")
+        described_rows += 1
+    if described_rows < len(images):
+        missing = next(name for name in names if images[name] is _NO_ROW)
+        raise ConfigError(f"{path}: no row for the image {missing!r} ({len(images) - described_rows} images have none)")
     return images
 
 
