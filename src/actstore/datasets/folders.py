@@ -37,11 +37,11 @@ def scan_folder(source: Source, limit: int | None, by_folder: bool, fields: Fiel
     if source.format == "text_folder":
         for path in tqdm(files, desc="scan dataset", unit="file", disable=not progress):
             read_text(path, fields.encoding)
-    names = [source.name(p) for p in files]
-    labels = [folder_label(name) for name in names]
-    if source.metadata:
-        labelled = scan_metadata(source.metadata, [source.name(p) for p in source.files], fields)
-        labels = [labelled[name] for name in names] if fields.label_required else labels
+    labels = [folder_label(source.name(p)) for p in files]
+    if source.metadata:  # every image checked against its row, the limit's labelled from theirs if asked
+        named = [source.name(p) for p in source.files]
+        labelled = scan_metadata(source.metadata, named, fields)
+        labels = [labelled[name] for name in named[:limit]] if fields.label_required else labels
     runs = []
     for folder, paths in itertools.groupby(source.files, key=lambda path: path.parent) if by_folder else ():
         names = [path.name for path in paths]

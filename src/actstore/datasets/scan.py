@@ -81,9 +81,13 @@ def data_state(source: Source) -> DataState:
     """What `source`'s data is now (see Scan): each data file's (size, mtime_ns), or for a folder
     of files (images, texts) the digest of its listing. Taken before scanning, so that a change
     during the scan is seen too."""
-    files = (source.metadata,) if source.metadata else () if source.format in FOLDER_FORMATS else source.files
-    stamps = tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in files))
-    return stamps, _listing(source) if source.format in FOLDER_FORMATS else ""
+    if source.format in FOLDER_FORMATS:
+        return _stamps((source.metadata,) if source.metadata else ()), _listing(source)
+    return _stamps(source.files), ""
+
+
+def _stamps(files: Iterable[Path]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.st_size, s.st_mtime_ns) for s in (p.stat() for p in files))
 
 
 def stamped(scan: Scan, source: Source, state: DataState | None = None) -> Scan:
