@@ -157,9 +157,8 @@ def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
     """What reading the dataset holds in one extraction job: its part's rows (their text twice, as
     str and as read, and a Python row each), the table block being converted (Arrow and its Python
     values), and for images their names, the name of every image once (the Snakefile's parse in a
-    job lists an image folder where its environment names no facts of the main process's, parse_memo;
-    the part's script lists only its rows' folders), and a block
-    of image bytes in each decoding worker."""
+    job lists an image folder when it was handed no facts of the main process's, parse_memo; the
+    part's script lists only its rows' folders), and a block of image bytes in each decoding worker."""
     w = workload(config)
     if w.pixel_bytes:
         return w.text_bytes + 2 * w.text_bytes / config["extract"]["parts"] + (3 + workers) * w.block_bytes
