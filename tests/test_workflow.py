@@ -215,6 +215,29 @@ def test_a_job_takes_the_main_processs_hashes_and_its_scan_refuses_data_changed_
     assert (stage_dir(config, "extract") / "dataset_scan.json").is_file()
 
 
+def test_an_image_folders_metadata_file_labels_its_images_through_the_workflow(model_dir, image_folder, tmp_path):
+    """Hugging Face's imagefolder layout through Snakemake: the scan job checks metadata.csv against
+    every image, the part jobs read their images' rows, and lmprobe's index carries each image's
+    label from dataset.label_field and its kept field as a column, in sample order."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from actstore.formats import lmprobe
+
+    photos = shutil.copytree(image_folder, tmp_path / "photos")
+    names = sorted(p.relative_to(photos).as_posix() for p in photos.rglob("*.png"))
+    kinds = ["striped" if i % 3 == 0 else "plain" for i in range(len(names))]
+    rows = [f"{name},{kind},photo {i}" for i, (name, kind) in enumerate(zip(names, kinds))]
+    (photos / "metadata.csv").write_text("file_name,kind,caption\n" + "\n".join(reversed(rows)) + "\n")
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), photos, sae={"enabled": False},
+                              dataset={"label_field": "kind", "keep_fields": ["caption"]})
+    snakemake(tmp_path, write(config, tmp_path / "described.yaml"), "lmprobe")
+    index = pq.read_table(lmprobe.find_index(stage_dir(config, "lmprobe") / "dataset")).to_pylist()
+    by_sample = sorted(index, key=lambda row: row["sample_idx"])
+    assert [(r["label"], r["caption"]) for r in by_sample] == [(kind, f"photo {i}") for i, kind in enumerate(kinds)]
+
+
 def test_misspelled_key_fails_at_parse_time_naming_it(tmp_path):
     config = demo_config(tmp_path / "dump")
     config["extract"]["layerz"] = [1]
