@@ -51,16 +51,9 @@ def dry_run(configfile: Path, profile: str | None, until: str | None) -> tuple[f
 # What rules/common.smk's parse learns of the data, handed over as the main process's onstart does.
 MAIN_PARSE = """
 import json, sys
-from pathlib import Path
-from actstore import hashing, parse_memo, resources
-from actstore.datasets import check_dataset
-from actstore.datasets.source import remember_sources
-config = json.loads(sys.argv[1])
-remember_sources()
-parse_memo.start(main_process=True)
-check_dataset(config["dataset"]), hashing.stage_dirs(config), resources.extract_scan_threads(config)
-resources.extract_scan_mem_mb(config), resources.extract_part_mem_mb(config)
-print(parse_memo.hand_over(Path(sys.argv[2])))
+from actstore import parse_memo, workflow
+workflow.parse_dataset(json.loads(sys.argv[1]), main_process=True)
+print(parse_memo.hand_over(sys.argv[2]))
 """
 
 

@@ -5,28 +5,23 @@ from pathlib import Path
 from actstore import parse_memo
 from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
-from actstore.datasets import check_dataset
-from actstore.datasets.source import remember_sources
-from actstore.hashing import stage_hashes, upstream_stages
+from actstore.hashing import upstream_stages
 from actstore.jobs import job_items
 from actstore.model_config import check_layers, num_blocks, read_model_config, resolve_model_path
+from actstore.workflow import parse_dataset
 
-# The hashes, the checks and the resource requests below resolve the dataset: list it once, and
-# only in the main process: the jobs it submits parse this file again and take its word for what it
-# learnt of the data (actstore/parse_memo.py), so they neither list nor stat it, and name their
-# outputs by the same hashes.
-remember_sources()
-parse_memo.start(main_process=workflow.is_main_process)
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
 MODEL_PATH = resolve_model_path(config["model"]["path"])
 check_layers(config["extract"]["layers"], num_blocks(read_model_config(MODEL_PATH)))
-check_dataset(config["dataset"])  # path, shards, and each table's columns and types (no rows read)
+# The dataset checked (path, shards, each table's columns and types; no rows read), every stage's
+# hash and the Slurm sizes that follow the data: the data listed and stat'ed once, and only in the
+# main process; the jobs it submits parse this file again and take its word for what it read
+# (actstore/parse_memo.py, handed over in onstart below).
+STAGE_HASHES = parse_dataset(config, main_process=workflow.is_main_process)
 if config["saev"].get("patch_labels") and not Path(config["saev"]["patch_labels"]["masks"]).is_dir():
     raise ValueError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
 
 DUMP_TO = Path(config["dump_to"])
-# Every stage's hash, computed once per parse: the data files are listed and stat'ed once.
-STAGE_HASHES = stage_hashes(config)
 N_PARTS = config["extract"]["parts"]
 PARTS = [f"{p:04d}" for p in range(N_PARTS)]
 

@@ -424,20 +424,20 @@ def test_a_snakefile_parse_lists_the_image_folder_once(image_folder, model_dir, 
     assert len(listed) == 3
 
 
-def parse_facts(config: dict) -> tuple:
-    """What a Snakefile parse (rules/common.smk) learns of the dataset: its check, every stage's
-    directory, the Slurm requests that scale with it."""
-    from actstore import hashing, resources
+def parse_facts(config: dict, main_process: bool) -> tuple:
+    """What a Snakefile parse (rules/common.smk) learns of the dataset: every stage's hash, and the
+    Slurm requests that scale with the data."""
+    from actstore import resources
+    from actstore.workflow import parse_dataset
 
-    check_dataset(config["dataset"])
-    return (hashing.stage_dirs(config), resources.workload(config), resources.extract_scan_threads(config),
+    return (parse_dataset(config, main_process), resources.workload(config), resources.extract_scan_threads(config),
             resources.extract_part_mem_mb(config), resources.extract_scan_mem_mb(config))
 
 
 def test_a_jobs_parse_takes_the_main_processs_word_for_the_data(image_folder, model_dir, tmp_path, monkeypatch,
                                                                 capsys):
     """Every Slurm job parses the Snakefile again. The main process hands over what its parse learnt of
-    the data (parse_memo), so a job's parse neither lists nor stats the folder (1.28M images: ~35 s and
+    the data (parse_memo), so a job's parse neither lists nor stats the folder (1.28M images: ~30 s and
     ~1 GB a parse here) and names its outputs by the main process's hashes even when the data changed
     since; outside a parse (a rule's script, the library) everything is computed afresh."""
     from actstore import hashing, parse_memo, resources
@@ -453,9 +453,7 @@ def test_a_jobs_parse_takes_the_main_processs_word_for_the_data(image_folder, mo
     monkeypatch.setattr(source, "files_under", lambda root: listed.append(root) or real_listing(root))
     monkeypatch.setattr(Path, "stat", lambda path, **kw: stated.append(path) or real_stat(path, **kw))
 
-    source.remember_sources()
-    parse_memo.start(main_process=True)
-    main = parse_facts(config)
+    main = parse_facts(config, main_process=True)
     handed = parse_memo.hand_over(tmp_path / "dump" / "logs" / "parse")
     assert os.environ[parse_memo.ENV] == str(handed) and handed.is_file()
     assert listed == [images]
@@ -465,23 +463,20 @@ def test_a_jobs_parse_takes_the_main_processs_word_for_the_data(image_folder, mo
     for cached in (resources._workload, hashing._auto_format):
         cached.cache_clear()
     monkeypatch.setattr(source, "_REMEMBERED", None)
-    source.remember_sources()
-    parse_memo.start(main_process=False)  # a job: ACTSTORE_PARSE_MEMO inherited from the main process
     listed.clear(), stated.clear()
-    assert parse_facts(config) == main
+    assert parse_facts(config, main_process=False) == main  # a job: ACTSTORE_PARSE_MEMO inherited
     assert listed == [] and not [p for p in stated if images in p.parents]
     assert f"the dataset as the main process read it: {handed}" in capsys.readouterr().err
 
     monkeypatch.setattr(parse_memo, "_memo", None)  # a rule's script: afresh, the data as it is now
     monkeypatch.setattr(parse_memo, "_handed", {})
     monkeypatch.setattr(source, "_REMEMBERED", None)
-    assert hashing.stage_dirs(config)["extract"] != main[0]["extract"]
+    assert hashing.stage_hashes(config)["extract"] != main[0]["extract"]
 
     parse_memo.withdraw()  # the run is over
     assert not handed.exists() and parse_memo.ENV not in os.environ
     monkeypatch.setenv(parse_memo.ENV, str(handed))  # a job whose file is gone reads the data itself
-    parse_memo.start(main_process=False)
-    assert parse_facts(config)[0]["extract"] == hashing.stage_dirs(config)["extract"] != main[0]["extract"]
+    assert parse_facts(config, main_process=False)[0]["extract"] == hashing.stage_hashes(config)["extract"]
     assert f"{parse_memo.ENV}={handed} cannot be read" in capsys.readouterr().err
 
 

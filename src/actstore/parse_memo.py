@@ -56,7 +56,7 @@ def remembered(name: str, key: Any, compute: Callable[[], Any]) -> Any:
     return _memo[entry]
 
 
-def hand_over(directory: Path) -> Path | None:
+def hand_over(directory: str | Path) -> Path | None:
     """Write the facts this parse remembered into `directory` and name the file in this process's
     environment, which the jobs it starts inherit; None when there is nothing to hand over."""
     global _written

@@ -1,6 +1,7 @@
-"""What every rule's script shares: logging to the rule's log file and, when the rule finishes a
-stage, the resolved config recorded in its directory (so a stage directory says what made it), with
-the records of the metadata files the stage wrote there."""
+"""What the workflow shares: the Snakefile parse's reading of the dataset (rules/common.smk), and
+for every rule's script logging to the rule's log file and, when the rule finishes a stage, the
+resolved config recorded in its directory (so a stage directory says what made it), with the records
+of the metadata files the stage wrote there."""
 from __future__ import annotations
 
 import contextlib
@@ -10,9 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from actstore import parse_memo, resources
 from actstore.config import REPO_ROOT
+from actstore.datasets import check_dataset
+from actstore.datasets.source import remember_sources
 from actstore.errors import ConfigError
-from actstore.hashing import stage_hash, write_stage_config
+from actstore.hashing import stage_hash, stage_hashes, write_stage_config
 from actstore.integrity import seal
 
 
@@ -38,6 +42,19 @@ def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> N
     (integrity.sealed_names; `actstore verify` and the validate stage check them against it).
     validate's plots are drawn after its stage config, by their own rule: only its report is sealed."""
     write_stage_config(config, stage, Path(stage_dir), sealed=seal(Path(stage_dir), stage))
+
+
+def parse_dataset(config: dict[str, Any], main_process: bool) -> dict[str, str]:
+    """What a Snakefile parse reads of the dataset, each fact once (rules/common.smk): the dataset
+    checked (datasets.check_dataset), every stage's hash (the extract hash's data digest) and the
+    Slurm requests that follow the data (resources). In the main process they are remembered for
+    its jobs (parse_memo.hand_over); in a job, taken from the main process's file."""
+    remember_sources()
+    parse_memo.start(main_process)
+    check_dataset(config["dataset"])
+    resources.extract_scan_mem_mb(config, threads=resources.extract_scan_threads(config))
+    resources.extract_part_mem_mb(config)
+    return stage_hashes(config)
 
 
 def check_data_unchanged(config: dict[str, Any], extract_dir: str | Path) -> None:
