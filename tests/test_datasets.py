@@ -653,12 +653,13 @@ CAPTIONS = {"animal": "a cat, cropped", "object": "a thing, cropped"}
 
 
 def write_metadata(photos: Path, suffix: str, rows: list[dict]) -> Path:
-    """metadata.jsonl or metadata.csv at the folder's root, the rows in the order given."""
+    """metadata.jsonl or metadata.csv at the folder's root, the rows in the order given; the CSV as
+    Excel saves it, with a byte order mark."""
     path = photos / f"metadata{suffix}"
     if suffix == ".jsonl":
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     else:
-        with open(path, "w", newline="") as fh:
+        with open(path, "w", newline="", encoding="utf-8-sig") as fh:
             writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)

@@ -24,7 +24,7 @@ _NO_ROW = object()  # an image no row has described yet
 def metadata_rows(path: Path) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(where, image name, row) for every row of the file, in file order; ConfigError naming the
     line if it is not a row with a `file_name`."""
-    with open(path, encoding="utf-8", newline="") as fh:
+    with open(path, encoding="utf-8-sig", newline="") as fh:  # -sig: a CSV saved by Excel starts with a BOM
         try:
             if path.suffix == ".csv":
                 reader = csv.DictReader(fh)
