@@ -4,7 +4,7 @@ to the jobs it submits.
 Every cluster job parses the Snakefile again, and a parse needs the dataset: the extract stage's
 hash (dataset.identity: the size and mtime, or the sha256, of every data file), its format and size
 (the resource requests) and its check. For ImageNet as an image folder that is a listing and a stat
-of 1.28M files in every job (~35 s on a local disk, a metadata storm on a shared one); with
+of 1.28M files in every job (~30 s on a local disk, a metadata storm on a shared one); with
 `identity: content`, the whole dataset read again in every job. And a job whose data changed after
 the main parse would name its outputs by another hash than the one it was submitted for.
 
