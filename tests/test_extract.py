@@ -1,6 +1,7 @@
 """Extraction on tiny real models: every stored vector equals the model's own computation."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -88,6 +89,66 @@ def test_llama_last_layer_is_block_output_not_final_norm(extracted):
     stored = part.activations("layer_2", local)
     normed = model_out.hidden_states[-1][0].numpy()
     assert rel_err(stored, normed) > 1e-2  # hidden_states[-1] has the final norm applied
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
+def test_a_vision_language_model_runs_its_language_model_on_text(kind, model_dir, extracted):
+    """Gemma 3 (from 4B) and Qwen3.5 checkpoints hold a vision tower beside the language model: text
+    runs the language model, so its blocks (Qwen3.5's tower has as many, as shallow) and its sizes
+    (the tower is wider) are the ones recorded, and its logits are kept."""
+    from actstore.model_config import model_params, num_blocks, read_model_config
+
+    config_json = read_model_config(model_dir(kind))
+    assert num_blocks(config_json) == 3 and model_params(config_json)["hidden_size"] == 32 != tiny.VISION_TOWER_WIDTH
+    loaded = load_model(model_dir(kind))
+    assert loaded.kind == "causal" and loaded.blocks is loaded.model.get_decoder().layers
+    config, out = extracted(kind)
+    part = open_extraction(out).parts[0]
+    assert part.meta["model"]["blocks_path"] == loaded.blocks_path and "language_model" in loaded.blocks_path
+    assert part.meta["model"]["n_blocks"] == 3 and part.tensor("layer_0").shape[1] == 32
+    ids = torch.tensor([part.token_ids(0).tolist()])
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=ids).logits[0, -1].float()
+    assert part.topk(0)[1].tolist() == torch.topk(logits, config["extract"]["logits_topk"]).indices.tolist()
+
+
+def test_a_module_the_forward_never_reaches_is_named(model_dir, text_jsonl, tmp_path):
+    """A hook on a vision-language model's vision tower, which text never reaches: named, no part left."""
+    hook = "model.vision_tower.encoder.layers.0:output"
+    config = tiny.make_config(tmp_path, model_dir("gemma3"), text_jsonl, extract={"parts": 1, "hooks": [hook]})
+    with pytest.raises(ConfigError, match=re.escape(f"the forward never ran ['{hook}']")):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+    assert not (tmp_path / "part-0000").exists()
+
+
+def test_a_siglip2_naflex_model_is_refused_at_parse_time(image_folder, tmp_path):
+    """SigLIP 2's NaFlex towers give each image its own patch count; a store needs one for all."""
+    from actstore.model_config import num_blocks
+
+    folder = tmp_path / "siglip2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "siglip2", "architectures": ["Siglip2Model"],
+                                                    "vision_config": {"num_hidden_layers": 3}}))
+    with pytest.raises(ConfigError, match="siglip2 .NaFlex. model gives each image its own patch count"):
+        num_blocks(json.loads((folder / "config.json").read_text()))  # what common.smk's parse asks first
+    with pytest.raises(ConfigError, match="NaFlex"):
+        preflight(tiny.make_config(tmp_path, folder, image_folder), 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision loads it here")
+def test_an_image_processor_this_machine_cannot_load_is_named_before_weights_load(model_dir, image_folder, tmp_path,
+                                                                                 monkeypatch):
+    """DINOv3's checkpoints ship a processor transformers has only with torchvision: named, with the folder."""
+    import shutil
+
+    import actstore.extract.run as ex
+    folder = shutil.copytree(model_dir("dinov3"), tmp_path / "dinov3")
+    processor = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {**processor, "image_processor_type": "DINOv3ViTImageProcessorFast"}))
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(folder))}: its image processor .*Torchvision"):
+        run_part(tiny.make_config(tmp_path, folder, image_folder), 0, tmp_path / "part-0000", progress=False)
 
 
 def test_causal_lm_keeps_topk_logits_and_token_logprobs(extracted):

@@ -219,10 +219,16 @@ def test_merge_is_consistent_and_verifies(store):
 
 
 def test_model_params_come_from_the_model_config_aliases():
-    """What pickle_machines passes in: GPT-2's n_* names and a vision tower's nested config understood."""
+    """What pickle_machines passes in: GPT-2's n_* names, a vision tower's nested config and a
+    vision-language model's language model understood."""
     gpt2 = {"n_embd": 32, "n_layer": 3, "n_head": 4, "vocab_size": 300}
-    clip = {"text_config": {"hidden_size": 64, "vocab_size": 99},
+    clip = {"model_type": "clip", "text_config": {"hidden_size": 64, "vocab_size": 99},
             "vision_config": {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4}}
+    gemma3 = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 99},
+              "vision_config": {"hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8}}
+    assert model_params(gemma3) == {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                    "vocab_size": 99}
     assert model_params(gpt2) == {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
                                   "vocab_size": 300}
     assert model_params(clip) == {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,

@@ -513,11 +513,15 @@ def test_patches_per_shard_too_small(extracted):
         build(extracted, "dinov2", patches_per_shard=10)
 
 
-@pytest.mark.parametrize("kind, cls_token, tokens", [("clip", True, 17), ("siglip", False, 16)])
-def test_clip_has_cls_and_siglip_has_none(extracted, kind, cls_token, tokens):
+@pytest.mark.parametrize("kind, family, cls_token, tokens", [
+    ("clip", "clip", True, 17), ("metaclip_2", "clip", True, 17), ("siglip", "siglip", False, 16),
+    ("aimv2", "aimv2", False, 16)])
+def test_cls_token_by_family(extracted, kind, family, cls_token, tokens):
+    """CLIP and MetaCLIP 2 (kept from its image-text checkpoint) put a CLS token first; SigLIP and
+    AIMv2 emit patches only."""
     extraction, store_dir = build(extracted, kind)
     md = json.loads((store_dir / "metadata.json").read_text())
-    assert md["cls_token"] is cls_token and md["patches_per_ex"] == 16
+    assert md["family"] == family and md["cls_token"] is cls_token and md["patches_per_ex"] == 16
     assert md["patches_per_ex"] + int(md["cls_token"]) == tokens == extraction.sample(0)["num_tokens"]
     rng = np.random.default_rng(1)
     for _ in range(20):
@@ -527,18 +531,19 @@ def test_clip_has_cls_and_siglip_has_none(extracted, kind, cls_token, tokens):
     assert saev.verify(store_dir) == []
 
 
-def test_dinov2_register_tokens_follow_cls(extracted, image_folder):
-    """dinov2_with_registers: CLS, then the registers, then the patches, each equal to the model's own
-    hidden states; the register count is recorded in actstore.json."""
+@pytest.mark.parametrize("kind, family", [("dinov2_registers", "dinov2"), ("dinov3", "dinov3")])
+def test_register_tokens_follow_cls(extracted, image_folder, kind, family):
+    """dinov2_with_registers and DINOv3: CLS, then the registers, then the patches, each equal to the
+    model's own hidden states; the register count is recorded in actstore.json."""
     from PIL import Image
     from actstore.models import load_model
 
-    extraction, store_dir = build(extracted, "dinov2_registers")
+    extraction, store_dir = build(extracted, kind)
     md = json.loads((store_dir / "metadata.json").read_text())
-    assert md["family"] == "dinov2" and md["cls_token"] is True
+    assert md["family"] == family and md["cls_token"] is True
     assert md["patches_per_ex"] == tiny.REGISTERS + 16
     assert json.loads((store_dir / saev.SIDECAR).read_text())["registers"] == tiny.REGISTERS
-    loaded = load_model(Path(extracted("dinov2_registers")[0]["model"]["path"]))
+    loaded = load_model(Path(extracted(kind)[0]["model"]["path"]))
     store = saev.open_store(store_dir)
     for ex in (0, 5):
         image = Image.open(image_folder / extraction.sample(ex)["text"]).convert("RGB")

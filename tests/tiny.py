@@ -12,11 +12,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
-TEXT_KINDS = ("bert", "gpt2", "llama")
-VISION_KINDS = ("dinov2", "dinov2_registers", "clip", "siglip")
+TEXT_KINDS = ("bert", "gpt2", "llama", "gemma3", "qwen3_5")  # gemma3, qwen3_5: vision-language checkpoints
+VISION_KINDS = ("dinov2", "dinov2_registers", "dinov3", "clip", "metaclip_2", "siglip", "aimv2")
 IMAGE_SIZE = 32
 PATCH = 8
-REGISTERS = 4  # dinov2_registers: tokens 1..4 after CLS
+REGISTERS = 4  # dinov2_registers, dinov3: tokens 1..4 after CLS
+VISION_TOWER_WIDTH = 48  # a vision-language model's vision tower: wider than its language model (32)
 
 
 def corpus_rows(n: int) -> list[dict]:
@@ -84,6 +85,21 @@ def build_model(kind: str, out: Path) -> Path:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=300, max_position_embeddings=128,
                                                    num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
                                                    pad_token_id=0, **common))
+    elif kind == "gemma3":  # Gemma 3 from 4B on: a SigLIP tower (2 blocks) beside the language model
+        train_tokenizer(out, causal=True)
+        model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+            text_config=dict(vocab_size=300, max_position_embeddings=128, num_key_value_heads=2, head_dim=8,
+                             bos_token_id=0, eos_token_id=0, pad_token_id=0, **common),
+            vision_config=dict(common, hidden_size=VISION_TOWER_WIDTH, num_hidden_layers=2, image_size=IMAGE_SIZE,
+                               patch_size=PATCH), mm_tokens_per_image=4))
+    elif kind == "qwen3_5":  # Qwen3.5: its vision tower has as many blocks as the language model, as shallow
+        train_tokenizer(out, causal=True)
+        model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(
+            text_config=dict(vocab_size=300, max_position_embeddings=128, num_key_value_heads=2, head_dim=8,
+                             bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                             layer_types=["linear_attention", "full_attention", "linear_attention"], **common),
+            vision_config=dict(depth=3, hidden_size=VISION_TOWER_WIDTH, num_heads=4, intermediate_size=64,
+                               out_hidden_size=32, patch_size=PATCH)))
     elif kind == "dinov2":
         tf.BitImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
                              do_center_crop=True).save_pretrained(out)
@@ -95,6 +111,22 @@ def build_model(kind: str, out: Path) -> Path:
         model = tf.Dinov2WithRegistersModel(tf.Dinov2WithRegistersConfig(
             image_size=IMAGE_SIZE, patch_size=PATCH, mlp_ratio=2, num_register_tokens=REGISTERS,
             **{k: v for k, v in common.items() if k != "intermediate_size"}))
+    elif kind == "dinov3":  # the checkpoints' own processor is torchvision-only: a Bit one of the same steps
+        tf.BitImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                             do_center_crop=True).save_pretrained(out)
+        model = tf.DINOv3ViTModel(tf.DINOv3ViTConfig(image_size=IMAGE_SIZE, patch_size=PATCH,
+                                                     num_register_tokens=REGISTERS, **common))
+    elif kind == "metaclip_2":
+        tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        # MetaCLIP 2's checkpoints are image-text pairs: extraction keeps the vision tower.
+        model = tf.MetaClip2Model(tf.MetaClip2Config(
+            text_config=dict(common, vocab_size=300, max_position_embeddings=32),
+            vision_config=dict(common, image_size=IMAGE_SIZE, patch_size=PATCH)))
+    elif kind == "aimv2":
+        tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.Aimv2VisionModel(tf.Aimv2VisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
     elif kind == "clip":
         tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)

@@ -16,18 +16,18 @@ from actstore.errors import ConfigError
 from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
 from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts
 from actstore.io_utils import write_json_atomic
+from actstore.model_config import config_int
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
 
 
 def model_config_summary(config_json: dict[str, Any]) -> dict[str, Any]:
-    """metadata.json model_config: the spec's four fields (from the nested text/vision config if needed)."""
-    cfg = {**(config_json.get("vision_config") or {}), **config_json}
+    """metadata.json model_config: the spec's four fields (of the tower extraction runs, model_config.tower_config)."""
     summary = {"model_type": config_json.get("model_type"),
-               "num_layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
-               "num_attention_heads": cfg.get("num_attention_heads", cfg.get("n_head")),
-               "hidden_size": cfg.get("hidden_size", cfg.get("n_embd"))}
+               "num_layers": config_int(config_json, "num_hidden_layers"),
+               "num_attention_heads": config_int(config_json, "num_attention_heads"),
+               "hidden_size": config_int(config_json, "hidden_size")}
     return {k: v for k, v in summary.items() if v is not None}
 
 

@@ -11,9 +11,16 @@ from typing import Any
 from actstore.errors import ConfigError
 
 PACKAGE_PREFIX = "package:"
-VISION_TYPES = ("dinov2", "dinov2_with_registers", "clip", "clip_vision_model", "siglip",
-                "siglip_vision_model", "vit")
+VISION_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit", "clip", "clip_vision_model", "metaclip_2", "siglip",
+                "siglip_vision_model", "aimv2", "aimv2_vision_model", "vit")
+# SigLIP 2's NaFlex towers cut each image into as many patches as its aspect ratio gives (padded to
+# max_num_patches): a store holds one patch count for every image. Its fixed-resolution checkpoints
+# (siglip2-*-patch16-224 ...) are model_type siglip and run as SigLIP.
+VARIABLE_PATCH_TYPES = ("siglip2", "siglip2_vision_model")
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# A vision-language model (Gemma 3 from 4B, Qwen3.5, LLaVA, Mistral 3...): its checkpoint holds a
+# language model, run on text, beside a vision tower that text never reaches.
+MULTIMODAL_SUFFIX = "ForConditionalGeneration"
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -40,12 +47,29 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
 
 
 def model_kind(config: dict[str, Any]) -> str:
-    """'vision', 'causal' or 'encoder' from a config.json dict."""
+    """'vision', 'causal' or 'encoder' from a config.json dict (a vision-language model is 'causal':
+    its language model runs)."""
+    if config.get("model_type") in VARIABLE_PATCH_TYPES:
+        raise ConfigError(f"model.path: a {config['model_type']} (NaFlex) model gives each image its own patch "
+                          "count, and a store needs one for all; use a fixed-resolution checkpoint (model_type siglip)")
     if config.get("model_type") in VISION_TYPES:
         return "vision"
-    if any(a.endswith(CAUSAL_SUFFIXES) for a in config.get("architectures") or []):
+    if any(a.endswith(CAUSAL_SUFFIXES) for a in config.get("architectures") or []) or is_vision_language(config):
         return "causal"
     return "encoder"
+
+
+def is_vision_language(config: dict[str, Any]) -> bool:
+    """A vision-language model's checkpoint: a language model and a vision tower, generating text."""
+    return (isinstance(config.get("text_config"), dict) and isinstance(config.get("vision_config"), dict)
+            and any(a.endswith(MULTIMODAL_SUFFIX) for a in config.get("architectures") or []))
+
+
+def tower_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of config.json that sizes the tower extraction runs: a composite checkpoint's
+    vision_config (a vision model) or text_config (a vision-language model), else the whole."""
+    nested = config.get("vision_config" if model_kind(config) == "vision" else "text_config")
+    return nested if isinstance(nested, dict) else config
 
 
 # The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer...).
@@ -56,9 +80,14 @@ CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
 
 
 def config_int(config: dict[str, Any], setting: str) -> int | None:
-    """An integer size setting (a CONFIG_ALIASES key) from config.json under any of its names, else
-    from the nested vision_config (vision towers) or text_config; None when no scope has it."""
-    scopes = (config, config.get("vision_config") or {}, config.get("text_config") or {})
+    """An integer size setting (a CONFIG_ALIASES key) from config.json under any of its names: a vision
+    model's from the top level, else its vision_config, else its text_config (an image-text checkpoint's
+    vocab_size); a text model's from its text_config (a vision-language model's language model), else
+    the top level; None when no scope has it."""
+    if model_kind(config) == "vision":
+        scopes = (config, config.get("vision_config") or {}, config.get("text_config") or {})
+    else:
+        scopes = (config.get("text_config") or {}, config)
     return next((scope[name] for scope in scopes for name in CONFIG_ALIASES[setting]
                  if isinstance(scope.get(name), int)), None)
 

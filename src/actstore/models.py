@@ -9,19 +9,21 @@ import torch
 from torch import nn
 
 from actstore.errors import ConfigError
-from actstore.model_config import model_kind, num_blocks, read_model_config
+from actstore.model_config import is_vision_language, model_kind, num_blocks, read_model_config
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def find_blocks(model: nn.Module, n_blocks: int) -> tuple[str, nn.ModuleList]:
-    """The ModuleList of transformer blocks: the shallowest ModuleList of length n_blocks."""
+def find_blocks(model: nn.Module, n_blocks: int, within: nn.Module | None = None) -> tuple[str, nn.ModuleList]:
+    """The ModuleList of transformer blocks: the shallowest ModuleList of length n_blocks (inside
+    `within` when given: a vision-language model's vision tower may have as many blocks)."""
+    inside = {id(module) for module in (within or model).modules()}
     candidates = [
         (name, module) for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) == n_blocks
+        if isinstance(module, nn.ModuleList) and len(module) == n_blocks and id(module) in inside
     ]
     if not candidates:
-        raise ConfigError(f"{type(model).__name__}: no ModuleList of {n_blocks} transformer blocks")
+        raise ConfigError(f"{type(within or model).__name__}: no ModuleList of {n_blocks} transformer blocks")
     return min(candidates, key=lambda item: item[0].count("."))
 
 
@@ -57,11 +59,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _from_pretrained(kind: str, path: Path, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModel, AutoModelForCausalLM
+def _auto_class(config: dict[str, Any]) -> Any:
+    """The transformers Auto class that loads the checkpoint whole: a vision-language model as the
+    image-text-to-text model it was saved as (its language model's weights under their own names)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    cls = AutoModelForCausalLM if kind == "causal" else AutoModel
-    return _vision_tower(kind, cls.from_pretrained(path, dtype=dtype, local_files_only=True))
+    if is_vision_language(config):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM if model_kind(config) == "causal" else AutoModel
 
 
 def _vision_tower(kind: str, model: nn.Module) -> nn.Module:
@@ -74,19 +79,23 @@ def _vision_tower(kind: str, model: nn.Module) -> nn.Module:
 def model_skeleton(path: str | Path) -> nn.Module:
     """The model's module tree with no weights (meta device, seconds even for large models), so
     module paths (hooks, LUT targets) are checked before any weight is loaded."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    kind = model_kind(read_model_config(path))
-    cls = AutoModelForCausalLM if kind == "causal" else AutoModel
+    config = read_model_config(path)
     with torch.device("meta"):
-        return _vision_tower(kind, cls.from_config(AutoConfig.from_pretrained(Path(path), local_files_only=True)))
+        return _vision_tower(model_kind(config), _auto_class(config).from_config(
+            AutoConfig.from_pretrained(Path(path), local_files_only=True)))
 
 
 def load_image_processor(path: str | Path) -> Any:
     """The model folder's image processor (the one extraction uses, so masks can follow its geometry)."""
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True)
+    try:
+        return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True)
+    except ImportError as exc:  # DINOv3's processor exists only with the torchvision backend
+        raise ConfigError(f"model.path {path}: its image processor (preprocessor_config.json) cannot load here: "
+                          f"{str(exc).strip().splitlines()[0]}") from None
 
 
 def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto") -> LoadedModel:
@@ -97,8 +106,11 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     config = read_model_config(path)
     kind = model_kind(config)
     dev = pick_device(device)
-    model = _from_pretrained(kind, path, TORCH_DTYPES[torch_dtype]).to(dev).eval()
-    blocks_path, blocks = find_blocks(model, num_blocks(config))
+    model = _vision_tower(kind, _auto_class(config).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
+                                                                    local_files_only=True)).to(dev).eval()
+    # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
+    language_model = model.get_decoder() if is_vision_language(config) else None
+    blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)
     if kind == "vision":
         preprocessor = load_image_processor(path)
     else:

@@ -15,7 +15,7 @@ from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
-from actstore.model_config import model_kind, read_model_config, resolve_model_path
+from actstore.model_config import model_kind, read_model_config, resolve_model_path, tower_config
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
@@ -99,7 +99,7 @@ def _workload(key: str) -> Workload:
     model_path = resolve_model_path(config["model"]["path"])
     model = read_model_config(model_path)
     vision = model_kind(model) == "vision"
-    model = model.get("text_config", model) if "hidden_size" not in model else model
+    model = tower_config(model)
     hidden = int(model.get("hidden_size") or model.get("n_embd") or model.get("d_model") or 1024)
     inner = int(model.get("intermediate_size") or model.get("n_inner") or 4 * hidden)
     ext = config["extract"]
@@ -107,7 +107,7 @@ def _workload(key: str) -> Workload:
     if config["dataset"].get("limit"):
         rows = min(rows, config["dataset"]["limit"])
     per_row = MAX_IMAGE_TOKENS if vision else ext["max_seq_length"]  # text: truncated at max_seq_length
-    patch = model.get("patch_size") or model.get("vision_config", {}).get("patch_size") or 16
+    patch = model.get("patch_size") or 16
     patch = max(patch) if isinstance(patch, (list, tuple)) else int(patch)  # some configs give (height, width)
     weights = sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     storage = ext.get("storage_dtype", "float32")

@@ -46,3 +46,12 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
     finally:
         for handle in handles:
             handle.remove()
+
+
+def check_reached(captured: dict[str, torch.Tensor], layers: list[int], hooks: list[str], loaded: LoadedModel) -> None:
+    """Every block and hooked module ran in the forward (a block of a tower the input never reaches
+    would leave nothing to store)."""
+    missing = [name for name in [*map(layer_tensor, layers), *hooks] if name not in captured]
+    if missing:
+        raise ConfigError(f"{type(loaded.model).__name__}: the forward never ran {missing} "
+                          f"(blocks found at {loaded.blocks_path}); check extract.layers and extract.hooks")

@@ -86,15 +86,19 @@ def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
 
 
 def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids and attention_mask on the model's device; pad positions are never stored."""
+    """Right-padded input_ids and attention_mask on the model's device (pad positions are never
+    stored), and no generation cache."""
     width = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), width), loaded.preprocessor.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for row, seq in enumerate(ids):
         input_ids[row, :len(seq)] = torch.as_tensor(seq)
         mask[row, :len(seq)] = 1
-    return {"input_ids": input_ids.to(loaded.device, non_blocking=True),
-            "attention_mask": mask.to(loaded.device, non_blocking=True)}
+    inputs = {"input_ids": input_ids.to(loaded.device, non_blocking=True),
+              "attention_mask": mask.to(loaded.device, non_blocking=True)}
+    # A causal LM keeps every block's keys and values for generation unless told not to: at Llama-8B,
+    # 32 texts x 2,048 tokens, 8.6 GB held to the end of each forward that nothing reads.
+    return inputs | {"use_cache": False} if loaded.kind == "causal" else inputs
 
 
 def load_pixels(processor: Any, opener: ImageOpener, samples: list[Sample]) -> torch.Tensor:

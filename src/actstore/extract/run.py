@@ -16,7 +16,7 @@ from tqdm import tqdm
 from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import check_images
 from actstore.errors import ConfigError
-from actstore.extract.capture import capture, parse_hook
+from actstore.extract.capture import capture, check_reached, parse_hook
 from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batch, image_batches,
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.pipeline import BatchRows, WritePipeline
@@ -121,6 +121,7 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
         for batch, inputs in batches:
             captured.clear()
             output = loaded.model(**inputs)
+            check_reached(captured, ext["layers"], ext["hooks"], loaded)
             rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
             pipeline.submit(rows, *pack_batch(loaded, inputs, output, captured, rows, token_ids,
                                               dtype, ext["logits_topk"], overflow))
