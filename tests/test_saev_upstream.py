@@ -22,7 +22,8 @@ from actstore.formats.extract import open_extraction
 from actstore.formats.saev.loader import ShuffledActivations
 from actstore.hashing import stage_hash
 
-from test_saev import write
+import tiny
+from test_saev import GEOMETRY, expected_patch_labels, segmentation, write  # noqa: F401 (fixture)
 
 SAEV_METADATA = ["family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model", "n_examples",
                  "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol"]
@@ -201,3 +202,50 @@ def test_snakemake_saev_upstream_store_behind_the_stage_pointer(model_dir, image
     store = tiny.run_saev_stage(tmp_path, config, "upstream")
     assert store.parent == tmp_path / "dump" / "saev" / "shards" and saev.verify(store) == []
     assert list(json.loads((store / "metadata.json").read_text())) == SAEV_METADATA
+
+
+@pytest.mark.parametrize("kind, family", [("dinov2_registers", "dinov2"), ("dinov3", "dinov3")])
+def test_upstream_store_leaves_out_the_register_tokens_as_saev_does(extracted, segmentation, kind, family):
+    """saev's own dinov2 and dinov3 writers store CLS, then the patches: content token i is patch i and
+    labels.bin has one column a patch. The registers stay in the extraction; the store's readers say
+    they are not stored, and validation checks every other token against the extraction."""
+    from actstore.verify import check_format
+
+    images, masks, coarse = segmentation("dinov2_registers")  # the same Bit processor geometry
+    _, _, crop, registers = GEOMETRY["dinov2_registers"]
+    config, extract_dir = extracted(kind, images)
+    extraction = open_extraction(extract_dir)
+    labels_cfg = {"masks": str(masks), "mask_suffix": ".png", "pixel_agg": "majority", "bg_label": 0}
+    section = {**config["saev"], "patches_per_shard": 3 * TOKENS * LAYERS, "flavor": "upstream",
+               "patch_labels": labels_cfg}
+    store_dir = write(extraction, section, extract_dir.parent.parent / "saev", stage_hash(config, "extract"))
+    md = json.loads((store_dir / "metadata.json").read_text())
+    n, tokens = extraction.n_samples, 1 + registers + 16
+    assert md["family"] == family and md["cls_token"] is True and md["content_tokens_per_example"] == 16
+    sidecar = json.loads((store_dir / saev.SIDECAR).read_text())
+    assert sidecar["registers"] == registers and sidecar["dropped_tokens"] == list(range(1, 1 + registers))
+    store = saev.open_store(store_dir)
+    for ex in range(n):
+        for li, layer in enumerate(md["layers"]):
+            acts = extraction.activations(f"layer_{layer}", ex)
+            assert acts.shape[0] == tokens
+            np.testing.assert_array_equal(store.example(ex)[li], np.concatenate([acts[:1], acts[1 + registers:]]))
+    labels = np.fromfile(store_dir / "labels.bin", dtype=np.uint8).reshape(n, 16)
+    for ex in range(n):
+        rel = extraction.sample(ex)["text"]
+        assert labels[ex].tolist() == expected_patch_labels(coarse[int(rel.split("_")[-1][:2])][crop], tiny.PATCH,
+                                                             "majority")
+    assert saev.verify(store_dir) == []
+    assert sorted(every_pair(store_dir)) == [(e, t) for e in range(n) for t in range(17)]
+    report = check_format("saev", store_dir, extraction, [(e, 0, t) for e in range(n) for t in range(tokens)])
+    assert report["problems"] == [] and report["not_stored"] == n * registers and report["checked"] == n * 17
+
+
+def test_a_damaged_dropped_tokens_record_is_named(extracted, segmentation, tmp_path):
+    images, _, _ = segmentation("dinov2_registers")
+    config, extract_dir = extracted("dinov2_registers", images)
+    section = {**config["saev"], "patches_per_shard": 3 * TOKENS * LAYERS, "flavor": "upstream"}
+    store_dir = write(open_extraction(extract_dir), section, tmp_path / "saev")
+    sidecar = json.loads((store_dir / saev.SIDECAR).read_text())
+    (store_dir / saev.SIDECAR).write_text(json.dumps({**sidecar, "dropped_tokens": [3, 1]}))
+    assert any("dropped_tokens must be increasing token indices, got [3, 1]" in p for p in saev.verify(store_dir))

@@ -66,8 +66,9 @@ class SaevStore:
                 raise FormatError("; ".join(problems))
 
     def _read_sidecar(self) -> dict:
-        """actstore.json ({} for a store saev wrote): an object whose `files` records are checked for
-        shape here, so that verify reports a bad record instead of failing on it."""
+        """actstore.json ({} for a store saev wrote): an object whose `files` records (and the extracted
+        tokens an upstream store leaves out, `dropped_tokens`) are checked for shape here, so that
+        verify reports a bad record instead of failing on it."""
         path = self.dir / SIDECAR
         if not path.is_file():
             return {}
@@ -75,6 +76,10 @@ class SaevStore:
         if not isinstance(sidecar, dict):
             raise FormatError(f"{path}: must be a JSON object, got {type(sidecar).__name__}")
         file_records(sidecar.get("files", {}), str(path))
+        dropped = sidecar.get("dropped_tokens", [])
+        if not (isinstance(dropped, list) and all(type(t) is int and t >= 0 for t in dropped)
+                and dropped == sorted(set(dropped))):
+            raise FormatError(f"{path}: dropped_tokens must be increasing token indices, got {dropped!r}")
         return sidecar
 
     # spec §4.1 names
@@ -226,6 +231,10 @@ class SaevStore:
         """(example, token) holding token `token_idx` of dataset row `sample_idx`, or None."""
         windows = self.windows
         if windows is None:
+            dropped = self.sidecar.get("dropped_tokens", [])  # an upstream store's register tokens
+            if token_idx in dropped:
+                return None
+            token_idx -= sum(1 for t in dropped if t < token_idx)
             ok = 0 <= sample_idx < self.n_examples and 0 <= token_idx < self.T
             return (sample_idx, token_idx) if ok else None
         lo, hi = np.searchsorted(windows[:, 0], [sample_idx, sample_idx + 1])

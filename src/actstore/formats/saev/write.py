@@ -59,6 +59,7 @@ class Plan:
     windows: np.ndarray | None  # text: (n_examples, 3) sample_idx, token_start, n_valid
     sidecar: dict[str, Any]
     labels: np.ndarray | None = None  # images: (n_examples, patches_per_ex) uint8 -> labels.bin
+    kept_tokens: np.ndarray | None = None  # images: the extracted tokens an example holds (None: all)
     flavor: str = "spec"
     pixel_agg: str = "majority"  # upstream's pixel_agg field (saev's default when there are no labels)
 
@@ -113,11 +114,18 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     model_type = info.model.model_type or "unknown"
     sidecar: dict[str, Any] = {"source_extraction": extract_hash, "model_type": model_type}
     description = _description(info, extract_hash, len(num_tokens))
+    kept_tokens = None
     if info.modality == "image":
         family = FAMILIES.get(model_type, model_type)
         cls_token = family in CLS_FAMILIES
         patches, registers = _image_patches(extraction, num_tokens, cls_token, model_config)
         windows, sidecar["registers"] = None, registers
+        if registers and _flavor(section, info.modality, family) == "upstream":
+            # saev's own dinov2/dinov3 writers store CLS and the patches, never the registers: its
+            # readers and label grids take content token i as patch i.
+            dropped = np.arange(registers) + int(cls_token)
+            kept_tokens = np.delete(np.arange(patches + int(cls_token)), dropped)
+            patches, registers, sidecar["dropped_tokens"] = patches - registers, 0, dropped.tolist()
         labels = _plan_labels(extraction, section, description, labeler,
                               (_patch_size(model_config), patches, registers), progress, labels)
     else:
@@ -140,7 +148,7 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         raise ConfigError(f"saev.patches_per_shard={metadata['patches_per_shard']} is smaller than one example "
                           f"({patches + int(cls_token)} tokens x {len(layers)} layers)")
     pixel_agg = (section.get("patch_labels") or {}).get("pixel_agg", "majority")
-    return Plan(metadata, windows, sidecar, labels, _flavor(section, info.modality, family), pixel_agg)
+    return Plan(metadata, windows, sidecar, labels, kept_tokens, _flavor(section, info.modality, family), pixel_agg)
 
 
 def _flavor(section: dict[str, Any], modality: str, family: str) -> str:
@@ -220,16 +228,18 @@ def _check_patches(model_config: dict[str, Any], measured: int) -> None:
                         expected, measured, measured)
 
 
-def _fill_images(extraction, layers: list[str], start: int, out: np.ndarray) -> None:
-    """out (n, L, T, D) <- examples start..start+n (one example = one image)."""
-    n, _, t, _ = out.shape
+def _fill_images(extraction, layers: list[str], kept_tokens: np.ndarray | None, start: int, out: np.ndarray) -> None:
+    """out (n, L, T, D) <- examples start..start+n (one example = one image: its tokens `kept_tokens`,
+    or all of them)."""
+    n = len(out)
     done = 0
     while done < n:
         part, local = extraction.locate(start + done)
         take = min(n - done, part.info.n_samples - local)
         rows = slice(int(part.offsets[local]), int(part.offsets[local + take]))
         for li, name in enumerate(layers):
-            out[done:done + take, li] = part.tensor(name)[rows].reshape(take, t, -1)
+            images = part.tensor(name)[rows].reshape(take, -1, out.shape[3])
+            out[done:done + take, li] = images if kept_tokens is None else images[:, kept_tokens]
         done += take
 
 
@@ -261,7 +271,7 @@ def extraction_fill(extraction, plan: Plan) -> Fill:
 
     def fill(start: int, out: np.ndarray) -> None:
         if windows is None:
-            _fill_images(extraction, names, start, out)
+            _fill_images(extraction, names, plan.kept_tokens, start, out)
         else:
             _fill_windows(extraction, names, windows[start:start + len(out)], out)
     return fill
