@@ -24,7 +24,8 @@ extract)
   python3 bench/bench_extract.py --check-items 2>&1 | grep -v Warn | tee "$out/items.log" | tail -3
   # The last ViT row leaves a core each to the main process and the 2 writer threads (issue 14's next step).
   for args in "--shape llama-1b" "--shape llama-1b --all-layers --limit 128" "--shape vit-b14 --limit 4096" \
-      "--shape vit-b14" "--shape vit-b14 --num-workers $(( $(nproc) - 3 ))"; do
+      "--shape vit-b14" "--shape vit-b14 --num-workers $(( $(nproc) - 3 ))" \
+      "--shape wide-vocab --limit 2048" "--shape wide-vocab --limit 2048 --no-token-logprobs"; do
     name=$(echo "$args" | tr -d ' -' )
     python3 bench/bench_extract.py $args --device cuda --repeats ${REPEATS:-3} $PROFILE --out "$out/$name.json" \
       > "$out/$name.log" 2>&1 || echo "FAILED $args"

@@ -169,6 +169,48 @@ def test_causal_lm_keeps_topk_logits_and_token_logprobs(extracted):
         np.testing.assert_allclose(logprob[1:], ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_without_token_logprobs_the_lm_head_runs_at_the_last_tokens_only(kind, extracted, monkeypatch, tmp_path):
+    """extract.token_logprobs false: no token_logprob.npy; the LM head sees only each batch's distinct
+    last positions; the activations are byte-identical and the top-k the full logits' (its values to
+    the float rounding of a head run at fewer positions); lmprobe is written and verifies; the hash
+    changes only for false."""
+    import copy
+
+    import actstore.extract.run as ex
+    from actstore.formats import lmprobe
+    from actstore.hashing import stage_hash
+
+    head_inputs, real_load = [], ex.load_model
+
+    def load_watched(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        loaded.model.get_output_embeddings().register_forward_hook(
+            lambda module, args, output: head_inputs.append(tuple(args[0].shape[:2])))
+        return loaded
+    monkeypatch.setattr(ex, "load_model", load_watched)
+    config, out = extracted(kind, extract={"layers": [0, 2], "token_logprobs": False})
+    monkeypatch.setattr(ex, "load_model", real_load)
+    full_config, full_out = extracted(kind)
+    last_only, full = open_extraction(out), open_extraction(full_out)
+    for part, full_part in zip(last_only.parts, full.parts):
+        part.verify()
+        files, full_files = data_files(part.dir), data_files(full_part.dir)
+        assert "token_logprob.npy" in full_files and set(files) == set(full_files) - {"token_logprob.npy"}
+        assert all(files[name] == full_files[name] for name in files if name != "topk_values.npy")
+        for local in range(len(part.samples)):
+            np.testing.assert_allclose(part.topk(local)[0], full_part.topk(local)[0], rtol=1e-5, atol=1e-6)
+            assert part.token_logprob(local) is None
+    batch = config["extract"]["batch_size"]
+    assert len(head_inputs) == sum(-(-len(p.samples) // batch) for p in last_only.parts)
+    assert all(rows <= batch and positions <= rows for rows, positions in head_inputs), head_inputs
+    lmprobe.write_dataset(out, tmp_path / "lmprobe", {"token_strings": False}, progress=False)
+    assert lmprobe.verify(tmp_path / "lmprobe") == []
+    before_the_key = copy.deepcopy(full_config)
+    del before_the_key["extract"]["token_logprobs"]
+    assert stage_hash(full_config, "extract") == stage_hash(before_the_key, "extract") != stage_hash(config, "extract")
+
+
 def test_encoder_has_no_logits(extracted):
     _, out = extracted("bert")
     part = open_extraction(out).parts[0]

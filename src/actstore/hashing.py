@@ -72,7 +72,8 @@ def stage_hashes(config: dict[str, Any]) -> dict[str, str]:
 
 def hashed_section(config: dict[str, Any], section: str) -> Any:
     """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
-    dropped when float32 (all earlier releases stored), so extractions made before it keep their hash;
+    dropped when float32 (all earlier releases stored), so extractions made before it keep their hash
+    (extract.token_logprobs likewise when true);
     likewise pickle.compressor when zlib (or when nothing is compressed)."""
     values = config[section]
     if not isinstance(values, dict):
@@ -82,6 +83,8 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
         values |= dataset_identity(values)
     if section == "pickle" and (values.get("compressor") == "zlib" or values.get("compression") == "none"):
         values.pop("compressor", None)
+    if section == "extract" and values.get("token_logprobs") is True:  # every earlier release kept them
+        values.pop("token_logprobs")
     if section == "extract" and "storage_dtype" in values:
         dtype = values.pop("storage_dtype")
         dtype = config["model"]["torch_dtype"] if dtype == "auto" else dtype

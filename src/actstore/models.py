@@ -1,6 +1,8 @@
 """Load a local HF model for extraction and locate its transformer blocks and hook targets."""
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,11 @@ class LoadedModel:
     @property
     def modality(self) -> str:
         return "image" if self.kind == "vision" else "text"
+
+    @functools.cached_property
+    def takes_logits_to_keep(self) -> bool:
+        """The forward can run its LM head at given positions only (HF causal LMs' `logits_to_keep`)."""
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
 
 def pick_device(name: str) -> torch.device:

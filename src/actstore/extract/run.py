@@ -81,7 +81,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                      else tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat))
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
-        inputs = text_batches(loaded, token_ids, batches)
+        inputs = text_batches(loaded, token_ids, batches, last_logits_only=not ext["token_logprobs"])
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
@@ -124,17 +124,18 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             check_reached(captured, ext["layers"], ext["hooks"], loaded)
             rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
             pipeline.submit(rows, *pack_batch(loaded, inputs, output, captured, rows, token_ids,
-                                              dtype, ext["logits_topk"], overflow))
+                                              dtype, ext["logits_topk"], ext["token_logprobs"], overflow))
             bar.update()
         return 0 if overflow is None else int(overflow)
 
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
                captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: TokenIds | None,
-               dtype: torch.dtype, topk: int, overflow: torch.Tensor | None = None
+               dtype: torch.dtype, topk: int, logprobs: bool, overflow: torch.Tensor | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
-    order and per-sample rows. Log-probs and top-k for all rows at once (no per-row device sync).
+    order and per-sample rows. Log-probs (unless not `logprobs`) and top-k for all rows at once (no
+    per-row device sync).
     `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf."""
     width = next(iter(captured.values())).shape[1]
     keep = torch.from_numpy(np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)]))
@@ -149,9 +150,12 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     if token_ids is not None:
         tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))
     if loaded.kind == "causal":
-        tokens["token_logprob.npy"] = packed(token_logprobs(output.logits, inputs["input_ids"]), keep)
+        if logprobs:
+            tokens["token_logprob.npy"] = packed(token_logprobs(output.logits, inputs["input_ids"]), keep)
         last = torch.from_numpy(rows.n_tokens - 1).to(loaded.device)
-        values, indices = torch.topk(output.logits[torch.arange(len(last), device=last.device), last].float(), topk)
+        head_ran = inputs.get("logits_to_keep")  # the positions the LM head ran at (text_batch), else all
+        at = last if head_ran is None else torch.searchsorted(head_ran, last)
+        values, indices = torch.topk(output.logits[torch.arange(len(last), device=last.device), at].float(), topk)
         per_row = {"topk_values.npy": values, "topk_indices.npy": indices}
     return tokens, per_row
 
