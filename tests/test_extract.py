@@ -112,6 +112,23 @@ def test_a_vision_language_model_runs_its_language_model_on_text(kind, model_dir
     assert part.topk(0)[1].tolist() == torch.topk(logits, config["extract"]["logits_topk"]).indices.tolist()
 
 
+def test_an_encoder_decoder_runs_its_encoder(model_dir, extracted):
+    """T5 (and BART): text goes into the encoder; "layer i" is encoder block i (the decoder, which has
+    as many, is never run), hooks are named inside the encoder, sizes come from T5's own names."""
+    from actstore.model_config import model_params, read_model_config
+
+    assert model_params(read_model_config(model_dir("t5"))) == {"hidden_size": 32, "num_hidden_layers": 3,
+                                                                 "num_attention_heads": 4, "vocab_size": 300}
+    hook = "block.1.layer.0.SelfAttention.q:input"
+    config, out = extracted("t5", extract={"layers": [0, 2], "hooks": [hook]})
+    loaded = load_model(model_dir("t5"))
+    assert loaded.kind == "encoder" and loaded.blocks_path == "block" and type(loaded.model).__name__ == "T5Stack"
+    part = open_extraction(out).parts[0]
+    ref, _ = reference_outputs(config["model"]["path"], part.samples[1]["text"], [0, 2], [hook])
+    assert rel_err(part.activations(hook, 1), ref[hook].numpy()) <= REL_TOL
+    assert part.topk(1) is None
+
+
 def test_a_module_the_forward_never_reaches_is_named(model_dir, text_jsonl, tmp_path):
     """A hook on a vision-language model's vision tower, which text never reaches: named, no part left."""
     hook = "model.vision_tower.encoder.layers.0:output"

@@ -12,7 +12,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
-TEXT_KINDS = ("bert", "gpt2", "llama", "gemma3", "qwen3_5")  # gemma3, qwen3_5: vision-language checkpoints
+TEXT_KINDS = ("bert", "gpt2", "llama", "gemma3", "qwen3_5", "t5")  # gemma3, qwen3_5: vision-language checkpoints
 VISION_KINDS = ("dinov2", "dinov2_registers", "dinov3", "clip", "metaclip_2", "siglip", "aimv2")
 IMAGE_SIZE = 32
 PATCH = 8
@@ -85,6 +85,10 @@ def build_model(kind: str, out: Path) -> Path:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=300, max_position_embeddings=128,
                                                    num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
                                                    pad_token_id=0, **common))
+    elif kind == "t5":  # an encoder-decoder: text runs its encoder
+        train_tokenizer(out, causal=False)
+        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=300, d_model=32, num_layers=3, num_heads=4,
+                                                          d_ff=64, d_kv=8, pad_token_id=0, decoder_start_token_id=0))
     elif kind == "gemma3":  # Gemma 3 from 4B on: a SigLIP tower (2 blocks) beside the language model
         train_tokenizer(out, causal=True)
         model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(

@@ -74,8 +74,8 @@ def tower_config(config: dict[str, Any]) -> dict[str, Any]:
 
 # The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer...).
 CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
-                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-                  "num_attention_heads": ("num_attention_heads", "n_head"),
+                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
+                  "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"),
                   "vocab_size": ("vocab_size",)}
 
 

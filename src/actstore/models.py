@@ -76,10 +76,13 @@ def _auto_class(config: dict[str, Any]) -> Any:
     return AutoModelForCausalLM if model_kind(config) == "causal" else AutoModel
 
 
-def _vision_tower(kind: str, model: nn.Module) -> nn.Module:
-    """Composite image-text checkpoints: keep the vision tower only."""
-    if kind == "vision" and hasattr(model, "vision_model") and hasattr(model, "text_model"):
+def _tower(config: dict[str, Any], model: nn.Module) -> nn.Module:
+    """The part of the checkpoint extraction runs: an image-text checkpoint's vision tower, an
+    encoder-decoder's encoder (T5, BART: text goes in there, "layer i" = encoder block i), else all."""
+    if model_kind(config) == "vision" and hasattr(model, "vision_model") and hasattr(model, "text_model"):
         return model.vision_model
+    if config.get("is_encoder_decoder") is True and not is_vision_language(config):
+        return model.get_encoder()
     return model
 
 
@@ -90,7 +93,7 @@ def model_skeleton(path: str | Path) -> nn.Module:
 
     config = read_model_config(path)
     with torch.device("meta"):
-        return _vision_tower(model_kind(config), _auto_class(config).from_config(
+        return _tower(config, _auto_class(config).from_config(
             AutoConfig.from_pretrained(Path(path), local_files_only=True)))
 
 
@@ -113,8 +116,8 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     config = read_model_config(path)
     kind = model_kind(config)
     dev = pick_device(device)
-    model = _vision_tower(kind, _auto_class(config).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
-                                                                    local_files_only=True)).to(dev).eval()
+    model = _tower(config, _auto_class(config).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
+                                                               local_files_only=True)).to(dev).eval()
     # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
     language_model = model.get_decoder() if is_vision_language(config) else None
     blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)
