@@ -515,10 +515,10 @@ def test_patches_per_shard_too_small(extracted):
 
 @pytest.mark.parametrize("kind, family, cls_token, tokens", [
     ("clip", "clip", True, 17), ("metaclip_2", "clip", True, 17), ("siglip", "siglip", False, 16),
-    ("aimv2", "aimv2", False, 16)])
+    ("aimv2", "aimv2", False, 16), ("vit", "vit", True, 17)])
 def test_cls_token_by_family(extracted, kind, family, cls_token, tokens):
-    """CLIP and MetaCLIP 2 (kept from its image-text checkpoint) put a CLS token first; SigLIP and
-    AIMv2 emit patches only."""
+    """CLIP, MetaCLIP 2 (kept from its image-text checkpoint) and ViT put a CLS token first; SigLIP
+    and AIMv2 emit patches only."""
     extraction, store_dir = build(extracted, kind)
     md = json.loads((store_dir / "metadata.json").read_text())
     assert md["family"] == family and md["cls_token"] is cls_token and md["patches_per_ex"] == 16

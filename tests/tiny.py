@@ -13,7 +13,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
 TEXT_KINDS = ("bert", "gpt2", "llama", "gemma3", "qwen3_5", "t5")  # gemma3, qwen3_5: vision-language checkpoints
-VISION_KINDS = ("dinov2", "dinov2_registers", "dinov3", "clip", "metaclip_2", "siglip", "aimv2")
+VISION_KINDS = ("dinov2", "dinov2_registers", "dinov3", "clip", "metaclip_2", "siglip", "aimv2", "vit")
 IMAGE_SIZE = 32
 PATCH = 8
 REGISTERS = 4  # dinov2_registers, dinov3: tokens 1..4 after CLS
@@ -131,6 +131,9 @@ def build_model(kind: str, out: Path) -> Path:
         tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
         model = tf.Aimv2VisionModel(tf.Aimv2VisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
+    elif kind == "vit":  # google/vit-*: a CLS token first, as CLIP
+        tf.ViTImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.ViTModel(tf.ViTConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
     elif kind == "clip":
         tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)

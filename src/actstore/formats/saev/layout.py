@@ -51,8 +51,9 @@ POSITIVE = ("patches_per_ex", "d_model", "patches_per_shard", *UPSTREAM_RENAMED.
 # model_type -> spec family; text models keep their model_type (a documented extension).
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "dinov3_vit": "dinov3", "clip": "clip",
             "clip_vision_model": "clip", "metaclip_2": "clip",
-            "siglip": "siglip", "siglip_vision_model": "siglip", "aimv2": "aimv2", "aimv2_vision_model": "aimv2"}
-CLS_FAMILIES = ("dinov2", "dinov3", "clip")  # a CLS token first (then any registers), then the patches
+            "siglip": "siglip", "siglip_vision_model": "siglip", "aimv2": "aimv2", "aimv2_vision_model": "aimv2",
+            "vit": "vit"}
+CLS_FAMILIES = ("dinov2", "dinov3", "clip", "vit")  # a CLS token first (then any registers), then the patches
 
 
 def shard_name(idx: int) -> str:
