@@ -91,11 +91,12 @@ def test_llama_last_layer_is_block_output_not_final_norm(extracted):
     assert rel_err(stored, normed) > 1e-2  # hidden_states[-1] has the final norm applied
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5", "qwen2_5_vl"])
 def test_a_vision_language_model_runs_its_language_model_on_text(kind, model_dir, extracted):
-    """Gemma 3 (from 4B) and Qwen3.5 checkpoints hold a vision tower beside the language model: text
-    runs the language model, so its blocks (Qwen3.5's tower has as many, as shallow) and its sizes
-    (the tower is wider) are the ones recorded, and its logits are kept."""
+    """Gemma 3 (from 4B), Qwen3.5 and Qwen2.5-VL (its language model's sizes at the top level, as the
+    Hub's checkpoints have them) hold a vision tower beside the language model: text runs the language
+    model, so its blocks (the Qwens' towers have as many, as shallow) and its sizes (the tower is
+    wider) are the ones recorded, and its logits are kept."""
     from actstore.model_config import model_params, num_blocks, read_model_config
 
     config_json = read_model_config(model_dir(kind))

@@ -12,7 +12,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
-TEXT_KINDS = ("bert", "gpt2", "llama", "gemma3", "qwen3_5", "t5")  # gemma3, qwen3_5: vision-language checkpoints
+TEXT_KINDS = ("bert", "gpt2", "llama", "gemma3", "qwen3_5", "qwen2_5_vl", "t5")  # gemma3 .. qwen2_5_vl: vision-language
 VISION_KINDS = ("dinov2", "dinov2_registers", "dinov3", "clip", "metaclip_2", "siglip", "aimv2", "vit")
 IMAGE_SIZE = 32
 PATCH = 8
@@ -104,6 +104,14 @@ def build_model(kind: str, out: Path) -> Path:
                              layer_types=["linear_attention", "full_attention", "linear_attention"], **common),
             vision_config=dict(depth=3, hidden_size=VISION_TOWER_WIDTH, num_heads=4, intermediate_size=64,
                                out_hidden_size=32, patch_size=PATCH)))
+    elif kind == "qwen2_5_vl":  # Qwen2.5-VL as the Hub has it: the language model's sizes at the top level
+        train_tokenizer(out, causal=True)
+        model = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=300, max_position_embeddings=128, num_key_value_heads=2, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+                             **common),
+            vision_config=dict(depth=3, hidden_size=VISION_TOWER_WIDTH, num_heads=4, intermediate_size=64,
+                               out_hidden_size=32, patch_size=PATCH)))
     elif kind == "dinov2":
         tf.BitImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
                              do_center_crop=True).save_pretrained(out)
@@ -144,6 +152,9 @@ def build_model(kind: str, out: Path) -> Path:
     else:
         raise ValueError(kind)
     model.eval().save_pretrained(out)
+    if kind == "qwen2_5_vl":  # saved by transformers 4: no text_config, its keys at the top level
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config.pop("text_config"), **config}))
     return out
 
 

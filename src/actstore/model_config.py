@@ -60,8 +60,9 @@ def model_kind(config: dict[str, Any]) -> str:
 
 
 def is_vision_language(config: dict[str, Any]) -> bool:
-    """A vision-language model's checkpoint: a language model and a vision tower, generating text."""
-    return (isinstance(config.get("text_config"), dict) and isinstance(config.get("vision_config"), dict)
+    """A vision-language model's checkpoint: a language model (its sizes in text_config, or at the top
+    level as Qwen2.5-VL's saved by transformers 4) and a vision tower, generating text."""
+    return (isinstance(config.get("vision_config"), dict)
             and any(a.endswith(MULTIMODAL_SUFFIX) for a in config.get("architectures") or []))
 
 
