@@ -13,7 +13,7 @@ import tiny
 from actstore.errors import ConfigError, FormatError
 from actstore.extract import preflight, run_part
 from actstore.formats.extract import open_extraction, open_part
-from actstore.models import get_module, load_model
+from actstore.models import get_module, load_image_processor, load_model
 
 REL_TOL = 1e-5
 
@@ -59,6 +59,8 @@ def test_every_vector_equals_unbatched_block_output(kind, extracted, image_folde
     assert extraction.n_samples == (8 if kind in tiny.VISION_KINDS else 30)
     assert [row["sample_idx"] for _, _, row in extraction.iter_samples()] == list(range(extraction.n_samples))
     image_root = image_folder if kind in tiny.VISION_KINDS else None
+    processor = type(load_image_processor(config["model"]["path"])).__name__ if image_root else None
+    assert all(part.meta["image_processor"] == processor for part in extraction.parts)  # which backend ran
     lengths = set()
     for part, local, row in extraction.iter_samples():
         ref, model_out = reference_outputs(config["model"]["path"], row["text"], [0, 2], hooks, image_root)
@@ -137,6 +139,16 @@ def test_a_module_the_forward_never_reaches_is_named(model_dir, text_jsonl, tmp_
     with pytest.raises(ConfigError, match=re.escape(f"the forward never ran ['{hook}']")):
         run_part(config, 0, tmp_path / "part-0000", progress=False)
     assert not (tmp_path / "part-0000").exists()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("gemma3", "takes texts; a vision-language checkpoint runs its language model, on text"),
+    ("t5", re.escape("(model_type t5) takes texts; the image models actstore runs are model_type dinov2, ")),
+    ("dinov3", r"holds texts but the model at .* \(model_type dinov3_vit\) takes images$")])
+def test_data_the_model_does_not_take_is_named_with_why(kind, message, model_dir, image_folder, text_jsonl, tmp_path):
+    data = text_jsonl if kind == "dinov3" else image_folder
+    with pytest.raises(ConfigError, match=message):
+        preflight(tiny.make_config(tmp_path, model_dir(kind), data), 0)
 
 
 def test_a_siglip2_naflex_model_is_refused_at_parse_time(image_folder, tmp_path):

@@ -66,6 +66,15 @@ def is_vision_language(config: dict[str, Any]) -> bool:
             and any(a.endswith(MULTIMODAL_SUFFIX) for a in config.get("architectures") or []))
 
 
+def modality_hint(config: dict[str, Any]) -> str:
+    """Why a model does not take the data's modality, for the error that says so."""
+    if is_vision_language(config):
+        return "; a vision-language checkpoint runs its language model, on text"
+    if model_kind(config) != "vision":
+        return f"; the image models actstore runs are model_type {', '.join(VISION_TYPES)}"
+    return ""
+
+
 def tower_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of config.json that sizes the tower extraction runs: a composite checkpoint's
     vision_config (a vision model) or text_config (a vision-language model), else the whole."""

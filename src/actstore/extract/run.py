@@ -22,7 +22,8 @@ from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids,
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
-from actstore.model_config import check_layers, model_kind, num_blocks, read_model_config, resolve_model_path
+from actstore.model_config import (check_layers, modality_hint, model_kind, num_blocks, read_model_config,
+                                   resolve_model_path)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, model_skeleton,
                              pick_device)
 
@@ -45,8 +46,9 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
     dataset = configured_dataset(config, model_path, part, read_scan(scan) if scan else None)
     want = "image" if model_kind(model_config) == "vision" else "text"
     if dataset.modality != want:
-        raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s "
-                          f"but the model at {model_path} takes {want}s")
+        raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s but the model at "
+                          f"{model_path} (model_type {model_config.get('model_type')}) takes {want}s"
+                          + modality_hint(model_config))
     if config["extract"]["hooks"]:
         skeleton = model_skeleton(model_path)
         for spec in config["extract"]["hooks"]:
@@ -65,11 +67,13 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     cpus = default_workers(threads)
     vision = dataset.modality == "image"
     workers = (ext["num_workers"] if ext["num_workers"] is not None else cpus) if vision else 0
+    processor = None
     if vision:  # every image has the same token count: the batches are known before the model is
         check_images(dataset.opener, samples, cpus)
         batches = length_batches([1] * len(samples), ext["batch_size"])
-        pixels = image_batches(load_image_processor(model_path), dataset.opener, samples,
-                               batches, workers, pick_device(ext["device"]).type == "cuda")
+        processor = load_image_processor(model_path)
+        pixels = image_batches(processor, dataset.opener, samples, batches, workers,
+                               pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
     loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
     if vision:
@@ -96,6 +100,9 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
             "storage_dtype": storage_dtype(config), "num_workers": workers,
             "image_pipeline": "cpu" if token_ids is None else None,
+            # transformers picks a processor's backend by what is installed (torchvision, else PIL),
+            # and the two differ in the pixels: which one ran is on record.
+            "image_processor": None if processor is None else type(processor).__name__,
             "extraction_duration_seconds": time.perf_counter() - started} | (
             {"float16_overflow_count": overflow} if overflow else {}))
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
