@@ -507,6 +507,32 @@ def test_bfloat16_storage_is_the_models_bfloat16_output_bit_for_bit(model_dir, t
                     assert np.array_equal(widened, tensor[row, :len(ids[i])].float().numpy())
 
 
+def test_model_dtype_auto_runs_the_checkpoint_as_saved(model_dir, text_jsonl, tmp_path):
+    """model.torch_dtype auto = the dtype config.json names: a bfloat16 checkpoint runs (and with
+    storage_dtype auto stores) bfloat16, the same extraction and hash as naming bfloat16; a float32
+    checkpoint's auto is the default float32's hash."""
+    import shutil
+
+    from actstore.hashing import stage_hash
+    from actstore.model_config import run_dtype
+    from transformers import AutoModelForCausalLM
+
+    bf16 = shutil.copytree(model_dir("llama"), tmp_path / "llama-bf16", ignore=shutil.ignore_patterns("*.safetensors"))
+    AutoModelForCausalLM.from_pretrained(model_dir("llama")).to(torch.bfloat16).save_pretrained(bf16)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    auto = tiny.make_config(tmp_path / "auto", bf16, text_jsonl, model={"torch_dtype": "auto"}, extract={"parts": 1})
+    named = tiny.make_config(tmp_path / "named", bf16, text_jsonl, model={"torch_dtype": "bfloat16"},
+                             extract={"parts": 1})
+    assert run_dtype(auto["model"]) == "bfloat16" and stage_hash(auto, "extract") == stage_hash(named, "extract")
+    meta = run_part(auto, 0, tmp_path / "auto" / "part-0000", progress=False)
+    assert meta["model"]["torch_dtype"] == meta["storage_dtype"] == "bfloat16"
+    run_part(named, 0, tmp_path / "named" / "part-0000", progress=False)
+    assert data_files(tmp_path / "auto" / "part-0000") == data_files(tmp_path / "named" / "part-0000")
+    f32_auto = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, model={"torch_dtype": "auto"})
+    assert stage_hash(f32_auto, "extract") == stage_hash(tiny.make_config(tmp_path, model_dir("llama"), text_jsonl),
+                                                         "extract")
+
+
 def test_float16_storage_counts_the_activations_it_turns_into_inf(model_dir, text_jsonl, tmp_path, caplog):
     """A float32 model whose block-0 output is scaled far past float16's range (its LayerNorm
     weight x 1e6): part.json's float16_overflow_count is exactly the infs stored, and a warning

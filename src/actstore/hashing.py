@@ -17,6 +17,7 @@ from actstore.formats.saev.layout import POINTER as SAEV_POINTER
 from actstore.errors import ActstoreError
 from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, stage_config_problems
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
+from actstore.model_config import run_dtype
 from actstore.parse_memo import remembered
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
@@ -85,9 +86,11 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
         values.pop("compressor", None)
     if section == "extract" and values.get("token_logprobs") is True:  # every earlier release kept them
         values.pop("token_logprobs")
+    if section == "model" and values.get("torch_dtype") == "auto":  # the same run as the dtype it names
+        values["torch_dtype"] = run_dtype(values)
     if section == "extract" and "storage_dtype" in values:
         dtype = values.pop("storage_dtype")
-        dtype = config["model"]["torch_dtype"] if dtype == "auto" else dtype
+        dtype = run_dtype(config["model"]) if dtype == "auto" else dtype
         if dtype != "float32":
             values["storage_dtype"] = dtype
     return values

@@ -15,7 +15,7 @@ from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
-from actstore.model_config import model_kind, read_model_config, resolve_model_path, tower_config
+from actstore.model_config import model_kind, read_model_config, resolve_model_path, run_dtype, tower_config
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
@@ -111,7 +111,7 @@ def _workload(key: str) -> Workload:
     patch = max(patch) if isinstance(patch, (list, tuple)) else int(patch)  # some configs give (height, width)
     weights = sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     storage = ext.get("storage_dtype", "float32")
-    storage = config["model"].get("torch_dtype", "float32") if storage == "auto" else storage
+    storage = run_dtype(config["model"]) if storage == "auto" else storage
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
                     weight_bytes=weights, text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,

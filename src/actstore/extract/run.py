@@ -23,7 +23,7 @@ from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
 from actstore.model_config import (check_layers, modality_hint, model_kind, num_blocks, read_model_config,
-                                   resolve_model_path)
+                                   resolve_model_path, run_dtype)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, model_skeleton,
                              pick_device)
 
@@ -34,7 +34,7 @@ LOGPROB_ELEMENTS = 1 << 26  # logits per log-softmax chunk: bounds its memory at
 def storage_dtype(config: dict[str, Any]) -> str:
     """extract.storage_dtype resolved: `auto` stores what the model computes in (model.torch_dtype)."""
     dtype = config["extract"]["storage_dtype"]
-    return config["model"]["torch_dtype"] if dtype == "auto" else dtype
+    return run_dtype(config["model"]) if dtype == "auto" else dtype
 
 
 def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None) -> tuple[Path, Dataset]:
@@ -75,7 +75,11 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         pixels = image_batches(processor, dataset.opener, samples, batches, workers,
                                pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
-    loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
+    loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
+    saved = run_dtype({**config["model"], "torch_dtype": "auto"})
+    if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
+        log.warning("model.torch_dtype float32 runs a checkpoint saved in %s at twice its memory and without "
+                    "its tensor-core speed (model.torch_dtype: auto runs it as saved)", saved)
     if vision:
         lengths = [vision_tokens(loaded, dataset)] * len(samples) if samples else []
         token_ids = None
@@ -207,7 +211,7 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
                   "name": model_name(config, loaded), "revision": config["model"]["revision"],
                   "model_type": loaded.config.get("model_type"),
                   "architecture": (loaded.config.get("architectures") or [type(loaded.model).__name__])[0],
-                  "torch_dtype": config["model"]["torch_dtype"], "blocks_path": loaded.blocks_path,
+                  "torch_dtype": run_dtype(config["model"]), "blocks_path": loaded.blocks_path,
                   "n_blocks": len(loaded.blocks)},
         "dataset": {"path": str(dataset.root), "name": config["dataset"]["name"] or dataset.root.name,
                     "split": config["dataset"]["split"], "labels": dataset.labels},
