@@ -145,8 +145,8 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
                dtype: torch.dtype, topk: int, logprobs: bool, overflow: torch.Tensor | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
-    order and per-sample rows. Log-probs (unless not `logprobs`) and top-k for all rows at once (no
-    per-row device sync).
+    order and per-sample rows. Log-probs (when `logprobs`) and top-k for all rows at once (no per-row
+    device sync).
     `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf."""
     width = next(iter(captured.values())).shape[1]
     keep = torch.from_numpy(np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)]))
