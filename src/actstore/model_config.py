@@ -119,16 +119,18 @@ def model_params(config: dict[str, Any]) -> dict[str, int | None]:
 RUN_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def run_dtype(model: dict[str, Any]) -> str:
-    """The config's model.torch_dtype resolved: `auto` = the dtype the checkpoint was saved in
-    (config.json's dtype or torch_dtype, a vision-language model's language model's), float32 where
-    it names none of RUN_DTYPES."""
-    if model.get("torch_dtype", "float32") != "auto":
-        return model.get("torch_dtype", "float32")
-    config = read_model_config(resolve_model_path(model["path"]))
+def saved_dtype(config: dict[str, Any]) -> str:
+    """The dtype a checkpoint was saved in: config.json's dtype or torch_dtype (a vision-language
+    model's language model's), float32 where it names none of RUN_DTYPES."""
     saved = next((scope[key] for scope in (tower_config(config), config) for key in ("dtype", "torch_dtype")
                   if scope.get(key)), None)
     return saved if saved in RUN_DTYPES else "float32"
+
+
+def run_dtype(model: dict[str, Any]) -> str:
+    """The config's model.torch_dtype resolved: `auto` = the checkpoint's saved_dtype."""
+    dtype = model.get("torch_dtype", "float32")
+    return saved_dtype(read_model_config(resolve_model_path(model["path"]))) if dtype == "auto" else dtype
 
 
 def check_layers(layers: list[int], n_blocks: int) -> None:

@@ -23,7 +23,7 @@ from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
 from actstore.model_config import (check_layers, modality_hint, model_kind, num_blocks, read_model_config,
-                                   resolve_model_path, run_dtype)
+                                   resolve_model_path, run_dtype, saved_dtype)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, model_skeleton,
                              pick_device)
 
@@ -76,7 +76,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                                pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
     loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
-    saved = run_dtype({**config["model"], "torch_dtype": "auto"})
+    saved = saved_dtype(loaded.config)
     if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
         log.warning("model.torch_dtype float32 runs a checkpoint saved in %s at twice its memory and without "
                     "its tensor-core speed (model.torch_dtype: auto runs it as saved)", saved)
