@@ -38,6 +38,7 @@ from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
 from actstore.io_utils import start_writeback
+from actstore.model_config import run_dtype
 from actstore.models import load_image_processor, load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,12 +169,12 @@ def bare_forward(config: dict, threads: int) -> tuple[float, object, object, int
         pixels = lambda: image_batches(processor, dataset.opener, samples, batches, workers,  # noqa: E731
                                        ext["device"] == "cuda")
         first_pixels = pixels()
-        loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
+        loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
         make_inputs = lambda: to_model(loaded, pixels())  # noqa: E731
         first_inputs = to_model(loaded, first_pixels)
         units = len(samples)
     else:
-        loaded = load_model(model_path, config["model"]["torch_dtype"], ext["device"])
+        loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
         ids = tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat)
         batches = length_batches([len(x) for x in ids], ext["batch_size"])
         make_inputs = lambda: text_batches(loaded, ids, batches, not ext["token_logprobs"])  # noqa: E731
@@ -311,7 +312,8 @@ def bench_config(args, work: Path) -> dict:
         data = long_texts(work / "texts.jsonl", args.limit or 512) if text else jpeg_folder(work / "images", args.limit or 1024)
         raw = {"model": {"path": str(model), "torch_dtype": "bfloat16" if args.device == "cuda" else "float32"},
                "dataset": {"path": str(data)},
-               "extract": {"layers": list(range(16)) if args.all_layers else ([0, 2] if not text else [1, 3] if wide else [3, 7, 11, 15]),
+               "extract": {"layers": (list(range(16)) if args.all_layers else
+                                      [0, 2] if not text else [1, 3] if wide else [3, 7, 11, 15]),
                            "max_seq_length": 128 if wide else 512, "batch_size": 8 if wide else 32 if text else 64}}
     raw["dump_to"] = str(work / "dump")
     raw["extract"].update(device=args.device, buffers=args.buffers, writer_threads=args.writer_threads,
@@ -350,8 +352,8 @@ def main() -> None:
     device = torch.device(args.device)
     threads = len(os.sched_getaffinity(0))
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "token_logprobs": not args.no_token_logprobs, "cpus": threads, "buffers": args.buffers, "writer_threads": args.writer_threads,
-              "num_workers": args.num_workers}
+              "token_logprobs": not args.no_token_logprobs, "cpus": threads, "buffers": args.buffers,
+              "writer_threads": args.writer_threads, "num_workers": args.num_workers}
     with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:
         work = Path(tmp)
         # The disk bound is measured on as many bytes as the run writes (a small write is flattered
