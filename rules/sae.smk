@@ -1,4 +1,5 @@
-# SAE: train (or import) a TopK SAE on the captured input of the LUT target modules.
+# SAE: train (or import) a TopK SAE on the captured input of the LUT target modules; the same SAE
+# in SAELens' layout in saelens/ (SAE.load_from_disk).
 from actstore.config import resolve_hook
 
 SAE_DIR = sdir("sae")
@@ -11,6 +12,8 @@ rule train_sae:
         index=rules.extract_index.output.index,
     output:
         sae=f"{SAE_DIR}/sae.safetensors",
+        saelens_cfg=f"{SAE_DIR}/saelens/cfg.json",
+        saelens_weights=f"{SAE_DIR}/saelens/sae_weights.safetensors",
         report=f"{SAE_DIR}/report.json",
         stage_config=f"{SAE_DIR}/actstore_config.json",
     log:

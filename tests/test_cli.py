@@ -190,7 +190,8 @@ def test_every_stage_seals_the_metadata_files_it_wrote(workflow_run):
 
     config = load_config(workflow_run[1])
     must = {"extract": {"extract.json", "part-0000/part.json"}, "lut": {"lut/metadata.json", "report.json"},
-            "sae": {"report.json", "sae.safetensors"}, "validate": {"report.json"},
+            "sae": {"report.json", "sae.safetensors", "saelens/cfg.json", "saelens/sae_weights.safetensors"},
+            "validate": {"report.json"},
             "pickle": {"metadata.json", "machine-0000/metadata.json"},
             "lmprobe": {"dataset/SHA256SUMS"}, "saev": {"saev.json"},
             "zarr": {"manifest.json", "shards/shard-0000.zarr/arrays/activations/.zarray"}}
@@ -319,9 +320,10 @@ def test_the_saev_pointer_seals_the_metadata_of_the_store_beside_its_stage(workf
 
 
 @pytest.mark.slow
-def test_a_flipped_byte_in_the_sae_checkpoint_is_named_by_verify_and_validate(workflow_run, tmp_path):
+@pytest.mark.parametrize("name", ["sae.safetensors", "saelens/sae_weights.safetensors"])
+def test_a_flipped_byte_in_the_sae_checkpoint_is_named_by_verify_and_validate(workflow_run, tmp_path, name):
     """The sae stage writes no format's store: its stage config seals every file it wrote, so the
-    checkpoint users load is checked (it was recorded nowhere, and verify refused the directory)."""
+    checkpoints users load (ours, and SAELens' copy) are checked."""
     from actstore.errors import FormatError
     from actstore.verify import validate_all
 
@@ -329,7 +331,7 @@ def test_a_flipped_byte_in_the_sae_checkpoint_is_named_by_verify_and_validate(wo
     directory = stage_dir(config, "sae")
     proc = actstore("verify", str(directory))
     assert proc.returncode == 0 and proc.stdout.strip() == f"sae stage {directory}: OK", proc.stdout
-    checkpoint = directory / "sae.safetensors"
+    checkpoint = directory / name
     raw = bytearray(checkpoint.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     checkpoint.write_bytes(bytes(raw))

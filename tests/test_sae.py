@@ -178,12 +178,34 @@ def _random_checkpoint(d_in=8, d_sae=16, seed=0):
             "W_dec": torch.randn(d_sae, d_in, generator=g), "b_dec": torch.randn(d_in, generator=g)}
 
 
+def saelens_cfg(apply_b_dec: bool = True, k: int = 3, layout: str = "6", **fields) -> dict:
+    """A SAELens cfg.json of a TopK SAE as SAELens writes it: 6.x (architecture topk, k) or before 6.0
+    (activation_fn_str topk, activation_fn_kwargs k)."""
+    if layout == "6":
+        cfg = {"architecture": "topk", "k": k, "metadata": {"sae_lens_version": "6.18.0"}}
+    else:
+        cfg = {"architecture": "standard", "activation_fn_str": "topk", "activation_fn_kwargs": {"k": k},
+               "sae_lens_version": "3.13.0"}
+    return {**cfg, "d_in": 8, "d_sae": 16, "apply_b_dec_to_input": apply_b_dec, **fields}
+
+
+def saelens_forward(ckpt: dict, cfg: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latents, reconstruction) as SAELens 6.18's TopKSAE computes them (sae.py process_sae_in,
+    topk_sae.py encode/TopK/decode): TopK of the pre-activations, then ReLU on the k kept."""
+    norms = ckpt["W_dec"].norm(dim=1) if cfg.get("rescale_acts_by_decoder_norm") else torch.ones(ckpt["W_dec"].shape[0])
+    x_in = x - ckpt["b_dec"] * cfg["apply_b_dec_to_input"]
+    hidden = (x_in @ ckpt["W_enc"] + ckpt["b_enc"]) * norms
+    top = torch.topk(hidden, cfg.get("k") or cfg["activation_fn_kwargs"]["k"], dim=-1)
+    latents = torch.zeros_like(hidden).scatter(-1, top.indices, top.values.relu())
+    return latents, (latents / norms) @ ckpt["W_dec"] + ckpt["b_dec"]
+
+
 @pytest.mark.parametrize("style,apply_b_dec", [("saelens", True), ("saelens", False), ("saev", True)])
 def test_import_folds_b_dec_into_encoder_bias(tmp_path, style, apply_b_dec):
     ckpt = _random_checkpoint()
     save_file(ckpt, str(tmp_path / "sae_weights.safetensors"))
     if style == "saelens":
-        (tmp_path / "cfg.json").write_text(json.dumps({"apply_b_dec_to_input": apply_b_dec}))
+        (tmp_path / "cfg.json").write_text(json.dumps(saelens_cfg(apply_b_dec)))
     sae = import_sae(tmp_path / "sae_weights.safetensors", style, k_active=3)
     x = torch.randn(6, 8)
     x_in = x - ckpt["b_dec"] if apply_b_dec else x
@@ -193,6 +215,60 @@ def test_import_folds_b_dec_into_encoder_bias(tmp_path, style, apply_b_dec):
     assert torch.equal(indices, ref.indices)
     torch.testing.assert_close(sae.decoder_weight.data, ckpt["W_dec"])
     torch.testing.assert_close(sae.decoder_bias.data, ckpt["b_dec"])
+
+
+@pytest.mark.parametrize("layout, rescale", [("6", False), ("6", True), ("5", False)])
+def test_import_encodes_and_decodes_as_saelens(tmp_path, layout, rescale):
+    """Both cfg.json layouts SAELens reads, and 6.x's decoder-norm rescaling folded in as SAELens folds it."""
+    ckpt = _random_checkpoint(seed=1)
+    cfg = saelens_cfg(layout=layout, **({"rescale_acts_by_decoder_norm": True} if rescale else {}))
+    save_file(ckpt, str(tmp_path / "sae_weights.safetensors"))
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    sae = import_sae(tmp_path / "sae_weights.safetensors", "saelens", k_active=3)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+    latents, recon = saelens_forward(ckpt, cfg, x)
+    values, indices = sae.encode(x)
+    torch.testing.assert_close(torch.zeros_like(latents).scatter(-1, indices, values), latents, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sae(x), recon, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"architecture": "jumprelu"}, r"cfg\.json: architecture 'jumprelu'"),
+    ({"architecture": "batchtopk"}, r"cfg\.json: architecture 'batchtopk'"),
+    ({"k": 5}, r"cfg\.json: k 5, but sae\.k_active is 3"),
+    ({"normalize_activations": "expected_average_only_in"}, r"cfg\.json: normalize_activations"),
+    ({"metadata": {}}, r"cfg\.json: architecture 'standard'"),  # no version: read as before 6.0, a ReLU SAE
+])
+def test_import_refuses_a_saelens_sae_it_would_encode_otherwise(tmp_path, fields, match):
+    save_file(_random_checkpoint(), str(tmp_path / "sae_weights.safetensors"))
+    cfg = {**saelens_cfg(), **fields}
+    if fields == {"metadata": {}}:
+        cfg = {key: value for key, value in cfg.items() if key not in ("architecture", "k")}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=match):
+        import_sae(tmp_path / "sae_weights.safetensors", "saelens", k_active=3)
+
+
+def test_saelens_folder_encodes_and_decodes_as_the_sae(trained):
+    """saelens/ holds the trained SAE as SAELens 6 loads it: its forward gives the SAE's latents and
+    reconstruction, and importing it back gives the same SAE, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    config, extract_dir, out, _ = trained
+    sae, _ = load_sae(out / "sae.safetensors")
+    cfg = json.loads((out / "saelens" / "cfg.json").read_text())
+    ckpt = load_file(str(out / "saelens" / "sae_weights.safetensors"))
+    assert {key: cfg[key] for key in ("architecture", "d_in", "d_sae", "k", "apply_b_dec_to_input", "dtype")} == {
+        "architecture": "topk", "d_in": 32, "d_sae": 64, "k": 4, "apply_b_dec_to_input": False, "dtype": "float32"}
+    assert cfg["metadata"]["hook_name"] == HOOK and cfg["metadata"]["sae_lens_version"] == "6.0.0"
+    x = torch.from_numpy(np.array(tensors(open_extraction(extract_dir), HOOK)[0][:200]))
+    latents, recon = saelens_forward(ckpt, cfg, x)
+    with torch.no_grad():
+        values, indices = sae.encode(x)
+        torch.testing.assert_close(torch.zeros_like(latents).scatter(-1, indices, values), latents)
+        torch.testing.assert_close(sae(x), recon, atol=1e-5, rtol=1e-5)
+    back = import_sae(out / "saelens" / "sae_weights.safetensors", "saelens", k_active=4)
+    assert all(torch.equal(back.state()[key], sae.state()[key]) for key in sae.state())
 
 
 def test_import_refuses_missing_key_and_wrong_shape(tmp_path):

@@ -1,4 +1,4 @@
-"""Rule train_sae: train (or import) the TopK SAE on sae.hook; write sae.safetensors and report.json."""
+"""Rule train_sae: train (or import) the TopK SAE on sae.hook; write sae.safetensors, saelens/ and report.json."""
 from pathlib import Path
 
 import torch

@@ -1,19 +1,27 @@
-"""SAE checkpoints: actstore's own (save_sae / load_sae) and SAELens- or saev-style imports folded
-into the LUT spec's form (encoder_bias = b_enc - b_dec @ W_enc when b_dec is subtracted first)."""
+"""SAE checkpoints: actstore's own (save_sae / load_sae), the same SAE as SAELens loads it
+(save_saelens), and SAELens- or saev-style imports folded into the LUT spec's form
+(encoder_bias = b_enc - b_dec @ W_enc when b_dec is subtracted first)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from actstore.errors import ConfigError, FormatError
-from actstore.io_utils import atomic_path
+from actstore.io_utils import atomic_path, write_json_atomic
 from actstore.safetensors_io import save_safetensors
 from actstore.sae.model import SAE_KEYS, TopKSAE
 
 SAE_FILE = "sae.safetensors"
 REPORT_FILE = "report.json"
 IMPORT_STYLES = ("saelens", "saev")
+SAELENS_DIR = "saelens"  # beside sae.safetensors: the folder SAELens' SAE.load_from_disk reads
+SAELENS_CFG = "cfg.json"
+SAELENS_WEIGHTS = "sae_weights.safetensors"
+# The cfg.json layout written: SAELens reads a config without this version as a pre-6.0 one.
+SAELENS_LAYOUT = "6.0.0"
+SAELENS_DEFAULT_K = 100  # TopKSAEConfig.k when a 6.x cfg.json names none
 
 
 def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
@@ -21,7 +29,8 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     b_enc [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias.
 
     SAELens: b_dec is subtracted before encoding unless cfg.json beside the file says
-    apply_b_dec_to_input: false. saev: always subtracted.
+    apply_b_dec_to_input: false; a cfg.json must describe an SAE that encodes as TopKSAE does
+    (saelens_encoding). saev: always subtracted.
     """
     from safetensors.torch import load_file
 
@@ -40,13 +49,50 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     for key, shape in expect.items():
         if tuple(raw[key].shape) != shape:
             raise FormatError(f"{path}: {key} has shape {list(raw[key].shape)}, expected {list(shape)}")
-    subtract = True
-    cfg_path = path.with_name("cfg.json")
+    subtract, rescale = True, False
+    cfg_path = path.with_name(SAELENS_CFG)
     if style == "saelens" and cfg_path.is_file():
-        subtract = bool(json.loads(cfg_path.read_text()).get("apply_b_dec_to_input", True))
+        subtract, rescale = saelens_encoding(cfg_path, k_active)
+    if rescale:  # SAELens' fold: TopK of (x W_enc + b_enc) * |W_dec row|, decoded by W_dec / |W_dec row|
+        norms = w_dec.norm(dim=1)
+        w_enc, b_enc, w_dec = w_enc * norms, b_enc * norms, w_dec / norms[:, None]
     bias = b_enc - b_dec @ w_enc if subtract else b_enc
     return TopKSAE.from_state({"encoder_weight": w_enc.T, "encoder_bias": bias,
                                "decoder_weight": w_dec, "decoder_bias": b_dec}, k_active)
+
+
+def saelens_encoding(cfg_path: Path, k_active: int) -> tuple[bool, bool]:
+    """(apply_b_dec_to_input, rescale_acts_by_decoder_norm) of the SAELens cfg.json at `cfg_path`, in
+    its 6.x layout or the earlier one (activation_fn_str / activation_fn_kwargs, as SAELens reads it).
+    ConfigError naming the file and field for an SAE TopKSAE would encode otherwise than SAELens: an
+    architecture other than topk (standard, gated, jumprelu, batchtopk: the LUT spec's Step A is
+    TopK(ReLU)), a k other than sae.k_active, normalised inputs. A decoder-norm rescaling is folded
+    in by the caller, as SAELens folds it."""
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{cfg_path}: not a readable SAELens cfg.json ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise FormatError(f"{cfg_path}: a SAELens cfg.json is a JSON object, got {type(cfg).__name__}")
+    version = cfg.get("sae_lens_version") or (cfg.get("metadata") or {}).get("sae_lens_version") or ""
+    major = re.match(r"\d+", str(version))
+    if major and int(major[0]) >= 6:
+        architecture, k = cfg.get("architecture"), cfg.get("k", SAELENS_DEFAULT_K)
+    else:  # before 6.0 a TopK SAE was architecture standard with activation_fn_str topk
+        kwargs = cfg.get("activation_fn_kwargs") or {}
+        topk = (cfg.get("activation_fn_str") or cfg.get("activation_fn")) == "topk" and "k" in kwargs
+        architecture, k = ("topk", kwargs["k"]) if topk else (cfg.get("architecture", "standard"), None)
+    if architecture != "topk":
+        raise ConfigError(f"{cfg_path}: architecture {architecture!r}; sae.import takes TopK SAEs (architecture "
+                          "topk): the LUT spec's encoder is TopK(ReLU(x W + b)), which this SAE's is not")
+    if k != k_active:
+        raise ConfigError(f"{cfg_path}: k {k!r}, but sae.k_active is {k_active}: set sae.k_active to the SAE's k")
+    if cfg.get("normalize_activations", "none") not in ("none", False):
+        raise ConfigError(f"{cfg_path}: normalize_activations {cfg['normalize_activations']!r}; sae.import takes "
+                          "SAEs of the hook's raw activations (normalize_activations none)")
+    if cfg.get("finetuning_scaling_factor"):
+        raise ConfigError(f"{cfg_path}: finetuning_scaling_factor true; sae.import takes SAEs without one")
+    return bool(cfg.get("apply_b_dec_to_input", True)), bool(cfg.get("rescale_acts_by_decoder_norm", False))
 
 
 def save_sae(sae: TopKSAE, path: str | Path, meta: dict[str, Any]) -> None:
@@ -71,3 +117,22 @@ def load_sae(path: str | Path) -> tuple[TopKSAE, dict[str, str]]:
             raise FormatError(f"{path}: not an actstore SAE checkpoint (missing {missing or ['k_active']})")
         state = {key: fh.get_tensor(key) for key in SAE_KEYS}
     return TopKSAE.from_state(state, int(meta["k_active"])), meta
+
+
+def save_saelens(sae: TopKSAE, directory: str | Path, metadata: dict[str, Any]) -> None:
+    """The SAE as SAELens (6.0 on) loads it, `SAE.load_from_disk(directory)`, encoding and decoding as
+    TopKSAE does: architecture topk (its TopK keeps the k largest pre-activations, then ReLU: the same
+    latents and values as ReLU then TopK), W_enc = encoder_weight.T, apply_b_dec_to_input false
+    (encoder_bias already holds any centring), no rescaling or normalisation, float32.
+    `metadata`: SAELens' metadata fields (model_name, hook_name...)."""
+    state = sae.state()
+    weights = {"W_enc": state["encoder_weight"].T.contiguous(), "b_enc": state["encoder_bias"],
+               "W_dec": state["decoder_weight"], "b_dec": state["decoder_bias"]}
+    config = {"architecture": "topk", "d_in": sae.d_in, "d_sae": sae.num_basis, "k": sae.k_active,
+              "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": False, "normalize_activations": "none",
+              "reshape_activations": "none", "rescale_acts_by_decoder_norm": False,
+              "metadata": {**metadata, "sae_lens_version": SAELENS_LAYOUT}}
+    directory = Path(directory)
+    with atomic_path(directory / SAELENS_WEIGHTS) as tmp:
+        save_safetensors(weights, tmp, {"format": "pt"})
+    write_json_atomic(directory / SAELENS_CFG, config)

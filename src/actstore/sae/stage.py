@@ -8,7 +8,7 @@ from actstore.config import resolve_hook
 from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction, open_extraction
 from actstore.io_utils import write_json_atomic
-from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, import_sae, save_sae
+from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, SAELENS_DIR, import_sae, save_sae, save_saelens
 from actstore.sae.data import split_tokens, tensors
 from actstore.sae.model import TopKSAE
 from actstore.sae.train import evaluate, heldout_summary, train_sae
@@ -33,7 +33,8 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
 
 def build_sae(config: dict[str, Any], extract_dir: str | Path, out_dir: str | Path,
               progress: bool = True) -> dict[str, Any]:
-    """The sae stage: train (or import) an SAE on the configured hook; write sae.safetensors + report.json."""
+    """The sae stage: train (or import) an SAE on the configured hook; write sae.safetensors, the same
+    SAE in SAELens' layout (saelens/) and report.json."""
     sae_cfg = config["sae"]
     hook = resolve_hook(config)
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
@@ -44,5 +45,9 @@ def build_sae(config: dict[str, Any], extract_dir: str | Path, out_dir: str | Pa
         sae, report = train_sae(extraction, hook, sae_cfg, progress)
     save_sae(sae, out_dir / SAE_FILE, {"hook": hook, "source": report["source"],
                                        "model": extraction.info.model.name})
+    # hook_name is the module path and side the extraction captured (SAELens names TransformerLens hooks).
+    save_saelens(sae, out_dir / SAELENS_DIR, {"model_name": extraction.info.model.name, "hook_name": hook,
+                                              "context_size": extraction.info.max_seq_length,
+                                              "trained_by": f"actstore ({report['source']})"})
     write_json_atomic(out_dir / REPORT_FILE, report)
     return report
