@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -269,6 +270,71 @@ def test_saelens_folder_encodes_and_decodes_as_the_sae(trained):
         torch.testing.assert_close(sae(x), recon, atol=1e-5, rtol=1e-5)
     back = import_sae(out / "saelens" / "sae_weights.safetensors", "saelens", k_active=4)
     assert all(torch.equal(back.state()[key], sae.state()[key]) for key in sae.state())
+
+
+def write_saev_checkpoint(path, ckpt: dict, activation: dict | None, schema: int | None = 5, cls: str | None = None):
+    """A checkpoint as saev.nn.dump writes it (saev 3d73f1f): one JSON header line, then torch.save of
+    the state dict. `activation`: cfg.activation ({"cls", "params"}); `cls`: schema 1's class name."""
+    header = {"cfg": {"d_model": 8, "d_sae": 16, **({"activation": activation} if activation else {})},
+              "commit": "unknown", "lib": "1.0.0"}
+    if schema is not None:
+        header["schema"] = schema
+    if cls:
+        header["cls"], header["cfg"]["top_k"] = cls, 3
+    with open(path, "wb") as fh:
+        fh.write(json.dumps(header).encode() + b"\n")
+        torch.save(ckpt, fh)
+
+
+SAEV_TOPK = {"cls": "TopK", "params": {"key": "top-k", "top_k": 3, "sparsity": {"cls": "NoSparsity", "params": {}}}}
+
+
+@pytest.mark.parametrize("schema, activation, cls", [(5, SAEV_TOPK, None), (1, None, "TopK")])
+def test_import_reads_saevs_own_checkpoint_and_encodes_as_saev(tmp_path, schema, activation, cls):
+    """saev's file (header line + torch.save): x @ W_enc + b_enc, no b_dec subtracted (saev.nn.modeling
+    SparseAutoencoder.encode), TopK; equal to saev's encoding wherever the k kept are positive."""
+    ckpt = _random_checkpoint(seed=3)
+    ckpt["b_enc"] = ckpt["b_enc"].abs() + 4  # every token has k positive pre-activations
+    write_saev_checkpoint(tmp_path / "sae.pt", ckpt, activation, schema, cls)
+    sae = import_sae(tmp_path / "sae.pt", "saev", k_active=3)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(4))
+    hidden = x @ ckpt["W_enc"] + ckpt["b_enc"]
+    top = torch.topk(hidden, 3, dim=-1)
+    latents = torch.zeros_like(hidden).scatter(-1, top.indices, top.values)
+    values, indices = sae.encode(x)
+    torch.testing.assert_close(torch.zeros_like(hidden).scatter(-1, indices, values), latents)
+    torch.testing.assert_close(sae(x), latents @ ckpt["W_dec"] + ckpt["b_dec"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schema, activation, cls, match", [
+    (5, {"cls": "BatchTopK", "params": {"top_k": 3}}, None, "a saev BatchTopK SAE"),
+    (5, {"cls": "Relu", "params": {}}, None, "a saev Relu SAE"),
+    (None, None, None, "a saev Relu SAE"),  # before schemas every saev SAE was ReLU
+    (5, {"cls": "TopK", "params": {"top_k": 8}}, None, "top_k 8, but sae.k_active is 3"),
+])
+def test_import_refuses_a_saev_sae_that_is_not_topk_k(tmp_path, schema, activation, cls, match):
+    write_saev_checkpoint(tmp_path / "sae.pt", _random_checkpoint(), activation, schema, cls)
+    with pytest.raises(ConfigError, match=r"sae\.pt: " + match):
+        import_sae(tmp_path / "sae.pt", "saev", k_active=3)
+
+
+def test_import_of_a_saev_checkpoint_never_runs_its_pickle(tmp_path):
+    """The weights are read by torch's weights-only unpickler: a payload that would run code is refused
+    and named, never run."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "ran",))
+
+    header = {"schema": 5, "cfg": {"d_model": 8, "d_sae": 16, "activation": SAEV_TOPK}}
+    (tmp_path / "sae.pt").write_bytes(json.dumps(header).encode() + b"\n" + pickle.dumps(Payload(), protocol=2))
+    with pytest.raises(FormatError, match=r"sae\.pt: saev checkpoint weights unreadable"):
+        import_sae(tmp_path / "sae.pt", "saev", k_active=3)
+    assert not (tmp_path / "ran").exists()
+    (tmp_path / "bad.pt").write_bytes(b"{not json\n")
+    with pytest.raises(FormatError, match=r"bad\.pt: saev checkpoint header is not one JSON line"):
+        import_sae(tmp_path / "bad.pt", "saev", k_active=3)
 
 
 def test_import_refuses_missing_key_and_wrong_shape(tmp_path):

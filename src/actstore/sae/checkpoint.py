@@ -22,15 +22,18 @@ SAELENS_WEIGHTS = "sae_weights.safetensors"
 # The cfg.json layout written: SAELens reads a config without this version as a pre-6.0 one.
 SAELENS_LAYOUT = "6.0.0"
 SAELENS_DEFAULT_K = 100  # TopKSAEConfig.k when a 6.x cfg.json names none
+SAEV_HEADER_LIMIT = 1 << 20  # bytes of a saev checkpoint's JSON header line read at most
 
 
 def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
-    """Load a SAELens- or saev-style safetensors checkpoint (W_enc [d_in, d_sae], W_dec [d_sae, d_in],
-    b_enc [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias.
+    """Load a SAELens- or saev-style checkpoint (W_enc [d_in, d_sae], W_dec [d_sae, d_in], b_enc
+    [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias where it is subtracted first.
 
-    SAELens: b_dec is subtracted before encoding unless cfg.json beside the file says
+    SAELens (safetensors): b_dec is subtracted before encoding unless cfg.json beside the file says
     apply_b_dec_to_input: false; a cfg.json must describe an SAE that encodes as TopKSAE does
-    (saelens_encoding). saev: always subtracted.
+    (saelens_encoding). saev: saev's own checkpoint file (read_saev_checkpoint) encodes x as saev's
+    code does, without subtracting b_dec; a safetensors file with saev's names, as saev encoded before
+    August 2025: b_dec subtracted.
     """
     from safetensors.torch import load_file
 
@@ -39,7 +42,8 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
         raise ConfigError(f"sae.import.style {style!r}: expected one of {IMPORT_STYLES}")
     if not path.is_file():
         raise ConfigError(f"sae.import.path {path}: no such file")
-    raw = load_file(str(path))
+    native = style == "saev" and is_saev_checkpoint(path)
+    raw = read_saev_checkpoint(path, k_active) if native else load_file(str(path))
     missing = [key for key in ("W_enc", "b_enc", "W_dec", "b_dec") if key not in raw]
     if missing:
         raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(raw)}")
@@ -49,7 +53,7 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     for key, shape in expect.items():
         if tuple(raw[key].shape) != shape:
             raise FormatError(f"{path}: {key} has shape {list(raw[key].shape)}, expected {list(shape)}")
-    subtract, rescale = True, False
+    subtract, rescale = not native, False
     cfg_path = path.with_name(SAELENS_CFG)
     if style == "saelens" and cfg_path.is_file():
         subtract, rescale = saelens_encoding(cfg_path, k_active)
@@ -59,6 +63,57 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     bias = b_enc - b_dec @ w_enc if subtract else b_enc
     return TopKSAE.from_state({"encoder_weight": w_enc.T, "encoder_bias": bias,
                                "decoder_weight": w_dec, "decoder_bias": b_dec}, k_active)
+
+
+def is_saev_checkpoint(path: Path) -> bool:
+    """saev's own file (saev.nn.dump): a JSON header line, then torch.save's bytes; a safetensors file
+    starts with its 8-byte header length instead."""
+    with path.open("rb") as fh:
+        return fh.read(1) == b"{"
+
+
+def read_saev_checkpoint(path: Path, k_active: int) -> dict[str, Any]:
+    """The tensors of saev's own checkpoint file (saev.nn.dump at commit 3d73f1f: one JSON line
+    {"schema", "cfg", ...}, then torch.save of the state dict), read with torch's weights-only
+    unpickler. ConfigError naming the file unless its activation is TopK with top_k = k_active:
+    ReLU and BatchTopK SAEs (a threshold at inference) are not the LUT spec's Step A."""
+    import io
+
+    import torch
+
+    with path.open("rb") as fh:
+        line = fh.readline(SAEV_HEADER_LIMIT)
+        try:
+            header = json.loads(line)
+        except ValueError as exc:
+            raise FormatError(f"{path}: saev checkpoint header is not one JSON line ({exc})") from None
+        activation, top_k = saev_activation(header)
+        if activation != "TopK":
+            raise ConfigError(f"{path}: a saev {activation} SAE; sae.import takes TopK SAEs (the LUT spec's "
+                              "encoder is TopK(ReLU(x W + b)))")
+        if top_k != k_active:
+            raise ConfigError(f"{path}: top_k {top_k!r}, but sae.k_active is {k_active}: set sae.k_active to it")
+        try:
+            state = torch.load(io.BytesIO(fh.read()), weights_only=True, map_location="cpu")
+        except Exception as exc:  # the weights-only unpickler raises whatever the damaged bytes cause
+            raise FormatError(f"{path}: saev checkpoint weights unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict):
+        raise FormatError(f"{path}: saev checkpoint weights are not a state dict")
+    return state
+
+
+def saev_activation(header: dict[str, Any]) -> tuple[str | None, int | None]:
+    """(activation class, top_k) of a saev checkpoint header, in each schema saev.nn.load reads: none
+    (a ReLU SAE), 1 with the activation class as `cls`, and 1 to 5 with cfg.activation
+    {"cls", "params": {"top_k"...}}."""
+    if not isinstance(header, dict) or "schema" not in header:
+        return "Relu", None
+    cfg = header.get("cfg") if isinstance(header.get("cfg"), dict) else {}
+    if header.get("cls") in ("Relu", "TopK", "BatchTopK"):
+        return header["cls"], cfg.get("top_k", 32)
+    activation = cfg.get("activation") if isinstance(cfg.get("activation"), dict) else {}
+    params = activation.get("params") if isinstance(activation.get("params"), dict) else {}
+    return activation.get("cls"), params.get("top_k")
 
 
 def saelens_encoding(cfg_path: Path, k_active: int) -> tuple[bool, bool]:

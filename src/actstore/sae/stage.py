@@ -1,6 +1,7 @@
 """The sae stage: an SAE trained (or imported) on the configured hook, written with its report."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from actstore.sae.data import split_tokens, tensors
 from actstore.sae.model import TopKSAE
 from actstore.sae.train import evaluate, heldout_summary, train_sae
 
+log = logging.getLogger(__name__)
+
 
 def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> tuple[TopKSAE, dict[str, Any]]:
     """sae.import's checkpoint, checked against the hook's width and evaluated on the same held-out
@@ -24,6 +27,10 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
         raise ConfigError(f"sae.import.path {imported['path']}: d_in {sae.d_in} != {hook} width {arrays[0].shape[1]}")
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
     held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"])
+    if imported["style"] == "saev" and held["tokens_under_k"]:
+        log.warning("sae.import %s: %d of %d held-out tokens have fewer than %d positive pre-activations; saev's "
+                    "TopK keeps the negative ones there, Step A (TopK of ReLU) zeroes them", imported["path"],
+                    held["tokens_under_k"], held["n_tokens"], sae.k_active)
     report = {"source": f"import:{imported['style']}", "import_path": str(imported["path"]), "hook": hook,
               "d_in": sae.d_in, "num_basis": sae.num_basis, "k_active": sae.k_active,
               "n_heldout_tokens": split.n_heldout, "heldout_samples": split.heldout_samples,

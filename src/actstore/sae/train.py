@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], limit: int | None = None,
              device: str = "cpu") -> dict[str, Any]:
-    """Held-out FVU (sum ||x - x_hat||^2 / sum ||x - mean||^2), MSE and per-latent firing counts."""
-    sq_err, sq, s, n = 0.0, 0.0, None, 0
+    """Held-out FVU (sum ||x - x_hat||^2 / sum ||x - mean||^2), MSE, per-latent firing counts and the
+    tokens with fewer than k_active latents firing (where a TopK without ReLU, saev's, keeps negative
+    pre-activations that Step A zeroes)."""
+    sq_err, sq, s, n, under_k = 0.0, 0.0, None, 0, 0
     fires = torch.zeros(sae.num_basis, dtype=torch.long)
     for block in iter_rows(arrays, rows, limit=limit):
         x = torch.from_numpy(block).to(device)
@@ -37,11 +39,12 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
         s = x.double().sum(0) if s is None else s + x.double().sum(0)
         n += len(x)
         fires += torch.bincount(indices[values > 0].cpu(), minlength=sae.num_basis)
+        under_k += int((values <= 0).any(dim=1).sum())
     if n == 0:
-        return {"n_tokens": 0, "fvu": None, "mse": None, "dead_fraction": None}
+        return {"n_tokens": 0, "fvu": None, "mse": None, "dead_fraction": None, "tokens_under_k": 0}
     total_var = sq - float((s * s).sum()) / n
     return {"n_tokens": n, "fvu": sq_err / max(total_var, 1e-30), "mse": sq_err / (n * sae.d_in),
-            "dead_fraction": float((fires == 0).float().mean()), "fires": fires}
+            "dead_fraction": float((fires == 0).float().mean()), "tokens_under_k": under_k, "fires": fires}
 
 
 def heldout_summary(held: dict[str, Any]) -> dict[str, Any]:
