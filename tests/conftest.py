@@ -13,7 +13,7 @@ torch.set_num_threads(int(os.environ.get("ACTSTORE_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    """model_dir(kind) -> folder of a tiny saved model: bert, gpt2, llama, dinov2, dinov2_registers, clip, siglip."""
+    """model_dir(kind) -> folder of a tiny saved model of a kind in tiny.TEXT_KINDS or tiny.VISION_KINDS."""
     cache = {}
 
     def get(kind: str):

@@ -93,6 +93,27 @@ def test_llama_last_layer_is_block_output_not_final_norm(extracted):
     assert rel_err(stored, normed) > 1e-2  # hidden_states[-1] has the final norm applied
 
 
+def test_deit_emits_cls_then_its_distillation_token_then_the_patches(model_dir, extracted):
+    """DeiTModel, which every model_type deit checkpoint loads as, puts its distillation token after
+    CLS (where DeiTForImageClassificationWithTeacher's distillation head reads it): a store counts it
+    as a register, so its patches start at token 2."""
+    from actstore.model_config import read_model_config, register_tokens
+
+    loaded = load_model(model_dir("deit"))
+    embeddings = loaded.model.embeddings
+    with torch.inference_mode():
+        first = loaded.model(pixel_values=torch.zeros(1, 3, tiny.IMAGE_SIZE, tiny.IMAGE_SIZE),
+                             output_hidden_states=True).hidden_states[0][0]
+    position = embeddings.position_embeddings[0]
+    assert torch.equal(first[0], embeddings.cls_token[0, 0] + position[0])
+    assert torch.equal(first[1], embeddings.distillation_token[0, 0] + position[1])
+    assert register_tokens(read_model_config(model_dir("deit"))) == 1
+    assert register_tokens(read_model_config(model_dir("vit"))) == 0
+    assert register_tokens(read_model_config(model_dir("dinov2_registers"))) == tiny.REGISTERS
+    _, out = extracted("deit")
+    assert open_extraction(out).sample(0)["num_tokens"] == 2 + (tiny.IMAGE_SIZE // tiny.PATCH) ** 2
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3_5", "qwen2_5_vl"])
 def test_a_vision_language_model_runs_its_language_model_on_text(kind, model_dir, extracted):
     """Gemma 3 (from 4B), Qwen3.5 and Qwen2.5-VL (its language model's sizes at the top level, as the

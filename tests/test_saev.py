@@ -515,10 +515,11 @@ def test_patches_per_shard_too_small(extracted):
 
 @pytest.mark.parametrize("kind, family, cls_token, tokens", [
     ("clip", "clip", True, 17), ("metaclip_2", "clip", True, 17), ("siglip", "siglip", False, 16),
-    ("aimv2", "aimv2", False, 16), ("vit", "vit", True, 17)])
+    ("aimv2", "aimv2", False, 16), ("vit", "vit", True, 17), ("beit", "beit", True, 17),
+    ("data2vec_vision", "data2vec-vision", True, 17), ("ijepa", "ijepa", False, 16), ("vit_msn", "vit-msn", True, 17)])
 def test_cls_token_by_family(extracted, kind, family, cls_token, tokens):
-    """CLIP, MetaCLIP 2 (kept from its image-text checkpoint) and ViT put a CLS token first; SigLIP
-    and AIMv2 emit patches only."""
+    """CLIP, MetaCLIP 2 (kept from its image-text checkpoint), ViT, BEiT, data2vec-vision and ViT-MSN
+    put a CLS token first; SigLIP, AIMv2 and I-JEPA emit patches only."""
     extraction, store_dir = build(extracted, kind)
     md = json.loads((store_dir / "metadata.json").read_text())
     assert md["family"] == family and md["cls_token"] is cls_token and md["patches_per_ex"] == 16
@@ -531,18 +532,20 @@ def test_cls_token_by_family(extracted, kind, family, cls_token, tokens):
     assert saev.verify(store_dir) == []
 
 
-@pytest.mark.parametrize("kind, family", [("dinov2_registers", "dinov2"), ("dinov3", "dinov3")])
-def test_register_tokens_follow_cls(extracted, image_folder, kind, family):
-    """dinov2_with_registers and DINOv3: CLS, then the registers, then the patches, each equal to the
-    model's own hidden states; the register count is recorded in actstore.json."""
+@pytest.mark.parametrize("kind, family, registers", [("dinov2_registers", "dinov2", tiny.REGISTERS),
+                                                       ("dinov3", "dinov3", tiny.REGISTERS), ("deit", "deit", 1)])
+def test_register_tokens_follow_cls(extracted, image_folder, kind, family, registers):
+    """dinov2_with_registers, DINOv3 and DeiT: CLS, then the registers (DeiT's distillation token, kept
+    as one), then the patches, each equal to the model's own hidden states and found where the
+    extraction has it; the register count is recorded in actstore.json."""
     from PIL import Image
     from actstore.models import load_model
 
     extraction, store_dir = build(extracted, kind)
     md = json.loads((store_dir / "metadata.json").read_text())
     assert md["family"] == family and md["cls_token"] is True
-    assert md["patches_per_ex"] == tiny.REGISTERS + 16
-    assert json.loads((store_dir / saev.SIDECAR).read_text())["registers"] == tiny.REGISTERS
+    assert md["patches_per_ex"] == registers + 16
+    assert json.loads((store_dir / saev.SIDECAR).read_text())["registers"] == registers
     loaded = load_model(Path(extracted(kind)[0]["model"]["path"]))
     store = saev.open_store(store_dir)
     for ex in (0, 5):
@@ -553,8 +556,19 @@ def test_register_tokens_follow_cls(extracted, image_folder, kind, family):
         for layer in (0, 2):  # "layer i" = output of block i = hidden_states[i + 1]
             np.testing.assert_allclose(store.example(ex)[md["layers"].index(layer)], hidden[layer + 1][0].numpy(),
                                        rtol=1e-5, atol=1e-5)
+        for token in range(1 + registers):
+            assert store.find(ex, token) == (ex, token)
+            np.testing.assert_array_equal(saev.read_vector(store_dir, ex, 2, token),
+                                          extraction.activations("layer_2", ex)[token])
+    assert saev.verify(store_dir) == []
     no_cls = [int(t) for b in ShuffledActivations(store_dir, batch_size=32, include_cls=False) for t in b["token_idx"]]
-    assert sorted(set(no_cls)) == list(range(1, 1 + tiny.REGISTERS + 16)) and len(no_cls) == 8 * (tiny.REGISTERS + 16)
+    assert sorted(set(no_cls)) == list(range(1, 1 + registers + 16)) and len(no_cls) == 8 * (registers + 16)
+
+
+@pytest.mark.parametrize("kind", ["deit", "beit", "data2vec_vision", "ijepa", "vit_msn"])
+def test_upstream_flavor_is_refused_for_families_saev_does_not_know(extracted, kind):
+    with pytest.raises(ConfigError, match="saev.flavor: upstream needs an image model of a family saev knows"):
+        build(extracted, kind, flavor="upstream")
 
 
 # ------------------------------------------------------------------------ labels.bin from masks
@@ -581,6 +595,9 @@ GEOMETRY = {
     "dinov2_registers": ((32, 48), (2, 2), np.s_[:, 8:40], tiny.REGISTERS),
     # SiglipImageProcessor: a plain resize of 64x96 to 32x32, no crop
     "siglip": ((32, 32), (2, 3), np.s_[:, :], 0),
+    # DeiTImageProcessor: a plain resize to 32x32, then a 32x32 crop that keeps it all; the distillation
+    # token's column is a register's
+    "deit": ((32, 32), (2, 3), np.s_[:, :], 1),
 }
 
 

@@ -13,7 +13,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
 TEXT_KINDS = ("bert", "gpt2", "llama", "gemma3", "qwen3_5", "qwen2_5_vl", "t5")  # gemma3 .. qwen2_5_vl: vision-language
-VISION_KINDS = ("dinov2", "dinov2_registers", "dinov3", "clip", "metaclip_2", "siglip", "aimv2", "vit")
+VISION_KINDS = ("dinov2", "dinov2_registers", "dinov3", "clip", "metaclip_2", "siglip", "aimv2", "vit", "deit", "beit",
+                "data2vec_vision", "ijepa", "vit_msn")
 IMAGE_SIZE = 32
 PATCH = 8
 REGISTERS = 4  # dinov2_registers, dinov3: tokens 1..4 after CLS
@@ -142,6 +143,26 @@ def build_model(kind: str, out: Path) -> Path:
     elif kind == "vit":  # google/vit-*: a CLS token first, as CLIP
         tf.ViTImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
         model = tf.ViTModel(tf.ViTConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
+    elif kind == "deit":  # a distilled DeiT (facebook/deit-*-distilled-*): CLS, a distillation token, the patches
+        tf.DeiTImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.DeiTModel(tf.DeiTConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
+    elif kind == "beit":  # a mask token and one relative position bias for all blocks: neither adds a token
+        tf.BeitImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                              do_center_crop=False).save_pretrained(out)
+        model = tf.BeitModel(tf.BeitConfig(image_size=IMAGE_SIZE, patch_size=PATCH, use_mask_token=True,
+                                           use_shared_relative_position_bias=True, **common))
+    elif kind == "data2vec_vision":  # a BEiT with BEiT's processor; here a relative position bias in every block
+        tf.BeitImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                              do_center_crop=False).save_pretrained(out)
+        model = tf.Data2VecVisionModel(tf.Data2VecVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH,
+                                                               use_relative_position_bias=True, **common))
+    elif kind == "ijepa":  # no CLS token
+        tf.ViTImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.IJepaModel(tf.IJepaConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
+    elif kind == "vit_msn":
+        tf.ViTImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.ViTMSNModel(tf.ViTMSNConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
     elif kind == "clip":
         tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)

@@ -12,7 +12,11 @@ from actstore.errors import ConfigError
 
 PACKAGE_PREFIX = "package:"
 VISION_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit", "clip", "clip_vision_model", "metaclip_2", "siglip",
-                "siglip_vision_model", "aimv2", "aimv2_vision_model", "vit")
+                "siglip_vision_model", "aimv2", "aimv2_vision_model", "vit", "deit", "beit", "data2vec-vision", "ijepa",
+                "vit_msn")
+# DeiTModel puts a distillation token between CLS and the patches, whatever the checkpoint: only the
+# distilled ones (facebook/deit-*-distilled-*) are model_type deit; the others are saved as ViTs.
+DISTILLATION_TYPES = ("deit",)
 # SigLIP 2's NaFlex towers cut each image into as many patches as its aspect ratio gives (padded to
 # max_num_patches): a store holds one patch count for every image. Its fixed-resolution checkpoints
 # (siglip2-*-patch16-224 ...) are model_type siglip and run as SigLIP.
@@ -73,6 +77,12 @@ def modality_hint(config: dict[str, Any]) -> str:
     if model_kind(config) != "vision":
         return f"; the image models actstore runs are model_type {', '.join(VISION_TYPES)}"
     return ""
+
+
+def register_tokens(config: dict[str, Any]) -> int:
+    """How many tokens an image model puts between its CLS and its patches, none of them a patch of
+    pixels: registers (DINOv2 with registers, DINOv3) or DeiT's distillation token."""
+    return int(config.get("num_register_tokens") or 0) + int(config.get("model_type") in DISTILLATION_TYPES)
 
 
 def tower_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ NEAREST resampling and no rescale/normalise, so it is resized and cropped exactl
 the model saw; then each patch_size x patch_size tile gets one label:
   majority   the most frequent label in the tile (ties: the smallest label), saev's default
   prefer-fg  the most frequent label other than bg_label, bg_label only if the whole tile is background
-Register tokens (dinov2 with registers) have no pixels: their columns hold REGISTER_LABEL.
+Register tokens (DINOv2 with registers, DINOv3) and DeiT's distillation token have no pixels: their
+columns hold REGISTER_LABEL.
 """
 from __future__ import annotations
 

@@ -52,8 +52,10 @@ POSITIVE = ("patches_per_ex", "d_model", "patches_per_shard", *UPSTREAM_RENAMED.
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "dinov3_vit": "dinov3", "clip": "clip",
             "clip_vision_model": "clip", "metaclip_2": "clip",
             "siglip": "siglip", "siglip_vision_model": "siglip", "aimv2": "aimv2", "aimv2_vision_model": "aimv2",
-            "vit": "vit"}
-CLS_FAMILIES = ("dinov2", "dinov3", "clip", "vit")  # a CLS token first (then any registers), then the patches
+            "vit": "vit", "deit": "deit", "beit": "beit", "data2vec-vision": "data2vec-vision", "ijepa": "ijepa",
+            "vit_msn": "vit-msn"}
+# A CLS token first (then any registers, or DeiT's distillation token), then the patches.
+CLS_FAMILIES = ("dinov2", "dinov3", "clip", "vit", "deit", "beit", "data2vec-vision", "vit-msn")
 
 
 def shard_name(idx: int) -> str:

@@ -26,6 +26,7 @@ from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, file_record
 from actstore.io_utils import BEHIND, TEMP_SUFFIX, OrderedHashFile, WriteBehind, atomic_path, write_json_atomic
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
+from actstore.model_config import register_tokens
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def _image_patches(extraction, num_tokens: np.ndarray, cls_token: bool,
     if model_config is None:
         raise ValueError("an image store needs the model's config.json (model_config)")
     tokens = int(num_tokens[0]) if len(num_tokens) else 0
-    registers = int(model_config.get("num_register_tokens") or 0)
+    registers = register_tokens(model_config)
     _check_patches(model_config, tokens - int(cls_token) - registers)
     return tokens - int(cls_token), registers
 
