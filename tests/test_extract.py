@@ -136,6 +136,63 @@ def test_a_vision_language_model_runs_its_language_model_on_text(kind, model_dir
     assert part.topk(0)[1].tolist() == torch.topk(logits, config["extract"]["logits_topk"]).indices.tolist()
 
 
+@pytest.mark.parametrize("kind, family, cls_token", [("gemma3", "siglip", False), ("llava", "clip", True)])
+def test_a_vision_language_models_vision_tower_runs_on_images(kind, family, cls_token, model_dir, image_folder,
+                                                                tmp_path):
+    """model.tower: vision runs Gemma 3's SigLIP tower, or LLaVA's CLIP tower, on images with the
+    checkpoint's own image processor: "layer i" is the tower's block i, every stored vector equals the
+    tower's own hidden state, its sizes are the tower's (48 wide, the language model 32), and the saev
+    store is the tower's family."""
+    from PIL import Image
+
+    from actstore.formats import saev
+    from actstore.formats.extract import write_index
+    from actstore.model_config import model_params, run_config
+
+    folder = model_dir(kind) if kind in tiny.TEXT_KINDS else tiny.build_model(kind, tmp_path / f"model-{kind}")
+    config = tiny.make_config(tmp_path, folder, image_folder, model={"tower": "vision"}, extract={"layers": [0, 1]})
+    assert model_params(run_config(config["model"])) == {"hidden_size": tiny.VISION_TOWER_WIDTH,
+                                                         "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                         "vocab_size": None}
+    out = tmp_path / "extract"
+    for part in range(2):
+        run_part(config, part, out / f"part-{part:04d}", progress=False)
+    write_index(out, out / "extract.json")
+    extraction = open_extraction(out)
+    loaded = load_model(folder, tower="vision")
+    patches = (tiny.IMAGE_SIZE // tiny.PATCH) ** 2
+    for part, local, row in extraction.iter_samples():
+        image = Image.open(image_folder / row["text"]).convert("RGB")
+        with torch.inference_mode():
+            hidden = loaded.model(pixel_values=loaded.preprocessor(images=[image], return_tensors="pt")["pixel_values"],
+                                  output_hidden_states=True).hidden_states
+        assert row["num_tokens"] == patches + cls_token
+        for layer in (0, 1):
+            assert rel_err(part.activations(f"layer_{layer}", local), hidden[layer + 1][0].numpy()) <= REL_TOL
+    record = extraction.parts[0].meta["model"]
+    assert (record["tower"], record["checkpoint_model_type"], record["n_blocks"]) == ("vision", kind, 2)
+    assert extraction.parts[0].meta["model_kind"] == "vision" and extraction.parts[0].tensor("layer_0").shape[1] == 48
+    store = saev.write_store(extraction, config["saev"], tmp_path / "saev", model_config=run_config(config["model"]),
+                             progress=False)
+    metadata = json.loads((store / "metadata.json").read_text())
+    assert (metadata["family"], metadata["cls_token"], metadata["patches_per_ex"]) == (family, cls_token, patches)
+
+
+@pytest.mark.parametrize("kind, tower, message", [
+    ("bert", "vision", r"model.tower: vision runs a vision-language checkpoint's vision tower; .* \(model_type bert\)"),
+    ("qwen2_5_vl", "vision", r"vision tower \(model_type qwen2_5_vl_vision\) is not one actstore runs"),
+    ("dinov2", "language", r"model.tower: language: .* \(model_type dinov2\) is an image model"),
+])
+def test_a_tower_the_checkpoint_cannot_run_is_named(kind, tower, message, model_dir, image_folder, tmp_path):
+    from actstore.model_config import run_config
+
+    config = tiny.make_config(tmp_path, model_dir(kind), image_folder, model={"tower": tower})
+    with pytest.raises(ConfigError, match=message):
+        run_config(config["model"])
+    with pytest.raises(ConfigError, match=message):
+        preflight(config, 0)
+
+
 def test_an_encoder_decoder_runs_its_encoder(model_dir, extracted):
     """T5 (and BART): text goes into the encoder; "layer i" is encoder block i (the decoder, which has
     as many, is never run), hooks are named inside the encoder, sizes come from T5's own names."""
@@ -163,7 +220,8 @@ def test_a_module_the_forward_never_reaches_is_named(model_dir, text_jsonl, tmp_
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("gemma3", "takes texts; a vision-language checkpoint runs its language model, on text"),
+    ("gemma3", "takes texts; a vision-language checkpoint runs its language model, on text, or its vision tower, "
+               "on images, with model.tower: vision"),
     ("t5", re.escape("(model_type t5) takes texts; the image models actstore runs are model_type dinov2, ")),
     ("dinov3", r"holds texts but the model at .* \(model_type dinov3_vit\) takes images$")])
 def test_data_the_model_does_not_take_is_named_with_why(kind, message, model_dir, image_folder, text_jsonl, tmp_path):

@@ -92,11 +92,22 @@ def build_model(kind: str, out: Path) -> Path:
                                                           d_ff=64, d_kv=8, pad_token_id=0, decoder_start_token_id=0))
     elif kind == "gemma3":  # Gemma 3 from 4B on: a SigLIP tower (2 blocks) beside the language model
         train_tokenizer(out, causal=True)
+        tf.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
         model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
             text_config=dict(vocab_size=300, max_position_embeddings=128, num_key_value_heads=2, head_dim=8,
                              bos_token_id=0, eos_token_id=0, pad_token_id=0, **common),
             vision_config=dict(common, hidden_size=VISION_TOWER_WIDTH, num_hidden_layers=2, image_size=IMAGE_SIZE,
                                patch_size=PATCH), mm_tokens_per_image=4))
+    elif kind == "llava":  # LLaVA 1.5: a CLIP tower (2 blocks, CLS first) beside a Llama
+        train_tokenizer(out, causal=True)
+        tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+            text_config=dict(model_type="llama", vocab_size=300, max_position_embeddings=128, num_key_value_heads=2,
+                             bos_token_id=0, eos_token_id=0, pad_token_id=0, **common),
+            vision_config=dict(common, model_type="clip_vision_model", hidden_size=VISION_TOWER_WIDTH,
+                               num_hidden_layers=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+            image_token_index=299))
     elif kind == "qwen3_5":  # Qwen3.5: its vision tower has as many blocks as the language model, as shallow
         train_tokenizer(out, causal=True)
         model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(

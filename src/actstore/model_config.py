@@ -25,6 +25,7 @@ CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 # A vision-language model (Gemma 3 from 4B, Qwen3.5, LLaVA, Mistral 3...): its checkpoint holds a
 # language model, run on text, beside a vision tower that text never reaches.
 MULTIMODAL_SUFFIX = "ForConditionalGeneration"
+VISION_TOWER_OF = "vision_tower_of"  # run_config's mark: the checkpoint whose vision tower this config is
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -63,6 +64,36 @@ def model_kind(config: dict[str, Any]) -> str:
     return "encoder"
 
 
+def run_config(model: dict[str, Any]) -> dict[str, Any]:
+    """config.json as extraction runs the config's `model` section: with `model.tower: vision`, a
+    vision-language checkpoint's vision tower (vision_tower_config), which everything downstream then
+    reads as an image model's config.json; else config.json as it is."""
+    config = read_model_config(resolve_model_path(model["path"]))
+    check_tower(config, model.get("tower"), model["path"])
+    return vision_tower_config(config) if model.get("tower") == "vision" else config
+
+
+def check_tower(config: dict[str, Any], tower: str | None, spec: str | Path) -> None:
+    """ConfigError naming model.tower when the checkpoint has no such tower, or one no store can hold."""
+    if tower == "vision" and not is_vision_language(config):
+        raise ConfigError(f"model.tower: vision runs a vision-language checkpoint's vision tower; {spec} "
+                          f"(model_type {config.get('model_type')}) is not one")
+    if tower == "vision" and vision_tower_config(config).get("model_type") not in VISION_TYPES:
+        raise ConfigError(f"model.tower: vision: {spec}'s vision tower (model_type "
+                          f"{config['vision_config'].get('model_type')}) is not one actstore runs (model_type "
+                          f"{', '.join(VISION_TYPES)}); a tower that cuts each image into its own number of "
+                          "patches (Qwen2.5-VL's, Pixtral's, Idefics3's tiles) cannot fill a store")
+    if tower == "language" and model_kind(config) == "vision":
+        raise ConfigError(f"model.tower: language: {spec} (model_type {config.get('model_type')}) is an image model")
+
+
+def vision_tower_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's vision_config as its own config.json (a SigLIP's, a CLIP's...),
+    with the checkpoint's saved dtype and its model_type under VISION_TOWER_OF."""
+    dtype = {key: config[key] for key in ("dtype", "torch_dtype") if config.get(key)}
+    return {**dtype, **config["vision_config"], VISION_TOWER_OF: config.get("model_type")}
+
+
 def is_vision_language(config: dict[str, Any]) -> bool:
     """A vision-language model's checkpoint: a language model (its sizes in text_config, or at the top
     level as Qwen2.5-VL's saved by transformers 4) and a vision tower, generating text."""
@@ -73,7 +104,8 @@ def is_vision_language(config: dict[str, Any]) -> bool:
 def modality_hint(config: dict[str, Any]) -> str:
     """Why a model does not take the data's modality, for the error that says so."""
     if is_vision_language(config):
-        return "; a vision-language checkpoint runs its language model, on text"
+        return ("; a vision-language checkpoint runs its language model, on text, or its vision tower, on "
+                "images, with model.tower: vision")
     if model_kind(config) != "vision":
         return f"; the image models actstore runs are model_type {', '.join(VISION_TYPES)}"
     return ""

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from actstore.errors import ConfigError
-from actstore.model_config import is_vision_language, model_kind, num_blocks, read_model_config
+from actstore.model_config import (check_tower, is_vision_language, model_kind, num_blocks, read_model_config,
+                                   vision_tower_config)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -76,9 +77,15 @@ def _auto_class(config: dict[str, Any]) -> Any:
     return AutoModelForCausalLM if model_kind(config) == "causal" else AutoModel
 
 
-def _tower(config: dict[str, Any], model: nn.Module) -> nn.Module:
-    """The part of the checkpoint extraction runs: an image-text checkpoint's vision tower, an
-    encoder-decoder's encoder (T5, BART: text goes in there, "layer i" = encoder block i), else all."""
+def _tower(config: dict[str, Any], model: nn.Module, tower: str | None) -> nn.Module:
+    """The part of the checkpoint extraction runs: with `tower` vision, a vision-language checkpoint's
+    vision tower; an image-text checkpoint's vision tower, an encoder-decoder's encoder (T5, BART: text
+    goes in there, "layer i" = encoder block i), else all."""
+    if tower == "vision":
+        found = getattr(getattr(model, "model", None), "vision_tower", None) or getattr(model, "vision_tower", None)
+        if not isinstance(found, nn.Module):
+            raise ConfigError(f"model.tower: vision: {type(model).__name__} has no vision_tower module")
+        return found
     if model_kind(config) == "vision" and hasattr(model, "vision_model") and hasattr(model, "text_model"):
         return model.vision_model
     if config.get("is_encoder_decoder") is True and not is_vision_language(config):
@@ -86,15 +93,16 @@ def _tower(config: dict[str, Any], model: nn.Module) -> nn.Module:
     return model
 
 
-def model_skeleton(path: str | Path) -> nn.Module:
+def model_skeleton(path: str | Path, tower: str | None = None) -> nn.Module:
     """The model's module tree with no weights (meta device, seconds even for large models), so
-    module paths (hooks, LUT targets) are checked before any weight is loaded."""
+    module paths (hooks, LUT targets) are checked before any weight is loaded. `tower`: model.tower."""
     from transformers import AutoConfig
 
     config = read_model_config(path)
+    check_tower(config, tower, path)
     with torch.device("meta"):
         return _tower(config, _auto_class(config).from_config(
-            AutoConfig.from_pretrained(Path(path), local_files_only=True)))
+            AutoConfig.from_pretrained(Path(path), local_files_only=True)), tower)
 
 
 def load_image_processor(path: str | Path) -> Any:
@@ -108,16 +116,21 @@ def load_image_processor(path: str | Path) -> Any:
                           f"{str(exc).strip().splitlines()[0]}") from None
 
 
-def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto") -> LoadedModel:
-    """Load weights and preprocessor from a local folder; never touches a hub."""
+def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto",
+               tower: str | None = None) -> LoadedModel:
+    """Load weights and preprocessor from a local folder; never touches a hub. `tower`: model.tower
+    (vision: a vision-language checkpoint's vision tower runs, on images; its config is run_config's)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
-    config = read_model_config(path)
+    checkpoint = read_model_config(path)
+    check_tower(checkpoint, tower, path)
+    config = vision_tower_config(checkpoint) if tower == "vision" else checkpoint
     kind = model_kind(config)
     dev = pick_device(device)
-    model = _tower(config, _auto_class(config).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
-                                                               local_files_only=True)).to(dev).eval()
+    # The whole checkpoint loads (its weights' names are the whole model's); only the tower is kept.
+    model = _tower(checkpoint, _auto_class(checkpoint).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
+                                                                       local_files_only=True), tower).to(dev).eval()
     # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
     language_model = model.get_decoder() if is_vision_language(config) else None
     blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)

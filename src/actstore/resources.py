@@ -15,7 +15,7 @@ from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
-from actstore.model_config import model_kind, read_model_config, resolve_model_path, run_dtype, tower_config
+from actstore.model_config import model_kind, resolve_model_path, run_config, run_dtype, tower_config
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
@@ -97,7 +97,7 @@ def items_ahead(batch_size: int, workers: int) -> int:
 def _workload(key: str) -> Workload:
     config = json.loads(key)
     model_path = resolve_model_path(config["model"]["path"])
-    model = read_model_config(model_path)
+    model = run_config(config["model"])
     vision = model_kind(model) == "vision"
     model = tower_config(model)
     hidden = int(model.get("hidden_size") or model.get("n_embd") or model.get("d_model") or 1024)

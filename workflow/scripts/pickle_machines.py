@@ -1,16 +1,15 @@
 """Rule pickle_machines: write one job's consecutive extraction parts (machines), one after another,
 each as a complete pickle-shard store in the stage dir, then the job's record of the parts written."""
-from actstore.formats.extract import open_part
 from actstore.formats.pickle import write_machine
 from actstore.jobs import write_job_record
-from actstore.model_config import model_params, read_model_config
+from actstore.model_config import model_params, run_config
 from actstore.workflow import setup_logging
 
 setup_logging(snakemake)
+# The sizes of what ran (a vision-language checkpoint's vision tower with model.tower: vision).
+params = model_params(run_config(snakemake.config["model"]))
 for part_dir, machine_dir in zip(snakemake.input, snakemake.params.machines):
-    # The model the part was extracted with (its resolved folder, as part.json records it).
-    model_path = open_part(part_dir).info.model.path
-    write_machine(part_dir, machine_dir, model_params=model_params(read_model_config(model_path)),
+    write_machine(part_dir, machine_dir, model_params=params,
                   shard_size_mb=snakemake.params.shard_size_mb, compression=snakemake.params.compression,
                   compresslevel=snakemake.params.compresslevel, compressor=snakemake.params.compressor,
                   threads=snakemake.threads)

@@ -4,7 +4,7 @@ from pathlib import Path
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, finish_store, open_store, plan_store, write_pointer
 from actstore.hashing import stage_hash
-from actstore.model_config import read_model_config
+from actstore.model_config import run_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 from actstore.workflow import record_stage, setup_logging
 
@@ -14,7 +14,7 @@ pointer = Path(snakemake.output.pointer)
 extraction = open_extraction(Path(snakemake.input.index).parent, config["extract"]["parts"])
 # What the format needs from the model and the masks, which it does not read itself (image stores only).
 image = extraction.info.modality == "image"
-model_config = read_model_config(extraction.info.model.path) if image else None
+model_config = run_config(config["model"]) if image else None
 plan = plan_store(extraction, config["saev"], stage_hash(config, "extract"), model_config=model_config,
                   labeler=PatchLabeler(image_patch_labels, REGISTER_LABEL), progress=True)
 # The store sits beside the stage dir {dump_to}/saev/<stage hash>/: {dump_to}/saev/<HASH>/ (saev.flavor spec)

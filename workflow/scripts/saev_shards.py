@@ -4,7 +4,7 @@ from pathlib import Path
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, extraction_fill, plan_store, write_shards
 from actstore.hashing import stage_hash
-from actstore.model_config import read_model_config
+from actstore.model_config import run_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
 from actstore.workflow import setup_logging
 
@@ -12,7 +12,7 @@ setup_logging(snakemake)
 config = snakemake.config
 extraction = open_extraction(Path(snakemake.input.index).parent, config["extract"]["parts"])
 image = extraction.info.modality == "image"
-model_config = read_model_config(extraction.info.model.path) if image else None
+model_config = run_config(config["model"]) if image else None
 # The store's metadata (its name goes into the job record) without computing labels.bin: the finishing job does.
 plan = plan_store(extraction, config["saev"], stage_hash(config, "extract"), model_config=model_config,
                   labeler=PatchLabeler(image_patch_labels, REGISTER_LABEL), labels=False)

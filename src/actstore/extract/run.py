@@ -22,8 +22,8 @@ from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids,
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
-from actstore.model_config import (check_layers, modality_hint, model_kind, num_blocks, read_model_config,
-                                   resolve_model_path, run_dtype, saved_dtype)
+from actstore.model_config import (VISION_TOWER_OF, check_layers, modality_hint, model_kind, num_blocks,
+                                   resolve_model_path, run_config, run_dtype, saved_dtype)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, model_skeleton,
                              pick_device)
 
@@ -41,7 +41,7 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
     """Every check that needs no weights: model path, layer range, dataset (part `part`'s rows
     read, from the dataset scan file `scan` when given, else scanned here), modality, hooks."""
     model_path = resolve_model_path(config["model"]["path"])
-    model_config = read_model_config(model_path)
+    model_config = run_config(config["model"])
     check_layers(config["extract"]["layers"], num_blocks(model_config))
     dataset = configured_dataset(config, model_path, part, read_scan(scan) if scan else None)
     want = "image" if model_kind(model_config) == "vision" else "text"
@@ -50,7 +50,7 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
                           f"{model_path} (model_type {model_config.get('model_type')}) takes {want}s"
                           + modality_hint(model_config))
     if config["extract"]["hooks"]:
-        skeleton = model_skeleton(model_path)
+        skeleton = model_skeleton(model_path, config["model"].get("tower"))
         for spec in config["extract"]["hooks"]:
             get_module(skeleton, parse_hook(spec)[0])
     return model_path, dataset
@@ -75,7 +75,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         pixels = image_batches(processor, dataset.opener, samples, batches, workers,
                                pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
-    loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
+    loaded = load_model(model_path, run_dtype(config["model"]), ext["device"], config["model"].get("tower"))
     saved = saved_dtype(loaded.config)
     if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
         log.warning("model.torch_dtype float32 runs a checkpoint saved in %s at twice its memory and without "
@@ -212,7 +212,7 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
                   "model_type": loaded.config.get("model_type"),
                   "architecture": (loaded.config.get("architectures") or [type(loaded.model).__name__])[0],
                   "torch_dtype": run_dtype(config["model"]), "blocks_path": loaded.blocks_path,
-                  "n_blocks": len(loaded.blocks)},
+                  "n_blocks": len(loaded.blocks), **tower_record(config["model"], loaded)},
         "dataset": {"path": str(dataset.root), "name": config["dataset"]["name"] or dataset.root.name,
                     "split": config["dataset"]["split"], "labels": dataset.labels},
         "max_seq_length": ext["max_seq_length"], "batch_size": ext["batch_size"],
@@ -230,6 +230,15 @@ def library_versions() -> dict[str, str]:
     return {"actstore": actstore.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "numpy": np.__version__,
             "python": platform.python_version()}
+
+
+def tower_record(model: dict[str, Any], loaded: LoadedModel) -> dict[str, str]:
+    """part.json's record of model.tower when set: the tower that ran, and for a vision tower the
+    checkpoint's own model_type (model_type is the tower's)."""
+    if not model.get("tower"):
+        return {}
+    return {"tower": model["tower"], **({"checkpoint_model_type": loaded.config[VISION_TOWER_OF]}
+                                        if VISION_TOWER_OF in loaded.config else {})}
 
 
 def model_name(config: dict[str, Any], loaded: LoadedModel) -> str:
