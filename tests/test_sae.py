@@ -268,7 +268,7 @@ def test_saelens_folder_encodes_and_decodes_as_the_sae(trained):
         values, indices = sae.encode(x)
         torch.testing.assert_close(torch.zeros_like(latents).scatter(-1, indices, values), latents)
         torch.testing.assert_close(sae(x), recon, atol=1e-5, rtol=1e-5)
-    back = import_sae(out / "saelens" / "sae_weights.safetensors", "saelens", k_active=4)
+    back = import_sae(out / "saelens", "saelens", k_active=4)  # the folder, as SAELens saves it
     assert all(torch.equal(back.state()[key], sae.state()[key]) for key in sae.state())
 
 

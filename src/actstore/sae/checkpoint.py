@@ -29,7 +29,7 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     """Load a SAELens- or saev-style checkpoint (W_enc [d_in, d_sae], W_dec [d_sae, d_in], b_enc
     [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias where it is subtracted first.
 
-    SAELens (safetensors): b_dec is subtracted before encoding unless cfg.json beside the file says
+    SAELens (safetensors, or the folder holding sae_weights.safetensors): b_dec is subtracted before encoding unless cfg.json beside the file says
     apply_b_dec_to_input: false; a cfg.json must describe an SAE that encodes as TopKSAE does
     (saelens_encoding). saev: saev's own checkpoint file (read_saev_checkpoint) encodes x as saev's
     code does, without subtracting b_dec; a safetensors file with saev's names, as saev encoded before
@@ -40,6 +40,8 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     path = Path(path)
     if style not in IMPORT_STYLES:
         raise ConfigError(f"sae.import.style {style!r}: expected one of {IMPORT_STYLES}")
+    if style == "saelens" and path.is_dir():  # the folder SAELens saves (save_model, our saelens/)
+        path = path / SAELENS_WEIGHTS
     if not path.is_file():
         raise ConfigError(f"sae.import.path {path}: no such file")
     native = style == "saev" and is_saev_checkpoint(path)
