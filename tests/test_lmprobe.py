@@ -330,6 +330,35 @@ def test_reader_errors_name_the_fault(extracted, tmp_path):
     assert any("lmprobe:" in p for p in lmprobe.verify(root))
 
 
+def test_index_is_the_specs_path_whatever_the_split(extracted, tmp_path, monkeypatch):
+    """The spec names one index path, index/train-00000-of-00001.parquet (its snippets and file layout),
+    and lmprobe's own readers fetch only that path (lmprobe.sharing.PARQUET_PATH in 0.10.3): a dataset
+    of split `validation` keeps its index there (it was index/validation-..., which neither found);
+    the split is recorded in lmprobe:dataset.split and the card."""
+    _, extract_dir = extracted("gpt2", dataset={"split": "validation"})
+    ext = open_extraction(extract_dir)
+    root = tmp_path / "ds"
+    lmprobe.write_dataset(extract_dir, root, {"storage": "pooled", **SMALL}, progress=False)
+    assert [p.name for p in (root / "index").iterdir()] == ["train-00000-of-00001.parquet"]
+    assert lmprobe.read_info(root / "index/train-00000-of-00001.parquet")["dataset"]["split"] == "validation"
+    assert "- split: validation\n    path: index/train-00000-of-00001.parquet\n" in (root / "README.md").read_text()
+    assert lmprobe.verify(root) == []
+    monkeypatch.chdir(root)
+    ns: dict = {}
+    for prompt in (0, 17):
+        run(SNIPPET_LAST, ns, prompt, 2)  # the spec's snippet, verbatim path
+        assert np.array_equal(ns["vector"].numpy(), ext.activations("layer_2", int(ns["row"]["sample_idx"]))[-1])
+    assert lmprobe.find_index(root, "validation") == root / "index/train-00000-of-00001.parquet"
+    with pytest.raises(FormatError, match="no index parquet of split 'train'"):
+        lmprobe.find_index(root, "train")
+    old = tmp_path / "old"  # a dataset written before: index/validation-00000-of-00001.parquet still reads
+    shutil.copytree(root, old)
+    (old / "index/train-00000-of-00001.parquet").rename(old / "index/validation-00000-of-00001.parquet")
+    for split in (None, "validation"):
+        ds = lmprobe.open_dataset(old, split)
+        assert ds.index_path.name == "validation-00000-of-00001.parquet" and ds.num_prompts == 30
+
+
 def test_bad_options_fail_before_writing(extracted, tmp_path):
     _, extract_dir = extracted("gpt2")
     for options, field in (({"layers": [1]}, "lmprobe.layers"), ({"logits_topk": 10_000}, "lmprobe.logits_topk"),
@@ -410,7 +439,7 @@ def test_scattered_jobs_and_finish_are_byte_identical_to_one_go(extracted, tmp_p
 def typed_metadata(tmp_path_factory):
     """The test corpus with a `score` field null in the first rows, then ints, then floats, and a
     `note` field only in the last rows: types pyarrow finds only by looking past the first rows."""
-    from tests import tiny
+    import tiny
 
     path = tiny.write_jsonl(tmp_path_factory.mktemp("typed") / "docs.jsonl", 30)
     rows = [json.loads(line) for line in path.read_text().splitlines()]

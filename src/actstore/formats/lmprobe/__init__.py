@@ -1,7 +1,8 @@
 """lmprobe 2.0 datasets (../shared/specs/lmprobe-format-2.0.md): a parquet index + per-layer safetensors shards.
 
 Layout of a dataset root (`{stage dir}/dataset/` of the lmprobe stage):
-  index/{split}-00000-of-00001.parquet   one row per prompt; all metadata in schema metadata `lmprobe:*`
+  index/train-00000-of-00001.parquet   one row per prompt, whatever the split (the spec's and lmprobe's only
+                                       index path); all metadata in schema metadata `lmprobe:*`
   tensors/hidden_layer{L:03d}_shard{S:03d}.safetensors   key `hidden.layer_{L}`, (rows, dim)
   tensors/logits_topk_{S:03d}.safetensors               `topk_values` f32 / `topk_indices` i64, (rows, k)
   README.md        dataset card            SHA256SUMS   `sha256sum -c` list of every other file

@@ -48,8 +48,16 @@ MAX_SHARD_ROWS = 2**31 - 1  # shard_index/row_offset columns are int32
 TensorSpec = tuple[str, str, list[int]]  # (key, safetensors dtype, shape)
 
 
-def index_name(split: str) -> str:
-    """The index parquet of a split, relative to the dataset root."""
+# The index parquet, relative to the dataset root, whatever `dataset.split` is: the only index path
+# the spec names (every snippet and its file layout read it) and the one path lmprobe's own readers
+# (lmprobe.sharing.PARQUET_PATH, 0.10.3) fetch. The split is recorded in lmprobe:dataset.split and
+# the dataset card. (Before, a split other than train was written as index/{split}-..., which
+# neither the spec's snippets nor lmprobe could find.)
+INDEX = "index/train-00000-of-00001.parquet"
+
+
+def split_index_name(split: str) -> str:
+    """Where actstore wrote the index of a split other than train before INDEX (read, never written)."""
     return f"index/{split}-00000-of-00001.parquet"
 
 

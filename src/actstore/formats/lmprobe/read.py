@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_VERSION, LOGITS_INDICES_KEY,
-                                             LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, index_name,
-                                             read_safetensors_header, tensor_entry, to_float32)
+from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_VERSION, INDEX, LOGITS_INDICES_KEY,
+                                             LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, read_safetensors_header,
+                                             split_index_name, tensor_entry, to_float32)
 from actstore.integrity import inside, refuse
 
 
@@ -25,21 +25,33 @@ def dataset_root(path: str | Path) -> Path:
 
 
 def find_index(root: str | Path, split: str | None = None) -> Path:
-    """The index parquet of a dataset root: index/{split}-00000-of-00001.parquet (the only one, or train)."""
+    """The index parquet of a dataset root: index/train-00000-of-00001.parquet (layout.INDEX, whatever
+    the split), else the only index/*.parquet (actstore wrote a split other than train as
+    index/{split}-... before). With `split`, the index recording that split (lmprobe:dataset.split;
+    an index without it counts as the split its file name says)."""
     root = dataset_root(root)
     if split is not None:
-        path = root / index_name(split)
-        if not path.is_file():
-            raise FormatError(f"{path}: index parquet missing")
-        return path
+        for path in (root / INDEX, root / split_index_name(split)):
+            if path.is_file() and _split_of(path) == split:
+                return path
+        raise FormatError(f"{root}: no index parquet of split {split!r} "
+                          f"({INDEX} records another split or is missing)")
+    if (root / INDEX).is_file():
+        return root / INDEX
     found = sorted((root / "index").glob("*.parquet")) if (root / "index").is_dir() else []
     if len(found) == 1:
         return found[0]
-    if (root / index_name("train")).is_file():
-        return root / index_name("train")
     if not found:
         raise FormatError(f"{root}: no index/*.parquet; not an lmprobe dataset")
     raise FormatError(f"{root}: several index parquets {[p.name for p in found]}; pass split=")
+
+
+def _split_of(index_path: Path) -> str:
+    """The split an index parquet holds: lmprobe:dataset.split, else the one its file name says."""
+    dataset = _prefixed_metadata(index_path).get("dataset")
+    if isinstance(dataset, dict) and isinstance(dataset.get("split"), str):
+        return dataset["split"]
+    return index_path.name.partition("-00000-of-")[0]
 
 
 def read_info(index_path: str | Path) -> dict[str, Any]:

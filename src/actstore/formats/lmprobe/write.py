@@ -25,10 +25,9 @@ import numpy as np
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
-                                             LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
+                                             INDEX, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
                                              LOGITS_VALUES_KEY, PREFIX, ST_METADATA, SUMS, TensorSpec, dataset_card,
-                                             encode_header, from_float32, index_name, prompt_order, rows_per_shard,
-                                             tensor_bytes)
+                                             encode_header, from_float32, prompt_order, rows_per_shard, tensor_bytes)
 from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, sha256_file, utc_now
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 
@@ -349,7 +348,7 @@ def _finish(plan: Plan, root: Path, records: dict[str, dict]) -> dict[str, Any]:
     if plan.opts["logits_topk"]:
         tensors["logits_topk"] = _logits_descriptor(plan)
     info = _info(plan, tensors, {rel: records[rel] for rel in plan.files})
-    index_rel = index_name(plan.extraction.info.dataset.split)
+    index_rel = INDEX  # whatever the split (recorded in lmprobe:dataset.split and the card)
     (root / "index").mkdir()
     _write_index(root / index_rel, plan, info)
     (root / CARD).write_text(dataset_card(info, index_rel))
