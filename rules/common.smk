@@ -7,11 +7,11 @@ from actstore import resources as actstore_resources
 from actstore.config import enabled_stages
 from actstore.hashing import upstream_stages
 from actstore.jobs import job_items
-from actstore.model_config import check_layers, num_blocks, run_config
+from actstore.model_config import check_layers, run_config
 from actstore.workflow import parse_dataset
 
 # Cheap parse-time checks, so bad input fails before any job is scheduled.
-check_layers(config["extract"]["layers"], num_blocks(run_config(config["model"])))
+check_layers(config["extract"]["layers"], run_config(config["model"]))
 # The dataset checked (path, shards, each table's columns and types; no rows read), every stage's
 # hash and the Slurm sizes that follow the data: the data listed and stat'ed once, and only in the
 # main process; the jobs it submits parse this file again and take its word for what it read

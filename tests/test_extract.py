@@ -193,6 +193,24 @@ def test_a_tower_the_checkpoint_cannot_run_is_named(kind, tower, message, model_
         preflight(config, 0)
 
 
+def test_llama_3_2_visions_cross_attention_blocks_are_refused_for_text(text_jsonl, tmp_path):
+    """Mllama's language model skips its cross-attention blocks on text alone: asking for one is named
+    before any weight loads (and at parse time); the blocks text runs are stored as the model computes them."""
+    from actstore.formats.extract import write_index
+
+    folder = tiny.build_model("mllama", tmp_path / "model-mllama")
+    config = tiny.make_config(tmp_path, folder, text_jsonl, extract={"layers": [0, 1], "parts": 1})
+    with pytest.raises(ConfigError, match=re.escape("extract.layers: [1] are cross-attention blocks of mllama's "
+                                                    "language model ([1]), which run only with an image")):
+        preflight(config, 0)
+    config = tiny.make_config(tmp_path, folder, text_jsonl, extract={"layers": [0, 2], "parts": 1})
+    run_part(config, 0, tmp_path / "extract" / "part-0000", progress=False)
+    write_index(tmp_path / "extract", tmp_path / "extract" / "extract.json")
+    part = open_extraction(tmp_path / "extract").parts[0]
+    ref, _ = reference_outputs(folder, part.samples[2]["text"], [0, 2], [])
+    assert all(rel_err(part.activations(f"layer_{i}", 2), ref[f"layer_{i}"].numpy()) <= REL_TOL for i in (0, 2))
+
+
 def test_an_encoder_decoder_runs_its_encoder(model_dir, extracted):
     """T5 (and BART): text goes into the encoder; "layer i" is encoder block i (the decoder, which has
     as many, is never run), hooks are named inside the encoder, sizes come from T5's own names."""

@@ -108,6 +108,14 @@ def build_model(kind: str, out: Path) -> Path:
             vision_config=dict(common, model_type="clip_vision_model", hidden_size=VISION_TOWER_WIDTH,
                                num_hidden_layers=2, image_size=IMAGE_SIZE, patch_size=PATCH),
             image_token_index=299))
+    elif kind == "mllama":  # Llama 3.2 Vision: block 1 of its language model is a cross-attention block
+        train_tokenizer(out, causal=True)
+        model = tf.MllamaForConditionalGeneration(tf.MllamaConfig(
+            text_config=dict(vocab_size=300, max_position_embeddings=128, num_key_value_heads=2, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0, cross_attention_layers=[1], **common),
+            vision_config=dict(hidden_size=VISION_TOWER_WIDTH, num_hidden_layers=2, num_global_layers=1,
+                               attention_heads=4, intermediate_size=64, image_size=IMAGE_SIZE, patch_size=PATCH,
+                               vision_output_dim=96, intermediate_layers_indices=[0])))
     elif kind == "qwen3_5":  # Qwen3.5: its vision tower has as many blocks as the language model, as shallow
         train_tokenizer(out, causal=True)
         model = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(

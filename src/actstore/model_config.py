@@ -175,8 +175,23 @@ def run_dtype(model: dict[str, Any]) -> str:
     return saved_dtype(read_model_config(resolve_model_path(model["path"]))) if dtype == "auto" else dtype
 
 
-def check_layers(layers: list[int], n_blocks: int) -> None:
-    """extract.layers within the model's blocks 0..n_blocks-1 (checked at parse time by common.smk)."""
+def check_layers(layers: list[int], config: dict[str, Any]) -> None:
+    """extract.layers within the blocks 0..n-1 of the model `config` (run_config's) describes, none of
+    them a block its forward skips on the data (checked at parse time by common.smk)."""
+    n_blocks = num_blocks(config)
     bad = [layer for layer in layers if not 0 <= layer < n_blocks]
     if bad:
         raise ConfigError(f"extract.layers: {bad} out of range; the model has blocks 0..{n_blocks - 1}")
+    skipped = sorted(set(layers) & set(image_only_blocks(config)))
+    if skipped:
+        raise ConfigError(f"extract.layers: {skipped} are cross-attention blocks of {config.get('model_type')}'s "
+                          f"language model ({image_only_blocks(config)}), which run only with an image: on text "
+                          "its forward skips them, and the stream after each is the block before's output")
+
+
+def image_only_blocks(config: dict[str, Any]) -> list[int]:
+    """Blocks of a vision-language model's language model that run only with an image: Llama 3.2
+    Vision's (Mllama) cross-attention blocks, which its forward skips when given text alone."""
+    if model_kind(config) != "causal":
+        return []
+    return sorted((config.get("text_config") or {}).get("cross_attention_layers") or [])
