@@ -318,6 +318,25 @@ def test_import_refuses_a_saev_sae_that_is_not_topk_k(tmp_path, schema, activati
         import_sae(tmp_path / "sae.pt", "saev", k_active=3)
 
 
+def test_a_safetensors_file_whose_first_byte_is_a_brace_is_not_taken_for_saevs_file(tmp_path):
+    """A safetensors file starts with its header's length; the library pads it to a multiple of 8, but
+    the format does not require it (safetensors reads this one): a length of 379 makes the first
+    byte "{", as a saev checkpoint's JSON header line starts."""
+    import struct
+
+    from safetensors.torch import save
+
+    ckpt = _random_checkpoint()
+    raw = save(ckpt)
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + length].rstrip(b" ")
+    header += b" " * (-(len(header) - 123) % 256)  # header length = 123 mod 256
+    (tmp_path / "sae.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length:])
+    assert (tmp_path / "sae.safetensors").read_bytes()[:1] == b"{"
+    sae = import_sae(tmp_path / "sae.safetensors", "saev", k_active=3)
+    torch.testing.assert_close(sae.encoder_weight.data, ckpt["W_enc"].T)
+
+
 def test_import_of_a_saev_checkpoint_never_runs_its_pickle(tmp_path):
     """The weights are read by torch's weights-only unpickler: a payload that would run code is refused
     and named, never run."""

@@ -68,10 +68,14 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
 
 
 def is_saev_checkpoint(path: Path) -> bool:
-    """saev's own file (saev.nn.dump): a JSON header line, then torch.save's bytes; a safetensors file
-    starts with its 8-byte header length instead."""
+    """saev's own file (saev.nn.dump): a JSON header line, then torch.save's bytes. Not a safetensors
+    file, which starts with its header's length (8 bytes, little-endian; its first byte can be "{" too)
+    and then the header, "{"."""
     with path.open("rb") as fh:
-        return fh.read(1) == b"{"
+        head = fh.read(9)
+    header_length = int.from_bytes(head[:8], "little")
+    safetensors = len(head) == 9 and head[8:] == b"{" and 8 + header_length <= path.stat().st_size
+    return head[:1] == b"{" and not safetensors
 
 
 def read_saev_checkpoint(path: Path, k_active: int) -> dict[str, Any]:
