@@ -121,6 +121,24 @@ def test_resources_scale_with_data(tmp_path, model_dir, text_jsonl):
     assert resources.extract_part_mem_mb(base, attempt=2) == 2 * resources.extract_part_mem_mb(base)
 
 
+def test_image_tokens_follow_a_tower_that_emits_more_than_a_vit(tmp_path, model_dir, image_folder):
+    """Slurm sizing counts an image as at least MAX_IMAGE_TOKENS tokens, and as the patches its
+    config.json implies when more (Gemma 3's tower: 896 // 14 = 64, so 4,096 patches an image)."""
+    import json
+    import shutil
+
+    from actstore import resources
+
+    folder = shutil.copytree(model_dir("gemma3"), tmp_path / "gemma3")
+    config = tiny.make_config(tmp_path, folder, image_folder, model={"tower": "vision"})
+    assert resources.workload(config).tokens == 8 * resources.MAX_IMAGE_TOKENS
+    document = json.loads((folder / "config.json").read_text())
+    document["vision_config"].update(image_size=896, patch_size=14)
+    (folder / "config.json").write_text(json.dumps(document))
+    resources._workload.cache_clear()
+    assert resources.workload(config).tokens == 8 * (4096 + 1)
+
+
 def test_image_jobs_ask_for_what_they_hold_not_for_the_image_files(tmp_path, model_dir, image_folder):
     """An image sample is held as its name (its pixels are read when decoded), so 8 GB of image
     files ask for no more memory than 8 small ones did; what extraction adds for images is the

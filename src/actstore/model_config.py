@@ -111,6 +111,14 @@ def modality_hint(config: dict[str, Any]) -> str:
     return ""
 
 
+def config_patches(config: dict[str, Any]) -> int:
+    """Patches per image config.json implies, (image_size // patch_size)**2 of the image tower (its
+    vision_config, else the top level); 0 when it names no whole-number sizes."""
+    tower = config.get("vision_config") or config
+    size, patch = tower.get("image_size"), tower.get("patch_size")
+    return (size // patch) ** 2 if isinstance(size, int) and isinstance(patch, int) and patch > 0 else 0
+
+
 def register_tokens(config: dict[str, Any]) -> int:
     """How many tokens an image model puts between its CLS and its patches, none of them a patch of
     pixels: registers (DINOv2 with registers, DINOv3) or DeiT's distillation token."""

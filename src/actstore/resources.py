@@ -15,7 +15,7 @@ from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
-from actstore.model_config import model_kind, resolve_model_path, run_config, run_dtype, tower_config
+from actstore.model_config import config_patches, model_kind, resolve_model_path, run_config, run_dtype, tower_config
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
@@ -83,7 +83,7 @@ def _dataset_size(section: dict[str, Any]) -> tuple[int, int, int]:
 # samples are counted twice, as text is (load_dataset held 480-560 B a sample of ImageNet-style names);
 # the listing of a folder, once (the Source's Paths: 320 B an image, 100,000 images measured).
 IMAGE_NAME_BYTES = 300
-MAX_IMAGE_TOKENS = 1025  # a ViT emits at most a few hundred tokens (a CLS and 32 x 32 patches)
+MAX_IMAGE_TOKENS = 1025  # most ViTs emit at most a few hundred tokens (a CLS and 32 x 32 patches)
 IMAGES_PER_ITEM = 16  # images one DataLoader item of the extraction decodes (extract/inputs.py)
 
 
@@ -106,7 +106,8 @@ def _workload(key: str) -> Workload:
     rows, data_bytes, block_bytes = _count_rows(config["dataset"])
     if config["dataset"].get("limit"):
         rows = min(rows, config["dataset"]["limit"])
-    per_row = MAX_IMAGE_TOKENS if vision else ext["max_seq_length"]  # text: truncated at max_seq_length
+    # Text: truncated at max_seq_length. Images: more where config.json says so (Gemma 3's tower: 4,096).
+    per_row = max(MAX_IMAGE_TOKENS, config_patches(model) + 1) if vision else ext["max_seq_length"]
     patch = model.get("patch_size") or 16
     patch = max(patch) if isinstance(patch, (list, tuple)) else int(patch)  # some configs give (height, width)
     weights = sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)

@@ -26,7 +26,7 @@ from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, file_record
 from actstore.io_utils import BEHIND, TEMP_SUFFIX, OrderedHashFile, WriteBehind, atomic_path, write_json_atomic
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
-from actstore.model_config import register_tokens
+from actstore.model_config import config_patches, register_tokens
 
 log = logging.getLogger(__name__)
 
@@ -220,13 +220,11 @@ def _patch_size(model_config: dict[str, Any]) -> int:
 
 def _check_patches(model_config: dict[str, Any], measured: int) -> None:
     """Patches implied by config.json (image_size/patch_size)^2 vs what the model emitted."""
-    cfg = model_config.get("vision_config") or model_config
-    if isinstance(cfg.get("image_size"), int) and isinstance(cfg.get("patch_size"), int):
-        expected = (cfg["image_size"] // cfg["patch_size"]) ** 2
-        if expected != measured:
-            # dinov2 interpolates position embeddings: its processor may crop smaller than image_size.
-            log.warning("config.json implies %d patches per image, the model emitted %d; storing %d",
-                        expected, measured, measured)
+    expected = config_patches(model_config)
+    if expected and expected != measured:
+        # dinov2 interpolates position embeddings: its processor may crop smaller than image_size.
+        log.warning("config.json implies %d patches per image, the model emitted %d; storing %d",
+                    expected, measured, measured)
 
 
 def _fill_images(extraction, layers: list[str], kept_tokens: np.ndarray | None, start: int, out: np.ndarray) -> None:
