@@ -24,6 +24,38 @@ def test_defaults_are_filled_and_explicit_defaults_hash_the_same(demo):
     assert stage_hash(validate_config(explicit), "extract") == stage_hash(demo, "extract")
 
 
+@pytest.mark.parametrize("layers, resolved", [([-1], [5]), ([1, -2], [1, 4]), ("all", [0, 1, 2, 3, 4, 5])])
+def test_negative_layers_and_all_are_the_block_indices_they_name(demo, layers, resolved):
+    """The demo's MiniLM has 6 blocks: -1 is block 5, `all` is 0..5; each names the same extraction
+    (stage hash and directory) as the indices it stands for."""
+    symbolic, explicit = copy.deepcopy(demo), copy.deepcopy(demo)
+    symbolic["extract"]["layers"], explicit["extract"]["layers"] = layers, resolved
+    assert validate_config(symbolic)["extract"]["layers"] == resolved
+    assert stage_hash(symbolic, "extract") == stage_hash(validate_config(explicit), "extract")
+
+
+@pytest.mark.parametrize("layers, message", [
+    ([-7], r"extract.layers: \[-7\] out of range; the model has blocks 0..5 \(-1..-6 from the last\)"),
+    ([5, -1], r"extract.layers: \[5, -1\] name a block twice \(the model has 6: \[5, 5\]\)"),
+    ("some", r"invalid config at extract/layers"),
+])
+def test_layers_that_name_no_block_or_one_twice_are_refused(demo, layers, message):
+    bad = copy.deepcopy(demo)
+    bad["extract"]["layers"] = layers
+    with pytest.raises(ConfigError, match=message):
+        validate_config(bad)
+
+
+def test_plain_layer_indices_need_no_model_folder(demo):
+    """Only `all` or a negative index reads the model's config.json (actstore locate works without it)."""
+    elsewhere = copy.deepcopy(demo)
+    elsewhere["model"]["path"] = "/nonexistent/model"
+    assert validate_config(elsewhere)["extract"]["layers"] == demo["extract"]["layers"]
+    elsewhere["extract"]["layers"] = [-1]
+    with pytest.raises(ConfigError, match="no model folder with config.json at /nonexistent/model"):
+        validate_config(elsewhere)
+
+
 @pytest.mark.parametrize("section, key, value", [
     ("extract", "layerz", [1]), ("zarr", "t_chunks", 4), ("model", "pth", "x"), ("unknown", None, 1)])
 def test_unknown_or_misspelled_key_is_named(demo, section, key, value):

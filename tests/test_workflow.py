@@ -251,6 +251,21 @@ def test_layer_out_of_range_fails_at_parse_time(tmp_path):
     assert "[6] out of range" in proc.stdout + proc.stderr
 
 
+def test_all_layers_are_resolved_at_parse_time_for_every_rule(tmp_path):
+    """extract.layers: all becomes the model's blocks before any rule or hash sees it: the dry run
+    plans the extraction directory of the explicit list."""
+    from actstore.config import validate_config
+    from actstore.hashing import stage_hash
+
+    config = demo_config(tmp_path / "dump")
+    config["extract"]["layers"] = "all"
+    output = snakemake(tmp_path, write(config, tmp_path / "all.yaml"), "-n")
+    explicit = copy.deepcopy(config)
+    explicit["extract"]["layers"] = [0, 1, 2, 3, 4, 5]
+    planned = set(re.findall(r"dump/extract/([0-9a-f]{64})/", output))
+    assert planned == {stage_hash(validate_config(explicit), "extract")}
+
+
 def test_snakemake_lint_is_clean(tmp_path):
     """`snakemake --lint` (the snakemake-workflows catalogue's bar) finds nothing to complain about."""
     configfile = write(demo_config(tmp_path / "dump"), tmp_path / "demo.yaml")

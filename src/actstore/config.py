@@ -29,7 +29,31 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         where = "/".join(str(p) for p in error.absolute_path) or "top level"
         why = error.schema.get("description") if isinstance(error.schema, dict) else None
         raise ConfigError(f"invalid config at {where}: {error.message}" + (f" ({why})" if why else ""))
+    resolve_layers(config)
     return config
+
+
+def resolve_layers(config: dict[str, Any]) -> None:
+    """extract.layers made block indices 0..n-1, in place: `all` = every block in order, a negative
+    index counts from the last block (-1 = the last). The model's config.json is read only when one
+    of them is used, so a config of plain indices needs no model folder (actstore locate)."""
+    layers = config["extract"]["layers"]
+    if layers != "all" and all(layer >= 0 for layer in layers):
+        return
+    from actstore.model_config import num_blocks, run_config
+
+    n_blocks = num_blocks(run_config(config["model"]))
+    if layers == "all":
+        config["extract"]["layers"] = list(range(n_blocks))
+        return
+    beyond = [layer for layer in layers if layer < -n_blocks]
+    if beyond:
+        raise ConfigError(f"extract.layers: {beyond} out of range; the model has blocks 0..{n_blocks - 1} "
+                          f"(-1..-{n_blocks} from the last)")
+    resolved = [layer % n_blocks if layer < 0 else layer for layer in layers]
+    if len(set(resolved)) < len(resolved):
+        raise ConfigError(f"extract.layers: {layers} name a block twice (the model has {n_blocks}: {resolved})")
+    config["extract"]["layers"] = resolved
 
 
 def _default_filling_validator():
