@@ -99,11 +99,28 @@ def test_inspect_identifies_and_clean_store_verifies(workflow_run, name):
 
 
 @pytest.mark.slow
+def test_inspect_summarises_the_sae_stages_sae(workflow_run):
+    """The sae stage holds no format's store: inspect reads its checkpoint's header and report.json."""
+    config = load_config(workflow_run[1])
+    directory = stage_dir(config, "sae")
+    proc = run(ACTSTORE, "inspect", "--json", str(directory))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    report = json.loads((directory / "report.json").read_text())
+    assert {key: info[key] for key in ("format", "hook", "d_in", "num_basis", "k_active", "source")} == {
+        "format": "sae", "hook": report["hook"], "d_in": report["d_in"], "num_basis": report["num_basis"],
+        "k_active": report["k_active"], "source": "trained"}
+    assert info["heldout_fvu"] == report["heldout"]["fvu"] and info["saelens"] == str(directory / "saelens")
+    assert actstore("inspect", str(directory)).stdout.splitlines()[0] == "format      sae"
+
+
+@pytest.mark.slow
 def test_the_command_never_imports_torch(workflow_run):
     """inspect, verify and locate on every store, in one fresh process: none of them loads torch
     (~2 s of a login node's time per call, before the LUT format stopped importing it)."""
     tmp, configfile = workflow_run
     stores = [str(store_path(load_config(configfile), name)) for name in STORES]
+    stores.append(str(stage_dir(load_config(configfile), "sae")))  # inspected from its checkpoint's header
     code = f"""
 import sys
 from actstore import cli

@@ -13,6 +13,7 @@ from pathlib import Path
 from actstore.errors import ActstoreError
 
 SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model", "dtype", "n_shards", "bytes")
+SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source", "heldout_fvu", "saelens")
 
 
 def _detect_or_exit(path: Path) -> str:
@@ -29,15 +30,25 @@ def _detect_or_exit(path: Path) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from actstore.formats import format_module
+    from actstore.verify import sae_summary
 
-    name = _detect_or_exit(args.path)
-    info = format_module(name).inspect(args.path)
+    if _is_sae_stage(args.path):
+        info, keys = sae_summary(args.path), SAE_KEYS
+    else:
+        info, keys = format_module(_detect_or_exit(args.path)).inspect(args.path), SUMMARY_KEYS
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
-        for key in SUMMARY_KEYS:
+        for key in keys:
             print(f"{key:11s} {info.get(key)}")
     return 0
+
+
+def _is_sae_stage(path: Path) -> bool:
+    """An sae stage directory ({dump_to}/sae/<hash>/): it writes no format's store, only the checkpoint."""
+    from actstore.hashing import is_stage_dir
+
+    return is_stage_dir(path) and path.absolute().parent.name == "sae"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -91,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="detect a store's format and summarise it")
+    inspect = sub.add_parser("inspect", help="detect a store's format and summarise it (or an sae stage "
+                             "directory's SAE)")
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--json", action="store_true", help="print the full summary as JSON")
     inspect.set_defaults(func=cmd_inspect)

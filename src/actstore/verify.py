@@ -123,3 +123,28 @@ def stage_report(directory: Path) -> dict[str, Any] | None:
     """A stage's own report.json (SAE training curve, LUT errors), if it wrote one."""
     path = directory / "report.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def sae_summary(directory: Path) -> dict[str, Any]:
+    """`actstore inspect` of an sae stage directory, which holds no format's store: the SAE its
+    checkpoint's header and report.json describe (read without torch), and its SAELens copy."""
+    from safetensors import safe_open
+
+    checkpoint = directory / "sae.safetensors"
+    if not checkpoint.is_file():
+        raise FormatError(f"{directory}: no sae.safetensors; not an sae stage directory")
+    with safe_open(str(checkpoint), framework="numpy") as fh:
+        header = fh.metadata() or {}
+    report = stage_report(directory) or {}
+    held = report.get("heldout") or {}
+    saelens = directory / "saelens"
+    return {"format": "sae", "model": header.get("model"), "hook": header.get("hook"),
+            "d_in": _whole(header.get("d_in")), "num_basis": _whole(header.get("num_basis")),
+            "k_active": _whole(header.get("k_active")), "source": header.get("source"),
+            "heldout_fvu": held.get("fvu"), "heldout_dead_fraction": held.get("dead_fraction"),
+            "saelens": str(saelens) if saelens.is_dir() else None, "bytes": checkpoint.stat().st_size}
+
+
+def _whole(text: str | None) -> int | str | None:
+    """A safetensors header value (always a string) as the count it holds."""
+    return int(text) if isinstance(text, str) and text.isdigit() else text
