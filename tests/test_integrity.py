@@ -5,6 +5,7 @@ format's own tests."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -408,3 +409,81 @@ def test_detection_by_names_never_looks_through_a_link(linked, store_files, name
     assert formats.detect_format(store) == name
     assert listed and not [p for p in listed if p.startswith(str(outside))]
     assert formats.detect_format(outside / "nothing") is None
+
+
+def linked_out(path: Path, outside: Path) -> None:
+    """`path` replaced by a link to a copy of it at `outside`: the same bytes, living outside."""
+    shutil.copyfile(path, outside)
+    path.unlink()
+    path.symlink_to(outside)
+
+
+def test_a_stage_config_linked_out_is_named_when_its_store_is_opened_below_it(extracted, tmp_path):
+    """A LUT opened by its lut/ folder with verify=True: the stage config above it, linked out, is named
+    (the format's verify never looks above lut/), so a value only its seal records (k_active) cannot
+    change unseen; before, the seal was skipped in silence and the changed k_active served."""
+    from actstore.hashing import stage_dir, stage_problems
+    from actstore.integrity import STAGE_CONFIG_FILE
+    from actstore.workflow import record_stage
+
+    config, _ = extracted("bert")
+    config = {**config, "dump_to": str(tmp_path / "dump")}
+    directory = stage_dir(config, "lut")
+    lut = build_lut(directory)
+    record_stage(config, "lut", directory)
+    assert open_lut(lut, verify=True).k_active == 4
+    linked_out(directory / STAGE_CONFIG_FILE, tmp_path / "outside.json")
+    edit_json(lut / "metadata.json", lambda m: m["sae_config"].update(k_active=2))
+    named = (f"{directory / STAGE_CONFIG_FILE}: a link to {tmp_path / 'outside.json'}, outside {directory}: "
+             "not read, so nothing it seals is checked")
+    assert stage_problems(lut) == [named]
+    with pytest.raises(FormatError, match="outside.json, outside .*: not read, so nothing it seals is checked"):
+        open_lut(lut, verify=True)
+
+
+def test_a_stage_config_linked_out_is_named_in_a_stage_holding_no_store(extracted, tmp_path):
+    """The sae stage holds no format's store: its stage config's seal is all `actstore verify` checks
+    (hashing.stage_problems). Linked out, it is named, not skipped with every file it seals (here a
+    checkpoint with a changed byte)."""
+    from actstore.hashing import stage_dir, stage_problems
+    from actstore.integrity import STAGE_CONFIG_FILE
+    from actstore.sae.checkpoint import save_sae
+    from actstore.sae.model import TopKSAE
+    from actstore.workflow import record_stage
+
+    config, _ = extracted("bert")
+    config = {**config, "dump_to": str(tmp_path / "dump")}
+    directory = stage_dir(config, "sae")
+    directory.mkdir(parents=True)
+    sae = TopKSAE(8, 16, 4)
+    torch.nn.init.normal_(sae.encoder_weight)
+    torch.nn.init.normal_(sae.decoder_weight)
+    save_sae(sae, directory / "sae.safetensors", {"hook": "encoder.layer.1"})
+    record_stage(config, "sae", directory)
+    assert stage_problems(directory) == []
+    linked_out(directory / STAGE_CONFIG_FILE, tmp_path / "outside.json")
+    checkpoint = directory / "sae.safetensors"
+    raw = bytearray(checkpoint.read_bytes())
+    raw[-1] ^= 0x01
+    checkpoint.write_bytes(bytes(raw))
+    assert stage_problems(directory) == [f"{directory / STAGE_CONFIG_FILE}: a link to {tmp_path / 'outside.json'}, "
+                                         f"outside {directory}: not read, so nothing it seals is checked"]
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("source_extraction", "0" * 64, "source_extraction '000.*' is not the extraction .*metadata.json names in data"),
+    ("model_type", "llama", "model_type 'llama' does not name family 'bert' of .*metadata.json"),
+    ("model_type", None, "field 'model_type' missing"),
+])
+def test_a_saev_stores_provenance_is_checked_against_its_hashed_metadata(stores, key, value, named, tmp_path):
+    """A saev store given by its own path has no pointer whose seal records actstore.json: its
+    source_extraction and model_type are checked against metadata.json (which names the store), so
+    a store claiming another extraction or model is named, not passed."""
+    store = stores["saev"]
+    root = tmp_path / store.root.name  # the same name: a saev store's directory is its metadata's hash
+    shutil.copytree(store.root, root, symlinks=True)
+    edit_json(root / "actstore.json", lambda m: m.pop(key) if value is None else m.update({key: value}))
+    problems = saev.verify(root)
+    assert len(problems) == 1 and re.search(f"actstore.json: {named}", problems[0]), problems
+    with pytest.raises(FormatError, match=named):
+        saev.open_store(root, verify=True)

@@ -90,10 +90,14 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
     hash must be the sha256 of the config in it (so it was not edited), a directory named by a stage
     hash must be named by this one (so it is not another run's config), and every file it seals
     must hold the bytes the stage wrote. `required`: a missing stage config is itself a problem (a
-    directory the workflow wrote; a store written by the library has none)."""
+    directory the workflow wrote; a store written by the library has none). One linked out of the
+    directory is never read, and is named."""
     path = directory / STAGE_CONFIG_FILE
     if links_out_of(directory, path):
-        return []  # a link out is named by the format's verify, never read
+        # Named here too, not left to a format's verify: none looks at a stage directory holding no
+        # store (sae, validate) or above a store given by its own path (lut/, dataset/), and passing
+        # it in silence would skip its seal, the only record of some metadata values.
+        return [f"{path}: a link to {path.resolve()}, outside {directory}: not read, so nothing it seals is checked"]
     if not path.is_file():
         return [f"{path}: missing (the workflow writes one in every stage directory)"] if required else []
     record = read_json(path)

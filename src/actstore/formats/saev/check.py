@@ -55,7 +55,7 @@ def verify(path: str | Path) -> list[str]:
     problems = _verify_name(store) + _verify_pointer_seal(Path(path), store.dir)
     try:
         if store.sidecar:  # ours pickle a plain dict; saev pickles its dataset classes, never unpickled here
-            decode_data(store.metadata["data"])
+            problems += _verify_provenance(store, decode_data(store.metadata["data"]))
     except FormatError as exc:
         problems.append(f"{store.dir / METADATA}: {exc}")
     problems += store.size_problems() + _verify_shard_checksums(store) + _verify_sidecar_files(store)
@@ -87,6 +87,31 @@ def _verify_pointer_seal(path: Path, store_dir: Path) -> list[str]:
                 for name in (sealed if isinstance(sealed, dict) else ()) if name not in SEALED]
     present = [name for name in SEALED if (store_dir / name).is_file()]
     return problems + seal_problems(store_dir, sealed, pointer, present)
+
+
+def _verify_provenance(store: SaevStore, description: Any) -> list[str]:
+    """actstore.json's source_extraction and model_type against metadata.json, which the store's name
+    hashes, where the store was planned from an extraction (write.plan_store: `data` from
+    "source": "actstore", written with both): `data` holds the extraction's hash, and the family was
+    named from the model_type (a text store keeps it; an image store maps it through FAMILIES, or kept
+    it before its mapping was added). The pointer's seal is their only other record, and a store given
+    by its own path has none."""
+    if not isinstance(description, dict) or description.get("source") != "actstore":
+        return []  # a raw store (write_raw_store): its sidecar is the caller's
+    sidecar, where = store.sidecar, store.dir / SIDECAR
+    problems = [f"{where}: field {key!r} missing (written with every store planned from an extraction)"
+                for key in ("source_extraction", "model_type") if key not in sidecar]
+    if problems:
+        return problems
+    if sidecar["source_extraction"] != description.get("extract_hash"):
+        problems.append(f"{where}: source_extraction {sidecar['source_extraction']!r:.80} is not the extraction "
+                        f"{store.dir / METADATA} names in data ({description.get('extract_hash')!r:.80})")
+    model_type, family = sidecar["model_type"], store.metadata["family"]
+    image = description.get("modality") == "image"
+    if not isinstance(model_type, str) or family not in {model_type, FAMILIES.get(model_type) if image else None}:
+        problems.append(f"{where}: model_type {model_type!r:.80} does not name family {family!r} "
+                        f"of {store.dir / METADATA}")
+    return problems
 
 
 def _recorded(store: SaevStore) -> dict[str, Any]:
