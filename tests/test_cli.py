@@ -310,8 +310,9 @@ def test_a_saev_store_linked_from_outside_its_stage_is_refused_through_the_point
 @pytest.mark.parametrize("rel", ["actstore.json", "shards.json", "metadata.json"])
 def test_the_saev_pointer_seals_the_metadata_of_the_store_beside_its_stage(workflow_run, rel, tmp_path):
     """The saev store sits beside its stage directory, outside the stage config's seal: the pointer
-    the stage config seals records the store's metadata files, so a value no record of the format
-    covers (actstore.json's model_type, found by fuzzing) is named when the stage is verified."""
+    the stage config seals records the store's metadata files, so any change to them (actstore.json's
+    model_type, found by fuzzing, is now also checked against the store's family) is named when the
+    stage is verified."""
     from actstore.errors import FormatError
     from actstore.formats import saev
     from actstore.verify import validate_all
@@ -325,7 +326,9 @@ def test_the_saev_pointer_seals_the_metadata_of_the_store_beside_its_stage(workf
     text = path.read_text()  # actstore.json: another model type of the same length, so only its sha256 differs
     path.write_text(text.replace('"', ' "', 1) if rel != "actstore.json" else text.replace('"bert"', '"gpt2"'))
     assert path.read_text() != text
-    assert saev.verify(store) == []  # the store alone passes: JSON whitespace, or a value nothing records
+    alone = saev.verify(store)  # the store alone: JSON whitespace passes; the model_type is checked
+    assert alone == ([f"{path}: model_type 'gpt2' does not name family 'bert' of {store / 'metadata.json'}"]
+                     if rel == "actstore.json" else [])  # against metadata.json's family, which its name hashes
     problem = (f"{path}: sha256 differs from {sealed_by}" if rel == "actstore.json"
                else f"{path}: {size + 1} bytes, {sealed_by} says {size}")
     proc = actstore("verify", str(stage))
