@@ -108,6 +108,15 @@ def build_model(kind: str, out: Path) -> Path:
             vision_config=dict(common, model_type="clip_vision_model", hidden_size=VISION_TOWER_WIDTH,
                                num_hidden_layers=2, image_size=IMAGE_SIZE, patch_size=PATCH),
             image_token_index=299))
+    elif kind == "paligemma":  # PaliGemma: a SigLIP tower (2 blocks) beside a Gemma
+        train_tokenizer(out, causal=True)
+        tf.SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
+        model = tf.PaliGemmaForConditionalGeneration(tf.PaliGemmaConfig(
+            text_config=dict(model_type="gemma", vocab_size=300, max_position_embeddings=128, num_key_value_heads=2,
+                             head_dim=8, bos_token_id=0, eos_token_id=0, pad_token_id=0, **common),
+            vision_config=dict(common, model_type="siglip_vision_model", hidden_size=VISION_TOWER_WIDTH,
+                               num_hidden_layers=2, image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32),
+            image_token_index=299, projection_dim=32))
     elif kind == "mllama":  # Llama 3.2 Vision: block 1 of its language model is a cross-attention block
         train_tokenizer(out, causal=True)
         model = tf.MllamaForConditionalGeneration(tf.MllamaConfig(

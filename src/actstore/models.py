@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from actstore.checkpoint import load_weights
 from actstore.errors import ConfigError
 from actstore.model_config import (check_tower, is_vision_language, model_kind, num_blocks, read_model_config,
                                    vision_tower_config)
@@ -105,6 +106,20 @@ def model_skeleton(path: str | Path, tower: str | None = None) -> nn.Module:
             AutoConfig.from_pretrained(Path(path), local_files_only=True)), tower)
 
 
+def _vision_tower(path: Path, dtype: torch.dtype) -> nn.Module:
+    """A vision-language checkpoint's vision tower, reading only its own weights (Gemma 3 27B's is
+    ~0.8 GB of a 54 GB checkpoint): its class and config are the whole model's skeleton's, built on
+    the CPU with no random init (its non-persistent buffers, position ids, as its __init__ makes
+    them), in `dtype`, then filled from the checkpoint's tensors for it (checkpoint.load_weights)."""
+    from transformers.initialization import no_init_weights
+
+    skeleton = model_skeleton(path, tower="vision")
+    with no_init_weights():
+        model = type(skeleton)._from_config(skeleton.config, dtype=dtype)
+    load_weights(model, path, "vision tower")
+    return model
+
+
 def load_image_processor(path: str | Path) -> Any:
     """The model folder's image processor (the one extraction uses, so masks can follow its geometry)."""
     from transformers import AutoImageProcessor
@@ -128,9 +143,12 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     config = vision_tower_config(checkpoint) if tower == "vision" else checkpoint
     kind = model_kind(config)
     dev = pick_device(device)
-    # The whole checkpoint loads (its weights' names are the whole model's); only the tower is kept.
-    model = _tower(checkpoint, _auto_class(checkpoint).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
-                                                                       local_files_only=True), tower).to(dev).eval()
+    if tower == "vision":
+        model = _vision_tower(path, TORCH_DTYPES[torch_dtype])
+    else:
+        model = _tower(checkpoint, _auto_class(checkpoint).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
+                                                                           local_files_only=True), tower)
+    model = model.to(dev).eval()
     # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
     language_model = model.get_decoder() if is_vision_language(config) else None
     blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)

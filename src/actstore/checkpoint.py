@@ -1,0 +1,102 @@
+"""A module's weights read by name from a local safetensors checkpoint, opening only the files that
+hold them: a vision-language checkpoint's vision tower is a few hundred MB of a checkpoint of tens of
+GB (Gemma 3 27B: ~0.4B of its 27B parameters), which from_pretrained would read whole."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from actstore.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Why a module's weights were not found, for every error that says which one.
+HOW_READ = ("its weights are read by their own names, all under one prefix, from the folder's *.safetensors; a "
+            "checkpoint that renames them inside the module, or one saved as .bin only, cannot be read this way")
+
+
+def checkpoint_names(folder: Path) -> dict[str, str]:
+    """Every tensor name of the folder's safetensors checkpoint -> the file that holds it: the shard
+    index's weight_map (no shard opened), else model.safetensors' header; empty for a .bin checkpoint."""
+    if (folder / INDEX).is_file():
+        try:
+            return dict(json.loads((folder / INDEX).read_text())["weight_map"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"model.path {folder}: {INDEX} names no weight_map: {exc!r}") from None
+    if (folder / SINGLE).is_file():
+        with _opened(folder, SINGLE) as handle:
+            return dict.fromkeys(handle.keys(), SINGLE)
+    return {}
+
+
+@contextmanager
+def _opened(folder: Path, file: str) -> Iterator[Any]:
+    """safe_open on one file of the checkpoint; a missing, truncated or damaged file (or a tensor its
+    header lacks) is a ConfigError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(folder / file, framework="pt", device="cpu") as handle:
+            yield handle
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"model.path {folder}: {file} cannot be read: {exc}") from None
+
+
+def tied_groups(module: nn.Module) -> list[list[str]]:
+    """The module's state-dict names grouped by the tensor they name: a weight shared by two
+    submodules (tied) is one tensor, saved once under either name."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
+def find_prefix(groups: list[list[str]], names: dict[str, str], folder: Path, what: str) -> str:
+    """The one prefix under which the checkpoint holds a name of every group. The candidates are where
+    the first group sits as a dotted suffix: LLaVA's tower `embeddings.class_embedding` is saved as
+    `vision_tower.embeddings.class_embedding` (transformers 5) or under `vision_tower.vision_model.`."""
+    candidates = sorted({name[:len(name) - len(key)] for key in groups[0] for name in names
+                         if name == key or name.endswith("." + key)})
+    missing = {prefix: [group[0] for group in groups if not any(prefix + key in names for key in group)]
+               for prefix in candidates}
+    complete = [prefix for prefix in candidates if not missing[prefix]]
+    if len(complete) > 1:
+        raise ConfigError(f"model.path {folder}: the {what}'s weights are in its checkpoint under more than one "
+                          f"prefix ({', '.join(map(repr, complete))})")
+    if complete:
+        return complete[0]
+    where = min(candidates, key=lambda prefix: len(missing[prefix]), default=None)  # where most of it is
+    first = groups[0][0] if where is None else missing[where][0]
+    under = "" if where is None else f" under {where!r}, where its other weights are"
+    raise ConfigError(f"model.path {folder}: the {what}'s weight {first!r} is not in its safetensors checkpoint"
+                      f"{under}; {HOW_READ}")
+
+
+def load_weights(module: nn.Module, folder: Path, what: str) -> None:
+    """Fill `module`, built with the dtypes wanted, from the checkpoint in `folder`, reading only its own
+    tensors (the prefix found from names alone, before any tensor is read) and only the files holding
+    them, each cast to its module tensor's dtype as from_pretrained casts; strict: every parameter and
+    persistent buffer once (a tied one under either name). `what` names the module in errors."""
+    names = checkpoint_names(folder)
+    groups = tied_groups(module)
+    prefix = find_prefix(groups, names, folder, what)
+    dtypes = {name: tensor.dtype for name, tensor in module.state_dict().items()}
+    by_file: dict[str, list[tuple[list[str], str]]] = {}
+    for group in groups:
+        key = next(prefix + name for name in group if prefix + name in names)
+        by_file.setdefault(names[key], []).append((group, key))
+    tensors = {}
+    for file, entries in by_file.items():
+        with _opened(folder, file) as handle:
+            for group, key in entries:
+                tensors.update(dict.fromkeys(group, handle.get_tensor(key).to(dtypes[group[0]])))
+    try:
+        module.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as exc:  # a shape that is not the module's
+        detail = " ".join(str(exc).split())  # torch's message is one line a key
+        raise ConfigError(f"model.path {folder}: the {what}'s weights do not fit it: {detail}") from None
