@@ -278,11 +278,32 @@ def test_an_image_processor_this_machine_cannot_load_is_named_before_weights_loa
         run_part(tiny.make_config(tmp_path, folder, image_folder), 0, tmp_path / "part-0000", progress=False)
 
 
-def test_causal_lm_keeps_topk_logits_and_token_logprobs(extracted):
-    config, out = extracted("gpt2")
-    part = open_extraction(out).parts[0]
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma3"])
+def test_causal_lm_keeps_topk_logits_and_token_logprobs(kind, model_dir, text_jsonl, monkeypatch, tmp_path):
+    """Top-k and log-probs equal the model's own full logits, while the forward's LM head runs at
+    each batch's last tokens only and the log-probs' head reruns on chunks (here of 5 tokens):
+    the (batch, tokens, vocab) logits never exist."""
+    import actstore.extract.logprobs as logprobs_module
+    import actstore.extract.run as ex
+
+    head_inputs, real_load = [], ex.load_model
+
+    def load_watched(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        loaded.model.get_output_embeddings().register_forward_hook(
+            lambda module, args, output: head_inputs.append(tuple(args[0].shape[:2])))
+        monkeypatch.setattr(logprobs_module, "LOGPROB_ELEMENTS", 5 * loaded.model.get_output_embeddings().out_features)
+        return loaded
+    monkeypatch.setattr(ex, "load_model", load_watched)
+    config = tiny.make_config(tmp_path, model_dir(kind), text_jsonl, extract={"layers": [0], "parts": 1})
+    out = tmp_path / "extract"
+    run_part(config, 0, out / "part-0000", progress=False)
+    batch = config["extract"]["batch_size"]
+    assert head_inputs and all(positions <= rows <= batch or (rows == 1 and positions <= 5)
+                               for rows, positions in head_inputs), head_inputs
     loaded = load_model(tiny.Path(config["model"]["path"]))
-    for local in (0, 5):
+    part = open_part(out / "part-0000")
+    for local in range(len(part.samples)):
         ids = torch.tensor([part.token_ids(local).tolist()])
         with torch.inference_mode():
             logits = loaded.model(input_ids=ids).logits[0].float()
@@ -291,9 +312,95 @@ def test_causal_lm_keeps_topk_logits_and_token_logprobs(extracted):
         np.testing.assert_allclose(values, ref_values.numpy(), rtol=1e-5, atol=1e-6)
         assert indices.tolist() == ref_indices.tolist()
         logprob = part.token_logprob(local)
-        assert np.isnan(logprob[0])
+        assert np.isnan(logprob[0]) and not np.isnan(logprob[1:]).any()
         ref = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0].numpy()
         np.testing.assert_allclose(logprob[1:], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hook_on_the_lm_head_sees_every_token(model_dir, text_jsonl, tmp_path):
+    """lm_head:input (the final hidden states) is stored at every token: with a hook on the head the
+    forward runs it at all positions, not only at the last ones the top-k needs."""
+    config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl,
+                              extract={"layers": [0], "hooks": ["lm_head:input"], "parts": 1})
+    run_part(config, 0, tmp_path / "part-0000", progress=False)
+    part = open_part(tmp_path / "part-0000")
+    for local in (0, 7):
+        ref, _ = reference_outputs(config["model"]["path"], part.samples[local]["text"], [0], ["lm_head:input"])
+        assert rel_err(part.activations("lm_head:input", local), ref["lm_head:input"].numpy()) <= REL_TOL
+
+
+# What the causal LM's forward does after its LM head, and where its base model is.
+HEAD_CASES = {
+    "gemma2": {"final_logit_softcapping": 2.0},  # soft-capped logits
+    "cohere": {"logit_scale": 0.37},
+    "granite": {"logits_scaling": 3.0},
+    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},  # its forward calls model.decoder, not model
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HEAD_CASES))
+def test_token_logprobs_follow_the_models_own_head(model_type, monkeypatch):
+    """The chunked head rerun is the model's own forward after its base model: soft-capping and
+    scaling applied, a base model one level down found, an MoE's router outputs carried; the
+    log-probs equal a full log_softmax of the model's logits, in chunks of 4 tokens."""
+    import types
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import actstore.extract.logprobs as logprobs_module
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, vocab_size=300, **HEAD_CASES[model_type])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for param in model.parameters():  # logits of several units, where the post-processing shows
+        param.data.normal_(0, 0.3) if param.dim() > 1 else param.data.normal_(1.0, 0.1)
+    monkeypatch.setattr(logprobs_module, "LOGPROB_ELEMENTS", 4 * 300)
+    lengths, width = np.array([9, 6, 1, 4]), 9
+    ids = torch.randint(0, 300, (4, width))
+    mask = (torch.arange(width)[None] < torch.from_numpy(lengths)[:, None]).long()
+    keep = np.concatenate([row * width + np.arange(n) for row, n in enumerate(lengths)])
+    logprobs = logprobs_module.TokenLogprobs(types.SimpleNamespace(model=model))
+    with torch.inference_mode(), logprobs.attached():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        final = logprobs.base()[1].last_hidden_state
+        got = logprobs.packed(ids, keep, lengths, logits[torch.arange(4), torch.from_numpy(lengths - 1)])
+        head_only = torch.log_softmax(model.get_output_embeddings()(final).float(), -1)
+    def at_kept(log_softmax):
+        chosen = log_softmax[:, :-1].gather(2, ids[:, 1:, None])[..., 0]
+        return torch.cat([torch.full((4, 1), float("nan")), chosen], 1).reshape(-1)[torch.from_numpy(keep)]
+    ref = at_kept(torch.log_softmax(logits, -1))
+    assert torch.equal(got.isnan(), ref.isnan()) and int(got.isnan().sum()) == 4
+    torch.testing.assert_close(got.nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=1e-5)
+    if model_type in ("gemma2", "cohere", "granite"):  # the post-processing matters at these logits
+        assert float((at_kept(head_only) - ref).nan_to_num().abs().max()) > 0.05
+
+
+def test_token_logprobs_refuse_a_forward_the_head_rerun_does_not_follow(model_dir, text_jsonl, monkeypatch, tmp_path):
+    """A forward whose logits depend on more than the base model's output (here: on the input ids)
+    is caught on the first batch, named, and leaves no part: no wrong log-probs are stored."""
+    import actstore.extract.run as ex
+
+    real_load = ex.load_model
+
+    def load_reading_ids(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        forward = loaded.model.forward
+
+        def scaled(*args, input_ids=None, **kwargs):
+            output = forward(*args, input_ids=input_ids, **kwargs)
+            output.logits = output.logits * (2.0 if bool(input_ids.any()) else 1.0)
+            return output
+        loaded.model.forward = scaled
+        return loaded
+    monkeypatch.setattr(ex, "load_model", load_reading_ids)
+    config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, extract={"layers": [0], "parts": 1})
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM: its LM head rerun .* extract.token_logprobs: false"):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+    assert not (tmp_path / "part-0000").exists()
+    config["extract"]["token_logprobs"] = False
+    assert run_part(config, 0, tmp_path / "part-0000", progress=False)["n_samples"] == 30
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])

@@ -89,7 +89,8 @@ def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]], last_logits_on
                ) -> dict[str, torch.Tensor]:
     """Right-padded input_ids and attention_mask on the model's device (pad positions are never
     stored), and no generation cache. last_logits_only: a causal LM that takes `logits_to_keep` runs
-    its head at the rows' last positions only (sorted, distinct: pack_batch finds each row's there)."""
+    its head at the rows' last positions only (sorted, distinct: pack_batch finds each row's there,
+    for the top-k; token log-probs rerun the head on the final hidden states, extract/logprobs.py)."""
     width = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), width), loaded.preprocessor.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,6 +20,7 @@ from actstore.errors import ConfigError
 from actstore.extract.capture import capture, check_reached, parse_hook
 from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batch, image_batches,
                                      length_batches, text_batches, to_model, tokenize)
+from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
@@ -28,7 +30,6 @@ from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_p
                              pick_device)
 
 log = logging.getLogger(__name__)
-LOGPROB_ELEMENTS = 1 << 26  # logits per log-softmax chunk: bounds its memory at 256 MiB of float32
 
 
 def storage_dtype(config: dict[str, Any]) -> str:
@@ -89,7 +90,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                      else tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat))
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
-        inputs = text_batches(loaded, token_ids, batches, last_logits_only=not ext["token_logprobs"])
+        inputs = text_batches(loaded, token_ids, batches, last_logits_only=not head_hooked(loaded, ext["hooks"]))
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
@@ -125,8 +126,10 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
     """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline.
     Returns how many finite activations overflowed to +-inf in a float16 storage dtype, counted on
     the device and read once at the end (no sync per batch)."""
+    logprobs = TokenLogprobs(loaded) if ext["token_logprobs"] and loaded.kind == "causal" else None
     with WritePipeline(writer, loaded.device, ext["buffers"], writer_threads(ext, cpus)) as pipeline, \
-            capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar:
+            capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar, \
+            logprobs.attached() if logprobs else nullcontext():
         overflow = (torch.zeros((), dtype=torch.int64, device=loaded.device)
                     if dtype == torch.float16 and loaded.model.dtype != torch.float16 else None)
         for batch, inputs in batches:
@@ -135,23 +138,24 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             check_reached(captured, ext["layers"], ext["hooks"], loaded)
             rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
             pipeline.submit(rows, *pack_batch(loaded, inputs, output, captured, rows, token_ids,
-                                              dtype, ext["logits_topk"], ext["token_logprobs"], overflow))
+                                              dtype, ext["logits_topk"], logprobs, overflow))
             bar.update()
         return 0 if overflow is None else int(overflow)
 
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
                captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: TokenIds | None,
-               dtype: torch.dtype, topk: int, logprobs: bool, overflow: torch.Tensor | None = None
-               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+               dtype: torch.dtype, topk: int, logprobs: TokenLogprobs | None = None,
+               overflow: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
     order and per-sample rows. Log-probs (when `logprobs`) and top-k for all rows at once (no per-row
     device sync).
     `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf."""
     width = next(iter(captured.values())).shape[1]
-    keep = torch.from_numpy(np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)]))
-    keep = keep.to(loaded.device, non_blocking=True)
+    keep_host = np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)])
+    keep = torch.from_numpy(keep_host).to(loaded.device, non_blocking=True)
     tokens = {}
+    # The captured tensors are packed first: the log-probs' head rerun fires the hooks again.
     for name, tensor in captured.items():
         computed = packed(tensor, keep)
         tokens[tensor_file(name)] = stored = computed.to(dtype)
@@ -161,29 +165,27 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     if token_ids is not None:
         tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))
     if loaded.kind == "causal":
-        if logprobs:
-            tokens["token_logprob.npy"] = packed(token_logprobs(output.logits, inputs["input_ids"]), keep)
         last = torch.from_numpy(rows.n_tokens - 1).to(loaded.device)
         head_ran = inputs.get("logits_to_keep")  # the positions the LM head ran at (text_batch), else all
         at = last if head_ran is None else torch.searchsorted(head_ran, last)
-        values, indices = torch.topk(output.logits[torch.arange(len(last), device=last.device), at].float(), topk)
+        last_logits = output.logits[torch.arange(len(last), device=last.device), at]
+        if logprobs is not None:
+            tokens["token_logprob.npy"] = logprobs.packed(inputs["input_ids"], keep_host, rows.n_tokens, last_logits)
+        values, indices = torch.topk(last_logits.float(), topk)
         per_row = {"topk_values.npy": values, "topk_indices.npy": indices}
     return tokens, per_row
+
+
+def head_hooked(loaded: LoadedModel, hooks: list[str]) -> bool:
+    """A hook on the LM head itself: it must see every position (its input is the final hidden states,
+    its output the logits), so the forward's head runs at all of them."""
+    head = loaded.model.get_output_embeddings() if loaded.kind == "causal" else None
+    return head is not None and any(get_module(loaded.model, parse_hook(spec)[0]) is head for spec in hooks)
 
 
 def packed(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """(batch, width, ...) -> (kept tokens, ...): the rows of flat positions `keep`."""
     return tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).index_select(0, keep)
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """(batch, width) log p(token t | tokens < t), NaN at t = 0; chunked over rows to bound memory."""
-    out = torch.full(ids.shape, float("nan"), dtype=torch.float32, device=logits.device)
-    step = max(1, LOGPROB_ELEMENTS // max(1, logits.shape[1] * logits.shape[2]))
-    for start in range(0, ids.shape[0], step):
-        chunk = torch.log_softmax(logits[start:start + step, :-1].float(), dim=-1)
-        out[start:start + step, 1:] = chunk.gather(2, ids[start:start + step, 1:, None])[..., 0]
-    return out
 
 
 def sample_rows(dataset: Dataset, samples: list[Sample], lengths: list[int]) -> list[dict]:
