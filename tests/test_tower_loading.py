@@ -302,3 +302,17 @@ def test_an_extraction_of_the_tower_read_alone_is_the_same_bytes(kind, dtype, mo
     monkeypatch.setattr(actstore.models, "_vision_tower", whole_checkpoints_tower)
     run_part(config, 0, tmp_path / "whole", progress=False)
     assert part_files(tmp_path / "alone") == part_files(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("kind", VLM_KINDS)
+def test_slurm_sizes_a_tower_job_by_the_tower(kind, model_dir, image_folder, tmp_path):
+    """resources counts the tower's bytes from the safetensors headers (no torch, no data read), the
+    bytes load_model reads, not the whole checkpoint's: a 27B checkpoint's tower job asks for GBs, not 80."""
+    from actstore import resources
+
+    folder = model_dir(kind)
+    tower = load_model(folder, "float32", "cpu", tower="vision").model
+    read = sum(t.numel() * t.element_size() for t in tower.state_dict().values())
+    config = tiny.make_config(tmp_path, folder, image_folder, model={"tower": "vision"})
+    whole = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert resources.workload(config).weight_bytes == read < whole

@@ -4,14 +4,16 @@ GB (Gemma 3 27B: ~0.4B of its 27B parameters), which from_pretrained would read 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError
+
+if TYPE_CHECKING:  # the workflow's parse sizes jobs with tensor_bytes, without importing torch
+    from torch import nn
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -32,6 +34,19 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
         with _opened(folder, SINGLE) as handle:
             return dict.fromkeys(handle.keys(), SINGLE)
     return {}
+
+
+def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
+    """Bytes of each tensor of the folder's safetensors files (of `names`, when given), from their
+    headers alone (8 bytes of length, then JSON with each tensor's data offsets): no torch, no data read."""
+    sizes = {}
+    for file in sorted(set(checkpoint_names(folder).values())):
+        with open(folder / file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        sizes.update({name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
+                      if name != "__metadata__" and (names is None or name in names)})
+    return sizes
 
 
 @contextmanager

@@ -8,8 +8,10 @@ import functools
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from actstore.checkpoint import tensor_bytes
 from actstore.datasets.jsonl import size_estimate
 from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
@@ -110,7 +112,7 @@ def _workload(key: str) -> Workload:
     per_row = max(MAX_IMAGE_TOKENS, config_patches(model) + 1) if vision else ext["max_seq_length"]
     patch = model.get("patch_size") or 16
     patch = max(patch) if isinstance(patch, (list, tuple)) else int(patch)  # some configs give (height, width)
-    weights = sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    weights = _weight_bytes(model_path, config["model"].get("tower"))
     storage = ext.get("storage_dtype", "float32")
     storage = run_dtype(config["model"]) if storage == "auto" else storage
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
@@ -119,6 +121,15 @@ def _workload(key: str) -> Workload:
                     itemsize=4 if storage == "float32" else 2,
                     pixel_bytes=per_row * patch ** 2 * 3 * 4 if vision else 0,  # float32 RGB over every patch
                     block_bytes=block_bytes)
+
+
+def _weight_bytes(model_path: Path, tower: str | None) -> int:
+    """Bytes of the weights an extraction job loads: its weight files, or with model.tower: vision only
+    the tower's tensors (a `vision_tower` in their names, the module models.load_model reads alone),
+    sized from the safetensors headers: Gemma 3 27B's tower is ~0.8 GB of its 54 GB."""
+    if tower == "vision":
+        return sum(size for name, size in tensor_bytes(model_path).items() if "vision_tower" in name.split("."))
+    return sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
 
 
 def workload(config: dict[str, Any]) -> Workload:
