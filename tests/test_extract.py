@@ -473,6 +473,28 @@ def test_parts_are_contiguous_slices_and_index_summarises(extracted):
     assert index["n_tokens"] == sum(p["n_tokens"] for p in index["parts"])
 
 
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_truncated_texts_are_counted_not_silent(kind, extracted, capsys):
+    """Each part records how many of its texts max_seq_length cut (their untokenized length said so),
+    and inspect sums them: a user can tell that documents lost their ends."""
+    from actstore.cli import main
+    from actstore.formats.extract import check
+
+    config, out = extracted(kind, extract={"parts": 3})
+    tokenizer = load_model(config["model"]["path"]).preprocessor
+    limit = config["extract"]["max_seq_length"]
+    counts = []
+    for part in open_extraction(out).parts:
+        texts = [row["text"] for row in part.samples]
+        expected = sum(len(ids) > limit for ids in tokenizer(texts)["input_ids"])
+        assert part.meta["n_truncated_samples"] == expected
+        counts.append(expected)
+    assert 0 < sum(counts) < 30, counts  # the shared texts are long and short
+    assert check.inspect(out)["n_truncated_samples"] == sum(counts)
+    assert main(["inspect", str(out)]) == 0
+    assert f"n_truncated_samples {sum(counts)}\n" in capsys.readouterr().out
+
+
 def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
     import shutil
     _, out = extracted("bert")

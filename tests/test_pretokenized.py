@@ -66,6 +66,7 @@ def test_token_ids_run_as_given_and_store_the_models_own_outputs(model_dir, tmp_
     loaded, tokenizer = load_model(model), AutoTokenizer.from_pretrained(model)
     extraction = open_extraction(out)
     assert extraction.n_samples == len(rows)
+    assert sum(part.meta["n_truncated_samples"] for part in extraction.parts) == sum(n > MAX_SEQ for n in LENGTHS) > 0
     for part, local, row in extraction.iter_samples():
         given = rows[row["sample_idx"]]["input_ids"][:MAX_SEQ]
         assert part.token_ids(local).tolist() == given  # no BOS added, cut like the tokenizer's truncation

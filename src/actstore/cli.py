@@ -13,6 +13,8 @@ from pathlib import Path
 from actstore.errors import ActstoreError
 
 SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model", "dtype", "n_shards", "bytes")
+# What a store lost, printed when it lost any: texts cut at max_seq_length, values float16 made inf.
+NOTE_KEYS = ("n_truncated_samples", "float16_overflow_count")
 SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source", "heldout_fvu", "saelens")
 
 
@@ -39,7 +41,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
-        for key in keys:
+        for key in keys + tuple(key for key in NOTE_KEYS if info.get(key)):
             print(f"{key:11s} {info.get(key)}")
     return 0
 

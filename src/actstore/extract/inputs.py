@@ -24,8 +24,9 @@ class TokenIds:
     """Every sample's token ids in one flat int64 array and its offsets: 8 B a token, where the
     tokenizer's lists for a whole part held ~230 B a token (measured on the demo tokenizer)."""
 
-    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray, truncated: int | None):
         self.flat, self.offsets = flat, offsets
+        self.truncated = truncated  # samples cut at max_seq_length (None: the tokenizer cannot tell)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -41,19 +42,24 @@ def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
              add_special_tokens: bool = True) -> TokenIds:
     """Token ids per sample; add_special_tokens=False for rendered chat templates (they hold their own).
     Encoded TOKENIZE_TOKENS // max_seq_length texts at a time (each text is encoded alone: the ids
-    are the same as one call's)."""
+    are the same as one call's). The texts cut at max_seq_length are counted: a fast tokenizer keeps
+    what it cut as each encoding's `overflowing` (a slow one keeps nothing: None)."""
     chunks, lengths, step = [], [0], max(1, TOKENIZE_TOKENS // max_seq_length)
+    truncated: int | None = 0
     for start in range(0, len(samples), step):
         rows = samples[start:start + step]
-        encoded = loaded.preprocessor([s.text for s in rows], truncation=True, max_length=max_seq_length,
-                                      add_special_tokens=add_special_tokens)["input_ids"]
+        batch = loaded.preprocessor([s.text for s in rows], truncation=True, max_length=max_seq_length,
+                                    add_special_tokens=add_special_tokens)
+        encoded = batch["input_ids"]
+        cut = None if batch.encodings is None else sum(bool(e.overflowing) for e in batch.encodings)
+        truncated = None if truncated is None or cut is None else truncated + cut
         for sample, ids in zip(rows, encoded):
             if not ids:
                 raise ConfigError(f"dataset row {sample.sample_idx}: text tokenizes to zero tokens")
             lengths.append(len(ids))
         chunks.append(np.fromiter(itertools.chain.from_iterable(encoded), np.int64, sum(lengths[-len(rows):])))
     flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-    return TokenIds(flat, np.cumsum(lengths, dtype=np.int64))
+    return TokenIds(flat, np.cumsum(lengths, dtype=np.int64), truncated)
 
 
 def given_token_ids(loaded: LoadedModel, samples: list[Sample], max_seq_length: int) -> TokenIds:
@@ -63,6 +69,7 @@ def given_token_ids(loaded: LoadedModel, samples: list[Sample], max_seq_length: 
     the device). Each sample's text becomes its ids decoded, so records show what ran; the stored
     token_ids, not that text, are the input."""
     vocab = loaded.model.get_input_embeddings().num_embeddings
+    truncated = sum(len(s.tokens) > max_seq_length for s in samples)
     kept = [s.tokens[:max_seq_length] for s in samples]
     for sample, ids in zip(samples, kept):
         if ids.max() >= vocab:
@@ -75,7 +82,7 @@ def given_token_ids(loaded: LoadedModel, samples: list[Sample], max_seq_length: 
             sample.text, sample.tokens = text, None  # the ids live on in the flat array only
     lengths = np.array([len(ids) for ids in kept], np.int64)
     flat = np.concatenate(kept) if kept else np.zeros(0, np.int64)
-    return TokenIds(flat, np.concatenate([[0], np.cumsum(lengths)]))
+    return TokenIds(flat, np.concatenate([[0], np.cumsum(lengths)]), truncated)
 
 
 def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:

@@ -102,6 +102,11 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         if overflow:
             log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (extract.storage_dtype "
                         "float16; auto, bfloat16 or float32 keeps them)", part, overflow)
+        truncated = None if token_ids is None else token_ids.truncated
+        if truncated:
+            log.warning("part %d: %d of %d texts were longer than extract.max_seq_length %d; their first %d "
+                        "tokens are stored (part.json n_truncated_samples)", part, truncated, len(samples),
+                        ext["max_seq_length"], ext["max_seq_length"])
         meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
             "storage_dtype": storage_dtype(config), "num_workers": workers,
             "image_pipeline": "cpu" if token_ids is None else None,
@@ -109,7 +114,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             # and the two differ in the pixels: which one ran is on record.
             "image_processor": None if processor is None else type(processor).__name__,
             "extraction_duration_seconds": time.perf_counter() - started} | (
-            {"float16_overflow_count": overflow} if overflow else {}))
+            {"float16_overflow_count": overflow} if overflow else {}) | (
+            {} if token_ids is None else {"n_truncated_samples": truncated}))
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
     return meta
 

@@ -3,7 +3,7 @@ part.json lists with its size and sha256, nothing unlisted, no name leading outs
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -39,7 +39,14 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
         # finite activations a float16 storage dtype turned into +-inf (part.json, when any)
         "float16_overflow_count": sum(int(p.meta.get("float16_overflow_count", 0)) for p in parts),
+        # texts cut at max_seq_length (part.json; None where a part does not know: images, older parts)
+        "n_truncated_samples": _total(p.meta.get("n_truncated_samples") for p in parts),
     }
+
+
+def _total(counts: Iterable[int | None]) -> int | None:
+    counts = list(counts)
+    return None if None in counts else sum(counts)
 
 
 def verify(path: str | Path) -> list[str]:
