@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
 from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts
 from actstore.io_utils import write_json_atomic
 from actstore.model_config import config_int
+from actstore.resources import LUT_EVAL_LOGITS
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
@@ -142,17 +144,21 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     """Swap the targets into the real model with lut.runtime: cosine of final hidden states (encoders,
     vision) or KL(original || LUT) and perplexity change (causal LMs), on held-out samples; per budget
     which path (lookup or dense) the targets' calls took, each target's crossover and (runtime auto,
-    not pinned by lut.crossover_tokens) the measured times it came from."""
+    not pinned by lut.crossover_tokens) the measured times it came from. Each batch runs the original
+    model (its linears put back) and then the LUT one, and is counted before the next: one batch's
+    outputs are held, never the whole evaluation's (64 samples x 1,024 tokens of a 128K-vocabulary
+    model's logits are 34 GB)."""
     from actstore.formats.extract import open_extraction
+    from actstore.models import get_module
 
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
     samples = samples[:config["lut"]["eval_samples"]]
-    batches = [samples[i:i + config["extract"]["batch_size"]] for i in range(0, len(samples), config["extract"]["batch_size"])]
-    inputs = [batch_inputs(config, extraction, loaded, batch) for batch in batches]
-    with torch.inference_mode():
-        reference = [run_model(loaded, inp) for inp in inputs]
+    rows = eval_batch_rows(config, loaded)
+    inputs = [batch_inputs(config, extraction, loaded, samples[i:i + rows]) for i in range(0, len(samples), rows)]
+    store = open_lut(lut_root)
+    originals = {path: get_module(loaded.model, path) for path in store.layers}
     runtime = config["lut"].get("runtime", "lookup")
-    installed = install_luts(loaded.model, open_lut(lut_root), budgets[0], runtime=runtime,
+    installed = install_luts(loaded.model, store, budgets[0], runtime=runtime,
                              crossover_tokens=config["lut"].get("crossover_tokens"))
     result = {"n_samples": len(samples), "model_kind": loaded.kind, "runtime": runtime, "budgets": {}}
     for budget in budgets:
@@ -160,16 +166,56 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
             lut.set_budget(budget)
             lut.paths = {"lookup": 0, "dense": 0}
         calibration = calibrate_auto(installed)  # a crossover holds for the budget it was measured at
-        with torch.inference_mode():
-            outs = [run_model(loaded, inp) for inp in inputs]
         result["budgets"][str(budget)] = {
-            **compare(loaded.kind, reference, outs, inputs),
+            **compare(loaded.kind, original_and_lut(loaded, originals, inputs)),
             # Which path each target's forward calls took (runtime auto switches by token count).
             "paths": {path: sum(lut.paths[path] for lut in installed.values()) for path in ("lookup", "dense")},
             "paths_by_target": {name: dict(lut.paths) for name, lut in installed.items()},
             "crossover_tokens": {name: lut.crossover_tokens for name, lut in installed.items()},
             "calibration": calibration}
     return result
+
+
+EVAL_LOGITS = LUT_EVAL_LOGITS  # logits of one end-to-end batch, at most: 512 MiB of float32 a run
+
+
+def eval_batch_rows(config: dict[str, Any], loaded: Any) -> int:
+    """extract.batch_size samples a batch, fewer for a causal LM whose logits would pass EVAL_LOGITS."""
+    rows = config["extract"]["batch_size"]
+    if loaded.kind != "causal":
+        return rows
+    vocab = loaded.model.get_output_embeddings().out_features
+    return max(1, min(rows, EVAL_LOGITS // (config["extract"]["max_seq_length"] * vocab)))
+
+
+def original_and_lut(loaded: Any, originals: dict[str, nn.Module], inputs: list[dict[str, torch.Tensor]]
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+    """Per batch: the original model's outputs (its linears put back for the forward), the LUT
+    model's, and the inputs."""
+    with torch.inference_mode():
+        for inp in inputs:
+            with swapped_in(loaded.model, originals):
+                reference = run_model(loaded, inp)
+            yield reference, run_model(loaded, inp), inp
+
+
+@contextmanager
+def swapped_in(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[None]:
+    """`modules` at their paths for the duration; what was there put back after."""
+    from actstore.models import get_module
+
+    def put(path: str, module: nn.Module) -> nn.Module:
+        parent_path, _, name = path.rpartition(".")
+        parent = get_module(model, parent_path) if parent_path else model
+        there = getattr(parent, name)
+        setattr(parent, name, module)
+        return there
+    replaced = {path: put(path, module) for path, module in modules.items()}
+    try:
+        yield
+    finally:
+        for path, module in replaced.items():
+            put(path, module)
 
 
 def batch_inputs(config: dict[str, Any], extraction: Any, loaded: Any, batch: list[int]) -> dict[str, torch.Tensor]:
@@ -191,18 +237,20 @@ def run_model(loaded: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return (out.logits if loaded.kind == "causal" else out.last_hidden_state).float().cpu()
 
 
-def compare(kind: str, reference: list[torch.Tensor], outs: list[torch.Tensor],
-            inputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Token-level cosine (mean, min) or KL and perplexity over real (non-pad) tokens."""
+def compare(kind: str, batches: Iterable[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+            ) -> dict[str, float]:
+    """Token-level cosine (mean, min) or KL and perplexity over real (non-pad) tokens, from
+    (reference, outputs, inputs) batches counted one at a time."""
     if kind != "causal":
         cos = torch.cat([torch.nn.functional.cosine_similarity(r, o, dim=-1)[mask_of(inp, r)]
-                         for r, o, inp in zip(reference, outs, inputs)])
+                         for r, o, inp in batches])
         return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
-    kl, nll_ref, nll_lut, n = 0.0, 0.0, 0.0, 0
-    for r, o, inp in zip(reference, outs, inputs):
+    kl, nll_ref, nll_lut, n, n_real = 0.0, 0.0, 0.0, 0, 0
+    for r, o, inp in batches:
         mask = mask_of(inp, r)
         logp_r, logp_o = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
         kl += float(((logp_r.exp() * (logp_r - logp_o)).sum(-1))[mask].sum())
+        n_real += int(mask.sum())
         # Next-token NLL: position t predicts token t+1 (both real tokens).
         nxt = mask[:, 1:] & mask[:, :-1]
         ids = inp["input_ids"][:, 1:].cpu()
@@ -210,7 +258,7 @@ def compare(kind: str, reference: list[torch.Tensor], outs: list[torch.Tensor],
         nll_lut -= float(logp_o[:, :-1].gather(-1, ids[..., None])[..., 0][nxt].sum())
         n += int(nxt.sum())
     ppl_ref, ppl_lut = math.exp(nll_ref / max(n, 1)), math.exp(nll_lut / max(n, 1))
-    return {"kl_mean": kl / max(1, sum(int(mask_of(i, r).sum()) for i, r in zip(inputs, reference))),
+    return {"kl_mean": kl / max(1, n_real),
             "perplexity_original": ppl_ref, "perplexity_lut": ppl_lut, "perplexity_change": ppl_lut - ppl_ref}
 
 

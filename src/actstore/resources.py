@@ -303,8 +303,12 @@ def sae_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     return _round_mb((batches + 8192 * w.d * 16) / 1e6 + 3000) * attempt
 
 
+LUT_EVAL_LOGITS = 1 << 27  # logits of one end-to-end LUT evaluation batch, at most (lut.end_to_end)
+
+
 def lut_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     """Host memory of build_lut: the model loaded in float32 on the host first (twice its weight files
-    for a 16-bit checkpoint), the tables of every target, 3 GB for torch/CUDA."""
+    for a 16-bit checkpoint), the tables of every target, the end-to-end evaluation's batch (two runs'
+    float32 outputs and their log-softmaxes: LUT_EVAL_LOGITS each, at most), 3 GB for torch/CUDA."""
     w = workload(config)
-    return _round_mb(2 * w.weight_bytes / 1e6 * 1.5 + 3000) * attempt
+    return _round_mb(2 * w.weight_bytes / 1e6 * 1.5 + 6 * LUT_EVAL_LOGITS * 4 / 1e6 + 3000) * attempt
