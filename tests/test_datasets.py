@@ -23,8 +23,7 @@ from actstore.datasets.core import Fields
 from actstore.datasets.jsonl import open_text, scan_jsonl
 from actstore.datasets.scan import stamped
 from actstore.datasets.source import resolve_source
-from actstore.errors import FormatError
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
 from actstore.extract import run_part
 from actstore.formats.extract import open_extraction, write_index
 from actstore.hashing import stage_hash, stage_payload
@@ -1151,3 +1150,89 @@ def test_the_scan_names_a_null_prompt_in_a_table_before_any_part_reads_it(kind, 
     assert scan.n_samples == 77
     with pytest.raises(ConfigError, match=message):  # the part's job reading the row names it alike
         load_dataset(path, parts=(2, 1), scan=replace(scan, n_samples=90), model_path=chat_model, **options)
+
+
+# --- dataset.split in a folder: the files Hugging Face `datasets` reads as that split -------------
+
+def _rows(start: int, n: int) -> list[dict]:
+    return [{"text": f"row {i}"} for i in range(start, start + n)]
+
+
+def _parquet(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _texts(path: Path, split: str) -> list[str]:
+    return [s.text for s in load_dataset(path, split=split).samples]
+
+
+def test_a_hub_snapshot_is_read_as_its_split_not_whole(tmp_path):
+    """data/{split}-NNNNN-of-NNNNN files, as `huggingface-cli download` leaves a Hub dataset: each
+    split reads its own shards in order (before: every shard, train and test mixed, whatever the
+    split); any split name; a split the folder lacks is named with those it has."""
+    _parquet(tmp_path / "data/train-00000-of-00002.parquet", _rows(0, 3))
+    _parquet(tmp_path / "data/train-00001-of-00002.parquet", _rows(3, 2))
+    _parquet(tmp_path / "data/test-00000-of-00001.parquet", _rows(5, 2))
+    _parquet(tmp_path / "data/train_sft-00000-of-00001.parquet", _rows(7, 1))
+    assert _texts(tmp_path, "train") == [f"row {i}" for i in range(5)]
+    assert _texts(tmp_path, "test") == ["row 5", "row 6"]
+    assert _texts(tmp_path, "train_sft") == ["row 7"]
+    with pytest.raises(ConfigError, match=r"dataset.split 'validation' is not a split of .* train, test, train_sft"):
+        load_dataset(tmp_path, split="validation")
+
+
+@pytest.mark.parametrize("layout", [
+    {"train/a.jsonl": 2, "train/b.jsonl": 2, "test/c.jsonl": 1, "validation/d.jsonl": 3},  # split folders
+    {"train.jsonl": 4, "test.jsonl": 1, "dev.jsonl": 3},                                   # split file names
+    {"my_train_01.jsonl": 4, "my_eval_01.jsonl": 1, "my_val_01.jsonl": 3},                 # keywords between separators
+    {"nested/train-part/a.jsonl": 4, "nested/x_test/b.jsonl": 1, "nested/valid_x/c.jsonl": 3},
+])
+def test_split_keywords_in_folder_and_file_names(layout, tmp_path):
+    """train/training, validation/valid/dev/val, test/testing/eval/evaluation in a folder or file name,
+    alone or between `-._ 0-9`, as datasets' default patterns find them."""
+    start = 0
+    expected = {"train": [], "test": [], "validation": []}
+    for rel, n in layout.items():
+        _jsonl(tmp_path / rel, _rows(start, n))
+        split = "train" if n == 4 or n == 2 else "test" if n == 1 else "validation"
+        expected[split] += [f"row {i}" for i in range(start, start + n)]
+        start += n
+    for split, texts in expected.items():
+        assert sorted(_texts(tmp_path, split), key=lambda t: int(t.split()[1])) == texts, split
+
+
+def test_readme_configs_choose_the_files(tmp_path):
+    """README.md's YAML configs: the default config's data_files per split (a list of {split, path},
+    one pattern, or several), files outside them left out; several configs need a default."""
+    _parquet(tmp_path / "data/train-00000-of-00001.parquet", _rows(0, 3))
+    _parquet(tmp_path / "data/test-00000-of-00001.parquet", _rows(3, 2))
+    _parquet(tmp_path / "extra/more.parquet", _rows(5, 1))
+    readme = tmp_path / "README.md"
+    readme.write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n"
+                      "  - split: test\n    path:\n    - data/test-*\n    - extra/*.parquet\n---\n# card\n")
+    assert _texts(tmp_path, "train") == ["row 0", "row 1", "row 2"]
+    assert _texts(tmp_path, "test") == ["row 3", "row 4", "row 5"]
+    readme.write_text("---\nconfigs:\n- config_name: small\n  data_files: extra/*.parquet\n"
+                      "- config_name: main\n  default: true\n  data_files:\n  - split: train\n    path: data/test-*\n---\n")
+    assert _texts(tmp_path, "train") == ["row 3", "row 4"]
+    readme.write_text("---\nconfigs:\n- config_name: a\n  data_files: extra/*\n- config_name: b\n  data_files: data/*\n---\n")
+    with pytest.raises(ConfigError, match=r"README.md lists the configs a, b and none is the default"):
+        load_dataset(tmp_path)
+    readme.write_text("---\nconfigs:\n- config_name: default\n  data_files: ../elsewhere/*.parquet\n---\n")
+    with pytest.raises(ConfigError, match=r"data_files pattern '../elsewhere/\*.parquet' is not a path inside"):
+        load_dataset(tmp_path)
+
+
+def test_a_folder_that_names_no_split_is_read_whole(tmp_path):
+    """No split in any name (and no README configs): every file, whatever dataset.split records,
+    as before."""
+    _jsonl(tmp_path / "shard-a.jsonl", _rows(0, 2))
+    _jsonl(tmp_path / "shard-b.jsonl", _rows(2, 2))
+    for split in ("train", "validation"):
+        assert _texts(tmp_path, split) == ["row 0", "row 1", "row 2", "row 3"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actstore.datasets.splits import split_files
 from actstore.errors import ConfigError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -91,7 +92,7 @@ def _resolve(path: str, fmt: str, split: str) -> Source:
         raise ConfigError(f"dataset.path does not exist: {root}")
     if fmt == "hf_disk" or (fmt == "auto" and any((root / m).is_file() for m in HF_MARKERS)):
         return _hf_disk_source(root, split)
-    return _folder_source(root, fmt)
+    return _folder_source(root, fmt, split)
 
 
 def _glob_source(pattern: str, fmt: str) -> Source:
@@ -110,7 +111,7 @@ def folder_file(name: str, fmt: str) -> bool:
     return fmt == "text_folder" or Path(name).suffix.lower() in IMAGE_SUFFIXES
 
 
-def _folder_source(root: Path, fmt: str) -> Source:
+def _folder_source(root: Path, fmt: str, split: str) -> Source:
     files = files_under(root)
     if fmt == "text_folder":  # never chosen by auto, as any folder holds files
         return Source(fmt, root, tuple(files))
@@ -118,6 +119,7 @@ def _folder_source(root: Path, fmt: str) -> Source:
     if fmt == "image_folder" or (fmt == "auto" and images):
         return Source("image_folder", root, images, metadata=_metadata_file(root, files))
     shards = {p: kind for p in files if (kind := shard_format(p))}
+    shards = {p: shards[p] for p in split_files(root, list(shards), split)}  # a Hub snapshot's split
     if fmt == "auto":
         if not shards:
             return Source("image_folder", root, ())  # empty: load_dataset names it

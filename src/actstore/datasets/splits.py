@@ -1,0 +1,135 @@
+"""Which data files of a folder hold `dataset.split`, by the rules Hugging Face `datasets` follows
+for a Hub repository or a local folder (datasets/data_files.py), so that a downloaded snapshot
+(`data/train-00000-of-00002.parquet` beside `data/test-00000-of-00001.parquet`) is read as its
+split, not whole:
+
+1. README.md's YAML `configs`: the `data_files` of the default config (`default: true`, else the one
+   named `default`, else the only one), or its `data_dir` read by the rules below;
+2. files named `data/{split}-NNNNN-of-NNNNN*.*`, any split name;
+3. split keywords in a folder name, then in a file name: train/training, validation/valid/dev/val,
+   test/testing/eval/evaluation, alone or between `-._ 0-9` characters;
+4. otherwise the folder names no split: every file is read, and `dataset.split` is only recorded.
+"""
+from __future__ import annotations
+
+import glob
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from actstore.errors import ConfigError
+
+README = "README.md"
+SHARDED = re.compile(r"^data/(?P<split>[^/]+)-\d{5}-of-\d{5}[^/]*\.[^/]*$")
+SPLIT_NAME = re.compile(r"^\w+(\.\w+)*$")  # datasets' own rule for a split name
+KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+            "test": ("test", "testing", "eval", "evaluation")}
+SEP = "[-._ 0-9]"
+
+
+def split_files(root: Path, files: list[Path], split: str) -> list[Path]:
+    """The files of `files` (data files under the folder `root`, in read order) that hold `split`;
+    all of them when the folder names no split. ConfigError when it names splits and not this one."""
+    configured = _readme_config(root)
+    if configured is not None and "data_dir" in configured and "data_files" not in configured:
+        root = root / str(configured["data_dir"])
+        files = [f for f in files if f.is_relative_to(root)]
+    if configured is not None and "data_files" in configured:
+        splits = {name: _matching(root, patterns, files) for name, patterns in _patterns(configured["data_files"]).items()}
+        how = f"{root / README}'s configs"
+    else:
+        splits, how = _named_splits(root, files)
+    if not splits:
+        return files
+    if split not in splits:
+        raise ConfigError(f"dataset.split {split!r} is not a split of {root} (its splits, by {how}: "
+                          f"{', '.join(splits)})")
+    return splits[split]
+
+
+def _named_splits(root: Path, files: list[Path]) -> tuple[dict[str, list[Path]], str]:
+    """Rules 2 and 3: {split: its files} and how they were named; {} when no file names a split."""
+    relative = {f: f.relative_to(root).as_posix() for f in files}
+    sharded = {f: match["split"] for f, rel in relative.items() if (match := SHARDED.match(rel))}
+    if sharded:
+        bad = sorted({s for s in sharded.values() if not SPLIT_NAME.match(s)})
+        if bad:
+            raise ConfigError(f"dataset.path {root}: data/{bad[0]}-NNNNN-of-NNNNN names the split {bad[0]!r}, "
+                              "which is not a split name (letters, digits, _ and .)")
+        found = set(sharded.values())
+        names = [s for s in KEYWORDS if s in found] + sorted(found - set(KEYWORDS))  # datasets' order
+        return {s: [f for f in files if sharded.get(f) == s] for s in names}, "data/{split}-NNNNN-of-NNNNN names"
+    for where, named in (("folder names", _in_folder), ("file names", _in_file_name)):
+        splits = {s: [f for f in files if any(named(relative[f], k) for k in keywords)]
+                  for s, keywords in KEYWORDS.items()}
+        splits = {s: found for s, found in splits.items() if found}
+        if splits:
+            return splits, f"split keywords in {where}"
+    return {}, ""
+
+
+def _in_folder(rel: str, keyword: str) -> bool:
+    return any(_named(folder, keyword) or folder == keyword or re.search(f"{SEP}{keyword}$", folder)
+               for folder in rel.split("/")[:-1])
+
+
+def _in_file_name(rel: str, keyword: str) -> bool:
+    return _named(rel.rsplit("/", 1)[-1], keyword)
+
+
+def _named(name: str, keyword: str) -> bool:
+    """`keyword` at the start of `name` or between separators, as datasets' patterns put it."""
+    return bool(re.match(f"{keyword}{SEP}", name) or re.search(f"{SEP}{keyword}{SEP}", name))
+
+
+def _readme_config(root: Path) -> dict[str, Any] | None:
+    """The default config of README.md's YAML front matter `configs`, or None."""
+    readme = root / README
+    if not readme.is_file():
+        return None
+    text = readme.read_text(errors="replace")
+    match = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
+    if not match:
+        return None
+    try:
+        front = yaml.safe_load(match[1]) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{readme}: its YAML header does not parse: {exc}") from None
+    configs = front.get("configs") if isinstance(front, dict) else None
+    if not isinstance(configs, list) or not configs:
+        return None
+    chosen = ([c for c in configs if isinstance(c, dict) and c.get("default") is True]
+              or [c for c in configs if isinstance(c, dict) and c.get("config_name") == "default"]
+              or (configs if len(configs) == 1 else []))
+    if not chosen or not isinstance(chosen[0], dict):
+        names = [c.get("config_name") for c in configs if isinstance(c, dict)]
+        raise ConfigError(f"{readme} lists the configs {', '.join(map(str, names))} and none is the default: "
+                          "set dataset.path to one config's files (a folder or a glob)")
+    return chosen[0]
+
+
+def _patterns(data_files: Any) -> dict[str, list[str]]:
+    """data_files as datasets reads it: a pattern or list of them (the train split), {split: ...},
+    or a list of {split, path}."""
+    if isinstance(data_files, str):
+        return {"train": [data_files]}
+    if isinstance(data_files, dict):
+        return {str(k): v if isinstance(v, list) else [v] for k, v in data_files.items()}
+    if isinstance(data_files, list) and all(isinstance(entry, dict) for entry in data_files):
+        return {str(e.get("split")): e.get("path") if isinstance(e.get("path"), list) else [e.get("path")]
+                for e in data_files}
+    if isinstance(data_files, list):
+        return {"train": data_files}
+    raise ConfigError(f"README.md configs data_files {data_files!r} is not a pattern, a list or a mapping of splits")
+
+
+def _matching(root: Path, patterns: list[Any], files: list[Path]) -> list[Path]:
+    """The files (in their read order) that a split's patterns, relative to `root`, match."""
+    matched = set()
+    for pattern in patterns:
+        if not isinstance(pattern, str) or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+            raise ConfigError(f"{root / README}: data_files pattern {pattern!r} is not a path inside {root}")
+        matched.update(Path(p) for p in glob.glob(str(root / pattern), recursive=True))
+    return [f for f in files if f in matched]
