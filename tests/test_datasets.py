@@ -1236,3 +1236,29 @@ def test_a_folder_that_names_no_split_is_read_whole(tmp_path):
     _jsonl(tmp_path / "shard-b.jsonl", _rows(2, 2))
     for split in ("train", "validation"):
         assert _texts(tmp_path, split) == ["row 0", "row 1", "row 2", "row 3"]
+
+
+def test_an_image_folder_with_split_folders_reads_its_split(tmp_path):
+    """train/<label>/..., validation/<label>/... (Hugging Face's imagefolder layout): the split's
+    folder is read and the labels are the folders below it (before: every split, labelled by split
+    name). A class folder that only contains a keyword stays a class; an unknown split is named."""
+    import numpy as np
+    from PIL import Image
+
+    for split, n in (("train", 3), ("validation", 2)):
+        for label in ("angular", "healthy"):
+            (tmp_path / split / label).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(tmp_path / split / label / f"{i}.png")
+    for split, n in (("train", 3), ("validation", 2)):
+        dataset = load_dataset(tmp_path, split=split)
+        assert [(s.text, s.label) for s in dataset.samples] == [
+            (f"{label}/{i}.png", label) for label in ("angular", "healthy") for i in range(n)]
+        assert dataset.labels == ["angular", "healthy"]
+    with pytest.raises(ConfigError, match=r"dataset.split 'test' is not a split of the image folder .* train, validation"):
+        load_dataset(tmp_path, split="test")
+    classes = tmp_path / "classes"
+    for label in ("test_tube", "beaker"):
+        (classes / label).mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(classes / label / "0.png")
+    assert load_dataset(classes).labels == ["beaker", "test_tube"]

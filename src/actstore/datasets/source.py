@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.datasets.splits import split_files
+from actstore.datasets.splits import split_files, split_folder
 from actstore.errors import ConfigError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -117,6 +117,10 @@ def _folder_source(root: Path, fmt: str, split: str) -> Source:
         return Source(fmt, root, tuple(files))
     images = tuple(p for p in files if folder_file(p.name, "image_folder"))
     if fmt == "image_folder" or (fmt == "auto" and images):
+        if (chosen := split_folder(root, split)) != root:  # train/<label>/..., validation/<label>/...
+            root = chosen
+            files = [p for p in files if p.is_relative_to(root)]
+            images = tuple(p for p in images if p.is_relative_to(root))
         return Source("image_folder", root, images, metadata=_metadata_file(root, files))
     shards = {p: kind for p in files if (kind := shard_format(p))}
     shards = {p: shards[p] for p in split_files(root, list(shards), split)}  # a Hub snapshot's split

@@ -9,6 +9,11 @@ split, not whole:
 3. split keywords in a folder name, then in a file name: train/training, validation/valid/dev/val,
    test/testing/eval/evaluation, alone or between `-._ 0-9` characters;
 4. otherwise the folder names no split: every file is read, and `dataset.split` is only recorded.
+
+An image folder (label = first-level folder) takes rule 3 only where a first-level folder's whole
+name is a split keyword (`train/cat/1.jpg`, `validation/dog/2.jpg`, as Hugging Face's imagefolder
+datasets are laid out): that folder is the one read, its subfolders the labels. A class folder that
+merely contains a keyword (`test_tube/`) stays a class.
 """
 from __future__ import annotations
 
@@ -47,6 +52,25 @@ def split_files(root: Path, files: list[Path], split: str) -> list[Path]:
         raise ConfigError(f"dataset.split {split!r} is not a split of {root} (its splits, by {how}: "
                           f"{', '.join(splits)})")
     return splits[split]
+
+
+def split_folder(root: Path, split: str) -> Path:
+    """An image folder's folder for `split`: `root/<keyword>` when a first-level folder is named by a
+    split keyword; `root` when none is. ConfigError when some are and not this split."""
+    by_split: dict[str, list[Path]] = {}
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        named = [name for name, keywords in KEYWORDS.items() if folder.name in keywords]
+        if named:
+            by_split.setdefault(named[0], []).append(folder)
+    if not by_split:
+        return root
+    if split not in by_split:
+        raise ConfigError(f"dataset.split {split!r} is not a split of the image folder {root} (its split folders: "
+                          f"{', '.join(f.name for folders in by_split.values() for f in folders)})")
+    if len(by_split[split]) > 1:
+        raise ConfigError(f"dataset.path {root}: {' and '.join(f.name for f in by_split[split])} both name the "
+                          f"split {split!r}; set dataset.path to one of them")
+    return by_split[split][0]
 
 
 def _named_splits(root: Path, files: list[Path]) -> tuple[dict[str, list[Path]], str]:
