@@ -495,6 +495,42 @@ def test_truncated_texts_are_counted_not_silent(kind, extracted, capsys):
     assert f"n_truncated_samples {sum(counts)}\n" in capsys.readouterr().out
 
 
+def test_a_custom_code_model_runs_only_when_trusted(model_dir, text_jsonl, tmp_path, monkeypatch):
+    """A checkpoint whose classes are Python in its folder (config.json auto_map, as nomic-embed's):
+    without model.trust_remote_code the job names the key and the code before any weight loads;
+    with it, every stored vector equals the model's own block output, part.json records the
+    auto_map, and the extract hash is the same (the key changes no byte)."""
+    import actstore.extract.run as ex
+    from actstore.hashing import stage_hash
+
+    folder = model_dir("custom_code")
+    config = tiny.make_config(tmp_path, folder, text_jsonl, extract={"layers": [0, 2], "parts": 1})
+    real_load = ex.load_model
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=r"maps AutoConfig to 'configuration_tiny_custom.TinyCustomConfig'.*"
+                                          r"model.trust_remote_code: true"):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+    monkeypatch.setattr(ex, "load_model", real_load)
+    trusted = tiny.make_config(tmp_path, folder, text_jsonl, model={"trust_remote_code": True},
+                               extract={"layers": [0, 2], "parts": 1})
+    assert stage_hash(trusted, "extract") == stage_hash(config, "extract")
+    run_part(trusted, 0, tmp_path / "part-0000", progress=False)
+    part = open_part(tmp_path / "part-0000")
+    assert part.meta["model"]["auto_map"]["AutoModel"] == "modeling_tiny_custom.TinyCustomModel"
+    assert part.meta["model"]["blocks_path"] == "blocks"
+    loaded = load_model(folder, trust_remote_code=True)
+    for local in range(len(part.samples)):
+        captured = {}
+        handles = [loaded.blocks[i].register_forward_hook(
+            lambda module, args, output, i=i: captured.__setitem__(i, output[0])) for i in (0, 2)]
+        with torch.inference_mode():
+            loaded.model(input_ids=torch.tensor([part.token_ids(local).tolist()]))
+        for handle in handles:
+            handle.remove()
+        for i in (0, 2):
+            assert rel_err(part.activations(f"layer_{i}", local), captured[i].numpy()) <= REL_TOL, (local, i)
+
+
 def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
     import shutil
     _, out = extracted("bert")

@@ -198,6 +198,9 @@ def build_model(kind: str, out: Path) -> Path:
     elif kind == "siglip":
         tf.SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
         model = tf.SiglipVisionModel(tf.SiglipVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
+    elif kind == "custom_code":  # its classes are Python in its folder (config.json auto_map), as nomic-embed's
+        train_tokenizer(out, causal=False)
+        model = custom_code_model(out, common)
     else:
         raise ValueError(kind)
     model.eval().save_pretrained(out)
@@ -205,6 +208,76 @@ def build_model(kind: str, out: Path) -> Path:
         config = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**config.pop("text_config"), **config}))
     return out
+
+
+CUSTOM_CONFIG = """from transformers import PretrainedConfig
+
+
+class TinyCustomConfig(PretrainedConfig):
+    model_type = "tiny_custom"
+
+    def __init__(self, vocab_size=300, hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+                 max_position_embeddings=128, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
+        self.intermediate_size, self.max_position_embeddings = intermediate_size, max_position_embeddings
+"""
+CUSTOM_MODEL = """import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from .configuration_tiny_custom import TinyCustomConfig
+
+
+class MixBlock(nn.Module):
+    # Each token plus the masked mean of the text's tokens: padding never changes a real token.
+    def __init__(self, config):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.hidden_size)
+        self.mix = nn.Linear(config.hidden_size, config.hidden_size)
+        self.ff = nn.Sequential(nn.Linear(config.hidden_size, config.intermediate_size), nn.GELU(),
+                                nn.Linear(config.intermediate_size, config.hidden_size))
+
+    def forward(self, x, mask):
+        weights = mask[..., None].to(x.dtype)
+        context = (x * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True)
+        x = x + self.mix(self.norm(x) + context)
+        return x + self.ff(x)
+
+
+class TinyCustomModel(PreTrainedModel):
+    config_class = TinyCustomConfig
+    base_model_prefix = "tiny"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(MixBlock(config) for _ in range(config.num_hidden_layers))
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        x = self.embed(input_ids) + self.position(torch.arange(input_ids.shape[1], device=input_ids.device))[None]
+        for block in self.blocks:
+            x = block(x, mask)
+        return BaseModelOutput(last_hidden_state=x)
+"""
+
+
+def custom_code_model(out: Path, common: dict):
+    """A model whose config and classes are Python files in its folder (auto_map), built from them."""
+    from transformers import AutoConfig, AutoModel
+
+    (out / "configuration_tiny_custom.py").write_text(CUSTOM_CONFIG)
+    (out / "modeling_tiny_custom.py").write_text(CUSTOM_MODEL)
+    sizes = {k: v for k, v in common.items() if k != "num_attention_heads"}
+    (out / "config.json").write_text(json.dumps({
+        "model_type": "tiny_custom", "architectures": ["TinyCustomModel"], "vocab_size": 300, **sizes,
+        "auto_map": {"AutoConfig": "configuration_tiny_custom.TinyCustomConfig",
+                     "AutoModel": "modeling_tiny_custom.TinyCustomModel"}}))
+    return AutoModel.from_config(AutoConfig.from_pretrained(out, trust_remote_code=True), trust_remote_code=True)
 
 
 def write_image_folder(root: Path, per_class: int = 4) -> Path:

@@ -28,7 +28,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 # hashes its dataset by path as those releases did (see dataset_identity).
 LEGACY_DATASET_KEYS = {"path", "name", "split", "limit"}
 # Keys that change how a stage runs, never what it writes (tested byte for byte): not hashed.
-EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"extract": ("num_workers", "buffers", "writer_threads"),
+EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"model": ("trust_remote_code",),
+                                              "extract": ("num_workers", "buffers", "writer_threads"),
                                               "saev": ("jobs",), "lmprobe": ("jobs",), "zarr": ("jobs", "merge_jobs"),
                                               "pickle": ("threads", "jobs")}
 

@@ -64,8 +64,8 @@ def check_targets_before_training(config: dict[str, Any], extract_dir: str | Pat
     from actstore.sae import tensors
 
     d_in = tensors(open_extraction(extract_dir, config["extract"]["parts"]), resolve_hook(config))[0].shape[1]
-    target_linears(model_skeleton(resolve_model_path(config["model"]["path"]), config["model"].get("tower")),
-                   config["lut"]["targets"], d_in)
+    target_linears(model_skeleton(resolve_model_path(config["model"]["path"]), config["model"].get("tower"),
+                                  bool(config["model"].get("trust_remote_code"))), config["lut"]["targets"], d_in)
 
 
 def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -88,7 +88,7 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
 
     sae, sae_meta = load_sae(Path(sae_dir) / SAE_FILE)
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", config["lut"]["device"],
-                        config["model"].get("tower"))
+                        config["model"].get("tower"), bool(config["model"].get("trust_remote_code")))
     tables = build_tables(config, loaded.model, sae.state())
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(Path(sae_dir) / SAE_FILE),

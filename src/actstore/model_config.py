@@ -70,7 +70,19 @@ def run_config(model: dict[str, Any]) -> dict[str, Any]:
     reads as an image model's config.json; else config.json as it is."""
     config = read_model_config(resolve_model_path(model["path"]))
     check_tower(config, model.get("tower"), model["path"])
+    check_remote_code(config, model)
     return vision_tower_config(config) if model.get("tower") == "vision" else config
+
+
+def check_remote_code(config: dict[str, Any], model: dict[str, Any]) -> None:
+    """ConfigError before anything runs when config.json's `auto_map` sends the model's classes to
+    Python files in its folder (nomic-embed, jina, gte-v1.5 and other custom-code checkpoints) and
+    model.trust_remote_code is not set: loading them executes that code."""
+    custom = config.get("auto_map")
+    if isinstance(custom, dict) and custom and not model.get("trust_remote_code"):
+        first = next(iter(custom.items()))
+        raise ConfigError(f"model.path {model['path']}: its config.json maps {first[0]} to {first[1]!r}, Python in "
+                          "the model folder; set model.trust_remote_code: true to run it (it executes that code)")
 
 
 def check_tower(config: dict[str, Any], tower: str | None, spec: str | Path) -> None:

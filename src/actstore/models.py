@@ -12,7 +12,7 @@ from torch import nn
 
 from actstore.checkpoint import load_weights
 from actstore.errors import ConfigError
-from actstore.model_config import (check_tower, is_vision_language, model_kind, num_blocks, read_model_config,
+from actstore.model_config import (check_remote_code, check_tower, is_vision_language, model_kind, num_blocks, read_model_config,
                                    vision_tower_config)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -94,68 +94,73 @@ def _tower(config: dict[str, Any], model: nn.Module, tower: str | None) -> nn.Mo
     return model
 
 
-def model_skeleton(path: str | Path, tower: str | None = None) -> nn.Module:
+def model_skeleton(path: str | Path, tower: str | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The model's module tree with no weights (meta device, seconds even for large models), so
-    module paths (hooks, LUT targets) are checked before any weight is loaded. `tower`: model.tower."""
+    module paths (hooks, LUT targets) are checked before any weight is loaded. `tower`: model.tower;
+    `trust_remote_code`: model.trust_remote_code (checked: model_config.check_remote_code)."""
     from transformers import AutoConfig
 
     config = read_model_config(path)
     check_tower(config, tower, path)
+    check_remote_code(config, {"path": str(path), "trust_remote_code": trust_remote_code})
     with torch.device("meta"):
         return _tower(config, _auto_class(config).from_config(
-            AutoConfig.from_pretrained(Path(path), local_files_only=True)), tower)
+            AutoConfig.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code),
+            trust_remote_code=trust_remote_code), tower)
 
 
-def _vision_tower(path: Path, dtype: torch.dtype) -> nn.Module:
+def _vision_tower(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
     """A vision-language checkpoint's vision tower, reading only its own weights (Gemma 3 27B's is
     ~0.8 GB of a 54 GB checkpoint): its class and config are the whole model's skeleton's, built on
     the CPU with no random init (its non-persistent buffers, position ids, as its __init__ makes
     them), in `dtype`, then filled from the checkpoint's tensors for it (checkpoint.load_weights)."""
     from transformers.initialization import no_init_weights
 
-    skeleton = model_skeleton(path, tower="vision")
+    skeleton = model_skeleton(path, "vision", trust_remote_code)
     with no_init_weights():
         model = type(skeleton)._from_config(skeleton.config, dtype=dtype)
     load_weights(model, path, "vision tower")
     return model
 
 
-def load_image_processor(path: str | Path) -> Any:
+def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The model folder's image processor (the one extraction uses, so masks can follow its geometry)."""
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True)
+        return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except ImportError as exc:  # DINOv3's processor exists only with the torchvision backend
         raise ConfigError(f"model.path {path}: its image processor (preprocessor_config.json) cannot load here: "
                           f"{str(exc).strip().splitlines()[0]}") from None
 
 
 def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto",
-               tower: str | None = None) -> LoadedModel:
+               tower: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load weights and preprocessor from a local folder; never touches a hub. `tower`: model.tower
-    (vision: a vision-language checkpoint's vision tower runs, on images; its config is run_config's)."""
+    (vision: a vision-language checkpoint's vision tower runs, on images; its config is run_config's);
+    `trust_remote_code`: model.trust_remote_code, needed by a checkpoint whose classes are its own code."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     checkpoint = read_model_config(path)
     check_tower(checkpoint, tower, path)
+    check_remote_code(checkpoint, {"path": str(path), "trust_remote_code": trust_remote_code})
     config = vision_tower_config(checkpoint) if tower == "vision" else checkpoint
     kind = model_kind(config)
     dev = pick_device(device)
     if tower == "vision":
-        model = _vision_tower(path, TORCH_DTYPES[torch_dtype])
+        model = _vision_tower(path, TORCH_DTYPES[torch_dtype], trust_remote_code)
     else:
-        model = _tower(checkpoint, _auto_class(checkpoint).from_pretrained(path, dtype=TORCH_DTYPES[torch_dtype],
-                                                                           local_files_only=True), tower)
+        model = _tower(checkpoint, _auto_class(checkpoint).from_pretrained(
+            path, dtype=TORCH_DTYPES[torch_dtype], local_files_only=True, trust_remote_code=trust_remote_code), tower)
     model = model.to(dev).eval()
     # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
     language_model = model.get_decoder() if is_vision_language(config) else None
     blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)
     if kind == "vision":
-        preprocessor = load_image_processor(path)
+        preprocessor = load_image_processor(path, trust_remote_code)
     else:
-        preprocessor = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        preprocessor = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         if preprocessor.pad_token_id is None:
             # Right padding only; pad positions are never stored, so any id works.
             preprocessor.pad_token = preprocessor.eos_token or preprocessor.unk_token

@@ -51,7 +51,7 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
                           f"{model_path} (model_type {model_config.get('model_type')}) takes {want}s"
                           + modality_hint(model_config))
     if config["extract"]["hooks"]:
-        skeleton = model_skeleton(model_path, config["model"].get("tower"))
+        skeleton = model_skeleton(model_path, config["model"].get("tower"), trusted(config))
         for spec in config["extract"]["hooks"]:
             get_module(skeleton, parse_hook(spec)[0])
     return model_path, dataset
@@ -72,11 +72,12 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     if vision:  # every image has the same token count: the batches are known before the model is
         check_images(dataset.opener, samples, cpus)
         batches = length_batches([1] * len(samples), ext["batch_size"])
-        processor = load_image_processor(model_path)
+        processor = load_image_processor(model_path, trusted(config))
         pixels = image_batches(processor, dataset.opener, samples, batches, workers,
                                pick_device(ext["device"]).type == "cuda")
     torch.manual_seed(0)
-    loaded = load_model(model_path, run_dtype(config["model"]), ext["device"], config["model"].get("tower"))
+    loaded = load_model(model_path, run_dtype(config["model"]), ext["device"], config["model"].get("tower"),
+                        trusted(config))
     saved = saved_dtype(loaded.config)
     if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
         log.warning("model.torch_dtype float32 runs a checkpoint saved in %s at twice its memory and without "
@@ -118,6 +119,11 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             {} if token_ids is None else {"n_truncated_samples": truncated}))
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
     return meta
+
+
+def trusted(config: dict[str, Any]) -> bool:
+    """model.trust_remote_code (absent in a config made before the key: false)."""
+    return bool(config["model"].get("trust_remote_code"))
 
 
 def writer_threads(ext: dict[str, Any], cpus: int) -> int:
@@ -220,7 +226,9 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
                   "model_type": loaded.config.get("model_type"),
                   "architecture": (loaded.config.get("architectures") or [type(loaded.model).__name__])[0],
                   "torch_dtype": run_dtype(config["model"]), "blocks_path": loaded.blocks_path,
-                  "n_blocks": len(loaded.blocks), **tower_record(config["model"], loaded)},
+                  "n_blocks": len(loaded.blocks), **tower_record(config["model"], loaded),
+                  # the classes that ran were the folder's own code (config.json auto_map)
+                  **({"auto_map": loaded.config["auto_map"]} if trusted(config) and "auto_map" in loaded.config else {})},
         "dataset": {"path": str(dataset.root), "name": config["dataset"]["name"] or dataset.root.name,
                     "split": config["dataset"]["split"], "labels": dataset.labels},
         "max_seq_length": ext["max_seq_length"], "batch_size": ext["batch_size"],
