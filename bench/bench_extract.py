@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -228,12 +229,14 @@ def watch_shared_memory(peak: list[int], stop: threading.Event) -> None:
 def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> dict:
     """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
     best times, every round, and the median of the per-round ratios."""
-    bare, extract, ratios = [], [], []
+    bare, extract, ratios, peaks = [], [], [], {"bare": 0.0, "extract": 0.0}
     for repeat in range(repeats):
-        bare_s, loaded, make_inputs, units = bare_forward(config, threads)
+        with gpu_peak(peaks, "bare"):
+            bare_s, loaded, make_inputs, units = bare_forward(config, threads)
         target = out / f"part-{repeat}"
         started = time.perf_counter()
-        meta = run_part(config, 0, target, progress=False, threads=threads)
+        with gpu_peak(peaks, "extract"):
+            meta = run_part(config, 0, target, progress=False, threads=threads)
         extract.append(time.perf_counter() - started)
         bare.append(bare_s)
         ratios.append(extract[-1] / bare_s)
@@ -241,7 +244,19 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> d
         shutil.rmtree(target)
     return {"units": units, "bare_forward_s": min(bare), "extract_s": min(extract), "bytes_written": written,
             "bare_forward_rounds_s": [round(x, 3) for x in bare], "extract_rounds_s": [round(x, 3) for x in extract],
-            "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs)}
+            "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs),
+            **({f"{phase}_peak_gpu_mb": round(mb) for phase, mb in peaks.items()} if torch.cuda.is_available() else {})}
+
+
+@contextmanager
+def gpu_peak(peaks: dict[str, float], phase: str):
+    """The most GPU memory `phase` held (MiB), over its rounds: the bare forward's logits against
+    extraction's (the (batch, tokens, vocab) logits are what extraction does without)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if torch.cuda.is_available():
+        peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated() / 2**20)
 
 
 def synthetic(out: Path, device: torch.device, n_bytes: int, d: int, n_tensors: int, args) -> dict:
