@@ -531,6 +531,33 @@ def test_a_custom_code_model_runs_only_when_trusted(model_dir, text_jsonl, tmp_p
             assert rel_err(part.activations(f"layer_{i}", local), captured[i].numpy()) <= REL_TOL, (local, i)
 
 
+@pytest.mark.parametrize("kind, limit", [("bert", 128), ("gpt2", 128)])
+def test_a_sequence_longer_than_learned_positions_is_refused_before_the_weights(kind, limit, model_dir, text_jsonl,
+                                                                                tmp_path, monkeypatch):
+    """A learned position table of 128 (BERT's max_position_embeddings, GPT-2's n_positions):
+    max_seq_length 129 is named with the limit before any weight loads (before: a shape error after
+    loading, a device-side assert on a GPU), and so is a tokenizer's smaller model_max_length; a
+    rotary model (Llama) takes it."""
+    import shutil
+
+    import actstore.extract.run as ex
+
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    config = tiny.make_config(tmp_path, model_dir(kind), text_jsonl, extract={"max_seq_length": limit + 1})
+    with pytest.raises(ConfigError, match=rf"extract.max_seq_length {limit + 1}: .* learned positions for {limit} "
+                                          rf"tokens \(config.json (max_position_embeddings|n_positions)\)"):
+        run_part(config, 0, tmp_path / "part", progress=False)
+    folder = shutil.copytree(model_dir(kind), tmp_path / "model")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 100}))
+    config = tiny.make_config(tmp_path, folder, text_jsonl, extract={"max_seq_length": 101})
+    with pytest.raises(ConfigError, match=r"learned positions for 100 tokens \(tokenizer_config.json model_max_length\)"):
+        run_part(config, 0, tmp_path / "part", progress=False)
+    monkeypatch.undo()
+    config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, extract={"max_seq_length": 129, "parts": 1})
+    assert run_part(config, 0, tmp_path / "llama-part", progress=False)["n_samples"] == 30
+
+
 def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
     import shutil
     _, out = extracted("bert")

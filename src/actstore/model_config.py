@@ -209,6 +209,36 @@ def check_layers(layers: list[int], config: dict[str, Any]) -> None:
                           "its forward skips them, and the stream after each is the block before's output")
 
 
+# Text models whose positions are a learned table (BERT's family, GPT-2, OPT...): a longer input
+# indexes past it, a shape error on the CPU and a device-side assert on a GPU, after the weights load.
+# Rotary, relative and ALiBi positions extend past the trained length instead.
+ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "albert", "distilbert",
+                           "ernie", "data2vec-text", "mpnet", "gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt",
+                           "xglm")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_path: str | Path) -> None:
+    """ConfigError when extract.max_seq_length passes the positions a learned-position text model
+    has: config.json's n_positions / max_position_embeddings, or its tokenizer's model_max_length
+    where smaller (RoBERTa's table of 514 holds 512 tokens: its positions start after the padding id)."""
+    text = config.get("text_config") or config
+    if text.get("model_type") not in ABSOLUTE_POSITION_TYPES or text.get("position_embedding_type", "absolute") != "absolute":
+        return
+    limits = [(text[key], f"config.json {key}") for key in ("n_positions", "max_position_embeddings")
+              if isinstance(text.get(key), int)][:1]
+    tokenizer_config = Path(model_path) / TOKENIZER_CONFIG
+    if tokenizer_config.is_file():
+        stated = json.loads(tokenizer_config.read_text()).get("model_max_length")
+        if isinstance(stated, int) and stated < 1 << 30:  # transformers writes ~1e30 for "not stated"
+            limits.append((stated, f"{TOKENIZER_CONFIG} model_max_length"))
+    if limits and max_seq_length > min(limits)[0]:
+        limit, where = min(limits)
+        raise ConfigError(f"extract.max_seq_length {max_seq_length}: {model_path} (model_type {text['model_type']}) "
+                          f"has learned positions for {limit} tokens ({where}); a longer text would index past them. "
+                          f"Set extract.max_seq_length to at most {limit}")
+
+
 def image_only_blocks(config: dict[str, Any]) -> list[int]:
     """Blocks of a vision-language model's language model that run only with an image: Llama 3.2
     Vision's (Mllama) cross-attention blocks, which its forward skips when given text alone."""
