@@ -558,6 +558,25 @@ def test_a_sequence_longer_than_learned_positions_is_refused_before_the_weights(
     assert run_part(config, 0, tmp_path / "llama-part", progress=False)["n_samples"] == 30
 
 
+def test_a_tokenizer_without_pad_eos_or_unk_token_still_batches(model_dir, text_jsonl, tmp_path):
+    """Some byte-level BPE tokenizers are saved with no special token at all: texts of several lengths
+    are still right-padded in one batch (pad positions are never stored), and each vector equals the
+    unbatched block output."""
+    import shutil
+
+    folder = shutil.copytree(model_dir("gpt2"), tmp_path / "model")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {k: v for k, v in settings.items() if k not in ("bos_token", "eos_token", "pad_token", "unk_token")}))
+    assert load_model(folder).preprocessor.pad_token_id == 0
+    config = tiny.make_config(tmp_path, folder, text_jsonl, extract={"layers": [1], "parts": 1})
+    run_part(config, 0, tmp_path / "part", progress=False)
+    part = open_part(tmp_path / "part")
+    for local in (0, 11):
+        ref, _ = reference_outputs(folder, part.samples[local]["text"], [1], [])
+        assert rel_err(part.activations("layer_1", local), ref["layer_1"].numpy()) <= REL_TOL
+
+
 def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
     import shutil
     _, out = extracted("bert")

@@ -162,8 +162,10 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     else:
         preprocessor = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         if preprocessor.pad_token_id is None:
-            # Right padding only; pad positions are never stored, so any id works.
-            preprocessor.pad_token = preprocessor.eos_token or preprocessor.unk_token
+            # Right padding only; pad positions are never stored, so any id works (id 0's token for a
+            # tokenizer with no eos or unk token either, as some byte-level BPEs are saved).
+            preprocessor.pad_token = (preprocessor.eos_token or preprocessor.unk_token
+                                      or preprocessor.convert_ids_to_tokens(0))
     return LoadedModel(model, path, config, kind, blocks, blocks_path, preprocessor, dev)
 
 
