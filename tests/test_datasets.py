@@ -1262,3 +1262,19 @@ def test_an_image_folder_with_split_folders_reads_its_split(tmp_path):
         (classes / label).mkdir(parents=True)
         Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(classes / label / "0.png")
     assert load_dataset(classes).labels == ["beaker", "test_tube"]
+
+
+def test_a_load_dataset_cache_folder_reads_its_split(tmp_path):
+    """load_dataset's cache folder (dataset_info.json listing the splits, `{name}-{split}.arrow` and
+    `{name}-{split}-NNNNN-of-NNNNN.arrow`, no state.json): the split's files only (before: every
+    split's, test rows first); a split it lacks is named with those it has."""
+    tmp_path.mkdir(exist_ok=True)
+    tiny.write_arrow_stream(tmp_path / "json-train-00000-of-00002.arrow", pa.Table.from_pylist(_rows(0, 3)))
+    tiny.write_arrow_stream(tmp_path / "json-train-00001-of-00002.arrow", pa.Table.from_pylist(_rows(3, 2)))
+    tiny.write_arrow_stream(tmp_path / "json-test.arrow", pa.Table.from_pylist(_rows(5, 2)))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"splits": {
+        "train": {"name": "train", "num_examples": 5}, "test": {"name": "test", "num_examples": 2}}}))
+    assert _texts(tmp_path, "train") == [f"row {i}" for i in range(5)]
+    assert _texts(tmp_path, "test") == ["row 5", "row 6"]
+    with pytest.raises(ConfigError, match=r"dataset.split 'validation' is not a split of this dataset \(splits: train, test\)"):
+        load_dataset(tmp_path, split="validation")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,13 +193,29 @@ def _hf_disk_source(root: Path, split: str) -> Source:
                               f"of this dataset (splits: {', '.join(splits)})")
         root = root / split
     state = _read_json(root / "state.json") if (root / "state.json").is_file() else {}
+    info = _read_json(root / "dataset_info.json") if (root / "dataset_info.json").is_file() else {}
     names = [f["filename"] for f in state.get("_data_files", [])]
-    files = tuple(root / n for n in names) if names else tuple(sorted(root.glob("*.arrow")))
+    files = tuple(root / n for n in names) if names else _cache_files(root, info, split)
     missing = [p for p in files if not p.is_file()]
     if missing or not files:
         raise ConfigError(f"{root}: save_to_disk folder lacks its data file {missing[0] if missing else '*.arrow'}")
-    info = _read_json(root / "dataset_info.json") if (root / "dataset_info.json").is_file() else {}
     return Source("hf_disk", root, files, info.get("features") or {})
+
+
+def _cache_files(root: Path, info: dict[str, Any], split: str) -> tuple[Path, ...]:
+    """The Arrow files of a folder without state.json: `load_dataset`'s cache folder, whose
+    dataset_info.json lists its splits and whose files are `{name}-{split}.arrow` or
+    `{name}-{split}-NNNNN-of-NNNNN.arrow`, takes the split's (before: every split's, test rows before
+    train); any other folder, every *.arrow file."""
+    files = sorted(root.glob("*.arrow"))
+    splits = info.get("splits") if isinstance(info.get("splits"), dict) else {}
+    if not splits:
+        return tuple(files)
+    if split not in splits:
+        raise ConfigError(f"{root / 'dataset_info.json'}: dataset.split {split!r} is not a split of this dataset "
+                          f"(splits: {', '.join(splits)})")
+    named = re.compile(rf"-{re.escape(split)}(-\d{{5}}-of-\d{{5}})?\.arrow$")
+    return tuple(p for p in files if named.search(p.name))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
