@@ -950,14 +950,14 @@ def test_a_json_array_that_is_not_one_is_named_with_its_element(tmp_path):
 
 def awkward_jsonl(root: Path, suffix: str = "") -> Path:
     """Three JSONL files with blank lines (first, last, doubled, whitespace only), CRLF endings,
-    non-ASCII text and a file of blank lines only: rows start at every kind of place. `suffix`:
-    .gz or .zst files."""
+    non-ASCII text, a UTF-8 byte order mark (as Windows saves) and a file of blank lines only: rows
+    start at every kind of place. `suffix`: .gz or .zst files."""
     root.mkdir()
     rows = [{"text": f"row {i} " + "\u00e9\u4e16" * (i % 5), "label": f"l{i % 3}", "i": i} for i in range(60)]
     lines = [json.dumps(r, ensure_ascii=i % 2 == 0) for i, r in enumerate(rows)]
     for name, text in [("a", "\n" + "\n\n".join(lines[:25]) + "\n  \n"),
                        ("b", "\r\n".join(lines[25:40])),  # no final newline
-                       ("c", "\n\n"), ("d", "\n".join(lines[40:]) + "\n")]:
+                       ("c", "\n\n"), ("d", "\ufeff" + "\n".join(lines[40:]) + "\n")]:
         (root / f"{name}.jsonl{suffix}").write_bytes(compressed(text.encode(), suffix))
     return root
 

@@ -132,8 +132,9 @@ def _lines(files: tuple[Path, ...], file: int, start: Mark) -> Iterator[Row]:
 def open_text(path: Path) -> IO[str]:
     """A JSONL file as UTF-8 text; a .gz or .zst file decompressed as it is read. Positions (tell,
     seek) are in the decompressed text, so the scan's marks work alike: a compressed stream cannot
-    be entered midway, so seeking to one decompresses the file up to it."""
-    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8")
+    be entered midway, so seeking to one decompresses the file up to it. A UTF-8 byte order mark
+    at its start (files saved on Windows) is skipped, as Hugging Face's json loader skips it."""
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig")
 
 
 def _compressed(path: Path) -> bool:
