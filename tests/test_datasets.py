@@ -888,12 +888,13 @@ def test_a_json_array_reads_as_the_same_rows_in_jsonl(suffix, rows, jsonl_parts,
 
 def test_a_json_array_read_a_few_bytes_at_a_time_gives_the_same_rows_and_marks(tmp_path, monkeypatch):
     """Elements, multi-byte characters and numbers cut by the read's chunks; the text dropped as it
-    is passed: the same rows, and marks (byte positions) from which every part reads its share."""
+    is passed: the same rows, and marks (byte positions) from which every part reads its share. The
+    file starts with a UTF-8 byte order mark, as Windows saves it."""
     from actstore.datasets import json_array
 
     rows = [{"text": f"row {i} " + "\u00e9\u4e16" * (i % 4), "label": i % 3, "n": 10 ** (i % 7)} for i in range(40)]
     path = tmp_path / "data.json"
-    path.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
+    path.write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8-sig")
     whole = flat(load_dataset(path))
     assert [(text, label, meta) for _, text, label, meta, _ in whole] == [(r["text"], r["label"], {"n": r["n"]})
                                                                             for r in rows]

@@ -11,6 +11,7 @@ from typing import IO, Any, Callable, Iterator
 CHUNK = 1 << 20  # bytes read at a time
 MAX_ELEMENT_CHARS = 1 << 28  # an element longer than this is named rather than buffered on
 WHITESPACE = " \t\n\r"
+BOM = "\ufeff"
 
 
 class ArrayError(ValueError):
@@ -18,9 +19,9 @@ class ArrayError(ValueError):
 
 
 def starts_array(head: bytes) -> bool:
-    """Whether a file starting with `head` holds a JSON array (its first character, after
-    whitespace, is `[`; JSON lines start with `{`)."""
-    return head.lstrip(WHITESPACE.encode())[:1] == b"["
+    """Whether a file starting with `head` holds a JSON array (its first character, after a byte
+    order mark and whitespace, is `[`; JSON lines start with `{`)."""
+    return head.removeprefix(codecs.BOM_UTF8).lstrip(WHITESPACE.encode())[:1] == b"["
 
 
 def elements(fh: IO[bytes], position: int = 0, number: int = 0
@@ -31,6 +32,8 @@ def elements(fh: IO[bytes], position: int = 0, number: int = 0
     a JSON array, ends inside it, or goes on after it."""
     reader = _Reader(fh, position if number else 0)
     if not number:
+        if reader.next_char() == BOM:  # a byte order mark, as Windows saves UTF-8
+            reader.i += 1
         if reader.next_char() != "[":
             raise ArrayError("a JSON array starts with [")
         reader.i += 1
