@@ -460,6 +460,24 @@ def test_a_deleted_top_metadata_file_is_named_not_an_unknown_format(workflow_run
     assert str(store / metadata) in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, gone, sealed", [("lut", "lut", "lut/metadata.json"),
+                                                ("lmprobe", "dataset", "dataset/SHA256SUMS"),
+                                                ("saev", "saev.json", "saev.json")])
+def test_a_format_stage_whose_store_is_gone_is_a_problem_not_an_unknown_format(workflow_run, name, gone, sealed,
+                                                                               tmp_path):
+    """A workflow stage directory of a format stage whose store folder or pointer was deleted or renamed:
+    verify exits 1 naming the stage directory and, by its stage config's seal, the file now missing
+    (before: exit 2, "holds none of the known formats")."""
+    config = copied_run(workflow_run, tmp_path)
+    directory = stage_dir(config, name)
+    (directory / gone).rename(directory / f"{gone}.old")
+    proc = actstore("verify", str(directory))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{directory}: holds no {name} store" in proc.stdout
+    assert str(directory / sealed) in proc.stdout, proc.stdout
+
+
 def _point_outside(store: Path, name: str, outside: Path) -> str:
     """Plant a name leading out of the store in the metadata readers follow; return it."""
     if name == "saev":

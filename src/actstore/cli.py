@@ -59,9 +59,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from actstore.hashing import is_stage_dir, stage_problems
 
     stage = args.path.absolute().parent.name
-    if is_stage_dir(args.path) and stage not in FORMAT_NAMES and detect_format(args.path) is None:
-        # A stage that writes no format's store (sae: the checkpoint): its stage config's seal is the check.
-        what, problems = f"{stage} stage", []
+    if is_stage_dir(args.path) and detect_format(args.path) is None:
+        # A stage that writes no format's store (sae: the checkpoint), or a format stage whose store is
+        # gone (its folder or top metadata deleted, renamed): its stage config's seal is the check, and
+        # names the sealed files no longer there.
+        what = f"{stage} stage"
+        problems = [f"{args.path}: holds no {stage} store (deleted or renamed)"] if stage in FORMAT_NAMES else []
     else:
         name = _detect_or_exit(args.path)
         what = f"{name} store"

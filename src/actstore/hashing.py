@@ -175,10 +175,12 @@ def stage_dirs(config: dict[str, Any]) -> dict[str, Path]:
 def is_stage_dir(directory: Path) -> bool:
     """Whether `directory` is where the workflow puts a stage, {dump_to}/{stage}/{64 hex}/, and so
     must hold its stage config. saev's stores beside its stage directories are named by a hash too:
-    a saev stage directory is the one holding the pointer (saev.json)."""
+    a saev stage directory is the one holding the pointer (saev.json), or its stage config when the
+    pointer is gone (a store holds none)."""
     directory = directory.absolute()
     return (bool(re.fullmatch("[0-9a-f]{64}", directory.name)) and directory.parent.name in STAGES
-            and (directory.parent.name != "saev" or (directory / SAEV_POINTER).exists()))
+            and (directory.parent.name != "saev" or (directory / SAEV_POINTER).exists()
+                 or (directory / STAGE_CONFIG_FILE).exists()))
 
 
 def stage_problems(path: str | Path) -> list[str]:
