@@ -154,7 +154,7 @@ def measure(step: str, path: str, parts: int, part: int) -> dict:
     elif step == "load":
         units = len(load_dataset(path, parts=(parts, part), scan=read_scan(scan_file)).samples)
     else:
-        units = len(tokenize(loaded, samples, 512).flat)
+        units = len(tokenize(loaded.preprocessor, samples, 512).flat)
     return {"seconds": time.perf_counter() - started, "units": units, "grow_mb": peak_mb() - before,
             "child_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 

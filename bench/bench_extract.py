@@ -176,7 +176,7 @@ def bare_forward(config: dict, threads: int) -> tuple[float, object, object, int
         units = len(samples)
     else:
         loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
-        ids = tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat)
+        ids = tokenize(loaded.preprocessor, samples, ext["max_seq_length"], not dataset.chat)
         batches = length_batches([len(x) for x in ids], ext["batch_size"])
         make_inputs = lambda: text_batches(loaded, ids, batches, not ext["token_logprobs"])  # noqa: E731
         first_inputs = make_inputs()

@@ -577,6 +577,20 @@ def test_a_tokenizer_without_pad_eos_or_unk_token_still_batches(model_dir, text_
         assert rel_err(part.activations("layer_1", local), ref["layer_1"].numpy()) <= REL_TOL
 
 
+def test_a_text_that_tokenizes_to_nothing_is_named_before_the_weights_load(model_dir, tmp_path, monkeypatch):
+    """GPT-2's tokenizer adds no special token: an empty text (wikitext's blank rows) has no token to
+    store. The row is named while the job tokenizes, before any weight loads, and no part is left."""
+    import actstore.extract.run as ex
+
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in ["a first text", "more", "", "last"]))
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), data, extract={"parts": 1})
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    with pytest.raises(ConfigError, match="dataset row 2: text tokenizes to zero tokens"):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+    assert not (tmp_path / "part-0000").exists()
+
+
 def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):
     import shutil
     _, out = extracted("bert")

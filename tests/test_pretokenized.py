@@ -150,7 +150,7 @@ def test_a_table_row_that_is_not_token_ids_is_named(values, ids_type, message, t
         load_dataset(path, tokens_field="input_ids")
 
 
-def test_an_id_past_the_vocabulary_is_named_before_any_forward(model_dir, tmp_path, monkeypatch):
+def test_an_id_past_the_vocabulary_is_named_before_the_weights_load(model_dir, tmp_path, monkeypatch):
     import actstore.extract.run as run
 
     model = model_dir("llama")
@@ -159,7 +159,7 @@ def test_an_id_past_the_vocabulary_is_named_before_any_forward(model_dir, tmp_pa
     rows[7]["input_ids"][3] = vocab
     config = tiny.make_config(tmp_path, model, write_store("jsonl", rows, tmp_path),
                               dataset={"tokens_field": "input_ids"}, extract={"parts": 1})
-    monkeypatch.setattr(run, "extract_batches", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
     with pytest.raises(ConfigError, match=f"dataset row 7: token id {vocab} is outside the model's vocabulary "
                                           f"of {vocab} \\(dataset.tokens_field\\)"):
         run_part(config, 0, tmp_path / "part-0000", progress=False)

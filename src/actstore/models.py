@@ -139,8 +139,6 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     """Load weights and preprocessor from a local folder; never touches a hub. `tower`: model.tower
     (vision: a vision-language checkpoint's vision tower runs, on images; its config is run_config's);
     `trust_remote_code`: model.trust_remote_code, needed by a checkpoint whose classes are its own code."""
-    from transformers import AutoTokenizer
-
     path = Path(path)
     checkpoint = read_model_config(path)
     check_tower(checkpoint, tower, path)
@@ -157,16 +155,21 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
     language_model = model.get_decoder() if is_vision_language(config) else None
     blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)
-    if kind == "vision":
-        preprocessor = load_image_processor(path, trust_remote_code)
-    else:
-        preprocessor = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-        if preprocessor.pad_token_id is None:
-            # Right padding only; pad positions are never stored, so any id works (id 0's token for a
-            # tokenizer with no eos or unk token either, as some byte-level BPEs are saved).
-            preprocessor.pad_token = (preprocessor.eos_token or preprocessor.unk_token
-                                      or preprocessor.convert_ids_to_tokens(0))
+    preprocessor = (load_image_processor(path, trust_remote_code) if kind == "vision"
+                    else load_tokenizer(path, trust_remote_code))
     return LoadedModel(model, path, config, kind, blocks, blocks_path, preprocessor, dev)
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """The model folder's tokenizer, with a pad token: right padding only, and pad positions are never
+    stored, so any id works (id 0's token for a tokenizer with no eos or unk token either, as some
+    byte-level BPEs are saved)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.convert_ids_to_tokens(0)
+    return tokenizer
 
 
 def first_tensor(value: Any) -> torch.Tensor:

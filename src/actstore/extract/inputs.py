@@ -38,7 +38,7 @@ class TokenIds:
         return np.diff(self.offsets).tolist()
 
 
-def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
+def tokenize(tokenizer: Any, samples: list[Sample], max_seq_length: int,
              add_special_tokens: bool = True) -> TokenIds:
     """Token ids per sample; add_special_tokens=False for rendered chat templates (they hold their own).
     Encoded TOKENIZE_TOKENS // max_seq_length texts at a time (each text is encoded alone: the ids
@@ -48,8 +48,8 @@ def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
     truncated: int | None = 0
     for start in range(0, len(samples), step):
         rows = samples[start:start + step]
-        batch = loaded.preprocessor([s.text for s in rows], truncation=True, max_length=max_seq_length,
-                                    add_special_tokens=add_special_tokens)
+        batch = tokenizer([s.text for s in rows], truncation=True, max_length=max_seq_length,
+                          add_special_tokens=add_special_tokens)
         encoded = batch["input_ids"]
         cut = None if batch.encodings is None else sum(bool(e.overflowing) for e in batch.encodings)
         truncated = None if truncated is None or cut is None else truncated + cut
@@ -62,22 +62,21 @@ def tokenize(loaded: LoadedModel, samples: list[Sample], max_seq_length: int,
     return TokenIds(flat, np.cumsum(lengths, dtype=np.int64), truncated)
 
 
-def given_token_ids(loaded: LoadedModel, samples: list[Sample], max_seq_length: int) -> TokenIds:
+def given_token_ids(tokenizer: Any, vocab: int | None, samples: list[Sample], max_seq_length: int) -> TokenIds:
     """dataset.tokens_field: each row's ids run as given (no special token added: a pre-tokenized
     dataset carries its own BOS), cut to max_seq_length as the tokenizer's truncation cuts a text.
-    An id outside the model's embedding table is named before any forward (on a GPU it would fault
-    the device). Each sample's text becomes its ids decoded, so records show what ran; the stored
+    An id at or past `vocab` (config.json's vocab_size) is named before the weights load (on a GPU it
+    would fault the device). Each sample's text becomes its ids decoded, so records show what ran; the stored
     token_ids, not that text, are the input."""
-    vocab = loaded.model.get_input_embeddings().num_embeddings
     truncated = sum(len(s.tokens) > max_seq_length for s in samples)
     kept = [s.tokens[:max_seq_length] for s in samples]
     for sample, ids in zip(samples, kept):
-        if ids.max() >= vocab:
+        if vocab is not None and ids.max() >= vocab:
             raise ConfigError(f"dataset row {sample.sample_idx}: token id {ids.max()} is outside the model's "
                               f"vocabulary of {vocab} (dataset.tokens_field)")
     step = max(1, TOKENIZE_TOKENS // max_seq_length)
     for start in range(0, len(samples), step):
-        texts = loaded.preprocessor.batch_decode([ids.tolist() for ids in kept[start:start + step]])
+        texts = tokenizer.batch_decode([ids.tolist() for ids in kept[start:start + step]])
         for sample, text in zip(samples[start:start + step], texts):
             sample.text, sample.tokens = text, None  # the ids live on in the flat array only
     lengths = np.array([len(ids) for ids in kept], np.int64)

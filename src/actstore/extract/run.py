@@ -24,10 +24,10 @@ from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
-from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, modality_hint, model_kind,
-                                   resolve_model_path, run_config, run_dtype, saved_dtype)
-from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, model_skeleton,
-                             pick_device)
+from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
+                                   model_kind, resolve_model_path, run_config, run_dtype, saved_dtype)
+from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, load_tokenizer,
+                             model_skeleton, pick_device)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,10 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         processor = load_image_processor(model_path, trusted(config))
         pixels = image_batches(processor, dataset.opener, samples, batches, workers,
                                pick_device(ext["device"]).type == "cuda")
+    else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
+        token_ids = text_token_ids(config, model_path, dataset)
+        lengths = token_ids.lengths()
+        batches = length_batches(lengths, ext["batch_size"])
     torch.manual_seed(0)
     loaded = load_model(model_path, run_dtype(config["model"]), ext["device"], config["model"].get("tower"),
                         trusted(config))
@@ -88,10 +92,6 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         token_ids = None
         inputs = to_model(loaded, pixels)
     else:
-        token_ids = (given_token_ids(loaded, samples, ext["max_seq_length"]) if dataset.pretokenized
-                     else tokenize(loaded, samples, ext["max_seq_length"], not dataset.chat))
-        lengths = token_ids.lengths()
-        batches = length_batches(lengths, ext["batch_size"])
         inputs = text_batches(loaded, token_ids, batches, last_logits_only=not head_hooked(loaded, ext["hooks"]))
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     started = time.perf_counter()
@@ -120,6 +120,17 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             {} if token_ids is None else {"n_truncated_samples": truncated}))
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
     return meta
+
+
+def text_token_ids(config: dict[str, Any], model_path: Path, dataset: Dataset) -> TokenIds:
+    """The part's token ids: its texts tokenized by the model's tokenizer, or its given ids checked
+    against the vocabulary, cut to extract.max_seq_length."""
+    tokenizer = load_tokenizer(model_path, trusted(config))
+    max_seq_length = config["extract"]["max_seq_length"]
+    if dataset.pretokenized:
+        vocab = config_int(run_config(config["model"]), "vocab_size")
+        return given_token_ids(tokenizer, vocab, dataset.samples, max_seq_length)
+    return tokenize(tokenizer, dataset.samples, max_seq_length, not dataset.chat)
 
 
 def trusted(config: dict[str, Any]) -> bool:
