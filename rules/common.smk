@@ -13,9 +13,9 @@ from actstore.workflow import parse_dataset
 # Cheap parse-time checks, so bad input fails before any job is scheduled. extract.layers' `all` and
 # negative indices become block indices first: every rule, hash and job sees those.
 resolve_layers(config)
-check_layers(config["extract"]["layers"], run_config(config["model"]))
-check_sequence_length(config["extract"]["max_seq_length"], run_config(config["model"]),
-                      resolve_model_path(config["model"]["path"]))
+model_config = run_config(config["model"])
+check_layers(config["extract"]["layers"], model_config)
+check_sequence_length(config["extract"]["max_seq_length"], model_config, resolve_model_path(config["model"]["path"]))
 # The dataset checked (path, shards, each table's columns and types; no rows read), every stage's
 # hash and the Slurm sizes that follow the data: the data listed and stat'ed once, and only in the
 # main process; the jobs it submits parse this file again and take its word for what it read

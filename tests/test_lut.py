@@ -423,12 +423,12 @@ def test_causal_lm_end_to_end_reports_kl_and_perplexity(extracted, tmp_path, mon
     assert abs(exact["perplexity_change"]) < 1e-3 * exact["perplexity_original"]
     assert e2e["0"]["kl_mean"] > exact["kl_mean"]
     assert e2e["0"]["perplexity_original"] == exact["perplexity_original"]
-    # Logits bounded: batches of 2 rows when a batch's logits would pass EVAL_LOGITS; the same report.
+    # Logits bounded: batches of 2 rows when a batch's logits would pass LUT_EVAL_LOGITS; the same report.
     import actstore.lut as lut_module
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", "cpu")
     rows, run_model = [], lut_module.run_model
     monkeypatch.setattr(lut_module, "run_model", lambda loaded, inp: rows.append(len(inp["input_ids"])) or run_model(loaded, inp))
-    monkeypatch.setattr(lut_module, "EVAL_LOGITS", 2 * config["extract"]["max_seq_length"] * 300)
+    monkeypatch.setattr(lut_module, "LUT_EVAL_LOGITS", 2 * config["extract"]["max_seq_length"] * 300)
     samples = lut_module.heldout_inputs(config, extract_dir, tmp_path / "sae")[1]
     bounded = lut_module.end_to_end(config, extract_dir, tmp_path / "lut" / "lut", loaded, samples, [0, 32])["budgets"]
     assert rows and max(rows) == 2 < config["extract"]["batch_size"]

@@ -15,9 +15,9 @@ from torch import nn
 
 from actstore.errors import ConfigError
 from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
-from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts
+from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts, parent_module
 from actstore.io_utils import write_json_atomic
-from actstore.model_config import config_int
+from actstore.model_config import config_int, trusted
 from actstore.resources import LUT_EVAL_LOGITS
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def check_targets_before_training(config: dict[str, Any], extract_dir: str | Pat
 
     d_in = tensors(open_extraction(extract_dir, config["extract"]["parts"]), resolve_hook(config))[0].shape[1]
     target_linears(model_skeleton(resolve_model_path(config["model"]["path"]), config["model"].get("tower"),
-                                  bool(config["model"].get("trust_remote_code"))), config["lut"]["targets"], d_in)
+                                  trusted(config["model"])), config["lut"]["targets"], d_in)
 
 
 def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -88,7 +88,7 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
 
     sae, sae_meta = load_sae(Path(sae_dir) / SAE_FILE)
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", config["lut"]["device"],
-                        config["model"].get("tower"), bool(config["model"].get("trust_remote_code")))
+                        config["model"].get("tower"), trusted(config["model"]))
     tables = build_tables(config, loaded.model, sae.state())
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(Path(sae_dir) / SAE_FILE),
@@ -176,16 +176,14 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     return result
 
 
-EVAL_LOGITS = LUT_EVAL_LOGITS  # logits of one end-to-end batch, at most: 512 MiB of float32 a run
-
-
 def eval_batch_rows(config: dict[str, Any], loaded: Any) -> int:
-    """extract.batch_size samples a batch, fewer for a causal LM whose logits would pass EVAL_LOGITS."""
+    """extract.batch_size samples a batch, fewer for a causal LM whose logits would pass
+    LUT_EVAL_LOGITS (512 MiB of float32 a run)."""
     rows = config["extract"]["batch_size"]
     if loaded.kind != "causal":
         return rows
     vocab = loaded.model.get_output_embeddings().out_features
-    return max(1, min(rows, EVAL_LOGITS // (config["extract"]["max_seq_length"] * vocab)))
+    return max(1, min(rows, LUT_EVAL_LOGITS // (config["extract"]["max_seq_length"] * vocab)))
 
 
 def original_and_lut(loaded: Any, originals: dict[str, nn.Module], inputs: list[dict[str, torch.Tensor]]
@@ -202,11 +200,8 @@ def original_and_lut(loaded: Any, originals: dict[str, nn.Module], inputs: list[
 @contextmanager
 def swapped_in(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[None]:
     """`modules` at their paths for the duration; what was there put back after."""
-    from actstore.models import get_module
-
     def put(path: str, module: nn.Module) -> nn.Module:
-        parent_path, _, name = path.rpartition(".")
-        parent = get_module(model, parent_path) if parent_path else model
+        parent, name = parent_module(model, path)
         there = getattr(parent, name)
         setattr(parent, name, module)
         return there

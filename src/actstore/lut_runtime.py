@@ -382,7 +382,7 @@ def calibrate_auto(installed: dict[str, LutLinear], max_seconds: float = CALIBRA
     return tables
 
 
-def _parent(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
+def parent_module(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
     from actstore.models import get_module
 
     parent_path, _, name = module_path.rpartition(".")
@@ -423,7 +423,7 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
             encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
         lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime).to(linear.weight.device)
         lut.crossover_tokens = crossover_tokens
-        parent, name = _parent(model, module_path)
+        parent, name = parent_module(model, module_path)
         setattr(parent, name, lut)
         installed[module_path] = lut
     calibrate_auto(installed)

@@ -74,12 +74,17 @@ def run_config(model: dict[str, Any]) -> dict[str, Any]:
     return vision_tower_config(config) if model.get("tower") == "vision" else config
 
 
+def trusted(model: dict[str, Any]) -> bool:
+    """model.trust_remote_code of a config's model section (absent in a config made before the key: false)."""
+    return bool(model.get("trust_remote_code"))
+
+
 def check_remote_code(config: dict[str, Any], model: dict[str, Any]) -> None:
     """ConfigError before anything runs when config.json's `auto_map` sends the model's classes to
     Python files in its folder (nomic-embed, jina, gte-v1.5 and other custom-code checkpoints) and
     model.trust_remote_code is not set: loading them executes that code."""
     custom = config.get("auto_map")
-    if isinstance(custom, dict) and custom and not model.get("trust_remote_code"):
+    if isinstance(custom, dict) and custom and not trusted(model):
         first = next(iter(custom.items()))
         raise ConfigError(f"model.path {model['path']}: its config.json maps {first[0]} to {first[1]!r}, Python in "
                           "the model folder; set model.trust_remote_code: true to run it (it executes that code)")
@@ -223,7 +228,8 @@ def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_pat
     has: config.json's n_positions / max_position_embeddings, or its tokenizer's model_max_length
     where smaller (RoBERTa's table of 514 holds 512 tokens: its positions start after the padding id)."""
     text = config.get("text_config") or config
-    if text.get("model_type") not in ABSOLUTE_POSITION_TYPES or text.get("position_embedding_type", "absolute") != "absolute":
+    learned = text.get("position_embedding_type", "absolute") == "absolute"
+    if text.get("model_type") not in ABSOLUTE_POSITION_TYPES or not learned:
         return
     limits = [(text[key], f"config.json {key}") for key in ("n_positions", "max_position_embeddings")
               if isinstance(text.get(key), int)][:1]

@@ -12,8 +12,8 @@ from torch import nn
 
 from actstore.checkpoint import load_weights
 from actstore.errors import ConfigError
-from actstore.model_config import (check_remote_code, check_tower, is_vision_language, model_kind, num_blocks, read_model_config,
-                                   vision_tower_config)
+from actstore.model_config import (check_remote_code, check_tower, is_vision_language, model_kind, num_blocks,
+                                   read_model_config, vision_tower_config)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -128,7 +128,8 @@ def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> A
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code)
+        return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
     except ImportError as exc:  # DINOv3's processor exists only with the torchvision backend
         raise ConfigError(f"model.path {path}: its image processor (preprocessor_config.json) cannot load here: "
                           f"{str(exc).strip().splitlines()[0]}") from None

@@ -42,7 +42,8 @@ def split_files(root: Path, files: list[Path], split: str) -> list[Path]:
         root = root / str(configured["data_dir"])
         files = [f for f in files if f.is_relative_to(root)]
     if configured is not None and "data_files" in configured:
-        splits = {name: _matching(root, patterns, files) for name, patterns in _patterns(configured["data_files"]).items()}
+        patterns = _patterns(configured["data_files"])
+        splits = {name: _matching(root, globs, files) for name, globs in patterns.items()}
         how = f"{root / README}'s configs"
     else:
         splits, how = _named_splits(root, files)

@@ -25,7 +25,7 @@ from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
-                                   model_kind, resolve_model_path, run_config, run_dtype, saved_dtype)
+                                   model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, trusted)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, load_tokenizer,
                              model_skeleton, pick_device)
 
@@ -52,7 +52,7 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
                           f"{model_path} (model_type {model_config.get('model_type')}) takes {want}s"
                           + modality_hint(model_config))
     if config["extract"]["hooks"]:
-        skeleton = model_skeleton(model_path, config["model"].get("tower"), trusted(config))
+        skeleton = model_skeleton(model_path, config["model"].get("tower"), trusted(config["model"]))
         for spec in config["extract"]["hooks"]:
             get_module(skeleton, parse_hook(spec)[0])
     return model_path, dataset
@@ -73,7 +73,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     if vision:  # every image has the same token count: the batches are known before the model is
         check_images(dataset.opener, samples, cpus)
         batches = length_batches([1] * len(samples), ext["batch_size"])
-        processor = load_image_processor(model_path, trusted(config))
+        processor = load_image_processor(model_path, trusted(config["model"]))
         pixels = image_batches(processor, dataset.opener, samples, batches, workers,
                                pick_device(ext["device"]).type == "cuda")
     else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
@@ -82,7 +82,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         batches = length_batches(lengths, ext["batch_size"])
     torch.manual_seed(0)
     loaded = load_model(model_path, run_dtype(config["model"]), ext["device"], config["model"].get("tower"),
-                        trusted(config))
+                        trusted(config["model"]))
     saved = saved_dtype(loaded.config)
     if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
         log.warning("model.torch_dtype float32 runs a checkpoint saved in %s at twice its memory and without "
@@ -125,17 +125,12 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
 def text_token_ids(config: dict[str, Any], model_path: Path, dataset: Dataset) -> TokenIds:
     """The part's token ids: its texts tokenized by the model's tokenizer, or its given ids checked
     against the vocabulary, cut to extract.max_seq_length."""
-    tokenizer = load_tokenizer(model_path, trusted(config))
+    tokenizer = load_tokenizer(model_path, trusted(config["model"]))
     max_seq_length = config["extract"]["max_seq_length"]
     if dataset.pretokenized:
         vocab = config_int(run_config(config["model"]), "vocab_size")
         return given_token_ids(tokenizer, vocab, dataset.samples, max_seq_length)
     return tokenize(tokenizer, dataset.samples, max_seq_length, not dataset.chat)
-
-
-def trusted(config: dict[str, Any]) -> bool:
-    """model.trust_remote_code (absent in a config made before the key: false)."""
-    return bool(config["model"].get("trust_remote_code"))
 
 
 def writer_threads(ext: dict[str, Any], cpus: int) -> int:
@@ -240,7 +235,8 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
                   "torch_dtype": run_dtype(config["model"]), "blocks_path": loaded.blocks_path,
                   "n_blocks": len(loaded.blocks), **tower_record(config["model"], loaded),
                   # the classes that ran were the folder's own code (config.json auto_map)
-                  **({"auto_map": loaded.config["auto_map"]} if trusted(config) and "auto_map" in loaded.config else {})},
+                  **({"auto_map": loaded.config["auto_map"]}
+                     if trusted(config["model"]) and "auto_map" in loaded.config else {})},
         "dataset": {"path": str(dataset.root), "name": config["dataset"]["name"] or dataset.root.name,
                     "split": config["dataset"]["split"], "labels": dataset.labels},
         "max_seq_length": ext["max_seq_length"], "batch_size": ext["batch_size"],
