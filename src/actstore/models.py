@@ -136,10 +136,12 @@ def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> A
 
 
 def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto",
-               tower: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
+               tower: str | None = None, trust_remote_code: bool = False, preprocessor: Any = None) -> LoadedModel:
     """Load weights and preprocessor from a local folder; never touches a hub. `tower`: model.tower
     (vision: a vision-language checkpoint's vision tower runs, on images; its config is run_config's);
-    `trust_remote_code`: model.trust_remote_code, needed by a checkpoint whose classes are its own code."""
+    `trust_remote_code`: model.trust_remote_code, needed by a checkpoint whose classes are its own code;
+    `preprocessor`: the folder's tokenizer or image processor when the caller already loaded it (a
+    262K-token vocabulary's tokenizer takes seconds to load)."""
     path = Path(path)
     checkpoint = read_model_config(path)
     check_tower(checkpoint, tower, path)
@@ -156,8 +158,9 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
     language_model = model.get_decoder() if is_vision_language(config) else None
     blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)
-    preprocessor = (load_image_processor(path, trust_remote_code) if kind == "vision"
-                    else load_tokenizer(path, trust_remote_code))
+    if preprocessor is None:
+        preprocessor = (load_image_processor(path, trust_remote_code) if kind == "vision"
+                        else load_tokenizer(path, trust_remote_code))
     return LoadedModel(model, path, config, kind, blocks, blocks_path, preprocessor, dev)
 
 

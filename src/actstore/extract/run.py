@@ -69,20 +69,20 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     cpus = default_workers(threads)
     vision = dataset.modality == "image"
     workers = (ext["num_workers"] if ext["num_workers"] is not None else cpus) if vision else 0
-    processor = None
     if vision:  # every image has the same token count: the batches are known before the model is
         check_images(dataset.opener, samples, cpus)
         batches = length_batches([1] * len(samples), ext["batch_size"])
-        processor = load_image_processor(model_path, trusted(config["model"]))
-        pixels = image_batches(processor, dataset.opener, samples, batches, workers,
+        preprocessor = load_image_processor(model_path, trusted(config["model"]))
+        pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
                                pick_device(ext["device"]).type == "cuda")
     else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
-        token_ids = text_token_ids(config, model_path, dataset)
+        preprocessor = load_tokenizer(model_path, trusted(config["model"]))
+        token_ids = text_token_ids(config, preprocessor, dataset)
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
     torch.manual_seed(0)
     loaded = load_model(model_path, run_dtype(config["model"]), ext["device"], config["model"].get("tower"),
-                        trusted(config["model"]))
+                        trusted(config["model"]), preprocessor)
     saved = saved_dtype(loaded.config)
     if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
         log.warning("model.torch_dtype float32 runs a checkpoint saved in %s at twice its memory and without "
@@ -114,7 +114,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             "image_pipeline": "cpu" if token_ids is None else None,
             # transformers picks a processor's backend by what is installed (torchvision, else PIL),
             # and the two differ in the pixels: which one ran is on record.
-            "image_processor": None if processor is None else type(processor).__name__,
+            "image_processor": type(preprocessor).__name__ if vision else None,
             "extraction_duration_seconds": time.perf_counter() - started} | (
             {"float16_overflow_count": overflow} if overflow else {}) | (
             {} if token_ids is None else {"n_truncated_samples": truncated}))
@@ -122,10 +122,9 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     return meta
 
 
-def text_token_ids(config: dict[str, Any], model_path: Path, dataset: Dataset) -> TokenIds:
+def text_token_ids(config: dict[str, Any], tokenizer: Any, dataset: Dataset) -> TokenIds:
     """The part's token ids: its texts tokenized by the model's tokenizer, or its given ids checked
     against the vocabulary, cut to extract.max_seq_length."""
-    tokenizer = load_tokenizer(model_path, trusted(config["model"]))
     max_seq_length = config["extract"]["max_seq_length"]
     if dataset.pretokenized:
         vocab = config_int(run_config(config["model"]), "vocab_size")
