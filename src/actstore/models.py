@@ -140,8 +140,7 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     """Load weights and preprocessor from a local folder; never touches a hub. `tower`: model.tower
     (vision: a vision-language checkpoint's vision tower runs, on images; its config is run_config's);
     `trust_remote_code`: model.trust_remote_code, needed by a checkpoint whose classes are its own code;
-    `preprocessor`: the folder's tokenizer or image processor when the caller already loaded it (a
-    262K-token vocabulary's tokenizer takes seconds to load)."""
+    `preprocessor`: the folder's tokenizer or image processor when the caller already loaded it."""
     path = Path(path)
     checkpoint = read_model_config(path)
     check_tower(checkpoint, tower, path)
