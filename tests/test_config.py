@@ -89,7 +89,7 @@ def test_stage_hash_depends_on_exactly_its_sections_and_upstream(demo):
 
 def test_stage_dir_holds_the_config_it_was_made_from(demo, tmp_path):
     demo["dump_to"] = str(tmp_path)
-    path = write_stage_config(demo, "pickle")
+    path = write_stage_config(demo, "pickle", sealed={})
     assert path.parent == stage_dir(demo, "pickle")
     import json
     recorded = json.loads(path.read_text())

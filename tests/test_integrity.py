@@ -382,6 +382,12 @@ def test_a_stage_seal_is_checked_inside_its_directory_only(tmp_path):
     assert problems_with({}) == [not_sealed]  # the record removed from the seal
     (directory / "sub" / "late.json").write_text("{}")
     assert problems_with(sealed) == [not_sealed.replace("report.json", "sub/late.json")]
+    payload = {"stage": "lut", "config": {}, "upstream": {}}  # the seal's key itself removed
+    (directory / STAGE_CONFIG_FILE).write_text(json.dumps({**payload, "hash": canonical_sha256(payload)}))
+    assert stage_config_problems(directory) == [
+        f"{directory / STAGE_CONFIG_FILE}: no 'sealed' record, so the stage's metadata files cannot be checked "
+        "against it (its key removed, or written by an actstore from before stages were sealed: rerun the stage "
+        "to seal it)"]
 
 
 @pytest.mark.parametrize("linked, store_files, name", [

@@ -198,13 +198,12 @@ def stage_problems(path: str | Path) -> list[str]:
     return problems
 
 
-def write_stage_config(config: dict[str, Any], stage: str, out_dir: str | Path | None = None,
-                       sealed: dict[str, dict[str, Any]] | None = None) -> Path:
+def write_stage_config(config: dict[str, Any], stage: str, out_dir: str | Path | None = None, *,
+                       sealed: dict[str, dict[str, Any]]) -> Path:
     """Record the resolved config a stage directory was made from (atomic, idempotent), with the
     records of the metadata files it seals (integrity.seal), outside the hashed payload."""
     target = Path(out_dir) if out_dir is not None else stage_dir(config, stage)
     path = target / STAGE_CONFIG_FILE
     payload = stage_payload(config, stage)
-    write_json_atomic(path, {**payload, "hash": canonical_sha256(payload),
-                             **({SEAL_KEY: sealed} if sealed is not None else {})})
+    write_json_atomic(path, {**payload, "hash": canonical_sha256(payload), SEAL_KEY: sealed})
     return path

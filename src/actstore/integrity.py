@@ -108,8 +108,10 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
         return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
     if re.fullmatch("[0-9a-f]{64}", directory.name) and directory.name != digest:
         return [f"{path}: the config of stage directory {digest}, found in {directory.name}"]
-    if SEAL_KEY not in record:
-        return []  # written before stages sealed their metadata
+    if SEAL_KEY not in record:  # every stage config the workflow writes holds one
+        return [f"{path}: no {SEAL_KEY!r} record, so the stage's metadata files cannot be checked against it "
+                f"(its key removed, or written by an actstore from before stages were sealed: rerun the stage "
+                f"to seal it)"]
     return seal_problems(directory, record[SEAL_KEY], path, sealed_names(directory, str(record["stage"])))
 
 
