@@ -372,6 +372,9 @@ def main() -> None:
                         help="GiB written for the disk bound (default: --synthetic-gb; else 4 on CUDA, 1 on CPU)")
     parser.add_argument("--profile", action="store_true",
                         help="also one extraction under cProfile: where the main thread's time goes (top 25)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also one extraction under torch.profiler: the device's busy fraction and the top ops "
+                             "by device and CPU time")
     parser.add_argument("--check-items", action="store_true",
                         help="only check that the ViT processors give the same pixels whole and in loader items")
     parser.add_argument("--out-dir", default=None, help="where to write (the disk under test); default a temp dir")
@@ -399,6 +402,8 @@ def main() -> None:
             result.update(goals(result, args.shape))
             if args.profile:
                 profile(config, work / "profiled", threads, Path(args.out).with_suffix(".profile.txt"))
+            if args.trace:
+                result.update(trace(config, work / "traced", threads, Path(args.out).with_suffix(".trace.txt")))
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -420,6 +425,37 @@ def profile(config: dict, target: Path, threads: int, report: Path) -> None:
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(text.getvalue())
     print(text.getvalue()[-6000:])
+
+
+def trace(config: dict, target: Path, threads: int, report: Path) -> dict:
+    """One run_part under torch.profiler. On a GPU: how much of the run the device was busy (kernel
+    intervals merged, over the run's wall time and over the span from its first kernel to its
+    last), so idle gaps between batches show as a fraction; and the ops taking the most device and
+    CPU time (the main thread's: the writer threads run no torch ops)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run_part(config, 0, target, progress=False, threads=threads)
+    wall_us = (time.perf_counter() - started) * 1e6
+    tables = [prof.key_averages().table(sort_by=key, row_limit=20)
+              for key in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]]
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text("\n\n".join(tables))
+    print(tables[0][-5000:])
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        return {}
+    busy, (start, end) = 0.0, kernels[0]
+    for lo, hi in kernels[1:]:  # merge overlapping intervals (kernels on several streams)
+        if lo > end:
+            busy, start = busy + end - start, lo
+        end = max(end, hi)
+    busy += end - start
+    return {"trace_device_busy_of_run": busy / wall_us,
+            "trace_device_busy_of_kernel_span": busy / (kernels[-1][1] - kernels[0][0])}
 
 
 def goals(r: dict, shape: str) -> dict:

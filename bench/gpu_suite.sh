@@ -11,8 +11,9 @@
 #                                    issue 18's 0.8 x cp goal; bench_verify with 1-8 files checked at once
 # Needs torch + transformers (the GPU image); jsonschema, zarr, numcodecs, isal (cp312 wheels, with
 # their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
-# env: REPEATS (rounds per extraction row, default 2), PROFILE (rows also profiled, default the ViT
-# and wide-vocab rows: where the H200 run left the gaps unexplained).
+# env: REPEATS (rounds per extraction row, default 2); PROFILE (rows also run under cProfile: the main
+# thread's Python) and TRACE (rows also run under torch.profiler: how busy the GPU was, its top
+# kernels): by default the rows whose gaps the H200 run left unexplained.
 set -uo pipefail
 phase=$1 dest=$2 out=$(mktemp -d) t0=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,7 +23,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|gpu_only|disk_bound|floor|ratio|fraction|bound_by|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B)|^(on device|prefetched|inline)|^warm|^\|'
+SHOW='^(shape|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B)|^(on device|prefetched|inline)|^warm|^\|'
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
@@ -33,8 +34,10 @@ step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines wort
 E="python3 bench/bench_extract.py --device cuda --repeats ${REPEATS:-2}"
 row() {  # row NAME SECONDS ARGS...: one bench_extract row, profiled when NAME is in PROFILE
   local name=$1 limit=$2; shift 2
-  local profile=; [[ " ${PROFILE-vit13 wide} " == *" $name "* ]] && profile=--profile
-  step "$name" "$limit" $E "$@" $profile --out "$out/$name.json"
+  local extra=
+  [[ " ${PROFILE-vit13 wide} " == *" $name "* ]] && extra+=" --profile"
+  [[ " ${TRACE-llama4 vit13 wide widenl} " == *" $name "* ]] && extra+=" --trace"
+  step "$name" "$limit" $E "$@" $extra --out "$out/$name.json"
 }
 extract() {
   step items 60 python3 bench/bench_extract.py --check-items
