@@ -974,8 +974,10 @@ def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_di
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pipeline_stores_the_models_outputs_whatever_the_buffers(model_dir, text_jsonl, tmp_path):
-    """Pinned staging, the side copy stream and the events: the same bytes for 1 and 4 buffers, and
-    the values of a float32 CPU extraction within float tolerance (GPU kernels round differently)."""
+    """Pinned staging, the side copy stream and the events, and input ids and indices copied from
+    pinned memory without waiting for the stream: the same bytes for 1 and 4 buffers, and the
+    activations and token log-probs of a float32 CPU extraction within float tolerance (GPU kernels
+    round differently)."""
     files = []
     for buffers in (1, 4):
         config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl,
@@ -988,6 +990,9 @@ def test_cuda_pipeline_stores_the_models_outputs_whatever_the_buffers(model_dir,
     gpu_part, cpu_part = open_part(tmp_path / "cuda-1"), open_part(tmp_path / "cpu")
     for i in range(len(cpu_part.samples)):
         assert rel_err(gpu_part.activations("layer_2", i), cpu_part.activations("layer_2", i)) <= 1e-3
+        gpu_logprob, cpu_logprob = gpu_part.token_logprob(i), cpu_part.token_logprob(i)
+        assert np.isnan(gpu_logprob[0]) and np.isnan(cpu_logprob[0])
+        assert len(gpu_logprob) == 1 or rel_err(gpu_logprob[1:], cpu_logprob[1:]) <= 1e-3
 
 
 def test_verify_names_a_missing_part_an_unlisted_file_and_a_path_outside_the_part(extracted, tmp_path):

@@ -68,6 +68,15 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (input ids, indices) on `device` without making the host wait: to a GPU through
+    pinned memory, a copy queued behind the stream's work. From pageable memory CUDA first finishes
+    all the work queued, so the host could not queue the next step while the GPU runs this one."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _auto_class(config: dict[str, Any]) -> Any:
     """The transformers Auto class that loads the checkpoint whole: a vision-language model as the
     image-text-to-text model it was saved as (its language model's weights under their own names)."""

@@ -13,7 +13,7 @@ import torch
 from actstore.datasets import Dataset, Sample
 from actstore.datasets.images import ImageOpener
 from actstore.errors import ConfigError
-from actstore.models import LoadedModel
+from actstore.models import LoadedModel, host_to_device
 from actstore.resources import IMAGES_PER_ITEM, items_ahead
 
 
@@ -103,8 +103,8 @@ def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]], last_logits_on
     for row, seq in enumerate(ids):
         input_ids[row, :len(seq)] = torch.as_tensor(seq)
         mask[row, :len(seq)] = 1
-    inputs = {"input_ids": input_ids.to(loaded.device, non_blocking=True),
-              "attention_mask": mask.to(loaded.device, non_blocking=True)}
+    inputs = {"input_ids": host_to_device(input_ids, loaded.device),
+              "attention_mask": host_to_device(mask, loaded.device)}
     # A causal LM keeps every block's keys and values for generation unless told not to: at Llama-8B,
     # 32 texts x 2,048 tokens, 8.6 GB held to the end of each forward that nothing reads.
     if loaded.kind != "causal":
@@ -112,7 +112,7 @@ def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]], last_logits_on
     inputs["use_cache"] = False
     if last_logits_only and loaded.takes_logits_to_keep:
         last = sorted({len(seq) - 1 for seq in ids})
-        inputs["logits_to_keep"] = torch.tensor(last, dtype=torch.long).to(loaded.device, non_blocking=True)
+        inputs["logits_to_keep"] = host_to_device(torch.tensor(last, dtype=torch.long), loaded.device)
     return inputs
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from actstore.errors import ConfigError
-from actstore.models import LoadedModel
+from actstore.models import LoadedModel, host_to_device
 
 LOGPROB_ELEMENTS = 1 << 26  # logits per chunk: bounds the head's memory at 256 MiB of float32
 # The head rerun at a batch's last tokens must give the forward's logits up to float rounding (the
@@ -81,17 +81,19 @@ class TokenLogprobs:
         """(kept tokens,) float32 log p(token t | tokens < t) at the flat positions `keep` of the
         (batch, width) `input_ids` (rows of `n_tokens` tokens), NaN at each text's first token.
         `last_logits`: the forward's logits at each row's last token (checked on the first batch).
-        Indices are made on the host: no device sync past the first batch."""
+        Indices are made on the host and copied through pinned memory: no host wait past the first
+        batch's check."""
         final = self.base()[1].last_hidden_state
         hidden = final.reshape(-1, final.shape[-1])
         device = hidden.device
         starts = np.concatenate([[0], np.cumsum(n_tokens)[:-1]]).astype(np.int64)
         if not self.vocab:
-            self.check(hidden.index_select(0, torch.from_numpy(keep[starts + n_tokens - 1]).to(device)), last_logits)
+            self.check(hidden.index_select(0, host_to_device(torch.from_numpy(keep[starts + n_tokens - 1]), device)),
+                       last_logits)
         scored = np.ones(len(keep), dtype=bool)
         scored[starts] = False  # a text's first token has no prediction
-        targets = input_ids.reshape(-1).index_select(0, torch.from_numpy(keep[scored]).to(device))
-        sources = torch.from_numpy(keep[scored] - 1).to(device)
+        targets = input_ids.reshape(-1).index_select(0, host_to_device(torch.from_numpy(keep[scored]), device))
+        sources = host_to_device(torch.from_numpy(keep[scored] - 1), device)
         values = torch.empty(len(sources), dtype=torch.float32, device=device)
         step = max(1, LOGPROB_ELEMENTS // self.vocab)
         for start in range(0, len(sources), step):
@@ -99,7 +101,7 @@ class TokenLogprobs:
             chosen = logits.gather(1, targets[start:start + step, None])[:, 0]
             values[start:start + step] = chosen - torch.logsumexp(logits, 1)
         out = torch.full((len(keep),), float("nan"), dtype=torch.float32, device=device)
-        out[torch.from_numpy(np.flatnonzero(scored)).to(device)] = values
+        out[host_to_device(torch.from_numpy(np.flatnonzero(scored)), device)] = values
         self.outputs.clear()
         return out
 

@@ -26,8 +26,8 @@ from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, writ
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
                                    model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, trusted)
-from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, load_image_processor, load_model, load_tokenizer,
-                             model_skeleton, pick_device)
+from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, host_to_device, load_image_processor, load_model,
+                             load_tokenizer, model_skeleton, pick_device)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf."""
     width = next(iter(captured.values())).shape[1]
     keep_host = np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)])
-    keep = torch.from_numpy(keep_host).to(loaded.device, non_blocking=True)
+    keep = host_to_device(torch.from_numpy(keep_host), loaded.device)
     tokens = {}
     # The captured tensors are packed first: the log-probs' head rerun fires the hooks again.
     for name, tensor in captured.items():
@@ -183,7 +183,7 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     if token_ids is not None:
         tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))
     if loaded.kind == "causal":
-        last = torch.from_numpy(rows.n_tokens - 1).to(loaded.device)
+        last = host_to_device(torch.from_numpy(rows.n_tokens - 1), loaded.device)
         head_ran = inputs.get("logits_to_keep")  # the positions the LM head ran at (text_batch), else all
         at = last if head_ran is None else torch.searchsorted(head_ran, last)
         last_logits = output.logits[torch.arange(len(last), device=last.device), at]
