@@ -199,7 +199,7 @@ def build_model(kind: str, out: Path) -> Path:
         tf.SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out)
         model = tf.SiglipVisionModel(tf.SiglipVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **common))
     elif kind == "custom_code":  # its classes are Python in its folder (config.json auto_map), as nomic-embed's
-        train_tokenizer(out, causal=False)
+        custom_code_tokenizer(out)
         model = custom_code_model(out, common)
     else:
         raise ValueError(kind)
@@ -264,6 +264,25 @@ class TinyCustomModel(PreTrainedModel):
             x = block(x, mask)
         return BaseModelOutput(last_hidden_state=x)
 """
+
+
+CUSTOM_TOKENIZER = """from transformers import PreTrainedTokenizerFast
+
+
+class TinyCustomTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def custom_code_tokenizer(out: Path) -> None:
+    """A WordPiece tokenizer whose class is Python in the folder too (tokenizer_config.json auto_map,
+    as jina's and others' are): transformers loads it only with trust_remote_code."""
+    train_tokenizer(out, causal=False)
+    (out / "tokenization_tiny_custom.py").write_text(CUSTOM_TOKENIZER)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="TinyCustomTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_tiny_custom.TinyCustomTokenizer"]})
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def custom_code_model(out: Path, common: dict):

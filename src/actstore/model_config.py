@@ -68,9 +68,10 @@ def run_config(model: dict[str, Any]) -> dict[str, Any]:
     """config.json as extraction runs the config's `model` section: with `model.tower: vision`, a
     vision-language checkpoint's vision tower (vision_tower_config), which everything downstream then
     reads as an image model's config.json; else config.json as it is."""
-    config = read_model_config(resolve_model_path(model["path"]))
+    folder = resolve_model_path(model["path"])
+    config = read_model_config(folder)
     check_tower(config, model.get("tower"), model["path"])
-    check_remote_code(config, model)
+    check_remote_code(folder, model)
     return vision_tower_config(config) if model.get("tower") == "vision" else config
 
 
@@ -79,15 +80,24 @@ def trusted(model: dict[str, Any]) -> bool:
     return bool(model.get("trust_remote_code"))
 
 
-def check_remote_code(config: dict[str, Any], model: dict[str, Any]) -> None:
-    """ConfigError before anything runs when config.json's `auto_map` sends the model's classes to
-    Python files in its folder (nomic-embed, jina, gte-v1.5 and other custom-code checkpoints) and
-    model.trust_remote_code is not set: loading them executes that code."""
-    custom = config.get("auto_map")
-    if isinstance(custom, dict) and custom and not trusted(model):
-        first = next(iter(custom.items()))
-        raise ConfigError(f"model.path {model['path']}: its config.json maps {first[0]} to {first[1]!r}, Python in "
-                          "the model folder; set model.trust_remote_code: true to run it (it executes that code)")
+# The files whose `auto_map` can send a class to Python in the model folder: the model's, its
+# tokenizer's (a custom tokenizer beside a standard model: InternLM, ChatGLM) and its processors'.
+CODE_MAPS = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+
+
+def check_remote_code(folder: str | Path, model: dict[str, Any]) -> None:
+    """ConfigError before anything runs when a config file of the model folder maps a class to Python
+    files there (`auto_map`: nomic-embed, jina, gte-v1.5 and other custom-code checkpoints) and
+    model.trust_remote_code is not set: loading it executes that code."""
+    if trusted(model):
+        return
+    for name in CODE_MAPS:
+        path = Path(folder) / name
+        custom = json.loads(path.read_text()).get("auto_map") if path.is_file() else None
+        if isinstance(custom, dict) and custom:
+            first = next(iter(custom.items()))
+            raise ConfigError(f"model.path {model['path']}: its {name} maps {first[0]} to {first[1]!r}, Python in "
+                              "the model folder; set model.trust_remote_code: true to run it (it executes that code)")
 
 
 def check_tower(config: dict[str, Any], tower: str | None, spec: str | Path) -> None:

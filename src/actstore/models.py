@@ -111,7 +111,7 @@ def model_skeleton(path: str | Path, tower: str | None = None, trust_remote_code
 
     config = read_model_config(path)
     check_tower(config, tower, path)
-    check_remote_code(config, {"path": str(path), "trust_remote_code": trust_remote_code})
+    check_remote_code(path, {"path": str(path), "trust_remote_code": trust_remote_code})
     with torch.device("meta"):
         return _tower(config, _auto_class(config).from_config(
             AutoConfig.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code),
@@ -153,7 +153,7 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     path = Path(path)
     checkpoint = read_model_config(path)
     check_tower(checkpoint, tower, path)
-    check_remote_code(checkpoint, {"path": str(path), "trust_remote_code": trust_remote_code})
+    check_remote_code(path, {"path": str(path), "trust_remote_code": trust_remote_code})
     config = vision_tower_config(checkpoint) if tower == "vision" else checkpoint
     kind = model_kind(config)
     dev = pick_device(device)

@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
+from actstore.model_config import check_remote_code
 
 REGISTER_LABEL = 255
 N_CLASSES = 256
@@ -84,14 +85,17 @@ def aggregate(mask: np.ndarray, patch_size: int, n_patches: int, pixel_agg: str,
 
 def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_path: str | Path, patch_size: int,
                        section: dict[str, Any], patches_per_ex: int, registers: int,
-                       progress: bool = True) -> np.ndarray:
+                       progress: bool = True, trust_remote_code: bool = False) -> np.ndarray:
     """(n_images, patches_per_ex) uint8 labels.bin rows: REGISTER_LABEL for register columns, then
-    one label per patch. Every mask is checked before this returns, so a bad one fails before any write."""
+    one label per patch. Every mask is checked before this returns, so a bad one fails before any write.
+    `trust_remote_code`: model.trust_remote_code, so a folder's own processor class resizes the masks
+    as it resized the pixels (refused by name without it)."""
     from PIL import Image
 
     from actstore.models import load_image_processor
 
-    processor = load_image_processor(model_path)
+    check_remote_code(model_path, {"path": str(model_path), "trust_remote_code": trust_remote_code})
+    processor = load_image_processor(model_path, trust_remote_code)
     n_patches = patches_per_ex - registers
     out = np.full((len(image_rels), patches_per_ex), REGISTER_LABEL, dtype=np.uint8)
     for row, rel in enumerate(tqdm(image_rels, desc="patch labels", unit="image", disable=not progress)):

@@ -10,11 +10,13 @@ os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 from actstore.errors import FormatError
 from actstore.formats import lmprobe
+from actstore.model_config import trusted
 from actstore.workflow import stage_rule
 
 with stage_rule(snakemake, "lmprobe", Path(snakemake.output.stage_config).parent) as config:
     out = Path(snakemake.output.dataset)
-    lmprobe.finish_dataset(Path(snakemake.input.index).parent, list(snakemake.input.jobs), out, config["lmprobe"])
+    lmprobe.finish_dataset(Path(snakemake.input.index).parent, list(snakemake.input.jobs), out, config["lmprobe"],
+                           trust_remote_code=trusted(config["model"]))
     problems = lmprobe.verify(out, checksums=False)  # sizes, headers, index columns, card and index hashes
     if problems:
         raise FormatError(f"{out}: freshly written dataset fails verification:\n" + "\n".join(problems))

@@ -32,6 +32,7 @@ from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, ide
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError
+from actstore.model_config import trusted
 from actstore.parse_memo import remembered
 
 __all__ = ["FIELD_KEYS", "Dataset", "Sample", "Scan", "check_dataset", "configured_dataset", "configured_scan",
@@ -51,7 +52,7 @@ def configured_dataset(config: dict[str, Any], model_path: Path, part: int | Non
     section = config["dataset"]
     parts = None if part is None else (config["extract"]["parts"], part)
     return load_dataset(section["path"], section["limit"], section["split"], model_path, parts, scan,
-                        **dataset_options(section))
+                        trust_remote_code=trusted(config["model"]), **dataset_options(section))
 
 
 def configured_scan(config: dict[str, Any], progress: bool = False, workers: int = 1) -> Scan:
@@ -74,10 +75,11 @@ def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train
 
 def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",
                  model_path: Path | None = None, parts: tuple[int, int] | None = None,
-                 scan: Scan | None = None, **options: Any) -> Dataset:
+                 scan: Scan | None = None, trust_remote_code: bool = False, **options: Any) -> Dataset:
     """Read `path` (options: the dataset.* keys in FIELD_KEYS); raise ConfigError naming the file
     and field if a column is missing or mistyped, or the path holds no samples. `model_path`: the
-    model whose tokenizer renders chat messages (dataset.messages_field). `parts`: (parts, part),
+    model whose tokenizer renders chat messages (dataset.messages_field), loaded with
+    `trust_remote_code` (model.trust_remote_code). `parts`: (parts, part),
     to keep only that part's rows (part_range), so a job holds its own rows, never the whole
     dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
     if scan is not None and scan.runs:  # a folder of files: only the folders of these rows are listed
@@ -90,7 +92,7 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
     if source.format in FOLDER_FORMATS:
         return _folder_dataset(source, read_folder(source, rows, fields), scan)
-    fields = replace(fields, render=_renderer(options, model_path))
+    fields = replace(fields, render=_renderer(options, model_path, trust_remote_code))
     if source.format == "webdataset":
         samples, modality, opener = read_webdataset(source, fields, rows, scan), "image", ImageOpener(source)
     elif source.format == "jsonl":
@@ -198,13 +200,15 @@ def _no_samples(path: str | Path, source: Source) -> ConfigError:
     return ConfigError(f"dataset.path {path} holds no samples{hint}")
 
 
-def _renderer(options: dict[str, Any], model_path: Path | None) -> Callable[[Any, str], str] | None:
+def _renderer(options: dict[str, Any], model_path: Path | None,
+              trust_remote_code: bool) -> Callable[[Any, str], str] | None:
     """The chat template renderer when dataset.messages_field is set (it needs the model's tokenizer)."""
     if not options.get("messages_field"):
         return None
     if model_path is None:
         raise ConfigError("dataset.messages_field: rendering chat messages needs the model's tokenizer")
-    return chat_renderer(load_tokenizer(model_path), model_path, options.get("add_generation_prompt", True))
+    return chat_renderer(load_tokenizer(model_path, trust_remote_code), model_path,
+                         options.get("add_generation_prompt", True))
 
 
 def _fields(options: dict[str, Any], render: Callable[[Any, str], str] | None) -> Fields:

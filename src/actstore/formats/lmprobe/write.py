@@ -30,6 +30,7 @@ from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDE
                                              encode_header, from_float32, prompt_order, rows_per_shard, tensor_bytes)
 from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, sha256_file, utc_now
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
+from actstore.model_config import check_remote_code
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,7 @@ class Plan:
     seq_first: np.ndarray | None  # full_sequence: row of each prompt's first token in that shard
     logits_rows: int           # rows of a logits shard
     files: list[str]           # every tensor file, relative to the root, in the order jobs split them
+    trust_remote_code: bool = False  # model.trust_remote_code: token_strings' tokenizer may be the folder's code
 
     @property
     def n(self) -> int:
@@ -210,8 +212,10 @@ class Plan:
         return len(self.opts["layers"]) * len(self.groups)
 
 
-def plan_dataset(extract_dir: str | Path, options: dict[str, Any]) -> Plan:
-    """The plan of the dataset `options` (the `lmprobe` config section) make of an extraction."""
+def plan_dataset(extract_dir: str | Path, options: dict[str, Any], trust_remote_code: bool = False) -> Plan:
+    """The plan of the dataset `options` (the `lmprobe` config section) make of an extraction;
+    `trust_remote_code`: model.trust_remote_code (it changes no byte, only whether a tokenizer
+    that is the model folder's own code may load)."""
     from actstore.formats.extract import open_extraction
 
     extraction = open_extraction(extract_dir)
@@ -239,7 +243,7 @@ def plan_dataset(extract_dir: str | Path, options: dict[str, Any]) -> Plan:
     if k:
         files += [LOGITS_FILE_PATTERN.format(shard=s) for s in range(-(-n // logits_rows))]
     return Plan(extraction, opts, src, order, num_tokens, dim, per_shard, groups, seq_shard, seq_first,
-                logits_rows, files)
+                logits_rows, files, trust_remote_code)
 
 
 # ---------------------------------------------------------------- step 1: tensor files
@@ -294,14 +298,15 @@ def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, A
 # ---------------------------------------------------------------- step 2: finishing
 
 def finish_dataset(extract_dir: str | Path, job_dirs: list[str | Path], out_dir: str | Path,
-                   options: dict[str, Any]) -> dict[str, Any]:
+                   options: dict[str, Any], trust_remote_code: bool = False) -> dict[str, Any]:
     """Link the tensor files of `job_dirs` (job 0, 1, ... as `write_job` wrote them) into the dataset
     `out_dir`, then write its index, card and checksums; atomic. Return the info dict.
+    `trust_remote_code`: model.trust_remote_code, for token_strings' tokenizer.
 
     Every job's record and file size is checked before anything is linked (FormatError naming the
     file). Hard links, not renames: no byte is copied, and a finisher killed at any point leaves the
     jobs' outputs whole for a rerun (Snakemake removes them, temp(), once this job succeeds)."""
-    plan = plan_dataset(extract_dir, options)
+    plan = plan_dataset(extract_dir, options, trust_remote_code)
     sources = _collect(plan, [Path(d) for d in job_dirs])
     with atomic_path(out_dir) as tmp:
         (tmp / "tensors").mkdir(parents=True)
@@ -329,12 +334,13 @@ def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
 
 
 def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[str, Any],
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, trust_remote_code: bool = False) -> dict[str, Any]:
     """Write an lmprobe 2.0 dataset of an extraction into `out_dir` (atomically); return its info dict.
 
     `options` = the `lmprobe` config section (defaults as in the schema). One process doing what the
-    scattered jobs and the finishing job do: every tensor file, then the same finishing step."""
-    plan = plan_dataset(extract_dir, options)
+    scattered jobs and the finishing job do: every tensor file, then the same finishing step.
+    `trust_remote_code`: model.trust_remote_code, for token_strings' tokenizer."""
+    plan = plan_dataset(extract_dir, options, trust_remote_code)
     with atomic_path(out_dir) as tmp:
         records = write_tensor_files(plan, tmp, range(len(plan.files)), progress)
         info = _finish(plan, tmp, records)
@@ -466,7 +472,8 @@ class _IndexColumns:
         parts = [p for p in plan.extraction.parts if p.info.n_samples]
         self.token_ids = all("token_ids.npy" in p.meta["files"] for p in parts)
         self.logprob = self.token_ids and all("token_logprob.npy" in p.meta["files"] for p in parts)
-        self.strings = _TokenStrings(plan.extraction) if self.token_ids and plan.opts["token_strings"] else None
+        self.strings = (_TokenStrings(plan.extraction, plan.trust_remote_code)
+                        if self.token_ids and plan.opts["token_strings"] else None)
         self.meta_types = _metadata_types(plan)
 
     def block(self, start: int, stop: int):
@@ -551,14 +558,18 @@ def _perplexity_columns(list_offsets: np.ndarray, flat_lp: np.ndarray) -> dict[s
 
 class _TokenStrings:
     """Each token decoded on its own with the model's tokenizer (special tokens kept); decoded ids
-    are kept, so memory is bounded by the vocabulary, not the data."""
+    are kept, so memory is bounded by the vocabulary, not the data. The tokenizer loads here, not
+    through actstore.models, which imports torch: this writer job never needs it."""
 
-    def __init__(self, extraction):
+    def __init__(self, extraction, trust_remote_code: bool):
         from transformers import AutoTokenizer
 
         path = extraction.info.model.path
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            # A folder whose code is its own, untrusted: the key is named (transformers would prompt, or fail).
+            check_remote_code(path, {"path": path, "trust_remote_code": trust_remote_code})
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                           trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"lmprobe.token_strings: cannot load the tokenizer from {path} ({exc}); "
                               "set lmprobe.token_strings: false") from None
