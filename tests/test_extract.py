@@ -12,6 +12,7 @@ import torch
 import tiny
 from actstore.errors import ConfigError, FormatError
 from actstore.extract import preflight, run_part
+from actstore.extract.inputs import zero_token_rows
 from actstore.formats.extract import open_extraction, open_part
 from actstore.models import get_module, load_image_processor, load_model
 
@@ -583,12 +584,14 @@ def test_a_text_that_tokenizes_to_nothing_is_named_before_the_weights_load(model
     import actstore.extract.run as ex
 
     data = tmp_path / "texts.jsonl"
-    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in ["a first text", "more", "", "last"]))
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in ["a first text", "more", "", "last", ""]))
     config = tiny.make_config(tmp_path, model_dir("gpt2"), data, extract={"parts": 1})
     monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
-    with pytest.raises(ConfigError, match="dataset row 2: text tokenizes to zero tokens"):
+    with pytest.raises(ConfigError, match=r"dataset rows 2, 4: text tokenizes to zero tokens.*drop empty texts"):
         run_part(config, 0, tmp_path / "part-0000", progress=False)
     assert not (tmp_path / "part-0000").exists()
+    rows = list(range(3, 40, 3))  # at most ten named, then how many more
+    assert zero_token_rows(rows).startswith("dataset rows 3, 6, 9, 12, 15, 18, 21, 24, 27, 30 and 3 more: ")
 
 
 def test_part_checksums_catch_a_flipped_byte(extracted, tmp_path):

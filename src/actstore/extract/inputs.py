@@ -46,6 +46,7 @@ def tokenize(tokenizer: Any, samples: list[Sample], max_seq_length: int,
     what it cut as each encoding's `overflowing` (a slow one keeps nothing: None)."""
     chunks, lengths, step = [], [0], max(1, TOKENIZE_TOKENS // max_seq_length)
     truncated: int | None = 0
+    empty: list[int] = []  # rows with no token: every one of the part is named at once
     for start in range(0, len(samples), step):
         rows = samples[start:start + step]
         batch = tokenizer([s.text for s in rows], truncation=True, max_length=max_seq_length,
@@ -53,13 +54,21 @@ def tokenize(tokenizer: Any, samples: list[Sample], max_seq_length: int,
         encoded = batch["input_ids"]
         cut = None if batch.encodings is None else sum(bool(e.overflowing) for e in batch.encodings)
         truncated = None if truncated is None or cut is None else truncated + cut
-        for sample, ids in zip(rows, encoded):
-            if not ids:
-                raise ConfigError(f"dataset row {sample.sample_idx}: text tokenizes to zero tokens")
-            lengths.append(len(ids))
+        empty += [sample.sample_idx for sample, ids in zip(rows, encoded) if not ids]
+        lengths += [len(ids) for ids in encoded]
         chunks.append(np.fromiter(itertools.chain.from_iterable(encoded), np.int64, sum(lengths[-len(rows):])))
+    if empty:
+        raise ConfigError(zero_token_rows(empty))
     flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
     return TokenIds(flat, np.cumsum(lengths, dtype=np.int64), truncated)
+
+
+def zero_token_rows(rows: list[int]) -> str:
+    """The error for texts with no token to store (a tokenizer that adds no special token, as GPT-2's,
+    on an empty text: wikitext's blank lines)."""
+    shown = ", ".join(map(str, rows[:10])) + (f" and {len(rows) - 10} more" if len(rows) > 10 else "")
+    return (f"dataset row{'s' if len(rows) > 1 else ''} {shown}: text tokenizes to zero tokens, so no activation "
+            "is there to store (this tokenizer adds no special token): drop empty texts from the dataset")
 
 
 def given_token_ids(tokenizer: Any, vocab: int | None, samples: list[Sample], max_seq_length: int) -> TokenIds:
