@@ -74,7 +74,7 @@ def run_job(args: argparse.Namespace) -> None:
         zarr.merge_stores(sorted(Path(args.shards).glob("shard-*.zarr")), out / "merged", progress=False)
     elif name == "zarr-chunks":
         shards = sorted(Path(args.shards).glob("shard-*.zarr"))
-        zarr.copy_chunks([shards[i] for i in job_items(len(shards), args.jobs, args.job_index)],
+        zarr.link_chunks([shards[i] for i in job_items(len(shards), args.jobs, args.job_index)],
                          job_dirs[args.job_index], args.jobs, args.job_index, progress=False)
     elif name == "zarr-finish":
         zarr.finish_merge(sorted(Path(args.shards).glob("shard-*.zarr")), job_dirs, out / "merged", progress=False)

@@ -1,6 +1,6 @@
 # Zarr activation logger: one shard store per extraction part (the spec's parallel writers), written
 # by zarr.jobs jobs (default: one per part, at most 64), each taking a contiguous range of parts one
-# after another; an optional merged store (zarr.merged: zarr.merge_jobs chunk-copy jobs over
+# after another; an optional merged store (zarr.merged: zarr.merge_jobs chunk-link jobs over
 # consecutive shards, then one finishing job); then manifest.json, written last, marks the run
 # complete. A shard job's declared output is its record (the parts it wrote): the shard stores go
 # straight to shards/, so nothing is moved or copied afterwards.
@@ -13,7 +13,8 @@ ZARR_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr"))]
 ZARR_RECORDS = expand(f"{ZARR_DIR}/scatter/shards-{{job}}", job=ZARR_JOBS)
 ZARR_MERGED = [f"{ZARR_DIR}/merged"] if config["zarr"]["merged"] else []
 ZARR_MERGE_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr", "merge_jobs"))]
-# The most parts one chunk-copy job takes: its runtime is that many parts' bytes copied once.
+# The most parts one chunk-link job takes: its runtime is bounded by that many parts' bytes read once
+# (it reads none: a hard link per chunk file, the shard's file itself).
 ZARR_PARTS_PER_MERGE_JOB = -(-N_PARTS // len(ZARR_MERGE_JOBS))
 
 
@@ -46,7 +47,7 @@ rule zarr_shards:
         "../workflow/scripts/zarr_shards.py"
 
 
-# Job {job} copies the chunks of its consecutive shards (none when there are more jobs than parts),
+# Job {job} hard-links the chunks of its consecutive shards (none when there are more jobs than parts),
 # once the shard jobs that wrote them are done.
 rule zarr_merge_chunks:
     input:
@@ -74,7 +75,7 @@ rule zarr_merge_chunks:
         "../workflow/scripts/zarr_merge_chunks.py"
 
 
-# Moves the copied chunk directories into place by rename and writes the small files: it reads the
+# Moves the linked chunk directories into place by rename and writes the small files: it reads the
 # shards' metadata, 1-D arrays and prompts, never their activations.
 rule zarr_merge:
     input:

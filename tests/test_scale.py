@@ -230,7 +230,7 @@ def test_zarr_merge_finisher_and_verify_hold_nothing_per_chunk_file(tmp_path):
         shards = [zarr.write_shard(extract / f"part-{p:04d}", root / f"shard-{p}.zarr", t_chunk=1, progress=False)
                   for p in (0, 1)]
         for job in (0, 1):
-            zarr.copy_chunks([root / shards[job]["path"]], root / f"merge-{job}", 2, job, progress=False)
+            zarr.link_chunks([root / shards[job]["path"]], root / f"merge-{job}", 2, job, progress=False)
         proc = subprocess.Popen([sys.executable, "-c", MERGE_FINISH, str(root)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"

@@ -13,7 +13,7 @@ from actstore.errors import FormatError
 from actstore.formats import zarr as zs
 from actstore.formats.extract import PartWriter, layer_tensor, open_extraction, tensor_file, write_part
 from actstore.formats.zarr import merge as zarr_merge
-from actstore.formats.zarr.layout import FILES_JSON, files_json_text
+from actstore.formats.zarr.layout import FILES_JSON, acts_chunk_key, files_json_text
 from actstore.formats.zarr.read import list_store_files
 from actstore.integrity import file_record
 from actstore.jobs import job_items
@@ -295,10 +295,10 @@ def three_shards(extracted, tmp_path_factory):
 
 
 def scattered_chunks(shards, root, jobs):
-    """The workflow's zarr_merge_chunks jobs by hand: job j copies its contiguous shards."""
+    """The workflow's zarr_merge_chunks jobs by hand: job j links its contiguous shards."""
     dirs = [root / "scatter" / f"merge-{j}" for j in range(jobs)]
     for j, d in enumerate(dirs):
-        zs.copy_chunks([shards[p] for p in job_items(len(shards), jobs, j)], d, jobs, j, progress=False)
+        zs.link_chunks([shards[p] for p in job_items(len(shards), jobs, j)], d, jobs, j, progress=False)
     return dirs
 
 
@@ -323,6 +323,24 @@ def test_scattered_merge_equals_one_job_merge(three_shards, tmp_path, monkeypatc
     assert [p.name for p in (tmp_path / "one").iterdir()] == [zs.MERGED]  # merge_stores' scratch is gone
 
 
+def test_merged_chunks_are_the_shards_files_and_a_zarr_write_to_one_leaves_the_other(three_shards, tmp_path):
+    """The merge links each chunk file (no byte copied, no disk space used twice); zarr writes a chunk
+    by replacing its file, so writing through the merged store leaves the shard as it was."""
+    import os
+
+    import zarr
+    shards = [shutil.copytree(s, tmp_path / "shards" / s.name) for s in three_shards]  # this test writes
+    merged = tmp_path / zs.MERGED
+    zs.merge_stores(shards, merged, progress=False)
+    g = zs.ZarrStore(shards[1]).attrs["global_index_start"]  # shard 1's first sample, in the merged store
+    shard_chunk, merged_chunk = shards[1] / acts_chunk_key(0, 1, 0), merged / acts_chunk_key(g, 1, 0)
+    assert os.stat(shard_chunk).st_ino == os.stat(merged_chunk).st_ino and os.stat(shard_chunk).st_nlink == 2
+    before = shard_chunk.read_bytes()
+    zarr.open_group(str(merged), mode="r+")["arrays/activations"][g, 1, 0, :] = 7.0
+    assert shard_chunk.read_bytes() == before and merged_chunk.read_bytes() != before
+    assert zs.verify(shards[1]) == [] and any(acts_chunk_key(g, 1, 0) in p for p in zs.verify(merged))
+
+
 @pytest.mark.parametrize("damage", ["chunk dir", "record", "job.json", "job order", "shards", "after the moves"])
 def test_finish_merge_refuses_incomplete_chunks_and_leaves_them_whole(three_shards, tmp_path, monkeypatch, damage):
     dirs = scattered_chunks(three_shards, tmp_path, 2)
@@ -344,7 +362,7 @@ def test_finish_merge_refuses_incomplete_chunks_and_leaves_them_whole(three_shar
         match = "merge-1/job.json: the record of job 1 of 2, given as job 0 of 2"
     elif damage == "shards":
         record.write_text(json.dumps({**last, "shards": [zs.shard_name(0)]}))
-        match = "merge-1/job.json: copied shards .*, job 1 of 2 takes"
+        match = "merge-1/job.json: linked shards .*, job 1 of 2 takes"
     else:  # every check passed and every sample directory moved: they are moved back
         def fail(*_):
             raise FormatError("files.json failed")

@@ -7,17 +7,17 @@ uncompressed (1, 1, T_chunk, H) chunks; the reader validates the metadata once, 
 files raw with os.preadv.
 
 Rooms: layout (names, encoding, JSON documents), write (shards, manifest), merge (the merged store:
-copy_chunks jobs, then finish_merge), read (ZarrStore, ZarrRun, the torch Dataset and sampler),
+link_chunks jobs, then finish_merge), read (ZarrStore, ZarrRun, the torch Dataset and sampler),
 check (detect, inspect, verify, read_vector).
 """
 from actstore.formats.zarr.check import detect, inspect, read_vector, verify
 from actstore.formats.zarr.layout import ACTS, FORMAT_NAME, MANIFEST, MERGED, choose_t_chunk, shard_name
 from actstore.formats.zarr.read import (TrainingPatternSampler, ZarrActivationDataset, ZarrRun, ZarrStore,
                                         collate_padded, open_zarr)
-from actstore.formats.zarr.merge import copy_chunks, finish_merge, merge_stores
+from actstore.formats.zarr.merge import link_chunks, finish_merge, merge_stores
 from actstore.formats.zarr.write import write_manifest, write_shard
 
 __all__ = ["ACTS", "FORMAT_NAME", "MANIFEST", "MERGED", "TrainingPatternSampler", "ZarrActivationDataset",
-           "ZarrRun", "ZarrStore", "choose_t_chunk", "collate_padded", "copy_chunks", "detect", "finish_merge",
+           "ZarrRun", "ZarrStore", "choose_t_chunk", "collate_padded", "link_chunks", "detect", "finish_merge",
            "inspect", "merge_stores", "open_zarr", "read_vector", "shard_name", "verify", "write_manifest",
            "write_shard"]

@@ -1,9 +1,12 @@
 """Merging shard stores into one store over every sample (spec Option B), scattered over jobs.
 
-`copy_chunks` (job zarr_merge_chunks, one per range of consecutive shards) copies the activation
+`link_chunks` (job zarr_merge_chunks, one per range of consecutive shards) hard-links the activation
 chunk files under their merged names with their checksums; `finish_merge` (job zarr_merge) writes
-the small parts and moves the copied chunk directories into place by rename. `merge_stores` is the
-two run as one job.
+the small parts and moves the linked chunk directories into place by rename. `merge_stores` is the
+two run as one job. A merged chunk is the shard's chunk file itself (same bytes, by definition: the
+chunking and encoding are the shards'), so the merged store costs no copy and no disk space for its
+activations; zarr rewrites a chunk by replacing its file, never in place, so writing through either
+store leaves the other as it was.
 """
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ import functools
 import itertools
 import json
 import os
-import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -67,7 +69,7 @@ def _merged_attrs(shards: list[Path], attrs: list[dict]) -> dict[str, Any]:
 
 def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: bool = True) -> dict[str, Any]:
     """Option B: one store over every shard, in shard order (atomic): the scattered merge run as one job,
-    `copy_chunks` over every shard into a scratch directory beside `out_path`, then `finish_merge`."""
+    `link_chunks` over every shard into a scratch directory beside `out_path`, then `finish_merge`."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     # Beside out_path, so finish_merge's renames stay on one filesystem; not named like one of
@@ -75,17 +77,18 @@ def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: b
     with tempfile.TemporaryDirectory(prefix=f".{out_path.name}-chunks.", suffix=TEMP_SUFFIX,
                                      dir=out_path.parent) as scratch:
         chunk_dir = Path(scratch) / "merge-0"
-        copy_chunks(shards, chunk_dir, 1, 0, progress)
+        link_chunks(shards, chunk_dir, 1, 0, progress)
         return finish_merge(shards, [chunk_dir], out_path, progress)
 
 
-def copy_chunks(shards: Sequence[str | Path], out_dir: str | Path, jobs: int, job: int,
+def link_chunks(shards: Sequence[str | Path], out_dir: str | Path, jobs: int, job: int,
                 progress: bool = True) -> dict[str, dict]:
     """Job `job` of `jobs` of the scattered merge (atomic): the activation chunks of `shards`, its
-    consecutive shards of the run (jobs.job_items), copied file for file under their merged names
-    (sample axis = the shard's global_index_start + local; chunking and encoding are identical, so
-    the bytes are too), and its job record (jobs.write_job_record, with the shards' names) of their
-    bytes + sha256 as each shard's meta/files.json has them (no re-hash). Returns those entries."""
+    consecutive shards of the run (jobs.job_items), hard-linked file for file under their merged
+    names (sample axis = the shard's global_index_start + local; chunking and encoding are
+    identical, so the bytes are too; `out_dir` on the shards' filesystem, as the stage directory
+    is), and its job record (jobs.write_job_record, with the shards' names) of their bytes + sha256
+    as each shard's meta/files.json has them (no re-hash). Returns those entries."""
     from tqdm import tqdm
 
     shards, readers = _open_shards(shards, start=None)
@@ -93,24 +96,24 @@ def copy_chunks(shards: Sequence[str | Path], out_dir: str | Path, jobs: int, jo
     with atomic_path(out_dir) as tmp:
         (tmp / ACTS).mkdir(parents=True)
         for shard, reader in zip(shards, tqdm(readers, desc="zarr merge chunks", unit="shard", disable=not progress)):
-            files.update(_copy_shard_chunks(shard, reader, tmp))
+            files.update(_link_shard_chunks(shard, reader, tmp))
         write_job_record(tmp, jobs, job, files, shards=[s.name for s in shards])
     return files
 
 
-def _copy_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, dict]:
-    """Every chunk of the shard copied to `dst` under its merged key; merged key -> its files.json entry."""
+def _link_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, dict]:
+    """Every chunk of the shard linked into `dst` under its merged key; merged key -> its files.json entry."""
     shard_files = read_json(shard / FILES_JSON)["files"]
     start = reader.attrs["global_index_start"]
-    copied = {}
+    linked = {}
     for local in range(reader.n_samples):
         for key, target in _sample_chunk_keys(reader, local, start + local):
             if key not in shard_files:
                 raise FormatError(f"{shard / FILES_JSON}: no entry for {key}")
             (dst / target).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(shard / key, dst / target)
-            copied[target] = shard_files[key]
-    return copied
+            os.link(shard / key, dst / target)
+            linked[target] = shard_files[key]
+    return linked
 
 
 def _sample_chunk_keys(reader: ZarrStore, local: int, g: int) -> Iterator[tuple[str, str]]:
@@ -129,7 +132,7 @@ TABLE_ENTRY = struct.Struct("<q32s")
 def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path], out_path: str | Path,
                  progress: bool = True) -> dict[str, Any]:
     """The merge's finishing job (atomic): the merged store over every shard from `chunk_dirs`, the
-    outputs of `copy_chunks` over consecutive runs of `shards`, in order. Writes the small parts
+    outputs of `link_chunks` over consecutive runs of `shards`, in order. Writes the small parts
     (attrs, array metadata, the concatenated 1-D arrays, prompts.jsonl), moves each sample's chunk
     directory in by rename (no copy), then files.json from the jobs' records. Every check comes
     before the first rename; a failure after it renames them back, so the chunk dirs stay whole.
@@ -156,15 +159,15 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
 
 
 def _record_table(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list[Path], table: BinaryIO) -> list[list[str]]:
-    """Each job copied the shards job_items gives it and lists every chunk of their samples, in order
-    (as copy_chunks writes them): their {bytes, sha256} appended to `table`, in merged order. Returns
+    """Each job linked the shards job_items gives it and lists every chunk of their samples, in order
+    (as link_chunks writes them): their {bytes, sha256} appended to `table`, in merged order. Returns
     the shards each job covered."""
     covered = []
     for job, (d, extra, listed) in enumerate(iter_job_records(chunk_dirs)):
         record, names = d / JOB_RECORD, extra.get("shards")
         expected = [shards[i].name for i in job_items(len(shards), len(chunk_dirs), job)]
         if names != expected:
-            raise FormatError(f"{record}: copied shards {names}, job {job} of {len(chunk_dirs)} takes {expected}")
+            raise FormatError(f"{record}: linked shards {names}, job {job} of {len(chunk_dirs)} takes {expected}")
         covered.append(names)
         for _, reader, local, g in _record_samples([d], [names], readers):
             for _, target in _sample_chunk_keys(reader, local, g):
