@@ -71,7 +71,7 @@ def run_config(model: dict[str, Any]) -> dict[str, Any]:
     folder = resolve_model_path(model["path"])
     config = read_model_config(folder)
     check_tower(config, model.get("tower"), model["path"])
-    check_remote_code(folder, model)
+    check_remote_code(folder, trusted(model), model["path"])
     return vision_tower_config(config) if model.get("tower") == "vision" else config
 
 
@@ -85,18 +85,19 @@ def trusted(model: dict[str, Any]) -> bool:
 CODE_MAPS = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
 
-def check_remote_code(folder: str | Path, model: dict[str, Any]) -> None:
+def check_remote_code(folder: str | Path, trust_remote_code: bool, spec: str | Path | None = None) -> None:
     """ConfigError before anything runs when a config file of the model folder maps a class to Python
     files there (`auto_map`: nomic-embed, jina, gte-v1.5 and other custom-code checkpoints) and
-    model.trust_remote_code is not set: loading it executes that code."""
-    if trusted(model):
+    model.trust_remote_code is not set: loading it executes that code. `spec`: model.path as the
+    config gives it (default: the folder), for the message."""
+    if trust_remote_code:
         return
     for name in CODE_MAPS:
         path = Path(folder) / name
         custom = json.loads(path.read_text()).get("auto_map") if path.is_file() else None
         if isinstance(custom, dict) and custom:
             first = next(iter(custom.items()))
-            raise ConfigError(f"model.path {model['path']}: its {name} maps {first[0]} to {first[1]!r}, Python in "
+            raise ConfigError(f"model.path {spec or folder}: its {name} maps {first[0]} to {first[1]!r}, Python in "
                               "the model folder; set model.trust_remote_code: true to run it (it executes that code)")
 
 

@@ -111,7 +111,7 @@ def model_skeleton(path: str | Path, tower: str | None = None, trust_remote_code
 
     config = read_model_config(path)
     check_tower(config, tower, path)
-    check_remote_code(path, {"path": str(path), "trust_remote_code": trust_remote_code})
+    check_remote_code(path, trust_remote_code)
     with torch.device("meta"):
         return _tower(config, _auto_class(config).from_config(
             AutoConfig.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code),
@@ -133,9 +133,11 @@ def _vision_tower(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn
 
 
 def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
-    """The model folder's image processor (the one extraction uses, so masks can follow its geometry)."""
+    """The model folder's image processor (the one extraction uses, so masks can follow its geometry);
+    one that is the folder's own code is refused by name unless `trust_remote_code`."""
     from transformers import AutoImageProcessor
 
+    check_remote_code(path, trust_remote_code)
     try:
         return AutoImageProcessor.from_pretrained(Path(path), local_files_only=True,
                                                   trust_remote_code=trust_remote_code)
@@ -153,7 +155,7 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     path = Path(path)
     checkpoint = read_model_config(path)
     check_tower(checkpoint, tower, path)
-    check_remote_code(path, {"path": str(path), "trust_remote_code": trust_remote_code})
+    check_remote_code(path, trust_remote_code)
     config = vision_tower_config(checkpoint) if tower == "vision" else checkpoint
     kind = model_kind(config)
     dev = pick_device(device)
@@ -175,9 +177,11 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The model folder's tokenizer, with a pad token: right padding only, and pad positions are never
     stored, so any id works (id 0's token for a tokenizer with no eos or unk token either, as some
-    byte-level BPEs are saved)."""
+    byte-level BPEs are saved). One that is the folder's own code is refused by name unless
+    `trust_remote_code` (transformers would prompt for it, or fail)."""
     from transformers import AutoTokenizer
 
+    check_remote_code(path, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.convert_ids_to_tokens(0)

@@ -19,7 +19,6 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.model_config import check_remote_code
 
 REGISTER_LABEL = 255
 N_CLASSES = 256
@@ -94,7 +93,6 @@ def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_pa
 
     from actstore.models import load_image_processor
 
-    check_remote_code(model_path, {"path": str(model_path), "trust_remote_code": trust_remote_code})
     processor = load_image_processor(model_path, trust_remote_code)
     n_patches = patches_per_ex - registers
     out = np.full((len(image_rels), patches_per_ex), REGISTER_LABEL, dtype=np.uint8)

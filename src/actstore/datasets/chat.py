@@ -8,16 +8,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from actstore.errors import ConfigError
-from actstore.model_config import check_remote_code
 
 
 def load_tokenizer(model_path: Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer extraction uses (models.load_tokenizer), so the rendered prompt is the one its
-    class makes; `trust_remote_code`: model.trust_remote_code. A folder with its own code and no
-    trust is refused by name before transformers would prompt for it or fail."""
+    class makes; `trust_remote_code`: model.trust_remote_code."""
     from actstore.models import load_tokenizer as load  # here: torch loads only when a chat is rendered
 
-    check_remote_code(model_path, {"path": str(model_path), "trust_remote_code": trust_remote_code})
     return load(model_path, trust_remote_code)
 
 

@@ -567,7 +567,7 @@ class _TokenStrings:
         path = extraction.info.model.path
         try:
             # A folder whose code is its own, untrusted: the key is named (transformers would prompt, or fail).
-            check_remote_code(path, {"path": path, "trust_remote_code": trust_remote_code})
+            check_remote_code(path, trust_remote_code)
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                            trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
