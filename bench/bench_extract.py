@@ -42,7 +42,7 @@ from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
 from actstore.io_utils import start_writeback
 from actstore.model_config import run_dtype
-from actstore.models import load_image_processor, load_model
+from actstore.models import TORCH_DTYPES, load_image_processor, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
@@ -177,10 +177,11 @@ def bare_forward(config: dict, threads: int) -> tuple[float, float, object, obje
         batches = length_batches([1] * len(samples), ext["batch_size"])
         processor = load_image_processor(model_path)
         workers = threads if ext["num_workers"] is None else ext["num_workers"]  # as run_part decides
+        dtype = run_dtype(config["model"])
         pixels = lambda: image_batches(processor, dataset.opener, samples, batches, workers,  # noqa: E731
-                                       ext["device"] == "cuda")
+                                       ext["device"] == "cuda", TORCH_DTYPES[dtype])
         first_pixels = pixels()
-        loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
+        loaded = load_model(model_path, dtype, ext["device"])
         make_inputs = lambda: to_model(loaded, pixels())  # noqa: E731
         first_inputs = to_model(loaded, first_pixels)
         units = len(samples)

@@ -2,8 +2,8 @@
 
 For each token count: dense x @ W of every target (the baseline), Step B alone (the fused lookup of
 every target at once given the TopK codes), Step A + B (one shared encoding, then every target's
-lookup), and A + B + online compensation at two budgets; on CUDA also dense and A + B each captured in
-one CUDA graph (the kernels without Python and launch overhead, as a decode loop run through a graph
+lookup), and A + B + online compensation at two budgets; on CUDA also dense, Step B and A + B each
+captured in one CUDA graph (the kernels without Python and launch overhead, as a decode loop run through a graph
 pays). Every time is also a ratio to dense. First `lut.runtime: auto`'s own calibration runs
 (actstore.lut_runtime.calibrate, budget 0): its table and crossover are printed, and each token
 count's block says which path the calibrated auto takes there.
@@ -107,7 +107,9 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
         rows["lookup (B)"] = timed(lambda: luts[0].encoder.lookup(values, indices), args.repeat, device)
         rows["encode + lookup (A+B)"] = timed(forward_all, args.repeat, device)
         if device.type == "cuda":  # what a decode loop captured in a CUDA graph pays: the kernels alone
-            for name, fn in (("dense, CUDA graph", lambda: [x @ w for w in weights]), ("A+B, CUDA graph", forward_all)):
+            for name, fn in (("dense, CUDA graph", lambda: [x @ w for w in weights]),
+                             ("lookup (B), CUDA graph", lambda: luts[0].encoder.lookup(values, indices)),
+                             ("A+B, CUDA graph", forward_all)):
                 try:
                     rows[name] = timed(graph_replay(fn), args.repeat, device)
                 except RuntimeError as exc:  # an op that cannot be captured: say which, keep the other rows

@@ -845,6 +845,53 @@ def test_bfloat16_storage_is_the_models_bfloat16_output_bit_for_bit(model_dir, t
                     assert np.array_equal(widened, tensor[row, :len(ids[i])].float().numpy())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16bit_vit_stores_its_own_outputs_bit_for_bit_from_pixels_cast_in_the_workers(dtype, model_dir,
+                                                                                       image_folder, tmp_path):
+    """The decoding workers cast the processor's float32 pixels to the model's dtype (half the bytes
+    through shared memory and the main process): the stored block outputs are the bits the model
+    gives for those float32 pixels cast in its own process, batch by batch."""
+    from PIL import Image
+
+    from actstore.extract import capture
+    from actstore.extract.inputs import image_batches
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, model={"torch_dtype": dtype},
+                              extract={"parts": 1, "num_workers": 2, "batch_size": 3})
+    out = tmp_path / "part-0000"
+    assert run_part(config, 0, out, progress=False)["storage_dtype"] == dtype
+    part = open_part(out)
+    loaded = load_model(config["model"]["path"], dtype)
+    images = [Image.open(image_folder / row["text"]).convert("RGB") for row in part.samples]
+    pixels = loaded.preprocessor(images=images, return_tensors="pt")["pixel_values"]
+    assert pixels.dtype == torch.float32
+    _, dataset = preflight(config, 0)
+    items = next(image_batches(loaded.preprocessor, dataset.opener, dataset.samples, [[0, 1, 2]], 2, False,
+                               getattr(torch, dtype)))
+    assert [item.dtype for item in items] == [getattr(torch, dtype)]  # cast before leaving the worker
+    with capture(loaded, [0, 2], []) as captured, torch.inference_mode():
+        for start in range(0, len(images), 3):
+            loaded.model(pixel_values=pixels[start:start + 3].to(getattr(torch, dtype)))
+            for name, tensor in captured.items():
+                raw = part.tensor(name).raw
+                for row, i in enumerate(range(start, min(start + 3, len(images)))):
+                    want = tensor[row].view(torch.int16).numpy().view(np.uint16)
+                    assert np.array_equal(np.asarray(raw[part.sample_slice(i)]).view(np.uint16), want), (dtype, name, i)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_16bit_casts_round_the_same_on_cpu_and_cuda():
+    """Pixels are cast to a 16-bit model's dtype in the CPU decoding workers where the GPU cast them
+    before: the two casts give the same bits (round to nearest even), ties and subnormals included."""
+    torch.manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 22,), dtype=torch.int64).to(torch.int32)
+    values = torch.cat([bits.view(torch.float32), torch.randn(1 << 20) * 3, torch.linspace(-70000, 70000, 1 << 16)])
+    values = values[values.isfinite()]
+    for dtype in (torch.bfloat16, torch.float16):
+        on_cpu = values.to(dtype).view(torch.int16)
+        on_gpu = values.cuda().to(dtype).view(torch.int16).cpu()
+        assert torch.equal(on_cpu, on_gpu), dtype
+
+
 def test_model_dtype_auto_runs_the_checkpoint_as_saved(model_dir, text_jsonl, tmp_path):
     """model.torch_dtype auto = the dtype config.json names: a bfloat16 checkpoint runs (and with
     storage_dtype auto stores) bfloat16, the same extraction and hash as naming bfloat16; a float32

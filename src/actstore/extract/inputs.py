@@ -143,18 +143,24 @@ class ImageItems(torch.utils.data.Dataset):
     of one per worker, and the decoded images waiting in shared memory are workers x items ahead x
     IMAGES_PER_ITEM (resources.items_ahead), not x batch_size. The split depends on the batch size
     alone, never on the worker count, so the bytes do not either (and each image processor tested
-    treats images one by one, so they equal a whole-batch call's: tests/test_extract.py)."""
+    treats images one by one, so they equal a whole-batch call's: tests/test_extract.py).
 
-    def __init__(self, processor: Any, opener: ImageOpener, samples: list[Sample]):
+    Items are cast to the model's dtype in the worker: the cast rounds the same on either side
+    (round to nearest even, c10's one conversion on CPU and CUDA), and every later step of an item
+    (shared memory, the main process's pinning and host-to-device copy) then moves half the bytes
+    of float32 for a 16-bit model. Those steps are serial in the main process."""
+
+    def __init__(self, processor: Any, opener: ImageOpener, samples: list[Sample], dtype: torch.dtype):
         self.processor = processor
         self.opener = opener
         self.samples = samples
+        self.dtype = dtype
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, item: list[int]) -> torch.Tensor:
-        return load_pixels(self.processor, self.opener, [self.samples[i] for i in item])
+        return load_pixels(self.processor, self.opener, [self.samples[i] for i in item]).to(self.dtype)
 
 
 def default_workers(threads: int | None) -> int:  # also sizes the writer threads (run.writer_threads)
@@ -163,23 +169,24 @@ def default_workers(threads: int | None) -> int:  # also sizes the writer thread
 
 
 def image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], batches: list[list[int]],
-                  num_workers: int, pin_memory: bool) -> Iterator[list[torch.Tensor]]:
-    """Processed pixels batch by batch, as the batch's items in order (to_model joins them on the
-    device), decoded ahead by `num_workers` processes (0 = in this process). The workers start at
-    once, so call it before loading the model: they decode the first batches while the weights load."""
+                  num_workers: int, pin_memory: bool, dtype: torch.dtype) -> Iterator[list[torch.Tensor]]:
+    """Processed pixels in the model's `dtype` batch by batch, as the batch's items in order
+    (to_model joins them on the device), decoded ahead by `num_workers` processes (0 = in this
+    process). The workers start at once, so call it before loading the model: they decode the first
+    batches while the weights load."""
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     loader = iter(torch.utils.data.DataLoader(
-        ImageItems(processor, opener, samples), sampler=[item for batch in items for item in batch], batch_size=None,
+        ImageItems(processor, opener, samples, dtype), sampler=[item for batch in items for item in batch], batch_size=None,
         num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead))
     return ([next(loader) for _ in batch] for batch in items)
 
 
 def to_model(loaded: LoadedModel, pixels: Iterator[list[torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
-    """Model inputs from image_batches: each item copied to the model's device in its dtype (from
-    pinned memory, asynchronously, on a GPU), then joined there."""
+    """Model inputs from image_batches (items already in the model's dtype): each item copied to the
+    model's device (from pinned memory, asynchronously, on a GPU), then joined there."""
     for items in pixels:
-        on_device = [item.to(loaded.device, loaded.model.dtype, non_blocking=True) for item in items]
+        on_device = [item.to(loaded.device, non_blocking=True) for item in items]
         yield {"pixel_values": on_device[0] if len(on_device) == 1 else torch.cat(on_device)}
 
 

@@ -69,19 +69,20 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     cpus = default_workers(threads)
     vision = dataset.modality == "image"
     workers = (ext["num_workers"] if ext["num_workers"] is not None else cpus) if vision else 0
+    dtype = run_dtype(config["model"])
     if vision:  # every image has the same token count: the batches are known before the model is
         check_images(dataset.opener, samples, cpus)
         batches = length_batches([1] * len(samples), ext["batch_size"])
         preprocessor = load_image_processor(model_path, trusted(config["model"]))
         pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
-                               pick_device(ext["device"]).type == "cuda")
+                               pick_device(ext["device"]).type == "cuda", TORCH_DTYPES[dtype])
     else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
         preprocessor = load_tokenizer(model_path, trusted(config["model"]))
         token_ids = text_token_ids(config, preprocessor, dataset)
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
     torch.manual_seed(0)
-    loaded = load_model(model_path, run_dtype(config["model"]), ext["device"], config["model"].get("tower"),
+    loaded = load_model(model_path, dtype, ext["device"], config["model"].get("tower"),
                         trusted(config["model"]), preprocessor)
     saved = saved_dtype(loaded.config)
     if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
