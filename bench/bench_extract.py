@@ -164,10 +164,12 @@ def train_tokenizer(out: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<s>", bos_token="<s>", pad_token="<s>").save_pretrained(out)
 
 
-def bare_forward(config: dict, threads: int) -> tuple[float, float, object, object, int]:
+def bare_forward(config: dict, threads: int) -> tuple[float, float, float, object, object, int]:
     """Everything run_part does except capturing and writing: preflight, model load, tokenize or
     decode, forward. Returns seconds, seconds to the first batch's output (no write can start
-    before it), the loaded model, an input factory and units (tokens/images)."""
+    before it), seconds the main thread waited for the next batch's inputs after the first (near
+    the total: the inputs are the bound; near 0: the main thread's own forward calls are), the
+    loaded model, an input factory and units (tokens/images)."""
     started = time.perf_counter()
     model_path, dataset = preflight(config, 0)
     ext = config["extract"]
@@ -192,15 +194,19 @@ def bare_forward(config: dict, threads: int) -> tuple[float, float, object, obje
         make_inputs = lambda: text_batches(loaded, ids, batches, not ext["token_logprobs"])  # noqa: E731
         first_inputs = make_inputs()
         units = sum(len(x) for x in ids)
-    first_output = None
+    first_output, waited, arriving = None, 0.0, iter(first_inputs)
     with torch.inference_mode():
-        for inputs in first_inputs:
+        while True:
+            asked = time.perf_counter()
+            if (inputs := next(arriving, None)) is None:
+                break
+            waited += (time.perf_counter() - asked) if first_output is not None else 0.0
             loaded.model(**inputs)
             if first_output is None:
                 sync(loaded.device)
                 first_output = time.perf_counter() - started
     sync(loaded.device)
-    return time.perf_counter() - started, first_output, loaded, make_inputs, units
+    return time.perf_counter() - started, first_output, waited, loaded, make_inputs, units
 
 
 def gpu_only_and_loading(loaded, make_inputs) -> dict:
@@ -244,10 +250,10 @@ def watch_shared_memory(peak: list[int], stop: threading.Event) -> None:
 def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> dict:
     """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
     best times, every round, and the median of the per-round ratios."""
-    bare, first, extract, ratios, peaks = [], [], [], [], {"bare": 0.0, "extract": 0.0}
+    bare, first, waits, extract, ratios, peaks = [], [], [], [], [], {"bare": 0.0, "extract": 0.0}
     for repeat in range(repeats):
         with gpu_peak(peaks, "bare"):
-            bare_s, first_s, loaded, make_inputs, units = bare_forward(config, threads)
+            bare_s, first_s, wait_s, loaded, make_inputs, units = bare_forward(config, threads)
         target = out / f"part-{repeat}"
         started = time.perf_counter()
         with gpu_peak(peaks, "extract"):
@@ -255,12 +261,14 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> d
         extract.append(time.perf_counter() - started)
         bare.append(bare_s)
         first.append(first_s)
+        waits.append(wait_s)
         ratios.append(extract[-1] / bare_s)
         written = sum(info["bytes"] for info in meta["files"].values())
         shutil.rmtree(target)
     return {"units": units, "bare_forward_s": min(bare), "first_output_s": min(first), "extract_s": min(extract),
             "bytes_written": written,
             "bare_forward_rounds_s": [round(x, 3) for x in bare], "extract_rounds_s": [round(x, 3) for x in extract],
+            "bare_input_wait_rounds_s": [round(x, 3) for x in waits],
             "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs),
             **({f"{phase}_peak_gpu_mb": round(mb) for phase, mb in peaks.items()} if torch.cuda.is_available() else {})}
 
