@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -405,6 +406,25 @@ def test_metadata_missing_field_is_named(copy_of):
         lut_format.open_lut(copy_of)
     (copy_of / "metadata.json").write_text("{not json")
     assert "not valid JSON" in lut_format.verify(copy_of)[0]
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda m: m["layers"][TARGETS[0]].update(dtype={}), rf"layers\.{TARGETS[0]}\.dtype' must be one of"),
+    (lambda m: m["layers"][TARGETS[0]].update(dtype="bfloat16"), r"tables are F16, metadata.json says dtype 'bfloat16'"),
+    (lambda m: m["layers"][TARGETS[1]].update(has_bias=1.5), rf"layers\.{TARGETS[1]}\.has_bias' must be true or false"),
+    (lambda m: m["layers"][TARGETS[1]].update(has_bias=not m["layers"][TARGETS[1]]["has_bias"]),
+     r"metadata.json says has_bias"),
+    (lambda m: m["model_config"].update(hidden_size="0"), r"model_config\.hidden_size' must be a positive whole number"),
+    (lambda m: m["creation_info"].update(created_at=7), r"creation_info\.created_at' must be an ISO 8601 time"),
+    (lambda m: m.update(version=""), r"field 'version' missing or not a version string"),
+])
+def test_a_metadata_field_of_the_wrong_type_or_value_is_named(copy_of, edit, named):
+    """Optional fields (model_config, creation_info, our dtype and has_bias) are checked where given:
+    their type, and dtype and has_bias against the table file itself."""
+    meta = json.loads((copy_of / "metadata.json").read_text())
+    edit(meta)
+    (copy_of / "metadata.json").write_text(json.dumps(meta))
+    assert any(re.search(named, p) for p in lut_format.verify(copy_of)), lut_format.verify(copy_of)
 
 
 def test_causal_lm_end_to_end_reports_kl_and_perplexity(extracted, tmp_path, monkeypatch):

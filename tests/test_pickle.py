@@ -514,6 +514,33 @@ def test_metadata_that_misstates_the_data_is_named(store, tmp_path, edit, named)
     assert any(re.search(named, p) for p in problems), problems
 
 
+@pytest.mark.parametrize("edit, named", [
+    (lambda m: m["shards"][0].update(compressed="yes"), r"shards\[0\]\.compressed must be true or false"),
+    (lambda m: m["shards"][0].update(compressed=False), r"shards\[0\]\.compressed .*\.pkl\.gz"),
+    (lambda m: m["shards"][1].update(shard_id="x"), r"shards\[1\]\.shard_id must be a whole number"),
+    (lambda m: m["shards"][0].update(sample_id_range=[5, 2]), r"shards\[0\]\.sample_id_range must be \[first, last\]"),
+    (lambda m: m["shards"][0].update(checksum=7), r"shards\[0\]\.checksum must be 'sha256:<hex>'"),
+    (lambda m: m.update(statistics=float("nan")), r"statistics must be an object"),
+    (lambda m: m["extraction_config"].update(layers_extracted=[99]),
+     r"extraction_config\.layers_extracted \(the shards hold layers"),
+    (lambda m: m["extraction_config"]["model_params"].update(hidden_size={"a": 1}),
+     r"extraction_config\.model_params\.hidden_size is malformed"),
+    (lambda m: m["actstore"].update(d_model="384"), r"actstore\.d_model is malformed"),
+    (lambda m: m.update(version="../x"), r"version is malformed"),
+])
+def test_a_metadata_field_of_the_wrong_type_is_named_by_verify_and_inspect(store, tmp_path, edit, named):
+    """Every field verify, inspect or a reader computes with has its spec type: another value is named
+    (by verify as a problem, by inspect as a FormatError), never a Python error or a silent pass."""
+    _, _, out = store
+    work = copy_store(out, tmp_path / "store")
+    meta = json.loads((work / "metadata.json").read_text())
+    edit(meta)
+    (work / "metadata.json").write_text(json.dumps(meta))
+    assert any(re.search(named, p) for p in ps.verify(work)), ps.verify(work)
+    with pytest.raises(FormatError, match=named):
+        ps.inspect(work)
+
+
 def test_shards_checked_at_once_still_find_a_sample_in_two_shards(store, tmp_path):
     """verify checks shards on several threads; a sample stored twice (metadata listing shard 0's
     file again, as shard 1) is still named, and the report is the same one shard at a time."""

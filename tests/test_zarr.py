@@ -177,7 +177,8 @@ def test_zmetadata_names_are_read_only_inside_the_store_and_only_as_metadata(ber
 
 
 @pytest.mark.parametrize("key, value", [("layers", [0, 10 ** 30]), ("hidden_size", -1), ("T_chunk", 7), ("T_max", 1),
-                                        ("num_layers", 9), ("dtype", "float32")])
+                                        ("num_layers", 9), ("dtype", "float32"), ("schema_version", "0.0"),
+                                        ("layers", [False, 2]), ("hidden_size", 32.0)])  # == the store's, not as JSON
 def test_a_manifest_that_misstates_its_stores_is_named_and_refused(bert_run, key, value, tmp_path):
     """manifest.json's run-wide fields are what the run reader uses (a wrong layer list made it answer
     "not stored"): each is checked against every store's own, by verify and on opening."""
@@ -191,6 +192,29 @@ def test_a_manifest_that_misstates_its_stores_is_named_and_refused(bert_run, key
     assert any(re.search(message, p) for p in zs.verify(run)), zs.verify(run)
     with pytest.raises(FormatError, match=message):
         zs.open_zarr(run)
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda m: m.update(shards=float("nan")), r"'shards' must be a (non-empty )?list"),
+    (lambda m: m["shards"][0].update(bytes=[]), r"shards\[0\]: n_files and bytes must be whole numbers"),
+    (lambda m: m["shards"][0].update(n_files=m["shards"][0]["n_files"] + 1), r"meta/files.json records \d+ files, "
+                                                                             r"manifest.json says \d+"),
+    (lambda m: m["shards"][0].update(bytes=m["shards"][0]["bytes"] - 1), r"meta/files.json records \d+ bytes"),
+])
+def test_a_manifest_entry_of_the_wrong_type_or_count_is_named(bert_run, tmp_path, edit, named):
+    """The manifest's store entries: their counts are whole numbers and what the store's files.json
+    records (verify); a manifest inspect cannot read is refused naming it, never a Python error."""
+    _, run_dir = bert_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    manifest = json.loads((run / zs.MANIFEST).read_text())
+    edit(manifest)
+    (run / zs.MANIFEST).write_text(json.dumps(manifest))
+    assert any(re.search(named, p) for p in zs.verify(run)), zs.verify(run)
+    try:
+        zs.inspect(run)
+    except FormatError as exc:
+        assert zs.MANIFEST in str(exc)
 
 
 def test_tampered_metadata_is_refused(bert_run, tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import FormatError
+from actstore.integrity import whole_number
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,10 @@ class PartInfo:
 
     @classmethod
     def parse(cls, meta: dict[str, Any], source: Path) -> PartInfo:
-        """part.json as a PartInfo; FormatError naming `source` and the field that is missing."""
+        """part.json as a PartInfo; FormatError naming `source` and the field that is missing or of
+        the wrong type (every field a reader or writer computes with is checked before it is used)."""
         try:
+            _check_types(meta, source)
             model, dataset = meta["model"], meta["dataset"]
             return cls(
                 part=meta["part"], parts=meta["parts"], sample_range=tuple(meta["sample_range"]),
@@ -83,3 +86,32 @@ class PartInfo:
                                     labels=list(dataset.get("labels") or []), record=dataset))
         except (KeyError, TypeError) as exc:
             raise FormatError(f"{source}: field {exc} missing or malformed") from None
+
+
+# part.json fields the readers and writers compute with, and their JSON types.
+COUNTS = ("part", "parts", "n_dataset_samples", "n_samples", "n_tokens", "max_seq_length", "batch_size")
+STRINGS = ("modality", "model_kind")
+
+
+def _check_types(meta: dict[str, Any], source: Path) -> None:
+    def bad(field: str, want: str) -> FormatError:
+        return FormatError(f"{source}: field {field!r} must be {want}, got {meta.get(field)!r:.80}")
+    for key in COUNTS:
+        if key in meta and not whole_number(meta[key]):
+            raise bad(key, "a whole number")
+    for key in STRINGS:
+        if key in meta and not isinstance(meta[key], str):
+            raise bad(key, "a string")
+    if "sample_range" in meta and not (isinstance(meta["sample_range"], list) and len(meta["sample_range"]) == 2
+                                       and all(map(whole_number, meta["sample_range"]))):
+        raise bad("sample_range", "[start, stop]")
+    if "layers" in meta and not (isinstance(meta["layers"], list) and all(map(whole_number, meta["layers"]))):
+        raise bad("layers", "a list of block numbers")
+    for key in ("tensors", "hooks"):
+        if key in meta and not (isinstance(meta[key], list) and all(isinstance(x, str) for x in meta[key])):
+            raise bad(key, "a list of strings")
+    if meta.get("logits_topk") is not None and not whole_number(meta["logits_topk"]):
+        raise bad("logits_topk", "a whole number or null")
+    for key in ("model", "dataset"):
+        if key in meta and not isinstance(meta[key], dict):
+            raise bad(key, "an object")

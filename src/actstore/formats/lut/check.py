@@ -2,23 +2,49 @@
 dtypes, files the metadata does not list, names that would lead outside the lut/ directory."""
 from __future__ import annotations
 
+import datetime as dt
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.lut.layout import (META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, expected_shapes,
-                                         layer_index, lut_dir)
+from actstore.formats.lut.layout import (BIAS_KEY, META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX,
+                                         expected_shapes, layer_index, lut_dir)
 from actstore.integrity import DIGESTS, inside, links_out, listed_problem, problems_of, read_json, whole_number
+
+
+def _positive(value: Any) -> bool:
+    return whole_number(value) and value > 0
+
+
+def _timestamp(value: Any) -> bool:
+    try:
+        dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return True
+
+
+# The spec's optional objects: the fields our writer and other tools put there, and their types.
+OPTIONAL_FIELDS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
+    "model_config": [("model_type", "a string", lambda v: isinstance(v, str)),
+                     *((key, "a positive whole number", _positive)
+                       for key in ("num_layers", "num_attention_heads", "hidden_size"))],
+    "creation_info": [("created_at", "an ISO 8601 time", _timestamp),
+                      *((key, "a string", lambda v: isinstance(v, str))
+                        for key in ("source_model", "sae_model", "hook", "format_writer"))],
+}
 
 
 def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
     if not isinstance(meta, dict):
         return [f"{meta_path}: top level is not an object"]
     problems = []
-    if not isinstance(meta.get("version"), str):
-        problems.append(f"{meta_path}: field 'version' missing or not a string")
+    if not isinstance(meta.get("version"), str) or not re.fullmatch(r"\d+(\.\d+)*", meta["version"]):
+        problems.append(f"{meta_path}: field 'version' missing or not a version string like \"1.0\", "
+                        f"got {meta.get('version')!r:.60}")
     sae_config = meta.get("sae_config")
     for key in ("num_basis", "k_active"):
         if not isinstance(sae_config, dict) or not whole_number(sae_config.get(key)) or sae_config[key] < 1:
@@ -28,6 +54,9 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
     for key in ("model_config", "creation_info"):
         if key in meta and not isinstance(meta[key], dict):
             problems.append(f"{meta_path}: field '{key}' is not an object")
+        elif key in meta:  # optional (spec); where a field is given, its type is checked
+            problems += [f"{meta_path}: field '{key}.{field}' must be {want}, got {meta[key][field]!r:.60}"
+                         for field, want, ok in OPTIONAL_FIELDS[key] if field in meta[key] and not ok(meta[key][field])]
     layers = meta.get("layers")
     if not isinstance(layers, dict) or not layers:
         return problems + [f"{meta_path}: field 'layers' missing, empty or not an object"]
@@ -37,6 +66,11 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
                 problems.append(f"{meta_path}: field 'layers.{name}.{key}' missing or not a positive int")
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             problems.append(f"{meta_path}: field 'layers.{name}.file' missing or not a string")
+        elif entry.get("dtype", "float16") not in SAFETENSORS_DTYPES.values():
+            problems.append(f"{meta_path}: field 'layers.{name}.dtype' must be one of "
+                            f"{sorted(SAFETENSORS_DTYPES.values())}, got {entry['dtype']!r:.60}")
+        elif not isinstance(entry.get("has_bias", False), bool):
+            problems.append(f"{meta_path}: field 'layers.{name}.has_bias' must be true or false, got {entry['has_bias']!r:.60}")
         elif Path(entry["file"]).name != entry["file"] or not entry["file"].endswith(SUFFIX):
             problems.append(f"{meta_path}: layers.{name}.file {entry['file']!r} must be a bare '*{SUFFIX}' name")
     return problems
@@ -64,6 +98,11 @@ def table_problems(file_path: Path, meta: dict[str, Any], entry: dict[str, Any])
         dtypes.add(dtype)
     if len(dtypes) > 1:
         problems.append(f"{file_path}: mixed dtypes {sorted(dtypes)}")
+    elif "dtype" in entry and dtypes and SAFETENSORS_DTYPES.get(stored := next(iter(dtypes))) != entry["dtype"]:
+        problems.append(f"{file_path}: tables are {stored}, metadata.json says dtype {entry['dtype']!r}")
+    if "has_bias" in entry and entry["has_bias"] != (BIAS_KEY in infos):
+        problems.append(f"{file_path}: {'no ' if entry['has_bias'] else ''}{BIAS_KEY!r} key, metadata.json says "
+                        f"has_bias {entry['has_bias']}")
     return problems
 
 

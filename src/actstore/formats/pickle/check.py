@@ -6,6 +6,7 @@ its content against its metadata entry, and (merged stores) each machine's metad
 from __future__ import annotations
 
 import datetime as dt
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,8 @@ import numpy as np
 
 from actstore import integrity
 from actstore.errors import FormatError
-from actstore.formats.pickle.layout import (CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA, PREVIEW_CHARS, REQUIRED,
-                                            SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name, layer_key)
+from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA, PREVIEW_CHARS,
+                                            REQUIRED, SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name, layer_key)
 from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
 from actstore.integrity import file_problem, inside, links_out, problems_of, unlisted, whole_number
 
@@ -34,8 +35,10 @@ def detect(path: str | Path) -> bool:
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
-    """Summary from metadata.json alone (no shard is read)."""
+    """Summary from metadata.json alone (no shard is read), its fields checked first."""
     meta = load_metadata(path)
+    if problems := _verify_metadata(Path(path), meta):
+        raise FormatError(problems[0])
     ext, stats, cfg = meta.get("actstore", {}), meta["statistics"], meta["extraction_config"]
     sizes = [s.get("size_bytes") if isinstance(s, dict) else None for s in meta["shards"]]
     if not all(whole_number(n) for n in sizes):
@@ -55,8 +58,16 @@ def inspect(path: str | Path) -> dict[str, Any]:
 
 
 def _verify_metadata(path: Path, meta: dict[str, Any]) -> list[str]:
+    """The spec's required fields, and the type of every field a reader or verify computes with."""
     where = path / METADATA
     problems = [f"{where}: missing required field {k!r}" for k in REQUIRED if k not in meta]
+    if problems:
+        return problems
+    problems = [f"{where}: {key} must be {want}, got {meta[key]!r:.60}"
+                for key, want, ok in (("extraction_config", "an object", isinstance(meta["extraction_config"], dict)),
+                                      ("statistics", "an object", isinstance(meta["statistics"], dict)),
+                                      ("shards", "a list", isinstance(meta["shards"], list)))
+                if not ok]
     if problems:
         return problems
     try:
@@ -68,7 +79,65 @@ def _verify_metadata(path: Path, meta: dict[str, Any]) -> list[str]:
     for i, info in enumerate(meta["shards"]):
         missing = [k for k in SHARD_FIELDS if k not in info] if isinstance(info, dict) else list(SHARD_FIELDS)
         problems += [f"{where}: shards[{i}] lacks {k!r}" for k in missing]
+        if not missing:
+            problems += [f"{where}: shards[{i}].{problem}" for problem in _shard_field_problems(info)]
+    if not problems:
+        problems += [f"{where}: {problem}" for problem in _run_field_problems(meta)]
     return problems
+
+
+VERSION = re.compile(r"\d+(\.\d+)*")  # the spec's semantic version, e.g. "1.0"
+MODEL_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _counts(values: Any) -> bool:
+    return isinstance(values, list) and all(whole_number(v) for v in values)
+
+
+def _shard_field_problems(info: dict[str, Any]) -> list[str]:
+    """A shard entry's fields against the spec's types; `compressed` must agree with the file name."""
+    checks = [("shard_id", "a whole number", whole_number(info["shard_id"])),
+              ("filename", "a string", isinstance(info["filename"], str)),
+              ("size_bytes", "a whole number", whole_number(info["size_bytes"])),
+              ("num_samples", "a whole number", whole_number(info["num_samples"])),
+              ("num_tokens", "a whole number", whole_number(info.get("num_tokens", 0))),
+              ("machine_id", "a whole number", whole_number(info.get("machine_id", 0))),
+              ("layers", "a list of layer numbers", _counts(info["layers"])),
+              ("sample_id_range", "[first, last] sample ids", _counts(info["sample_id_range"])
+               and len(info["sample_id_range"]) == 2 and info["sample_id_range"][0] <= info["sample_id_range"][1]),
+              ("compressed", f"true or false, as the file name {info['filename']!r:.80} says (.pkl.gz or .pkl)",
+               isinstance(info["compressed"], bool) and (not ends_in_shard_name(str(info["filename"]))
+                                                          or info["compressed"] == info["filename"].endswith(".gz"))),
+              ("checksum", "'sha256:<hex>'", isinstance(info["checksum"], str)
+               and info["checksum"].startswith(CHECKSUM_PREFIX))]
+    return [f"{key} must be {want}, got {info.get(key)!r:.60}" for key, want, ok in checks if not ok]
+
+
+def _run_field_problems(meta: dict[str, Any]) -> list[str]:
+    """extraction_config, statistics and our `actstore` section: the fields inspect and the readers use
+    (statistics' totals are checked against the shards' sums, by _verify_totals)."""
+    cfg, stats, ours = meta["extraction_config"], meta["statistics"], meta.get("actstore", {})
+    checks = [("extraction_config.layers_extracted", cfg["layers_extracted"], _counts(cfg["layers_extracted"])),
+              ("extraction_config.model_params", cfg["model_params"], isinstance(cfg["model_params"], dict)),
+              ("statistics.layers_extracted", stats["layers_extracted"], _counts(stats["layers_extracted"])),
+              ("actstore", ours, isinstance(ours, dict))]
+    checks += [(f"extraction_config.{key}", cfg[key], whole_number(cfg[key])) for key in ("max_seq_length", "batch_size")]
+    checks += [("version", meta["version"], isinstance(meta["version"], str) and VERSION.fullmatch(meta["version"]))]
+    if isinstance(cfg["model_params"], dict):
+        checks += [(f"extraction_config.model_params.{key}", value, value is None or whole_number(value))
+                   for key, value in cfg["model_params"].items() if key in MODEL_COUNTS]
+    layers = sorted({layer for info in meta["shards"] for layer in info["layers"]})
+    checks += [("extraction_config.layers_extracted (the shards hold layers "
+                f"{layers}; statistics.layers_extracted {stats['layers_extracted']!r:.60})", cfg["layers_extracted"],
+                cfg["layers_extracted"] == stats["layers_extracted"] and set(layers) <= set(cfg["layers_extracted"]))]
+    if isinstance(ours, dict):
+        uncompressed = ("compresslevel", "compression", "compressor")  # null in an uncompressed store
+        checks += [(f"actstore.{key}", ours[key], whole_number(ours[key]) or key in uncompressed and ours[key] is None)
+                   for key in ("d_model", "n_dataset_samples", "compresslevel", "pickle_protocol") if key in ours]
+        checks += [(f"actstore.{key}", ours[key], isinstance(ours[key], str) or key in uncompressed and ours[key] is None)
+                   for key in ("dtype", "compression", "compressor", "modality", "model_kind") if key in ours]
+        checks += [("actstore.merged", ours["merged"], isinstance(ours["merged"], bool))] if "merged" in ours else []
+    return [f"{name} is malformed: {value!r:.60}" for name, value, ok in checks if not ok]
 
 
 def _verify_totals(path: Path, meta: dict[str, Any]) -> list[str]:

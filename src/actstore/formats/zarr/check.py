@@ -12,8 +12,8 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
-from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems,
-                                         store_files)
+from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, files_json_totals, open_zarr,
+                                         run_field_problems, store_files)
 from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, read_json, stream_json_members
 from actstore.io_utils import sha256_file
 
@@ -117,6 +117,10 @@ def _verify_store(store: Path, entry: dict | None, manifest: tuple[dict, Path] |
         problems += run_field_problems(manifest[0], reader, str(manifest[1]))
     if entry is not None and entry["num_samples"] != reader.n_samples:
         problems.append(f"{store}/.zattrs: num_samples={reader.n_samples}, manifest.json says {entry['num_samples']}")
+    if entry is not None and {"n_files", "bytes"} & set(entry):
+        recorded = dict(zip(("n_files", "bytes"), files_json_totals(store)))
+        problems += [f"{store}: {FILES_JSON} records {recorded[key]} {key.replace('n_', '')}, manifest.json says "
+                     f"{entry[key]}" for key in ("n_files", "bytes") if key in entry and entry[key] != recorded[key]]
     return problems
 
 

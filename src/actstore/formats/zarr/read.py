@@ -6,6 +6,7 @@ sampler and a padding collate function.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import os
 from pathlib import Path
@@ -14,9 +15,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
+from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           REQUIRED_ATTRS, VECTOR_ZARRAY)
-from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files, whole_number
+from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files, stream_json_members, whole_number
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -156,17 +157,35 @@ def entry_problem(entry: Any, where: str) -> str | None:
     counts = [entry["global_index_start"], entry["num_samples"]]
     if not all(whole_number(n) for n in counts):
         return f"{where}: global_index_start and num_samples must be whole numbers, got {counts}"
+    totals = [entry[key] for key in ("n_files", "bytes") if key in entry]
+    if not all(whole_number(n) for n in totals):
+        return f"{where}: n_files and bytes must be whole numbers, got {totals}"
     return None
+
+
+def files_json_totals(store: Path) -> tuple[int, int]:
+    """(files, bytes) of a store as its meta/files.json records them, files.json itself counted:
+    the manifest entry's n_files and bytes. Streamed (a merged store lists millions of files)."""
+    n_files, n_bytes = 1, (store / FILES_JSON).stat().st_size
+    for _, entry in stream_json_members(store / FILES_JSON, "files"):
+        n_files, n_bytes = n_files + 1, n_bytes + entry["bytes"]
+    return n_files, n_bytes
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values: true is not 1, 1.0 is not 1 (Python's == says both are)."""
+    return json.dumps(a, sort_keys=True, default=int) == json.dumps(b, sort_keys=True, default=int)
 
 
 def run_field_problems(manifest: dict[str, Any], store: ZarrStore, where: str) -> list[str]:
     """The run-wide fields manifest.json repeats (what ZarrRun reads from it) against one store's
     own: layers and hidden_size always, the others where the manifest has them (earlier releases)."""
     have = {"layers": store.layers, "hidden_size": store.hidden, "num_layers": len(store.layers),
-            "T_max": store.t_max, "T_chunk": store.t_chunk, "dtype": "float16"}
+            "T_max": store.t_max, "T_chunk": store.t_chunk, "dtype": "float16",
+            "schema_version": store.attrs.get("schema_version")}
     return [f"{where}: {key}={manifest.get(key)!r:.60}, but {store.path} holds {value!r:.60}"
             for key, value in have.items()
-            if (key in ("layers", "hidden_size") or key in manifest) and manifest.get(key) != value]
+            if (key in ("layers", "hidden_size") or key in manifest) and not same_json(manifest.get(key), value)]
 
 
 class ZarrRun:
@@ -175,14 +194,17 @@ class ZarrRun:
     def __init__(self, path: str | Path, merged: bool = False):
         self.path = Path(path)
         self.manifest = read_json(self.path / MANIFEST)
-        if self.manifest.get("format") != FORMAT_NAME:
-            raise FormatError(f"{self.path / MANIFEST}: format={self.manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+        found = self.manifest.get("format") if isinstance(self.manifest, dict) else self.manifest
+        if found != FORMAT_NAME:
+            raise FormatError(f"{self.path / MANIFEST}: format={found!r:.60}, expected {FORMAT_NAME!r}")
         if merged:
             if not self.manifest.get("merged"):
                 raise FormatError(f"{self.path / MANIFEST}: no merged store (build it with zarr.merged: true)")
             entries = [self.manifest["merged"]]
         else:
             entries = self.manifest.get("shards") or []
+            if not isinstance(entries, list):
+                raise FormatError(f"{self.path / MANIFEST}: 'shards' must be a list, got {entries!r:.60}")
         for k, entry in enumerate(entries):
             if problem := entry_problem(entry, f"{self.path / MANIFEST}: {'merged' if merged else f'shards[{k}]'}"):
                 raise FormatError(problem)
