@@ -3,6 +3,7 @@ dtypes, token columns, the reader, and verify() catching damage."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "lmprobe-forma
 # The spec's three resolution snippets, verbatim ("Resolving a prompt to a tensor").
 SNIPPET_LAST = '''import pyarrow.parquet as pq
 import json
+import re
 from safetensors import safe_open
 
 # 1. Load the index
@@ -328,6 +330,35 @@ def test_reader_errors_name_the_fault(extracted, tmp_path):
     assert lmprobe.verify(root)  # never raises, reports
     pq.write_table(pa.table({"x": [1]}), index)
     assert any("lmprobe:" in p for p in lmprobe.verify(root))
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda t: t["hidden_layers"].update(shards=None), r"hidden_layers\.shards is malformed: None"),
+    (lambda t: t["hidden_layers"]["shards"][0].update(num_prompts="12"), r"hidden_layers\.shards is malformed"),
+    (lambda t: t["hidden_layers"].update(layers=[0, None]), r"hidden_layers\.layers is malformed"),
+    (lambda t: t["hidden_layers"].update(dim=0), r"hidden_layers\.dim is malformed: 0"),
+    (lambda t: t["hidden_layers"].update(file_pattern="{layer.__class__}"), r"hidden_layers\.file_pattern is malformed"),
+    (lambda t: t["hidden_layers"].update(key_pattern="x{layer:>999999999}"), r"hidden_layers\.key_pattern is malformed"),
+    (lambda t: t["logits_topk"].update(k=True), r"logits_topk\.k is malformed: True"),
+])
+def test_a_descriptor_field_of_the_wrong_type_is_named_by_every_reader(extracted, tmp_path, edit, named):
+    """lmprobe:tensors' fields build file names, tensor keys and array shapes: each is typed when the
+    index is read, so open, inspect and verify name the field instead of raising a Python error (or
+    formatting a pattern that reaches into objects or builds a name gigabytes long)."""
+    clean, _, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
+    root = tmp_path / "broken"
+    shutil.copytree(clean, root)
+    index = lmprobe.find_index(root)
+    table = pq.read_table(index)
+    meta = dict(table.schema.metadata)
+    tensors = json.loads(meta[b"lmprobe:tensors"])
+    edit(tensors)
+    meta[b"lmprobe:tensors"] = json.dumps(tensors).encode()
+    pq.write_table(table.replace_schema_metadata(meta), index)
+    for read in (lmprobe.open_dataset, lmprobe.inspect):
+        with pytest.raises(FormatError, match=named):
+            read(root)
+    assert any(re.search(named, p) for p in lmprobe.verify(root)), lmprobe.verify(root)
 
 
 def test_index_is_the_specs_path_whatever_the_split(extracted, tmp_path, monkeypatch):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import string
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +68,56 @@ def read_info(index_path: str | Path) -> dict[str, Any]:
     missing = [k for k in REQUIRED_INFO if k not in info]
     if missing:
         raise FormatError(f"{index_path}: schema metadata lacks lmprobe:{', lmprobe:'.join(missing)}")
-    if "hidden_layers" not in info["tensors"]:
+    if not isinstance(info["tensors"], dict) or "hidden_layers" not in info["tensors"]:
         raise FormatError(f"{index_path}: lmprobe:tensors has no 'hidden_layers' descriptor")
+    refuse([f"{index_path}: {problem}" for problem in descriptor_problems(info)])
     return info
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _pattern(value: Any, fields: set[str]) -> bool:
+    """A file or key pattern: a string whose only replacement fields are `fields`, each at most a
+    width and an integer format (no attribute or index access, no width that builds a huge name)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        parsed = list(string.Formatter().parse(value))
+    except ValueError:
+        return False
+    return all(name is None or name in fields and not conversion and re.fullmatch(r"0?\d{0,2}d?", spec or "")
+               for _, name, spec, conversion in parsed)
+
+
+def _shards(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(shard, dict) and _count(shard.get("num_prompts")) and _count(shard.get("num_tokens", 0))
+        for shard in value)
+
+
+def descriptor_problems(info: dict[str, Any]) -> list[str]:
+    """The types of the lmprobe: fields a reader computes with: counts, the tensor descriptors'
+    layers, dim, patterns and shard lists (a pattern builds file names and tensor keys)."""
+    hidden, logits = info["tensors"]["hidden_layers"], info["tensors"].get("logits_topk")
+    if not isinstance(hidden, dict) or logits is not None and not isinstance(logits, dict):
+        return ["lmprobe:tensors descriptors must be objects"]
+    checks = [("lmprobe:num_prompts", info["num_prompts"], _count(info["num_prompts"])),
+              ("lmprobe:model", info["model"], isinstance(info["model"], dict)
+               and isinstance(info["model"].get("name"), str)),
+              ("lmprobe:prompt_ordering", info["prompt_ordering"], isinstance(info["prompt_ordering"], str))]
+    checks += [(f"hidden_layers.{key}", hidden[key], ok(hidden[key])) for key, ok in (
+        ("layers", lambda v: isinstance(v, list) and all(map(_count, v))),
+        ("dim", lambda v: _count(v) and v > 0),
+        ("file_pattern", lambda v: _pattern(v, {"layer", "shard"})),
+        ("key_pattern", lambda v: _pattern(v, {"layer", "shard"})),
+        ("shards", _shards), ("last_token_shards", _count), ("row_bytes", _count)) if key in hidden]
+    if logits:
+        checks += [(f"logits_topk.{key}", logits[key], ok(logits[key])) for key, ok in (
+            ("k", lambda v: _count(v) and v > 0), ("file_pattern", lambda v: _pattern(v, {"shard"})),
+            ("shards", _shards)) if key in logits]
+    return [f"{name} is malformed: {value!r:.80}" for name, value, ok in checks if not ok]
 
 
 def _prefixed_metadata(index_path: Path) -> dict[str, Any]:
