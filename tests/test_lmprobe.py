@@ -3,6 +3,7 @@ dtypes, token columns, the reader, and verify() catching damage."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "lmprobe-forma
 # The spec's three resolution snippets, verbatim ("Resolving a prompt to a tensor").
 SNIPPET_LAST = '''import pyarrow.parquet as pq
 import json
+import math
 import re
 from safetensors import safe_open
 
@@ -611,3 +613,22 @@ def test_token_addresses_checked_batch_by_batch_name_the_index(extracted, tmp_pa
     table = table.set_column(table.schema.get_field_index("token_shard_ids"), "token_shard_ids", ids)
     pq.write_table(table, index)
     assert any(message in p and str(index) in p for p in lmprobe.verify(out, checksums=False))
+
+
+@pytest.mark.parametrize("shape, offsets", [([-1, 4], [16, 0]), ([2, 2], [-16, 0]), ([0, 4], [8, 8])])
+def test_a_shard_header_whose_entry_points_backwards_is_refused(tmp_path, shape, offsets):
+    """A header's shape and data_offsets must describe a region inside the file, start before end:
+    a negative dimension times a backwards range passed the size check and reached np.memmap."""
+    import struct
+
+    from actstore.formats.lmprobe.layout import read_safetensors_header, tensor_entry
+    path = tmp_path / "x.safetensors"
+    header = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}).encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + np.zeros(16, np.float32).tobytes())
+    parsed, start = read_safetensors_header(path)
+    if math.prod(shape) == 0 and offsets[0] == offsets[1]:  # an empty tensor is legal
+        assert tensor_entry(path, parsed, start, "t")[1] == tuple(shape)
+        return
+    with pytest.raises(FormatError, match=r"tensor 't' data_offsets .* do not fit"):
+        tensor_entry(path, parsed, start, "t")

@@ -147,7 +147,8 @@ def tensor_entry(path: Path, header: dict[str, Any], start: int, key: str) -> tu
         begin, end = (int(x) for x in entry["data_offsets"])
     except (KeyError, TypeError, ValueError):
         raise FormatError(f"{path}: tensor {key!r} has a bad header entry {entry!r}") from None
-    if end - begin != dtype.itemsize * math.prod(shape) or start + end > path.stat().st_size:
+    if (min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != dtype.itemsize * math.prod(shape)
+            or start + end > path.stat().st_size):
         raise FormatError(f"{path}: tensor {key!r} data_offsets {entry['data_offsets']} do not fit "
                           f"shape {list(shape)} {entry['dtype']} in {path.stat().st_size} bytes")
     return dtype, shape, start + begin
