@@ -141,6 +141,19 @@ def test_a_damaged_shard_of_the_tower_is_named(damage, model_dir, tmp_path):
         load_model(folder, device="cpu", tower="vision")
 
 
+@pytest.mark.parametrize("damage", [b"\x04\x00", b"\x10" + b"\x00" * 7 + b'{"a": 1}        ', b"\x08" + b"\x00" * 7 + b"[1, 2]  "])
+def test_a_shard_header_slurm_sizing_cannot_read_is_named(damage, model_dir, tmp_path):
+    """The tower's job is sized from the shards' headers alone (resources): a shard cut short or with a
+    header that is not tensor entries is a ConfigError naming the file, not a Python error."""
+    from actstore.checkpoint import tensor_bytes
+    folder = tmp_path / "sharded"
+    weight_map = sharded_copy(model_dir("llava"), folder)
+    shard = weight_map["vision_tower.encoder.layers.1.mlp.fc1.weight"]
+    (folder / shard).write_bytes(damage)
+    with pytest.raises(ConfigError, match=f"model.path {folder}: {shard} has no readable safetensors header"):
+        tensor_bytes(folder)
+
+
 def test_a_tower_key_the_checkpoint_renames_is_named(model_dir, tmp_path):
     """A tower weight saved under another name: the folder and the tower's own key are named."""
     key = "encoder.layers.1.mlp.fc1.weight"

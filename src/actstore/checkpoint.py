@@ -41,11 +41,14 @@ def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
     headers alone (8 bytes of length, then JSON with each tensor's data offsets): no torch, no data read."""
     sizes = {}
     for file in sorted(set(checkpoint_names(folder).values())):
-        with open(folder / file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        sizes.update({name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
-                      if name != "__metadata__" and (names is None or name in names)})
+        try:
+            with open(folder / file, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+            sizes.update({name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
+                          if name != "__metadata__" and (names is None or name in names)})
+        except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError, IndexError) as exc:
+            raise ConfigError(f"model.path {folder}: {file} has no readable safetensors header ({exc!r:.120})") from None
     return sizes
 
 
