@@ -5,6 +5,7 @@ format's own tests."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -245,6 +246,54 @@ UNRECORD = {  # the data file's checksum taken out of its record (the metadata f
     "pickle": ("machine-0000/metadata.json", lambda m: m["shards"][0].pop("checksum")),
     "lut": ("metadata.json", lambda m: m["layers"]["encoder.layer.1.q"].pop("sha256")),
 }
+
+
+# The metadata files of each store a reader parses, and values no writer puts in any field.
+METADATA_FILES = {"extract": ["extract.json", "part-0000/part.json"],
+                  "saev": ["metadata.json", "shards.json", "actstore.json"], "zarr": ["manifest.json"],
+                  "pickle": ["metadata.json", "machine-0000/metadata.json"], "lut": ["metadata.json"]}
+HOSTILE = [None, -1, 2 ** 63, 1e308, "../../../etc/passwd", "", [], {}, True, [1, 2], {"a": 1}, 1.5]
+
+
+def mutate_one_value(document: object, rng: np.random.Generator) -> str:
+    """Replace (or delete) one value anywhere in a JSON document, in place; say which."""
+    places = []
+
+    def walk(node: object, path: tuple) -> None:
+        children = node.items() if isinstance(node, dict) else enumerate(node[:20]) if isinstance(node, list) else ()
+        for key, child in children:
+            places.append((node, key, path + (key,)))
+            walk(child, path + (key,))
+    walk(document, ())
+    parent, key, path = places[rng.integers(len(places))]
+    if isinstance(parent, dict) and rng.random() < 0.2:
+        del parent[key]
+        return f"del {path}"
+    parent[key] = HOSTILE[rng.integers(len(HOSTILE))]
+    return f"{path} = {parent[key]!r}"
+
+
+@pytest.mark.parametrize("name", sorted(METADATA_FILES))
+def test_a_metadata_value_of_any_type_is_a_problem_or_a_format_error_never_a_crash(stores, name, tmp_path):
+    """One value of a metadata file changed to another type or a hostile value, 40 times (seeded):
+    verify returns its problems and inspect reads or raises FormatError, never another exception
+    (before session 34: ValueError, TypeError and KeyError from inspect on part.json, the pickle and
+    the zarr metadata)."""
+    store, module, rng = stores[name], format_module(name), np.random.default_rng(0)
+    for attempt in range(40):
+        root = tmp_path / str(attempt) / store.root.name
+        shutil.copytree(store.root, root, copy_function=os.link)
+        meta = root / METADATA_FILES[name][rng.integers(len(METADATA_FILES[name]))]
+        document = json.loads(meta.read_text())
+        what = mutate_one_value(document, rng)
+        meta.unlink()  # a hard link to the shared store: replace, never write through it
+        meta.write_text(json.dumps(document))
+        assert isinstance(module.verify(root), list), what
+        try:
+            module.inspect(root)
+        except FormatError:
+            pass
+        shutil.rmtree(root.parent)
 
 
 @pytest.mark.parametrize("name", sorted(UNRECORD))

@@ -110,8 +110,14 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
     for key in ("tensors", "hooks"):
         if key in meta and not (isinstance(meta[key], list) and all(isinstance(x, str) for x in meta[key])):
             raise bad(key, "a list of strings")
-    if meta.get("logits_topk") is not None and not whole_number(meta["logits_topk"]):
-        raise bad("logits_topk", "a whole number or null")
+    for key in ("logits_topk", "n_truncated_samples", "float16_overflow_count"):
+        if meta.get(key) is not None and not whole_number(meta[key]):
+            raise bad(key, "a whole number or null")
+    for name, record in (meta.get("files") or {}).items() if isinstance(meta.get("files"), dict) else ():
+        shape, dtype = (record.get("shape", []), record.get("dtype", "")) if isinstance(record, dict) else (None, None)
+        if not (isinstance(shape, list) and all(map(whole_number, shape)) and isinstance(dtype, str)):
+            raise FormatError(f"{source}: files[{name!r}] shape must be a list of sizes and dtype a string, "
+                              f"got {record!r:.80}")
     for key in ("model", "dataset"):
         if key in meta and not isinstance(meta[key], dict):
             raise bad(key, "an object")

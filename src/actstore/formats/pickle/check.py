@@ -120,7 +120,9 @@ def _run_field_problems(meta: dict[str, Any]) -> list[str]:
     checks = [("extraction_config.layers_extracted", cfg["layers_extracted"], _counts(cfg["layers_extracted"])),
               ("extraction_config.model_params", cfg["model_params"], isinstance(cfg["model_params"], dict)),
               ("statistics.layers_extracted", stats["layers_extracted"], _counts(stats["layers_extracted"])),
-              ("actstore", ours, isinstance(ours, dict))]
+              ("actstore", ours, isinstance(ours, dict)),
+              ("distributed_config", meta.get("distributed_config"), isinstance(meta.get("distributed_config", {}), dict)
+               and isinstance(meta.get("distributed_config", {}).get("machines") or [], list))]
     checks += [(f"extraction_config.{key}", cfg[key], whole_number(cfg[key])) for key in ("max_seq_length", "batch_size")]
     checks += [("version", meta["version"], isinstance(meta["version"], str) and VERSION.fullmatch(meta["version"]))]
     if isinstance(cfg["model_params"], dict):
