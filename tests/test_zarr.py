@@ -217,6 +217,22 @@ def test_a_manifest_entry_of_the_wrong_type_or_count_is_named(bert_run, tmp_path
         assert zs.MANIFEST in str(exc)
 
 
+@pytest.mark.parametrize("field, value", [("dtype", "O"), ("dtype", "bogus"), ("dtype", None), ("chunks", [0]),
+                                          ("chunks", "x")])
+def test_a_per_sample_arrays_dtype_or_chunks_it_cannot_read_is_named(bert_run, tmp_path, field, value):
+    """seq_len's .zarray decides how its chunks are read: an object or unknown dtype, or chunks that
+    are not [samples per chunk], are refused naming the array (was a KeyError, or numpy's error)."""
+    _, run_dir = bert_run
+    store = tmp_path / "s.zarr"
+    shutil.copytree(run_dir / "shards" / "shard-0000.zarr", store)
+    meta = json.loads((store / ".zmetadata").read_text())
+    zarray = meta["metadata"]["arrays/seq_len/.zarray"]
+    zarray.pop(field) if value is None else zarray.update({field: value})
+    (store / ".zmetadata").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match=r"arrays/seq_len/\.zarray: dtype=.* chunks=.*expected a numeric"):
+        zs.ZarrStore(store)
+
+
 def test_tampered_metadata_is_refused(bert_run, tmp_path):
     _, run_dir = bert_run
     store = tmp_path / "s.zarr"

@@ -30,6 +30,16 @@ def _expect_fields(path: str, zarray: dict[str, Any], expected: dict[str, Any]) 
         _expect(path, field, zarray.get(field), value)
 
 
+def _plain_dtype(name: Any) -> np.dtype | None:
+    """The numpy dtype a .zarray names, when it is a number or fixed-length bytes (what the logger
+    writes); None for anything else (an object dtype, a name numpy does not know)."""
+    try:
+        dtype = np.dtype(name) if isinstance(name, str) else None
+    except TypeError:
+        return None
+    return dtype if dtype is not None and dtype.kind in "biufS" else None
+
+
 def list_store_files(store: Path) -> list[str]:
     """Every file under `store`, as sorted POSIX paths relative to it (Snakemake's marker excluded)."""
     return list(store_files(store))
@@ -98,7 +108,11 @@ class ZarrStore:
         where = f"{self.path}/arrays/{name}/.zarray"
         z = self._meta(f"arrays/{name}/.zarray")
         _expect_fields(where, z, {**VECTOR_ZARRAY, "shape": [self.n_samples]})
-        dtype, chunk = np.dtype(z["dtype"]), int(z["chunks"][0])
+        dtype, chunks = _plain_dtype(z.get("dtype")), z.get("chunks")
+        if dtype is None or not (isinstance(chunks, list) and len(chunks) == 1 and whole_number(chunks[0]) and chunks[0]):
+            raise FormatError(f"{where}: dtype={z.get('dtype')!r:.40} chunks={chunks!r:.40}, expected a numeric or "
+                              "bytes dtype and [samples per chunk]")
+        chunk = chunks[0]
         parts = []
         for c in range(math.ceil(self.n_samples / chunk)):
             path = self.path / "arrays" / name / str(c)
