@@ -22,8 +22,6 @@ SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "lmprobe-forma
 # The spec's three resolution snippets, verbatim ("Resolving a prompt to a tensor").
 SNIPPET_LAST = '''import pyarrow.parquet as pq
 import json
-import math
-import re
 from safetensors import safe_open
 
 # 1. Load the index
