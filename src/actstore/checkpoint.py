@@ -48,7 +48,8 @@ def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
             sizes.update({name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
                           if name != "__metadata__" and (names is None or name in names)})
         except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError, IndexError) as exc:
-            raise ConfigError(f"model.path {folder}: {file} has no readable safetensors header ({exc!r:.120})") from None
+            raise ConfigError(f"model.path {folder}: {file} has no readable safetensors header "
+                              f"({exc!r:.120})") from None
     return sizes
 
 

@@ -4,6 +4,7 @@ own spec key names and passes in where a record comes from; every message names 
 about."""
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
 import os
@@ -159,6 +160,25 @@ def file_record(path: str | os.PathLike) -> dict[str, Any]:
 def whole_number(value: Any) -> bool:
     """A JSON value that is a count: an int (not a bool, which Python counts as one) of at least 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def whole_numbers(values: Any) -> bool:
+    """A JSON list of counts (layer numbers, a shape, a sample range)."""
+    return isinstance(values, list) and all(map(whole_number, values))
+
+
+def version_string(value: Any) -> bool:
+    """A format version as the specs write it: "1.0", "2.1"."""
+    return isinstance(value, str) and re.fullmatch(r"\d+(\.\d+)*", value) is not None
+
+
+def iso_timestamp(value: Any) -> bool:
+    """An ISO 8601 time as the specs' created_at fields hold it ("2025-01-09T12:00:00Z")."""
+    try:
+        dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return True
 
 
 def file_records(records: Any, source: str) -> dict[str, dict[str, Any]]:

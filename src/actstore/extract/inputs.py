@@ -177,8 +177,8 @@ def image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], ba
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     loader = iter(torch.utils.data.DataLoader(
-        ImageItems(processor, opener, samples, dtype), sampler=[item for batch in items for item in batch], batch_size=None,
-        num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead))
+        ImageItems(processor, opener, samples, dtype), sampler=[item for batch in items for item in batch],
+        batch_size=None, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead))
     return ([next(loader) for _ in batch] for batch in items)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import FormatError
-from actstore.integrity import whole_number
+from actstore.integrity import whole_number, whole_numbers
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,9 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
     for key in STRINGS:
         if key in meta and not isinstance(meta[key], str):
             raise bad(key, "a string")
-    if "sample_range" in meta and not (isinstance(meta["sample_range"], list) and len(meta["sample_range"]) == 2
-                                       and all(map(whole_number, meta["sample_range"]))):
+    if "sample_range" in meta and not (whole_numbers(meta["sample_range"]) and len(meta["sample_range"]) == 2):
         raise bad("sample_range", "[start, stop]")
-    if "layers" in meta and not (isinstance(meta["layers"], list) and all(map(whole_number, meta["layers"]))):
+    if "layers" in meta and not whole_numbers(meta["layers"]):
         raise bad("layers", "a list of block numbers")
     for key in ("tensors", "hooks"):
         if key in meta and not (isinstance(meta[key], list) and all(isinstance(x, str) for x in meta[key])):
@@ -115,7 +114,7 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
             raise bad(key, "a whole number or null")
     for name, record in (meta.get("files") or {}).items() if isinstance(meta.get("files"), dict) else ():
         shape, dtype = (record.get("shape", []), record.get("dtype", "")) if isinstance(record, dict) else (None, None)
-        if not (isinstance(shape, list) and all(map(whole_number, shape)) and isinstance(dtype, str)):
+        if not (whole_numbers(shape) and isinstance(dtype, str)):
             raise FormatError(f"{source}: files[{name!r}] shape must be a list of sizes and dtype a string, "
                               f"got {record!r:.80}")
     for key in ("model", "dataset"):

@@ -15,7 +15,7 @@ from actstore.errors import FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_VERSION, INDEX, LOGITS_INDICES_KEY,
                                              LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, read_safetensors_header,
                                              split_index_name, tensor_entry, to_float32)
-from actstore.integrity import inside, refuse
+from actstore.integrity import inside, refuse, whole_number, whole_numbers
 
 
 def dataset_root(path: str | Path) -> Path:
@@ -74,10 +74,6 @@ def read_info(index_path: str | Path) -> dict[str, Any]:
     return info
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _pattern(value: Any, fields: set[str]) -> bool:
     """A file or key pattern: a string whose only replacement fields are `fields`, each at most a
     width and an integer format (no attribute or index access, no width that builds a huge name)."""
@@ -93,7 +89,7 @@ def _pattern(value: Any, fields: set[str]) -> bool:
 
 def _shards(value: Any) -> bool:
     return isinstance(value, list) and all(
-        isinstance(shard, dict) and _count(shard.get("num_prompts")) and _count(shard.get("num_tokens", 0))
+        isinstance(shard, dict) and whole_number(shard.get("num_prompts")) and whole_number(shard.get("num_tokens", 0))
         for shard in value)
 
 
@@ -103,19 +99,19 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
     hidden, logits = info["tensors"]["hidden_layers"], info["tensors"].get("logits_topk")
     if not isinstance(hidden, dict) or logits is not None and not isinstance(logits, dict):
         return ["lmprobe:tensors descriptors must be objects"]
-    checks = [("lmprobe:num_prompts", info["num_prompts"], _count(info["num_prompts"])),
+    checks = [("lmprobe:num_prompts", info["num_prompts"], whole_number(info["num_prompts"])),
               ("lmprobe:model", info["model"], isinstance(info["model"], dict)
                and isinstance(info["model"].get("name"), str)),
               ("lmprobe:prompt_ordering", info["prompt_ordering"], isinstance(info["prompt_ordering"], str))]
     checks += [(f"hidden_layers.{key}", hidden[key], ok(hidden[key])) for key, ok in (
-        ("layers", lambda v: isinstance(v, list) and all(map(_count, v))),
-        ("dim", lambda v: _count(v) and v > 0),
+        ("layers", whole_numbers),
+        ("dim", lambda v: whole_number(v) and v > 0),
         ("file_pattern", lambda v: _pattern(v, {"layer", "shard"})),
         ("key_pattern", lambda v: _pattern(v, {"layer", "shard"})),
-        ("shards", _shards), ("last_token_shards", _count), ("row_bytes", _count)) if key in hidden]
+        ("shards", _shards), ("last_token_shards", whole_number), ("row_bytes", whole_number)) if key in hidden]
     if logits:
         checks += [(f"logits_topk.{key}", logits[key], ok(logits[key])) for key, ok in (
-            ("k", lambda v: _count(v) and v > 0), ("file_pattern", lambda v: _pattern(v, {"shard"})),
+            ("k", lambda v: whole_number(v) and v > 0), ("file_pattern", lambda v: _pattern(v, {"shard"})),
             ("shards", _shards)) if key in logits]
     return [f"{name} is malformed: {value!r:.80}" for name, value, ok in checks if not ok]
 

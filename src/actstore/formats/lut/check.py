@@ -2,8 +2,6 @@
 dtypes, files the metadata does not list, names that would lead outside the lut/ directory."""
 from __future__ import annotations
 
-import datetime as dt
-import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,19 +10,12 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (BIAS_KEY, META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX,
                                          expected_shapes, layer_index, lut_dir)
-from actstore.integrity import DIGESTS, inside, links_out, listed_problem, problems_of, read_json, whole_number
+from actstore.integrity import (DIGESTS, inside, iso_timestamp, links_out, listed_problem, problems_of, read_json,
+                                version_string, whole_number)
 
 
 def _positive(value: Any) -> bool:
     return whole_number(value) and value > 0
-
-
-def _timestamp(value: Any) -> bool:
-    try:
-        dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return True
 
 
 # The spec's optional objects: the fields our writer and other tools put there, and their types.
@@ -32,7 +23,7 @@ OPTIONAL_FIELDS: dict[str, list[tuple[str, str, Callable[[Any], bool]]]] = {
     "model_config": [("model_type", "a string", lambda v: isinstance(v, str)),
                      *((key, "a positive whole number", _positive)
                        for key in ("num_layers", "num_attention_heads", "hidden_size"))],
-    "creation_info": [("created_at", "an ISO 8601 time", _timestamp),
+    "creation_info": [("created_at", "an ISO 8601 time", iso_timestamp),
                       *((key, "a string", lambda v: isinstance(v, str))
                         for key in ("source_model", "sae_model", "hook", "format_writer"))],
 }
@@ -42,7 +33,7 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
     if not isinstance(meta, dict):
         return [f"{meta_path}: top level is not an object"]
     problems = []
-    if not isinstance(meta.get("version"), str) or not re.fullmatch(r"\d+(\.\d+)*", meta["version"]):
+    if not version_string(meta.get("version")):
         problems.append(f"{meta_path}: field 'version' missing or not a version string like \"1.0\", "
                         f"got {meta.get('version')!r:.60}")
     sae_config = meta.get("sae_config")
@@ -66,13 +57,14 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
                 problems.append(f"{meta_path}: field 'layers.{name}.{key}' missing or not a positive int")
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             problems.append(f"{meta_path}: field 'layers.{name}.file' missing or not a string")
-        elif entry.get("dtype", "float16") not in SAFETENSORS_DTYPES.values():
-            problems.append(f"{meta_path}: field 'layers.{name}.dtype' must be one of "
-                            f"{sorted(SAFETENSORS_DTYPES.values())}, got {entry['dtype']!r:.60}")
-        elif not isinstance(entry.get("has_bias", False), bool):
-            problems.append(f"{meta_path}: field 'layers.{name}.has_bias' must be true or false, got {entry['has_bias']!r:.60}")
         elif Path(entry["file"]).name != entry["file"] or not entry["file"].endswith(SUFFIX):
             problems.append(f"{meta_path}: layers.{name}.file {entry['file']!r} must be a bare '*{SUFFIX}' name")
+        if isinstance(entry, dict) and entry.get("dtype", "float16") not in SAFETENSORS_DTYPES.values():
+            problems.append(f"{meta_path}: field 'layers.{name}.dtype' must be one of "
+                            f"{sorted(SAFETENSORS_DTYPES.values())}, got {entry['dtype']!r:.60}")
+        if isinstance(entry, dict) and not isinstance(entry.get("has_bias", False), bool):
+            problems.append(f"{meta_path}: field 'layers.{name}.has_bias' must be true or false, "
+                            f"got {entry['has_bias']!r:.60}")
     return problems
 
 

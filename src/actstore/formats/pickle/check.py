@@ -5,8 +5,6 @@ its content against its metadata entry, and (merged stores) each machine's metad
 """
 from __future__ import annotations
 
-import datetime as dt
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +12,12 @@ import numpy as np
 
 from actstore import integrity
 from actstore.errors import FormatError
-from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA, PREVIEW_CHARS,
-                                            REQUIRED, SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name, layer_key)
+from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA,
+                                            PREVIEW_CHARS, REQUIRED, SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name,
+                                            layer_key)
 from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
-from actstore.integrity import file_problem, inside, links_out, problems_of, unlisted, whole_number
+from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, unlisted, version_string,
+                                whole_number, whole_numbers)
 
 # Shard bytes verify holds at once (validate_stores' mem_mb leaves room for it): with the default
 # 100 MB shards, 3 checked at once; 500 MB shards (the spec's largest) one at a time.
@@ -40,10 +40,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
     if problems := _verify_metadata(Path(path), meta):
         raise FormatError(problems[0])
     ext, stats, cfg = meta.get("actstore", {}), meta["statistics"], meta["extraction_config"]
-    sizes = [s.get("size_bytes") if isinstance(s, dict) else None for s in meta["shards"]]
-    if not all(whole_number(n) for n in sizes):
-        raise FormatError(f"{Path(path) / METADATA}: every shards[].size_bytes must be a whole number of bytes")
-    shard_bytes = sum(sizes)
+    shard_bytes = sum(s["size_bytes"] for s in meta["shards"])
     return {
         "format": FORMAT, "version": meta["version"], "model": cfg["model_name"],
         "layers": list(cfg["layers_extracted"]), "n_examples": stats["total_samples"],
@@ -70,9 +67,7 @@ def _verify_metadata(path: Path, meta: dict[str, Any]) -> list[str]:
                 if not ok]
     if problems:
         return problems
-    try:
-        dt.datetime.fromisoformat(str(meta["created_at"]).replace("Z", "+00:00"))
-    except ValueError:
+    if not iso_timestamp(meta["created_at"]):
         problems.append(f"{where}: created_at {meta['created_at']!r} is not ISO 8601")
     problems += [f"{where}: extraction_config lacks {k!r}" for k in CONFIG_FIELDS if k not in meta["extraction_config"]]
     problems += [f"{where}: statistics lacks {k!r}" for k in STAT_FIELDS if k not in meta["statistics"]]
@@ -86,12 +81,7 @@ def _verify_metadata(path: Path, meta: dict[str, Any]) -> list[str]:
     return problems
 
 
-VERSION = re.compile(r"\d+(\.\d+)*")  # the spec's semantic version, e.g. "1.0"
 MODEL_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-
-
-def _counts(values: Any) -> bool:
-    return isinstance(values, list) and all(whole_number(v) for v in values)
 
 
 def _shard_field_problems(info: dict[str, Any]) -> list[str]:
@@ -102,8 +92,8 @@ def _shard_field_problems(info: dict[str, Any]) -> list[str]:
               ("num_samples", "a whole number", whole_number(info["num_samples"])),
               ("num_tokens", "a whole number", whole_number(info.get("num_tokens", 0))),
               ("machine_id", "a whole number", whole_number(info.get("machine_id", 0))),
-              ("layers", "a list of layer numbers", _counts(info["layers"])),
-              ("sample_id_range", "[first, last] sample ids", _counts(info["sample_id_range"])
+              ("layers", "a list of layer numbers", whole_numbers(info["layers"])),
+              ("sample_id_range", "[first, last] sample ids", whole_numbers(info["sample_id_range"])
                and len(info["sample_id_range"]) == 2 and info["sample_id_range"][0] <= info["sample_id_range"][1]),
               ("compressed", f"true or false, as the file name {info['filename']!r:.80} says (.pkl.gz or .pkl)",
                isinstance(info["compressed"], bool) and (not ends_in_shard_name(str(info["filename"]))
@@ -116,15 +106,16 @@ def _shard_field_problems(info: dict[str, Any]) -> list[str]:
 def _run_field_problems(meta: dict[str, Any]) -> list[str]:
     """extraction_config, statistics and our `actstore` section: the fields inspect and the readers use
     (statistics' totals are checked against the shards' sums, by _verify_totals)."""
-    cfg, stats, ours = meta["extraction_config"], meta["statistics"], meta.get("actstore", {})
-    checks = [("extraction_config.layers_extracted", cfg["layers_extracted"], _counts(cfg["layers_extracted"])),
+    cfg, stats, ours, dist = meta["extraction_config"], meta["statistics"], meta.get("actstore", {}), \
+        meta.get("distributed_config", {})
+    checks = [("extraction_config.layers_extracted", cfg["layers_extracted"], whole_numbers(cfg["layers_extracted"])),
               ("extraction_config.model_params", cfg["model_params"], isinstance(cfg["model_params"], dict)),
-              ("statistics.layers_extracted", stats["layers_extracted"], _counts(stats["layers_extracted"])),
+              ("statistics.layers_extracted", stats["layers_extracted"], whole_numbers(stats["layers_extracted"])),
               ("actstore", ours, isinstance(ours, dict)),
-              ("distributed_config", meta.get("distributed_config"), isinstance(meta.get("distributed_config", {}), dict)
-               and isinstance(meta.get("distributed_config", {}).get("machines") or [], list))]
-    checks += [(f"extraction_config.{key}", cfg[key], whole_number(cfg[key])) for key in ("max_seq_length", "batch_size")]
-    checks += [("version", meta["version"], isinstance(meta["version"], str) and VERSION.fullmatch(meta["version"]))]
+              ("distributed_config", dist, isinstance(dist, dict) and isinstance(dist.get("machines") or [], list))]
+    checks += [(f"extraction_config.{key}", cfg[key], whole_number(cfg[key]))
+               for key in ("max_seq_length", "batch_size")]
+    checks += [("version", meta["version"], version_string(meta["version"]))]
     if isinstance(cfg["model_params"], dict):
         checks += [(f"extraction_config.model_params.{key}", value, value is None or whole_number(value))
                    for key, value in cfg["model_params"].items() if key in MODEL_COUNTS]
@@ -134,10 +125,10 @@ def _run_field_problems(meta: dict[str, Any]) -> list[str]:
                 cfg["layers_extracted"] == stats["layers_extracted"] and set(layers) <= set(cfg["layers_extracted"]))]
     if isinstance(ours, dict):
         uncompressed = ("compresslevel", "compression", "compressor")  # null in an uncompressed store
-        checks += [(f"actstore.{key}", ours[key], whole_number(ours[key]) or key in uncompressed and ours[key] is None)
-                   for key in ("d_model", "n_dataset_samples", "compresslevel", "pickle_protocol") if key in ours]
-        checks += [(f"actstore.{key}", ours[key], isinstance(ours[key], str) or key in uncompressed and ours[key] is None)
-                   for key in ("dtype", "compression", "compressor", "modality", "model_kind") if key in ours]
+        for keys, ok in ((("d_model", "n_dataset_samples", "compresslevel", "pickle_protocol"), whole_number),
+                         (("dtype", "compression", "compressor", "modality", "model_kind"), lambda v: isinstance(v, str))):
+            checks += [(f"actstore.{key}", ours[key], ok(ours[key]) or key in uncompressed and ours[key] is None)
+                       for key in keys if key in ours]
         checks += [("actstore.merged", ours["merged"], isinstance(ours["merged"], bool))] if "merged" in ours else []
     return [f"{name} is malformed: {value!r:.60}" for name, value, ok in checks if not ok]
 

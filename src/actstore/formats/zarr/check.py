@@ -12,9 +12,10 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
-from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, files_json_totals, open_zarr,
-                                         run_field_problems, store_files)
-from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, read_json, stream_json_members
+from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems,
+                                         store_files)
+from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, problems_of, read_json,
+                                stream_json_members, whole_number)
 from actstore.io_utils import sha256_file
 
 
@@ -111,25 +112,22 @@ def _verify_store(store: Path, entry: dict | None, manifest: tuple[dict, Path] |
     try:
         reader = ZarrStore(store)
     except FormatError as exc:
-        return _verify_files(store, None) + [str(exc)]
-    problems = _verify_files(store, reader) + _verify_metadata(store, reader)
+        return _verify_files(store, None, entry) + [str(exc)]
+    problems = _verify_files(store, reader, entry) + _verify_metadata(store, reader)
     if manifest is not None:
         problems += run_field_problems(manifest[0], reader, str(manifest[1]))
     if entry is not None and entry["num_samples"] != reader.n_samples:
         problems.append(f"{store}/.zattrs: num_samples={reader.n_samples}, manifest.json says {entry['num_samples']}")
-    if entry is not None and {"n_files", "bytes"} & set(entry):
-        recorded = dict(zip(("n_files", "bytes"), files_json_totals(store)))
-        problems += [f"{store}: {FILES_JSON} records {recorded[key]} {key.replace('n_', '')}, manifest.json says "
-                     f"{entry[key]}" for key in ("n_files", "bytes") if key in entry and entry[key] != recorded[key]]
     return problems
 
 
-def _verify_files(store: Path, reader: ZarrStore | None) -> list[str]:
+def _verify_files(store: Path, reader: ZarrStore | None, entry: dict | None = None) -> list[str]:
     """files.json (in name order, as written) read 1 MiB at a time beside the store's files and the
     activations' chunk keys walked in the same order: a merged store lists millions, none held. Each
     listed file checked against its record (problems_of: several at once), each file on disk listed,
-    each chunk recorded."""
-    return problems_of(lambda check: check(), _file_checks(store, reader), desc="verify zarr files", batch=64)
+    each chunk recorded; the files and bytes it records against the manifest `entry`'s n_files and
+    bytes (store_entry's counts), in the same pass."""
+    return problems_of(lambda check: check(), _file_checks(store, reader, entry), desc="verify zarr files", batch=64)
 
 
 def _found(problem: str) -> Callable[[], list[str]]:
@@ -143,13 +141,14 @@ def _listed(store: Path, name: str, info: Any) -> Callable[[], list[str]]:
     return check
 
 
-def _file_checks(store: Path, reader: ZarrStore | None) -> Iterator[Callable[[], list[str]]]:
+def _file_checks(store: Path, reader: ZarrStore | None, entry: dict | None) -> Iterator[Callable[[], list[str]]]:
     """_verify_files' walk: each problem it finds, and each listed file's check, in name order."""
     files_json = store / FILES_JSON
     on_disk = (name for name in store_files(store) if name != FILES_JSON)
     chunks = (key for key, _ in chunk_keys_in_name_order(reader.n_samples, len(reader.layers), reader.n_chunks)) \
         if reader else iter(())
     disk, chunk, lost, first_lost, previous = next(on_disk, None), next(chunks, None), 0, None, None
+    totals = {"n_files": 1, "bytes": files_json.stat().st_size}  # files.json counts itself
     try:
         for name, info in stream_json_members(files_json, "files", "a files.json (needs a files object)"):
             if previous is not None and name <= previous:
@@ -164,6 +163,8 @@ def _file_checks(store: Path, reader: ZarrStore | None) -> Iterator[Callable[[],
                 if chunk < name:
                     lost, first_lost = lost + 1, first_lost or chunk
                 chunk = next(chunks, None)
+            totals["n_files"] += 1
+            totals["bytes"] += info["bytes"] if isinstance(info, dict) and whole_number(info.get("bytes")) else 0
             yield _listed(store, name, info)
     except FormatError as exc:
         yield _found(f"{files_json}: unreadable ({exc})")
@@ -174,6 +175,10 @@ def _file_checks(store: Path, reader: ZarrStore | None) -> Iterator[Callable[[],
         lost, first_lost = lost + 1, first_lost or rest
     if lost:
         yield _found(f"{store}/{ACTS}: {lost} chunk files not recorded, e.g. {first_lost}")
+    for key, recorded in totals.items():
+        if entry is not None and key in entry and entry[key] != recorded:
+            yield _found(f"{store}: {FILES_JSON} records {recorded} {key.removeprefix('n_')}, manifest.json says "
+                         f"{entry[key]}")
 
 
 def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:

@@ -15,9 +15,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FILES_JSON, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
+from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           REQUIRED_ATTRS, VECTOR_ZARRAY)
-from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files, stream_json_members, whole_number
+from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files, whole_number
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -175,15 +175,6 @@ def entry_problem(entry: Any, where: str) -> str | None:
     if not all(whole_number(n) for n in totals):
         return f"{where}: n_files and bytes must be whole numbers, got {totals}"
     return None
-
-
-def files_json_totals(store: Path) -> tuple[int, int]:
-    """(files, bytes) of a store as its meta/files.json records them, files.json itself counted:
-    the manifest entry's n_files and bytes. Streamed (a merged store lists millions of files)."""
-    n_files, n_bytes = 1, (store / FILES_JSON).stat().st_size
-    for _, entry in stream_json_members(store / FILES_JSON, "files"):
-        n_files, n_bytes = n_files + 1, n_bytes + entry["bytes"]
-    return n_files, n_bytes
 
 
 def same_json(a: Any, b: Any) -> bool:

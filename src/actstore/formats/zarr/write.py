@@ -25,7 +25,8 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           SEPARATOR, SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk,
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           vector_chunks, vector_fill)
-from actstore.formats.zarr.read import ZarrStore, files_json_totals, list_store_files
+from actstore.formats.zarr.read import ZarrStore, list_store_files
+from actstore.integrity import stream_json_members
 from actstore.io_utils import BEHIND, ThreadChain, atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,9 @@ def store_entry(store: str | Path, rel_to: str | Path | None = None) -> dict[str
     """The manifest record of a finished store: path, counts and the sha256 of its meta/files.json."""
     store = Path(store)
     attrs = json.loads((store / ".zattrs").read_text())
-    n_files, n_bytes = files_json_totals(store)
+    n_files, n_bytes = 1, (store / FILES_JSON).stat().st_size
+    for _, entry in stream_json_members(store / FILES_JSON, "files"):  # millions of entries when merged
+        n_files, n_bytes = n_files + 1, n_bytes + entry["bytes"]
     return {"path": store.relative_to(rel_to).as_posix() if rel_to else store.name,
             "num_samples": attrs["num_samples"], "global_index_start": attrs["global_index_start"],
             "files_sha256": sha256_file(store / FILES_JSON), "n_files": n_files, "bytes": n_bytes}
