@@ -79,6 +79,41 @@ def test_every_vector_equals_unbatched_block_output(kind, extracted, image_folde
         assert len(lengths) >= 3, "test data should have varied lengths so padding is exercised"
 
 
+
+@pytest.mark.parametrize("model_type", sorted(tiny.FAMILIES))
+def test_each_familys_stored_vectors_are_its_own_block_outputs(model_type, text_jsonl, tmp_path):
+    """The families users bring (dense, mixture-of-experts, state-space and hybrid causal LMs;
+    encoders; an encoder-decoder's encoder), each under its own config names: every stored vector of
+    blocks 0 and 2, batched with padding, equals the block's output on the sample alone; a causal
+    LM's log-probs and top-k are its own logits'."""
+    model = tiny.build_family(model_type, tmp_path / "model")
+    config = tiny.make_config(tmp_path, model, text_jsonl, extract={"batch_size": 8, "parts": 1})
+    run_part(config, 0, tmp_path / "part-0000", progress=False)
+    part = open_part(tmp_path / "part-0000")
+    loaded = load_model(model)
+    assert part.meta["model"]["n_blocks"] == 3 and loaded.kind == tiny.FAMILIES[model_type][0]
+    assert len({row["num_tokens"] for row in part.samples}) >= 3  # padding exercised
+    for local in range(len(part.samples)):
+        outputs = {}
+
+        def keep(module, args, output):  # returns None: the block's output goes on unchanged
+            outputs[module] = output[0] if isinstance(output, tuple) else output
+        handles = [loaded.blocks[i].register_forward_hook(keep) for i in (0, 2)]
+        ids = torch.tensor([part.token_ids(local).tolist()])
+        with torch.inference_mode():
+            model_out = loaded.model(input_ids=ids)
+        for handle in handles:
+            handle.remove()
+        for i in (0, 2):
+            stored = part.activations(f"layer_{i}", local)
+            ref = outputs[loaded.blocks[i]][0, :len(stored)].numpy()  # Longformer pads to a window multiple inside
+            assert stored.shape == ref.shape and rel_err(stored, ref) <= REL_TOL, (model_type, i, local)
+        if loaded.kind == "causal":  # the head rerun for log-probs follows each family's own head
+            logits = model_out.logits[0].float()
+            ref = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0].numpy()
+            np.testing.assert_allclose(part.token_logprob(local)[1:], ref, rtol=1e-5, atol=1e-5)
+            assert part.topk(local)[1].tolist() == torch.topk(logits[-1], len(part.topk(local)[1])).indices.tolist()
+
 def model_ids(config, text):
     loaded = load_model(tiny.Path(config["model"]["path"]))
     return loaded.preprocessor(text, truncation=True, max_length=24)["input_ids"]

@@ -210,6 +210,73 @@ def build_model(kind: str, out: Path) -> Path:
     return out
 
 
+
+# Families users extract from, each a tiny seeded model built by AutoConfig.for_model(model_type, ...)
+# on top of FAMILY_COMMON: {model_type: (auto class, its own settings)}. "causal" loads with
+# AutoModelForCausalLM (extraction runs it whole), "encoder" with AutoModel (an encoder-decoder's
+# encoder runs). Each name's sizes are its config's own (DistilBERT's dim / n_layers, MPT's d_model...).
+FAMILY_COMMON = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=300, max_position_embeddings=128)
+_KV = dict(num_key_value_heads=2)
+_MOE = dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+FAMILIES = {
+    "mistral": ("causal", _KV), "mixtral": ("causal", dict(_KV, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("causal", _KV), "qwen2_moe": ("causal", dict(_MOE, shared_expert_intermediate_size=16)),
+    "qwen3": ("causal", dict(_KV, head_dim=8)), "qwen3_moe": ("causal", dict(_MOE, head_dim=8)),
+    "qwen3_next": ("causal", dict(_MOE, head_dim=8, shared_expert_intermediate_size=16, linear_num_value_heads=4,
+                                  linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                                  layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    "gemma": ("causal", dict(_KV, head_dim=8)), "gemma2": ("causal", dict(_KV, head_dim=8, sliding_window=4)),
+    "gemma3_text": ("causal", dict(_KV, head_dim=8, sliding_window=4)),
+    "recurrent_gemma": ("causal", dict(_KV, head_dim=8, lru_width=32, attention_window_size=8,
+                                       block_types=["recurrent", "attention"])),
+    "phi": ("causal", {}), "phi3": ("causal", _KV), "olmo": ("causal", {}), "olmo2": ("causal", _KV),
+    "olmoe": ("causal", dict(_KV, num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("causal", dict(_KV, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
+    "deepseek_v3": ("causal", dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+                                   qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "llama4_text": ("causal", dict(_KV, head_dim=8, num_local_experts=2, intermediate_size_mlp=64)),
+    "gpt_neox": ("causal", {}), "gptj": ("causal", dict(n_embd=32, n_layer=3, n_head=4, rotary_dim=4)),
+    "gpt_bigcode": ("causal", dict(n_embd=32, n_layer=3, n_head=4)),
+    "mpt": ("causal", dict(d_model=32, n_layers=3, n_heads=4)),
+    "falcon": ("causal", {}), "bloom": ("causal", dict(n_layer=3, n_head=4)),
+    "opt": ("causal", dict(ffn_dim=64, word_embed_proj_dim=32)), "stablelm": ("causal", _KV),
+    "starcoder2": ("causal", _KV), "cohere": ("causal", _KV), "granite": ("causal", _KV), "smollm3": ("causal", _KV),
+    "mamba": ("causal", dict(state_size=4, expand=2, conv_kernel=4)),
+    "mamba2": ("causal", dict(state_size=4, expand=2, conv_kernel=4, num_heads=8, head_dim=8, n_groups=1)),
+    "jamba": ("causal", dict(_KV, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                             expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4)),
+    "falcon_h1": ("causal", dict(_KV, mamba_d_state=4, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32)),
+    "lfm2": ("causal", dict(_KV, layer_types=["conv", "full_attention", "conv"])),
+    "roberta": ("encoder", {}), "xlm-roberta": ("encoder", {}), "modernbert": ("encoder", {}),
+    "distilbert": ("encoder", dict(dim=32, n_layers=3, n_heads=4, hidden_dim=64)), "deberta-v2": ("encoder", {}),
+    "electra": ("encoder", dict(embedding_size=32)), "mpnet": ("encoder", {}), "esm": ("encoder", {}),
+    "longformer": ("encoder", dict(attention_window=4)),  # pads its input to a window multiple inside
+    "bart": ("encoder", dict(d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)),
+    "mt5": ("encoder", dict(d_model=32, num_layers=3, num_heads=4, d_ff=64, d_kv=8, decoder_start_token_id=0)),
+}
+
+
+def build_family(model_type: str, out: Path) -> Path:
+    """Save a tiny seeded model of a FAMILIES model_type, with a tokenizer trained on the corpus. Its
+    matrices are drawn at std 0.2 (the configs' 0.02 leaves the residual stream near its embedding)."""
+    import transformers as tf
+
+    kind, settings = FAMILIES[model_type]
+    torch.manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out, causal=kind == "causal")
+    config = tf.AutoConfig.for_model(model_type, **{**FAMILY_COMMON, **settings})
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
+    model = (tf.AutoModelForCausalLM if kind == "causal" else tf.AutoModel).from_config(config).eval()
+    for param in model.parameters():
+        if param.dim() > 1:
+            param.data.normal_(0, 0.2)
+    model.save_pretrained(out)
+    return out
+
 CUSTOM_CONFIG = """from transformers import PretrainedConfig
 
 

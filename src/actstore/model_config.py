@@ -160,10 +160,12 @@ def tower_config(config: dict[str, Any]) -> dict[str, Any]:
     return nested if isinstance(nested, dict) else config
 
 
-# The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer...).
-CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
-                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
-                  "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"),
+# The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer;
+# DistilBERT: dim, n_layers, n_heads; MPT: d_model, n_layers, n_heads), in the order they are tried.
+CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers"),
+                  "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads",
+                                          "encoder_attention_heads"),
                   "vocab_size": ("vocab_size",)}
 
 
@@ -184,7 +186,8 @@ def num_blocks(config: dict[str, Any]) -> int:
     """Number of transformer blocks, from config.json (vision towers nest it in vision_config)."""
     blocks = config_int(config, "num_hidden_layers")
     if blocks is None:
-        raise ConfigError("model config.json names no num_hidden_layers / n_layer")
+        names = ", ".join(CONFIG_ALIASES["num_hidden_layers"])
+        raise ConfigError(f"model config.json names no block count (looked for {names})")
     return blocks
 
 

@@ -17,7 +17,8 @@ from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
-from actstore.model_config import config_patches, model_kind, resolve_model_path, run_config, run_dtype, tower_config
+from actstore.model_config import (config_int, config_patches, model_kind, resolve_model_path, run_config, run_dtype,
+                                   tower_config)
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
@@ -102,7 +103,7 @@ def _workload(key: str) -> Workload:
     model = run_config(config["model"])
     vision = model_kind(model) == "vision"
     model = tower_config(model)
-    hidden = int(model.get("hidden_size") or model.get("n_embd") or model.get("d_model") or 1024)
+    hidden = config_int(model, "hidden_size") or 1024
     inner = int(model.get("intermediate_size") or model.get("n_inner") or 4 * hidden)
     ext = config["extract"]
     rows, data_bytes, block_bytes = _count_rows(config["dataset"])
