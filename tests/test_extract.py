@@ -668,6 +668,50 @@ def test_a_truncated_image_is_named_before_weights_load(model_dir, image_folder,
         run_part(config, 0, tmp_path / "part", progress=False)
 
 
+
+@pytest.mark.parametrize("suffix, values", [(".png", np.arange(32 * 32, dtype=np.uint16).reshape(32, 32) * 64),
+                                            (".tif", np.linspace(0, 1, 32 * 32, dtype=np.float32).reshape(32, 32))])
+def test_an_image_of_more_than_8_bits_is_refused_before_weights_load(suffix, values, model_dir, image_folder,
+                                                                      tmp_path, monkeypatch):
+    """A 16-bit grayscale PNG (values to 65,535) or a float TIFF in [0, 1]: converting it to RGB, as
+    the processors and torchvision's loader do, clips it to 0..255 (white or black); refused, named."""
+    import shutil
+
+    from PIL import Image
+
+    import actstore.extract.run as ex
+    data = tmp_path / "images"
+    shutil.copytree(image_folder, data)
+    source = sorted(data.rglob("*.png"))[3]
+    source.unlink()
+    victim = source.with_suffix(suffix)
+    Image.fromarray(values).save(victim)
+    assert Image.open(victim).mode in ("I;16", "F")
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"parts": 1})
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=f"{victim.name}: an image of mode (I;16|F) .*would clip the values"):
+        run_part(config, 0, tmp_path / "part", progress=False)
+
+
+def test_a_16_bit_image_of_8_bit_values_runs_as_its_8_bit_copy(model_dir, image_folder, tmp_path):
+    """A 16-bit PNG whose values all fit 8 bits converts exactly: the same activations as the same
+    pixels saved as an 8-bit grayscale PNG."""
+    import shutil
+
+    from PIL import Image
+    parts = {}
+    for mode in ("L", "I;16"):
+        data = tmp_path / mode.replace(";", "") / "images"
+        shutil.copytree(image_folder, data)
+        victim = sorted(data.rglob("*.png"))[3]
+        gray = np.asarray(Image.open(victim).convert("L"))
+        Image.fromarray(gray if mode == "L" else gray.astype(np.uint16)).save(victim)
+        assert Image.open(victim).mode == mode
+        config = tiny.make_config(data.parent, model_dir("dinov2"), data, extract={"parts": 1})
+        run_part(config, 0, data.parent / "part", progress=False)
+        parts[mode] = open_part(data.parent / "part")
+    assert np.array_equal(parts["L"].activations("layer_0", 3), parts["I;16"].activations("layer_0", 3))
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_image_only_decoding_can_fault_is_named_when_decoded(model_dir, image_folder, tmp_path, workers):
     import shutil

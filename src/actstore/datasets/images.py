@@ -38,8 +38,11 @@ class ImageOpener:
         try:
             with Image.open(file) as img:
                 img.verify()
+                wide = is_wide(img.mode)
         except (OSError, SyntaxError, ValueError) as exc:  # PIL raises SyntaxError for broken headers
             raise ConfigError(f"{where}: not a readable image ({exc})") from None
+        if wide:  # rare: only such images are decoded here, for their values
+            self(sample)
 
     def _locate(self, sample: Sample) -> tuple[Any, str]:
         """(path or file object, its name for errors)."""
@@ -86,12 +89,35 @@ def check_images(opener: ImageOpener, samples: list[Sample], threads: int) -> No
         list(pool.map(opener.check, samples))
 
 
+def is_wide(mode: str) -> bool:
+    """A PIL mode of more than 8 bits a channel: 16- and 32-bit integers (16-bit PNG, TIFF), floats."""
+    return mode in ("I", "F") or mode.startswith("I;16")
+
+
 def _decode(file: Any, where: str) -> Any:
-    """An RGB image from a path or file object; ConfigError naming `where` if it cannot be decoded."""
+    """An RGB image from a path or file object; ConfigError naming `where` if it cannot be decoded,
+    or if its values do not fit 8 bits (check_fits_8_bits)."""
     from PIL import Image
 
     try:
         with Image.open(file) as img:
+            if is_wide(img.mode):
+                check_fits_8_bits(img, where)
             return img.convert("RGB")
     except OSError as exc:  # truncated or not an image: PIL's message names no file
         raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
+
+
+def check_fits_8_bits(img: Any, where: str) -> None:
+    """An image of more than 8 bits a channel converts to RGB (what every image processor takes) by
+    clipping each value to 0..255, as torchvision's and the processors' own loaders convert it: a
+    16-bit PNG of values up to 65,535 turns white, a float image in [0, 1] black, and the model runs
+    on that. Converted only when every value is a whole number in 0..255 (then it is exact);
+    otherwise refused: which scaling is right (a CT window, a 12-bit range) is the data's to say."""
+    import numpy as np
+
+    values = np.asarray(img)
+    if values.size and (values.min() < 0 or values.max() > 255 or not np.array_equal(values, np.round(values))):
+        raise ConfigError(f"{where}: an image of mode {img.mode} (values {values.min():g} to {values.max():g}), more "
+                          "than 8 bits a channel: its conversion to RGB would clip the values to 0..255; convert "
+                          "the images to 8 bits with the scaling the data needs")
