@@ -712,6 +712,43 @@ def test_a_16_bit_image_of_8_bit_values_runs_as_its_8_bit_copy(model_dir, image_
         parts[mode] = open_part(data.parent / "part")
     assert np.array_equal(parts["L"].activations("layer_0", 3), parts["I;16"].activations("layer_0", 3))
 
+
+@pytest.mark.parametrize("mode", ["RGBA", "P"])
+def test_a_transparent_image_is_composited_onto_white_as_the_models_processor_does(mode, model_dir, image_folder,
+                                                                                 tmp_path):
+    """An RGBA PNG with a transparent half (its hidden pixels black), or a palette PNG with a
+    transparent colour: the stored activations are the model's on what its own processor makes of
+    the file's image (transparency onto white), not on PIL's convert("RGB") pixels (the black showing;
+    a converted palette image keeps its transparency note, which the processor then honours)."""
+    import shutil
+
+    from PIL import Image
+    data = tmp_path / "images"
+    shutil.copytree(image_folder, data)
+    victim = sorted(data.rglob("*.png"))[3]
+    rgba = np.asarray(Image.open(victim).convert("RGBA")).copy()
+    rgba[rgba.shape[0] // 2:] = 0  # transparent black
+    image = Image.fromarray(rgba, "RGBA")
+    if mode == "P":  # the transparent colour: the black of the bottom half
+        image = image.convert("RGB").quantize(16)
+        image.save(victim, transparency=int(np.asarray(image)[-1, -1]))
+    else:
+        image.save(victim)
+    assert Image.open(victim).mode == mode
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"parts": 1, "layers": [0]})
+    run_part(config, 0, tmp_path / "part", progress=False)
+    stored = open_part(tmp_path / "part").activations("layer_0", 3)
+    loaded = load_model(model_dir("dinov2"))
+
+    def block_0(img):
+        with torch.inference_mode():
+            pixels = loaded.preprocessor(images=[img], return_tensors="pt")["pixel_values"]
+            return loaded.model(pixel_values=pixels, output_hidden_states=True).hidden_states[1][0].numpy()
+    assert loaded.preprocessor.do_convert_rgb
+    assert rel_err(stored, block_0(Image.open(victim))) <= REL_TOL
+    dropped = Image.fromarray(np.asarray(Image.open(victim).convert("RGB")))  # PIL's alpha-dropping pixels alone
+    assert rel_err(stored, block_0(dropped)) > 0.01
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_image_only_decoding_can_fault_is_named_when_decoded(model_dir, image_folder, tmp_path, workers):
     import shutil

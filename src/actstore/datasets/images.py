@@ -95,17 +95,30 @@ def is_wide(mode: str) -> bool:
 
 
 def _decode(file: Any, where: str) -> Any:
-    """An RGB image from a path or file object; ConfigError naming `where` if it cannot be decoded,
-    or if its values do not fit 8 bits (check_fits_8_bits)."""
+    """An RGB image (to_rgb) from a path or file object; ConfigError naming `where` if it cannot be
+    decoded, or if its values do not fit 8 bits (check_fits_8_bits)."""
     from PIL import Image
 
     try:
         with Image.open(file) as img:
             if is_wide(img.mode):
                 check_fits_8_bits(img, where)
-            return img.convert("RGB")
+            return to_rgb(img)
     except OSError as exc:  # truncated or not an image: PIL's message names no file
         raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
+
+
+def to_rgb(img: Any) -> Any:
+    """RGB as the HF image processors make it (transformers' convert_to_rgb): an image with an alpha
+    band or a transparent palette colour composited onto white, any other converted. PIL's plain
+    convert("RGB") drops the alpha, so a transparent pixel would show the colour stored under it
+    (often black) where the model's processor, given the file's image, sees white."""
+    from PIL import Image
+
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def check_fits_8_bits(img: Any, where: str) -> None:
