@@ -749,6 +749,32 @@ def test_a_transparent_image_is_composited_onto_white_as_the_models_processor_do
     dropped = Image.fromarray(np.asarray(Image.open(victim).convert("RGB")))  # PIL's alpha-dropping pixels alone
     assert rel_err(stored, block_0(dropped)) > 0.01
 
+
+@pytest.mark.parametrize("orientation", [6, 3])
+def test_an_image_with_an_exif_orientation_runs_upright(orientation, model_dir, image_folder, tmp_path):
+    """A photo stored sideways (EXIF Orientation 6: turn 90 degrees) or upside down (3) runs as Hugging
+    Face datasets and transformers' load_image show it: the same activations as the turned pixels
+    saved without the tag."""
+    import shutil
+
+    from PIL import Image
+    parts = {}
+    for tagged in (True, False):
+        data = tmp_path / str(tagged) / "images"
+        shutil.copytree(image_folder, data)
+        victim = sorted(data.rglob("*.png"))[3]
+        image = Image.open(victim).convert("RGB")
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        if tagged:
+            image.save(victim, exif=exif)
+        else:  # orientation 6 shows the stored pixels turned 90 degrees clockwise (PIL turns anticlockwise)
+            image.transpose(Image.Transpose.ROTATE_270 if orientation == 6 else Image.Transpose.ROTATE_180).save(victim)
+        config = tiny.make_config(data.parent, model_dir("dinov2"), data, extract={"parts": 1, "layers": [0]})
+        run_part(config, 0, data.parent / "part", progress=False)
+        parts[tagged] = open_part(data.parent / "part").activations("layer_0", 3)
+    assert np.array_equal(parts[True], parts[False])
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_image_only_decoding_can_fault_is_named_when_decoded(model_dir, image_folder, tmp_path, workers):
     import shutil

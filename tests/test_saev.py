@@ -674,6 +674,34 @@ def test_bad_masks_are_named_and_nothing_is_written(extracted, segmentation, tmp
         build(extracted, "bert", patch_labels=cfg["patch_labels"])
 
 
+
+def test_a_photo_stored_sideways_gets_its_upright_masks_labels(extracted, segmentation, tmp_path):
+    """An image stored turned with an EXIF Orientation tag runs upright (as Hugging Face datasets shows
+    it), and its mask, upright as datasets shows it too, labels its patches: the same activations and
+    labels.bin as the upright photo; a mask in the stored pixels' orientation is refused by size."""
+    from PIL import Image
+
+    images, masks, _ = segmentation("dinov2")
+    turned = tmp_path / "images"
+    shutil.copytree(images, turned)
+    victim = turned / "b" / "img_03.png"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise: stored turned anticlockwise
+    Image.open(victim).transpose(Image.Transpose.ROTATE_90).save(victim, exif=exif)
+    section = {"patch_labels": {"masks": str(masks), "mask_suffix": ".png", "pixel_agg": "majority", "bg_label": 0}}
+    upright_extraction, upright_store = build(extracted, "dinov2", images, **section)
+    extraction, store = build(extracted, "dinov2", turned, **section)
+    index = [row["text"] for _, _, row in extraction.iter_samples()].index("b/img_03.png")
+    assert np.array_equal(extraction.activations("layer_0", index), upright_extraction.activations("layer_0", index))
+    assert (store / "labels.bin").read_bytes() == (upright_store / "labels.bin").read_bytes()
+    sideways = tmp_path / "masks"
+    shutil.copytree(masks, sideways)
+    Image.open(sideways / "b" / "img_03.png").transpose(Image.Transpose.ROTATE_90).save(sideways / "b" / "img_03.png")
+    config = {**extracted("dinov2", turned)[0]["saev"], "patches_per_shard": PPS,
+              "patch_labels": {**section["patch_labels"], "masks": str(sideways)}}
+    with pytest.raises(FormatError, match=r"img_03\.png: mask is 64x96, its image is 96x64"):
+        write(extraction, config, tmp_path / "saev")
+
 def test_mask_through_an_interpolating_processor_is_refused(tmp_path):
     """A processor that ignores resample=NEAREST would blend class ids: refused, naming the mask."""
     from transformers import SiglipImageProcessor

@@ -2,7 +2,8 @@
 
 Each image `<dataset.path>/<rel>` has a mask `<masks>/<rel with its suffix replaced by mask_suffix>`
 (ADE20K's `annotations/` beside `images/`): a single-channel image (mode L, P or 16-bit I) of the
-same size whose pixel values are class ids 0-255. The mask goes through the model's own image processor with
+same size whose pixel values are class ids 0-255, both turned upright by their EXIF Orientation as the
+extraction turns images (datasets.images.upright). The mask goes through the model's own image processor with
 NEAREST resampling and no rescale/normalise, so it is resized and cropped exactly like the pixels
 the model saw; then each patch_size x patch_size tile gets one label:
   majority   the most frequent label in the tile (ties: the smallest label), saev's default
@@ -33,9 +34,11 @@ def read_mask(path: Path, image_size: tuple[int, int]) -> np.ndarray:
     """(H, W) uint8 class ids; raise FormatError naming the file if it is not a label image of that size."""
     from PIL import Image
 
+    from actstore.datasets.images import upright  # not at the top: it imports pyarrow, which saev jobs need not
     if not path.is_file():
         raise FormatError(f"{path}: mask missing (saev.patch_labels.masks)")
-    with Image.open(path) as img:
+    with Image.open(path) as stored:
+        img = upright(stored)  # as Hugging Face datasets shows a mask, like its image
         if img.size != image_size:
             raise FormatError(f"{path}: mask is {img.size[0]}x{img.size[1]}, its image is "
                               f"{image_size[0]}x{image_size[1]}")
@@ -91,6 +94,7 @@ def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_pa
     as it resized the pixels (refused by name without it)."""
     from PIL import Image
 
+    from actstore.datasets.images import upright
     from actstore.models import load_image_processor
 
     processor = load_image_processor(model_path, trust_remote_code)
@@ -99,7 +103,7 @@ def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_pa
     for row, rel in enumerate(tqdm(image_rels, desc="patch labels", unit="image", disable=not progress)):
         path = mask_path(section["masks"], rel, section["mask_suffix"])
         with Image.open(Path(dataset_root) / rel) as img:
-            image_size = img.size
+            image_size = upright(img).size  # the size the model saw (datasets.images._decode)
         mask = processed_mask(processor, read_mask(path, image_size), path)
         out[row, registers:] = aggregate(mask, patch_size, n_patches, section["pixel_agg"],
                                          section["bg_label"], path)

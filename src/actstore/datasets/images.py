@@ -95,17 +95,29 @@ def is_wide(mode: str) -> bool:
 
 
 def _decode(file: Any, where: str) -> Any:
-    """An RGB image (to_rgb) from a path or file object; ConfigError naming `where` if it cannot be
-    decoded, or if its values do not fit 8 bits (check_fits_8_bits)."""
+    """An RGB image, upright (EXIF), from a path or file object; ConfigError naming `where` if it cannot
+    be decoded, or if its values do not fit 8 bits (check_fits_8_bits)."""
     from PIL import Image
 
     try:
         with Image.open(file) as img:
             if is_wide(img.mode):
                 check_fits_8_bits(img, where)
-            return to_rgb(img)
+            return to_rgb(upright(img))
     except OSError as exc:  # truncated or not an image: PIL's message names no file
         raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
+
+
+EXIF_ORIENTATION = 0x0112
+
+
+def upright(img: Any) -> Any:
+    """The image turned as its EXIF Orientation says (a phone photo is stored sideways with a tag to
+    turn it), as Hugging Face datasets' Image feature and transformers' load_image show it; an image
+    without the tag as it is."""
+    from PIL import ImageOps
+
+    return img if img.getexif().get(EXIF_ORIENTATION) is None else ImageOps.exif_transpose(img)
 
 
 def to_rgb(img: Any) -> Any:
