@@ -19,7 +19,7 @@ import pytest
 
 import tiny
 from actstore.datasets import check_dataset, load_dataset, part_range, read_scan, scan_dataset, write_scan
-from actstore.datasets.core import Fields
+from actstore.datasets.core import Fields, label_list
 from actstore.datasets.jsonl import open_text, scan_jsonl
 from actstore.datasets.scan import stamped
 from actstore.datasets.source import resolve_source
@@ -1111,14 +1111,31 @@ def test_a_damaged_scan_file_is_named_not_read(tmp_path):
 
 
 def test_labels_equal_as_text_are_numbered_alike_in_every_process(tmp_path):
-    """label_id = position in the sorted label list; 1 and "1" sort alike, so they keep the order they
-    first appear in (a set's order changed with each process's string hashing)."""
+    """label_id = position in the sorted label list (integers first); the same in every process (a
+    set's order changed with each process's string hashing)."""
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps({"text": "t", "label": label}) + "\n" for label in ["b", "1", 1, "a", 1, None]))
     script = "from actstore.datasets import load_dataset; import sys; print(load_dataset(sys.argv[1]).labels)"
     seen = {subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
-    assert seen == {"['1', 1, 'a', 'b']\n"}
+    assert seen == {"[1, '1', 'a', 'b']\n"}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_integer_labels_are_their_own_label_ids(suffix, tmp_path):
+    """Class ids 0..11 as plain integers (no ClassLabel): label_id = the integer, where sorting them
+    as text numbered 10 and 11 before 2; strings still sort by text, after the integers."""
+    labels = [7, 11, 2, 0, 10, 1, 3, 4, 5, 6, 8, 9, 2]
+    rows = [{"text": f"row {i}", "label": label} for i, label in enumerate(labels)]
+    path = tmp_path / f"ids{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    dataset = load_dataset(path)
+    assert dataset.labels == list(range(12))
+    assert [dataset.labels.index(s.label) for s in dataset.samples] == labels
+    assert label_list([3, "b", 12, "a", -1, True]) == [-1, 3, 12, True, "a", "b"]
 
 
 @pytest.mark.parametrize("kind", ["parquet", "parquet_no_stats", "arrow", "messages"])

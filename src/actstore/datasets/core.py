@@ -95,9 +95,17 @@ class Dataset:
 
 
 def label_list(labels: Iterable[Any]) -> list:
-    """The distinct labels (None left out) sorted by their text; labels with the same text (1 and
-    "1") keep the order they first appear in, so every job numbers them alike."""
-    return sorted(dict.fromkeys(label for label in labels if label is not None), key=str)
+    """The distinct labels (None left out): integers first, in numeric order, so that class ids 0..N-1
+    (a webdataset's cls, a table's integer column) are their own label_id; then every other label by
+    its text (folder and class names, as torchvision's ImageFolder numbers them). Labels with the same
+    text and kind keep the order they first appear in, so every job numbers them alike."""
+    return sorted(dict.fromkeys(label for label in labels if label is not None), key=_label_order)
+
+
+def _label_order(label: Any) -> tuple:
+    if isinstance(label, int) and not isinstance(label, bool):
+        return (0, label, "")
+    return (1, 0, str(label))
 
 
 def part_range(n_samples: int, parts: int, part: int) -> range:
