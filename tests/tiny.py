@@ -237,7 +237,9 @@ FAMILIES = {
                                    moe_intermediate_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
                                    qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1)),
     "llama4_text": ("causal", dict(_KV, head_dim=8, num_local_experts=2, intermediate_size_mlp=64)),
-    "gpt_neox": ("causal", {}), "gptj": ("causal", dict(n_embd=32, n_layer=3, n_head=4, rotary_dim=4)),
+    "gpt_neox": ("causal", {}),  # Pythia
+    "gpt_neo": ("causal", dict(num_layers=3, attention_types=[[["global", "local", "global"], 1]], window_size=4)),
+    "gptj": ("causal", dict(n_embd=32, n_layer=3, n_head=4, rotary_dim=4)),
     "gpt_bigcode": ("causal", dict(n_embd=32, n_layer=3, n_head=4)),
     "mpt": ("causal", dict(d_model=32, n_layers=3, n_heads=4)),
     "falcon": ("causal", {}), "bloom": ("causal", dict(n_layer=3, n_head=4)),
