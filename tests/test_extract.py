@@ -775,6 +775,28 @@ def test_an_image_with_an_exif_orientation_runs_upright(orientation, model_dir, 
         parts[tagged] = open_part(data.parent / "part").activations("layer_0", 3)
     assert np.array_equal(parts[True], parts[False])
 
+def test_an_image_over_pils_pixel_limit_is_named_before_weights_load(model_dir, image_folder, tmp_path, monkeypatch):
+    """PIL refuses an image of more than twice Image.MAX_IMAGE_PIXELS (a decompression bomb, or a
+    gigapixel scan) with a message that names no file: the error names it."""
+    import shutil
+    import warnings
+
+    from PIL import Image
+
+    import actstore.extract.run as ex
+    data = tmp_path / "images"
+    shutil.copytree(image_folder, data)
+    victim = sorted(data.rglob("*.png"))[3]
+    image = Image.open(victim)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", image.width * image.height)  # the others: a warning only
+    image.resize((image.width * 3, image.height * 3)).save(victim)
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={"parts": 1})
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ConfigError, match=f"{victim.name}: Image size .* could be decompression bomb"), \
+            warnings.catch_warnings(action="ignore", category=Image.DecompressionBombWarning):
+        run_part(config, 0, tmp_path / "part", progress=False)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_image_only_decoding_can_fault_is_named_when_decoded(model_dir, image_folder, tmp_path, workers):
     import shutil

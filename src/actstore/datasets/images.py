@@ -39,6 +39,8 @@ class ImageOpener:
             with Image.open(file) as img:
                 img.verify()
                 wide = is_wide(img.mode)
+        except Image.DecompressionBombError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
         except (OSError, SyntaxError, ValueError) as exc:  # PIL raises SyntaxError for broken headers
             raise ConfigError(f"{where}: not a readable image ({exc})") from None
         if wide:  # rare: only such images are decoded here, for their values
@@ -104,6 +106,8 @@ def _decode(file: Any, where: str) -> Any:
             if is_wide(img.mode):
                 check_fits_8_bits(img, where)
             return to_rgb(upright(img))
+    except Image.DecompressionBombError as exc:  # PIL's pixel limit (a 20,000 x 20,000 scan); it names no file
+        raise ConfigError(f"{where}: {exc}") from None
     except OSError as exc:  # truncated or not an image: PIL's message names no file
         raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
 
