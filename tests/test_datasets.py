@@ -1121,6 +1121,21 @@ def test_labels_equal_as_text_are_numbered_alike_in_every_process(tmp_path):
     assert seen == {"[1, '1', 'a', 'b']\n"}
 
 
+@pytest.mark.parametrize("options, row", [({}, {"text": "a lone \ud800 surrogate"}),
+                                          ({"prompt_template": "Q: {q}"}, {"q": "bad \udfff"})])
+def test_a_text_with_an_unpaired_surrogate_is_named_by_the_scan(options, row, tmp_path):
+    """JSON's \\ud800 escape parses to a lone surrogate, which no tokenizer encodes (a TypeError that
+    names no row): the scan names the line and field; an escaped pair (an emoji) is fine."""
+    path = tmp_path / "scraped.jsonl"
+    good = {name: "ok \U0001F600 \u00e9" for name in row}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    assert "\\ud83d\\ude00" in path.read_text()  # json.dumps escapes the emoji as a surrogate pair
+    name = next(iter(row))
+    with pytest.raises(ConfigError, match=rf"scraped.jsonl:2: field {name!r} holds an unpaired surrogate"):
+        scan_dataset(path, **options)
+    path.write_text(json.dumps(good) + "\n")
+    assert scan_dataset(path, **options).n_samples == 1
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_integer_labels_are_their_own_label_ids(suffix, tmp_path):
     """Class ids 0..11 as plain integers (no ClassLabel): label_id = the integer, where sorting them

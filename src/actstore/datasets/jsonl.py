@@ -303,9 +303,22 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         ids = [k for k in ("input_ids", "tokens") if _token_ids(row.get(k))]
         hint = f" (token ids in {ids[0]!r}: set dataset.tokens_field)" if ids else ""
         raise ConfigError(f"{where}: {noun} has no string field {fields.text!r}{hint}")
+    for name in fields.prompts if fields.messages is None and fields.tokens is None else ():
+        _check_unicode(row[name], where, name)
     missing = [k for k in fields.keep or () if k not in row]
     if missing:
         raise ConfigError(f"{where}: {noun} has no field {missing[0]!r} (dataset.keep_fields)")
+
+
+def _check_unicode(text: Any, where: str, name: str) -> None:
+    """ConfigError naming the field if a string holds an unpaired surrogate: JSON's \\ud800 escapes
+    parse to one (scraped dumps hold them), which no tokenizer can encode (a TypeError naming nothing)."""
+    if isinstance(text, str) and not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"{where}: field {name!r} holds an unpaired surrogate ({text[exc.start]!r} at "
+                              f"character {exc.start}), which is not Unicode text") from None
 
 
 def _token_ids(value: Any) -> bool:
