@@ -1136,6 +1136,16 @@ def test_a_text_with_an_unpaired_surrogate_is_named_by_the_scan(options, row, tm
     path.write_text(json.dumps(good) + "\n")
     assert scan_dataset(path, **options).n_samples == 1
 
+
+def test_a_chat_with_an_unpaired_surrogate_is_named_when_rendered(model_dir, tmp_path):
+    """A message's content with a lone surrogate: the rendered chat is named with its line."""
+    chat_model = tiny.add_chat_template(model_dir("llama"), tmp_path / "chat-llama")
+    path = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "fine"}]}, {"messages": [{"role": "user", "content": "x \ud800"}]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ConfigError, match=r"chats.jsonl:2: the rendered chat holds an unpaired surrogate"):
+        load_dataset(path, model_path=chat_model, messages_field="messages")
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_integer_labels_are_their_own_label_ids(suffix, tmp_path):
     """Class ids 0..11 as plain integers (no ClassLabel): label_id = the integer, where sorting them

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from actstore.datasets.core import check_unicode
 from actstore.errors import ConfigError
 
 
@@ -27,8 +28,10 @@ def chat_renderer(tokenizer: Any, model_path: Path, add_generation_prompt: bool)
     def render(messages: Any, where: str) -> str:
         if not isinstance(messages, list):
             raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings")
-        return tokenizer.apply_chat_template([_message(m, where) for m in messages],
+        text = tokenizer.apply_chat_template([_message(m, where) for m in messages],
                                              tokenize=False, add_generation_prompt=add_generation_prompt)
+        check_unicode(text, where, "the rendered chat")
+        return text
     return render
 
 

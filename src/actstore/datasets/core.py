@@ -94,6 +94,17 @@ class Dataset:
     opener: Any = None  # images.ImageOpener for image datasets
 
 
+def check_unicode(text: Any, where: str, what: str) -> None:
+    """ConfigError naming `what` if a string holds an unpaired surrogate: JSON's \\ud800 escapes parse
+    to one (scraped dumps hold them), which no tokenizer can encode (a TypeError naming nothing)."""
+    if isinstance(text, str) and not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"{where}: {what} holds an unpaired surrogate ({text[exc.start]!r} at character "
+                              f"{exc.start}), which is not Unicode text") from None
+
+
 def label_list(labels: Iterable[Any]) -> list:
     """The distinct labels (None left out): integers first, in numeric order, so that class ids 0..N-1
     (a webdataset's cls, a table's integer column) are their own label_id; then every other label by

@@ -13,7 +13,7 @@ import numpy as np
 from isal import isal_zlib
 from tqdm import tqdm
 
-from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.core import Fields, Sample, check_unicode, label_list
 from actstore.datasets.json_array import ArrayError, elements, starts_array
 from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import COMPRESSED_SUFFIXES
@@ -304,21 +304,10 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         hint = f" (token ids in {ids[0]!r}: set dataset.tokens_field)" if ids else ""
         raise ConfigError(f"{where}: {noun} has no string field {fields.text!r}{hint}")
     for name in fields.prompts if fields.messages is None and fields.tokens is None else ():
-        _check_unicode(row[name], where, name)
+        check_unicode(row[name], where, f"field {name!r}")
     missing = [k for k in fields.keep or () if k not in row]
     if missing:
         raise ConfigError(f"{where}: {noun} has no field {missing[0]!r} (dataset.keep_fields)")
-
-
-def _check_unicode(text: Any, where: str, name: str) -> None:
-    """ConfigError naming the field if a string holds an unpaired surrogate: JSON's \\ud800 escapes
-    parse to one (scraped dumps hold them), which no tokenizer can encode (a TypeError naming nothing)."""
-    if isinstance(text, str) and not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ConfigError(f"{where}: field {name!r} holds an unpaired surrogate ({text[exc.start]!r} at "
-                              f"character {exc.start}), which is not Unicode text") from None
 
 
 def _token_ids(value: Any) -> bool:
