@@ -160,6 +160,9 @@ def test_image_jobs_ask_for_what_they_hold_not_for_the_image_files(tmp_path, mod
         assert resources.writer_mem_mb(big, job) == resources.writer_mem_mb(small, job), job
     pixels = resources.workload(small).pixel_bytes
     assert pixels >= 3 * 4 * tiny.IMAGE_SIZE ** 2  # a float32 RGB image of the tiny model's size fits
+    half = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, model={"torch_dtype": "bfloat16"},
+                            extract={"parts": 1})
+    assert resources.workload(half).pixel_bytes == pixels // 2  # the workers hand on bf16 pixels
     workers = 512  # enough decoded images ahead to cross the 1,000 MB rounding
     ahead = (workers * resources.items_ahead(4, workers) * resources.IMAGES_PER_ITEM + 8) * pixels
     assert ahead > 1e9

@@ -37,7 +37,7 @@ class Workload:
     weight_bytes: int    # bytes of weight files on disk
     text_bytes: int      # the samples' text: a text dataset's size on disk; for images, their names
     itemsize: int        # bytes per stored value (extract.storage_dtype)
-    pixel_bytes: int = 0  # float32 bytes of one processed image, at most (0 for text)
+    pixel_bytes: int = 0  # bytes of one processed image in the model's dtype, at most (0 for text)
     block_bytes: int = 0  # a table's largest block (row group, record batch) as Arrow holds it (0 for JSONL)
 
     @property
@@ -114,13 +114,15 @@ def _workload(key: str) -> Workload:
     patch = model.get("patch_size") or 16
     patch = max(patch) if isinstance(patch, (list, tuple)) else int(patch)  # some configs give (height, width)
     weights = _weight_bytes(model_path, config["model"].get("tower"))
+    computed = run_dtype(config["model"])
     storage = ext.get("storage_dtype", "float32")
-    storage = run_dtype(config["model"]) if storage == "auto" else storage
+    storage = computed if storage == "auto" else storage
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
                     weight_bytes=weights, text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
                     itemsize=4 if storage == "float32" else 2,
-                    pixel_bytes=per_row * patch ** 2 * 3 * 4 if vision else 0,  # float32 RGB over every patch
+                    # RGB over every patch, in the model's dtype: the decoding workers cast what they hand on
+                    pixel_bytes=per_row * patch ** 2 * 3 * (4 if computed == "float32" else 2) if vision else 0,
                     block_bytes=block_bytes)
 
 
