@@ -1299,6 +1299,27 @@ def test_without_its_index_a_deleted_or_misplaced_part_is_still_named(extracted,
         open_extraction(copy)
 
 
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda meta: meta["dataset"]["labels"].insert(0, "zz"), "dataset"),  # another numbering of the label_ids
+    (lambda meta: meta.update(layers=meta["layers"][::-1]), "layers"),
+    (lambda meta: meta["model"].update(torch_dtype="bfloat16"), "model"),
+    (lambda meta: meta.update(storage_dtype="bfloat16"), "storage_dtype")])
+def test_a_part_from_another_run_is_refused_naming_what_differs(edit, named, extracted, tmp_path):
+    """Every format reads the run-wide fields (labels, layers, model, dtype) from part 0: a part
+    whose part.json says otherwise (made by another config, or an actstore that numbers labels
+    otherwise, then copied in) is named, not read under part 0's labels."""
+    import shutil
+
+    _, out = extracted("bert")
+    copy = tmp_path / "extract"
+    shutil.copytree(out, copy)
+    meta = json.loads((copy / "part-0001" / "part.json").read_text())
+    edit(meta)
+    (copy / "part-0001" / "part.json").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match=rf"part-0001/part\.json: {named} differs from .*part-0000/part\.json's"):
+        open_extraction(copy)
+
 def test_the_extraction_contract_types_part_json_and_names_a_missing_field(extracted, tmp_path):
     import shutil
     config, out = extracted("gpt2")

@@ -333,12 +333,27 @@ class Extraction:
                 yield part, local, row
 
 
+# PartInfo fields every part of one extraction shares: a format built from the parts reads them
+# from the first (Extraction.info), so a part made by another run (another config, an actstore that
+# numbers labels otherwise) would be mislabelled silently.
+RUN_WIDE = ("tensors", "layers", "hooks", "modality", "model_kind", "max_seq_length", "logits_topk", "model",
+            "dataset")
+
+
 def _check_cover(parts: list[Part]) -> None:
     """FormatError naming the part.json that does not follow on from the parts before it: each says
-    it is part p of len(parts), and together they cover sample_idx 0..n-1 of the dataset in order."""
+    it is part p of len(parts), and together they cover sample_idx 0..n-1 of the dataset in order,
+    made by one run (RUN_WIDE fields and the storage dtype as part 0's)."""
     start = 0
     for p, part in enumerate(parts):
         info, where = part.info, part.dir / PART_META
+        for name in RUN_WIDE:
+            if getattr(info, name) != getattr(parts[0].info, name):
+                raise FormatError(f"{where}: {name} differs from {parts[0].dir / PART_META}'s: the parts of one "
+                                  f"extraction come from one run (extract them again together)")
+        if part.meta.get("storage_dtype") != parts[0].meta.get("storage_dtype"):
+            raise FormatError(f"{where}: storage_dtype differs from {parts[0].dir / PART_META}'s: the parts of one "
+                              f"extraction come from one run (extract them again together)")
         if (info.part, info.parts, info.n_dataset_samples) != (p, len(parts), parts[0].info.n_dataset_samples):
             raise FormatError(f"{where}: part {info.part} of {info.parts} of {info.n_dataset_samples} samples, in an "
                               f"extraction of {len(parts)} parts of {parts[0].info.n_dataset_samples} samples")
