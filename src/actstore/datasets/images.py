@@ -13,6 +13,11 @@ from actstore.datasets.webdataset import member_file
 from actstore.errors import ConfigError
 
 
+# How images become the RGB the processor takes (_decode), recorded in part.json: parts decoded
+# otherwise (before EXIF and transparency were honoured: no record) are not one extraction.
+IMAGE_DECODING = "upright by EXIF orientation, transparency on white, at most 8 bits a channel"
+
+
 class ImageOpener:
     """sample -> RGB PIL image. Table images are read one block at a time (a Parquet row group or
     an Arrow record batch, the image column only); the last block stays cached as Arrow data, and only

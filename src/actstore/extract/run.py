@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
-from actstore.datasets.images import check_images
+from actstore.datasets.images import IMAGE_DECODING, check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, check_reached, parse_hook
 from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batch, image_batches,
@@ -113,6 +113,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
             "storage_dtype": storage_dtype(config), "num_workers": workers,
             "image_pipeline": "cpu" if token_ids is None else None,
+            "image_decoding": IMAGE_DECODING if vision else None,
             # transformers picks a processor's backend by what is installed (torchvision, else PIL),
             # and the two differ in the pixels: which one ran is on record.
             "image_processor": type(preprocessor).__name__ if vision else None,

@@ -338,21 +338,20 @@ class Extraction:
 # numbers labels otherwise) would be mislabelled silently.
 RUN_WIDE = ("tensors", "layers", "hooks", "modality", "model_kind", "max_seq_length", "logits_topk", "model",
             "dataset")
+RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding")  # part.json keys outside PartInfo, as run-wide
 
 
 def _check_cover(parts: list[Part]) -> None:
     """FormatError naming the part.json that does not follow on from the parts before it: each says
     it is part p of len(parts), and together they cover sample_idx 0..n-1 of the dataset in order,
-    made by one run (RUN_WIDE fields and the storage dtype as part 0's)."""
+    made by one run (RUN_WIDE fields and RUN_WIDE_RECORDS as part 0's)."""
     start = 0
     for p, part in enumerate(parts):
         info, where = part.info, part.dir / PART_META
-        for name in RUN_WIDE:
-            if getattr(info, name) != getattr(parts[0].info, name):
-                raise FormatError(f"{where}: {name} differs from {parts[0].dir / PART_META}'s: the parts of one "
-                                  f"extraction come from one run (extract them again together)")
-        if part.meta.get("storage_dtype") != parts[0].meta.get("storage_dtype"):
-            raise FormatError(f"{where}: storage_dtype differs from {parts[0].dir / PART_META}'s: the parts of one "
+        differs = [name for name in RUN_WIDE if getattr(info, name) != getattr(parts[0].info, name)] + [
+            key for key in RUN_WIDE_RECORDS if part.meta.get(key) != parts[0].meta.get(key)]
+        if differs:
+            raise FormatError(f"{where}: {differs[0]} differs from {parts[0].dir / PART_META}'s: the parts of one "
                               f"extraction come from one run (extract them again together)")
         if (info.part, info.parts, info.n_dataset_samples) != (p, len(parts), parts[0].info.n_dataset_samples):
             raise FormatError(f"{where}: part {info.part} of {info.parts} of {info.n_dataset_samples} samples, in an "
