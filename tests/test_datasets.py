@@ -1146,6 +1146,22 @@ def test_a_chat_with_an_unpaired_surrogate_is_named_when_rendered(model_dir, tmp
     with pytest.raises(ConfigError, match=r"chats.jsonl:2: the rendered chat holds an unpaired surrogate"):
         load_dataset(path, model_path=chat_model, messages_field="messages")
 
+
+def test_a_pandas_categorical_text_column_reads_as_its_strings(tmp_path):
+    """pandas writes a Categorical column as a dictionary of strings: as a text column or a template
+    field it reads as the same strings as a plain one (it was refused as 'not a string column')."""
+    import pandas as pd
+
+    rows = {"text": ["alpha", "beta", "alpha"], "topic": ["x", "y", "x"], "label": [0, 1, 0]}
+    pd.DataFrame(rows).to_parquet(tmp_path / "plain.parquet")
+    pd.DataFrame({k: pd.Categorical(v) if k != "label" else v for k, v in rows.items()}).to_parquet(
+        tmp_path / "categorical.parquet")
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "categorical.parquet").field("text").type)
+    for options in ({}, {"prompt_template": "{topic}: {text}"}):
+        plain, categorical = (load_dataset(tmp_path / f"{name}.parquet", **options).samples
+                              for name in ("plain", "categorical"))
+        assert [(s.text, s.label) for s in categorical] == [(s.text, s.label) for s in plain]
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_integer_labels_are_their_own_label_ids(suffix, tmp_path):
     """Class ids 0..11 as plain integers (no ClassLabel): label_id = the integer, where sorting them

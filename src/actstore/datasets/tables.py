@@ -115,6 +115,12 @@ def is_text(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
+def _is_string_values(t: pa.DataType) -> bool:
+    """Strings, plain or dictionary-encoded (a pandas Categorical column, as to_parquet writes it):
+    to_pylist gives the strings either way."""
+    return is_text(t) or (pa.types.is_dictionary(t) and is_text(t.value_type))
+
+
 def is_bytes(t: pa.DataType) -> bool:
     return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
 
@@ -139,7 +145,7 @@ def _is_token_ids(t: pa.DataType) -> bool:
 
 
 def _is_scalar(t: pa.DataType) -> bool:
-    return is_text(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
+    return _is_string_values(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
 
 
 def _is_label(t: pa.DataType) -> bool:
@@ -170,7 +176,7 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
     elif not fields.image:
         messages = "a list of {role, content} (or ShareGPT's {from, value})"
         wanted = [("dataset.messages_field", fields.messages, _is_messages, messages)
-                  if fields.messages else ("dataset.text_field", fields.text, is_text, "a string column")]
+                  if fields.messages else ("dataset.text_field", fields.text, _is_string_values, "a string column")]
     if fields.label_required or fields.label in schema.names:
         wanted.append(("dataset.label_field", fields.label, _is_label, "strings, integers or a ClassLabel"))
     wanted += [("dataset.keep_fields", k, _is_json, "JSON values (not bytes or dates)") for k in fields.keep or ()]
