@@ -106,10 +106,19 @@ def _glob_source(pattern: str, fmt: str) -> Source:
     return Source(fmt, root if root.is_dir() else root.parent, files)
 
 
+def hidden(name: str) -> bool:
+    """A file or folder Hugging Face datasets leaves out of a folder's data files, and so does the
+    listing here: hidden (.DS_Store, macOS's ._ copies, .ipynb_checkpoints/, .cache/) or a special
+    folder (__MACOSX/, __pycache__/). Jupyter makes .ipynb_checkpoints in any folder it browses: as
+    an image folder's first-level folder it was a class of copies."""
+    return name.startswith((".", "__"))
+
+
 def folder_file(name: str, fmt: str) -> bool:
     """Whether a file of this name is a sample of a folder of format `fmt`: every file of a text
-    folder, an image of an image folder. The one rule for the whole listing and a part's folders."""
-    return fmt == "text_folder" or Path(name).suffix.lower() in IMAGE_SUFFIXES
+    folder, an image of an image folder, neither hidden. The one rule for the whole listing and a
+    part's folders."""
+    return not hidden(name) and (fmt == "text_folder" or Path(name).suffix.lower() in IMAGE_SUFFIXES)
 
 
 def _folder_source(root: Path, fmt: str, split: str) -> Source:
@@ -158,7 +167,8 @@ def shard_format(path: Path) -> str | None:
 def files_under(root: Path) -> list[Path]:
     """Every file under `root` in path order, as `sorted(p for p in root.rglob("*") if p.is_file())`
     lists them (links to files kept; linked folders not entered; broken links left out), from the
-    directory entries' own types: no stat per file, which on Lustre is a server round trip per image.
+    directory entries' own types: no stat per file, which on Lustre is a server round trip per image;
+    hidden files and folders below `root` left out (hidden()).
     A folder it cannot read is a ConfigError naming it (rglob left its images out without a word)."""
     found, folders = [], [str(root)]
     while folders:
@@ -166,6 +176,8 @@ def files_under(root: Path) -> list[Path]:
         try:
             with os.scandir(folder) as entries:
                 for entry in entries:
+                    if hidden(entry.name):
+                        continue
                     if entry.is_dir(follow_symlinks=False):
                         folders.append(entry.path)
                     elif entry.is_file():
