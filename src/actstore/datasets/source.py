@@ -106,12 +106,12 @@ def _glob_source(pattern: str, fmt: str) -> Source:
     return Source(fmt, root if root.is_dir() else root.parent, files)
 
 
-def hidden(name: str) -> bool:
+def hidden(name: str, folder: bool = False) -> bool:
     """A file or folder Hugging Face datasets leaves out of a folder's data files, and so does the
-    listing here: hidden (.DS_Store, macOS's ._ copies, .ipynb_checkpoints/, .cache/) or a special
-    folder (__MACOSX/, __pycache__/). Jupyter makes .ipynb_checkpoints in any folder it browses: as
-    an image folder's first-level folder it was a class of copies."""
-    return name.startswith((".", "__"))
+    listing here: hidden (.DS_Store, macOS's ._ copies, .ipynb_checkpoints/, .cache/), or a folder
+    named with __ (__MACOSX/, __pycache__/). Jupyter makes .ipynb_checkpoints in any folder it
+    browses: as an image folder's first-level folder it was a class of copies."""
+    return name.startswith(".") or (folder and name.startswith("__"))
 
 
 def folder_file(name: str, fmt: str) -> bool:
@@ -176,9 +176,10 @@ def files_under(root: Path) -> list[Path]:
         try:
             with os.scandir(folder) as entries:
                 for entry in entries:
-                    if hidden(entry.name):
+                    folder = entry.is_dir(follow_symlinks=False)
+                    if hidden(entry.name, folder):
                         continue
-                    if entry.is_dir(follow_symlinks=False):
+                    if folder:
                         folders.append(entry.path)
                     elif entry.is_file():
                         found.append(entry.path)
