@@ -120,10 +120,15 @@ def _workload(key: str) -> Workload:
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
                     weight_bytes=weights, text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
-                    itemsize=4 if storage == "float32" else 2,
+                    itemsize=_itemsize(storage),
                     # RGB over every patch, in the model's dtype: the decoding workers cast what they hand on
-                    pixel_bytes=per_row * patch ** 2 * 3 * (4 if computed == "float32" else 2) if vision else 0,
+                    pixel_bytes=per_row * patch ** 2 * 3 * _itemsize(computed) if vision else 0,
                     block_bytes=block_bytes)
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes a value of a run or storage dtype takes: float32, else a 16-bit float."""
+    return 4 if dtype == "float32" else 2
 
 
 def _weight_bytes(model_path: Path, tower: str | None) -> int:

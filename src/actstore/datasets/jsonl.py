@@ -303,7 +303,7 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         ids = [k for k in ("input_ids", "tokens") if _token_ids(row.get(k))]
         hint = f" (token ids in {ids[0]!r}: set dataset.tokens_field)" if ids else ""
         raise ConfigError(f"{where}: {noun} has no string field {fields.text!r}{hint}")
-    for name in fields.prompts if fields.messages is None and fields.tokens is None else ():
+    for name in fields.prompts:  # a text or a template's fields (messages and token ids are no string)
         check_unicode(row[name], where, f"field {name!r}")
     missing = [k for k in fields.keep or () if k not in row]
     if missing:

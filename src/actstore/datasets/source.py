@@ -176,10 +176,10 @@ def files_under(root: Path) -> list[Path]:
         try:
             with os.scandir(folder) as entries:
                 for entry in entries:
-                    folder = entry.is_dir(follow_symlinks=False)
-                    if hidden(entry.name, folder):
+                    is_folder = entry.is_dir(follow_symlinks=False)
+                    if hidden(entry.name, is_folder):
                         continue
-                    if folder:
+                    if is_folder:
                         folders.append(entry.path)
                     elif entry.is_file():
                         found.append(entry.path)

@@ -112,7 +112,8 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
     for key in ("logits_topk", "n_truncated_samples", "float16_overflow_count"):
         if meta.get(key) is not None and not whole_number(meta[key]):
             raise bad(key, "a whole number or null")
-    for name, record in (meta.get("files") or {}).items() if isinstance(meta.get("files"), dict) else ():
+    files = meta.get("files")
+    for name, record in files.items() if isinstance(files, dict) else ():
         shape, dtype = (record.get("shape", []), record.get("dtype", "")) if isinstance(record, dict) else (None, None)
         if not (whole_numbers(shape) and isinstance(dtype, str)):
             raise FormatError(f"{source}: files[{name!r}] shape must be a list of sizes and dtype a string, "
