@@ -54,6 +54,9 @@ SHAPES = {
     "vit-b14": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, patch_size=14, image_size=224,
                     mlp_ratio=4),
 }
+# --synthetic write patterns: text as the llama-1b row (4 layers); vit-b14 as its row (2 layers, 257 tokens an image)
+SYNTHETIC_SHAPES = {"text": dict(d=2048, tensors=4, batch=32, tokens=(64, 512)),
+                    "vit-b14": dict(d=768, tensors=2, batch=64, tokens=(257, 257))}
 
 
 def sync(device: torch.device) -> None:
@@ -284,19 +287,22 @@ def gpu_peak(peaks: dict[str, float], phase: str):
         peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated() / 2**20)
 
 
-def synthetic(out: Path, device: torch.device, n_bytes: int, d: int, n_tensors: int, args) -> dict:
+def synthetic(out: Path, device: torch.device, n_bytes: int, args) -> dict:
     """The write pipeline fed at memory speed, or at `args.synthetic_rate` bytes/s like a model
-    slower than the disk: samples of random length (64..512 tokens) batched by length, `n_tensors`
-    (tokens, d) bf16 tensors per batch, until n_bytes are written. The tail is the time from the last
+    slower than the disk, with the write pattern of `args.synthetic_shape` (SYNTHETIC_SHAPES: text,
+    samples of random length batched by length; vit-b14, every sample 257 tokens, batches of
+    consecutive samples), bf16 tensors until n_bytes are written. The tail is the time from the last
     batch handed over to the part finished: what a run pays after its model is done."""
     rng = np.random.default_rng(0)
+    shape = SYNTHETIC_SHAPES[args.synthetic_shape]
+    d, n_tensors, batch_size, (low, high) = shape["d"], shape["tensors"], shape["batch"], shape["tokens"]
     per_token = d * 2 * n_tensors
     lengths = []
     while sum(lengths) * per_token < n_bytes:
-        lengths.append(int(rng.integers(64, 513)))
+        lengths.append(int(rng.integers(low, high + 1)))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    batches = length_batches(lengths, 32)
-    source = torch.randn(32 * 512, d, device=device).to(torch.bfloat16)
+    batches = length_batches(lengths, batch_size)
+    source = torch.randn(batch_size * high, d, device=device).to(torch.bfloat16)
     started = time.perf_counter()
     writer = PartWriter(out / "synthetic", [{"sample_idx": i} for i in range(len(lengths))], offsets)
     with WritePipeline(writer, device, args.buffers, args.writer_threads or n_tensors) as pipeline:
@@ -326,7 +332,7 @@ def synthetic_rounds(work: Path, device: torch.device, gb: float, args) -> dict:
     ratios, result = [], {}
     for _ in range(args.repeats):
         result["write_bytes_per_s"] = write_bandwidth(work, int(gb * (1 << 30)))
-        result.update(synthetic(work, device, int(args.synthetic_gb * (1 << 30)), 2048, 4, args))
+        result.update(synthetic(work, device, int(args.synthetic_gb * (1 << 30)), args))
         shutil.rmtree(work / "synthetic")
         if args.synthetic_rate:
             bound_s = result["synthetic_bytes"] / min(args.synthetic_rate, result["write_bytes_per_s"])
@@ -375,6 +381,9 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=None, help="images: decoding processes (default: the CPUs)")
     parser.add_argument("--synthetic", action="store_true", help="the write pipeline alone, fed at memory speed")
     parser.add_argument("--synthetic-gb", type=float, default=2.0)
+    parser.add_argument("--synthetic-shape", choices=sorted(SYNTHETIC_SHAPES), default="text",
+                        help="--synthetic's write pattern: text (64-512 tokens, d 2048, 4 tensors) or vit-b14 "
+                             "(257 tokens an image, d 768, 2 tensors, batches of consecutive images)")
     parser.add_argument("--synthetic-rate", type=float, default=None,
                         help="bytes/s the synthetic producer emits (a model slower than the disk); default memory speed")
     parser.add_argument("--bandwidth-gb", type=float, default=None,

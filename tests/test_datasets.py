@@ -1345,3 +1345,23 @@ def test_a_load_dataset_cache_folder_reads_its_split(tmp_path):
     assert _texts(tmp_path, "test") == ["row 5", "row 6"]
     with pytest.raises(ConfigError, match=r"dataset.split 'validation' is not a split of this dataset \(splits: train, test\)"):
         load_dataset(tmp_path, split="validation")
+
+
+def test_images_checked_in_processes_name_the_first_bad_one_in_sample_order(tmp_path):
+    """More images than one checking task takes are checked in forked processes; whichever finishes
+    first, the error names the first bad image in sample order, and a folder of good ones passes."""
+    from PIL import Image
+
+    from actstore.datasets.images import CHECK_CHUNK, check_images
+    n = 3 * CHECK_CHUNK
+    for i in range(n):
+        (tmp_path / f"c{i % 2}").mkdir(exist_ok=True)
+        Image.new("RGB", (4, 4), (i % 256, 0, 0)).save(tmp_path / f"c{i % 2}" / f"img_{i:04d}.png")
+    dataset = load_dataset(tmp_path)
+    check_images(dataset.opener, dataset.samples, 3)
+    first_bad, later_bad = dataset.samples[5].text, dataset.samples[2 * CHECK_CHUNK + 5].text
+    for name in (first_bad, later_bad):
+        (tmp_path / name).write_bytes(b"not a png")
+    for processes in (3, 1):
+        with pytest.raises(ConfigError, match=f"{first_bad}: not a readable image"):
+            check_images(dataset.opener, dataset.samples, processes)

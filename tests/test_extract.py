@@ -933,6 +933,43 @@ def test_bytes_do_not_depend_on_buffers_or_writer_threads_and_match_the_previous
     assert reference and all(first[name] == data for name, data in reference.items())
 
 
+def test_a_run_of_consecutive_samples_is_one_write_hashed_from_the_slot(tmp_path):
+    """Images all have one token count, so a batch is a run of consecutive samples: each file gets
+    one write a batch, whose whole 1 MiB leaves are hashed from the staging slot. Written sample by
+    sample (395 KB each, as a ViT-B/14 layer in bf16), nearly every leaf was cut by a sample's end
+    and read back through the page cache to be hashed."""
+    from actstore.extract.pipeline import BatchRows, WritePipeline
+    from actstore.formats.extract import PartWriter
+    from actstore.io_utils import TREE_LEAF, sha256_tree_file
+    n, tokens, width, per_batch = 24, 257, 384, 8
+    values = torch.randn(n * tokens, width)
+    offsets = np.arange(n + 1, dtype=np.int64) * tokens
+    writer = PartWriter(tmp_path / "part", [{"sample_idx": i} for i in range(n)], offsets)
+    with WritePipeline(writer, torch.device("cpu"), 2, 1) as pipeline:
+        for first in range(0, n, per_batch):
+            rows = BatchRows(np.arange(first, first + per_batch), np.full(per_batch, tokens))
+            pipeline.submit(rows, {"layer_000.npy": values[first * tokens:(first + per_batch) * tokens]}, {})
+    sink = writer.sinks["layer_000.npy"].file
+    read_back = sink.read_back
+    meta = writer.finish({})
+    path = tmp_path / "part" / "layer_000.npy"
+    assert np.array_equal(np.load(path), values.numpy())
+    assert meta["files"]["layer_000.npy"]["sha256_tree"] == sha256_tree_file(path, threads=1)
+    assert read_back <= (n // per_batch + 1) * TREE_LEAF < sink.size / 2  # the header's leaf and batch ends only
+
+
+def test_samples_written_together_must_be_their_bytes(tmp_path):
+    from actstore.formats.extract import PartWriter
+    writer = PartWriter(tmp_path / "part", [{"sample_idx": i} for i in range(3)], np.array([0, 2, 5, 6]))
+    writer.add_tokens("layer_000.npy", 4, "float32")
+    with pytest.raises(ValueError, match=r"layer_000.npy: samples 0..1 have 64 bytes, expected 80"):
+        writer.write("layer_000.npy", 0, np.zeros((4, 4), np.float32), 2)
+    writer.write("layer_000.npy", 1, np.ones((4, 4), np.float32), 2)
+    writer.write("layer_000.npy", 0, np.zeros((2, 4), np.float32))
+    writer.finish({})
+    assert np.array_equal(np.load(tmp_path / "part" / "layer_000.npy"), np.repeat([0.0, 1.0], [2, 4])[:, None] * np.ones(4))
+
+
 def test_texts_tokenized_a_few_at_a_time_store_the_same_bytes(model_dir, text_jsonl, tmp_path, monkeypatch):
     """A part's texts are tokenized TOKENIZE_TOKENS at a time into one flat array (the tokenizer's
     lists for a whole part took ~230 B a token): 3 texts a call store the bytes one call does, and

@@ -175,11 +175,20 @@ class WritePipeline:
                 self._release(slot)
 
     def _write_file(self, file: str, slot: _Slot, host: np.ndarray) -> None:
+        """The batch's rows of `file` in ascending sample order, one write per run of samples that
+        follow each other both in the file and in the slot (a whole batch of images is one run)."""
         region, rows = slot.regions[file], slot.rows
-        for j in np.argsort(rows.local_idx, kind="stable"):  # ascending: the hashed prefix moves on
-            first, count = (int(rows.token_start[j]), int(rows.n_tokens[j])) if region.per_token else (int(j), 1)
-            start = region.start + first * region.unit_bytes
-            self.writer.write(file, int(rows.local_idx[j]), host[start:start + count * region.unit_bytes])
+        order = np.argsort(rows.local_idx, kind="stable")
+        local = rows.local_idx[order]
+        if region.per_token:
+            first, count = rows.token_start[order], rows.n_tokens[order]
+        else:
+            first, count = order, np.ones_like(order)
+        breaks = np.flatnonzero((np.diff(local) != 1) | (first[1:] != first[:-1] + count[:-1])) + 1
+        for run in np.split(np.arange(len(order)), breaks):
+            start = region.start + int(first[run[0]]) * region.unit_bytes
+            stop = start + int(count[run].sum()) * region.unit_bytes
+            self.writer.write(file, int(local[run[0]]), host[start:stop], len(run))
 
     def _release(self, slot: _Slot) -> None:
         with self.lock:

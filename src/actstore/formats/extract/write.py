@@ -74,12 +74,16 @@ class PartWriter:
         """A fixed-width row per sample (top-k logits): (n_samples, width)."""
         self._add(file, np.arange(len(self.samples) + 1, dtype=np.int64), (len(self.samples), width), dtype)
 
-    def write(self, file: str, local_idx: int, data: np.ndarray) -> None:
-        """Store local sample `local_idx`'s values of `file` (C-order bytes in the file's dtype)."""
+    def write(self, file: str, local_idx: int, data: np.ndarray, n_samples: int = 1) -> None:
+        """Store the values of `file` (C-order bytes in the file's dtype) of local samples
+        local_idx .. local_idx + n_samples - 1, which lie end to end in the file: one write for a run
+        of consecutive samples (a batch of images) is one system call, and its whole 1 MiB leaves are
+        hashed from `data`, not read back."""
         sink = self.sinks[file]
-        start, stop = sink.unit_offsets[local_idx], sink.unit_offsets[local_idx + 1]
+        start, stop = sink.unit_offsets[local_idx], sink.unit_offsets[local_idx + n_samples]
         if data.nbytes != (stop - start) * sink.unit_bytes:
-            raise ValueError(f"{file}: sample {local_idx} has {data.nbytes} bytes, expected "
+            which = f"sample {local_idx}" if n_samples == 1 else f"samples {local_idx}..{local_idx + n_samples - 1}"
+            raise ValueError(f"{file}: {which} {'has' if n_samples == 1 else 'have'} {data.nbytes} bytes, expected "
                              f"{(stop - start) * sink.unit_bytes}")
         sink.file.write(sink.header_bytes + int(start) * sink.unit_bytes, data.data)
 
