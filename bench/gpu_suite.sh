@@ -4,7 +4,7 @@
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order (~8 min on the
 #                                    H200 of 2026-11-26, plus the machine's start)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab;
-#                                    the ViT processors' pixels whole and in loader items
+#                                    the ViT processors' pixels whole and in loader items; the ViT write pattern
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
 #   bench/gpu_suite.sh writers DEST  bench_writers on the node's disk (8 GB, 8 parts, 8 scattered jobs):
@@ -13,7 +13,7 @@
 # their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
 # env: REPEATS (rounds per extraction row, default 2); PROFILE (rows also run under cProfile: the main
 # thread's Python) and TRACE (rows also run under torch.profiler: how busy the GPU was, its top
-# kernels): by default the rows whose gaps the H200 run left unexplained.
+# kernels): by default the ViT row, whose gap session 36's run left open.
 set -uo pipefail
 phase=$1 dest=$2 out=$(mktemp -d) t0=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -23,7 +23,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B)|^(on device|prefetched|inline)|^warm|^\|'
+SHOW='^(shape|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B)|^(on device|prefetched|inline)|^warm|^\|'
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
@@ -35,18 +35,21 @@ E="python3 bench/bench_extract.py --device cuda --repeats ${REPEATS:-2}"
 row() {  # row NAME SECONDS ARGS...: one bench_extract row, profiled when NAME is in PROFILE
   local name=$1 limit=$2; shift 2
   local extra=
-  [[ " ${PROFILE-vit13 wide} " == *" $name "* ]] && extra+=" --profile"
-  [[ " ${TRACE-llama4 vit13 wide widenl} " == *" $name "* ]] && extra+=" --trace"
+  [[ " ${PROFILE-} " == *" $name "* ]] && extra+=" --profile"
+  [[ " ${TRACE-vit13} " == *" $name "* ]] && extra+=" --trace"
   step "$name" "$limit" $E "$@" $extra --out "$out/$name.json"
 }
 extract() {
   step items 60 python3 bench/bench_extract.py --check-items
   row llama4 90 --shape llama-1b
   row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 ))  # a core each: main process, 2 writers
-  row wide 60 --shape wide-vocab --limit 2048
+  row wide 90 --shape wide-vocab --limit 2048
   row widenl 60 --shape wide-vocab --limit 2048 --no-token-logprobs
   row llama16 90 --shape llama-1b --all-layers --limit 128 --repeats 3
   row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 ))
+  # the ViT rows' write pattern alone (257-token samples, 2 files) on this host's disk and cores
+  step synvit 60 python3 bench/bench_extract.py --device cuda --synthetic --synthetic-shape vit-b14 --synthetic-gb 3 \
+    --repeats 2 --out "$out/synvit.json"
 }
 lut_sae() {
   step lut 60 python3 bench/bench_lut.py --device cuda --shape llama8b-mlp
