@@ -254,6 +254,7 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> d
     """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
     best times, every round, and the median of the per-round ratios."""
     bare, first, waits, extract, ratios, peaks = [], [], [], [], [], {"bare": 0.0, "extract": 0.0}
+    extract_waits = []  # part.json's extraction_waits of each round
     for repeat in range(repeats):
         with gpu_peak(peaks, "bare"):
             bare_s, first_s, wait_s, loaded, make_inputs, units = bare_forward(config, threads)
@@ -267,11 +268,13 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> d
         waits.append(wait_s)
         ratios.append(extract[-1] / bare_s)
         written = sum(info["bytes"] for info in meta["files"].values())
+        extract_waits.append(meta["extraction_waits"])
         shutil.rmtree(target)
     return {"units": units, "bare_forward_s": min(bare), "first_output_s": min(first), "extract_s": min(extract),
             "bytes_written": written,
             "bare_forward_rounds_s": [round(x, 3) for x in bare], "extract_rounds_s": [round(x, 3) for x in extract],
             "bare_input_wait_rounds_s": [round(x, 3) for x in waits],
+            "extract_waits_of_best": extract_waits[int(np.argmin(extract))],
             "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs),
             **({f"{phase}_peak_gpu_mb": round(mb) for phase, mb in peaks.items()} if torch.cuda.is_available() else {})}
 

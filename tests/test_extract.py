@@ -970,6 +970,40 @@ def test_samples_written_together_must_be_their_bytes(tmp_path):
     assert np.array_equal(np.load(tmp_path / "part" / "layer_000.npy"), np.repeat([0.0, 1.0], [2, 4])[:, None] * np.ones(4))
 
 
+def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_path, monkeypatch):
+    """extraction_waits: writes slowed down (one staging buffer, one writer thread) show as the model
+    waiting for a free buffer while the writer thread works; inputs slowed down as the input wait."""
+    import time
+
+    import actstore.extract.run as ex
+    from actstore.formats.extract import PartWriter
+    config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, dataset={"limit": 16},
+                              extract={"parts": 1, "buffers": 1, "writer_threads": 1, "batch_size": 4})
+    slept, write = [], PartWriter.write
+
+    def slow_write(self, *args, **kwargs):
+        time.sleep(0.01)
+        slept.append(0.01)
+        return write(self, *args, **kwargs)
+    monkeypatch.setattr(PartWriter, "write", slow_write)
+    waits = run_part(config, 0, tmp_path / "slow-writes", progress=False)["extraction_waits"]
+    assert waits["busiest_writer_seconds"] >= sum(slept)
+    assert waits["staging_wait_seconds"] >= sum(slept) / 2 > waits["input_wait_seconds"]
+    assert waits["batches_seconds"] >= waits["busiest_writer_seconds"]
+    monkeypatch.setattr(PartWriter, "write", write)
+
+    batches, given = [], ex.text_batches
+
+    def slow_inputs(*args, **kwargs):
+        for inputs in given(*args, **kwargs):
+            time.sleep(0.05)
+            batches.append(0.05)
+            yield inputs
+    monkeypatch.setattr(ex, "text_batches", slow_inputs)
+    waits = run_part(config, 0, tmp_path / "slow-inputs", progress=False)["extraction_waits"]
+    assert waits["input_wait_seconds"] >= sum(batches) > waits["staging_wait_seconds"]
+
+
 def test_texts_tokenized_a_few_at_a_time_store_the_same_bytes(model_dir, text_jsonl, tmp_path, monkeypatch):
     """A part's texts are tokenized TOKENIZE_TOKENS at a time into one flat array (the tokenizer's
     lists for a whole part took ~230 B a token): 3 texts a call store the bytes one call does, and

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,8 @@ class WritePipeline:
         self.owned: list[list[str]] = []
         self.inboxes: list[queue.Queue] = []
         self.threads: list[threading.Thread] = []
+        self.staging_wait = 0.0  # seconds submit waited for a free slot: the writers were behind
+        self.busy: list[float] = []  # seconds each writer thread spent writing and hashing
 
     def __enter__(self) -> WritePipeline:
         return self
@@ -126,18 +129,22 @@ class WritePipeline:
         n_threads = min(self.max_threads, len(by_size))
         self.owned = [[file for file, _ in by_size[i::n_threads]] for i in range(n_threads)]
         self.inboxes = [queue.Queue() for _ in range(n_threads)]
+        self.busy = [0.0] * n_threads
         self.threads = [threading.Thread(target=self._write_loop, args=(i,), daemon=True, name=f"part-writer-{i}")
                         for i in range(n_threads)]
         for thread in self.threads:
             thread.start()
 
     def _free_slot(self) -> _Slot:
+        asked = time.perf_counter()
         while True:
             self._raise_writer_error()
             try:
-                return self.free.get(timeout=POLL_S)
+                slot = self.free.get(timeout=POLL_S)
             except queue.Empty:
                 continue
+            self.staging_wait += time.perf_counter() - asked
+            return slot
 
     def _copy_to_host(self, slot: _Slot, tensors: dict[str, torch.Tensor]) -> None:
         def copy_all() -> None:
@@ -165,9 +172,10 @@ class WritePipeline:
                 if self.error is None:
                     if slot.event is not None:
                         slot.event.synchronize()
-                    host = slot.buffer.numpy()
+                    started, host = time.perf_counter(), slot.buffer.numpy()
                     for file in self.owned[thread_idx]:
                         self._write_file(file, slot, host)
+                    self.busy[thread_idx] += time.perf_counter() - started
             except BaseException as exc:  # reported by the main thread, naming the file
                 with self.lock:
                     self.error = self.error or (str(self.writer.file_path(file)), exc)

@@ -98,10 +98,13 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
         writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets)
-        overflow = extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids, writer,
-                                   TORCH_DTYPES[storage_dtype(config)],
-                                   tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
-                                        disable=not progress), cpus)
+        overflow, waited = extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids,
+                                           writer, TORCH_DTYPES[storage_dtype(config)],
+                                           tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
+                                                disable=not progress), cpus)
+        log.info("part %d: %d batches in %.2f s; waited %.2f s for inputs and %.2f s for a free staging buffer; "
+                 "the busiest writer thread worked %.2f s", part, len(batches), waited["batches_seconds"],
+                 waited["input_wait_seconds"], waited["staging_wait_seconds"], waited["busiest_writer_seconds"])
         if overflow:
             log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (extract.storage_dtype "
                         "float16; auto, bfloat16 or float32 keeps them)", part, overflow)
@@ -117,7 +120,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             # transformers picks a processor's backend by what is installed (torchvision, else PIL),
             # and the two differ in the pixels: which one ran is on record.
             "image_processor": type(preprocessor).__name__ if vision else None,
-            "extraction_duration_seconds": time.perf_counter() - started} | (
+            "extraction_duration_seconds": time.perf_counter() - started, "extraction_waits": waited} | (
             {"float16_overflow_count": overflow} if overflow else {}) | (
             {} if token_ids is None else {"n_truncated_samples": truncated}))
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
@@ -142,17 +145,23 @@ def writer_threads(ext: dict[str, Any], cpus: int) -> int:
 
 def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[tuple[list[int], dict]],
                     lengths: list[int], token_ids: TokenIds | None, writer: PartWriter,
-                    dtype: torch.dtype, bar: tqdm, cpus: int) -> int:
+                    dtype: torch.dtype, bar: tqdm, cpus: int) -> tuple[int, dict[str, float]]:
     """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline.
     Returns how many finite activations overflowed to +-inf in a float16 storage dtype, counted on
-    the device and read once at the end (no sync per batch)."""
+    the device and read once at the end (no sync per batch), and where the run waited (waits)."""
     logprobs = TokenLogprobs(loaded) if ext["token_logprobs"] and loaded.kind == "causal" else None
+    started, input_wait, arriving = time.perf_counter(), 0.0, iter(batches)
     with WritePipeline(writer, loaded.device, ext["buffers"], writer_threads(ext, cpus)) as pipeline, \
             capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar, \
             logprobs.attached() if logprobs else nullcontext():
         overflow = (torch.zeros((), dtype=torch.int64, device=loaded.device)
                     if dtype == torch.float16 and loaded.model.dtype != torch.float16 else None)
-        for batch, inputs in batches:
+        while True:
+            asked = time.perf_counter()
+            if (item := next(arriving, None)) is None:
+                break
+            input_wait += time.perf_counter() - asked
+            batch, inputs = item
             captured.clear()
             output = loaded.model(**inputs)
             check_reached(captured, ext["layers"], ext["hooks"], loaded)
@@ -160,7 +169,17 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             pipeline.submit(rows, *pack_batch(loaded, inputs, output, captured, rows, token_ids,
                                               dtype, ext["logits_topk"], logprobs, overflow))
             bar.update()
-        return 0 if overflow is None else int(overflow)
+        overflow = 0 if overflow is None else int(overflow)
+    return overflow, waits(time.perf_counter() - started, input_wait, pipeline)
+
+
+def waits(batches_s: float, input_wait: float, pipeline: WritePipeline) -> dict[str, float]:
+    """part.json extraction_waits: which side bounds the run (docs/formats/extract.md). Close to
+    batches_seconds, input_wait: decoding or tokenizing; staging_wait: the writers (disk, hashing),
+    with busiest_writer the one thread that was busy all along; all small: the model's forward."""
+    return {"batches_seconds": round(batches_s, 3), "input_wait_seconds": round(input_wait, 3),
+            "staging_wait_seconds": round(pipeline.staging_wait, 3),
+            "busiest_writer_seconds": round(max(pipeline.busy, default=0.0), 3)}
 
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
