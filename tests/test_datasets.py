@@ -1187,6 +1187,30 @@ def test_integer_labels_are_their_own_label_ids(suffix, tmp_path):
     assert label_list([3, "b", 12, "a", -1, True]) == [-1, 3, 12, True, "a", "b"]
 
 
+def test_float_labels_number_as_integers_do_and_nan_is_named(image_folder, tmp_path):
+    """pandas writes an integer column with a missing value as floats (0.0 .. 11.0, null): they are
+    numbered as the integers are, where sorting them as text put 10.0 and 11.0 before 2.0. NaN, which
+    Python's json reads, made each of its rows a class of its own: it is refused, naming the line, in
+    a JSONL file and in an image folder's metadata file."""
+    labels = [7.0, 11.0, 2.0, 0.0, 10.0, 1.0, 3.0, 4.0, 5.0, 6.0, 8.0, 9.0, None]
+    path = tmp_path / "floats.jsonl"
+    path.write_text("".join(json.dumps({"text": f"row {i}", "label": label}) + "\n" for i, label in enumerate(labels)))
+    dataset = load_dataset(path)
+    assert dataset.labels == [float(i) for i in range(12)]
+    assert [dataset.labels.index(s.label) if s.label is not None else -1 for s in dataset.samples] == [
+        7, 11, 2, 0, 10, 1, 3, 4, 5, 6, 8, 9, -1]
+    path.write_text(path.read_text().replace('"label": 3.0', '"label": NaN'))
+    with pytest.raises(ConfigError, match=r"floats.jsonl:7: field 'label' is nan; a row without a label has null"):
+        load_dataset(path)
+    photos, _ = described_photos(image_folder, tmp_path, ".jsonl")
+    metadata = photos / "metadata.jsonl"
+    first, *rest = metadata.read_text().splitlines()
+    metadata.write_text("\n".join([first.replace('"kind": "striped"', '"kind": NaN').replace(
+        '"kind": "plain"', '"kind": NaN'), *rest]) + "\n")
+    with pytest.raises(ConfigError, match=r"metadata.jsonl:1: field 'kind' is nan"):
+        load_dataset(photos, label_field="kind")
+
+
 @pytest.mark.parametrize("kind", ["parquet", "parquet_no_stats", "arrow", "messages"])
 def test_the_scan_names_a_null_prompt_in_a_table_before_any_part_reads_it(kind, model_dir, tmp_path):
     """A null text (or messages list) in the last shard of a table is named by the scan, as the

@@ -106,15 +106,27 @@ def check_unicode(text: Any, where: str, what: str) -> None:
 
 
 def label_list(labels: Iterable[Any]) -> list:
-    """The distinct labels (None left out): integers first, in numeric order, so that class ids 0..N-1
-    (a webdataset's cls, a table's integer column) are their own label_id; then every other label by
-    its text (folder and class names, as torchvision's ImageFolder numbers them). Labels with the same
-    text and kind keep the order they first appear in, so every job numbers them alike."""
+    """The distinct labels (None left out): numbers first, in numeric order, so that class ids 0..N-1
+    (a webdataset's cls, a table's integer column, a JSONL file's 0.0..N-1.0 as pandas writes a float
+    column) are their own label_id; then every other label by its text (folder and class names, as
+    torchvision's ImageFolder numbers them). Labels with the same text and kind keep the order they
+    first appear in, so every job numbers them alike."""
     return sorted(dict.fromkeys(label for label in labels if label is not None), key=_label_order)
 
 
+def checked_label(label: Any, field: str, where: str) -> Any:
+    """A JSON label as read (a string, number, boolean or null); ConfigError naming `where` for a list
+    or object, and for NaN or infinity (Python's json reads them: each NaN would be a class of its own)."""
+    if isinstance(label, (list, dict)):
+        raise ConfigError(f"{where}: field {field!r} is a JSON {type(label).__name__}; a label is a string, "
+                          f"number, boolean or null")
+    if isinstance(label, float) and not math.isfinite(label):
+        raise ConfigError(f"{where}: field {field!r} is {label}; a row without a label has null there")
+    return label
+
+
 def _label_order(label: Any) -> tuple:
-    if isinstance(label, int) and not isinstance(label, bool):
+    if isinstance(label, (int, float)) and not isinstance(label, bool):
         return (0, label, "")
     return (1, 0, str(label))
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from actstore.datasets.core import Fields
+from actstore.datasets.core import Fields, checked_label
 from actstore.errors import ConfigError
 
 NAME_FIELD = "file_name"
@@ -93,10 +93,7 @@ def described(row: dict[str, Any], fields: Fields, where: str) -> tuple[Any, dic
     if fields.label_required:
         if fields.label not in row:
             raise ConfigError(f"{where}: no field {fields.label!r} (dataset.label_field)")
-        label = row[fields.label]
-        if isinstance(label, (list, dict)):
-            raise ConfigError(f"{where}: field {fields.label!r} is a JSON {type(label).__name__}; a label is a "
-                              f"string, number, boolean or null")
+        label = checked_label(row[fields.label], fields.label, where)
     if fields.keep is None:
         skip = {NAME_FIELD, fields.label} if fields.label_required else {NAME_FIELD}
         return label, {k: v for k, v in row.items() if k not in skip}

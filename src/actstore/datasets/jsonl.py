@@ -13,7 +13,7 @@ import numpy as np
 from isal import isal_zlib
 from tqdm import tqdm
 
-from actstore.datasets.core import Fields, Sample, check_unicode, label_list
+from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, label_list
 from actstore.datasets.json_array import ArrayError, elements, starts_array
 from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import COMPRESSED_SUFFIXES
@@ -321,11 +321,7 @@ def _short(value: Any) -> str:
 
 
 def _label(row: dict[str, Any], fields: Fields, where: str) -> Any:
-    label = row.get(fields.label)
-    if isinstance(label, (list, dict)):
-        raise ConfigError(f"{where}: field {fields.label!r} is a JSON {type(label).__name__}; a label is a string, "
-                          f"number, boolean or null")
-    return label
+    return checked_label(row.get(fields.label), fields.label, where)
 
 
 def _prompt(row: dict[str, Any], fields: Fields, where: str) -> str:
