@@ -1004,6 +1004,27 @@ def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_
     assert waits["input_wait_seconds"] >= sum(batches) > waits["staging_wait_seconds"]
 
 
+def test_a_left_truncating_tokenizer_keeps_each_texts_first_tokens(model_dir, text_jsonl, tmp_path):
+    """A checkpoint whose tokenizer_config.json says truncation_side: left kept each long text's last
+    tokens, where the docs, n_truncated_samples and given token ids all cut the end: the first
+    max_seq_length tokens are stored, as a right-truncating tokenizer gives them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    model = tmp_path / "left-truncating"
+    shutil.copytree(model_dir("llama"), model)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**settings, "truncation_side": "left"}))
+    config = tiny.make_config(tmp_path, model, text_jsonl, extract={"parts": 1, "max_seq_length": 8})
+    meta = run_part(config, 0, tmp_path / "part", progress=False)
+    part = open_part(tmp_path / "part")
+    texts = [row["text"] for row in part.samples]
+    right, left = AutoTokenizer.from_pretrained(model_dir("llama")), AutoTokenizer.from_pretrained(model)
+    assert left.truncation_side == "left" and meta["n_truncated_samples"] > 0
+    assert [part.token_ids(i).tolist() for i in range(len(texts))] == right(texts, truncation=True, max_length=8)["input_ids"]
+    assert right(texts, truncation=True, max_length=8)["input_ids"] != left(texts, truncation=True, max_length=8)["input_ids"]
+
+
 def test_texts_tokenized_a_few_at_a_time_store_the_same_bytes(model_dir, text_jsonl, tmp_path, monkeypatch):
     """A part's texts are tokenized TOKENIZE_TOKENS at a time into one flat array (the tokenizer's
     lists for a whole part took ~230 B a token): 3 texts a call store the bytes one call does, and

@@ -177,12 +177,15 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The model folder's tokenizer, with a pad token: right padding only, and pad positions are never
     stored, so any id works (id 0's token for a tokenizer with no eos or unk token either, as some
-    byte-level BPEs are saved). One that is the folder's own code is refused by name unless
-    `trust_remote_code` (transformers would prompt for it, or fail)."""
+    byte-level BPEs are saved). It truncates on the right, whatever side the folder's
+    tokenizer_config.json names (some name "left"): a text keeps its first tokens, as given token ids
+    are cut and as part.json's n_truncated_samples says. One that is the folder's own code is refused
+    by name unless `trust_remote_code` (transformers would prompt for it, or fail)."""
     from transformers import AutoTokenizer
 
     check_remote_code(path, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    tokenizer.truncation_side = "right"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.convert_ids_to_tokens(0)
     return tokenizer
