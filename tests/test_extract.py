@@ -1021,8 +1021,8 @@ def test_a_left_truncating_tokenizer_keeps_each_texts_first_tokens(model_dir, te
     texts = [row["text"] for row in part.samples]
     right, left = AutoTokenizer.from_pretrained(model_dir("llama")), AutoTokenizer.from_pretrained(model)
     assert left.truncation_side == "left" and meta["n_truncated_samples"] > 0
-    assert [part.token_ids(i).tolist() for i in range(len(texts))] == right(texts, truncation=True, max_length=8)["input_ids"]
-    assert right(texts, truncation=True, max_length=8)["input_ids"] != left(texts, truncation=True, max_length=8)["input_ids"]
+    first, last = (tokenizer(texts, truncation=True, max_length=8)["input_ids"] for tokenizer in (right, left))
+    assert [part.token_ids(i).tolist() for i in range(len(texts))] == first != last
 
 
 def test_texts_tokenized_a_few_at_a_time_store_the_same_bytes(model_dir, text_jsonl, tmp_path, monkeypatch):
