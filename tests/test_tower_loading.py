@@ -294,10 +294,11 @@ def whole_checkpoints_tower(path: Path, dtype: torch.dtype, trust_remote_code: b
 
 
 def part_files(part: Path) -> dict[str, object]:
-    """A part's files, part.json without its run's duration."""
+    """A part's files, part.json without its run's duration and waits."""
     files = {path.relative_to(part).as_posix(): path.read_bytes() for path in sorted(part.rglob("*")) if path.is_file()}
     meta = json.loads(files.pop("part.json"))
     meta.pop("extraction_duration_seconds")
+    meta.pop("extraction_waits")
     return {**files, "part.json": meta}
 
 
