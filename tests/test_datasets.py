@@ -1389,3 +1389,33 @@ def test_images_checked_in_processes_name_the_first_bad_one_in_sample_order(tmp_
     for processes in (3, 1):
         with pytest.raises(ConfigError, match=f"{first_bad}: not a readable image"):
             check_images(dataset.opener, dataset.samples, processes)
+
+
+def test_an_image_folder_reads_every_format_pillow_decodes_by_itself(tmp_path):
+    """Netpbm (GTSRB ships .ppm), JPEG's .jfif and .jpe, JPEG 2000, TGA, AVIF... were left out of an
+    image folder without a word: every suffix Hugging Face's ImageFolder lists that Pillow decodes
+    without a handler or program is a sample now, checked and decoded to RGB like a .jpg."""
+    from PIL import Image
+
+    from actstore.datasets.images import check_images
+    from actstore.datasets.source import IMAGE_SUFFIXES
+    colour = (10, 200, 30)
+    saved = {}
+    for suffix in sorted(IMAGE_SUFFIXES):
+        fmt = Image.registered_extensions()[suffix]
+        image = Image.new("RGB", (16, 16), colour)
+        try:
+            image.convert("1" if fmt == "XBM" else "RGB").save(tmp_path / f"img{suffix}", format=fmt)
+        except (KeyError, OSError, ValueError):  # Pillow reads but cannot write it (.cur, .psd, .pcd...)
+            continue
+        saved[f"img{suffix}"] = fmt
+    assert len(saved) >= 30 and {"img.ppm", "img.jfif", "img.jp2", "img.tga", "img.avif"} <= set(saved)
+    (tmp_path / "README.md").write_text("not a sample")
+    dataset = load_dataset(tmp_path, format="image_folder")
+    assert sorted(s.text for s in dataset.samples) == sorted(saved)
+    check_images(dataset.opener, dataset.samples, 1)
+    for sample in dataset.samples:
+        image = dataset.opener(sample)
+        assert image.mode == "RGB" and (image.size == (16, 16) or saved[sample.text] == "ICNS"), sample.text
+        if saved[sample.text] in ("PNG", "BMP", "PPM", "TIFF", "TGA", "SGI", "PCX", "DDS"):
+            assert image.getpixel((3, 5)) == colour, sample.text

@@ -18,7 +18,17 @@ from typing import Any
 from actstore.datasets.splits import split_files, split_folder
 from actstore.errors import ConfigError
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+# The image files of a folder (and a WebDataset sample's image member): Hugging Face datasets'
+# ImageFolder suffixes (Pillow's registered ones) whose images Pillow decodes by itself, and AVIF.
+# Left out: formats it needs a handler or program for (BUFR, GRIB, HDF5, FITS, EPS/PS, WMF/EMF), MPEG
+# video, and IM (deprecated, gone in Pillow 15). A folder's other files (README, annotations) are not samples.
+IMAGE_SUFFIXES = {
+    ".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".apng", ".gif", ".webp", ".avif", ".avifs", ".bmp", ".dib",
+    ".tif", ".tiff", ".pbm", ".pgm", ".ppm", ".pnm", ".jp2", ".j2k", ".jpc", ".jpf", ".jpx", ".j2c",
+    ".tga", ".icb", ".vda", ".vst", ".ico", ".icns", ".cur", ".pcx", ".dcx", ".sgi", ".rgb", ".rgba", ".bw",
+    ".dds", ".blp", ".psd", ".msp", ".pcd", ".pxr", ".ras", ".xbm", ".xpm", ".gbr", ".iim",
+    ".ftc", ".ftu", ".fli", ".flc",
+}
 SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".tar": "webdataset"}
 # Compressed JSON lines (.jsonl.gz, .json.zst: the Pile, C4, Dolma), decompressed as read (datasets.jsonl),
 # and compressed CSV (pyarrow decompresses by the name).
