@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import codecs
 import glob
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +21,8 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from actstore.datasets.chat import chat_renderer, load_tokenizer
-from actstore.datasets.core import FIELD_KEYS, Dataset, Fields, Sample, part_range, template_fields
+from actstore.datasets.core import (FIELD_KEYS, Dataset, Fields, Sample, forked_pool, in_order, part_range,
+                                    template_fields)
 from actstore.datasets.folders import read_folder, read_folder_runs, scan_folder
 from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
@@ -157,21 +156,15 @@ def scanned_files(source: Source, fields: Fields, limit: int | None, progress: b
         return _scanned_file(source, fields, limit, progress)
     singles = [replace(source, files=(path,)) for path in source.files]
     processes = min(workers, len(singles))
-    # fork: spawn and forkserver would import a Snakemake script's unguarded body again in each worker.
-    context = multiprocessing.get_context("fork")
     sizes = [path.stat().st_size for path in source.files]
-    with (ProcessPoolExecutor(processes, mp_context=context) as pool,
+    with (forked_pool(processes) as pool,
           tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"scan dataset ({processes} processes)",
                disable=not progress) as bar):
         futures = [pool.submit(_scanned_file, single, fields, None) for single in singles]
         scans = []
-        try:
-            for size, future in zip(sizes, futures):  # in file order: the first file's error is raised
-                scans.append(future.result())
-                bar.update(size)
-        finally:
-            for future in futures:
-                future.cancel()
+        for size, scan in zip(sizes, in_order(futures)):  # in file order: the first file's error is raised
+            scans.append(scan)
+            bar.update(size)
     return joined(scans)
 
 

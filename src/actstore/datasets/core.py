@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import string
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from actstore.errors import ConfigError
 
@@ -92,6 +94,24 @@ class Dataset:
     chat: bool = False  # texts are rendered chat templates: they carry their own special tokens
     pretokenized: bool = False  # samples carry token ids (dataset.tokens_field), run as given
     opener: Any = None  # images.ImageOpener for image datasets
+
+
+def forked_pool(processes: int, **options: Any) -> ProcessPoolExecutor:
+    """A pool of `processes` forked processes (options: ProcessPoolExecutor's). Fork: spawn and
+    forkserver would import a Snakemake script's unguarded body again in each process; a fork's
+    initializer arguments are inherited, not pickled."""
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), **options)
+
+
+def in_order(futures: list[Future]) -> Iterator[Any]:
+    """The futures' results in their order, so the first error in that order is the one raised;
+    the futures not yet run are cancelled when the caller stops."""
+    try:
+        for future in futures:
+            yield future.result()
+    finally:
+        for future in futures:
+            future.cancel()
 
 
 def check_unicode(text: Any, where: str, what: str) -> None:

@@ -4,11 +4,9 @@ whichever process asks, so DataLoader workers do the reading and decoding."""
 from __future__ import annotations
 
 import io
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from actstore.datasets.core import Sample
+from actstore.datasets.core import Sample, forked_pool, in_order
 from actstore.datasets.source import Source
 from actstore.datasets.tables import read_block
 from actstore.datasets.webdataset import member_file
@@ -93,29 +91,22 @@ def check_images(opener: ImageOpener, samples: list[Sample], processes: int) -> 
     the first bad one in sample order. PIL parses headers in Python, so threads share one core (4,096
     JPEG headers took 0.84 s in 16 threads on the H200 host, before any image was decoded; on a
     2-core VM a pool of threads took 3x one thread's 0.15 s): files are checked in up to `processes`
-    forked processes, CHECK_CHUNK images a task."""
+    forked processes, CHECK_CHUNK images a task, each inheriting the samples (none is pickled)."""
     n_tasks = -(-len(samples) // CHECK_CHUNK)
     if opener.field is not None or processes < 2 or n_tasks < 2:  # table images: blocks are read in order
         for sample in samples:
             opener.check(sample)
         return
+    with forked_pool(min(processes, n_tasks), initializer=_hold, initargs=(opener, samples)) as pool:
+        list(in_order([pool.submit(_check_range, start) for start in range(0, len(samples), CHECK_CHUNK)]))
+
+
+_checking: tuple[ImageOpener, list[Sample]] | None = None  # in a checking process: what it checks
+
+
+def _hold(opener: ImageOpener, samples: list[Sample]) -> None:
     global _checking
-    _checking = (opener, samples)  # the forked processes inherit it: no sample is pickled
-    # fork: spawn and forkserver would import a Snakemake script's unguarded body again in each process.
-    try:
-        with ProcessPoolExecutor(min(processes, n_tasks), mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = [pool.submit(_check_range, start) for start in range(0, len(samples), CHECK_CHUNK)]
-            try:
-                for future in futures:  # in sample order: the first bad image is the one named
-                    future.result()
-            finally:
-                for future in futures:
-                    future.cancel()
-    finally:
-        _checking = None
-
-
-_checking: tuple[ImageOpener, list[Sample]] | None = None
+    _checking = (opener, samples)
 
 
 def _check_range(start: int) -> None:
