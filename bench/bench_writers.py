@@ -12,7 +12,8 @@ Writes bench/out/writers.json and prints a markdown table.
 
 Job shapes: `1 job` = one process writes everything (or one job per part, run one after the other);
 `N jobs` = the scattered writer's N jobs run at once, then its finishing job. pickle: 1 and 2
-compression threads per part job, with each compressor (isal, the default, and zlib).
+compression threads per part job, with each compressor (isal, the default, and zlib); zarr shard:
+1 and 2 threads writing and hashing the chunk files per part job (the rule's threads: 2).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def run_job(args: argparse.Namespace) -> None:
         pickle.write_machine(extract / part_dirname(args.part), out / part_dirname(args.part), model_params=PARAMS,
                              threads=args.threads, compressor=args.compressor, progress=False)
     elif name == "zarr":
-        zarr.write_shard(extract / part_dirname(args.part), out / f"shard-{args.part:04d}.zarr", progress=False)
+        zarr.write_shard(extract / part_dirname(args.part), out / f"shard-{args.part:04d}.zarr", progress=False,
+                         threads=args.threads)
     elif name == "zarr-merge":
         zarr.merge_stores(sorted(Path(args.shards).glob("shard-*.zarr")), out / "merged", progress=False)
     elif name == "zarr-chunks":
@@ -132,7 +134,8 @@ def variants(extract: Path, work: Path, parts: int, jobs: int) -> dict[str, tupl
         "pickle (gzip-1, isal), 2 threads": ("per part", per_part("pickle", threads=2)),
         "pickle (gzip-1, zlib), 1 thread": ("per part", per_part("pickle", threads=1, compressor="zlib")),
         "pickle (gzip-1, zlib), 2 threads": ("per part", per_part("pickle", threads=2, compressor="zlib")),
-        "zarr shard": ("per part", per_part("zarr")),
+        "zarr shard, 1 thread": ("per part", per_part("zarr", threads=1)),
+        "zarr shard, 2 threads": ("per part", per_part("zarr", threads=2)),
         "zarr merge": ("1 job", [[job_argv("zarr-merge", extract, out, shards=shards)]]),
         "zarr merge, scattered": scattered("zarr-chunks", "zarr-finish", shards=shards),
     }

@@ -34,7 +34,7 @@ rule zarr_shards:
         bench_path("zarr", job_name("shards", len(ZARR_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
-    # The float16 cast and the sha256 of the chunk before run at once (io_utils.ThreadChain).
+    # Two threads create, write and hash the chunk files while the main thread casts the next ones.
     threads: 2
     resources:
         cpus_per_task=2,

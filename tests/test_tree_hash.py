@@ -1,6 +1,7 @@
 """Files written by positioned writes in any order, hashed as they fill (io_utils): the extraction's
 SHA-256 tree hash and the formats' plain sha256, against references computed here from the bytes;
-and the same files filled behind their caller (WriteBehind) from a ring of reused buffers."""
+and the same files filled behind their caller (WriteBehind) from a ring of reused buffers; files
+written by parallel workers from a bounded set of buffers (BufferWorkers)."""
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,7 @@ import pytest
 
 from actstore.errors import FormatError
 from actstore.formats.extract import open_part
-from actstore.io_utils import BEHIND, OrderedHashFile, TreeHashFile, WriteBehind, sha256_tree_file
+from actstore.io_utils import BEHIND, BufferWorkers, OrderedHashFile, TreeHashFile, WriteBehind, sha256_tree_file
 
 MIB = 1 << 20
 SIZES = [0, 5, MIB - 1, MIB, MIB + 1, 3 * MIB + 777, 7 * MIB]
@@ -154,3 +155,34 @@ def test_part_json_records_tree_hashes_and_an_older_plain_sha256_still_verifies(
     target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(FormatError, match="layer_000.npy: sha256 differs from part.json"):
         open_part(old).verify()
+
+
+def test_buffer_workers_write_each_item_from_its_own_buffer_and_raise_the_first_error(tmp_path):
+    """Files written by 3 workers from buffers refilled as soon as they are free: every file holds
+    what its buffer held when it was submitted, from no more than workers + BEHIND buffers; a
+    failing item stops the rest (none past the buffers in flight runs) and its error reaches the
+    caller, naming the file."""
+    made = []
+
+    def make() -> bytearray:
+        made.append(bytearray(MIB))
+        return made[-1]
+
+    def write(buffer: bytearray, i: int) -> None:
+        if i == 40:
+            raise OSError(f"{tmp_path / str(i)}: failed")
+        (tmp_path / str(i)).write_bytes(buffer)
+
+    rng = random.Random(0)
+    data = [rng.randbytes(MIB) for _ in range(64)]
+    with pytest.raises(OSError, match=f"{tmp_path / '40'}: failed"):
+        with BufferWorkers(write, 3, make) as workers:
+            for i, payload in enumerate(data):
+                buffer = workers.buffer()
+                buffer[:] = payload
+                workers.submit(buffer, i)
+    written = sorted(int(p.name) for p in tmp_path.iterdir())
+    assert len(made) == 3 + BEHIND and 40 not in written
+    # items before the failing one all run, but the two other workers' own, which may see its error
+    assert len(set(range(40)) - set(written)) <= 2 and max(written) < 40 + 3 + BEHIND
+    assert all((tmp_path / str(i)).read_bytes() == data[i] for i in written)

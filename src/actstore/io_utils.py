@@ -324,6 +324,63 @@ class ThreadChain:
                 self.inboxes[index + 1].put(item)
 
 
+class BufferWorkers:
+    """`workers` threads, each running `work(buffer, *args)` on the next item submitted, in any order,
+    while the caller fills the next buffer: for items whose outputs are independent (a file each),
+    where a ThreadChain's one thread per stage is the limit (sha256 runs on one core per thread, and
+    creating directories and files takes the filesystem's time per name). The caller fills one of
+    workers + BEHIND buffers made by `make_buffer`: `buffer()` waits for a free one, `submit(buffer,
+    *args)` hands it to a worker, and it is free again once work returns. Memory: those buffers.
+
+    The first error work raises is kept; later items are skipped, and `buffer()` raises it (work
+    names its files). As a context manager, leaving the block waits for every item, then raises that
+    error unless the block itself raised.
+    """
+
+    def __init__(self, work: Callable[..., None], workers: int, make_buffer: Callable[[], Any]):
+        self.work = work
+        self.error: BaseException | None = None
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(workers + BEHIND):
+            self.free.put(make_buffer())
+        self.todo: queue.Queue = queue.Queue()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(max(1, workers))]
+        for thread in self.threads:
+            thread.start()
+
+    def __enter__(self) -> BufferWorkers:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for _ in self.threads:
+            self.todo.put(None)
+        for thread in self.threads:
+            thread.join()
+        if exc_type is None and self.error is not None:
+            raise self.error
+
+    def buffer(self) -> Any:
+        """A buffer no worker is using (waiting for one); raise a worker's error."""
+        buffer = self.free.get()
+        if self.error is not None:
+            self.free.put(buffer)
+            raise self.error
+        return buffer
+
+    def submit(self, buffer: Any, *args: Any) -> None:
+        self.todo.put((buffer, args))
+
+    def _loop(self) -> None:
+        while (item := self.todo.get()) is not None:
+            buffer, args = item
+            if self.error is None:
+                try:
+                    self.work(buffer, *args)
+                except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                    self.error = self.error or exc
+            self.free.put(buffer)
+
+
 class WriteBehind:
     """A PositionedFile filled behind its caller: `submit(offset, data)` hands the region to a thread
     that writes it, then to one that hashes it (a ThreadChain), so the caller gathers the next region

@@ -21,13 +21,13 @@ import numpy as np
 from actstore.casts import to_float16
 from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor, open_part
-from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL,
+from actstore.formats.zarr.layout import (ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL,
                                           SEPARATOR, SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk,
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
 from actstore.integrity import stream_json_members
-from actstore.io_utils import BEHIND, ThreadChain, atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
+from actstore.io_utils import BufferWorkers, atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -126,52 +126,53 @@ def _write_chunk(path: str, data: np.ndarray) -> None:
         os.close(fd)
 
 
-def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chunks: int,
+def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chunks: int, threads: int,
                   progress: bool) -> tuple[dict[str, dict], int]:
     """Every activation chunk of the part, cast into (T_chunk, H) float16 buffers and written raw:
     the bytes zarr writes for an uncompressed C-order chunk, and every chunk file exists (the store's
-    write_empty_chunks). Each file is written, then hashed (never read back), by a ThreadChain while
-    the next chunks are read and cast. Returns {key: files.json entry} and the count of values that
-    overflowed float16."""
+    write_empty_chunks). `threads` BufferWorkers each create a chunk's directory and file, write it
+    and hash it (never read back) while the next chunks are read and cast: a chunk file is
+    independent of the others, so their order does not matter, and one thread would be bound by one
+    core's sha256 or by the filesystem's time per directory. Returns {key: files.json entry} and the
+    count of values that overflowed float16."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
-    ring = [np.empty((t_chunk, tensors[0].shape[1]), dtype=np.float16) for _ in range(BEHIND + 1)]
-    sample = np.empty((t_chunk * n_chunks, tensors[0].shape[1]), dtype=np.float32)  # one sample's rows
+    hidden = tensors[0].shape[1]
+    sample = np.empty((t_chunk * n_chunks, hidden), dtype=np.float32)  # one sample's rows
     # Chunks wholly past seq_len (most of them when T_max is many T_chunks) are zeros: hashed once.
-    zero = {"bytes": ring[0].nbytes, "sha256": hashlib.sha256(np.zeros_like(ring[0])).hexdigest()}
-    files, overflow, turn = {}, 0, 0
+    zero = np.zeros((t_chunk, hidden), dtype=np.float16)
+    zero_entry = {"bytes": zero.nbytes, "sha256": hashlib.sha256(zero).hexdigest()}
+    files, overflow = {}, 0
 
-    def record(key: str, chunk: np.ndarray, known: dict | None) -> None:
+    def write(chunk: np.ndarray, key: str, known: dict | None) -> None:
+        os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
+        _write_chunk(str(store / key), chunk)
         files[key] = known or {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
 
-    with ThreadChain([lambda key, chunk, _: _write_chunk(str(store / key), chunk), record]) as chain:
+    with BufferWorkers(write, threads, lambda: np.empty_like(zero)) as workers:
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
             rows = part.sample_slice(i)
             if rows.stop - rows.start > len(sample):
                 raise FormatError(f"{part.dir}: sample {i} has {rows.stop - rows.start} tokens, more than the "
                                   f"part's max_seq_length {part.info.max_seq_length}")
-            os.mkdir(store / ACTS / str(i))
             for l, tensor in enumerate(tensors):
                 x = sample[:rows.stop - rows.start]
                 tensor.read_rows(rows.start, rows.stop, x)
-                os.mkdir(store / ACTS / str(i) / str(l))
                 for c in range(n_chunks):
-                    key = acts_chunk_key(i, l, c)
-                    os.mkdir(store / key.rsplit("/", 1)[0])
-                    piece, chunk = x[c * t_chunk: (c + 1) * t_chunk], ring[turn % len(ring)]
+                    piece, chunk = x[c * t_chunk: (c + 1) * t_chunk], workers.buffer()
                     overflow += to_float16(piece, chunk[:len(piece)])
                     chunk[len(piece):] = 0
-                    chain.submit(key, chunk, None if len(piece) else zero)
-                    turn += 1
+                    workers.submit(chunk, acts_chunk_key(i, l, c), None if len(piece) else zero_entry)
     return files, overflow
 
 
 def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None = None,
-                git_commit: str | None = None, progress: bool = True) -> dict[str, Any]:
+                git_commit: str | None = None, progress: bool = True, threads: int = 2) -> dict[str, Any]:
     """Write one extraction part as a self-contained shard store (atomic); return its manifest entry.
 
-    `git_commit` is the commit of the code that wrote it, recorded in the attrs (None: unknown).
+    `git_commit` is the commit of the code that wrote it, recorded in the attrs (None: unknown);
+    `threads` threads write and hash the chunk files while the caller casts the next ones.
     """
     part = open_part(part_dir)
     rows = list(part.samples)  # one part's rows, held: the vectors and the text arrays each pass over them
@@ -182,7 +183,7 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     with atomic_path(out_path) as tmp:
         root, arrays = _open_root(tmp, attrs, (n, len(layers), t_max, hidden), tc)
         _write_vectors(arrays, rows, attrs)
-        files, overflow = _write_chunks(part, layers, tmp, tc, -(-t_max // tc), progress)
+        files, overflow = _write_chunks(part, layers, tmp, tc, -(-t_max // tc), threads, progress)
         if overflow:
             log.warning("%s: %d activation values exceed float16 range and are stored as +-inf", part_dir, overflow)
             root.attrs["float16_overflow_count"] = overflow
