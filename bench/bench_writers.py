@@ -11,9 +11,10 @@ its concurrent processes (actstore.memwatch).
 Writes bench/out/writers.json and prints a markdown table.
 
 Job shapes: `1 job` = one process writes everything (or one job per part, run one after the other);
-`N jobs` = the scattered writer's N jobs run at once, then its finishing job. pickle: 1 and 2
-compression threads per part job, with each compressor (isal, the default, and zlib); zarr shard:
-1 and 2 threads writing and hashing the chunk files per part job (the rule's threads: 2).
+`N jobs` = the scattered writer's N jobs run at once, then its finishing job. pickle and zarr shard:
+a row per thread count (--thread-counts, default 1 2; their rules give 2): pickle's compression
+threads per part job, with each compressor (isal, the workflow's, and zlib); zarr shard's threads
+making, writing and hashing the chunk files.
 """
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def cp_baseline(files: list[Path], dest: Path) -> float:
     return time.perf_counter() - t0
 
 
-def variants(extract: Path, work: Path, parts: int, jobs: int) -> dict[str, tuple[str, list[list[list[str]]]]]:
+def variants(extract: Path, work: Path, parts: int, jobs: int,
+             thread_counts: list[int]) -> dict[str, tuple[str, list[list[list[str]]]]]:
     """writer -> (job shape, phases of concurrent job argvs)."""
     out, shards = work / "w", work / "zarr-shards"
     per_part = lambda name, **kw: [[job_argv(name, extract, out, part=p, **kw)] for p in range(parts)]  # noqa: E731
@@ -125,17 +127,16 @@ def variants(extract: Path, work: Path, parts: int, jobs: int) -> dict[str, tupl
     def scattered(name: str, finish: str, **kw) -> tuple[str, list[list[list[str]]]]:
         scatter = [job_argv(name, extract, out, jobs=jobs, job_index=j, **kw) for j in range(jobs)]
         return f"{jobs} jobs + finish", [scatter, [job_argv(finish, extract, out, jobs=jobs, **kw)]]
+    threaded = lambda t: f"{t} thread{'s' if t > 1 else ''}"  # noqa: E731
     return {
         "saev": ("1 job", [[job_argv("saev", extract, out)]]),
         "saev, scattered": scattered("saev-shards", "saev-finish"),
         "lmprobe": ("1 job", [[job_argv("lmprobe", extract, out)]]),
         "lmprobe, scattered": scattered("lmprobe-tensors", "lmprobe-finish"),
-        "pickle (gzip-1, isal), 1 thread": ("per part", per_part("pickle", threads=1)),
-        "pickle (gzip-1, isal), 2 threads": ("per part", per_part("pickle", threads=2)),
-        "pickle (gzip-1, zlib), 1 thread": ("per part", per_part("pickle", threads=1, compressor="zlib")),
-        "pickle (gzip-1, zlib), 2 threads": ("per part", per_part("pickle", threads=2, compressor="zlib")),
-        "zarr shard, 1 thread": ("per part", per_part("zarr", threads=1)),
-        "zarr shard, 2 threads": ("per part", per_part("zarr", threads=2)),
+        **{f"pickle (gzip-1, {compressor}), {threaded(t)}": ("per part", per_part("pickle", threads=t,
+                                                                                 compressor=compressor))
+           for compressor in ("isal", "zlib") for t in thread_counts},
+        **{f"zarr shard, {threaded(t)}": ("per part", per_part("zarr", threads=t)) for t in thread_counts},
         "zarr merge": ("1 job", [[job_argv("zarr-merge", extract, out, shards=shards)]]),
         "zarr merge, scattered": scattered("zarr-chunks", "zarr-finish", shards=shards),
     }
@@ -148,6 +149,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--jobs", type=int, default=2, help="jobs of the scattered writers")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2],
+                        help="threads per job of the pickle and zarr shard rows (one row each)")
     parser.add_argument("--only", nargs="*", help="writers whose name starts with one of these")
     parser.add_argument("--work", default=str(OUT / "writers-work"), help="where the extraction is built (kept)")
     # one job (internal): run by the driver in its own process
@@ -176,7 +179,7 @@ def main() -> None:
         run_phases([[job_argv("zarr", extract, zarr_shards, part=p)] for p in range(args.parts)])
     rows = []
     cp_s = []
-    for name, (shape, phases) in variants(extract, work, args.parts, args.jobs).items():
+    for name, (shape, phases) in variants(extract, work, args.parts, args.jobs, args.thread_counts).items():
         if args.only and not name.startswith(tuple(args.only)):
             continue
         best, paired = None, []

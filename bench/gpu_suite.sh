@@ -7,7 +7,8 @@
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
-#   bench/gpu_suite.sh writers DEST  bench_writers on the node's disk (8 GB, 8 parts, 8 scattered jobs):
+#   bench/gpu_suite.sh writers DEST  bench_writers on the node's disk (8 GB, 8 parts, 8 scattered jobs,
+#                                    pickle and zarr shard jobs of 1 and 4 threads):
 #                                    issue 18's 0.8 x cp goal; bench_verify with 1-8 files checked at once
 # Needs torch + transformers (the GPU image); jsonschema, zarr, numcodecs, isal (cp312 wheels, with
 # their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
@@ -59,13 +60,13 @@ lut_sae() {
 build_ext() { python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C extensions not built"; }
 case $phase in
 all) extract; lut_sae; build_ext
-  step writers 120 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers --only saev lmprobe zarr ;;
+  step writers 150 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers --only saev lmprobe zarr ;;
 extract) extract ;;
 sae-lut) lut_sae; build_ext
   step saev 120 python3 bench/bench_saev.py --size-mb 4096 --fill-threads 1 2 4 8 16 --repeat 5 ;;
 writers) build_ext
   step writers 400 python3 bench/bench_writers.py --gb 8 --parts 8 --jobs 8 --repeat 3 --work /tmp/writers \
-    --only saev lmprobe zarr "pickle (gzip-1), 2"
+    --thread-counts 1 4 --only saev lmprobe zarr "pickle (gzip-1, isal)"
   step verify 120 python3 bench/bench_verify.py --size-mb 8192 --shards 16 --threads 1 2 4 8 ;;
 *) echo "phase: all | extract | sae-lut | writers"; exit 2 ;;
 esac
