@@ -4,7 +4,9 @@ For each token count: dense x @ W of every target (the baseline), Step B alone (
 every target at once given the TopK codes), Step A + B (one shared encoding, then every target's
 lookup), and A + B + online compensation at two budgets; on CUDA also dense, Step B and A + B each
 captured in one CUDA graph (the kernels without Python and launch overhead, as a decode loop run through a graph
-pays). Every time is also a ratio to dense. First `lut.runtime: auto`'s own calibration runs
+pays), and, where Triton is installed, the candidates of bench/lut_candidates.py in graphs: Step A's
+encoder GEMV and top-k alone, a two-stage top-k, a Triton Step B, and A + B made of them (each
+candidate's result is compared with the runtime's first). Every time is also a ratio to dense. First `lut.runtime: auto`'s own calibration runs
 (actstore.lut_runtime.calibrate, budget 0): its table and crossover are printed, and each token
 count's block says which path the calibrated auto takes there.
 
@@ -24,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from actstore.lut_runtime import LutEncoder, LutLinear, calibrate, call_seconds
+from actstore.lut_runtime import LutEncoder, LutLinear, calibrate, call_seconds, weighted_rows
+from lut_candidates import topk_two_stage, triton, weighted_rows_triton
 
 OUT = Path(__file__).with_name("out")
 SHAPES = {"demo": {"d_in": 384, "outs": [384] * 3, "num_basis": 1536, "k": 32, "stored": torch.float16},
@@ -114,6 +117,8 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
                     rows[name] = timed(graph_replay(fn), args.repeat, device)
                 except RuntimeError as exc:  # an op that cannot be captured: say which, keep the other rows
                     print(f"{name}: not captured ({exc})")
+            if triton is not None:
+                rows |= candidate_rows(luts[0].encoder, x, values, indices, args.repeat, device)
         for budget in budgets:
             for lut in luts:
                 lut.set_budget(budget)
@@ -121,6 +126,32 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
         for lut in luts:
             lut.set_budget(0)
     return rows
+
+
+def candidate_rows(encoder: LutEncoder, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+                   repeat: int, device: torch.device) -> dict:
+    """Step A's two parts and the lut_candidates kernels, each in a CUDA graph: what a fused kernel
+    would replace, and whether a candidate beats the runtime's own op. Each candidate's result is
+    first compared with the runtime's (printed), so a wrong kernel is seen before its time is read."""
+    weight, bias, k, table = encoder.encoder_weight, encoder.encoder_bias, encoder.k_active, encoder.products
+    pre = (x @ weight.T).add_(bias).relu_()
+    lookup, mine = weighted_rows(values, indices, table), weighted_rows_triton(values, indices, table)
+    scale = lookup.float().abs().max().item() or 1.0
+    print(f"candidate B triton: max |difference| / max |lookup| "
+          f"{(mine.float() - lookup.float()).abs().max().item() / scale:.2e}, "
+          f"{(mine == lookup).float().mean().item():.4f} of values bit-equal")
+    print(f"candidate top-k 2-stage: values equal torch.topk's {torch.equal(topk_two_stage(pre, k)[0], pre.topk(k)[0])}")
+
+    def candidate_a_b() -> torch.Tensor:  # the runtime's A+B (one encoding, every target's columns) by the candidates
+        top_values, top_indices = topk_two_stage((x @ weight.T).add_(bias).relu_(), k)
+        return weighted_rows_triton(top_values, top_indices, table) + encoder.bias_products
+
+    candidates = {"A: encoder GEMV, graph": lambda: (x @ weight.T).add_(bias).relu_(),
+                  "A: top-k, graph": lambda: torch.topk(pre, k),
+                  "A: top-k 2-stage, graph": lambda: topk_two_stage(pre, k),
+                  "B triton, graph": lambda: weighted_rows_triton(values, indices, table),
+                  "A+B candidates, graph": candidate_a_b}
+    return {name: timed(graph_replay(fn), repeat, device) for name, fn in candidates.items()}
 
 
 def main() -> None:

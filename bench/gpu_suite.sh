@@ -24,7 +24,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B)|^(on device|prefetched|inline)|^warm|^\|'
+SHOW='^(shape|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\|'
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
@@ -53,7 +53,7 @@ extract() {
     --repeats 2 --out "$out/synvit.json"
 }
 lut_sae() {
-  step lut 60 python3 bench/bench_lut.py --device cuda --shape llama8b-mlp
+  step lut 90 python3 bench/bench_lut.py --device cuda --shape llama8b-mlp
   step sae 60 python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144
   step pytest 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py
 }
