@@ -19,6 +19,7 @@ best and median of --repeat after a warm-up call.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -149,7 +150,8 @@ def candidate_rows(encoder: LutEncoder, x: torch.Tensor, values: torch.Tensor, i
     candidates = {"A: encoder GEMV, graph": lambda: (x @ weight.T).add_(bias).relu_(),
                   "A: top-k, graph": lambda: torch.topk(pre, k),
                   "A: top-k 2-stage, graph": lambda: topk_two_stage(pre, k),
-                  "B triton, graph": lambda: weighted_rows_triton(values, indices, table),
+                  **{f"B triton {block}, graph": functools.partial(weighted_rows_triton, values, indices, table, block)
+                     for block in (64, 128, 256)},
                   "A+B candidates, graph": candidate_a_b}
     return {name: timed(graph_replay(fn), repeat, device) for name, fn in candidates.items()}
 
