@@ -36,7 +36,7 @@ import torch
 
 from actstore.config import validate_config
 from actstore.datasets.images import check_images
-from actstore.extract import length_batches, preflight, run_part, tokenize
+from actstore.extract import length_batches, logprobs, preflight, run_part, tokenize
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
@@ -378,6 +378,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--limit", type=int, default=None, help="dataset rows (default 600 / 512 / 1024)")
     parser.add_argument("--all-layers", action="store_true", help="llama-1b: store all 16 blocks")
+    parser.add_argument("--logprob-elements", type=int, default=None,
+                        help="logits per token log-prob chunk (default: extract.logprobs.LOGPROB_ELEMENTS, 2**26; "
+                             "256 tokens a head rerun at a 262,144-token vocabulary)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--buffers", type=int, default=3)
     parser.add_argument("--writer-threads", type=int, default=None, help="default: one per tensor, up to the CPUs")
@@ -406,7 +409,9 @@ def main() -> None:
             raise SystemExit(0 if check_items(Path(tmp)) else 1)
     device = torch.device(args.device)
     threads = len(os.sched_getaffinity(0))
-    result = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    if args.logprob_elements:
+        logprobs.LOGPROB_ELEMENTS = args.logprob_elements
+    result = {"shape": args.shape, "logprob_elements": logprobs.LOGPROB_ELEMENTS, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "token_logprobs": not args.no_token_logprobs, "cpus": threads, "buffers": args.buffers,
               "writer_threads": args.writer_threads, "num_workers": args.num_workers}
     with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU benchmarks, each step under its own time limit, results tarred into DEST after every step
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
-#   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order (~8 min on the
-#                                    H200 of 2026-11-26, plus the machine's start)
-#   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab;
+#   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order (~9-10 min on the
+#                                    H200 of 2026-11-26 with session 37's rows, plus the machine's start)
+#   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
+#                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
@@ -24,7 +25,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\|'
+SHOW='^(shape|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\|'
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
@@ -46,6 +47,7 @@ extract() {
   row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 ))  # a core each: main process, 2 writers
   row wide 90 --shape wide-vocab --limit 2048
   row widenl 60 --shape wide-vocab --limit 2048 --no-token-logprobs
+  row widechunk 60 --shape wide-vocab --limit 2048 --logprob-elements $(( 1 << 28 ))  # a batch's log-probs: 1 head rerun, not 4
   row llama16 90 --shape llama-1b --all-layers --limit 128 --repeats 3
   row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 ))
   # the ViT rows' write pattern alone (257-token samples, 2 files) on this host's disk and cores
