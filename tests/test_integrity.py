@@ -241,7 +241,7 @@ def test_damage_is_named_by_verify_and_never_read_as_data(stores, name, kind, tm
 
 UNRECORD = {  # the data file's checksum taken out of its record (the metadata file, the edit)
     "extract": ("part-0000/part.json", lambda m: m["files"]["layer_000.npy"].pop("sha256_tree")),
-    "saev": ("actstore.json", lambda m: m["files"]["acts000000.bin"].pop("sha256")),
+    "saev": ("actstore.json", lambda m: m["files"]["acts000000.bin"].pop("sha256_tree")),
     "zarr": ("shards/shard-0000.zarr/meta/files.json", lambda m: m["files"]["arrays/activations/0/0/0/0"].pop("sha256")),
     "pickle": ("machine-0000/metadata.json", lambda m: m["shards"][0].pop("checksum")),
     "lut": ("metadata.json", lambda m: m["layers"]["encoder.layer.1.q"].pop("sha256")),

@@ -160,7 +160,7 @@ def test_missing_truncated_and_corrupt_shards_named(extracted, tmp_path):
         byte = fh.read(1)
         fh.seek(1234)
         fh.write(bytes([byte[0] ^ 1]))
-    assert saev.verify(store_dir) == [f"{store_dir / 'acts000001.bin'}: sha256 differs from actstore.json"]
+    assert saev.verify(store_dir) == [f"{store_dir / 'acts000001.bin'}: sha256_tree differs from actstore.json"]
 
 
 

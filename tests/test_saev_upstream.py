@@ -21,6 +21,7 @@ from actstore.formats import saev
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev.loader import ShuffledActivations
 from actstore.hashing import stage_hash
+from actstore.io_utils import sha256_tree_file
 
 import tiny
 from test_saev import GEOMETRY, expected_patch_labels, segmentation, write  # noqa: F401 (fixture)
@@ -91,7 +92,9 @@ def test_shards_json_holds_only_the_spec_fields(extracted, flavor):
     shards = json.loads((store_dir / "shards.json").read_text())
     assert all(set(entry) == {"name", "n_examples"} for entry in shards)
     files = json.loads((store_dir / "actstore.json").read_text())["files"]
-    assert all(set(files[entry["name"]]) == {"bytes", "sha256"} for entry in shards)  # checksums moved here
+    assert all(set(files[entry["name"]]) == {"bytes", "sha256_tree"} for entry in shards)  # checksums moved here
+    # the tree hash of the whole file: the upstream flavor's last shard ends in a hole, hashed as zeros
+    assert all(files[entry["name"]]["sha256_tree"] == sha256_tree_file(store_dir / entry["name"]) for entry in shards)
 
 
 def test_spec_flavor_is_unchanged_but_for_the_checksums(extracted):
@@ -173,13 +176,39 @@ def test_stores_with_checksums_in_shards_json_still_verify(extracted, tmp_path):
     shutil.copytree(src, store_dir)
     sidecar = json.loads((store_dir / "actstore.json").read_text())
     shards = json.loads((store_dir / "shards.json").read_text())
-    legacy = [{**entry, **sidecar["files"].pop(entry["name"])} for entry in shards]
-    (store_dir / "shards.json").write_text(json.dumps(legacy))
+    for entry in shards:  # as those writers recorded them: bytes and plain sha256
+        sidecar["files"].pop(entry["name"])
+        entry.update(plain_record(store_dir / entry["name"]))
+    (store_dir / "shards.json").write_text(json.dumps(shards))
     (store_dir / "actstore.json").write_text(json.dumps(sidecar))
     assert saev.verify(store_dir) == []
     with open(store_dir / "acts000000.bin", "r+b") as fh:
         fh.write(b"\x01")
     assert saev.verify(store_dir) == [f"{store_dir / 'acts000000.bin'}: sha256 differs from shards.json"]
+
+
+def plain_record(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+@pytest.mark.parametrize("flavor", ["spec", "upstream"])
+def test_stores_with_plain_sha256_in_actstore_json_still_verify(extracted, tmp_path, flavor):
+    """Stores written before the shards' tree hashes record a plain sha256 in actstore.json; verify
+    still checks it, and names a changed byte."""
+    import shutil
+
+    _, src = build(extracted, flavor)
+    store_dir = tmp_path / src.parent.name / src.name  # upstream's name is shards/<8 hex>
+    shutil.copytree(src, store_dir)
+    sidecar = json.loads((store_dir / "actstore.json").read_text())
+    shards = json.loads((store_dir / "shards.json").read_text())
+    for entry in shards:
+        sidecar["files"][entry["name"]] = plain_record(store_dir / entry["name"])
+    (store_dir / "actstore.json").write_text(json.dumps(sidecar))
+    assert saev.verify(store_dir) == []
+    with open(store_dir / "acts000001.bin", "r+b") as fh:
+        fh.write(b"\x01")
+    assert saev.verify(store_dir) == [f"{store_dir / 'acts000001.bin'}: sha256 differs from actstore.json"]
 
 
 def test_flavor_has_no_default_so_saev_hashes_stay():

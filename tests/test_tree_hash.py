@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -79,6 +80,27 @@ def test_written_behind_from_a_ring_of_reused_buffers_gives_the_bytes_and_their_
             behind.submit(start, buffer)
     assert (tmp_path / "f").read_bytes() == data
     assert behind.digest == (reference_tree_hash(data) if kind is TreeHashFile else hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("hole", [0, 5, MIB, MIB + 333, 3 * MIB])
+def test_leaves_hashed_by_threads_and_a_zero_hole_give_the_tree_hash_of_the_file(hole, tmp_path):
+    """A saev shard's pattern: slabs written behind from a ring, each slab's whole leaves hashed by 3
+    threads, the file truncated to its size and its tail a hole counted as zeros, never written."""
+    rng = random.Random(hole)
+    data = rng.randbytes(5 * MIB + 123)
+    size = len(data) + hole
+    sink = TreeHashFile(tmp_path / "f", size, hash_threads=3)
+    os.ftruncate(sink.fd, size)
+    sink.hole(len(data), hole)
+    ring = [bytearray(2 * MIB + 7) for _ in range(BEHIND + 1)]
+    with WriteBehind(sink) as behind:
+        for turn, start in enumerate(range(0, len(data), len(ring[0]))):
+            buffer = memoryview(ring[turn % len(ring)])[:min(len(ring[0]), len(data) - start)]
+            buffer[:] = data[start:start + len(buffer)]
+            behind.submit(start, buffer)
+    whole = data + bytes(hole)
+    assert (tmp_path / "f").read_bytes() == whole
+    assert behind.digest == reference_tree_hash(whole) == sha256_tree_file(tmp_path / "f")
 
 
 def test_a_failed_write_behind_names_the_file_and_never_hangs(tmp_path):

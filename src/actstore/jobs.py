@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from actstore.errors import FormatError
-from actstore.integrity import listed_problem, stream_json_members, stream_json_object
+from actstore.integrity import DIGESTS, listed_problem, stream_json_members, stream_json_object
 from actstore.io_utils import write_json_atomic
 
 # Unset, a writer gets a job per extraction part up to this many: at 10 TB each job then writes
@@ -135,12 +135,12 @@ def _read_head(path: Path) -> dict[str, Any]:
 
 
 def _record_files(job_dir: Path, earlier: JobFiles) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(name, {bytes, sha256}) of each file the record in `job_dir` lists, each checked there."""
+    """(name, {bytes, sha256 or sha256_tree}) of each file the record in `job_dir` lists, each checked there."""
     path = job_dir / JOB_RECORD
     source = str(path)
     for name, entry in stream_json_members(path, "files", _NOT_A_RECORD):
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
-                or not isinstance(entry.get("sha256"), str):
+                or not any(isinstance(entry.get(key), str) for key in DIGESTS):
             raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
         if name in earlier:
             raise FormatError(f"{path}: {name} also listed in {earlier[name][0] / JOB_RECORD}")

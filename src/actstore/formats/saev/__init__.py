@@ -14,7 +14,8 @@ flavor upstream: `<dump_to>/saev/shards/<8 hex>/`, saev's hash of its own field 
   windows.npy      text stores only (optional extension): int64 (n_examples, 3) rows
                    (sample_idx, token_start, n_valid): example e = tokens token_start..+n_valid of
                    dataset row sample_idx; tokens n_valid..T-1 are zero padding
-  actstore.json    optional extension: sizes and sha256 of every shard and windows.npy / labels.bin,
+  actstore.json    optional extension: sizes and checksums of every shard (SHA-256 tree hash; a plain
+                   sha256 in older stores) and windows.npy / labels.bin (sha256),
                    the source extraction, registers; not part of HASH (stores saev wrote have none)
 Text models: each sample's tokens are cut into windows of T = tokens_per_window tokens that never
 cross samples; a sample's last, shorter window is zero-padded (n_valid in windows.npy says where).

@@ -23,8 +23,8 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
                                           examples_per_shard, shard_name, shard_sizes, store_name, text_windows,
                                           to_upstream)
 from actstore.formats.saev.read import open_store
-from actstore.integrity import SEAL_KEY, file_record
-from actstore.io_utils import BEHIND, TEMP_SUFFIX, OrderedHashFile, WriteBehind, atomic_path, write_json_atomic
+from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
+from actstore.io_utils import BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, write_json_atomic
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import config_patches, register_tokens
 
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 # before are written and hashed, so memory does not grow with the data (no dirty memory-mapped pages,
 # which a Slurm job's cgroup is charged for).
 CHUNK_BYTES = 32 << 20
-ZEROS = bytes(1 << 20)  # hashed in place of an upstream shard's hole
 Fill = Callable[[int, np.ndarray], None]  # fill(first_example, out (n, L, T, D))
 
 
@@ -317,12 +316,15 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
 
 def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int) -> dict[str, Any]:
     """Examples start..start+n filled slab by slab into the buffers in turn while the slabs before
-    are written and hashed (io_utils.WriteBehind: no second read); the file is `size` bytes, the tail
-    past the examples a hole (upstream). Returns its {bytes, sha256}."""
+    are written and hashed (io_utils.WriteBehind: no second read; each slab's 1 MiB leaves of the
+    SHA-256 tree hash by the CPUs this job may use, where one core's plain sha256 bounded a job on a
+    fast disk); the file is `size` bytes, the tail past the examples a hole (upstream). Returns its
+    {bytes, sha256_tree}."""
     per_example, slab = buffers[0][0].nbytes, len(buffers[0])
-    out = OrderedHashFile(path, n * per_example)
+    out = TreeHashFile(path, size, hash_threads=len(os.sched_getaffinity(0)))
     try:
         os.ftruncate(out.fd, size)
+        out.hole(n * per_example, size - n * per_example)
         with WriteBehind(out) as behind:
             for i, lo in enumerate(range(0, n, slab)):
                 region = buffers[i % len(buffers)][:min(slab, n - lo)]
@@ -332,12 +334,7 @@ def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.nd
         out.abort()
         path.unlink(missing_ok=True)
         raise
-    sha256 = behind.digest
-    if size > n * per_example:  # the hole reads as zeros: hash them after the examples
-        for lo in range(n * per_example, size, len(ZEROS)):
-            out.digest.update(memoryview(ZEROS)[:min(len(ZEROS), size - lo)])
-        sha256 = out.digest.hexdigest()
-    return {"bytes": size, "sha256": sha256}
+    return {"bytes": size, TREE_HASH_KEY: behind.digest}
 
 
 def finish_store(plan: Plan, job_dirs: Sequence[str | Path], root: str | Path) -> Path:
