@@ -487,6 +487,45 @@ def test_a_shard_is_the_same_bytes_whatever_its_writing_threads(tmp_path, monkey
     assert zs.verify(stores[3]) == []
 
 
+def test_only_the_chunks_holding_tokens_are_files_and_zarr_reads_zeros_past_them(tmp_path, monkeypatch):
+    """A sample's chunks past its tokens hold only the fill value: they have no file (zarr leaves an
+    empty chunk out), zarr-python reads them as zeros, and verify expects exactly the others. A shard
+    written before (every chunk a file, the padding recorded in files.json) still verifies, and its
+    merged store leaves the padding out."""
+    import zarr
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    lengths = [5, 1, 7, 3, 8, 2]
+    x = np.random.default_rng(2).standard_normal((sum(lengths), 16)).astype(np.float32)
+    part = synthetic_part(tmp_path / "part-0000", x, lengths)
+    store = tmp_path / "shards" / zs.shard_name(0)
+    zs.write_shard(part, store, t_chunk=2, git_commit=GIT_COMMIT, progress=False)
+    chunks = sorted(rel for rel in list_store_files(store) if rel.count("/") == 5)  # arrays/activations/i/l/c/0
+    assert chunks == sorted(acts_chunk_key(i, 0, c) for i, n in enumerate(lengths) for c in range(-(-n // 2)))
+    acts, starts = zarr.open_consolidated(str(store), mode="r")["arrays/activations"], np.cumsum([0] + lengths)
+    padded = np.zeros((len(lengths), 1, 8, 16), np.float16)
+    for i, n in enumerate(lengths):
+        padded[i, 0, :n] = x[starts[i]:starts[i] + n]
+    np.testing.assert_array_equal(acts[:], padded)
+    assert zs.verify(store) == []
+    (store / chunks[0]).unlink()
+    assert zs.verify(store) == [f"{store / chunks[0]}: missing (listed in {FILES_JSON})"]
+    zs.write_shard(part, store, t_chunk=2, git_commit=GIT_COMMIT, progress=False)
+    # as shards were written before: every chunk a file, each padding chunk zeros and recorded
+    files = json.loads((store / FILES_JSON).read_text())["files"]
+    for i, n in enumerate(lengths):
+        for c in range(-(-n // 2), 4):
+            (store / acts_chunk_key(i, 0, c)).parent.mkdir(parents=True)
+            (store / acts_chunk_key(i, 0, c)).write_bytes(bytes(2 * 16 * 2))
+            files[acts_chunk_key(i, 0, c)] = file_record(store / acts_chunk_key(i, 0, c))
+    (store / FILES_JSON).write_text(files_json_text(files))
+    assert zs.verify(store) == []
+    merged = tmp_path / zs.MERGED
+    zs.merge_stores([store], merged, progress=False)
+    assert sorted(rel for rel in list_store_files(merged) if rel.count("/") == 5) == chunks
+    np.testing.assert_array_equal(zarr.open_consolidated(str(merged), mode="r")["arrays/activations"][:], padded)
+    assert zs.verify(merged) == []
+
+
 def test_a_sample_longer_than_the_parts_max_seq_length_is_refused_by_name(tmp_path):
     x = np.random.default_rng(0).standard_normal((2 * 5, 16)).astype(np.float32)
     part = synthetic_part(tmp_path / "part-0000", x, [5, 5])

@@ -244,8 +244,9 @@ ZARR_MERGE_SAMPLE_BYTES = 300
 
 
 def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
-    """Activation chunk files of every zarr shard store: each sample is padded to max_seq_length and
-    every chunk is written (zarr.t_chunk tokens, or the layout's choice)."""
+    """Activation chunk files of every zarr shard store, at most: a sample's chunks up to
+    max_seq_length (zarr.t_chunk tokens, or the layout's choice); only those holding its tokens are
+    written, a number the config alone does not give."""
     from actstore.formats.zarr.layout import choose_t_chunk
 
     t_max = config["extract"]["max_seq_length"]

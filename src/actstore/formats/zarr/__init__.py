@@ -3,8 +3,9 @@
 A run directory `{dump_to}/zarr/{hash}/` holds one self-contained Zarr v2 store per extraction part
 (shards/shard-NNNN.zarr/, the spec's parallel writers), optionally one merged store over every sample
 (merged/, Option B) and manifest.json, written last. Activations are (N, L, T_max, H) float16 in
-uncompressed (1, 1, T_chunk, H) chunks; the reader validates the metadata once, then reads chunk
-files raw with os.preadv.
+uncompressed (1, 1, T_chunk, H) chunks, a file for each chunk holding a sample's tokens (those past
+them are the fill value 0, with no file, as zarr leaves empty chunks out); the reader validates the
+metadata once, then reads chunk files raw with os.preadv.
 
 Rooms: layout (names, encoding, JSON documents), write (shards, manifest), merge (the merged store:
 link_chunks jobs, then finish_merge), read (ZarrStore, ZarrRun, the torch Dataset and sampler),

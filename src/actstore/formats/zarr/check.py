@@ -145,7 +145,7 @@ def _file_checks(store: Path, reader: ZarrStore | None, entry: dict | None) -> I
     """_verify_files' walk: each problem it finds, and each listed file's check, in name order."""
     files_json = store / FILES_JSON
     on_disk = (name for name in store_files(store) if name != FILES_JSON)
-    chunks = (key for key, _ in chunk_keys_in_name_order(reader.n_samples, len(reader.layers), reader.n_chunks)) \
+    chunks = (key for key, _ in chunk_keys_in_name_order(reader.chunk_counts(), len(reader.layers))) \
         if reader else iter(())
     disk, chunk, lost, first_lost, previous = next(on_disk, None), next(chunks, None), 0, None, None
     totals = {"n_files": 1, "bytes": files_json.stat().st_size}  # files.json counts itself

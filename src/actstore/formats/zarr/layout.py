@@ -9,6 +9,8 @@ import json
 import math
 from typing import Any, Iterable, Iterator
 
+import numpy as np
+
 from actstore.formats.extract import PartInfo
 
 FORMAT_NAME = "actstore-zarr-activation-logger"
@@ -50,13 +52,22 @@ def acts_chunk_key(i: int, l: int, c: int) -> str:
     return f"{ACTS}/{i}/{l}/{c}/0"
 
 
-def chunk_keys_in_name_order(n: int, n_layers: int, n_chunks: int) -> Iterator[tuple[str, int]]:
-    """(key, flat index (i * n_layers + l) * n_chunks + c) of every activations chunk, in the order of
-    sorted keys ("/" sorts before every digit: samples 0, 1, 10, 100, ..., 2), one at a time."""
-    in_sample = [(l, c) for l in in_name_order(n_layers) for c in in_name_order(n_chunks)]
-    for i in in_name_order(n):
-        for l, c in in_sample:
-            yield acts_chunk_key(i, l, c), (i * n_layers + l) * n_chunks + c
+def chunk_counts(seq_len: np.ndarray, t_chunk: int) -> np.ndarray:
+    """Activation chunk files of each sample and layer: those holding its seq_len tokens. The chunks
+    past them hold only the fill value (0) and are not written, as zarr leaves an empty chunk out."""
+    return -(-np.asarray(seq_len, dtype=np.int64) // t_chunk)
+
+
+def chunk_keys_in_name_order(counts: np.ndarray, n_layers: int) -> Iterator[tuple[str, int]]:
+    """(key, index) of every activations chunk file, in the order of sorted keys ("/" sorts before
+    every digit: samples 0, 1, 10, 100, ..., 2), one at a time; `counts` = chunk_counts of the samples,
+    index = the chunk's place in (sample, layer, chunk) order."""
+    firsts = n_layers * (np.cumsum(counts) - counts)
+    for i in in_name_order(len(counts)):
+        count, first = int(counts[i]), int(firsts[i])
+        for l in in_name_order(n_layers):
+            for c in in_name_order(count):
+                yield acts_chunk_key(i, l, c), first + l * count + c
 
 
 def in_name_order(n: int) -> Iterator[int]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key,
-                                          chunk_keys_in_name_order, files_json_pieces)
+                                          chunk_counts, chunk_keys_in_name_order, files_json_pieces)
 from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
 from actstore.integrity import file_record, read_json
@@ -117,10 +117,12 @@ def _link_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, d
 
 
 def _sample_chunk_keys(reader: ZarrStore, local: int, g: int) -> Iterator[tuple[str, str]]:
-    """(key in the shard, key in the merged store) of every chunk of local sample `local` (every chunk
-    file exists: write_empty_chunks)."""
+    """(key in the shard, key in the merged store) of every chunk file of local sample `local`: those
+    its tokens fill (a shard written before they alone were written has zero chunks past them, which
+    the merged store leaves out, as zarr does)."""
+    count = int(chunk_counts(reader.seq_len[local], reader.t_chunk))
     for l in range(len(reader.layers)):
-        for c in range(reader.n_chunks):
+        for c in range(count):
             yield acts_chunk_key(local, l, c), acts_chunk_key(g, l, c)
 
 
@@ -154,7 +156,8 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
             _merge_text(shards, tmp)
             moves = functools.partial(_sample_moves, chunk_dirs, covered, readers, tmp)
             with _renamed_back_on_error(moves, progress):
-                _write_merged_files_json(tmp, table.fileno(), n, len(readers[0].layers), readers[0].n_chunks)
+                _write_merged_files_json(tmp, table.fileno(), np.concatenate([r.chunk_counts() for r in readers]),
+                                         len(readers[0].layers))
     return store_entry(out_path)
 
 
@@ -187,12 +190,12 @@ def _digest(sha256: str, record: Path, name: str) -> bytes:
     return digest
 
 
-def _write_merged_files_json(store: Path, table: int, n: int, n_layers: int, n_chunks: int) -> None:
+def _write_merged_files_json(store: Path, table: int, counts: np.ndarray, n_layers: int) -> None:
     """meta/files.json of the merged store (write._write_files_json's bytes), streamed in name order:
     the store's files walked in that order beside the chunks' keys, each chunk's entry from the table
     (one whose size is not the recorded one hashed again), every other file hashed; an expected chunk
     that is not there is refused."""
-    entries = _merged_entries(store, table, chunk_keys_in_name_order(n, n_layers, n_chunks))
+    entries = _merged_entries(store, table, chunk_keys_in_name_order(counts, n_layers))
     (store / "meta").mkdir(exist_ok=True)
     with (store / FILES_JSON).open("w", encoding="utf-8") as out:
         out.writelines(files_json_pieces(entries))

@@ -16,7 +16,7 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
-                                          REQUIRED_ATTRS, VECTOR_ZARRAY)
+                                          REQUIRED_ATTRS, VECTOR_ZARRAY, chunk_counts)
 from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files, whole_number
 
 
@@ -122,6 +122,10 @@ class ZarrStore:
             parts.append(np.frombuffer(raw, dtype=dtype))
         out = np.concatenate(parts)[: self.n_samples] if parts else np.zeros(0, dtype)
         return out.astype(dtype.newbyteorder("="))
+
+    def chunk_counts(self) -> np.ndarray:
+        """The chunk files of each sample and layer: those its seq_len tokens fill (layout.chunk_counts)."""
+        return chunk_counts(self.seq_len, self.t_chunk)
 
     def layer_position(self, layer: int) -> int:
         """Position on the L axis of block `layer`; FormatError naming the stored layers if absent."""

@@ -21,8 +21,8 @@ import numpy as np
 from actstore.casts import to_float16
 from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor, open_part
-from actstore.formats.zarr.layout import (ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL,
-                                          SEPARATOR, SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk,
+from actstore.formats.zarr.layout import (ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL, SEPARATOR,
+                                          SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk, chunk_counts,
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
@@ -38,7 +38,8 @@ def _now() -> str:
 
 def _create(group: Any, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str,
             fill: Any = 0) -> Any:
-    """An uncompressed, unfiltered, C-order v2 array whose every chunk is written, '/'-separated keys."""
+    """An uncompressed, unfiltered, C-order v2 array, '/'-separated keys; zarr-python writes every chunk
+    of the 1-D arrays, even all-zero ones (the activations' chunks are written raw, by the callers)."""
     return group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=None, filters=None,
                               fill_value=fill, order=ORDER, chunk_key_encoding={"name": "v2", "separator": SEPARATOR},
                               config={"write_empty_chunks": True})
@@ -126,31 +127,29 @@ def _write_chunk(path: str, data: np.ndarray) -> None:
         os.close(fd)
 
 
-def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chunks: int, threads: int,
+def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threads: int,
                   progress: bool) -> tuple[dict[str, dict], int]:
-    """Every activation chunk of the part, cast into (T_chunk, H) float16 buffers and written raw:
-    the bytes zarr writes for an uncompressed C-order chunk, and every chunk file exists (the store's
-    write_empty_chunks). `threads` BufferWorkers each create a chunk's directory and file, write it
-    and hash it (never read back) while the next chunks are read and cast: a chunk file is
-    independent of the others, so their order does not matter, and one thread would be bound by one
+    """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's
+    tokens hold only the fill value and are left out, as zarr leaves empty chunks out), each cast into
+    a (T_chunk, H) float16 buffer, zero past the sample's end, and written raw: the bytes zarr writes
+    for an uncompressed C-order chunk. `threads` BufferWorkers each create a chunk's directory and
+    file, write it and hash it (never read back) while the next chunks are read and cast: a chunk file
+    is independent of the others, so their order does not matter, and one thread would be bound by one
     core's sha256 or by the filesystem's time per directory. Returns {key: files.json entry} and the
     count of values that overflowed float16."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
     hidden = tensors[0].shape[1]
-    sample = np.empty((t_chunk * n_chunks, hidden), dtype=np.float32)  # one sample's rows
-    # Chunks wholly past seq_len (most of them when T_max is many T_chunks) are zeros: hashed once.
-    zero = np.zeros((t_chunk, hidden), dtype=np.float16)
-    zero_entry = {"bytes": zero.nbytes, "sha256": hashlib.sha256(zero).hexdigest()}
+    sample = np.empty((int(part.info.max_seq_length), hidden), dtype=np.float32)  # one sample's rows
     files, overflow = {}, 0
 
-    def write(chunk: np.ndarray, key: str, known: dict | None) -> None:
+    def write(chunk: np.ndarray, key: str) -> None:
         os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
         _write_chunk(str(store / key), chunk)
-        files[key] = known or {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
+        files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
 
-    with BufferWorkers(write, threads, lambda: np.empty_like(zero)) as workers:
+    with BufferWorkers(write, threads, lambda: np.empty((t_chunk, hidden), dtype=np.float16)) as workers:
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
             rows = part.sample_slice(i)
             if rows.stop - rows.start > len(sample):
@@ -159,11 +158,11 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, n_chu
             for l, tensor in enumerate(tensors):
                 x = sample[:rows.stop - rows.start]
                 tensor.read_rows(rows.start, rows.stop, x)
-                for c in range(n_chunks):
+                for c in range(int(chunk_counts(len(x), t_chunk))):
                     piece, chunk = x[c * t_chunk: (c + 1) * t_chunk], workers.buffer()
                     overflow += to_float16(piece, chunk[:len(piece)])
                     chunk[len(piece):] = 0
-                    workers.submit(chunk, acts_chunk_key(i, l, c), None if len(piece) else zero_entry)
+                    workers.submit(chunk, acts_chunk_key(i, l, c))
     return files, overflow
 
 
@@ -183,7 +182,7 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     with atomic_path(out_path) as tmp:
         root, arrays = _open_root(tmp, attrs, (n, len(layers), t_max, hidden), tc)
         _write_vectors(arrays, rows, attrs)
-        files, overflow = _write_chunks(part, layers, tmp, tc, -(-t_max // tc), threads, progress)
+        files, overflow = _write_chunks(part, layers, tmp, tc, threads, progress)
         if overflow:
             log.warning("%s: %d activation values exceed float16 range and are stored as +-inf", part_dir, overflow)
             root.attrs["float16_overflow_count"] = overflow
