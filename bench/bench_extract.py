@@ -167,18 +167,25 @@ def train_tokenizer(out: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<s>", bos_token="<s>", pad_token="<s>").save_pretrained(out)
 
 
-def bare_forward(config: dict, threads: int) -> tuple[float, float, float, object, object, int]:
+def bare_forward(config: dict, threads: int) -> tuple[float, float, float, object, object, int, dict]:
     """Everything run_part does except capturing and writing: preflight, model load, tokenize or
     decode, forward. Returns seconds, seconds to the first batch's output (no write can start
     before it), seconds the main thread waited for the next batch's inputs after the first (near
     the total: the inputs are the bound; near 0: the main thread's own forward calls are), the
-    loaded model, an input factory and units (tokens/images)."""
+    loaded model, an input factory, units (tokens/images) and the seconds from the start at which
+    each step before the first output ended (what the floor's first output is made of)."""
     started = time.perf_counter()
+    marks = {}
+
+    def mark(step: str) -> None:
+        marks[step] = round(time.perf_counter() - started, 3)
     model_path, dataset = preflight(config, 0)
+    mark("preflight")
     ext = config["extract"]
     samples = dataset.samples
     if dataset.modality == "image":  # as run_part: images verified, then decoding starts before the weights load
         check_images(dataset.opener, samples, threads)
+        mark("image_checks")
         batches = length_batches([1] * len(samples), ext["batch_size"])
         processor = load_image_processor(model_path)
         workers = threads if ext["num_workers"] is None else ext["num_workers"]  # as run_part decides
@@ -187,12 +194,15 @@ def bare_forward(config: dict, threads: int) -> tuple[float, float, float, objec
                                        ext["device"] == "cuda", TORCH_DTYPES[dtype])
         first_pixels = pixels()
         loaded = load_model(model_path, dtype, ext["device"])
+        mark("model_load")
         make_inputs = lambda: to_model(loaded, pixels())  # noqa: E731
         first_inputs = to_model(loaded, first_pixels)
         units = len(samples)
     else:
         loaded = load_model(model_path, run_dtype(config["model"]), ext["device"])
+        mark("model_load")
         ids = tokenize(loaded.preprocessor, samples, ext["max_seq_length"], not dataset.chat)
+        mark("tokenize")
         batches = length_batches([len(x) for x in ids], ext["batch_size"])
         make_inputs = lambda: text_batches(loaded, ids, batches, not ext["token_logprobs"])  # noqa: E731
         first_inputs = make_inputs()
@@ -208,8 +218,9 @@ def bare_forward(config: dict, threads: int) -> tuple[float, float, float, objec
             if first_output is None:
                 sync(loaded.device)
                 first_output = time.perf_counter() - started
+                mark("first_forward")
     sync(loaded.device)
-    return time.perf_counter() - started, first_output, waited, loaded, make_inputs, units
+    return time.perf_counter() - started, first_output, waited, loaded, make_inputs, units, marks
 
 
 def gpu_only_and_loading(loaded, make_inputs) -> dict:
@@ -254,10 +265,11 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> d
     """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
     best times, every round, and the median of the per-round ratios."""
     bare, first, waits, extract, ratios, peaks = [], [], [], [], [], {"bare": 0.0, "extract": 0.0}
-    extract_waits = []  # part.json's extraction_waits of each round
+    extract_waits, first_steps = [], []  # part.json's extraction_waits, the first output's steps, of each round
     for repeat in range(repeats):
         with gpu_peak(peaks, "bare"):
-            bare_s, first_s, wait_s, loaded, make_inputs, units = bare_forward(config, threads)
+            bare_s, first_s, wait_s, loaded, make_inputs, units, steps = bare_forward(config, threads)
+        first_steps.append(steps)
         target = out / f"part-{repeat}"
         started = time.perf_counter()
         with gpu_peak(peaks, "extract"):
@@ -275,6 +287,7 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> d
             "bare_forward_rounds_s": [round(x, 3) for x in bare], "extract_rounds_s": [round(x, 3) for x in extract],
             "bare_input_wait_rounds_s": [round(x, 3) for x in waits],
             "extract_waits_of_best": extract_waits[int(np.argmin(extract))],
+            "first_output_steps_of_best": first_steps[int(np.argmin(first))],
             "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs),
             **({f"{phase}_peak_gpu_mb": round(mb) for phase, mb in peaks.items()} if torch.cuda.is_available() else {})}
 
