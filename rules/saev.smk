@@ -24,8 +24,9 @@ rule saev_shards:
         bench_path("saev", job_name("job", len(SAEV_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
-    # The slab being filled and the sha256 of the one before run at once (io_utils.WriteBehind; a
-    # third thread's pwrite mostly waits on the disk). cpus_per_task: Slurm's CPUs for those threads.
+    # The slab being filled and the tree hash of the one before run at once (io_utils.WriteBehind; its
+    # 1 MiB leaves hashed by as many threads as the job has CPUs; a further thread's pwrite mostly
+    # waits on the disk). cpus_per_task: Slurm's CPUs for those threads.
     threads: 2
     # Three 32 MiB slab buffers (filled from the extraction, written and checksummed from them); reads
     # and writes its share of the activations once each.
