@@ -119,7 +119,10 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
                 except RuntimeError as exc:  # an op that cannot be captured: say which, keep the other rows
                     print(f"{name}: not captured ({exc})")
             if triton is not None:
-                rows |= candidate_rows(luts[0].encoder, x, values, indices, args.repeat, device)
+                try:
+                    rows |= candidate_rows(luts[0].encoder, x, values, indices, args.repeat, device)
+                except Exception as exc:  # noqa: BLE001 - e.g. no C compiler for Triton's launcher: keep the runtime's rows
+                    print(f"candidates: not run ({type(exc).__name__}: {exc})")
         for budget in budgets:
             for lut in luts:
                 lut.set_budget(budget)
