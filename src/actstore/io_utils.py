@@ -502,9 +502,8 @@ class TreeHashFile(PositionedFile):
                     digest.update(block)
                 self.leaves[leaf] = digest.digest()
         # Hashed before returning: the caller may reuse view's buffer once this write returns.
-        hashed = self.pool.map(_leaf_digest, in_view.values()) if self.pool and len(in_view) > 1 else map(
-            _leaf_digest, in_view.values())
-        for leaf, digest in zip(in_view, hashed):
+        digests = self.pool.map if self.pool and len(in_view) > 1 else map
+        for leaf, digest in zip(in_view, digests(_leaf_digest, in_view.values())):
             self.leaves[leaf] = digest
 
     def _missing(self) -> str | None:

@@ -155,10 +155,10 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
             if rows.stop - rows.start > len(sample):
                 raise FormatError(f"{part.dir}: sample {i} has {rows.stop - rows.start} tokens, more than the "
                                   f"part's max_seq_length {part.info.max_seq_length}")
+            x, count = sample[:rows.stop - rows.start], int(chunk_counts(rows.stop - rows.start, t_chunk))
             for l, tensor in enumerate(tensors):
-                x = sample[:rows.stop - rows.start]
                 tensor.read_rows(rows.start, rows.stop, x)
-                for c in range(int(chunk_counts(len(x), t_chunk))):
+                for c in range(count):
                     piece, chunk = x[c * t_chunk: (c + 1) * t_chunk], workers.buffer()
                     overflow += to_float16(piece, chunk[:len(piece)])
                     chunk[len(piece):] = 0
