@@ -38,10 +38,14 @@ rule extract_part:
         bench_path("extract", "part-{part}")
     wildcard_constraints:
         part=r"\d{4}",
-    threads: 4
+    # Images: 16 CPUs decoding (or extract.num_workers + the main process and writers); text: 4.
+    threads: actstore_resources.extract_part_threads(config)
     # Scale with the model and the part's share of the dataset (actstore/resources.py); the
     # partition, GPU and account come from the profile (profiles/osc), never from the rule.
+    # cpus_per_task: Slurm's CPUs for those threads (Snakemake caps `threads` at the submitting
+    # host's --cores, so not from them).
     resources:
+        cpus_per_task=actstore_resources.extract_part_threads(config),
         mem_mb=lambda wildcards, threads, attempt: actstore_resources.extract_part_mem_mb(config, attempt, threads),
         runtime=lambda wildcards, attempt: actstore_resources.extract_part_runtime(config, attempt),
     conda:

@@ -107,6 +107,36 @@ def test_osc_dry_run_64_parts(tmp_path, model_dir, text_jsonl):
     print(f"dry run, 64 parts: {elapsed:.1f} s wall")
 
 
+def extract_part_resources(configfile: Path, *options: str) -> list[str]:
+    """The `resources:` line of every extract_part job in a dry run of profiles/osc."""
+    proc = run([SNAKEMAKE, "extract", "-n", "--profile", "profiles/osc", "--configfile", str(configfile), *options],
+               timeout=300, env={"ACTSTORE_SLURM_ACCOUNT": "PAS0042"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    jobs = re.findall(r"^rule (\w+):\n(?:    .*\n)*?    resources: (.*)$", proc.stdout, re.M)
+    return [res for rule, res in jobs if rule == "extract_part"]
+
+
+def test_osc_image_parts_get_the_cpus_that_decode(tmp_path, model_dir, text_jsonl, image_folder):
+    """An image part's Slurm job asks for IMAGE_JOB_THREADS CPUs (its decoding workers), a text part's
+    for TEXT_JOB_THREADS, whatever the submitting host's cores (which cap Snakemake's `threads`);
+    extract.num_workers asks for those workers, the main process and a writer thread per tensor,
+    and the memory of the decoded images they keep ahead follows."""
+    from actstore import resources
+
+    def cpus_and_mem(name: str, model: str, data: Path, **extract) -> tuple[int, int]:
+        config = write_config(tmp_path, model_dir(model), data, name, extract={"parts": 2, **extract})
+        found = {(int(re.search(r"cpus_per_task=(\d+)", res).group(1)), int(re.search(r"mem_mb=(\d+)", res).group(1)))
+                 for res in extract_part_resources(config)}
+        assert len(found) == 1, found
+        return found.pop()
+
+    images, images_mem = cpus_and_mem("images", "dinov2", image_folder)
+    assert images == resources.IMAGE_JOB_THREADS == 16
+    assert cpus_and_mem("text", "bert", text_jsonl)[0] == resources.TEXT_JOB_THREADS == 4
+    many, many_mem = cpus_and_mem("many", "dinov2", image_folder, layers=[0, 1], num_workers=512)  # > 1 GB ahead
+    assert many == 512 + 1 + 2 and many_mem > images_mem
+
+
 def test_resources_scale_with_data(tmp_path, model_dir, text_jsonl):
     """More tokens per part -> longer runtime; a bigger batch or more layers -> more memory; attempt 2
     doubles. (A huge max_seq_length makes the 30-row corpus big enough to leave the startup floor.)"""
@@ -282,8 +312,9 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
         row = acct.get(job_id)
         assert row and row["State"] == "COMPLETED", f"sacct for job {job_id} ({rule}): {row}"
         assert row["Account"] == "pas1234", row
-        if rule == "extract_part":
+        if rule == "extract_part":  # a text part: TEXT_JOB_THREADS CPUs, though this host has fewer cores
             assert row["Partition"] == "gpu" and "gres/gpu=1" in row["AllocTRES"], row
+            assert "cpu=4" in row["AllocTRES"].split(","), row
         else:
             assert row["Partition"] == "cpu" and "gres/gpu" not in row["AllocTRES"], row
         if rule == "pickle_machines":  # pickle.threads (4 by default): as many CPUs as its threads

@@ -154,6 +154,26 @@ def _minutes(seconds: float, attempt: int) -> int:
     return int(min(MAX_RUNTIME_MIN, math.ceil((STARTUP_MIN + 2 * seconds / 60) * attempt)))
 
 
+TEXT_JOB_THREADS = 4  # tokenizing up front and a writer thread per captured tensor (up to these CPUs)
+# An image job's CPUs decode: the loader alone ran 504 img/s with 4 workers, 838 with 8 and 932 with 16
+# on an H100 host's 500x375 JPEGs (issue 14), where ViT-B/14 runs 5,775 img/s; 16 is a quarter to
+# two thirds of an OSC GPU node's cores per GPU (Pitzer 20-24, Ascend 22, Cardinal 24).
+IMAGE_JOB_THREADS = 16
+
+
+def extract_part_threads(config: dict[str, Any]) -> int:
+    """CPUs of one extraction job (its rule's threads, and the Slurm cpus_per_task that follows them).
+    Images: extract.num_workers decoding processes + the main process + the writer threads, or
+    IMAGE_JOB_THREADS when num_workers is null (then the workers are the job's CPUs). Text:
+    TEXT_JOB_THREADS. From config.json alone: a parse lists no dataset for it."""
+    if model_kind(run_config(config["model"])) != "vision":
+        return TEXT_JOB_THREADS
+    ext = config["extract"]
+    if ext.get("num_workers") is None:
+        return IMAGE_JOB_THREADS
+    return ext["num_workers"] + 1 + (ext.get("writer_threads") or len(ext["layers"]) + len(ext.get("hooks", [])))
+
+
 TOKEN_ID_BYTES = 16  # a text part's token ids (extract.inputs.TokenIds): int64, and a second copy while joined
 
 
@@ -161,12 +181,13 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     """Host memory of one extraction job: weights loaded on the host first, what reading its rows
     holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches of captures)
     plus one batch being packed, the decoded images waiting in shared memory (extract.num_workers,
-    else `threads`, workers' items ahead and two batches), and 3 GB for torch/CUDA."""
+    else the job's CPUs: extract_part_threads, or `threads` where more; workers' items ahead and two
+    batches), and 3 GB for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
     batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors
     batch *= ext.get("buffers", 3) + 1
-    workers = threads if ext.get("num_workers") is None else ext["num_workers"]
+    workers = max(threads, extract_part_threads(config)) if ext.get("num_workers") is None else ext["num_workers"]
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
     token_ids = 0 if w.pixel_bytes else TOKEN_ID_BYTES * w.tokens / ext["parts"]
     held = dataset_bytes(config, workers) + token_ids + batch + images * w.pixel_bytes
