@@ -5,7 +5,8 @@
 #                                    H200 of 2026-11-26 with session 37's rows, plus the machine's start)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
-#                                    the ViT processors' pixels whole and in loader items; the ViT write pattern
+#                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
+#                                    and (this phase only) vit-b14 on 4 CPUs
 #   bench/gpu_suite.sh sae-lut DEST  bench_lut llama8b-mlp, bench_sae, bench_saev on the node's cores,
 #                                    and the CUDA tests
 #   bench/gpu_suite.sh writers DEST  bench_writers on the node's disk (8 GB, 8 parts, 8 scattered jobs,
@@ -63,7 +64,9 @@ build_ext() { python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&
 case $phase in
 all) extract; lut_sae; build_ext
   step writers 150 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers --only saev lmprobe zarr ;;
-extract) extract ;;
+extract) extract
+  # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
+  step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
 sae-lut) lut_sae; build_ext
   step saev 120 python3 bench/bench_saev.py --size-mb 4096 --fill-threads 1 2 4 8 16 --repeat 5 ;;
 writers) build_ext
