@@ -1438,3 +1438,68 @@ def test_the_extraction_contract_types_part_json_and_names_a_missing_field(extra
         (copy / "part.json").write_text(json.dumps(bad))
         with pytest.raises(FormatError, match=rf"part.json: field '{key}' must be {want}"):
             extract_format.inspect(copy)
+
+
+def tekken_like_mistral(model_dir_path, out):
+    """A Mistral folder as a tekken checkpoint saved by transformers 4 looks to transformers 5: config.json
+    of model_type mistral and an older transformers_version, a tokenizer of over 100,000 entries whose
+    pre-tokenizer is a Split regex (here whitespace only, where the corrected regex also splits a word
+    from its punctuation and digit from digit, and keeps a space with the word after it) and
+    byte-level. Three merges tell the two apart ("o," and "12" only as saved, " t" only corrected); the
+    other entries past the bytes are never produced, so every id fits the tiny model's vocabulary."""
+    import shutil
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(model_dir_path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "transformers_version": "4.46.0"}))
+    vocab = {symbol: i for i, symbol in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    merges = [("o", ","), ("1", "2"), ("Ġ", "t")]
+    vocab |= {a + b: len(vocab) + i for i, (a, b) in enumerate(merges)}
+    vocab |= {f"unused_{i}": len(vocab) + i for i in range(100_001 - len(vocab))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    for file in out.glob("tokenizer*"):
+        file.unlink()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="unused_0", pad_token="unused_0").save_pretrained(out)
+    return out
+
+
+def test_model_fix_mistral_regex_is_the_users_answer_to_transformers_warning(tmp_path, text_jsonl, caplog):
+    """transformers 5 flags a tekken-style Mistral tokenizer saved before it and runs it as saved: the
+    part's log says which key decides, and part.json records the answer. `true` tokenizes as
+    transformers' corrected regex does (other ids than the saved regex gives), `false` as saved, and
+    `true` on a tokenizer with no Split regex (a sentencepiece or byte-level one, whose every token the
+    fix would change) is refused before any weight loads. The key is part of the extraction's hash."""
+    from transformers import AutoTokenizer
+
+    from actstore.hashing import stage_hash
+    folder = tekken_like_mistral(tiny.build_family("mistral", tmp_path / "built"), tmp_path / "tekken")
+    texts = [json.loads(line)["text"] for line in text_jsonl.read_text().splitlines()]
+    runs = {}
+    for fix in (None, False, True):
+        model = {} if fix is None else {"fix_mistral_regex": fix}
+        config = tiny.make_config(tmp_path / str(fix), folder, text_jsonl, model=model,
+                                  extract={"parts": 1, "max_seq_length": 32, "layers": [0]})
+        caplog.clear()
+        meta = run_part(config, 0, tmp_path / str(fix) / "part", progress=False)
+        part = open_part(tmp_path / str(fix) / "part")
+        runs[fix] = [part.token_ids(i).tolist() for i in range(len(part.samples))]
+        flagged = "model.fix_mistral_regex: true for a tekken tokenizer" in caplog.text
+        assert flagged == (fix is None) and meta["model"]["fix_mistral_regex"] is bool(fix), fix
+        runs[f"hash {fix}"] = stage_hash(config, "extract")
+    assert runs[None] == runs[False] != runs[True]
+    fixed = AutoTokenizer.from_pretrained(folder, fix_mistral_regex=True)
+    assert runs[True] == fixed(texts, truncation=True, max_length=32)["input_ids"]
+    assert len({runs["hash None"], runs["hash False"], runs["hash True"]}) == 3
+
+    byte_level = tiny.build_family("mistral", tmp_path / "bpe")
+    config = tiny.make_config(tmp_path / "refused", byte_level, text_jsonl, model={"fix_mistral_regex": True})
+    with pytest.raises(ConfigError, match=r"model.fix_mistral_regex: true, but .*tokenizer.json splits text with "
+                                          r"\['ByteLevel'\]"):
+        run_part(config, 0, tmp_path / "refused" / "part", progress=False)
+    assert not (tmp_path / "refused" / "part").exists()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from actstore.checkpoint import load_weights
 from actstore.errors import ConfigError
 from actstore.model_config import (check_remote_code, check_tower, is_vision_language, model_kind, num_blocks,
                                    read_model_config, vision_tower_config)
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -174,21 +177,52 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     return LoadedModel(model, path, config, kind, blocks, blocks_path, preprocessor, dev)
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, fix_mistral_regex: bool | None = None) -> Any:
     """The model folder's tokenizer, with a pad token: right padding only, and pad positions are never
     stored, so any id works (id 0's token for a tokenizer with no eos or unk token either, as some
     byte-level BPEs are saved). It truncates on the right, whatever side the folder's
     tokenizer_config.json names (some name "left"): a text keeps its first tokens, as given token ids
     are cut and as part.json's n_truncated_samples says. One that is the folder's own code is refused
-    by name unless `trust_remote_code` (transformers would prompt for it, or fail)."""
+    by name unless `trust_remote_code` (transformers would prompt for it, or fail).
+    `fix_mistral_regex`: model.fix_mistral_regex (None: transformers' default)."""
     from transformers import AutoTokenizer
 
     check_remote_code(path, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    if fix_mistral_regex:
+        check_regex_split(Path(path))
+    options = {} if fix_mistral_regex is None else {"fix_mistral_regex": fix_mistral_regex}
+    tokenizer = AutoTokenizer.from_pretrained(Path(path), local_files_only=True, trust_remote_code=trust_remote_code,
+                                              **options)
+    if fix_mistral_regex is None and mistral_regex_fixed(tokenizer) is False:
+        log.warning("model.path %s: transformers flags this Mistral-family tokenizer (saved before transformers 5) "
+                    "as possibly splitting text with an incorrect regex and runs it as saved. Set "
+                    "model.fix_mistral_regex: true for a tekken tokenizer (Mistral Small 3.1, Ministral, Magistral, "
+                    "Devstral) to apply the corrected regex, or false to keep the saved one and silence this", path)
     tokenizer.truncation_side = "right"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.convert_ids_to_tokens(0)
     return tokenizer
+
+
+def mistral_regex_fixed(tokenizer: Any) -> bool | None:
+    """Whether transformers applied its corrected regex to a Mistral-family tokenizer it flagged
+    (the flag lives on the tokenizers backend); None for a tokenizer it did not flag."""
+    return getattr(getattr(tokenizer, "backend_tokenizer", None), "fix_mistral_regex", None)
+
+
+def check_regex_split(path: Path) -> None:
+    """model.fix_mistral_regex: true replaces the regex of a Split pre-tokenizer (a tekken tokenizer's);
+    given a sentencepiece tokenizer (Metaspace, as Mistral 7B's) transformers swaps in a byte-level
+    pre-tokenizer instead, and every token changes: refused, naming the key and the file."""
+    import json
+
+    file = path / "tokenizer.json"
+    saved = json.loads(file.read_text(encoding="utf-8")).get("pre_tokenizer") if file.is_file() else None
+    kinds = [step.get("type") for step in (saved or {}).get("pretokenizers", [saved])] if saved else []
+    if "Split" not in kinds:
+        raise ConfigError(f"model.fix_mistral_regex: true, but {file} splits text with {kinds or 'no pre-tokenizer'}, "
+                          "not the regex the fix replaces (a sentencepiece tokenizer, as Mistral 7B's, would have "
+                          "every token changed): leave it unset or false")
 
 
 def first_tensor(value: Any) -> torch.Tensor:

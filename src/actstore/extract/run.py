@@ -27,7 +27,8 @@ from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
                                    model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, trusted)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, host_to_device, load_image_processor, load_model,
-                             load_tokenizer, model_skeleton, pick_device)
+                             load_tokenizer, mistral_regex_fixed, model_skeleton,
+                             pick_device)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
                                pick_device(ext["device"]).type == "cuda", TORCH_DTYPES[dtype])
     else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
-        preprocessor = load_tokenizer(model_path, trusted(config["model"]))
+        preprocessor = load_tokenizer(model_path, trusted(config["model"]), config["model"].get("fix_mistral_regex"))
         token_ids = text_token_ids(config, preprocessor, dataset)
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
@@ -254,6 +255,9 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
                   "architecture": (loaded.config.get("architectures") or [type(loaded.model).__name__])[0],
                   "torch_dtype": run_dtype(config["model"]), "blocks_path": loaded.blocks_path,
                   "n_blocks": len(loaded.blocks), **tower_record(config["model"], loaded),
+                  # whether a flagged Mistral-family tokenizer ran with transformers' corrected regex
+                  **({"fix_mistral_regex": fixed} if (fixed := mistral_regex_fixed(loaded.preprocessor)) is not None
+                     else {}),
                   # the classes that ran were the folder's own code (config.json auto_map)
                   **({"auto_map": loaded.config["auto_map"]}
                      if trusted(config["model"]) and "auto_map" in loaded.config else {})},
