@@ -156,8 +156,8 @@ def _minutes(seconds: float, attempt: int) -> int:
 
 TEXT_JOB_THREADS = 4  # tokenizing up front and a writer thread per captured tensor (up to these CPUs)
 # An image job's CPUs decode: the loader alone ran 504 img/s with 4 workers, 838 with 8 and 932 with 16
-# on an H100 host's 500x375 JPEGs (issue 14), where ViT-B/14 runs 5,775 img/s; 16 is a quarter to
-# two thirds of an OSC GPU node's cores per GPU (Pitzer 20-24, Ascend 22, Cardinal 24).
+# on an H100 host's 500x375 JPEGs (issue 14), where ViT-B/14 runs 5,775 img/s. 16 is within a GPU's
+# share of OSC's dual-GPU Pitzer nodes (40 or 48 cores for 2 GPUs, OSC's batch limit rules).
 IMAGE_JOB_THREADS = 16
 
 

@@ -27,8 +27,7 @@ from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
                                    model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, trusted)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, host_to_device, load_image_processor, load_model,
-                             load_tokenizer, mistral_regex_fixed, model_skeleton,
-                             pick_device)
+                             load_tokenizer, mistral_regex_fixed, model_skeleton, pick_device)
 
 log = logging.getLogger(__name__)
 
