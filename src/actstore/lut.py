@@ -88,7 +88,8 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
 
     sae, sae_meta = load_sae(Path(sae_dir) / SAE_FILE)
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", config["lut"]["device"],
-                        config["model"].get("tower"), trusted(config["model"]))
+                        config["model"].get("tower"), trusted(config["model"]),
+                        fix_mistral_regex=config["model"].get("fix_mistral_regex"))
     tables = build_tables(config, loaded.model, sae.state())
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(Path(sae_dir) / SAE_FILE),

@@ -150,11 +150,13 @@ def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> A
 
 
 def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto",
-               tower: str | None = None, trust_remote_code: bool = False, preprocessor: Any = None) -> LoadedModel:
+               tower: str | None = None, trust_remote_code: bool = False, preprocessor: Any = None,
+               fix_mistral_regex: bool | None = None) -> LoadedModel:
     """Load weights and preprocessor from a local folder; never touches a hub. `tower`: model.tower
     (vision: a vision-language checkpoint's vision tower runs, on images; its config is run_config's);
     `trust_remote_code`: model.trust_remote_code, needed by a checkpoint whose classes are its own code;
-    `preprocessor`: the folder's tokenizer or image processor when the caller already loaded it."""
+    `preprocessor`: the folder's tokenizer or image processor when the caller already loaded it;
+    `fix_mistral_regex`: model.fix_mistral_regex, for the tokenizer loaded here (load_tokenizer)."""
     path = Path(path)
     checkpoint = read_model_config(path)
     check_tower(checkpoint, tower, path)
@@ -173,7 +175,7 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)
     if preprocessor is None:
         preprocessor = (load_image_processor(path, trust_remote_code) if kind == "vision"
-                        else load_tokenizer(path, trust_remote_code))
+                        else load_tokenizer(path, trust_remote_code, fix_mistral_regex))
     return LoadedModel(model, path, config, kind, blocks, blocks_path, preprocessor, dev)
 
 
