@@ -2,6 +2,8 @@
 # GPU) reading only its rows, then a small index.
 
 EXTRACT_DIR = sdir("extract")
+# A part job's CPUs (images: its decoding workers; actstore/resources.py), from config.json alone.
+EXTRACT_PART_THREADS = actstore_resources.extract_part_threads(config)
 
 
 # Every job needs the dataset's row count and labels (sample_idx and label_id are over the whole
@@ -39,13 +41,13 @@ rule extract_part:
     wildcard_constraints:
         part=r"\d{4}",
     # Images: 16 CPUs decoding (or extract.num_workers + the main process and writers); text: 4.
-    threads: actstore_resources.extract_part_threads(config)
+    threads: EXTRACT_PART_THREADS
     # Scale with the model and the part's share of the dataset (actstore/resources.py); the
     # partition, GPU and account come from the profile (profiles/osc), never from the rule.
     # cpus_per_task: Slurm's CPUs for those threads (Snakemake caps `threads` at the submitting
     # host's --cores, so not from them).
     resources:
-        cpus_per_task=actstore_resources.extract_part_threads(config),
+        cpus_per_task=EXTRACT_PART_THREADS,
         mem_mb=lambda wildcards, threads, attempt: actstore_resources.extract_part_mem_mb(config, attempt, threads),
         runtime=lambda wildcards, attempt: actstore_resources.extract_part_runtime(config, attempt),
     conda:

@@ -181,13 +181,13 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     """Host memory of one extraction job: weights loaded on the host first, what reading its rows
     holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches of captures)
     plus one batch being packed, the decoded images waiting in shared memory (extract.num_workers,
-    else the job's CPUs: extract_part_threads, or `threads` where more; workers' items ahead and two
+    else the job's CPUs: IMAGE_JOB_THREADS, or `threads` where more; workers' items ahead and two
     batches), and 3 GB for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
     batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors
     batch *= ext.get("buffers", 3) + 1
-    workers = max(threads, extract_part_threads(config)) if ext.get("num_workers") is None else ext["num_workers"]
+    workers = max(threads, IMAGE_JOB_THREADS) if ext.get("num_workers") is None else ext["num_workers"]
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
     token_ids = 0 if w.pixel_bytes else TOKEN_ID_BYTES * w.tokens / ext["parts"]
     held = dataset_bytes(config, workers) + token_ids + batch + images * w.pixel_bytes
