@@ -1174,6 +1174,29 @@ def test_model_dtype_auto_runs_the_checkpoint_as_saved(model_dir, text_jsonl, tm
                                                          "extract")
 
 
+def test_the_log_says_when_a_gpu_runs_the_model_in_a_costly_dtype():
+    """bfloat16 on a GPU without bfloat16 arithmetic (Pitzer's V100s) is emulated: the part's log
+    names the GPU and the two dtypes that run natively; float32 for a 16-bit checkpoint costs twice
+    the memory; the dtype a GPU runs natively gets no warning. On a CUDA machine, the warning agrees
+    with torch's own answer for its device."""
+    from actstore.models import gpu_precision_warning
+
+    v100 = gpu_precision_warning("auto", "bfloat16", "bfloat16", "Tesla V100-SXM2-32GB", (7, 0))
+    assert "Tesla V100-SXM2-32GB" in v100 and "7.0" in v100 and "emulates" in v100
+    assert "float32" in v100 and "float16" in v100 and "65504" in v100
+    assert gpu_precision_warning("bfloat16", "bfloat16", "float32", "Tesla T4", (7, 5)) is not None
+    for gpu, capability in [("NVIDIA A100-SXM4-80GB", (8, 0)), ("NVIDIA H100 80GB HBM3", (9, 0))]:
+        assert gpu_precision_warning("auto", "bfloat16", "bfloat16", gpu, capability) is None
+    assert gpu_precision_warning("float16", "float16", "bfloat16", "Tesla V100-SXM2-32GB", (7, 0)) is None
+    wide = gpu_precision_warning("float32", "float32", "bfloat16", "NVIDIA H100 80GB HBM3", (9, 0))
+    assert "twice its memory" in wide and "bfloat16" in wide
+    assert gpu_precision_warning("float32", "float32", "float32", "NVIDIA H100 80GB HBM3", (9, 0)) is None
+    if torch.cuda.is_available():
+        here = gpu_precision_warning("auto", "bfloat16", "bfloat16", torch.cuda.get_device_name(),
+                                     torch.cuda.get_device_capability())
+        assert (here is None) == torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def test_float16_storage_counts_the_activations_it_turns_into_inf(model_dir, text_jsonl, tmp_path, caplog):
     """A float32 model whose block-0 output is scaled far past float16's range (its LayerNorm
     weight x 1e6): part.json's float16_overflow_count is exactly the infs stored, and a warning

@@ -71,6 +71,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def gpu_precision_warning(requested: str, run: str, saved: str, gpu: str, capability: tuple[int, int]) -> str | None:
+    """What the part's log says of the dtype a GPU runs the model in: a float32 run of a 16-bit
+    checkpoint, or bfloat16 on a GPU without bfloat16 arithmetic (compute capability below 8.0:
+    V100, P100, T4), where torch emulates it op by op."""
+    if run == "bfloat16" and capability < (8, 0):
+        return (f"model.torch_dtype {requested} runs bfloat16 on {gpu} (compute capability {capability[0]}."
+                f"{capability[1]}), which has no bfloat16 arithmetic: torch emulates it, slower than float32. "
+                "model.torch_dtype: float32 holds every bfloat16 weight exactly (twice the memory); float16 uses "
+                "this GPU's tensor cores but overflows past +-65504, which bfloat16-trained models can reach")
+    if requested == "float32" != saved:
+        return (f"model.torch_dtype float32 runs a checkpoint saved in {saved} at twice its memory and without "
+                "its tensor-core speed (model.torch_dtype: auto runs it as saved)")
+    return None
+
+
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor (input ids, indices) on `device` without making the host wait: to a GPU through
     pinned memory, a copy queued behind the stream's work. From pageable memory CUDA first finishes

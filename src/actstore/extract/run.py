@@ -26,8 +26,9 @@ from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, writ
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
                                    model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, trusted)
-from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, host_to_device, load_image_processor, load_model,
-                             load_tokenizer, mistral_regex_fixed, model_skeleton, pick_device)
+from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, gpu_precision_warning, host_to_device,
+                             load_image_processor, load_model, load_tokenizer, mistral_regex_fixed, model_skeleton,
+                             pick_device)
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,10 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     torch.manual_seed(0)
     loaded = load_model(model_path, dtype, ext["device"], config["model"].get("tower"),
                         trusted(config["model"]), preprocessor)
-    saved = saved_dtype(loaded.config)
-    if loaded.device.type == "cuda" and config["model"]["torch_dtype"] == "float32" != saved:
-        log.warning("model.torch_dtype float32 runs a checkpoint saved in %s at twice its memory and without "
-                    "its tensor-core speed (model.torch_dtype: auto runs it as saved)", saved)
+    if loaded.device.type == "cuda" and (advice := gpu_precision_warning(
+            config["model"]["torch_dtype"], dtype, saved_dtype(loaded.config), torch.cuda.get_device_name(loaded.device),
+            torch.cuda.get_device_capability(loaded.device))):
+        log.warning("%s", advice)
     if vision:
         lengths = [vision_tokens(loaded, dataset)] * len(samples) if samples else []
         token_ids = None
