@@ -1311,11 +1311,12 @@ def test_cuda_pipeline_stores_the_models_outputs_whatever_the_buffers(model_dir,
     for buffers in (1, 4):
         config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl,
                                   extract={"parts": 1, "device": "cuda", "buffers": buffers})
-        run_part(config, 0, tmp_path / f"cuda-{buffers}", progress=False)
+        meta = run_part(config, 0, tmp_path / f"cuda-{buffers}", progress=False)
+        assert meta["device_name"] == torch.cuda.get_device_name()
         files.append(data_files(tmp_path / f"cuda-{buffers}"))
     assert files[0] == files[1]
     cpu = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl, extract={"parts": 1, "device": "cpu"})
-    run_part(cpu, 0, tmp_path / "cpu", progress=False)
+    assert "device_name" not in run_part(cpu, 0, tmp_path / "cpu", progress=False)
     gpu_part, cpu_part = open_part(tmp_path / "cuda-1"), open_part(tmp_path / "cpu")
     for i in range(len(cpu_part.samples)):
         assert rel_err(gpu_part.activations("layer_2", i), cpu_part.activations("layer_2", i)) <= 1e-3

@@ -266,6 +266,8 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
         "max_seq_length": ext["max_seq_length"], "batch_size": ext["batch_size"],
         "logits_topk": ext["logits_topk"] if loaded.kind == "causal" else None,
         "device": str(loaded.device), "machine": platform.node(),
+        # which GPU ran it: its kernels set the low bits of 16-bit activations
+        **({"device_name": torch.cuda.get_device_name(loaded.device)} if loaded.device.type == "cuda" else {}),
         "created_at": utc_now().isoformat(timespec="seconds"),
         "versions": library_versions(),
     }
