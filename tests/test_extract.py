@@ -1174,7 +1174,7 @@ def test_model_dtype_auto_runs_the_checkpoint_as_saved(model_dir, text_jsonl, tm
                                                          "extract")
 
 
-def test_the_log_says_when_a_gpu_runs_the_model_in_a_costly_dtype():
+def test_the_log_says_when_a_cuda_gpu_runs_the_model_in_a_costly_dtype():
     """bfloat16 on a GPU without bfloat16 arithmetic (Pitzer's V100s) is emulated: the part's log
     names the GPU and the two dtypes that run natively; float32 for a 16-bit checkpoint costs twice
     the memory; the dtype a GPU runs natively gets no warning. On a CUDA machine, the warning agrees
