@@ -1197,6 +1197,34 @@ def test_the_log_says_when_a_cuda_gpu_runs_the_model_in_a_costly_dtype():
         assert (here is None) == torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+@pytest.mark.parametrize("kind,tower", [("llama", None), ("t5", None), ("clip", None), ("gemma3", "vision")])
+def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, tower, model_dir):
+    """The GPU memory check sizes, from the meta-device skeleton alone, exactly the weights the run
+    puts on the device: the whole causal LM (a tied head once), T5's encoder alone, CLIP's vision
+    model alone, a VLM's vision tower alone, in float32 and bfloat16. Weights past the GPU's free
+    memory are refused with the sizes and the GPU named, and the 16-bit dtypes offered for float32."""
+    from pathlib import Path
+
+    from actstore.models import gpu_memory_error, model_skeleton, weight_bytes
+
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(model_dir(kind), dtype, "cpu", tower)
+        actual = weight_bytes(loaded.model, dtype)
+        on_device = {t.data_ptr(): t.numel() * t.element_size() for t in loaded.model.state_dict().values()}
+        assert actual == sum(on_device.values())
+        assert weight_bytes(model_skeleton(model_dir(kind), tower), dtype) == actual
+    path = Path("/models/llama-8b")
+    error = gpu_memory_error(path, 32_120_000_000, "float32", 15_600_000_000, 16_900_000_000,
+                             "cuda:0 (Tesla V100-PCIE-16GB)")
+    assert "/models/llama-8b" in error and "32.1 GB in float32" in error and "15.6 GB free of 16.9 GB" in error
+    assert "Tesla V100-PCIE-16GB" in error and "16-bit model.torch_dtype" in error
+    assert "16-bit" not in gpu_memory_error(path, 16_100_000_000, "bfloat16", 15_600_000_000, 16_900_000_000, "x")
+    assert gpu_memory_error(path, 16_000_000_000, "bfloat16", 78_000_000_000, 80_000_000_000, "x") is None
+    if torch.cuda.is_available():  # the real check passes a tiny model on the real device
+        from actstore.models import check_fits_on_gpu
+        check_fits_on_gpu(model_dir(kind), tower, False, "bfloat16", torch.device("cuda"))
+
+
 def test_float16_storage_counts_the_activations_it_turns_into_inf(model_dir, text_jsonl, tmp_path, caplog):
     """A float32 model whose block-0 output is scaled far past float16's range (its LayerNorm
     weight x 1e6): part.json's float16_overflow_count is exactly the infs stored, and a warning

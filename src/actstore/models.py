@@ -86,6 +86,34 @@ def gpu_precision_warning(requested: str, run: str, saved: str, gpu: str, capabi
     return None
 
 
+def weight_bytes(module: nn.Module, dtype: str) -> int:
+    """Bytes a module's parameters and buffers take once loaded in `dtype` (floating tensors cast to
+    it, as from_pretrained casts them; a tied tensor counted once). Works on a meta-device skeleton."""
+    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}.values()
+    size = TORCH_DTYPES[dtype].itemsize
+    return sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def gpu_memory_error(path: Path, need: int, dtype: str, free: int, total: int, gpu: str) -> str | None:
+    """The error for weights that cannot fit in the GPU's free memory: said before they load (minutes
+    for a large checkpoint) instead of a CUDA out-of-memory error after."""
+    if need <= free:
+        return None
+    halve = " A 16-bit model.torch_dtype halves that (auto runs the checkpoint as saved)." if dtype == "float32" else ""
+    return (f"model.path {path}: its weights take {need / 1e9:.1f} GB in {dtype} (model.torch_dtype), more than the "
+            f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {gpu}; extraction runs the model on one GPU.{halve}")
+
+
+def check_fits_on_gpu(path: Path, tower: str | None, trust_remote_code: bool, dtype: str,
+                      device: torch.device) -> None:
+    """Weights larger than the GPU's free memory are refused before any is read (the module that runs,
+    sized on its meta-device skeleton: a tower alone, an encoder alone)."""
+    need = weight_bytes(model_skeleton(path, tower, trust_remote_code), dtype)
+    free, total = torch.cuda.mem_get_info(device)
+    if error := gpu_memory_error(path, need, dtype, free, total, f"{device} ({torch.cuda.get_device_name(device)})"):
+        raise ConfigError(error)
+
+
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor (input ids, indices) on `device` without making the host wait: to a GPU through
     pinned memory, a copy queued behind the stream's work. From pageable memory CUDA first finishes
@@ -179,6 +207,8 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     config = vision_tower_config(checkpoint) if tower == "vision" else checkpoint
     kind = model_kind(config)
     dev = pick_device(device)
+    if dev.type == "cuda":
+        check_fits_on_gpu(path, tower, trust_remote_code, torch_dtype, dev)
     if tower == "vision":
         model = _vision_tower(path, TORCH_DTYPES[torch_dtype], trust_remote_code)
     else:
