@@ -1198,21 +1198,23 @@ def test_the_log_says_when_a_cuda_gpu_runs_the_model_in_a_costly_dtype():
 
 
 @pytest.mark.parametrize("kind,tower", [("llama", None), ("t5", None), ("clip", None), ("gemma3", "vision")])
-def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, tower, model_dir):
+def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, tower, model_dir, tmp_path):
     """The GPU memory check sizes, from the meta-device skeleton alone, exactly the weights the run
     puts on the device: the whole causal LM (a tied head once), T5's encoder alone, CLIP's vision
     model alone, a VLM's vision tower alone, in float32 and bfloat16. Weights past the GPU's free
-    memory are refused with the sizes and the GPU named, and the 16-bit dtypes offered for float32."""
+    memory are refused with the sizes and the GPU named, and the 16-bit dtypes offered for float32.
+    A quantized checkpoint is not sized (its quantizer lays out its weights)."""
+    import shutil
     from pathlib import Path
 
-    from actstore.models import gpu_memory_error, model_skeleton, weight_bytes
+    from actstore.models import bytes_to_load, gpu_memory_error, weight_bytes
 
     for dtype in ("float32", "bfloat16"):
         loaded = load_model(model_dir(kind), dtype, "cpu", tower)
         actual = weight_bytes(loaded.model, dtype)
         on_device = {t.data_ptr(): t.numel() * t.element_size() for t in loaded.model.state_dict().values()}
         assert actual == sum(on_device.values())
-        assert weight_bytes(model_skeleton(model_dir(kind), tower), dtype) == actual
+        assert bytes_to_load(model_dir(kind), tower, False, dtype) == actual
     path = Path("/models/llama-8b")
     error = gpu_memory_error(path, 32_120_000_000, "float32", 15_600_000_000, 16_900_000_000,
                              "cuda:0 (Tesla V100-PCIE-16GB)")
@@ -1220,6 +1222,11 @@ def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, towe
     assert "Tesla V100-PCIE-16GB" in error and "16-bit model.torch_dtype" in error
     assert "16-bit" not in gpu_memory_error(path, 16_100_000_000, "bfloat16", 15_600_000_000, 16_900_000_000, "x")
     assert gpu_memory_error(path, 16_000_000_000, "bfloat16", 78_000_000_000, 80_000_000_000, "x") is None
+    quantized = tmp_path / "quantized"  # sized by its quantizer, not by the skeleton: never refused by it
+    shutil.copytree(model_dir(kind), quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "fp8"}}))
+    assert bytes_to_load(quantized, tower, False, "bfloat16") is None
     if torch.cuda.is_available():  # the real check passes a tiny model on the real device
         from actstore.models import check_fits_on_gpu
         check_fits_on_gpu(model_dir(kind), tower, False, "bfloat16", torch.device("cuda"))

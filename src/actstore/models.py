@@ -104,11 +104,21 @@ def gpu_memory_error(path: Path, need: int, dtype: str, free: int, total: int, g
             f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {gpu}; extraction runs the model on one GPU.{halve}")
 
 
+def bytes_to_load(path: Path, tower: str | None, trust_remote_code: bool, dtype: str) -> int | None:
+    """Bytes of the weights that run (a tower alone, an encoder alone), sized on the module's
+    meta-device skeleton; None for a quantized checkpoint (config.json `quantization_config`), whose
+    weights from_pretrained keeps in the quantizer's own layout, which the skeleton does not have."""
+    if "quantization_config" in read_model_config(path):
+        return None
+    return weight_bytes(model_skeleton(path, tower, trust_remote_code), dtype)
+
+
 def check_fits_on_gpu(path: Path, tower: str | None, trust_remote_code: bool, dtype: str,
                       device: torch.device) -> None:
-    """Weights larger than the GPU's free memory are refused before any is read (the module that runs,
-    sized on its meta-device skeleton: a tower alone, an encoder alone)."""
-    need = weight_bytes(model_skeleton(path, tower, trust_remote_code), dtype)
+    """Weights larger than the GPU's free memory are refused before any is read (bytes_to_load)."""
+    need = bytes_to_load(path, tower, trust_remote_code, dtype)
+    if need is None:
+        return
     free, total = torch.cuda.mem_get_info(device)
     if error := gpu_memory_error(path, need, dtype, free, total, f"{device} ({torch.cuda.get_device_name(device)})"):
         raise ConfigError(error)
