@@ -1360,6 +1360,32 @@ def test_cuda_pipeline_stores_the_models_outputs_whatever_the_buffers(model_dir,
         assert len(gpu_logprob) == 1 or rel_err(gpu_logprob[1:], cpu_logprob[1:]) <= 1e-3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_out_of_memory_names_the_batch_and_what_to_lower(model_dir, tmp_path):
+    """A first batch past the GPU's memory (torch held to the weights and 32 MiB more) stops the job
+    naming the GPU, the batch's shape and the two keys to lower, and leaves no part."""
+    from actstore.models import bytes_to_load
+
+    texts = tmp_path / "long.jsonl"
+    line = json.dumps({"text": " ".join(f"token{i}" for i in range(400))}) + "\n"
+    texts.write_text(line * 512)
+    config = tiny.make_config(tmp_path, model_dir("llama"), texts, extract={
+        "parts": 1, "device": "cuda", "batch_size": 512, "max_seq_length": 128, "layers": [0]})
+    torch.cuda.empty_cache()
+    allowed = torch.cuda.memory_reserved() + bytes_to_load(model_dir("llama"), None, False, "float32") + (32 << 20)
+    torch.cuda.set_per_process_memory_fraction(allowed / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            run_part(config, 0, tmp_path / "part", progress=False)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    message = str(caught.value)
+    assert torch.cuda.get_device_name() in message and "512 texts of up to 128 tokens" in message
+    assert "extract.batch_size (512)" in message and "extract.max_seq_length (128)" in message
+    assert not (tmp_path / "part").exists()
+
+
 def test_verify_names_a_missing_part_an_unlisted_file_and_a_path_outside_the_part(extracted, tmp_path):
     import shutil
 

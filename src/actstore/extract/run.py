@@ -164,14 +164,30 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             input_wait += time.perf_counter() - asked
             batch, inputs = item
             captured.clear()
-            output = loaded.model(**inputs)
-            check_reached(captured, ext["layers"], ext["hooks"], loaded)
             rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
-            pipeline.submit(rows, *pack_batch(loaded, inputs, output, captured, rows, token_ids,
-                                              dtype, ext["logits_topk"], logprobs, overflow))
+            try:
+                output = loaded.model(**inputs)
+                check_reached(captured, ext["layers"], ext["hooks"], loaded)
+                packed = pack_batch(loaded, inputs, output, captured, rows, token_ids, dtype, ext["logits_topk"],
+                                    logprobs, overflow)
+            except torch.OutOfMemoryError as exc:
+                raise ConfigError(out_of_memory(loaded, ext, rows, token_ids is None)) from exc
+            pipeline.submit(rows, *packed)
             bar.update()
         overflow = 0 if overflow is None else int(overflow)
     return overflow, waits(time.perf_counter() - started, input_wait, pipeline)
+
+
+def out_of_memory(loaded: LoadedModel, ext: dict[str, Any], rows: BatchRows, images: bool) -> str:
+    """What to change when a batch does not fit in the GPU's memory. Batches run longest first
+    (length_batches), so the first batch is the largest: a size that passes it passes the part."""
+    what = f"{len(rows.n_tokens)} images" if images else f"{len(rows.n_tokens)} texts of up to {rows.n_tokens.max()} tokens"
+    peak = torch.cuda.max_memory_allocated(loaded.device) / 1e9
+    total = torch.cuda.get_device_properties(loaded.device).total_memory / 1e9
+    shorter = "" if images else f" or extract.max_seq_length ({ext['max_seq_length']})"
+    return (f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)}) ran out of memory on a batch of {what} "
+            f"(torch's peak {peak:.1f} of {total:.1f} GB): lower extract.batch_size ({ext['batch_size']}){shorter}; "
+            "batches run longest first, so a size that passes the first batch passes the whole part")
 
 
 def waits(batches_s: float, input_wait: float, pipeline: WritePipeline) -> dict[str, float]:
