@@ -58,7 +58,7 @@ extract() {
 lut_sae() {
   step lut 90 python3 bench/bench_lut.py --device cuda --shape llama8b-mlp
   step sae 60 python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144
-  step pytest 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py
+  step pytest 120 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py
 }
 build_ext() { python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C extensions not built"; }
 case $phase in
