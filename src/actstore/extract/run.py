@@ -208,7 +208,7 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     device sync).
     `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf."""
     width = next(iter(captured.values())).shape[1]
-    keep_host = np.concatenate([j * width + np.arange(n) for j, n in enumerate(rows.n_tokens)])
+    keep_host = np.flatnonzero(np.arange(width) < rows.n_tokens[:, None])  # row j's tokens at j * width + t
     keep = host_to_device(torch.from_numpy(keep_host), loaded.device)
     tokens = {}
     # The captured tensors are packed first: the log-probs' head rerun fires the hooks again.
