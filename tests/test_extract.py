@@ -1233,6 +1233,30 @@ def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, towe
         check_fits_on_gpu(model_dir(kind), tower, False, "bfloat16", torch.device("cuda"))
 
 
+def test_device_auto_refuses_a_slurm_job_given_gpus_torch_cannot_see(model_dir, text_jsonl, tmp_path, monkeypatch):
+    """A Slurm job given GPUs (SLURM_JOB_GPUS, SLURM_GPUS_ON_NODE) that torch cannot see (a CPU-only
+    build, a driver it cannot use) is refused under `device: auto`, naming the key, the GPUs, torch
+    and what to do, where it would run on the CPU; no GPU given, or `cpu` named: the CPU."""
+    from actstore.models import pick_device, unseen_gpus_error
+
+    cpu_build = unseen_gpus_error({"SLURM_JOB_GPUS": "0"}, "2.13.0+cpu", None, "extract.device")
+    assert "extract.device auto" in cpu_build and "GPUs (0)" in cpu_build and "torch 2.13.0+cpu" in cpu_build
+    assert "CPU-only build" in cpu_build and "extract.device: cpu" in cpu_build
+    driver = unseen_gpus_error({"SLURM_GPUS_ON_NODE": "2"}, "2.11.0+cu130", "13.0", "sae.device")
+    assert "2 on this node" in driver and "CUDA 13.0" in driver and "nvidia-smi" in driver and "sae.device" in driver
+    for env in ({}, {"SLURM_GPUS_ON_NODE": "0"}, {"SLURM_JOB_GPUS": ""}, {"SLURM_JOB_ID": "7"}):
+        assert unseen_gpus_error(env, "2.13.0", None) is None
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+    assert pick_device("cpu", "extract.device").type == "cpu"
+    if torch.cuda.is_available():  # torch sees the GPU: it runs there
+        assert pick_device("auto").type == "cuda"
+        return
+    config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1})
+    with pytest.raises(ConfigError, match="extract.device auto: this Slurm job was given GPUs"):
+        run_part(config, 0, tmp_path / "part", progress=False)
+    assert not (tmp_path / "part").exists()
+
+
 def test_float16_storage_counts_the_activations_it_turns_into_inf(model_dir, text_jsonl, tmp_path, caplog):
     """A float32 model whose block-0 output is scaled far past float16's range (its LayerNorm
     weight x 1e6): part.json's float16_overflow_count is exactly the infs stored, and a warning

@@ -282,8 +282,9 @@ def assert_same_outputs(local: Path, remote: Path) -> int:
 @pytest.mark.slow
 def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
     model, data = model_dir("bert"), text_jsonl
-    local_cfg = write_config(tmp_path, model, data, "local")
-    slurm_cfg = write_config(tmp_path, model, data, "slurm")
+    # The cluster's GPUs are fake ones torch cannot see: named cpu, the jobs on them run on the CPU.
+    local_cfg = write_config(tmp_path, model, data, "local", extract={"device": "cpu"})
+    slurm_cfg = write_config(tmp_path, model, data, "slurm", extract={"device": "cpu"})
 
     env = {"SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
     local = run([SNAKEMAKE, TARGET, "--cores", "1", "--configfile", str(local_cfg)], timeout=RUN_TIMEOUT_S, env=env)
@@ -325,3 +326,19 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
             assert "cpu=8" in row["AllocTRES"].split(","), row
 
     assert assert_same_outputs(tmp_path / "local" / "dump", tmp_path / "slurm" / "dump") > 0
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_part_given_a_gpu_torch_cannot_see_is_refused_not_run_on_the_cpu(cluster, tmp_path, model_dir, text_jsonl):
+    """extract.device auto in a Slurm job given a GPU (the cluster's fake one) that this CPU-only torch
+    cannot see: the part's job stops before tokenizing, saying so and naming the key, instead of
+    running on the CPU for many times as long; no part is written."""
+    configfile = write_config(tmp_path, model_dir("bert"), text_jsonl, "unseen", extract={"parts": 1})
+    logdir = tmp_path / "slurm_logs"
+    proc = run([SNAKEMAKE, "extract", "--profile", "tests/slurm/profile", "--slurm-logdir", str(logdir),
+                "--configfile", str(configfile)], timeout=RUN_TIMEOUT_S)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
+    assert "extract.device auto: this Slurm job was given GPUs" in logs and "CPU-only build" in logs, logs[-4000:]
+    assert not list((tmp_path / "unseen" / "dump" / "extract").glob("*/part-0000"))

@@ -83,11 +83,12 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
               progress: bool = True) -> dict[str, Any]:
     """The lut stage: write <out_dir>/lut/ per spec, then evaluate it and write <out_dir>/report.json."""
     from actstore.model_config import resolve_model_path
-    from actstore.models import load_model
+    from actstore.models import load_model, pick_device
     from actstore.sae import SAE_FILE, load_sae
 
     sae, sae_meta = load_sae(Path(sae_dir) / SAE_FILE)
-    loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", config["lut"]["device"],
+    device = str(pick_device(config["lut"]["device"], "lut.device"))
+    loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", device,
                         config["model"].get("tower"), trusted(config["model"]),
                         fix_mistral_regex=config["model"].get("fix_mistral_regex"))
     tables = build_tables(config, loaded.model, sae.state())

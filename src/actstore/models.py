@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,10 +67,30 @@ class LoadedModel:
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def pick_device(name: str, key: str = "device") -> torch.device:
+    """`auto`: the GPU when torch sees one, else the CPU, except in a Slurm job given GPUs that
+    torch cannot see (a CPU-only torch, a driver it cannot use): that job is refused, where it
+    would run on the CPU for many times as long. `key`: the config key `name` came from."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if error := unseen_gpus_error(os.environ, torch.__version__, torch.version.cuda, key):
+        raise ConfigError(error)
+    return torch.device("cpu")
+
+
+def unseen_gpus_error(env: Mapping[str, str], torch_version: str, cuda_version: str | None,
+                      key: str = "device") -> str | None:
+    """The error for a Slurm job given GPUs (SLURM_JOB_GPUS, SLURM_GPUS_ON_NODE) when torch sees none."""
+    given = env.get("SLURM_JOB_GPUS") or (env.get("SLURM_GPUS_ON_NODE", "0") not in ("", "0") and
+                                          f"{env['SLURM_GPUS_ON_NODE']} on this node")
+    if not given:
+        return None
+    why = ("a CPU-only build: install a CUDA build of torch" if cuda_version is None
+           else f"built for CUDA {cuda_version}, it found no usable GPU: check the node's driver (nvidia-smi)")
+    return (f"{key} auto: this Slurm job was given GPUs ({given}) but torch {torch_version} sees none, being "
+            f"{why}; or set {key}: cpu to run on the CPU anyway")
 
 
 def gpu_precision_warning(requested: str, run: str, saved: str, gpu: str, capability: tuple[int, int]) -> str | None:

@@ -66,6 +66,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     `scan`: the dataset's scan file (datasets.write_scan), so that the job reads only its rows."""
     ext = config["extract"]
     model_path, dataset = preflight(config, part, scan)
+    device = pick_device(ext["device"], "extract.device")  # before decoding or tokenizing: a job's GPU torch cannot see stops it
     samples = dataset.samples
     cpus = default_workers(threads)
     vision = dataset.modality == "image"
@@ -76,7 +77,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         batches = length_batches([1] * len(samples), ext["batch_size"])
         preprocessor = load_image_processor(model_path, trusted(config["model"]))
         pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
-                               pick_device(ext["device"]).type == "cuda", TORCH_DTYPES[dtype])
+                               device.type == "cuda", TORCH_DTYPES[dtype])
     else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
         preprocessor = load_tokenizer(model_path, trusted(config["model"]), config["model"].get("fix_mistral_regex"))
         token_ids = text_token_ids(config, preprocessor, dataset)

@@ -95,7 +95,7 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
     torch.manual_seed(sae_cfg["seed"])
     sae = TopKSAE(d_in, num_basis, k)
     init_sae(sae, data_mean(arrays, split.train), sae_cfg["seed"])
-    device = pick_device(sae_cfg["device"])
+    device = pick_device(sae_cfg["device"], "sae.device")
     sae.to(device)
     opt = torch.optim.Adam(sae.parameters(), lr=sae_cfg["lr"], betas=(0.9, 0.999), eps=6.25e-10)
     started = time.perf_counter()
