@@ -1197,13 +1197,14 @@ def test_the_log_says_when_a_cuda_gpu_runs_the_model_in_a_costly_dtype():
         assert (here is None) == torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-@pytest.mark.parametrize("kind,tower", [("llama", None), ("gpt2", None), ("qwen2_5_vl", None), ("t5", None), ("clip", None),
-                                       ("gemma3", "vision")])
+@pytest.mark.parametrize("kind,tower", [("llama", None), ("gpt2", None), ("qwen2_5_vl", None), ("t5", None),
+                                       ("clip", None), ("gemma3", "vision")])
 def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, tower, model_dir, tmp_path):
     """The GPU memory check sizes, from the meta-device skeleton alone, exactly the weights the run
     puts on the device: a whole causal LM (a tied head once; GPT-2's Conv1D), a whole VLM, T5's
-    encoder alone, CLIP's vision model alone, a VLM's vision tower alone, in float32 and bfloat16. Weights past the GPU's free
-    memory are refused with the sizes and the GPU named, and the 16-bit dtypes offered for float32.
+    encoder alone, CLIP's vision model alone, a VLM's vision tower alone, in float32 and bfloat16.
+    Weights past the GPU's free memory are refused with the sizes and the GPU named, and the 16-bit
+    dtypes offered for float32.
     A quantized checkpoint is not sized (its quantizer lays out its weights)."""
     import shutil
     from pathlib import Path

@@ -142,8 +142,13 @@ def check_fits_on_gpu(path: Path, tower: str | None, trust_remote_code: bool, dt
     if need is None:
         return
     free, total = torch.cuda.mem_get_info(device)
-    if error := gpu_memory_error(path, need, dtype, free, total, f"{device} ({torch.cuda.get_device_name(device)})"):
+    if error := gpu_memory_error(path, need, dtype, free, total, gpu_label(device)):
         raise ConfigError(error)
+
+
+def gpu_label(device: torch.device) -> str:
+    """A CUDA device as errors name it: `cuda:0 (NVIDIA H100 80GB HBM3)`."""
+    return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

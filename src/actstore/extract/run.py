@@ -26,7 +26,7 @@ from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, writ
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
                                    model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, trusted)
-from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, gpu_precision_warning, host_to_device,
+from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, gpu_label, gpu_precision_warning, host_to_device,
                              load_image_processor, load_model, load_tokenizer, mistral_regex_fixed, model_skeleton,
                              pick_device)
 
@@ -66,7 +66,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     `scan`: the dataset's scan file (datasets.write_scan), so that the job reads only its rows."""
     ext = config["extract"]
     model_path, dataset = preflight(config, part, scan)
-    device = pick_device(ext["device"], "extract.device")  # before decoding or tokenizing: a job's GPU torch cannot see stops it
+    # Picked before decoding or tokenizing: a job given a GPU that torch cannot see stops here.
+    device = pick_device(ext["device"], "extract.device")
     samples = dataset.samples
     cpus = default_workers(threads)
     vision = dataset.modality == "image"
@@ -84,11 +85,11 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
     torch.manual_seed(0)
-    loaded = load_model(model_path, dtype, ext["device"], config["model"].get("tower"),
+    loaded = load_model(model_path, dtype, str(device), config["model"].get("tower"),
                         trusted(config["model"]), preprocessor)
     if loaded.device.type == "cuda" and (advice := gpu_precision_warning(
-            config["model"]["torch_dtype"], dtype, saved_dtype(loaded.config), torch.cuda.get_device_name(loaded.device),
-            torch.cuda.get_device_capability(loaded.device))):
+            config["model"]["torch_dtype"], dtype, saved_dtype(loaded.config),
+            torch.cuda.get_device_name(loaded.device), torch.cuda.get_device_capability(loaded.device))):
         log.warning("%s", advice)
     if vision:
         lengths = [vision_tokens(loaded, dataset)] * len(samples) if samples else []
@@ -182,11 +183,12 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
 def out_of_memory(loaded: LoadedModel, ext: dict[str, Any], rows: BatchRows, images: bool) -> str:
     """What to change when a batch does not fit in the GPU's memory. Batches run longest first
     (length_batches), so the first batch is the largest: a size that passes it passes the part."""
-    what = f"{len(rows.n_tokens)} images" if images else f"{len(rows.n_tokens)} texts of up to {rows.n_tokens.max()} tokens"
+    n = len(rows.n_tokens)
+    what = f"{n} images" if images else f"{n} texts of up to {rows.n_tokens.max()} tokens"
     peak = torch.cuda.max_memory_allocated(loaded.device) / 1e9
     total = torch.cuda.get_device_properties(loaded.device).total_memory / 1e9
     shorter = "" if images else f" or extract.max_seq_length ({ext['max_seq_length']})"
-    return (f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)}) ran out of memory on a batch of {what} "
+    return (f"{gpu_label(loaded.device)} ran out of memory on a batch of {what} "
             f"(torch's peak {peak:.1f} of {total:.1f} GB): lower extract.batch_size ({ext['batch_size']}){shorter}; "
             "batches run longest first, so a size that passes the first batch passes the whole part")
 
