@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from actstore.config import validate_config
+from actstore.datasets import configured_scan, write_scan
 from actstore.datasets.images import check_images
 from actstore.extract import length_batches, logprobs, preflight, run_part, tokenize
 from actstore.extract.inputs import image_batches, text_batches, to_model
@@ -167,7 +168,7 @@ def train_tokenizer(out: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<s>", bos_token="<s>", pad_token="<s>").save_pretrained(out)
 
 
-def bare_forward(config: dict, threads: int) -> tuple[float, float, float, object, object, int, dict]:
+def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, float, object, object, int, dict]:
     """Everything run_part does except capturing and writing: preflight, model load, tokenize or
     decode, forward. Returns seconds, seconds to the first batch's output (no write can start
     before it), seconds the main thread waited for the next batch's inputs after the first (near
@@ -179,7 +180,7 @@ def bare_forward(config: dict, threads: int) -> tuple[float, float, float, objec
 
     def mark(step: str) -> None:
         marks[step] = round(time.perf_counter() - started, 3)
-    model_path, dataset = preflight(config, 0)
+    model_path, dataset = preflight(config, 0, scan)
     mark("preflight")
     ext = config["extract"]
     samples = dataset.samples
@@ -261,19 +262,19 @@ def watch_shared_memory(peak: list[int], stop: threading.Event) -> None:
         peak[0] = max(peak[0], shmem() - base)
 
 
-def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int) -> dict:
+def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan: Path) -> dict:
     """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
     best times, every round, and the median of the per-round ratios."""
     bare, first, waits, extract, ratios, peaks = [], [], [], [], [], {"bare": 0.0, "extract": 0.0}
     extract_waits, first_steps = [], []  # part.json's extraction_waits, the first output's steps, of each round
     for repeat in range(repeats):
         with gpu_peak(peaks, "bare"):
-            bare_s, first_s, wait_s, loaded, make_inputs, units, steps = bare_forward(config, threads)
+            bare_s, first_s, wait_s, loaded, make_inputs, units, steps = bare_forward(config, threads, scan)
         first_steps.append(steps)
         target = out / f"part-{repeat}"
         started = time.perf_counter()
         with gpu_peak(peaks, "extract"):
-            meta = run_part(config, 0, target, progress=False, threads=threads)
+            meta = run_part(config, 0, target, progress=False, threads=threads, scan=scan)
         extract.append(time.perf_counter() - started)
         bare.append(bare_s)
         first.append(first_s)
@@ -320,7 +321,8 @@ def synthetic(out: Path, device: torch.device, n_bytes: int, args) -> dict:
     batches = length_batches(lengths, batch_size)
     source = torch.randn(batch_size * high, d, device=device).to(torch.bfloat16)
     started = time.perf_counter()
-    writer = PartWriter(out / "synthetic", [{"sample_idx": i} for i in range(len(lengths))], offsets)
+    writer = PartWriter(out / "synthetic", [{"sample_idx": i} for i in range(len(lengths))], offsets,
+                        hash_threads=args.hash_threads or len(os.sched_getaffinity(0)))
     with WritePipeline(writer, device, args.buffers, args.writer_threads or n_tensors) as pipeline:
         submitted = 0
         for batch in batches:
@@ -403,6 +405,9 @@ def main() -> None:
     parser.add_argument("--synthetic-shape", choices=sorted(SYNTHETIC_SHAPES), default="text",
                         help="--synthetic's write pattern: text (64-512 tokens, d 2048, 4 tensors) or vit-b14 "
                              "(257 tokens an image, d 768, 2 tensors, batches of consecutive images)")
+    parser.add_argument("--hash-threads", type=int, default=None,
+                        help="--synthetic: threads hashing the writes (default or 0: the CPUs, as run_part; 1: in the "
+                             "writer threads)")
     parser.add_argument("--synthetic-rate", type=float, default=None,
                         help="bytes/s the synthetic producer emits (a model slower than the disk); default memory speed")
     parser.add_argument("--bandwidth-gb", type=float, default=None,
@@ -437,12 +442,16 @@ def main() -> None:
         else:
             result["write_bytes_per_s"] = write_bandwidth(work, int(gb * (1 << 30)))
             config = bench_config(args, work)
-            result.update(interleaved_rounds(config, work / "parts", threads, args.repeats))
+            # The part's rows from the dataset's scan, as the workflow's part jobs read them (its
+            # extract_scan job lists the dataset once for all parts)
+            scan = work / "scan.json"
+            write_scan(configured_scan(config, workers=threads), scan)
+            result.update(interleaved_rounds(config, work / "parts", threads, args.repeats, scan))
             result.update(goals(result, args.shape))
             if args.profile:
-                profile(config, work / "profiled", threads, Path(args.out).with_suffix(".profile.txt"))
+                profile(config, work / "profiled", threads, scan, Path(args.out).with_suffix(".profile.txt"))
             if args.trace:
-                result.update(trace(config, work / "traced", threads, Path(args.out).with_suffix(".trace.txt")))
+                result.update(trace(config, work / "traced", threads, scan, Path(args.out).with_suffix(".trace.txt")))
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -452,13 +461,13 @@ def main() -> None:
         print(f"{key:24s} {value:.4g}" if isinstance(value, float) else f"{key:24s} {value}")
 
 
-def profile(config: dict, target: Path, threads: int, report: Path) -> None:
+def profile(config: dict, target: Path, threads: int, scan: Path, report: Path) -> None:
     """One run_part under cProfile (main thread: waits on the loader, slots, the final fsync)."""
     import cProfile
     import io
     import pstats
     profiler = cProfile.Profile()
-    profiler.runcall(run_part, config, 0, target, progress=False, threads=threads)
+    profiler.runcall(run_part, config, 0, target, progress=False, threads=threads, scan=scan)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
     report.parent.mkdir(parents=True, exist_ok=True)
@@ -466,7 +475,7 @@ def profile(config: dict, target: Path, threads: int, report: Path) -> None:
     print(text.getvalue()[-6000:])
 
 
-def trace(config: dict, target: Path, threads: int, report: Path) -> dict:
+def trace(config: dict, target: Path, threads: int, scan: Path, report: Path) -> dict:
     """One run_part under torch.profiler. On a GPU: how much of the run the device was busy (kernel
     intervals merged, over the run's wall time and over the span from its first kernel to its
     last), so idle gaps between batches show as a fraction; and the ops taking the most device and
@@ -476,7 +485,7 @@ def trace(config: dict, target: Path, threads: int, report: Path) -> dict:
     cuda = torch.cuda.is_available()
     started = time.perf_counter()
     with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        run_part(config, 0, target, progress=False, threads=threads)
+        run_part(config, 0, target, progress=False, threads=threads, scan=scan)
     wall_us = (time.perf_counter() - started) * 1e6
     tables = [prof.key_averages().table(sort_by=key, row_limit=20)
               for key in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU benchmarks, each step under its own time limit, results tarred into DEST after every step
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
-#   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order (~9-10 min on the
-#                                    H200 of 2026-11-26 with session 37's rows, plus the machine's start)
+#   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
+#                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
+#   bench/gpu_suite.sh writes DEST   the CUDA tests, the ViT write pattern (--synthetic) by writer and hashing
+#                                    threads, the ViT and Llama rows, lut (~5 min with the machine's start)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -55,15 +57,36 @@ extract() {
   step synvit 60 python3 bench/bench_extract.py --device cuda --synthetic --synthetic-shape vit-b14 --synthetic-gb 3 \
     --repeats 2 --out "$out/synvit.json"
 }
-lut_sae() {
-  step lut 90 python3 bench/bench_lut.py --device cuda --shape llama8b-mlp
-  step sae 60 python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144
-  step pytest 120 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py
-}
+LUT="python3 bench/bench_lut.py --device cuda --shape llama8b-mlp"
+SAE="python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144"
+CUDA_TESTS="python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py"
+lut_sae() { step lut 90 $LUT; step sae 60 $SAE; step pytest 120 $CUDA_TESTS; }
 build_ext() { python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C extensions not built"; }
 case $phase in
-all) extract; lut_sae; build_ext
-  step writers 150 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers --only saev lmprobe zarr ;;
+all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that had not run on a GPU)
+  step pytest 120 $CUDA_TESTS
+  row llama4 90 --shape llama-1b
+  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 ))
+  row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 ))
+  row llama16 90 --shape llama-1b --all-layers --limit 128 --repeats 3
+  row widenl 60 --shape wide-vocab --limit 2048 --no-token-logprobs
+  step lut 90 $LUT
+  step sae 60 $SAE
+  build_ext
+  step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
+    --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
+writes)  # the CUDA tests; the ViT write pattern by writer and hashing threads; the ViT and Llama rows
+  step pytest 120 $CUDA_TESTS
+  for w in 2 1; do for h in 1 0; do  # hash threads 0: the CPUs, as run_part
+    step "synvit-w$w-h$h" 40 python3 bench/bench_extract.py --device cuda --synthetic --synthetic-shape vit-b14 \
+      --synthetic-gb 3 --repeats 2 --writer-threads $w --hash-threads $h --out "$out/synvit-w$w-h$h.json"
+  done; done
+  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 ))
+  row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 ))
+  row vit4kw1 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 )) --writer-threads 1
+  row llama16 90 --shape llama-1b --all-layers --limit 128 --repeats 3
+  row llama4 90 --shape llama-1b
+  step lut 90 $LUT ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
@@ -73,6 +96,6 @@ writers) build_ext
   step writers 400 python3 bench/bench_writers.py --gb 8 --parts 8 --jobs 8 --repeat 3 --work /tmp/writers \
     --thread-counts 1 4 --only saev lmprobe zarr "pickle (gzip-1, isal)"
   step verify 120 python3 bench/bench_verify.py --size-mb 8192 --shards 16 --threads 1 2 4 8 ;;
-*) echo "phase: all | extract | sae-lut | writers"; exit 2 ;;
+*) echo "phase: all | writes | extract | sae-lut | writers"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s"

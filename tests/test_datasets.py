@@ -1372,12 +1372,12 @@ def test_a_load_dataset_cache_folder_reads_its_split(tmp_path):
 
 
 def test_images_checked_in_processes_name_the_first_bad_one_in_sample_order(tmp_path):
-    """More images than one checking task takes are checked in forked processes; whichever finishes
+    """Enough images for 3 checking processes are checked in forked processes; whichever finishes
     first, the error names the first bad image in sample order, and a folder of good ones passes."""
     from PIL import Image
 
-    from actstore.datasets.images import CHECK_CHUNK, check_images
-    n = 3 * CHECK_CHUNK
+    from actstore.datasets.images import CHECK_CHUNK, CHECK_PER_PROCESS, check_images
+    n = 3 * CHECK_PER_PROCESS
     for i in range(n):
         (tmp_path / f"c{i % 2}").mkdir(exist_ok=True)
         Image.new("RGB", (4, 4), (i % 256, 0, 0)).save(tmp_path / f"c{i % 2}" / f"img_{i:04d}.png")

@@ -11,6 +11,8 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -89,18 +91,48 @@ def test_leaves_hashed_by_threads_and_a_zero_hole_give_the_tree_hash_of_the_file
     rng = random.Random(hole)
     data = rng.randbytes(5 * MIB + 123)
     size = len(data) + hole
-    sink = TreeHashFile(tmp_path / "f", size, hash_threads=3)
-    os.ftruncate(sink.fd, size)
-    sink.hole(len(data), hole)
     ring = [bytearray(2 * MIB + 7) for _ in range(BEHIND + 1)]
-    with WriteBehind(sink) as behind:
-        for turn, start in enumerate(range(0, len(data), len(ring[0]))):
-            buffer = memoryview(ring[turn % len(ring)])[:min(len(ring[0]), len(data) - start)]
-            buffer[:] = data[start:start + len(buffer)]
-            behind.submit(start, buffer)
+    with ThreadPoolExecutor(3) as hashers:
+        sink = TreeHashFile(tmp_path / "f", size, pool=hashers)
+        os.ftruncate(sink.fd, size)
+        sink.hole(len(data), hole)
+        with WriteBehind(sink) as behind:
+            for turn, start in enumerate(range(0, len(data), len(ring[0]))):
+                buffer = memoryview(ring[turn % len(ring)])[:min(len(ring[0]), len(data) - start)]
+                buffer[:] = data[start:start + len(buffer)]
+                behind.submit(start, buffer)
     whole = data + bytes(hole)
     assert (tmp_path / "f").read_bytes() == whole
     assert behind.digest == reference_tree_hash(whole) == sha256_tree_file(tmp_path / "f")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_writes_hashed_by_a_shared_pool_while_they_are_written_give_the_tree_hash(seed, tmp_path):
+    """An extraction part's pattern: two files filled out of order by two writer threads, the whole
+    leaves of each write hashed by one pool the files share while its bytes go to the kernel."""
+    rng = random.Random(seed)
+    datas = [rng.randbytes(rng.randrange(1, 7 * MIB)) for _ in range(2)]
+    with ThreadPoolExecutor(3) as hashers:
+        sinks = [TreeHashFile(tmp_path / f"f{i}", len(data), pool=hashers) for i, data in enumerate(datas)]
+
+        def fill(sink: TreeHashFile, data: bytes) -> None:
+            for start, stop in shuffled_regions(len(data), random.Random(len(data))):
+                sink.write(start, bytearray(data[start:stop]))
+        writers = [threading.Thread(target=fill, args=pair) for pair in zip(sinks, datas)]
+        for thread in writers:
+            thread.start()
+        for thread in writers:
+            thread.join()
+        digests = [sink.close() for sink in sinks]
+    for i, (data, digest) in enumerate(zip(datas, digests)):
+        assert (tmp_path / f"f{i}").read_bytes() == data
+        assert digest == reference_tree_hash(data)
+    with ThreadPoolExecutor(2) as hashers:
+        twice = TreeHashFile(tmp_path / "twice", 3 * MIB, pool=hashers)
+        twice.write(MIB // 2, bytes(MIB))
+        with pytest.raises(OSError, match=r"twice: bytes 0\.\.1048576 written more than once"):
+            twice.write(0, bytes(2 * MIB))
+        twice.abort()
 
 
 def test_a_failed_write_behind_names_the_file_and_never_hangs(tmp_path):

@@ -12,7 +12,7 @@ import queue
 import shutil
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -459,16 +459,36 @@ class TreeHashFile(PositionedFile):
     back through the page cache), so a file filled out of order (batches grouped by length) is all
     hashed when its last write returns, with no sequential hash left for the end of the run."""
 
-    def __init__(self, path: str | os.PathLike, size: int, head: bytes = b"", hash_threads: int = 1):
+    def __init__(self, path: str | os.PathLike, size: int, head: bytes = b"", pool: Executor | None = None):
+        """pool: threads (the caller's, shared by its files) that hash the whole leaves of each write at
+        once (hashlib releases the GIL), where one thread's sha256 (~1.5 GB/s with SHA-NI) would bound
+        a writer on a fast disk; `write` also hashes them there while its bytes go to the kernel."""
         super().__init__(path, size)
         n_leaves = -(-size // TREE_LEAF)
         self.filled = [0] * n_leaves  # bytes written into each leaf
         self.leaves: list[bytes | None] = [None] * n_leaves
         self.buf = bytearray(TREE_LEAF)
-        # The whole leaves of one write hashed by this many threads at once (hashlib releases the
-        # GIL), where one thread's sha256 (~1.5 GB/s with SHA-NI) would bound a writer on a fast disk.
-        self.pool = ThreadPoolExecutor(hash_threads) if hash_threads > 1 else None
+        self.pool = pool
         self.write(0, head)
+
+    def write(self, offset: int, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        if self.pool is None or not len(view):
+            return super().write(offset, view)
+        started = {leaf: self.pool.submit(_leaf_digest, part) for leaf, part in self._whole_leaves(offset, view)}
+        try:
+            self._put(offset, view)
+            self._hash(offset, view, started)
+        finally:
+            wait(started.values())  # view's buffer is the caller's again once this returns
+
+    def _whole_leaves(self, offset: int, view: memoryview) -> Iterator[tuple[int, memoryview]]:
+        """(leaf, its bytes in view) for each leaf that view covers whole."""
+        stop = min(offset + len(view), self.size)
+        for leaf in range(-(-offset // TREE_LEAF), -(-stop // TREE_LEAF)):
+            start, end = leaf * TREE_LEAF, leaf * TREE_LEAF + self._leaf_size(leaf)
+            if end <= stop:
+                yield leaf, view[start - offset:end - offset]
 
     def hole(self, offset: int, length: int) -> None:
         """Count bytes offset..offset + length as written zeros without writing them: a hole the file
@@ -482,7 +502,8 @@ class TreeHashFile(PositionedFile):
     def _leaf_size(self, leaf: int) -> int:
         return min(TREE_LEAF, self.size - leaf * TREE_LEAF)
 
-    def _hash(self, offset: int, view: memoryview) -> None:
+    def _hash(self, offset: int, view: memoryview, started: dict[int, Future] | None = None) -> None:
+        """started: digests of this write's whole leaves already under way (write)."""
         stop = offset + len(view)
         if stop > self.size:
             raise OSError(f"{self.path}: a write ends at byte {stop}, past the file's {self.size}")
@@ -502,8 +523,11 @@ class TreeHashFile(PositionedFile):
                     digest.update(block)
                 self.leaves[leaf] = digest.digest()
         # Hashed before returning: the caller may reuse view's buffer once this write returns.
-        digests = self.pool.map if self.pool and len(in_view) > 1 else map
-        for leaf, digest in zip(in_view, digests(_leaf_digest, in_view.values())):
+        if started is not None:
+            digests = (started[leaf].result() for leaf in in_view)
+        else:
+            digests = (self.pool.map if self.pool and len(in_view) > 1 else map)(_leaf_digest, in_view.values())
+        for leaf, digest in zip(in_view, digests):
             self.leaves[leaf] = digest
 
     def _missing(self) -> str | None:
@@ -513,10 +537,6 @@ class TreeHashFile(PositionedFile):
     def _hexdigest(self) -> str:
         return tree_root(self.leaves)
 
-    def abort(self) -> None:
-        super().abort()
-        if self.pool:
-            self.pool.shutdown()
 
 
 def _leaf_digest(data: memoryview) -> bytes:

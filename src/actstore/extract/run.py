@@ -100,7 +100,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
-        writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets)
+        writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets, hash_threads=cpus)
         overflow, waited = extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids,
                                            writer, TORCH_DTYPES[storage_dtype(config)],
                                            tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,8 +41,11 @@ class PartWriter:
     SHA-256 tree hash (io_utils.TreeHashFile), complete when the last write returns.
     """
 
-    def __init__(self, tmp_dir: Path, samples: list[dict], offsets: np.ndarray):
+    def __init__(self, tmp_dir: Path, samples: list[dict], offsets: np.ndarray, hash_threads: int = 1):
+        """hash_threads: threads, shared by the files, that hash each write's whole leaves while its
+        bytes go to the kernel, so a writer thread's time is its writes (1: in the writing thread)."""
         self.dir = tmp_dir
+        self.hashers = ThreadPoolExecutor(hash_threads, thread_name_prefix="part-hash") if hash_threads > 1 else None
         self.dir.mkdir(parents=True)
         self.samples = samples
         self.offsets = offsets.astype(np.int64)
@@ -63,7 +67,7 @@ class PartWriter:
         unit_bytes = int(np.dtype(descr).itemsize * int(np.prod(shape[1:], dtype=np.int64)))
         head = npy_header(shape, descr)
         size = len(head) + int(unit_offsets[-1]) * unit_bytes
-        self.sinks[file] = _Sink(TreeHashFile(self.dir / file, size, head), unit_offsets, unit_bytes,
+        self.sinks[file] = _Sink(TreeHashFile(self.dir / file, size, head, self.hashers), unit_offsets, unit_bytes,
                                  len(head), shape, dtype)
 
     def add_tokens(self, file: str, width: int | None, dtype: str) -> None:
@@ -93,9 +97,15 @@ class PartWriter:
     def abort(self) -> None:
         for sink in self.sinks.values():
             sink.file.abort()
+        self._stop_hashers()
+
+    def _stop_hashers(self) -> None:
+        if self.hashers is not None:
+            self.hashers.shutdown()
 
     def finish(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Close (fsync) every data file with its tree hash, then write part.json last."""
+        self._stop_hashers()
         for file, sink in self.sinks.items():
             self.files[file] = {"shape": list(sink.shape), "dtype": sink.dtype, "bytes": sink.file.size,
                                 TREE_HASH_KEY: sink.file.close()}

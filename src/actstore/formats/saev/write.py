@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import tempfile
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -308,20 +309,23 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
     slab = max(1, min(CHUNK_BYTES // plan.example_bytes, max(sizes, default=1)))
     buffers = [np.empty((slab, *plan.example_shape), DTYPE) for _ in range(BEHIND + 1)]
     files = {}
-    for idx in tqdm(shards, desc="saev shards", unit="shard", disable=not progress):
-        path = out_dir / shard_name(idx)
-        files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffers, plan.shard_bytes(sizes[idx]))
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as hashers:
+        for idx in tqdm(shards, desc="saev shards", unit="shard", disable=not progress):
+            path = out_dir / shard_name(idx)
+            files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffers,
+                                            plan.shard_bytes(sizes[idx]), hashers)
     return write_job_record(out_dir, jobs, job, files, store=plan.store_name)
 
 
-def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int) -> dict[str, Any]:
+def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int,
+                 hashers: Executor) -> dict[str, Any]:
     """Examples start..start+n filled slab by slab into the buffers in turn while the slabs before
     are written and hashed (io_utils.WriteBehind: no second read; each slab's 1 MiB leaves of the
-    SHA-256 tree hash by the CPUs this job may use, where one core's plain sha256 bounded a job on a
+    SHA-256 tree hash by `hashers`, the CPUs this job may use, where one core's plain sha256 bounded a job on a
     fast disk); the file is `size` bytes, the tail past the examples a hole (upstream). Returns its
     {bytes, sha256_tree}."""
     per_example, slab = buffers[0][0].nbytes, len(buffers[0])
-    out = TreeHashFile(path, size, hash_threads=len(os.sched_getaffinity(0)))
+    out = TreeHashFile(path, size, pool=hashers)
     try:
         os.ftruncate(out.fd, size)
         out.hole(n * per_example, size - n * per_example)
