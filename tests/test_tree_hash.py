@@ -18,7 +18,8 @@ import pytest
 
 from actstore.errors import FormatError
 from actstore.formats.extract import open_part
-from actstore.io_utils import BEHIND, BufferWorkers, OrderedHashFile, TreeHashFile, WriteBehind, sha256_tree_file
+from actstore.io_utils import (BEHIND, POOL_MIN_BYTES, BufferWorkers, OrderedHashFile, TreeHashFile, WriteBehind,
+                               sha256_tree_file)
 
 MIB = 1 << 20
 SIZES = [0, 5, MIB - 1, MIB, MIB + 1, 3 * MIB + 777, 7 * MIB]
@@ -111,14 +112,20 @@ def test_writes_hashed_by_a_shared_pool_while_they_are_written_give_the_tree_has
     """An extraction part's pattern: two files filled out of order by two writer threads, the whole
     leaves of each write hashed by one pool the files share while its bytes go to the kernel."""
     rng = random.Random(seed)
-    datas = [rng.randbytes(rng.randrange(1, 7 * MIB)) for _ in range(2)]
+    datas = [rng.randbytes(rng.randrange(2 * POOL_MIN_BYTES, 3 * POOL_MIN_BYTES)) for _ in range(2)]
+    # Regions past POOL_MIN_BYTES are hashed on the pool, smaller ones in the writing thread.
+    cuts = [sorted({0, len(data), *(rng.randrange(MIB // 2, POOL_MIN_BYTES) * k for k in (1, 2, 3))})
+            for data in datas]
+    regions = [list(zip(cut, cut[1:])) for cut in cuts]
+    sizes = [stop - start for file_regions in regions for start, stop in file_regions]
+    assert min(sizes) < POOL_MIN_BYTES <= max(sizes)
     with ThreadPoolExecutor(3) as hashers:
         sinks = [TreeHashFile(tmp_path / f"f{i}", len(data), pool=hashers) for i, data in enumerate(datas)]
 
-        def fill(sink: TreeHashFile, data: bytes) -> None:
-            for start, stop in shuffled_regions(len(data), random.Random(len(data))):
+        def fill(sink: TreeHashFile, data: bytes, file_regions: list[tuple[int, int]]) -> None:
+            for start, stop in random.Random(len(data)).sample(file_regions, len(file_regions)):
                 sink.write(start, bytearray(data[start:stop]))
-        writers = [threading.Thread(target=fill, args=pair) for pair in zip(sinks, datas)]
+        writers = [threading.Thread(target=fill, args=args) for args in zip(sinks, datas, regions)]
         for thread in writers:
             thread.start()
         for thread in writers:
@@ -128,10 +135,10 @@ def test_writes_hashed_by_a_shared_pool_while_they_are_written_give_the_tree_has
         assert (tmp_path / f"f{i}").read_bytes() == data
         assert digest == reference_tree_hash(data)
     with ThreadPoolExecutor(2) as hashers:
-        twice = TreeHashFile(tmp_path / "twice", 3 * MIB, pool=hashers)
+        twice = TreeHashFile(tmp_path / "twice", 2 * POOL_MIN_BYTES, pool=hashers)
         twice.write(MIB // 2, bytes(MIB))
         with pytest.raises(OSError, match=r"twice: bytes 0\.\.1048576 written more than once"):
-            twice.write(0, bytes(2 * MIB))
+            twice.write(0, bytes(POOL_MIN_BYTES))
         twice.abort()
 
 

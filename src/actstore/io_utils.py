@@ -420,6 +420,10 @@ class WriteBehind:
 
 
 TREE_LEAF = 1 << 20  # the SHA-256 tree hash's leaf: 1 MiB, as Amazon S3 Glacier defines it
+# TreeHashFile.write hashes a smaller write in the writing thread: each hand-off to a pool thread is a
+# GIL switch that a launch-bound forward in the main thread waits on (bench/README.md `## extract`),
+# for a gain of a leaf or two.
+POOL_MIN_BYTES = 4 * TREE_LEAF
 
 
 def tree_root(leaves: list[bytes]) -> str:
@@ -473,7 +477,7 @@ class TreeHashFile(PositionedFile):
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
-        if self.pool is None or not len(view):
+        if self.pool is None or len(view) < POOL_MIN_BYTES:
             return super().write(offset, view)
         started = {leaf: self.pool.submit(_leaf_digest, part) for leaf, part in self._whole_leaves(offset, view)}
         try:
