@@ -134,18 +134,28 @@ def utc_now():
 
 class HashingWriter:
     """A binary file's write() that also feeds sha256, for streams written front to back (gzip,
-    pickle): the digest of what was written, with no second read of the file."""
+    pickle): the digest of what was written, with no second read of the file. The writes and the
+    hashing run on two threads behind the caller (a ThreadChain), so a compressor makes its next
+    block while the last is written and hashed; each block must stay unchanged until the block ends
+    (bytes do, and pickle's views of arrays that outlive the dump).
 
-    def __init__(self, raw: Any):
-        self.raw = raw
+    As a context manager: leaving the block waits for every write and raises the first error,
+    naming the file; `digest` is complete then.
+    """
+
+    def __init__(self, raw: Any, what: str):
         self.digest = hashlib.sha256()
+        self.chain = ThreadChain([raw.write, self.digest.update], what)
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.chain.__exit__(exc_type, exc, tb)
 
     def write(self, data: Any) -> int:
-        self.digest.update(data)
-        return self.raw.write(data)
-
-    def flush(self) -> None:
-        self.raw.flush()
+        self.chain.submit(data)
+        return memoryview(data).nbytes
 
 
 class PositionedFile(abc.ABC):

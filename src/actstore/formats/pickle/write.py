@@ -96,13 +96,13 @@ def dump_shard(shard: dict, path: Path, compressed: bool, compresslevel: int, co
     """Pickle one shard; gzip with mtime 0 and no file name so equal inputs give equal bytes. Returns
     the file's sha256, taken as it was written."""
     with open(path, "wb") as raw:
-        out = HashingWriter(raw)
-        if compressed:
-            with GZIP_FILES[compressor](filename="", mode="wb", fileobj=out, compresslevel=compresslevel,
-                                        mtime=0) as fh:
-                pickle.dump(shard, fh, protocol=PICKLE_PROTOCOL)
-        else:
-            pickle.dump(shard, out, protocol=PICKLE_PROTOCOL)
+        with HashingWriter(raw, str(path)) as out:
+            if compressed:
+                with GZIP_FILES[compressor](filename="", mode="wb", fileobj=out, compresslevel=compresslevel,
+                                            mtime=0) as fh:
+                    pickle.dump(shard, fh, protocol=PICKLE_PROTOCOL)
+            else:
+                pickle.dump(shard, out, protocol=PICKLE_PROTOCOL)
         raw.flush()
         os.fsync(raw.fileno())
     return out.digest.hexdigest()
