@@ -25,10 +25,11 @@ rule lmprobe_tensors:
         bench_path("lmprobe", job_name("tensors", LMPROBE_JOBS))
     wildcard_constraints:
         job=r"\d{4}",
-    # The rows being gathered and the sha256 of the chunk before run at once (io_utils.WriteBehind).
+    # Two tensor files at once (lmprobe.write.THREADS: each file's sha256 is sequential), each with
+    # its rows gathered while the chunk before is written and hashed (io_utils.WriteBehind).
     threads: 2
-    # Three 32 MiB gather buffers (plus their dtype conversions); dirty pages are written back every
-    # 16 MiB. Reads and writes a 1/jobs share of the activations once.
+    # Per file at once, three 32 MiB gather buffers (plus their dtype conversions); dirty pages are
+    # written back every 16 MiB. Reads and writes a 1/jobs share of the activations once.
     resources:
         cpus_per_task=2,
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "lmprobe_tensors", attempt),

@@ -437,11 +437,12 @@ def tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def scattered(extract_dir: Path, out: Path, options: dict, jobs: int) -> list[Path]:
-    """`jobs` write_job directories under out.parent/scatter (what the lmprobe_tensors rule runs)."""
+def scattered(extract_dir: Path, out: Path, options: dict, jobs: int, threads: int = 2) -> list[Path]:
+    """`jobs` write_job directories under out.parent/scatter (what the lmprobe_tensors rule runs),
+    each writing `threads` files at once."""
     job_dirs = [out.parent / "scatter" / f"job-{j:04d}" for j in range(jobs)]
     for j, job_dir in enumerate(job_dirs):
-        lmprobe.write_job(extract_dir, job_dir, options, jobs=jobs, job=j, progress=False)
+        lmprobe.write_job(extract_dir, job_dir, options, jobs=jobs, job=j, progress=False, threads=threads)
     return job_dirs
 
 
@@ -454,9 +455,10 @@ def test_scattered_jobs_and_finish_are_byte_identical_to_one_go(extracted, tmp_p
     want = tree(one)
     n_tensors = sum(rel.startswith("tensors/") for rel in want)
     assert n_tensors > 6 and "tensors/logits_topk_000.safetensors" in want
-    for jobs in (3, n_tensors + 2):  # the last jobs of n_tensors + 2 get no file
+    # the last jobs of n_tensors + 2 get no file; one go wrote 2 files at once, these 1 and 4
+    for jobs, threads in ((3, 4), (n_tensors + 2, 1)):
         out = tmp_path / f"jobs{jobs}" / "dataset"
-        job_dirs = scattered(extract_dir, out, options, jobs)
+        job_dirs = scattered(extract_dir, out, options, jobs, threads)
         records = [json.loads((d / "job.json").read_text())["files"] for d in job_dirs]
         assert sum(map(len, records)) == n_tensors and (jobs <= n_tensors or records[-1] == {})
         lmprobe.finish_dataset(extract_dir, job_dirs, out, options)

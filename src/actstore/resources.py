@@ -279,7 +279,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     """What format writer job `job` (its rule's name) holds by design: its fixed copy buffers, what
     it plans per sample or per file, and the sample rows (texts) of the parts it reads them from.
     None of it grows with the activations. tests/test_scale.py checks real peaks against it."""
-    from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_TOKENS
+    from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_TOKENS, THREADS
     from actstore.formats.saev.write import CHUNK_BYTES
     from actstore.io_utils import BEHIND
 
@@ -294,7 +294,8 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     buffers = {
         "saev_shards": (BEHIND + 2) * CHUNK_BYTES + windows,  # the ring + a fill's temporaries
         "saev": windows + labels,
-        "lmprobe_tensors": 2 * (BEHIND + 1) * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,  # ring + 16-bit casts
+        # a ring + its 16-bit casts per file written at once
+        "lmprobe_tensors": THREADS * 2 * (BEHIND + 1) * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "pickle_machines": rows / parts + pickle_shards,  # one part at a time
         "zarr_shards": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows

@@ -6,4 +6,4 @@ from actstore.workflow import setup_logging
 
 setup_logging(snakemake)
 lmprobe.write_job(Path(snakemake.input.index).parent, snakemake.output[0], snakemake.config["lmprobe"],
-                  jobs=snakemake.params.jobs, job=int(snakemake.wildcards.job))
+                  jobs=snakemake.params.jobs, job=int(snakemake.wildcards.job), threads=snakemake.threads)

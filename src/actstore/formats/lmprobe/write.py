@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import platform
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
@@ -35,6 +37,9 @@ from actstore.model_config import check_remote_code
 log = logging.getLogger(__name__)
 
 COPY_BYTES = 32 << 20  # each of the BEHIND + 1 buffers a shard is gathered into while earlier ones are written
+# Tensor files a job writes at once (the lmprobe_tensors rule's threads): a file's sha256 (SHA256SUMS)
+# is sequential by definition, one core's ~1-1.5 GB/s, so a job on a fast disk writes several.
+THREADS = 2
 # Index row groups: at most ROW_GROUP_ROWS rows (pq.write_table's default, so a small index is one
 # group and byte-identical to writing it whole) and ending at the first row that brings the group
 # to ROW_GROUP_TOKENS tokens. One group's columns, as arrow arrays and again encoded, are what the
@@ -96,6 +101,7 @@ class _TokenRows:
         self.start = np.concatenate([p.offsets[:-1] for p in self.parts]).astype(np.int64)
         self.stop = np.concatenate([p.offsets[1:] for p in self.parts]).astype(np.int64)
         self.float16_overflow = 0  # finite values that became +-inf in float16 (lmprobe.dtype float16)
+        self.lock = threading.Lock()  # files are gathered on several threads
 
     def runs(self, samples: np.ndarray) -> Iterator[tuple[int, int, int]]:
         """(part, start, stop) token-row runs of `samples` in order, adjacent runs merged."""
@@ -151,7 +157,9 @@ class _TokenRows:
     def _stored(self, rows: np.ndarray, dtype: str) -> np.ndarray:
         """float32 rows in the storage dtype; float16 overflows are counted (write_tensor_files logs them)."""
         stored, overflow = from_float32(rows, dtype)
-        self.float16_overflow += overflow
+        if overflow:
+            with self.lock:
+                self.float16_overflow += overflow
         return stored
 
     def topk(self, samples: np.ndarray, k: int, which: int) -> np.ndarray:
@@ -248,16 +256,21 @@ def plan_dataset(extract_dir: str | Path, options: dict[str, Any], trust_remote_
 
 # ---------------------------------------------------------------- step 1: tensor files
 
-def write_tensor_files(plan: Plan, root: Path, items: range, progress: bool = False) -> dict[str, dict]:
-    """Write the planned files `items` under `root`; return {rel path: {bytes, sha256}}."""
+def write_tensor_files(plan: Plan, root: Path, items: range, progress: bool = False,
+                       threads: int = THREADS) -> dict[str, dict]:
+    """Write the planned files `items` under `root`, `threads` files at once (each its own gather ring:
+    memory grows with threads, not with the data); return {rel path: {bytes, sha256}} in plan order."""
     from tqdm import tqdm
 
     (root / "tensors").mkdir(parents=True, exist_ok=True)
-    records = {}
-    for i in tqdm(items, desc="lmprobe tensor files", unit="file", disable=not progress):
-        rel = plan.files[i]
+
+    def write_file(i: int) -> dict[str, Any]:
         specs, chunks = _hidden_file(plan, i) if i < plan.n_hidden_files else _logits_file(plan, i)
-        records[rel] = write_safetensors(root / rel, specs, chunks, ST_METADATA)
+        return write_safetensors(root / plan.files[i], specs, chunks, ST_METADATA)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="lmprobe-file") as pool:
+        written = tqdm(pool.map(write_file, items), total=len(items), desc="lmprobe tensor files", unit="file",
+                       disable=not progress)
+        records = {plan.files[i]: record for i, record in zip(items, written)}
     if plan.src.float16_overflow:
         log.warning("lmprobe.dtype float16: %d finite activations beyond +-65504 are stored as +-inf in %s "
                     "(bfloat16 or float32 keeps them)", plan.src.float16_overflow, root / "tensors")
@@ -283,13 +296,13 @@ def _logits_file(plan: Plan, i: int) -> tuple[list[TensorSpec], Iterator[np.ndar
 
 
 def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, Any], jobs: int, job: int,
-              progress: bool = True) -> dict[str, dict]:
-    """Job `job` of `jobs`: its contiguous range of the planned tensor files, under `job_dir`
-    (atomically) with its job record (jobs.write_job_record); return {rel path: {bytes, sha256}}."""
+              progress: bool = True, threads: int = THREADS) -> dict[str, dict]:
+    """Job `job` of `jobs`: its contiguous range of the planned tensor files, `threads` at once, under
+    `job_dir` (atomically) with its job record (jobs.write_job_record); return {rel path: {bytes, sha256}}."""
     plan = plan_dataset(extract_dir, options)
     items = job_items(len(plan.files), jobs, job)
     with atomic_path(job_dir) as tmp:
-        records = write_tensor_files(plan, tmp, items, progress)
+        records = write_tensor_files(plan, tmp, items, progress, threads)
         write_job_record(tmp, jobs, job, records)
     log.info("lmprobe job %d/%d: %d tensor files -> %s", job, jobs, len(items), job_dir)
     return records
@@ -334,15 +347,16 @@ def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
 
 
 def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[str, Any],
-                  progress: bool = True, trust_remote_code: bool = False) -> dict[str, Any]:
+                  progress: bool = True, trust_remote_code: bool = False, threads: int = THREADS) -> dict[str, Any]:
     """Write an lmprobe 2.0 dataset of an extraction into `out_dir` (atomically); return its info dict.
 
     `options` = the `lmprobe` config section (defaults as in the schema). One process doing what the
-    scattered jobs and the finishing job do: every tensor file, then the same finishing step.
+    scattered jobs and the finishing job do: every tensor file (`threads` at once), then the same
+    finishing step.
     `trust_remote_code`: model.trust_remote_code, for token_strings' tokenizer."""
     plan = plan_dataset(extract_dir, options, trust_remote_code)
     with atomic_path(out_dir) as tmp:
-        records = write_tensor_files(plan, tmp, range(len(plan.files)), progress)
+        records = write_tensor_files(plan, tmp, range(len(plan.files)), progress, threads)
         info = _finish(plan, tmp, records)
     log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
     return info
