@@ -2,11 +2,13 @@
 
 For each token count: dense x @ W of every target (the baseline), Step B alone (the fused lookup of
 every target at once given the TopK codes), Step A + B (one shared encoding, then every target's
-lookup), and A + B + online compensation at two budgets; on CUDA also dense, Step B and A + B each
-captured in one CUDA graph (the kernels without Python and launch overhead, as a decode loop run through a graph
-pays), and, where Triton is installed, the candidates of bench/lut_candidates.py in graphs: Step A's
-encoder GEMV and top-k alone, a two-stage top-k, a Triton Step B, and A + B made of them (each
-candidate's result is compared with the runtime's first). Every time is also a ratio to dense. First `lut.runtime: auto`'s own calibration runs
+lookup), and A + B + online compensation at two budgets: what the runtime runs on the device (on CUDA
+its Triton Step B where triton is installed, and its two-stage top-k at up to 8 tokens). On CUDA also
+dense, Step B and A + B each captured in one CUDA graph (the kernels without Python and launch
+overhead, as a decode loop run through a graph pays), and in graphs the parts of A + B: Step A's
+encoder GEMV, torch.topk and the two-stage top-k alone, and Step B by embedding_bag (the CPU's op,
+which the Triton kernel replaced; each result is compared with the runtime's first). Every time is
+also a ratio to dense. First `lut.runtime: auto`'s own calibration runs
 (actstore.lut_runtime.calibrate, budget 0): its table and crossover are printed, and each token
 count's block says which path the calibrated auto takes there.
 
@@ -19,7 +21,6 @@ best and median of --repeat after a warm-up call.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 from pathlib import Path
@@ -27,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from actstore.lut_runtime import LutEncoder, LutLinear, calibrate, call_seconds, weighted_rows
-from lut_candidates import topk_two_stage, triton, weighted_rows_triton
+from actstore.lut_runtime import (LutEncoder, LutLinear, calibrate, call_seconds, embedding_bag_rows, topk_two_stage,
+                                  weighted_rows)
 
 OUT = Path(__file__).with_name("out")
 SHAPES = {"demo": {"d_in": 384, "outs": [384] * 3, "num_basis": 1536, "k": 32, "stored": torch.float16},
@@ -118,11 +119,7 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
                     rows[name] = timed(graph_replay(fn), args.repeat, device)
                 except RuntimeError as exc:  # an op that cannot be captured: say which, keep the other rows
                     print(f"{name}: not captured ({exc})")
-            if triton is not None:
-                try:
-                    rows |= candidate_rows(luts[0].encoder, x, values, indices, args.repeat, device)
-                except Exception as exc:  # noqa: BLE001 - e.g. no C compiler for Triton's launcher: keep the runtime's rows
-                    print(f"candidates: not run ({type(exc).__name__}: {exc})")
+            rows |= part_rows(luts[0].encoder, x, values, indices, args.repeat, device)
         for budget in budgets:
             for lut in luts:
                 lut.set_budget(budget)
@@ -132,31 +129,25 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
     return rows
 
 
-def candidate_rows(encoder: LutEncoder, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-                   repeat: int, device: torch.device) -> dict:
-    """Step A's two parts and the lut_candidates kernels, each in a CUDA graph: what a fused kernel
-    would replace, and whether a candidate beats the runtime's own op. Each candidate's result is
-    first compared with the runtime's (printed), so a wrong kernel is seen before its time is read."""
+def part_rows(encoder: LutEncoder, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+              repeat: int, device: torch.device) -> dict:
+    """The parts of the runtime's A + B, each in a CUDA graph: Step A's encoder GEMV and both top-k
+    (which one the encoder runs depends on the token count), and Step B by embedding_bag, the op the
+    runtime's Triton kernel replaced. Each alternative's result is first compared with the runtime's
+    (printed), so a wrong kernel is seen before its time is read."""
     weight, bias, k, table = encoder.encoder_weight, encoder.encoder_bias, encoder.k_active, encoder.products
     pre = (x @ weight.T).add_(bias).relu_()
-    lookup, mine = weighted_rows(values, indices, table), weighted_rows_triton(values, indices, table)
-    scale = lookup.float().abs().max().item() or 1.0
-    print(f"candidate B triton: max |difference| / max |lookup| "
-          f"{(mine.float() - lookup.float()).abs().max().item() / scale:.2e}, "
-          f"{(mine == lookup).float().mean().item():.4f} of values bit-equal")
-    print(f"candidate top-k 2-stage: values equal torch.topk's {torch.equal(topk_two_stage(pre, k)[0], pre.topk(k)[0])}")
-
-    def candidate_a_b() -> torch.Tensor:  # the runtime's A+B (one encoding, every target's columns) by the candidates
-        top_values, top_indices = topk_two_stage((x @ weight.T).add_(bias).relu_(), k)
-        return weighted_rows_triton(top_values, top_indices, table) + encoder.bias_products
-
-    candidates = {"A: encoder GEMV, graph": lambda: (x @ weight.T).add_(bias).relu_(),
-                  "A: top-k, graph": lambda: torch.topk(pre, k),
-                  "A: top-k 2-stage, graph": lambda: topk_two_stage(pre, k),
-                  **{f"B triton {block}, graph": functools.partial(weighted_rows_triton, values, indices, table, block)
-                     for block in (64, 128, 256)},
-                  "A+B candidates, graph": candidate_a_b}
-    return {name: timed(graph_replay(fn), repeat, device) for name, fn in candidates.items()}
+    lookup, reference = weighted_rows(values, indices, table), embedding_bag_rows(values, indices, table)
+    scale = reference.float().abs().max().item() or 1.0
+    print(f"runtime B vs embedding_bag: max |difference| / max |lookup| "
+          f"{(lookup.float() - reference.float()).abs().max().item() / scale:.2e}, "
+          f"{(lookup == reference).float().mean().item():.4f} of values bit-equal")
+    print(f"top-k 2-stage: values equal torch.topk's {torch.equal(topk_two_stage(pre, k)[0], pre.topk(k)[0])}")
+    parts = {"A: encoder GEMV, graph": lambda: (x @ weight.T).add_(bias).relu_(),
+             "A: torch.topk, graph": lambda: torch.topk(pre, k),
+             "A: top-k 2-stage, graph": lambda: topk_two_stage(pre, k),
+             "B embedding_bag, graph": lambda: embedding_bag_rows(values, indices, table)}
+    return {name: timed(graph_replay(fn), repeat, device) for name, fn in parts.items()}
 
 
 def main() -> None:

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from actstore import lut_runtime
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import lut as lut_format
 from actstore.lut import build_lut
 from actstore.lut_runtime import (CALIBRATION_TOKENS, LutEncoder, LutLinear, calibrate, calibrate_auto, crossover_from,
-                                  install_luts, weighted_rows)
+                                  embedding_bag_rows, install_luts, topk_two_stage, weighted_rows)
 from actstore.model_config import resolve_model_path
 from actstore.models import get_module, load_model
 from actstore.sae import build_sae, load_sae
@@ -120,6 +121,70 @@ def test_fused_rows_equal_the_reference_gather(device):
         assert out16.dtype == dtype
         rounded_fp32_sum = _reference_rows(w16, indices, low.cpu()).float().to(dtype)
         assert float((out16 == rounded_fp32_sum).float().mean()) > 0.99
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("rows, k, width", [(1, 32, 256), (8, 32, 384), (513, 16, 96), (3, 100, 200)])
+def test_cuda_triton_rows_equal_embedding_bag(rows, k, width):
+    """CUDA's Step B (lut_kernels) against embedding_bag (its path without triton): float32 within 1e-5, 16-bit tables
+    within one rounding of the output (both sum in float32); k 100 is summed in steps (a compensation
+    budget), and a column view is a group target's columns of a wider table."""
+    lut_kernels = pytest.importorskip("actstore.lut_kernels", reason="triton is not installed")
+    assert lut_runtime._triton_rows() is lut_kernels.weighted_rows_triton  # what weighted_rows runs on CUDA
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(300, 2 * width, generator=g)
+    indices = torch.randint(0, 300, (rows, k), generator=g)
+    weights = torch.rand(rows, k, generator=g) * 3
+    for table in (wide[:, :width].contiguous(), wide[:, width:]):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            args = weights.to(dtype).cuda(), indices.cuda(), table.to(dtype).cuda()
+            out, ref = lut_kernels.weighted_rows_triton(*args).cpu(), embedding_bag_rows(*args).cpu()
+            assert out.dtype == dtype and out.shape == (rows, width)
+            if dtype == torch.float32:
+                assert float((out - ref).norm() / ref.norm()) <= 1e-5
+            else:
+                ulp = torch.finfo(dtype).eps * ref.float().abs().max()
+                assert float((out.float() - ref.float()).abs().max()) <= ulp
+                assert float((out == ref).float().mean()) > 0.99
+
+
+@pytest.mark.parametrize("rows, width, k", [(1, 16384, 32), (8, 1536, 32), (3, 64, 4), (2, 1000, 7), (5, 97, 9)])
+def test_two_stage_topk_equals_torch_topk(rows, width, k):
+    """Step A's top-k on CUDA at decode sizes: torch.topk's values in its order, indices equal up to
+    ties (ReLU's zeros tie whenever fewer than k latents fire), on the CPU as the function is plain torch."""
+    g = torch.Generator().manual_seed(width)
+    pre = torch.randn(rows, width, generator=g).relu_()
+    pre[0, : width - k // 2] = 0  # a row with fewer than k non-zero latents: its top k ends in ties
+    values, indices = topk_two_stage(pre, k)
+    expect = torch.topk(pre, k, dim=-1)
+    assert torch.equal(values, expect.values)
+    assert torch.equal(pre.gather(1, indices), values)
+    assert all(len(set(row.tolist())) == k for row in indices)  # k distinct latents per row
+    untied = expect.values > expect.values[:, -1:]
+    assert torch.equal(indices[untied], expect.indices[untied])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_encoder_takes_two_stage_topk_at_up_to_8_rows(monkeypatch):
+    """The encoder's top-k on CUDA: two stages at up to 8 rows (of 1024 latents, k 32), torch.topk above."""
+    calls = []
+
+    def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(len(pre))
+        return topk_two_stage(pre, k)
+
+    monkeypatch.setattr(lut_runtime, "topk_two_stage", counted)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"encoder_weight": (1024, 64), "encoder_bias": (1024,), "decoder_weight": (1024, 64),
+              "decoder_bias": (64,)}
+    tables = {key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}
+    encoder = LutEncoder(tables, 32, torch.float32).cuda()
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(rows, 64, generator=g).cuda()
+        values = encoder(x)[0]
+        pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
+        torch.testing.assert_close(values, torch.topk(pre, 32).values)
+    assert calls == [1, 8]
 
 
 def test_fused_lookup_reproduces_the_stage_report(built, model):

@@ -18,11 +18,15 @@ residual term on the s dimensions with the largest |x - x_hat| (gather-based: s 
 With s = input_dim the output is x @ W up to the float16 rounding of the stored tables.
 
 Every weighted sum of table rows (Step B, the reconstruction x_hat, the compensation's rows of W) is
-one torch.nn.functional.embedding_bag(mode="sum", per_sample_weights=...): it never materialises the
-[rows, k, out] gather. It accumulates in float32 for float16/bfloat16 tables (CPU measured, CUDA by
-its kernel's accumulate type) but writes its output in the table's dtype, so tables are held in the
-dtype the model computes in: a float32 model upcasts 16-bit tables at load (otherwise its outputs
-would be rounded to 16 bits), a bfloat16 model keeps bfloat16 tables as stored.
+one fused call (weighted_rows) that never materialises the [rows, k, out] gather: on the CPU
+torch.nn.functional.embedding_bag(mode="sum", per_sample_weights=...), on CUDA the Triton kernel of
+actstore.lut_kernels (on an H100 in CUDA graphs 1.6x faster than embedding_bag at 8 tokens, 2.2-2.3x
+from 64 on, 2 us slower at 1; embedding_bag where triton is not installed). Both accumulate in
+float32 for float16/bfloat16 tables but write their output in the table's dtype, so tables are held
+in the dtype the model computes in: a float32 model upcasts 16-bit tables at load (otherwise its
+outputs would be rounded to 16 bits), a bfloat16 model keeps bfloat16 tables as stored. Step A's
+top-k is torch.topk, or on CUDA at decode sizes topk_two_stage (the same values; faster there,
+slower on more rows).
 
 Runtime `auto` (lut.runtime): above a crossover token count a target runs the dense x @ W it replaced
 (when that weight is present). The crossover is measured, not modelled: `calibrate` times, on the
@@ -35,6 +39,7 @@ and where nobody expects seconds of timing), or pinned by the caller.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -54,20 +59,72 @@ CALIBRATION_SECONDS = 2.0  # per group of targets sharing an encoder (see calibr
 # Activations one calibration call may hold beside the loaded model: larger token counts are not timed.
 CALIBRATION_BYTES = 512 * 2**20
 CALIBRATION_REPEATS = 3  # best of, after one warm-up call
+# Step A's top-k runs in two stages (topk_two_stage) on CUDA for at most TWO_STAGE_ROWS rows of at
+# least TWO_STAGE_WIDTH x k latents: on an H100 at 16384 latents, k 32 it took 0.046-0.052 ms at 1-8
+# rows where torch.topk took 0.068-0.070, and 0.098 at 64 rows where torch.topk took 0.053. Only
+# that width was measured; below 16k a row has fewer than 4 slices of 4k to spread over.
+TWO_STAGE_ROWS = 8
+TWO_STAGE_WIDTH = 16
 
 
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused
-    (no [n, k, out] temporary); weights are cast to the table's dtype, as embedding_bag requires.
-    The op functional.embedding_bag calls for 2-D indices (bags of k from each row's start): at
-    decode-sized batches the wrapper's checks cost about as much as the kernel. The offsets are made
-    anew each call (a cached tensor measured no faster, and one first made inside a CUDA graph capture
-    would hold its values only after a replay)."""
+    """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused (no
+    [n, k, out] temporary), float32 sums: on CUDA by the Triton kernel when triton imports, else by
+    embedding_bag_rows. Not differentiable on CUDA (the runtime's tables are constants)."""
+    if table.is_cuda and (triton_rows := _triton_rows()) is not None:
+        return triton_rows(weights, indices, table)
+    return embedding_bag_rows(weights, indices, table)
+
+
+@functools.cache
+def _triton_rows() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """lut_kernels.weighted_rows_triton, or None without triton: imported on the first CUDA call, so
+    that CPU runs never pay for importing triton (a CUDA build of torch installs it)."""
+    try:
+        from actstore.lut_kernels import weighted_rows_triton
+    except ImportError:
+        return None
+    return weighted_rows_triton
+
+
+def embedding_bag_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """weighted_rows by torch.embedding_bag (differentiable); weights are cast to the table's dtype, as
+    embedding_bag requires. The op functional.embedding_bag calls for 2-D indices (bags of k from each
+    row's start): at decode-sized batches the wrapper's checks cost about as much as the kernel. The
+    offsets are made anew each call (a cached tensor measured no faster, and one first made inside a
+    CUDA graph capture would hold its values only after a replay)."""
     if weights.dtype != table.dtype:
         weights = weights.to(table.dtype)
     rows, k = indices.shape
     offsets = torch.arange(0, rows * k, k, device=indices.device)
-    return torch.embedding_bag(table, indices.reshape(-1), offsets, False, 0, False, weights.reshape(-1), False, None)[0]
+    flat_weights = weights.reshape(-1)
+    return torch.embedding_bag(table, indices.reshape(-1), offsets, False, 0, False, flat_weights, False, None)[0]
+
+
+def topk_latents(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest of each row of pre [rows, width], descending: topk_two_stage
+    where it measured faster (module docstring), torch.topk elsewhere."""
+    rows, width = pre.shape
+    if pre.is_cuda and rows <= TWO_STAGE_ROWS and width >= TWO_STAGE_WIDTH * k:
+        return topk_two_stage(pre, k)
+    return torch.topk(pre, k, dim=-1)
+
+
+def topk_two_stage(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(pre, k) of pre [rows, width] as the k largest of each of the most equal slices of at
+    least 4k latents (128 slices of 128 for 16,384 latents, k 32), then the k largest of those
+    candidates: each of a row's k largest is among its own slice's k largest, so the values are
+    torch.topk's and the indices too up to ties. A single wide torch.topk row may run on one block of
+    the card; the slices spread it over many."""
+    rows, width = pre.shape
+    groups = max(1, width // (4 * k))
+    while width % groups:
+        groups -= 1
+    size = width // groups
+    values, local = pre.reshape(rows, groups, size).topk(k, dim=-1)
+    local = local + torch.arange(0, width, size, device=pre.device).view(1, groups, 1)
+    top, pick = values.reshape(rows, -1).topk(k, dim=-1)
+    return top, local.reshape(rows, -1).gather(1, pick)
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -138,7 +195,7 @@ class LutEncoder(nn.Module):
             # In place: the same sums without two more [N, B] temporaries (134 MB each for 2048 tokens
             # over 16384 latents in float32).
             pre = (flat @ weight.T).add_(self.encoder_bias).relu_()
-            results["encoding"] = torch.topk(pre, self.k_active, dim=-1)
+            results["encoding"] = topk_latents(pre, self.k_active)
             self.counts["encodings"] += 1
         return results["encoding"]
 

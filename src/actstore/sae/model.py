@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from actstore.errors import ConfigError
-from actstore.lut_runtime import weighted_rows
+from actstore.lut_runtime import embedding_bag_rows
 
 # The LUT spec's key names; an actstore SAE checkpoint stores these four in float32.
 SAE_KEYS = ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias")
@@ -45,8 +45,9 @@ class TopKSAE(nn.Module):
         return torch.topk(self.pre_acts(x), self.k_active, dim=-1)
 
     def decode(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """sum_j values_j * decoder_weight[indices_j] + decoder_bias (the LUT runtime's fused row sum)."""
-        return weighted_rows(values, indices, self.decoder_weight) + self.decoder_bias
+        """sum_j values_j * decoder_weight[indices_j] + decoder_bias: the LUT runtime's fused row sum on
+        the CPU, here on every device (the runtime's Triton kernel on CUDA has no backward)."""
+        return embedding_bag_rows(values, indices, self.decoder_weight) + self.decoder_bias
 
     def decode_dense(self, values: torch.Tensor, indices: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """Same as decode via a scattered dense code: faster on CPU for training and its backward."""
