@@ -165,8 +165,9 @@ def test_two_stage_topk_equals_torch_topk(rows, width, k):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_encoder_takes_two_stage_topk_at_up_to_8_rows(monkeypatch):
-    """The encoder's top-k on CUDA: two stages at up to 8 rows (of 1024 latents, k 32), torch.topk above."""
+def test_cuda_encoder_called_eagerly_takes_torch_topk(monkeypatch):
+    """The encoder's top-k on CUDA called eagerly: torch.topk at every size (two stages pay at up to 8
+    rows only inside a CUDA graph capture, where their extra launches cost nothing: bench_lut)."""
     calls = []
 
     def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +185,7 @@ def test_cuda_encoder_takes_two_stage_topk_at_up_to_8_rows(monkeypatch):
         values = encoder(x)[0]
         pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
         torch.testing.assert_close(values, torch.topk(pre, 32).values)
-    assert calls == [1, 8]
+    assert calls == []
 
 
 def test_fused_lookup_reproduces_the_stage_report(built, model):

@@ -20,13 +20,14 @@ With s = input_dim the output is x @ W up to the float16 rounding of the stored 
 Every weighted sum of table rows (Step B, the reconstruction x_hat, the compensation's rows of W) is
 one fused call (weighted_rows) that never materialises the [rows, k, out] gather: on the CPU
 torch.nn.functional.embedding_bag(mode="sum", per_sample_weights=...), on CUDA the Triton kernel of
-actstore.lut_kernels (on an H100 in CUDA graphs 1.6x faster than embedding_bag at 8 tokens, 2.2-2.3x
-from 64 on, 2 us slower at 1; embedding_bag where triton is not installed). Both accumulate in
+actstore.lut_kernels (on an H100 2.2-2.3x faster than embedding_bag from 64 tokens on; at decode
+sizes only inside a CUDA graph capture, where its launch costs nothing: DECODE_ROWS; embedding_bag
+where triton is not installed). Both accumulate in
 float32 for float16/bfloat16 tables but write their output in the table's dtype, so tables are held
 in the dtype the model computes in: a float32 model upcasts 16-bit tables at load (otherwise its
 outputs would be rounded to 16 bits), a bfloat16 model keeps bfloat16 tables as stored. Step A's
-top-k is torch.topk, or on CUDA at decode sizes topk_two_stage (the same values; faster there,
-slower on more rows).
+top-k is torch.topk, or on CUDA at decode sizes in a graph capture topk_two_stage (the same values;
+faster there, slower on more rows).
 
 Runtime `auto` (lut.runtime): above a crossover token count a target runs the dense x @ W it replaced
 (when that weight is present). The crossover is measured, not modelled: `calibrate` times, on the
@@ -59,19 +60,24 @@ CALIBRATION_SECONDS = 2.0  # per group of targets sharing an encoder (see calibr
 # Activations one calibration call may hold beside the loaded model: larger token counts are not timed.
 CALIBRATION_BYTES = 512 * 2**20
 CALIBRATION_REPEATS = 3  # best of, after one warm-up call
-# Step A's top-k runs in two stages (topk_two_stage) on CUDA for at most TWO_STAGE_ROWS rows of at
-# least TWO_STAGE_WIDTH x k latents: on an H100 at 16384 latents, k 32 it took 0.046-0.052 ms at 1-8
-# rows where torch.topk took 0.068-0.070, and 0.098 at 64 rows where torch.topk took 0.053. Only
-# that width was measured; below 16k a row has fewer than 4 slices of 4k to spread over.
-TWO_STAGE_ROWS = 8
+# Decode-sized calls (at most DECODE_ROWS rows) on CUDA run the Triton Step B and Step A's top-k in two
+# stages (topk_two_stage, for at least TWO_STAGE_WIDTH x k latents) only inside a CUDA graph capture.
+# On an H100 (Llama-8B gate + up, 16384 latents, k 32, 2026-11-26), in graphs at 1-8 rows: two-stage
+# top-k 0.045-0.052 ms against torch.topk's 0.066-0.070, Step B 0.015-0.020 against embedding_bag's
+# 0.014-0.028, A + B 0.104 ms (0.97x eager dense) where it was 0.138; called eagerly, Triton's launch
+# made Step B 0.080-0.088 ms against embedding_bag's 0.041-0.060, and A + B 0.44 ms against 0.18. At 64
+# rows two stages took 0.098 ms against 0.053 (torch.topk), and Triton beat embedding_bag both ways.
+DECODE_ROWS = 8
 TWO_STAGE_WIDTH = 16
 
 
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused (no
-    [n, k, out] temporary), float32 sums: on CUDA by the Triton kernel when triton imports, else by
-    embedding_bag_rows. Not differentiable on CUDA (the runtime's tables are constants)."""
-    if table.is_cuda and (triton_rows := _triton_rows()) is not None:
+    [n, k, out] temporary), float32 sums: on CUDA by the Triton kernel when triton imports (at decode
+    sizes only in a CUDA graph capture: DECODE_ROWS), else by embedding_bag_rows. Not differentiable on
+    CUDA (the runtime's tables are constants)."""
+    if table.is_cuda and (len(indices) > DECODE_ROWS or torch.cuda.is_current_stream_capturing()) and \
+            (triton_rows := _triton_rows()) is not None:
         return triton_rows(weights, indices, table)
     return embedding_bag_rows(weights, indices, table)
 
@@ -103,9 +109,10 @@ def embedding_bag_rows(weights: torch.Tensor, indices: torch.Tensor, table: torc
 
 def topk_latents(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest of each row of pre [rows, width], descending: topk_two_stage
-    where it measured faster (module docstring), torch.topk elsewhere."""
+    where it measured faster (DECODE_ROWS), torch.topk elsewhere."""
     rows, width = pre.shape
-    if pre.is_cuda and rows <= TWO_STAGE_ROWS and width >= TWO_STAGE_WIDTH * k:
+    decode = rows <= DECODE_ROWS and width >= TWO_STAGE_WIDTH * k
+    if pre.is_cuda and decode and torch.cuda.is_current_stream_capturing():
         return topk_two_stage(pre, k)
     return torch.topk(pre, k, dim=-1)
 
