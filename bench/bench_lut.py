@@ -3,7 +3,8 @@
 For each token count: dense x @ W of every target (the baseline), Step B alone (the fused lookup of
 every target at once given the TopK codes), Step A + B (one shared encoding, then every target's
 lookup), and A + B + online compensation at two budgets: what the runtime runs on the device (on CUDA
-its Triton Step B where triton is installed, and its two-stage top-k at up to 8 tokens). On CUDA also
+its Triton Step B where triton is installed; at up to 8 tokens it and the two-stage top-k only in the
+graph rows, lut_runtime.DECODE_ROWS). On CUDA also
 dense, Step B and A + B each captured in one CUDA graph (the kernels without Python and launch
 overhead, as a decode loop run through a graph pays), and in graphs the parts of A + B: Step A's
 encoder GEMV, torch.topk and the two-stage top-k alone, and Step B by embedding_bag (the CPU's op,
