@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader
 from actstore.errors import FormatError
 from actstore.formats import pickle as ps
 from actstore.formats.extract import layer_tensor, open_extraction
+from actstore.formats.pickle.layout import PICKLE_PROTOCOL
 from actstore.model_config import model_params, read_model_config
 
 SPEC = Path("/work/shared/specs/pickle-shard-format.md")
@@ -332,11 +334,36 @@ def test_isal_and_zlib_write_standard_gzip_of_the_same_pickles(extracted, tmp_pa
         assert isal_bytes != zlib_bytes and gzip.decompress(isal_bytes) == gzip.decompress(zlib_bytes)
     with gzip.open(tmp_path / "isal" / names[0]) as fh:  # the spec's loader on our own file
         first = pickle.load(fh)["layer_0"][0]
-    assert first["activation"].flags.writeable  # pickled from a copy, as a bytearray: users may modify it
+    assert first["activation"].flags.writeable  # pickled as a bytearray: users may modify it
     assert ps.verify(tmp_path / "isal") == [] and ps.verify(tmp_path / "zlib") == []
     with pytest.raises(FormatError, match="compressor 'isal' with compresslevel 6: levels are isal 1-3, zlib 1-9"):
         ps.write_machine(extract_dir / "part-0000", tmp_path / "c", model_params=params, compresslevel=6,
                          progress=False)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+def test_shards_pickle_the_parts_rows_as_copies_would_without_touching_the_part(extracted, tmp_path, storage):
+    """float32 rows are pickled from a copy-on-write mapping of the part, bfloat16 rows from their
+    float32 conversion: either way each shard's pickle is, byte for byte, that of writable float32
+    copies of the rows, and the part's files are left as they were."""
+    config, extract_dir = extracted("bert", extract={"storage_dtype": storage})
+    part_dir = extract_dir / "part-0000"
+    before = {f.name: f.read_bytes() for f in part_dir.iterdir()}
+    meta = ps.write_machine(part_dir, tmp_path / "m", model_params=params_of(config), shard_size_mb=SMALL_MB,
+                            progress=False)
+    extraction = open_extraction(extract_dir)
+    for shard in meta["shards"]:
+        with gzip.open(tmp_path / "m" / shard["filename"]) as fh:
+            written = fh.read()
+        copies = pickle.loads(written)
+        for key, items in copies.items():
+            for item in items:
+                rows = extraction.activations(layer_tensor(int(key.removeprefix("layer_"))), item["sample_idx"])
+                item["activation"] = np.array(rows, dtype=np.float32)  # a fresh writable copy
+        again = io.BytesIO()
+        pickle.dump(copies, again, protocol=PICKLE_PROTOCOL)
+        assert again.getvalue() == written
+    assert {f.name: f.read_bytes() for f in part_dir.iterdir()} == before
 
 
 def test_the_compressor_is_hashed_only_when_it_changes_the_bytes():

@@ -139,13 +139,18 @@ class HashingWriter:
     block while the last is written and hashed; each block must stay unchanged until the block ends
     (bytes do, and pickle's views of arrays that outlive the dump).
 
+    The disk is started on the written bytes every WRITEBACK_BYTES, so the caller's closing fsync
+    waits for the last of them only, not for the whole file.
+
     As a context manager: leaving the block waits for every write and raises the first error,
     naming the file; `digest` is complete then.
     """
 
     def __init__(self, raw: Any, what: str):
+        self.raw = raw
+        self.unsynced = 0  # bytes written since the disk was last started on them
         self.digest = hashlib.sha256()
-        self.chain = ThreadChain([raw.write, self.digest.update], what)
+        self.chain = ThreadChain([self._write, self.digest.update], what)
 
     def __enter__(self) -> HashingWriter:
         return self
@@ -156,6 +161,13 @@ class HashingWriter:
     def write(self, data: Any) -> int:
         self.chain.submit(data)
         return memoryview(data).nbytes
+
+    def _write(self, data: Any) -> None:
+        self.unsynced += self.raw.write(data)
+        if self.unsynced >= WRITEBACK_BYTES:
+            self.raw.flush()
+            start_writeback(self.raw.fileno())
+            self.unsynced = 0
 
 
 class PositionedFile(abc.ABC):

@@ -175,14 +175,15 @@ class Part:
                                        self.info.n_samples)
         return self._samples
 
-    def _load(self, file: str) -> np.ndarray:
-        array = self._arrays.get(file)
+    def _load(self, file: str, mmap_mode: str = "r") -> np.ndarray:
+        key = file if mmap_mode == "r" else f"{file}:{mmap_mode}"
+        array = self._arrays.get(key)
         if array is None:
             if file not in self.meta["files"]:
                 raise FormatError(f"{self.dir}: no {file} in this part")
-            array = self._arrays[file] = load_npy(inside(self.dir, file, str(self.dir / PART_META)),
-                                                  self.meta["files"][file].get("bytes"), mmap_mode="r")
-        OPEN_MAPS.used(self, file)
+            array = self._arrays[key] = load_npy(inside(self.dir, file, str(self.dir / PART_META)),
+                                                 self.meta["files"][file].get("bytes"), mmap_mode=mmap_mode)
+        OPEN_MAPS.used(self, key)
         return array
 
     @property
@@ -193,12 +194,14 @@ class Part:
     def tensor_names(self) -> list[str]:
         return self.info.tensors
 
-    def tensor(self, name: str) -> StoredTensor:
-        """(n_tokens, d) memory-mapped captured tensor, read as float32; samples in order, no padding."""
+    def tensor(self, name: str, private: bool = False) -> StoredTensor:
+        """(n_tokens, d) memory-mapped captured tensor, read as float32; samples in order, no padding.
+        private: mapped copy-on-write, so its float32 slices are writable arrays without a copy of
+        their bytes (a write changes this process's pages only, never the file)."""
         if name not in self.info.tensors:
             raise FormatError(f"{self.dir}: tensor {name!r} not captured; have {self.info.tensors}")
         file = tensor_file(name)
-        return StoredTensor(self._load(file), self.meta["files"][file]["dtype"])
+        return StoredTensor(self._load(file, "c" if private else "r"), self.meta["files"][file]["dtype"])
 
     def sample_slice(self, local_idx: int) -> slice:
         return slice(int(self.offsets[local_idx]), int(self.offsets[local_idx + 1]))
