@@ -486,9 +486,10 @@ class TreeHashFile(PositionedFile):
     hashed when its last write returns, with no sequential hash left for the end of the run."""
 
     def __init__(self, path: str | os.PathLike, size: int, head: bytes = b"", pool: Executor | None = None):
-        """pool: threads (the caller's, shared by its files) that hash the whole leaves of each write at
-        once (hashlib releases the GIL), where one thread's sha256 (~1.5 GB/s with SHA-NI) would bound
-        a writer on a fast disk; `write` also hashes them there while its bytes go to the kernel."""
+        """pool: threads (the caller's, shared by its files) that hash the whole leaves of each write of
+        POOL_MIN_BYTES or more at once (hashlib releases the GIL), where one thread's sha256 (~1.5 GB/s
+        with SHA-NI) would bound a writer on a fast disk; `write` starts them before its bytes go to
+        the kernel, a WriteBehind's hashing thread once they have."""
         super().__init__(path, size)
         n_leaves = -(-size // TREE_LEAF)
         self.filled = [0] * n_leaves  # bytes written into each leaf
@@ -499,14 +500,20 @@ class TreeHashFile(PositionedFile):
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
-        if self.pool is None or len(view) < POOL_MIN_BYTES:
-            return super().write(offset, view)
-        started = {leaf: self.pool.submit(_leaf_digest, part) for leaf, part in self._whole_leaves(offset, view)}
+        started = self._start_hashes(offset, view)
         try:
             self._put(offset, view)
-            self._hash(offset, view, started)
+            if len(view):
+                self._hash(offset, view, started)
         finally:
             wait(started.values())  # view's buffer is the caller's again once this returns
+
+    def _start_hashes(self, offset: int, view: memoryview) -> dict[int, Future]:
+        """The digests of the leaves view covers whole, started on the pool when view is at least
+        POOL_MIN_BYTES (none otherwise: _hash then takes them in its own thread)."""
+        if self.pool is None or len(view) < POOL_MIN_BYTES:
+            return {}
+        return {leaf: self.pool.submit(_leaf_digest, part) for leaf, part in self._whole_leaves(offset, view)}
 
     def _whole_leaves(self, offset: int, view: memoryview) -> Iterator[tuple[int, memoryview]]:
         """(leaf, its bytes in view) for each leaf that view covers whole."""
@@ -529,7 +536,8 @@ class TreeHashFile(PositionedFile):
         return min(TREE_LEAF, self.size - leaf * TREE_LEAF)
 
     def _hash(self, offset: int, view: memoryview, started: dict[int, Future] | None = None) -> None:
-        """started: digests of this write's whole leaves already under way (write)."""
+        """started: digests of this write's whole leaves already under way (write); else started here."""
+        started = self._start_hashes(offset, view) if started is None else started
         stop = offset + len(view)
         if stop > self.size:
             raise OSError(f"{self.path}: a write ends at byte {stop}, past the file's {self.size}")
@@ -549,12 +557,8 @@ class TreeHashFile(PositionedFile):
                     digest.update(block)
                 self.leaves[leaf] = digest.digest()
         # Hashed before returning: the caller may reuse view's buffer once this write returns.
-        if started is not None:
-            digests = (started[leaf].result() for leaf in in_view)
-        else:
-            digests = (self.pool.map if self.pool and len(in_view) > 1 else map)(_leaf_digest, in_view.values())
-        for leaf, digest in zip(in_view, digests):
-            self.leaves[leaf] = digest
+        for leaf, part in in_view.items():
+            self.leaves[leaf] = started[leaf].result() if leaf in started else _leaf_digest(part)
 
     def _missing(self) -> str | None:
         written = sum(self.filled)
