@@ -3,8 +3,9 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh writes DEST   the CUDA tests, the ViT rows, the ViT write pattern (--synthetic) by writer
-#                                    threads, all layers, lut, writers at 2 GB a part (~6 min with the start)
+#   bench/gpu_suite.sh changes DEST  what sessions 40-41 changed and no GPU has run: the CUDA tests (the LUT's
+#                                    capture rule), lut, writers at 2 GB a part (pickle without row copies at 4
+#                                    threads, zarr shard at 4 and 8), the ViT rows, all layers (~6 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -75,21 +76,15 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
   build_ext
   step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
     --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
-writes)  # what session 40 changed, most wanted first: the CUDA tests, the ViT rows, the ViT write pattern
-  # by writer threads (hashing on the job's CPUs), all layers, lut, then writers at 2 GB a part
+changes)  # sessions 40-41's changes no GPU has run, most wanted first
   step pytest 120 $CUDA_TESTS
-  row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 ))
-  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 ))
-  for w in 2 1; do
-    step "synvit-w$w" 40 python3 bench/bench_extract.py --device cuda --synthetic --synthetic-shape vit-b14 \
-      --synthetic-gb 3 --repeats 2 --writer-threads $w --out "$out/synvit-w$w.json"
-  done
-  row llama16 90 --shape llama-1b --all-layers --limit 128 --repeats 3
   step lut 60 $LUT
   build_ext
-  step writers 120 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers --thread-counts 4 \
-    --only lmprobe "pickle (gzip-1, isal)" "zarr shard"
-  row vit4kw1 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 )) --writer-threads 1 ;;
+  step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers --thread-counts 4 8 \
+    --only "pickle (gzip-1, isal)" "zarr shard"
+  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 ))
+  row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 ))
+  row llama16 90 --shape llama-1b --all-layers --limit 128 --repeats 3 ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
@@ -99,6 +94,6 @@ writers) build_ext
   step writers 400 python3 bench/bench_writers.py --gb 8 --parts 8 --jobs 8 --repeat 3 --work /tmp/writers \
     --thread-counts 1 4 --only saev lmprobe zarr "pickle (gzip-1, isal)"
   step verify 120 python3 bench/bench_verify.py --size-mb 8192 --shards 16 --threads 1 2 4 8 ;;
-*) echo "phase: all | writes | extract | sae-lut | writers"; exit 2 ;;
+*) echo "phase: all | changes | extract | sae-lut | writers"; exit 2 ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s"
