@@ -289,7 +289,11 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     group_rows = ROW_INDEX_BYTES * w.rows + row_bytes * min(w.rows, ROW_GROUP_TOKENS)  # one index row group's
     windows = WINDOW_BYTES * w.tokens // config["saev"]["tokens_per_window"]
     labels = w.rows * 1025 + rows if config["saev"].get("patch_labels") else 0  # labels.bin from the masks
-    pickle_shards = 3 * config["pickle"]["threads"] * config["pickle"]["shard_size_mb"] * 1e6
+    # A float32 part's rows are pickled from its mapping (page cache): a thread holds only the compressed
+    # blocks in flight, a sample's rows each; 16-bit parts' rows are converted, a shard a thread.
+    sample_bytes = 4 * w.d * w.tokens / max(w.rows, 1)
+    pickle_shards = config["pickle"]["threads"] * ((BEHIND + 1) * sample_bytes if w.itemsize == 4
+                                                   else 3 * config["pickle"]["shard_size_mb"] * 1e6)
     zarr_records = FILES_JSON_ENTRY_BYTES * zarr_chunks(w, config)  # meta/files.json held whole
     buffers = {
         "saev_shards": (BEHIND + 2) * CHUNK_BYTES + windows,  # the ring + a fill's temporaries

@@ -139,7 +139,8 @@ def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: di
     """Write one extraction part as a complete pickle-shard store (atomic); return its metadata.
     `model_params`: the spec's hidden_size / num_hidden_layers / num_attention_heads / vocab_size.
     `threads` shards are dumped at once, one per thread (ISA-L, zlib and file writes release the
-    GIL), so memory holds `threads` shards; the bytes do not depend on it."""
+    GIL); memory holds their compressed blocks in flight (and, for a 16-bit part, their rows
+    converted to float32). The bytes do not depend on it."""
     if compression not in COMPRESSIONS:
         raise FormatError(f"pickle.compression: {compression!r} must be 'gzip' or 'none'")
     if compressor not in LEVELS or compresslevel not in LEVELS[compressor]:
