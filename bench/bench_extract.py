@@ -281,7 +281,9 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan
         waits.append(wait_s)
         ratios.append(extract[-1] / bare_s)
         written = sum(info["bytes"] for info in meta["files"].values())
-        extract_waits.append(meta["extraction_waits"])
+        waits_of_round = meta["extraction_waits"]  # and what the run took besides its startup and batches:
+        extract_waits.append(waits_of_round | {"rest_seconds": round(  # the writers' set-up and close, the rename
+            extract[-1] - waits_of_round["startup_seconds"] - waits_of_round["batches_seconds"], 3)})
         shutil.rmtree(target)
     return {"units": units, "bare_forward_s": min(bare), "first_output_s": min(first), "extract_s": min(extract),
             "bytes_written": written,

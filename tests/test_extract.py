@@ -972,7 +972,8 @@ def test_samples_written_together_must_be_their_bytes(tmp_path):
 
 def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_path, monkeypatch):
     """extraction_waits: writes slowed down (one staging buffer, one writer thread) show as the model
-    waiting for a free buffer while the writer thread works; inputs slowed down as the input wait."""
+    waiting for a free buffer while the writer thread works; inputs slowed down as the input wait; a
+    slow model load as startup."""
     import time
 
     import actstore.extract.run as ex
@@ -1002,6 +1003,18 @@ def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_
     monkeypatch.setattr(ex, "text_batches", slow_inputs)
     waits = run_part(config, 0, tmp_path / "slow-inputs", progress=False)["extraction_waits"]
     assert waits["input_wait_seconds"] >= sum(batches) > waits["staging_wait_seconds"]
+    monkeypatch.setattr(ex, "text_batches", given)
+
+    load = ex.load_model
+
+    def slow_load(*args, **kwargs):
+        time.sleep(0.3)
+        return load(*args, **kwargs)
+    monkeypatch.setattr(ex, "load_model", slow_load)
+    began = time.perf_counter()
+    waits = run_part(config, 0, tmp_path / "slow-load", progress=False)["extraction_waits"]
+    took = time.perf_counter() - began
+    assert 0.3 <= waits["startup_seconds"] < took - waits["batches_seconds"]
 
 
 def test_a_left_truncating_tokenizer_keeps_each_texts_first_tokens(model_dir, text_jsonl, tmp_path):

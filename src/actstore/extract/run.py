@@ -64,6 +64,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     """Extract part `part` of config's dataset into `out_dir` (atomic); return its part.json dict.
     `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null).
     `scan`: the dataset's scan file (datasets.write_scan), so that the job reads only its rows."""
+    began = time.perf_counter()
     ext = config["extract"]
     model_path, dataset = preflight(config, part, scan)
     # Picked before decoding or tokenizing: a job given a GPU that torch cannot see stops here.
@@ -105,9 +106,11 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                                            writer, TORCH_DTYPES[storage_dtype(config)],
                                            tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
                                                 disable=not progress), cpus)
-        log.info("part %d: %d batches in %.2f s; waited %.2f s for inputs and %.2f s for a free staging buffer; "
-                 "the busiest writer thread worked %.2f s", part, len(batches), waited["batches_seconds"],
-                 waited["input_wait_seconds"], waited["staging_wait_seconds"], waited["busiest_writer_seconds"])
+        waited["startup_seconds"] = round(started - began, 3)
+        log.info("part %d: %.2f s of startup, then %d batches in %.2f s; waited %.2f s for inputs and %.2f s for a "
+                 "free staging buffer; the busiest writer thread worked %.2f s", part, waited["startup_seconds"],
+                 len(batches), waited["batches_seconds"], waited["input_wait_seconds"],
+                 waited["staging_wait_seconds"], waited["busiest_writer_seconds"])
         if overflow:
             log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (extract.storage_dtype "
                         "float16; auto, bfloat16 or float32 keeps them)", part, overflow)
