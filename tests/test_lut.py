@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats import lut as lut_format
 from actstore.lut import build_lut
 from actstore.lut_runtime import (CALIBRATION_TOKENS, LutEncoder, LutLinear, calibrate, calibrate_auto, crossover_from,
-                                  embedding_bag_rows, install_luts, topk_two_stage, weighted_rows)
+                                  embedding_bag_rows, install_luts, weighted_rows)
 from actstore.model_config import resolve_model_path
 from actstore.models import get_module, load_model
 from actstore.sae import build_sae, load_sae
@@ -25,6 +26,10 @@ SAE = {"num_basis": 64, "k_active": 4, "steps": 100, "batch_size": 64, "lr": 0.0
        "device": "cpu"}
 LUT = {"targets": TARGETS, "budgets": [0, 8, 32], "eval_samples": 8, "device": "cpu"}
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+# The Triton kernels run on a GPU, and on the CPU in triton's interpreter (TRITON_INTERPRET=1 with triton
+# installed: not a dependency of the project; minutes, so not in make test).
+TRITON_DEVICES = [CUDA, pytest.param("cpu", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU: set TRITON_INTERPRET=1 with triton installed"))]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +135,7 @@ def test_cuda_triton_rows_equal_embedding_bag(rows, k, width):
     within one rounding of the output (both sum in float32); k 100 is summed in steps (a compensation
     budget), and a column view is a group target's columns of a wider table."""
     lut_kernels = pytest.importorskip("actstore.lut_kernels", reason="triton is not installed")
-    assert lut_runtime._triton_rows() is lut_kernels.weighted_rows_triton  # what weighted_rows runs on CUDA
+    assert lut_runtime._lut_kernels() is lut_kernels  # what weighted_rows runs on CUDA
     g = torch.Generator().manual_seed(rows)
     wide = torch.randn(300, 2 * width, generator=g)
     indices = torch.randint(0, 300, (rows, k), generator=g)
@@ -148,44 +153,88 @@ def test_cuda_triton_rows_equal_embedding_bag(rows, k, width):
                 assert float((out == ref).float().mean()) > 0.99
 
 
-@pytest.mark.parametrize("rows, width, k", [(1, 16384, 32), (8, 1536, 32), (3, 64, 4), (2, 1000, 7), (5, 97, 9)])
-def test_two_stage_topk_equals_torch_topk(rows, width, k):
-    """Step A's top-k on CUDA at decode sizes: torch.topk's values in its order, indices equal up to
-    ties (ReLU's zeros tie whenever fewer than k latents fire), on the CPU as the function is plain torch."""
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("rows, width, k", [(8, 2100, 32), (3, 64, 4), (2, 1000, 7), (1, 97, 9)])
+def test_triton_topk_equals_torch_topk(device, rows, width, k):
+    """Step A's ReLU and top-k at decode sizes (lut_kernels.topk_relu_triton) against torch's ops in
+    each dtype: the same values in torch.topk's order, the indices equal up to ties (ReLU's zeros tie
+    whenever fewer than k latents fire: row 0 here), k distinct latents a row; slices of 1024 latents
+    (2100 = two whole slices and a part)."""
+    lut_kernels = pytest.importorskip("actstore.lut_kernels", reason="triton is not installed")
     g = torch.Generator().manual_seed(width)
-    pre = torch.randn(rows, width, generator=g).relu_()
-    pre[0, : width - k // 2] = 0  # a row with fewer than k non-zero latents: its top k ends in ties
-    values, indices = topk_two_stage(pre, k)
-    expect = torch.topk(pre, k, dim=-1)
-    assert torch.equal(values, expect.values)
-    assert torch.equal(pre.gather(1, indices), values)
-    assert all(len(set(row.tolist())) == k for row in indices)  # k distinct latents per row
-    untied = expect.values > expect.values[:, -1:]
-    assert torch.equal(indices[untied], expect.indices[untied])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        pre = torch.randn(rows, width, generator=g).to(dtype)
+        pre[0, : width - k // 2] = -1  # fewer than k fire
+        values, indices = (t.cpu() for t in lut_kernels.topk_relu_triton(pre.to(device), k))
+        fired = pre.relu()
+        expect = torch.topk(fired, k, dim=-1)
+        assert values.dtype == dtype and torch.equal(values, expect.values)
+        assert torch.equal(fired.gather(1, indices), values)
+        assert all(len(set(row.tolist())) == k for row in indices)
+        once = (expect.values[:, :, None] == expect.values[:, None, :]).sum(-1) == 1
+        untied = once & (expect.values > expect.values[:, -1:])  # tied with nothing, in or out of the top k
+        assert torch.equal(indices[untied], expect.indices[untied])
+
+
+def _counted_triton_topk(monkeypatch) -> list[int]:
+    """The rows of each call the encoder makes to the Triton top-k."""
+    lut_kernels = pytest.importorskip("actstore.lut_kernels", reason="triton is not installed")
+    calls, kernel = [], lut_kernels.topk_relu_triton
+
+    def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(len(pre))
+        return kernel(pre, k)
+    monkeypatch.setattr(lut_kernels, "topk_relu_triton", counted)
+    return calls
+
+
+def _cuda_encoder(seed: int = 0) -> LutEncoder:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"encoder_weight": (1024, 64), "encoder_bias": (1024,), "decoder_weight": (1024, 64),
+              "decoder_bias": (64,)}
+    tables = {key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}
+    return LutEncoder(tables, 32, torch.float32).cuda()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_encoder_called_eagerly_takes_torch_topk(monkeypatch):
-    """The encoder's top-k on CUDA called eagerly: torch.topk at every size (two stages pay at up to 8
-    rows only inside a CUDA graph capture, where their extra launches cost nothing: bench_lut)."""
-    calls = []
-
-    def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(len(pre))
-        return topk_two_stage(pre, k)
-
-    monkeypatch.setattr(lut_runtime, "topk_two_stage", counted)
-    g = torch.Generator().manual_seed(0)
-    shapes = {"encoder_weight": (1024, 64), "encoder_bias": (1024,), "decoder_weight": (1024, 64),
-              "decoder_bias": (64,)}
-    tables = {key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}
-    encoder = LutEncoder(tables, 32, torch.float32).cuda()
+    """The encoder's top-k on CUDA called eagerly: torch.topk at every size (the Triton top-k pays at up
+    to 8 rows only inside a CUDA graph capture, where its launches cost nothing: bench_lut)."""
+    calls = _counted_triton_topk(monkeypatch)
+    encoder = _cuda_encoder()
     for rows in (1, 8, 9, 64):
-        x = torch.randn(rows, 64, generator=g).cuda()
+        x = torch.randn(rows, 64, device="cuda")
         values = encoder(x)[0]
         pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
         torch.testing.assert_close(values, torch.topk(pre, 32).values)
     assert calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_encoder_in_a_graph_takes_the_triton_topk(monkeypatch):
+    """Captured in a CUDA graph at decode sizes, the encoder runs the Triton top-k (ReLU in it), and a
+    replay on new inputs gives torch's values for them."""
+    calls = _counted_triton_topk(monkeypatch)
+    encoder = _cuda_encoder()
+    for rows in (1, 8):
+        x = torch.randn(rows, 64, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+            encoder(x)
+        torch.cuda.current_stream().wait_stream(side)
+        encoder.forget()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            values, indices = encoder(x)
+        x.copy_(torch.randn(rows, 64, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
+        torch.testing.assert_close(values, torch.topk(pre, 32).values)
+        torch.testing.assert_close(pre.gather(1, indices), values)
+        encoder.forget()
+    assert calls == [1, 8]
 
 
 def test_fused_lookup_reproduces_the_stage_report(built, model):

@@ -1,15 +1,26 @@
-"""Triton kernel of the LUT runtime's Step B on CUDA (actstore.lut_runtime.weighted_rows picks it).
+"""Triton kernels of the LUT runtime on CUDA: Step B (weighted_rows_triton, picked by
+actstore.lut_runtime.weighted_rows) and Step A's top-k at decode sizes (topk_relu_triton, picked by
+lut_runtime.topk_latents).
 
 Importing this module imports triton, which is not a dependency of the project (the GPU image has
-it): lut_runtime imports it on its first CUDA call and keeps embedding_bag when it is missing.
+it): lut_runtime imports it on its first CUDA call and keeps torch's ops when it is missing.
 
-One program per (row, block of output columns) loads the row's k table rows as one [k, block] tile,
-so all of its gathers are in flight at once, and sums them in float32; the output is in the table's
-dtype, as embedding_bag writes it. On an NVIDIA H100 80GB HBM3 (2026-11-26; Llama-8B gate + up, 16384
-latents, k 32, bfloat16, CUDA graphs) it took 0.084 ms at 64 tokens and 2.419 at 2048 where
+Step B: one program per (row, block of output columns) loads the row's k table rows as one [k, block]
+tile, so all of its gathers are in flight at once, and sums them in float32; the output is in the
+table's dtype, as embedding_bag writes it. On an NVIDIA H100 80GB HBM3 (2026-11-26; Llama-8B gate +
+up, 16384 latents, k 32, bfloat16, CUDA graphs) it took 0.084 ms at 64 tokens and 2.419 at 2048 where
 embedding_bag took 0.189 and 5.556 (docs/sae-lut.md).
+
+Step A's top-k: torch.topk over a few rows of 16384 latents took 0.066 ms in a CUDA graph on that
+H100, as long as the encoder's GEMV, and the ReLU before it one more kernel. Here two launches do both:
+one program per (row, slice of SLICE latents) applies the ReLU and sorts its slice once; a row's k
+largest are among its slices' k largest, which a second program per row sorts again. A value and its index sort as one
+int64 key: a non-negative float orders as its bits, then 2**31 - 1 - index, so that the lower index
+comes first among equal values.
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import triton
@@ -56,3 +67,54 @@ def weighted_rows_triton(weights: torch.Tensor, indices: torch.Tensor, table: to
                                         table.stride(0), table.stride(1),
                                         K=min(K_STEP, triton.next_power_of_2(k)), BLOCK=BLOCK)
     return out
+
+
+SLICE = 1024  # latents one top-k program sorts (16 slices of a 16384-latent SAE: 512 candidates a row)
+
+
+@triton.jit
+def _slice_top_kernel(pre, candidates, width, row_stride, K: tl.constexpr, SLICE: tl.constexpr):
+    slices = tl.cdiv(width, SLICE)
+    row = (tl.program_id(0) // slices).to(tl.int64)
+    piece = tl.program_id(0) % slices
+    col = piece * SLICE + tl.arange(0, SLICE)
+    inside = col < width
+    x = tl.load(pre + row * row_stride + col, mask=inside, other=0.0).to(tl.float32)  # exact from 16 bits
+    # ReLU to +0.0 (a -0.0's sign bit would order it below every value; NaN, which torch.topk would
+    # put first, becomes 0 too)
+    fired = tl.where(x > 0, x, 0.0)
+    key = (fired.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - col).to(tl.int64)
+    key = tl.sort(tl.where(inside, key, -1), descending=True)
+    j = tl.arange(0, SLICE)
+    tl.store(candidates + (row * slices + piece) * K + j, key, mask=j < K)
+
+
+@triton.jit
+def _row_top_kernel(candidates, values, indices, n_candidates, K: tl.constexpr, N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, N)
+    key = tl.sort(tl.load(candidates + row * n_candidates + j, mask=j < n_candidates, other=-1), descending=True)
+    first = j < K
+    value = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    tl.store(values + row * K + j, value.to(values.dtype.element_ty), mask=first)
+    tl.store(indices + row * K + j, 0x7FFFFFFF - (key & 0xFFFFFFFF), mask=first)
+
+
+def topk_relu_triton(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(relu(pre), k) for pre [rows, width] (rows contiguous): the same values, in pre's
+    dtype, descending; indices equal up to ties, the lower index first among equal values (ReLU's
+    zeros tie whenever fewer than k latents fire)."""
+    rows, width = pre.shape
+    size = max(SLICE, triton.next_power_of_2(k))  # a slice gives k candidates
+    slices = triton.cdiv(width, size)
+    candidates = torch.empty(rows, slices * k, dtype=torch.int64, device=pre.device)
+    values = torch.empty(rows, k, dtype=pre.dtype, device=pre.device)
+    indices = torch.empty(rows, k, dtype=torch.int64, device=pre.device)
+    # The current device, as in weighted_rows_triton; on the CPU, triton's interpreter (TRITON_INTERPRET=1)
+    # runs the kernels, which tests them without a GPU (its float32 -> bfloat16 casts truncate, so Step B's
+    # bfloat16 sums are tested on a GPU only).
+    with torch.cuda.device(pre.device) if pre.is_cuda else nullcontext():
+        _slice_top_kernel[(rows * slices,)](pre, candidates, width, pre.stride(0), K=k, SLICE=size)
+        _row_top_kernel[(rows,)](candidates, values, indices, slices * k, K=k,
+                                 N=triton.next_power_of_2(slices * k))
+    return values, indices
