@@ -198,8 +198,10 @@ def _cuda_encoder(seed: int = 0) -> LutEncoder:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_encoder_called_eagerly_takes_torch_topk(monkeypatch):
-    """The encoder's top-k on CUDA called eagerly: torch.topk at every size (the Triton top-k pays at up
-    to 8 rows only inside a CUDA graph capture, where its launches cost nothing: bench_lut)."""
+    """The encoder's top-k on CUDA called eagerly: torch.topk's results at every size (the Triton top-k
+    pays at up to 8 rows only inside a CUDA graph capture, where its launches cost nothing: bench_lut);
+    the first decode-size call of a shape runs the Triton kernel once, so that a capture can use it."""
+    monkeypatch.setattr(lut_runtime, "TRITON_LOADED", set())
     calls = _counted_triton_topk(monkeypatch)
     encoder = _cuda_encoder()
     for rows in (1, 8, 9, 64):
@@ -207,34 +209,49 @@ def test_cuda_encoder_called_eagerly_takes_torch_topk(monkeypatch):
         values = encoder(x)[0]
         pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
         torch.testing.assert_close(values, torch.topk(pre, 32).values)
-    assert calls == []
+    assert calls == [1]
+
+
+def _captured_encoding(encoder: LutEncoder, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder's (values, indices) for x from a CUDA graph captured on x, replayed after x was
+    refilled: what a decode loop run through a graph gets."""
+    encoder.forget()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, indices = encoder(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    encoder.forget()
+    return values, indices
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_encoder_in_a_graph_takes_the_triton_topk(monkeypatch):
-    """Captured in a CUDA graph at decode sizes, the encoder runs the Triton top-k (ReLU in it), and a
-    replay on new inputs gives torch's values for them."""
+def test_cuda_encoder_in_a_graph_takes_the_triton_topk_once_loaded(monkeypatch, caplog):
+    """Captured in a CUDA graph at decode sizes, the encoder runs the Triton top-k (ReLU in it) once an
+    eager call at that shape has loaded it; a capture before any such call (a kernel cannot load while
+    a stream captures) runs torch's top-k and says so. Either way a replay gives torch's values."""
+    monkeypatch.setattr(lut_runtime, "TRITON_LOADED", set())
+    monkeypatch.setattr(lut_runtime, "TRITON_WARNED", set())
     calls = _counted_triton_topk(monkeypatch)
     encoder = _cuda_encoder()
+    encoder(torch.randn(9, 64, device="cuda"))  # cuBLAS and torch.topk warm, past the decode sizes
     for rows in (1, 8):
         x = torch.randn(rows, 64, device="cuda")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
-            encoder(x)
-        torch.cuda.current_stream().wait_stream(side)
-        encoder.forget()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            values, indices = encoder(x)
-        x.copy_(torch.randn(rows, 64, device="cuda"))
-        graph.replay()
-        torch.cuda.synchronize()
+        values, indices = _captured_encoding(encoder, x)
+        if rows == 1:
+            assert calls == [] and "no eager call had made" in caplog.text
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # the warm-up torch.cuda.graph asks for, off the capture stream
+                encoder(x)
+            torch.cuda.current_stream().wait_stream(side)
+            assert calls == [1]
+            values, indices = _captured_encoding(encoder, x)
         pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
         torch.testing.assert_close(values, torch.topk(pre, 32).values)
         torch.testing.assert_close(pre.gather(1, indices), values)
-        encoder.forget()
-    assert calls == [1, 8]
+    assert calls == [1, 1, 8]  # the warm-up, then a capture at each size (one shape: loaded once)
 
 
 def test_fused_lookup_reproduces_the_stage_report(built, model):

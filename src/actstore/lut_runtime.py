@@ -67,17 +67,45 @@ CALIBRATION_REPEATS = 3  # best of, after one warm-up call
 # launch made Step B 0.080-0.088 ms against embedding_bag's 0.041-0.060.
 DECODE_ROWS = 8
 TOPK_WIDTH = 16
+TRITON_LOADED: set[tuple] = set()  # the signatures whose Triton kernel an eager call ran (in_graph)
+TRITON_WARNED: set[tuple] = set()
 
 
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused (no
     [n, k, out] temporary), float32 sums: on CUDA by the Triton kernel when triton imports (at decode
-    sizes only in a CUDA graph capture: DECODE_ROWS), else by embedding_bag_rows. Not differentiable on
-    CUDA (the runtime's tables are constants)."""
-    if table.is_cuda and (len(indices) > DECODE_ROWS or torch.cuda.is_current_stream_capturing()) and \
-            (kernels := _lut_kernels()) is not None:
-        return kernels.weighted_rows_triton(weights, indices, table)
+    sizes only in a CUDA graph capture: DECODE_ROWS; in_graph), else by embedding_bag_rows. Not
+    differentiable on CUDA (the runtime's tables are constants)."""
+    if table.is_cuda and (kernels := _lut_kernels()) is not None:
+        def triton() -> torch.Tensor:
+            return kernels.weighted_rows_triton(weights, indices, table)
+        signature = ("weighted_rows", table.device, table.dtype, weights.dtype, indices.shape[1], table.shape,
+                     table.stride(), table.data_ptr() % 16)
+        if len(indices) > DECODE_ROWS and not torch.cuda.is_current_stream_capturing():
+            TRITON_LOADED.add(signature)
+            return triton()
+        if in_graph(signature, triton):
+            return triton()
     return embedding_bag_rows(weights, indices, table)
+
+
+def in_graph(signature: tuple, triton: Callable[[], Any]) -> bool:
+    """Whether a call of this signature (what its Triton kernel is compiled for) runs its Triton kernel
+    inside the CUDA graph capture under way. Loading a compiled kernel is not permitted while a stream
+    captures (cuModuleLoadData), so an eager call runs the kernel once per signature beforehand, as a
+    graph's warm-up call does (its result unused: eager decode-size calls take torch's ops); a capture
+    of a signature no eager call ran takes torch's ops, with a warning."""
+    if not torch.cuda.is_current_stream_capturing():
+        if signature not in TRITON_LOADED:
+            triton()
+            TRITON_LOADED.add(signature)
+        return False
+    if signature not in TRITON_LOADED and signature not in TRITON_WARNED:
+        TRITON_WARNED.add(signature)
+        log.warning("LUT runtime: a CUDA graph captured a call no eager call had made at that size (%s), so "
+                    "its Triton kernel could not load there and torch's ops run in the graph instead: call the "
+                    "model once at the size before capturing it", signature[0])
+    return signature in TRITON_LOADED
 
 
 @functools.cache
@@ -108,13 +136,14 @@ def embedding_bag_rows(weights: torch.Tensor, indices: torch.Tensor, table: torc
 def topk_latents(pre: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest of each row of relu(pre + bias), pre [rows, width] (changed
     in place), descending: the ReLU and top-k on CUDA at decode sizes inside a graph capture by the
-    Triton top-k, elsewhere by torch's ops."""
+    Triton top-k (in_graph), elsewhere by torch's ops."""
     pre.add_(bias)
     rows, width = pre.shape
-    decode = rows <= DECODE_ROWS and width >= TOPK_WIDTH * k
-    if pre.is_cuda and decode and torch.cuda.is_current_stream_capturing() and \
-            (kernels := _lut_kernels()) is not None:
-        return kernels.topk_relu_triton(pre, k)
+    if pre.is_cuda and rows <= DECODE_ROWS and width >= TOPK_WIDTH * k and (kernels := _lut_kernels()) is not None:
+        def triton() -> tuple[torch.Tensor, torch.Tensor]:
+            return kernels.topk_relu_triton(pre, k)
+        if in_graph(("topk", pre.device, pre.dtype, width, k, pre.stride(0), pre.data_ptr() % 16), triton):
+            return triton()
     return torch.topk(pre.relu_(), k, dim=-1)
 
 
