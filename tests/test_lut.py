@@ -15,7 +15,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats import lut as lut_format
 from actstore.lut import build_lut
 from actstore.lut_runtime import (CALIBRATION_TOKENS, LutEncoder, LutLinear, calibrate, calibrate_auto, crossover_from,
-                                  embedding_bag_rows, install_luts, weighted_rows)
+                                  embedding_bag_rows, install_luts, topk_two_stage, weighted_rows)
 from actstore.model_config import resolve_model_path
 from actstore.models import get_module, load_model
 from actstore.sae import build_sae, load_sae
@@ -176,82 +176,88 @@ def test_triton_topk_equals_torch_topk(device, rows, width, k):
         assert torch.equal(indices[untied], expect.indices[untied])
 
 
-def _counted_triton_topk(monkeypatch) -> list[int]:
-    """The rows of each call the encoder makes to the Triton top-k."""
-    lut_kernels = pytest.importorskip("actstore.lut_kernels", reason="triton is not installed")
-    calls, kernel = [], lut_kernels.topk_relu_triton
-
-    def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(len(pre))
-        return kernel(pre, k)
-    monkeypatch.setattr(lut_kernels, "topk_relu_triton", counted)
-    return calls
-
-
-def _cuda_encoder(seed: int = 0) -> LutEncoder:
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"encoder_weight": (1024, 64), "encoder_bias": (1024,), "decoder_weight": (1024, 64),
-              "decoder_bias": (64,)}
-    tables = {key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}
-    return LutEncoder(tables, 32, torch.float32).cuda()
+@pytest.mark.parametrize("rows, width, k", [(1, 16384, 32), (8, 1536, 32), (3, 64, 4), (2, 1000, 7), (5, 97, 9)])
+def test_two_stage_topk_equals_torch_topk(rows, width, k):
+    """Step A's top-k on CUDA at decode sizes: torch.topk's values in its order, indices equal up to
+    ties (ReLU's zeros tie whenever fewer than k latents fire), on the CPU as the function is plain torch."""
+    g = torch.Generator().manual_seed(width)
+    pre = torch.randn(rows, width, generator=g).relu_()
+    pre[0, : width - k // 2] = 0  # a row with fewer than k non-zero latents: its top k ends in ties
+    values, indices = topk_two_stage(pre, k)
+    expect = torch.topk(pre, k, dim=-1)
+    assert torch.equal(values, expect.values)
+    assert torch.equal(pre.gather(1, indices), values)
+    assert all(len(set(row.tolist())) == k for row in indices)  # k distinct latents per row
+    untied = expect.values > expect.values[:, -1:]
+    assert torch.equal(indices[untied], expect.indices[untied])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_encoder_called_eagerly_takes_torch_topk(monkeypatch):
-    """The encoder's top-k on CUDA called eagerly: torch.topk's results at every size (the Triton top-k
-    pays at up to 8 rows only inside a CUDA graph capture, where its launches cost nothing: bench_lut);
-    the first decode-size call of a shape runs the Triton kernel once, so that a capture can use it."""
-    monkeypatch.setattr(lut_runtime, "TRITON_LOADED", set())
-    calls = _counted_triton_topk(monkeypatch)
-    encoder = _cuda_encoder()
+    """The encoder's top-k on CUDA called eagerly: torch.topk at every size (two stages pay at up to 8
+    rows only inside a CUDA graph capture, where their extra launches cost nothing: bench_lut)."""
+    calls = []
+
+    def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(len(pre))
+        return topk_two_stage(pre, k)
+
+    monkeypatch.setattr(lut_runtime, "topk_two_stage", counted)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"encoder_weight": (1024, 64), "encoder_bias": (1024,), "decoder_weight": (1024, 64),
+              "decoder_bias": (64,)}
+    tables = {key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}
+    encoder = LutEncoder(tables, 32, torch.float32).cuda()
     for rows in (1, 8, 9, 64):
-        x = torch.randn(rows, 64, device="cuda")
+        x = torch.randn(rows, 64, generator=g).cuda()
         values = encoder(x)[0]
         pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
         torch.testing.assert_close(values, torch.topk(pre, 32).values)
-    assert calls == [1]
+    assert calls == []
 
 
-def _captured_encoding(encoder: LutEncoder, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The encoder's (values, indices) for x from a CUDA graph captured on x, replayed after x was
-    refilled: what a decode loop run through a graph gets."""
-    encoder.forget()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        values, indices = encoder(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    encoder.forget()
-    return values, indices
+def _cuda_encoder(seed: int = 0) -> LutEncoder:
+    """A LutEncoder on CUDA over 1024 latents of 64 inputs with one target of 48 outputs."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"encoder_weight": (1024, 64), "encoder_bias": (1024,), "decoder_weight": (1024, 64),
+              "decoder_bias": (64,)}
+    encoder = LutEncoder({key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}, 32, torch.float32)
+    encoder.add_target(torch.randn(1024, 48, generator=g), torch.randn(48, generator=g), None)
+    return encoder.cuda()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_encoder_in_a_graph_takes_the_triton_topk_once_loaded(monkeypatch, caplog):
-    """Captured in a CUDA graph at decode sizes, the encoder runs the Triton top-k (ReLU in it) once an
-    eager call at that shape has loaded it; a capture before any such call (a kernel cannot load while
-    a stream captures) runs torch's top-k and says so. Either way a replay gives torch's values."""
+def test_cuda_lookup_in_a_graph_takes_the_triton_kernel_once_loaded(monkeypatch, caplog):
+    """A decode-size Step B captured in a CUDA graph runs the Triton kernel once an eager call of that
+    shape has loaded it (a kernel cannot load while a stream captures: the eager call runs it once, its
+    result unused); a capture before any such call runs embedding_bag and says so. Either way a replay
+    gives embedding_bag's sums."""
+    lut_kernels = pytest.importorskip("actstore.lut_kernels", reason="triton is not installed")
     monkeypatch.setattr(lut_runtime, "TRITON_LOADED", set())
     monkeypatch.setattr(lut_runtime, "TRITON_WARNED", set())
-    calls = _counted_triton_topk(monkeypatch)
+    calls, kernel = [], lut_kernels.weighted_rows_triton
+
+    def counted(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        calls.append(len(indices))
+        return kernel(weights, indices, table)
+    monkeypatch.setattr(lut_kernels, "weighted_rows_triton", counted)
     encoder = _cuda_encoder()
-    encoder(torch.randn(9, 64, device="cuda"))  # cuBLAS and torch.topk warm, past the decode sizes
-    for rows in (1, 8):
-        x = torch.randn(rows, 64, device="cuda")
-        values, indices = _captured_encoding(encoder, x)
-        if rows == 1:
-            assert calls == [] and "no eager call had made" in caplog.text
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # the warm-up torch.cuda.graph asks for, off the capture stream
-                encoder(x)
-            torch.cuda.current_stream().wait_stream(side)
-            assert calls == [1]
-            values, indices = _captured_encoding(encoder, x)
-        pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
-        torch.testing.assert_close(values, torch.topk(pre, 32).values)
-        torch.testing.assert_close(pre.gather(1, indices), values)
-    assert calls == [1, 1, 8]  # the warm-up, then a capture at each size (one shape: loaded once)
+    values, indices = encoder(torch.randn(1, 64, device="cuda"))  # cuBLAS and top-k warm; no lookup yet
+
+    def captured() -> torch.Tensor:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = encoder.lookup(values, indices)
+        graph.replay()
+        torch.cuda.synchronize()
+        return out
+    expect = embedding_bag_rows(values, indices, encoder.products) + encoder.bias_products
+    torch.testing.assert_close(captured(), expect)
+    assert calls == [] and "no eager call had made" in caplog.text
+    torch.testing.assert_close(encoder.lookup(values, indices), expect)  # eager: embedding_bag, kernel loaded
+    assert calls == [1]
+    torch.testing.assert_close(captured(), expect)
+    assert calls == [1, 1]
 
 
 def test_fused_lookup_reproduces_the_stage_report(built, model):

@@ -1,6 +1,7 @@
 """Triton kernels of the LUT runtime on CUDA: Step B (weighted_rows_triton, picked by
-actstore.lut_runtime.weighted_rows) and Step A's top-k at decode sizes (topk_relu_triton, picked by
-lut_runtime.topk_latents).
+actstore.lut_runtime.weighted_rows), and a candidate for Step A's top-k at decode sizes
+(topk_relu_triton: bench_lut times it beside the two-stage torch top-k the runtime runs; it replaces
+that one in lut_runtime.topk_latents once a GPU has measured it faster).
 
 Importing this module imports triton, which is not a dependency of the project (the GPU image has
 it): lut_runtime imports it on its first CUDA call and keeps torch's ops when it is missing.

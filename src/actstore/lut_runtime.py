@@ -26,8 +26,8 @@ where triton is not installed). Both accumulate in
 float32 for float16/bfloat16 tables but write their output in the table's dtype, so tables are held
 in the dtype the model computes in: a float32 model upcasts 16-bit tables at load (otherwise its
 outputs would be rounded to 16 bits), a bfloat16 model keeps bfloat16 tables as stored. Step A's
-ReLU and top-k are torch ops, or on CUDA at decode sizes in a graph capture one Triton top-k
-(lut_kernels.topk_relu_triton: the same values, two launches where torch's ops take two or more).
+top-k is torch.topk, or on CUDA at decode sizes in a graph capture topk_two_stage (the same values;
+faster there, slower on more rows).
 
 Runtime `auto` (lut.runtime): above a crossover token count a target runs the dense x @ W it replaced
 (when that weight is present). The crossover is measured, not modelled: `calibrate` times, on the
@@ -60,13 +60,15 @@ CALIBRATION_SECONDS = 2.0  # per group of targets sharing an encoder (see calibr
 # Activations one calibration call may hold beside the loaded model: larger token counts are not timed.
 CALIBRATION_BYTES = 512 * 2**20
 CALIBRATION_REPEATS = 3  # best of, after one warm-up call
-# Decode-sized calls (at most DECODE_ROWS rows) on CUDA run the Triton Step B and Step A's Triton top-k
-# (for at least TOPK_WIDTH x k latents) only inside a CUDA graph capture. On an H100 (Llama-8B gate + up,
-# 16384 latents, k 32, 2026-11-26), in graphs at 1-8 rows: torch.topk 0.066-0.070 ms (a two-stage torch
-# top-k 0.045-0.052), Step B 0.015-0.020 against embedding_bag's 0.014-0.028; called eagerly, Triton's
-# launch made Step B 0.080-0.088 ms against embedding_bag's 0.041-0.060.
+# Decode-sized calls (at most DECODE_ROWS rows) on CUDA run the Triton Step B and Step A's top-k in two
+# stages (topk_two_stage, for at least TWO_STAGE_WIDTH x k latents) only inside a CUDA graph capture.
+# On an H100 (Llama-8B gate + up, 16384 latents, k 32, 2026-11-26), in graphs at 1-8 rows: two-stage
+# top-k 0.045-0.052 ms against torch.topk's 0.066-0.070, Step B 0.015-0.020 against embedding_bag's
+# 0.014-0.028, A + B 0.104 ms (0.97x eager dense) where it was 0.138; called eagerly, Triton's launch
+# made Step B 0.080-0.088 ms against embedding_bag's 0.041-0.060, and A + B 0.44 ms against 0.18. At 64
+# rows two stages took 0.098 ms against 0.053 (torch.topk), and Triton beat embedding_bag both ways.
 DECODE_ROWS = 8
-TOPK_WIDTH = 16
+TWO_STAGE_WIDTH = 16
 TRITON_LOADED: set[tuple] = set()  # the signatures whose Triton kernel an eager call ran (in_graph)
 TRITON_WARNED: set[tuple] = set()
 
@@ -133,18 +135,31 @@ def embedding_bag_rows(weights: torch.Tensor, indices: torch.Tensor, table: torc
     return torch.embedding_bag(table, indices.reshape(-1), offsets, False, 0, False, flat_weights, False, None)[0]
 
 
-def topk_latents(pre: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest of each row of relu(pre + bias), pre [rows, width] (changed
-    in place), descending: the ReLU and top-k on CUDA at decode sizes inside a graph capture by the
-    Triton top-k (in_graph), elsewhere by torch's ops."""
-    pre.add_(bias)
+def topk_latents(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest of each row of pre [rows, width], descending: topk_two_stage
+    where it measured faster (DECODE_ROWS), torch.topk elsewhere."""
     rows, width = pre.shape
-    if pre.is_cuda and rows <= DECODE_ROWS and width >= TOPK_WIDTH * k and (kernels := _lut_kernels()) is not None:
-        def triton() -> tuple[torch.Tensor, torch.Tensor]:
-            return kernels.topk_relu_triton(pre, k)
-        if in_graph(("topk", pre.device, pre.dtype, width, k, pre.stride(0), pre.data_ptr() % 16), triton):
-            return triton()
-    return torch.topk(pre.relu_(), k, dim=-1)
+    decode = rows <= DECODE_ROWS and width >= TWO_STAGE_WIDTH * k
+    if pre.is_cuda and decode and torch.cuda.is_current_stream_capturing():
+        return topk_two_stage(pre, k)
+    return torch.topk(pre, k, dim=-1)
+
+
+def topk_two_stage(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(pre, k) of pre [rows, width] as the k largest of each of the most equal slices of at
+    least 4k latents (128 slices of 128 for 16,384 latents, k 32), then the k largest of those
+    candidates: each of a row's k largest is among its own slice's k largest, so the values are
+    torch.topk's and the indices too up to ties. A single wide torch.topk row may run on one block of
+    the card; the slices spread it over many."""
+    rows, width = pre.shape
+    groups = max(1, width // (4 * k))
+    while width % groups:
+        groups -= 1
+    size = width // groups
+    values, local = pre.reshape(rows, groups, size).topk(k, dim=-1)
+    local = local + torch.arange(0, width, size, device=pre.device).view(1, groups, 1)
+    top, pick = values.reshape(rows, -1).topk(k, dim=-1)
+    return top, local.reshape(rows, -1).gather(1, pick)
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -212,9 +227,10 @@ class LutEncoder(nn.Module):
             weight = self.encoder_weight
             flat = x.reshape(-1, x.shape[-1])
             flat = flat if flat.dtype == weight.dtype else flat.to(weight.dtype)
-            # The bias and ReLU in place: the same sums without two more [N, B] temporaries (134 MB each
-            # for 2048 tokens over 16384 latents in float32).
-            results["encoding"] = topk_latents(flat @ weight.T, self.encoder_bias, self.k_active)
+            # In place: the same sums without two more [N, B] temporaries (134 MB each for 2048 tokens
+            # over 16384 latents in float32).
+            pre = (flat @ weight.T).add_(self.encoder_bias).relu_()
+            results["encoding"] = topk_latents(pre, self.k_active)
             self.counts["encodings"] += 1
         return results["encoding"]
 
