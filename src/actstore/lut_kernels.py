@@ -13,11 +13,11 @@ up, 16384 latents, k 32, bfloat16, CUDA graphs) it took 0.084 ms at 64 tokens an
 embedding_bag took 0.189 and 5.556 (docs/sae-lut.md).
 
 Step A's top-k: torch.topk over a few rows of 16384 latents took 0.066 ms in a CUDA graph on that
-H100, as long as the encoder's GEMV, and the ReLU before it one more kernel. Here two launches do both:
-one program per (row, slice of SLICE latents) applies the ReLU and sorts its slice once; a row's k
-largest are among its slices' k largest, which a second program per row sorts again. A value and its index sort as one
-int64 key: a non-negative float orders as its bits, then 2**31 - 1 - index, so that the lower index
-comes first among equal values.
+H100 (two stages of torch.topk 0.045), as long as the encoder's GEMV, and the ReLU before it is one
+more kernel. Here two launches do both: one program per (row, slice of SLICE latents) applies the
+ReLU and sorts its slice once; a row's k largest are among its slices' k largest, which a second
+program per row sorts again. A value and its index sort as one int64 key: a non-negative float
+orders as its bits, then 2**31 - 1 - index, so that the lower index comes first among equal values.
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def _slice_top_kernel(pre, candidates, width, row_stride, K: tl.constexpr, SLICE
 def _row_top_kernel(candidates, values, indices, n_candidates, K: tl.constexpr, N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, N)
-    key = tl.sort(tl.load(candidates + row * n_candidates + j, mask=j < n_candidates, other=-1), descending=True)
+    key = tl.load(candidates + row * n_candidates + j, mask=j < n_candidates, other=-1)
+    key = tl.sort(key, descending=True)
     first = j < K
     value = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     tl.store(values + row * K + j, value.to(values.dtype.element_ty), mask=first)
@@ -111,9 +112,9 @@ def topk_relu_triton(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     candidates = torch.empty(rows, slices * k, dtype=torch.int64, device=pre.device)
     values = torch.empty(rows, k, dtype=pre.dtype, device=pre.device)
     indices = torch.empty(rows, k, dtype=torch.int64, device=pre.device)
-    # The current device, as in weighted_rows_triton; on the CPU, triton's interpreter (TRITON_INTERPRET=1)
-    # runs the kernels, which tests them without a GPU (its float32 -> bfloat16 casts truncate, so Step B's
-    # bfloat16 sums are tested on a GPU only).
+    # The current device, as in weighted_rows_triton; on the CPU, triton's interpreter
+    # (TRITON_INTERPRET=1) runs the kernels, which tests them without a GPU (its float32 -> bfloat16
+    # casts truncate, so Step B's bfloat16 sums are tested on a GPU only).
     with torch.cuda.device(pre.device) if pre.is_cuda else nullcontext():
         _slice_top_kernel[(rows * slices,)](pre, candidates, width, pre.stride(0), K=k, SLICE=size)
         _row_top_kernel[(rows,)](candidates, values, indices, slices * k, K=k,
