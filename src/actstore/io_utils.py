@@ -568,6 +568,5 @@ class TreeHashFile(PositionedFile):
         return tree_root(self.leaves)
 
 
-
 def _leaf_digest(data: memoryview) -> bytes:
     return hashlib.sha256(data).digest()

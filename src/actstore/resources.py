@@ -289,9 +289,9 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     group_rows = ROW_INDEX_BYTES * w.rows + row_bytes * min(w.rows, ROW_GROUP_TOKENS)  # one index row group's
     windows = WINDOW_BYTES * w.tokens // config["saev"]["tokens_per_window"]
     labels = w.rows * 1025 + rows if config["saev"].get("patch_labels") else 0  # labels.bin from the masks
+    sample_bytes = 4 * w.d * w.tokens // max(w.rows, 1)  # one sample's rows of one tensor in float32
     # A float32 part's rows are pickled from its mapping (page cache): a thread holds only the compressed
     # blocks in flight, a sample's rows each; 16-bit parts' rows are converted, a shard a thread.
-    sample_bytes = 4 * w.d * w.tokens / max(w.rows, 1)
     pickle_shards = config["pickle"]["threads"] * ((BEHIND + 1) * sample_bytes if w.itemsize == 4
                                                    else 3 * config["pickle"]["shard_size_mb"] * 1e6)
     zarr_records = FILES_JSON_ENTRY_BYTES * zarr_chunks(w, config)  # meta/files.json held whole
@@ -302,7 +302,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "lmprobe_tensors": THREADS * 2 * (BEHIND + 1) * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "pickle_machines": rows / parts + pickle_shards,  # one part at a time
-        "zarr_shards": (rows + zarr_records) / parts + 4 * w.d * w.tokens // max(w.rows, 1),  # + a sample's rows
+        "zarr_shards": (rows + zarr_records) / parts + sample_bytes,
         "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr", "merge_jobs")),
         "zarr_merge": ZARR_MERGE_SAMPLE_BYTES * w.rows,
     }[job]
