@@ -34,10 +34,10 @@ rule zarr_shards:
         bench_path("zarr", job_name("shards", len(ZARR_JOBS)))
     wildcard_constraints:
         job=r"\d{4}",
-    # Two threads create, write and hash the chunk files while the main thread casts the next ones.
-    threads: 2
+    # zarr.threads threads each read, cast, write and hash a chunk file.
+    threads: config["zarr"]["threads"]
     resources:
-        cpus_per_task=2,
+        cpus_per_task=config["zarr"]["threads"],
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_shards", attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
             config, attempt, jobs=len(ZARR_JOBS), passes=2.0),

@@ -117,7 +117,7 @@ def test_library_validation_fills_what_the_snakefile_validation_fills(name):
 
 @pytest.mark.parametrize("section, key, value", [
     ("saev", "jobs", 7), ("lmprobe", "jobs", 3), ("zarr", "merge_jobs", 5), ("zarr", "jobs", 2), ("pickle", "threads", 1),
-    ("pickle", "jobs", 3),
+    ("pickle", "jobs", 3), ("zarr", "threads", 3),
     ("extract", "writer_threads", 2)])
 def test_execution_keys_leave_every_hash_alone(demo, section, key, value):
     changed = copy.deepcopy(demo)

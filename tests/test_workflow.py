@@ -107,7 +107,7 @@ def test_changing_how_a_finished_run_executes_schedules_nothing(demo_run, tmp_pa
     for benchmark in old_benchmarks:
         os.utime(benchmark, (finished, finished))
     changes = {("saev", "jobs"): 1, ("lmprobe", "jobs"): 1, ("pickle", "jobs"): 1, ("pickle", "threads"): 1,
-               ("zarr", "jobs"): 1, ("zarr", "merge_jobs"): 1, ("extract", "writer_threads"): 2,
+               ("zarr", "jobs"): 1, ("zarr", "merge_jobs"): 1, ("zarr", "threads"): 1, ("extract", "writer_threads"): 2,
                ("extract", "buffers"): 2, ("extract", "num_workers"): 1, ("model", "trust_remote_code"): True}
     assert set(changes) == {(section, key) for section, keys in EXECUTION_KEYS.items() for key in keys}
     for (section, key), value in changes.items():

@@ -30,8 +30,8 @@ LEGACY_DATASET_KEYS = {"path", "name", "split", "limit"}
 # Keys that change how a stage runs, never what it writes (tested byte for byte): not hashed.
 EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"model": ("trust_remote_code",),
                                               "extract": ("num_workers", "buffers", "writer_threads"),
-                                              "saev": ("jobs",), "lmprobe": ("jobs",), "zarr": ("jobs", "merge_jobs"),
-                                              "pickle": ("threads", "jobs")}
+                                              "saev": ("jobs",), "lmprobe": ("jobs",),
+                                              "zarr": ("jobs", "merge_jobs", "threads"), "pickle": ("threads", "jobs")}
 
 
 def upstream_stages(config: dict[str, Any], stage: str) -> list[str]:

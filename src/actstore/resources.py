@@ -268,11 +268,15 @@ def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
     """Activation chunk files of every zarr shard store, at most: a sample's chunks up to
     max_seq_length (zarr.t_chunk tokens, or the layout's choice); only those holding its tokens are
     written, a number the config alone does not give."""
+    t_max = config["extract"]["max_seq_length"]
+    return w.rows * len(config["extract"]["layers"]) * -(-t_max // zarr_t_chunk(config, w.d))
+
+
+def zarr_t_chunk(config: dict[str, Any], d: int) -> int:
+    """Tokens per activation chunk of the zarr stores (zarr.t_chunk, or the layout's choice)."""
     from actstore.formats.zarr.layout import choose_t_chunk
 
-    t_max = config["extract"]["max_seq_length"]
-    t_chunk = choose_t_chunk(t_max, w.d, config["zarr"]["t_chunk"])
-    return w.rows * len(config["extract"]["layers"]) * -(-t_max // t_chunk)
+    return choose_t_chunk(config["extract"]["max_seq_length"], d, config["zarr"]["t_chunk"])
 
 
 def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
@@ -295,6 +299,11 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     pickle_shards = config["pickle"]["threads"] * ((BEHIND + 1) * sample_bytes if w.itemsize == 4
                                                    else 3 * config["pickle"]["shard_size_mb"] * 1e6)
     zarr_records = FILES_JSON_ENTRY_BYTES * zarr_chunks(w, config)  # meta/files.json held whole
+    # A zarr shard job's chunk buffers (float32 read + float16 cast), BEHIND more than its threads, and
+    # a 16-bit part's rows as read and converted (6 bytes a value), a chunk a thread.
+    zarr_threads = config["zarr"]["threads"]
+    zarr_buffers = ((zarr_threads + BEHIND) * 6 + (zarr_threads * 6 if w.itemsize != 4 else 0)) \
+        * zarr_t_chunk(config, w.d) * w.d
     buffers = {
         "saev_shards": (BEHIND + 2) * CHUNK_BYTES + windows,  # the ring + a fill's temporaries
         "saev": windows + labels,
@@ -302,7 +311,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "lmprobe_tensors": THREADS * 2 * (BEHIND + 1) * COPY_BYTES + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "pickle_machines": rows / parts + pickle_shards,  # one part at a time
-        "zarr_shards": (rows + zarr_records) / parts + sample_bytes,
+        "zarr_shards": (rows + zarr_records) / parts + zarr_buffers,
         "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr", "merge_jobs")),
         "zarr_merge": ZARR_MERGE_SAMPLE_BYTES * w.rows,
     }[job]

@@ -130,40 +130,43 @@ def _write_chunk(path: str, data: np.ndarray) -> None:
 def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threads: int,
                   progress: bool) -> tuple[dict[str, dict], int]:
     """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's
-    tokens hold only the fill value and are left out, as zarr leaves empty chunks out), each cast into
-    a (T_chunk, H) float16 buffer, zero past the sample's end, and written raw: the bytes zarr writes
-    for an uncompressed C-order chunk. `threads` BufferWorkers each create a chunk's directory and
-    file, write it and hash it (never read back) while the next chunks are read and cast: a chunk file
-    is independent of the others, so their order does not matter, and one thread would be bound by one
-    core's sha256 or by the filesystem's time per directory. Returns {key: files.json entry} and the
-    count of values that overflowed float16."""
+    tokens hold only the fill value and are left out, as zarr leaves empty chunks out), each read
+    into a (T_chunk, H) float32 buffer, cast into a float16 one, zero past the sample's end, and
+    written raw: the bytes zarr writes for an uncompressed C-order chunk. `threads` BufferWorkers each
+    read, cast, write and hash a chunk (its file never read back), in any order, while the main thread
+    only hands them out: a chunk file is independent of the others, and any one stage on one thread
+    (the read and cast, one core's sha256, the filesystem's time per directory) would bound the job
+    whatever its CPUs. Returns {key: files.json entry} and the count of values that overflowed float16."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
-    hidden = tensors[0].shape[1]
-    sample = np.empty((int(part.info.max_seq_length), hidden), dtype=np.float32)  # one sample's rows
-    files, overflow = {}, 0
+    hidden, t_max = tensors[0].shape[1], int(part.info.max_seq_length)
+    files, overflows = {}, {}
 
-    def write(chunk: np.ndarray, key: str) -> None:
+    def write(buffers: tuple[np.ndarray, np.ndarray], key: str, tensor: Any, start: int, stop: int) -> None:
+        rows, chunk = buffers[0][:stop - start], buffers[1]
+        tensor.read_rows(start, stop, rows)
+        overflows[key] = to_float16(rows, chunk[:len(rows)])
+        chunk[len(rows):] = 0
         os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
         _write_chunk(str(store / key), chunk)
         files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
 
-    with BufferWorkers(write, threads, lambda: np.empty((t_chunk, hidden), dtype=np.float16)) as workers:
+    def make_buffers() -> tuple[np.ndarray, np.ndarray]:
+        return np.empty((t_chunk, hidden), dtype=np.float32), np.empty((t_chunk, hidden), dtype=np.float16)
+
+    with BufferWorkers(write, threads, make_buffers) as workers:
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
             rows = part.sample_slice(i)
-            if rows.stop - rows.start > len(sample):
+            if rows.stop - rows.start > t_max:
                 raise FormatError(f"{part.dir}: sample {i} has {rows.stop - rows.start} tokens, more than the "
-                                  f"part's max_seq_length {part.info.max_seq_length}")
-            x, count = sample[:rows.stop - rows.start], int(chunk_counts(rows.stop - rows.start, t_chunk))
+                                  f"part's max_seq_length {t_max}")
             for l, tensor in enumerate(tensors):
-                tensor.read_rows(rows.start, rows.stop, x)
-                for c in range(count):
-                    piece, chunk = x[c * t_chunk: (c + 1) * t_chunk], workers.buffer()
-                    overflow += to_float16(piece, chunk[:len(piece)])
-                    chunk[len(piece):] = 0
-                    workers.submit(chunk, acts_chunk_key(i, l, c))
-    return files, overflow
+                for c in range(int(chunk_counts(rows.stop - rows.start, t_chunk))):
+                    start = rows.start + c * t_chunk
+                    workers.submit(workers.buffer(), acts_chunk_key(i, l, c), tensor, start,
+                                   min(start + t_chunk, rows.stop))
+    return files, sum(overflows.values())
 
 
 def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None = None,
@@ -171,7 +174,7 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     """Write one extraction part as a self-contained shard store (atomic); return its manifest entry.
 
     `git_commit` is the commit of the code that wrote it, recorded in the attrs (None: unknown);
-    `threads` threads write and hash the chunk files while the caller casts the next ones.
+    `threads` threads read, cast, write and hash the chunk files.
     """
     part = open_part(part_dir)
     rows = list(part.samples)  # one part's rows, held: the vectors and the text arrays each pass over them
