@@ -129,10 +129,10 @@ def cp_baseline(files: list[Path], dest: Path) -> float:
     return time.perf_counter() - t0
 
 
-def variants(extract: Path, work: Path, parts: int, jobs: int,
+def variants(extract: Path, work: Path, shards: Path, parts: int, jobs: int,
              thread_counts: list[int]) -> dict[str, tuple[str, list[list[list[str]]]]]:
-    """writer -> (job shape, phases of concurrent job argvs)."""
-    out, shards = work / "w", work / "zarr-shards"
+    """writer -> (job shape, phases of concurrent job argvs); `shards`: the zarr merge's input stores."""
+    out = work / "w"
     per_part = lambda name, **kw: [[job_argv(name, extract, out, part=p, **kw)] for p in range(parts)]  # noqa: E731
 
     def scattered(name: str, finish: str, **kw) -> tuple[str, list[list[list[str]]]]:
@@ -158,6 +158,9 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=2.0, help="GB of activations in the synthetic extraction")
     parser.add_argument("--parts", type=int, default=2)
     parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the extraction's storage dtype (bfloat16: what a bf16 model's extraction stores by "
+                             "default); --gb counts its activations as float32")
     parser.add_argument("--jobs", type=int, default=2, help="jobs of the scattered writers")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2],
@@ -177,20 +180,20 @@ def main() -> None:
     if args.job:
         return run_job(args)
     work = Path(args.work)
-    extract = work / f"extract-{args.gb:g}gb-{args.parts}p-d{args.dim}"
+    extract = work / f"extract-{args.gb:g}gb-{args.parts}p-d{args.dim}" / args.dtype
     if not (extract / INDEX).is_file():
         shutil.rmtree(extract, ignore_errors=True)
-        synthetic_extraction(extract, int(args.gb * 1e9), args.parts, args.dim, LAYERS)
+        synthetic_extraction(extract, int(args.gb * 1e9), args.parts, args.dim, LAYERS, dtype=args.dtype)
     files = activation_files(extract)
     n_bytes = sum(f.stat().st_size for f in files)
     for f in files:  # warm the page cache, as every run below finds it
         subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
-    zarr_shards = work / "zarr-shards"
+    zarr_shards = extract.with_name(f"zarr-shards-{args.dtype}")
     if not zarr_shards.is_dir():
         run_phases([[job_argv("zarr", extract, zarr_shards, part=p)] for p in range(args.parts)])
     rows = []
     cp_s = []
-    for name, (shape, phases) in variants(extract, work, args.parts, args.jobs, args.thread_counts).items():
+    for name, (shape, phases) in variants(extract, work, zarr_shards, args.parts, args.jobs, args.thread_counts).items():
         if args.only and not name.startswith(tuple(args.only)):
             continue
         best, paired = None, []
@@ -211,11 +214,11 @@ def main() -> None:
     cp_rate = n_bytes / min(cp_s) / 1e6
     for row in rows:
         row["x_cp"] = row["mb_per_s"] / cp_rate
-    result = {"bytes": n_bytes, "parts": args.parts, "dim": args.dim, "layers": LAYERS,
+    result = {"bytes": n_bytes, "dtype": args.dtype, "parts": args.parts, "dim": args.dim, "layers": LAYERS,
               "n_samples": open_extraction(extract).n_samples, "cp_mb_per_s": cp_rate, "writers": rows}
     OUT.mkdir(exist_ok=True)
     (OUT / "writers.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{n_bytes / 1e9:.2f} GB, {result['n_samples']} samples, cp + sync {cp_rate:.1f} MB/s (best of {len(cp_s)})")
+    print(f"{n_bytes / 1e9:.2f} GB of {args.dtype}, {result['n_samples']} samples, cp + sync {cp_rate:.1f} MB/s (best of {len(cp_s)})")
     print("| writer | job shape | MB/s | x best cp | x cp, paired | peak anonymous | peak dirty mapped "
           "| s (CPU s, closing sync s) |\n|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

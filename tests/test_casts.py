@@ -103,6 +103,18 @@ def test_bfloat16_bits_equal_torchs_cast(cast_path):
     assert (back[finite] == torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()[finite]).all()
 
 
+def test_every_bfloat16_widens_to_torchs_float32_bits_into_any_target():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    expected = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy().view(np.uint32)
+    assert np.array_equal(casts.bfloat16_bits_to_float32(bits).view(np.uint32), expected)
+    target = np.zeros((300, 300), np.float32)  # a strided window of a larger array, left as it is around it
+    casts.bfloat16_bits_to_float32(bits, target[20:276, 30:286])
+    assert np.array_equal(target[20:276, 30:286].view(np.uint32), expected)
+    assert not target[:20].any() and not target[276:].any() and not target[:, :30].any()
+    with pytest.raises(ValueError, match="into float32 \\(255, 256\\)"):
+        casts.bfloat16_bits_to_float32(bits, np.empty((255, 256), np.float32))
+
+
 @pytest.mark.skipif(not SCALE, reason="all 2**32 float32 values, ~2 min: run with make test-scale")
 def test_every_float32_casts_like_numpy_and_torch():
     block = 1 << 24

@@ -1627,3 +1627,22 @@ def test_model_fix_mistral_regex_is_the_users_answer_to_transformers_warning(tmp
                                           r"\['ByteLevel'\]"):
         run_part(config, 0, tmp_path / "refused" / "part", progress=False)
     assert not (tmp_path / "refused" / "part").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_part_reads_back_as_its_float32_values_rounded(tmp_path, dtype):
+    """The same synthetic extraction stored in float32 and in a 16-bit dtype: each row of the 16-bit
+    part, read by index or by `read_rows` into a float32 buffer, is the float32 row rounded to that
+    dtype (torch's rounding) and widened back exactly."""
+    from actstore.formats.extract import synthetic_extraction
+    wide = open_part(synthetic_extraction(tmp_path / "f32", 200_000, 1, 32, [1], tokens=(4, 40)) / "part-0000")
+    narrow = open_part(synthetic_extraction(tmp_path / dtype, 200_000, 1, 32, [1], tokens=(4, 40), dtype=dtype)
+                       / "part-0000")
+    assert narrow.meta["files"]["layer_001.npy"]["dtype"] == dtype
+    expected = torch.from_numpy(np.array(wide.tensor("layer_1")[:])).to(getattr(torch, dtype)).float().numpy()
+    for i in range(len(narrow.samples)):
+        a, b = narrow.sample_slice(i).start, narrow.sample_slice(i).stop
+        rows = np.full((50, 32), np.nan, np.float32)
+        narrow.tensor("layer_1").read_rows(a, b, rows[:b - a])
+        assert np.array_equal(rows[:b - a], expected[a:b]) and np.isnan(rows[b - a:]).all()
+        assert np.array_equal(narrow.tensor("layer_1")[a:b], expected[a:b])

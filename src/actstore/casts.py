@@ -57,6 +57,13 @@ def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns -> float32, exact (they are a float32's top half)."""
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+def bfloat16_bits_to_float32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 bit patterns -> float32, exact (they are a float32's top half), into `out` (float32,
+    bits' shape) when given: one pass, no temporary, no GIL (numpy's shift loop)."""
+    bits = np.asarray(bits)
+    if out is None:
+        out = np.empty(bits.shape, np.float32)
+    elif out.shape != bits.shape or out.dtype != np.float32:
+        raise ValueError(f"bfloat16_bits_to_float32: {bits.shape} into {out.dtype} {out.shape}")
+    np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+    return out

@@ -22,7 +22,7 @@ import io
 
 import numpy as np
 
-from actstore.casts import bfloat16_bits_to_float32
+from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits
 
 PART_META = "part.json"
 INDEX = "extract.json"  # beside the parts: every part's directory and part.json sha256
@@ -59,10 +59,20 @@ def npy_header(shape: tuple[int, ...], descr: str) -> bytes:
     return buf.getvalue()
 
 
-def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored values as float32 (exact for every storage dtype); float32 is returned as is."""
+def to_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Stored values as float32 (exact for every storage dtype), into `out` when given; float32 is
+    returned as is when no `out` is given."""
     if dtype == "bfloat16":
-        return bfloat16_bits_to_float32(values)
-    if dtype == "float16":
+        return bfloat16_bits_to_float32(values, out)
+    if out is None:
         return np.asarray(values, dtype=np.float32)
-    return values
+    out[...] = values
+    return out
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as storage dtype `dtype` stores them (bfloat16 as its uint16 bits), rounded to
+    nearest even as torch's casts round."""
+    if dtype == "bfloat16":
+        return to_bfloat16_bits(values)
+    return np.asarray(values, dtype=STORAGE_DESCR[dtype])

@@ -59,7 +59,7 @@ class StoredTensor:
         finally:
             os.close(fd)
         if target is not out:
-            out[:] = to_float32(target, self.stored_dtype)
+            to_float32(target, self.stored_dtype, out)
 
 
 class SampleRows(Sequence):

@@ -12,7 +12,7 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, PART_META, STORAGE_DESCR,
-                                             layer_tensor, npy_header, part_dirname, tensor_file)
+                                             from_float32, layer_tensor, npy_header, part_dirname, tensor_file)
 from actstore.integrity import TREE_HASH_KEY
 from actstore.io_utils import TreeHashFile, atomic_path, sha256_file, write_json_atomic
 
@@ -152,29 +152,31 @@ SYNTHETIC_POOL = 16 << 20  # random float32 values drawn once; each sample's row
 
 
 def synthetic_extraction(root: str | Path, n_bytes: int, parts: int, dim: int, layers: list[int],
-                         tokens: tuple[int, int] = (64, 512), seed: int = 0, scale: float = 1.0) -> Path:
-    """A text extraction of random float32 activations (normal, standard deviation `scale`) for
-    benchmarks and scale tests, written by PartWriter like a real one: samples of tokens[0]..tokens[1]
-    tokens (= max_seq_length) until the layers hold `n_bytes`, split into `parts` parts, token ids, a
-    bert-like model record (no model folder), extract.json."""
+                         tokens: tuple[int, int] = (64, 512), seed: int = 0, scale: float = 1.0,
+                         dtype: str = "float32") -> Path:
+    """A text extraction of random activations (normal, standard deviation `scale`) for benchmarks
+    and scale tests, written by PartWriter like a real one: samples of tokens[0]..tokens[1] tokens
+    (= max_seq_length) until the layers hold `n_bytes` as float32, split into `parts` parts, token
+    ids, a bert-like model record (no model folder), extract.json. Stored in `dtype` (a storage
+    dtype): the same samples and values whatever it is, rounded to it."""
     root = Path(root)
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
     while sum(lengths) * len(layers) * dim * 4 < n_bytes:
         lengths.append(int(rng.integers(tokens[0], tokens[1] + 1)))
-    pool = rng.standard_normal(SYNTHETIC_POOL, dtype=np.float32) * np.float32(scale)
+    pool = from_float32(rng.standard_normal(SYNTHETIC_POOL, dtype=np.float32) * np.float32(scale), dtype)
     per_part = -(-len(lengths) // parts)
     for part in range(parts):
         rows = range(part * per_part, min(len(lengths), (part + 1) * per_part))
         with write_part(root / part_dirname(part)) as tmp:
-            _synthetic_part(tmp, rows, lengths, layers, dim, pool, rng).finish(
+            _synthetic_part(tmp, rows, lengths, layers, dim, pool, rng, dtype).finish(
                 _synthetic_meta(root, part, parts, rows, len(lengths), layers, tokens[1]))
     write_index(root, root / INDEX)
     return root
 
 
 def _synthetic_part(tmp: Path, rows: range, lengths: list[int], layers: list[int], dim: int, pool: np.ndarray,
-                    rng: np.random.Generator) -> PartWriter:
+                    rng: np.random.Generator, dtype: str) -> PartWriter:
     local = [lengths[i] for i in rows]
     samples = [{"sample_idx": i, "text": f"synthetic sample {i}", "label": None, "label_id": None,
                 "num_tokens": lengths[i], "metadata": {}} for i in rows]
@@ -182,7 +184,7 @@ def _synthetic_part(tmp: Path, rows: range, lengths: list[int], layers: list[int
     writer.add_tokens("token_ids.npy", None, "int64")
     files = [tensor_file(layer_tensor(layer)) for layer in layers]
     for file in files:
-        writer.add_tokens(file, dim, "float32")
+        writer.add_tokens(file, dim, dtype)
     for j, tokens in enumerate(local):
         writer.write("token_ids.npy", j, rng.integers(0, 30522, tokens, dtype=np.int64))
         for file in files:
