@@ -359,6 +359,7 @@ def test_shards_pickle_the_parts_rows_as_copies_would_without_touching_the_part(
         for key, items in copies.items():
             for item in items:
                 rows = extraction.activations(layer_tensor(int(key.removeprefix("layer_"))), item["sample_idx"])
+                assert item["shape"] == rows.shape and {type(n) for n in item["shape"]} == {int}
                 item["activation"] = np.array(rows, dtype=np.float32)  # a fresh writable copy
         again = io.BytesIO()
         pickle.dump(copies, again, protocol=PICKLE_PROTOCOL)

@@ -295,9 +295,10 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     labels = w.rows * 1025 + rows if config["saev"].get("patch_labels") else 0  # labels.bin from the masks
     sample_bytes = 4 * w.d * w.tokens // max(w.rows, 1)  # one sample's rows of one tensor in float32
     # A float32 part's rows are pickled from its mapping (page cache): a thread holds only the compressed
-    # blocks in flight, a sample's rows each; 16-bit parts' rows are converted, a shard a thread.
-    pickle_shards = config["pickle"]["threads"] * ((BEHIND + 1) * sample_bytes if w.itemsize == 4
-                                                   else 3 * config["pickle"]["shard_size_mb"] * 1e6)
+    # blocks in flight, a sample's rows each. A 16-bit part's rows are widened to float32, and the pickler
+    # holds every array of a shard until its dump ends (its memo keeps them): a shard a thread, more.
+    pickle_shards = config["pickle"]["threads"] * ((BEHIND + 1) * sample_bytes + (
+        config["pickle"]["shard_size_mb"] * 1e6 + 2 * sample_bytes if w.itemsize != 4 else 0))
     zarr_records = FILES_JSON_ENTRY_BYTES * zarr_chunks(w, config)  # meta/files.json held whole
     # A zarr shard job's chunk buffers (float32 read + float16 cast), BEHIND more than its threads, and
     # a 16-bit part's rows as read and converted (6 bytes a value), a chunk a thread.
