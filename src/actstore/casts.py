@@ -67,3 +67,14 @@ def bfloat16_bits_to_float32(bits: np.ndarray, out: np.ndarray | None = None) ->
         raise ValueError(f"bfloat16_bits_to_float32: {bits.shape} into {out.dtype} {out.shape}")
     np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
     return out
+
+
+def to_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Stored values of storage dtype `dtype` (float32, float16, or bfloat16 as its uint16 bits) as
+    float32, exact for each, into `out` when given; float32 without `out` is returned as is."""
+    if dtype == "bfloat16":
+        return bfloat16_bits_to_float32(values, out)
+    if out is None:
+        return np.asarray(values, dtype=np.float32)
+    out[...] = values
+    return out

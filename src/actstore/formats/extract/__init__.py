@@ -7,10 +7,11 @@ Rooms: layout (file names, dtypes, .npy headers: the only place that knows the b
 (PartWriter, write_part, write_index), read (Part, Extraction, open_part, open_extraction), check
 (detect / inspect / verify / read_vector).
 """
+from actstore.casts import to_float32
 from actstore.formats.extract.check import detect, inspect, read_vector, verify
 from actstore.formats.extract.contract import DatasetInfo, ModelInfo, PartInfo
 from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, PART_META, STORAGE_DESCR,
-                                             layer_tensor, npy_header, part_dirname, tensor_file, to_float32)
+                                             layer_tensor, npy_header, part_dirname, tensor_file)
 from actstore.formats.extract.read import Extraction, Part, StoredTensor, load_npy, open_extraction, open_part
 from actstore.formats.extract.write import PartWriter, synthetic_extraction, write_index, write_part
 

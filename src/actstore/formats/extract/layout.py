@@ -22,7 +22,7 @@ import io
 
 import numpy as np
 
-from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits
+from actstore.casts import to_bfloat16_bits
 
 PART_META = "part.json"
 INDEX = "extract.json"  # beside the parts: every part's directory and part.json sha256
@@ -57,17 +57,6 @@ def npy_header(shape: tuple[int, ...], descr: str) -> bytes:
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
     return buf.getvalue()
-
-
-def to_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
-    """Stored values as float32 (exact for every storage dtype), into `out` when given; float32 is
-    returned as is when no `out` is given."""
-    if dtype == "bfloat16":
-        return bfloat16_bits_to_float32(values, out)
-    if out is None:
-        return np.asarray(values, dtype=np.float32)
-    out[...] = values
-    return out
 
 
 def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -16,10 +16,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from actstore.casts import to_float32
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
-from actstore.formats.extract.layout import (INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file,
-                                             to_float32)
+from actstore.formats.extract.layout import INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file
 from actstore.integrity import check_file, file_records, inside, read_json, refuse, unlisted
 
 

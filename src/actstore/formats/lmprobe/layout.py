@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits, to_float16
+from actstore.casts import to_bfloat16_bits, to_float16
 from actstore.errors import ConfigError, FormatError
 from actstore.safetensors_io import header_bytes
 
@@ -76,13 +76,6 @@ def prompt_order(n: int, ordering: str, seed: int | None) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- stored dtypes
-
-def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored rows -> float32 (bfloat16 bits are the top half of a float32)."""
-    if dtype == "bfloat16":
-        return bfloat16_bits_to_float32(array)
-    return np.asarray(array, dtype=np.float32)
-
 
 def from_float32(array: np.ndarray, dtype: str) -> tuple[np.ndarray, int]:
     """float32 rows -> (rows in the storage dtype, how many finite values float16 turned into +-inf;

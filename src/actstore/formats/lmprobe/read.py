@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from actstore.casts import to_float32
 from actstore.errors import FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_VERSION, INDEX, LOGITS_INDICES_KEY,
                                              LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, read_safetensors_header,
-                                             split_index_name, tensor_entry, to_float32)
+                                             split_index_name, tensor_entry)
 from actstore.integrity import inside, refuse, whole_number, whole_numbers
 
 
@@ -324,7 +325,7 @@ class LmprobeDataset:
                 fh.seek(view.offset)
                 fh.readinto(memoryview(out[a:a + len(rows)]).cast("B"))
         elif contiguous:
-            out[a:a + len(rows)] = to_float32(view, self.dtype)
+            to_float32(view, self.dtype, out[a:a + len(rows)])
         else:
             out[rows] = to_float32(view[self.row_offset[rows]], self.dtype)
 
