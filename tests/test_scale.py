@@ -16,7 +16,7 @@ import pytest
 import tiny
 from actstore import resources
 from actstore.config import load_config
-from actstore.formats.extract import open_extraction, synthetic_extraction
+from actstore.formats.extract import layer_tensor, open_extraction, synthetic_extraction
 from actstore.memwatch import PeakMemory, process_memory
 
 SMALL_MB = 8           # activations of the smaller extraction; the larger holds LARGER x as many
@@ -66,9 +66,12 @@ elif name == "zarr-merge":
 
 @pytest.fixture(scope="module")
 def extractions(tmp_path_factory):
+    """{(storage dtype, size): extraction}: float32, and bfloat16 (what a bf16 model's extraction stores
+    by default, widened to float32 by every writer as it reads)."""
     root = tmp_path_factory.mktemp("scale")
-    return {size: synthetic_extraction(root / f"extract-{size}", size * SMALL_MB * 10**6, 2, DIM, LAYERS)
-            for size in (1, LARGER)}
+    return {(dtype, size): synthetic_extraction(root / f"extract-{dtype}-{size}", size * SMALL_MB * 10**6, 2, DIM,
+                                                LAYERS, dtype=dtype)
+            for dtype in ("float32", "bfloat16") for size in (1, LARGER)}
 
 
 def write_mb(name: str, extract: Path, out: Path, *flags: str) -> tuple[float, float]:
@@ -90,41 +93,28 @@ RULES = {"saev": ("saev_shards", "saev"), "lmprobe": ("lmprobe_tensors", "lmprob
          "pickle": ("pickle_machines",), "zarr": ("zarr_shards",), "zarr-merge": ("zarr_merge_chunks", "zarr_merge")}
 
 
-def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS, dim: int = DIM, itemsize: int = 4) -> float:
-    """The mem_mb the rules state for this extraction (stored `itemsize` bytes a value), before
-    rounding up to whole GB."""
+def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS, dim: int = DIM) -> float:
+    """The mem_mb the rules state for this extraction (in its storage dtype), before rounding up to whole GB."""
     extraction = open_extraction(extract)
+    stored = extraction.parts[0].tensor(layer_tensor(layers[0])).raw.dtype
     config = load_config(tiny.REPO / "config" / "config.yaml")
     config["extract"].update(layers=layers, max_seq_length=extraction.info.max_seq_length, parts=2)
     config["pickle"].update(threads=2, shard_size_mb=1)
     text_bytes = sum((part.dir / "samples.jsonl").stat().st_size for part in extraction.parts)
     w = resources.Workload(rows=extraction.n_samples, tokens=extraction.n_tokens, d=dim, n_tensors=len(layers),
-                           weight_bytes=0, text_bytes=text_bytes, itemsize=itemsize)
+                           weight_bytes=0, text_bytes=text_bytes, itemsize=stored.itemsize)
     return resources.WRITER_BASE_MB + max(resources.writer_buffer_bytes(w, config, rule) for rule in RULES[name]) / 1e6
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["saev", "lmprobe", "pickle", "zarr", "zarr-merge"])
-def test_writer_memory_does_not_grow_with_the_data(extractions, name, tmp_path):
-    small, _ = write_mb(name, extractions[1], tmp_path / "small")
-    large_write, large = write_mb(name, extractions[LARGER], tmp_path / "large")
+def test_writer_memory_does_not_grow_with_the_data(extractions, name, dtype, tmp_path):
+    small, _ = write_mb(name, extractions[dtype, 1], tmp_path / "small")
+    large_write, large = write_mb(name, extractions[dtype, LARGER], tmp_path / "large")
     assert large_write - small < GROWTH_MB, (f"{name}: writing {SMALL_MB} MB took {small:.1f} MB, "
                                              f"{LARGER}x that took {large_write:.1f} MB")
-    bound = bound_mb(name, extractions[LARGER])
+    bound = bound_mb(name, extractions[dtype, LARGER])
     assert large < bound, f"{name}: peak {large:.0f} MB over the {bound:.0f} MB its rules ask for"
-
-
-@pytest.mark.parametrize("name", ["saev", "lmprobe", "pickle", "zarr"])
-def test_writer_memory_on_bfloat16_parts_does_not_grow_with_the_data(tmp_path, name):
-    """What a bf16 model's extraction stores by default: every writer widens its rows to float32 as
-    it reads them (the pickle job a shard a thread), and holds no more for more data."""
-    small, large = (synthetic_extraction(tmp_path / f"extract-{size}", size * SMALL_MB * 10**6, 2, DIM, LAYERS,
-                                         dtype="bfloat16") for size in (1, LARGER))
-    small_write, _ = write_mb(name, small, tmp_path / "small")
-    large_write, peak = write_mb(name, large, tmp_path / "large")
-    assert large_write - small_write < GROWTH_MB, (f"{name}: writing {SMALL_MB} MB took {small_write:.1f} MB, "
-                                                   f"{LARGER}x that took {large_write:.1f} MB")
-    bound = bound_mb(name, large, itemsize=2)
-    assert peak < bound, f"{name}: peak {peak:.0f} MB over the {bound:.0f} MB its rules ask for"
 
 
 SCALE = os.environ.get("ACTSTORE_SCALE_TESTS") == "1"  # `make test-scale`: minutes and ~15 GB of disk
