@@ -1633,7 +1633,8 @@ def test_model_fix_mistral_regex_is_the_users_answer_to_transformers_warning(tmp
 def test_a_16_bit_part_reads_back_as_its_float32_values_rounded(tmp_path, dtype):
     """The same synthetic extraction stored in float32 and in a 16-bit dtype: each row of the 16-bit
     part, read by index or by `read_rows` into a float32 buffer, is the float32 row rounded to that
-    dtype (torch's rounding) and widened back exactly."""
+    dtype (torch's rounding) and widened back exactly; `read_rows` into a buffer of the stored dtype
+    gives the stored bits, and into any other dtype is refused."""
     from actstore.formats.extract import synthetic_extraction
     wide = open_part(synthetic_extraction(tmp_path / "f32", 200_000, 1, 32, [1], tokens=(4, 40)) / "part-0000")
     narrow = open_part(synthetic_extraction(tmp_path / dtype, 200_000, 1, 32, [1], tokens=(4, 40), dtype=dtype)
@@ -1646,3 +1647,8 @@ def test_a_16_bit_part_reads_back_as_its_float32_values_rounded(tmp_path, dtype)
         narrow.tensor("layer_1").read_rows(a, b, rows[:b - a])
         assert np.array_equal(rows[:b - a], expected[a:b]) and np.isnan(rows[b - a:]).all()
         assert np.array_equal(narrow.tensor("layer_1")[a:b], expected[a:b])
+        bits = np.empty((b - a, 32), narrow.tensor("layer_1").raw.dtype)  # as stored: no widening
+        narrow.tensor("layer_1").read_rows(a, b, bits)
+        assert bits.tobytes() == narrow.tensor("layer_1").raw[a:b].tobytes()
+    with pytest.raises(ValueError, match=f"layer_001.npy \\({dtype}\\) into float64"):
+        narrow.tensor("layer_1").read_rows(0, 4, np.empty((4, 32)))

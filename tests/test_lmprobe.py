@@ -572,6 +572,67 @@ def test_half_precision_extraction_converts_through_the_gather(extracted, tmp_pa
         assert np.array_equal(ds.get(prompt, 0), ext.activations("layer_0", s)[-1])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_part_stored_in_the_dataset_dtype_is_copied_bit_for_bit(tmp_path, dtype):
+    """lmprobe.dtype equal to the extraction's storage dtype: its stored bits go to the shards as
+    they are (no float32 round trip). The shards equal, byte for byte, the ones written from the
+    same values stored float32 and rounded by the writer, in both storages and with a shard split
+    inside prompts' runs; the last-token rows are the stored bits of each prompt's last token."""
+    from safetensors import safe_open
+
+    from actstore.formats.extract import synthetic_extraction
+
+    shape = dict(parts=2, dim=16, layers=[0, 1], tokens=(4, 16))
+    wide = synthetic_extraction(tmp_path / "float32", 400_000, **shape)
+    narrow = synthetic_extraction(tmp_path / dtype, 400_000, dtype=dtype, **shape)
+    ext = open_extraction(narrow)
+    for storage in ("full_sequence", "pooled"):
+        options = {"token_strings": False, "dtype": dtype, "storage": storage, "shard_bytes": 4096}
+        lmprobe.write_dataset(wide, tmp_path / f"{storage}-from-float32", options, progress=False)
+        lmprobe.write_dataset(narrow, tmp_path / f"{storage}-as-stored", options, progress=False)
+        assert lmprobe.verify(tmp_path / f"{storage}-as-stored") == []
+        assert tree(tmp_path / f"{storage}-as-stored" / "tensors") == tree(tmp_path / f"{storage}-from-float32" / "tensors")
+    ds = lmprobe.open_dataset(tmp_path / "full_sequence-as-stored")
+    with safe_open(tmp_path / "full_sequence-as-stored" / "tensors" / "hidden_layer001_shard000.safetensors",
+                   framework="pt") as f:
+        shard = f.get_tensor("hidden.layer_1").view(torch.int16).numpy()
+    prompts = np.flatnonzero(ds.shard_index == 0).tolist()
+    assert len(prompts) > 10
+    for prompt in prompts:
+        part, local = ext.locate(int(ds.sample_idx[prompt]))
+        raw = part.tensor("layer_1").raw[part.sample_slice(local)]
+        assert shard[ds.row_offset[prompt]].tobytes() == raw[-1].tobytes()
+
+
+def test_dtype_auto_stores_the_extractions_dtype_and_hashes_as_naming_it(tmp_path, model_dir, text_jsonl):
+    """lmprobe.dtype auto = the extraction's storage dtype: a bfloat16 extraction's dataset is
+    bfloat16, the same bytes as naming it; a float32 one's is float32. Its stage hash is that of
+    the dtype it resolves to (as model.torch_dtype auto's is), so naming it reuses the dataset."""
+    import tiny
+
+    from actstore.formats.extract import synthetic_extraction
+    from actstore.hashing import stage_hash
+
+    for dtype in ("bfloat16", "float32"):
+        extract = synthetic_extraction(tmp_path / dtype, 100_000, parts=1, dim=16, layers=[0], tokens=(4, 16),
+                                       dtype=dtype)
+        for named in ("auto", dtype):
+            lmprobe.write_dataset(extract, tmp_path / f"{dtype}-{named}", {"token_strings": False, "dtype": named},
+                                  progress=False)
+        assert lmprobe.open_dataset(tmp_path / f"{dtype}-auto").dtype == dtype
+        assert tree(tmp_path / f"{dtype}-auto" / "tensors") == tree(tmp_path / f"{dtype}-{dtype}" / "tensors")
+
+    def config(storage: str, lmprobe_dtype: str) -> dict:
+        return tiny.make_config(tmp_path, model_dir("gpt2"), text_jsonl, extract={"storage_dtype": storage},
+                                lmprobe={"dtype": lmprobe_dtype})
+
+    assert stage_hash(config("bfloat16", "auto"), "lmprobe") == stage_hash(config("bfloat16", "bfloat16"), "lmprobe")
+    assert stage_hash(config("float32", "auto"), "lmprobe") == stage_hash(config("float32", "float32"), "lmprobe")
+    assert stage_hash(config("bfloat16", "auto"), "lmprobe") != stage_hash(config("bfloat16", "float32"), "lmprobe")
+    with pytest.raises(ConfigError, match="lmprobe.dtype: unknown value 'int8'"):
+        lmprobe.write_dataset(tmp_path / "float32", tmp_path / "bad", {"dtype": "int8"}, progress=False)
+
+
 def test_verify_without_checksums_checks_sizes_headers_and_recorded_digests(extracted, tmp_path):
     clean, _, _ = build(extracted, "gpt2", tmp_path, storage="full_sequence", **SMALL)
     rel = "tensors/hidden_layer002_shard004.safetensors"

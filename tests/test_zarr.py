@@ -11,7 +11,7 @@ import torch
 
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
-from actstore.formats.extract import PartWriter, layer_tensor, open_extraction, tensor_file, write_part
+from actstore.formats.extract import PartWriter, layer_tensor, open_extraction, open_part, tensor_file, write_part
 from actstore.formats.zarr import merge as zarr_merge
 from actstore.formats.zarr.layout import FILES_JSON, acts_chunk_key, files_json_text
 from actstore.formats.zarr.read import list_store_files
@@ -434,14 +434,16 @@ def test_float16_overflow_counted_and_stored_as_inf(tmp_path):
     np.testing.assert_array_equal(np.isinf(got[1, :4]), [False, False, True, True])
 
 
-def synthetic_part(out, x, lengths):
-    """An extraction part of one layer holding the float32 rows `x`, samples of `lengths` tokens."""
+def synthetic_part(out, x, lengths, dtype="float32"):
+    """An extraction part of one layer holding the rows `x` stored in `dtype` (float32 or float16:
+    numpy's dtypes), samples of `lengths` tokens."""
+    x = x.astype(dtype)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     rows = [{"sample_idx": i, "text": f"t{i}", "label": None, "label_id": -1, "num_tokens": n, "metadata": {}}
             for i, n in enumerate(lengths)]
     with write_part(out) as tmp:
         writer = PartWriter(tmp, rows, offsets)
-        writer.add_tokens(tensor_file(layer_tensor(0)), x.shape[1], "float32")
+        writer.add_tokens(tensor_file(layer_tensor(0)), x.shape[1], dtype)
         for i in range(len(lengths)):
             writer.write(tensor_file(layer_tensor(0)), i, x[offsets[i]:offsets[i + 1]])
         writer.finish({"part": 0, "parts": 1, "sample_range": [0, len(lengths)], "n_dataset_samples": len(lengths),
@@ -485,6 +487,25 @@ def test_a_shard_is_the_same_bytes_whatever_its_writing_threads(tmp_path, monkey
     for i, n in enumerate(lengths):
         np.testing.assert_array_equal(store.read(i, 0), x[starts[i]:starts[i] + n].astype(np.float16))
     assert zs.verify(stores[3]) == []
+
+
+def test_a_float16_part_is_stored_as_its_bits(tmp_path, monkeypatch):
+    """A part stored float16 (a float16 model's, extract.storage_dtype auto) is read into the chunks
+    as stored, not through float32: its shard's bytes equal those of the same values stored float32
+    and cast by the writer, infinities and NaN included, with no overflow counted."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    lengths = [5, 1, 7, 3, 8, 2]
+    x = np.random.default_rng(3).standard_normal((sum(lengths), 16)).astype(np.float16).astype(np.float32)
+    x[2, :3] = [np.inf, -np.inf, np.nan]
+    stores = {}
+    for dtype in ("float32", "float16"):
+        part = synthetic_part(tmp_path / dtype / "part-0000", x, lengths, dtype)
+        assert open_part(part).tensor(layer_tensor(0)).stored_dtype == dtype
+        stores[dtype] = tmp_path / f"shard-{dtype}.zarr"
+        zs.write_shard(part, stores[dtype], t_chunk=2, git_commit=GIT_COMMIT, progress=False, threads=2)
+    assert tree_bytes(stores["float16"]) == tree_bytes(stores["float32"])
+    assert "float16_overflow_count" not in json.loads((stores["float16"] / ".zattrs").read_text())
+    assert zs.verify(stores["float16"]) == []
 
 
 def test_only_the_chunks_holding_tokens_are_files_and_zarr_reads_zeros_past_them(tmp_path, monkeypatch):

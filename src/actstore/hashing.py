@@ -17,7 +17,7 @@ from actstore.formats.saev.layout import POINTER as SAEV_POINTER
 from actstore.errors import ActstoreError
 from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, stage_config_problems
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
-from actstore.model_config import run_dtype
+from actstore.model_config import run_dtype, storage_dtype
 from actstore.parse_memo import remembered
 
 STAGES = ("extract", *FORMAT_STAGES, "sae", "lut", "validate")
@@ -75,7 +75,7 @@ def stage_hashes(config: dict[str, Any]) -> dict[str, str]:
 def hashed_section(config: dict[str, Any], section: str) -> Any:
     """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
     dropped when float32 (all earlier releases stored), so extractions made before it keep their hash
-    (extract.token_logprobs likewise when true);
+    (extract.token_logprobs likewise when true); lmprobe.dtype auto resolved to the storage dtype;
     likewise pickle.compressor when zlib (or when nothing is compressed)."""
     values = config[section]
     if not isinstance(values, dict):
@@ -90,10 +90,11 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
     if section == "model" and values.get("torch_dtype") == "auto":  # the same run as the dtype it names
         values["torch_dtype"] = run_dtype(values)
     if section == "extract" and "storage_dtype" in values:
-        dtype = values.pop("storage_dtype")
-        dtype = run_dtype(config["model"]) if dtype == "auto" else dtype
-        if dtype != "float32":
-            values["storage_dtype"] = dtype
+        values.pop("storage_dtype")
+        if storage_dtype(config) != "float32":
+            values["storage_dtype"] = storage_dtype(config)
+    if section == "lmprobe" and values.get("dtype") == "auto":  # the same dataset as the dtype it names
+        values["dtype"] = storage_dtype(config)
     return values
 
 

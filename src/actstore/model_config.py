@@ -214,6 +214,12 @@ def run_dtype(model: dict[str, Any]) -> str:
     return saved_dtype(read_model_config(resolve_model_path(model["path"]))) if dtype == "auto" else dtype
 
 
+def storage_dtype(config: dict[str, Any]) -> str:
+    """extract.storage_dtype resolved: `auto` stores what the model computes in (model.torch_dtype)."""
+    dtype = config["extract"]["storage_dtype"]
+    return run_dtype(config["model"]) if dtype == "auto" else dtype
+
+
 def check_layers(layers: list[int], config: dict[str, Any]) -> None:
     """extract.layers within the blocks 0..n-1 of the model `config` (run_config's) describes, none of
     them a block its forward skips on the data (checked at parse time by common.smk)."""

@@ -25,18 +25,13 @@ from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
-                                   model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, trusted)
+                                   model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, storage_dtype,
+                                   trusted)
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, gpu_label, gpu_precision_warning, host_to_device,
                              load_image_processor, load_model, load_tokenizer, mistral_regex_fixed, model_skeleton,
                              pick_device)
 
 log = logging.getLogger(__name__)
-
-
-def storage_dtype(config: dict[str, Any]) -> str:
-    """extract.storage_dtype resolved: `auto` stores what the model computes in (model.torch_dtype)."""
-    dtype = config["extract"]["storage_dtype"]
-    return run_dtype(config["model"]) if dtype == "auto" else dtype
 
 
 def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None) -> tuple[Path, Dataset]:

@@ -39,13 +39,14 @@ class StoredTensor:
         return to_float32(self.raw[key], self.stored_dtype)
 
     def read_rows(self, a: int, b: int, out: np.ndarray) -> None:
-        """Rows [a, b) into float32 `out`, read with pread rather than copied out of the mapping: a
-        writer streaming every row pays no page fault per 4 KiB (half its time, measured, in a zarr
-        shard's float16 cast), and its resident memory stays at its buffers."""
-        if len(out) != b - a:
-            raise ValueError(f"rows {a}..{b} of {self.raw.filename} into {len(out)} rows")
+        """Rows [a, b) into `out`: float32 widens, `raw`'s dtype takes the stored bits as they are (a
+        writer storing the part's own dtype converts nothing). Read with pread rather than copied out
+        of the mapping: a writer streaming every row pays no page fault per 4 KiB (half its time,
+        measured, in a zarr shard's float16 cast), and its resident memory stays at its buffers."""
         raw = self.raw
-        target = out if self.stored_dtype == "float32" else np.empty((b - a, raw.shape[1]), raw.dtype)
+        if len(out) != b - a or out.dtype not in (raw.dtype, np.float32):
+            raise ValueError(f"rows {a}..{b} of {raw.filename} ({self.stored_dtype}) into {out.dtype} {out.shape}")
+        target = out if out.dtype == raw.dtype else np.empty((b - a, raw.shape[1]), raw.dtype)
         view = memoryview(target).cast("B")
         start = raw.offset + a * raw.shape[1] * raw.dtype.itemsize
         fd = os.open(raw.filename, os.O_RDONLY)

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from actstore.casts import to_float32
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
@@ -124,18 +125,25 @@ class _TokenRows:
             yield p, np.flatnonzero(parts == p)
 
     def last_rows(self, name: str, samples: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """The last-token rows of `samples` gathered into `out[:len(samples)]` (float32)."""
+        """The last-token rows of `samples` gathered into `out[:len(samples)]`: float32, or the
+        part's stored dtype (its bits as they are)."""
         out = out[:len(samples)]
         for p, where in self.by_part(samples):
-            out[where] = self.parts[p].tensor(name)[self.stop[samples[where]] - 1]
+            tensor = self.parts[p].tensor(name)
+            rows = tensor.raw[self.stop[samples[where]] - 1]
+            out[where] = rows if out.dtype == rows.dtype else to_float32(rows, tensor.stored_dtype)
         return out
 
     def chunks(self, name: str, samples: np.ndarray, last_only: bool, dtype: str) -> Iterator[np.ndarray]:
         """Rows of tensor `name` for `samples` (or their last tokens), converted to `dtype`, gathered
         into a ring of BEHIND + 1 fixed COPY_BYTES buffers used in turn (each chunk valid until BEHIND
-        more are asked for, as write_safetensors needs): memory does not grow with the shard."""
-        dim = self.parts[0].tensor(name).shape[1]
-        ring = [np.empty((max(1, COPY_BYTES // (dim * 4)), dim), np.float32) for _ in range(BEHIND + 1)]
+        more are asked for, as write_safetensors needs): memory does not grow with the shard. Parts
+        stored in `dtype` are gathered as their bits, converted not at all (a bfloat16 round trip
+        through float32 would be a third of the job's CPU, and would turn each NaN into 0xFFFF)."""
+        first = self.parts[0].tensor(name)
+        dim = first.shape[1]
+        gathered = first.raw.dtype if first.stored_dtype == dtype else np.float32
+        ring = [np.empty((max(1, COPY_BYTES // (dim * 4)), dim), gathered) for _ in range(BEHIND + 1)]
         rows = len(ring[0])
         if last_only:
             for i, lo in enumerate(range(0, len(samples), rows)):
@@ -155,7 +163,10 @@ class _TokenRows:
             yield self._stored(ring[turn % len(ring)][:fill], dtype)
 
     def _stored(self, rows: np.ndarray, dtype: str) -> np.ndarray:
-        """float32 rows in the storage dtype; float16 overflows are counted (write_tensor_files logs them)."""
+        """Rows in the storage dtype: float32 ones converted (float16 overflows are counted, and
+        write_tensor_files logs them), ones gathered in it as they are."""
+        if rows.dtype == DTYPES[dtype][1]:
+            return rows
         stored, overflow = from_float32(rows, dtype)
         if overflow:
             with self.lock:
@@ -177,12 +188,14 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
     opts.pop("enabled", None)
     if opts["storage"] not in ("pooled", "full_sequence"):
         raise ConfigError(f"lmprobe.storage: unknown value {opts['storage']!r} (pooled or full_sequence)")
-    if opts["dtype"] not in DTYPES:
-        raise ConfigError(f"lmprobe.dtype: unknown value {opts['dtype']!r} ({', '.join(DTYPES)})")
+    if opts["dtype"] not in (*DTYPES, "auto"):
+        raise ConfigError(f"lmprobe.dtype: unknown value {opts['dtype']!r} (auto, {', '.join(DTYPES)})")
     layers = opts["layers"] if opts["layers"] is not None else info.layers
     k_have = info.logits_topk
     check_selection(layers, opts["logits_topk"], info.layers, k_have)
     opts["layers"] = sorted(layers)
+    if opts["dtype"] == "auto":  # the extraction's, run-wide: lossless, and its bits copied as they are
+        opts["dtype"] = extraction.parts[0].tensor(f"layer_{opts['layers'][0]}").stored_dtype
     opts["logits_topk"] = (opts["logits_topk"] or k_have) if k_have is not None else None
     return opts
 

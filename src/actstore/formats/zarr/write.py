@@ -131,7 +131,8 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
                   progress: bool) -> tuple[dict[str, dict], int]:
     """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's
     tokens hold only the fill value and are left out, as zarr leaves empty chunks out), each read
-    into a (T_chunk, H) float32 buffer, cast into a float16 one, zero past the sample's end, and
+    into a (T_chunk, H) float32 buffer, cast into a float16 one (a float16 part's read into it as
+    stored), zero past the sample's end, and
     written raw: the bytes zarr writes for an uncompressed C-order chunk. `threads` BufferWorkers each
     read, cast, write and hash a chunk (its file never read back), in any order, while the main thread
     only hands them out: a chunk file is independent of the others, and any one stage on one thread
@@ -145,8 +146,11 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
 
     def write(buffers: tuple[np.ndarray, np.ndarray], key: str, tensor: Any, start: int, stop: int) -> None:
         rows, chunk = buffers[0][:stop - start], buffers[1]
-        tensor.read_rows(start, stop, rows)
-        overflows[key] = to_float16(rows, chunk[:len(rows)])
+        if tensor.stored_dtype == "float16":  # the stored bits are the chunk's
+            tensor.read_rows(start, stop, chunk[:len(rows)])
+        else:
+            tensor.read_rows(start, stop, rows)
+            overflows[key] = to_float16(rows, chunk[:len(rows)])
         chunk[len(rows):] = 0
         os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
         _write_chunk(str(store / key), chunk)
