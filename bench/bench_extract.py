@@ -43,7 +43,7 @@ from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
 from actstore.io_utils import start_writeback
 from actstore.model_config import run_dtype
-from actstore.models import TORCH_DTYPES, load_image_processor, load_model
+from actstore.models import TORCH_DTYPES, load_image_processor, load_model, weights_to_device
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "stdlib_docs.jsonl"
@@ -364,6 +364,42 @@ def synthetic_rounds(work: Path, device: torch.device, gb: float, args) -> dict:
             "goal": f"{name} {goal}"}
 
 
+def model_load_rounds(model_dir: Path, device: torch.device, repeats: int) -> dict:
+    """Seconds to move the checkpoint's weights, loaded on the CPU (memory-mapped, page cache warm),
+    to `device`: torch's `.to` (pageable copies) and models.weights_to_device (pinned slots), in
+    interleaved rounds, best of each; beside them the seconds to read the checkpoint's files
+    (pread, page cache warm), and whether the two moves give the same bits."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    buffer = bytearray(64 << 20)
+    times: dict[str, list[float]] = {"read": [], "plain": [], "slots": []}
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for file in files:
+            with open(file, "rb", buffering=0) as handle:
+                while handle.readinto(buffer):
+                    pass
+        times["read"].append(time.perf_counter() - started)
+        moved = {}
+        for way, move in (("plain", lambda m: m.to(device)), ("slots", lambda m: weights_to_device(m, device))):
+            model = load_model(model_dir, "bfloat16", "cpu").model
+            sync(device)
+            started = time.perf_counter()
+            moved[way] = move(model)
+            sync(device)
+            times[way].append(time.perf_counter() - started)
+        same = all(torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+                   for a, b in zip(moved["plain"].state_dict().values(), moved["slots"].state_dict().values()))
+        del moved, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    best = {way: min(seconds) for way, seconds in times.items()}
+    return {"model_bytes": size, "model_read_s": best["read"], "model_to_device_plain_s": best["plain"],
+            "model_to_device_slots_s": best["slots"], "model_slots_vs_plain": best["slots"] / best["plain"],
+            "model_plain_gb_per_s": size / best["plain"] / 1e9, "model_slots_gb_per_s": size / best["slots"] / 1e9,
+            "model_moves_equal": same, "model_rounds_s": times}
+
+
 def bench_config(args, work: Path) -> dict:
     if args.shape == "minilm":
         import yaml
@@ -419,6 +455,9 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="also one extraction under torch.profiler: the device's busy fraction and the top ops "
                              "by device and CPU time")
+    parser.add_argument("--model-load", action="store_true",
+                        help="only the move of the shape's weights to the device: torch's `.to` against "
+                             "models.weights_to_device, interleaved, beside a read of the checkpoint's files")
     parser.add_argument("--check-items", action="store_true",
                         help="only check that the ViT processors give the same pixels whole and in loader items")
     parser.add_argument("--out-dir", default=None, help="where to write (the disk under test); default a temp dir")
@@ -439,7 +478,9 @@ def main() -> None:
         # The disk bound is measured on as many bytes as the run writes (a small write is flattered
         # by caches below the page cache); 4 GiB on a GPU host as in ../shared/docs/gpu-measurement.md.
         gb = args.bandwidth_gb or (args.synthetic_gb if args.synthetic else 4.0 if device.type == "cuda" else 1.0)
-        if args.synthetic:
+        if args.model_load:
+            result.update(model_load_rounds(build_model(args.shape, work / "model", device), device, args.repeats))
+        elif args.synthetic:
             result.update(synthetic_rounds(work, device, gb, args))
         else:
             result["write_bytes_per_s"] = write_bandwidth(work, int(gb * (1 << 30)))

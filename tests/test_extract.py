@@ -1187,6 +1187,38 @@ def test_model_dtype_auto_runs_the_checkpoint_as_saved(model_dir, text_jsonl, tm
                                                          "extract")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_weights_reach_cuda_through_the_pinned_slots_as_to_moves_them(model_dir, kind, monkeypatch):
+    """load_model onto a GPU copies the weights through two pinned slots, here of 1000 bytes, so a
+    tensor crosses many of them in turn: every parameter and buffer (the rotary frequencies, a
+    non-persistent one, included) has the bits, dtype, shape and strides `.to("cuda")` gives, and a
+    tied weight (GPT-2's embedding and head) stays one tensor."""
+    from actstore import models
+
+    monkeypatch.setattr(models, "STAGING_BYTES", 1000)
+    staged = models.load_model(model_dir(kind), "bfloat16", "cuda").model
+    plain = models.load_model(model_dir(kind), "bfloat16", "cpu").model.to("cuda")
+
+    def tensors(model):
+        return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+
+    def ties(model):
+        groups = {}
+        for name, tensor in tensors(model).items():
+            groups.setdefault(tensor.data_ptr(), []).append(name)
+        return sorted(names for names in groups.values() if len(names) > 1)
+
+    got, want = tensors(staged), tensors(plain)
+    assert got.keys() == want.keys() and any("rotary" in name or "wpe" in name for name in got)
+    for name, tensor in want.items():
+        mine = got[name]
+        assert (mine.device, mine.dtype, mine.shape, mine.stride()) == (tensor.device, tensor.dtype, tensor.shape,
+                                                                       tensor.stride()), name
+        assert torch.equal(mine.flatten().view(torch.uint8), tensor.flatten().view(torch.uint8)), name
+    assert ties(staged) == ties(plain) and (kind != "gpt2" or ties(plain))
+
+
 def test_the_log_says_when_a_cuda_gpu_runs_the_model_in_a_costly_dtype():
     """bfloat16 on a GPU without bfloat16 arithmetic (Pitzer's V100s) is emulated: the part's log
     names the GPU and the two dtypes that run natively; float32 for a 16-bit checkpoint costs twice
