@@ -394,10 +394,28 @@ def model_load_rounds(model_dir: Path, device: torch.device, repeats: int) -> di
         if device.type == "cuda":
             torch.cuda.empty_cache()
     best = {way: min(seconds) for way, seconds in times.items()}
-    return {"model_bytes": size, "model_read_s": best["read"], "model_to_device_plain_s": best["plain"],
+    return {**cuda_start(device), "model_bytes": size, "model_read_s": best["read"], "model_to_device_plain_s": best["plain"],
             "model_to_device_slots_s": best["slots"], "model_slots_vs_plain": best["slots"] / best["plain"],
             "model_plain_gb_per_s": size / best["plain"] / 1e9, "model_slots_gb_per_s": size / best["slots"] / 1e9,
             "model_moves_equal": same, "model_rounds_s": times}
+
+
+CUDA_START = """import time, torch
+started = time.perf_counter(); torch.empty(1, device="cuda"); torch.cuda.synchronize(); context = time.perf_counter()
+x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16); (x @ x).sum().item(); blas = time.perf_counter()
+print(context - started, blas - context)"""
+
+
+def cuda_start(device: torch.device) -> dict:
+    """A fresh process's first CUDA tensor (driver and context) and first bf16 matmul (cuBLAS), in
+    seconds after `import torch`: the part of a job's model load that is not its weights."""
+    if device.type != "cuda":
+        return {}
+    import subprocess
+    import sys
+    context, blas = map(float, subprocess.run([sys.executable, "-c", CUDA_START], check=True, capture_output=True,
+                                              text=True).stdout.split())
+    return {"model_cuda_context_s": context, "model_cuda_first_matmul_s": blas}
 
 
 def bench_config(args, work: Path) -> dict:
