@@ -1374,8 +1374,9 @@ def test_execution_keys_do_not_change_the_extraction_hash(model_dir, text_jsonl,
 
 @pytest.mark.slow
 def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_dir, text_jsonl, tmp_path):
-    """Real Snakemake, target validate: saev/pickle (float32, exact), lmprobe, zarr (float16) are
-    built from bf16 parts; validate compares each reader with the stored values; verify is clean."""
+    """Real Snakemake, target validate: saev/pickle (float32, exact), lmprobe (dtype auto: bfloat16,
+    its bits copied), zarr (float16) are built from bf16 parts; validate compares each reader with
+    the stored values; verify is clean."""
     import subprocess
     import sys
 
@@ -1386,7 +1387,8 @@ def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_di
     bin_dir = tiny.Path(sys.executable).parent
     config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("llama")), "torch_dtype": "bfloat16"},
               "dataset": {"path": str(text_jsonl)},
-              "extract": {"layers": [0, 2], "max_seq_length": 24, "batch_size": 8, "parts": 2}}
+              "extract": {"layers": [0, 2], "max_seq_length": 24, "batch_size": 8, "parts": 2},
+              "lmprobe": {"dtype": "auto"}}
     configfile = tmp_path / "config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     proc = subprocess.run([str(bin_dir / "snakemake"), "-s", str(tiny.REPO / "Snakefile"), "-d", str(tmp_path),
@@ -1397,7 +1399,8 @@ def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_di
     report = json.loads((stage_dir(resolved, "validate") / "report.json").read_text())
     assert set(report["formats"]) == {"extract", "saev", "pickle", "lmprobe", "zarr"}
     assert all(f["checked"] > 0 and not f["problems"] for f in report["formats"].values())
-    assert report["formats"]["extract"]["inspect"]["dtype"] == "bfloat16"
+    assert report["formats"]["extract"]["inspect"]["dtype"] == report["formats"]["lmprobe"]["inspect"]["dtype"] == \
+        "bfloat16"
     # saev: verified through its stage dir's pointer (its seal), the store beside it inspected.
     assert report["formats"]["saev"]["store"] == f"saev/{stage_dir(resolved, 'saev').name}"
     assert report["formats"]["saev"]["inspect"]["path"] != report["formats"]["saev"]["store"]
