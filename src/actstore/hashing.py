@@ -91,8 +91,8 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
         values["torch_dtype"] = run_dtype(values)
     if section == "extract" and "storage_dtype" in values:
         values.pop("storage_dtype")
-        if storage_dtype(config) != "float32":
-            values["storage_dtype"] = storage_dtype(config)
+        if (stored := storage_dtype(config)) != "float32":
+            values["storage_dtype"] = stored
     if section == "lmprobe" and values.get("dtype") == "auto":  # the same dataset as the dtype it names
         values["dtype"] = storage_dtype(config)
     return values

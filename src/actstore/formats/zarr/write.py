@@ -132,12 +132,11 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's
     tokens hold only the fill value and are left out, as zarr leaves empty chunks out), each read
     into a (T_chunk, H) float32 buffer, cast into a float16 one (a float16 part's read into it as
-    stored), zero past the sample's end, and
-    written raw: the bytes zarr writes for an uncompressed C-order chunk. `threads` BufferWorkers each
-    read, cast, write and hash a chunk (its file never read back), in any order, while the main thread
-    only hands them out: a chunk file is independent of the others, and any one stage on one thread
-    (the read and cast, one core's sha256, the filesystem's time per directory) would bound the job
-    whatever its CPUs. Returns {key: files.json entry} and the count of values that overflowed float16."""
+    stored), zero past the sample's end, and written raw: the bytes zarr writes for an uncompressed
+    C-order chunk. `threads` BufferWorkers each read, cast, write and hash a chunk (its file never
+    read back), in any order, while the main thread only hands them out: a chunk file is independent
+    of the others, and any one stage on one thread (the read and cast, one core's sha256, the
+    filesystem's time per directory) would bound the job whatever its CPUs. Returns {key: files.json entry} and the count of values that overflowed float16."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
