@@ -167,8 +167,9 @@ def weights_to_device(model: nn.Module, device: torch.device) -> nn.Module:
     """`model.to(device)`. To a GPU, each dense tensor goes through two pinned slots in turn: torch's
     copy (on all its CPU threads) fills one from the checkpoint's memory-mapped pages while the GPU
     copies the other out. `.to` copies from pageable memory: the driver stages it on one thread,
-    page faults included (a 2.5 GB checkpoint took 0.46-0.51 s on the H100 machine, session 40). A
-    quantized model keeps transformers' `.to`, which moves its quantizer's own modules."""
+    page faults included (the model load of a 2.5 GB checkpoint, that copy and the CUDA context
+    with it, took 0.46-0.51 s on the H100 machine, session 40). A quantized model keeps
+    transformers' `.to`, which moves its quantizer's own modules."""
     if device.type != "cuda" or getattr(model, "quantization_method", None) is not None:
         return model.to(device)
     slots = _PinnedSlots(device)
