@@ -24,7 +24,6 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from actstore.casts import to_float32
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
@@ -129,9 +128,8 @@ class _TokenRows:
         part's stored dtype (its bits as they are)."""
         out = out[:len(samples)]
         for p, where in self.by_part(samples):
-            tensor = self.parts[p].tensor(name)
-            rows = tensor.raw[self.stop[samples[where]] - 1]
-            out[where] = rows if out.dtype == rows.dtype else to_float32(rows, tensor.stored_dtype)
+            tensor, last = self.parts[p].tensor(name), self.stop[samples[where]] - 1
+            out[where] = tensor.raw[last] if out.dtype == tensor.raw.dtype else tensor[last]
         return out
 
     def chunks(self, name: str, samples: np.ndarray, last_only: bool, dtype: str) -> Iterator[np.ndarray]:
