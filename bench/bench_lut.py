@@ -3,13 +3,13 @@
 For each token count: dense x @ W of every target (the baseline), Step B alone (the fused lookup of
 every target at once given the TopK codes), Step A + B (one shared encoding, then every target's
 lookup), and A + B + online compensation at two budgets: what the runtime runs on the device (on CUDA
-its Triton Step B where triton is installed; at up to 8 tokens it and the two-stage top-k only in the
-graph rows, lut_runtime.DECODE_ROWS). On CUDA also
+its Triton Step B where triton is installed; at up to 8 tokens it and the Triton ReLU + top-k only in
+the graph rows, lut_runtime.DECODE_ROWS). On CUDA also
 dense, Step B and A + B each captured in one CUDA graph (the kernels without Python and launch
 overhead, as a decode loop run through a graph pays), and in graphs the parts of A + B: Step A's
-encoder GEMV with its bias, its ReLU + torch.topk, the two-stage top-k and the Triton ReLU + top-k
-candidate (lut_kernels.topk_relu_triton) alone, and Step B by embedding_bag (the CPU's op, which the
-Triton kernel replaced; each result is compared with the runtime's first). Every time is
+encoder GEMV with its bias, its ReLU + torch.topk and the Triton ReLU + top-k
+(lut_kernels.topk_relu_triton) alone, and Step B by embedding_bag (the CPU's op, which the Triton
+kernel replaced; each result is compared with the runtime's first). Every time is
 also a ratio to dense. First `lut.runtime: auto`'s own calibration runs
 (actstore.lut_runtime.calibrate, budget 0): its table and crossover are printed, and each token
 count's block says which path the calibrated auto takes there.
@@ -30,8 +30,7 @@ from typing import Callable
 
 import torch
 
-from actstore.lut_runtime import (LutEncoder, LutLinear, calibrate, call_seconds, embedding_bag_rows, topk_two_stage,
-                                  weighted_rows)
+from actstore.lut_runtime import (LutEncoder, LutLinear, calibrate, call_seconds, embedding_bag_rows, weighted_rows)
 
 OUT = Path(__file__).with_name("out")
 SHAPES = {"demo": {"d_in": 384, "outs": [384] * 3, "num_basis": 1536, "k": 32, "stored": torch.float16},
@@ -134,8 +133,8 @@ def measure(luts: list[LutLinear], tokens: int, budgets: list[int], args, device
 def part_rows(encoder: LutEncoder, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
               repeat: int, device: torch.device) -> dict:
     """The parts of the runtime's A + B, each in a CUDA graph: Step A's encoder GEMV with its bias, and
-    its ReLU + top-k three ways (torch.topk or two stages, which the encoder runs depending on the token
-    count, and the Triton candidate), and Step B by embedding_bag, the op the runtime's Triton kernel
+    its ReLU + top-k both ways (torch's ops and the Triton kernels, which the encoder runs depending on
+    the token count and on a graph capture), and Step B by embedding_bag, the op the runtime's Triton kernel
     replaced. Each alternative's result is first compared with the runtime's (printed), so a wrong
     kernel is seen before its time is read."""
     from actstore.lut_kernels import topk_relu_triton
@@ -147,13 +146,10 @@ def part_rows(encoder: LutEncoder, x: torch.Tensor, values: torch.Tensor, indice
     print(f"runtime B vs embedding_bag: max |difference| / max |lookup| "
           f"{(lookup.float() - reference.float()).abs().max().item() / scale:.2e}, "
           f"{(lookup == reference).float().mean().item():.4f} of values bit-equal")
-    fired = pre.relu()
-    expect = fired.topk(k)[0]
-    print(f"top-k 2-stage: values equal torch.topk's {torch.equal(topk_two_stage(fired, k)[0], expect)}; "
-          f"Triton top-k: {torch.equal(topk_relu_triton(pre, k)[0], expect)}")
+    expect = pre.relu().topk(k)[0]
+    print(f"Triton top-k: values equal torch.topk's {torch.equal(topk_relu_triton(pre, k)[0], expect)}")
     parts = {"A: encoder GEMV + bias, graph": lambda: (x @ weight.T).add_(bias),
              "A: ReLU + torch.topk, graph": lambda: torch.topk(pre.relu(), k),
-             "A: ReLU + top-k 2-stage, graph": lambda: topk_two_stage(pre.relu(), k),
              "A: Triton ReLU + top-k, graph": lambda: topk_relu_triton(pre, k),
              "B embedding_bag, graph": lambda: embedding_bag_rows(values, indices, table)}
     return {name: timed(graph_replay(fn), repeat, device) for name, fn in parts.items()}

@@ -3,12 +3,8 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh changes DEST  what sessions 40-43 changed and no GPU has run: the CUDA tests (the LUT's
-#                                    capture rule, the weights' pinned slots), the weights' move to the GPU
-#                                    (`.to` against the pinned slots), lut, writers at 2 GB a part (pickle
-#                                    without row copies, zarr shard's chunks read and cast by its threads: 2, 4
-#                                    and 8 threads) and on a bfloat16 extraction, the Llama rows (model load in
-#                                    their startup), the ViT rows (~8.5 min)
+#   bench/gpu_suite.sh changes DEST  what session 44 changed and no GPU has run: the CUDA tests (Step A's
+#                                    Triton ReLU + top-k in a graph capture) and lut (~1.5 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -79,19 +75,9 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
   build_ext
   step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
     --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
-changes)  # sessions 40-43's changes no GPU has run, most wanted first
+changes)  # session 44's change no GPU has run
   step pytest 120 $CUDA_TESTS
-  step load 60 $E --shape llama-1b --model-load --repeats 3 --out "$out/load.json"
-  step lut 60 $LUT
-  build_ext
-  step writers 200 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
-    --thread-counts 2 4 8 --only "pickle (gzip-1, isal)" "zarr shard"
-  step writersbf16 90 python3 bench/bench_writers.py --gb 4 --parts 2 --dtype bfloat16 --work /tmp/writers \
-    --thread-counts 4 --only saev "zarr shard" "pickle (gzip-1, isal)"
-  row llama16 90 --shape llama-1b --all-layers --limit 128 --repeats 3
-  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 ))
-  row llama4 90 --shape llama-1b
-  row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 )) ;;
+  step lut 60 $LUT ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;

@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats import lut as lut_format
 from actstore.lut import build_lut
 from actstore.lut_runtime import (CALIBRATION_TOKENS, LutEncoder, LutLinear, calibrate, calibrate_auto, crossover_from,
-                                  embedding_bag_rows, install_luts, topk_two_stage, weighted_rows)
+                                  embedding_bag_rows, install_luts, weighted_rows)
 from actstore.model_config import resolve_model_path
 from actstore.models import get_module, load_model
 from actstore.sae import build_sae, load_sae
@@ -176,46 +177,6 @@ def test_triton_topk_equals_torch_topk(device, rows, width, k):
         assert torch.equal(indices[untied], expect.indices[untied])
 
 
-@pytest.mark.parametrize("rows, width, k", [(1, 16384, 32), (8, 1536, 32), (3, 64, 4), (2, 1000, 7), (5, 97, 9)])
-def test_two_stage_topk_equals_torch_topk(rows, width, k):
-    """Step A's top-k on CUDA at decode sizes: torch.topk's values in its order, indices equal up to
-    ties (ReLU's zeros tie whenever fewer than k latents fire), on the CPU as the function is plain torch."""
-    g = torch.Generator().manual_seed(width)
-    pre = torch.randn(rows, width, generator=g).relu_()
-    pre[0, : width - k // 2] = 0  # a row with fewer than k non-zero latents: its top k ends in ties
-    values, indices = topk_two_stage(pre, k)
-    expect = torch.topk(pre, k, dim=-1)
-    assert torch.equal(values, expect.values)
-    assert torch.equal(pre.gather(1, indices), values)
-    assert all(len(set(row.tolist())) == k for row in indices)  # k distinct latents per row
-    untied = expect.values > expect.values[:, -1:]
-    assert torch.equal(indices[untied], expect.indices[untied])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_encoder_called_eagerly_takes_torch_topk(monkeypatch):
-    """The encoder's top-k on CUDA called eagerly: torch.topk at every size (two stages pay at up to 8
-    rows only inside a CUDA graph capture, where their extra launches cost nothing: bench_lut)."""
-    calls = []
-
-    def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(len(pre))
-        return topk_two_stage(pre, k)
-
-    monkeypatch.setattr(lut_runtime, "topk_two_stage", counted)
-    g = torch.Generator().manual_seed(0)
-    shapes = {"encoder_weight": (1024, 64), "encoder_bias": (1024,), "decoder_weight": (1024, 64),
-              "decoder_bias": (64,)}
-    tables = {key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}
-    encoder = LutEncoder(tables, 32, torch.float32).cuda()
-    for rows in (1, 8, 9, 64):
-        x = torch.randn(rows, 64, generator=g).cuda()
-        values = encoder(x)[0]
-        pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
-        torch.testing.assert_close(values, torch.topk(pre, 32).values)
-    assert calls == []
-
-
 def _cuda_encoder(seed: int = 0) -> LutEncoder:
     """A LutEncoder on CUDA over 1024 latents of 64 inputs with one target of 48 outputs."""
     g = torch.Generator().manual_seed(seed)
@@ -224,6 +185,41 @@ def _cuda_encoder(seed: int = 0) -> LutEncoder:
     encoder = LutEncoder({key: torch.randn(*shape, generator=g) for key, shape in shapes.items()}, 32, torch.float32)
     encoder.add_target(torch.randn(1024, 48, generator=g), torch.randn(48, generator=g), None)
     return encoder.cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_encoder_takes_the_triton_topk_only_in_a_graph(monkeypatch):
+    """Step A's ReLU + top-k on CUDA: torch's ops called eagerly at every size (at decode sizes the first
+    call of a shape also runs the Triton kernels, result unused, so that a capture can use them), the
+    Triton kernels inside a CUDA graph capture of up to DECODE_ROWS rows; torch.topk's values each way."""
+    lut_kernels = pytest.importorskip("actstore.lut_kernels", reason="triton is not installed")
+    monkeypatch.setattr(lut_runtime, "TRITON_LOADED", set())
+    monkeypatch.setattr(lut_runtime, "TRITON_WARNED", set())
+    calls, kernel = [], lut_kernels.topk_relu_triton
+
+    def counted(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(len(pre))
+        return kernel(pre, k)
+    monkeypatch.setattr(lut_kernels, "topk_relu_triton", counted)
+    encoder = _cuda_encoder()
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        return torch.topk((x @ encoder.encoder_weight.T + encoder.encoder_bias).relu(), 32).values
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(rows, 64, device="cuda")
+        torch.testing.assert_close(encoder(x)[0], expected(x))
+    assert calls == [1]  # rows 1 and 8 share the kernels' signature: loaded once
+    x = torch.randn(lut_runtime.DECODE_ROWS, 64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, indices = encoder(x)
+    x.copy_(torch.randn(len(x), 64, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert calls == [1, lut_runtime.DECODE_ROWS]
+    torch.testing.assert_close(values, expected(x))
+    pre = (x @ encoder.encoder_weight.T + encoder.encoder_bias).relu()
+    torch.testing.assert_close(pre.gather(1, indices), values)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -425,6 +421,23 @@ def test_calibration_measures_each_group_on_its_device(built, model, device):
     assert again["budgets"] == [8, 8, 8] and installed[TARGETS[0]].calibration is again
     # The time bound: past it only the first count is measured.
     assert len(calibrate(list(installed.values()), max_seconds=0)["rows"]) == 1
+
+
+def test_calibration_time_bound_leaves_out_the_kernels_first_use(built, model, monkeypatch):
+    """A first call that takes long (Triton compiling on a GPU: ~5 s) does not use up the time bound:
+    the counts after it are still measured."""
+    installed = install_luts(model, lut_format.open_lut(built[3]), runtime="auto")
+    luts = list(installed.values())
+    first_calls, lookup_path = [], luts[0].lookup_path
+
+    def slow_first(x: torch.Tensor) -> torch.Tensor:
+        if not first_calls:
+            first_calls.append(len(x))
+            time.sleep(1.0)
+        return lookup_path(x)
+    monkeypatch.setattr(luts[0], "lookup_path", slow_first)
+    table = calibrate(luts, max_seconds=0.5)
+    assert first_calls == [1] and len(table["rows"]) > 1 and table["seconds"] > 1.0
 
 
 def test_stage_reports_the_calibration_per_budget(built):

@@ -1,7 +1,6 @@
 """Triton kernels of the LUT runtime on CUDA: Step B (weighted_rows_triton, picked by
-actstore.lut_runtime.weighted_rows), and a candidate for Step A's top-k at decode sizes
-(topk_relu_triton: bench_lut times it beside the two-stage torch top-k the runtime runs; it replaces
-that one in lut_runtime.topk_latents once a GPU has measured it faster).
+actstore.lut_runtime.weighted_rows) and Step A's ReLU + top-k at decode sizes (topk_relu_triton, picked
+by actstore.lut_runtime.topk_relu).
 
 Importing this module imports triton, which is not a dependency of the project (the GPU image has
 it): lut_runtime imports it on its first CUDA call and keeps torch's ops when it is missing.
@@ -12,12 +11,13 @@ table's dtype, as embedding_bag writes it. On an NVIDIA H100 80GB HBM3 (2026-11-
 up, 16384 latents, k 32, bfloat16, CUDA graphs) it took 0.084 ms at 64 tokens and 2.419 at 2048 where
 embedding_bag took 0.189 and 5.556 (docs/sae-lut.md).
 
-Step A's top-k: torch.topk over a few rows of 16384 latents took 0.066 ms in a CUDA graph on that
-H100 (two stages of torch.topk 0.045), as long as the encoder's GEMV, and the ReLU before it is one
-more kernel. Here two launches do both: one program per (row, slice of SLICE latents) applies the
-ReLU and sorts its slice once; a row's k largest are among its slices' k largest, which a second
-program per row sorts again. A value and its index sort as one int64 key: a non-negative float
-orders as its bits, then 2**31 - 1 - index, so that the lower index comes first among equal values.
+Step A's ReLU + top-k: torch.topk over a few rows of 16384 latents took 0.066 ms in a CUDA graph on
+that H100, longer than the encoder's GEMV, and the ReLU before it is one more kernel. Here two launches
+do both (0.015 ms at 1 token, 0.016 at 8; 0.308 at 512, where torch.topk's 0.130 wins): one program
+per (row, slice of SLICE latents) applies the ReLU and sorts its slice once; a row's k largest are
+among its slices' k largest, which a second program per row sorts again. A value and its index sort
+as one int64 key: a non-negative float orders as its bits, then 2**31 - 1 - index, so that the lower
+index comes first among equal values.
 """
 from __future__ import annotations
 

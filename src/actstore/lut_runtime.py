@@ -26,8 +26,8 @@ where triton is not installed). Both accumulate in
 float32 for float16/bfloat16 tables but write their output in the table's dtype, so tables are held
 in the dtype the model computes in: a float32 model upcasts 16-bit tables at load (otherwise its
 outputs would be rounded to 16 bits), a bfloat16 model keeps bfloat16 tables as stored. Step A's
-top-k is torch.topk, or on CUDA at decode sizes in a graph capture topk_two_stage (the same values;
-faster there, slower on more rows).
+ReLU and top-k are torch's ops, or on CUDA at decode sizes in a graph capture one Triton kernel pair
+(lut_kernels.topk_relu_triton: the same values; 4x faster there, slower eagerly and on more rows).
 
 Runtime `auto` (lut.runtime): above a crossover token count a target runs the dense x @ W it replaced
 (when that weight is present). The crossover is measured, not modelled: `calibrate` times, on the
@@ -60,15 +60,14 @@ CALIBRATION_SECONDS = 2.0  # per group of targets sharing an encoder (see calibr
 # Activations one calibration call may hold beside the loaded model: larger token counts are not timed.
 CALIBRATION_BYTES = 512 * 2**20
 CALIBRATION_REPEATS = 3  # best of, after one warm-up call
-# Decode-sized calls (at most DECODE_ROWS rows) on CUDA run the Triton Step B and Step A's top-k in two
-# stages (topk_two_stage, for at least TWO_STAGE_WIDTH x k latents) only inside a CUDA graph capture.
-# On an H100 (Llama-8B gate + up, 16384 latents, k 32, 2026-11-26), in graphs at 1-8 rows: two-stage
-# top-k 0.045-0.052 ms against torch.topk's 0.066-0.070, Step B 0.015-0.020 against embedding_bag's
-# 0.014-0.028, A + B 0.104 ms (0.97x eager dense) where it was 0.138; called eagerly, Triton's launch
-# made Step B 0.080-0.088 ms against embedding_bag's 0.041-0.060, and A + B 0.44 ms against 0.18. At 64
-# rows two stages took 0.098 ms against 0.053 (torch.topk), and Triton beat embedding_bag both ways.
+# Decode-sized calls (at most DECODE_ROWS rows) on CUDA run the Triton kernels (Step A's ReLU + top-k,
+# Step B) only inside a CUDA graph capture, where their launches cost nothing. On an H100 (Llama-8B gate +
+# up, 16384 latents, k 32, bfloat16), in graphs at 1-8 rows (2026-11-27): Triton ReLU + top-k 0.015-0.016
+# ms against ReLU + torch.topk's 0.068-0.071 (two torch.topk stages, the runtime's before: 0.043-0.050),
+# Step B 0.009-0.018 against embedding_bag's 0.012-0.023; called eagerly (2026-11-26), Triton's launch
+# made Step B 0.080-0.088 ms against embedding_bag's 0.041-0.060. At 512 rows the Triton top-k took 0.308
+# ms against torch.topk's 0.130; Triton's Step B beats embedding_bag from 64 rows on, eagerly too.
 DECODE_ROWS = 8
-TWO_STAGE_WIDTH = 16
 TRITON_LOADED: set[tuple] = set()  # the signatures whose Triton kernel an eager call ran (in_graph)
 TRITON_WARNED: set[tuple] = set()
 
@@ -135,31 +134,19 @@ def embedding_bag_rows(weights: torch.Tensor, indices: torch.Tensor, table: torc
     return torch.embedding_bag(table, indices.reshape(-1), offsets, False, 0, False, flat_weights, False, None)[0]
 
 
-def topk_latents(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest of each row of pre [rows, width], descending: topk_two_stage
-    where it measured faster (DECODE_ROWS), torch.topk elsewhere."""
-    rows, width = pre.shape
-    decode = rows <= DECODE_ROWS and width >= TWO_STAGE_WIDTH * k
-    if pre.is_cuda and decode and torch.cuda.is_current_stream_capturing():
-        return topk_two_stage(pre, k)
-    return torch.topk(pre, k, dim=-1)
-
-
-def topk_two_stage(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(pre, k) of pre [rows, width] as the k largest of each of the most equal slices of at
-    least 4k latents (128 slices of 128 for 16,384 latents, k 32), then the k largest of those
-    candidates: each of a row's k largest is among its own slice's k largest, so the values are
-    torch.topk's and the indices too up to ties. A single wide torch.topk row may run on one block of
-    the card; the slices spread it over many."""
-    rows, width = pre.shape
-    groups = max(1, width // (4 * k))
-    while width % groups:
-        groups -= 1
-    size = width // groups
-    values, local = pre.reshape(rows, groups, size).topk(k, dim=-1)
-    local = local + torch.arange(0, width, size, device=pre.device).view(1, groups, 1)
-    top, pick = values.reshape(rows, -1).topk(k, dim=-1)
-    return top, local.reshape(rows, -1).gather(1, pick)
+def topk_relu(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest of each row of ReLU(pre) [rows, width], descending (pre is
+    consumed): on CUDA at decode sizes (DECODE_ROWS) inside a graph capture by the Triton kernels of
+    lut_kernels.topk_relu_triton, else by torch's ReLU and topk. Both give the same values; the indices
+    may differ among tied values (ReLU's zeros, whenever fewer than k latents fire), where the weights
+    are equal. NaN, which torch.topk ranks first, is a zero to the kernels."""
+    if pre.is_cuda and len(pre) <= DECODE_ROWS and (kernels := _lut_kernels()) is not None:
+        def triton() -> tuple[torch.Tensor, torch.Tensor]:
+            return kernels.topk_relu_triton(pre, k)
+        signature = ("topk_relu", pre.device, pre.dtype, k, pre.shape[1], pre.stride(), pre.data_ptr() % 16)
+        if in_graph(signature, triton):
+            return triton()
+    return torch.topk(pre.relu_(), k, dim=-1)
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -229,8 +216,8 @@ class LutEncoder(nn.Module):
             flat = flat if flat.dtype == weight.dtype else flat.to(weight.dtype)
             # In place: the same sums without two more [N, B] temporaries (134 MB each for 2048 tokens
             # over 16384 latents in float32).
-            pre = (flat @ weight.T).add_(self.encoder_bias).relu_()
-            results["encoding"] = topk_latents(pre, self.k_active)
+            pre = (flat @ weight.T).add_(self.encoder_bias)
+            results["encoding"] = topk_relu(pre, self.k_active)
             self.counts["encodings"] += 1
         return results["encoding"]
 
@@ -422,17 +409,24 @@ def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKEN
     device and dtype, at each of `tokens` whose activations fit CALIBRATION_BYTES; best of
     CALIBRATION_REPEATS. Time bound: a count is skipped (with every larger one) when the time so
     far plus its cost predicted linearly from the previous count exceeds max_seconds; the first
-    count is always measured. Returns rows {tokens, lookup_ms, dense_ms} and crossover_tokens."""
+    count is always measured, and the time counts from after one call of both paths on one token
+    (the kernels' first use: Triton compiled Step A's top-k in ~5 s on an H100, which left time for
+    no second count). Returns rows {tokens, lookup_ms, dense_ms}, crossover_tokens and seconds (all
+    of it)."""
     encoder, table = luts[0].encoder, luts[0].precomputed_products
     counts = [n for n in tokens if n * token_bytes(luts) <= CALIBRATION_BYTES]
     rows: list[dict[str, float]] = []
-    start, encodings = time.perf_counter(), encoder.counts["encodings"]
+    began, encodings = time.perf_counter(), encoder.counts["encodings"]
 
     def lookup_all(x: torch.Tensor) -> list[torch.Tensor]:
         encoder.forget()  # every call pays the encoding, as every new input does
         return [lut.lookup_path(x) for lut in luts]
 
     with torch.inference_mode():
+        first = torch.randn(1, luts[0].in_features, device=table.device, dtype=table.dtype)
+        lookup_all(first)
+        [lut.dense_path(first) for lut in luts]
+        start = time.perf_counter()
         for n in counts:
             if rows and time.perf_counter() - start + predicted_seconds(rows[-1], n) > max_seconds:
                 break
@@ -444,7 +438,7 @@ def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKEN
     encoder.counts["encodings"] = encodings  # the calibration's encodings are not the model's
     return {"device": str(table.device), "dtype": str(table.dtype).removeprefix("torch."),
             "budgets": [lut.budget for lut in luts], "rows": rows, "crossover_tokens": crossover_from(rows),
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - began}
 
 
 def predicted_seconds(previous: dict[str, float], tokens: int) -> float:
