@@ -3,6 +3,7 @@ CPU and GPU): inputs (inputs.py) -> forward with capture hooks (capture.py) -> p
 -> staging buffers and writer threads (pipeline.py) -> the part directory (formats/extract/)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import platform
 import time
@@ -18,7 +19,7 @@ from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import IMAGE_DECODING, check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, check_reached, parse_hook
-from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batch, image_batches,
+from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batches,
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
@@ -88,9 +89,13 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             torch.cuda.get_device_name(loaded.device), torch.cuda.get_device_capability(loaded.device))):
         log.warning("%s", advice)
     if vision:
-        lengths = [vision_tokens(loaded, dataset)] * len(samples) if samples else []
+        # The first batch's items, which the workers decoded while the weights loaded: its first image
+        # gives the tokens per image, then it goes to the model with the rest (decoding an image again
+        # in this process, beside busy workers, delayed every image part's first batch).
+        first = next(pixels, None)
+        lengths = [vision_tokens(loaded, first[0][:1])] * len(samples) if first else []
         token_ids = None
-        inputs = to_model(loaded, pixels)
+        inputs = to_model(loaded, itertools.chain([first] if first else [], pixels))
     else:
         inputs = text_batches(loaded, token_ids, batches, last_logits_only=not head_hooked(loaded, ext["hooks"]))
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
@@ -317,8 +322,8 @@ def model_name(config: dict[str, Any], loaded: LoadedModel) -> str:
     return loaded.config.get("_name_or_path") or loaded.path.name
 
 
-def vision_tokens(loaded: LoadedModel, dataset: Dataset) -> int:
-    """Tokens per image: measured by running the first image through the model once."""
+def vision_tokens(loaded: LoadedModel, pixels: torch.Tensor) -> int:
+    """Tokens per image: measured by running one image's processed pixels through the model once."""
     with capture(loaded, [len(loaded.blocks) - 1], []) as captured, torch.inference_mode():
-        loaded.model(**image_batch(loaded, dataset, dataset.samples[:1]))
+        loaded.model(pixel_values=pixels.to(loaded.device))
         return int(captured[layer_tensor(len(loaded.blocks) - 1)].shape[1])
