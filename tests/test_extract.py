@@ -1191,13 +1191,22 @@ def test_model_dtype_auto_runs_the_checkpoint_as_saved(model_dir, text_jsonl, tm
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_weights_reach_cuda_through_the_pinned_slots_as_to_moves_them(model_dir, kind, monkeypatch):
     """load_model onto a GPU copies the weights through two pinned slots, here of 1000 bytes, so a
-    tensor crosses many of them in turn: every parameter and buffer (the rotary frequencies, a
-    non-persistent one, included) has the bits, dtype, shape and strides `.to("cuda")` gives, and a
-    tied weight (GPT-2's embedding and head) stays one tensor."""
+    tensor crosses many of them in turn (and with no minimum size, as the tiny model would take `.to`):
+    every parameter and buffer (the rotary frequencies, a non-persistent one, included) has the bits,
+    dtype, shape and strides `.to("cuda")` gives, and a tied weight (GPT-2's embedding and head) stays
+    one tensor."""
     from actstore import models
 
     monkeypatch.setattr(models, "STAGING_BYTES", 1000)
+    monkeypatch.setattr(models, "SLOTS_MIN_BYTES", 0)
+    through_slots, copy = [], models._PinnedSlots.copy
+
+    def counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        through_slots.append(tensor.shape)
+        return copy(self, tensor)
+    monkeypatch.setattr(models._PinnedSlots, "copy", counted)
     staged = models.load_model(model_dir(kind), "bfloat16", "cuda").model
+    assert len(through_slots) >= len(list(staged.parameters()))
     plain = models.load_model(model_dir(kind), "bfloat16", "cpu").model.to("cuda")
 
     def tensors(model):
