@@ -15,7 +15,8 @@ Job shapes: `1 job` = one process writes everything (or one job per part, run on
 a row per thread count (--thread-counts, default 1 2; their rules give 2): pickle's compression
 threads per part job, with each compressor (isal, the workflow's, and zlib); zarr shard's threads
 reading, casting, writing and hashing the chunk files. Each row also says where its time went: the
-jobs' CPU seconds and the closing `sync`'s seconds (the disk catching up with what the jobs wrote).
+jobs' CPU seconds, the system (kernel) share of them, and the closing `sync`'s seconds (the disk
+catching up with what the jobs wrote).
 """
 from __future__ import annotations
 
@@ -96,15 +97,17 @@ def job_argv(name: str, extract: Path, out: Path, **extra) -> list[str]:
     return argv
 
 
-def children_cpu_seconds() -> float:
+def children_cpu_seconds() -> tuple[float, float]:
+    """The finished jobs' (user + system, system) CPU seconds: system time is the kernel's work for them
+    (file and directory creation, page cache copies), user time their own."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_stime
 
 
 def run_phases(phases: list[list[list[str]]]) -> tuple[float, Memory, dict[str, float]]:
     """Run each phase's jobs at once, phases one after the other, then `sync`: (seconds, peak memory,
-    where the time went: the jobs' CPU seconds and the closing `sync`'s wall seconds, which tell a job
-    bound by its CPUs from one waiting for the disk)."""
+    where the time went: the jobs' CPU seconds, the kernel's share of them, and the closing `sync`'s
+    wall seconds, which tell a job bound by its CPUs from one waiting for the disk)."""
     peak = Memory()
     t0, cpu0 = time.perf_counter(), children_cpu_seconds()
     for phase in phases:
@@ -114,10 +117,11 @@ def run_phases(phases: list[list[list[str]]]) -> tuple[float, Memory, dict[str, 
         if any(codes):
             raise SystemExit(f"a job failed ({codes}): {phase}")
         peak = watch.peak if watch.peak.total > peak.total else peak
-    t_sync, cpu = time.perf_counter(), children_cpu_seconds() - cpu0
+    t_sync, (cpu, system) = time.perf_counter(), children_cpu_seconds()
     subprocess.run(["sync"], check=True)
     end = time.perf_counter()
-    return end - t0, peak, {"cpu_seconds": cpu, "sync_seconds": end - t_sync}
+    return end - t0, peak, {"cpu_seconds": cpu - cpu0[0], "system_cpu_seconds": system - cpu0[1],
+                            "sync_seconds": end - t_sync}
 
 
 def cp_baseline(files: list[Path], dest: Path) -> float:
@@ -220,12 +224,12 @@ def main() -> None:
     (OUT / "writers.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{n_bytes / 1e9:.2f} GB of {args.dtype}, {result['n_samples']} samples, cp + sync {cp_rate:.1f} MB/s (best of {len(cp_s)})")
     print("| writer | job shape | MB/s | x best cp | x cp, paired | peak anonymous | peak dirty mapped "
-          "| s (CPU s, closing sync s) |\n|---|---|---:|---:|---:|---:|---:|---:|")
+          "| s (CPU s, of them system, closing sync s) |\n|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         spread = f"{min(r['x_cp_paired_all']):.2f}–{max(r['x_cp_paired_all']):.2f}"
         print(f"| {r['writer']} | {r['shape']} | {r['mb_per_s']:.1f} | {r['x_cp']:.2f} | {r['x_cp_paired']:.2f} "
               f"({spread}) | {r['anonymous_mb']:.0f} MB | {r['dirty_mapped_mb']:.0f} MB "
-              f"| {r['seconds']:.2f} ({r['cpu_seconds']:.2f}, {r['sync_seconds']:.2f}) |")
+              f"| {r['seconds']:.2f} ({r['cpu_seconds']:.2f}, {r['system_cpu_seconds']:.2f}, {r['sync_seconds']:.2f}) |")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh changes DEST  what session 44 changed and no GPU has run: the CUDA tests, the ViT rows
-#                                    (an image part's token count from the loader's first batch) and the ViT's
-#                                    weights' move (`.to` against the pinned slots, for a 0.2 GB model) (~3 min)
+#   bench/gpu_suite.sh changes DEST  what session 44 changed or left to find out: the CUDA tests (the weights'
+#                                    slots forced on tiny models), the zarr shard jobs at 1, 4 and 8 threads (the
+#                                    kernel's share of their CPU seconds; zarr imported beside the chunk files),
+#                                    the 1,024-image ViT row under cProfile (where its 0.5 s of batches go:
+#                                    0.17 s of GPU kernels), the 4-layer Llama row (~5 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -76,11 +78,13 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
   build_ext
   step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
     --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
-changes)  # session 44's changes no GPU has run
+changes)  # session 44's changes no GPU has run, and the two rows short of their goals
   step pytest 120 $CUDA_TESTS
-  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
-  row vit4k 90 --shape vit-b14 --limit 4096 --num-workers $(( $(nproc) - 3 ))
-  step vitload 60 $E --shape vit-b14 --model-load --repeats 3 --out "$out/vitload.json" ;;
+  build_ext
+  step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
+    --thread-counts 1 4 8 --only "zarr shard"
+  PROFILE="vit13 ${PROFILE-}" row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
+  row llama4 90 --shape llama-1b ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
