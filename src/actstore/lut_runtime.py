@@ -425,7 +425,8 @@ def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKEN
     with torch.inference_mode():
         first = torch.randn(1, luts[0].in_features, device=table.device, dtype=table.dtype)
         lookup_all(first)
-        [lut.dense_path(first) for lut in luts]
+        for lut in luts:
+            lut.dense_path(first)
         start = time.perf_counter()
         for n in counts:
             if rows and time.perf_counter() - start + predicted_seconds(rows[-1], n) > max_seconds:
