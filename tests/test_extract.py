@@ -973,7 +973,7 @@ def test_samples_written_together_must_be_their_bytes(tmp_path):
 def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_path, monkeypatch):
     """extraction_waits: writes slowed down (one staging buffer, one writer thread) show as the model
     waiting for a free buffer while the writer thread works; inputs slowed down as the input wait; a
-    slow model load as startup."""
+    slow model load as startup, in its step."""
     import time
 
     import actstore.extract.run as ex
@@ -1015,6 +1015,9 @@ def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_
     waits = run_part(config, 0, tmp_path / "slow-load", progress=False)["extraction_waits"]
     took = time.perf_counter() - began
     assert 0.3 <= waits["startup_seconds"] < took - waits["batches_seconds"]
+    steps = waits["startup_steps"]  # the seconds since the job's start at which each step ended
+    assert list(steps) == ["preflight", "inputs", "model_load"]
+    assert steps["model_load"] - steps["inputs"] >= 0.3 and steps["model_load"] <= waits["startup_seconds"]
 
 
 def test_a_left_truncating_tokenizer_keeps_each_texts_first_tokens(model_dir, text_jsonl, tmp_path):
@@ -1341,12 +1344,18 @@ def test_float16_storage_counts_the_activations_it_turns_into_inf(model_dir, tex
 
 
 def test_vit_parts_are_identical_with_and_without_decoding_workers(model_dir, image_folder, tmp_path):
+    """Also: an image part's startup steps, in order, each ended before the first batch was asked for."""
     parts = []
     for workers in (0, 2):
         config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder,
                                   extract={"parts": 1, "num_workers": workers, "batch_size": 3})
         out = tmp_path / f"w{workers}" / "part-0000"
-        assert run_part(config, 0, out, progress=False)["num_workers"] == workers
+        meta = run_part(config, 0, out, progress=False)
+        assert meta["num_workers"] == workers
+        waits = meta["extraction_waits"]
+        steps = waits["startup_steps"]
+        assert list(steps) == ["preflight", "inputs", "model_load", "tokens_per_image"]
+        assert list(steps.values()) == sorted(steps.values()) and steps["tokens_per_image"] <= waits["startup_seconds"]
         parts.append(data_files(out))
     assert parts[0] == parts[1]
 

@@ -60,11 +60,15 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     """Extract part `part` of config's dataset into `out_dir` (atomic); return its part.json dict.
     `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null).
     `scan`: the dataset's scan file (datasets.write_scan), so that the job reads only its rows."""
-    began = time.perf_counter()
+    began, steps = time.perf_counter(), {}
+
+    def step_done(name: str) -> None:  # part.json extraction_waits.startup_steps
+        steps[name] = round(time.perf_counter() - began, 3)
     ext = config["extract"]
     model_path, dataset = preflight(config, part, scan)
     # Picked before decoding or tokenizing: a job given a GPU that torch cannot see stops here.
     device = pick_device(ext["device"], "extract.device")
+    step_done("preflight")
     samples = dataset.samples
     cpus = default_workers(threads)
     vision = dataset.modality == "image"
@@ -81,6 +85,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         token_ids = text_token_ids(config, preprocessor, dataset)
         lengths = token_ids.lengths()
         batches = length_batches(lengths, ext["batch_size"])
+    step_done("inputs")
     torch.manual_seed(0)
     loaded = load_model(model_path, dtype, str(device), config["model"].get("tower"),
                         trusted(config["model"]), preprocessor)
@@ -88,12 +93,14 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             config["model"]["torch_dtype"], dtype, saved_dtype(loaded.config),
             torch.cuda.get_device_name(loaded.device), torch.cuda.get_device_capability(loaded.device))):
         log.warning("%s", advice)
+    step_done("model_load")
     if vision:
         # The first batch's items, which the workers decoded while the weights loaded: its first image
         # gives the tokens per image, then it goes to the model with the rest (decoding an image again
         # in this process, beside busy workers, delayed every image part's first batch).
         first = next(pixels, None)
         lengths = [vision_tokens(loaded, first[0][:1])] * len(samples) if first else []
+        step_done("tokens_per_image")
         token_ids = None
         inputs = to_model(loaded, itertools.chain([first] if first else [], pixels))
     else:
@@ -107,6 +114,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                                            tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
                                                 disable=not progress), cpus)
         waited["startup_seconds"] = round(started - began, 3)
+        waited["startup_steps"] = steps
         log.info("part %d: %.2f s of startup, then %d batches in %.2f s; waited %.2f s for inputs and %.2f s for a "
                  "free staging buffer; the busiest writer thread worked %.2f s", part, waited["startup_seconds"],
                  len(batches), waited["batches_seconds"], waited["input_wait_seconds"],
