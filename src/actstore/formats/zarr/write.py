@@ -148,19 +148,22 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     files, overflows = {}, {}
 
     def write(buffers: tuple[np.ndarray, np.ndarray], key: str, tensor: Any, start: int, stop: int) -> None:
-        rows, chunk = buffers[0][:stop - start], buffers[1]
+        rows, chunk = buffers
+        n = stop - start
         if tensor.stored_dtype == "float16":  # the stored bits are the chunk's
-            tensor.read_rows(start, stop, chunk[:len(rows)])
+            tensor.read_rows(start, stop, chunk[:n])
         else:
-            tensor.read_rows(start, stop, rows)
-            overflows[key] = to_float16(rows, chunk[:len(rows)])
-        chunk[len(rows):] = 0
+            tensor.read_rows(start, stop, rows[:n])
+            overflows[key] = to_float16(rows[:n], chunk[:n])
+        chunk[n:] = 0
         os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
         _write_chunk(str(store / key), chunk)
         files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
 
+    widened = t_chunk if any(tensor.stored_dtype != "float16" for tensor in tensors) else 0  # rows read as float32
+
     def make_buffers() -> tuple[np.ndarray, np.ndarray]:
-        return np.empty((t_chunk, hidden), dtype=np.float32), np.empty((t_chunk, hidden), dtype=np.float16)
+        return np.empty((widened, hidden), dtype=np.float32), np.empty((t_chunk, hidden), dtype=np.float16)
 
     with BufferWorkers(write, threads, make_buffers) as workers:
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
