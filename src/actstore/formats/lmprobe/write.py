@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
+from actstore.formats.extract import layer_tensor
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
                                              INDEX, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
@@ -193,7 +194,7 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
     check_selection(layers, opts["logits_topk"], info.layers, k_have)
     opts["layers"] = sorted(layers)
     if opts["dtype"] == "auto":  # the extraction's, run-wide: lossless, and its bits copied as they are
-        opts["dtype"] = extraction.parts[0].tensor(f"layer_{opts['layers'][0]}").stored_dtype
+        opts["dtype"] = extraction.parts[0].tensor(layer_tensor(opts['layers'][0])).stored_dtype
     opts["logits_topk"] = (opts["logits_topk"] or k_have) if k_have is not None else None
     return opts
 
@@ -245,7 +246,7 @@ def plan_dataset(extract_dir: str | Path, options: dict[str, Any], trust_remote_
     src = _TokenRows(extraction)
     order = prompt_order(n, opts["prompt_ordering"], opts["seed"])
     num_tokens = src.stop[order] - src.start[order]
-    dim = extraction.parts[0].tensor(f"layer_{opts['layers'][0]}").shape[1]
+    dim = extraction.parts[0].tensor(layer_tensor(opts['layers'][0])).shape[1]
     per_shard = rows_per_shard(opts["shard_bytes"], dim * DTYPES[opts["dtype"]][1].itemsize)
     groups = [(a, min(n, a + per_shard), True) for a in range(0, n, per_shard)]
     seq_shard = seq_first = None
@@ -293,7 +294,7 @@ def _hidden_file(plan: Plan, i: int) -> tuple[list[TensorSpec], Iterator[np.ndar
     a, b, last = plan.groups[s]
     rows = b - a if last else int(plan.num_tokens[a:b].sum())
     spec = [(HIDDEN_KEY_PATTERN.format(layer=layer), DTYPES[plan.opts["dtype"]][0], [rows, plan.dim])]
-    return spec, plan.src.chunks(f"layer_{layer}", plan.order[a:b], last, plan.opts["dtype"])
+    return spec, plan.src.chunks(layer_tensor(layer), plan.order[a:b], last, plan.opts["dtype"])
 
 
 def _logits_file(plan: Plan, i: int) -> tuple[list[TensorSpec], Iterator[np.ndarray]]:

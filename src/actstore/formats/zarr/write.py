@@ -140,7 +140,8 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     C-order chunk. `threads` BufferWorkers each read, cast, write and hash a chunk (its file never
     read back), in any order, while the main thread only hands them out: a chunk file is independent
     of the others, and any one stage on one thread (the read and cast, one core's sha256, the
-    filesystem's time per directory) would bound the job whatever its CPUs. Returns {key: files.json entry} and the count of values that overflowed float16."""
+    filesystem's time per directory) would bound the job whatever its CPUs. Returns {key: files.json
+    entry} and the count of values that overflowed float16."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
