@@ -168,13 +168,15 @@ def train_tokenizer(out: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<s>", bos_token="<s>", pad_token="<s>").save_pretrained(out)
 
 
-def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, float, object, object, int, dict]:
+def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, dict, object, object, int, dict]:
     """Everything run_part does except capturing and writing: preflight, model load, tokenize or
     decode, forward. Returns seconds, seconds to the first batch's output (no write can start
-    before it), seconds the main thread waited for the next batch's inputs after the first (near
-    the total: the inputs are the bound; near 0: the main thread's own forward calls are), the
-    loaded model, an input factory, units (tokens/images) and the seconds from the start at which
-    each step before the first output ended (what the floor's first output is made of)."""
+    before it), the main thread's loop after the first batch as part.json's extraction_waits counts
+    extraction's (input_wait_seconds: near the total, the inputs are the bound; near 0, the main
+    thread's own forward calls are; forward_seconds and main_thread_cpu_seconds, to hold against
+    extraction's), the loaded model, an input factory, units (tokens/images) and the seconds from
+    the start at which each step before the first output ended (what the floor's first output is
+    made of)."""
     started = time.perf_counter()
     marks = {}
 
@@ -208,20 +210,26 @@ def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, 
         make_inputs = lambda: text_batches(loaded, ids, batches, not ext["token_logprobs"])  # noqa: E731
         first_inputs = make_inputs()
         units = sum(len(x) for x in ids)
-    first_output, waited, arriving = None, 0.0, iter(first_inputs)
+    first_output, arriving = None, iter(first_inputs)
+    loop = dict.fromkeys(("input_wait_seconds", "forward_seconds", "main_thread_cpu_seconds"), 0.0)
     with torch.inference_mode():
         while True:
-            asked = time.perf_counter()
+            asked, cpu = time.perf_counter(), time.thread_time()
             if (inputs := next(arriving, None)) is None:
                 break
-            waited += (time.perf_counter() - asked) if first_output is not None else 0.0
+            forwarded = time.perf_counter()
             loaded.model(**inputs)
             if first_output is None:
                 sync(loaded.device)
                 first_output = time.perf_counter() - started
                 mark("first_forward")
+                continue
+            loop["input_wait_seconds"] += forwarded - asked
+            loop["forward_seconds"] += time.perf_counter() - forwarded
+            loop["main_thread_cpu_seconds"] += time.thread_time() - cpu
     sync(loaded.device)
-    return time.perf_counter() - started, first_output, waited, loaded, make_inputs, units, marks
+    loop = {key: round(value, 3) for key, value in loop.items()}
+    return time.perf_counter() - started, first_output, loop, loaded, make_inputs, units, marks
 
 
 def gpu_only_and_loading(loaded, make_inputs) -> dict:
@@ -265,11 +273,11 @@ def watch_shared_memory(peak: list[int], stop: threading.Event) -> None:
 def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan: Path) -> dict:
     """Bare forward and extraction alternately, `repeats` rounds (a noisy machine hits both alike):
     best times, every round, and the median of the per-round ratios."""
-    bare, first, waits, extract, ratios, peaks = [], [], [], [], [], {"bare": 0.0, "extract": 0.0}
+    bare, first, loops, extract, ratios, peaks = [], [], [], [], [], {"bare": 0.0, "extract": 0.0}
     extract_waits, first_steps = [], []  # part.json's extraction_waits, the first output's steps, of each round
     for repeat in range(repeats):
         with gpu_peak(peaks, "bare"):
-            bare_s, first_s, wait_s, loaded, make_inputs, units, steps = bare_forward(config, threads, scan)
+            bare_s, first_s, loop, loaded, make_inputs, units, steps = bare_forward(config, threads, scan)
         first_steps.append(steps)
         target = out / f"part-{repeat}"
         started = time.perf_counter()
@@ -278,7 +286,7 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan
         extract.append(time.perf_counter() - started)
         bare.append(bare_s)
         first.append(first_s)
-        waits.append(wait_s)
+        loops.append(loop)
         ratios.append(extract[-1] / bare_s)
         written = sum(info["bytes"] for info in meta["files"].values())
         waits_of_round = meta["extraction_waits"]  # and what the run took besides its startup and batches:
@@ -288,7 +296,8 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan
     return {"units": units, "bare_forward_s": min(bare), "first_output_s": min(first), "extract_s": min(extract),
             "bytes_written": written,
             "bare_forward_rounds_s": [round(x, 3) for x in bare], "extract_rounds_s": [round(x, 3) for x in extract],
-            "bare_input_wait_rounds_s": [round(x, 3) for x in waits],
+            "bare_input_wait_rounds_s": [loop["input_wait_seconds"] for loop in loops],
+            "bare_loop_of_best": loops[int(np.argmin(bare))],
             "extract_waits_of_best": extract_waits[int(np.argmin(extract))],
             "first_output_steps_of_best": first_steps[int(np.argmin(first))],
             "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs),

@@ -16,12 +16,14 @@ a row per thread count (--thread-counts, default 1 2; their rules give 2): pickl
 threads per part job, with each compressor (isal, the workflow's, and zlib); zarr shard's threads
 reading, casting, writing and hashing the chunk files. Each row also says where its time went: the
 jobs' CPU seconds, the system (kernel) share of them, and the closing `sync`'s seconds (the disk
-catching up with what the jobs wrote).
+catching up with what the jobs wrote); each zarr shard job prints its threads' seconds in each step
+of a chunk (read, cast, directories, write, hash), which tells the kernel's kinds of work apart.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import shutil
@@ -74,6 +76,7 @@ def run_job(args: argparse.Namespace) -> None:
         pickle.write_machine(extract / part_dirname(args.part), out / part_dirname(args.part), model_params=PARAMS,
                              threads=args.threads, compressor=args.compressor, progress=False)
     elif name == "zarr":
+        logging.basicConfig(level=logging.INFO, format="%(message)s")  # the job's line: its chunk stages' seconds
         zarr.write_shard(extract / part_dirname(args.part), out / f"shard-{args.part:04d}.zarr", progress=False,
                          threads=args.threads)
     elif name == "zarr-merge":

@@ -991,6 +991,7 @@ def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_
     assert waits["busiest_writer_seconds"] >= sum(slept)
     assert waits["staging_wait_seconds"] >= sum(slept) / 2 > waits["input_wait_seconds"]
     assert waits["batches_seconds"] >= waits["busiest_writer_seconds"]
+    assert waits["submit_seconds"] < waits["staging_wait_seconds"] / 2  # the wait is not the submit's own time
     monkeypatch.setattr(PartWriter, "write", write)
 
     batches, given = [], ex.text_batches
@@ -1005,7 +1006,18 @@ def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_
     assert waits["input_wait_seconds"] >= sum(batches) > waits["staging_wait_seconds"]
     monkeypatch.setattr(ex, "text_batches", given)
 
-    load = ex.load_model
+    load, stalled = ex.load_model, []
+
+    def stalling_forward(*args, **kwargs):  # the forward's main thread blocked, not computing (a device sync)
+        loaded = load(*args, **kwargs)
+        loaded.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(0.02) or stalled.append(0.02))
+        return loaded
+    monkeypatch.setattr(ex, "load_model", stalling_forward)
+    waits = run_part(config, 0, tmp_path / "stalled-forward", progress=False)["extraction_waits"]
+    loop = sum(waits[f"{part}_seconds"] for part in ("input_wait", "staging_wait", "forward", "pack", "submit"))
+    assert waits["forward_seconds"] >= sum(stalled) > waits["pack_seconds"] + waits["submit_seconds"]
+    assert loop <= waits["batches_seconds"] + 0.005  # each rounded to 1 ms
+    assert loop - waits["main_thread_cpu_seconds"] >= sum(stalled) - 0.01  # blocked: wall seconds, no CPU
 
     def slow_load(*args, **kwargs):
         time.sleep(0.3)

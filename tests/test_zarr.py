@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 
@@ -472,16 +473,22 @@ def test_a_chunk_that_cannot_be_written_names_its_file_and_leaves_no_shard(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["part-0000"]
 
 
-def test_a_shard_is_the_same_bytes_whatever_its_writing_threads(tmp_path, monkeypatch):
+def test_a_shard_is_the_same_bytes_whatever_its_writing_threads(tmp_path, monkeypatch, caplog):
     """Chunk files finish in any order across threads: the store's bytes (meta/files.json included)
-    are the same for 1 and 3 threads, and every chunk holds its sample's float16 rows."""
+    are the same for 1 and 3 threads, and every chunk holds its sample's float16 rows. The job's log
+    counts the chunk files and says where their threads' seconds went."""
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     lengths = [5, 1, 7, 3, 8, 2]
     x = np.random.default_rng(1).standard_normal((sum(lengths), 16)).astype(np.float32)
     part = synthetic_part(tmp_path / "part-0000", x, lengths)
     stores = {t: tmp_path / f"shard-{t}.zarr" for t in (1, 3)}
     for threads, store in stores.items():
-        zs.write_shard(part, store, t_chunk=2, git_commit=GIT_COMMIT, progress=False, threads=threads)
+        with caplog.at_level(logging.INFO, logger="actstore.formats.zarr.write"):
+            zs.write_shard(part, store, t_chunk=2, git_commit=GIT_COMMIT, progress=False, threads=threads)
+        chunks = sum(1 for f in (store / "arrays" / "activations").rglob("*") if f.is_file() and f.name == "0")
+        assert chunks == sum(-(-n // 2) for n in lengths)
+        assert re.search(rf"{chunks} chunk files of 64 bytes in \S+ s by {threads} threads; their seconds: read "
+                         r"[\d.]+, cast [\d.]+, directories [\d.]+, write [\d.]+, hash [\d.]+$", caplog.messages[-1])
     assert tree_bytes(stores[1]) == tree_bytes(stores[3])
     store, starts = zs.ZarrStore(stores[3]), np.cumsum([0] + lengths)
     for i, n in enumerate(lengths):

@@ -164,7 +164,9 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
     Returns how many finite activations overflowed to +-inf in a float16 storage dtype, counted on
     the device and read once at the end (no sync per batch), and where the run waited (waits)."""
     logprobs = TokenLogprobs(loaded) if ext["token_logprobs"] and loaded.kind == "causal" else None
-    started, input_wait, arriving = time.perf_counter(), 0.0, iter(batches)
+    started, arriving = time.perf_counter(), iter(batches)
+    spent = dict.fromkeys(("input_wait", "forward", "pack", "submit"), 0.0)  # the main thread's wall seconds
+    cpu_started = time.thread_time()
     with WritePipeline(writer, loaded.device, ext["buffers"], writer_threads(ext, cpus)) as pipeline, \
             capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar, \
             logprobs.attached() if logprobs else nullcontext():
@@ -174,21 +176,28 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             asked = time.perf_counter()
             if (item := next(arriving, None)) is None:
                 break
-            input_wait += time.perf_counter() - asked
+            forwarded = time.perf_counter()
+            spent["input_wait"] += forwarded - asked
             batch, inputs = item
             captured.clear()
             rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
             try:
                 output = loaded.model(**inputs)
                 check_reached(captured, ext["layers"], ext["hooks"], loaded)
+                packing = time.perf_counter()
                 packed = pack_batch(loaded, inputs, output, captured, rows, token_ids, dtype, ext["logits_topk"],
                                     logprobs, overflow)
             except torch.OutOfMemoryError as exc:
                 raise ConfigError(out_of_memory(loaded, ext, rows, token_ids is None)) from exc
+            submitting = time.perf_counter()
             pipeline.submit(rows, *packed)
             bar.update()
+            spent["forward"] += packing - forwarded
+            spent["pack"] += submitting - packing
+            spent["submit"] += time.perf_counter() - submitting
         overflow = 0 if overflow is None else int(overflow)
-    return overflow, waits(time.perf_counter() - started, input_wait, pipeline)
+        spent["main_cpu"] = time.thread_time() - cpu_started
+    return overflow, waits(time.perf_counter() - started, spent, pipeline)
 
 
 def out_of_memory(loaded: LoadedModel, ext: dict[str, Any], rows: BatchRows, images: bool) -> str:
@@ -204,13 +213,18 @@ def out_of_memory(loaded: LoadedModel, ext: dict[str, Any], rows: BatchRows, ima
             "batches run longest first, so a size that passes the first batch passes the whole part")
 
 
-def waits(batches_s: float, input_wait: float, pipeline: WritePipeline) -> dict[str, float]:
+def waits(batches_s: float, spent: dict[str, float], pipeline: WritePipeline) -> dict[str, float]:
     """part.json extraction_waits: which side bounds the run (docs/formats/extract.md). Close to
     batches_seconds, input_wait: decoding or tokenizing; staging_wait: the writers (disk, hashing),
-    with busiest_writer the one thread that was busy all along; all small: the model's forward."""
-    return {"batches_seconds": round(batches_s, 3), "input_wait_seconds": round(input_wait, 3),
+    with busiest_writer the one thread that was busy all along; all small: the model's forward.
+    Where the main thread's own time went: forward, pack and submit (less its staging wait), and its
+    CPU seconds, which fall short of those when it waited on something else (the GIL, the device)."""
+    return {"batches_seconds": round(batches_s, 3), "input_wait_seconds": round(spent["input_wait"], 3),
             "staging_wait_seconds": round(pipeline.staging_wait, 3),
-            "busiest_writer_seconds": round(max(pipeline.busy, default=0.0), 3)}
+            "busiest_writer_seconds": round(max(pipeline.busy, default=0.0), 3),
+            "forward_seconds": round(spent["forward"], 3), "pack_seconds": round(spent["pack"], 3),
+            "submit_seconds": round(spent["submit"] - pipeline.staging_wait, 3),
+            "main_thread_cpu_seconds": round(spent["main_cpu"], 3)}
 
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -131,8 +132,11 @@ def _write_chunk(path: str, data: np.ndarray) -> None:
         os.close(fd)
 
 
+STAGES = ("read", "cast", "directories", "write", "hash")  # a chunk's steps, timed for the job's log
+
+
 def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threads: int,
-                  progress: bool) -> tuple[dict[str, dict], int]:
+                  progress: bool) -> tuple[dict[str, dict], int, dict[str, float]]:
     """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's
     tokens hold only the fill value and are left out, as zarr leaves empty chunks out), each read
     into a (T_chunk, H) float32 buffer, cast into a float16 one (a float16 part's read into it as
@@ -141,25 +145,34 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     read back), in any order, while the main thread only hands them out: a chunk file is independent
     of the others, and any one stage on one thread (the read and cast, one core's sha256, the
     filesystem's time per directory) would bound the job whatever its CPUs. Returns {key: files.json
-    entry} and the count of values that overflowed float16."""
+    entry}, the count of values that overflowed float16 and the workers' seconds in each of STAGES
+    (summed over threads: where a job short of its disk's speed spends them)."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
     hidden, t_max = tensors[0].shape[1], int(part.info.max_seq_length)
-    files, overflows = {}, {}
+    files, overflows, seconds, lock = {}, {}, dict.fromkeys(STAGES, 0.0), threading.Lock()
 
     def write(buffers: tuple[np.ndarray, np.ndarray], key: str, tensor: Any, start: int, stop: int) -> None:
         rows, chunk = buffers
         n = stop - start
-        if tensor.stored_dtype == "float16":  # the stored bits are the chunk's
-            tensor.read_rows(start, stop, chunk[:n])
-        else:
-            tensor.read_rows(start, stop, rows[:n])
+        read_into = chunk if tensor.stored_dtype == "float16" else rows  # a float16 part's bits are the chunk's
+        marks = [time.perf_counter()]
+        tensor.read_rows(start, stop, read_into[:n])
+        marks.append(time.perf_counter())
+        if read_into is rows:
             overflows[key] = to_float16(rows[:n], chunk[:n])
         chunk[n:] = 0
+        marks.append(time.perf_counter())
         os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
+        marks.append(time.perf_counter())
         _write_chunk(str(store / key), chunk)
+        marks.append(time.perf_counter())
         files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
+        marks.append(time.perf_counter())
+        with lock:
+            for stage, began, ended in zip(STAGES, marks, marks[1:]):
+                seconds[stage] += ended - began
 
     widened = t_chunk if any(tensor.stored_dtype != "float16" for tensor in tensors) else 0  # rows read as float32
 
@@ -177,7 +190,7 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
                     start = rows.start + c * t_chunk
                     workers.submit(workers.buffer(), acts_chunk_key(i, l, c), tensor, start,
                                    min(start + t_chunk, rows.stop))
-    return files, sum(overflows.values())
+    return files, sum(overflows.values()), seconds
 
 
 def _import_zarr() -> None:
@@ -203,7 +216,11 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     # files, which need none of zarr; _open_root's own import then waits for it (the module's lock).
     threading.Thread(target=_import_zarr, daemon=True).start()
     with atomic_path(out_path) as tmp:
-        files, overflow = _write_chunks(part, layers, tmp, tc, threads, progress)
+        began = time.perf_counter()
+        files, overflow, seconds = _write_chunks(part, layers, tmp, tc, threads, progress)
+        log.info("%s: %d chunk files of %d bytes in %.2f s by %d threads; their seconds: %s", out_path, len(files),
+                 tc * hidden * 2, time.perf_counter() - began, threads,
+                 ", ".join(f"{stage} {value:.2f}" for stage, value in seconds.items()))
         root, arrays = _open_root(tmp, attrs, (n, len(layers), t_max, hidden), tc)
         _write_vectors(arrays, rows, attrs)
         if overflow:
