@@ -471,8 +471,9 @@ def main() -> None:
                         help="--synthetic's write pattern: text (64-512 tokens, d 2048, 4 tensors) or vit-b14 "
                              "(257 tokens an image, d 768, 2 tensors, batches of consecutive images)")
     parser.add_argument("--hash-threads", type=int, default=None,
-                        help="--synthetic: threads hashing the writes (default or 0: the CPUs, as run_part; 1: in the "
-                             "writer threads)")
+                        help="threads hashing the writes (default or 0: the CPUs, as run_part; 1: in the writer "
+                             "threads); on a model row an experiment: run_part's part writer is given this many, to "
+                             "tell its main thread's waits on CPUs shared with the decoding workers")
     parser.add_argument("--synthetic-rate", type=float, default=None,
                         help="bytes/s the synthetic producer emits (a model slower than the disk); default memory speed")
     parser.add_argument("--bandwidth-gb", type=float, default=None,
@@ -511,6 +512,8 @@ def main() -> None:
             result.update(synthetic_rounds(work, device, gb, args))
         else:
             result["write_bytes_per_s"] = write_bandwidth(work, int(gb * (1 << 30)))
+            if args.hash_threads:
+                result["hash_threads"] = hash_threads_of_part_writer(args.hash_threads)
             config = bench_config(args, work)
             # The part's rows from the dataset's scan, as the workflow's part jobs read them (its
             # extract_scan job lists the dataset once for all parts)
@@ -529,6 +532,17 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     for key, value in result.items():
         print(f"{key:24s} {value:.4g}" if isinstance(value, float) else f"{key:24s} {value}")
+
+
+def hash_threads_of_part_writer(count: int) -> int:
+    """run_part's part writer, from here on, hashes with `count` threads instead of the job's CPUs."""
+    import actstore.extract.run as extract_run
+
+    class CountedPartWriter(PartWriter):
+        def __init__(self, *args, hash_threads: int = 1, **kwargs):
+            super().__init__(*args, hash_threads=count, **kwargs)
+    extract_run.PartWriter = CountedPartWriter
+    return count
 
 
 def profile(config: dict, target: Path, threads: int, scan: Path, report: Path) -> None:

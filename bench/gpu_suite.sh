@@ -3,11 +3,13 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh changes DEST  what session 44 changed or left to find out: the CUDA tests (the weights'
-#                                    slots forced on tiny models), the zarr shard jobs at 1, 4 and 8 threads (the
-#                                    kernel's share of their CPU seconds; zarr imported beside the chunk files),
-#                                    the 1,024-image ViT row under cProfile (where its 0.5 s of batches go:
-#                                    0.17 s of GPU kernels), the 4-layer Llama row (~5 min)
+#   bench/gpu_suite.sh changes DEST  what sessions 44-45 left to find out: the CUDA tests (the weights' slots
+#                                    forced on tiny models), the zarr shard jobs at 1, 4 and 8 threads (the
+#                                    kernel's share of their CPU seconds, each job's seconds per chunk step),
+#                                    the 1,024-image ViT row with 13 and with 10 decoding workers (part.json's
+#                                    main-thread split: ~29 ms a batch against the bare forward's 9-10; CPUs
+#                                    left free tell contention from the thread's own work), and with 13
+#                                    workers and a hashing pool of 2 threads, not 16 (~6 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -31,7 +33,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\|'
+SHOW='^(shape|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\||chunk files of'
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
@@ -78,13 +80,14 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
   build_ext
   step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
     --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
-changes)  # session 44's changes no GPU has run, and the two rows short of their goals
+changes)  # sessions 44-45's changes no GPU has run, and the rows short of their goals
   step pytest 120 $CUDA_TESTS
   build_ext
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"
-  PROFILE="vit13 ${PROFILE-}" row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
-  row llama4 90 --shape llama-1b ;;
+  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
+  row vit10 90 --shape vit-b14 --num-workers $(( $(nproc) - 6 )) --repeats 3
+  row vit13h2 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --hash-threads 2 ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
