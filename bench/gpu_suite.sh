@@ -9,7 +9,8 @@
 #                                    the 1,024-image ViT row with 13 and with 10 decoding workers (part.json's
 #                                    main-thread split: ~29 ms a batch against the bare forward's 9-10; CPUs
 #                                    left free tell contention from the thread's own work), and with 13
-#                                    workers and a hashing pool of 2 threads, not 16 (~6 min)
+#                                    workers and a hashing pool of 2 threads, not 16, and once more under
+#                                    py-spy (every thread's time: vit13spy.spy-summary.txt) (~8 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -23,7 +24,8 @@
 # their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
 # env: REPEATS (rounds per extraction row, default 2); PROFILE (rows also run under cProfile: the main
 # thread's Python) and TRACE (rows also run under torch.profiler: how busy the GPU was, its top
-# kernels): by default the ViT row, whose gap session 36's run left open.
+# kernels): by default the ViT row, whose gap session 36's run left open; SPY (rows run under py-spy,
+# which samples every thread, running or waiting, with native frames: bench/spy_summary.py).
 set -uo pipefail
 phase=$1 dest=$2 out=$(mktemp -d) t0=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -47,7 +49,11 @@ row() {  # row NAME SECONDS ARGS...: one bench_extract row, profiled when NAME i
   local extra=
   [[ " ${PROFILE-} " == *" $name "* ]] && extra+=" --profile"
   [[ " ${TRACE-vit13} " == *" $name "* ]] && extra+=" --trace"
-  step "$name" "$limit" $E "$@" $extra --out "$out/$name.json"
+  local spy=
+  [[ " ${SPY-} " == *" $name "* && -x /tmp/site/bin/py-spy ]] &&
+    spy="/tmp/site/bin/py-spy record -r 100 --idle --native --threads --format raw -o $out/$name.spy.txt --"
+  step "$name" "$limit" $spy $E "$@" $extra --out "$out/$name.json"
+  [[ -n $spy ]] && python3 bench/spy_summary.py "$out/$name.spy.txt" > "$out/$name.spy-summary.txt" 2>&1
 }
 extract() {
   step items 60 python3 bench/bench_extract.py --check-items
@@ -87,7 +93,8 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
     --thread-counts 1 4 8 --only "zarr shard"
   row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
   row vit10 90 --shape vit-b14 --num-workers $(( $(nproc) - 6 )) --repeats 3
-  row vit13h2 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --hash-threads 2 ;;
+  row vit13h2 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --hash-threads 2
+  SPY="vit13spy ${SPY-}" row vit13spy 120 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;

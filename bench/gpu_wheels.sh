@@ -19,4 +19,6 @@ fetch "$(pin zarr)" "$(pin numcodecs)" "$(pin jsonschema)" "$(pin isal)" "$(pin 
 # (unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist lists them)
 fetch donfig==0.8.1.post1 google-crc32c==1.9.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
   rpds-py==2026.9.1
+# the sampler gpu_suite.sh runs the rows named in SPY under (bench/spy_summary.py reads what it records)
+fetch py-spy==0.4.3
 ls .whl
