@@ -26,7 +26,7 @@ ROLES = {  # a Python frame's function -> the role of the thread it runs on, the
     "bare_forward": "main: bare forward",
     "run_part": "main: extraction, before and after its batches",
     "WritePipeline._write_loop": "part writer",
-    "_leaf_digest": "hashing pool",
+    "_leaf_digests": "hashing pool",
     "_pin_memory_loop": "loader pinning",
     "_worker": "thread pools (idle, or not hashing)",
     "TMonitor.run": "progress bars' monitor",

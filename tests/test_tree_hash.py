@@ -142,6 +142,24 @@ def test_writes_hashed_by_a_shared_pool_while_they_are_written_give_the_tree_has
         twice.abort()
 
 
+def test_a_write_wakes_at_most_a_few_of_the_pools_threads(tmp_path):
+    """A write of 25 leaves on a 16-thread pool (an image batch's layer) is hashed by at most
+    HASH_TASKS_PER_WRITE (4) tasks of consecutive leaves, not a task per leaf, and gives the tree hash."""
+    submitted = []
+
+    class CountingPool(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            submitted.append(len(args[0]))
+            return super().submit(fn, *args, **kwargs)
+    data = random.Random(3).randbytes(24 * MIB + MIB // 3)
+    with CountingPool(16) as pool:
+        sink = TreeHashFile(tmp_path / "batch", len(data), pool=pool)
+        sink.write(0, data)
+        digest = sink.close()
+    assert submitted == [7, 7, 7, 4]  # the file's 25 leaves, its last a third of a MiB (whole at its size)
+    assert digest == reference_tree_hash(data) == sha256_tree_file(tmp_path / "batch")
+
+
 def test_a_failed_write_behind_names_the_file_and_never_hangs(tmp_path):
     """Disk full, simulated with RLIMIT_FSIZE (the process ignores SIGXFSZ, as Python does): the
     writer thread's error reaches the caller, at a later submit or when the block ends, naming the file."""

@@ -446,6 +446,12 @@ TREE_LEAF = 1 << 20  # the SHA-256 tree hash's leaf: 1 MiB, as Amazon S3 Glacier
 # GIL switch that a launch-bound forward in the main thread waits on (bench/README.md `## extract`),
 # for a gain of a leaf or two.
 POOL_MIN_BYTES = 4 * TREE_LEAF
+# A write's whole leaves go to the pool as at most this many runs, one task each: enough threads to
+# hash them while the write's bytes go to the kernel (sha256 ~1.5 GB/s a thread; the copy into the
+# page cache runs a few GB/s), few enough that a part's writers do not wake the pool's every thread at
+# once beside the main thread and the decoding workers; and a task per run, not per leaf, takes the
+# GIL once a leaf rather than four times (submit, start, result, hand-back).
+HASH_TASKS_PER_WRITE = 4
 
 
 def tree_root(leaves: list[bytes]) -> str:
@@ -506,14 +512,21 @@ class TreeHashFile(PositionedFile):
             if len(view):
                 self._hash(offset, view, started)
         finally:
-            wait(started.values())  # view's buffer is the caller's again once this returns
+            wait({task for task, _ in started.values()})  # view's buffer is the caller's again once this returns
 
-    def _start_hashes(self, offset: int, view: memoryview) -> dict[int, Future]:
+    def _start_hashes(self, offset: int, view: memoryview) -> dict[int, tuple[Future, int]]:
         """The digests of the leaves view covers whole, started on the pool when view is at least
-        POOL_MIN_BYTES (none otherwise: _hash then takes them in its own thread)."""
+        POOL_MIN_BYTES (none otherwise: _hash then takes them in its own thread), in at most
+        HASH_TASKS_PER_WRITE runs of consecutive leaves: leaf -> (its run's task, its place in the run)."""
         if self.pool is None or len(view) < POOL_MIN_BYTES:
             return {}
-        return {leaf: self.pool.submit(_leaf_digest, part) for leaf, part in self._whole_leaves(offset, view)}
+        whole = list(self._whole_leaves(offset, view))
+        per_task, started = -(-len(whole) // HASH_TASKS_PER_WRITE), {}
+        for first in range(0, len(whole), per_task):
+            run = whole[first:first + per_task]
+            task = self.pool.submit(_leaf_digests, [part for _, part in run])
+            started.update({leaf: (task, i) for i, (leaf, _) in enumerate(run)})
+        return started
 
     def _whole_leaves(self, offset: int, view: memoryview) -> Iterator[tuple[int, memoryview]]:
         """(leaf, its bytes in view) for each leaf that view covers whole."""
@@ -535,7 +548,7 @@ class TreeHashFile(PositionedFile):
     def _leaf_size(self, leaf: int) -> int:
         return min(TREE_LEAF, self.size - leaf * TREE_LEAF)
 
-    def _hash(self, offset: int, view: memoryview, started: dict[int, Future] | None = None) -> None:
+    def _hash(self, offset: int, view: memoryview, started: dict[int, tuple[Future, int]] | None = None) -> None:
         """started: digests of this write's whole leaves already under way (write); else started here."""
         started = self._start_hashes(offset, view) if started is None else started
         stop = offset + len(view)
@@ -558,7 +571,11 @@ class TreeHashFile(PositionedFile):
                 self.leaves[leaf] = digest.digest()
         # Hashed before returning: the caller may reuse view's buffer once this write returns.
         for leaf, part in in_view.items():
-            self.leaves[leaf] = started[leaf].result() if leaf in started else _leaf_digest(part)
+            if leaf in started:
+                task, i = started[leaf]
+                self.leaves[leaf] = task.result()[i]
+            else:
+                self.leaves[leaf] = _leaf_digest(part)
 
     def _missing(self) -> str | None:
         written = sum(self.filled)
@@ -570,3 +587,7 @@ class TreeHashFile(PositionedFile):
 
 def _leaf_digest(data: memoryview) -> bytes:
     return hashlib.sha256(data).digest()
+
+
+def _leaf_digests(leaves: list[memoryview]) -> list[bytes]:
+    return [hashlib.sha256(leaf).digest() for leaf in leaves]
