@@ -116,9 +116,10 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         waited["startup_seconds"] = round(started - began, 3)
         waited["startup_steps"] = steps
         log.info("part %d: %.2f s of startup, then %d batches in %.2f s; waited %.2f s for inputs and %.2f s for a "
-                 "free staging buffer; the busiest writer thread worked %.2f s", part, waited["startup_seconds"],
-                 len(batches), waited["batches_seconds"], waited["input_wait_seconds"],
-                 waited["staging_wait_seconds"], waited["busiest_writer_seconds"])
+                 "free staging buffer; the busiest writer thread worked %.2f s; the forward calls took %.2f s, and "
+                 "the main thread %.2f s of CPU", part, waited["startup_seconds"], len(batches),
+                 waited["batches_seconds"], waited["input_wait_seconds"], waited["staging_wait_seconds"],
+                 waited["busiest_writer_seconds"], waited["forward_seconds"], waited["main_thread_cpu_seconds"])
         if overflow:
             log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (extract.storage_dtype "
                         "float16; auto, bfloat16 or float32 keeps them)", part, overflow)
