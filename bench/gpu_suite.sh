@@ -89,12 +89,12 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
 changes)  # sessions 44-45's changes no GPU has run, and the rows short of their goals
   step pytest 120 $CUDA_TESTS
   build_ext
+  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
+  SPY="vit13spy ${SPY-}" row vit13spy 100 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"
-  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
-  row vit10 90 --shape vit-b14 --num-workers $(( $(nproc) - 6 )) --repeats 3
-  row vit13h2 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --hash-threads 2
-  SPY="vit13spy ${SPY-}" row vit13spy 120 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 ;;
+  row vit13h2 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --hash-threads 2
+  row vit10 70 --shape vit-b14 --num-workers $(( $(nproc) - 6 )) --repeats 2 ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
