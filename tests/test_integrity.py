@@ -542,3 +542,32 @@ def test_a_saev_stores_provenance_is_checked_against_its_hashed_metadata(stores,
     assert len(problems) == 1 and re.search(f"actstore.json: {named}", problems[0]), problems
     with pytest.raises(FormatError, match=named):
         saev.open_store(root, verify=True)
+
+
+def test_a_directory_store_reaches_the_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    """atomic_path syncs a directory's filesystem (its files, the ones no writer fsynced included)
+    before the rename, never after; a file is fsynced alone. A failed sync leaves no store."""
+    from actstore import io_utils
+
+    final, synced, sync = tmp_path / "shard.zarr", [], io_utils.sync_filesystem
+
+    def watched(path: Path) -> None:
+        synced.append((path.parent, sorted(p.name for p in path.iterdir()), final.exists()))
+        sync(path)
+    monkeypatch.setattr(io_utils, "sync_filesystem", watched)
+    with io_utils.atomic_path(final) as tmp:
+        tmp.mkdir()
+        (tmp / "0").write_bytes(b"chunk")
+    assert synced == [(tmp_path, ["0"], False)] and (final / "0").read_bytes() == b"chunk"
+    with io_utils.atomic_path(tmp_path / "manifest.json") as tmp:
+        tmp.write_text("{}")
+    assert len(synced) == 1
+
+    def failing(path: Path) -> None:
+        raise OSError(5, f"{path}: syncfs: Input/output error")
+    monkeypatch.setattr(io_utils, "sync_filesystem", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        with io_utils.atomic_path(tmp_path / "second.zarr") as tmp:
+            tmp.mkdir()
+            (tmp / "0").write_bytes(b"chunk")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard.zarr"]
