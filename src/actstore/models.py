@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import logging
 import os
 from collections.abc import Mapping
@@ -109,12 +108,13 @@ def gpu_precision_warning(requested: str, run: str, saved: str, gpu: str, capabi
     return None
 
 
-def weight_bytes(module: nn.Module, dtype: str) -> int:
+def weight_bytes(module: nn.Module, dtype: str | None = None) -> int:
     """Bytes a module's parameters and buffers take once loaded in `dtype` (floating tensors cast to
-    it, as from_pretrained casts them; a tied tensor counted once). Works on a meta-device skeleton."""
+    it, as from_pretrained casts them; None: each in its own dtype, as loaded; a tied tensor counted
+    once). Works on a meta-device skeleton."""
     tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}.values()
-    size = TORCH_DTYPES[dtype].itemsize
-    return sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in tensors)
+    size = TORCH_DTYPES[dtype].itemsize if dtype else None
+    return sum(t.numel() * (size if size and t.is_floating_point() else t.element_size()) for t in tensors)
 
 
 def gpu_memory_error(path: Path, need: int, dtype: str, free: int, total: int, gpu: str) -> str | None:
@@ -177,17 +177,12 @@ def weights_to_device(model: nn.Module, device: torch.device) -> nn.Module:
     with it, took 0.46-0.51 s on the H100 machine, session 40). A quantized model keeps
     transformers' `.to`, which moves its quantizer's own modules; a model under SLOTS_MIN_BYTES too."""
     if (device.type != "cuda" or getattr(model, "quantization_method", None) is not None
-            or tensor_bytes(model) < SLOTS_MIN_BYTES):
+            or weight_bytes(model) < SLOTS_MIN_BYTES):
         return model.to(device)
     slots = _PinnedSlots(device)
     model._apply(lambda tensor: slots.copy(tensor) if tensor.device.type == "cpu" else tensor)  # as .to does
     slots.finish()
     return model
-
-
-def tensor_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, a tied tensor once."""
-    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 class _PinnedSlots:
