@@ -554,6 +554,31 @@ def test_only_the_chunks_holding_tokens_are_files_and_zarr_reads_zeros_past_them
     assert zs.verify(merged) == []
 
 
+def test_a_chunks_padding_is_a_hole_that_reads_as_zeros(tmp_path):
+    """The zeros past a sample's last token in its last chunk are not written: the chunk file is
+    its full size, reads back as the row then zeros (raw, through zarr-python and by verify), and
+    on a file system that makes holes its padding takes no disk blocks."""
+    import zarr
+    x = np.random.default_rng(4).standard_normal((1 + 64, 4096)).astype(np.float32)
+    part = synthetic_part(tmp_path / "part-0000", x, [1, 64])
+    store = tmp_path / "shard.zarr"
+    zs.write_shard(part, store, t_chunk=64, git_commit=GIT_COMMIT, progress=False)
+    short, full = store / acts_chunk_key(0, 0, 0), store / acts_chunk_key(1, 0, 0)
+    chunk_bytes = 64 * 4096 * 2
+    assert short.stat().st_size == full.stat().st_size == chunk_bytes
+    raw = np.fromfile(short, np.float16).reshape(64, 4096)
+    np.testing.assert_array_equal(raw[0], x[0].astype(np.float16))
+    assert not raw[1:].any()
+    acts = zarr.open_consolidated(str(store), mode="r")["arrays/activations"]
+    np.testing.assert_array_equal(acts[0, 0], raw)
+    assert zs.verify(store) == []
+    probe = tmp_path / "probe"
+    with open(probe, "wb") as f:
+        f.truncate(chunk_bytes)
+    if probe.stat().st_blocks == 0:  # this file system makes holes (ext4, xfs, tmpfs, GPFS, Lustre do)
+        assert short.stat().st_blocks * 512 <= 64 * 1024 < full.stat().st_blocks * 512
+
+
 def test_a_sample_longer_than_the_parts_max_seq_length_is_refused_by_name(tmp_path):
     x = np.random.default_rng(0).standard_normal((2 * 5, 16)).astype(np.float32)
     part = synthetic_part(tmp_path / "part-0000", x, [5, 5])

@@ -117,14 +117,20 @@ def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None
     (store / FILES_JSON).write_text(files_json_text(files))
 
 
-def _write_chunk(path: str, data: np.ndarray) -> None:
-    """One new chunk file of `data`'s bytes. The disk is started on the file at once, so dirty memory
-    stays bounded and the disk works while the next chunks are cast."""
+def _write_chunk(path: str, data: np.ndarray, written: int) -> None:
+    """One new chunk file of `data`'s bytes, of which only the first `written` are written: the rest
+    are zeros (past a sample's last token), which the file's size covers as a hole. Read back they
+    are zeros, as every reader sees them; they are never copied to the page cache or the disk (at
+    d = 1024 and T_chunk 512, samples of 64-512 tokens leave 44 % of the chunks' bytes padding).
+    The disk is started on the file at once, so dirty memory stays bounded and the disk works while
+    the next chunks are cast."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        view = memoryview(data).cast("B")
+        view = memoryview(data).cast("B")[:written]
         while view:
             view = view[os.write(fd, view):]
+        if written < data.nbytes:
+            os.ftruncate(fd, data.nbytes)
         start_writeback(fd)
     except OSError as exc:
         raise OSError(exc.errno, f"{path}: {exc.strerror}") from exc
@@ -137,16 +143,16 @@ STAGES = ("read", "cast", "directories", "write", "hash")  # a chunk's steps, ti
 
 def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threads: int,
                   progress: bool) -> tuple[dict[str, dict], int, dict[str, float]]:
-    """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's
-    tokens hold only the fill value and are left out, as zarr leaves empty chunks out), each read
-    into a (T_chunk, H) float32 buffer, cast into a float16 one (a float16 part's read into it as
-    stored), zero past the sample's end, and written raw: the bytes zarr writes for an uncompressed
-    C-order chunk. `threads` BufferWorkers each read, cast, write and hash a chunk (its file never
-    read back), in any order, while the main thread only hands them out: a chunk file is independent
-    of the others, and any one stage on one thread (the read and cast, one core's sha256, the
-    filesystem's time per directory) would bound the job whatever its CPUs. Returns {key: files.json
-    entry}, the count of values that overflowed float16 and the workers' seconds in each of STAGES
-    (summed over threads: where a job short of its disk's speed spends them)."""
+    """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's tokens
+    hold only the fill value and are left out, as zarr leaves empty chunks out), each read into a
+    (T_chunk, H) float32 buffer, cast into a float16 one (a float16 part's read into it as stored), zero
+    past the sample's end (hashed; a hole in the file, _write_chunk), and written raw: the bytes zarr
+    writes for an uncompressed C-order chunk. `threads` BufferWorkers each read, cast, write and hash a
+    chunk (its file never read back), in any order, while the main thread only hands them out: a chunk
+    file is independent of the others, and any one stage on one thread (the read and cast, one core's
+    sha256, the filesystem's time per directory) would bound the job whatever its CPUs. Returns {key:
+    files.json entry}, the count of values that overflowed float16 and the workers' seconds in each of
+    STAGES (summed over threads: where a job short of its disk's speed spends them)."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
@@ -166,7 +172,7 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
         marks.append(time.perf_counter())
         os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
         marks.append(time.perf_counter())
-        _write_chunk(str(store / key), chunk)
+        _write_chunk(str(store / key), chunk, chunk[:n].nbytes)
         marks.append(time.perf_counter())
         files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
         marks.append(time.perf_counter())
