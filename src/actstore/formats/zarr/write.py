@@ -147,19 +147,22 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     hold only the fill value and are left out, as zarr leaves empty chunks out), each read into a
     (T_chunk, H) float32 buffer, cast into a float16 one (a float16 part's read into it as stored), zero
     past the sample's end (hashed; a hole in the file, _write_chunk), and written raw: the bytes zarr
-    writes for an uncompressed C-order chunk. `threads` BufferWorkers each read, cast, write and hash a
-    chunk (its file never read back), in any order, while the main thread only hands them out: a chunk
-    file is independent of the others, and any one stage on one thread (the read and cast, one core's
-    sha256, the filesystem's time per directory) would bound the job whatever its CPUs. Returns {key:
-    files.json entry}, the count of values that overflowed float16 and the workers' seconds in each of
-    STAGES (summed over threads: where a job short of its disk's speed spends them)."""
+    writes for an uncompressed C-order chunk. `threads` BufferWorkers each read, cast, write and hash
+    the chunks of a sample (their files never read back), samples in any order, while the main thread
+    only hands them out: a sample's files are independent of the others', and any one stage on one
+    thread (the read and cast, one core's sha256, the filesystem's time per directory) would bound the
+    job whatever its CPUs. A sample's directories are its thread's alone: a directory takes its new
+    entries one at a time, so threads making chunk directories side by side in a sample's would wait on
+    it. Returns {key: files.json entry}, the count of values that overflowed float16 and the workers'
+    seconds in each of STAGES (summed over threads: where a job short of its disk's speed spends them)."""
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
     hidden, t_max = tensors[0].shape[1], int(part.info.max_seq_length)
     files, overflows, seconds, lock = {}, {}, dict.fromkeys(STAGES, 0.0), threading.Lock()
 
-    def write(buffers: tuple[np.ndarray, np.ndarray], key: str, tensor: Any, start: int, stop: int) -> None:
+    def write_chunk(buffers: tuple[np.ndarray, np.ndarray], key: str, tensor: Any, start: int, stop: int,
+                    spent: dict[str, float]) -> None:
         rows, chunk = buffers
         n = stop - start
         read_into = chunk if tensor.stored_dtype == "float16" else rows  # a float16 part's bits are the chunk's
@@ -170,32 +173,41 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
             overflows[key] = to_float16(rows[:n], chunk[:n])
         chunk[n:] = 0
         marks.append(time.perf_counter())
-        os.makedirs(store / key.rsplit("/", 1)[0], exist_ok=True)
+        os.mkdir(store / key.rsplit("/", 1)[0])
         marks.append(time.perf_counter())
         _write_chunk(str(store / key), chunk, chunk[:n].nbytes)
         marks.append(time.perf_counter())
         files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
         marks.append(time.perf_counter())
+        for stage, began, ended in zip(STAGES, marks, marks[1:]):
+            spent[stage] += ended - began
+
+    def write_sample(buffers: tuple[np.ndarray, np.ndarray], i: int, rows: slice) -> None:
+        spent = dict.fromkeys(STAGES, 0.0)
+        for l, tensor in enumerate(tensors):
+            for c in range(int(chunk_counts(rows.stop - rows.start, t_chunk))):
+                key, start = acts_chunk_key(i, l, c), rows.start + c * t_chunk
+                if c == 0:  # the sample's and the layer's directories
+                    began = time.perf_counter()
+                    os.makedirs(store / key.rsplit("/", 2)[0], exist_ok=True)
+                    spent["directories"] += time.perf_counter() - began
+                write_chunk(buffers, key, tensor, start, min(start + t_chunk, rows.stop), spent)
         with lock:
-            for stage, began, ended in zip(STAGES, marks, marks[1:]):
-                seconds[stage] += ended - began
+            for stage, value in spent.items():
+                seconds[stage] += value
 
     widened = t_chunk if any(tensor.stored_dtype != "float16" for tensor in tensors) else 0  # rows read as float32
 
     def make_buffers() -> tuple[np.ndarray, np.ndarray]:
         return np.empty((widened, hidden), dtype=np.float32), np.empty((t_chunk, hidden), dtype=np.float16)
 
-    with BufferWorkers(write, threads, make_buffers) as workers:
+    with BufferWorkers(write_sample, threads, make_buffers) as workers:
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
             rows = part.sample_slice(i)
             if rows.stop - rows.start > t_max:
                 raise FormatError(f"{part.dir}: sample {i} has {rows.stop - rows.start} tokens, more than the "
                                   f"part's max_seq_length {t_max}")
-            for l, tensor in enumerate(tensors):
-                for c in range(int(chunk_counts(rows.stop - rows.start, t_chunk))):
-                    start = rows.start + c * t_chunk
-                    workers.submit(workers.buffer(), acts_chunk_key(i, l, c), tensor, start,
-                                   min(start + t_chunk, rows.stop))
+            workers.submit(workers.buffer(), i, rows)
     return files, sum(overflows.values()), seconds
 
 
