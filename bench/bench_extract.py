@@ -41,6 +41,7 @@ from actstore.extract import length_batches, logprobs, preflight, run_part, toke
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
+from actstore import io_utils
 from actstore.io_utils import start_writeback
 from actstore.model_config import run_dtype
 from actstore.models import TORCH_DTYPES, load_image_processor, load_model, weights_to_device
@@ -474,6 +475,9 @@ def main() -> None:
                         help="threads hashing the writes (default or 0: the CPUs, as run_part; 1: in the writer "
                              "threads); on a model row an experiment: run_part's part writer is given this many, to "
                              "tell its main thread's waits on CPUs shared with the decoding workers")
+    parser.add_argument("--helper-nice", type=int, default=None,
+                        help="an experiment: how far below the main thread the decoding workers and hashing "
+                             f"threads run (io_utils.HELPER_NICE, default {io_utils.HELPER_NICE}; 0: at its priority)")
     parser.add_argument("--synthetic-rate", type=float, default=None,
                         help="bytes/s the synthetic producer emits (a model slower than the disk); default memory speed")
     parser.add_argument("--bandwidth-gb", type=float, default=None,
@@ -514,6 +518,8 @@ def main() -> None:
             result["write_bytes_per_s"] = write_bandwidth(work, int(gb * (1 << 30)))
             if args.hash_threads:
                 result["hash_threads"] = hash_threads_of_part_writer(args.hash_threads)
+            if args.helper_nice is not None:
+                io_utils.HELPER_NICE = result["helper_nice"] = args.helper_nice
             config = bench_config(args, work)
             # The part's rows from the dataset's scan, as the workflow's part jobs read them (its
             # extract_scan job lists the dataset once for all parts)

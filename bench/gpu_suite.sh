@@ -3,10 +3,12 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh changes DEST  what sessions 44-45 left to find out: the CUDA tests (the weights' slots
+#   bench/gpu_suite.sh changes DEST  what sessions 44-46 left to find out: the CUDA tests (the weights' slots
 #                                    forced on tiny models), the zarr shard jobs at 1, 4 and 8 threads (the
 #                                    kernel's share of their CPU seconds, each job's seconds per chunk step),
-#                                    the 1,024-image ViT row with 13 and with 10 decoding workers (part.json's
+#                                    the 1,024-image ViT row with 13 and with 10 decoding workers, and with 13
+#                                    at the main thread's priority (--helper-nice 0; since session 46 the
+#                                    workers and hashing threads run 10 below it) (part.json's
 #                                    main-thread split: ~29 ms a batch against the bare forward's 9-10; CPUs
 #                                    left free tell contention from the thread's own work), and with 13
 #                                    workers and a hashing pool of 2 threads, not 16, and once more under
@@ -90,6 +92,7 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
   step pytest 120 $CUDA_TESTS
   build_ext
   row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
+  row vit13n0 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --helper-nice 0  # helpers not below
   SPY="vit13spy ${SPY-}" row vit13spy 100 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import tiny
 from actstore.errors import ConfigError, FormatError
 from actstore.extract import preflight, run_part
 from actstore.extract.inputs import zero_token_rows
-from actstore.formats.extract import open_extraction, open_part
+from actstore.formats.extract import PartWriter, open_extraction, open_part
 from actstore.models import get_module, load_image_processor, load_model
 
 REL_TOL = 1e-5
@@ -1160,6 +1162,33 @@ def test_a_16bit_vit_stores_its_own_outputs_bit_for_bit_from_pixels_cast_in_the_
                 for row, i in enumerate(range(start, min(start + 3, len(images)))):
                     want = tensor[row].view(torch.int16).numpy().view(np.uint16)
                     assert np.array_equal(np.asarray(raw[part.sample_slice(i)]).view(np.uint16), want), (dtype, name, i)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
+def test_decoding_workers_and_hashing_threads_run_below_the_thread_that_feeds_the_model(model_dir, image_folder,
+                                                                                       tmp_path):
+    """An image part's decoding workers and a part's hashing threads run HELPER_NICE below the job's
+    own threads, which keep theirs: on a job's last free cores the main thread is not the one left
+    waiting."""
+    import multiprocessing
+    import threading
+
+    from actstore.extract.inputs import image_batches
+    from actstore.io_utils import HELPER_NICE
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"parts": 1, "batch_size": 3})
+    loaded, (_, dataset) = load_model(config["model"]["path"]), preflight(config, 0)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    below = min(19, own + HELPER_NICE)
+    pixels = image_batches(loaded.preprocessor, dataset.opener, dataset.samples, [[0, 1, 2]], 2, False, torch.float32)
+    next(pixels)
+    workers = multiprocessing.active_children()
+    assert len(workers) == 2 and [os.getpriority(os.PRIO_PROCESS, w.pid) for w in workers] == [below, below]
+    writer = PartWriter(tmp_path / "part", [], np.zeros(1, np.int64), hash_threads=3)
+    niceness = [writer.hashers.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                for _ in range(3)]
+    assert {f.result() for f in niceness} == {below}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    writer.abort()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

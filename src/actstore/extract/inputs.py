@@ -13,6 +13,7 @@ import torch
 from actstore.datasets import Dataset, Sample
 from actstore.datasets.images import ImageOpener
 from actstore.errors import ConfigError
+from actstore.io_utils import lower_priority
 from actstore.models import LoadedModel, host_to_device
 from actstore.resources import IMAGES_PER_ITEM, items_ahead
 
@@ -177,7 +178,8 @@ def image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], ba
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     loader = iter(torch.utils.data.DataLoader(
         ImageItems(processor, opener, samples, dtype), sampler=[item for batch in items for item in batch],
-        batch_size=None, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead))
+        batch_size=None, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead,
+        worker_init_fn=lower_priority if num_workers else None))
     return ([next(loader) for _ in batch] for batch in items)
 
 

@@ -14,7 +14,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, PART_META, STORAGE_DESCR,
                                              from_float32, layer_tensor, npy_header, part_dirname, tensor_file)
 from actstore.integrity import TREE_HASH_KEY
-from actstore.io_utils import TreeHashFile, atomic_path, sha256_file, write_json_atomic
+from actstore.io_utils import TreeHashFile, atomic_path, lower_priority, sha256_file, write_json_atomic
 
 if TYPE_CHECKING:  # read imports this module
     from actstore.formats.extract.read import Extraction
@@ -45,7 +45,10 @@ class PartWriter:
         """hash_threads: threads, shared by the files, that hash each write's whole leaves while its
         bytes go to the kernel, so a writer thread's time is its writes (1: in the writing thread)."""
         self.dir = tmp_dir
-        self.hashers = ThreadPoolExecutor(hash_threads, thread_name_prefix="part-hash") if hash_threads > 1 else None
+        # The hashing threads run below the job's others (lower_priority): a file's digests are needed
+        # only when it closes, the thread feeding the GPU at every batch.
+        self.hashers = (ThreadPoolExecutor(hash_threads, thread_name_prefix="part-hash", initializer=lower_priority)
+                        if hash_threads > 1 else None)
         self.dir.mkdir(parents=True)
         self.samples = samples
         self.offsets = offsets.astype(np.int64)
