@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from actstore import io_utils
 from actstore.config import validate_config
 from actstore.datasets import configured_scan, write_scan
 from actstore.datasets.images import check_images
@@ -41,8 +42,8 @@ from actstore.extract import length_batches, logprobs, preflight, run_part, toke
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
-from actstore import io_utils
 from actstore.io_utils import start_writeback
+from actstore.memwatch import machine_available_gb
 from actstore.model_config import run_dtype
 from actstore.models import TORCH_DTYPES, load_image_processor, load_model, weights_to_device
 
@@ -504,7 +505,8 @@ def main() -> None:
         logprobs.LOGPROB_ELEMENTS = args.logprob_elements
     result = {"shape": args.shape, "logprob_elements": logprobs.LOGPROB_ELEMENTS, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "token_logprobs": not args.no_token_logprobs, "cpus": threads, "buffers": args.buffers,
-              "writer_threads": args.writer_threads, "num_workers": args.num_workers}
+              "writer_threads": args.writer_threads, "num_workers": args.num_workers,
+              "memory_available_gb": machine_available_gb()}
     with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:
         work = Path(tmp)
         # The disk bound is measured on as many bytes as the run writes (a small write is flattered

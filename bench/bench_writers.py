@@ -35,7 +35,7 @@ from pathlib import Path
 
 from actstore.formats.extract import INDEX, open_extraction, part_dirname, synthetic_extraction
 from actstore.jobs import job_items
-from actstore.memwatch import Memory, PeakMemory
+from actstore.memwatch import Memory, PeakMemory, machine_available_gb
 
 OUT = Path(__file__).resolve().parent / "out"
 LAYERS = [1, 3, 5]  # as the issue measured
@@ -195,6 +195,7 @@ def main() -> None:
     n_bytes = sum(f.stat().st_size for f in files)
     for f in files:  # warm the page cache, as every run below finds it
         subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
+    available = machine_available_gb()  # what the writers find (a machine short of it pays a reclaim a page)
     zarr_shards = extract.with_name(f"zarr-shards-{args.dtype}")
     if not zarr_shards.is_dir():
         run_phases([[job_argv("zarr", extract, zarr_shards, part=p)] for p in range(args.parts)])
@@ -222,10 +223,12 @@ def main() -> None:
     for row in rows:
         row["x_cp"] = row["mb_per_s"] / cp_rate
     result = {"bytes": n_bytes, "dtype": args.dtype, "parts": args.parts, "dim": args.dim, "layers": LAYERS,
-              "n_samples": open_extraction(extract).n_samples, "cp_mb_per_s": cp_rate, "writers": rows}
+              "n_samples": open_extraction(extract).n_samples, "cp_mb_per_s": cp_rate,
+              "memory_available_gb": available, "writers": rows}
     OUT.mkdir(exist_ok=True)
     (OUT / "writers.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{n_bytes / 1e9:.2f} GB of {args.dtype}, {result['n_samples']} samples, cp + sync {cp_rate:.1f} MB/s (best of {len(cp_s)})")
+    print(f"{n_bytes / 1e9:.2f} GB of {args.dtype}, {result['n_samples']} samples, cp + sync {cp_rate:.1f} MB/s (best of {len(cp_s)}), "
+          f"{available} GB of memory available")
     print("| writer | job shape | MB/s | x best cp | x cp, paired | peak anonymous | peak dirty mapped "
           "| s (CPU s, of them system, closing sync s) |\n|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -41,6 +41,18 @@ def process_memory(pid: int) -> Memory:
     return Memory(anonymous, max(0, dirty - anonymous))
 
 
+def machine_available_gb() -> float | None:
+    """The machine's MemAvailable in GB (/proc/meminfo; None without it). The benchmarks record it: on a
+    machine short of memory (session 46's VM, with 11 GB of stale files in /dev/shm) every new
+    page-cache page costs a reclaim, which moved writer and test times by up to 1.5x."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except FileNotFoundError:
+        return None
+    kib = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("MemAvailable:"))
+    return round(kib * KIB / 1e9, 1)
+
+
 class PeakMemory:
     """Samples the summed memory of `pids` every `interval` s in a thread, from `with` to its end;
     `peak` holds the sample with the largest total (anonymous + dirty mapped)."""
