@@ -25,7 +25,7 @@ import numpy as np
 from actstore.casts import to_float16
 from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor, open_part
-from actstore.formats.zarr.layout import (ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL, SEPARATOR,
+from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL, SEPARATOR,
                                           SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk, chunk_counts,
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           vector_chunks, vector_fill)
@@ -186,10 +186,12 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
         spent = dict.fromkeys(STAGES, 0.0)
         for l, tensor in enumerate(tensors):
             for c in range(int(chunk_counts(rows.stop - rows.start, t_chunk))):
-                key, start = acts_chunk_key(i, l, c), rows.start + c * t_chunk
-                if c == 0:  # the sample's and the layer's directories
+                key, start = acts_chunk_key(i, l, c), rows.start + c * t_chunk  # {ACTS}/i/l/c/0
+                if c == 0:  # the sample's directory (first layer) and the layer's
                     began = time.perf_counter()
-                    os.makedirs(store / key.rsplit("/", 2)[0], exist_ok=True)
+                    if l == 0:
+                        os.mkdir(store / key.rsplit("/", 3)[0])
+                    os.mkdir(store / key.rsplit("/", 2)[0])
                     spent["directories"] += time.perf_counter() - began
                 write_chunk(buffers, key, tensor, start, min(start + t_chunk, rows.stop), spent)
         with lock:
@@ -201,6 +203,7 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     def make_buffers() -> tuple[np.ndarray, np.ndarray]:
         return np.empty((widened, hidden), dtype=np.float32), np.empty((t_chunk, hidden), dtype=np.float16)
 
+    os.makedirs(store / ACTS)  # the samples' directories' parent
     with BufferWorkers(write_sample, threads, make_buffers) as workers:
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
             rows = part.sample_slice(i)
