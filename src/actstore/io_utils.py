@@ -25,13 +25,15 @@ CHUNK = 1 << 22
 WRITEBACK_BYTES = 16 << 20
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)  # the C library's own calls Python's os lacks
+
+
 def _sync_file_range() -> Callable[[int], None]:
     """Start writing a file's dirty pages to disk without waiting (Linux sync_file_range with
     SYNC_FILE_RANGE_WRITE); elsewhere nothing, and the final fsync does all the work."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if not hasattr(libc, "sync_file_range"):
+    if not hasattr(_LIBC, "sync_file_range"):
         return lambda fd: None
-    call = libc.sync_file_range
+    call = _LIBC.sync_file_range
     call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return lambda fd: call(fd, 0, 0, 2)  # the whole file; 2 = SYNC_FILE_RANGE_WRITE
 
@@ -43,14 +45,13 @@ def _syncfs() -> Callable[[Path], None]:
     """Write everything dirty on the filesystem holding a path to disk, metadata included, and wait
     (Linux syncfs: one call for a directory of thousands of files, where an fsync each would take as
     many journal commits); elsewhere sync, every filesystem."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if not hasattr(libc, "syncfs"):
+    if not hasattr(_LIBC, "syncfs"):
         return lambda path: os.sync()
 
     def syncfs(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
-            if libc.syncfs(fd) != 0:
+            if _LIBC.syncfs(fd) != 0:
                 errno = ctypes.get_errno()
                 raise OSError(errno, f"{path}: syncfs: {os.strerror(errno)}")
         finally:
@@ -634,4 +635,4 @@ def _leaf_digest(data: memoryview) -> bytes:
 
 
 def _leaf_digests(leaves: list[memoryview]) -> list[bytes]:
-    return [hashlib.sha256(leaf).digest() for leaf in leaves]
+    return [_leaf_digest(leaf) for leaf in leaves]
