@@ -12,7 +12,9 @@
 #                                    main-thread split: ~29 ms a batch against the bare forward's 9-10; CPUs
 #                                    left free tell contention from the thread's own work), and with 13
 #                                    workers and a hashing pool of 2 threads, not 16, and once more under
-#                                    py-spy (every thread's time: vit13spy.spy-summary.txt) (~8 min)
+#                                    py-spy (every thread's time: vit13spy.spy-summary.txt); the disk
+#                                    written buffered and with O_DIRECT, by 1 and 4 streams (bench_disk:
+#                                    is there room above the llama rows' disk bound?) (~9 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -37,7 +39,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\||chunk files of|GB of memory'
+SHOW='^(shape|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\||chunk files of|GB of memory|GB a row'
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
@@ -96,6 +98,7 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
   SPY="vit13spy ${SPY-}" row vit13spy 100 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"
+  step disk 60 python3 bench/bench_disk.py --gb 4 --repeat 2 --out "$out/disk.json"
   row vit13h2 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --hash-threads 2
   row vit10 70 --shape vit-b14 --num-workers $(( $(nproc) - 6 )) --repeats 2 ;;
 extract) extract
