@@ -14,7 +14,9 @@
 #                                    workers and a hashing pool of 2 threads, not 16, and once more under
 #                                    py-spy (every thread's time: vit13spy.spy-summary.txt); the disk
 #                                    written buffered and with O_DIRECT, by 1 and 4 streams (bench_disk:
-#                                    is there room above the llama rows' disk bound?) (~9 min)
+#                                    is there room above the llama rows' disk bound?); the ViT forward
+#                                    eager and as a CUDA graph (bench_graph: the main thread's ms a
+#                                    batch, and whether the bits stay the same) (~9 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -99,6 +101,7 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"
   step disk 60 python3 bench/bench_disk.py --gb 4 --repeat 2 --out "$out/disk.json"
+  step graph 60 python3 bench/bench_graph.py --out "$out/graph.json"
   row vit13h2 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --hash-threads 2
   row vit10 70 --shape vit-b14 --num-workers $(( $(nproc) - 6 )) --repeats 2 ;;
 extract) extract
