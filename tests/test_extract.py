@@ -1616,11 +1616,14 @@ def test_without_its_index_a_deleted_or_misplaced_part_is_still_named(extracted,
     (lambda meta: meta.update(layers=meta["layers"][::-1]), "layers"),
     (lambda meta: meta["model"].update(torch_dtype="bfloat16"), "model"),
     (lambda meta: meta.update(storage_dtype="bfloat16"), "storage_dtype"),
-    (lambda meta: meta.pop("image_decoding"), "image_decoding")])  # decoded before EXIF and alpha counted
+    (lambda meta: meta.pop("image_decoding"), "image_decoding"),  # decoded before EXIF and alpha counted
+    (lambda meta: meta.update(image_processor="BitImageProcessorFast"), "image_processor"),  # another backend
+    (lambda meta: meta.update(image_pipeline="gpu"), "image_pipeline")])
 def test_a_part_from_another_run_is_refused_naming_what_differs(edit, named, extracted, tmp_path):
     """Every format reads the run-wide fields (labels, layers, model, dtype) from part 0: a part
     whose part.json says otherwise (made by another config, or an actstore that numbers labels
-    or decodes images otherwise, then copied in) is named, not read under part 0's labels."""
+    or decodes images otherwise, or in an environment whose image processor backend differs, then
+    copied in) is named, not read under part 0's labels."""
     import shutil
 
     _, out = extracted("dinov2", extract={"parts": 2})

@@ -342,7 +342,10 @@ class Extraction:
 # numbers labels otherwise) would be mislabelled silently.
 RUN_WIDE = ("tensors", "layers", "hooks", "modality", "model_kind", "max_seq_length", "logits_topk", "model",
             "dataset")
-RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding")  # part.json keys outside PartInfo, as run-wide
+# part.json keys outside PartInfo, as run-wide. An image part's pixels also depend on the processor
+# class that ran: transformers picks its torchvision or PIL backend by what the job's environment has
+# installed, and the two differ slightly, so parts extracted in two environments would mix them.
+RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding", "image_processor", "image_pipeline")
 
 
 def _check_cover(parts: list[Part]) -> None:
