@@ -188,9 +188,7 @@ def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, 
     mark("preflight")
     ext = config["extract"]
     samples = dataset.samples
-    if dataset.modality == "image":  # as run_part: images verified, then decoding starts before the weights load
-        check_images(dataset.opener, samples, threads)
-        mark("image_checks")
+    if dataset.modality == "image":  # as run_part: decoding starts, the images are checked, then the weights load
         batches = length_batches([1] * len(samples), ext["batch_size"])
         processor = load_image_processor(model_path)
         workers = threads if ext["num_workers"] is None else ext["num_workers"]  # as run_part decides
@@ -198,6 +196,8 @@ def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, 
         pixels = lambda: image_batches(processor, dataset.opener, samples, batches, workers,  # noqa: E731
                                        ext["device"] == "cuda", TORCH_DTYPES[dtype])
         first_pixels = pixels()
+        check_images(dataset.opener, samples, threads)
+        mark("image_checks")
         loaded = load_model(model_path, dtype, ext["device"])
         mark("model_load")
         make_inputs = lambda: to_model(loaded, pixels())  # noqa: E731
