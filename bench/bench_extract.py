@@ -575,7 +575,7 @@ class GraphedModel:
 
     def __call__(self, pixel_values: torch.Tensor, **kwargs):
         shape = tuple(pixel_values.shape)
-        if kwargs or shape not in self.seen | set(self.graphs):
+        if kwargs or shape not in self.seen:  # a shape's first batch runs eagerly, its second captures
             self.seen.add(shape)
             return self.model(pixel_values=pixel_values, **kwargs)
         if shape not in self.graphs:

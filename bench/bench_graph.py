@@ -9,8 +9,9 @@ worth before run_part takes it: bench_extract's vit-b14 model (bf16 on CUDA, ran
 block outputs of --layers captured by the product's hooks (extract.capture), --batches batches of
 random pixels already on the device (no decoding, no writes), two ways, in --repeat rounds:
   eager: model(pixel_values=x) each batch, as run_part does
-  graph: the same forward captured once in a CUDA graph (after warm-up on a side stream, as torch's
-         docs say), each batch copied into its static input and replayed
+  graph: the same forward captured once in a CUDA graph (bench_extract's GraphedModel, which
+         --graph-forward runs in run_part), each batch copied into its static input and replayed,
+         the capture hooks then called with the outputs the graph wrote
 each alone and beside --busy threads hashing 1 MiB blocks in a loop (a part's hashing pool: sha256
 releases the GIL for each block and takes it back between). Per way, best of the rounds: wall ms a
 batch (device synchronised at the end), the ms a batch the main thread took to queue them (before
@@ -29,12 +30,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_extract import build_model  # noqa: E402
+from bench_extract import GraphedModel, build_model  # noqa: E402
 
 from actstore.extract.capture import capture  # noqa: E402
 from actstore.models import load_model  # noqa: E402
@@ -48,36 +50,7 @@ def hash_loop(stop: threading.Event) -> None:
         hashlib.sha256(block).digest()
 
 
-class Forward:
-    """The two ways of running one batch through the hooked model."""
-
-    def __init__(self, model: torch.nn.Module, example: torch.Tensor, graph: bool, captured: dict | None = None):
-        """graph: capture the forward of `example`'s shape; `captured` (the hooks' dict) then holds
-        the graph's static outputs, which `outputs` keeps (a replay runs no hook)."""
-        self.model = model
-        self.graph = None
-        if graph:
-            self.static = example.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    model(pixel_values=self.static)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                model(pixel_values=self.static)
-            self.outputs = dict(captured)
-
-    def __call__(self, pixels: torch.Tensor) -> None:
-        if self.graph is None:
-            self.model(pixel_values=pixels)
-        else:
-            self.static.copy_(pixels)
-            self.graph.replay()
-
-
-def timed(forward: Forward, inputs: list[torch.Tensor], batches: int, busy: int, cuda: bool) -> dict[str, float]:
+def timed(forward: Callable[[torch.Tensor], Any], inputs: list[torch.Tensor], batches: int, busy: int, cuda: bool) -> dict[str, float]:
     stop = threading.Event()
     helpers = [threading.Thread(target=hash_loop, args=(stop,), daemon=True) for _ in range(busy)]
     for helper in helpers:
@@ -98,14 +71,15 @@ def timed(forward: Forward, inputs: list[torch.Tensor], batches: int, busy: int,
             "cpu_ms": cpu / batches * 1e3}
 
 
-def same_bits(model: torch.nn.Module, captured: dict, graphed: Forward, inputs: list[torch.Tensor]) -> bool:
-    """The graph's outputs against the eager forward's (the hooks' captures), input by input."""
+def same_bits(model: torch.nn.Module, captured: dict, graphed: GraphedModel, inputs: list[torch.Tensor]) -> bool:
+    """The graph's outputs, as its replayed hooks hand them to `captured`, against the eager forward's,
+    input by input (cleared in between: a hook not replayed leaves its name missing)."""
     for pixels in inputs:
         model(pixel_values=pixels)
         eager = {name: tensor.clone() for name, tensor in captured.items()}
+        captured.clear()
         graphed(pixels)
-        if eager.keys() != graphed.outputs.keys() or any(
-                not torch.equal(graphed.outputs[name], tensor) for name, tensor in eager.items()):
+        if captured.keys() != eager.keys() or any(not torch.equal(captured[name], t) for name, t in eager.items()):
             return False
     return True
 
@@ -131,10 +105,12 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "batch_size": args.batch_size,
                     "batches": args.batches, "layers": args.layers}
     with capture(loaded, args.layers, []) as captured, torch.inference_mode():
-        ways = {"eager": Forward(loaded.model, inputs[0], graph=False)}
+        ways: dict[str, Callable[[torch.Tensor], Any]] = {"eager": lambda pixels: loaded.model(pixel_values=pixels)}
         if cuda:
-            ways["graph"] = Forward(loaded.model, inputs[0], graph=True, captured=captured)
-            result["graph_equals_eager"] = same_bits(loaded.model, captured, ways["graph"], inputs)
+            graphed = GraphedModel(loaded.model)
+            graphed(inputs[0])  # seen: the next call of this shape captures its graph
+            ways["graph"] = graphed
+            result["graph_equals_eager"] = same_bits(loaded.model, captured, graphed, inputs)
         for _ in range(args.repeat):
             for name, forward in ways.items():
                 for busy in (0, args.busy):
