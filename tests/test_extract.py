@@ -1176,11 +1176,11 @@ def test_decoding_workers_and_hashing_threads_run_below_the_thread_that_feeds_th
     from actstore.extract.inputs import image_batches
     from actstore.io_utils import HELPER_NICE
     config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder, extract={"parts": 1, "batch_size": 3})
-    loaded, (_, dataset) = load_model(config["model"]["path"]), preflight(config, 0)
+    model_path, dataset = preflight(config, 0)
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     below = min(19, own + HELPER_NICE)
     others = {p.pid for p in multiprocessing.active_children()}  # any an earlier test left running
-    pixels = image_batches(loaded.preprocessor, dataset.opener, dataset.samples, [[0, 1, 2]], 2, False, torch.float32)
+    pixels = image_batches(load_image_processor(model_path), dataset.opener, dataset.samples, [[0, 1, 2]], 2, False, torch.float32)
     next(pixels)
     workers = [p for p in multiprocessing.active_children() if p.pid not in others]
     assert len(workers) == 2 and [os.getpriority(os.PRIO_PROCESS, w.pid) for w in workers] == [below, below]
