@@ -19,7 +19,9 @@
 #                                    batch, and whether the bits stay the same), and the vit13 row with
 #                                    run_part's forward replayed from graphs (vit13g: same layers_digest
 #                                    as vit13's?); the writers' file system and its journal's commits
-#                                    around the zarr rows (fs, fsafter) (~10 min)
+#                                    around the zarr rows (fs, fsafter: with the disks' queue settings), and
+#                                    one 8-thread zarr shard job under py-spy (zarrspy: where its threads
+#                                    wait, by line of actstore's code) (~10 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -44,7 +46,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|layers_digest|graph_forward|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction'
+SHOW='^(shape|layers_digest|graph_forward|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction|scheduler'
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
@@ -101,9 +103,16 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
   row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
   SPY="vit13spy ${SPY-}" row vit13spy 100 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2
   # the writers' file system (journal, data mode) and its journal's commits, before and after them
-  step fs 10 bash -c 'findmnt -T /tmp; df -T /tmp; head -12 /proc/fs/jbd2/*/info'
+  step fs 10 bash -c 'findmnt -T /tmp; df -T /tmp; head -12 /proc/fs/jbd2/*/info; for q in /sys/block/*/queue; do
+    echo "$q: scheduler $(cat $q/scheduler 2>/dev/null) wbt_lat_usec $(cat $q/wbt_lat_usec 2>/dev/null) nr_requests $(cat $q/nr_requests 2>/dev/null)"
+    done | grep -v /loop'
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"
+  # one 8-thread zarr shard job (a 2 GB part) under py-spy: where its threads wait (GIL, mkdir, write, hash)
+  [[ -x /tmp/site/bin/py-spy ]] && step zarrspy 60 bash -c "sync; /tmp/site/bin/py-spy record -r 100 --idle --native \
+    --threads --format raw -o $out/zarrspy.spy.txt -- python3 bench/bench_writers.py --job zarr --threads 8 --part 0 \
+    --extract /tmp/writers/extract-6gb-3p-d1024/float32 --out /tmp/writers/spy-\$RANDOM; \
+    python3 bench/spy_summary.py $out/zarrspy.spy.txt --top 6 > $out/zarrspy.spy-summary.txt"
   step fsafter 10 bash -c 'head -12 /proc/fs/jbd2/*/info'
   step disk 60 python3 bench/bench_disk.py --gb 4 --repeat 2 --out "$out/disk.json"
   step graph 60 python3 bench/bench_graph.py --out "$out/graph.json"

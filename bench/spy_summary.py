@@ -5,9 +5,11 @@
 
 `gpu_suite.sh` records one for the rows named in SPY. Each sample is given to the thread's role by
 the Python frames it holds (ROLES: the main thread in extraction's batch loop or the bare forward's,
-a part writer, the hashing pool, the loader's pinning thread, other pools), and within the
-main thread's loops to a phase: the frame right below the loop (the forward's module call, packing,
-the submit to the staging ring, the next inputs). For each role and phase: its share of the role's
+a part writer, the hashing pool, the loader's pinning thread, a writer job's buffer workers, other
+pools), and within the main thread's loops to a phase: the frame right below the loop (the forward's
+module call, packing, the submit to the staging ring, the next inputs); within a buffer worker (a zarr
+shard job's chunk files), the innermost line of actstore's own code, quoted from src/ (the step of a
+chunk: its read, cast, directory, write or sha256). For each role and phase: its share of the role's
 samples and its most frequent innermost frames, which say whether the thread ran (a kernel launch,
 sha256, a copy) or waited, and on what: `pthread_cond_timedwait` under an interpreter or extension
 frame is a wait for the GIL; `sem_clockwait` / `do_futex_wait` a Python lock or queue; the CUDA
@@ -28,10 +30,13 @@ ROLES = {  # a Python frame's function -> the role of the thread it runs on, the
     "WritePipeline._write_loop": "part writer",
     "_leaf_digests": "hashing pool",
     "_pin_memory_loop": "loader pinning",
+    "BufferWorkers._loop": "buffer workers (a writer job's files)",
     "_worker": "thread pools (idle, or not hashing)",
     "TMonitor.run": "progress bars' monitor",
 }
 MAIN = ("extract_batches", "bare_forward", "run_part")
+BY_LINE = ("BufferWorkers._loop",)  # roles whose phase is the innermost line of actstore's code
+SRC = Path(__file__).resolve().parent.parent / "src"
 FRAME = re.compile(r"^(?P<name>.+?) \((?P<where>[^()]*)\)$")
 
 
@@ -50,8 +55,21 @@ def role_and_phase(frames: list[tuple[str, str]]) -> tuple[str, str]:
     for function, role in ROLES.items():
         if function in names:
             i = names.index(function)
+            if function in BY_LINE:
+                return role, innermost_line(frames[i + 1:])
             return role, names[i + 1] if function in MAIN and i + 1 < len(names) else ""
     return "other", ""
+
+
+def innermost_line(frames: list[tuple[str, str]]) -> str:
+    """The innermost frame in actstore's code, as `file:line: the line` (its text from src/ when there)."""
+    ours = [where for _, where in frames if where.startswith("actstore/")]
+    if not ours:
+        return ""
+    file, _, line = ours[-1].rpartition(":")
+    source = SRC / file
+    text = source.read_text(encoding="utf-8").splitlines()[int(line) - 1].strip() if source.is_file() else ""
+    return f"{ours[-1]}: {text}" if text else ours[-1]
 
 
 def leaf(frames: list[tuple[str, str]]) -> str:

@@ -83,6 +83,44 @@ def test_float16_takes_any_layout_and_refuses_a_wrong_target(cast_path):
         casts.to_float16(x, np.empty((4, 6), np.float16))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_float16_file_holds_the_rows_cast(cast_path, dtype, tmp_path):
+    """float16_file: rows of a stored file (after its header), cast as to_float16 casts them (a
+    bfloat16 source widened first; NaN payloads and overflows as numpy's), written to a new file in a
+    new directories (made in order), then zeros to the buffer's size (a hole: tests/test_zarr.py); the buffer holds the
+    file's bytes. Rows with no inf or NaN and rows with them (the C cast leaves those to numpy)."""
+    x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
+    x[3, 0] = 7e4  # overflows float16
+    x.view(np.uint32)[4, :2] = [0x7F8CFC76, 0x7F800000]  # a signalling NaN, +inf
+    with np.errstate(over="ignore"):
+        stored = {"float32": x, "bfloat16": casts.to_bfloat16_bits(x), "float16": x.astype(np.float16)}[dtype]
+    source = tmp_path / "layer.npy"
+    source.write_bytes(b"H" * 128 + stored.tobytes())
+    wide, out = np.empty((4, 8), np.float32), np.full((4, 8), 7, np.float16)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        row_file = casts.RowFile(fd, str(source), 128, dtype, 8)
+        for first, name in [(0, "plain"), (2, "special")]:
+            values = casts.to_float32(stored[first:first + 3], dtype)
+            with np.errstate(over="ignore"):
+                want = values.astype(np.float16)
+            file = tmp_path / name / "c" / "0"
+            overflowed = casts.float16_file(row_file, first, 3, wide, out, [str(file.parent.parent), str(file.parent)],
+                                            str(file))
+            assert overflowed == int(np.isinf(want).sum() - np.isinf(values).sum())
+            assert out.view(np.uint16)[:3].tolist() == want.view(np.uint16).tolist() and not out[3].any()
+            assert file.read_bytes() == out.tobytes()
+        assert overflowed == (0 if dtype == "float16" else 1)
+        with pytest.raises(casts.FormatError, match=f"{source}: ends before row 7"):
+            casts.float16_file(row_file, 4, 3, wide, out, [str(tmp_path / "d")], str(tmp_path / "d" / "0"))
+        with pytest.raises(FileExistsError, match=f"{tmp_path / 'plain' / 'c'}: File exists"):
+            casts.float16_file(row_file, 0, 3, wide, out, [str(tmp_path / "new"), str(tmp_path / "plain" / "c")],
+                               str(tmp_path / "plain" / "c" / "1"))
+        assert (tmp_path / "new").is_dir()  # made before the one that failed
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_f16c(),
                     reason="the F16C extension is built for x86 CPUs with F16C only")
 def test_the_c_casts_are_built_where_the_cpu_has_f16c():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from actstore import casts
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
 from actstore.formats.extract import PartWriter, layer_tensor, open_extraction, open_part, tensor_file, write_part
@@ -417,9 +418,13 @@ def test_finish_merge_refuses_incomplete_chunks_and_leaves_them_whole(three_shar
     assert tree_bytes(dirs[0]) == before  # the sample directories already moved were moved back
 
 
-def test_float16_overflow_counted_and_stored_as_inf(tmp_path):
+@pytest.mark.parametrize("c_casts", [True, False])
+def test_float16_overflow_counted_and_stored_as_inf(tmp_path, monkeypatch, c_casts):
     """Values past float16's range (65504; 65520 and up round to inf) are +-inf and counted; float32
-    infinities are stored as they are and not counted; everything else, NaNs too, as numpy casts it."""
+    infinities are stored as they are and not counted; everything else, NaNs too, as numpy casts it;
+    with the C casts and without."""
+    if not c_casts:
+        monkeypatch.setattr(casts, "_casts", None)
     x = np.random.default_rng(0).standard_normal((2 * 5, 16)).astype(np.float32)
     x[1, :4] = [65504, 65519, 65520, -1e6]  # two overflow
     x[7, 0], x[7, 1], x[8, 5], x[9, 9] = np.inf, -np.inf, 3e38, np.nan  # one more overflow
@@ -436,9 +441,9 @@ def test_float16_overflow_counted_and_stored_as_inf(tmp_path):
 
 
 def synthetic_part(out, x, lengths, dtype="float32"):
-    """An extraction part of one layer holding the rows `x` stored in `dtype` (float32 or float16:
-    numpy's dtypes), samples of `lengths` tokens."""
-    x = x.astype(dtype)
+    """An extraction part of one layer holding the rows `x` stored in `dtype` (float32, float16, or
+    bfloat16 as its bits), samples of `lengths` tokens."""
+    x = casts.to_bfloat16_bits(x) if dtype == "bfloat16" else x.astype(dtype)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     rows = [{"sample_idx": i, "text": f"t{i}", "label": None, "label_id": -1, "num_tokens": n, "metadata": {}}
             for i, n in enumerate(lengths)]
@@ -475,7 +480,8 @@ def test_a_chunk_that_cannot_be_written_names_its_file_and_leaves_no_shard(tmp_p
 
 def test_a_shard_is_the_same_bytes_whatever_its_writing_threads(tmp_path, monkeypatch, caplog):
     """Chunk files finish in any order across threads: the store's bytes (meta/files.json included)
-    are the same for 1 and 3 threads, and every chunk holds its sample's float16 rows. The job's log
+    are the same for 1 and 3 threads, and without the C casts, and every chunk holds its sample's
+    float16 rows. The job's log
     counts the chunk files and says where their threads' seconds went."""
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     lengths = [5, 1, 7, 3, 8, 2]
@@ -487,32 +493,39 @@ def test_a_shard_is_the_same_bytes_whatever_its_writing_threads(tmp_path, monkey
             zs.write_shard(part, store, t_chunk=2, git_commit=GIT_COMMIT, progress=False, threads=threads)
         chunks = sum(1 for f in (store / "arrays" / "activations").rglob("*") if f.is_file() and f.name == "0")
         assert chunks == sum(-(-n // 2) for n in lengths)
-        assert re.search(rf"{chunks} chunk files of 64 bytes in \S+ s by {threads} threads; their seconds: read "
-                         r"[\d.]+, cast [\d.]+, directories [\d.]+, write [\d.]+, hash [\d.]+$", caplog.messages[-1])
+        assert re.search(rf"{chunks} chunk files of 64 bytes in \S+ s by {threads} threads; their seconds: "
+                         r"file [\d.]+, hash [\d.]+$", caplog.messages[-1])
     assert tree_bytes(stores[1]) == tree_bytes(stores[3])
+    monkeypatch.setattr(casts, "_casts", None)  # the chunk files as the writer makes them without its C casts
+    zs.write_shard(part, tmp_path / "numpy.zarr", t_chunk=2, git_commit=GIT_COMMIT, progress=False, threads=3)
+    assert tree_bytes(tmp_path / "numpy.zarr") == tree_bytes(stores[3])
     store, starts = zs.ZarrStore(stores[3]), np.cumsum([0] + lengths)
     for i, n in enumerate(lengths):
         np.testing.assert_array_equal(store.read(i, 0), x[starts[i]:starts[i] + n].astype(np.float16))
     assert zs.verify(stores[3]) == []
 
 
-def test_a_float16_part_is_stored_as_its_bits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("narrow", ["float16", "bfloat16"])
+def test_a_16bit_part_is_stored_as_its_bits(tmp_path, monkeypatch, narrow):
     """A part stored float16 (a float16 model's, extract.storage_dtype auto) is read into the chunks
-    as stored, not through float32: its shard's bytes equal those of the same values stored float32
-    and cast by the writer, infinities and NaN included, with no overflow counted."""
+    as stored, not through float32, and a bfloat16 one (a bf16 model's) widened exactly: its shard's
+    bytes equal those of the same values stored float32 and cast by the writer, infinities and NaN
+    included, with no overflow counted."""
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     lengths = [5, 1, 7, 3, 8, 2]
-    x = np.random.default_rng(3).standard_normal((sum(lengths), 16)).astype(np.float16).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((sum(lengths), 16)).astype(np.float32)
     x[2, :3] = [np.inf, -np.inf, np.nan]
+    x = (x.astype(np.float16).astype(np.float32) if narrow == "float16"
+         else casts.bfloat16_bits_to_float32(casts.to_bfloat16_bits(x)))  # values the narrow dtype holds
     stores = {}
-    for dtype in ("float32", "float16"):
+    for dtype in ("float32", narrow):
         part = synthetic_part(tmp_path / dtype / "part-0000", x, lengths, dtype)
         assert open_part(part).tensor(layer_tensor(0)).stored_dtype == dtype
         stores[dtype] = tmp_path / f"shard-{dtype}.zarr"
         zs.write_shard(part, stores[dtype], t_chunk=2, git_commit=GIT_COMMIT, progress=False, threads=2)
-    assert tree_bytes(stores["float16"]) == tree_bytes(stores["float32"])
-    assert "float16_overflow_count" not in json.loads((stores["float16"] / ".zattrs").read_text())
-    assert zs.verify(stores["float16"]) == []
+    assert tree_bytes(stores[narrow]) == tree_bytes(stores["float32"])
+    assert "float16_overflow_count" not in json.loads((stores[narrow] / ".zattrs").read_text())
+    assert zs.verify(stores[narrow]) == []
 
 
 def test_only_the_chunks_holding_tokens_are_files_and_zarr_reads_zeros_past_them(tmp_path, monkeypatch):

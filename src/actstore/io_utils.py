@@ -41,6 +41,26 @@ def _sync_file_range() -> Callable[[int], None]:
 start_writeback = _sync_file_range()
 
 
+def write_with_hole(path: str, data: Any, written: int) -> None:
+    """A new file `path` of buffer `data`'s bytes, of which only the first `written` are written: the
+    rest, zeros, are a hole (read back as zeros, never copied to the page cache or the disk). The
+    disk is started on the file at once, so dirty memory stays bounded and the disk works while
+    the caller goes on. Errors name the file."""
+    view = memoryview(data).cast("B")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        rest = view[:written]
+        while rest:
+            rest = rest[os.write(fd, rest):]
+        if written < len(view):
+            os.ftruncate(fd, len(view))
+        start_writeback(fd)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
 def _syncfs() -> Callable[[Path], None]:
     """Write everything dirty on the filesystem holding a path to disk, metadata included, and wait
     (Linux syncfs: one call for a directory of thousands of files, where an fsync each would take as

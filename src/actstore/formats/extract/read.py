@@ -9,14 +9,14 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from actstore.casts import to_float32
+from actstore.casts import RowFile, to_float32
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file
@@ -37,6 +37,15 @@ class StoredTensor:
 
     def __getitem__(self, key: Any) -> np.ndarray:
         return to_float32(self.raw[key], self.stored_dtype)
+
+    @contextmanager
+    def row_file(self) -> Iterator[RowFile]:
+        """The tensor's file open for reading rows (casts.float16_file) until the block ends."""
+        fd = os.open(self.raw.filename, os.O_RDONLY)
+        try:
+            yield RowFile(fd, str(self.raw.filename), self.raw.offset, self.stored_dtype, self.shape[1])
+        finally:
+            os.close(fd)
 
     def read_rows(self, a: int, b: int, out: np.ndarray) -> None:
         """Rows [a, b) into `out`: float32 widens, `raw`'s dtype takes the stored bits as they are (a

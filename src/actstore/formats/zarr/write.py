@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from actstore.casts import to_float16
+from actstore.casts import float16_file
 from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor, open_part
 from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL, SEPARATOR,
@@ -31,7 +31,7 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
 from actstore.integrity import stream_json_members
-from actstore.io_utils import BufferWorkers, atomic_path, sha256_file, start_writeback, utc_now, write_json_atomic
+from actstore.io_utils import BufferWorkers, atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -117,28 +117,9 @@ def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None
     (store / FILES_JSON).write_text(files_json_text(files))
 
 
-def _write_chunk(path: str, data: np.ndarray, written: int) -> None:
-    """One new chunk file of `data`'s bytes, of which only the first `written` are written: the rest
-    are zeros (past a sample's last token), which the file's size covers as a hole. Read back they
-    are zeros, as every reader sees them; they are never copied to the page cache or the disk (at
-    d = 1024 and T_chunk 512, samples of 64-512 tokens: 41 % of the chunk files' bytes).
-    The disk is started on the file at once, so dirty memory stays bounded and the disk works while
-    the next chunks are cast."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        view = memoryview(data).cast("B")[:written]
-        while view:
-            view = view[os.write(fd, view):]
-        if written < data.nbytes:
-            os.ftruncate(fd, data.nbytes)
-        start_writeback(fd)
-    except OSError as exc:
-        raise OSError(exc.errno, f"{path}: {exc.strerror}") from exc
-    finally:
-        os.close(fd)
-
-
-STAGES = ("read", "cast", "directories", "write", "hash")  # a chunk's steps, timed for the job's log
+# A chunk's steps, timed for the job's log: its file (read, cast, its directories, write:
+# casts.float16_file, one call without the GIL) and its sha256.
+STAGES = ("file", "hash")
 
 
 def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threads: int,
@@ -146,8 +127,8 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's tokens
     hold only the fill value and are left out, as zarr leaves empty chunks out), each read into a
     (T_chunk, H) float32 buffer, cast into a float16 one (a float16 part's read into it as stored), zero
-    past the sample's end (hashed; a hole in the file, _write_chunk), and written raw: the bytes zarr
-    writes for an uncompressed C-order chunk. `threads` BufferWorkers each read, cast, write and hash
+    past the sample's end (hashed; a hole in the file), and written raw (casts.float16_file): the bytes
+    zarr writes for an uncompressed C-order chunk. `threads` BufferWorkers each read, cast, write and hash
     the chunks of a sample (their files never read back), samples in any order, while the main thread
     only hands them out: a sample's files are independent of the others', and any one stage on one
     thread (the read and cast, one core's sha256, the filesystem's time per directory) would bound the
@@ -161,39 +142,23 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     hidden, t_max = tensors[0].shape[1], int(part.info.max_seq_length)
     files, overflows, seconds, lock = {}, {}, dict.fromkeys(STAGES, 0.0), threading.Lock()
 
-    def write_chunk(buffers: tuple[np.ndarray, np.ndarray], key: str, tensor: Any, start: int, stop: int,
-                    spent: dict[str, float]) -> None:
-        rows, chunk = buffers
-        n = stop - start
-        read_into = chunk if tensor.stored_dtype == "float16" else rows  # a float16 part's bits are the chunk's
-        marks = [time.perf_counter()]
-        tensor.read_rows(start, stop, read_into[:n])
-        marks.append(time.perf_counter())
-        if read_into is rows:
-            overflows[key] = to_float16(rows[:n], chunk[:n])
-        chunk[n:] = 0
-        marks.append(time.perf_counter())
-        os.mkdir(store / key.rsplit("/", 1)[0])
-        marks.append(time.perf_counter())
-        _write_chunk(str(store / key), chunk, chunk[:n].nbytes)
-        marks.append(time.perf_counter())
-        files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
-        marks.append(time.perf_counter())
-        for stage, began, ended in zip(STAGES, marks, marks[1:]):
-            spent[stage] += ended - began
-
     def write_sample(buffers: tuple[np.ndarray, np.ndarray], i: int, rows: slice) -> None:
+        rows_buffer, chunk = buffers
         spent = dict.fromkeys(STAGES, 0.0)
-        for l, tensor in enumerate(tensors):
+        for l, source in enumerate(sources):
             for c in range(int(chunk_counts(rows.stop - rows.start, t_chunk))):
                 key, start = acts_chunk_key(i, l, c), rows.start + c * t_chunk  # {ACTS}/i/l/c/0
-                if c == 0:  # the sample's directory (first layer) and the layer's
-                    began = time.perf_counter()
-                    if l == 0:
-                        os.mkdir(store / key.rsplit("/", 3)[0])
-                    os.mkdir(store / key.rsplit("/", 2)[0])
-                    spent["directories"] += time.perf_counter() - began
-                write_chunk(buffers, key, tensor, start, min(start + t_chunk, rows.stop), spent)
+                chunk_dir = key.rsplit("/", 1)[0]
+                # its directory, after the layer's (the layer's first chunk) and the sample's (its first layer's)
+                made = [chunk_dir.rsplit("/", 2)[0]] if c == 0 and l == 0 else []
+                made += [chunk_dir.rsplit("/", 1)[0]] if c == 0 else []
+                began = time.perf_counter()
+                overflows[key] = float16_file(source, start, min(start + t_chunk, rows.stop) - start, rows_buffer,
+                                              chunk, [f"{store}/{d}" for d in [*made, chunk_dir]], f"{store}/{key}")
+                written = time.perf_counter()
+                files[key] = {"bytes": chunk.nbytes, "sha256": hashlib.sha256(chunk).hexdigest()}
+                spent["file"] += written - began
+                spent["hash"] += time.perf_counter() - written
         with lock:
             for stage, value in spent.items():
                 seconds[stage] += value
@@ -204,7 +169,9 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
         return np.empty((widened, hidden), dtype=np.float32), np.empty((t_chunk, hidden), dtype=np.float16)
 
     os.makedirs(store / ACTS)  # the samples' directories' parent
-    with BufferWorkers(write_sample, threads, make_buffers) as workers:
+    with contextlib.ExitStack() as opened:
+        sources = [opened.enter_context(tensor.row_file()) for tensor in tensors]  # each layer's file, open
+        workers = opened.enter_context(BufferWorkers(write_sample, threads, make_buffers))  # left first
         for i in tqdm(range(len(part.samples)), desc=f"zarr {store.name}", unit="sample", disable=not progress):
             rows = part.sample_slice(i)
             if rows.stop - rows.start > t_max:
