@@ -39,7 +39,7 @@ from actstore import io_utils
 from actstore.config import validate_config
 from actstore.datasets import configured_scan, write_scan
 from actstore.datasets.images import check_images
-from actstore.extract import length_batches, logprobs, preflight, run_part, tokenize
+from actstore.extract import length_batches, logprobs, pipeline, preflight, run_part, tokenize
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
@@ -489,6 +489,9 @@ def main() -> None:
     parser.add_argument("--helper-nice", type=int, default=None,
                         help="an experiment: how far below the main thread the decoding workers and hashing "
                              f"threads run (io_utils.HELPER_NICE, default {io_utils.HELPER_NICE}; 0: at its priority)")
+    parser.add_argument("--spin-waits", action="store_true",
+                        help="an experiment (CUDA): the part writer's threads wait for their copies spinning a "
+                             "CPU (a default CUDA event), not asleep (pipeline.BLOCKING_WAITS)")
     parser.add_argument("--graph-forward", action="store_true",
                         help="an experiment (CUDA, image rows, layers only): run_part replays each batch of a shape "
                              "seen before from a CUDA graph (GraphedModel); the bare forward stays eager")
@@ -535,6 +538,8 @@ def main() -> None:
                 result["hash_threads"] = hash_threads_of_part_writer(args.hash_threads)
             if args.helper_nice is not None:
                 io_utils.HELPER_NICE = result["helper_nice"] = args.helper_nice
+            if args.spin_waits:
+                pipeline.BLOCKING_WAITS = result["blocking_waits"] = False
             if args.graph_forward:
                 if device.type != "cuda":
                     raise SystemExit("--graph-forward replays CUDA graphs: it needs --device cuda")

@@ -23,6 +23,12 @@ from actstore.formats.extract import PartWriter
 
 ALIGN = 64  # byte alignment of each file's region in a staging slot (any dtype view is legal)
 POLL_S = 0.1  # how often a blocked submit looks for a failed writer (never hangs on a dead thread)
+# A writer thread waits for its slot's copies asleep (cudaEventBlockingSync). A default event's wait
+# spins a CPU until the copies are done, which is through the forward of the batch: a core per
+# writer thread taken from the image-decoding workers and the main thread, which an image part is
+# short of (torchrec measured a spinning wait slowing a thread beside it by 28 %; vLLM made its copy
+# events blocking for the same reason). bench_extract --spin-waits measures the difference.
+BLOCKING_WAITS = True
 
 
 @dataclass
@@ -159,7 +165,7 @@ class WritePipeline:
             self.copy_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.copy_stream):
                 copy_all()
-                slot.event = torch.cuda.Event()
+                slot.event = torch.cuda.Event(blocking=BLOCKING_WAITS)
                 slot.event.record(self.copy_stream)
         else:
             copy_all()
