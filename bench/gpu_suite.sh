@@ -35,7 +35,7 @@
 #                                    issue 18's 0.8 x cp goal; bench_verify with 1-8 files checked at once
 # Needs torch + transformers (the GPU image); jsonschema, zarr, numcodecs, isal (cp312 wheels, with
 # their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
-# env: REPEATS (rounds per extraction row, default 2); PROFILE (rows also run under cProfile: the main
+# env: FROM (skip the steps before this one: resume a call cut at its limit); REPEATS (rounds per extraction row, default 2); PROFILE (rows also run under cProfile: the main
 # thread's Python) and TRACE (rows also run under torch.profiler: how busy the GPU was, its top
 # kernels): by default the ViT row, whose gap session 36's run left open; SPY (rows run under py-spy,
 # which samples every thread, running or waiting, with native frames: bench/spy_summary.py).
@@ -49,8 +49,11 @@ fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 SHOW='^(shape|layers_digest|graph_forward|blocking_waits|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction|scheduler'
+reached=${FROM:+no}  # FROM=NAME: skip the steps before NAME (a second call resuming one cut at its limit)
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
+  [[ $reached == no && $name != "${FROM-}" ]] && { echo "== $name: skipped (FROM=$FROM)"; return 0; }
+  reached=yes
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
   echo "== $name: rc $rc, $(( $(date +%s) - started )) s (at $(( $(date +%s) - t0 )) s)"
   grep -vE 'it/s|s/it|[Ww]arn|\.py:[0-9]|\{(built-in|method)' "$out/$name.log" | grep -E "$SHOW" | head -40
