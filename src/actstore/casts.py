@@ -105,7 +105,8 @@ def _read_and_cast(source: RowFile, offset: int, n: int, wide: np.ndarray, flat:
         raise OSError(exc.errno, f"{source.name}: {exc.strerror}") from exc
     if source.dtype == "float16":
         return 0
-    return to_float16(to_float32(landing, source.dtype, wide.reshape(-1)[:n]), flat[:n])
+    widened = landing if source.dtype == "float32" else to_float32(landing, source.dtype, wide.reshape(-1)[:n])
+    return to_float16(widened, flat[:n])
 
 
 SOURCE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # _casts.f16_file's src_dtype
