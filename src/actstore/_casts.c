@@ -105,8 +105,8 @@ static int pread_all(int fd, char *dst, size_t n, off_t offset) {
     return 0;
 }
 
-/* A new file at path holding dst's bytes: the first `written` written, the rest a hole (zeros read back);
- * the disk started on it (Linux). 0, or -1 with errno set. */
+/* A new file at path of `size` bytes: src's first `written`, then a hole (zeros read back); the disk
+ * started on it (Linux). 0, or -1 with errno set. */
 static int new_file(const char *path, const char *src, size_t written, size_t size) {
     int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd < 0)
