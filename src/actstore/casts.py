@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.io_utils import write_with_hole
+from actstore.io_utils import pread_into, write_with_hole
 
 try:  # C casts (src/actstore/_casts.c): float16 by the CPU's F16C, ~15x numpy's; bfloat16 ~3x numpy's
     from actstore import _casts
@@ -94,15 +94,12 @@ def _read_and_cast(source: RowFile, offset: int, n: int, wide: np.ndarray, flat:
     """float16_file's read and cast without the C casts: n values at `offset`, up to row `stop`, into
     flat[:n]; returns the overflows."""
     landing = (flat if source.dtype != "float32" else wide.reshape(-1))[:n].view(STORED[source.dtype])
-    view = memoryview(landing).cast("B")
     try:
-        while view:
-            got = os.preadv(source.fd, [view], offset)
-            if got == 0:
-                raise FormatError(f"{source.name}: ends before row {stop}")
-            view, offset = view[got:], offset + got
+        read = pread_into(source.fd, landing, offset)
     except OSError as exc:
         raise OSError(exc.errno, f"{source.name}: {exc.strerror}") from exc
+    if read < landing.nbytes:
+        raise FormatError(f"{source.name}: ends before row {stop}")
     if source.dtype == "float16":
         return 0
     widened = landing if source.dtype == "float32" else to_float32(landing, source.dtype, wide.reshape(-1)[:n])

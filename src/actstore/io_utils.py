@@ -41,6 +41,18 @@ def _sync_file_range() -> Callable[[int], None]:
 start_writeback = _sync_file_range()
 
 
+def pread_into(fd: int, buffer: Any, offset: int) -> int:
+    """Fill `buffer` from `fd` at byte `offset`, resuming after short reads; returns the bytes read,
+    fewer than the buffer holds only where the file ends (the caller names the file)."""
+    view, done = memoryview(buffer).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 def write_with_hole(path: str, data: Any, written: int) -> None:
     """A new file `path` of buffer `data`'s bytes, of which only the first `written` are written: the
     rest, zeros, are a hole (read back as zeros, never copied to the page cache or the disk). The

@@ -21,6 +21,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file
 from actstore.integrity import check_file, file_records, inside, read_json, refuse, unlisted
+from actstore.io_utils import pread_into
 
 
 class StoredTensor:
@@ -56,16 +57,10 @@ class StoredTensor:
         if len(out) != b - a or out.dtype not in (raw.dtype, np.float32):
             raise ValueError(f"rows {a}..{b} of {raw.filename} ({self.stored_dtype}) into {out.dtype} {out.shape}")
         target = out if out.dtype == raw.dtype else np.empty((b - a, raw.shape[1]), raw.dtype)
-        view = memoryview(target).cast("B")
-        start = raw.offset + a * raw.shape[1] * raw.dtype.itemsize
         fd = os.open(raw.filename, os.O_RDONLY)
         try:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], start + done)
-                if n == 0:
-                    raise FormatError(f"{raw.filename}: ends before token row {b}")
-                done += n
+            if pread_into(fd, target, raw.offset + a * raw.shape[1] * raw.dtype.itemsize) < target.nbytes:
+                raise FormatError(f"{raw.filename}: ends before token row {b}")
         finally:
             os.close(fd)
         if target is not out:

@@ -45,6 +45,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev.layout import DTYPE, groups_and_ranks
 from actstore.formats.saev.read import SaevStore
 from actstore.integrity import memory_budget
+from actstore.io_utils import pread_into
 
 try:
     from actstore import _scatter
@@ -308,13 +309,8 @@ class _ShardFiles:
 
     def read(self, shard: int, offset: int, out: np.ndarray) -> None:
         """Fill a C-contiguous array from a shard at offset, resuming after short reads."""
-        fd = self.fd(shard)
-        view, done = memoryview(out).cast("B"), 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise self.short(shard, offset + done)
-            done += got
+        if (done := pread_into(self.fd(shard), out, offset)) < out.nbytes:
+            raise self.short(shard, offset + done)
 
     def close(self) -> None:
         for fd in self.fds.values():
