@@ -17,7 +17,7 @@ threads per part job, with each compressor (isal, the workflow's, and zlib); zar
 reading, casting, writing and hashing the chunk files. Each row also says where its time went: the
 jobs' CPU seconds, the system (kernel) share of them, and the closing `sync`'s seconds (the disk
 catching up with what the jobs wrote); each zarr shard job prints its threads' seconds in each step
-of a chunk (its sample's directories, its file: read, cast, directory and write, its hash).
+of a chunk (its file: read, cast, its directories and write, in one call; its hash).
 Each run's output is set aside and deleted when the bench ends (set_aside: no run pays for the
 deletions of the one before).
 """

@@ -69,7 +69,7 @@ row() {  # row NAME SECONDS ARGS...: one bench_extract row, profiled when NAME i
   [[ " ${SPY-} " == *" $name "* && -x /tmp/site/bin/py-spy ]] &&
     spy="/tmp/site/bin/py-spy record -r 100 --idle --native --threads --format raw -o $out/$name.spy.txt --"
   step "$name" "$limit" $spy $E "$@" $extra --out "$out/$name.json"
-  [[ -n $spy ]] && python3 bench/spy_summary.py "$out/$name.spy.txt" > "$out/$name.spy-summary.txt" 2>&1
+  [[ -n $spy && -f $out/$name.spy.txt ]] && python3 bench/spy_summary.py "$out/$name.spy.txt" > "$out/$name.spy-summary.txt" 2>&1
 }
 extract() {
   step items 60 python3 bench/bench_extract.py --check-items
