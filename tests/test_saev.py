@@ -393,10 +393,10 @@ def test_fill_extension_built_and_checked(tmp_path):
     data.tofile(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        def fill(rows, n_ex, n_tok, offsets, layers, n_rows=12):
+        def fill(rows, n_ex, n_tok, offsets, layers, n_rows=12, file=fd):
             acts = np.zeros((n_rows, len(layers), D), dtype=np.float32)
             scratch = np.empty(64 * D, dtype=np.float32)
-            arrays = [np.asarray(a, dtype=np.int64) for a in (rows, [fd] * len(n_ex), offsets, n_ex, n_tok)]
+            arrays = [np.asarray(a, dtype=np.int64) for a in (rows, [file] * len(n_ex), offsets, n_ex, n_tok)]
             layer_off = np.array(layers, dtype=np.int64) * T * D * 4
             short = saev_loader._scatter.fill(
                 acts.ctypes.data, n_rows, acts.strides[0], scratch.ctypes.data, scratch.nbytes, len(n_ex),
@@ -420,6 +420,11 @@ def test_fill_extension_built_and_checked(tmp_path):
             fill(list(range(12)) * 6, [1] * 3, [24] * 3, [0] * 3, [0, 1, 2])
         # Reading past the end: the block and where the file ended come back.
         assert fill([0, 1, 2, 3], [1, 1], [2, 2], [0, data.nbytes - D * 4], [0])[1] == (1, data.nbytes)
+        empty = os.open(tmp_path / "empty.bin", os.O_RDONLY | os.O_CREAT)  # ends where the read starts, at 0
+        try:
+            assert fill([0, 1], [1], [2], [0], [0], file=empty)[1] == (0, 0)
+        finally:
+            os.close(empty)
     finally:
         os.close(fd)
 

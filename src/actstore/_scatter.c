@@ -44,9 +44,9 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes) {
 #endif
 }
 
-/* pread exactly n bytes at offset; 0 on success, else the offset where the file ended (short file)
- * or -1 with errno set. */
-static long long pread_all(int fd, char *dst, size_t n, long long offset) {
+/* pread exactly n bytes at offset: 0, 1 when the file ends first (*ended: where), -1 with errno set.
+ * (Returning where it ended in place of 1 made a file that ends at offset 0 look read.) */
+static int pread_all(int fd, char *dst, size_t n, long long offset, long long *ended) {
     size_t done = 0;
     while (done < n) {
         ssize_t got = pread(fd, dst + done, n - done, (off_t)(offset + (long long)done));
@@ -55,8 +55,10 @@ static long long pread_all(int fd, char *dst, size_t n, long long offset) {
                 continue;
             return -1;
         }
-        if (got == 0)
-            return offset + (long long)done;
+        if (got == 0) {
+            *ended = offset + (long long)done;
+            return 1;
+        }
         done += (size_t)got;
     }
     return 0;
@@ -90,7 +92,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
     }
     Py_ssize_t bad = -1, k = 0;
     long long end = 0;
-    int err = 0;
+    int read = 0, err = 0;
     const char *why = NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n_blocks && bad < 0; i++) {
@@ -112,9 +114,9 @@ static PyObject *fill(PyObject *self, PyObject *args) {
                 continue;
             }
             if (pend_len) {
-                end = pread_all((int)fds[i], pend, pend_len, pend_off);
-                if (end != 0) {
-                    err = end < 0 ? errno : 0;
+                read = pread_all((int)fds[i], pend, pend_len, pend_off, &end);
+                if (read != 0) {
+                    err = read < 0 ? errno : 0;
                     bad = i;
                 }
             }
@@ -153,7 +155,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "fill: block %zd: %s", bad, why);
         return NULL;
     }
-    if (end < 0) {
+    if (read < 0) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
