@@ -23,7 +23,9 @@
 #                                    one 8-thread zarr shard job under py-spy (zarrspy: where its threads
 #                                    wait, by line of actstore's code); the vit13 row with the part
 #                                    writer's threads waiting for their copies spinning a CPU, as before
-#                                    session 48 (vit13spin; vit13 itself has them asleep) (~10 min)
+#                                    session 48 (vit13spin; vit13 itself has them asleep); the images
+#                                    decoded by nvJPEG and processed on the GPU against the workers
+#                                    (decode: bench_image_decode, an image_pipeline: gpu worth building?) (~10 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -48,7 +50,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|layers_digest|graph_forward|blocking_waits|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction|scheduler'
+SHOW='^(shape|layers_digest|graph_forward|blocking_waits|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|images_per_s|^pixels_|^processor|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction|scheduler'
 reached=${FROM:+no}  # FROM=NAME: skip the steps before NAME (a second call resuming one cut at its limit)
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
@@ -122,6 +124,8 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
   step disk 60 python3 bench/bench_disk.py --gb 4 --repeat 2 --out "$out/disk.json"
   step graph 60 python3 bench/bench_graph.py --out "$out/graph.json"
   row vit13g 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --graph-forward  # vit13 replayed
+  # the images decoded (nvJPEG) and processed on the GPU against the decoding workers: worth building?
+  step decode 90 python3 bench/bench_image_decode.py --out "$out/decode.json"
   # the rest only tells the changes apart, so it goes last: a call cut at its limit keeps the above
   row vit13spin 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --spin-waits  # writers' waits spin
   row vit13n0 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --helper-nice 0  # helpers not below
