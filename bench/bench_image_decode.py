@@ -20,6 +20,7 @@ without them only the cpu row runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -105,11 +106,7 @@ def main() -> None:
 
 
 def run(args, processor, dataset, batches, paths, loaded, dtype) -> dict:
-    gpu = loaded.device.type == "cuda"
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        gpu = False
+    gpu = loaded.device.type == "cuda" and importlib.util.find_spec("torchvision") is not None
     rounds: dict[str, list[float]] = {}
     forward_inputs, first_cpu = None, None
     with torch.inference_mode():
