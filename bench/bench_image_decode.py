@@ -11,11 +11,14 @@ the CPU processor's bits. This bench measures it on bench_extract's vit-b14 row 
   gpu:     the files' bytes read by a thread pool, each batch decoded on the device by nvJPEG
            (torchvision.io.decode_jpeg, device="cuda") and processed there by the job's processor
            (transformers' torchvision backend on CUDA tensors), in the model's dtype
-  forward: the model alone on batches already on the device (the bound either path feeds)
-  gpu+forward: the gpu path and the forward, batch after batch on one stream, as run_part would
-and how far the gpu path's pixels are from the cpu path's, in normalised units (max and mean of the
-absolute difference; the issue measured 0.12 at most). Needs CUDA and torchvision for the gpu rows;
-without them only the cpu row runs.
+  hybrid:  the workers decode only (the job's opener: EXIF orientation, RGB, 8 bits), the uint8
+           images go to the device pinned, and the processor runs there (nvJPEG may leave Huffman
+           decoding on the CPU; this keeps the decode the CPU path's and moves the rest)
+  forward: the model alone on batches already on the device (the bound every path feeds)
+  gpu+forward, hybrid+forward: that path and the forward, batch after batch, as run_part would
+and how far each device path's pixels are from the cpu path's, in normalised units (max and mean of
+the absolute difference; the issue measured 0.12 at most). Needs CUDA and torchvision for the device
+rows; without them only the cpu and forward rows run.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +43,9 @@ from bench_extract import bench_config, sync  # noqa: E402
 from actstore.datasets.images import check_images  # noqa: E402
 from actstore.extract.inputs import image_batches, length_batches, to_model  # noqa: E402
 from actstore.extract.run import preflight  # noqa: E402
+from actstore.io_utils import lower_priority  # noqa: E402
 from actstore.models import TORCH_DTYPES, load_image_processor, load_model  # noqa: E402
+from actstore.resources import IMAGES_PER_ITEM, items_ahead  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -67,6 +73,31 @@ def gpu_batches(processor, paths: list[Path], batches, device: torch.device, dty
         for read in pending:
             images = decode_jpeg(list(read), mode=ImageReadMode.RGB, device=device)
             yield processor(images=images, return_tensors="pt")["pixel_values"].to(dtype)
+
+
+class Decoded(torch.utils.data.Dataset):
+    """Item = a few images of a batch decoded by the job's opener, as uint8 (3, H, W) tensors."""
+
+    def __init__(self, opener, samples):
+        self.opener, self.samples = opener, samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, item: list[int]) -> list[torch.Tensor]:
+        return [torch.from_numpy(np.array(self.opener(self.samples[i]))).permute(2, 0, 1) for i in item]
+
+
+def hybrid_batches(processor, dataset, batches, workers: int, device: torch.device, dtype: torch.dtype):
+    """Each batch decoded by the workers (items of IMAGES_PER_ITEM, as image_batches), processed on `device`."""
+    items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
+    loader = iter(torch.utils.data.DataLoader(
+        Decoded(dataset.opener, dataset.samples), sampler=[item for batch in items for item in batch],
+        batch_size=None, num_workers=workers, pin_memory=True,
+        prefetch_factor=items_ahead(max(map(len, batches)), workers), worker_init_fn=lower_priority))
+    for batch in items:
+        images = [image.to(device, non_blocking=True) for _ in batch for image in next(loader)]
+        yield processor(images=images, return_tensors="pt")["pixel_values"].to(dtype)
 
 
 def timed(run) -> float:
@@ -125,28 +156,35 @@ def run(args, processor, dataset, batches, paths, loaded, dtype) -> dict:
             if not gpu:
                 continue
 
-            def decode() -> None:
-                for _ in gpu_batches(processor, paths, batches, loaded.device, dtype, args.reads):
-                    pass
-                sync(loaded.device)
-
-            def decode_and_forward() -> None:
-                for pixel_values in gpu_batches(processor, paths, batches, loaded.device, dtype, args.reads):
-                    loaded.model(pixel_values=pixel_values)
-                sync(loaded.device)
-            rounds.setdefault("gpu", []).append(timed(decode))
-            rounds.setdefault("gpu+forward", []).append(timed(decode_and_forward))
+            ways = {"gpu": lambda: gpu_batches(processor, paths, batches, loaded.device, dtype, args.reads),
+                    "hybrid": lambda: hybrid_batches(processor, dataset, batches, args.workers, loaded.device, dtype)}
+            for way, pixels in ways.items():
+                rounds.setdefault(way, []).append(timed(lambda: drain(pixels(), None, loaded.device)))
+                rounds.setdefault(f"{way}+forward", []).append(timed(lambda: drain(pixels(), loaded.model,
+                                                                                   loaded.device)))
     result: dict = {f"{way}_rounds_s": [round(s, 3) for s in seconds] for way, seconds in rounds.items()}
     result.update({f"{way}_images_per_s": round(len(paths) / min(seconds)) for way, seconds in rounds.items()})
-    if gpu:
-        first_gpu = next(gpu_batches(processor, paths, batches[:1], loaded.device, dtype, args.reads))
-        difference = (first_gpu.float() - first_cpu.float()).abs()
-        result.update(pixels_max_abs_difference=round(float(difference.max()), 4),
-                      pixels_mean_abs_difference=round(float(difference.mean()), 5),
-                      pixels_shape_equal=first_gpu.shape == first_cpu.shape)
-    else:
+    if not gpu:
         result["gpu"] = "not run: needs CUDA and torchvision"
+        return result
+    for way, first in (("gpu", next(gpu_batches(processor, paths, batches[:1], loaded.device, dtype, args.reads))),
+                       ("hybrid", next(hybrid_batches(processor, dataset, batches[:1], 1, loaded.device, dtype)))):
+        if first.shape != first_cpu.shape:
+            result[f"pixels_{way}_shape"] = f"{tuple(first.shape)}, the cpu path's {tuple(first_cpu.shape)}"
+            continue
+        difference = (first.float() - first_cpu.float()).abs()
+        result.update({f"pixels_{way}_max_abs_difference": round(float(difference.max()), 4),
+                       f"pixels_{way}_mean_abs_difference": round(float(difference.mean()), 5),
+                       f"pixels_{way}_equal": bool(torch.equal(first, first_cpu))})
     return result
+
+
+def drain(pixels, model, device: torch.device) -> None:
+    """Every batch of `pixels` made (and run through `model` when given), the device synchronised."""
+    for pixel_values in pixels:
+        if model is not None:
+            model(pixel_values=pixel_values)
+    sync(device)
 
 
 if __name__ == "__main__":
