@@ -117,6 +117,40 @@ def test_float16_file_holds_the_rows_cast(cast_path, dtype, tmp_path):
             casts.float16_file(row_file, 0, 3, wide, out, [str(tmp_path / "new"), str(tmp_path / "plain" / "c")],
                                str(tmp_path / "plain" / "c" / "1"))
         assert (tmp_path / "new").is_dir()  # made before the one that failed
+        # An existing file is named alike whether C wrote it or numpy (rows with inf or NaN go through numpy).
+        for first in (0, 2):
+            with pytest.raises(FileExistsError, match=rf"^\[Errno 17\] {tmp_path / 'plain' / 'c' / '0'}: File exists$"):
+                casts.float16_file(row_file, first, 3, wide, out, [], str(tmp_path / "plain" / "c" / "0"))
+        # Buffers too small for the rows asked for: refused before anything is read or made.
+        for rows, small_wide, small_out in [(5, wide, out), (4, wide[:3], out)]:
+            if small_wide is not wide and dtype == "float16":
+                continue  # a float16 source lands in out: wide is not used
+            with pytest.raises(ValueError, match="values into"):
+                casts.float16_file(row_file, 0, rows, small_wide, small_out, [str(tmp_path / "e")],
+                                   str(tmp_path / "e" / "0"))
+        assert not (tmp_path / "e").exists()
+    finally:
+        os.close(fd)
+
+
+def test_f16_file_refuses_counts_past_its_buffers_without_overflowing(tmp_path):
+    """The C call's own check (a direct caller's mistake): a count whose byte size overflows is refused, not cast
+    past the buffers; and a path that is not UTF-8 is named as Python names it (surrogate escapes)."""
+    if casts._casts is None:
+        pytest.skip("the C casts (actstore._casts) are not built here")
+    source = tmp_path / "src.bin"
+    source.write_bytes(bytes(64))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        wide, out = np.empty(16, np.float32), np.empty(16, np.float16)
+        for n in (17, 2**62, 2**63 - 1):
+            with pytest.raises(ValueError, match=f"{n} values into 32 float16 bytes"):
+                casts._casts.f16_file(fd, str(source), 0, 0, n, wide, out, [], str(tmp_path / "never"))
+        odd = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")
+        os.mkdir(odd)
+        with pytest.raises(FileExistsError) as raised:
+            casts._casts.f16_file(fd, str(source), 0, 0, 16, wide, out, [odd], str(tmp_path / "x"))
+        assert str(raised.value) == f"[Errno 17] {odd}: File exists"
     finally:
         os.close(fd)
 

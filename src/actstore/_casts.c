@@ -171,8 +171,8 @@ static PyObject *f16_file(PyObject *self, PyObject *args) {
     int outcome = OK, err = 0;
     if ((n_dirs = fs_paths(dirs, made)) < 0) {
         outcome = -1;
-    } else if (n < 0 || n * 2 > out.len || (src_dtype != SRC_FLOAT16 && n * 4 > wide.len) || src_dtype < 0 ||
-               src_dtype > 2) {
+    } else if (src_dtype < 0 || src_dtype > 2 || n < 0 || n > out.len / 2 ||
+               (src_dtype != SRC_FLOAT16 && n > wide.len / 4)) {  /* divided: n * 4 could overflow */
         PyErr_Format(PyExc_ValueError, "f16_file: %zd values into %zd float16 bytes (%zd float32 bytes of room)",
                      n, out.len, wide.len);
         outcome = -1;
@@ -212,8 +212,11 @@ static PyObject *f16_file(PyObject *self, PyObject *args) {
         result = PyLong_FromLong(-1);
     else if (outcome > 0) {  /* OSError(errno, "path: reason"), as the writers name a file they cannot write */
         PyObject *path = outcome == FAILED_DIR ? made[failed_dir - 1] : outcome == FAILED_FILE ? file : source;
-        PyObject *exc = PyObject_CallFunction(PyExc_OSError, "iN", err,
-                                              PyUnicode_FromFormat("%s: %s", PyBytes_AS_STRING(path), strerror(err)));
+        /* the path decoded as os.fsdecode does (undecodable bytes as surrogates), as Python's errors name it */
+        PyObject *name = PyUnicode_DecodeFSDefault(PyBytes_AS_STRING(path));
+        PyObject *exc = name == NULL ? NULL : PyObject_CallFunction(PyExc_OSError, "iN", err,
+                                                                     PyUnicode_FromFormat("%U: %s", name, strerror(err)));
+        Py_XDECREF(name);
         if (exc != NULL) {
             PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
             Py_DECREF(exc);

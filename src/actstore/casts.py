@@ -69,6 +69,9 @@ def float16_file(source: RowFile, first: int, rows: int, wide: np.ndarray, out: 
     file (here and for its hash) instead of at each of a dozen system calls (py-spy, 2-core VM: a zarr
     shard job's 2 threads spent ~30 % of their samples waiting for it after those calls)."""
     n, flat = rows * source.width, out.reshape(-1)
+    if n < 0 or n > flat.size or (source.dtype != "float16" and n > wide.size):
+        raise ValueError(f"float16_file: {n} values into {out.nbytes} float16 bytes ({wide.nbytes} float32 bytes "
+                         "of room)")
     offset = source.start + first * source.width * np.dtype(STORED[source.dtype]).itemsize
     if _casts is not None:
         special = _casts.f16_file(source.fd, source.name, offset, SOURCE_CODES[source.dtype], n, wide, out,

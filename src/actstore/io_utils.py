@@ -58,9 +58,9 @@ def write_with_hole(path: str, data: Any, written: int) -> None:
     rest, zeros, are a hole (read back as zeros, never copied to the page cache or the disk). The
     disk is started on the file at once, so dirty memory stays bounded and the disk works while
     the caller goes on. Errors name the file."""
-    view = memoryview(data).cast("B")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    view, fd = memoryview(data).cast("B"), None
     try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         rest = view[:written]
         while rest:
             rest = rest[os.write(fd, rest):]
@@ -70,7 +70,8 @@ def write_with_hole(path: str, data: Any, written: int) -> None:
     except OSError as exc:
         raise OSError(exc.errno, f"{path}: {exc.strerror}") from exc
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _syncfs() -> Callable[[Path], None]:
