@@ -108,7 +108,9 @@ static int pread_all(int fd, char *dst, size_t n, off_t offset) {
 /* A new file at path of `size` bytes: src's first `written`, then a hole (zeros read back); the disk
  * started on it (Linux). 0, or -1 with errno set. */
 static int new_file(const char *path, const char *src, size_t written, size_t size) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    int fd;
+    while ((fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666)) < 0 && errno == EINTR)
+        ;  /* a signal on a network file system (NFS, FUSE); Python's os.open retries alike */
     if (fd < 0)
         return -1;
     int failed = 0;
@@ -120,8 +122,12 @@ static int new_file(const char *path, const char *src, size_t written, size_t si
             failed = 1;
         done += put > 0 ? (size_t)put : 0;
     }
-    if (!failed && written < size && ftruncate(fd, (off_t)size) != 0)
-        failed = 1;
+    if (!failed && written < size) {
+        int cut;
+        while ((cut = ftruncate(fd, (off_t)size)) != 0 && errno == EINTR)
+            ;
+        failed = cut != 0;
+    }
 #ifdef __linux__
     if (!failed)
         sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
@@ -195,9 +201,13 @@ static PyObject *f16_file(PyObject *self, PyObject *args) {
                 special = cast((const float *)wide.buf, (uint16_t *)dst, n);
             memset(dst + n * 2, 0, (size_t)(out.len - n * 2));
             if (special == 0) {  /* else the caller redoes those few with numpy (NaN payloads), then writes */
-                for (; failed_dir < n_dirs && outcome == OK; failed_dir++)
-                    if (mkdir(PyBytes_AS_STRING(made[failed_dir]), 0777) != 0)
+                for (; failed_dir < n_dirs && outcome == OK; failed_dir++) {
+                    int made_dir;
+                    while ((made_dir = mkdir(PyBytes_AS_STRING(made[failed_dir]), 0777)) != 0 && errno == EINTR)
+                        ;
+                    if (made_dir != 0)
                         outcome = FAILED_DIR;
+                }
                 if (outcome == OK && new_file(PyBytes_AS_STRING(file), dst, (size_t)n * 2, (size_t)out.len) != 0)
                     outcome = FAILED_FILE;
             }
