@@ -58,20 +58,20 @@ def write_with_hole(path: str, data: Any, written: int) -> None:
     rest, zeros, are a hole (read back as zeros, never copied to the page cache or the disk). The
     disk is started on the file at once, so dirty memory stays bounded and the disk works while
     the caller goes on. Errors name the file."""
-    view, fd = memoryview(data).cast("B"), None
-    try:
+    view = memoryview(data).cast("B")
+    try:  # every step's error named alike, the close's too (a network file system may report a write there)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        rest = view[:written]
-        while rest:
-            rest = rest[os.write(fd, rest):]
-        if written < len(view):
-            os.ftruncate(fd, len(view))
-        start_writeback(fd)
+        try:
+            rest = view[:written]
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            if written < len(view):
+                os.ftruncate(fd, len(view))
+            start_writeback(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise OSError(exc.errno, f"{path}: {exc.strerror}") from exc
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def _syncfs() -> Callable[[Path], None]:
