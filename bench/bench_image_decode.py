@@ -138,7 +138,10 @@ def main() -> None:
 
 def run(args, processor, dataset, batches, paths, loaded, dtype) -> dict:
     gpu = loaded.device.type == "cuda" and importlib.util.find_spec("torchvision") is not None
+    ways = {"gpu": lambda chosen: gpu_batches(processor, paths, chosen, loaded.device, dtype, args.reads),
+            "hybrid": lambda chosen: hybrid_batches(processor, dataset, chosen, args.workers, loaded.device, dtype)}
     rounds: dict[str, list[float]] = {}
+    failed: dict[str, str] = {}  # a device way that raised (an API this node's torchvision or transformers lacks)
     forward_inputs, first_cpu = None, None
     with torch.inference_mode():
         for _ in range(args.repeat):
@@ -147,43 +150,45 @@ def run(args, processor, dataset, batches, paths, loaded, dtype) -> dict:
             if forward_inputs is None:
                 forward_inputs = list(to_model(loaded, image_batches(processor, dataset.opener, dataset.samples,
                                                                      batches, args.workers, gpu, dtype)))
-
-            def forward() -> None:
-                for inputs in forward_inputs:
-                    loaded.model(**inputs)
-                sync(loaded.device)
-            rounds.setdefault("forward", []).append(timed(forward))
-            if not gpu:
-                continue
-
-            ways = {"gpu": lambda: gpu_batches(processor, paths, batches, loaded.device, dtype, args.reads),
-                    "hybrid": lambda: hybrid_batches(processor, dataset, batches, args.workers, loaded.device, dtype)}
-            for way, pixels in ways.items():
-                rounds.setdefault(way, []).append(timed(lambda: drain(pixels(), None, loaded.device)))
-                rounds.setdefault(f"{way}+forward", []).append(timed(lambda: drain(pixels(), loaded.model,
-                                                                                   loaded.device)))
-    result: dict = {f"{way}_rounds_s": [round(s, 3) for s in seconds] for way, seconds in rounds.items()}
-    result.update({f"{way}_images_per_s": round(len(paths) / min(seconds)) for way, seconds in rounds.items()})
-    if not gpu:
-        result["gpu"] = "not run: needs CUDA and torchvision"
-        return result
-    for way, first in (("gpu", next(gpu_batches(processor, paths, batches[:1], loaded.device, dtype, args.reads))),
-                       ("hybrid", next(hybrid_batches(processor, dataset, batches[:1], 1, loaded.device, dtype)))):
-        if first.shape != first_cpu.shape:
-            result[f"pixels_{way}_shape"] = f"{tuple(first.shape)}, the cpu path's {tuple(first_cpu.shape)}"
-            continue
-        difference = (first.float() - first_cpu.float()).abs()
-        result.update({f"pixels_{way}_max_abs_difference": round(float(difference.max()), 4),
-                       f"pixels_{way}_mean_abs_difference": round(float(difference.mean()), 5),
-                       f"pixels_{way}_equal": bool(torch.equal(first, first_cpu))})
+            rounds.setdefault("forward", []).append(timed(lambda: drain(forward_inputs, loaded.model, loaded.device)))
+            for way, pixels in ways.items() if gpu else ():
+                if way in failed:
+                    continue
+                try:
+                    alone = timed(lambda: drain(pixels(batches), None, loaded.device))
+                    fed = timed(lambda: drain(pixels(batches), loaded.model, loaded.device))
+                except Exception as exc:  # noqa: BLE001 - recorded, the other ways go on
+                    failed[way] = f"{type(exc).__name__}: {exc}"[:300]
+                    continue
+                rounds.setdefault(way, []).append(alone)
+                rounds.setdefault(f"{way}+forward", []).append(fed)
+        result: dict = {f"{way}_rounds_s": [round(s, 3) for s in seconds] for way, seconds in rounds.items()}
+        result.update({f"{way}_images_per_s": round(len(paths) / min(seconds)) for way, seconds in rounds.items()})
+        result.update({f"{way}_error": error for way, error in failed.items()})
+        if not gpu:
+            result["gpu"] = "not run: needs CUDA and torchvision"
+        for way, pixels in ways.items() if gpu else ():
+            if way not in failed:
+                result.update(pixel_difference(way, next(pixels(batches[:1])), first_cpu))
     return result
 
 
+def pixel_difference(way: str, first: torch.Tensor, first_cpu: torch.Tensor) -> dict:
+    """How far a device way's first batch is from the cpu path's, in normalised units."""
+    if first.shape != first_cpu.shape:
+        return {f"pixels_{way}_shape": f"{tuple(first.shape)}, the cpu path's {tuple(first_cpu.shape)}"}
+    difference = (first.float() - first_cpu.float()).abs()
+    return {f"pixels_{way}_max_abs_difference": round(float(difference.max()), 4),
+            f"pixels_{way}_mean_abs_difference": round(float(difference.mean()), 5),
+            f"pixels_{way}_equal": bool(torch.equal(first, first_cpu))}
+
+
 def drain(pixels, model, device: torch.device) -> None:
-    """Every batch of `pixels` made (and run through `model` when given), the device synchronised."""
-    for pixel_values in pixels:
+    """Every batch of `pixels` (pixel tensors or model inputs) made, and run through `model` when given;
+    the device synchronised."""
+    for inputs in pixels:
         if model is not None:
-            model(pixel_values=pixel_values)
+            model(**inputs) if isinstance(inputs, dict) else model(pixel_values=inputs)
     sync(device)
 
 
