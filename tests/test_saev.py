@@ -1,9 +1,10 @@
 """saev protocol 2.1: spec byte arithmetic vs the extraction, shards, HASH, integrity, loader."""
 from __future__ import annotations
 
+import errno
 import json
-import re
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -163,6 +164,24 @@ def test_missing_truncated_and_corrupt_shards_named(extracted, tmp_path):
     assert saev.verify(store_dir) == [f"{store_dir / 'acts000001.bin'}: sha256_tree differs from actstore.json"]
 
 
+def test_a_shard_cut_after_opening_is_named_by_every_pread_reader(extracted, tmp_path):
+    """The store checks its shards' sizes when opened; a shard cut short afterwards (purged scratch)
+    is named by the ordered and indexed readers, never read as what their buffers held."""
+    _, src = build(extracted, "dinov2")
+    store_dir = tmp_path / src.name
+    shutil.copytree(src, store_dir)
+    store = saev.open_store(store_dir)
+    whole = np.concatenate([a for _, a in store.iter_ordered(chunk_examples=3)])
+    victim = store_dir / store.shards[1]["name"]
+    os.truncate(victim, store.example_bytes + 100)  # its first example whole, then 100 bytes
+    with pytest.raises(FormatError, match=f"{victim.name}: ends at byte {store.example_bytes + 100}"):
+        list(store.iter_ordered(chunk_examples=3))
+    first = store.examples_per_shard  # shard 1's first example reads, its second is named
+    np.testing.assert_array_equal(store.vector(first, store.layers[0], 0), whole[first, 0, 0])
+    with pytest.raises(FormatError, match=f"{victim.name}: ends at byte"):
+        store.vector(first + 1, store.layers[-1], store.T - 1)
+
+
 
 @pytest.mark.parametrize("edit", [lambda side: side.update(files=-1), lambda side: side.update(files={"acts000000.bin": []}),
                                   lambda side: side["files"]["acts000001.bin"].update(bytes="x")])
@@ -319,6 +338,11 @@ def test_bad_metadata_and_layer_errors(extracted, tmp_path):
 
 def test_loader_epoch_exactly_once_seeded_and_workers(extracted):
     extraction, store_dir = build(extracted, "bert", tokens_per_window=8)
+    for bad in ({"block_examples": 0}, {"block_examples": -1}, {"batch_size": 0}, {"fill_threads": 0}):
+        with pytest.raises(ConfigError, match=f"{next(iter(bad))}={next(iter(bad.values()))}"):
+            ShuffledActivations(store_dir, **bad)
+    with pytest.raises(ConfigError, match=r"layers=\[\] asks for no layer"):
+        ShuffledActivations(store_dir, layers=[])
     ds = ShuffledActivations(store_dir, layers=[2], batch_size=16, seed=3, block_examples=2, buffer_blocks=3)
     batches = list(ds)
     seen = [(int(e), int(t)) for b in batches for e, t in zip(b["example_idx"], b["token_idx"])]
@@ -380,6 +404,13 @@ def test_loader_threads_scatter_paths_and_purged_shards(extracted, monkeypatch):
     with pytest.raises(FormatError, match=f"{victim.name}: ends at byte 100"):
         shards.read(1, 0, np.empty((2, store.T, store.D), dtype=np.float32))
     shards.close()
+    # A read that fails for another reason (here the shard became a folder) names the shard too.
+    victim.unlink()
+    victim.mkdir()
+    shards = saev_loader._ShardFiles(store)
+    with pytest.raises(IsADirectoryError, match=f"{victim.name}: Is a directory"):
+        shards.read(1, 0, np.empty((2, store.T, store.D), dtype=np.float32))
+    shards.close()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -419,12 +450,25 @@ def test_fill_extension_built_and_checked(tmp_path):
         with pytest.raises(ValueError, match="larger than scratch"):
             fill(list(range(12)) * 6, [1] * 3, [24] * 3, [0] * 3, [0, 1, 2])
         # Reading past the end: the block and where the file ended come back.
-        assert fill([0, 1, 2, 3], [1, 1], [2, 2], [0, data.nbytes - D * 4], [0])[1] == (1, data.nbytes)
+        assert fill([0, 1, 2, 3], [1, 1], [2, 2], [0, data.nbytes - D * 4], [0])[1] == (1, data.nbytes, 0)
         empty = os.open(tmp_path / "empty.bin", os.O_RDONLY | os.O_CREAT)  # ends where the read starts, at 0
         try:
-            assert fill([0, 1], [1], [2], [0], [0], file=empty)[1] == (0, 0)
+            assert fill([0, 1], [1], [2], [0], [0], file=empty)[1] == (0, 0, 0)
         finally:
             os.close(empty)
+        folder = os.open(tmp_path, os.O_RDONLY)  # a read that fails (EISDIR): its errno comes back, with the block
+        try:
+            assert fill([0, 1], [1], [2], [64], [0], file=folder)[1] == (0, 64, errno.EISDIR)
+        finally:
+            os.close(folder)
+        # Sizes whose products overflow are refused by the scratch check, not read past it; a block of no
+        # tokens (or no examples) reads and fills nothing, however many examples it claims.
+        with pytest.raises(ValueError, match="larger than scratch"):
+            fill([0], [2**61], [1], [0], [0])
+        with pytest.raises(ValueError, match="larger than scratch"):
+            fill([0], [1], [2**61], [0], [0])
+        acts, short = fill([], [2**61], [0], [0], [0, 1, 2])
+        assert short is None and not acts.any()
     finally:
         os.close(fd)
 

@@ -66,14 +66,15 @@ static int pread_all(int fd, char *dst, size_t n, long long offset, long long *e
 
 PyDoc_STRVAR(fill_doc,
 "fill(dst, dst_rows, dst_row_bytes, scratch, scratch_bytes, n_blocks, fds, offsets, n_ex, n_tok, ex_stride,\n"
-"     n_layers, layer_offsets, vec_bytes, rows) -> None or (block, offset)\n"
+"     n_layers, layer_offsets, vec_bytes, rows) -> None or (block, offset, errno)\n"
 "\n"
 "For each block i: read its n_ex[i] examples x n_layers layers x n_tok[i] tokens of vec_bytes from file\n"
 "fds[i] (example e, layer l at offsets[i] + e*ex_stride + layer_offsets[l]; reads that follow each other\n"
 "in the file are merged) into scratch, then copy each token's n_layers vectors to row\n"
 "rows[k] of dst (k counts (block, example, token) in order; rows[k] < 0: not kept) with streaming\n"
 "stores. Addresses are integers (numpy's .ctypes.data); arrays are int64. Runs without the GIL.\n"
-"Returns None, or (block, offset) when block's file ended at offset (truncated shard).");
+"Returns None, or (block, offset, errno) when block's read at offset failed: errno 0 when its file\n"
+"ended there (truncated shard), else the read's error.");
 
 static PyObject *fill(PyObject *self, PyObject *args) {
     unsigned long long dst, scratch, fds_a, offsets_a, n_ex_a, n_tok_a, layer_a, rows_a;
@@ -85,23 +86,27 @@ static PyObject *fill(PyObject *self, PyObject *args) {
     const int64_t *fds = (const int64_t *)(uintptr_t)fds_a, *offsets = (const int64_t *)(uintptr_t)offsets_a;
     const int64_t *n_ex = (const int64_t *)(uintptr_t)n_ex_a, *n_tok = (const int64_t *)(uintptr_t)n_tok_a;
     const int64_t *layer_off = (const int64_t *)(uintptr_t)layer_a, *rows = (const int64_t *)(uintptr_t)rows_a;
-    if (vec_bytes <= 0 || n_layers <= 0 || n_layers * vec_bytes > dst_row_bytes) {
+    if (vec_bytes <= 0 || n_layers <= 0 || n_layers > dst_row_bytes / vec_bytes) {  /* divided: no overflow */
         PyErr_Format(PyExc_ValueError, "fill: %zd vectors of %zd bytes do not fit a %zd-byte row", n_layers,
                      vec_bytes, dst_row_bytes);
         return NULL;
     }
     Py_ssize_t bad = -1, k = 0;
-    long long end = 0;
+    long long end = 0, offset_failed = 0;
     int read = 0, err = 0;
     const char *why = NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n_blocks && bad < 0; i++) {
-        Py_ssize_t ne = n_ex[i], nt = n_tok[i], run = nt * vec_bytes;
-        if (ne < 0 || nt < 0 || ne * n_layers * run > scratch_bytes) {
+        Py_ssize_t ne = n_ex[i], nt = n_tok[i];
+        /* divided, so that no product of the caller's sizes can overflow past the check */
+        if (ne < 0 || nt < 0 || (nt > 0 && (nt > scratch_bytes / vec_bytes || ne > scratch_bytes / n_layers / (nt * vec_bytes)))) {
             why = "block larger than scratch";
             bad = i;
             break;
         }
+        if (ne == 0 || nt == 0)
+            continue; /* nothing to read and no row to fill (k moves by ne * nt) */
+        Py_ssize_t run = nt * vec_bytes;
         /* Reads: (e, l) in scratch order; one pread per run of reads contiguous in file and scratch. */
         char *s = (char *)(uintptr_t)scratch, *pend = s;
         long long pend_off = 0;
@@ -117,6 +122,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
                 read = pread_all((int)fds[i], pend, pend_len, pend_off, &end);
                 if (read != 0) {
                     err = read < 0 ? errno : 0;
+                    offset_failed = pend_off;
                     bad = i;
                 }
             }
@@ -155,11 +161,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "fill: block %zd: %s", bad, why);
         return NULL;
     }
-    if (read < 0) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return Py_BuildValue("(nL)", bad, end);
+    return Py_BuildValue("(nLi)", bad, read < 0 ? offset_failed : end, read < 0 ? err : 0);
 }
 
 static PyMethodDef methods[] = {

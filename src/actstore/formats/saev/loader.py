@@ -76,9 +76,14 @@ class ShuffledActivations(IterableDataset):
         store = SaevStore(self.path)
         self.layers = list(layers) if layers is not None else list(store.layers)
         self.layer_idx = [store.layer_index(layer) for layer in self.layers]
-        if batch_size < 1 or fill_threads < 1 or min(block_bytes, buffer_bytes, buffer_blocks or 1) < 1:
+        if (batch_size < 1 or fill_threads < 1 or min(block_bytes, buffer_bytes, buffer_blocks or 1) < 1
+                or (block_examples is not None and block_examples < 1)):
             raise ConfigError(f"batch_size={batch_size}, fill_threads={fill_threads}, block_bytes={block_bytes}, "
-                              f"buffer_bytes={buffer_bytes} and buffer_blocks={buffer_blocks} must be >= 1")
+                              f"buffer_bytes={buffer_bytes}, buffer_blocks={buffer_blocks} and block_examples="
+                              f"{block_examples} must be >= 1")
+        if not self.layers:
+            raise ConfigError(f"{store.dir}: layers=[] asks for no layer; pass None for every stored one "
+                              f"{list(store.layers)}")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
         self.include_cls, self.fill_threads = include_cls, fill_threads
         self.keep_labels = None if keep_labels is None else np.array(sorted(set(keep_labels)), dtype=np.uint8)
@@ -187,8 +192,9 @@ class ShuffledActivations(IterableDataset):
                                   len(blocks.fds), blocks.fds.ctypes.data, blocks.offsets.ctypes.data, blocks.n_ex.ctypes.data,
                                   blocks.n_tok.ctypes.data, store.example_bytes, len(layer_off), layer_off.ctypes.data,
                                   store.D * DTYPE.itemsize, blocks.rows.ctypes.data)
-            if short is not None:
-                raise shards.short(int(blocks.shard[short[0]]), short[1])
+            if short is not None:  # (block, where the read started, errno: 0 when the file ended first)
+                block, offset, error = short
+                raise shards.failed(int(blocks.shard[block]), offset, error)
         finally:
             scratch.put(buf)
 
@@ -297,20 +303,37 @@ class _ShardFiles:
         self.store, self.lock = store, Lock()
         self.fds: dict[int, int] = {}
 
+    def path(self, shard: int) -> Path:
+        return self.store.dir / self.store.shards[shard]["name"]
+
     def fd(self, shard: int) -> int:
         with self.lock:
             if shard not in self.fds:
-                self.fds[shard] = os.open(self.store.dir / self.store.shards[shard]["name"], os.O_RDONLY)
+                try:
+                    self.fds[shard] = os.open(self.path(shard), os.O_RDONLY)
+                except OSError as exc:
+                    raise self.failed(shard, 0, exc.errno) from exc
             return self.fds[shard]
 
-    def short(self, shard: int, offset: int) -> FormatError:
-        return FormatError(f"{self.store.dir / self.store.shards[shard]['name']}: ends at byte {offset}, shards.json "
-                           f"says {self.store.shard_bytes(shard)}; was it truncated or purged?")
+    def failed(self, shard: int, offset: int, error: int) -> Exception:
+        """The error for a read of `shard` at `offset` that failed (errno `error`) or found the file
+        ended (0), naming the file (and its size now: it was checked when the epoch began)."""
+        path = self.path(shard)
+        if error:
+            return OSError(error, f"{path}: {os.strerror(error)} (reading at byte {offset})")
+        ends = os.fstat(self.fds[shard]).st_size if shard in self.fds else os.stat(path).st_size
+        return FormatError(f"{path}: ends at byte {ends}, shards.json says {self.store.shard_bytes(shard)}; was it "
+                           "truncated or purged?")
 
     def read(self, shard: int, offset: int, out: np.ndarray) -> None:
         """Fill a C-contiguous array from a shard at offset, resuming after short reads."""
-        if (done := pread_into(self.fd(shard), out, offset)) < out.nbytes:
-            raise self.short(shard, offset + done)
+        fd = self.fd(shard)
+        try:
+            done = pread_into(fd, out, offset)
+        except OSError as exc:
+            raise self.failed(shard, offset, exc.errno) from exc
+        if done < out.nbytes:
+            raise self.failed(shard, offset + done, 0)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -323,14 +346,24 @@ def _place(out: tuple[np.ndarray, ...], rows: np.ndarray, carry: tuple[np.ndarra
         dest[rows] = src
 
 
+def _references_when_free() -> int:
+    """What sys.getrefcount says of a pool's buffer that nothing else holds, asked as _buffer asks it:
+    interpreters count their own temporary references differently (CPython 3.14 borrows references
+    that 3.11 counted), so the count is measured, not assumed."""
+    pool = [np.empty(0, dtype=DTYPE)]
+    return sys.getrefcount(pool[0])
+
+
+FREE_REFERENCES = _references_when_free()
+
+
 def _buffer(pool: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
     """A buffer no yielded batch still uses (recycled: fresh memory costs a page fault per 4 KiB,
     which is most of the time of a large read), else a new one. Batches are views of a buffer and
     keep it referenced, so a batch the consumer still holds is never overwritten."""
-    for array in pool:
-        # References: the pool list, this loop variable, getrefcount's argument.
-        if sys.getrefcount(array) == 3:
-            return array
+    for i in range(len(pool)):
+        if sys.getrefcount(pool[i]) == FREE_REFERENCES:
+            return pool[i]
     if len(pool) >= POOL_SIZE:
         pool.pop(0)  # still in use by the consumer: forget it, it is freed with its last batch
     pool.append(np.empty(shape, dtype=DTYPE))

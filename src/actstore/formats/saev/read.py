@@ -15,6 +15,7 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
                                           check_metadata, examples_per_shard, flavor_of, shard_name, to_spec)
 from actstore.integrity import file_records, inside, read_json, refuse
+from actstore.io_utils import pread_into
 
 
 def resolve(path: str | Path) -> Path:
@@ -178,15 +179,25 @@ class SaevStore:
     def vector(self, example: int, layer: int, token: int) -> np.ndarray:
         """One (D,) vector by seek + read at the spec's byte offset."""
         path, offset = self.locate(example, layer, token)
+        out = np.empty(self.D, dtype=DTYPE)
         fd = os.open(path, os.O_RDONLY)
         try:
-            raw = os.pread(fd, self.D * DTYPE.itemsize, offset)
+            self._read_exactly(fd, path, out, offset)
         finally:
             os.close(fd)
-        return np.frombuffer(raw, dtype=DTYPE).astype(np.float32)
+        return out.astype(np.float32)
+
+    def _read_exactly(self, fd: int, path: Path, out: np.ndarray, offset: int) -> None:
+        """Fill `out` from `path` at `offset`; a shard that ends first (cut after the store was opened) is
+        named, never read as what the buffer held."""
+        if pread_into(fd, out, offset) < out.nbytes:
+            raise FormatError(f"{path}: ends at byte {os.fstat(fd).st_size}, before byte {offset + out.nbytes} "
+                              "of the vectors asked for; was it truncated or purged?")
 
     def memmap(self, shard_idx: int) -> np.memmap:
-        """Read-only (S, L, T, D) memmap of one shard (random access for visualisation)."""
+        """Read-only (S, L, T, D) memmap of one shard (random access for visualisation). A shard cut
+        short after it is mapped kills the process on access (SIGBUS, as any memory map); the other
+        readers name it instead."""
         if shard_idx not in self._maps:
             self._maps[shard_idx] = np.memmap(self.dir / shard_name(shard_idx), dtype=DTYPE, mode="r",
                                               shape=(self.shards[shard_idx]["n_examples"], self.L, self.T, self.D))
@@ -201,13 +212,16 @@ class SaevStore:
         """(first example, (n, L, T, D) array) in example order, one large sequential read each."""
         for idx, shard in enumerate(tqdm(self.shards, desc="saev read", disable=not progress)):
             path = self.dir / shard["name"]
-            with open(path, "rb", buffering=0) as fh:
+            fd = os.open(path, os.O_RDONLY)
+            try:
                 for lo in range(0, shard["n_examples"], chunk_examples):
                     n = min(chunk_examples, shard["n_examples"] - lo)
                     out = np.empty((n, self.L, self.T, self.D), dtype=DTYPE)
-                    fh.seek(lo * self.example_bytes)
-                    fh.readinto(memoryview(out).cast("B"))
+                    # pread_into loops: one read() returns at most 2 GiB - 4 KiB on Linux
+                    self._read_exactly(fd, path, out, lo * self.example_bytes)
                     yield int(self.starts[idx]) + lo, out
+            finally:
+                os.close(fd)
 
     @property
     def windows(self) -> np.ndarray | None:
