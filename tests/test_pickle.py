@@ -474,6 +474,40 @@ def test_an_allocation_sized_by_the_file_is_refused():
         ps.safe_loads(lying, compressed=False)
 
 
+class _CalledNdarray:
+    """A REDUCE of numpy.ndarray itself: ndarray((4,), "f4") is four floats of whatever memory held."""
+
+    def __reduce__(self):
+        return (np.ndarray, ((4,), "f4"))
+
+
+def test_numpy_ndarray_is_never_called_by_a_shard():
+    """numpy's pickles only pass ndarray to _reconstruct; called, it would allocate a size the file
+    names (object dtypes filled element by element before any check) or hand back uninitialised memory."""
+    with pytest.raises(pickle.UnpicklingError, match=r"numpy.ndarray\(...\) called in a shard"):
+        ps.safe_loads(pickle.dumps({"layer_0": [_CalledNdarray()]}, protocol=4), compressed=False)
+    with pytest.raises(pickle.UnpicklingError, match="_reconstruct: dtype object is not a plain numeric dtype"):
+        ps.safe_loads(pickle.dumps(np.arange(2, dtype=np.int16), protocol=4).replace(b"\x01b", b"\x01O"), False)
+
+
+def test_shared_containers_are_checked_once_and_a_cycle_is_refused(monkeypatch):
+    """A pickle's memo lets a few hundred bytes make 10**6 paths through 7 shared lists: each is
+    checked once. A list that holds itself is refused."""
+    import actstore.formats.pickle.unpickler as unpickler
+    body = pickle.PROTO + b"\x04" + pickle.EMPTY_LIST + pickle.MEMOIZE
+    for level in range(1, 7):  # list n holds list n - 1 ten times
+        body += pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MARK + (pickle.BINGET + bytes([level - 1])) * 10
+        body += pickle.APPENDS
+    checks, check = [], unpickler._check_plain
+    monkeypatch.setattr(unpickler, "_check_plain", lambda *args: checks.append(1) or check(*args))
+    top = ps.safe_loads(body + pickle.STOP, compressed=False)
+    assert len(top) == 10 and top[0] is top[9] and len(checks) <= 7 * 11
+    looped: list = []
+    looped.append(looped)
+    with pytest.raises(pickle.UnpicklingError, match="a list that holds itself"):
+        ps.safe_loads(pickle.dumps(looped, protocol=4), compressed=False)
+
+
 def test_a_gzip_bomb_is_refused_before_it_fills_memory(monkeypatch):
     import actstore.formats.pickle.unpickler as unpickler
     bomb = gzip.compress(b"\0" * (8 << 20))  # 8 MiB of zeros in about 8 KiB
@@ -501,6 +535,9 @@ def test_missing_shard_and_checksum_mismatch_named(store, tmp_path):
     assert len(problems) == 2
     with pytest.raises(FormatError, match="checksum"):
         ps.load_shard(work, meta["shards"][-1])
+    lo, _ = meta["shards"][1]["sample_id_range"]
+    with pytest.raises(FormatError, match=f"{missing}: shard missing"):
+        ps.read_vector(work, lo, meta["shards"][1]["layers"][0], 0)
 
 
 def test_verify_reports_bad_metadata(store, tmp_path):

@@ -291,6 +291,8 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
         lo, hi = info["sample_id_range"]
         if lo <= sample_idx <= hi and layer_idx in info["layers"]:
             file = shard_path(path, info)
+            if not file.is_file():
+                raise FormatError(f"{file}: shard missing")
             stat = file.stat()
             key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, info["checksum"])
             if key not in _CACHE:

@@ -45,9 +45,9 @@ def read_checked(output_dir: str | Path, info: dict[str, Any]) -> bytes:
     path = shard_path(output_dir, info)
     if not path.is_file():
         raise FormatError(f"{path}: shard missing")
+    if (size := path.stat().st_size) != info.get("size_bytes"):  # before reading: the file may be any size
+        raise FormatError(f"{path}: {size} bytes, metadata.json says size_bytes={info.get('size_bytes')}")
     data = path.read_bytes()
-    if len(data) != info.get("size_bytes"):
-        raise FormatError(f"{path}: {len(data)} bytes, metadata.json says size_bytes={info.get('size_bytes')}")
     digest = CHECKSUM_PREFIX + hashlib.sha256(data).hexdigest()
     if digest != info.get("checksum"):
         raise FormatError(f"{path}: checksum {digest} != metadata.json checksum {info.get('checksum')}")

@@ -25,15 +25,24 @@ def _make_dtype(*args: Any) -> np.dtype:
     return _numeric_dtype(np.dtype(*args), "numpy.dtype")
 
 
+class _NdarrayName:
+    """What a shard's `numpy.ndarray` global loads as: numpy's pickles only pass it to _reconstruct.
+    Called (a REDUCE of ndarray itself: ndarray((n,), dtype)) it refuses, where the real class would
+    allocate n elements sized by the untrusted file, or hand back uninitialised memory."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> None:
+        raise pickle.UnpicklingError("numpy.ndarray(...) called in a shard: numpy's pickles never call it")
+
+
 def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> np.ndarray:
-    if subtype is not np.ndarray:
+    if subtype is not _NdarrayName:
         raise pickle.UnpicklingError(f"_reconstruct of {subtype!r}: only numpy.ndarray is admitted")
     # numpy's own pickles always start from an empty array and fill it from the state's bytes (whose
     # length numpy checks); any other shape would be an allocation sized by the untrusted file.
     if shape != (0,):
         raise pickle.UnpicklingError(f"_reconstruct of shape {shape!r} is not allowed: numpy pickles use (0,)")
     from numpy._core.multiarray import _reconstruct as real
-    return real(np.ndarray, shape, dtype_code)
+    return real(np.ndarray, shape, _numeric_dtype(np.dtype(dtype_code), "_reconstruct"))
 
 
 def _frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
@@ -44,7 +53,7 @@ def _frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
 # Exactly the globals numpy's own pickles of plain arrays name (protocols 3-5, numpy 1.x and 2.x
 # module paths), each wrapped so that only numeric dtypes and plain ndarrays come out.
 ALLOWED_GLOBALS = {
-    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "ndarray"): _NdarrayName,
     ("numpy", "dtype"): _make_dtype,
     ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
     ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
@@ -67,23 +76,31 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are not allowed in a shard")
 
 
-def _check_plain(obj: Any, depth: int = 0) -> None:
-    """After loading: only the admitted container/scalar types and numeric arrays remain."""
+def _check_plain(obj: Any, depth: int = 0, checked: set[int] | None = None, path: set[int] | None = None) -> None:
+    """After loading: only the admitted container/scalar types and numeric arrays remain, and no
+    container holds itself. Each container is checked once however many others share it (`checked`):
+    a pickle's memo lets a few bytes make a DAG with exponentially many paths."""
+    checked, path = (set(), set()) if checked is None else (checked, path)
     if depth > MAX_DEPTH:
         raise pickle.UnpicklingError(f"nesting deeper than {MAX_DEPTH} levels")
     if isinstance(obj, np.ndarray):
         if type(obj) is not np.ndarray:
             raise pickle.UnpicklingError(f"array subclass {type(obj).__name__}")
         _numeric_dtype(obj.dtype, "array")
-    elif type(obj) is dict:
-        for key, value in obj.items():
-            _check_plain(key, depth + 1)
-            _check_plain(value, depth + 1)
-    elif type(obj) in (list, tuple):
-        for value in obj:
-            _check_plain(value, depth + 1)
-    elif type(obj) not in PLAIN_TYPES:
-        raise pickle.UnpicklingError(f"object of type {type(obj).__name__} is not allowed in a shard")
+        return
+    if type(obj) not in (dict, list, tuple):
+        if type(obj) not in PLAIN_TYPES:
+            raise pickle.UnpicklingError(f"object of type {type(obj).__name__} is not allowed in a shard")
+        return
+    if id(obj) in path:
+        raise pickle.UnpicklingError(f"a {type(obj).__name__} that holds itself")
+    if id(obj) in checked:
+        return
+    path.add(id(obj))
+    for item in (item for pair in obj.items() for item in pair) if type(obj) is dict else obj:
+        _check_plain(item, depth + 1, checked, path)
+    path.discard(id(obj))
+    checked.add(id(obj))
 
 
 def gunzip_bounded(data: bytes, limit: int) -> bytes:
