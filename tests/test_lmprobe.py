@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -241,9 +242,12 @@ def test_reader_matches_extraction(extracted, tmp_path):
             assert np.array_equal(lmprobe.read_vector(root, s, layer, len(want) - 1), want[-1]) if prompt < 3 else True
     s = int(ds.sample_idx[4])
     part, local = ext.locate(s)
-    values, indices = ds.logits(4)
+    fresh = lmprobe.open_dataset(root)
+    values, indices = fresh.logits(4)
     assert values.shape == (5,) and np.array_equal(values, part.topk(local)[0][:5])
     assert np.array_equal(indices, part.topk(local)[1][:5])
+    assert np.array_equal(fresh.labels, ds.labels)
+    assert fresh._table is None  # labels and logits read their columns, not every prompt's text and token lists
     assert lmprobe.read_vector(root, s, 1, 0) is None  # layer 1 not extracted
     assert lmprobe.read_vector(root, s, 0, 10_000) is None
     assert np.array_equal(lmprobe.read_vector(root, s, 2, 1), ext.activations("layer_2", s)[1])
@@ -313,9 +317,15 @@ def test_reader_errors_name_the_fault(extracted, tmp_path):
     prompt = int(np.flatnonzero(ds.shard_index == 0)[0])
     with pytest.raises(FormatError, match="hidden_layer000_shard000.safetensors: shard file missing"):
         ds.get(prompt, 0)
+    # A last-token shard cut after it was opened is named, not read as what the output held.
+    cut = root / "tensors/hidden_layer002_shard000.safetensors"
+    ds.last_tokens(2)
+    os.truncate(cut, cut.stat().st_size - 4)
+    with pytest.raises(FormatError, match=f"{cut}: ends before byte"):
+        ds.last_tokens(2)
     save_file({"wrong.key": np.zeros((12, 32), np.float32)}, str(root / "tensors/hidden_layer002_shard000.safetensors"))
     with pytest.raises(FormatError, match="no tensor 'hidden.layer_2'"):
-        ds.last_tokens(2)
+        lmprobe.open_dataset(root).last_tokens(2)
     index = lmprobe.find_index(root)
     table = pq.read_table(index)
     pq.write_table(table.replace_schema_metadata({}), index)

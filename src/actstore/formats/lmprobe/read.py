@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import string
 from pathlib import Path
@@ -17,6 +18,7 @@ from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_V
                                              LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, read_safetensors_header,
                                              split_index_name, tensor_entry)
 from actstore.integrity import inside, refuse, whole_number, whole_numbers
+from actstore.io_utils import pread_into
 
 
 def dataset_root(path: str | Path) -> Path:
@@ -182,6 +184,7 @@ class LmprobeDataset:
         self._row_of_map: dict[int, int] | None = None
         self._table = None
         self._token_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._logits_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._views: dict[tuple[str, str], np.ndarray] = {}
 
     @property
@@ -192,6 +195,13 @@ class LmprobeDataset:
         if self._table is None:
             self._table = pq.read_table(self.index_path)
         return self._table
+
+    def _columns(self, *names: str):
+        """Those index columns as a pyarrow Table: from the whole index once it is loaded, else read
+        alone (a label or logits lookup need not load every prompt's text and token lists)."""
+        import pyarrow.parquet as pq
+
+        return self._table.select(list(names)) if self._table is not None else pq.read_table(self.index_path, columns=list(names))
 
     def has_sample(self, sample_idx: int) -> bool:
         """Is source dataset row `sample_idx` in the index?"""
@@ -208,9 +218,7 @@ class LmprobeDataset:
         if not self.full_sequence:
             raise FormatError(f"{self.index_path}: pooled dataset stores only the last token of each prompt")
         if self._token_cache is None:
-            import pyarrow.parquet as pq
-
-            table = self._table or pq.read_table(self.index_path, columns=["token_shard_ids", "token_shard_offsets"])
+            table = self._columns("token_shard_ids", "token_shard_offsets")
             offsets, ids = _list_column(table, "token_shard_ids")
             self._token_cache = (offsets, ids, _list_column(table, "token_shard_offsets")[1])
         return self._token_cache
@@ -244,8 +252,8 @@ class LmprobeDataset:
     def labels(self) -> np.ndarray:
         """Integer label per prompt (label_id column, else position in sorted label names; -1 = none)."""
         if "label_id" in self.column_names:
-            return self.table.column("label_id").fill_null(-1).to_numpy().astype(np.int64)
-        names = self.table.column("label").to_pylist()
+            return self._columns("label_id").column("label_id").fill_null(-1).to_numpy().astype(np.int64)
+        names = self._columns("label").column("label").to_pylist()
         classes = {v: i for i, v in enumerate(sorted({x for x in names if x is not None}))}
         return np.array([classes.get(x, -1) for x in names], dtype=np.int64)
 
@@ -320,10 +328,15 @@ class LmprobeDataset:
         a = int(rows[0])
         contiguous = (rows[-1] - a + 1 == len(rows) and
                       np.array_equal(self.row_offset[rows], np.arange(len(rows))) and view.shape[0] == len(rows))
-        if contiguous and self.dtype == "float32":
-            with open(view.filename, "rb") as fh:  # straight into the output buffer
-                fh.seek(view.offset)
-                fh.readinto(memoryview(out[a:a + len(rows)]).cast("B"))
+        if contiguous and self.dtype == "float32":  # straight into the output buffer
+            target = out[a:a + len(rows)]
+            fd = os.open(view.filename, os.O_RDONLY)
+            try:
+                done = pread_into(fd, target, view.offset)
+            finally:
+                os.close(fd)
+            if done < target.nbytes:
+                raise FormatError(f"{view.filename}: ends before byte {view.offset + target.nbytes}; truncated?")
         elif contiguous:
             to_float32(view, self.dtype, out[a:a + len(rows)])
         else:
@@ -333,8 +346,10 @@ class LmprobeDataset:
         """(topk_values float32 (k,), topk_indices int64 (k,)) at the last token of a prompt."""
         if self.logits_desc is None:
             raise FormatError(f"{self.index_path}: no logits_topk tensors in this dataset")
-        shard = int(self.table.column("shard_index_logits")[prompt].as_py())
-        offset = int(self.table.column("row_offset_logits")[prompt].as_py())
+        if self._logits_rows is None:  # both columns, once: a lookup per prompt then reads no index
+            table = self._columns("shard_index_logits", "row_offset_logits")
+            self._logits_rows = tuple(table.column(c).to_numpy().astype(np.int64) for c in table.column_names)
+        shard, offset = (int(column[prompt]) for column in self._logits_rows)
         rel = self.logits_desc["file_pattern"].format(shard=shard)
         return (np.asarray(self._view(rel, LOGITS_VALUES_KEY)[offset]),
                 np.asarray(self._view(rel, LOGITS_INDICES_KEY)[offset]))
