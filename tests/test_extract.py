@@ -275,6 +275,24 @@ def test_a_module_the_forward_never_reaches_is_named(model_dir, text_jsonl, tmp_
     assert not (tmp_path / "part-0000").exists()
 
 
+@pytest.mark.parametrize("kind, hook, shapes", [
+    ("bert", "pooler:output", "(4, 32), expected (4, 24, hidden) for a batch of 4 samples of 24 tokens"),
+    ("dinov2", "embeddings.patch_embeddings:output",
+     "(4, 16, 32), expected (4, 17, hidden) for a batch of 4 samples of 17 tokens")])
+def test_a_hook_whose_tensor_is_not_batch_tokens_hidden_is_named_before_a_byte_is_written(
+        kind, hook, shapes, model_dir, text_jsonl, image_folder, tmp_path):
+    """Packing takes dim 1 as the token axis. BERT's pooler, (batch, hidden), was stored as a per-token
+    file of its hidden units that verified and changed with batch_size; DINOv2's patch embeddings lack
+    the CLS token the blocks add, one token fewer than the images', and every file was laid askew."""
+    data = image_folder if kind in tiny.VISION_KINDS else text_jsonl
+    config = tiny.make_config(tmp_path, model_dir(kind), data, extract={"parts": 1, "hooks": [hook]})
+    with pytest.raises(ConfigError, match=re.escape(
+            f"extract.hooks {hook!r} produced shape {shapes}: extract.hooks entries must name a module whose "
+            "input/output is (batch, tokens, hidden)")):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+    assert list(tmp_path.glob("*part-0000*")) == []
+
+
 @pytest.mark.parametrize("kind, message", [
     ("gemma3", "takes texts; a vision-language checkpoint runs its language model, on text, or its vision tower, "
                "on images, with model.tower: vision"),
@@ -972,6 +990,25 @@ def test_samples_written_together_must_be_their_bytes(tmp_path):
     assert np.array_equal(np.load(tmp_path / "part" / "layer_000.npy"), np.repeat([0.0, 1.0], [2, 4])[:, None] * np.ones(4))
 
 
+def test_a_sample_written_twice_or_never_is_named_and_no_part_json_is_written(tmp_path):
+    """The tree hash counts the bytes of each leaf: sample 1 written twice made up for sample 2, of the
+    same size, never written; finish() passed and sample 2 read as zeros. Named by sample_idx."""
+    writer = PartWriter(tmp_path / "part", [{"sample_idx": 10 + i} for i in range(9)], np.arange(10) * 3)
+    writer.add_tokens("layer_000.npy", 4, "float32")
+    writer.add_rows("topk_values.npy", 2, "float32")
+    path = tmp_path / "part" / "layer_000.npy"
+    for i in (0, 1, 3):
+        writer.write("layer_000.npy", i, np.full((3, 4), i, np.float32))
+    with pytest.raises(OSError, match=re.escape(f"{path}: sample_idx 11 written twice")):
+        writer.write("layer_000.npy", 1, np.full((3, 4), 1, np.float32))
+    with pytest.raises(OSError, match=re.escape(f"{path}: sample_idx 13 written twice")):
+        writer.write("layer_000.npy", 2, np.full((6, 4), 2, np.float32), 2)  # a run ending in a written sample
+    writer.write("topk_values.npy", 0, np.zeros((9, 2), np.float32), 9)
+    with pytest.raises(OSError, match=re.escape(f"{path}: sample_idx 12, 14, 15, 16, 17 and 1 more never written")):
+        writer.finish({})
+    assert not (tmp_path / "part" / "part.json").exists()
+
+
 def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_path, monkeypatch):
     """extraction_waits: writes slowed down (one staging buffer, one writer thread) show as the model
     waiting for a free buffer while the writer thread works; inputs slowed down as the input wait; a
@@ -1090,19 +1127,25 @@ def test_disk_writeback_started_while_writing_changes_no_byte(model_dir, text_js
 def test_a_failing_writer_names_the_file_leaves_nothing_complete_and_never_hangs(
         model_dir, text_jsonl, tmp_path):
     """Disk full, simulated with RLIMIT_FSIZE: the layer files (88 KB) cannot be written, the
-    small ones (< 9 KB) can. The error comes from a writer thread, in the job's own process."""
+    small ones (< 9 KB) can. The error comes from a writer thread, in the job's own process. The part
+    is aborted (its files closed) only once every writer thread has stopped: aborted while the
+    others still wrote, they wrote to closed descriptors, which the kernel may give another file."""
     import subprocess
     import sys
     config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"parts": 1, "writer_threads": 3})
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config))
     target = tmp_path / "out" / "part-0000"
-    code = ("import json, resource, sys; from actstore.extract import run_part; "
+    code = ("import json, resource, sys, threading; from actstore.extract import run_part; "
+            "from actstore.formats.extract import PartWriter; abort = PartWriter.abort; "
+            "PartWriter.abort = lambda self: (print('writer threads at abort:', [t.name for t in threading.enumerate() "
+            "if t.name.startswith('part-writer-')], file=sys.stderr), abort(self)); "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
             f"run_part(json.load(open({str(config_path)!r})), 0, {str(target)!r}, progress=False)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "File too large" in proc.stderr and "layer_00" in proc.stderr, proc.stderr[-2000:]
+    assert re.findall(r"writer threads at abort: (.*)", proc.stderr) == ["[]"], proc.stderr[-2000:]
     assert not target.exists() and list(target.parent.iterdir()) == []
 
 

@@ -55,3 +55,21 @@ def check_reached(captured: dict[str, torch.Tensor], layers: list[int], hooks: l
     if missing:
         raise ConfigError(f"{type(loaded.model).__name__}: the forward never ran {missing} "
                           f"(blocks found at {loaded.blocks_path}); check extract.layers and extract.hooks")
+
+
+def check_shapes(captured: dict[str, torch.Tensor], layers: list[int], hooks: list[str], loaded: LoadedModel,
+                 n_samples: int, width: int) -> None:
+    """Every captured tensor is (batch, tokens, hidden) for this batch of `n_samples` padded to `width`
+    tokens: packing takes dim 1 as the token axis, so any other shape (a pooler's (batch, hidden),
+    attention weights' 4 dims) would be stored as values laid over the wrong tokens. Checked on the
+    host (shapes need no device sync), before any of the batch is packed or written."""
+    rules = {layer_tensor(i): f"extract.layers {i} (block {i} of {type(loaded.model).__name__}.{loaded.blocks_path})"
+             for i in layers}
+    rules |= {spec: f"extract.hooks {spec!r}" for spec in hooks}
+    for name, what in rules.items():
+        shape = tuple(captured[name].shape)
+        if len(shape) != 3 or shape[:2] != (n_samples, width):
+            rule = ("extract.hooks entries must name a module whose input/output is" if name in hooks
+                    else "extract.layers must name blocks whose output is")
+            raise ConfigError(f"{what} produced shape {shape}, expected ({n_samples}, {width}, hidden) for a batch "
+                              f"of {n_samples} samples of {width} tokens: {rule} (batch, tokens, hidden)")

@@ -92,15 +92,17 @@ class WritePipeline:
             inbox.put(None)
         for thread in self.threads:
             thread.join()
+        if self.error is not None:
+            # Only once every writer thread has stopped: abort closes the descriptors they write to
+            # (which the kernel may hand to another file) and the hashing threads they use.
+            self.writer.abort()
         if exc_type is None:
             self._raise_writer_error()
-        else:
-            self.writer.abort()
 
     def _raise_writer_error(self) -> None:
+        """The first writer error, naming its file (the part is aborted when the threads are joined)."""
         if self.error is not None:
             path, exc = self.error
-            self.writer.abort()
             raise OSError(f"{path}: writing the extraction failed: {exc}") from exc
 
     def submit(self, rows: BatchRows, token_tensors: dict[str, torch.Tensor],

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import IMAGE_DECODING, check_images
 from actstore.errors import ConfigError
-from actstore.extract.capture import capture, check_reached, parse_hook
+from actstore.extract.capture import capture, check_reached, check_shapes, parse_hook
 from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batches,
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.logprobs import TokenLogprobs
@@ -187,6 +187,7 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             try:
                 output = loaded.model(**inputs)
                 check_reached(captured, ext["layers"], ext["hooks"], loaded)
+                check_shapes(captured, ext["layers"], ext["hooks"], loaded, len(batch), batch_width(inputs, rows))
                 packing = time.perf_counter()
                 packed = pack_batch(loaded, inputs, output, captured, rows, token_ids, dtype, ext["logits_topk"],
                                     logprobs, overflow)
@@ -201,6 +202,12 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
         overflow = 0 if overflow is None else int(overflow)
         spent["main_cpu"] = time.thread_time() - cpu_started
     return overflow, waits(time.perf_counter() - started, spent, pipeline)
+
+
+def batch_width(inputs: dict[str, torch.Tensor], rows: BatchRows) -> int:
+    """The batch's padded token count, which every captured tensor's dim 1 must be: the texts' padded
+    input_ids, else the tokens of each image (one count for all)."""
+    return inputs["input_ids"].shape[1] if "input_ids" in inputs else int(rows.n_tokens[0])
 
 
 def out_of_memory(loaded: LoadedModel, ext: dict[str, Any], rows: BatchRows, images: bool) -> str:

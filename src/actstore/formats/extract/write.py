@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,10 @@ if TYPE_CHECKING:  # read imports this module
 
 @dataclass
 class _Sink:
-    """One data file: sample i fills units unit_offsets[i]:unit_offsets[i+1] of unit_bytes each."""
+    """One data file: sample i fills units unit_offsets[i]:unit_offsets[i+1] of unit_bytes each.
+    `written`: which samples it holds. The tree hash counts bytes per leaf, so a sample written twice
+    would make up for another of its size never written; samples are counted here instead. Only the
+    file's one writer thread touches it (pipeline.WritePipeline), so it needs no lock."""
 
     file: TreeHashFile
     unit_offsets: np.ndarray
@@ -30,6 +33,10 @@ class _Sink:
     header_bytes: int
     shape: tuple[int, ...]
     dtype: str
+    written: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.written = np.zeros(len(self.unit_offsets) - 1, dtype=bool)
 
 
 class PartWriter:
@@ -92,7 +99,14 @@ class PartWriter:
             which = f"sample {local_idx}" if n_samples == 1 else f"samples {local_idx}..{local_idx + n_samples - 1}"
             raise ValueError(f"{file}: {which} {'has' if n_samples == 1 else 'have'} {data.nbytes} bytes, expected "
                              f"{(stop - start) * sink.unit_bytes}")
+        if (again := np.flatnonzero(sink.written[local_idx:local_idx + n_samples])).size:
+            raise OSError(f"{self.file_path(file)}: sample_idx {self._sample_idx(local_idx + int(again[0]))} "
+                          "written twice")
         sink.file.write(sink.header_bytes + int(start) * sink.unit_bytes, data.data)
+        sink.written[local_idx:local_idx + n_samples] = True
+
+    def _sample_idx(self, local_idx: int) -> int:
+        return self.samples[local_idx]["sample_idx"]
 
     def file_path(self, file: str) -> Path:
         return self.dir / file
@@ -106,8 +120,21 @@ class PartWriter:
         if self.hashers is not None:
             self.hashers.shutdown()
 
+    def _unwritten(self) -> str | None:
+        """The first file with samples never written, naming the first of them; None when all are whole."""
+        for file, sink in self.sinks.items():
+            if (missing := np.flatnonzero(~sink.written)).size:
+                shown = ", ".join(str(self._sample_idx(int(i))) for i in missing[:5])
+                more = f" and {missing.size - 5} more" if missing.size > 5 else ""
+                return f"{self.file_path(file)}: sample_idx {shown}{more} never written"
+        return None
+
     def finish(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """Close (fsync) every data file with its tree hash, then write part.json last."""
+        """Close (fsync) every data file with its tree hash, then write part.json last. A sample a
+        file lacks is named before anything closes, and nothing is left that looks complete."""
+        if missing := self._unwritten():
+            self.abort()
+            raise OSError(missing)
         self._stop_hashers()
         for file, sink in self.sinks.items():
             self.files[file] = {"shape": list(sink.shape), "dtype": sink.dtype, "bytes": sink.file.size,
