@@ -1419,3 +1419,55 @@ def test_an_image_folder_reads_every_format_pillow_decodes_by_itself(tmp_path):
         assert image.mode == "RGB" and (image.size == (16, 16) or saved[sample.text] == "ICNS"), sample.text
         if saved[sample.text] in ("PNG", "BMP", "PPM", "TIFF", "TGA", "SGI", "PCX", "DDS"):
             assert image.getpixel((3, 5)) == colour, sample.text
+
+
+# --- Names a dataset file holds are resolved inside the dataset. ---
+
+def test_an_image_tables_path_is_read_inside_its_shards_folder_only(tmp_path):
+    """A {bytes: null, path} row is read relative to its shard's folder; one naming a file elsewhere
+    (`..`, an absolute path, a folder linked out) is refused naming the file, sample, column and
+    name (before, the image outside was opened and extracted)."""
+    import numpy as np
+    from PIL import Image
+
+    data = tmp_path / "data"
+    (data / "images").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    Image.fromarray(np.full((4, 4, 3), 10, np.uint8)).save(data / "images" / "in.png")
+    Image.fromarray(np.full((4, 4, 3), 200, np.uint8)).save(tmp_path / "outside" / "private.png")
+    (data / "linked").symlink_to(tmp_path / "outside", target_is_directory=True)
+    names = ["images/in.png", "../outside/private.png", str(tmp_path / "outside" / "private.png"),
+             "linked/private.png"]
+    column = pa.array([{"bytes": None, "path": name} for name in names],
+                      pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    pq.write_table(pa.table({"image": column, "label": [0, 1, 0, 1]}), data / "train.parquet")
+    dataset = load_dataset(data / "train.parquet", format="image_table")
+    inside, *outside = dataset.samples
+    dataset.opener.check(inside)
+    assert dataset.opener(inside).getpixel((0, 0)) == (10, 10, 10)
+    for sample, name in zip(outside, names[1:]):
+        refused = (rf"train\.parquet: sample {sample.sample_idx}, column 'image': {re.escape(repr(name))} "
+                   rf"(is not a relative path inside|leads outside) {re.escape(str(data))}")
+        for read in (dataset.opener.check, dataset.opener):
+            with pytest.raises(ConfigError, match=refused):
+                read(sample)
+
+
+@pytest.mark.parametrize("name", ["../outside.arrow", "/outside.arrow"])
+def test_a_save_to_disk_state_naming_a_file_outside_is_refused(name, tmp_path):
+    """state.json's `_data_files[].filename` is resolved inside the folder: one naming a file elsewhere
+    is refused naming state.json, the entry and the name (before, its rows were read as the dataset's)."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    outside = tmp_path / "outside.arrow"
+    tiny.write_arrow_stream(outside, pa.table({"text": ["a row from outside the dataset"]}))
+    tiny.write_arrow_stream(folder / "data-00000-of-00001.arrow", pa.table({"text": ["a row of the dataset"]}))
+    filename = str(outside) if name.startswith("/") else name
+    state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}, {"filename": filename}]}
+    (folder / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=rf"ds/state\.json: _data_files\[1\]\.filename: {re.escape(repr(filename))} "
+                                          rf"is not a relative path inside {re.escape(str(folder))}"):
+        load_dataset(folder)
+    state["_data_files"].pop()
+    (folder / "state.json").write_text(json.dumps(state))
+    assert [s.text for s in load_dataset(folder).samples] == ["a row of the dataset"]

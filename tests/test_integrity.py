@@ -30,7 +30,8 @@ from actstore.integrity import file_problem, file_record, problems_of
 from actstore.model_config import model_params, read_model_config
 
 DAMAGES = ("flip", "truncate", "delete", "swap", "garbage metadata", "mistyped record", "extra file", "symlink out",
-           "metadata linked out", "linked directory", "directory moved out", "traversal name", "absolute name")
+           "metadata linked out", "linked directory", "directory moved out", "traversal name", "absolute name",
+           "symlink loop")
 
 
 @dataclass
@@ -210,6 +211,11 @@ def damage(kind: str, root: Path, store: Store, outside: Path) -> Path:
         shutil.move(folder, outside)
         folder.symlink_to(outside, target_is_directory=True)
         return folder
+    elif kind == "symlink loop":  # an unlisted link to itself: it cannot be resolved (a crash of verify before)
+        link = (root / store.extra).with_name("looped-" + Path(store.extra).name)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(link.name)
+        return link
     elif kind in ("traversal name", "absolute name"):  # the metadata points at a file outside
         shutil.copyfile(data, outside)
         name = f"../../../../../../..{outside}" if kind == "traversal name" else str(outside)
@@ -437,6 +443,26 @@ def test_a_stage_seal_is_checked_inside_its_directory_only(tmp_path):
         f"{directory / STAGE_CONFIG_FILE}: no 'sealed' record, so the stage's metadata files cannot be checked "
         "against it (its key removed, or written by an actstore from before stages were sealed: rerun the stage "
         "to seal it)"]
+
+
+def test_a_link_loop_is_named_not_a_crash(tmp_path):
+    """Links that cannot be resolved (`loop -> loop`, two links to each other) are each a problem naming
+    the link, in a store's links and as its stage config, and a name leading through one is a
+    FormatError; before, pathlib's RuntimeError ("Symlink loop") ended verify."""
+    from actstore.integrity import STAGE_CONFIG_FILE, inside, links_out, stage_config_problems
+
+    root = tmp_path / "store"
+    (root / "sub").mkdir(parents=True)
+    (root / "loop").symlink_to("loop")
+    (root / "sub" / "a").symlink_to("b")
+    (root / "sub" / "b").symlink_to("a")
+    unresolved = "a link that cannot be resolved (a loop of links)"
+    assert links_out(root) == [f"{root / name}: {unresolved}" for name in ("loop", "sub/a", "sub/b")]
+    with pytest.raises(FormatError, match=r"meta.json: 'sub/a/x.npy' leads through a loop of links under"):
+        inside(root, "sub/a/x.npy", "meta.json")
+    (root / STAGE_CONFIG_FILE).symlink_to(STAGE_CONFIG_FILE)
+    assert stage_config_problems(root, required=True) == [
+        f"{root / STAGE_CONFIG_FILE}: {unresolved}: not read, so nothing it seals is checked"]
 
 
 @pytest.mark.parametrize("linked, store_files, name", [

@@ -291,7 +291,8 @@ def listed(path: Path) -> tuple[list, list]:
 
 
 def write_tree(root: Path, long_names: bool) -> Path:
-    """Files (empty, a block and a byte, unicode, nested, long names), a folder, a symbolic and a hard link."""
+    """Files (empty, a block and a byte, unicode, nested, long names), a folder, a symbolic and a hard
+    link (long names: and a link whose target is over 100 characters, a GNU long-link member)."""
     names = ["a.png", "a.txt", "b.cls", "ünï/cödé.json", "deep/" * 22 + "n.png"]
     names += ["x" * 140 + ".jpg", "dir/" + "y" * 110 + ".json"] if long_names else []
     for i, name in enumerate(names):
@@ -299,6 +300,8 @@ def write_tree(root: Path, long_names: bool) -> Path:
         (root / name).write_bytes(bytes(range(256)) * i * 2 + b"z" * i)
     (root / "folder").mkdir()
     (root / "link.png").symlink_to("a.png")
+    if long_names:
+        (root / "long-link.png").symlink_to("t" * 120)
     os.link(root / "a.txt", root / "hard.txt")
     return root
 
@@ -390,3 +393,56 @@ def test_a_damaged_header_a_sparse_member_or_a_global_path_is_named(tmp_path):
     path.write_bytes(sparse.tobuf(tarfile.GNU_FORMAT) + bytes(1024))
     with pytest.raises(ConfigError, match=r"member 'k0\.png' at byte 0 is a sparse file"):
         scan_dataset(path)
+
+
+def with_size(header: bytes, size: bytes) -> bytes:
+    """A header block with its 12-byte size field replaced, its checksum made right again."""
+    block = bytearray(header[:512])
+    block[124:136] = size
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def test_a_negative_member_size_is_named_not_read_forever(tmp_path):
+    """A base-256 size field holds negative numbers, and a pax size record any integer: a negative
+    size is refused naming the shard and the header's byte. Before, a header of size -512 named
+    itself as the next header (the scan never ended), and a pax size of -1 gave a member of size -1,
+    whose read takes the rest of the file."""
+    image = encoded(np.zeros((4, 4, 3), np.uint8), "png")
+    path = tmp_path / "t.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as archive:
+        add(archive, "k0.png", image)
+    end = 512 + -(-len(image) // 512) * 512
+    negative = b"\xff" + ((-512) % (1 << 88)).to_bytes(11, "big")  # -512 in base 256, as tarfile writes it
+    path.write_bytes(path.read_bytes()[:end] + with_size(tarfile.TarInfo("k1.png").tobuf(), negative) + bytes(1024))
+    damaged = rf"damaged tar header at byte {end} \(negative size -512\)"
+    with path.open("rb") as fh, pytest.raises(tar.TarError, match=damaged):
+        list(itertools.islice(tar.members(fh, 0, path.stat().st_size), 10))  # at most 10: the loop it was
+    with pytest.raises(ConfigError, match=rf"t\.tar: {damaged}"):
+        scan_dataset(path)
+    member = tarfile.TarInfo("k0.png")
+    member.size, member.pax_headers = len(image), {"size": "-1"}
+    path.write_bytes(member.tobuf(tarfile.PAX_FORMAT) + image.ljust(end - 512, b"\0") + bytes(1024))
+    with pytest.raises(ConfigError, match=r"t\.tar: damaged pax header at byte 0 \(negative size -1\)"):
+        scan_dataset(path)
+
+
+def test_a_gnu_long_link_target_is_skipped_as_tarfile_skips_it(tmp_path):
+    """A symbolic link whose target is over 100 characters: GNU tar and tarfile write its target as a
+    long-link (`K`) member before it. Its data is skipped, and the link is no sample, as any link;
+    before, the target was read as the next header and the valid shard refused as damaged."""
+    images = [encoded(np.full((4, 4, 3), 50 * i, np.uint8), "png") for i in range(3)]
+    path = tmp_path / "shard-00000.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as archive:
+        add(archive, "s/0000.png", images[0])
+        add(archive, "s/0001.png", images[1])
+        link = tarfile.TarInfo("s/link")
+        link.type, link.linkname = tarfile.SYMTYPE, "x" * 150
+        archive.addfile(link)
+        add(archive, "s/0002.png", images[2])
+    fast, reference = listed(path)
+    assert fast == reference and [m[0] for m in fast] == ["s/0000.png", "s/0001.png", "s/0002.png"]
+    dataset = load_dataset(path)
+    assert [s.text for s in dataset.samples] == [f"shard-00000.tar/s/000{i}" for i in range(3)]
+    assert [dataset.opener(s).getpixel((0, 0)) for s in dataset.samples] == [(50 * i,) * 3 for i in range(3)]

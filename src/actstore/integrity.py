@@ -94,11 +94,11 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
     directory the workflow wrote; a store written by the library has none). One linked out of the
     directory is never read, and is named."""
     path = directory / STAGE_CONFIG_FILE
-    if links_out_of(directory, path):
+    if problem := link_out(directory, path):
         # Named here too, not left to a format's verify: none looks at a stage directory holding no
         # store (sae, validate) or above a store given by its own path (lut/, dataset/), and passing
         # it in silence would skip its seal, the only record of some metadata values.
-        return [f"{path}: a link to {path.resolve()}, outside {directory}: not read, so nothing it seals is checked"]
+        return [f"{problem}: not read, so nothing it seals is checked"]
     if not path.is_file():
         return [f"{path}: missing (the workflow writes one in every stage directory)"] if required else []
     record = read_json(path)
@@ -386,15 +386,32 @@ def sorted_files(root: Path) -> Iterator[str]:
     return walk(str(root), "")
 
 
-def links_out_of(root: Path, path: Path) -> bool:
-    """Whether `path`, under `root`, is a link that resolves outside it."""
-    return path.is_symlink() and not path.resolve().is_relative_to(root.resolve())
+def link_out(root: Path, path: Path) -> str | None:
+    """The problem of `path`, under `root`, when it is a link that resolves outside it or cannot be
+    resolved (a loop, `loop -> loop`: a link nothing can be read through is no part of a store);
+    None for any other path."""
+    if not path.is_symlink():
+        return None
+    target = resolved(path)
+    if target is None:
+        return f"{path}: a link that cannot be resolved (a loop of links)"
+    return None if target.is_relative_to(root.resolve()) else f"{path}: a link to {target}, outside {root}"
+
+
+def resolved(path: Path) -> Path | None:
+    """`path` with every link followed; None when a loop of links makes that impossible (pathlib
+    raises RuntimeError for one before Python 3.13, OSError from it)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return None
 
 
 def links_out(root: Path) -> list[str]:
     """A problem for every link under `root` (a file's or a directory's; `root` itself as given)
-    that resolves outside it: a verify reports these before it reads anything, so that no metadata
-    or data outside the store is ever read. Directory links are not entered."""
+    that resolves outside it or cannot be resolved (link_out): a verify reports these before it reads
+    anything, so that no metadata or data outside the store is ever read. Directory links are not
+    entered."""
     if not root.is_dir():
         return []  # the format names what is missing
     problems, folders = [], [str(root)]
@@ -402,8 +419,8 @@ def links_out(root: Path) -> list[str]:
         with os.scandir(folders.pop()) as entries:
             for entry in entries:
                 if entry.is_symlink():
-                    if links_out_of(root, Path(entry.path)):
-                        problems.append(f"{entry.path}: a link to {Path(entry.path).resolve()}, outside {root}")
+                    if problem := link_out(root, Path(entry.path)):
+                        problems.append(problem)
                 elif entry.is_dir():
                     folders.append(entry.path)
     return sorted(problems)
@@ -417,13 +434,18 @@ def dir_bytes(root: Path) -> int:
 
 def inside(root: Path, name: Any, source: str) -> Path:
     """`name` (a relative POSIX path read from metadata) as a path inside `root`; FormatError when
-    it is not a string, is absolute, climbs out with `..`, or resolves outside through a link."""
+    it is not a string, is absolute, climbs out with `..`, or resolves outside through a link or
+    through a loop of links."""
     rel = PurePosixPath(name) if isinstance(name, str) and name else None
     if rel is None or rel.is_absolute() or ".." in rel.parts:
         raise FormatError(f"{source}: {name!r} is not a relative path inside {root}")
     path = root.joinpath(*rel.parts)
-    if _through_link(root, rel) and not path.resolve().is_relative_to(root.resolve()):
-        raise FormatError(f"{source}: {name!r} leads outside {root} (through a link)")
+    if _through_link(root, rel):
+        target = resolved(path)
+        if target is None:
+            raise FormatError(f"{source}: {name!r} leads through a loop of links under {root}")
+        if not target.is_relative_to(root.resolve()):
+            raise FormatError(f"{source}: {name!r} leads outside {root} (through a link)")
     return path
 
 

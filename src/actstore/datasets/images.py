@@ -10,7 +10,8 @@ from actstore.datasets.core import Sample, forked_pool, in_order
 from actstore.datasets.source import Source
 from actstore.datasets.tables import read_block
 from actstore.datasets.webdataset import member_file
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
+from actstore.integrity import inside
 
 
 # How images become the RGB the processor takes (_decode), recorded in part.json: parts decoded
@@ -62,21 +63,28 @@ class ImageOpener:
             return member_file(path, offset, size), f"{path}: {sample.text}"
         shard, block, row = sample.ref
         where = f"{self.source.files[shard]}: {sample.text}, column {self.field!r}"
-        return self._image_file(self._column(shard, block)[row].as_py(), shard, where), where
+        return self._image_file(self._column(shard, block)[row].as_py(), shard, sample.sample_idx, where), where
 
     def _column(self, shard: int, block: int) -> Any:
         if self._block is None or self._block[0] != (shard, block):
             self._block = ((shard, block), read_block(self.source.format, self.source.files[shard], block, self.field))
         return self._block[1]
 
-    def _image_file(self, value: Any, shard: int, where: str) -> Any:
-        """Bytes as a file object, or the path (relative to the shard's folder) when no bytes are stored."""
+    def _image_file(self, value: Any, shard: int, sample_idx: int, where: str) -> Any:
+        """Bytes as a file object, or the path (relative to the shard's folder) when no bytes are
+        stored. A path is resolved inside that folder: a table's row must never read a file of the
+        machine outside the dataset (an absolute path, `..`, a link out); ConfigError naming the row."""
         if isinstance(value, dict):
             value = value.get("bytes") or value.get("path")
         if isinstance(value, bytes):
             return io.BytesIO(value)
         if isinstance(value, str):
-            return self.source.files[shard].parent / value
+            row = f"{self.source.files[shard]}: sample {sample_idx}, column {self.field!r}"
+            try:
+                return inside(self.source.files[shard].parent, value, row)
+            except FormatError as exc:
+                raise ConfigError(f"{exc}: a table's image is its bytes, or a path relative to the table's folder "
+                                  "(store the images' bytes in the table, or put the images under that folder)") from None
         raise ConfigError(f"{where}: holds no image (null)")
 
     def __getstate__(self) -> dict[str, Any]:  # workers start with no cached block

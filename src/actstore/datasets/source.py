@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from actstore.datasets.splits import split_files, split_folder
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
+from actstore.integrity import inside
 
 # The image files of a folder (and a WebDataset sample's image member): Hugging Face datasets'
 # ImageFolder suffixes (Pillow's registered ones) whose images Pillow decodes by itself, and AVIF.
@@ -217,12 +218,23 @@ def _hf_disk_source(root: Path, split: str) -> Source:
         root = root / split
     state = _read_json(root / "state.json") if (root / "state.json").is_file() else {}
     info = _read_json(root / "dataset_info.json") if (root / "dataset_info.json").is_file() else {}
-    names = [f["filename"] for f in state.get("_data_files", [])]
-    files = tuple(root / n for n in names) if names else _cache_files(root, info, split)
+    files = _state_files(root, state) or _cache_files(root, info, split)
     missing = [p for p in files if not p.is_file()]
     if missing or not files:
         raise ConfigError(f"{root}: save_to_disk folder lacks its data file {missing[0] if missing else '*.arrow'}")
     return Source("hf_disk", root, files, info.get("features") or {})
+
+
+def _state_files(root: Path, state: dict[str, Any]) -> tuple[Path, ...]:
+    """The data files state.json lists, each name resolved inside `root`: a state.json naming a file
+    elsewhere (`../`, an absolute path, a link out) would read rows from outside the dataset."""
+    where = root / "state.json"
+    try:
+        return tuple(inside(root, entry.get("filename") if isinstance(entry, dict) else None,
+                            f"{where}: _data_files[{i}].filename")
+                     for i, entry in enumerate(state.get("_data_files", [])))
+    except FormatError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _cache_files(root: Path, info: dict[str, Any], split: str) -> tuple[Path, ...]:

@@ -3,7 +3,8 @@
 parsing every field (16k samples/s measured); this takes from each 512-byte block only what a
 sample needs, the name, type and size, with tarfile's checks (the header checksum, a truncated
 header, data past the end of the file) and its extensions: a pax (`x`) or GNU long-name (`L`)
-header naming the member after it, ustar's name prefix, base-256 sizes."""
+header naming the member after it (a GNU long-link (`K`) header's target skipped: only links have
+one), ustar's name prefix, base-256 sizes."""
 from __future__ import annotations
 
 import re
@@ -14,7 +15,10 @@ ZERO_BLOCK = bytes(BLOCK)
 HIGH_BYTES = bytes(range(128, 256))
 POSIX_MAGIC = b"ustar\x00"  # a GNU header's magic is b"ustar  ": its bytes 345-500 hold times, not a prefix
 REGULAR = (b"0", b"\x00", b"7")  # a file; 7: contiguous file, read as one (tarfile too)
-NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6", b"K")  # links, devices, folders, fifos: no data (tarfile's rule)
+NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, folders, fifos: no data (tarfile's rule)
+# Headers for the member after them: pax (x, X: this member; g: every member), GNU long name (L) and
+# long link target (K), each with its text as data.
+EXTENSIONS = (b"x", b"X", b"g", b"L", b"K")
 PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
 
 
@@ -53,11 +57,11 @@ def members(fh: IO[bytes], position: int, file_size: int) -> Iterator[Member]:
         if len(block) < BLOCK:
             raise TarError(f"damaged tar header at byte {position} (truncated header)")
         kind, name, size = _header(block, position)
-        if kind in (b"x", b"X", b"g", b"L"):
+        if kind in EXTENSIONS:
             payload = _payload(fh, position, size, file_size, name)
             if kind == b"L":
                 extended["path"] = payload.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
-            else:
+            elif kind != b"K":  # a link's target: no sample reads a link
                 extended.update(_pax(payload, position, global_=kind == b"g"))
             position += BLOCK + _padded(size)
             continue
@@ -87,6 +91,8 @@ def _header(block: bytes, position: int) -> tuple[bytes, str, int]:
         size = _number(block[124:136])
     except ValueError:
         raise TarError(f"damaged tar header at byte {position} (invalid header)") from None
+    if size < 0:  # base 256 holds negative numbers: the next header would be this one or one before it
+        raise TarError(f"damaged tar header at byte {position} (negative size {size})")
     name = _text(block[0:100])
     if block[257:263] == POSIX_MAGIC and block[345] != 0:
         name = f"{_text(block[345:500])}/{name}"
@@ -137,6 +143,8 @@ def _pax(payload: bytes, position: int, global_: bool) -> dict[str, str | int]:
                 records["size"] = int(value)
             except ValueError:
                 raise TarError(f"damaged pax header at byte {position} (size {value[:20]!r})") from None
+            if records["size"] < 0:  # would read the member's data to the end of the file, and step back
+                raise TarError(f"damaged pax header at byte {position} (negative size {records['size']})")
         start += length
     if global_ and records:
         raise TarError(f"the global pax header at byte {position} sets {', '.join(records)} for every member after "
