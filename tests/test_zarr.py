@@ -5,6 +5,7 @@ import json
 import logging
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -599,4 +600,137 @@ def test_a_sample_longer_than_the_parts_max_seq_length_is_refused_by_name(tmp_pa
     (part / "part.json").write_text(json.dumps({**meta, "max_seq_length": 3}))
     with pytest.raises(FormatError, match=r"part-0000: sample 0 has 5 tokens, more than the part's max_seq_length 3"):
         zs.write_shard(part, tmp_path / "shard.zarr", t_chunk=2, git_commit=GIT_COMMIT, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-0000"]
+
+
+@pytest.mark.parametrize("edit", ["shards swapped", "merged start"])
+def test_a_manifest_entry_that_places_a_store_at_another_start_is_named_and_refused(bert_run, tmp_path, edit):
+    """Reads find a sample's store by the manifest entries' global_index_start: an entry naming
+    another store of as many samples (its path and records swapped), or a merged store said to start
+    past 0, sent reads to the wrong samples and verified clean. Each start is the store's own."""
+    _, run_dir = bert_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    manifest = json.loads((run / zs.MANIFEST).read_text())
+    if edit == "shards swapped":
+        a, b = manifest["shards"]
+        assert a["num_samples"] == b["num_samples"]
+        for key in ("path", "files_sha256", "n_files", "bytes"):
+            a[key], b[key] = b[key], a[key]
+        named = rf"{zs.MANIFEST}: shards\[0\]: global_index_start=0, but \S*shard-0001\.zarr/\.zattrs says 15"
+    else:
+        manifest["merged"]["global_index_start"] = 2
+        named = rf"{zs.MANIFEST}: merged: global_index_start=2, expected 0"
+    (run / zs.MANIFEST).write_text(json.dumps(manifest))
+    assert any(re.search(named, p) for p in zs.verify(run)), zs.verify(run)
+    with pytest.raises(FormatError, match=named):
+        zs.ZarrRun(run, merged=edit == "merged start")
+
+
+def test_a_stores_sample_idx_is_its_start_plus_the_local_index(bert_run, tmp_path):
+    """arrays/sample_idx is the dataset row of each local sample: global_index_start + i. One that
+    says otherwise (its files.json record made to match) is named by verify."""
+    _, run_dir = bert_run
+    store = tmp_path / "s.zarr"
+    shutil.copytree(run_dir / "shards" / "shard-0001.zarr", store)
+    assert zs.verify(store) == []
+    chunk = store / "arrays/sample_idx/0"
+    chunk.write_bytes(np.arange(15, dtype="<i8").tobytes())  # local indices, not the dataset's
+    files = json.loads((store / FILES_JSON).read_text())["files"]
+    (store / FILES_JSON).write_text(files_json_text({**files, "arrays/sample_idx/0": file_record(chunk)}))
+    assert zs.verify(store) == [f"{store}/arrays/sample_idx: [0] = 0, expected global_index_start 15 + 0 (.zattrs)"]
+
+
+def synthetic_shard(tmp_path, store, lengths=(5, 3)):
+    """A one-layer shard (H 16, T_chunk 4) at `store` of a synthetic part written under tmp_path."""
+    x = np.random.default_rng(5).standard_normal((sum(lengths), 16)).astype(np.float32)
+    part = synthetic_part(tmp_path / "part-0000", x, list(lengths))
+    zs.write_shard(part, store, t_chunk=4, git_commit=GIT_COMMIT, progress=False)
+    return store
+
+
+@pytest.mark.parametrize("link", ["directory out", "directory in", "chunk file"])
+def test_the_merge_refuses_a_shard_whose_chunks_it_would_reach_through_a_link(tmp_path, link):
+    """A hard link is made to what a path resolves to: a shard's sample directory linked to a copy
+    outside the run made the merged store hard-link those outside files (verified clean, and written
+    through). Links out of a shard are refused naming them, before anything is linked; a link inside
+    it (a directory's or a chunk file's) too, naming the link."""
+    import os
+
+    store = synthetic_shard(tmp_path, tmp_path / "shards" / zs.shard_name(0))
+    sample, chunk = store / zs.ACTS / "0", store / acts_chunk_key(0, 0, 0)
+    if link == "directory out":
+        shutil.move(sample, tmp_path / "outside")
+        os.symlink(tmp_path / "outside", sample)
+        named = f"{sample}: a link to {tmp_path / 'outside'}, outside {store}"
+    elif link == "directory in":
+        shutil.move(sample, store / "elsewhere")
+        os.symlink(store / "elsewhere", sample)
+        named = f"{sample}: a link; the merge hard-links only a shard's own chunk files"
+    else:
+        shutil.copy(chunk, store / "copy")
+        chunk.unlink()
+        os.symlink(store / "copy", chunk)
+        named = f"{chunk}: a link; the merge hard-links only a shard's own chunk files"
+    with pytest.raises(FormatError, match=re.escape(named)):
+        zs.merge_stores([store], tmp_path / zs.MERGED, progress=False)
+    assert not (tmp_path / zs.MERGED).exists()
+
+
+@pytest.mark.parametrize("damage", ["seq_len", "prompts", "attrs"])
+def test_the_merge_refuses_a_shard_file_it_copies_that_differs_from_its_files_json(tmp_path, damage):
+    """The merged store takes a shard's per-sample arrays, prompts and attrs (from .zmetadata) as they
+    are and records them anew: a damaged one (a seq_len one more, a changed prompt, another model)
+    made a merged store that verified clean. Each is checked against the shard's files.json first."""
+    store = synthetic_shard(tmp_path, tmp_path / "shards" / zs.shard_name(0))
+    if damage == "seq_len":
+        name = "arrays/seq_len/0"
+        (store / name).write_bytes(np.array([5, 4], "<i4").tobytes())  # 3 tokens read as 4: still one chunk
+    elif damage == "prompts":
+        name = "text/prompts.jsonl"
+        (store / name).write_text((store / name).read_text().replace('"t1"', '"evil"'))
+    else:
+        name = ".zmetadata"
+        (store / name).write_text((store / name).read_text().replace('"synthetic"', '"another"'))
+    with pytest.raises(FormatError, match=re.escape(str(store / name)) + r": (sha256 differs from |\d+ bytes, )" +
+                       re.escape(FILES_JSON)):
+        zs.merge_stores([store], tmp_path / zs.MERGED, progress=False)
+    assert not (tmp_path / zs.MERGED).exists()
+
+
+def test_a_per_sample_arrays_chunk_is_refused_by_its_size_before_it_is_read(tmp_path):
+    """A 1-D array's chunk of the wrong size is named from its size alone: a 64 MiB sparse seq_len
+    chunk was read whole first (a 512 MiB one cost verify and inspect 512 MiB of memory)."""
+    import tracemalloc
+
+    store = synthetic_shard(tmp_path, tmp_path / "s.zarr")
+    with open(store / "arrays/seq_len/0", "r+b") as fh:
+        fh.truncate(64 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=rf"arrays/seq_len/0: {64 << 20} bytes, expected 8"):
+            zs.ZarrStore(store)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_a_merge_across_file_systems_says_the_merged_store_must_be_on_the_shards(tmp_path):
+    """The merged store is the shards' chunk files, hard-linked: across file systems (shards on tmpfs,
+    the store on the test's disk) there is no link and no copy is made; the error names both places
+    and says where the store must be (was a bare EXDEV OSError)."""
+    import errno
+    import os
+    import tempfile
+
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another file system than the test's tmp_path")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        store = synthetic_shard(tmp_path, Path(shm) / zs.shard_name(0))
+        with pytest.raises(OSError, match=rf"{re.escape(str(store))} and {re.escape(str(tmp_path))}/\S+ are on "
+                                          "different file systems: the merged store must be on the shards' file "
+                                          "system") as raised:
+            zs.merge_stores([store], tmp_path / zs.MERGED, progress=False)
+    assert raised.value.errno == errno.EXDEV
     assert sorted(p.name for p in tmp_path.iterdir()) == ["part-0000"]

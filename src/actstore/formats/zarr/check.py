@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
 from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems,
-                                         store_files)
+                                         start_problems, store_files)
 from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, problems_of, read_json,
                                 stream_json_members, whole_number)
 from actstore.io_utils import sha256_file
@@ -68,7 +68,7 @@ def verify(path: str | Path) -> list[str]:
             return _verify_run(path)
         if (path / "shards").is_dir():  # a run's folder: its manifest is what lists the stores
             return [f"{path / MANIFEST}: missing"]
-        return _verify_store(path, None)
+        return _verify_store(path)
     except Exception as exc:  # a bad store must yield problems, never an exception
         return [f"{path}: cannot verify ({type(exc).__name__}: {exc})"]
 
@@ -91,20 +91,33 @@ def _verify_run(run: Path) -> list[str]:
         if entry["global_index_start"] != expected_start:
             problems.append(f"{where}: shards[{k}].global_index_start={entry['global_index_start']}, expected {expected_start}")
         expected_start += entry["num_samples"]
-        problems += _verify_store(inside(run, entry["path"], str(where)), entry, (manifest, where))
+        listing = _Listing(manifest, where, f"shards[{k}]", entry)
+        problems += _verify_store(inside(run, entry["path"], str(where)), listing)
     if manifest.get("num_samples") != expected_start:
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
     merged = manifest.get("merged")
     if merged:
         problem = entry_problem(merged, f"{where}: merged")
-        problems += [problem] if problem else _verify_store(inside(run, merged["path"], str(where)), merged, (manifest, where))
+        problems += [problem] if problem else _verify_store(inside(run, merged["path"], str(where)),
+                                                            _Listing(manifest, where, "merged", merged))
     return problems
 
 
-def _verify_store(store: Path, entry: dict | None, manifest: tuple[dict, Path] | None = None) -> list[str]:
-    """Checksums of every file, no file missing or extra, spec fields, consolidated == per-file metadata;
-    in a run, the manifest's run-wide fields against the store's."""
+class _Listing(NamedTuple):
+    """A store's entry in its run's manifest.json: the manifest, its path, the entry's name there
+    ("shards[k]" or "merged") and the entry."""
+    manifest: dict
+    path: Path
+    name: str
+    entry: dict
+
+
+def _verify_store(store: Path, listing: _Listing | None = None) -> list[str]:
+    """Checksums of every file, no file missing or extra, spec fields, consolidated == per-file metadata,
+    sample_idx == global_index_start + local index; in a run, the manifest's run-wide fields and the
+    entry's counts and start against the store's."""
     files_json = store / FILES_JSON
+    entry = listing.entry if listing else None
     if not files_json.is_file():
         return [f"{files_json}: missing"]
     if entry is not None and sha256_file(files_json) != entry["files_sha256"]:
@@ -113,12 +126,30 @@ def _verify_store(store: Path, entry: dict | None, manifest: tuple[dict, Path] |
         reader = ZarrStore(store)
     except FormatError as exc:
         return _verify_files(store, None, entry) + [str(exc)]
-    problems = _verify_files(store, reader, entry) + _verify_metadata(store, reader)
-    if manifest is not None:
-        problems += run_field_problems(manifest[0], reader, str(manifest[1]))
+    problems = _verify_files(store, reader, entry) + _verify_metadata(store, reader) + _sample_idx_problems(reader)
+    if listing is not None:
+        problems += run_field_problems(listing.manifest, reader, str(listing.path))
+        problems += start_problems(entry, reader, f"{listing.path}: {listing.name}", listing.name == "merged")
     if entry is not None and entry["num_samples"] != reader.n_samples:
         problems.append(f"{store}/.zattrs: num_samples={reader.n_samples}, manifest.json says {entry['num_samples']}")
     return problems
+
+
+def _sample_idx_problems(reader: ZarrStore) -> list[str]:
+    """arrays/sample_idx against .zattrs' global_index_start: the sample at local i is dataset row
+    start + i, which the run reader and the merge place it by."""
+    start, where = reader.attrs.get("global_index_start"), f"{reader.path}/arrays/sample_idx"
+    if not whole_number(start):
+        return [f"{reader.path}/.zattrs: global_index_start={start!r:.40}, expected a whole number"]
+    try:
+        sample_idx = reader.vector("sample_idx")
+    except FormatError as exc:
+        return [str(exc)]
+    if sample_idx.dtype.kind not in "iu":
+        return [f"{where}: dtype {sample_idx.dtype}, expected integers"]
+    wrong = np.flatnonzero(sample_idx != start + np.arange(reader.n_samples))
+    return [f"{where}: [{wrong[0]}] = {sample_idx[wrong[0]]}, expected global_index_start {start} + {wrong[0]} "
+            f"(.zattrs)"] if wrong.size else []
 
 
 def _verify_files(store: Path, reader: ZarrStore | None, entry: dict | None = None) -> list[str]:

@@ -11,10 +11,12 @@ store leaves the other as it was.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
 import json
 import os
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -27,7 +29,7 @@ from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PR
                                           chunk_counts, chunk_keys_in_name_order, files_json_pieces)
 from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
-from actstore.integrity import file_record, read_json
+from actstore.integrity import file_record, links_out, listed_problem, read_json, refuse, stream_json_members
 from actstore.io_utils import TEMP_SUFFIX, atomic_path
 from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
@@ -88,9 +90,11 @@ def link_chunks(shards: Sequence[str | Path], out_dir: str | Path, jobs: int, jo
     names (sample axis = the shard's global_index_start + local; chunking and encoding are
     identical, so the bytes are too; `out_dir` on the shards' filesystem, as the stage directory
     is), and its job record (jobs.write_job_record, with the shards' names) of their bytes + sha256
-    as each shard's meta/files.json has them (no re-hash). Returns those entries."""
+    as each shard's meta/files.json has them (no re-hash). Returns those entries. A shard with a link
+    leading out of it, or a chunk file that is a link or reached through one, is refused by name."""
     from tqdm import tqdm
 
+    refuse([problem for shard in shards for problem in links_out(Path(shard))])  # before a file of theirs is read
     shards, readers = _open_shards(shards, start=None)
     files: dict[str, dict] = {}
     with atomic_path(out_dir) as tmp:
@@ -105,15 +109,52 @@ def _link_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, d
     """Every chunk of the shard linked into `dst` under its merged key; merged key -> its files.json entry."""
     shard_files = read_json(shard / FILES_JSON)["files"]
     start = reader.attrs["global_index_start"]
-    linked = {}
+    linked: dict[str, dict] = {}
+    walked: list[str] = []
     for local in range(reader.n_samples):
         for key, target in _sample_chunk_keys(reader, local, start + local):
             if key not in shard_files:
                 raise FormatError(f"{shard / FILES_JSON}: no entry for {key}")
             (dst / target).parent.mkdir(parents=True, exist_ok=True)
-            os.link(shard / key, dst / target)
+            _link(_own_file(shard, key, walked), dst / target, shard, dst)
             linked[target] = shard_files[key]
     return linked
+
+
+def _own_file(shard: Path, key: str, walked: list[str]) -> str:
+    """shard/key when it is a regular file reached through directories, none of them a link: a hard
+    link is made to what a path resolves to, so a linked directory (even one links_out lets pass,
+    inside the shard) would put another file than the shard's own into the merged store. Each
+    directory is lstat'ed once for the keys that share it (`walked`: the last key's directories,
+    updated), about two lstats a chunk; paths as strings (pathlib's cost a chunk is several times
+    the lstats')."""
+    parts = key.split("/")
+    same = 0
+    while same < min(len(walked), len(parts) - 1) and parts[same] == walked[same]:
+        same += 1
+    path = "/".join([str(shard), *parts[:same]])
+    for depth in range(same, len(parts)):
+        path += "/" + parts[depth]
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) if depth == len(parts) - 1 else stat.S_ISDIR(mode)):
+            what = "a link" if stat.S_ISLNK(mode) else "not a regular file or directory"
+            raise FormatError(f"{path}: {what}; the merge hard-links only a shard's own chunk files")
+    walked[:] = parts[:-1]
+    return path
+
+
+def _link(src: str, dst: Path, shard: Path, out_dir: Path) -> None:
+    """Hard-link `src` (a file of `shard`) as `dst` (under `out_dir`), never what a link there points to.
+    Across file systems there is no hard link, and no copy either (a merged store is the shards'
+    files): that error says where the merged store must be."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        raise OSError(errno.EXDEV, f"{shard} and {out_dir} are on different file systems: the merged store "
+                                   "must be on the shards' file system (the merge hard-links their chunk files, "
+                                   "it never copies them)") from exc
 
 
 def _sample_chunk_keys(reader: ZarrStore, local: int, g: int) -> Iterator[tuple[str, str]]:
@@ -135,11 +176,13 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
                  progress: bool = True) -> dict[str, Any]:
     """The merge's finishing job (atomic): the merged store over every shard from `chunk_dirs`, the
     outputs of `link_chunks` over consecutive runs of `shards`, in order. Writes the small parts
-    (attrs, array metadata, the concatenated 1-D arrays, prompts.jsonl), moves each sample's chunk
-    directory in by rename (no copy), then files.json from the jobs' records. Every check comes
-    before the first rename; a failure after it renames them back, so the chunk dirs stay whole.
+    (attrs, array metadata, the concatenated 1-D arrays, prompts.jsonl: each shard's first checked
+    against its files.json), moves each sample's chunk directory in by rename (no copy), then
+    files.json from the jobs' records. Every check comes before the first rename; a failure after
+    it renames them back, so the chunk dirs stay whole.
     Memory does not grow with the chunk files: the records are streamed into a table on disk."""
     shards, readers = _open_shards(shards)
+    refuse([problem for reader in readers for problem in _read_file_problems(reader)])
     chunk_dirs, out_path = [Path(d) for d in chunk_dirs], Path(out_path)
     merged_attrs = _merged_attrs(shards, [r.attrs for r in readers])
     a0, n = readers[0].attrs, merged_attrs["num_samples"]
@@ -159,6 +202,18 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
                 _write_merged_files_json(tmp, table.fileno(), np.concatenate([r.chunk_counts() for r in readers]),
                                          len(readers[0].layers))
     return store_entry(out_path)
+
+
+def _read_file_problems(reader: ZarrStore) -> list[str]:
+    """The shard's files whose bytes or fields the merged store takes (.zmetadata: attrs and arrays;
+    the 1-D arrays' chunks; prompts.jsonl) against its meta/files.json, read for those names alone:
+    a damaged one would become a merged store whose own files.json records it, and verifies clean."""
+    names = {".zmetadata", PROMPTS_JSONL}
+    names.update(key for name in reader.vector_names for key in reader.vector_chunk_names(name))
+    files_json = reader.path / FILES_JSON
+    records = {name: record for name, record in stream_json_members(files_json, "files") if name in names}
+    return [problem for name in sorted(names)
+            if (problem := listed_problem(reader.path, name, records.get(name), FILES_JSON, str(files_json)))]
 
 
 def _record_table(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list[Path], table: BinaryIO) -> list[list[str]]:

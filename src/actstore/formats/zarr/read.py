@@ -105,6 +105,20 @@ class ZarrStore:
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D per-sample array (seq_len, sample_key, ...) read raw after validating its .zarray."""
+        dtype, chunk = self._vector_layout(name)
+        parts = [np.frombuffer(_sized_bytes(self.path / key, chunk * dtype.itemsize), dtype=dtype)
+                 for key in self.vector_chunk_names(name)]
+        out = np.concatenate(parts)[: self.n_samples] if parts else np.zeros(0, dtype)
+        return out.astype(dtype.newbyteorder("="))
+
+    def vector_chunk_names(self, name: str) -> list[str]:
+        """The chunk files of 1-D array `name`, relative to the store: what vector() reads, and what the
+        merge checks against files.json before it copies them."""
+        _, chunk = self._vector_layout(name)
+        return [f"arrays/{name}/{c}" for c in range(math.ceil(self.n_samples / chunk))]
+
+    def _vector_layout(self, name: str) -> tuple[np.dtype, int]:
+        """dtype and samples per chunk of 1-D array `name`, from its validated .zarray."""
         where = f"{self.path}/arrays/{name}/.zarray"
         z = self._meta(f"arrays/{name}/.zarray")
         _expect_fields(where, z, {**VECTOR_ZARRAY, "shape": [self.n_samples]})
@@ -112,16 +126,7 @@ class ZarrStore:
         if dtype is None or not (isinstance(chunks, list) and len(chunks) == 1 and whole_number(chunks[0]) and chunks[0]):
             raise FormatError(f"{where}: dtype={z.get('dtype')!r:.40} chunks={chunks!r:.40}, expected a numeric or "
                               "bytes dtype and [samples per chunk]")
-        chunk = chunks[0]
-        parts = []
-        for c in range(math.ceil(self.n_samples / chunk)):
-            path = self.path / "arrays" / name / str(c)
-            raw = path.read_bytes() if path.is_file() else b""
-            if len(raw) != chunk * dtype.itemsize:
-                raise FormatError(f"{path}: {len(raw)} bytes, expected {chunk * dtype.itemsize}")
-            parts.append(np.frombuffer(raw, dtype=dtype))
-        out = np.concatenate(parts)[: self.n_samples] if parts else np.zeros(0, dtype)
-        return out.astype(dtype.newbyteorder("="))
+        return dtype, chunks[0]
 
     def chunk_counts(self) -> np.ndarray:
         """The chunk files of each sample and layer: those its seq_len tokens fill (layout.chunk_counts)."""
@@ -164,6 +169,19 @@ class ZarrStore:
             os.close(fd)
 
 
+def _sized_bytes(path: Path, size: int) -> bytes:
+    """The bytes of `path`, a file of exactly `size` bytes: its size is compared before anything is
+    read (a 512 MiB sparse chunk cost 512 MiB of memory to be refused), and a file that is not a
+    regular one (a FIFO would block) counts as missing, 0 bytes."""
+    found = path.stat().st_size if path.is_file() else 0
+    if found == size:
+        with path.open("rb") as fh:
+            found = len(raw := fh.read(size + 1))  # one byte more: a file grown since the stat is refused too
+    if found != size:
+        raise FormatError(f"{path}: {found} bytes, expected {size}")
+    return raw
+
+
 def entry_problem(entry: Any, where: str) -> str | None:
     """What is wrong with the shape of one manifest store entry (`where` names it), or None: an object
     with every MANIFEST_ENTRY_KEYS key, whole-number sample counts and a path."""
@@ -197,6 +215,18 @@ def run_field_problems(manifest: dict[str, Any], store: ZarrStore, where: str) -
             if (key in ("layers", "hidden_size") or key in manifest) and not same_json(manifest.get(key), value)]
 
 
+def start_problems(entry: dict[str, Any], store: ZarrStore, where: str, merged: bool) -> list[str]:
+    """The global_index_start of a manifest entry (`where` names it) against its store's own .zattrs
+    (a merged store's: 0). Reads find a sample's store by the entries' starts, so an entry that names
+    another store (paths swapped) or a moved start would send every read to the wrong sample."""
+    start, own = entry["global_index_start"], store.attrs.get("global_index_start")
+    if merged and start != 0:
+        return [f"{where}: global_index_start={start}, expected 0 (a merged store holds every sample)"]
+    if not same_json(start, own):
+        return [f"{where}: global_index_start={start}, but {store.path}/.zattrs says {own!r:.40}"]
+    return []
+
+
 class ZarrRun:
     """A run directory read through its manifest (Option A), or its merged/ store (Option B)."""
 
@@ -214,12 +244,14 @@ class ZarrRun:
             entries = self.manifest.get("shards") or []
             if not isinstance(entries, list):
                 raise FormatError(f"{self.path / MANIFEST}: 'shards' must be a list, got {entries!r:.60}")
-        for k, entry in enumerate(entries):
-            if problem := entry_problem(entry, f"{self.path / MANIFEST}: {'merged' if merged else f'shards[{k}]'}"):
+        where = self.path / MANIFEST
+        names = [f"{where}: merged"] if merged else [f"{where}: shards[{k}]" for k in range(len(entries))]
+        for entry, name in zip(entries, names):
+            if problem := entry_problem(entry, name):
                 raise FormatError(problem)
-        self.stores = [ZarrStore(inside(self.path, e["path"], str(self.path / MANIFEST))) for e in entries]
-        for store in self.stores:
-            refuse(run_field_problems(self.manifest, store, str(self.path / MANIFEST)))
+        self.stores = [ZarrStore(inside(self.path, e["path"], str(where))) for e in entries]
+        for entry, name, store in zip(entries, names, self.stores):  # .zattrs alone: sample_idx is verify's
+            refuse(run_field_problems(self.manifest, store, str(where)) + start_problems(entry, store, name, merged))
         self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
         self.layers: list[int] = list(self.manifest["layers"])
