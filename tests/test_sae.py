@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ from safetensors.torch import save_file
 
 from actstore.config import resolve_hook
 from actstore.errors import ConfigError, FormatError
+from actstore.formats import FORMAT_STAGES
 from actstore.formats.extract import open_extraction
 from actstore.sae import (Prefetcher, TopKSAE, auxk_loss, build_sae, data_mean, import_sae, init_sae, load_sae,
                           split_tokens, stream_batches, tensors)
@@ -379,3 +382,154 @@ def test_build_sae_import_evaluates_on_heldout(bert, tmp_path):
     assert report["source"] == "import:saev" and report["heldout"]["fvu"] > 0
     sae, _ = load_sae(tmp_path / "out" / "sae.safetensors")
     torch.testing.assert_close(sae.encoder_weight.data, ckpt["W_enc"].T)
+
+
+def _edited_checkpoint(path: Path, out: Path, tensors: dict | None = None, header: dict | None = None) -> Path:
+    """A copy of the actstore checkpoint at `path`, its tensors and header fields replaced by those given."""
+    from safetensors import safe_open
+
+    from actstore.safetensors_io import save_safetensors
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta, state = fh.metadata(), {key: fh.get_tensor(key) for key in fh.keys()}
+    save_safetensors({**state, **(tensors or {})}, out, {**meta, **(header or {})})
+    return out
+
+
+@pytest.mark.parametrize("tensors, header, named", [
+    (None, {"k_active": "four"}, r"header k_active 'four' is not a whole number in 1\.\.num_basis \(64\)"),
+    (None, {"k_active": "0"}, "header k_active '0'"),
+    (None, {"k_active": "65"}, "header k_active '65'"),
+    (None, {"num_basis": "32"}, "header num_basis '32', but the tensors' is 64"),
+    ({"decoder_weight": torch.zeros(64, 16)}, None, r"decoder_weight has shape \[64, 16\], expected \[64, 32\]"),
+    ({"decoder_bias": torch.zeros(5)}, None, r"decoder_bias has shape \[5\], expected \[32\] \(d_in\)"),
+    ({"encoder_weight": torch.zeros(64, 32, dtype=torch.int64)}, None, "encoder_weight is int64, expected float32"),
+    ({"encoder_bias": torch.zeros(64, dtype=torch.float16)}, None, "encoder_bias is float16, expected float32"),
+    ({"decoder_weight": torch.full((64, 32), float("nan"))}, None, "decoder_weight holds NaN or infinite values"),
+    ({"encoder_bias": torch.full((64,), float("inf"))}, None, "encoder_bias holds NaN or infinite values"),
+])
+def test_load_sae_names_the_file_and_key_of_a_bad_checkpoint(trained, tmp_path, tensors, header, named):
+    """A checkpoint that is not the four float32 tensors of agreeing shapes and finite values with a
+    header k_active in 1..num_basis is refused naming the file and key: never loaded (an int64 or NaN
+    SAE became a LUT) nor a bare ValueError or broadcasting RuntimeError."""
+    bad = _edited_checkpoint(trained[2] / "sae.safetensors", tmp_path / "bad.safetensors", tensors, header)
+    with pytest.raises(FormatError, match=r"bad\.safetensors: " + named):
+        load_sae(bad)
+
+
+def test_load_sae_names_an_unreadable_file(trained, tmp_path):
+    bad = tmp_path / "cut.safetensors"
+    bad.write_bytes((trained[2] / "sae.safetensors").read_bytes()[:-100])
+    with pytest.raises(FormatError, match=r"cut\.safetensors: unreadable safetensors"):
+        load_sae(bad)
+
+
+@pytest.mark.parametrize("edit, named", [
+    ({"W_enc": torch.zeros(8)}, r"W_enc has shape \[8\], expected \[8, d_sae\]"),
+    ({"W_enc": torch.zeros(8, 16, dtype=torch.int64)}, "W_enc is int64, expected floating point"),
+    ({"b_dec": torch.full((8,), float("nan"))}, "b_dec holds NaN or infinite values"),
+    ({"W_dec": torch.full((16, 8), 1e300, dtype=torch.float64)}, "W_dec holds NaN or infinite values"),
+])
+def test_import_names_the_file_and_key_of_a_malformed_checkpoint(tmp_path, edit, named):
+    """SAELens' file of SAELens' dtypes (float16 too) imports; one with a tensor of the wrong number of
+    dimensions or dtype, or with values float32 cannot hold, is refused naming it."""
+    save_file({**_random_checkpoint(), **edit}, str(tmp_path / "sae_weights.safetensors"))
+    with pytest.raises(FormatError, match=r"sae_weights\.safetensors: " + named):
+        import_sae(tmp_path / "sae_weights.safetensors", "saelens", k_active=3)
+    save_file({key: value.half() for key, value in _random_checkpoint().items()}, str(tmp_path / "half.safetensors"))
+    assert import_sae(tmp_path / "half.safetensors", "saelens", k_active=3).num_basis == 16
+
+
+def test_import_names_a_saev_checkpoint_holding_no_tensors_and_too_few_latents(tmp_path):
+    write_saev_checkpoint(tmp_path / "sae.pt", {"W_enc": [1.0, 2.0], "b_enc": 3, "W_dec": "x", "b_dec": None},
+                          SAEV_TOPK)
+    with pytest.raises(FormatError, match=r"sae\.pt: W_enc is a list, not a tensor"):
+        import_sae(tmp_path / "sae.pt", "saev", k_active=3)
+    save_file(_random_checkpoint(d_sae=2), str(tmp_path / "small.safetensors"))
+    with pytest.raises(ConfigError, match=r"small\.safetensors: d_sae 2, fewer latents than sae\.k_active 3"):
+        import_sae(tmp_path / "small.safetensors", "saev", k_active=3)
+
+
+def test_import_takes_no_boolean_for_the_checkpoints_k(tmp_path):
+    """true == 1 in Python: a cfg.json k or a saev top_k of true is not sae.k_active 1."""
+    save_file(_random_checkpoint(), str(tmp_path / "sae_weights.safetensors"))
+    (tmp_path / "cfg.json").write_text(json.dumps(saelens_cfg(k=True)))
+    with pytest.raises(ConfigError, match=r"cfg\.json: k True, but sae\.k_active is 1"):
+        import_sae(tmp_path / "sae_weights.safetensors", "saelens", k_active=1)
+    write_saev_checkpoint(tmp_path / "sae.pt", _random_checkpoint(), {"cls": "TopK", "params": {"top_k": True}})
+    with pytest.raises(ConfigError, match=r"sae\.pt: top_k True, but sae\.k_active is 1"):
+        import_sae(tmp_path / "sae.pt", "saev", k_active=1)
+
+
+LUT_TARGET = "encoder.layer.1.attention.self.query"
+
+
+@pytest.fixture(scope="module")
+def lut_run(extracted, tmp_path_factory):
+    """The extract, sae and lut stages of a run with every format stage off, each stage directory
+    sealed by its stage config as the workflow writes it: what the validate stage checks."""
+    from actstore.hashing import stage_dirs
+    from actstore.lut import build_lut
+    from actstore.workflow import record_stage
+
+    config, extract_dir = extracted("bert", extract={"hooks": [HOOK]},
+                                    **{stage: {"enabled": False} for stage in FORMAT_STAGES})
+    config = copy.deepcopy(config)
+    config["sae"].update(SAE, enabled=True, steps=20, device="cpu")
+    config["lut"].update(targets=[LUT_TARGET], budgets=[0], eval_samples=2, device="cpu")
+    dirs = stage_dirs(config)
+    record_stage(config, "extract", extract_dir)
+    build_sae(config, extract_dir, dirs["sae"], progress=False)
+    record_stage(config, "sae", dirs["sae"])
+    build_lut(config, extract_dir, dirs["sae"], dirs["lut"], progress=False)
+    record_stage(config, "lut", dirs["lut"])
+    return config
+
+
+@pytest.fixture
+def run_copy(lut_run, tmp_path):
+    """lut_run's config pointed at a copy of its dump_to that a test may change."""
+    shutil.copytree(lut_run["dump_to"], tmp_path / "dump", symlinks=True)
+    return {**lut_run, "dump_to": str(tmp_path / "dump")}
+
+
+def test_validate_refuses_a_lut_built_from_another_sae(run_copy, tmp_path):
+    """The sae stage's directory is named by its config, not its output: a rerun (GPU training is not
+    bit-reproducible; here another seed) leaves another SAE beside the LUT, which verifies. The sha256
+    the LUT records of the SAE it was built from is checked, both files named."""
+    from actstore.hashing import stage_dirs
+    from actstore.io_utils import sha256_file
+    from actstore.sae import SAE_FILE
+    from actstore.verify import validate_all
+    from actstore.workflow import record_stage
+
+    dirs = stage_dirs(run_copy)
+    meta_path, sae_file = dirs["lut"] / "lut" / "metadata.json", dirs["sae"] / SAE_FILE
+    assert json.loads(meta_path.read_text())["creation_info"]["sae_sha256"] == sha256_file(sae_file)
+    assert validate_all(run_copy, tmp_path / "report.json")["formats"]["lut"]["notes"] == []
+    rerun = copy.deepcopy(run_copy)
+    rerun["sae"]["seed"] += 1
+    build_sae(rerun, dirs["extract"], dirs["sae"], progress=False)
+    record_stage(run_copy, "sae", dirs["sae"])  # the stage config as a rerun of the same config writes it
+    named = (rf"{re.escape(str(meta_path))}: creation_info\.sae_sha256 '[0-9a-f]{{64}}' is not the sha256 of "
+             rf"{re.escape(str(sae_file))} \([0-9a-f]{{64}}\): the LUT was built from another SAE")
+    with pytest.raises(FormatError, match=named):
+        validate_all(run_copy, tmp_path / "report.json")
+
+
+def test_validate_notes_a_lut_that_records_no_sae_sha256(run_copy, tmp_path):
+    """A LUT written before the SAE's sha256 was recorded: validate passes it and says it did not check."""
+    from actstore.hashing import stage_dirs
+    from actstore.verify import validate_all
+    from actstore.workflow import record_stage
+
+    lut_dir = stage_dirs(run_copy)["lut"]
+    meta = json.loads((lut_dir / "lut" / "metadata.json").read_text())
+    del meta["creation_info"]["sae_sha256"]
+    (lut_dir / "lut" / "metadata.json").write_text(json.dumps(meta))
+    record_stage(run_copy, "lut", lut_dir)  # as the stage sealed it then
+    report = validate_all(run_copy, tmp_path / "report.json")
+    assert report["formats"]["lut"]["notes"] == [
+        "creation_info.sae_sha256 absent (a LUT written before actstore recorded it): "
+        "not checked against the sae stage's sae.safetensors"]
+    assert json.loads((tmp_path / "report.json").read_text())["formats"]["lut"]["notes"] == report["formats"]["lut"]["notes"]

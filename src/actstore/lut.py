@@ -16,12 +16,15 @@ from torch import nn
 from actstore.errors import ConfigError
 from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
 from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts, parent_module
-from actstore.io_utils import write_json_atomic
+from actstore.io_utils import sha256_file, write_json_atomic
 from actstore.model_config import config_int, trusted
 from actstore.resources import LUT_EVAL_LOGITS
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "report.json"
+# creation_info's record of the SAE file the tables were built from: its path alone does not tell a
+# rerun of the sae stage (GPU training is not bit-reproducible) from the SAE that was there.
+SAE_SHA256 = "sae_sha256"
 
 
 def model_config_summary(config_json: dict[str, Any]) -> dict[str, Any]:
@@ -86,14 +89,17 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
     from actstore.models import load_model, pick_device
     from actstore.sae import SAE_FILE, load_sae
 
-    sae, sae_meta = load_sae(Path(sae_dir) / SAE_FILE)
+    sae_file = Path(sae_dir) / SAE_FILE
+    # Hashed before it is read: a file replaced in between then fails validate, rather than passing.
+    sae_sha256 = sha256_file(sae_file)
+    sae, sae_meta = load_sae(sae_file)
     device = str(pick_device(config["lut"]["device"], "lut.device"))
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", device,
                         config["model"].get("tower"), trusted(config["model"]),
                         fix_mistral_regex=config["model"].get("fix_mistral_regex"))
     tables = build_tables(config, loaded.model, sae.state())
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
-        "source_model": sae_meta.get("model"), "sae_model": str(Path(sae_dir) / SAE_FILE),
+        "source_model": sae_meta.get("model"), "sae_model": str(sae_file), SAE_SHA256: sae_sha256,
         "hook": sae_meta.get("hook"), "format_writer": "actstore"})
     report = evaluate_lut(config, extract_dir, sae_dir, lut_root, loaded, progress)
     write_json_atomic(Path(out_dir) / REPORT_FILE, report)

@@ -17,7 +17,7 @@ from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.hashing import stage_dirs
 from actstore.integrity import stage_config_problems
-from actstore.io_utils import write_json_atomic
+from actstore.io_utils import sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,8 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
     for name in ("sae", "lut"):
         if name in stages:
             report[name] = stage_report(dirs[name])
-    if "lut" in stages:
-        store = find_store(dirs["lut"], "lut")
-        report["formats"]["lut"] = {"store": str(store), "problems": format_module("lut").verify(store),
-                                    "inspect": format_module("lut").inspect(store)}
+    if "lut" in stages:  # the sae stage is enabled wherever the lut stage is (enabled_stages)
+        report["formats"]["lut"] = check_lut(find_store(dirs["lut"], "lut"), dirs["sae"])
     for entry in report["formats"].values():
         # Paths relative to dump_to, so the report does not depend on where the run lived.
         entry["store"] = os.path.relpath(entry["store"], config["dump_to"])
@@ -109,6 +107,45 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         raise FormatError("validation failed:\n" + "\n".join(problems))
     write_json_atomic(report_path, report)
     return report
+
+
+def check_lut(store: Path, sae_dir: Path) -> dict[str, Any]:
+    """verify() + inspect() of the LUT, and the SAE it was built from against the sae stage's
+    (lut_sae_problems); `notes`: what could not be checked, which is no failure."""
+    module = format_module("lut")
+    problems = module.verify(store)
+    sae_problems, notes = lut_sae_problems(store, sae_dir)
+    for note in notes:
+        log.warning("lut: %s", note)
+    return {"store": str(store), "problems": problems + sae_problems, "inspect": module.inspect(store),
+            "notes": notes}
+
+
+def lut_sae_problems(store: Path, sae_dir: Path) -> tuple[list[str], list[str]]:
+    """(problems, notes): the sha256 the LUT's creation_info records of the SAE it was built from must
+    be that of the sae stage's sae.safetensors. The stage directories are named by config hashes, not
+    by output bytes, so a rerun sae stage (GPU training is not bit-reproducible) leaves another SAE
+    beside a LUT that verifies. A LUT written before the sha256 was recorded is noted, not failed, as
+    verify passes a table whose sha256 another writer did not record."""
+    from actstore.formats.lut import META_FILE, lut_dir, read_metadata
+    from actstore.lut import SAE_SHA256
+    from actstore.sae import SAE_FILE
+
+    meta_path, sae_file = lut_dir(store) / META_FILE, sae_dir / SAE_FILE
+    try:
+        info = read_metadata(store).get("creation_info", {})
+    except FormatError:  # verify names what is wrong with it
+        return [], []
+    if SAE_SHA256 not in info:
+        return [], [f"creation_info.{SAE_SHA256} absent (a LUT written before actstore recorded it): "
+                    f"not checked against the sae stage's {SAE_FILE}"]
+    if not sae_file.is_file():
+        return [f"{sae_file}: missing, so the SAE of the LUT of {meta_path} is not checked"], []
+    actual = sha256_file(sae_file)
+    if info[SAE_SHA256] != actual:
+        return [f"{meta_path}: creation_info.{SAE_SHA256} {info[SAE_SHA256]!r:.70} is not the sha256 of "
+                f"{sae_file} ({actual}): the LUT was built from another SAE"], []
+    return [], []
 
 
 def _relative(value: Any, root: str) -> Any:

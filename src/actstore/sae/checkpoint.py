@@ -8,7 +8,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from actstore.errors import ConfigError, FormatError
+from actstore.integrity import whole_number
 from actstore.io_utils import atomic_path, write_json_atomic
 from actstore.safetensors_io import save_safetensors
 from actstore.sae.model import SAE_KEYS, TopKSAE
@@ -23,6 +26,12 @@ SAELENS_WEIGHTS = "sae_weights.safetensors"
 SAELENS_LAYOUT = "6.0.0"
 SAELENS_DEFAULT_K = 100  # TopKSAEConfig.k when a 6.x cfg.json names none
 SAEV_HEADER_LIMIT = 1 << 20  # bytes of a saev checkpoint's JSON header line read at most
+# Each tensor's dimensions by name: a name's size is taken from the first tensor that has it, so every
+# later tensor's shape is checked against the earlier ones (a swapped or cut decoder is named, not a
+# broadcasting error when it is copied in).
+SAE_DIMS = {"encoder_weight": ("num_basis", "d_in"), "encoder_bias": ("num_basis",),
+            "decoder_weight": ("num_basis", "d_in"), "decoder_bias": ("d_in",)}
+IMPORT_DIMS = {"W_enc": ("d_in", "d_sae"), "b_enc": ("d_sae",), "W_dec": ("d_sae", "d_in"), "b_dec": ("d_in",)}
 
 
 def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
@@ -35,8 +44,6 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     code does, without subtracting b_dec; a safetensors file with saev's names, as saev encoded before
     August 2025: b_dec subtracted.
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     if style not in IMPORT_STYLES:
         raise ConfigError(f"sae.import.style {style!r}: expected one of {IMPORT_STYLES}")
@@ -45,16 +52,13 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     if not path.is_file():
         raise ConfigError(f"sae.import.path {path}: no such file")
     native = style == "saev" and is_saev_checkpoint(path)
-    raw = read_saev_checkpoint(path, k_active) if native else load_file(str(path))
-    missing = [key for key in ("W_enc", "b_enc", "W_dec", "b_dec") if key not in raw]
-    if missing:
-        raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(raw)}")
-    w_enc, b_enc, w_dec, b_dec = (raw[key].float() for key in ("W_enc", "b_enc", "W_dec", "b_dec"))
-    d_in, d_sae = w_enc.shape
-    expect = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
-    for key, shape in expect.items():
-        if tuple(raw[key].shape) != shape:
-            raise FormatError(f"{path}: {key} has shape {list(raw[key].shape)}, expected {list(shape)}")
+    raw = read_saev_checkpoint(path, k_active) if native else read_safetensors(path)[1]
+    missing = [key for key in IMPORT_DIMS if key not in raw]
+    if missing:  # str: a saev state dict's keys need not be strings, nor sortable together
+        raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(map(str, raw))}")
+    w_enc, b_enc, w_dec, b_dec = checked_tensors(path, raw, IMPORT_DIMS).values()
+    if k_active > w_enc.shape[1]:
+        raise ConfigError(f"{path}: d_sae {w_enc.shape[1]}, fewer latents than sae.k_active {k_active}")
     subtract, rescale = not native, False
     cfg_path = path.with_name(SAELENS_CFG)
     if style == "saelens" and cfg_path.is_file():
@@ -97,7 +101,7 @@ def read_saev_checkpoint(path: Path, k_active: int) -> dict[str, Any]:
         if activation != "TopK":
             raise ConfigError(f"{path}: a saev {activation} SAE; sae.import takes TopK SAEs (the LUT spec's "
                               "encoder is TopK(ReLU(x W + b)))")
-        if top_k != k_active:
+        if not whole_number(top_k) or top_k != k_active:  # whole_number: true == 1 in Python
             raise ConfigError(f"{path}: top_k {top_k!r}, but sae.k_active is {k_active}: set sae.k_active to it")
         try:
             state = torch.load(io.BytesIO(fh.read()), weights_only=True, map_location="cpu")
@@ -146,7 +150,7 @@ def saelens_encoding(cfg_path: Path, k_active: int) -> tuple[bool, bool]:
     if architecture != "topk":
         raise ConfigError(f"{cfg_path}: architecture {architecture!r}; sae.import takes TopK SAEs (architecture "
                           "topk): the LUT spec's encoder is TopK(ReLU(x W + b)), which this SAE's is not")
-    if k != k_active:
+    if not whole_number(k) or k != k_active:  # whole_number: true == 1 in Python
         raise ConfigError(f"{cfg_path}: k {k!r}, but sae.k_active is {k_active}: set sae.k_active to the SAE's k")
     if cfg.get("normalize_activations", "none") not in ("none", False):
         raise ConfigError(f"{cfg_path}: normalize_activations {cfg['normalize_activations']!r}; sae.import takes "
@@ -165,19 +169,68 @@ def save_sae(sae: TopKSAE, path: str | Path, meta: dict[str, Any]) -> None:
 
 
 def load_sae(path: str | Path) -> tuple[TopKSAE, dict[str, str]]:
-    """Read an actstore SAE checkpoint written by save_sae."""
-    from safetensors import safe_open
-
+    """Read an actstore SAE checkpoint written by save_sae: FormatError naming the file and the key
+    unless it holds the four float32 tensors, of shapes that agree and finite values, and a header
+    k_active in 1..num_basis."""
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"{path}: SAE checkpoint missing")
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-        missing = [key for key in SAE_KEYS if key not in fh.keys()]
-        if missing or "k_active" not in meta:
-            raise FormatError(f"{path}: not an actstore SAE checkpoint (missing {missing or ['k_active']})")
-        state = {key: fh.get_tensor(key) for key in SAE_KEYS}
-    return TopKSAE.from_state(state, int(meta["k_active"])), meta
+    meta, raw = read_safetensors(path)
+    missing = [key for key in SAE_KEYS if key not in raw]
+    if missing or "k_active" not in meta:
+        raise FormatError(f"{path}: not an actstore SAE checkpoint (missing {missing or ['k_active']})")
+    state = checked_tensors(path, raw, SAE_DIMS, torch.float32)
+    return TopKSAE.from_state(state, header_k_active(path, meta, state)), meta
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(header metadata, tensors) of a safetensors file; FormatError naming it when the library cannot
+    read it (its own errors do not say which file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return fh.metadata() or {}, {key: fh.get_tensor(key) for key in fh.keys()}
+    except Exception as exc:  # a truncated or garbled file: safetensors raises its own error types
+        raise FormatError(f"{path}: unreadable safetensors ({exc})") from None
+
+
+def checked_tensors(path: Path, raw: dict[Any, Any], dims: dict[str, tuple[str, ...]],
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors `dims` names, as float32; FormatError naming `path` and the key for a value that
+    is not a tensor, not of `dtype` (default: any floating point), not of the shape `dims` gives it,
+    or not finite (after the cast: a float64 value past float32's range is infinite in the SAE)."""
+    sizes: dict[str, int] = {}
+    checked = {}
+    for key, names in dims.items():
+        value = raw[key]
+        if not isinstance(value, torch.Tensor):
+            raise FormatError(f"{path}: {key} is a {type(value).__name__}, not a tensor")
+        if not value.is_floating_point() or dtype not in (None, value.dtype):
+            raise FormatError(f"{path}: {key} is {str(value.dtype).removeprefix('torch.')}, "
+                              f"expected {str(dtype).removeprefix('torch.') if dtype else 'floating point'}")
+        want = [sizes.setdefault(name, size) for name, size in zip(names, value.shape)]
+        if len(names) != value.ndim or want != list(value.shape):
+            raise FormatError(f"{path}: {key} has shape {list(value.shape)}, expected "
+                              f"[{', '.join(str(sizes.get(name, name)) for name in names)}] ({', '.join(names)})")
+        checked[key] = value.float()
+        if not torch.isfinite(checked[key]).all():
+            raise FormatError(f"{path}: {key} holds NaN or infinite values")
+    return checked
+
+
+def header_k_active(path: Path, meta: dict[str, str], state: dict[str, torch.Tensor]) -> int:
+    """The header's k_active (a string, as every safetensors header value), which must be a whole
+    number in 1..num_basis; the header's num_basis and d_in (save_sae writes them, `actstore inspect`
+    reports them) must be the tensors'."""
+    num_basis, d_in = state["encoder_weight"].shape
+    text = meta["k_active"]
+    if not re.fullmatch(r"[0-9]+", text) or not 0 < int(text) <= num_basis:
+        raise FormatError(f"{path}: header k_active {text!r:.40} is not a whole number in 1..num_basis ({num_basis})")
+    for key, size in (("num_basis", num_basis), ("d_in", d_in)):
+        if key in meta and meta[key] != str(size):
+            raise FormatError(f"{path}: header {key} {meta[key]!r:.40}, but the tensors' is {size}")
+    return int(text)
 
 
 def save_saelens(sae: TopKSAE, directory: str | Path, metadata: dict[str, Any]) -> None:
