@@ -45,10 +45,14 @@ def built(extracted, tmp_path_factory):
     return config, extract_dir, sae_dir, lut_out, report
 
 
+def _fresh_model(built):
+    return load_model(resolve_model_path(built[0]["model"]["path"]), "float32", "cpu").model
+
+
 @pytest.fixture
 def model(built):
     """A fresh copy of the real tiny BERT (tests that install LUTs change it)."""
-    return load_model(resolve_model_path(built[0]["model"]["path"]), "float32", "cpu").model
+    return _fresh_model(built)
 
 
 def test_files_follow_the_spec(built, model):
@@ -318,6 +322,96 @@ def test_targets_with_another_encoder_get_their_own(built, model, tmp_path):
     torch.testing.assert_close(v.encoder_bias[0], tables[TARGETS[2]]["encoder_bias"][0].float())
 
 
+def test_a_table_with_another_decoder_gets_its_own_encoder(built, model, tmp_path):
+    """v's table rebuilt (consistently: P = W_dec' @ W_v) from the same encoder and another decoder:
+    the group's decoder reconstructs x_hat for every target's compensation, so v may not join q and
+    k's group; at full budget it is x @ W up to the tables' rounding."""
+    store = lut_format.open_lut(built[3])
+    tables = {target: store.load(target) for target in TARGETS}
+    sae = {key: tables[TARGETS[2]][key].float() for key in lut_format.REQUIRED_KEYS[:4]}
+    g = torch.Generator().manual_seed(1)
+    sae["decoder_weight"] += 0.3 * torch.randn(sae["decoder_weight"].shape, generator=g)
+    linear = get_module(model, TARGETS[2])
+    tables[TARGETS[2]] = lut_format.precompute(sae, linear.weight.detach().T, linear.bias.detach(), "float16")
+    lut_format.write_lut(tmp_path, tables, store.k_active)
+    installed = install_luts(model, lut_format.open_lut(tmp_path), budget=32)
+    q, k, v = (installed[target].encoder for target in TARGETS)
+    assert q is k and v is not q and (q.n_targets, v.n_targets) == (2, 1)
+    x = torch.randn(2, 5, 32)
+    exact = x @ linear.weight.detach().T + linear.bias.detach()
+    assert float((installed[TARGETS[2]](x) - exact).norm() / exact.norm()) < 5e-3
+
+
+@pytest.mark.parametrize("change, named", [
+    ("weight", r"(precomputed_products row \d+|bias_product) differs from (decoder_weight\[\d+\]|decoder_bias) "
+               r"@ {target}\.weight\.T"),
+    ("bias", r"target_bias differs from {target}\.bias")], ids=["weight", "bias"])
+def test_tables_of_other_weights_are_refused_at_install(built, change, named):
+    """Tables whose sizes fit but that were built from other weights (a changed checkpoint: W or the
+    bias moved by 1 % of W's spread) are refused naming the file and the module: the lookup would be
+    wrong at every budget. The model's own weights cast to 16 bits still take the tables built from
+    float32."""
+    target = TARGETS[0]
+    model = _fresh_model(built)
+    linear = get_module(model, target)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        tensor = getattr(linear, change)
+        tensor.add_(0.01 * linear.weight.std() * torch.randn(tensor.shape, generator=g))
+    pattern = rf"{re.escape(target)}\.lut\.safetensors: " + named.format(target=re.escape(target)) + r".*other weights"
+    with pytest.raises(FormatError, match=pattern):
+        install_luts(model, lut_format.open_lut(built[3]))
+    for dtype in (torch.bfloat16, torch.float16):
+        install_luts(_fresh_model(built).to(dtype), lut_format.open_lut(built[3]))
+
+
+def test_an_inference_tensor_edited_in_place_is_encoded_again(built, model):
+    """An inference tensor has no version counter: its encoding serves q, k and v of one forward (one
+    encoding), never a later call after an in-place edit, which gets what a fresh tensor gets."""
+    installed = install_luts(model, lut_format.open_lut(built[3]))
+    luts = [installed[target] for target in TARGETS]
+    counts = luts[0].encoder.counts
+    with torch.inference_mode():
+        x = torch.randn(1, 5, 32)
+        for lut in luts:
+            lut(x)
+        assert counts["encodings"] == 1
+        x.mul_(3)
+        again = luts[0](x)  # q alone again, as a second forward's first target
+        assert counts["encodings"] == 2 and torch.equal(again, luts[0](x.clone()))
+        x.mul_(0.5)
+        second = [lut(x) for lut in luts]
+        assert counts["encodings"] == 4  # one for x.clone(), one for this forward
+        fresh = x.clone()
+        assert all(torch.equal(out, lut(fresh)) for out, lut in zip(second, luts))
+
+
+def test_bfloat16_tables_past_float16s_range_are_refused_in_a_float16_model(tmp_path):
+    """precompute refuses float16 tables past +-65504 and advises bfloat16; a float16 model would hold
+    those bfloat16 tables in float16 (inf: every lookup inf), so install refuses, naming the file and
+    what to do; held in float32 (install_luts dtype) they give the dense output."""
+    g = torch.Generator().manual_seed(0)
+    # The decoder rows carry the scale and the encoder its inverse: x_hat and the outputs are ordinary.
+    sae = {"encoder_weight": torch.randn(32, 16, generator=g) * 1e-5, "encoder_bias": torch.zeros(32),
+           "decoder_weight": torch.randn(32, 16, generator=g) * 3e4, "decoder_bias": torch.zeros(16)}
+    linear = torch.nn.Linear(16, 8, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(8, 16, generator=g))
+    tables = {"t": lut_format.precompute(sae, linear.weight.detach().T, None, "bfloat16", "t")}
+    lut_format.write_lut(tmp_path, tables, 4)
+    model = torch.nn.Sequential()
+    model.add_module("t", copy.deepcopy(linear).half())
+    with pytest.raises(ConfigError, match=r"t\.lut\.safetensors: \d+ values of decoder_weight exceed float16's "
+                                          r"range .*dtype=torch\.float32"):
+        install_luts(model, lut_format.open_lut(tmp_path))
+    install_luts(model, lut_format.open_lut(tmp_path), budget=16, dtype=torch.float32)
+    x = torch.randn(3, 16, generator=g).half()
+    exact = x.float() @ linear.weight.detach().T
+    out = model(x).float()
+    # Full compensation: x @ W up to the rounding of the bfloat16 tables (eps 7.8e-3).
+    assert out.isfinite().all() and float((out - exact).norm() / exact.norm()) < 2e-2
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("budget", [0, 8])
 def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, budget, device):
@@ -576,6 +670,23 @@ def test_a_metadata_field_of_the_wrong_type_or_value_is_named(copy_of, edit, nam
     edit(meta)
     (copy_of / "metadata.json").write_text(json.dumps(meta))
     assert any(re.search(named, p) for p in lut_format.verify(copy_of)), lut_format.verify(copy_of)
+
+
+@pytest.mark.parametrize("edit", ["swapped", "shared"])
+def test_a_layer_listing_another_layers_file_is_refused(copy_of, edit):
+    """metadata.json entries swapped (sizes and sha256 along) or one file listed for two layers: every
+    record fits a real file, yet a layer would be served another's table. The spec names each layer's
+    file after its path: verify and open_lut name metadata.json, the layer and the file."""
+    meta = json.loads((copy_of / "metadata.json").read_text())
+    q, k = TARGETS[:2]
+    layers = meta["layers"]
+    layers[q], layers[k] = (layers[k], layers[q]) if edit == "swapped" else (dict(layers[k]), layers[k])
+    (copy_of / "metadata.json").write_text(json.dumps(meta))
+    named = rf"metadata\.json: layers\.{re.escape(q)}\.file '{re.escape(k)}\.lut\.safetensors' is not " \
+            rf"'{re.escape(q)}\.lut\.safetensors'"
+    assert any(re.search(named, p) for p in lut_format.verify(copy_of)), lut_format.verify(copy_of)
+    with pytest.raises(FormatError, match=named):
+        lut_format.open_lut(copy_of)
 
 
 def test_causal_lm_end_to_end_reports_kl_and_perplexity(extracted, tmp_path, monkeypatch):

@@ -2,13 +2,13 @@
 
 Runtime, per spec: Step A values, indices = TopK(ReLU(x @ E.T + e)); Step B
 out = sum_j values_j * P[indices_j] + bias_product (+ the linear's own bias, an extension).
-Targets whose tables hold the same encoder share one LutEncoder, which encodes each input tensor once
-per forward (q/k/v all see the same hidden_states object), and runs Step B, the compensation and
-runtime auto's dense x @ W once for all of them: it holds their P (and W) side by side as one
-[B, sum of outs] ([in, sum of outs]) table, so one lookup reads each selected row of every target at
-once and each target takes its columns. At decode-sized batches a lookup is mostly per-call overhead,
-which this pays once per group instead of once per target (bench/README.md `## lut`); every lookup
-column is the same sum as a lookup in the target's own table, bit for bit.
+Targets whose tables hold the same SAE (encoder and decoder) share one LutEncoder, which encodes each
+input tensor once per forward (q/k/v all see the same hidden_states object), and runs Step B, the
+compensation and runtime auto's dense x @ W once for all of them: it holds their P (and W) side by
+side as one [B, sum of outs] ([in, sum of outs]) table, so one lookup reads each selected row of every
+target at once and each target takes its columns. At decode-sized batches a lookup is mostly per-call
+overhead, which this pays once per group instead of once per target (bench/README.md `## lut`); every
+lookup column is the same sum as a lookup in the target's own table, bit for bit.
 
 Online compensation, done soundly (the spec's sketch overwrites output columns with a partial product
 over a subset of *input* dimensions, which is not a correction of anything): the LUT output equals
@@ -45,13 +45,14 @@ import hashlib
 import logging
 import time
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.lut import LutStore
+from actstore.formats.lut import BIAS_KEY, REQUIRED_KEYS, LutStore
 
 log = logging.getLogger(__name__)
 RUNTIMES = ("lookup", "auto")
@@ -68,6 +69,10 @@ CALIBRATION_REPEATS = 3  # best of, after one warm-up call
 # made Step B 0.080-0.088 ms against embedding_bag's 0.041-0.060. At 512 rows the Triton top-k took 0.308
 # ms against torch.topk's 0.130; Triton's Step B beats embedding_bag from 64 rows on, eagerly too.
 DECODE_ROWS = 8
+# install_luts checks this many rows of each table's P against its linear (check_products), reading the
+# linear's weight in float32 pieces of at most CHECK_CHUNK_BYTES.
+CHECK_ROWS = 8
+CHECK_CHUNK_BYTES = 64 * 2**20
 TRITON_LOADED: set[tuple] = set()  # the signatures whose Triton kernel an eager call ran (in_graph)
 TRITON_WARNED: set[tuple] = set()
 
@@ -150,7 +155,8 @@ def topk_relu(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _version(x: torch.Tensor) -> int | None:
-    """In-place edit counter (a cached encoding is stale once x changed); inference tensors have none."""
+    """In-place edit counter (a cached encoding is stale once x changed); inference tensors have none
+    (LutEncoder.begin)."""
     return None if x.is_inference() else x._version
 
 
@@ -176,7 +182,8 @@ class LutEncoder(nn.Module):
         # Per path, the last input it saw: (input, its version, what was computed for it). "lookup": the
         # encoding, residual terms by budget, the group's lookup and compensation; "dense": the group's
         # x @ W (group sums with the targets that took their columns). Separate, so that a dense call
-        # between two calls on one input does not make the second encode again.
+        # between two calls on one input does not make the second encode again. "served": for an
+        # inference tensor, the targets it was served to in this forward (begin).
         self._last: dict[str, tuple[Any, int | None, dict[Any, Any]]] = {}
 
     def add_target(self, products: torch.Tensor, bias_product: torch.Tensor, weight: torch.Tensor | None) -> slice:
@@ -206,6 +213,28 @@ class LutEncoder(nn.Module):
         """Drop what was computed for the last inputs, so that the next call encodes (calibration times
         each encoding)."""
         self._last = {}
+
+    def begin(self, x: torch.Tensor, columns: slice) -> None:
+        """Before a target computes on x. An inference tensor has no version counter, so an in-place
+        edit of it between two forwards cannot be seen: what was computed for it serves only the
+        group's targets of one forward. A target that was served x already begins another forward, so
+        x's records are dropped first (end drops them once every target was served)."""
+        if _version(x) is not None:
+            return
+        served = self._results(x, "served")
+        if columns.start in served:
+            self._forget_input(x)
+            served = self._results(x, "served")
+        served[columns.start] = True
+
+    def end(self, x: torch.Tensor) -> None:
+        """After a target computed on x: an inference tensor's records are dropped once every target of
+        the group was served it (begin)."""
+        if _version(x) is None and len(self._results(x, "served")) == self.n_targets:
+            self._forget_input(x)
+
+    def _forget_input(self, x: torch.Tensor) -> None:
+        self._last = {path: last for path, last in self._last.items() if last[0]() is not x}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, indices) [N, k] for x [..., input_dim] flattened to N rows."""
@@ -345,7 +374,9 @@ class LutLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path = "dense" if self.runs_dense(x.numel() // x.shape[-1]) else "lookup"
         self.paths[path] += 1
+        self.encoder.begin(x, self.columns)
         out = self.dense_path(x) if path == "dense" else self.lookup_path(x)
+        self.encoder.end(x)
         if self.target_bias is not None:
             out = out + self.target_bias
         # Columns of the group's result made a tensor of their own, as an nn.Linear's output is: a view
@@ -476,20 +507,108 @@ def parent_module(model: nn.Module, module_path: str) -> tuple[nn.Module, str]:
     return (get_module(model, parent_path) if parent_path else model), name
 
 
-def _encoder_digest(tables: dict[str, torch.Tensor]) -> bytes:
-    """sha256 of a table file's encoder bytes: targets whose digests match share one LutEncoder. A
-    digest, not the bytes, as the key: an 8B model's encoder is 134 MB a layer, held per distinct SAE."""
+def _sae_digest(tables: dict[str, torch.Tensor]) -> bytes:
+    """sha256 of a table file's encoder and decoder bytes: targets whose digests match share one
+    LutEncoder, whose decoder reconstructs x_hat for every target's compensation (the encoder alone
+    would let a table with another decoder be compensated with the first one's). A digest, not the
+    bytes, as the key: an 8B model's encoder is 134 MB a layer, held per distinct SAE."""
     digest = hashlib.sha256()
-    for key in ("encoder_weight", "encoder_bias"):
+    for key in ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias"):
         digest.update(tables[key].contiguous().view(torch.uint8).numpy())
     return digest.digest()
 
 
+def _rounding(*dtypes: torch.dtype) -> float:
+    """Sum of the machine epsilons of `dtypes`: a relative tolerance for one rounding to nearest (half
+    an epsilon) to each of them, twice (check_products)."""
+    return sum(torch.finfo(dtype).eps for dtype in dtypes)
+
+
+def _products(rows: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows @ weight.T and |rows| @ |weight|.T (the second bounds the rounding of the first) in
+    float64: on a GPU where a caller allowed TF32, float32 matmuls round their inputs to 10 bits, as
+    coarse as float16 tables. Over CHECK_CHUNK_BYTES of weight at a time: a float64 copy of a whole
+    weight would multiply the largest layer's memory."""
+    step = max(1, CHECK_CHUNK_BYTES // (8 * weight.shape[1]))
+    exact, scale = [], []
+    for chunk in weight.detach().split(step):
+        chunk = chunk.double()
+        exact.append(rows @ chunk.T)
+        scale.append(rows.abs() @ chunk.abs().T)
+    return torch.cat(exact, dim=1), torch.cat(scale, dim=1)
+
+
+def check_products(tables: dict[str, torch.Tensor], linear: nn.Linear, file: Path, module_path: str) -> None:
+    """FormatError naming `file` and `module_path` unless the tables were built from this linear: up
+    to CHECK_ROWS rows of P (spread over the basis) and bias_product against decoder_weight and
+    decoder_bias times the live weight, and target_bias against its bias. Sizes alone let
+    another checkpoint's tables install, whose lookup is then wrong at every budget (the compensation
+    uses the live W). Allowed, relative to |rows| @ |W| (the worst case over a row's sum): half an
+    epsilon of the tables' dtype for P's rounding from float32 and half for the decoder's, and an
+    epsilon of the weight's dtype (the tables may come from this weight before a cast to the model's
+    dtype). Products computed in another precision than float32 may not pass."""
+    dtype = tables["precomputed_products"].dtype
+    eps, tiny = _rounding(dtype, linear.weight.dtype), torch.finfo(dtype).tiny
+    basis = tables["decoder_weight"].shape[0]
+    picked = torch.linspace(0, basis - 1, min(CHECK_ROWS, basis)).round().long()
+    device = linear.weight.device
+    rows = torch.cat([tables["decoder_weight"][picked], tables["decoder_bias"][None]]).to(device, torch.float64)
+    kept = torch.cat([tables["precomputed_products"][picked], tables["bias_product"][None]]).to(device, torch.float64)
+    exact, scale = _products(rows, linear.weight)
+    error, allowed = (kept - exact).abs(), eps * scale + tiny
+    row, column = divmod(int((error - allowed).argmax()), error.shape[1])
+    if error[row, column] > allowed[row, column]:
+        what, source = (("bias_product", "decoder_bias") if row == len(picked) else
+                        (f"precomputed_products row {int(picked[row])}", f"decoder_weight[{int(picked[row])}]"))
+        raise FormatError(f"{file}: {what} differs from {source} @ {module_path}.weight.T by "
+                          f"{error[row, column].item():.3g} (rounding allows {allowed[row, column].item():.3g}): "
+                          f"the tables were built from other weights than this model's {module_path}; build the "
+                          f"LUT from this model")
+    _check_bias(tables.get(BIAS_KEY), linear, file, module_path)
+
+
+def _check_bias(target_bias: torch.Tensor | None, linear: nn.Linear, file: Path, module_path: str) -> None:
+    """A table's target_bias (when it has one) against the linear's bias, within both dtypes' rounding."""
+    if target_bias is None:
+        return
+    if linear.bias is None:
+        raise FormatError(f"{file}: has a target_bias but {module_path} has no bias: the tables were built for "
+                          f"another layer; build the LUT from this model")
+    bias = linear.bias.detach().float()
+    allowed = _rounding(target_bias.dtype, linear.bias.dtype) * bias.abs() + torch.finfo(target_bias.dtype).tiny
+    if ((target_bias.to(bias) - bias).abs() > allowed).any():
+        raise FormatError(f"{file}: target_bias differs from {module_path}.bias beyond rounding: the tables were "
+                          f"built from other weights than this model's {module_path}; build the LUT from this model")
+
+
+def held_tables(tables: dict[str, torch.Tensor], held: torch.dtype, file: Path,
+                module_path: str) -> dict[str, torch.Tensor]:
+    """The spec's tensors (and target_bias) of one table file in `held`, the dtype the runtime computes
+    in (module docstring). ConfigError naming the file when a finite stored value becomes inf there:
+    bfloat16 tables (precompute's advice when float16 would overflow) in a float16 model would make
+    every lookup through them inf."""
+    converted = {key: tables[key].to(held) for key in (*REQUIRED_KEYS, BIAS_KEY) if key in tables}
+    for key, value in converted.items():
+        if torch.finfo(held).max < torch.finfo(tables[key].dtype).max:  # only a narrower range overflows
+            overflow = int((value.isinf() & tables[key].isfinite()).sum())
+            if overflow:
+                raise ConfigError(f"{file}: {overflow} values of {key} exceed {_name(held)}'s range (largest "
+                                  f"{tables[key].abs().max().item():.4g}), the dtype {module_path} computes in: "
+                                  f"pass install_luts dtype=torch.float32 (or torch.{_name(tables[key].dtype)}) "
+                                  f"to hold the tables in a dtype that fits, or load the model in one")
+    return converted
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torch.dtype | None = None,
                  runtime: str = "lookup", crossover_tokens: int | None = None) -> dict[str, LutLinear]:
-    """Replace every layer of `store` in `model` by a LutLinear; same encoder tensors -> one LutEncoder.
-    Tables are held in `dtype`, by default the dtype of the linear they replace (module docstring); the
-    targets sharing an encoder share its tables, in the first one's.
+    """Replace every layer of `store` in `model` by a LutLinear; same SAE tensors -> one LutEncoder.
+    Each table is checked against its linear first (check_products). Tables are held in `dtype`, by
+    default the dtype of the linear they replace (module docstring; held_tables); the targets sharing
+    an encoder share its tables, in the first one's.
     runtime "auto": the crossover is `crossover_tokens` when given (reproducible runs, tests), else
     measured now by calibrate_auto (each target's `calibration` holds its group's table)."""
     from actstore.models import get_module
@@ -497,15 +616,17 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
     encoders: dict[bytes, LutEncoder] = {}
     installed = {}
     for module_path, entry in store.layers.items():
-        linear = get_module(model, module_path)
+        linear, file = get_module(model, module_path), store.dir / entry["file"]
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"lut target {module_path!r} is a {type(linear).__name__}, not nn.Linear")
         if (linear.in_features, linear.out_features) != (entry["input_dim"], entry["output_dim"]):
-            raise FormatError(f"{store.dir / entry['file']}: [{entry['input_dim']}, {entry['output_dim']}] does not "
+            raise FormatError(f"{file}: [{entry['input_dim']}, {entry['output_dim']}] does not "
                               f"fit {module_path} ({linear.in_features} -> {linear.out_features})")
-        tables = store.load(module_path)
-        held = dtype or linear.weight.dtype
-        key = _encoder_digest(tables)
+        stored = store.load(module_path)
+        check_products(stored, linear, file, module_path)
+        key = _sae_digest(stored)
+        held = encoders[key].products.dtype if key in encoders else (dtype or linear.weight.dtype)
+        tables = held_tables(stored, held, file, module_path)
         if key not in encoders:
             encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
         lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime).to(linear.weight.device)

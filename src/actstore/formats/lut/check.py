@@ -1,5 +1,6 @@
 """Check a LUT (the Format interface): metadata fields, every table's size, sha256, keys, shapes and
-dtypes, files the metadata does not list, names that would lead outside the lut/ directory."""
+dtypes, files the metadata does not list, names that would lead outside the lut/ directory, and each
+layer's file named after its layer (the spec's `{layer_path}.lut.safetensors`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (BIAS_KEY, META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX,
-                                         expected_shapes, layer_index, lut_dir)
+                                         expected_shapes, layer_index, lut_dir, lut_file)
 from actstore.integrity import (DIGESTS, inside, iso_timestamp, links_out, listed_problem, problems_of, read_json,
                                 version_string, whole_number)
 
@@ -59,6 +60,9 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
             problems.append(f"{meta_path}: field 'layers.{name}.file' missing or not a string")
         elif Path(entry["file"]).name != entry["file"] or not entry["file"].endswith(SUFFIX):
             problems.append(f"{meta_path}: layers.{name}.file {entry['file']!r} must be a bare '*{SUFFIX}' name")
+        elif entry["file"] != lut_file(name):  # its own: a swapped or shared entry serves a layer another's table
+            problems.append(f"{meta_path}: layers.{name}.file {entry['file']!r} is not {lut_file(name)!r}: the spec "
+                            f"names each layer's table after its path ('{{layer_path}}{SUFFIX}')")
         if isinstance(entry, dict) and entry.get("dtype", "float16") not in SAFETENSORS_DTYPES.values():
             problems.append(f"{meta_path}: field 'layers.{name}.dtype' must be one of "
                             f"{sorted(SAFETENSORS_DTYPES.values())}, got {entry['dtype']!r:.60}")
