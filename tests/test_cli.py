@@ -10,8 +10,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
+import numpy as np
 import yaml
 
 import tiny
@@ -400,6 +402,22 @@ def test_unknown_directory_exits_2(tmp_path):
     assert proc.returncode == 2 and "none of the known formats" in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_path_that_does_not_exist_exits_2_not_1(command, tmp_path):
+    """Bad usage is 2 (1 is verify's "problems found"), the message on stderr."""
+    proc = run(ACTSTORE, command, str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and proc.stderr == f"actstore: {tmp_path / 'nothing'}: no such file or directory\n"
+
+
+def test_locate_names_a_config_file_it_cannot_parse(tmp_path):
+    """Deep nesting in the YAML: exit 2 naming the file, no traceback."""
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text("model: " + "[" * 100_000 + "]" * 100_000)
+    proc = run(ACTSTORE, "locate", "--configfile", str(configfile))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == f"actstore: {configfile}: not valid YAML (nested too deeply to parse)\n"
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify", "locate"])
 def test_every_command_has_help(command):
     proc = run(ACTSTORE, command, "--help")
@@ -528,3 +546,68 @@ def test_an_unlisted_data_file_fails_verify_naming_it(workflow_run, name, extra,
     proc = actstore("verify", str(store))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"BAD  {planted}: not listed in" in proc.stdout
+
+
+def _save_npy(array: np.ndarray) -> Callable[[Path], None]:
+    return lambda path: (path.unlink(), np.save(path, array, allow_pickle=True))
+
+
+def _save_npz(path: Path) -> None:
+    path.unlink()
+    with open(path, "wb") as fh:
+        np.savez(fh, windows=np.zeros((1, 3), np.int64))
+
+
+def _replace_dir(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rel, damage, named", [
+    ("windows.npy", _save_npy(np.array([{}], dtype=object)), "not a .npy array of windows"),
+    ("windows.npy", _save_npy(np.arange(3)), "int64 (3,), not an integer (n_examples, 3) table"),
+    ("windows.npy", _save_npz, "not a .npy array of windows (an .npz archive)"),
+    ("shards.json", _replace_dir, "not a regular file"),
+    ("metadata.json", lambda path: path.write_text(DEEP_JSON), "not valid JSON (nested too deeply to parse)"),
+    ("metadata.json", lambda path: path.write_text(path.read_text().replace("{", '{"d_model": 4,', 1)),
+     "not valid JSON (key 'd_model' given twice)"),
+    ("../saev.json", lambda path: path.write_text(DEEP_JSON), "not valid JSON (nested too deeply to parse)"),
+])
+def test_a_hostile_saev_file_is_named_by_inspect_and_verify_never_a_traceback(workflow_run, rel, damage, named,
+                                                                              tmp_path):
+    """inspect exits 2 naming the file and why, verify 1 naming the file (before: IndexError,
+    ValueError, IsADirectoryError or RecursionError tracebacks, and a duplicate key verified)."""
+    config = copied_run(workflow_run, tmp_path)
+    store = store_path(config, "saev")
+    pointer = rel.startswith("../")
+    target = stage_dir(config, "saev") / "saev.json" if pointer else store / rel
+    given = stage_dir(config, "saev") if pointer else store
+    damage(target)
+    proc = actstore("inspect", str(given))
+    assert proc.returncode == 2 and proc.stderr.startswith(f"actstore: {target}: {named}"), proc.stderr
+    proc = actstore("verify", str(given))
+    assert proc.returncode == 1 and f"BAD  {target}: " in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, rel", [("saev", "windows.npy"), ("saev pointer", "windows.npy"),
+                                       ("pickle", "metadata.json"), ("zarr", "manifest.json"),
+                                       ("extract", "extract.json")])
+def test_inspect_refuses_a_file_linked_out_of_the_store(workflow_run, name, rel, tmp_path):
+    """A store's file replaced by a link to a copy outside it: inspect summarised the outside file as
+    the store's; it exits 2 naming the link (for a saev stage dir, a link in the store its pointer
+    leads to)."""
+    config = copied_run(workflow_run, tmp_path)
+    store = store_path(config, name.split()[0])
+    outside = tmp_path / "outside"
+    shutil.copy(store / rel, outside)
+    (store / rel).unlink()
+    (store / rel).symlink_to(outside)
+    given = stage_dir(config, "saev") if name == "saev pointer" else store
+    proc = actstore("inspect", str(given))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"actstore: {store / rel}: a link to {outside}, outside {store}"), proc.stderr

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -101,6 +102,25 @@ def test_stage_dir_holds_the_config_it_was_made_from(demo, tmp_path):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("text, why", [(b"model: [1, 2\nextract: {", "not valid YAML (while parsing"),
+                                       (b"\xff\xfe: 1\n", "not valid YAML ('utf-8' codec can't decode"),
+                                       (b"model: " + b"[" * 100_000 + b"]" * 100_000, "not valid YAML (nested too deeply")])
+def test_a_config_file_that_is_not_yaml_is_named(tmp_path, text, why):
+    """Bad YAML, text that is not UTF-8 and nesting too deep to parse: ConfigError naming the file
+    (`actstore locate` printed a traceback)."""
+    path = tmp_path / "config.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {why}")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("section", ["model", "extract", "saev"])
+def test_a_section_that_is_not_a_mapping_is_named(demo, section):
+    """A section given as a list: the schema's type error, not an AttributeError from default filling."""
+    with pytest.raises(ConfigError, match=re.escape(f"invalid config at {section}: [1] is not of type 'object'")):
+        validate_config({**copy.deepcopy(demo), section: [1]})
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "osc.example.yaml"])

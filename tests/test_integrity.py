@@ -359,6 +359,79 @@ def test_json_streamed_in_small_blocks_reads_as_json_loads(tmp_path, monkeypatch
         list(integrity.stream_json_object(tmp_path / "nothing.json", "files"))
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # past any recursion limit: json.loads raised RecursionError
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"a": 1, "b": {"c": 2, "c": 3}}', "key 'c' given twice"),
+    ('{"n_examples": 1, "d_model": 4, "n_examples": 8}', "key 'n_examples' given twice"),
+    ('{"a": [1, NaN]}', "NaN is not a JSON number"),
+    ('{"a": Infinity}', "Infinity is not a JSON number"),
+    ('{"a": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"a": ' + DEEP + "}", "nested too deeply to parse"),
+])
+def test_json_that_json_loads_lets_through_is_refused_naming_the_file(tmp_path, text, why):
+    """A duplicate key (json.loads keeps the last value, where a hash of the text saw both), NaN or
+    Infinity (not JSON numbers) and nesting too deep to parse: FormatError naming the file, whether
+    read whole or streamed (outside the streamed object, whose millions of names are not held)."""
+    from actstore.integrity import read_json, stream_json_object
+
+    path = tmp_path / "metadata.json"
+    path.write_text(text)
+    named = re.escape(f"{path}: not valid JSON ({why})")
+    with pytest.raises(FormatError, match=named):
+        read_json(path)
+    with pytest.raises(FormatError, match=named):
+        list(stream_json_object(path, "files"))
+
+
+def read_in_thread(read: Callable[[], object], fifo: Path) -> list[str]:
+    """The FormatError messages of read(), run on a thread; fails the test when it waits on the FIFO
+    (then released by opening the FIFO's other end, so that the thread ends)."""
+    errors: list[str] = []
+
+    def run() -> None:
+        try:
+            read()
+        except FormatError as exc:
+            errors.append(str(exc))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        with open(fifo, "w"):
+            pass
+        thread.join()
+        pytest.fail(f"the read of {fifo} waited on the FIFO")
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_json_file_that_is_not_a_regular_file_is_refused_never_waited_on(tmp_path, kind):
+    """A FIFO named metadata.json blocked every command reading it forever; a directory raised
+    IsADirectoryError: each is a FormatError naming it, read whole or streamed."""
+    from actstore.integrity import read_json, stream_json_object
+
+    path = tmp_path / "metadata.json"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    named = f"{path}: not a regular file (a FIFO, device or directory is never read)"
+    assert read_in_thread(lambda: read_json(path), path) == [named]
+    assert read_in_thread(lambda: list(stream_json_object(path, "files")), path) == [named]
+
+
+def test_a_json_file_over_the_size_limit_is_refused_unread(tmp_path):
+    """A file larger than any metadata file (a sparse one here: no disk) is named before any of it is
+    read into memory."""
+    from actstore import integrity
+
+    path = tmp_path / "files.json"
+    path.write_text("{}")
+    size = integrity.JSON_MAX_BYTES + 1
+    os.truncate(path, size)
+    with pytest.raises(FormatError, match=re.escape(f"{path}: {size} bytes, over the {integrity.JSON_MAX_BYTES}")):
+        integrity.read_json(path)
+
+
 def test_sorted_files_walks_in_sorted_name_order(tmp_path):
     """Names that sort around "/" ("a.x", "a-b", "a0" against the directory "a"), digits sorted as
     text, links listed and not followed: one directory at a time gives what sorting every name does."""

@@ -585,7 +585,7 @@ def test_metadata_that_misstates_the_data_is_named(store, tmp_path, edit, named)
     (lambda m: m["shards"][1].update(shard_id="x"), r"shards\[1\]\.shard_id must be a whole number"),
     (lambda m: m["shards"][0].update(sample_id_range=[5, 2]), r"shards\[0\]\.sample_id_range must be \[first, last\]"),
     (lambda m: m["shards"][0].update(checksum=7), r"shards\[0\]\.checksum must be 'sha256:<hex>'"),
-    (lambda m: m.update(statistics=float("nan")), r"statistics must be an object"),
+    (lambda m: m.update(statistics=float("nan")), r"not valid JSON \(NaN is not a JSON number\)"),
     (lambda m: m["extraction_config"].update(layers_extracted=[99]),
      r"extraction_config\.layers_extracted \(the shards hold layers"),
     (lambda m: m["extraction_config"]["model_params"].update(hidden_size={"a": 1}),

@@ -203,6 +203,52 @@ def test_a_mistyped_sidecar_record_is_named_not_a_crash(extracted, tmp_path, edi
     with pytest.raises(FormatError, match=named):
         saev.open_store(store_dir)
 
+def flip_byte(path: Path, at: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
+@pytest.mark.parametrize("sidecar", ["missing", "empty"])
+def test_a_store_planned_from_an_extraction_without_its_sidecar_is_named(extracted, tmp_path, sidecar):
+    """actstore.json holds every shard's sha256 of a store planned from an extraction (metadata.json's
+    data says source "actstore"): deleted or emptied, and a shard byte then flipped, it is named by
+    verify, not taken for a store saev wrote (which records none, so none is checked). A raw store of
+    another source needs none."""
+    _, src = build(extracted, "dinov2")
+    store_dir = tmp_path / src.name
+    shutil.copytree(src, store_dir)
+    if sidecar == "missing":
+        (store_dir / saev.SIDECAR).unlink()
+    else:
+        (store_dir / saev.SIDECAR).write_text("{}")
+    flip_byte(store_dir / "acts000001.bin", 1000)
+    problems = saev.verify(store_dir)
+    named = f"{store_dir / saev.SIDECAR}: {sidecar}, but {store_dir / 'metadata.json'} data says"
+    assert len(problems) == 1 and problems[0].startswith(named), problems
+    with pytest.raises(FormatError, match=re.escape(named)):
+        saev.open_store(store_dir, verify=True)
+    raw = synthetic_store(tmp_path / "raw", n=5, tokens=4, d=8, per_shard=2)  # data: source "test"
+    (raw / saev.SIDECAR).unlink()
+    assert saev.verify(raw) == []
+
+
+def test_a_duplicate_key_in_saev_metadata_is_named_not_read_past(extracted, tmp_path):
+    """A key given twice in metadata.json: json.loads keeps the last value, so the store verified
+    by its name's hash while the first value stood in the text; verify names the file and the key."""
+    _, src = build(extracted, "dinov2")
+    store_dir = tmp_path / src.name
+    shutil.copytree(src, store_dir)
+    text = (store_dir / "metadata.json").read_text()
+    (store_dir / "metadata.json").write_text(text.replace("{", '{"n_examples": 1,', 1))
+    named = f"{store_dir / 'metadata.json'}: not valid JSON (key 'n_examples' given twice)"
+    assert saev.verify(store_dir) == [named]
+    with pytest.raises(FormatError, match=re.escape(named)):
+        saev.open_store(store_dir)
+
+
 def scatter(extraction, section, root, jobs, extract_hash=None):
     """The workflow's shard jobs (plans without labels, as saev_shards.py makes them): their dirs."""
     image = extraction.meta["modality"] == "image"
@@ -290,6 +336,30 @@ def test_finish_refuses_missing_or_short_shards_and_records(extracted, tmp_path)
     refused(r"job-0001/job\.json: the record of job 1 of 3, as is .*job-0000/job\.json")
     store = finish(extraction, sec, root, dirs)
     assert saev.verify(store) == [] and all((d / "job.json").is_file() for d in dirs)
+
+
+def test_a_shard_job_rerun_never_writes_into_the_finished_store(extracted, tmp_path):
+    """finish_store hard-links each job's shards into the store: a job rerun into its old directory
+    writes new files there, so the finished store keeps its bytes whether the rerun dies partway (its
+    shard was left cut to zeros) or completes with other data (its shard was rewritten in place)."""
+    config, extract_dir = extracted("dinov2")
+    extraction = open_extraction(extract_dir)
+    sec = {**config["saev"], "patches_per_shard": PPS}
+    root = tmp_path / "saev"
+    dirs = scatter(extraction, sec, root, 2)
+    store = finish(extraction, sec, root, dirs)
+    before = tree_bytes(store)
+    plan = saev.plan_store(extraction, sec, labels=False,
+                           model_config=read_model_config(extraction.meta["model"]["path"]))
+
+    def dies(start: int, out: np.ndarray) -> None:
+        raise MemoryError("killed")  # as a job killed partway (out of memory, preempted)
+
+    with pytest.raises(MemoryError):
+        saev.write_shards(plan, dies, dirs[0], 2, 0)
+    assert tree_bytes(store) == before
+    saev.write_shards(plan, lambda start, out: out.fill(1.0), dirs[0], 2, 0)
+    assert tree_bytes(store) == before and saev.verify(store) == []
 
 
 def test_shards_written_from_a_ring_of_bounded_buffers(tmp_path, monkeypatch):

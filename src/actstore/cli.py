@@ -1,7 +1,8 @@
 """The `actstore` command: inspect, verify and locate stores.
 
 Exit codes: 0 success; 1 `verify` found problems (each printed, naming the file); 2 bad usage, an
-unknown path or a directory holding no known format.
+unknown path, a directory holding no known format, a store `inspect` cannot summarise or a config
+`locate` cannot read (each named on stderr).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _detect_or_exit(path: Path) -> str:
     from actstore.formats import FORMAT_NAMES, detect_format
 
     if not path.exists():
-        sys.exit(f"actstore: {path}: no such file or directory")
+        print(f"actstore: {path}: no such file or directory", file=sys.stderr)
+        sys.exit(2)  # never 1, which is verify's "problems found"
     name = detect_format(path)
     if name is None:
         print(f"actstore: {path}: holds none of the known formats ({', '.join(FORMAT_NAMES)})", file=sys.stderr)
@@ -32,12 +34,20 @@ def _detect_or_exit(path: Path) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from actstore.formats import format_module
+    from actstore.integrity import links_out, refuse
     from actstore.verify import sae_summary
 
-    if _is_sae_stage(args.path):
-        info, keys = sae_summary(args.path), SAE_KEYS
-    else:
-        info, keys = format_module(_detect_or_exit(args.path)).inspect(args.path), SUMMARY_KEYS
+    refuse(links_out(args.path))  # a metadata file linked out would be summarised as the store's
+    try:
+        if _is_sae_stage(args.path):
+            info, keys = sae_summary(args.path), SAE_KEYS
+        else:
+            info, keys = format_module(_detect_or_exit(args.path)).inspect(args.path), SUMMARY_KEYS
+    except (ValueError, IndexError, OSError) as exc:
+        # What a reader did not name itself (an array of another shape, a directory where a file goes):
+        # still bad input, exit 2, never a traceback.
+        print(f"actstore: {args.path}: cannot be summarised ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:

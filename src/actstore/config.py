@@ -63,7 +63,8 @@ def _default_filling_validator():
     check_properties = Draft202012Validator.VALIDATORS["properties"]
 
     def fill_defaults(validator, properties, instance, schema):
-        for name, subschema in properties.items():
+        # Only into an object: a section given as a list or a number is the type error "type" names.
+        for name, subschema in properties.items() if validator.is_type(instance, "object") else ():
             if "default" in subschema:
                 instance.setdefault(name, copy.deepcopy(subschema["default"]))
         yield from check_properties(validator, properties, instance, schema)
@@ -77,8 +78,13 @@ def load_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    with path.open() as fh:
-        config = yaml.safe_load(fh) or {}
+    try:
+        with path.open(encoding="utf-8") as fh:
+            config = yaml.safe_load(fh) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML (nested too deeply to parse)") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(config).__name__}")
     return validate_config(copy.deepcopy(config))

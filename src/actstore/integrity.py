@@ -5,14 +5,16 @@ about."""
 from __future__ import annotations
 
 import datetime as dt
+import io
 import itertools
 import json
 import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Iterator, Sized, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sized, TypeVar
 
 from tqdm import tqdm
 
@@ -234,19 +236,75 @@ def check_file(path: Path, record: dict[str, Any] | None, source: str) -> None:
         raise FormatError(problem)
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file's content; FormatError naming the file when it is missing or not JSON."""
+# The largest JSON file read_json reads (whole, before parsing): a guard against a file no writer made
+# (gigabytes of data in a metadata file's place), not a budget. Some metadata lists every file of a
+# store or dataset (a zarr shard's meta/files.json, a merge job's record, dataset_scan.json, a big
+# store's shards.json) and runs to hundreds of MB at millions of files, so the cap is that generous.
+JSON_MAX_BYTES = 1 << 30
+
+
+class _StrictJsonError(ValueError):
+    """JSON that json.loads takes but no writer writes (a duplicate key, NaN or Infinity)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict, refusing a key given twice: json.loads keeps the last value,
+    where a hash of the text (a seal, a store's name) saw both."""
+    members = dict(pairs)
+    if len(members) < len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _StrictJsonError(f"key {twice!r} given twice")
+    return members
+
+
+def _no_constant(name: str) -> Any:
+    """NaN, Infinity, -Infinity: not JSON numbers (json.dumps writes them, json.loads reads them)."""
+    raise _StrictJsonError(f"{name} is not a JSON number")
+
+
+_STRICT_JSON = {"object_pairs_hook": _unique_keys, "parse_constant": _no_constant}  # json.loads' options
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading; FormatError naming it when it is missing, cannot be opened, or is
+    not a regular file: a FIFO would block the read forever (O_NONBLOCK: the open itself would
+    wait for a writer; O_NOCTTY: a terminal is never made this process's), a device might never
+    end, a directory is no document."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         raise FormatError(f"{path}: missing") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
+    return os.fdopen(fd, "rb")
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content; FormatError naming the file when it is missing, not a regular file,
+    over JSON_MAX_BYTES, or not strict JSON: not UTF-8, not JSON, a duplicate key, NaN or Infinity,
+    or nested too deeply to parse (a RecursionError otherwise)."""
+    with _open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > JSON_MAX_BYTES:
+            raise FormatError(f"{path}: {size} bytes, over the {JSON_MAX_BYTES} of any metadata file")
+        data = fh.read(size + 1)  # a read of the cap would allocate it whole; one more byte: did it grow?
+    if len(data) > size:
+        raise FormatError(f"{path}: grew while it was read (a writer still at it?)")
+    try:
+        return json.loads(data.decode("utf-8"), **_STRICT_JSON)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _StrictJsonError
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise FormatError(f"{path}: not valid JSON (nested too deeply to parse)") from None
 
 
 JSON_BLOCK_CHARS = 1 << 20  # what stream_json_object reads at a time
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
-_JSON_DECODER = json.JSONDecoder()
+_JSON_DECODER = json.JSONDecoder(**_STRICT_JSON)
 
 
 def stream_json_object(path: Path, big: str, what: str = "a JSON object") -> Iterator[tuple[str, Any]]:
@@ -257,12 +315,10 @@ def stream_json_object(path: Path, big: str, what: str = "a JSON object") -> Ite
     FormatError names the file: missing, not valid JSON, or not `what` (not an object, or `big`
     not an object)."""
     try:
-        with path.open(encoding="utf-8") as fh:
+        with io.TextIOWrapper(_open_regular(path), encoding="utf-8") as fh:
             stream = _JsonStream(fh, path, what)
             yield from stream.members(big)
             stream.end()
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
     except UnicodeDecodeError as exc:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
@@ -290,11 +346,14 @@ class _JsonStream:
         if self._peek() == "}":
             self.pos += 1
             return
+        seen: set[str] = set()  # the top level's few keys: `big`'s millions of names are never held
         while True:
             self._peek()
             at, key = self._offset(), self._value()
             if not isinstance(key, str):
                 raise FormatError(f"{self.path}: not valid JSON (a key that is not a string at character {at})")
+            if big is not None and (key in seen or seen.add(key)):
+                raise FormatError(f"{self.path}: not valid JSON (key {key!r} given twice)")
             self._take(":")
             if key == big:
                 nested = self.members()
@@ -352,6 +411,10 @@ class _JsonStream:
                 if self.eof:
                     raise FormatError(f"{self.path}: not valid JSON ({exc.msg} at character "
                                       f"{self.consumed + exc.pos})") from None
+            except _StrictJsonError as exc:  # raised on a whole value only: more text cannot mend it
+                raise FormatError(f"{self.path}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise FormatError(f"{self.path}: not valid JSON (nested too deeply to parse)") from None
             self._more()
 
 

@@ -12,7 +12,7 @@ from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, S
                                           UPSTREAM_FAMILIES, WINDOWS, decode_data, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
 from actstore.integrity import (SEAL_KEY, dir_bytes, file_problem, links_out, listed_problem, problems_of, read_json,
-                                seal_problems, unlisted)
+                                refuse, seal_problems, unlisted)
 
 
 def detect(path: str | Path) -> bool:
@@ -25,7 +25,9 @@ def detect(path: str | Path) -> bool:
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
-    """Summary of a store for `actstore inspect`."""
+    """Summary of a store for `actstore inspect`; FormatError naming each link out of the store (the
+    one a stage dir's pointer leads to included): nothing outside it is read."""
+    refuse(links_out(resolve(path)))
     store = SaevStore(path, check_sizes=False)
     md = store.metadata
     windows = store.windows
@@ -54,10 +56,14 @@ def verify(path: str | Path) -> list[str]:
         return [str(exc)]
     problems = _verify_name(store) + _verify_pointer_seal(Path(path), store.dir)
     try:
-        if store.sidecar:  # ours pickle a plain dict; saev pickles its dataset classes, never unpickled here
-            problems += _verify_provenance(store, decode_data(store.metadata["data"]))
+        description = _data_description(store)
     except FormatError as exc:
+        description = None
         problems.append(f"{store.dir / METADATA}: {exc}")
+    if _planned(description) and not store.sidecar:
+        problems.append(_missing_sidecar(store))
+    elif store.sidecar:
+        problems += _verify_provenance(store, description)
     problems += store.size_problems() + _verify_shard_checksums(store) + _verify_sidecar_files(store)
     listed = {METADATA, SHARDS, SIDECAR, *(s["name"] for s in store.shards), *_recorded(store)}
     return problems + unlisted(store.dir, listed, f"{SHARDS} or {SIDECAR}")
@@ -89,6 +95,33 @@ def _verify_pointer_seal(path: Path, store_dir: Path) -> list[str]:
     return problems + seal_problems(store_dir, sealed, pointer, present)
 
 
+def _data_description(store: SaevStore) -> Any:
+    """metadata.json's `data` decoded, or None for a store saev wrote (no sidecar: its `data` pickles
+    saev's dataset classes, never unpickled here). FormatError where a store with a sidecar holds a
+    `data` that does not decode (ours pickle a plain dict)."""
+    try:
+        return decode_data(store.metadata["data"])
+    except FormatError:
+        if store.sidecar:
+            raise
+        return None
+
+
+def _planned(description: Any) -> bool:
+    """Whether `data` says the store was planned from an extraction (write.plan_store: "source":
+    "actstore"), so its writer recorded every file's size and sha256 in actstore.json."""
+    return isinstance(description, dict) and description.get("source") == "actstore"
+
+
+def _missing_sidecar(store: SaevStore) -> str:
+    """The problem of a store planned from an extraction without its file records: without them no
+    shard's sha256 is checked, and any byte could change (saev's own stores have none to check)."""
+    path = store.dir / SIDECAR
+    return (f"{path}: {'empty' if path.is_file() else 'missing'}, but {store.dir / METADATA} data says the "
+            f"store was planned from an extraction (source 'actstore'), whose writer records every shard's "
+            f"sha256 there: no shard can be checked")
+
+
 def _verify_provenance(store: SaevStore, description: Any) -> list[str]:
     """actstore.json's source_extraction and model_type against metadata.json, which the store's name
     hashes, where the store was planned from an extraction (write.plan_store: `data` from
@@ -96,7 +129,7 @@ def _verify_provenance(store: SaevStore, description: Any) -> list[str]:
     named from the model_type (a text store keeps it; an image store maps it through FAMILIES, or kept
     it before its mapping was added). The pointer's seal is their only other record, and a store given
     by its own path has none."""
-    if not isinstance(description, dict) or description.get("source") != "actstore":
+    if not _planned(description):
         return []  # a raw store (write_raw_store): its sidecar is the caller's
     sidecar, where = store.sidecar, store.dir / SIDECAR
     problems = [f"{where}: field {key!r} missing (written with every store planned from an extraction)"
@@ -153,10 +186,10 @@ def _verify_sidecar_files(store: SaevStore) -> list[str]:
     if WINDOWS in files and not problems:
         try:
             w = store.windows
-            if w.shape != (store.n_examples, 3) or (w[:, 2] < 1).any() or (w[:, 2] > store.T).any():
-                problems.append(f"{store.dir / WINDOWS}: shape {w.shape} or n_valid out of [1, {store.T}]")
-        except (ValueError, OSError) as exc:
-            problems.append(f"{store.dir / WINDOWS}: unreadable ({exc})")
+        except FormatError as exc:
+            return [str(exc)]
+        if w.shape != (store.n_examples, 3) or (w[:, 2] < 1).any() or (w[:, 2] > store.T).any():
+            problems.append(f"{store.dir / WINDOWS}: shape {w.shape} or n_valid out of [1, {store.T}]")
     return problems
 
 

@@ -1,7 +1,6 @@
 """Reading a saev store: resolve a path to the store, open it, address vectors as the spec's §4 says."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -21,15 +20,14 @@ from actstore.io_utils import pread_into
 def resolve(path: str | Path) -> Path:
     """The store directory from itself, a stage dir holding saev.json, or saev.json itself."""
     path = Path(path)
-    if path.is_dir() and (path / METADATA).is_file():
+    if path.is_dir() and (path / METADATA).exists():  # not a regular file: read_json names it
         return path
     pointer = path / POINTER if path.is_dir() else path
     if pointer.name == POINTER and pointer.is_file():
-        try:
-            record = json.loads(pointer.read_text())
-            target = record["store"]
-        except (ValueError, KeyError, TypeError):
-            raise FormatError(f"{pointer}: not a saev pointer (needs a 'store' key)") from None
+        record = read_json(pointer)  # never json.loads: a duplicate key or deep nesting is named there
+        if not isinstance(record, dict) or "store" not in record:
+            raise FormatError(f"{pointer}: not a saev pointer (needs a 'store' key)")
+        target = record["store"]
         # The store is the stage dir's sibling named by its HASH (spec) or shards/<8 hex> (upstream).
         if not isinstance(target, str) or not re.fullmatch(r"\.\./([0-9a-f]{64}|shards/[0-9a-f]{8})", target):
             raise FormatError(f"{pointer}: store {target!r} is not '../<metadata sha256>' or '../shards/<8 hex>'")
@@ -225,10 +223,11 @@ class SaevStore:
 
     @property
     def windows(self) -> np.ndarray | None:
-        """Text stores: (n_examples, 3) sample_idx, token_start, n_valid; None for images."""
+        """Text stores: (n_examples, 3) sample_idx, token_start, n_valid; None for images. FormatError
+        naming windows.npy when it is not a 2-D integer array of 3 columns (every reader indexes it so)."""
         if self._windows is False:  # looked up once: the loader asks for every block
             path = self.dir / WINDOWS
-            self._windows = np.load(path, allow_pickle=False) if path.is_file() else None
+            self._windows = _load_windows(path) if path.is_file() else None
         return self._windows
 
     def labels(self) -> np.ndarray | None:
@@ -257,6 +256,20 @@ class SaevStore:
             if start <= token_idx < start + valid:
                 return int(ex), int(token_idx - start)
         return None
+
+
+def _load_windows(path: Path) -> np.ndarray:
+    """windows.npy, refused naming it when np.load cannot read it (an object array, not a .npy) or it
+    is not the (n, 3) integer table the writer saves."""
+    try:
+        windows = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
+        raise FormatError(f"{path}: not a .npy array of windows ({exc})") from None
+    if not isinstance(windows, np.ndarray):  # np.load opens a zip archive (.npz) whatever its name
+        raise FormatError(f"{path}: not a .npy array of windows (an .npz archive)")
+    if windows.ndim != 2 or windows.shape[1] != 3 or windows.dtype.kind not in "iu":
+        raise FormatError(f"{path}: {windows.dtype} {windows.shape}, not an integer (n_examples, 3) table")
+    return windows
 
 
 def open_store(path: str | Path, verify: bool = False) -> SaevStore:

@@ -325,6 +325,9 @@ def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.nd
     fast disk); the file is `size` bytes, the tail past the examples a hole (upstream). Returns its
     {bytes, sha256_tree}."""
     per_example, slab = buffers[0][0].nbytes, len(buffers[0])
+    # A new file, never the old one rewritten: a rerun into a job dir finds there the shards that
+    # finish_store hard-linked into the finished store, which opening them for writing would change.
+    path.unlink(missing_ok=True)
     out = TreeHashFile(path, size, pool=hashers)
     try:
         os.ftruncate(out.fd, size)

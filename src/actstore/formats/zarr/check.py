@@ -23,10 +23,10 @@ def detect(path: str | Path) -> bool:
     """True for a run directory (manifest.json of this format) or a single store of this format."""
     path = Path(path)
     for file, key in ((path / MANIFEST, "format"), (path / ".zattrs", "format")):
-        try:
-            if json.loads(file.read_text()).get(key) == FORMAT_NAME:
+        try:  # read_json: never waits on a FIFO, names nothing when it is not this format's
+            if read_json(file).get(key) == FORMAT_NAME:
                 return True
-        except (OSError, ValueError, AttributeError):
+        except (FormatError, AttributeError):
             continue
     return False
 
@@ -227,7 +227,7 @@ def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
             if not path.is_file():  # never open a FIFO or a device: reading one would block or never end
                 raise OSError
             on_disk = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             problems.append(f"{path}: missing or not JSON (listed in .zmetadata)")
             continue
         if isinstance(value, dict):  # zarr-python nests a consolidated_metadata stub in sub-group entries
