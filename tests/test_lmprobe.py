@@ -703,3 +703,14 @@ def test_a_shard_header_whose_entry_points_backwards_is_refused(tmp_path, shape,
         return
     with pytest.raises(FormatError, match=r"tensor 't' data_offsets .* do not fit"):
         tensor_entry(path, parsed, start, "t")
+
+
+def test_schema_metadata_nested_too_deeply_to_parse_is_named(tmp_path):
+    """json.loads raises RecursionError, not a JSON error, past Python's nesting limit: named as not JSON."""
+    import pyarrow as pa
+
+    index = tmp_path / "index.parquet"
+    pq.write_table(pa.table({"a": [1]}).replace_schema_metadata({b"lmprobe:info": b"[" * 100_000 + b"]" * 100_000}),
+                   index)
+    with pytest.raises(FormatError, match="schema metadata 'lmprobe:info' is not JSON"):
+        lmprobe.read_info(index)

@@ -124,8 +124,6 @@ def detect_format(path: str | Path) -> str | None:
         try:
             if format_module(name).detect(path):
                 return name
-        except (ImportError, OSError, ValueError, KeyError, RecursionError):
-            # RecursionError: a deeply nested JSON file that a detect parses itself (zarr's), which no
-            # more makes the directory that format's than a file that is not JSON does
+        except (ImportError, OSError, ValueError, KeyError):
             continue
     return next((entry.name for entry in REGISTRY if entry.claims(Path(path))), None)

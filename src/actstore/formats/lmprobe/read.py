@@ -133,7 +133,7 @@ def _prefixed_metadata(index_path: Path) -> dict[str, Any]:
             key = k.decode().removeprefix(PREFIX)
             try:
                 info[key] = json.loads(v)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deeply to parse
                 raise FormatError(f"{index_path}: schema metadata {k.decode()!r} is not JSON") from None
     return info
 
