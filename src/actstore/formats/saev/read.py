@@ -180,17 +180,10 @@ class SaevStore:
         out = np.empty(self.D, dtype=DTYPE)
         fd = os.open(path, os.O_RDONLY)
         try:
-            self._read_exactly(fd, path, out, offset)
+            _read_exactly(fd, path, out, offset)
         finally:
             os.close(fd)
         return out.astype(np.float32)
-
-    def _read_exactly(self, fd: int, path: Path, out: np.ndarray, offset: int) -> None:
-        """Fill `out` from `path` at `offset`; a shard that ends first (cut after the store was opened) is
-        named, never read as what the buffer held."""
-        if pread_into(fd, out, offset) < out.nbytes:
-            raise FormatError(f"{path}: ends at byte {os.fstat(fd).st_size}, before byte {offset + out.nbytes} "
-                              "of the vectors asked for; was it truncated or purged?")
 
     def memmap(self, shard_idx: int) -> np.memmap:
         """Read-only (S, L, T, D) memmap of one shard (random access for visualisation). A shard cut
@@ -216,7 +209,7 @@ class SaevStore:
                     n = min(chunk_examples, shard["n_examples"] - lo)
                     out = np.empty((n, self.L, self.T, self.D), dtype=DTYPE)
                     # pread_into loops: one read() returns at most 2 GiB - 4 KiB on Linux
-                    self._read_exactly(fd, path, out, lo * self.example_bytes)
+                    _read_exactly(fd, path, out, lo * self.example_bytes)
                     yield int(self.starts[idx]) + lo, out
             finally:
                 os.close(fd)
@@ -256,6 +249,14 @@ class SaevStore:
             if start <= token_idx < start + valid:
                 return int(ex), int(token_idx - start)
         return None
+
+
+def _read_exactly(fd: int, path: Path, out: np.ndarray, offset: int) -> None:
+    """Fill `out` from `path` at `offset`; a shard that ends first (cut after the store was opened) is
+    named, never read as what the buffer held."""
+    if pread_into(fd, out, offset) < out.nbytes:
+        raise FormatError(f"{path}: ends at byte {os.fstat(fd).st_size}, before byte {offset + out.nbytes} "
+                          "of the vectors asked for; was it truncated or purged?")
 
 
 def _load_windows(path: Path) -> np.ndarray:
