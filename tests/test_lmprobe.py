@@ -350,6 +350,8 @@ def test_reader_errors_name_the_fault(extracted, tmp_path):
     (lambda t: t["hidden_layers"].update(file_pattern="{layer.__class__}"), r"hidden_layers\.file_pattern is malformed"),
     (lambda t: t["hidden_layers"].update(key_pattern="x{layer:>999999999}"), r"hidden_layers\.key_pattern is malformed"),
     (lambda t: t["logits_topk"].update(k=True), r"logits_topk\.k is malformed: True"),
+    (lambda t: t["logits_topk"].pop("k"), r"logits_topk\.k is malformed: None"),
+    (lambda t: t["hidden_layers"].update(dtype="int8"), r"hidden_layers\.dtype is malformed: 'int8'"),
 ])
 def test_a_descriptor_field_of_the_wrong_type_is_named_by_every_reader(extracted, tmp_path, edit, named):
     """lmprobe:tensors' fields build file names, tensor keys and array shapes: each is typed when the
@@ -714,3 +716,142 @@ def test_schema_metadata_nested_too_deeply_to_parse_is_named(tmp_path):
                    index)
     with pytest.raises(FormatError, match="schema metadata 'lmprobe:info' is not JSON"):
         lmprobe.read_info(index)
+
+
+def set_columns(index: Path, columns: dict[str, list]) -> None:
+    """Rewrite these index columns (types and schema metadata kept)."""
+    import pyarrow as pa
+
+    table = pq.read_table(index)
+    for name, values in columns.items():
+        field = table.schema.field(name)
+        table = table.set_column(table.schema.get_field_index(name), field, pa.array(values, field.type))
+    pq.write_table(table, index)
+
+
+def at(cols: dict[str, list], shard: int, offset: int) -> int:
+    """The index row whose last token is row `offset` of shard `shard`."""
+    return next(r for r, address in enumerate(zip(cols["shard_index"], cols["row_offset"])) if address == (shard, offset))
+
+
+def replaced(values: list, row: int, value) -> list:
+    return values[:row] + [value] + values[row + 1:]
+
+
+# name: (damage(columns) -> (index row, changed columns), reader call or None, verify's problem, the reader's error)
+ADDRESS_DAMAGE = {
+    "row_offset_logits -1": (
+        lambda c: (0, {"row_offset_logits": replaced(c["row_offset_logits"], 0, -1)}), lambda ds, p: ds.logits(p),
+        r"row_offset_logits not a row of its logits shard \(shards\[\]\.num_prompts\) at row {p}: -1$",
+        r"row {p} row_offset_logits -1 is not a row of \S+logits_topk_000\.safetensors \(25 rows\)"),
+    "shard_index_logits 7": (
+        lambda c: (0, {"shard_index_logits": replaced(c["shard_index_logits"], 0, 7)}), lambda ds, p: ds.logits(p),
+        r"shard_index_logits not a logits shard \(0\.\.1\) at row {p}: 7$",
+        r"shard_index_logits 7 is not one of the 2 logits shards"),
+    "row_offset -1": (
+        lambda c: (at(c, 0, 0), {"row_offset": replaced(c["row_offset"], at(c, 0, 0), -1)}),
+        lambda ds, p: ds.last_tokens(0),
+        r"row_offset not a row of its last-token shard \(shards\[\]\.num_prompts\) at row {p}: -1$",
+        r"row {p} row_offset -1 is not a row of \S+hidden_layer000_shard000\.safetensors \(12 rows\)"),
+    "row_offset 12": (
+        lambda c: (at(c, 0, 11), {"row_offset": replaced(c["row_offset"], at(c, 0, 11), 12)}),
+        lambda ds, p: ds.get(p, 0),
+        r"row_offset not a row of its last-token shard \(shards\[\]\.num_prompts\) at row {p}: 12$",
+        r"row {p} row_offset 12 is not a row of \S+hidden_layer000_shard000\.safetensors \(12 rows\)"),
+    "shard_index of a sequence shard": (
+        lambda c: (at(c, 0, 0), {"shard_index": replaced(c["shard_index"], at(c, 0, 0), 3)}),
+        lambda ds, p: ds.last_tokens(0),
+        r"shard_index not a last-token shard \(0\.\.2\) at row {p}: 3$",
+        r"row {p} shard_index 3 is not a last-token shard \(0\.\.2\)"),
+    "token_shard_offsets -5": (
+        lambda c: (3, {"token_shard_offsets": replaced(c["token_shard_offsets"], 3, [-5] + c["token_shard_offsets"][3][1:])}),
+        lambda ds, p: ds.tokens(p, 0),
+        r"token_shard_offsets not a row of their sequence shard \(shards\[\]\.num_tokens\) at row {p}: -5$",
+        r"row {p} token_shard_offsets -5 is not a row of \S+hidden_layer000_shard\d+\.safetensors"),
+    "logits address given twice": (
+        lambda c: (1, {k: replaced(c[k], 1, c[k][0]) for k in ("shard_index_logits", "row_offset_logits")}), None,
+        r"shard_index_logits/row_offset_logits repeats an earlier row's address at row {p}: \(0, 0\)$", None),
+    "token_offset": (
+        lambda c: (2, {"token_offset": replaced(c["token_offset"], 2, c["row_offset"][2] + 1)}), None,
+        r"token_offset differs from row_offset at row {p}: \d+$", None),
+}
+
+
+@pytest.mark.parametrize("case", ADDRESS_DAMAGE)
+def test_an_address_outside_its_shard_is_named_by_verify_and_refused_by_readers(extracted, tmp_path, case):
+    """The index's addressing columns against the shards' rows: numpy reads a negative offset as a row
+    counted from the end (another prompt's logits or vector), and last_tokens left a prompt whose
+    shard_index is a sequence shard as np.empty's bytes. verify names each bad value by index row."""
+    damage, read, problem, error = ADDRESS_DAMAGE[case]
+    root, _, _ = build(extracted, "llama", tmp_path, storage="full_sequence", logits_topk=5, **SMALL)
+    index = lmprobe.find_index(root)
+    prompt, columns = damage(pq.read_table(index).to_pydict())
+    set_columns(index, columns)
+    problems = lmprobe.verify(root, checksums=False)
+    assert any(re.search(problem.format(p=prompt), p) for p in problems), problems
+    if read:
+        with pytest.raises(FormatError, match=error.format(p=prompt)):
+            read(lmprobe.open_dataset(root), prompt)
+
+
+def test_a_shard_tensor_other_than_its_descriptors_is_refused(extracted, tmp_path):
+    """A hidden shard of float16 [12, 64] holds the bytes of float32 [12, 32]: last_tokens read them as
+    float32 vectors; a logits shard whose indices are wider than k passed verify."""
+    from safetensors.numpy import save_file
+
+    root, _, _ = build(extracted, "llama", tmp_path, storage="full_sequence", logits_topk=5, **SMALL)
+    hidden = root / "tensors/hidden_layer000_shard000.safetensors"
+    save_file({"hidden.layer_0": np.ones((12, 64), np.float16)}, str(hidden))
+    logits = root / "tensors/logits_topk_000.safetensors"
+    save_file({"topk_values": np.ones((25, 5), np.float32), "topk_indices": np.ones((25, 6), np.int64)}, str(logits))
+    ds = lmprobe.open_dataset(root)
+    wrong_hidden = rf"{hidden}: tensor shape \[12, 64\] float16, descriptor says \[rows, 32\] float32"
+    wrong_logits = rf"{logits}: topk_values \[25, 5\] float32 and topk_indices \[25, 6\] int64, expected \[rows, 5\]"
+    with pytest.raises(FormatError, match=wrong_hidden):
+        ds.last_tokens(0)
+    with pytest.raises(FormatError, match=wrong_logits):
+        ds.logits(int(np.flatnonzero(ds.logits_rows()[0] == 0)[0]))
+    problems = lmprobe.verify(root, checksums=False)
+    for wrong in (wrong_hidden, wrong_logits):
+        assert any(re.search(wrong, p) for p in problems), problems
+
+
+def overlap_indices(header: dict) -> None:
+    """topk_indices made to start where topk_values does."""
+    begin, end = header["topk_indices"]["data_offsets"]
+    header["topk_indices"]["data_offsets"] = [0, end - begin]
+
+
+@pytest.mark.parametrize("edit, trailing, named", [
+    (overlap_indices, b"", r"tensor 'topk_indices' data starts at byte \d+, the previous tensor's ends at \d+"),
+    (lambda header: None, b"\0" * 8, r"tensor data ends at byte \d+ of \d+ \(trailing bytes\)")], ids=["overlap", "trailing"])
+def test_shard_data_overlapping_or_not_covering_the_file_is_refused(extracted, tmp_path, edit, trailing, named):
+    """The safetensors library (the spec's reader) refuses a file whose tensors overlap, leave a gap or
+    leave bytes after them; the reader read topk_values' bytes as topk_indices, verify passed both."""
+    import struct
+
+    from actstore.formats.lmprobe.layout import read_safetensors_header
+
+    root, _, _ = build(extracted, "llama", tmp_path, storage="full_sequence", logits_topk=5, **SMALL)
+    path = root / "tensors/logits_topk_000.safetensors"
+    header, start = read_safetensors_header(path)
+    data = path.read_bytes()[start:]
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data + trailing)
+    with pytest.raises(FormatError, match=f"{path}: {named}"):
+        lmprobe.open_dataset(root).logits(0)
+    assert any(re.search(f"{path}: {named}", p) for p in lmprobe.verify(root, checksums=False))
+
+
+def test_a_sample_idx_given_twice_is_refused_by_lookups(extracted, tmp_path):
+    """row_of / read_vector answered with one of the two prompts claiming a source row."""
+    root, _, _ = build(extracted, "gpt2", tmp_path, storage="pooled", **SMALL)
+    index = lmprobe.find_index(root)
+    sample_idx = pq.read_table(index, columns=["sample_idx"]).column("sample_idx").to_pylist()
+    set_columns(index, {"sample_idx": replaced(sample_idx, 1, sample_idx[0])})
+    with pytest.raises(FormatError, match=f"{index}: column sample_idx holds {sample_idx[0]} more than once"):
+        lmprobe.open_dataset(root).row_of(sample_idx[0])
+    with pytest.raises(FormatError, match="more than once"):
+        lmprobe.read_vector(root, sample_idx[0], 0, 0)

@@ -136,7 +136,8 @@ def _verify_index(ds: LmprobeDataset) -> list[str]:
     problems = _missing_fields(ds)
     if problems:
         return problems
-    return _verify_counts(ds) + _verify_order(ds) + (_verify_token_addresses(ds) if ds.full_sequence else [])
+    return (_verify_counts(ds) + _verify_order(ds) + (_verify_token_addresses(ds) if ds.full_sequence else [])
+            + (_verify_logits_addresses(ds) if ds.logits_desc else []))
 
 
 def _missing_fields(ds: LmprobeDataset) -> list[str]:
@@ -153,19 +154,43 @@ def _verify_counts(ds: LmprobeDataset) -> list[str]:
     problems = []
     if info["num_prompts"] != ds.num_prompts:
         problems.append(f"{where}: lmprobe:num_prompts = {info['num_prompts']} but {ds.num_prompts} rows")
-    if hidden["dtype"] not in DTYPES:
-        problems.append(f"{where}: hidden_layers.dtype {hidden['dtype']!r} unknown")
-    elif hidden.get("row_bytes") not in (None, ds.dim * DTYPES[hidden["dtype"]][1].itemsize):
+    if hidden.get("row_bytes") not in (None, ds.dim * DTYPES[hidden["dtype"]][1].itemsize):
         problems.append(f"{where}: hidden_layers.row_bytes {hidden['row_bytes']} != dim x dtype size")
-    lt = ds.last_token_shards
-    counts = [sh["num_prompts"] for sh in hidden["shards"][:lt]]
-    if sum(counts) != ds.num_prompts:
-        problems.append(f"{where}: last-token shards hold {sum(counts)} prompts, index has {ds.num_prompts}")
-    pairs = ds.shard_index * (1 << 32) + ds.row_offset
-    bad = (ds.shard_index < 0) | (ds.shard_index >= lt) | (ds.row_offset < 0)
-    if bad.any() or len(np.unique(pairs)) != len(pairs):
-        problems.append(f"{where}: shard_index/row_offset out of the last-token shards or not unique")
-    return problems
+    counts = np.array([sh["num_prompts"] for sh in hidden["shards"][:ds.last_token_shards]], np.int64)
+    if counts.sum() != ds.num_prompts:
+        problems.append(f"{where}: last-token shards hold {counts.sum()} prompts, index has {ds.num_prompts}")
+    return problems + _address_problems(where, ("shard_index", "row_offset"), ds.shard_index, ds.row_offset,
+                                        counts, "last-token shard")
+
+
+def _address_problems(where: Path, fields: tuple[str, str], shards: np.ndarray, offsets: np.ndarray,
+                      counts: np.ndarray, kind: str) -> list[str]:
+    """Each index row's (shard, row) pair names a row of one of the shards holding `counts` rows, and
+    no two rows name the same: with the counts summing to the prompts, every stored row is one prompt's."""
+    rows = np.arange(len(shards))
+    bad = (shards < 0) | (shards >= len(counts))
+    if bad.any():
+        return _named(where, fields[0], f"not a {kind} (0..{len(counts) - 1})", rows, shards, bad)
+    problems = _named(where, fields[1], f"not a row of its {kind} (shards[].num_prompts)", rows, offsets,
+                      (offsets < 0) | (offsets >= counts[shards]))
+    pairs = shards * (1 << 32) + offsets
+    order = np.argsort(pairs, kind="stable")
+    again = order[1:][pairs[order[1:]] == pairs[order[:-1]]]
+    return problems + _named(where, "/".join(fields), "repeats an earlier row's address", again,
+                             [f"({shards[i]}, {offsets[i]})" for i in again[:NAMED]], np.ones(len(again), bool))
+
+
+NAMED = 5  # the bad values a problem names (the count of the others follows)
+
+
+def _named(where: Path, field: str, fault: str, rows: Any, values: Any, bad: np.ndarray) -> list[str]:
+    """One problem naming the index rows and values of the first NAMED entries of `field` where `bad`."""
+    at = np.flatnonzero(bad)
+    if not len(at):
+        return []
+    shown = ", ".join(f"row {int(rows[i])}: {values[i]}" for i in at[:NAMED])
+    rest = f" and {len(at) - NAMED} more" if len(at) > NAMED else ""
+    return [f"{where}: {field} {fault} at {shown}{rest}"]
 
 
 def _verify_order(ds: LmprobeDataset) -> list[str]:
@@ -182,26 +207,54 @@ def _verify_order(ds: LmprobeDataset) -> list[str]:
 
 
 def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
-    """Each prompt's token_shard_ids: one per token, each inside the sequence shards. Read a batch of
-    rows at a time: the column holds an int64 per token (gigabytes at terabyte scale)."""
+    """Each prompt's token_shard_ids/token_shard_offsets: one per token, each a row of a sequence
+    shard; token_offset = row_offset. Read a batch of rows at a time: the lists hold two int64 per
+    token (gigabytes at terabyte scale). The first batch with a problem is the one reported."""
     import pyarrow.parquet as pq
 
-    start, first, stop = 0, ds.last_token_shards, len(ds.hidden["shards"])
-    for batch in pq.ParquetFile(ds.index_path).iter_batches(columns=["token_shard_ids"], batch_size=TOKEN_BATCH_ROWS):
-        column = batch.column(0)
-        lengths = np.diff(column.offsets.to_numpy())
-        if not np.array_equal(lengths, ds.num_tokens[start:start + len(lengths)]) or column.null_count:
-            return [f"{ds.index_path}: token_shard_ids lengths differ from num_tokens"]
-        ids = column.flatten().to_numpy()
-        if len(ids) and (ids.min() < first or ids.max() >= stop):
-            return [f"{ds.index_path}: token_shard_ids point outside the sequence shards"]
-        start += len(lengths)
+    rows_of_shard = np.array([sh.get("num_tokens", sh["num_prompts"]) for sh in ds.hidden["shards"]], np.int64)
+    start = 0
+    for batch in pq.ParquetFile(ds.index_path).iter_batches(columns=list(FULL_COLUMNS), batch_size=TOKEN_BATCH_ROWS):
+        if problems := _token_batch_problems(ds, np.arange(start, start + batch.num_rows), rows_of_shard, batch):
+            return problems
+        start += batch.num_rows
     return []
 
 
+def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: np.ndarray, batch: Any) -> list[str]:
+    """_verify_token_addresses of one batch of index rows `rows` (their FULL_COLUMNS)."""
+    where, first, stop = ds.index_path, ds.last_token_shards, len(rows_of_shard)
+    legacy, ids, offsets = (batch.column(name) for name in FULL_COLUMNS)
+    lengths = np.diff(ids.offsets.to_numpy())
+    if not np.array_equal(lengths, ds.num_tokens[rows]) or ids.null_count:
+        return [f"{where}: token_shard_ids lengths differ from num_tokens"]
+    if not np.array_equal(np.diff(offsets.offsets.to_numpy()), lengths) or offsets.null_count:
+        return [f"{where}: token_shard_offsets lengths differ from token_shard_ids'"]
+    if legacy.null_count:
+        return [f"{where}: token_offset has nulls"]
+    owner, ids, offsets = np.repeat(rows, lengths), ids.flatten().to_numpy(), offsets.flatten().to_numpy()
+    bad = (ids < first) | (ids >= stop)
+    if bad.any():
+        return _named(where, "token_shard_ids", f"point outside the sequence shards ({first}..{stop - 1})",
+                      owner, ids, bad)
+    legacy = legacy.to_numpy()
+    return (_named(where, "token_shard_offsets", "not a row of their sequence shard (shards[].num_tokens)", owner,
+                   offsets, (offsets < 0) | (offsets >= rows_of_shard[ids]))
+            + _named(where, "token_offset", "differs from row_offset", rows, legacy, legacy != ds.row_offset[rows]))
+
+
+def _verify_logits_addresses(ds: LmprobeDataset) -> list[str]:
+    """shard_index_logits/row_offset_logits: every prompt's own row of a logits shard."""
+    counts = np.array([sh["num_prompts"] for sh in ds.logits_desc["shards"]], np.int64)
+    problems = [] if counts.sum() == ds.num_prompts else [
+        f"{ds.index_path}: logits shards hold {counts.sum()} prompts, index has {ds.num_prompts}"]
+    return problems + _address_problems(ds.index_path, ("shard_index_logits", "row_offset_logits"),
+                                        *ds.logits_rows(), counts, "logits shard")
+
+
 def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
-    """Each shard against lmprobe:files (its size only without `checksums`), then each hidden
-    shard's header against its descriptor."""
+    """Each shard against lmprobe:files (its size only without `checksums`), then each hidden and
+    logits shard's header against its descriptor."""
     recorded = ds.info.get("files", {})
 
     def check(rel: str) -> list[str]:
@@ -214,20 +267,25 @@ def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
     problems = problems_of(check, tensor_files(ds.info), desc="verify lmprobe tensors")
     for layer in ds.hidden["layers"]:
         for s, shard in enumerate(ds.hidden["shards"]):
-            problems += _verify_hidden_shard(ds, layer, s, shard)
+            rel = ds.hidden["file_pattern"].format(layer=layer, shard=s)
+            problems += _verify_shard(ds, rel, lambda: ds.hidden_tensor(layer, s),
+                                      shard.get("num_tokens", shard["num_prompts"]))
+    for s, shard in enumerate(ds.logits_desc["shards"] if ds.logits_desc else []):
+        rel = ds.logits_desc["file_pattern"].format(shard=s)
+        problems += _verify_shard(ds, rel, lambda: ds.logits_tensors(s)[0], shard["num_prompts"])
     return problems
 
 
-def _verify_hidden_shard(ds: LmprobeDataset, layer: int, s: int, shard: dict[str, Any]) -> list[str]:
-    path = ds.root / ds.hidden["file_pattern"].format(layer=layer, shard=s)
+def _verify_shard(ds: LmprobeDataset, rel: str, tensor: Any, rows: int) -> list[str]:
+    """The header of shard `rel` (the reader's checks: tensors tiling the file, each of the descriptor's
+    dtype and width) and the rows of `tensor()`, its tensor, against its descriptor."""
+    path = ds.root / rel
     if not path.is_file():
         return []  # already reported against lmprobe:files
     try:
-        view = ds.hidden_tensor(layer, s)
+        view = tensor()
     except FormatError as exc:
         return [str(exc)]
-    rows = shard.get("num_tokens", shard["num_prompts"])
-    if view.shape != (rows, ds.dim) or view.dtype != DTYPES[ds.dtype][1]:
-        return [f"{path}: tensor shape {list(view.shape)} {view.dtype}, descriptor says "
-                f"[{rows}, {ds.dim}] {ds.dtype}"]
+    if len(view) != rows:
+        return [f"{path}: tensor of {len(view)} rows, descriptor says {rows}"]
     return []

@@ -147,6 +147,24 @@ def tensor_entry(path: Path, header: dict[str, Any], start: int, key: str) -> tu
     return dtype, shape, start + begin
 
 
+def check_tiling(path: Path, header: dict[str, Any], start: int) -> None:
+    """FormatError unless the tensors' data tile the bytes after the header, with no gap, overlap or
+    trailing byte: what the safetensors library (the spec's reader) demands, and an overlap would
+    read one tensor's bytes as another's."""
+    spans = sorted((offset, offset + dtype.itemsize * math.prod(shape), key)
+                   for key in header if key != "__metadata__"
+                   for dtype, shape, offset in [tensor_entry(path, header, start, key)])
+    at = start
+    for begin, end, key in spans:
+        if begin != at:
+            raise FormatError(f"{path}: tensor {key!r} data starts at byte {begin}, the previous tensor's "
+                              f"ends at {at} (safetensors data must not overlap or leave gaps)")
+        at = end
+    size = path.stat().st_size
+    if at != size:
+        raise FormatError(f"{path}: tensor data ends at byte {at} of {size} (trailing bytes)")
+
+
 def dataset_card(info: dict[str, Any], index_rel: str) -> str:
     """README.md: a short Hugging Face dataset card describing the dataset and how to read it. Its
     snippet resolves the first prompt's last-token vector and runs as written (the tests exec it)."""

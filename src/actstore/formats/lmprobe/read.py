@@ -14,9 +14,9 @@ import numpy as np
 
 from actstore.casts import to_float32
 from actstore.errors import FormatError
-from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, FORMAT_VERSION, INDEX, LOGITS_INDICES_KEY,
-                                             LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, read_safetensors_header,
-                                             split_index_name, tensor_entry)
+from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, DTYPES, FORMAT_VERSION, INDEX,
+                                             LOGITS_INDICES_KEY, LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, ST_DTYPES,
+                                             check_tiling, read_safetensors_header, split_index_name, tensor_entry)
 from actstore.integrity import inside, refuse, whole_number, whole_numbers
 from actstore.io_utils import pread_into
 
@@ -109,13 +109,14 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
     checks += [(f"hidden_layers.{key}", hidden[key], ok(hidden[key])) for key, ok in (
         ("layers", whole_numbers),
         ("dim", lambda v: whole_number(v) and v > 0),
+        ("dtype", lambda v: isinstance(v, str) and v in DTYPES),
         ("file_pattern", lambda v: _pattern(v, {"layer", "shard"})),
         ("key_pattern", lambda v: _pattern(v, {"layer", "shard"})),
         ("shards", _shards), ("last_token_shards", whole_number), ("row_bytes", whole_number)) if key in hidden]
-    if logits:
-        checks += [(f"logits_topk.{key}", logits[key], ok(logits[key])) for key, ok in (
+    if logits is not None:  # a reader of the logits needs all three (None: absent)
+        checks += [(f"logits_topk.{key}", logits.get(key), ok(logits.get(key))) for key, ok in (
             ("k", lambda v: whole_number(v) and v > 0), ("file_pattern", lambda v: _pattern(v, {"shard"})),
-            ("shards", _shards)) if key in logits]
+            ("shards", _shards))]
     return [f"{name} is malformed: {value!r:.80}" for name, value, ok in checks if not ok]
 
 
@@ -142,6 +143,7 @@ def open_tensor(path: str | Path, key: str) -> np.ndarray:
     """Read-only memmap of one tensor of a safetensors file (raw storage dtype; bf16 as uint16)."""
     path = Path(path)
     header, start = read_safetensors_header(path)
+    check_tiling(path, header, start)
     dtype, shape, offset = tensor_entry(path, header, start, key)
     if math.prod(shape) == 0:
         return np.zeros(shape, dtype)
@@ -210,7 +212,12 @@ class LmprobeDataset:
     @property
     def _row_of(self) -> dict[int, int]:
         if self._row_of_map is None:
-            self._row_of_map = {int(s): r for r, s in enumerate(self.sample_idx.tolist())}
+            row_of = {int(s): r for r, s in enumerate(self.sample_idx.tolist())}
+            if len(row_of) < self.num_prompts:  # a lookup would return one of them, silently
+                values, counts = np.unique(self.sample_idx, return_counts=True)
+                raise FormatError(f"{self.index_path}: column sample_idx holds {int(values[counts > 1][0])} "
+                                  "more than once")
+            self._row_of_map = row_of
         return self._row_of_map
 
     def token_addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -271,10 +278,18 @@ class LmprobeDataset:
             raise KeyError(f"{self.index_path}: layer {layer} not stored (layers {self.hidden['layers']})")
 
     def hidden_tensor(self, layer: int, shard: int) -> np.ndarray:
-        """Memmap (rows, dim) of one hidden shard, raw storage dtype."""
+        """Memmap (rows, dim) of one hidden shard, raw storage dtype; FormatError naming the shard when
+        its tensor is not of the descriptor's dim and dtype (its bytes would be read as other values)."""
         self.check_layer(layer)
+        count = len(self.hidden["shards"])
+        if not 0 <= shard < count:  # its file, if one is there, is no part of the dataset
+            raise FormatError(f"{self.index_path}: shard {shard} is not one of the {count} hidden_layers shards")
         rel = self.hidden["file_pattern"].format(layer=layer, shard=shard)
-        return self._view(rel, self.hidden["key_pattern"].format(layer=layer))
+        view = self._view(rel, self.hidden["key_pattern"].format(layer=layer))
+        if view.shape[1] != self.dim or view.dtype != DTYPES[self.dtype][1]:
+            raise FormatError(f"{self.root / rel}: tensor shape {list(view.shape)} {view.dtype}, descriptor says "
+                              f"[rows, {self.dim}] {self.dtype}")
+        return view
 
     def _view(self, rel: str, key: str) -> np.ndarray:
         if (rel, key) not in self._views:
@@ -284,16 +299,33 @@ class LmprobeDataset:
             self._views[(rel, key)] = view
         return self._views[(rel, key)]
 
-    def _rows(self, layer: int, shards: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """float32 rows at (shard, offset) pairs of a layer, one fancy read per shard."""
+    def _check_offsets(self, field: str, prompts: np.ndarray, offsets: np.ndarray, rel: str, rows: int) -> None:
+        """FormatError naming the first index row whose `field` value is not a row of the shard `rel`
+        holds: numpy would read a negative one as a row counted from the end, another prompt's."""
+        self._check_range(field, prompts, offsets, rows, f"a row of {self.root / rel} ({rows} rows)")
+
+    def _check_last_token_shards(self, prompts: np.ndarray) -> None:
+        """FormatError naming the first of `prompts` whose shard_index is not a last-token shard: the
+        universal address of a last token (a sequence shard's row is another token's)."""
+        count = self.last_token_shards
+        self._check_range("shard_index", prompts, self.shard_index[prompts], count,
+                          f"a last-token shard (0..{count - 1})")
+
+    def _check_range(self, field: str, prompts: np.ndarray, values: np.ndarray, stop: int, what: str) -> None:
+        bad = np.flatnonzero((values < 0) | (values >= stop))
+        if len(bad):
+            raise FormatError(f"{self.index_path}: row {int(prompts[bad[0]])} {field} {int(values[bad[0]])} "
+                              f"is not {what}")
+
+    def _rows(self, layer: int, shards: np.ndarray, offsets: np.ndarray, prompt: int, field: str) -> np.ndarray:
+        """float32 rows at (shard, offset) pairs of a layer (index row `prompt`'s `field`), one fancy read per shard."""
         out = np.empty((len(shards), self.dim), np.float32)
         for s in np.unique(shards):
             mask = shards == s
             view = self.hidden_tensor(layer, int(s))
             wanted = offsets[mask]
-            if wanted.size and (wanted.min() < 0 or wanted.max() >= view.shape[0]):
-                raise FormatError(f"{self.root}: layer {layer} shard {s} has {view.shape[0]} rows, "
-                                  f"index asks for row {int(wanted.max())}")
+            self._check_offsets(field, np.full(len(wanted), prompt), wanted,
+                                self.hidden["file_pattern"].format(layer=layer, shard=int(s)), view.shape[0])
             out[mask] = to_float32(view[wanted], self.dtype)
         return out
 
@@ -301,7 +333,8 @@ class LmprobeDataset:
         """float32 (dim,) activation of index row `prompt` at `layer`: the last token, or token `token`."""
         n = int(self.num_tokens[prompt])
         if token is None or token == n - 1 or token == -1:
-            return self._rows(layer, self.shard_index[[prompt]], self.row_offset[[prompt]])[0]
+            self._check_last_token_shards(np.array([prompt]))
+            return self._rows(layer, self.shard_index[[prompt]], self.row_offset[[prompt]], prompt, "row_offset")[0]
         if not -n <= token < n:
             raise IndexError(f"token {token} out of range for prompt {prompt} with {n} tokens")
         return self.tokens(prompt, layer)[token]
@@ -310,12 +343,13 @@ class LmprobeDataset:
         """float32 (num_tokens, dim) activations of every token of a prompt (full_sequence only)."""
         offsets, ids, token_offsets = self.token_addresses()
         a, b = offsets[prompt], offsets[prompt + 1]
-        return self._rows(layer, ids[a:b], token_offsets[a:b])
+        return self._rows(layer, ids[a:b], token_offsets[a:b], prompt, "token_shard_offsets")
 
     def last_tokens(self, layer: int) -> np.ndarray:
         """float32 (num_prompts, dim): every prompt's last-token vector in index order; reads only
         last-token shards, with one sequential read per shard when the shard's rows are in order."""
         self.check_layer(layer)
+        self._check_last_token_shards(np.arange(self.num_prompts))  # a row no shard fills would stay np.empty's
         out = np.empty((self.num_prompts, self.dim), np.float32)
         for s in range(self.last_token_shards):
             rows = np.flatnonzero(self.shard_index == s)
@@ -340,19 +374,42 @@ class LmprobeDataset:
         elif contiguous:
             to_float32(view, self.dtype, out[a:a + len(rows)])
         else:
+            self._check_offsets("row_offset", rows, self.row_offset[rows],
+                                self.hidden["file_pattern"].format(layer=layer, shard=shard), view.shape[0])
             out[rows] = to_float32(view[self.row_offset[rows]], self.dtype)
 
     def logits(self, prompt: int) -> tuple[np.ndarray, np.ndarray]:
         """(topk_values float32 (k,), topk_indices int64 (k,)) at the last token of a prompt."""
         if self.logits_desc is None:
             raise FormatError(f"{self.index_path}: no logits_topk tensors in this dataset")
+        shard, offset = (int(column[prompt]) for column in self.logits_rows())
+        values, indices = self.logits_tensors(shard)
+        self._check_offsets("row_offset_logits", np.array([prompt]), np.array([offset]),
+                            self.logits_desc["file_pattern"].format(shard=shard), len(values))
+        return np.asarray(values[offset]), np.asarray(indices[offset])
+
+    def logits_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(shard_index_logits, row_offset_logits) of every prompt, int64."""
         if self._logits_rows is None:  # both columns, once: a lookup per prompt then reads no index
             table = self._columns("shard_index_logits", "row_offset_logits")
             self._logits_rows = tuple(table.column(c).to_numpy().astype(np.int64) for c in table.column_names)
-        shard, offset = (int(column[prompt]) for column in self._logits_rows)
+        return self._logits_rows
+
+    def logits_tensors(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """Memmaps (topk_values f32, topk_indices i64), each (rows, k), of one logits shard; FormatError
+        naming the shard when they differ from that (the descriptor's shard list bounds `shard`)."""
+        count = len(self.logits_desc["shards"])
+        if not 0 <= shard < count:
+            raise FormatError(f"{self.index_path}: shard_index_logits {shard} is not one of the {count} logits shards")
         rel = self.logits_desc["file_pattern"].format(shard=shard)
-        return (np.asarray(self._view(rel, LOGITS_VALUES_KEY)[offset]),
-                np.asarray(self._view(rel, LOGITS_INDICES_KEY)[offset]))
+        values, indices = self._view(rel, LOGITS_VALUES_KEY), self._view(rel, LOGITS_INDICES_KEY)
+        k = self.logits_desc["k"]
+        if (values.shape != indices.shape or values.shape[1] != k or values.dtype != ST_DTYPES["F32"]
+                or indices.dtype != ST_DTYPES["I64"]):
+            raise FormatError(f"{self.root / rel}: {LOGITS_VALUES_KEY} {list(values.shape)} {values.dtype} and "
+                              f"{LOGITS_INDICES_KEY} {list(indices.shape)} {indices.dtype}, expected "
+                              f"[rows, {k}] float32 and int64")
+        return values, indices
 
     def torch_dataset(self, layers: list[int] | None = None) -> ProbeDataset:
         """A torch Dataset over (prompt, layer) pairs yielding {activation, label, layer, prompt, sample_idx}."""
