@@ -373,6 +373,19 @@ def test_a_descriptor_field_of_the_wrong_type_is_named_by_every_reader(extracted
     assert any(re.search(named, p) for p in lmprobe.verify(root)), lmprobe.verify(root)
 
 
+def test_lmprobe_files_not_an_object_is_named(extracted, tmp_path):
+    """lmprobe:files maps each tensor file to its size and sha256: a list there stopped verify with
+    "verification aborted: AttributeError", its other problems lost."""
+    root, _, _ = build(extracted, "gpt2", tmp_path, storage="pooled", **SMALL)
+    index = lmprobe.find_index(root)
+    table = pq.read_table(index)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"lmprobe:files": b"[1]"}), index)
+    with pytest.raises(FormatError, match=r"lmprobe:files is malformed: \[1\]"):
+        lmprobe.open_dataset(root)
+    problems = lmprobe.verify(root)
+    assert any("lmprobe:files is malformed" in p for p in problems) and not any("aborted" in p for p in problems)
+
+
 def test_index_is_the_specs_path_whatever_the_split(extracted, tmp_path, monkeypatch):
     """The spec names one index path, index/train-00000-of-00001.parquet (its snippets and file layout),
     and lmprobe's own readers fetch only that path (lmprobe.sharing.PARQUET_PATH in 0.10.3): a dataset

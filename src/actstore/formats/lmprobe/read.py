@@ -105,7 +105,8 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
     checks = [("lmprobe:num_prompts", info["num_prompts"], whole_number(info["num_prompts"])),
               ("lmprobe:model", info["model"], isinstance(info["model"], dict)
                and isinstance(info["model"].get("name"), str)),
-              ("lmprobe:prompt_ordering", info["prompt_ordering"], isinstance(info["prompt_ordering"], str))]
+              ("lmprobe:prompt_ordering", info["prompt_ordering"], isinstance(info["prompt_ordering"], str)),
+              ("lmprobe:files", info.get("files"), isinstance(info.get("files", {}), dict))]
     checks += [(f"hidden_layers.{key}", hidden[key], ok(hidden[key])) for key, ok in (
         ("layers", whole_numbers),
         ("dim", lambda v: whole_number(v) and v > 0),
