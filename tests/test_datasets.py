@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import gzip
 import json
 import os
 import re
@@ -230,6 +231,28 @@ def test_chat_jsonl_renders_like_the_table(model_dir, tmp_path):
     no_prompt = load_dataset(lines, model_path=chat_model, messages_field="messages", add_generation_prompt=False)
     assert no_prompt.chat and not no_prompt.samples[0].text.endswith("assistant:")
     assert no_prompt.samples[0].text.startswith("<|endoftext|>system: You answer")
+
+
+def test_a_chat_template_refusing_a_rows_messages_is_named_with_the_row(model_dir, tmp_path):
+    """A chat template that raises (Mistral's and Llama 2's raise_exception when roles do not
+    alternate, or for a system turn) is named with the file and line of the row (before: a bare
+    jinja2 TemplateError naming no row)."""
+    from transformers import AutoTokenizer
+
+    chat_model = tiny.add_chat_template(model_dir("llama"), tmp_path / "chat-llama")
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                               "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+                               "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tokenizer.save_pretrained(chat_model)
+    lines = tmp_path / "chat.jsonl"
+    lines.write_text("".join(json.dumps({"messages": m[1:]}) + "\n" for m in MESSAGES[:2])
+                     + json.dumps({"messages": MESSAGES[2]}) + "\n")
+    with pytest.raises(ConfigError, match=r"chat\.jsonl:3: the chat template of .*chat-llama refuses these messages "
+                                          r"\(Conversation roles must alternate user/assistant\)"):
+        load_dataset(lines, model_path=chat_model, messages_field="messages")
+    assert load_dataset(lines, model_path=chat_model, messages_field="messages", limit=2).samples[1].text == (
+        "user: What does module os do?\n")
 
 
 def test_sharegpt_conversations_render_as_the_same_role_content_messages(model_dir, tmp_path):
@@ -1130,10 +1153,12 @@ def test_labels_equal_as_text_are_numbered_alike_in_every_process(tmp_path):
 
 
 @pytest.mark.parametrize("options, row", [({}, {"text": "a lone \ud800 surrogate"}),
-                                          ({"prompt_template": "Q: {q}"}, {"q": "bad \udfff"})])
+                                          ({"prompt_template": "Q: {q}"}, {"q": "bad \udfff"}),
+                                          ({}, {"label": "a lone \ud800", "text": "fine"})])
 def test_a_text_with_an_unpaired_surrogate_is_named_by_the_scan(options, row, tmp_path):
     """JSON's \\ud800 escape parses to a lone surrogate, which no tokenizer encodes (a TypeError that
-    names no row): the scan names the line and field; an escaped pair (an emoji) is fine."""
+    names no row) and no writer stores as a label name (pyarrow's UnicodeEncodeError, after the model
+    ran): the scan names the line and field; an escaped pair (an emoji) is fine."""
     path = tmp_path / "scraped.jsonl"
     good = {name: "ok \U0001F600 \u00e9" for name in row}
     path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
@@ -1471,3 +1496,197 @@ def test_a_save_to_disk_state_naming_a_file_outside_is_refused(name, tmp_path):
     state["_data_files"].pop()
     (folder / "state.json").write_text(json.dumps(state))
     assert [s.text for s in load_dataset(folder).samples] == ["a row of the dataset"]
+
+
+
+@pytest.mark.parametrize("how", ["climbs", "absolute", "link", "not a list"])
+def test_a_save_to_disk_dict_naming_a_split_folder_outside_is_refused(how, tmp_path):
+    """dataset_dict.json's split is resolved inside the DatasetDict's folder: a split named `../x`, an
+    absolute path, or a split folder that is a link out is refused naming the file and the split
+    (before, the other folder's rows were read as the dataset's); splits that are no list of names
+    are named too (a string matched any split it contained)."""
+    outside = tmp_path / "x"
+    tiny.write_hf_disk(outside, {"train": pa.table({"text": ["a row from outside the dataset"]})}, {})
+    folder = tmp_path / "ds"
+    tiny.write_hf_disk(folder, {"train": pa.table({"text": ["a row of the dataset"]})}, {})
+    split, splits, refused = {
+        "climbs": ("../x/train", ["train", "../x/train"], "'../x/train' is not a relative path inside"),
+        "absolute": (str(outside / "train"), ["train", str(outside / "train")], "is not a relative path inside"),
+        "link": ("linked", ["train", "linked"], "'linked' leads outside"),
+        "not a list": ("train", "train_and_test", "splits must be a list of split names, got 'train_and_test'"),
+    }[how]
+    (folder / "dataset_dict.json").write_text(json.dumps({"splits": splits}))
+    (folder / "linked").symlink_to(outside / "train")
+    with pytest.raises(ConfigError, match=rf"ds/dataset_dict\.json: .*{refused}"):
+        load_dataset(folder, split=split)
+    (folder / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    assert [s.text for s in load_dataset(folder, split="train").samples] == ["a row of the dataset"]
+
+
+def test_a_csv_of_multi_line_values_past_one_block_reads_and_a_bad_row_is_named(monkeypatch, tmp_path):
+    """A quoted CSV value may hold line breaks (csv.writer and pandas write multi-line texts so): past
+    one block, pyarrow read them only with newlines_in_values (before: a bare ArrowInvalid, 'parser got
+    out of sync'); a row pyarrow cannot parse, or a .csv.gz cut short past the first block, is named
+    with its file, not raised as ArrowInvalid or OSError."""
+    from actstore.datasets import tables
+
+    monkeypatch.setattr(tables, "CSV_BLOCK_BYTES", 4096)  # a 16 MiB block's boundary, in a small file
+    rows = [{"text": f"row {i} " + "line one\nline two " * (i % 3), "label": f"l{i % 2}"} for i in range(2000)]
+    path = tmp_path / "multi.csv"
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, ["text", "label"])
+        writer.writeheader()
+        writer.writerows(rows)
+    assert [(s.text, s.label) for s in load_dataset(path).samples] == [(r["text"], r["label"]) for r in rows]
+    path.write_text("text,label\n" + "".join(f"row {i},a\n" for i in range(2000)) + "oops,a,extra\nlast,b\n")
+    with pytest.raises(ConfigError, match=r"multi\.csv: cannot be read as CSV past its first \d+ rows "
+                                          r"\(CSV parse error: Expected 2 columns, got 3: oops,a,extra"):
+        load_dataset(path)
+    packed = gzip.compress(b"text,label\n" + b"".join(b"row %d,a\n" % i for i in range(50000)))
+    (tmp_path / "cut.csv.gz").write_bytes(packed[:len(packed) // 2])
+    with pytest.raises(ConfigError, match=r"cut\.csv\.gz: cannot be read as CSV past its first \d+ rows "
+                                          r"\(Truncated compressed stream"):
+        scan_dataset(tmp_path / "cut.csv.gz")
+
+
+def test_a_jsonl_line_past_the_longest_row_is_named_not_read_whole(monkeypatch, tmp_path):
+    """A JSON lines line is read up to MAX_LINE_CHARS: a file of one JSON object on one line (SQuAD's
+    {"data": [...]}) of gigabytes was read whole, twice over in memory, before any field was checked."""
+    from actstore.datasets import jsonl
+
+    monkeypatch.setattr(jsonl, "MAX_LINE_CHARS", 1000)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 1000}) + "\n")
+    with pytest.raises(ConfigError, match=r"rows\.jsonl:2: a line longer than 1000 characters"):
+        scan_dataset(path)
+    path.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 900}) + "\n")
+    assert [len(s.text) for s in load_dataset(path).samples] == [5, 900]
+
+
+def test_a_class_id_past_the_classlabel_names_is_named_by_the_scan(tmp_path):
+    """A ClassLabel column's ids are looked up in its names: an id past them (or below -1, Hugging
+    Face's row without a label) is named with its shard, row and column by the scan, and so is a
+    column of strings (before, each such label was None, as if the row had none); -1 stays a row
+    without a label."""
+    features = {"text": {"dtype": "string", "_type": "Value"},
+                "label": {"names": ["neg", "pos"], "_type": "ClassLabel"}}
+    metadata = {"huggingface": json.dumps({"info": {"features": features}})}
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["a", "b"], "label": [0, 1]}).replace_schema_metadata(metadata),
+                   folder / "train-0.parquet")
+    pq.write_table(pa.table({"text": ["c", "d", "e"], "label": [-1, 1, 2]}).replace_schema_metadata(metadata),
+                   folder / "train-1.parquet")
+    with pytest.raises(ConfigError, match=r"train-1\.parquet#2, column 'label': class id 2 names no class "
+                                          r"\(its ClassLabel has 2 names"):
+        scan_dataset(folder)
+    dataset = load_dataset(folder, limit=4)
+    assert [(s.text, s.label) for s in dataset.samples] == [("a", "neg"), ("b", "pos"), ("c", None), ("d", "pos")]
+    pq.write_table(pa.table({"text": ["c"], "label": ["pos"]}).replace_schema_metadata(metadata),
+                   folder / "train-1.parquet")
+    with pytest.raises(ConfigError, match=r"train-1\.parquet: column 'label' is string, but the features make it "
+                                          r"a ClassLabel"):
+        scan_dataset(folder)
+
+
+@pytest.mark.parametrize("messages", ["hello", None, [{"role": "user", "content": None}],
+                                      [{"from": "bing", "value": "x"}]])
+def test_the_scan_names_a_jsonl_row_whose_messages_are_no_chat(messages, tmp_path):
+    """A JSONL row whose messages_field is not a list of {role, content} (or ShareGPT {from, value})
+    messages is named by the scan, with its line, no tokenizer needed (before, only its presence was
+    checked: each part's job found it, after the parts before it had run)."""
+    lines = tmp_path / "chat.jsonl"
+    lines.write_text(json.dumps({"messages": MESSAGES[0]}) + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ConfigError, match=r"chat\.jsonl:2: (messages must be a list|a ShareGPT message from 'bing')"):
+        scan_dataset(lines, messages_field="messages")
+    assert scan_dataset(lines, messages_field="messages", limit=1).n_samples == 1
+
+
+def test_a_metadata_csv_row_cut_short_is_named_not_read_as_nulls(tmp_path):
+    """A metadata.csv row with fewer values than the header's columns is named with its line and the
+    first column it lacks (before, those fields and the label read as None, as if the image had no
+    label); an empty value written as such is read as the empty text it is."""
+    from PIL import Image
+
+    for name in ("cat/1.png", "cat/2.png", "dog/3.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / name)
+    csv_path = tmp_path / "metadata.csv"
+    csv_path.write_text("file_name,caption,species\ncat/1.png,a cat,felis\ncat/2.png\ndog/3.png,a dog,canis\n")
+    with pytest.raises(ConfigError, match=r"metadata\.csv:3: fewer values than the header has columns \(none for "
+                                          r"'caption'"):
+        scan_dataset(tmp_path, label_field="species")
+    csv_path.write_text("file_name,caption,species\ncat/1.png,a cat,felis\ncat/2.png,,felis\ndog/3.png,a dog,canis\n")
+    assert [(s.label, s.metadata) for s in load_dataset(tmp_path, label_field="species").samples] == [
+        ("felis", {"caption": "a cat"}), ("felis", {"caption": ""}), ("canis", {"caption": "a dog"})]
+
+
+def test_an_arrow_file_cut_short_is_named(tmp_path):
+    """An Arrow stream cut inside a record batch (a copy interrupted) is named with its file by the
+    scan (before: pyarrow's OSError or ArrowInvalid, naming no file)."""
+    path = tiny.write_arrow_stream(tmp_path / "cut.arrow", pa.table({"text": [f"row {i} " * 20 for i in range(1000)]}),
+                                   batch_rows=100)
+    data = path.read_bytes()
+    for cut in (len(data) // 2, len(data) - 3):
+        path.write_bytes(data[:cut])
+        with pytest.raises(ConfigError, match=r"cut\.arrow: cannot be read as Arrow, cut short or damaged"):
+            scan_dataset(path)
+
+
+def test_a_damaged_parquet_row_group_is_named_with_its_file(tmp_path):
+    """A Parquet row group whose data is damaged (its footer intact, so the scan counts its rows) is
+    named with its file and group when read (before: pyarrow's OSError, naming no file)."""
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(1000)]}), path, row_group_size=100,
+                   compression="snappy")
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 200):
+        data[i] ^= 0x55
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"bad\.parquet: row group \d+ cannot be read as Parquet, damaged"):
+        load_dataset(path)
+
+
+@pytest.mark.parametrize("fmt", ["image_folder", "text_folder"])
+def test_a_file_name_that_is_not_utf8_is_named_by_the_scan(fmt, tmp_path):
+    """A folder's file named in another encoding (latin-1 café) is listed with a surrogate, which no
+    writer stores as UTF-8 text (the sample's text or kept name): the scan names the folder and file
+    (before, the extraction failed after the model ran)."""
+    from PIL import Image
+
+    (tmp_path / "cat").mkdir()
+    for name in (b"a.png", b"caf\xe9.png"):
+        with open(os.path.join(os.fsencode(tmp_path / "cat"), name), "wb") as fh:
+            Image.new("RGB", (4, 4)).save(fh, format="png")
+    with pytest.raises(ConfigError, match=r"the file name 'cat/caf\\udce9\.png' \(not UTF-8 on disk\) holds an "
+                                          r"unpaired surrogate"):
+        scan_dataset(tmp_path, format=fmt, encoding="latin-1")
+    assert scan_dataset(tmp_path, format=fmt, encoding="latin-1", limit=1).n_samples == 1
+
+
+def test_a_jsonl_row_without_the_label_field_set_is_named(tmp_path):
+    """With dataset.label_field set, a JSONL row lacking that field is named with its line, as a table
+    without the column, a metadata row or a tar sample without it are (before, a misspelt label_field
+    read every label as None); a row with null there has no label."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "a", "category": "x"}) + "\n" + json.dumps({"text": "b", "category": None})
+                    + "\n")
+    with pytest.raises(ConfigError, match=r"rows\.jsonl:1: line has no field 'categroy' \(dataset\.label_field"):
+        scan_dataset(path, label_field="categroy")
+    assert [s.label for s in load_dataset(path, label_field="category").samples] == ["x", None]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_metadata_file_not_utf8_is_named_with_its_line(suffix, tmp_path):
+    """A byte that is not UTF-8 in an image folder's metadata file is named with its line (before:
+    the file alone, as text mode decodes ahead by blocks)."""
+    from PIL import Image
+
+    for name in ("cat/1.png", "cat/2.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / name)
+    rows = ([b'{"file_name": "cat/1.png"}', b'{"file_name": "cat/2.png", "caption": "caf\xe9"}'] if suffix == ".jsonl"
+            else [b"file_name,caption", b"cat/1.png,a cat", b"cat/2.png,caf\xe9"])
+    (tmp_path / f"metadata{suffix}").write_bytes(b"\n".join(rows) + b"\n")
+    with pytest.raises(ConfigError, match=rf"metadata\{suffix}:{len(rows)}: not UTF-8 text \(byte \d+ of the line"):
+        scan_dataset(tmp_path)

@@ -51,9 +51,9 @@ def test_row_count_must_match_part_json(tmp_path):
 
 
 def test_bad_line_is_named(tmp_path):
-    (tmp_path / "samples.jsonl").write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
+    (tmp_path / "samples.jsonl").write_text('{"sample_idx": 0}\n{"sample_idx": \n{"sample_idx": 2}\n')
     rows = SampleRows(tmp_path / "samples.jsonl", 3)
-    assert rows[0] == {"a": 1} and rows[2] == {"a": 3}
+    assert rows[0] == {"sample_idx": 0} and rows[2] == {"sample_idx": 2}
     with pytest.raises(FormatError, match=r"samples\.jsonl: line 2 is not valid JSON"):
         rows[1]
 

@@ -182,6 +182,38 @@ def test_a_sample_without_one_image_is_refused_naming_its_key(tmp_path):
     assert [(s.text, s.ref[2]) for s in picked.samples] == [("two.tar/k0", len(png)), ("two.tar/k1", len(png))]
 
 
+@pytest.mark.parametrize("extension", ["cls", "png"])
+def test_a_sample_with_two_members_of_one_extension_is_refused_naming_it(extension, tmp_path):
+    """Two members of one extension in a sample (a.png, a.cls, a.cls) leave its label, or its image,
+    ambiguous: refused naming the shard, key and extension, as webdataset refuses them (before, the
+    first `cls` was its label without a word, and two `png` with dataset.image_field png were named
+    as no png member)."""
+    png = encoded(np.zeros((4, 4, 3), np.uint8), "png")
+    path = tmp_path / "dup.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in [("k0.png", png), ("k0.cls", b"0"), ("k1.png", png), ("k1.cls", b"0"),
+                           (f"k1.{extension}", png if extension == "png" else b"1")]:
+            add(tar, name, data)
+    with pytest.raises(ConfigError, match=rf"dup\.tar: sample 'k1' \(members: .*\): two '{extension}' members"):
+        load_dataset(path, image_field="png")
+    assert scan_dataset(path, limit=1).n_samples == 1
+
+
+def test_a_member_name_that_is_not_utf8_is_named_by_the_scan(tmp_path):
+    """A member name written in another encoding (latin-1 café) is read with a surrogate, which no
+    writer stores as UTF-8 text (pyarrow refused the sample's text after the model ran): the scan
+    names the shard and sample."""
+    png = encoded(np.zeros((4, 4, 3), np.uint8), "png")
+    path = tmp_path / "latin.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+        add(tar, "k0.png", png)
+        add(tar, "caf\xe9.png", png)
+    with pytest.raises(ConfigError, match=r"latin\.tar: sample 'caf\\udce9' \(members: png\): its member name \(not "
+                                          r"UTF-8 in the tar\) holds an unpaired surrogate"):
+        scan_dataset(path)
+    assert scan_dataset(path, limit=1).n_samples == 1
+
+
 def test_member_names_are_names_not_paths(tmp_path):
     """An absolute name or one with `..` is the sample's key; its image is read from the tar by
     offset, so a file of that name outside the tar is never read."""

@@ -67,7 +67,7 @@ def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train
     and labels, and for JSONL where rows start, each line parsed and checked (ConfigError naming the
     file, line or field); Parquet, Arrow and CSV rows from the metadata, labels from the label
     column, and the first null prompt named; image folders listed; tar shards' headers read, each
-    sample's image found and its label read. Chat messages are checked present, not rendered.
+    sample's image found and its label read. JSONL chat messages are checked to be messages, not rendered.
     `workers`: JSONL or tar files scanned at once, each in its own process (scanned_files)."""
     return _scan(path, *_opened(path, split, options), limit, progress, workers)
 

@@ -25,14 +25,25 @@ def chat_renderer(tokenizer: Any, model_path: Path, add_generation_prompt: bool)
         raise ConfigError(f"dataset.messages_field: the tokenizer at {model_path} has no chat template "
                           f"(chat_template in tokenizer_config.json or chat_template.jinja)")
 
+    from jinja2 import TemplateError  # transformers' chat templates are Jinja
+
     def render(messages: Any, where: str) -> str:
-        if not isinstance(messages, list):
-            raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings")
-        text = tokenizer.apply_chat_template([_message(m, where) for m in messages],
-                                             tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            text = tokenizer.apply_chat_template(checked_messages(messages, where),
+                                                 tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as exc:  # the template's raise_exception: roles that do not alternate, a system turn
+            raise ConfigError(f"{where}: the chat template of {model_path} refuses these messages ({exc})") from None
         check_unicode(text, where, "the rendered chat")
         return text
     return render
+
+
+def checked_messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """A row's messages as {role, content} ones (_message); ConfigError naming `where` unless they
+    are a list of them. The scan checks every row so, before any part's job renders one."""
+    if not isinstance(messages, list):
+        raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings")
+    return [_message(m, where) for m in messages]
 
 
 # ShareGPT's speakers (FastChat, axolotl's and LLaMA-Factory's `sharegpt` datasets) as chat roles.

@@ -136,12 +136,14 @@ def label_list(labels: Iterable[Any]) -> list:
 
 def checked_label(label: Any, field: str, where: str) -> Any:
     """A JSON label as read (a string, number, boolean or null); ConfigError naming `where` for a list
-    or object, and for NaN or infinity (Python's json reads them: each NaN would be a class of its own)."""
+    or object, for NaN or infinity (Python's json reads them: each NaN would be a class of its own),
+    and for a string holding an unpaired surrogate (check_unicode)."""
     if isinstance(label, (list, dict)):
         raise ConfigError(f"{where}: field {field!r} is a JSON {type(label).__name__}; a label is a string, "
                           f"number, boolean or null")
     if isinstance(label, float) and not math.isfinite(label):
         raise ConfigError(f"{where}: field {field!r} is {label}; a row without a label has null there")
+    check_unicode(label, where, f"field {field!r}")  # a label name every format stores as UTF-8 text
     return label
 
 

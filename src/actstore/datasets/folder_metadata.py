@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from actstore.datasets.core import Fields, checked_label
+from actstore.datasets.jsonl import not_utf8
 from actstore.errors import ConfigError
 
 NAME_FIELD = "file_name"
@@ -30,20 +31,32 @@ def metadata_rows(path: Path) -> Iterator[tuple[str, str, dict[str, Any]]]:
                 reader = csv.DictReader(fh)
                 if NAME_FIELD not in (reader.fieldnames or ()):
                     raise ConfigError(f"{path}: the header names no {NAME_FIELD!r} column (the image a row describes)")
-                lines: Iterable[tuple[int, Any]] = ((reader.line_num, row) for row in reader)
+                lines: Iterable[tuple[int, Any]] = ((reader.line_num, _csv_row(row, path, reader.line_num))
+                                                    for row in reader)
             else:
                 lines = ((number, _parsed(line, path, number)) for number, line in enumerate(fh, 1) if line.strip())
             for number, row in lines:
-                if None in row:  # csv.DictReader's key for values past the header's
-                    raise ConfigError(f"{path}:{number}: more values than the header has columns")
                 name = row.get(NAME_FIELD)
                 if not isinstance(name, str) or not name:
                     raise ConfigError(f"{path}:{number}: no {NAME_FIELD!r} naming the image the row describes")
                 yield f"{path}:{number}", Path(name).as_posix().removeprefix("./"), row
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not UTF-8 text ({exc.reason})") from None
+        except UnicodeDecodeError:
+            raise not_utf8(path) from None  # names the line (text mode decodes ahead, by blocks)
         except csv.Error as exc:
             raise ConfigError(f"{path}: not CSV ({exc})") from None
+
+
+def _csv_row(row: dict[Any, Any], path: Path, number: int) -> dict[str, Any]:
+    """A CSV row as csv.DictReader read it; ConfigError naming the line unless it has a value for each
+    of the header's columns (DictReader puts values past them under None, and None for columns past
+    the row's values: a row cut short read as null fields and label)."""
+    if None in row:
+        raise ConfigError(f"{path}:{number}: more values than the header has columns")
+    if None in row.values():
+        missing = next(column for column, value in row.items() if value is None)
+        raise ConfigError(f"{path}:{number}: fewer values than the header has columns (none for {missing!r}; "
+                          f"an empty value is written as two commas)")
+    return row
 
 
 def _parsed(line: str, path: Path, number: int) -> Any:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.core import Fields, Sample, check_unicode, label_list
 from actstore.datasets.folder_metadata import described, rows_of, scan_metadata
 from actstore.datasets.scan import Scan, check_metadata_unchanged, files_changed
 from actstore.datasets.source import Source, folder_file
@@ -37,7 +37,7 @@ def scan_folder(source: Source, limit: int | None, by_folder: bool, fields: Fiel
     if source.format == "text_folder":
         for path in tqdm(files, desc="scan dataset", unit="file", disable=not progress):
             read_text(path, fields.encoding)
-    labels = [folder_label(source.name(p)) for p in files]
+    labels = [folder_label(_unicode_name(source, p)) for p in files]
     if source.metadata:  # every image checked against its row, the limit's labelled from theirs if asked
         named = [source.name(p) for p in source.files]
         labelled = scan_metadata(source.metadata, named, fields)
@@ -47,6 +47,14 @@ def scan_folder(source: Source, limit: int | None, by_folder: bool, fields: Fiel
         names = [path.name for path in paths]
         runs.append((_relative(folder, source.root), len(names), names_digest(names)))
     return Scan(len(files), label_list(labels), runs=tuple(runs), folder_format=source.format if by_folder else "")
+
+
+def _unicode_name(source: Source, path: Path) -> str:
+    """A file's name relative to the root; ConfigError naming it when it is not UTF-8 on disk (it is
+    listed with surrogates: a sample's text no writer stores as UTF-8, failing after the model ran)."""
+    name = source.name(path)
+    check_unicode(name, str(source.root), f"the file name {name!r} (not UTF-8 on disk)")
+    return name
 
 
 def read_folder(source: Source, rows: range, fields: Fields) -> list[Sample]:

@@ -13,13 +13,17 @@ import numpy as np
 from isal import isal_zlib
 from tqdm import tqdm
 
+from actstore.datasets.chat import checked_messages
 from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, label_list
-from actstore.datasets.json_array import ArrayError, elements, starts_array
+from actstore.datasets.json_array import MAX_ELEMENT_CHARS, ArrayError, elements, starts_array
 from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import COMPRESSED_SUFFIXES
 from actstore.errors import ConfigError
 
 MARK_CHARS = 1 << 20  # text between marks: what a job reads past, at most, before its first row
+# A line longer than this is named rather than read whole: a file of one JSON object on one line
+# (SQuAD's {"data": [...]}) of gigabytes held them all, twice, before its first field was checked.
+MAX_LINE_CHARS = MAX_ELEMENT_CHARS
 FIRST = Mark(0, 0, 0, 0)
 
 
@@ -91,7 +95,7 @@ def _rows(files: tuple[Path, ...], start: Mark) -> Iterator[Row]:
         except ArrayError as exc:
             raise ConfigError(f"{files[file]}: not one JSON array of objects: {exc}") from None
         except UnicodeDecodeError:
-            raise _not_utf8(files[file]) from None
+            raise not_utf8(files[file]) from None
         except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
             raise ConfigError(f"{files[file]}: cannot be decompressed ({exc})") from None
 
@@ -119,8 +123,11 @@ def _lines(files: tuple[Path, ...], file: int, start: Mark) -> Iterator[Row]:
         try:
             fh.seek(start.position)
             line_no = start.line
-            while line := fh.readline():  # not `for line in fh`, which disables tell()
+            while line := fh.readline(MAX_LINE_CHARS + 1):  # not `for line in fh`, which disables tell()
                 line_no += 1
+                if len(line) > MAX_LINE_CHARS:
+                    raise ConfigError(f"{files[file]}:{line_no}: a line longer than {MAX_LINE_CHARS} characters, "
+                                      f"not a JSON lines row")
                 if line.strip():
                     yield Row(file, line_no, f"{files[file]}:{line_no}", line, len(line), fh.tell)
         except UnicodeDecodeError:
@@ -264,7 +271,7 @@ def _elements_in(head: bytes) -> int:
     return count
 
 
-def _not_utf8(path: Path) -> ConfigError:
+def not_utf8(path: Path) -> ConfigError:
     """The error naming the first line that is not UTF-8 (text mode decodes ahead, by blocks)."""
     with _open_bytes(path) as fh:
         for line_no, line in enumerate(fh, start=1):
@@ -291,6 +298,7 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
     if fields.messages is not None:
         if fields.messages not in row:
             raise ConfigError(f"{where}: {noun} has no field {fields.messages!r} (dataset.messages_field)")
+        checked_messages(row[fields.messages], where)
     elif fields.template is not None:
         for name in fields.prompts:
             if not isinstance(row.get(name), (str, int, float)):
@@ -305,6 +313,9 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         raise ConfigError(f"{where}: {noun} has no string field {fields.text!r}{hint}")
     for name in fields.prompts:  # a text or a template's fields (messages and token ids are no string)
         check_unicode(row[name], where, f"field {name!r}")
+    if fields.label_required and fields.label not in row:  # a misspelt label_field: every label None
+        raise ConfigError(f"{where}: {noun} has no field {fields.label!r} (dataset.label_field; a row without a "
+                          f"label has null there)")
     missing = [k for k in fields.keep or () if k not in row]
     if missing:
         raise ConfigError(f"{where}: {noun} has no field {missing[0]!r} (dataset.keep_fields)")

@@ -8,7 +8,6 @@ sample_idx = row index over the shards in that order.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any
 
 from actstore.datasets.splits import split_files, split_folder
 from actstore.errors import ConfigError, FormatError
-from actstore.integrity import inside
+from actstore.integrity import inside, read_json
 
 # The image files of a folder (and a WebDataset sample's image member): Hugging Face datasets'
 # ImageFolder suffixes (Pillow's registered ones) whose images Pillow decodes by itself, and AVIF.
@@ -211,11 +210,7 @@ def _hf_disk_source(root: Path, split: str) -> Source:
     """A save_to_disk folder: a Dataset (state.json, dataset_info.json, data-*.arrow) or a
     DatasetDict (dataset_dict.json naming one such folder per split)."""
     if (root / "dataset_dict.json").is_file():
-        splits = _read_json(root / "dataset_dict.json").get("splits", [])
-        if split not in splits:
-            raise ConfigError(f"{root / 'dataset_dict.json'}: dataset.split {split!r} is not a split "
-                              f"of this dataset (splits: {', '.join(splits)})")
-        root = root / split
+        root = _split_folder(root, split)
     state = _read_json(root / "state.json") if (root / "state.json").is_file() else {}
     info = _read_json(root / "dataset_info.json") if (root / "dataset_info.json").is_file() else {}
     files = _state_files(root, state) or _cache_files(root, info, split)
@@ -223,6 +218,22 @@ def _hf_disk_source(root: Path, split: str) -> Source:
     if missing or not files:
         raise ConfigError(f"{root}: save_to_disk folder lacks its data file {missing[0] if missing else '*.arrow'}")
     return Source("hf_disk", root, files, info.get("features") or {})
+
+
+def _split_folder(root: Path, split: str) -> Path:
+    """A DatasetDict's folder of `split`: listed in dataset_dict.json's splits, resolved inside
+    `root` (a split named `../x`, an absolute path, or a link out read another dataset's rows)."""
+    where = root / "dataset_dict.json"
+    splits = _read_json(where).get("splits")
+    if not isinstance(splits, list) or not all(isinstance(name, str) for name in splits):
+        raise ConfigError(f"{where}: splits must be a list of split names, got {splits!r:.80}")
+    if split not in splits:
+        raise ConfigError(f"{where}: dataset.split {split!r} is not a split of this dataset "
+                          f"(splits: {', '.join(splits)})")
+    try:
+        return inside(root, split, f"{where}: splits")
+    except FormatError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _state_files(root: Path, state: dict[str, Any]) -> tuple[Path, ...]:
@@ -254,10 +265,14 @@ def _cache_files(root: Path, info: dict[str, Any], split: str) -> tuple[Path, ..
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A save_to_disk metadata file's object; ConfigError naming the file when it is not one."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
+        data = read_json(path)
+    except FormatError as exc:
+        raise ConfigError(str(exc)) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def identity_files(source: Source) -> list[Path]:

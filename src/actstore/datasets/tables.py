@@ -33,14 +33,14 @@ def blocks(fmt: str, path: Path, columns: list[str]) -> Iterator[tuple[int, Call
     """(rows, read) of the file's blocks in order: read() gives the block with `columns` only
     ("image.path": that struct child only). A Parquet row group is read only when asked for."""
     if fmt == "csv":
-        for batch in _open_csv(path, columns):
+        for batch in _csv_batches(path, columns):
             yield batch.num_rows, lambda batch=batch: pa.Table.from_batches([batch])
     elif fmt == "parquet":
         import pyarrow.parquet as pq
         parquet = pq.ParquetFile(path)
         for group in range(parquet.num_row_groups):
             yield (parquet.metadata.row_group(group).num_rows,
-                   lambda group=group: parquet.read_row_group(group, columns=columns))
+                   lambda group=group: _row_group(parquet, path, group, columns))
     else:
         for batch in _ipc_batches(path):
             yield batch.num_rows, lambda batch=batch: _select(pa.Table.from_batches([batch]), columns)
@@ -53,7 +53,7 @@ def count_rows(fmt: str, path: Path) -> int:
         import pyarrow.parquet as pq
         return pq.ParquetFile(path).metadata.num_rows
     if fmt == "csv":
-        return sum(batch.num_rows for batch in _open_csv(path, []))
+        return sum(batch.num_rows for batch in _csv_batches(path, []))
     return sum(batch.num_rows for batch in _ipc_batches(path))
 
 
@@ -73,7 +73,7 @@ def read_block(fmt: str, path: Path, index: int, column: str) -> pa.ChunkedArray
     """Column `column` of block `index` (image bytes, read in the DataLoader worker that decodes them)."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
-        return pq.ParquetFile(path).read_row_group(index, columns=[column]).column(column)
+        return _row_group(pq.ParquetFile(path), path, index, [column]).column(column)
     reader = _open_ipc(path)
     if isinstance(reader, pa.ipc.RecordBatchFileReader):
         return pa.chunked_array([reader.get_batch(index).column(column)])
@@ -83,10 +83,36 @@ def read_block(fmt: str, path: Path, index: int, column: str) -> pa.ChunkedArray
     raise ConfigError(f"{path}: has no record batch {index} (the file changed since it was read)")
 
 
+def _row_group(parquet: Any, path: Path, group: int, columns: list[str]) -> pa.Table:
+    """Row group `group` of the open Parquet file `path`, `columns` only; ConfigError naming the file
+    and group where its data is damaged (pyarrow's OSError, 'Corrupt snappy compressed data', named
+    no file)."""
+    try:
+        return parquet.read_row_group(group, columns=columns)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ConfigError(f"{path}: row group {group} cannot be read as Parquet, damaged ({exc})") from None
+
+
 def _open_csv(path: Path, columns: list[str] | None):
+    """A CSV reader; newlines_in_values: a quoted value may hold line breaks (as csv.writer and pandas
+    write a multi-line text), which without it fail the read of any file past one block."""
     from pyarrow import csv
     return csv.open_csv(path, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+                        parse_options=csv.ParseOptions(newlines_in_values=True),
                         convert_options=csv.ConvertOptions(include_columns=columns))
+
+
+def _csv_batches(path: Path, columns: list[str] | None) -> Iterator[pa.RecordBatch]:
+    """The CSV file's blocks; ConfigError naming the file and the rows read before one pyarrow cannot
+    parse or decompress (a row of more values than the header's columns, a .csv.gz cut short: a bare
+    ArrowInvalid or OSError named no file)."""
+    rows = 0
+    try:
+        for batch in _open_csv(path, columns):
+            yield batch
+            rows += batch.num_rows
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ConfigError(f"{path}: cannot be read as CSV past its first {rows} rows ({exc})") from None
 
 
 def _open_ipc(path: Path):
@@ -98,11 +124,16 @@ def _open_ipc(path: Path):
 
 
 def _ipc_batches(path: Path) -> Iterator[pa.RecordBatch]:
-    reader = _open_ipc(path)
-    if isinstance(reader, pa.ipc.RecordBatchFileReader):
-        yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
-    else:
-        yield from reader
+    """The Arrow file's record batches; ConfigError naming the file where one is cut short or damaged
+    (pyarrow's OSError or ArrowInvalid named no file)."""
+    try:
+        reader = _open_ipc(path)
+        if isinstance(reader, pa.ipc.RecordBatchFileReader):
+            yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            yield from reader
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ConfigError(f"{path}: cannot be read as Arrow, cut short or damaged ({exc})") from None
 
 
 def _select(table: pa.Table, columns: list[str]) -> pa.Table:
@@ -223,6 +254,8 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
     if not fields.image:
         _check_prompts(source, fields, n_rows)
     names = class_names(source, schemas[0], fields.label) if schemas else None
+    if names is not None:
+        _check_class_ids(source, fields, schemas, counts, n_rows, len(names))
     if names is not None or not any(fields.label in schema.names for schema in schemas):
         return n_rows, names or []
     return n_rows, label_list(_labels(source, fields, schemas, counts, n_rows))
@@ -248,6 +281,35 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
                         raise ConfigError(f"{source.root}: {source.name(path)}#{start - shard_start + row}, "
                                           f"column {column!r}: null where a prompt is needed")
                 start += size
+
+
+def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int], n_rows: int,
+                     n_names: int) -> None:
+    """ConfigError naming the first of the first `n_rows` rows whose ClassLabel id is none of the
+    `n_names` names' (-1: Hugging Face's row without a label): the samples' labels come from the
+    names, and an id past them (or any value of a column not of integers) was read as no label,
+    without a word. `counts`: each shard's rows."""
+    import pyarrow.compute as pc
+
+    start = 0
+    for path, schema, count in zip(source.files, schemas, counts):
+        shard_start = start
+        if fields.label not in schema.names or pa.types.is_null(schema.field(fields.label).type):
+            start += count
+            continue
+        if not pa.types.is_integer(kind := schema.field(fields.label).type):  # every label was read as None
+            raise ConfigError(f"{path}: column {fields.label!r} is {kind}, but the features make it a ClassLabel, "
+                              f"whose values are integer ids of its names")
+        for size, read in blocks(source.format, path, [fields.label]):
+            if start >= n_rows:
+                return
+            ids = read().column(fields.label)
+            row = pc.index(pc.or_(pc.less(ids, -1), pc.greater_equal(ids, n_names)), True).as_py()
+            if 0 <= row < n_rows - start:
+                raise ConfigError(f"{source.root}: {source.name(path)}#{start - shard_start + row}, column "
+                                  f"{fields.label!r}: class id {ids[row]} names no class (its ClassLabel has {n_names} "
+                                  f"names: ids 0 to {n_names - 1}; -1 is no label)")
+            start += size
 
 
 def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:

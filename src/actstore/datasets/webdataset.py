@@ -18,7 +18,7 @@ from typing import IO, Any, Iterator
 from tqdm import tqdm
 
 from actstore.datasets import tar
-from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.core import Fields, Sample, check_unicode, label_list
 from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import IMAGE_SUFFIXES, Source
 from actstore.errors import ConfigError
@@ -129,25 +129,30 @@ def _sample(fh: IO[bytes], path: Path, shard: int, key: str, members: list[tar.M
     missing or undecodable one is named before any part's job)."""
     extensions = [_split(m.name)[1] for m in members]
     where = _where(path, key, extensions)
+    # A name of another encoding (latin-1) is read with surrogates: the sample's text, which no
+    # writer can store as UTF-8, failed the extraction after the model ran.
+    check_unicode(key, where, "its member name (not UTF-8 in the tar)")
+    by_extension = {}
+    for member, extension in zip(members, extensions):
+        if extension in by_extension:  # which one is the sample's? webdataset refuses it too
+            raise ConfigError(f"{where}: two {extension!r} members; a sample has one of each extension")
+        by_extension[extension] = member
     images = [m for m, e in zip(members, extensions)
               if (e == fields.image if fields.image else f".{e.lower()}" in IMAGE_SUFFIXES)]
     if len(images) != 1:
         found = f"no {fields.image!r} member (dataset.image_field)" if fields.image else \
             f"{len(images) or 'no'} images; a sample has one (dataset.image_field picks it by extension)"
         raise ConfigError(f"{where}: {found}")
-    first = {}
-    for member, extension in zip(members, extensions):
-        first.setdefault(extension, member)
 
     def decoded(extension: str, option: str, parse_json: bool = True) -> Any:
-        """The first member of `extension`, decoded (_kept); ConfigError naming `option` when there is none."""
-        if extension not in first:
+        """The member of `extension`, decoded (_kept); ConfigError naming `option` when there is none."""
+        if extension not in by_extension:
             raise ConfigError(f"{where}: no {extension!r} member ({option})")
-        member = first[extension]
+        member = by_extension[extension]
         return _kept(_read(fh, path, member.offset_data, member.size), extension, where, parse_json)
 
     label = None  # a label member's text, stripped (a `json` one's too: a label is a name); a `cls` one's integer
-    if fields.label_required or "cls" in first:
+    if fields.label_required or "cls" in by_extension:
         label = decoded(fields.label if fields.label_required else "cls", "dataset.label_field", parse_json=False)
         label = label.strip() if isinstance(label, str) else label
     kept = {extension: decoded(extension, "dataset.keep_fields") for extension in fields.keep or ()}
