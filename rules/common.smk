@@ -4,15 +4,17 @@ from pathlib import Path
 
 from actstore import parse_memo
 from actstore import resources as actstore_resources
-from actstore.config import enabled_stages, resolve_layers
+from actstore.config import enabled_stages, validate_config
+from actstore.errors import ConfigError
 from actstore.hashing import upstream_stages
 from actstore.jobs import job_items
 from actstore.model_config import check_layers, check_sequence_length, resolve_model_path, run_config
 from actstore.workflow import parse_dataset
 
-# Cheap parse-time checks, so bad input fails before any job is scheduled. extract.layers' `all` and
-# negative indices become block indices first: every rule, hash and job sees those.
-resolve_layers(config)
+# Cheap parse-time checks, so bad input fails before any job is scheduled. The library's validation
+# after Snakemake's: it refuses the numbers Snakemake's passes (2.0 for an integer, .nan, .inf), and
+# makes extract.layers' `all` and negative indices block indices: every rule, hash and job sees those.
+validate_config(config)
 model_config = run_config(config["model"])
 check_layers(config["extract"]["layers"], model_config)
 check_sequence_length(config["extract"]["max_seq_length"], model_config, resolve_model_path(config["model"]["path"]))
@@ -22,7 +24,7 @@ check_sequence_length(config["extract"]["max_seq_length"], model_config, resolve
 # (actstore/parse_memo.py, handed over in onstart below).
 STAGE_HASHES = parse_dataset(config, main_process=workflow.is_main_process)
 if config["saev"].get("patch_labels") and not Path(config["saev"]["patch_labels"]["masks"]).is_dir():
-    raise ValueError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
+    raise ConfigError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
 
 DUMP_TO = Path(config["dump_to"])
 N_PARTS = config["extract"]["parts"]

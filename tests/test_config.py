@@ -5,6 +5,7 @@ import copy
 import re
 
 import pytest
+import yaml
 
 import tiny
 from actstore.config import load_config, validate_config
@@ -174,3 +175,40 @@ def test_write_jobs_default_to_one_per_extraction_part_up_to_64(demo):
     changed = copy.deepcopy(demo)
     changed["zarr"].update(jobs=3, merge_jobs=5)
     assert write_jobs(changed, "zarr") == 3 and write_jobs(changed, "zarr", "merge_jobs") == 5
+
+
+@pytest.mark.parametrize("section, key, text, value", [
+    ("pickle", "shard_size_mb", ".inf", "inf"), ("sae", "lr", ".nan", "nan"), ("sae", "heldout_fraction", ".NaN", "nan"),
+    ("sae", "aux_coef", ".Inf", "inf")])
+def test_a_yaml_nan_or_infinity_is_refused_naming_the_key(demo, tmp_path, section, key, text, value):
+    """YAML's .nan and .inf passed the schema's bounds and were recorded in the stage config, which
+    `actstore verify` then refused as not valid JSON: now the config is refused, naming the key."""
+    raw = {"model": {"path": demo["model"]["path"]}, "dataset": {"path": demo["dataset"]["path"]}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw) + f"{section}:\n  {key}: {text}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"invalid config at {section}/{key}: {value} is not a finite number")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("section, key, text", [("extract", "parts", "2.0"), ("lmprobe", "shard_bytes", "1.0e+9"),
+                                                ("saev", "layers", "[1.0]")])
+def test_a_float_for_an_integer_key_is_refused_naming_it(demo, tmp_path, section, key, text):
+    """JSON Schema's integer takes 2.0: the Snakefile's parse then failed with a TypeError
+    (range(2.0)), and where it ran, the same run hashed apart from the config saying 2."""
+    raw = {"model": {"path": demo["model"]["path"]}, "dataset": {"path": demo["dataset"]["path"]}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw) + f"{section}:\n  {key}: {text}\n")
+    with pytest.raises(ConfigError, match=f"invalid config at {section}/{key}.*is not of type 'integer'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("section, seed", [("sae", -1), ("validate", -1), ("sae", 2 ** 64)])
+def test_a_seed_numpy_or_torch_refuses_is_refused_with_the_config(demo, section, seed):
+    """A negative sae.seed or validate.seed passed the schema, and the stage's job died in numpy's
+    default_rng after the extraction and every format were written (torch's manual_seed: over 2^64-1)."""
+    config = copy.deepcopy(demo)
+    config[section]["seed"] = seed
+    with pytest.raises(ConfigError, match=f"invalid config at {section}/seed: {seed} is (less|greater) than"):
+        validate_config(config)
+    config[section]["seed"] = 0 if seed < 0 else 2 ** 64 - 1
+    validate_config(config)

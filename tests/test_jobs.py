@@ -150,3 +150,12 @@ def test_part_record_of_another_run_is_named(tmp_path):
     other = part_records(tmp_path / "b", [[0], [1], [2]])
     with pytest.raises(FormatError, match=r"b/job-0001/job\.json: the record of job 1 of 3, given as job 1 of 2"):
         check_job_parts([dirs[0], other[1]], 2)
+
+
+@pytest.mark.parametrize("parts", [1, None, "01", [0, True], [0, 1.0]])
+def test_part_record_whose_parts_are_not_part_numbers_is_named(tmp_path, parts):
+    """A record's parts not a list of ints: a TypeError traceback (1, None), or true and 1.0 taken as
+    part 1 (they compare equal to it); the record is named instead."""
+    dirs = part_records(tmp_path, [[0], parts])
+    with pytest.raises(FormatError, match=r"job-0001/job\.json: parts .* is not a list of part numbers"):
+        check_job_parts(dirs, 2)

@@ -242,6 +242,32 @@ def test_misspelled_key_fails_at_parse_time_naming_it(tmp_path):
     assert "layerz" in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("section, key, value, message", [
+    ("pickle", "shard_size_mb", float("nan"), "invalid config at pickle/shard_size_mb: nan is not a finite number"),
+    ("extract", "parts", 2.0, "invalid config at extract/parts: 2.0 is not of type 'integer'")])
+def test_a_number_snakemakes_validation_passes_fails_at_parse_time_naming_it(tmp_path, section, key, value, message):
+    """Snakemake's validation passes YAML's .nan (a job would record it in a stage config that is not
+    JSON) and 2.0 for an integer (the parse then died in range(2.0)): the library's validation refuses them."""
+    config = demo_config(tmp_path / "dump")
+    config.setdefault(section, {})[key] = value
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+           str(write(config, tmp_path / "bad.yaml")), "-n"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+
+
+def test_a_mask_folder_that_is_not_there_fails_at_parse_time_as_a_config_error(tmp_path):
+    config = demo_config(tmp_path / "dump")
+    config["saev"] = {"patch_labels": {"masks": str(tmp_path / "no-masks")}}
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+           str(write(config, tmp_path / "bad.yaml")), "-n"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "ConfigError in file" in proc.stdout + proc.stderr
+    assert f"saev.patch_labels.masks is not a directory: {tmp_path / 'no-masks'}" in proc.stdout + proc.stderr
+
+
 def test_layer_out_of_range_fails_at_parse_time(tmp_path):
     config = demo_config(tmp_path / "dump")
     config["extract"]["layers"] = [1, 6]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +20,36 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
 
     The same JSON Schema draft and default filling as the Snakefile's `snakemake.utils.validate`
     (tested equal), with jsonschema alone, so the library runs where Snakemake is not installed
-    (a GPU node running `run_part`, training code). An unknown, misspelled or mistyped key raises
-    ConfigError naming it.
+    (a GPU node running `run_part`, training code); stricter in what it takes for a number (see
+    _default_filling_validator, reject_non_finite), so the Snakefile runs it too (rules/common.smk).
+    An unknown, misspelled or mistyped key raises ConfigError naming it.
     """
     import jsonschema
 
     error = jsonschema.exceptions.best_match(_default_filling_validator().iter_errors(config))
     if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path) or "top level"
+        where = _where(error.absolute_path)
         why = error.schema.get("description") if isinstance(error.schema, dict) else None
         raise ConfigError(f"invalid config at {where}: {error.message}" + (f" ({why})" if why else ""))
+    reject_non_finite(config)
     resolve_layers(config)
     return config
+
+
+def reject_non_finite(value: Any, path: tuple[Any, ...] = ()) -> None:
+    """ConfigError naming the first NaN or infinity (YAML's .nan, .inf) in `value`. The schema's bounds
+    pass them (no comparison with NaN is true; infinity is above any minimum), a stage would run on
+    them, and the stage config recording them would not be JSON (`actstore verify` refuses it).
+    Called on a config the schema passed, so it recurses no deeper than the schema's sections."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"invalid config at {_where(path)}: {value} is not a finite number")
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        reject_non_finite(child, (*path, key))
+
+
+def _where(path: Any) -> str:
+    return "/".join(str(p) for p in path) or "top level"
 
 
 def resolve_layers(config: dict[str, Any]) -> None:
@@ -57,7 +76,9 @@ def resolve_layers(config: dict[str, Any]) -> None:
 
 
 def _default_filling_validator():
-    """A Draft 2020-12 validator that fills each property's schema default before checking it."""
+    """A Draft 2020-12 validator that fills each property's schema default before checking it, and
+    whose integers are ints: the draft's integer takes 2.0, which the workflow cannot count with
+    (range(parts)) and which hashes apart from 2, so the same run would be made twice."""
     from jsonschema import Draft202012Validator, validators
 
     check_properties = Draft202012Validator.VALIDATORS["properties"]
@@ -69,7 +90,9 @@ def _default_filling_validator():
                 instance.setdefault(name, copy.deepcopy(subschema["default"]))
         yield from check_properties(validator, properties, instance, schema)
 
-    filling = validators.extend(Draft202012Validator, {"properties": fill_defaults})
+    ints = Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda checker, instance: isinstance(instance, int) and not isinstance(instance, bool))
+    filling = validators.extend(Draft202012Validator, {"properties": fill_defaults}, type_checker=ints)
     return filling(yaml.safe_load(SCHEMA_PATH.read_text()))
 
 

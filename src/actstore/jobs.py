@@ -72,7 +72,13 @@ def check_job_parts(job_dirs: Sequence[str | Path], n_parts: int) -> None:
     """The records of a writer whose jobs each wrote a range of extraction parts into the stage dir
     (pickle machines, zarr shard stores: its `parts` key): every job's there, each of this run, and
     together they wrote parts 0..n_parts-1 in order. FormatError names what is wrong."""
-    written = [part for extra in read_job_records(job_dirs).extras for part in extra.get("parts", [])]
+    written: list[int] = []
+    for job_dir, extra in zip(job_dirs, read_job_records(job_dirs).extras):
+        parts = extra.get("parts", [])
+        # type(): a part number is an int, not true or 1.0, which compare equal to 1
+        if not isinstance(parts, list) or not all(type(part) is int for part in parts):
+            raise FormatError(f"{Path(job_dir) / JOB_RECORD}: parts {parts!r:.70} is not a list of part numbers")
+        written += parts
     if written != list(range(n_parts)):
         missing = sorted(set(range(n_parts)) - set(written))
         records = [str(Path(d) / JOB_RECORD) for d in job_dirs]
