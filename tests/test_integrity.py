@@ -4,6 +4,7 @@ Format-specific attacks (names planted in metadata, hostile pickles, saev's poin
 format's own tests."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -430,6 +431,74 @@ def test_a_json_file_over_the_size_limit_is_refused_unread(tmp_path):
     os.truncate(path, size)
     with pytest.raises(FormatError, match=re.escape(f"{path}: {size} bytes, over the {integrity.JSON_MAX_BYTES}")):
         integrity.read_json(path)
+
+
+# What each reader reads by a recorded size, in a copy of the store at sys.argv[1], for 3 seconds.
+SIZED_READS = {
+    "zarr": ("shards/shard-0000.zarr/arrays/seq_len/0",
+             "from actstore.formats.zarr import ZarrStore\n"
+             "read = lambda: ZarrStore(root / 'shards/shard-0000.zarr').vector('seq_len')"),
+    "pickle": (None,  # the Store's data file: the first shard
+               "from actstore.formats.pickle import load_metadata, load_shard\n"
+               "info = load_metadata(root)['shards'][0]\n"
+               "read = lambda: load_shard(root, info)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZED_READS))
+def test_a_file_read_by_its_recorded_size_is_the_one_opened_never_one_looked_at_before(stores, tmp_path, name):
+    """A zarr vector chunk and a pickle shard were looked at (is_file, stat) and then opened by name: a
+    FIFO renamed into the file's place in between blocked the reader forever (within a second of
+    swaps). With the file and a FIFO swapped into its name over and over, every read returns or
+    refuses, naming the file."""
+    import subprocess
+    import sys
+
+    store = stores[name]
+    root = tmp_path / store.root.name
+    shutil.copytree(store.root, root, symlinks=True)
+    rel, reads = SIZED_READS[name]
+    path = root / (rel or store.data)
+    data, stop = path.read_bytes(), threading.Event()
+
+    def swap() -> None:
+        for k in itertools.count():
+            if stop.is_set():
+                return
+            tmp = tmp_path / f"swap{k % 2}"
+            tmp.write_bytes(data) if k % 2 else os.mkfifo(tmp)
+            os.rename(tmp, path)
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    swapper.start()
+    script = ("import sys, time\nfrom pathlib import Path\nfrom actstore.errors import FormatError\n"
+              f"root = Path(sys.argv[1])\n{reads}\nend = time.time() + 3\nwhile time.time() < end:\n"
+              "    try:\n        read()\n    except FormatError:\n        pass\n")
+    try:
+        subprocess.run([sys.executable, "-c", script, str(root)], check=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a read of {path} waited on the FIFO swapped into its place")
+    finally:
+        stop.set()
+        swapper.join()
+
+
+def test_read_sized_names_the_file_and_both_sizes(tmp_path):
+    """integrity.read_sized: a file of another size, a FIFO, and a file that reads longer than it
+    said it was when opened (/proc's files say 0 bytes) are each a FormatError naming the file."""
+    from actstore.integrity import read_sized
+
+    path = tmp_path / "0"
+    path.write_bytes(b"12345678")
+    assert read_sized(path, 8, "the test") == b"12345678"
+    with pytest.raises(FormatError, match=re.escape(f"{path}: 8 bytes, expected 9 from the test")):
+        read_sized(path, 9, "the test")
+    path.unlink()
+    os.mkfifo(path)
+    assert read_in_thread(lambda: read_sized(path, 0, "the test"), path) == [
+        f"{path}: not a regular file (a FIFO, device or directory is never read)"]
+    with pytest.raises(FormatError, match="/proc/self/status: more than 0 bytes read, 0 when opened: it changed"):
+        read_sized(Path("/proc/self/status"), 0, "the test")
 
 
 def test_sorted_files_walks_in_sorted_name_order(tmp_path):

@@ -510,10 +510,14 @@ def test_shared_containers_are_checked_once_and_a_cycle_is_refused(monkeypatch):
 
 def test_a_gzip_bomb_is_refused_before_it_fills_memory(monkeypatch):
     import actstore.formats.pickle.unpickler as unpickler
-    bomb = gzip.compress(b"\0" * (8 << 20))  # 8 MiB of zeros in about 8 KiB
+    # 8 MiB of zeros in about 8 KiB, in a pickle: the shard is unpickled as it is decompressed, and
+    # bytes that are no pickle are refused at their first
+    bomb = gzip.compress(pickle.dumps({"layer_0": np.zeros(8 << 20, np.uint8)}, protocol=5))
     monkeypatch.setattr(unpickler, "memory_budget", lambda: 1 << 20)
     with pytest.raises(pickle.UnpicklingError, match="decompresses to more than 1,048,576 bytes"):
         ps.safe_loads(bomb, compressed=True)
+    with pytest.raises(pickle.UnpicklingError, match="invalid load key"):
+        ps.safe_loads(gzip.compress(b"\0" * (8 << 20)), compressed=True)
     two_members = gzip.compress(pickle.dumps({"a": 1})[:5]) + gzip.compress(pickle.dumps({"a": 1})[5:])
     assert ps.safe_loads(two_members, compressed=True) == {"a": 1}
     with pytest.raises(pickle.UnpicklingError, match="not gzip data|truncated"):
@@ -626,3 +630,76 @@ def test_shards_checked_at_once_still_find_a_sample_in_two_shards(store, tmp_pat
     big = [{**meta["shards"][0], "size_bytes": check.SHARDS_VERIFY_BYTES // 6}]
     assert check._shard_threads(big, 32) == min(2, integrity.CHECK_THREADS)
     assert check._shard_threads([{**big[0], "size_bytes": check.SHARDS_VERIFY_BYTES}], 32) == 1
+
+
+def _gzip_shards(root: Path, n_shards: int, samples: int, rows: int, zeros: bool) -> dict:
+    """`n_shards` gzip shards (the writer's dump_shard) of one layer, `samples` samples of `rows` x 512
+    float32 each (zeros, or float16-rounded normals that gzip leaves ~60%), and a metadata object
+    listing them (the fields _verify_shards reads)."""
+    from actstore.formats.pickle.write import dump_shard
+
+    rng, shards = np.random.default_rng(0), []
+    for k in range(n_shards):
+        items = [{"sample_idx": samples * k + i, "shape": (rows, 512), "text_preview": "x", "metadata": {},
+                  "activation": np.zeros((rows, 512), np.float32) if zeros
+                  else rng.standard_normal((rows, 512)).astype(np.float16).astype(np.float32)}
+                 for i in range(samples)]
+        path = root / f"shard_{k:04d}.pkl.gz"
+        digest = dump_shard({"layer_0": items}, path, True, 1, "isal")
+        shards.append({"shard_id": k, "filename": path.name, "size_bytes": path.stat().st_size, "layers": [0],
+                       "checksum": f"sha256:{digest}", "compressed": True, "num_samples": samples,
+                       "sample_id_range": [samples * k, samples * k + samples - 1]})
+    return {"shards": shards, "actstore": {"d_model": 512}, "extraction_config": {"model_params": {}}}
+
+
+def _traced_peak(run) -> tuple[object, int]:
+    """run()'s result and the most memory Python and numpy held at once while it ran."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        return run(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_gzip_shard_is_unpickled_as_it_is_decompressed_never_held_whole(tmp_path):
+    """load_shard decompressed a gzip shard whole (its pieces and their join at once) before the
+    arrays were built from it: 2.6x the arrays with the file. Streamed, it holds the file and the
+    arrays, and returns the same shard."""
+    meta = _gzip_shards(tmp_path, 1, 8, 1024, zeros=False)  # 16 MiB of arrays
+    info, arrays = meta["shards"][0], 8 * 1024 * 512 * 4
+    shard, peak = _traced_peak(lambda: ps.load_shard(tmp_path, info))
+    assert peak < info["size_bytes"] + 1.25 * arrays, (peak, info["size_bytes"], arrays)
+    # What it returned before: the whole pickle, decompressed first, through the same unpickler.
+    expected = ps.safe_loads(gzip.decompress((tmp_path / info["filename"]).read_bytes()), compressed=False)
+    assert shard.keys() == expected.keys() and len(shard["layer_0"]) == 8
+    for got, want in zip(shard["layer_0"], expected["layer_0"]):
+        assert got.keys() == want.keys() and got["shape"] == want["shape"] and got["sample_idx"] == want["sample_idx"]
+        np.testing.assert_array_equal(got["activation"], want["activation"])
+
+
+def test_verify_holds_the_shards_it_checks_at_once_within_one_memory_budget(tmp_path, monkeypatch):
+    """verify checks shards on several threads, as many as their metadata sizes allow: shards that
+    decompress to more than it says each held up to the whole memory_budget() (twice: the pickle,
+    then the arrays). Together they now hold one budget: a shard that finds the rest held waits to
+    be checked alone, and is checked (none is refused for another's bytes); one past the budget
+    alone is refused, naming it."""
+    from actstore import integrity
+    from actstore.formats.pickle import check, unpickler
+
+    meta = _gzip_shards(tmp_path, 4, 64, 512, zeros=True)  # 64 MiB of arrays each, ~70 KiB of gzip
+    arrays = 64 * 512 * 512 * 4
+    budget = int(1.25 * arrays)
+    monkeypatch.setattr(integrity, "memory_budget", lambda: budget)
+    monkeypatch.setattr(unpickler, "memory_budget", lambda: budget)
+    with integrity.check_threads(4):
+        problems, peak = _traced_peak(lambda: check._verify_shards(tmp_path, meta))
+    assert problems == []
+    # Beyond the budget, each thread's buffers and the one array it is filling: under 4 MiB.
+    assert peak < budget + 4 * (4 << 20), (peak, budget)
+    monkeypatch.setattr(integrity, "memory_budget", lambda: arrays // 2)
+    with integrity.check_threads(4):
+        problems = check._verify_shards(tmp_path, meta)
+    assert problems == [f"{tmp_path / info['filename']}: refused to load shard: decompresses to more than "
+                        f"{arrays // 2:,} bytes" for info in meta["shards"]]

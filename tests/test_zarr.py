@@ -159,7 +159,7 @@ def test_zmetadata_names_are_read_only_inside_the_store_and_only_as_metadata(ber
     os.mkfifo(outside / "fifo")
     cases = {"../../outside/.zattrs": "is not a relative path inside", str(outside / ".zattrs"): "is not a relative path",
              "linked/.zattrs": "a link to", "/dev/zero": "is not a relative path",
-             "arrays/activations/0/0/0/0": "is not a zarr metadata name", "queue/.zattrs": "missing or not JSON"}
+             "arrays/activations/0/0/0/0": "is not a zarr metadata name", "queue/.zattrs": "not a regular file"}
     for key, message in cases.items():
         store = tmp_path / "s.zarr"
         shutil.rmtree(store, ignore_errors=True)
@@ -714,6 +714,68 @@ def test_a_per_sample_arrays_chunk_is_refused_by_its_size_before_it_is_read(tmp_
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
+
+
+def test_a_fifo_in_an_activation_chunks_place_is_refused_never_waited_on(tmp_path):
+    """ZarrStore.read opened each chunk with a blocking open: a FIFO named like a chunk blocked it
+    forever. It is a FormatError naming the chunk."""
+    import os
+    import threading
+
+    store = synthetic_shard(tmp_path, tmp_path / "s.zarr")
+    reader, chunk = zs.ZarrStore(store), store / acts_chunk_key(0, 0, 0)
+    chunk.unlink()
+    os.mkfifo(chunk)
+    errors: list[str] = []
+
+    def read() -> None:
+        try:
+            reader.read(0, reader.layers[0])
+        except FormatError as exc:
+            errors.append(str(exc))
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        os.close(os.open(chunk, os.O_WRONLY | os.O_NONBLOCK))  # the reader's open returns; then EOF
+        thread.join()
+        pytest.fail(f"ZarrStore.read waited on the FIFO {chunk}")
+    assert errors == [f"{chunk}: not a regular file (a FIFO, device or directory is never read)"]
+
+
+def test_a_metadata_file_zmetadata_lists_is_compared_only_when_it_is_metadata_sized(tmp_path):
+    """verify compares each file .zmetadata names with its entry: a 2 GiB (sparse) one was read whole
+    (then decoded: 4 GiB), a MemoryError on a small machine that lost every other problem. It is named
+    from its size, unread, and the rest of the report stays."""
+    import os
+    import tracemalloc
+
+    store = synthetic_shard(tmp_path, tmp_path / "s.zarr")
+    (store / "extra").mkdir()
+    (store / "extra" / ".zattrs").touch()
+    os.truncate(store / "extra" / ".zattrs", 2 << 30)
+    meta = json.loads((store / ".zmetadata").read_text())
+    meta["metadata"]["extra/.zattrs"] = {}
+    (store / ".zmetadata").write_text(json.dumps(meta))
+    tracemalloc.start()
+    try:
+        problems = zs.verify(store)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"{store}/extra/.zattrs: {2 << 30} bytes, over the {1 << 30} of any metadata file (listed in .zmetadata)" \
+        in problems, problems
+    assert f"{store}/extra/.zattrs: not listed in {FILES_JSON}" in problems
+    assert peak < 64 << 20
+
+
+def test_the_manifest_job_names_a_shard_attrs_file_damaged_since_its_job(tmp_path):
+    """write_manifest reads each shard's .zattrs, written by another job: one no longer JSON raised a
+    bare JSONDecodeError naming no file."""
+    store = synthetic_shard(tmp_path, tmp_path / "shards" / zs.shard_name(0))
+    (store / ".zattrs").write_text('{"num_samples": 2,')
+    with pytest.raises(FormatError, match=re.escape(f"{store}/.zattrs: not valid JSON")):
+        zs.write_manifest(tmp_path, [store])
 
 
 def test_a_merge_across_file_systems_says_the_merged_store_must_be_on_the_shards(tmp_path):

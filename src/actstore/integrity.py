@@ -283,6 +283,31 @@ def _open_regular(path: Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
+def read_sized(path: Path, size: int, source: str) -> bytes:
+    """The bytes of `path`, a regular file of the `size` bytes `source` gives it (a record, a chunk
+    layout). What is read is the file opened (_open_regular), never one looked at before: a FIFO or
+    device put in its place since would block or never end. Its size is compared before anything is
+    read (a sparse file of gigabytes costs nothing to refuse). FormatError naming the file and both
+    sizes when they differ, or when it is missing or not a regular file."""
+    with _open_regular(path) as fh:
+        found = os.fstat(fh.fileno()).st_size
+        if found != size:
+            raise FormatError(f"{path}: {found} bytes, expected {size} from {source}")
+        return _read_whole(fh, path, size)
+
+
+def _read_whole(fh: BinaryIO, path: Path, size: int) -> bytes:
+    """The `size` bytes that file `path`, open as `fh`, had when opened; FormatError when it changed
+    while it was read (a writer still at it?). Exactly one byte more is asked for: it tells a file
+    grown since, where a larger read (a cap) would allocate all it asks for."""
+    data = fh.read(size + 1)
+    if len(data) != size:
+        read = f"more than {size}" if len(data) > size else len(data)
+        raise FormatError(f"{path}: {read} bytes read, {size} when opened: it changed while it was read "
+                          "(a writer still at it?)")
+    return data
+
+
 def read_json(path: Path) -> Any:
     """A JSON file's content; FormatError naming the file when it is missing, not a regular file,
     over JSON_MAX_BYTES, or not strict JSON: not UTF-8, not JSON, a duplicate key, NaN or Infinity,
@@ -291,9 +316,7 @@ def read_json(path: Path) -> Any:
         size = os.fstat(fh.fileno()).st_size
         if size > JSON_MAX_BYTES:
             raise FormatError(f"{path}: {size} bytes, over the {JSON_MAX_BYTES} of any metadata file")
-        data = fh.read(size + 1)  # a read of the cap would allocate it whole; one more byte: did it grow?
-    if len(data) > size:
-        raise FormatError(f"{path}: grew while it was read (a writer still at it?)")
+        data = _read_whole(fh, path, size)
     try:
         return json.loads(data.decode("utf-8"), **_STRICT_JSON)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _StrictJsonError

@@ -16,6 +16,7 @@ from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORM
                                             PREVIEW_CHARS, REQUIRED, SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name,
                                             layer_key)
 from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
+from actstore.formats.pickle.unpickler import BudgetHeldByOthers, ByteBudget
 from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, unlisted, version_string,
                                 whole_number, whole_numbers)
 
@@ -202,15 +203,22 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any
     return problems
 
 
-def _verify_shard(path: Path, info: dict[str, Any], width: Any) -> tuple[list[str], list[int]]:
-    """One shard: bytes, safe load, and content against its metadata entry (activations `width` wide,
-    as many token rows in each layer as its num_tokens when recorded); its problems, and its sample
-    ids when it is whole (verify checks them against the other shards')."""
-    try:
-        name = shard_path(path, info)
-        shard = load_shard(path, info)
-    except FormatError as exc:
-        return [str(exc)], []
+def _verify_shard(path: Path, info: dict[str, Any], width: Any, budget: ByteBudget) -> tuple[list[str], list[int]]:
+    """One shard: bytes, safe load (its decompressed bytes held in `budget` until it is checked), and
+    content against its metadata entry (activations `width` wide, as many token rows in each layer as
+    its num_tokens when recorded); its problems, and its sample ids when it is whole (verify checks
+    them against the other shards')."""
+    with budget.share() as take:
+        try:
+            name = shard_path(path, info)
+            shard = load_shard(path, info, take)
+        except FormatError as exc:
+            return [str(exc)], []
+        return _shard_content_problems(name, shard, info, width)
+
+
+def _shard_content_problems(name: Path, shard: dict, info: dict[str, Any], width: Any) -> tuple[list[str], list[int]]:
+    """_verify_shard's check of a loaded shard's content."""
     want_keys = {layer_key(layer) for layer in info["layers"]}
     if set(shard) != want_keys:
         return [f"{name}: layer keys {sorted(shard)} != metadata layers {sorted(want_keys)}"], []
@@ -233,17 +241,27 @@ def _verify_shard(path: Path, info: dict[str, Any], width: Any) -> tuple[list[st
 
 
 def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
-    """Every shard (_verify_shard), as many at once as SHARDS_VERIFY_BYTES holds, then the sample ids
-    of all of them: each once in the store."""
+    """Every shard (_verify_shard), as many at once as SHARDS_VERIFY_BYTES holds by their metadata and
+    one shared memory_budget() holds by what they decompress to (a shard that finds it held by others
+    is checked again alone), then the sample ids of all of them: each once in the store."""
     shards = meta["shards"]
     width = meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
+    budget = ByteBudget(integrity.memory_budget())  # the threads' shards together: metadata may understate them
+    found_of: dict[int, list[str]] = {}
     ids_of: dict[int, list[int]] = {}
 
     def check(i: int) -> list[str]:
-        found, ids_of[i] = _verify_shard(path, shards[i], width)
-        return found
+        try:
+            found_of[i], ids_of[i] = _verify_shard(path, shards[i], width, budget)
+        except BudgetHeldByOthers:  # checked again below, alone
+            pass
+        return []
 
-    problems = problems_of(check, range(len(shards)), threads=_shard_threads(shards, width), desc="verify pickle shards")
+    problems_of(check, range(len(shards)), threads=_shard_threads(shards, width), desc="verify pickle shards")
+    for i in range(len(shards)):
+        if i not in found_of:
+            check(i)  # the budget is all its own now: loaded, or refused for passing it alone
+    problems = [problem for i in range(len(shards)) for problem in found_of[i]]
     seen: set[int] = set()
     for i, info in enumerate(shards):
         ids = ids_of[i]
@@ -254,9 +272,10 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
 
 
 def _shard_threads(shards: list[dict[str, Any]], width: Any) -> int:
-    """Shards checked at once: each check holds the file, its decompressed pickle and the arrays, about
-    3x the shard's raw bytes (its recorded rows x width when known, else its size), and together they
-    stay within SHARDS_VERIFY_BYTES: one at a time at least, CHECK_THREADS at most."""
+    """Shards checked at once: each check holds the file and the arrays (the decompressed pickle streams
+    between them), counted as 3x the shard's raw bytes (its recorded rows x width when known, else its
+    size), and together they stay within SHARDS_VERIFY_BYTES: one at a time at least, CHECK_THREADS at
+    most."""
     raw = max((max(s["size_bytes"], s.get("num_tokens", 0) * (width or 0) * 4 * len(s["layers"])) for s in shards),
               default=0)
     return max(1, min(integrity.CHECK_THREADS, SHARDS_VERIFY_BYTES // max(1, 3 * raw)))

@@ -8,14 +8,14 @@ from __future__ import annotations
 import hashlib
 import pickle  # absolute import: the standard library, not this package
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.pickle.layout import CHECKSUM_PREFIX, METADATA, is_shard_name, layer_key
 from actstore.formats.pickle.unpickler import safe_loads
-from actstore.integrity import inside, read_json
+from actstore.integrity import inside, read_json, read_sized, whole_number
 
 # What a hostile or broken shard can raise from decompression or the restricted unpickler.
 LOAD_ERRORS = (pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, AttributeError, IndexError,
@@ -43,23 +43,23 @@ def shard_path(output_dir: str | Path, info: dict[str, Any]) -> Path:
 def read_checked(output_dir: str | Path, info: dict[str, Any]) -> bytes:
     """The shard's bytes, after checking they exist, have size_bytes and match the sha256 checksum."""
     path = shard_path(output_dir, info)
-    if not path.is_file():
-        raise FormatError(f"{path}: shard missing")
-    if (size := path.stat().st_size) != info.get("size_bytes"):  # before reading: the file may be any size
-        raise FormatError(f"{path}: {size} bytes, metadata.json says size_bytes={info.get('size_bytes')}")
-    data = path.read_bytes()
+    if not whole_number(size := info.get("size_bytes")):
+        raise FormatError(f"{path}: {METADATA} size_bytes={size!r:.40} is not a whole number")
+    data = read_sized(path, size, f"{METADATA} size_bytes")
     digest = CHECKSUM_PREFIX + hashlib.sha256(data).hexdigest()
     if digest != info.get("checksum"):
         raise FormatError(f"{path}: checksum {digest} != metadata.json checksum {info.get('checksum')}")
     return data
 
 
-def load_shard(output_dir: str | Path, info: dict[str, Any]) -> dict[str, list[dict]]:
-    """Verify then safely unpickle one shard; FormatError naming the shard on any problem."""
+def load_shard(output_dir: str | Path, info: dict[str, Any],
+               take: Callable[[int], None] | None = None) -> dict[str, list[dict]]:
+    """Verify then safely unpickle one shard; FormatError naming the shard on any problem. `take`: the
+    share of a ByteBudget its decompressed bytes are charged to (safe_loads)."""
     data = read_checked(output_dir, info)
     path = shard_path(output_dir, info)
     try:
-        shard = safe_loads(data, bool(info.get("compressed")))
+        shard = safe_loads(data, bool(info.get("compressed")), take)
     except LOAD_ERRORS as exc:
         raise FormatError(f"{path}: refused to load shard: {exc}") from None
     if not isinstance(shard, dict):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import pickle  # absolute import: the standard library, not this package
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
-from isal import isal_zlib
+from isal import igzip, isal_zlib
 
 from actstore.formats.pickle.layout import NUMERIC_KINDS
 from actstore.integrity import memory_budget
@@ -103,29 +105,94 @@ def _check_plain(obj: Any, depth: int = 0, checked: set[int] | None = None, path
     checked.add(id(obj))
 
 
-def gunzip_bounded(data: bytes, limit: int) -> bytes:
-    """Every gzip member of `data`, refused once the output passes `limit` bytes (a gzip bomb
-    expands about a thousandfold). One-shot calls of ISA-L's zlib-compatible inflate: several times
-    faster than GzipFile, 1.4-1.7x zlib's (whichever compressor wrote the shard)."""
-    out, size, rest = [], 0, data
-    while rest:
-        member = isal_zlib.decompressobj(wbits=31)
+class _Refused(Exception):
+    """A gzip shard refused as it is streamed (_Gunzip, ByteBudget): raised through the unpickler as
+    this, since it turns an UnpicklingError from the read of an opcode into "Ran out of input"."""
+
+
+class BudgetHeldByOthers(Exception):
+    """A shard would take more of a shared ByteBudget than is left while other shards hold some of
+    it: not a fault of the shard, which is loaded again once it has the budget to itself."""
+
+
+class ByteBudget:
+    """Decompressed bytes that the shards loaded at once may hold together. verify's threads share
+    one, so that shards whose metadata understates them cannot together hold more than it: each
+    takes its bytes as they come out of the gzip stream, and gives them back when its check is done."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.taken, self.lock = total, 0, threading.Lock()
+
+    @contextmanager
+    def share(self) -> Iterator[Callable[[int], None]]:
+        """One shard's share: a function taking `n` more bytes, which raises _Refused (safe_loads'
+        UnpicklingError) when the shard alone would pass the total, BudgetHeldByOthers when others
+        hold what it lacks. All it took is given back at the end of the block."""
+        held = 0
+
+        def take(n: int) -> None:
+            nonlocal held
+            with self.lock:
+                if self.taken + n > self.total:
+                    if self.taken == held:
+                        raise _Refused(f"decompresses to more than {self.total:,} bytes")
+                    raise BudgetHeldByOthers()
+                self.taken, held = self.taken + n, held + n
         try:
-            out.append(member.decompress(rest, limit + 1 - size))
-        except isal_zlib.error as exc:
-            raise pickle.UnpicklingError(f"not gzip data ({exc})") from None
-        size += len(out[-1])
-        if size > limit or member.unconsumed_tail:
-            raise pickle.UnpicklingError(f"decompresses to more than {limit:,} bytes")
-        if not member.eof:
-            raise pickle.UnpicklingError("truncated gzip data")
-        rest = member.unused_data
-    return b"".join(out)
+            yield take
+        finally:
+            with self.lock:
+                self.taken -= held
 
 
-def safe_loads(data: bytes, compressed: bool) -> Any:
-    """Decompress (if gzip) and unpickle with the restricted unpickler; check what came out."""
-    raw = gunzip_bounded(data, memory_budget()) if compressed else data
-    obj = RestrictedUnpickler(io.BytesIO(raw)).load()
+GUNZIP_BLOCK = 1 << 20  # what _Gunzip decompresses at a time: past a budget by at most this
+
+
+class _Gunzip(io.RawIOBase):
+    """The gzip members of `data` decompressed as they are read (ISA-L's igzip), every byte that
+    comes out charged to `take`: the pickle is never held whole, only the objects built from it,
+    and a gzip bomb is refused a block after its budget."""
+
+    def __init__(self, data: bytes, take: Callable[[int], None]) -> None:
+        self.gzip, self.take = igzip.GzipFile(fileobj=io.BytesIO(data)), take
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        try:  # a block at a time: a read the pickle sizes itself is refused before it is filled
+            n = self.gzip.readinto(memoryview(buffer)[:GUNZIP_BLOCK])
+        except EOFError:
+            raise _Refused("truncated gzip data") from None
+        except (OSError, isal_zlib.error) as exc:
+            raise _Refused(f"not gzip data ({exc})") from None
+        self.take(n)
+        return n
+
+
+def _gunzip_load(data: bytes, take: Callable[[int], None]) -> Any:
+    """The restricted unpickler's object from gzip `data`, streamed (_Gunzip); the rest of the
+    stream is read too (and dropped), so a truncated or bad gzip is refused as when it was whole."""
+    try:
+        with io.BufferedReader(_Gunzip(data, take), GUNZIP_BLOCK) as stream:
+            obj = RestrictedUnpickler(stream).load()
+            while stream.read(GUNZIP_BLOCK):
+                pass
+    except _Refused as exc:
+        raise pickle.UnpicklingError(str(exc)) from None
+    return obj
+
+
+def safe_loads(data: bytes, compressed: bool, take: Callable[[int], None] | None = None) -> Any:
+    """Decompress (if gzip) and unpickle with the restricted unpickler; check what came out. The
+    decompressed bytes are charged to `take` (a ByteBudget share), by default a budget of
+    memory_budget() of the shard's own."""
+    if not compressed:
+        obj = RestrictedUnpickler(io.BytesIO(data)).load()
+    elif take is None:
+        with ByteBudget(memory_budget()).share() as own:
+            obj = _gunzip_load(data, own)
+    else:
+        obj = _gunzip_load(data, take)
     _check_plain(obj)
     return obj

@@ -3,7 +3,6 @@ validate stage): detect, inspect, read_vector and the full integrity check."""
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -223,12 +222,10 @@ def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
         if PurePosixPath(key).name not in ZARR_METADATA_NAMES:
             problems.append(f"{store}/.zmetadata: {key!r} is not a zarr metadata name ({', '.join(ZARR_METADATA_NAMES)})")
             continue
-        try:
-            if not path.is_file():  # never open a FIFO or a device: reading one would block or never end
-                raise OSError
-            on_disk = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError):
-            problems.append(f"{path}: missing or not JSON (listed in .zmetadata)")
+        try:  # read_json: never waits on a FIFO put in its place, nor reads a file no writer made whole
+            on_disk = read_json(path)
+        except FormatError as exc:
+            problems.append(f"{exc} (listed in .zmetadata)")
             continue
         if isinstance(value, dict):  # zarr-python nests a consolidated_metadata stub in sub-group entries
             value = {k: v for k, v in value.items() if k != "consolidated_metadata"}

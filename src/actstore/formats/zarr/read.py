@@ -9,6 +9,7 @@ import bisect
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -17,7 +18,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           REQUIRED_ATTRS, VECTOR_ZARRAY, chunk_counts)
-from actstore.integrity import TOOL_FILES, inside, read_json, refuse, sorted_files, whole_number
+from actstore.integrity import TOOL_FILES, inside, read_json, read_sized, refuse, sorted_files, whole_number
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -106,7 +107,8 @@ class ZarrStore:
     def vector(self, name: str) -> np.ndarray:
         """A 1-D per-sample array (seq_len, sample_key, ...) read raw after validating its .zarray."""
         dtype, chunk = self._vector_layout(name)
-        parts = [np.frombuffer(_sized_bytes(self.path / key, chunk * dtype.itemsize), dtype=dtype)
+        source = f"{self.path}/arrays/{name}/.zarray"
+        parts = [np.frombuffer(read_sized(self.path / key, chunk * dtype.itemsize, source), dtype=dtype)
                  for key in self.vector_chunk_names(name)]
         out = np.concatenate(parts)[: self.n_samples] if parts else np.zeros(0, dtype)
         return out.astype(dtype.newbyteorder("="))
@@ -155,31 +157,20 @@ class ZarrStore:
         return out
 
     def _read_chunk(self, path: str, into: np.ndarray) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
+        try:  # O_NONBLOCK: a FIFO in a chunk's place would block the open until a writer came
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
         except FileNotFoundError:
             raise FormatError(f"{path}: chunk file missing") from None
         try:
-            size = os.fstat(fd).st_size
-            if size != self.chunk_bytes:  # a truncated or padded chunk is corruption, not fill
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):  # a FIFO would block the read, a device never end
+                raise FormatError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
+            if (size := found.st_size) != self.chunk_bytes:  # a truncated or padded chunk is corruption, not fill
                 raise FormatError(f"{path}: {size} bytes, expected {self.chunk_bytes}")
             if os.preadv(fd, [into], 0) != into.nbytes:
                 raise FormatError(f"{path}: short read")
         finally:
             os.close(fd)
-
-
-def _sized_bytes(path: Path, size: int) -> bytes:
-    """The bytes of `path`, a file of exactly `size` bytes: its size is compared before anything is
-    read (a 512 MiB sparse chunk cost 512 MiB of memory to be refused), and a file that is not a
-    regular one (a FIFO would block) counts as missing, 0 bytes."""
-    found = path.stat().st_size if path.is_file() else 0
-    if found == size:
-        with path.open("rb") as fh:
-            found = len(raw := fh.read(size + 1))  # one byte more: a file grown since the stat is refused too
-    if found != size:
-        raise FormatError(f"{path}: {found} bytes, expected {size}")
-    return raw
 
 
 def entry_problem(entry: Any, where: str) -> str | None:

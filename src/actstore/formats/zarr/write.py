@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
-import json
 import logging
 import os
 import threading
@@ -30,7 +29,7 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
-from actstore.integrity import stream_json_members
+from actstore.integrity import read_json, stream_json_members
 from actstore.io_utils import BufferWorkers, atomic_path, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -223,7 +222,7 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
 def store_entry(store: str | Path, rel_to: str | Path | None = None) -> dict[str, Any]:
     """The manifest record of a finished store: path, counts and the sha256 of its meta/files.json."""
     store = Path(store)
-    attrs = json.loads((store / ".zattrs").read_text())
+    attrs = read_json(store / ".zattrs")  # write_manifest's shards were written by other jobs, maybe since damaged
     n_files, n_bytes = 1, (store / FILES_JSON).stat().st_size
     for _, entry in stream_json_members(store / FILES_JSON, "files"):  # millions of entries when merged
         n_files, n_bytes = n_files + 1, n_bytes + entry["bytes"]
