@@ -1793,3 +1793,170 @@ def test_a_16_bit_part_reads_back_as_its_float32_values_rounded(tmp_path, dtype)
         assert bits.tobytes() == narrow.tensor("layer_1").raw[a:b].tobytes()
     with pytest.raises(ValueError, match=f"layer_001.npy \\({dtype}\\) into float64"):
         narrow.tensor("layer_1").read_rows(0, 4, np.empty((4, 32)))
+
+
+def _offsets_changed(part):
+    """offsets.npy with one offset moved past the next (same size, so the cheap open's size check passes)."""
+    offsets = np.load(part / "offsets.npy")
+    offsets[5] = offsets[6] + 3
+    np.save(part / "offsets.npy", offsets)
+
+
+def _tensor_rewritten(array):
+    def rewrite(part):
+        np.save(part / "layer_001.npy", array(np.load(part / "layer_001.npy")))
+    return rewrite
+
+
+def _dtype_misstated(dtype):
+    def misstate(part):
+        meta = json.loads((part / "part.json").read_text())
+        meta["files"]["layer_001.npy"]["dtype"] = dtype
+        (part / "part.json").write_text(json.dumps(meta))
+    return misstate
+
+
+@pytest.mark.parametrize("damage, named", [
+    (_offsets_changed, r"offsets\.npy: token offsets do not run from 0 up to part\.json's n_tokens"),
+    (_tensor_rewritten(np.asfortranarray), r"layer_001\.npy: \.npy holds float32 \[\d+, 8\] Fortran order"),
+    (_dtype_misstated("float16"), r"layer_001\.npy: \.npy holds float32 .* records dtype 'float16'"),
+    (_dtype_misstated("float64"), r"layer_001\.npy: \.npy holds float32 .* records dtype 'float64'"),
+    (_dtype_misstated("no such dtype"), r"layer_001\.npy: \.npy holds float32 .* records dtype 'no such dtype'")])
+def test_a_part_whose_offsets_or_tensor_header_disagree_with_part_json_is_refused_not_misread(
+        tmp_path, damage, named):
+    """Every sample's rows are read through offsets.npy and the tensor's .npy header: a changed offset,
+    a Fortran-order file, a dtype part.json misstates (bfloat16 bits read as float16 values) each read
+    other values without an error before; now the part names the file."""
+    from actstore.formats.extract import synthetic_extraction
+    part = synthetic_extraction(tmp_path / "x", 50_000, 1, 8, [1], tokens=(4, 10)) / "part-0000"
+    damage(part)
+    with pytest.raises(FormatError, match=named):
+        open_part(part).activations("layer_1", 5)
+
+
+def test_a_tensor_shorter_than_its_token_count_is_refused_not_read_short(tmp_path):
+    """A tensor file (and its part.json record) with fewer rows than n_tokens: the last samples' slices
+    came back short or empty (numpy clips a slice at the end) without an error."""
+    from actstore.formats.extract import synthetic_extraction
+    part = synthetic_extraction(tmp_path / "x", 50_000, 1, 8, [1], tokens=(4, 10)) / "part-0000"
+    _tensor_rewritten(lambda array: array[:-20])(part)
+    meta = json.loads((part / "part.json").read_text())
+    meta["files"]["layer_001.npy"].update(bytes=(part / "layer_001.npy").stat().st_size,
+                                          shape=list(np.load(part / "layer_001.npy").shape))
+    (part / "part.json").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match=rf"layer_001\.npy: .* and {meta['n_tokens']} rows"):
+        open_part(part).activations("layer_1", meta["n_samples"] - 1)
+
+
+def test_validates_coordinates_check_every_layer(tmp_path):
+    """validate reads its coordinates through every store: each row drew its layer at random, so 48
+    rows (validate.n_coords' default) left some of 24 layers unchecked at most seeds, and a store
+    wrong in those layers alone passed. The rows now take the layers in turn."""
+    from actstore.formats.extract import synthetic_extraction
+    from actstore.verify import sample_coordinates
+    layers = list(range(24))
+    extraction = open_extraction(synthetic_extraction(tmp_path / "x", 400_000, 2, 8, layers, tokens=(4, 10)))
+    for seed in range(5):
+        assert {layer for _, layer, _ in sample_coordinates(extraction, 48, seed)} == set(layers)
+
+
+@pytest.mark.parametrize("row, named", [
+    ('{"sample_idx": 0, "num_tokens": 3, "label": "cat", "label": "dog"}', r"line 1 is not valid JSON \(key 'label' given twice\)"),
+    ("[0, 3]", r"line 1 is not a sample's JSON object with a whole-number sample_idx: b'\[0, 3\]'"),
+    ('{"num_tokens": 3}', r"line 1 is not a sample's JSON object with a whole-number sample_idx")])
+def test_a_samples_row_with_a_key_twice_or_not_an_object_is_named(tmp_path, row, named):
+    """samples.jsonl rows were parsed with plain json.loads: a key given twice read as its last value
+    (the part's sha256 saw both), and a row that is not an object, or has no sample_idx, reached its
+    callers (a TypeError, or a KeyError from verify's summary of a part rehashed to match)."""
+    from actstore.formats.extract import synthetic_extraction
+    root = synthetic_extraction(tmp_path / "x", 20_000, 1, 8, [1], tokens=(4, 10))
+    path = root / "part-0000" / "samples.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(row + "\n" + "".join(lines[1:]))
+    with pytest.raises(FormatError, match=rf"samples\.jsonl: {named}"):
+        open_extraction(root).sample(0)
+
+
+def test_a_fifo_in_place_of_samples_jsonl_is_named_not_opened(tmp_path):
+    """Opened for a blocking read, a FIFO hung the first reader of a sample row forever."""
+    from actstore.formats.extract import synthetic_extraction
+    root = synthetic_extraction(tmp_path / "x", 20_000, 1, 8, [1], tokens=(4, 10))
+    (root / "part-0000" / "samples.jsonl").unlink()
+    os.mkfifo(root / "part-0000" / "samples.jsonl")
+    code = f"from actstore.formats.extract import open_extraction; open_extraction({str(root)!r}).sample(0)"
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert "samples.jsonl: not a regular file" in proc.stderr
+
+
+@pytest.mark.parametrize("parts", [5, "ab", None])
+def test_an_index_whose_parts_is_not_a_list_is_named(tmp_path, parts):
+    """open_extraction counted the parts with len(extract.json's parts): a number was a TypeError, an
+    index without it a KeyError, and a string taken for as many parts as it has characters."""
+    from actstore.formats.extract import synthetic_extraction
+    root = synthetic_extraction(tmp_path / "x", 20_000, 2, 8, [1], tokens=(4, 10))
+    index = json.loads((root / "extract.json").read_text())
+    index.pop("parts") if parts is None else index.update(parts=parts)
+    (root / "extract.json").write_text(json.dumps(index))
+    with pytest.raises(FormatError, match=r"extract\.json: not an object whose 'parts' is a list"):
+        open_extraction(root)
+
+
+def test_a_part_of_another_tensor_width_is_refused(tmp_path):
+    """Writers size their rows from the first part: a part holding its tensor at another width (copied
+    from a run of another model of the same name) was read into them as other bytes, no error."""
+    import shutil
+
+    from actstore.formats.extract import synthetic_extraction
+    root = synthetic_extraction(tmp_path / "a", 40_000, 2, 8, [1], tokens=(4, 10))
+    wide = synthetic_extraction(tmp_path / "b", 80_000, 2, 16, [1], tokens=(4, 10))  # the same samples
+    shutil.rmtree(root / "part-0001")
+    shutil.copytree(wide / "part-0001", root / "part-0001")
+    meta = json.loads((root / "part-0001" / "part.json").read_text())
+    meta["model"]["path"] = meta["dataset"]["path"] = str(root)  # the synthetic writer records its folder
+    (root / "part-0001" / "part.json").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match=r"part-0001/part\.json: files' row shapes and dtypes \{'layer_001\.npy': "
+                                          r"\(\[16\], 'float32'\).* differ from .*part-0000/part\.json's"):
+        open_extraction(root, n_parts=2)
+
+
+def test_verify_names_a_dtype_part_json_misstates(tmp_path):
+    """The dtype part.json records is no byte of the tensor file, so its sha256 passed: verify passed a
+    part whose bfloat16 bits it called float16 (read as other values)."""
+    from actstore.formats import extract as extract_format
+    from actstore.formats.extract import synthetic_extraction
+    from actstore.io_utils import sha256_file
+    root = synthetic_extraction(tmp_path / "x", 20_000, 1, 8, [1], tokens=(4, 10), dtype="bfloat16")
+    meta_path = root / "part-0000" / "part.json"
+    meta = json.loads(meta_path.read_text())
+    meta["files"]["layer_001.npy"]["dtype"] = "float16"
+    meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    index = json.loads((root / "extract.json").read_text())
+    index["parts"][0]["part_json_sha256"] = sha256_file(meta_path)
+    (root / "extract.json").write_text(json.dumps(index))
+    assert [re.sub(r"\[\d+, 8\]", "[n, 8]", p) for p in extract_format.verify(root)] == [
+        f"{root / 'part-0000' / 'layer_001.npy'}: .npy holds uint16 [n, 8] C order; part.json records dtype "
+        f"'float16' shape [n, 8] and {meta['n_tokens']} rows"]
+
+
+def test_an_oversized_offsets_file_is_refused_without_reading_it(tmp_path):
+    """offsets.npy was read whole before anything checked it: with its record gone from part.json (so
+    no size is compared), a 256 MiB file (sparse) took 256 MiB of memory to refuse."""
+    import tracemalloc
+
+    from actstore.formats.extract import synthetic_extraction
+    part = synthetic_extraction(tmp_path / "x", 20_000, 1, 8, [1], tokens=(4, 10)) / "part-0000"
+    meta = json.loads((part / "part.json").read_text())
+    del meta["files"]["offsets.npy"]
+    (part / "part.json").write_text(json.dumps(meta))
+    n = 1 << 25
+    with open(part / "offsets.npy", "wb") as fh:
+        np.lib.format.write_array_header_1_0(fh, {"descr": "<i8", "fortran_order": False, "shape": (n,)})
+        fh.truncate(fh.tell() + 8 * n)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=rf"offsets\.npy: int64 \[{n}\], part\.json says int64"):
+            open_part(part)
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()

@@ -533,3 +533,109 @@ def test_validate_notes_a_lut_that_records_no_sae_sha256(run_copy, tmp_path):
         "creation_info.sae_sha256 absent (a LUT written before actstore recorded it): "
         "not checked against the sae stage's sae.safetensors"]
     assert json.loads((tmp_path / "report.json").read_text())["formats"]["lut"]["notes"] == report["formats"]["lut"]["notes"]
+
+
+@pytest.mark.parametrize("planted, named", [
+    ("link", r"report\.json: a link to .*outside\.json, outside .*: not read"),
+    ('{"fvu": 1, "fvu": 2}', r"report\.json: not valid JSON \(key 'fvu' given twice\)"),
+    ('{"fvu": ', r"report\.json: not valid JSON \(Expecting value")])
+def test_a_stage_report_linked_out_or_not_strict_json_is_named_not_copied(tmp_path, planted, named):
+    """validate copies the sae/lut stage's report.json into its own report (and inspect of an sae stage
+    reads it) before the stage's seal is checked: a link out of the stage directory was read and
+    copied, a key given twice read as its last value, text that is not JSON a JSONDecodeError."""
+    from actstore.verify import stage_report
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    if planted == "link":
+        (tmp_path / "outside.json").write_text('{"fvu": 0.1}')
+        (stage / "report.json").symlink_to(tmp_path / "outside.json")
+    else:
+        (stage / "report.json").write_text(planted)
+    with pytest.raises(FormatError, match=named):
+        stage_report(stage)
+
+
+PICKLE_PARAMS = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 1, "vocab_size": 10}
+
+
+def _pickle_store(extract_root: Path, out: Path) -> Path:
+    from actstore.formats.pickle.write import write_machine
+    write_machine(extract_root / "part-0000", out, model_params=PICKLE_PARAMS, progress=False)
+    return out
+
+
+def test_validate_never_takes_a_link_in_a_stage_directory_for_its_store(tmp_path):
+    """find_store took the first directory of the stage that held a store, a link to one included: a link
+    to a good copy elsewhere was checked (read outside the stage) and passed while the stage's own
+    store, a shard of it damaged, went unchecked."""
+    from actstore.formats.extract import open_extraction, synthetic_extraction
+    from actstore.verify import check_format, find_store, sample_coordinates
+
+    root = synthetic_extraction(tmp_path / "extract", 20_000, 1, 8, [1], tokens=(4, 10))
+    stage = tmp_path / "stage"
+    store = _pickle_store(root, stage / "store")
+    shutil.copytree(store, tmp_path / "elsewhere")
+    (stage / "a_copy").symlink_to(tmp_path / "elsewhere")
+    shard = next(store.glob("shard_*"))
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(damaged)
+    assert find_store(stage, "pickle") == store
+    extraction = open_extraction(root)
+    with pytest.raises(FormatError, match=r"shard_0001\.pkl\.gz: checksum"):
+        check_format("pickle", store, extraction, sample_coordinates(extraction, 4, 0))
+
+
+def test_validate_names_a_vector_of_another_width_and_passes_nan_copied_faithfully(tmp_path):
+    """A store's vector of another width than the extraction's made the problem's own message a
+    broadcasting ValueError; NaN activations (a model that overflowed), stored as they are, were
+    reported as differing from themselves."""
+    from actstore.formats.extract import open_extraction, synthetic_extraction
+    from actstore.verify import check_format, sample_coordinates
+
+    root = synthetic_extraction(tmp_path / "extract", 20_000, 1, 8, [1], tokens=(4, 10))
+    wide = synthetic_extraction(tmp_path / "wide", 40_000, 1, 16, [1], tokens=(4, 10))  # the same samples
+    extraction = open_extraction(root)
+    coords = sample_coordinates(extraction, 2, 0)
+    problems = check_format("pickle", _pickle_store(wide, tmp_path / "store"), extraction, coords)["problems"]
+    assert problems and all(p.endswith("differs from the extraction (shape [16], the extraction's [8])")
+                            for p in problems)
+    nan = synthetic_extraction(tmp_path / "nan", 20_000, 1, 8, [1], tokens=(4, 10), scale=float("nan"))
+    extraction = open_extraction(nan)
+    result = check_format("pickle", _pickle_store(nan, tmp_path / "nan_store"), extraction, coords)
+    assert result["checked"] == len(coords) and result["problems"] == []
+
+
+def test_an_extraction_with_an_empty_part_trains(extracted, tmp_path):
+    """30 texts in 7 parts of 5: the last part holds no sample, and the extractor writes its data files
+    from the first batch's shapes, so it has none. The SAE's data asked that part for its tensor."""
+    config, extract_dir = extracted("bert", extract={"hooks": [HOOK], "parts": 7})
+    extraction = open_extraction(extract_dir)
+    assert extraction.parts[-1].info.n_samples == 0 and "layer_000.npy" not in extraction.parts[-1].meta["files"]
+    config = copy.deepcopy(config)
+    config["sae"].update(SAE, steps=5, device="cpu")
+    report = build_sae(config, extract_dir, tmp_path / "sae", progress=False)
+    assert report["n_train_tokens"] + report["n_heldout_tokens"] == extraction.n_tokens
+
+
+def test_the_sae_data_of_more_parts_than_open_files_reads(tmp_path):
+    """tensors() held every part's memory map (each keeps a file descriptor) for the whole run: an
+    extraction of more parts than the limit on open files failed with "Too many open files"."""
+    import subprocess
+    import sys
+
+    from actstore.formats.extract import synthetic_extraction
+    root = synthetic_extraction(tmp_path / "x", 100 * 4 * 8 * 4 * 4, 100, 8, [1], tokens=(4, 4))
+    code = ("import resource, numpy as np\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "from actstore.formats.extract import open_extraction\n"
+            "from actstore.sae import data_mean, split_tokens, tensors\n"
+            f"extraction = open_extraction({str(root)!r})\n"
+            "assert len(extraction.parts) == 100\n"
+            "split = split_tokens(extraction, 0.1, 0)\n"
+            "mean = data_mean(tensors(extraction, 'layer_1'), split.train)\n"
+            "rows = np.concatenate([p.tensor('layer_1')[r] for p, r in zip(extraction.parts, split.train)])\n"
+            "assert np.allclose(mean.numpy(), rows.astype(np.float64).mean(0), atol=1e-6)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

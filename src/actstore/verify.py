@@ -1,7 +1,6 @@
 """Format detection, integrity checks and cross-format agreement (the validate stage)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -16,7 +15,7 @@ from actstore.errors import FormatError
 from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.hashing import stage_dirs
-from actstore.integrity import stage_config_problems
+from actstore.integrity import link_out, read_json, stage_config_problems
 from actstore.io_utils import sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -27,9 +26,11 @@ DTYPE_CASTS = {"float32": np.float32, "float16": np.float16}
 def find_store(directory: Path, name: str) -> Path:
     """The directory holding format `name`, as its reader and verify take it: the stage dir itself
     or one level below it. A saev stage dir points at the store beside it (named by its metadata
-    hash): verify given the stage dir checks the store's metadata against the pointer's seal too."""
+    hash): verify given the stage dir checks the store's metadata against the pointer's seal too.
+    A link to a directory is never taken for the store: one leading to a good copy elsewhere was
+    checked in its place (and read outside the stage) while the stage's own store went unchecked."""
     module = format_module(name)
-    for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
+    for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir() and not p.is_symlink())]:
         if module.detect(candidate):
             return candidate
     raise FormatError(f"{directory}: no {name} store found")
@@ -43,12 +44,20 @@ def reference_dtype(dtype: str) -> type:
 
 
 def sample_coordinates(extraction, n_coords: int, seed: int) -> list[tuple[int, int, int]]:
-    """Seeded (sample_idx, layer, token) triples; each sampled row also gets its last token."""
+    """Seeded (sample_idx, layer, token) triples; each sampled row also gets its last token. The rows
+    take the layers in turn (in a seeded order), so every layer is checked once there are as many
+    rows as layers: drawn at random, 48 rows missed some of 24 layers at most seeds."""
     rng = np.random.default_rng(seed)
     coords = []
-    for sample_idx in sorted(rng.choice(extraction.n_samples, size=min(n_coords, extraction.n_samples), replace=False)):
-        n_tokens = extraction.sample(int(sample_idx))["num_tokens"]
-        layer = int(rng.choice(extraction.info.layers))
+    rows = sorted(rng.choice(extraction.n_samples, size=min(n_coords, extraction.n_samples), replace=False))
+    layers = rng.permutation(extraction.info.layers)
+    for i, sample_idx in enumerate(rows):
+        # The token count the activations hold (offsets.npy, checked as the part opens), not the
+        # samples.jsonl row's copy: a wrong copy made the "last token" another, or a token past the end.
+        part, local = extraction.locate(int(sample_idx))
+        tokens = part.sample_slice(local)
+        n_tokens = tokens.stop - tokens.start
+        layer = int(layers[i % len(layers)])
         for token in {int(rng.integers(n_tokens)), n_tokens - 1}:
             coords.append((int(sample_idx), layer, token))
     return coords
@@ -69,12 +78,22 @@ def check_format(name: str, store: Path, extraction, coords) -> dict[str, Any]:
             not_stored += 1
             continue
         want = to_stored(extraction.activations(layer_tensor(layer), sample_idx)[token])
-        if got.shape != want.shape or not np.array_equal(np.asarray(got, np.float32), want):
+        if difference := _difference(np.asarray(got, np.float32), want):
             problems.append(f"{store}: (sample {sample_idx}, layer {layer}, token {token}) differs from "
-                            f"the extraction (max abs diff {np.max(np.abs(np.asarray(got, np.float32) - want)):.3g})")
+                            f"the extraction ({difference})")
         checked += 1
     return {"store": str(store), "problems": problems, "inspect": info, "checked": checked,
             "not_stored": not_stored, "read_latency_us": latencies_us}
+
+
+def _difference(got: np.ndarray, want: np.ndarray) -> str | None:
+    """How a store's vector differs from the extraction's, None when it holds the same values. NaN
+    equals NaN: a model that overflowed stores NaN, and every faithful copy holds it too."""
+    if got.shape != want.shape:
+        return f"shape {list(got.shape)}, the extraction's {list(want.shape)}"
+    if np.array_equal(got, want, equal_nan=True):
+        return None
+    return f"max abs diff {np.max(np.abs(got - want)):.3g}"
 
 
 def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, Any]:
@@ -157,9 +176,13 @@ def _relative(value: Any, root: str) -> Any:
 
 
 def stage_report(directory: Path) -> dict[str, Any] | None:
-    """A stage's own report.json (SAE training curve, LUT errors), if it wrote one."""
+    """A stage's own report.json (SAE training curve, LUT errors), if it wrote one; read strictly
+    (read_json), and a link out of the stage directory is named, never read (validate copies the
+    report into its own, and the stage's seal is checked only after)."""
     path = directory / "report.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if problem := link_out(directory, path):
+        raise FormatError(f"{problem}: not read")
+    return read_json(path) if path.is_file() else None
 
 
 def sae_summary(directory: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from actstore.errors import ConfigError
-from actstore.formats.extract import Extraction
+from actstore.formats.extract import Extraction, Part
 
 
 @dataclass
@@ -49,12 +49,30 @@ def split_tokens(extraction: Extraction, heldout_fraction: float, seed: int) -> 
     return TokenSplit(train, heldout, [int(i) for i in np.flatnonzero(held)])
 
 
-def tensors(extraction: Extraction, hook: str) -> list[np.ndarray]:
-    """The hook's (n_tokens, d) float32 memmap of each part (nothing is loaded here)."""
+class PartRows:
+    """One part's (n_tokens, d) hook tensor, read as float32, asked of the part at each read. A
+    StoredTensor held for the whole run kept its memory map, and so a file descriptor, open: an
+    extraction of more parts than the limit on open files failed; the part lets its least recently
+    used maps go (read.OPEN_MAPS). A part of no samples holds no data file, and is never read."""
+
+    def __init__(self, part: Part, hook: str, width: int):
+        self.part, self.hook = part, hook
+        self.shape = (part.info.n_tokens, width)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return self.part.tensor(self.hook)[key]
+
+
+def tensors(extraction: Extraction, hook: str) -> list[PartRows]:
+    """The hook's (n_tokens, d) float32 rows of each part (nothing is loaded here)."""
     if hook not in extraction.tensor_names:
         raise ConfigError(f"sae.hook {hook!r} was not captured by the extraction at {extraction.dir}; "
                           f"captured: {extraction.tensor_names} (add it to extract.hooks)")
-    return [part.tensor(hook) for part in extraction.parts]
+    width = next(p for p in extraction.parts if p.info.n_tokens).tensor(hook).shape[1]  # the same in every part
+    return [PartRows(part, hook, width) for part in extraction.parts]
 
 
 def gather(arrays: list[np.ndarray], rows: list[np.ndarray], picks: np.ndarray) -> np.ndarray:

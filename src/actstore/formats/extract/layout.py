@@ -43,6 +43,10 @@ def tensor_file(name: str) -> str:
     return f"hook-{module_path}-{io}.npy"
 
 
+# Files of one row per sample (the last token's top-k); every other data file has one per token.
+PER_SAMPLE_FILES = ("topk_values.npy", "topk_indices.npy")
+
+
 def part_dirname(part: int) -> str:
     return f"part-{part:04d}"
 

@@ -19,8 +19,10 @@ import numpy as np
 from actstore.casts import RowFile, to_float32
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
-from actstore.formats.extract.layout import INDEX, PART_META, FORMAT_NAME, part_dirname, tensor_file
-from actstore.integrity import check_file, file_records, inside, read_json, refuse, unlisted
+from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, STORAGE_DESCR, part_dirname,
+                                             tensor_file)
+from actstore.integrity import (_unique_keys, check_file, file_records, inside, read_json, refuse, unlisted,
+                                whole_number)
 from actstore.io_utils import pread_into
 
 
@@ -77,6 +79,8 @@ class SampleRows(Sequence):
 
     def __init__(self, path: Path, n_samples: int):
         self.path = path
+        if path.exists() and not path.is_file():  # a FIFO would block the open forever
+            raise FormatError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
         try:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -126,10 +130,20 @@ class SampleRows(Sequence):
                 yield self._parse(local, fh.readline().removesuffix(b"\n"))
 
     def _parse(self, local: int, line: bytes) -> dict:
+        """A row; a key given twice (json.loads keeps the last value, where the part's sha256 saw
+        both) or a row that is not an object with a whole-number sample_idx (its callers look it up)
+        is a FormatError naming the line. NaN is taken: a dataset field holding one is written as
+        the writer's json.dumps writes it."""
         try:
-            return json.loads(line.decode("utf-8"))
+            row = json.loads(line.decode("utf-8"), object_pairs_hook=_unique_keys)
         except (ValueError, UnicodeDecodeError) as exc:
             raise FormatError(f"{self.path}: line {local + 1} is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise FormatError(f"{self.path}: line {local + 1} is not valid JSON (nested too deeply to parse)") from None
+        if not isinstance(row, dict) or not whole_number(row.get("sample_idx")):
+            raise FormatError(f"{self.path}: line {local + 1} is not a sample's JSON object with a whole-number "
+                              f"sample_idx: {line[:80]!r}")
+        return row
 
 
 class _OpenMaps:
@@ -186,10 +200,17 @@ class Part:
         if array is None:
             if file not in self.meta["files"]:
                 raise FormatError(f"{self.dir}: no {file} in this part")
-            array = self._arrays[key] = load_npy(inside(self.dir, file, str(self.dir / PART_META)),
-                                                 self.meta["files"][file].get("bytes"), mmap_mode=mmap_mode)
+            record = self.meta["files"][file]
+            path = inside(self.dir, file, str(self.dir / PART_META))
+            array = load_npy(path, record.get("bytes"), mmap_mode=mmap_mode)
+            _check_header(array, record, self._rows(file), path)
+            self._arrays[key] = array
         OPEN_MAPS.used(self, key)
         return array
+
+    def _rows(self, file: str) -> int:
+        """How many rows `file` holds: one a sample for the top-k logits, else one a token."""
+        return self.info.n_samples if file in PER_SAMPLE_FILES else self.info.n_tokens
 
     @property
     def sample_start(self) -> int:
@@ -206,7 +227,12 @@ class Part:
         if name not in self.info.tensors:
             raise FormatError(f"{self.dir}: tensor {name!r} not captured; have {self.info.tensors}")
         file = tensor_file(name)
-        return StoredTensor(self._load(file, "c" if private else "r"), self.meta["files"][file]["dtype"])
+        raw = self._load(file, "c" if private else "r")
+        stored_dtype = self.meta["files"][file]["dtype"]
+        if stored_dtype not in STORAGE_DESCR or raw.ndim != 2:
+            raise FormatError(f"{self.dir / PART_META}: files[{file!r}] is {stored_dtype!r} {list(raw.shape)}, "
+                              f"not (tokens, width) in a storage dtype ({', '.join(STORAGE_DESCR)})")
+        return StoredTensor(raw, stored_dtype)
 
     def sample_slice(self, local_idx: int) -> slice:
         return slice(int(self.offsets[local_idx]), int(self.offsets[local_idx + 1]))
@@ -242,6 +268,14 @@ class Part:
         extra = unlisted(self.dir, set(self.meta["files"]) | {PART_META}, PART_META)
         if extra:
             raise FormatError(extra[0])
+        # The headers as part.json records them (a misstated dtype is no byte of the file, so its
+        # sha256 passes), and every tensor part.json names present in a storage dtype (a part of no
+        # samples holds no data files: they are made from the first batch's shapes).
+        for name in self.info.tensors if self.info.n_samples else ():
+            self.tensor(name)
+        for file, record in self.meta["files"].items():
+            if "shape" in record:
+                self._load(file)
 
 
 def open_part(part_dir: str | Path) -> Part:
@@ -254,8 +288,39 @@ def open_part(part_dir: str | Path) -> Part:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
     files = file_records(meta.get("files"), str(meta_path))
-    offsets = load_npy(part_dir / "offsets.npy", files.get("offsets.npy", {}).get("bytes"))
-    return Part(part_dir, meta, PartInfo.parse(meta, meta_path), offsets)
+    # Mapped, checked, then copied: a file far larger than the part's samples is never read whole.
+    offsets = load_npy(part_dir / "offsets.npy", files.get("offsets.npy", {}).get("bytes"), mmap_mode="r")
+    info = PartInfo.parse(meta, meta_path)
+    _check_offsets(offsets, info, part_dir / "offsets.npy")
+    return Part(part_dir, meta, info, np.array(offsets))
+
+
+def _check_offsets(offsets: np.ndarray, info: PartInfo, path: Path) -> None:
+    """FormatError unless `offsets` runs from 0 to n_tokens, never down, one step a sample: every
+    token slice is read through it, so one changed value (the cheap open checks its size only) would
+    give samples other samples' rows, or none, without an error."""
+    if offsets.dtype != np.int64 or offsets.shape != (info.n_samples + 1,):
+        raise FormatError(f"{path}: {offsets.dtype} {list(offsets.shape)}, {PART_META} says "
+                          f"int64 [{info.n_samples + 1}] (n_samples + 1)")
+    if offsets[0] != 0 or offsets[-1] != info.n_tokens or (np.diff(offsets) < 0).any():
+        raise FormatError(f"{path}: token offsets do not run from 0 up to {PART_META}'s n_tokens "
+                          f"{info.n_tokens} (first {offsets[0]}, last {offsets[-1]})")
+
+
+def _check_header(array: np.ndarray, record: dict[str, Any], rows: int, path: Path) -> None:
+    """FormatError unless the .npy header is what part.json records (dtype, shape, C order) and holds
+    `rows` rows: the bytes of another dtype or order are read as other values, and a slice past a
+    short file's end comes back short, each without an error."""
+    dtype, shape = record.get("dtype"), record.get("shape")
+    try:
+        want = np.dtype(STORAGE_DESCR.get(dtype) or dtype) if isinstance(dtype, str) and dtype else None
+    except (TypeError, ValueError):  # not a dtype numpy knows
+        want = None
+    if (want is None or array.dtype != want or list(array.shape) != shape or not array.shape
+            or array.shape[0] != rows or not array.flags.c_contiguous):
+        raise FormatError(f"{path}: .npy holds {array.dtype} {list(array.shape)} "
+                          f"{'C' if array.flags.c_contiguous else 'Fortran'} order; {PART_META} records "
+                          f"dtype {dtype!r:.40} shape {shape!r:.80} and {rows} rows")
 
 
 def load_npy(path: Path, recorded_bytes: int | None, mmap_mode: str | None = None) -> np.ndarray:
@@ -278,7 +343,7 @@ class Extraction:
     def __init__(self, extract_dir: str | Path, n_parts: int | None = None):
         self.dir = Path(extract_dir)
         if n_parts is None and (self.dir / INDEX).is_file():
-            n_parts = len(read_json(self.dir / INDEX)["parts"])  # a deleted part is missing, not skipped
+            n_parts = _listed_parts(self.dir / INDEX)  # a deleted part is missing, not skipped
         if n_parts is None:  # no index yet: every part.json says how many parts there are
             found = sorted(self.dir.glob("part-[0-9][0-9][0-9][0-9]"))
             n_parts = open_part(found[0]).info.parts if found else 0
@@ -341,6 +406,15 @@ class Extraction:
                 yield part, local, row
 
 
+def _listed_parts(index: Path) -> int:
+    """How many parts extract.json lists; FormatError naming it when it is not an object whose
+    `parts` is a list."""
+    listed = read_json(index)
+    if not isinstance(listed, dict) or not isinstance(listed.get("parts"), list):
+        raise FormatError(f"{index}: not an object whose 'parts' is a list of the parts")
+    return len(listed["parts"])
+
+
 # PartInfo fields every part of one extraction shares: a format built from the parts reads them
 # from the first (Extraction.info), so a part made by another run (another config, an actstore that
 # numbers labels otherwise) would be mislabelled silently.
@@ -355,8 +429,10 @@ RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding", "image_processor", "image
 def _check_cover(parts: list[Part]) -> None:
     """FormatError naming the part.json that does not follow on from the parts before it: each says
     it is part p of len(parts), and together they cover sample_idx 0..n-1 of the dataset in order,
-    made by one run (RUN_WIDE fields and RUN_WIDE_RECORDS as part 0's)."""
+    made by one run (RUN_WIDE fields and RUN_WIDE_RECORDS as part 0's, data files of the row shapes
+    and dtypes of the first part holding tokens)."""
     start = 0
+    filled = [part for part in parts if part.info.n_tokens]  # an empty part may hold no data files
     for p, part in enumerate(parts):
         info, where = part.info, part.dir / PART_META
         differs = [name for name in RUN_WIDE if getattr(info, name) != getattr(parts[0].info, name)] + [
@@ -364,6 +440,9 @@ def _check_cover(parts: list[Part]) -> None:
         if differs:
             raise FormatError(f"{where}: {differs[0]} differs from {parts[0].dir / PART_META}'s: the parts of one "
                               f"extraction come from one run (extract them again together)")
+        if info.n_tokens and (rows := _row_shapes(part)) != _row_shapes(filled[0]):
+            raise FormatError(f"{where}: files' row shapes and dtypes {rows} differ from "
+                              f"{filled[0].dir / PART_META}'s {_row_shapes(filled[0])}")
         if (info.part, info.parts, info.n_dataset_samples) != (p, len(parts), parts[0].info.n_dataset_samples):
             raise FormatError(f"{where}: part {info.part} of {info.parts} of {info.n_dataset_samples} samples, in an "
                               f"extraction of {len(parts)} parts of {parts[0].info.n_dataset_samples} samples")
@@ -374,6 +453,14 @@ def _check_cover(parts: list[Part]) -> None:
     if start != parts[0].info.n_dataset_samples:
         raise FormatError(f"{parts[-1].dir / PART_META}: the parts hold {start} of the dataset's "
                           f"{parts[0].info.n_dataset_samples} samples")
+
+
+def _row_shapes(part: Part) -> dict[str, tuple[list[int], str]]:
+    """Each data file's row shape (its shape past the first axis) and dtype as part.json records them:
+    a writer sizes its rows from the first part's, and a part of another width would be read into
+    them as other bytes."""
+    return {file: (record["shape"][1:], record.get("dtype")) for file, record in part.meta["files"].items()
+            if "shape" in record}
 
 
 def open_extraction(extract_dir: str | Path, n_parts: int | None = None, verify: bool = False) -> Extraction:
