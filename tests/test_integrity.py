@@ -433,31 +433,36 @@ def test_a_json_file_over_the_size_limit_is_refused_unread(tmp_path):
         integrity.read_json(path)
 
 
-# What each reader reads by a recorded size, in a copy of the store at sys.argv[1], for 3 seconds.
+# What each reader reads by a recorded size, in a copy of a store (root: sys.argv[1]; the swapped
+# file: path, its size and sha256: size, sha), for 3 seconds: (store, file, read).
 SIZED_READS = {
-    "zarr": ("shards/shard-0000.zarr/arrays/seq_len/0",
+    "zarr": ("zarr", "shards/shard-0000.zarr/arrays/seq_len/0",
              "from actstore.formats.zarr import ZarrStore\n"
              "read = lambda: ZarrStore(root / 'shards/shard-0000.zarr').vector('seq_len')"),
-    "pickle": (None,  # the Store's data file: the first shard
+    "pickle": ("pickle", None,  # the Store's data file: the first shard
                "from actstore.formats.pickle import load_metadata, load_shard\n"
                "info = load_metadata(root)['shards'][0]\n"
                "read = lambda: load_shard(root, info)"),
+    "verify": ("pickle", None,  # every format's verify checks a listed file so
+               "from actstore.integrity import file_problem\n"
+               "read = lambda: file_problem(path, {'bytes': size, 'sha256': sha}, 'the test')"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(SIZED_READS))
 def test_a_file_read_by_its_recorded_size_is_the_one_opened_never_one_looked_at_before(stores, tmp_path, name):
-    """A zarr vector chunk and a pickle shard were looked at (is_file, stat) and then opened by name: a
-    FIFO renamed into the file's place in between blocked the reader forever (within a second of
-    swaps). With the file and a FIFO swapped into its name over and over, every read returns or
-    refuses, naming the file."""
+    """A zarr vector chunk, a pickle shard and a file verify hashes (integrity.file_problem) were looked
+    at (is_file, stat) and then opened by name: a FIFO renamed into the file's place in between
+    blocked the reader forever (within a second of swaps). With the file and a FIFO swapped into its
+    name over and over, every read returns or refuses, naming the file."""
+    import hashlib
     import subprocess
     import sys
 
-    store = stores[name]
+    store_name, rel, reads = SIZED_READS[name]
+    store = stores[store_name]
     root = tmp_path / store.root.name
     shutil.copytree(store.root, root, symlinks=True)
-    rel, reads = SIZED_READS[name]
     path = root / (rel or store.data)
     data, stop = path.read_bytes(), threading.Event()
 
@@ -472,7 +477,9 @@ def test_a_file_read_by_its_recorded_size_is_the_one_opened_never_one_looked_at_
     swapper = threading.Thread(target=swap, daemon=True)
     swapper.start()
     script = ("import sys, time\nfrom pathlib import Path\nfrom actstore.errors import FormatError\n"
-              f"root = Path(sys.argv[1])\n{reads}\nend = time.time() + 3\nwhile time.time() < end:\n"
+              f"root, path = Path(sys.argv[1]), Path({str(path)!r})\n"
+              f"size, sha = {len(data)}, {hashlib.sha256(data).hexdigest()!r}\n"
+              f"{reads}\nend = time.time() + 3\nwhile time.time() < end:\n"
               "    try:\n        read()\n    except FormatError:\n        pass\n")
     try:
         subprocess.run([sys.executable, "-c", script, str(root)], check=True, timeout=30)

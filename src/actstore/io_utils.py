@@ -95,10 +95,13 @@ def _syncfs() -> Callable[[Path], None]:
 sync_filesystem = _syncfs()
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes, read in 4 MiB blocks."""
+def sha256_file(path: str | os.PathLike | int) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB blocks; `path` may be a descriptor the caller
+    opened (and keeps), read from its start."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    if isinstance(path, int):
+        os.lseek(path, 0, os.SEEK_SET)
+    with open(path, "rb", closefd=not isinstance(path, int)) as fh:
         while block := fh.read(CHUNK):
             digest.update(block)
     return digest.hexdigest()
@@ -544,12 +547,13 @@ def tree_root(leaves: list[bytes]) -> str:
     return leaves[0].hex()
 
 
-def sha256_tree_file(path: str | os.PathLike, threads: int | None = None) -> str:
+def sha256_tree_file(path: str | os.PathLike | int, threads: int | None = None) -> str:
     """The SHA-256 tree hash (1 MiB leaves) of a file's bytes, its leaves read and hashed by `threads`
     threads (default: the CPUs this process may use; hashlib and pread release the GIL), which a
-    plain sha256, sequential by definition, cannot do. Memory: a leaf per thread in flight."""
+    plain sha256, sequential by definition, cannot do. Memory: a leaf per thread in flight. `path`
+    may be a descriptor the caller opened (and keeps)."""
     threads = threads or len(os.sched_getaffinity(0))
-    fd = os.open(path, os.O_RDONLY)
+    fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY)
     try:
         n_leaves = -(-os.fstat(fd).st_size // TREE_LEAF)
         with ThreadPoolExecutor(threads) as pool:
@@ -559,7 +563,8 @@ def sha256_tree_file(path: str | os.PathLike, threads: int | None = None) -> str
                 leaves += pool.map(lambda leaf: hashlib.sha256(os.pread(fd, TREE_LEAF, leaf * TREE_LEAF)).digest(),
                                    window)
     finally:
-        os.close(fd)
+        if fd is not path:
+            os.close(fd)
     return tree_root(leaves)
 
 
