@@ -49,7 +49,7 @@ def sample_coordinates(extraction, n_coords: int, seed: int) -> list[tuple[int, 
     rows as layers: drawn at random, 48 rows missed some of 24 layers at most seeds."""
     rng = np.random.default_rng(seed)
     coords = []
-    rows = sorted(rng.choice(extraction.n_samples, size=min(n_coords, extraction.n_samples), replace=False))
+    rows = _sample_rows(extraction, min(n_coords, extraction.n_samples), rng)
     layers = rng.permutation(extraction.info.layers)
     for i, sample_idx in enumerate(rows):
         # The token count the activations hold (offsets.npy, checked as the part opens), not the
@@ -63,27 +63,176 @@ def sample_coordinates(extraction, n_coords: int, seed: int) -> list[tuple[int, 
     return coords
 
 
-def check_format(name: str, store: Path, extraction, coords) -> dict[str, Any]:
-    """verify() + inspect() + every coordinate read through the format's reader vs the extraction."""
+def _sample_rows(extraction, n_rows: int, rng: np.random.Generator) -> list[int]:
+    """n_rows distinct sample_idx, sorted: a random one of each part holding samples when there are
+    as many rows as such parts, the rest at random. Drawn all at random, a few rows of many parts
+    left most parts unread, and a store that lacked one part's samples passed."""
+    drawn = rng.choice(extraction.n_samples, size=n_rows, replace=False)
+    filled = [part for part in extraction.parts if part.info.n_samples]
+    if n_rows < len(filled):
+        return sorted(int(row) for row in drawn)
+    one_each = {part.sample_start + int(rng.integers(part.info.n_samples)) for part in filled}
+    rest = [int(row) for row in drawn if int(row) not in one_each][:n_rows - len(one_each)]
+    return sorted([*one_each, *rest])
+
+
+def check_format(name: str, store: Path, extraction, coords,
+                 section: dict[str, Any] | None = None) -> dict[str, Any]:
+    """verify() + inspect() + what the store holds against what it must (coverage_problems) + every
+    coordinate read through the format's reader vs the extraction. `section`: the format's config
+    section (None: the defaults, every extracted layer and token). A coordinate the store does not
+    hold is a problem, unless the format or section leaves it out by design (`not_stored`, and why
+    in `not_stored_why`)."""
     module = format_module(name)
     problems = module.verify(store)
     info = module.inspect(store)
+    section = section or {}
+    problems += coverage_problems(name, store, info, extraction, section)
     to_stored = reference_dtype(info.get("dtype", "float32"))
-    checked, not_stored, latencies_us = 0, 0, []
+    checked, not_stored, why, missing, latencies_us = 0, 0, set(), [], []
     for sample_idx, layer, token in coords:
         started = time.perf_counter()
-        got = module.read_vector(store, sample_idx, layer, token)
+        got = _read(module, store, sample_idx, layer, token)
         latencies_us.append((time.perf_counter() - started) * 1e6)
         if got is None:
-            not_stored += 1
+            if reason := left_out_by_design(name, store, info, extraction, section, (sample_idx, layer, token)):
+                not_stored, why = not_stored + 1, why | {reason}
+            else:
+                missing.append(f"(sample {sample_idx}, layer {layer}, token {token})")
             continue
         want = to_stored(extraction.activations(layer_tensor(layer), sample_idx)[token])
         if difference := _difference(np.asarray(got, np.float32), want):
             problems.append(f"{store}: (sample {sample_idx}, layer {layer}, token {token}) differs from "
                             f"the extraction ({difference})")
         checked += 1
+    if missing:
+        problems.append(f"{store}: does not hold {len(missing)} of the {len(coords)} coordinates read, which the "
+                        f"config and the extraction say it holds: {', '.join(missing[:3])}"
+                        + (", ..." if len(missing) > 3 else ""))
     return {"store": str(store), "problems": problems, "inspect": info, "checked": checked,
-            "not_stored": not_stored, "read_latency_us": latencies_us}
+            "not_stored": not_stored, "not_stored_why": sorted(why), "read_latency_us": latencies_us}
+
+
+def _read(module, store: Path, sample_idx: int, layer: int, token: int) -> np.ndarray | None:
+    """The store's vector, None where it holds none: a reader (zarr's) raises IndexError for a
+    sample or token past what its store holds, which is then named as missing, not a traceback."""
+    try:
+        return module.read_vector(store, sample_idx, layer, token)
+    except IndexError:
+        return None
+
+
+def held_layers(extraction, section: dict[str, Any]) -> list[int]:
+    """The layers a format's store must hold: its section's `layers` (saev, lmprobe), else every
+    extracted layer."""
+    return list(section.get("layers") or extraction.info.layers)
+
+
+def left_out_by_design(name: str, store: Path, info: dict[str, Any], extraction, section: dict[str, Any],
+                       coord: tuple[int, int, int]) -> str | None:
+    """Why the format leaves `coord` out of this store by design, None where it must hold it."""
+    sample_idx, layer, token = coord
+    if layer not in held_layers(extraction, section):
+        return f"layers outside {name}.layers {section.get('layers')}"
+    if name == "lmprobe" and section.get("storage") == "pooled" == info.get("storage"):
+        part, local = extraction.locate(sample_idx)
+        tokens = part.sample_slice(local)
+        return "lmprobe.storage pooled holds last tokens only" if token != tokens.stop - tokens.start - 1 else None
+    if name == "saev":
+        from actstore.formats.saev import open_store
+        if token in open_store(store).sidecar.get("dropped_tokens", []):
+            return "register tokens, which saev's upstream layout leaves out (actstore.json dropped_tokens)"
+    return None
+
+
+def coverage_problems(name: str, store: Path, info: dict[str, Any], extraction,
+                      section: dict[str, Any]) -> list[str]:
+    """What the store's metadata says it holds against what the config and extraction say it must:
+    every layer its section lists, every sample of the extraction, every token (where the format
+    holds them all). A store written from a subset, or from another config, verifies on its own."""
+    if name == "extract":
+        return []
+    missing = [layer for layer in held_layers(extraction, section) if layer not in info["layers"]]
+    listed = (f"{name}.layers {section['layers']}" if section.get("layers")
+              else f"extract.layers {extraction.info.layers}")
+    problems = [f"{store}: holds layers {info['layers']}, lacks layers {missing} the config lists ({listed})"
+                ] if missing else []
+    tokens = np.concatenate([np.diff(part.offsets) for part in extraction.parts]).astype(np.int64)
+    return problems + _SAMPLE_CHECKS[name](store, info, tokens, section)
+
+
+def _token_problem(store: Path, what: str, held: np.ndarray, tokens: np.ndarray) -> list[str]:
+    """`held`: the tokens the store holds of each of the extraction's samples (by sample_idx)."""
+    if np.array_equal(held, tokens):
+        return []
+    lacking = np.flatnonzero(held != tokens)
+    return [f"{store}: {what} of {len(lacking)} of the extraction's {len(tokens)} samples differ from the "
+            f"extraction's (first sample_idx {int(lacking[0])}: {int(held[lacking[0]])}, the extraction's "
+            f"{int(tokens[lacking[0]])})"]
+
+
+def _count_problem(store: Path, what: str, held: int, want: int) -> list[str]:
+    return [] if held == want else [f"{store}: holds {held} {what}, the extraction {want}"]
+
+
+def _pickle_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section: dict[str, Any]) -> list[str]:
+    """Every layer's shards together hold every sample (each shard lists its layers and sample count)."""
+    from actstore.formats.pickle import load_metadata
+    shards = load_metadata(store)["shards"]
+    problems = _count_problem(store, "samples (statistics.total_samples)", info["n_examples"], len(tokens))
+    if info["n_tokens"] is not None:  # an optional field of the spec's statistics
+        problems += _count_problem(store, "tokens (statistics.total_tokens)", info["n_tokens"], int(tokens.sum()))
+    for layer in info["layers"]:
+        held = sum(shard["num_samples"] for shard in shards if layer in shard["layers"])
+        problems += _count_problem(store, f"samples of layer {layer} in its shards", held, len(tokens))
+    return problems
+
+
+def _zarr_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section: dict[str, Any]) -> list[str]:
+    """seq_len of every sample, over the run's stores in order."""
+    from actstore.formats.zarr import ZarrRun, open_zarr
+    reader = open_zarr(store)
+    stores = reader.stores if isinstance(reader, ZarrRun) else [reader]
+    held = np.concatenate([s.seq_len for s in stores]).astype(np.int64)
+    problems = _count_problem(store, "samples", len(held), len(tokens))
+    return problems or _token_problem(store, "seq_len", held, tokens)
+
+
+def _lmprobe_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section: dict[str, Any]) -> list[str]:
+    """One index row of every sample_idx, its num_tokens the extraction's; the storage the config's."""
+    from actstore.formats.lmprobe import open_dataset
+    dataset = open_dataset(store)
+    storage = section.get("storage", "full_sequence")
+    problems = [] if info["storage"] == storage or storage == "pooled" else [
+        f"{store}: storage {info['storage']!r} (last tokens only), the config's lmprobe.storage {storage!r}"]
+    ids = dataset.sample_idx
+    if len(ids) != len(tokens) or not np.array_equal(np.sort(ids), np.arange(len(tokens))):
+        return problems + [f"{store}: its index holds {len(ids)} prompts, not one of each sample_idx 0.."
+                           f"{len(tokens) - 1} of the extraction"]
+    held = np.empty_like(tokens)
+    held[ids] = dataset.num_tokens
+    return problems + _token_problem(store, "num_tokens", held, tokens)
+
+
+def _saev_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section: dict[str, Any]) -> list[str]:
+    """Text: the windows (windows.npy) cover every token of every sample. Images: one example a
+    sample, of its tokens but the dropped registers."""
+    from actstore.formats.saev import open_store
+    saev = open_store(store)
+    windows = saev.windows
+    if windows is None:
+        problems = _count_problem(store, "examples", info["n_examples"], len(tokens))
+        held = np.full(len(tokens), saev.T + len(saev.sidecar.get("dropped_tokens", [])), np.int64)
+        return problems or _token_problem(store, "tokens per example", held, tokens)
+    inside = (windows[:, 0] >= 0) & (windows[:, 0] < len(tokens))
+    held = np.bincount(windows[inside, 0], weights=windows[inside, 2], minlength=len(tokens)).astype(np.int64)
+    problems = [] if inside.all() else [f"{store}: windows.npy holds sample_idx outside the extraction's "
+                                        f"0..{len(tokens) - 1}"]
+    return problems + _token_problem(store, "tokens in windows.npy", held, tokens)
+
+
+_SAMPLE_CHECKS = {"pickle": _pickle_samples, "zarr": _zarr_samples, "lmprobe": _lmprobe_samples,
+                  "saev": _saev_samples}
 
 
 def _difference(got: np.ndarray, want: np.ndarray) -> str | None:
@@ -107,7 +256,7 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
     report["formats"]["extract"] = check_format("extract", extract_dir, extraction, coords)
     for name in [s for s in FORMAT_STAGES if s in stages]:
         store = find_store(dirs[name], name)
-        report["formats"][name] = check_format(name, store, extraction, coords)
+        report["formats"][name] = check_format(name, store, extraction, coords, config.get(name))
         log.info("%s: %d checked, %d not stored, %d problems", name, report["formats"][name]["checked"],
                  report["formats"][name]["not_stored"], len(report["formats"][name]["problems"]))
     for name in ("sae", "lut"):
