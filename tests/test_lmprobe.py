@@ -701,23 +701,108 @@ def test_token_addresses_checked_batch_by_batch_name_the_index(extracted, tmp_pa
     assert any(message in p and str(index) in p for p in lmprobe.verify(out, checksums=False))
 
 
-@pytest.mark.parametrize("shape, offsets", [([-1, 4], [16, 0]), ([2, 2], [-16, 0]), ([0, 4], [8, 8])])
-def test_a_shard_header_whose_entry_points_backwards_is_refused(tmp_path, shape, offsets):
-    """A header's shape and data_offsets must describe a region inside the file, start before end:
-    a negative dimension times a backwards range passed the size check and reached np.memmap."""
+def write_safetensors(path: Path, header: bytes, data: bytes) -> Path:
+    """A safetensors file of these header bytes (padded with spaces to 8 bytes) and data."""
     import struct
 
-    from actstore.formats.lmprobe.layout import read_safetensors_header, tensor_entry
-    path = tmp_path / "x.safetensors"
-    header = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}).encode()
     header += b" " * (-len(header) % 8)
-    path.write_bytes(struct.pack("<Q", len(header)) + header + np.zeros(16, np.float32).tobytes())
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+def reference_read(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors' shapes as the safetensors library (the spec's reader) reads them."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return {key: f.get_tensor(key).shape for key in f.keys()}
+
+
+@pytest.mark.parametrize("shape, offsets", [([2, 2], [16, 0]), ([0, 4], [8, 8])])
+def test_a_shard_header_whose_entry_points_backwards_is_refused(tmp_path, shape, offsets):
+    """A header's shape and data_offsets must describe a region inside the file, start before end:
+    a negative dimension times a backwards range passed the size check and reached np.memmap (a
+    negative count is now refused by the parse: test_a_shard_header_the_library_refuses_is_refused)."""
+    from actstore.formats.lmprobe.layout import read_safetensors_header, tensor_entry
+    header = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}).encode()
+    path = write_safetensors(tmp_path / "x.safetensors", header, np.zeros(16, np.float32).tobytes())
     parsed, start = read_safetensors_header(path)
     if math.prod(shape) == 0 and offsets[0] == offsets[1]:  # an empty tensor is legal
         assert tensor_entry(path, parsed, start, "t")[1] == tuple(shape)
         return
     with pytest.raises(FormatError, match=r"tensor 't' data_offsets .* do not fit"):
         tensor_entry(path, parsed, start, "t")
+
+
+ENTRY = '"dtype": "F32", "shape": [8], "data_offsets": [0, 32]'
+
+
+@pytest.mark.parametrize("header, named", [
+    ('{"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+     '"t": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}', "is not JSON \\(key 't' given twice"),
+    ('{"t": {"dtype": "F32", "dtype": "F16", "shape": [8], "data_offsets": [0, 32]}}',
+     "is not JSON \\(key 'dtype' given twice"),
+    ('{"t": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 32]}}', "is not JSON \\(NaN is not a JSON number"),
+    ('{"t": {"dtype": "F32", "shape": [8], "data_offsets": [0, Infinity]}}', "is not JSON \\(Infinity is not"),
+    ('{"__metadata__": {"format": 1}, "t": {%s}}' % ENTRY, "key '__metadata__': .* is not an object of strings"),
+    ('{"__metadata__": "pt", "t": {%s}}' % ENTRY, "key '__metadata__': 'pt' is not an object of strings"),
+    ('{"t": {"dtype": "F32", "shape": [8.0], "data_offsets": [0, 32]}}', "key 't': shape \\[8.0\\] is not"),
+    ('{"t": {"dtype": "F32", "shape": [8e0], "data_offsets": [0, 32]}}', "key 't': shape \\[8.0\\] is not"),
+    ('{"t": {"dtype": "F32", "shape": [true, 8], "data_offsets": [0, 32]}}', "key 't': shape \\[True, 8\\] is not"),
+    ('{"t": {"dtype": "F32", "shape": [-8], "data_offsets": [0, 32]}}', "key 't': shape \\[-8\\] is not"),
+    ('{"t": {"dtype": "F32", "shape": [8], "data_offsets": ["0", "32"]}}', "key 't': data_offsets .* is not two"),
+    ('{"t": {"dtype": "F32", "shape": [8], "data_offsets": [-0, 32]}}', "key 't': data_offsets .* is not two"),
+    ('{"t": {"dtype": "F32", "shape": [18446744073709551616, 0], "data_offsets": [0, 0]}, '
+     '"u": {%s}}' % ENTRY, "key 't': shape .* is not a list of whole numbers"),
+    ('{"t": null}', "key 't': None is not a tensor entry object"),
+    ('\ufeff{"t": {%s}}' % ENTRY, "is not JSON \\(Unexpected UTF-8 BOM"),
+    ("[" * 100_000 + "]" * 100_000, "is not JSON \\(nested too deeply to parse\\)"),
+], ids=["key-twice", "field-twice", "nan", "infinity", "metadata-int", "metadata-str", "float-shape",
+        "exponent-shape", "bool-shape", "negative-shape", "string-offsets", "negative-zero", "over-u64",
+        "null-entry", "bom", "nested"])
+def test_a_shard_header_the_library_refuses_is_refused(tmp_path, header, named):
+    """The header is parsed as strictly as the safetensors library (the spec's reader) parses it: a key
+    given twice, NaN, a __metadata__ that is not strings, counts that are floats, bools, strings,
+    negative or past u64 were read (json.loads keeps the last of two keys, int() takes 8.0 and True),
+    Infinity and deep nesting crashed; each is refused naming the file (and key)."""
+    from actstore.formats.lmprobe.read import open_tensor
+    path = write_safetensors(tmp_path / "x.safetensors", header.encode(), np.arange(8, dtype=np.float32).tobytes())
+    with pytest.raises(Exception):
+        reference_read(path)
+    with pytest.raises(FormatError, match=f"{re.escape(str(path))}: safetensors header {named}"):
+        open_tensor(path, "t")
+
+
+def test_a_shard_header_past_the_library_limit_is_refused(tmp_path):
+    """The library refuses a header over 100,000,000 bytes; 100 MiB (4.8 MB more) passed here. The
+    file is sparse: both refuse on the length alone, before reading the header."""
+    import struct
+
+    from actstore.formats.lmprobe.layout import read_safetensors_header
+    path = tmp_path / "x.safetensors"
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", 100_000_008))
+        fh.truncate(8 + 100_000_008)
+    with pytest.raises(Exception, match="header too large"):
+        reference_read(path)
+    with pytest.raises(FormatError, match=f"{re.escape(str(path))}: safetensors header length 100000008 exceeds"):
+        read_safetensors_header(path)
+
+
+@pytest.mark.parametrize("header, data", [
+    ("{}", b""), ('{"__metadata__": null, "t": {%s}}' % ENTRY, 32), ('{"__metadata__": {}, "t": {%s}}' % ENTRY, 32),
+    ('{"t": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32], "note": [1.5, null]}}', 32),
+    ('{"t": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}', 4),
+    ('{"t": {"dtype": "F32", "shape": [0, 4], "data_offsets": [0, 0]}}', 0),
+], ids=["empty", "metadata-null", "metadata-empty", "extra-member", "scalar", "zero-rows"])
+def test_a_shard_header_the_library_accepts_is_read(tmp_path, header, data):
+    """What the library reads, the strict parse reads too, with the same shapes."""
+    from actstore.formats.lmprobe.layout import read_safetensors_header, tensor_entry
+    data = b"\0" * data if isinstance(data, int) else data
+    path = write_safetensors(tmp_path / "x.safetensors", header.encode(), data)
+    parsed, start = read_safetensors_header(path)
+    ours = {key: tensor_entry(path, parsed, start, key)[1] for key in parsed if key != "__metadata__"}
+    assert ours == reference_read(path)
 
 
 def test_schema_metadata_nested_too_deeply_to_parse_is_named(tmp_path):

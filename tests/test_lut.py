@@ -534,6 +534,22 @@ def test_calibration_time_bound_leaves_out_the_kernels_first_use(built, model, m
     assert first_calls == [1] and len(table["rows"]) > 1 and table["seconds"] > 1.0
 
 
+@pytest.mark.parametrize("report, named", [
+    (None, "missing"), ('{"hook": "encoder', "not valid JSON"),
+    ('{"hook": "%s", "hook": "encoder.layer.0.output"}' % HOOK, "not valid JSON \\(key 'hook' given twice\\)"),
+    ('{"hook": ["%s"]}' % HOOK, "hook \\['.*'\\] is not a tensor name"), ("[]", "hook None is not a tensor name")],
+    ids=["missing", "truncated", "hook-twice", "hook-list", "not-object"])
+def test_a_damaged_sae_report_is_named(built, tmp_path, report, named):
+    """The lut stage's evaluation reads its tensor's name from the SAE stage's report.json: a missing
+    or cut-short report was a Python traceback, a hook given twice the last of the two."""
+    from actstore.lut import heldout_inputs
+    config, extract_dir = built[0], built[1]
+    if report is not None:
+        (tmp_path / "report.json").write_text(report)
+    with pytest.raises(FormatError, match=f"{re.escape(str(tmp_path / 'report.json'))}: {named}"):
+        heldout_inputs(config, extract_dir, tmp_path)
+
+
 def test_stage_reports_the_calibration_per_budget(built):
     from actstore.lut import end_to_end, heldout_inputs
     config, extract_dir, sae_dir, lut_out, _ = built

@@ -154,6 +154,55 @@ def test_a_shard_header_slurm_sizing_cannot_read_is_named(damage, model_dir, tmp
         tensor_bytes(folder)
 
 
+@pytest.mark.parametrize("offsets, twice", [
+    ("[0, NaN]", False), ("[false, true]", False), ("[0, 3.2e10]", False), ("[{end}, {begin}]", False),
+    ("[0, 3200000000000]", True), (None, False)], ids=["nan", "bool", "float", "backwards", "key-twice", "length"])
+def test_a_shard_header_the_library_refuses_is_not_sized(offsets, twice, model_dir, tmp_path):
+    """The tower's job was sized from what json.loads made of a shard's header: a NaN, True, a float
+    or a negative byte count, the second of a tensor's two entries (3.2 TB), or a header length past
+    the file allocated it (MemoryError). Whatever the safetensors library refuses to load is a
+    ConfigError naming the file."""
+    import struct
+
+    from safetensors import safe_open
+
+    from actstore.checkpoint import tensor_bytes
+    folder = tmp_path / "sharded"
+    key = "vision_tower.encoder.layers.1.mlp.fc1.weight"
+    shard = folder / sharded_copy(model_dir("llava"), folder)[key]
+    raw = shard.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8:8 + length]), raw[8 + length:]
+    if offsets is None:
+        text, length = json.dumps(header).encode(), 1 << 62
+    else:
+        begin, end = header[key]["data_offsets"]
+        entry = json.dumps({**header[key], "data_offsets": "OFFSETS"}).replace(
+            '"OFFSETS"', offsets.format(begin=begin, end=end))
+        rest = header if twice else {name: value for name, value in header.items() if name != key}
+        text = (json.dumps(rest)[:-1] + f", {json.dumps(key)}: {entry}}}").encode()
+        text += b" " * (-len(text) % 8)
+        length = len(text)
+    shard.write_bytes(struct.pack("<Q", length) + text + data)
+    with pytest.raises(Exception):
+        with safe_open(str(shard), framework="numpy") as f:
+            f.get_tensor(key)
+    with pytest.raises(ConfigError, match=f"model.path {folder}: {shard.name} has no readable safetensors header"):
+        tensor_bytes(folder)
+
+
+@pytest.mark.parametrize("file", [3, ["model-00001-of-00002.safetensors"]], ids=["number", "list"])
+def test_a_weight_map_file_that_is_not_a_name_is_named(file, tmp_path):
+    """A shard index mapping a tensor to a number or list was a TypeError out of sorting or hashing
+    the files (Slurm sizing, the tower's load): a ConfigError naming the index and the tensor."""
+    from actstore.checkpoint import tensor_bytes
+    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {
+        "vision_tower.a.weight": "model-00001-of-00002.safetensors", "vision_tower.b.weight": file}}))
+    with pytest.raises(ConfigError, match=f"model.path {tmp_path}: {INDEX} weight_map gives 'vision_tower.b.weight' "
+                                          "the file .*, not a file name"):
+        tensor_bytes(tmp_path)
+
+
 def test_a_tower_key_the_checkpoint_renames_is_named(model_dir, tmp_path):
     """A tower weight saved under another name: the folder and the tower's own key are named."""
     key = "encoder.layers.1.mlp.fc1.weight"

@@ -4,6 +4,7 @@ GB (Gemma 3 27B: ~0.4B of its 27B parameters), which from_pretrained would read 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,12 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError
+from actstore.integrity import STRICT_JSON, whole_numbers
 
 if TYPE_CHECKING:  # the workflow's parse sizes jobs with tensor_bytes, without importing torch
     from torch import nn
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MAX_HEADER = 100_000_000  # the safetensors library's own limit on a header's JSON
 # Why a module's weights were not found, for every error that says which one.
 HOW_READ = ("its weights are read by their own names, all under one prefix, from the folder's *.safetensors; a "
             "checkpoint that renames them inside the module, or one saved as .bin only, cannot be read this way")
@@ -26,14 +29,25 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
     """Every tensor name of the folder's safetensors checkpoint -> the file that holds it: the shard
     index's weight_map (no shard opened), else model.safetensors' header; empty for a .bin checkpoint."""
     if (folder / INDEX).is_file():
-        try:
-            return dict(json.loads((folder / INDEX).read_text())["weight_map"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"model.path {folder}: {INDEX} names no weight_map: {exc!r}") from None
+        return _weight_map(folder)
     if (folder / SINGLE).is_file():
         with _opened(folder, SINGLE) as handle:
             return dict.fromkeys(handle.keys(), SINGLE)
     return {}
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """The shard index's weight_map; ConfigError naming the index unless it maps names to file names
+    (a number or list there was a TypeError out of sorting or hashing the files)."""
+    try:
+        weight_map = dict(json.loads((folder / INDEX).read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"model.path {folder}: {INDEX} names no weight_map: {exc!r}") from None
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ConfigError(f"model.path {folder}: {INDEX} weight_map gives {name!r} the file {file!r:.80}, "
+                              "not a file name")
+    return weight_map
 
 
 def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
@@ -42,14 +56,34 @@ def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
     sizes = {}
     for file in sorted(set(checkpoint_names(folder).values())):
         try:
-            with open(folder / file, "rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(length))
-            sizes.update({name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
-                          if name != "__metadata__" and (names is None or name in names)})
-        except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError, IndexError) as exc:
+            sizes.update({name: size for name, size in _header_sizes(folder / file).items()
+                          if names is None or name in names})
+        except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError, RecursionError) as exc:
             raise ConfigError(f"model.path {folder}: {file} has no readable safetensors header "
-                              f"({exc!r:.120})") from None
+                              f"({exc!r:.200})") from None
+    return sizes
+
+
+def _header_sizes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor `path`'s header gives, read as strictly as the safetensors library that
+    loads them reads it: a header is whoever published the model's, and json.loads took a key given
+    twice (the last won), NaN, bool, float or backwards offsets into the job's size, and a length
+    past the file allocated it. ValueError (or what indexing raises) naming the tensor otherwise."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > min(MAX_HEADER, size - 8):
+            raise ValueError(f"header length {length} exceeds the file's {size} bytes or {MAX_HEADER}")
+        header = json.loads(handle.read(length).decode("utf-8"), **STRICT_JSON)
+    data_bytes = size - 8 - length
+    sizes = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            offsets = entry["data_offsets"]
+            if not (whole_numbers(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1] <= data_bytes):
+                raise ValueError(f"tensor {name!r} data_offsets {offsets!r:.60} are not two whole numbers "
+                                 f"in order within its {data_bytes} bytes of data")
+            sizes[name] = offsets[1] - offsets[0]
     return sizes
 
 

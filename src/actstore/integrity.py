@@ -252,7 +252,7 @@ class _StrictJsonError(ValueError):
     """JSON that json.loads takes but no writer writes (a duplicate key, NaN or Infinity)."""
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object's members as a dict, refusing a key given twice: json.loads keeps the last value,
     where a hash of the text (a seal, a store's name) saw both."""
     members = dict(pairs)
@@ -268,7 +268,7 @@ def _no_constant(name: str) -> Any:
     raise _StrictJsonError(f"{name} is not a JSON number")
 
 
-_STRICT_JSON = {"object_pairs_hook": _unique_keys, "parse_constant": _no_constant}  # json.loads' options
+STRICT_JSON = {"object_pairs_hook": unique_keys, "parse_constant": _no_constant}  # json.loads options: what read_json takes
 
 
 def _open_regular(path: Path) -> BinaryIO:
@@ -323,7 +323,7 @@ def read_json(path: Path) -> Any:
             raise FormatError(f"{path}: {size} bytes, over the {JSON_MAX_BYTES} of any metadata file")
         data = _read_whole(fh, path, size)
     try:
-        return json.loads(data.decode("utf-8"), **_STRICT_JSON)
+        return json.loads(data.decode("utf-8"), **STRICT_JSON)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _StrictJsonError
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
     except RecursionError:
@@ -332,7 +332,7 @@ def read_json(path: Path) -> Any:
 
 JSON_BLOCK_CHARS = 1 << 20  # what stream_json_object reads at a time
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
-_JSON_DECODER = json.JSONDecoder(**_STRICT_JSON)
+_JSON_DECODER = json.JSONDecoder(**STRICT_JSON)
 
 
 def stream_json_object(path: Path, big: str, what: str = "a JSON object") -> Iterator[tuple[str, Any]]:

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
 from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
+from actstore.integrity import read_json
 from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts, parent_module
 from actstore.io_utils import sha256_file, write_json_atomic
 from actstore.model_config import config_int, trusted
@@ -134,17 +135,25 @@ def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets:
 
 def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path) -> tuple[torch.Tensor, list[int]]:
     """The SAE's held-out tokens of its hook tensor (at most lut.eval_tokens) and held-out samples."""
-    import json
-
     from actstore.formats.extract import open_extraction
     from actstore.sae import REPORT_FILE as SAE_REPORT, iter_rows, split_tokens, tensors
 
-    sae_report = json.loads((Path(sae_dir) / SAE_REPORT).read_text())
+    hook = sae_report_hook(Path(sae_dir) / SAE_REPORT)
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
     split = split_tokens(extraction, config["sae"]["heldout_fraction"], config["sae"]["seed"])
-    arrays = tensors(extraction, sae_report["hook"])
+    arrays = tensors(extraction, hook)
     blocks = list(iter_rows(arrays, split.heldout, limit=config["lut"]["eval_tokens"]))
     return torch.from_numpy(np.concatenate(blocks)), split.heldout_samples
+
+
+def sae_report_hook(path: Path) -> str:
+    """The hook the SAE stage's report says it trained on, read strictly (a key given twice was the
+    last, a missing or damaged report a Python traceback); FormatError naming the report otherwise."""
+    report = read_json(path)
+    hook = report.get("hook") if isinstance(report, dict) else None
+    if not isinstance(hook, str):
+        raise FormatError(f"{path}: hook {hook!r:.80} is not a tensor name")
+    return hook
 
 
 def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, loaded: Any,

@@ -21,7 +21,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, STORAGE_DESCR, part_dirname,
                                              tensor_file)
-from actstore.integrity import (_unique_keys, check_file, file_records, inside, read_json, refuse, unlisted,
+from actstore.integrity import (check_file, file_records, inside, read_json, refuse, unique_keys, unlisted,
                                 whole_number)
 from actstore.io_utils import pread_into
 
@@ -135,7 +135,7 @@ class SampleRows(Sequence):
         is a FormatError naming the line. NaN is taken: a dataset field holding one is written as
         the writer's json.dumps writes it."""
         try:
-            row = json.loads(line.decode("utf-8"), object_pairs_hook=_unique_keys)
+            row = json.loads(line.decode("utf-8"), object_pairs_hook=unique_keys)
         except (ValueError, UnicodeDecodeError) as exc:
             raise FormatError(f"{self.path}: line {local + 1} is not valid JSON ({exc})") from None
         except RecursionError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import struct
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from actstore.casts import to_bfloat16_bits, to_float16
 from actstore.errors import ConfigError, FormatError
+from actstore.integrity import STRICT_JSON, whole_numbers
 from actstore.safetensors_io import header_bytes
 
 FORMAT = "lmprobe"
@@ -41,7 +43,7 @@ DTYPES = {"float32": ("F32", np.dtype("<f4")), "float16": ("F16", np.dtype("<f2"
 ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"),
              "I32": np.dtype("<i4")}
 ST_METADATA = {"format": "pt"}  # the __metadata__ of every shard
-MAX_HEADER = 100 << 20
+MAX_HEADER = 100_000_000  # the safetensors library's limit on a header (not 100 MiB)
 LOGITS_ROW_BYTES_PER_K = 4 + 8  # float32 value + int64 index
 MAX_SHARD_ROWS = 2**31 - 1  # shard_index/row_offset columns are int32
 
@@ -107,7 +109,9 @@ def encode_header(specs: list[TensorSpec], metadata: dict[str, str] | None = Non
 
 
 def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
-    """(header dict, data start) of a safetensors file, checked for sane sizes; never executes content."""
+    """(header dict, data start) of a safetensors file, checked for sane sizes and parsed as strictly
+    as the safetensors library (the spec's reader): UTF-8, no key twice, no NaN, `__metadata__` null
+    or str -> str, every other member a tensor entry (_entry_problem); never executes content."""
     path = Path(path)
     if not path.is_file():
         raise FormatError(f"{path}: shard file missing")
@@ -118,29 +122,69 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
             raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
         (n,) = struct.unpack("<Q", raw)
         if n > min(MAX_HEADER, size - 8):
-            raise FormatError(f"{path}: safetensors header length {n} exceeds the file ({size} bytes)")
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{path}: safetensors header is not JSON ({exc})") from None
+            raise FormatError(f"{path}: safetensors header length {n} exceeds the file ({size} bytes) "
+                              f"or the safetensors limit of {MAX_HEADER}")
+        text = fh.read(n)
+    try:  # decoded here: json.loads would take bytes in UTF-16 or with a BOM, which the library refuses
+        header = json.loads(text.decode("utf-8"), **STRICT_JSON, parse_int=_int_or_negative_zero)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice, NaN, Infinity
+        raise FormatError(f"{path}: safetensors header is not JSON ({exc})") from None
+    except RecursionError:
+        raise FormatError(f"{path}: safetensors header is not JSON (nested too deeply to parse)") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
+    for key, value in header.items():
+        problem = _metadata_problem(value) if key == "__metadata__" else _entry_problem(value)
+        if problem:
+            raise FormatError(f"{path}: safetensors header key {key!r}: {problem}")
     return header, 8 + n
 
 
-def tensor_entry(path: Path, header: dict[str, Any], start: int, key: str) -> tuple[np.dtype, tuple[int, ...], int]:
-    """(numpy dtype, shape, absolute byte offset) of `key`, validated against the file size."""
-    entry = header.get(key)
+def _int_or_negative_zero(literal: str) -> int | float:
+    """A JSON integer as json.loads reads it, except -0 as the float -0.0: Python's int has no -0, so
+    it would pass as a count, where the library refuses it (its counts are unsigned)."""
+    return -0.0 if literal == "-0" else int(literal)
+
+
+def _metadata_problem(metadata: Any) -> str | None:
+    """Why `__metadata__` is not what the library reads (an optional str -> str map), or None."""
+    if metadata is None or (isinstance(metadata, dict)
+                            and all(isinstance(value, str) for value in metadata.values())):
+        return None
+    return f"{reprlib.repr(metadata)} is not an object of strings"
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """Why `entry` is not a tensor entry actstore reads, or None: a known dtype, a shape of counts and
+    two data_offsets, every count below 2**64 (the library's u64/usize); other members are ignored,
+    as the library does."""
     if not isinstance(entry, dict):
+        return f"{reprlib.repr(entry)} is not a tensor entry object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+        return f"dtype {reprlib.repr(dtype)} is not one of {sorted(ST_DTYPES)}"
+    if not _u64s(shape):
+        return f"shape {reprlib.repr(shape)} is not a list of whole numbers"
+    if not (_u64s(offsets) and len(offsets) == 2):
+        return f"data_offsets {reprlib.repr(offsets)} is not two whole numbers"
+    return None
+
+
+def _u64s(values: Any) -> bool:
+    """A JSON list of counts (integrity.whole_numbers: a bool is none) that fit the library's u64."""
+    return whole_numbers(values) and all(value < 1 << 64 for value in values)
+
+
+def tensor_entry(path: Path, header: dict[str, Any], start: int, key: str) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(numpy dtype, shape, absolute byte offset) of `key` in a header read_safetensors_header
+    checked, validated against the file size."""
+    if key == "__metadata__" or key not in header:
         have = sorted(k for k in header if k != "__metadata__")
         raise FormatError(f"{path}: no tensor {key!r} in this shard (has {have})")
-    try:
-        dtype = ST_DTYPES[entry["dtype"]]
-        shape = tuple(int(x) for x in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise FormatError(f"{path}: tensor {key!r} has a bad header entry {entry!r}") from None
-    if (min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != dtype.itemsize * math.prod(shape)
+    entry = header[key]
+    dtype, shape = ST_DTYPES[entry["dtype"]], tuple(entry["shape"])
+    begin, end = entry["data_offsets"]
+    if (not begin <= end or end - begin != dtype.itemsize * math.prod(shape)
             or start + end > path.stat().st_size):
         raise FormatError(f"{path}: tensor {key!r} data_offsets {entry['data_offsets']} do not fit "
                           f"shape {list(shape)} {entry['dtype']} in {path.stat().st_size} bytes")
