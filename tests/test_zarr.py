@@ -720,26 +720,14 @@ def test_a_fifo_in_an_activation_chunks_place_is_refused_never_waited_on(tmp_pat
     """ZarrStore.read opened each chunk with a blocking open: a FIFO named like a chunk blocked it
     forever. It is a FormatError naming the chunk."""
     import os
-    import threading
+
+    from test_integrity import read_in_thread
 
     store = synthetic_shard(tmp_path, tmp_path / "s.zarr")
     reader, chunk = zs.ZarrStore(store), store / acts_chunk_key(0, 0, 0)
     chunk.unlink()
     os.mkfifo(chunk)
-    errors: list[str] = []
-
-    def read() -> None:
-        try:
-            reader.read(0, reader.layers[0])
-        except FormatError as exc:
-            errors.append(str(exc))
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    thread.join(20)
-    if thread.is_alive():
-        os.close(os.open(chunk, os.O_WRONLY | os.O_NONBLOCK))  # the reader's open returns; then EOF
-        thread.join()
-        pytest.fail(f"ZarrStore.read waited on the FIFO {chunk}")
+    errors = read_in_thread(lambda: reader.read(0, reader.layers[0]), chunk)
     assert errors == [f"{chunk}: not a regular file (a FIFO, device or directory is never read)"]
 
 
