@@ -555,6 +555,68 @@ def synthetic_store(root: Path, n: int, tokens: int, d: int, per_shard: int) -> 
     return saev.write_raw_store(saev.Plan(md, None, {}), fill, root, progress=False)
 
 
+def text_store(root: Path, windows: list[list[int]], layers: tuple[int, ...] = (0,), tokens: int = 4) -> Path:
+    """A raw text store of the given windows.npy rows (recorded in actstore.json by its writer), whose
+    vector at [example, layer block b, token t] is example * 100 + b * 10 + t."""
+    md = {"family": "gpt2", "ckpt": "synthetic", "layers": list(layers), "patches_per_ex": tokens, "cls_token": False,
+          "d_model": 2, "n_examples": len(windows), "patches_per_shard": 3 * tokens * len(layers), "dtype": "float32",
+          "data": saev.encode_data({"source": "test"}), "dataset": str(root), "protocol": saev.PROTOCOL}
+
+    def fill(start: int, out: np.ndarray) -> None:
+        value = (np.arange(start, start + len(out))[:, None, None] * 100 + np.arange(len(layers))[:, None] * 10
+                 + np.arange(tokens))
+        out[:] = value[..., None]
+    return saev.write_raw_store(saev.Plan(md, np.array(windows, np.int64), {}), fill, root, progress=False)
+
+
+@pytest.mark.parametrize("windows, named", [
+    ([[1, 0, 4], [0, 0, 4], [0, 4, 2]], r"row 1 \[0, 0, 4\]: sample_idx smaller than the row before"),
+    ([[0, 0, 4], [0, 2, 4], [1, 0, 3]], r"row 1 \[0, 2, 4\]: token_start 2, expected 4"),  # overlap
+    ([[0, 0, 4], [0, 6, 2], [1, 0, 3]], r"row 1 \[0, 6, 2\]: token_start 6, expected 4"),  # gap
+    ([[0, -2, 4], [1, 0, 3]], r"row 0 \[0, -2, 4\]: token_start -2, expected 0"),
+    ([[-1, 0, 4], [0, 0, 3]], r"row 0 \[-1, 0, 4\]: sample_idx negative"),
+    ([[0, 0, 4], [1, 0, 0]], r"row 1 \[1, 0, 0\]: n_valid out of \[1, 4\]"),
+])
+def test_windows_that_hand_out_other_tokens_are_named(tmp_path, windows, named):
+    """windows.npy rows out of sample order, or a sample's windows that overlap, leave a gap or start
+    off its token 0: read_vector returned another sample's (or window's) vector and verify passed. verify
+    names windows.npy and the row, read_vector refuses it; windows that tile each sample read right."""
+    store_dir = text_store(tmp_path / "bad", windows)
+    problems = saev.verify(store_dir)
+    assert len(problems) == 1 and re.match(rf"{re.escape(str(store_dir / 'windows.npy'))}: {named}", problems[0]), problems
+    with pytest.raises(FormatError, match=named):
+        saev.read_vector(store_dir, 0, 0, 1)
+    good = text_store(tmp_path / "good", [[0, 0, 4], [0, 4, 2], [2, 0, 3]])
+    assert saev.verify(good) == []
+    assert saev.read_vector(good, 0, 0, 5).tolist() == [101, 101]  # example 1, token 1
+    assert saev.read_vector(good, 2, 0, 2).tolist() == [202, 202] and saev.read_vector(good, 1, 0, 0) is None
+
+
+def test_a_layer_listed_twice_or_a_bool_layer_is_refused(tmp_path):
+    """metadata.json layers [0, 0]: every example holds two blocks and the reader found only the first
+    for layer 0 (the second never read), verify passing; `true` passed as layer 1. Both are named."""
+    for layers in ([0, 0], [True]):
+        store_dir = text_store(tmp_path / str(layers), [[0, 0, 4]], layers=tuple(layers))
+        named = rf"metadata.json: layers {re.escape(repr(layers))}"
+        assert any(re.search(named + " must be a non-empty list of distinct ints", p) for p in saev.verify(store_dir))
+        with pytest.raises(FormatError, match=named):
+            saev.read_vector(store_dir, 0, 0, 0)
+
+
+def test_labels_bin_of_another_size_than_its_metadata_is_named(tmp_path):
+    """labels.bin one byte short of n_examples x patches_per_ex, its actstore.json record rewritten to
+    match: verify passed it (only the loader refused it, at training time); it names the sizes."""
+    from actstore.integrity import file_record
+
+    store_dir = synthetic_store(tmp_path, n=5, tokens=4, d=8, per_shard=2)
+    (store_dir / "labels.bin").write_bytes(bytes(5 * 3 - 1))
+    sidecar = json.loads((store_dir / saev.SIDECAR).read_text())
+    sidecar["files"]["labels.bin"] = file_record(store_dir / "labels.bin")
+    (store_dir / saev.SIDECAR).write_text(json.dumps(sidecar))
+    assert saev.verify(store_dir) == [f"{store_dir / 'labels.bin'}: 14 bytes, expected 15 (uint8 n_examples 5 x "
+                                      f"patches_per_ex 3 of {store_dir / 'metadata.json'})"]
+
+
 def uniform_distinct(n: int, tokens: int, batch: int) -> float:
     """Expected distinct examples among `batch` draws without replacement from n*tokens vectors."""
     return n * (1 - np.exp(np.sum(np.log1p(-tokens / (n * tokens - np.arange(batch))))))
@@ -820,6 +882,40 @@ def test_a_photo_stored_sideways_gets_its_upright_masks_labels(extracted, segmen
               "patch_labels": {**section["patch_labels"], "masks": str(sideways)}}
     with pytest.raises(FormatError, match=r"img_03\.png: mask is 64x96, its image is 96x64"):
         write(extraction, config, tmp_path / "saev")
+
+def test_a_mask_named_out_of_the_masks_folder_is_refused(tmp_path):
+    """A sample text climbing out with `..` (or absolute), read from the extraction: the file outside
+    the masks folder was read as the image's labels; refused naming it. A mask that is a link to a
+    file still reads, as the image folder's own links do when it is extracted."""
+    from PIL import Image
+    from actstore.patch_labels import mask_path, read_mask
+
+    outside = tmp_path / "outside.png"
+    Image.fromarray(np.full((4, 4), 7, np.uint8)).save(outside)
+    masks = tmp_path / "masks"
+    (masks / "b").mkdir(parents=True)
+    for rel in ("../outside.jpg", "b/../../outside.jpg", str(outside)):
+        with pytest.raises(FormatError, match=rf"saev.patch_labels.masks: '{re.escape(rel)}' is not a relative path"):
+            mask_path(masks, rel, ".png")
+    (masks / "b" / "img_00.png").symlink_to(outside)
+    assert read_mask(mask_path(masks, "b/img_00.jpg", ".png"), (4, 4)).tolist() == [[7] * 4] * 4
+
+
+def test_labels_for_a_sample_that_is_no_image_file_are_refused(model_dir, tmp_path):
+    """An image table's sample text names its shard and row ("<shard>.parquet#0"), no file under the
+    dataset path: the image's size was read from that path, a bare FileNotFoundError; now a ConfigError
+    naming it and what saev.patch_labels needs."""
+    from PIL import Image
+
+    masks, data = tmp_path / "masks", tmp_path / "data"
+    masks.mkdir()
+    data.mkdir()
+    Image.fromarray(np.zeros((64, 96), np.uint8)).save(masks / "train-00000-of-00001.png")
+    section = {"masks": str(masks), "mask_suffix": ".png", "pixel_agg": "majority", "bg_label": 0}
+    with pytest.raises(ConfigError, match=r"parquet#0: no such image under .*data: saev.patch_labels names masks"):
+        image_patch_labels(data, ["train-00000-of-00001.parquet#0"], model_dir("dinov2"), tiny.PATCH, section, 16, 0,
+                           progress=False)
+
 
 def test_mask_through_an_interpolating_processor_is_refused(tmp_path):
     """A processor that ignores resample=NEAREST would blend class ids: refused, naming the mask."""

@@ -167,6 +167,17 @@ def test_saev_written_store_drift_and_short_shard_named(tmp_path):
     assert any("acts000002.bin: 100 bytes" in p for p in saev.verify(store_dir))
 
 
+def test_labels_bin_of_a_store_saev_wrote_is_the_specs_checked_by_size(tmp_path):
+    """labels.bin is a spec file (§1) saev writes with no record: verify named it as not listed; now
+    it passes at n_examples x patches_per_ex bytes and is named at any other size."""
+    store_dir, _ = saev_written(tmp_path, 7, per_shard=3)
+    (store_dir / "labels.bin").write_bytes(bytes(7 * 4))
+    assert saev.verify(store_dir) == []
+    (store_dir / "labels.bin").write_bytes(bytes(7 * 4 + 3))
+    assert saev.verify(store_dir) == [f"{store_dir / 'labels.bin'}: 31 bytes, expected 28 (uint8 n_examples 7 x "
+                                      f"patches_per_ex 4 of {store_dir / 'metadata.json'})"]
+
+
 def test_stores_with_checksums_in_shards_json_still_verify(extracted, tmp_path):
     """Stores written before the checksums moved keep them in shards.json; verify still reads them."""
     import shutil

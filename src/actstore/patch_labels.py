@@ -13,7 +13,7 @@ columns hold REGISTER_LABEL.
 """
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -25,9 +25,19 @@ REGISTER_LABEL = 255
 N_CLASSES = 256
 
 
+def folder_path(root: str | Path, image_rel: str, where: str) -> Path:
+    """`image_rel`, a sample's text read from the extraction, as a path under `root`; FormatError for
+    an absolute one or one climbing out with `..` (a file of the machine outside would be read as
+    the image's). Links to files are followed, as the image folder's own are when it is extracted."""
+    rel = PurePosixPath(image_rel)
+    if not image_rel or rel.is_absolute() or ".." in rel.parts:
+        raise FormatError(f"{where}: {image_rel!r} is not a relative path inside {root}")
+    return Path(root).joinpath(*rel.parts)
+
+
 def mask_path(masks_dir: str | Path, image_rel: str, suffix: str) -> Path:
     """Where the mask of the image at dataset-relative path `image_rel` lives."""
-    return (Path(masks_dir) / image_rel).with_suffix(suffix)
+    return folder_path(masks_dir, image_rel, "saev.patch_labels.masks").with_suffix(suffix)
 
 
 def read_mask(path: Path, image_size: tuple[int, int]) -> np.ndarray:
@@ -85,6 +95,16 @@ def aggregate(mask: np.ndarray, patch_size: int, n_patches: int, pixel_agg: str,
     raise ConfigError(f"saev.patch_labels.pixel_agg = {pixel_agg!r}; use majority or prefer-fg")
 
 
+def image_file(dataset_root: str | Path, image_rel: str) -> Path:
+    """The image folder's file of a sample (its text), whose size its mask must have; ConfigError for
+    a sample that is no such file, as an image table's or webdataset's row ("<shard>#<row>")."""
+    path = folder_path(dataset_root, image_rel, "saev.patch_labels: image of a sample")
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such image under {dataset_root}: saev.patch_labels names masks by "
+                          f"the files of an image folder dataset (an image table's rows are no files)")
+    return path
+
+
 def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_path: str | Path, patch_size: int,
                        section: dict[str, Any], patches_per_ex: int, registers: int,
                        progress: bool = True, trust_remote_code: bool = False) -> np.ndarray:
@@ -102,7 +122,7 @@ def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_pa
     out = np.full((len(image_rels), patches_per_ex), REGISTER_LABEL, dtype=np.uint8)
     for row, rel in enumerate(tqdm(image_rels, desc="patch labels", unit="image", disable=not progress)):
         path = mask_path(section["masks"], rel, section["mask_suffix"])
-        with Image.open(Path(dataset_root) / rel) as img:
+        with Image.open(image_file(dataset_root, rel)) as img:
             image_size = upright(img).size  # the size the model saw (datasets.images._decode)
         mask = processed_mask(processor, read_mask(path, image_size), path)
         out[row, registers:] = aggregate(mask, patch_size, n_patches, section["pixel_agg"],

@@ -65,7 +65,9 @@ def verify(path: str | Path) -> list[str]:
     elif store.sidecar:
         problems += _verify_provenance(store, description)
     problems += store.size_problems() + _verify_shard_checksums(store) + _verify_sidecar_files(store)
-    listed = {METADATA, SHARDS, SIDECAR, *(s["name"] for s in store.shards), *_recorded(store)}
+    problems += _verify_labels_size(store)
+    # labels.bin is the spec's (§1): a store saev wrote holds it with no record
+    listed = {METADATA, SHARDS, SIDECAR, LABELS, *(s["name"] for s in store.shards), *_recorded(store)}
     return problems + unlisted(store.dir, listed, f"{SHARDS} or {SIDECAR}")
 
 
@@ -183,14 +185,23 @@ def _verify_sidecar_files(store: SaevStore) -> list[str]:
         problems.append(f"{store.dir / LABELS}: no sha256 recorded in {SIDECAR}")
     if store.metadata["family"] not in {*FAMILIES.values(), *UPSTREAM_FAMILIES} and WINDOWS not in files:
         problems.append(f"{store.dir / WINDOWS}: text store without a recorded windows.npy")
-    if WINDOWS in files and not problems:
+    if (store.dir / WINDOWS).is_file() and not problems:  # read as the text store's index whether recorded or not
         try:
-            w = store.windows
+            store.windows  # read and checked (SaevStore.windows)
         except FormatError as exc:
             return [str(exc)]
-        if w.shape != (store.n_examples, 3) or (w[:, 2] < 1).any() or (w[:, 2] > store.T).any():
-            problems.append(f"{store.dir / WINDOWS}: shape {w.shape} or n_valid out of [1, {store.T}]")
     return problems
+
+
+def _verify_labels_size(store: SaevStore) -> list[str]:
+    """labels.bin against n_examples x patches_per_ex uint8: a store saev wrote records no size, and
+    actstore.json's record only says the file is unchanged since it was written."""
+    path = store.dir / LABELS
+    want = store.n_examples * store.patches_per_ex
+    if not path.is_file() or path.stat().st_size == want:
+        return []
+    return [f"{path}: {path.stat().st_size} bytes, expected {want} (uint8 n_examples {store.n_examples} "
+            f"x patches_per_ex {store.patches_per_ex} of {store.dir / METADATA})"]
 
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:

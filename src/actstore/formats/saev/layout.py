@@ -124,6 +124,30 @@ def text_windows(num_tokens: np.ndarray, window: int) -> np.ndarray:
     return np.stack([sample, start, valid], axis=1).astype(np.int64)
 
 
+def window_problem(windows: np.ndarray, n_examples: int, tokens_per_ex: int) -> str | None:
+    """What keeps windows.npy (rows sample_idx, token_start, n_valid) from giving each token of a sample
+    one place, or None. Readers find a sample's rows by binary search on sample_idx and take the first
+    row holding the token, so rows out of sample order, or a sample's windows that overlap, leave a gap
+    or start anywhere but its token 0, hand out other tokens' vectors without an error."""
+    if windows.shape != (n_examples, 3):
+        return f"shape {windows.shape}, expected ({n_examples}, 3): one row an example"
+    sample, start, valid = (windows[:, i].astype(np.int64) for i in range(3))
+    checks = [((valid < 1) | (valid > tokens_per_ex), f"n_valid out of [1, {tokens_per_ex}]"),
+              (sample < 0, "sample_idx negative"),
+              (np.r_[False, sample[1:] < sample[:-1]], "sample_idx smaller than the row before (rows out of order)")]
+    for bad, what in checks:
+        if bad.any():
+            row = int(np.argmax(bad))
+            return f"row {row} {windows[row].tolist()}: {what}"
+    first = np.r_[True, sample[1:] != sample[:-1]]
+    follows = np.where(first, 0, np.r_[0, start[:-1] + valid[:-1]])  # 0, or where the window before ended
+    if (start != follows).any():
+        row = int(np.argmax(start != follows))
+        return (f"row {row} {windows[row].tolist()}: token_start {start[row]}, expected {follows[row]} "
+                "(a sample's windows tile its tokens from 0, in order, without overlap or gap)")
+    return None
+
+
 def encode_data(description: dict[str, Any]) -> str:
     """Spec §2.1 `data`: base64 of a pickle. A dict of plain values, protocol 4, so it is
     deterministic and readable by decode_data without unpickling any class."""
@@ -161,8 +185,9 @@ def check_metadata(md: Any, where: Path) -> None:
             raise FormatError(f"{where}: field {name!r} = {value!r} is not {kind.__name__}")
     if md["dtype"] != "float32":
         raise FormatError(f"{where}: dtype {md['dtype']!r}; protocol {PROTOCOL} fixes 'float32'")
-    if not md["layers"] or not all(isinstance(x, int) for x in md["layers"]):
-        raise FormatError(f"{where}: layers {md['layers']!r} must be a non-empty int list")
+    # A layer listed twice has two blocks in every example, and a reader finds only the first.
+    if not md["layers"] or not all(type(x) is int for x in md["layers"]) or len(set(md["layers"])) < len(md["layers"]):
+        raise FormatError(f"{where}: layers {md['layers']!r} must be a non-empty list of distinct ints")
     for name in (name for name in fields if name in POSITIVE):
         if md[name] < 1:
             raise FormatError(f"{where}: {name} = {md[name]} must be >= 1")

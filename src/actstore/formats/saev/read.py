@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from actstore.errors import FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
-                                          check_metadata, examples_per_shard, flavor_of, shard_name, to_spec)
+                                          check_metadata, examples_per_shard, flavor_of, shard_name, to_spec,
+                                          window_problem)
 from actstore.integrity import file_records, inside, read_json, refuse
 from actstore.io_utils import pread_into
 
@@ -217,10 +218,15 @@ class SaevStore:
     @property
     def windows(self) -> np.ndarray | None:
         """Text stores: (n_examples, 3) sample_idx, token_start, n_valid; None for images. FormatError
-        naming windows.npy when it is not a 2-D integer array of 3 columns (every reader indexes it so)."""
+        naming windows.npy when it is not a 2-D integer array of 3 columns (every reader indexes it so)
+        or its rows do not give each token of a sample one place (layout.window_problem: `find` would
+        hand out other tokens' vectors)."""
         if self._windows is False:  # looked up once: the loader asks for every block
             path = self.dir / WINDOWS
             self._windows = _load_windows(path) if path.is_file() else None
+            if self._windows is not None and (problem := window_problem(self._windows, self.n_examples, self.T)):
+                self._windows = False
+                raise FormatError(f"{path}: {problem}")
         return self._windows
 
     def labels(self) -> np.ndarray | None:
