@@ -1358,14 +1358,14 @@ def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, towe
     import shutil
     from pathlib import Path
 
-    from actstore.models import bytes_to_load, gpu_memory_error, weight_bytes
+    from actstore.models import bytes_to_load, gpu_memory_error, model_skeleton, weight_bytes
 
     for dtype in ("float32", "bfloat16"):
         loaded = load_model(model_dir(kind), dtype, "cpu", tower)
         actual = weight_bytes(loaded.model, dtype)
         on_device = {t.data_ptr(): t.numel() * t.element_size() for t in loaded.model.state_dict().values()}
         assert actual == sum(on_device.values())
-        assert bytes_to_load(model_dir(kind), tower, False, dtype) == actual
+        assert bytes_to_load(model_dir(kind), model_skeleton(model_dir(kind), tower), dtype) == actual
     path = Path("/models/llama-8b")
     error = gpu_memory_error(path, 32_120_000_000, "float32", 15_600_000_000, 16_900_000_000,
                              "cuda:0 (Tesla V100-PCIE-16GB)")
@@ -1377,10 +1377,10 @@ def test_cuda_preflight_sizes_the_weights_that_run_before_reading_any(kind, towe
     shutil.copytree(model_dir(kind), quantized)
     config = json.loads((quantized / "config.json").read_text())
     (quantized / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "fp8"}}))
-    assert bytes_to_load(quantized, tower, False, "bfloat16") is None
+    assert bytes_to_load(quantized, model_skeleton(quantized, tower), "bfloat16") is None
     if torch.cuda.is_available():  # the real check passes a tiny model on the real device
         from actstore.models import check_fits_on_gpu
-        check_fits_on_gpu(model_dir(kind), tower, False, "bfloat16", torch.device("cuda"))
+        check_fits_on_gpu(model_dir(kind), model_skeleton(model_dir(kind), tower), "bfloat16", torch.device("cuda"))
 
 
 def test_device_auto_refuses_a_slurm_job_given_gpus_torch_cannot_see(model_dir, text_jsonl, tmp_path, monkeypatch):
@@ -1548,7 +1548,7 @@ def test_cuda_pipeline_stores_the_models_outputs_whatever_the_buffers(model_dir,
 def test_cuda_out_of_memory_names_the_batch_and_what_to_lower(model_dir, tmp_path):
     """A first batch past the GPU's memory (torch held to the weights and 32 MiB more) stops the job
     naming the GPU, the batch's shape and the two keys to lower, and leaves no part."""
-    from actstore.models import bytes_to_load
+    from actstore.models import bytes_to_load, model_skeleton
 
     texts = tmp_path / "long.jsonl"
     line = json.dumps({"text": " ".join(f"token{i}" for i in range(400))}) + "\n"
@@ -1556,7 +1556,8 @@ def test_cuda_out_of_memory_names_the_batch_and_what_to_lower(model_dir, tmp_pat
     config = tiny.make_config(tmp_path, model_dir("llama"), texts, extract={
         "parts": 1, "device": "cuda", "batch_size": 512, "max_seq_length": 128, "layers": [0]})
     torch.cuda.empty_cache()
-    allowed = torch.cuda.memory_reserved() + bytes_to_load(model_dir("llama"), None, False, "float32") + (32 << 20)
+    weights = bytes_to_load(model_dir("llama"), model_skeleton(model_dir("llama")), "float32")
+    allowed = torch.cuda.memory_reserved() + weights + (32 << 20)
     torch.cuda.set_per_process_memory_fraction(allowed / torch.cuda.get_device_properties(0).total_memory)
     try:
         with pytest.raises(ConfigError) as caught:

@@ -334,12 +334,11 @@ def test_reading_the_tower_alone_takes_the_towers_memory_not_the_checkpoints(tmp
     assert whole > 150 and tower < whole / 4
 
 
-def whole_checkpoints_tower(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
-    """How load_model loaded a vision tower before: the whole checkpoint, the tower kept."""
+def whole_checkpoints_tower(path: Path, skeleton: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """How load_model loaded a vision tower before: the whole checkpoint, the tower kept (no skeleton)."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                       trust_remote_code=trust_remote_code).model.vision_tower
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True).model.vision_tower
 
 
 def part_files(part: Path) -> dict[str, object]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import ConfigError
+from actstore.integrity import unique_keys
 
 PACKAGE_PREFIX = "package:"
 VISION_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit", "clip", "clip_vision_model", "metaclip_2", "siglip",
@@ -48,7 +49,23 @@ def resolve_model_path(spec: str) -> Path:
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
     """The model folder's config.json as a dict."""
-    return json.loads((Path(path) / "config.json").read_text())
+    return read_model_json(Path(path) / "config.json")
+
+
+def read_model_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of a model folder (config.json, tokenizer_config.json...); ConfigError naming
+    it when it is not JSON, gives a key twice (transformers would take the last, and which was meant is
+    unknown) or is not an object. NaN and Infinity are taken, unlike integrity.read_json: transformers
+    writes them (Mamba 2's and Falcon-H1's config.json: "time_step_limit": [0.0, Infinity])."""
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice
+        raise ConfigError(f"model.path: {path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"model.path: {path} is not valid JSON (nested too deeply to parse)") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"model.path: {path} holds a JSON {type(content).__name__}, not an object")
+    return content
 
 
 def model_kind(config: dict[str, Any]) -> str:
@@ -94,7 +111,7 @@ def check_remote_code(folder: str | Path, trust_remote_code: bool, spec: str | P
         return
     for name in CODE_MAPS:
         path = Path(folder) / name
-        custom = json.loads(path.read_text()).get("auto_map") if path.is_file() else None
+        custom = read_model_json(path).get("auto_map") if path.is_file() else None
         if isinstance(custom, dict) and custom:
             first = next(iter(custom.items()))
             raise ConfigError(f"model.path {spec or folder}: its {name} maps {first[0]} to {first[1]!r}, Python in "
@@ -255,7 +272,7 @@ def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_pat
               if isinstance(text.get(key), int)][:1]
     tokenizer_config = Path(model_path) / TOKENIZER_CONFIG
     if tokenizer_config.is_file():
-        stated = json.loads(tokenizer_config.read_text()).get("model_max_length")
+        stated = read_model_json(tokenizer_config).get("model_max_length")
         if isinstance(stated, int) and stated < 1 << 30:  # transformers writes ~1e30 for "not stated"
             limits.append((stated, f"{TOKENIZER_CONFIG} model_max_length"))
     if limits and max_seq_length > min(limits)[0]:

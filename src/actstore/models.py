@@ -16,7 +16,7 @@ from torch import nn
 from actstore.checkpoint import load_weights
 from actstore.errors import ConfigError
 from actstore.model_config import (check_remote_code, check_tower, is_vision_language, model_kind, num_blocks,
-                                   read_model_config, vision_tower_config)
+                                   read_model_config, read_model_json, vision_tower_config)
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +25,31 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def find_blocks(model: nn.Module, n_blocks: int, within: nn.Module | None = None) -> tuple[str, nn.ModuleList]:
     """The ModuleList of transformer blocks: the shallowest ModuleList of length n_blocks (inside
-    `within` when given: a vision-language model's vision tower may have as many blocks)."""
+    `within` when given: a vision-language model's vision tower may have as many blocks). Several
+    as shallow are refused: a model whose block is no one module (XLM's attentions, ffns and norms,
+    each a list of n_blocks) has no module whose output is "layer i", and the first list's would be
+    stored as it."""
     inside = {id(module) for module in (within or model).modules()}
     candidates = [
-        (name, module) for name, module in model.named_modules()
+        name for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList) and len(module) == n_blocks and id(module) in inside
     ]
     if not candidates:
         raise ConfigError(f"{type(within or model).__name__}: no ModuleList of {n_blocks} transformer blocks")
-    return min(candidates, key=lambda item: item[0].count("."))
+    depth = min(name.count(".") for name in candidates)
+    shallowest = [name for name in candidates if name.count(".") == depth]
+    if len(shallowest) > 1:
+        raise ConfigError(f"{type(within or model).__name__}: its {n_blocks} blocks are no one ModuleList but "
+                          f"{len(shallowest)} ({', '.join(shallowest)}), so no module's output is a block's: actstore "
+                          "does not extract this architecture's layers (extract.hooks can capture a named module)")
+    return shallowest[0], model.get_submodule(shallowest[0])
+
+
+def find_model_blocks(model: nn.Module, config: dict[str, Any]) -> tuple[str, nn.ModuleList]:
+    """find_blocks for the model `config` (its config.json, or run_config's) describes: text never
+    reaches a vision-language model's vision tower, so "layer i" is its language model's block i."""
+    language_model = model.get_decoder() if is_vision_language(config) else None
+    return find_blocks(model, num_blocks(config), within=language_model)
 
 
 def get_module(model: nn.Module, module_path: str) -> nn.Module:
@@ -127,19 +143,19 @@ def gpu_memory_error(path: Path, need: int, dtype: str, free: int, total: int, g
             f"{free / 1e9:.1f} GB free of {total / 1e9:.1f} GB on {gpu}; extraction runs the model on one GPU.{halve}")
 
 
-def bytes_to_load(path: Path, tower: str | None, trust_remote_code: bool, dtype: str) -> int | None:
+def bytes_to_load(path: Path, skeleton: nn.Module, dtype: str) -> int | None:
     """Bytes of the weights that run (a tower alone, an encoder alone), sized on the module's
-    meta-device skeleton; None for a quantized checkpoint (config.json `quantization_config`), whose
-    weights from_pretrained keeps in the quantizer's own layout, which the skeleton does not have."""
+    meta-device skeleton (model_skeleton of `path`); None for a quantized checkpoint (config.json
+    `quantization_config`), whose weights from_pretrained keeps in the quantizer's own layout, which
+    the skeleton does not have."""
     if "quantization_config" in read_model_config(path):
         return None
-    return weight_bytes(model_skeleton(path, tower, trust_remote_code), dtype)
+    return weight_bytes(skeleton, dtype)
 
 
-def check_fits_on_gpu(path: Path, tower: str | None, trust_remote_code: bool, dtype: str,
-                      device: torch.device) -> None:
+def check_fits_on_gpu(path: Path, skeleton: nn.Module, dtype: str, device: torch.device) -> None:
     """Weights larger than the GPU's free memory are refused before any is read (bytes_to_load)."""
-    need = bytes_to_load(path, tower, trust_remote_code, dtype)
+    need = bytes_to_load(path, skeleton, dtype)
     if need is None:
         return
     free, total = torch.cuda.mem_get_info(device)
@@ -263,14 +279,14 @@ def model_skeleton(path: str | Path, tower: str | None = None, trust_remote_code
             trust_remote_code=trust_remote_code), tower)
 
 
-def _vision_tower(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+def _vision_tower(path: Path, skeleton: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A vision-language checkpoint's vision tower, reading only its own weights (Gemma 3 27B's is
     ~0.8 GB of a 54 GB checkpoint): its class and config are the whole model's skeleton's, built on
     the CPU with no random init (its non-persistent buffers, position ids, as its __init__ makes
-    them), in `dtype`, then filled from the checkpoint's tensors for it (checkpoint.load_weights)."""
+    them), in `dtype`, then filled from the checkpoint's tensors for it (checkpoint.load_weights).
+    `skeleton`: model_skeleton of `path`'s vision tower."""
     from transformers.initialization import no_init_weights
 
-    skeleton = model_skeleton(path, "vision", trust_remote_code)
     with no_init_weights():
         model = type(skeleton)._from_config(skeleton.config, dtype=dtype)
     load_weights(model, path, "vision tower")
@@ -306,17 +322,18 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     config = vision_tower_config(checkpoint) if tower == "vision" else checkpoint
     kind = model_kind(config)
     dev = pick_device(device)
+    skeleton = model_skeleton(path, tower, trust_remote_code)  # built once: blocks, size, a tower's class
+    # Refused on the weightless skeleton: a model whose blocks cannot be found loads no weights first.
+    blocks_path, _ = find_model_blocks(skeleton, config)
     if dev.type == "cuda":
-        check_fits_on_gpu(path, tower, trust_remote_code, torch_dtype, dev)
+        check_fits_on_gpu(path, skeleton, torch_dtype, dev)
     if tower == "vision":
-        model = _vision_tower(path, TORCH_DTYPES[torch_dtype], trust_remote_code)
+        model = _vision_tower(path, skeleton, TORCH_DTYPES[torch_dtype])
     else:
         model = _tower(checkpoint, _auto_class(checkpoint).from_pretrained(
             path, dtype=TORCH_DTYPES[torch_dtype], local_files_only=True, trust_remote_code=trust_remote_code), tower)
     model = weights_to_device(model, dev).eval()
-    # Text never reaches a vision-language model's vision tower: "layer i" is its language model's block i.
-    language_model = model.get_decoder() if is_vision_language(config) else None
-    blocks_path, blocks = find_blocks(model, num_blocks(config), within=language_model)
+    blocks = model.get_submodule(blocks_path)
     if preprocessor is None:
         preprocessor = (load_image_processor(path, trust_remote_code) if kind == "vision"
                         else load_tokenizer(path, trust_remote_code, fix_mistral_regex))
@@ -360,10 +377,8 @@ def check_regex_split(path: Path) -> None:
     """model.fix_mistral_regex: true replaces the regex of a Split pre-tokenizer (a tekken tokenizer's);
     given a sentencepiece tokenizer (Metaspace, as Mistral 7B's) transformers swaps in a byte-level
     pre-tokenizer instead, and every token changes: refused, naming the key and the file."""
-    import json
-
     file = path / "tokenizer.json"
-    saved = json.loads(file.read_text(encoding="utf-8")).get("pre_tokenizer") if file.is_file() else None
+    saved = read_model_json(file).get("pre_tokenizer") if file.is_file() else None
     kinds = [step.get("type") for step in (saved or {}).get("pretokenizers", [saved])] if saved else []
     if "Split" not in kinds:
         raise ConfigError(f"model.fix_mistral_regex: true, but {file} splits text with {kinds or 'no pre-tokenizer'}, "
