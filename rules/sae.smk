@@ -1,15 +1,22 @@
 # SAE: train (or import) a TopK SAE on the captured input of the LUT target modules; the same SAE
 # in SAELens' layout in saelens/ (SAE.load_from_disk).
-from actstore.config import resolve_hook
+from actstore.config import import_files, resolve_hook
 
 SAE_DIR = sdir("sae")
 if config["sae"]["enabled"]:
     resolve_hook(config)  # parse time: sae.hook must have been captured by extract.hooks
 
 
+# The files sae.import reads: inputs, so that one replaced at its path reruns the stage (its hash names
+# the path, not the bytes).
+SAE_IMPORT = config["sae"].get("import")
+SAE_IMPORT_FILES = [str(path) for path in import_files(**SAE_IMPORT)] if SAE_IMPORT else []
+
+
 rule train_sae:
     input:
         index=rules.extract_index.output.index,
+        imported=SAE_IMPORT_FILES,
     output:
         sae=f"{SAE_DIR}/sae.safetensors",
         saelens_cfg=f"{SAE_DIR}/saelens/cfg.json",

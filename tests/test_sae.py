@@ -639,3 +639,92 @@ def test_the_sae_data_of_more_parts_than_open_files_reads(tmp_path):
             "assert np.allclose(mean.numpy(), rows.astype(np.float64).mean(0), atol=1e-6)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def planned_jobs(workdir: Path, config: dict, target: str) -> dict[str, int]:
+    """Jobs `snakemake -n <target>` on `config` would run, rule -> count ({} when nothing is to do)."""
+    import subprocess
+    import sys
+
+    import tiny
+    configfile = tiny.save_config(config, workdir / "planned.yaml")
+    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(tiny.REPO / "Snakefile"), "-d", str(workdir),
+           "--configfile", str(configfile), "--cores", "1", "-n", target]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    if "Nothing to be done" in output:
+        return {}
+    table = output.split("Job stats:")[1].split("Reasons:")[0]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
+
+
+@pytest.mark.parametrize("style, replaced", [("saelens", "cfg.json"), ("saelens", "sae_weights.safetensors"),
+                                             ("saev", "sae.pt")])
+def test_an_imported_file_replaced_at_its_path_reruns_the_sae_and_lut_stages(run_copy, tmp_path, style, replaced):
+    """The sae stage's hash names sae.import's path, not the file's bytes: a checkpoint (or SAELens'
+    cfg.json, which decides the encoding) replaced at the same path reused the old SAE and its LUT.
+    The files are the stage's inputs, and report.json records the sha256 of each."""
+    import os
+
+    from actstore.hashing import stage_dirs
+    from actstore.io_utils import sha256_file
+    from actstore.lut import build_lut
+    from actstore.workflow import record_stage
+
+    folder = tmp_path / "import"
+    folder.mkdir()
+    ckpt = _random_checkpoint(d_in=32, d_sae=64)
+    if style == "saelens":
+        save_file(ckpt, str(folder / "sae_weights.safetensors"))
+        (folder / "cfg.json").write_text(json.dumps(saelens_cfg(k=4, d_in=32, d_sae=64)))
+        path, read = folder, [folder / "sae_weights.safetensors", folder / "cfg.json"]
+    else:
+        write_saev_checkpoint(folder / "sae.pt", ckpt, {"cls": "TopK", "params": {"top_k": 4}})
+        path, read = folder / "sae.pt", [folder / "sae.pt"]
+    config = copy.deepcopy(run_copy)
+    config["sae"]["import"] = {"path": str(path), "style": style}
+    dirs = stage_dirs(config)
+    report = build_sae(config, dirs["extract"], dirs["sae"], progress=False)
+    record_stage(config, "sae", dirs["sae"])
+    build_lut(config, dirs["extract"], dirs["sae"], dirs["lut"], progress=False)
+    record_stage(config, "lut", dirs["lut"])
+    assert report["import_sha256"] == {str(file): sha256_file(file) for file in read}
+    assert planned_jobs(tmp_path, config, "lut") == {}
+    changed = folder / replaced
+    changed.write_bytes(changed.read_bytes() + b" ")  # still readable: JSON and safetensors take trailing spaces
+    later = max(file.stat().st_mtime for file in (*dirs["sae"].iterdir(), *dirs["lut"].iterdir())) + 1
+    os.utime(changed, (later, later))
+    jobs = planned_jobs(tmp_path, config, "lut")
+    assert jobs.get("train_sae") == 1 and jobs.get("build_lut") == 1, jobs
+
+
+@pytest.mark.parametrize("style", ["saelens", "saelens-rescaled", "saev"])
+def test_an_imported_sae_stage_encodes_as_a_from_scratch_reference(bert, tmp_path, style):
+    """The stage's sae.safetensors (what the LUT is built from) of an import, on the held-out tokens:
+    latents and reconstruction as SAELens computes them (b_dec subtracted, decoder-norm rescaling) or
+    as saev's file encodes (no b_dec subtracted), and the report's FVU is theirs, about the held-out mean."""
+    config, extract_dir = bert
+    ckpt = _random_checkpoint(d_in=32, d_sae=64, seed=5)
+    if style == "saev":
+        write_saev_checkpoint(tmp_path / "sae.pt", ckpt, {"cls": "TopK", "params": {"top_k": 4}})
+        path, cfg = tmp_path / "sae.pt", {"apply_b_dec_to_input": False, "k": 4}
+    else:
+        cfg = saelens_cfg(k=4, d_in=32, d_sae=64, rescale_acts_by_decoder_norm=style == "saelens-rescaled")
+        save_file(ckpt, str(tmp_path / "sae_weights.safetensors"))
+        (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+        path = tmp_path
+    config = copy.deepcopy(config)
+    config["sae"]["import"] = {"path": str(path), "style": "saev" if style == "saev" else "saelens"}
+    report = build_sae(config, extract_dir, tmp_path / "out", progress=False)
+    sae, _ = load_sae(tmp_path / "out" / "sae.safetensors")
+    extraction = open_extraction(extract_dir)
+    split = split_tokens(extraction, config["sae"]["heldout_fraction"], config["sae"]["seed"])
+    x = torch.from_numpy(np.concatenate([np.asarray(a)[r] for a, r in zip(tensors(extraction, HOOK), split.heldout)]))
+    latents, recon = saelens_forward(ckpt, cfg, x)  # TopK then ReLU: Step A's latents wherever k are positive
+    with torch.no_grad():
+        values, indices = sae.encode(x)
+        torch.testing.assert_close(torch.zeros_like(latents).scatter(-1, indices, values), latents, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(sae(x), recon, atol=1e-4, rtol=1e-5)
+    fvu = float((x - recon).double().pow(2).sum() / (x - x.mean(0)).double().pow(2).sum())
+    assert report["heldout"]["fvu"] == pytest.approx(fvu, rel=1e-4)

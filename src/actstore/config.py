@@ -125,6 +125,23 @@ def enabled_stages(config: dict[str, Any]) -> list[str]:
     return stages
 
 
+SAELENS_WEIGHTS = "sae_weights.safetensors"  # in the folder SAELens saves (save_model, the sae stage's saelens/)
+SAELENS_CFG = "cfg.json"
+
+
+def import_files(path: str | Path, style: str) -> list[Path]:
+    """The files sae.import reads (`path`, `style`), the checkpoint first: for saelens, the weights (in
+    the folder SAELens saves, when `path` is one) and the cfg.json beside them, which decides the
+    encoding. The sae stage's hash names their path, not their bytes: rules/sae.smk makes them inputs
+    of its rule (a file replaced at its path reruns it) and the stage records their sha256. Here, not
+    in actstore.sae, which imports torch: the Snakefile's parse must not."""
+    path = Path(path)
+    if style == "saelens" and path.is_dir():
+        path = path / SAELENS_WEIGHTS
+    cfg_path = path.with_name(SAELENS_CFG)
+    return [path, cfg_path] if style == "saelens" and cfg_path.is_file() else [path]
+
+
 def resolve_hook(config: dict[str, Any]) -> str:
     """sae.hook, or the first ':input' entry of extract.hooks; must be captured by extract.hooks."""
     hook = config["sae"].get("hook")

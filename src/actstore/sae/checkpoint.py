@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from actstore.config import SAELENS_CFG, SAELENS_WEIGHTS, import_files
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import whole_number
 from actstore.io_utils import atomic_path, write_json_atomic
@@ -20,8 +21,6 @@ SAE_FILE = "sae.safetensors"
 REPORT_FILE = "report.json"
 IMPORT_STYLES = ("saelens", "saev")
 SAELENS_DIR = "saelens"  # beside sae.safetensors: the folder SAELens' SAE.load_from_disk reads
-SAELENS_CFG = "cfg.json"
-SAELENS_WEIGHTS = "sae_weights.safetensors"
 # The cfg.json layout written: SAELens reads a config without this version as a pre-6.0 one.
 SAELENS_LAYOUT = "6.0.0"
 SAELENS_DEFAULT_K = 100  # TopKSAEConfig.k when a 6.x cfg.json names none
@@ -47,8 +46,7 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     path = Path(path)
     if style not in IMPORT_STYLES:
         raise ConfigError(f"sae.import.style {style!r}: expected one of {IMPORT_STYLES}")
-    if style == "saelens" and path.is_dir():  # the folder SAELens saves (save_model, our saelens/)
-        path = path / SAELENS_WEIGHTS
+    path, *saelens_cfg = import_files(path, style)
     if not path.is_file():
         raise ConfigError(f"sae.import.path {path}: no such file")
     native = style == "saev" and is_saev_checkpoint(path)
@@ -60,9 +58,8 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     if k_active > w_enc.shape[1]:
         raise ConfigError(f"{path}: d_sae {w_enc.shape[1]}, fewer latents than sae.k_active {k_active}")
     subtract, rescale = not native, False
-    cfg_path = path.with_name(SAELENS_CFG)
-    if style == "saelens" and cfg_path.is_file():
-        subtract, rescale = saelens_encoding(cfg_path, k_active)
+    if saelens_cfg:
+        subtract, rescale = saelens_encoding(saelens_cfg[0], k_active)
     if rescale:  # SAELens' fold: TopK of (x W_enc + b_enc) * |W_dec row|, decoded by W_dec / |W_dec row|
         norms = w_dec.norm(dim=1)
         w_enc, b_enc, w_dec = w_enc * norms, b_enc * norms, w_dec / norms[:, None]

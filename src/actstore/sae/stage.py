@@ -5,10 +5,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from actstore.config import resolve_hook
+from actstore.config import import_files, resolve_hook
 from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction, open_extraction
-from actstore.io_utils import write_json_atomic
+from actstore.io_utils import sha256_file, write_json_atomic
 from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, SAELENS_DIR, import_sae, save_sae, save_saelens
 from actstore.sae.data import split_tokens, tensors
 from actstore.sae.model import TopKSAE
@@ -31,7 +31,10 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
         log.warning("sae.import %s: %d of %d held-out tokens have fewer than %d positive pre-activations; saev's "
                     "TopK keeps the negative ones there, Step A (TopK of ReLU) zeroes them", imported["path"],
                     held["tokens_under_k"], held["n_tokens"], sae.k_active)
-    report = {"source": f"import:{imported['style']}", "import_path": str(imported["path"]), "hook": hook,
+    # The stage's hash names the import's path only: its sha256 tells which bytes this SAE came from.
+    files = {str(path): sha256_file(path) for path in import_files(imported["path"], imported["style"])}
+    report = {"source": f"import:{imported['style']}", "import_path": str(imported["path"]),
+              "import_sha256": files, "hook": hook,
               "d_in": sae.d_in, "num_basis": sae.num_basis, "k_active": sae.k_active,
               "n_heldout_tokens": split.n_heldout, "heldout_samples": split.heldout_samples,
               "heldout": heldout_summary(held), "loss_curve": []}
