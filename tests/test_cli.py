@@ -611,3 +611,104 @@ def test_inspect_refuses_a_file_linked_out_of_the_store(workflow_run, name, rel,
     proc = actstore("inspect", str(given))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"actstore: {store / rel}: a link to {outside}, outside {store}"), proc.stderr
+
+
+# Stage hashes against the documented chain (README "Stages and hashes"): a section's key changes the
+# hash of the stage reading it and of every stage downstream of that one, nothing else.
+DOWNSTREAM = {"extract": {"extract", *FORMAT_STAGES, "sae", "lut", "validate"},
+              **{stage: {stage, "validate"} for stage in FORMAT_STAGES},
+              "sae": {"sae", "lut", "validate"}, "lut": {"lut", "validate"}, "validate": {"validate"}}
+READER = {"model": "extract", "dataset": "extract", **{stage: stage for stage in DOWNSTREAM}}
+# A value each key takes that makes its stage write other bytes (or, for `enabled`, other stages).
+CHANGED_VALUES = {
+    "model": {"path": "/elsewhere/model", "name": "other", "revision": "v2", "torch_dtype": "float16",
+              "fix_mistral_regex": True, "tower": "vision"},
+    "dataset": {"path": "OTHER", "format": "jsonl", "text_field": "body", "label_field": "y",
+                "image_field": "img", "messages_field": "chat", "tokens_field": "ids", "prompt_template": "Q: {text}",
+                "encoding": "latin-1", "add_generation_prompt": False, "keep_fields": ["a"], "identity": "stat",
+                "name": "other", "split": "test", "limit": 5},
+    "extract": {"layers": [1], "max_seq_length": 64, "batch_size": 4, "parts": 3, "hooks": ["a.c:input"],
+                "logits_topk": 5, "token_logprobs": False, "device": "cpu", "storage_dtype": "float16"},
+    "saev": {"enabled": False, "layers": [0], "patches_per_shard": 100, "tokens_per_window": 8,
+             "flavor": "upstream", "patch_labels": {"masks": "/masks"}},
+    "pickle": {"enabled": False, "shard_size_mb": 5, "compression": "none", "compresslevel": 2,
+               "compressor": "zlib"},
+    "lmprobe": {"enabled": False, "storage": "pooled", "prompt_ordering": "original", "seed": 1,
+                "dtype": "float16", "shard_bytes": 1000, "layers": [0], "logits_topk": 3, "token_strings": False},
+    "zarr": {"enabled": False, "t_chunk": 16, "merged": True},
+    "sae": {"enabled": False, "hook": "a.d:input", "num_basis": 64, "k_active": 4, "steps": 10,
+            "batch_size": 64, "lr": 0.01, "aux_k": 8, "aux_coef": 0.5, "dead_tokens": 10, "heldout_fraction": 0.2,
+            "eval_tokens": 100, "seed": 1, "device": "cpu", "import": {"path": "/sae.safetensors", "style": "saev"}},
+    "lut": {"enabled": False, "targets": ["a.q"], "dtype": "bfloat16", "budgets": [0], "eval_tokens": 10,
+            "eval_samples": 2, "device": "cpu", "runtime": "auto", "crossover_tokens": 7},
+    "validate": {"enabled": False, "n_coords": 3, "seed": 1},
+}
+
+
+def _hash_walk_base(tmp_path: Path) -> dict:
+    """A config with every stage enabled (the sae and lut too), on a real data file; no model needed."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "a"}\n')
+    return {"dump_to": str(tmp_path / "dump"), "model": {"path": str(tmp_path / "model")},
+            "dataset": {"path": str(data)}, "extract": {"layers": [0, 2], "hooks": ["a.c:input", "a.d:input"]},
+            "sae": {"enabled": True, "hook": "a.c:input"}}
+
+
+def test_every_hashed_schema_key_changes_exactly_its_stage_and_the_stages_downstream(tmp_path):
+    """Every key of the schema is either an execution key (hashing.EXECUTION_KEYS: no hash changes) or
+    changes the hash of the stage reading it and of every stage downstream, nothing else: a key that
+    changed what a stage writes but not its hash would let two different runs share a directory."""
+    from actstore.config import SCHEMA_PATH, validate_config
+    from actstore.hashing import EXECUTION_KEYS, stage_hashes
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())["properties"]
+    sections = {name: set(spec["properties"]) for name, spec in schema.items() if "properties" in spec}
+    listed = {name: set(values) | set(EXECUTION_KEYS.get(name, ())) for name, values in CHANGED_VALUES.items()}
+    assert listed == sections, "a schema key is neither in CHANGED_VALUES nor an execution key"
+    raw = _hash_walk_base(tmp_path)
+    base = stage_hashes(validate_config(json.loads(json.dumps(raw))))
+    (tmp_path / "OTHER").write_text('{"text": "b"}\n')
+    for section, values in CHANGED_VALUES.items():
+        for key, value in values.items():
+            changed = json.loads(json.dumps(raw))
+            changed.setdefault(section, {})[key] = str(tmp_path / value) if value == "OTHER" else value
+            after = stage_hashes(validate_config(changed))
+            moved = {stage for stage in base if after[stage] != base[stage]}
+            assert moved == DOWNSTREAM[READER[section]], f"{section}.{key} = {value!r} moved {sorted(moved)}"
+
+
+@pytest.mark.parametrize("command, what", [("inspect", "summarise"), ("verify", "integrity check"),
+                                           ("locate", "output directory")])
+def test_each_subcommand_help_says_what_it_does(command, what):
+    """`actstore COMMAND --help` describes the command, not only its arguments."""
+    proc = actstore_help(command)
+    assert what in " ".join(proc.split())
+
+
+def actstore_help(command: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    return out.getvalue()
+
+
+def test_locate_calls_a_stage_directory_without_its_stage_config_incomplete(tmp_path):
+    """A run cut short leaves a stage directory its last job never finished (no stage config):
+    locate must not call it done."""
+    configfile = tiny.save_config(_hash_walk_base(tmp_path), tmp_path / "config.yaml")
+    extract = stage_dir(load_config(configfile), "extract")
+    assert "extract   " + f"{extract}  (not built)" in actstore("locate", "--configfile", str(configfile)).stdout
+    (extract / "part-0000").mkdir(parents=True)
+    assert f"{extract}  (incomplete)" in actstore("locate", "--configfile", str(configfile)).stdout
+    (extract / integrity.STAGE_CONFIG_FILE).write_text("{}")
+    assert f"{extract}  (done)" in actstore("locate", "--configfile", str(configfile)).stdout
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_file_given_for_a_store_exits_2_saying_it_is_not_a_directory(command, tmp_path):
+    metadata = tmp_path / "dir with ünïcode" / "metadata.json"
+    metadata.parent.mkdir()
+    metadata.write_text("{}")
+    proc = run(ACTSTORE, command, str(metadata))
+    assert proc.returncode == 2 and proc.stderr.startswith(f"actstore: {metadata}: not a directory"), proc.stderr

@@ -25,6 +25,10 @@ def _detect_or_exit(path: Path) -> str:
     if not path.exists():
         print(f"actstore: {path}: no such file or directory", file=sys.stderr)
         sys.exit(2)  # never 1, which is verify's "problems found"
+    if not path.is_dir():
+        print(f"actstore: {path}: not a directory (a store is a directory: give the one holding this file)",
+              file=sys.stderr)
+        sys.exit(2)
     name = detect_format(path)
     if name is None:
         print(f"actstore: {path}: holds none of the known formats ({', '.join(FORMAT_NAMES)})", file=sys.stderr)
@@ -93,6 +97,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_locate(args: argparse.Namespace) -> int:
     from actstore.config import enabled_stages, load_config
     from actstore.hashing import stage_dirs
+    from actstore.integrity import STAGE_CONFIG_FILE
 
     config = load_config(args.configfile)
     dirs = stage_dirs(config)
@@ -101,7 +106,9 @@ def cmd_locate(args: argparse.Namespace) -> int:
         print(json.dumps(located, indent=2))
     else:
         for stage, directory in located.items():
-            state = "done" if Path(directory).is_dir() else "not built"
+            # A stage's last job writes its stage config: a directory without one is a run cut short.
+            state = "done" if (Path(directory) / STAGE_CONFIG_FILE).is_file() else \
+                "incomplete" if Path(directory).is_dir() else "not built"
             print(f"{stage:9s} {directory}  ({state})")
     return 0
 
@@ -113,24 +120,31 @@ def _at_least_one(text: str) -> int:
     return int(text)
 
 
+def _command(sub: argparse._SubParsersAction, name: str, what: str) -> argparse.ArgumentParser:
+    """A subcommand whose own --help says what it does (argparse shows `help` only in the list)."""
+    return sub.add_parser(name, help=what, description=what)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="detect a store's format and summarise it (or an sae stage "
-                             "directory's SAE)")
-    inspect.add_argument("path", type=Path)
+    inspect = _command(sub, "inspect", "detect a store's format and summarise it (or an sae stage "
+                       "directory's SAE)")
+    inspect.add_argument("path", type=Path, help="a store, or the workflow stage directory holding it")
     inspect.add_argument("--json", action="store_true", help="print the full summary as JSON")
     inspect.set_defaults(func=cmd_inspect)
-    verify = sub.add_parser("verify", help="full integrity check: files, sizes, sha256, spec fields (exit 1 on problems)")
+    verify = _command(sub, "verify", "full integrity check: files, sizes, sha256, spec fields (exit 1 on problems)")
     verify.add_argument("path", type=Path, help="a store, or the workflow stage directory holding it (the "
                         "sae stage's too: its files against the stage config's seal)")
     verify.add_argument("--threads", type=_at_least_one, default=None,
                         help="files checked at once (default: the CPUs this process may use, at most 8)")
     verify.set_defaults(func=cmd_verify)
-    locate = sub.add_parser("locate", help="print each stage's output directory for a config")
-    locate.add_argument("--configfile", type=Path, default=Path("config/config.yaml"))
-    locate.add_argument("--json", action="store_true")
+    locate = _command(sub, "locate", "print each enabled stage's output directory for a config, and whether "
+                      "it is done (its stage config written), incomplete or not built")
+    locate.add_argument("--configfile", type=Path, default=Path("config/config.yaml"),
+                        help="the workflow config (default: %(default)s)")
+    locate.add_argument("--json", action="store_true", help="print {stage: directory} as JSON")
     locate.set_defaults(func=cmd_locate)
     return parser
 
