@@ -728,3 +728,27 @@ def test_an_imported_sae_stage_encodes_as_a_from_scratch_reference(bert, tmp_pat
         torch.testing.assert_close(sae(x), recon, atol=1e-4, rtol=1e-5)
     fvu = float((x - recon).double().pow(2).sum() / (x - x.mean(0)).double().pow(2).sum())
     assert report["heldout"]["fvu"] == pytest.approx(fvu, rel=1e-4)
+
+
+def test_validate_names_an_imported_file_changed_since_the_sae_stage_read_it(tmp_path):
+    """The sae stage records the sha256 of the files sae.import read; validate compares the files the
+    config names (never a path the report gives) with them: one replaced outside Snakemake, whose stage
+    hash names only its path, leaves an SAE and a LUT of other weights that verify."""
+    from actstore.io_utils import sha256_file
+    from actstore.verify import sae_import_problems
+
+    folder = tmp_path / "sae"
+    folder.mkdir()
+    (weights := folder / "sae_weights.safetensors").write_bytes(b"weights")
+    (cfg := folder / "cfg.json").write_text("{}")
+    config = {"sae": {"import": {"path": str(folder), "style": "saelens"}}}
+    report = {"import_sha256": {str(weights): sha256_file(weights), str(cfg): sha256_file(cfg)}}
+    assert sae_import_problems(config, report, tmp_path) == []
+    assert sae_import_problems({"sae": {}}, report, tmp_path) == []  # trained, not imported
+    assert sae_import_problems(config, {}, tmp_path) == []  # a report from before the record
+    cfg.write_text('{"apply_b_dec_to_input": false}')
+    assert sae_import_problems(config, report, tmp_path) == [
+        f"{cfg}: not the bytes the sae stage imported (import_sha256 in {tmp_path / 'report.json'}): the SAE and "
+        "its LUT are of other weights; rerun the sae stage"]
+    weights.unlink()
+    assert f"{weights}: missing" in sae_import_problems(config, report, tmp_path)[0]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits
-from actstore.config import enabled_stages
+from actstore.config import enabled_stages, import_files
 from actstore.errors import FormatError
 from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
@@ -269,12 +269,38 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         entry["store"] = os.path.relpath(entry["store"], config["dump_to"])
         entry["inspect"] = {key: _relative(value, config["dump_to"]) for key, value in entry["inspect"].items()}
     problems = [p for entry in report["formats"].values() for p in entry["problems"]]
+    problems += sae_import_problems(config, report.get("sae"), dirs["sae"]) if "sae" in stages else []
     problems += [p for stage in stages if stage != "validate"
                  for p in stage_config_problems(dirs[stage], required=True)]
     if problems:
         raise FormatError("validation failed:\n" + "\n".join(problems))
     write_json_atomic(report_path, report)
     return report
+
+
+def sae_import_problems(config: dict[str, Any], sae_report: dict[str, Any] | None, sae_dir: Path) -> list[str]:
+    """The files the config's sae.import names (config.import_files: read from the config, never from
+    a path the report gives) against the sha256 the sae stage recorded of what it read (import_sha256).
+    The stage hash names their path only: a file replaced since (outside Snakemake, which reruns the
+    stage when it is newer) leaves an SAE and a LUT of other weights that verify. A report written
+    before the sha256 was recorded has none to compare (its seal covers it)."""
+    imported = config["sae"].get("import")
+    recorded = (sae_report or {}).get("import_sha256")
+    if not imported or recorded is None:
+        return []
+    where = sae_dir / "report.json"
+    if not isinstance(recorded, dict):
+        return [f"{where}: import_sha256 {recorded!r:.60} is not an object of file sha256s"]
+    problems = []
+    for path in import_files(**imported):
+        if str(path) not in recorded:
+            problems.append(f"{where}: import_sha256 has no record of {path}, which sae.import reads")
+        elif not path.is_file():
+            problems.append(f"{path}: missing; the sae stage ({where}) was built from it")
+        elif sha256_file(path) != recorded[str(path)]:
+            problems.append(f"{path}: not the bytes the sae stage imported (import_sha256 in {where}): the "
+                            "SAE and its LUT are of other weights; rerun the sae stage")
+    return problems
 
 
 def check_lut(store: Path, sae_dir: Path) -> dict[str, Any]:
