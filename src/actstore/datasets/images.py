@@ -4,6 +4,8 @@ whichever process asks, so DataLoader workers do the reading and decoding."""
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from actstore.datasets.core import Sample, forked_pool, in_order
@@ -139,14 +141,30 @@ def _decode(file: Any, where: str) -> Any:
     from PIL import Image
 
     try:
-        with Image.open(file) as img:
+        with whole_images_only(), Image.open(file) as img:
             if is_wide(img.mode):
                 check_fits_8_bits(img, where)
             return to_rgb(upright(img))
     except Image.DecompressionBombError as exc:  # PIL's pixel limit (a 20,000 x 20,000 scan); it names no file
         raise ConfigError(f"{where}: {exc}") from None
-    except OSError as exc:  # truncated or not an image: PIL's message names no file
+    # truncated or not an image (OSError), a broken chunk (SyntaxError), a PNG text chunk past PIL's
+    # limit after the pixels (ValueError, which verify does not reach): PIL's messages name no file
+    except (OSError, SyntaxError, ValueError) as exc:
         raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
+
+
+@contextmanager
+def whole_images_only() -> Iterator[None]:
+    """PIL's LOAD_TRUNCATED_IMAGES off while decoding, as it is by default: code sharing the process
+    (a notebook, a model's remote code) may have set it, and a truncated file would then decode
+    without an error, its missing rows gray or black."""
+    from PIL import ImageFile
+
+    truncated_allowed, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
+    try:
+        yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = truncated_allowed
 
 
 EXIF_ORIENTATION = 0x0112
