@@ -108,10 +108,10 @@ def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]], last_logits_on
     its head at the rows' last positions only (sorted, distinct: pack_batch finds each row's there,
     for the top-k; token log-probs rerun the head on the final hidden states, extract/logprobs.py)."""
     lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    real = np.arange(lengths.max()) < lengths[:, None]
+    real = np.arange(window_width(loaded.model.config, int(lengths.max()))) < lengths[:, None]
     # Filled in one numpy call (row-major, so each row's ids in order): per-row tensor assignments
     # cost ~0.3 ms of the host's time a batch, which a launch-bound forward waits for.
-    input_ids = np.full(real.shape, loaded.preprocessor.pad_token_id, dtype=np.int64)
+    input_ids = np.full(real.shape, pad_id(loaded), dtype=np.int64)
     input_ids[real] = np.concatenate([np.asarray(seq, dtype=np.int64) for seq in ids])
     inputs = {"input_ids": host_to_device(torch.from_numpy(input_ids), loaded.device),
               "attention_mask": host_to_device(torch.from_numpy(real.astype(np.int64)), loaded.device)}
@@ -123,6 +123,24 @@ def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]], last_logits_on
     if last_logits_only and loaded.takes_logits_to_keep:
         inputs["logits_to_keep"] = host_to_device(torch.from_numpy(np.unique(lengths - 1)), loaded.device)
     return inputs
+
+
+def pad_id(loaded: LoadedModel) -> int:
+    """The tokenizer's pad id, or 0 where the model's vocabulary ends before it (a pad token added to the
+    tokenizer, the embedding not resized): pad positions are masked and never stored, but an id past the
+    embedding faults its lookup (IndexError on a CPU, a device-side assert on a GPU)."""
+    pad = loaded.preprocessor.pad_token_id
+    vocab = getattr(loaded.model.config.get_text_config(), "vocab_size", None)
+    return 0 if isinstance(vocab, int) and pad >= vocab else pad
+
+
+def window_width(config: Any, width: int) -> int:
+    """The batch's width padded up to a multiple of the model's `attention_window` (Longformer, LED): such
+    a model pads its inputs so inside its forward, with attention mask 0 as here, and its blocks
+    would return more tokens than the batch holds. Any other model: `width`."""
+    window = getattr(config, "attention_window", None)
+    window = max(window) if isinstance(window, (list, tuple)) else window
+    return -(-width // window) * window if isinstance(window, int) and window > 0 else width
 
 
 def load_pixels(processor: Any, opener: ImageOpener, samples: list[Sample]) -> torch.Tensor:
