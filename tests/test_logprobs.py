@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 import tiny
+from actstore.errors import ConfigError
 from actstore.extract import run_part
 from actstore.extract.inputs import length_batches
 from actstore.formats.extract import open_part
@@ -152,3 +153,21 @@ def test_a_pad_token_past_the_embedding_pads_nothing_it_cannot_embed(model_dir, 
         run_part(config, 0, tmp_path / name / "part", progress=False)
         stored.append({p.name: p.read_bytes() for p in (tmp_path / name / "part").glob("*.npy")})
     assert len(stored[0]) >= 5 and stored[0] == stored[1]
+
+
+def test_a_text_holding_a_token_the_model_cannot_embed_is_named_before_the_weights_load(model_dir, tmp_path):
+    """A token added to the tokenizer only (a tool token, id 300 of a 300-token embedding) faulted the
+    embedding's lookup after the weights loaded (IndexError on a CPU, a device assert on a GPU): the
+    row holding it is named, as a pre-tokenized id past the vocabulary is."""
+    model = tmp_path / "added-token"
+    shutil.copytree(model_dir("llama"), model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tokenizer.save_pretrained(model)
+    (model / "model.safetensors").unlink()  # refused before any weight is read
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": text}) + "\n" for text in ("plain words", "call <|tool|> now")))
+    config = tiny.make_config(tmp_path / "run", model, texts, extract={"layers": [0], "parts": 1})
+    with pytest.raises(ConfigError, match=r"dataset row 1: token id 300 is outside the model's vocabulary of 300 "
+                                          r"\(a token of the tokenizer past the model's embedding\)"):
+        run_part(config, 0, tmp_path / "part", progress=False)

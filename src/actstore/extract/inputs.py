@@ -64,6 +64,18 @@ def tokenize(tokenizer: Any, samples: list[Sample], max_seq_length: int,
     return TokenIds(flat, np.cumsum(lengths, dtype=np.int64), truncated)
 
 
+def check_vocabulary(token_ids: TokenIds, samples: list[Sample], vocab: int | None, source: str) -> None:
+    """ConfigError naming the first row holding an id at or past `vocab` (config.json's vocab_size), and
+    where its ids came from (`source`): the embedding's lookup of such an id faults (IndexError on a
+    CPU, a device-side assert on a GPU), after the weights load."""
+    if vocab is None or not len(token_ids.flat) or token_ids.flat.max() < vocab:
+        return
+    at = int(np.argmax(token_ids.flat >= vocab))
+    row = int(np.searchsorted(token_ids.offsets, at, side="right")) - 1
+    raise ConfigError(f"dataset row {samples[row].sample_idx}: token id {token_ids.flat[at]} is outside the model's "
+                      f"vocabulary of {vocab} ({source})")
+
+
 def zero_token_rows(rows: list[int]) -> str:
     """The error for texts with no token to store (a tokenizer that adds no special token, as GPT-2's,
     on an empty text: wikitext's blank lines)."""
@@ -80,18 +92,16 @@ def given_token_ids(tokenizer: Any, vocab: int | None, samples: list[Sample], ma
     token_ids, not that text, are the input."""
     truncated = sum(len(s.tokens) > max_seq_length for s in samples)
     kept = [s.tokens[:max_seq_length] for s in samples]
-    for sample, ids in zip(samples, kept):
-        if vocab is not None and ids.max() >= vocab:
-            raise ConfigError(f"dataset row {sample.sample_idx}: token id {ids.max()} is outside the model's "
-                              f"vocabulary of {vocab} (dataset.tokens_field)")
+    lengths = np.array([len(ids) for ids in kept], np.int64)
+    flat = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+    token_ids = TokenIds(flat, np.concatenate([[0], np.cumsum(lengths)]), truncated)
+    check_vocabulary(token_ids, samples, vocab, "dataset.tokens_field")
     step = max(1, TOKENIZE_TOKENS // max_seq_length)
     for start in range(0, len(samples), step):
         texts = tokenizer.batch_decode([ids.tolist() for ids in kept[start:start + step]])
         for sample, text in zip(samples[start:start + step], texts):
             sample.text, sample.tokens = text, None  # the ids live on in the flat array only
-    lengths = np.array([len(ids) for ids in kept], np.int64)
-    flat = np.concatenate(kept) if kept else np.zeros(0, np.int64)
-    return TokenIds(flat, np.concatenate([[0], np.cumsum(lengths)]), truncated)
+    return token_ids
 
 
 def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:

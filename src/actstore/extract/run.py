@@ -19,7 +19,7 @@ from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import IMAGE_DECODING, check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, check_reached, check_shapes, parse_hook
-from actstore.extract.inputs import (TokenIds, default_workers, given_token_ids, image_batches,
+from actstore.extract.inputs import (TokenIds, check_vocabulary, default_workers, given_token_ids, image_batches,
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
@@ -148,10 +148,13 @@ def text_token_ids(config: dict[str, Any], tokenizer: Any, dataset: Dataset) -> 
     """The part's token ids: its texts tokenized by the model's tokenizer, or its given ids checked
     against the vocabulary, cut to extract.max_seq_length."""
     max_seq_length = config["extract"]["max_seq_length"]
+    vocab = config_int(run_config(config["model"]), "vocab_size")
     if dataset.pretokenized:
-        vocab = config_int(run_config(config["model"]), "vocab_size")
         return given_token_ids(tokenizer, vocab, dataset.samples, max_seq_length)
-    return tokenize(tokenizer, dataset.samples, max_seq_length, not dataset.chat)
+    token_ids = tokenize(tokenizer, dataset.samples, max_seq_length, not dataset.chat)
+    # A token added to the tokenizer (a chat or tool token) that the model's embedding lacks
+    check_vocabulary(token_ids, dataset.samples, vocab, "a token of the tokenizer past the model's embedding")
+    return token_ids
 
 
 def writer_threads(ext: dict[str, Any], cpus: int) -> int:
