@@ -659,8 +659,24 @@ def planned_jobs(workdir: Path, config: dict, target: str) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
 
 
-@pytest.mark.parametrize("style, replaced", [("saelens", "cfg.json"), ("saelens", "sae_weights.safetensors"),
-                                             ("saev", "sae.pt")])
+def test_the_files_an_import_reads_are_its_checkpoint_and_saelens_cfg(tmp_path):
+    """config.import_files, the sae rule's import inputs: a SAELens folder's weights and the cfg.json
+    beside them (which decides the encoding), a SAELens file alone when it has none, saev's file."""
+    from actstore.config import import_files
+
+    folder = tmp_path / "saelens"
+    folder.mkdir()
+    (folder / "sae_weights.safetensors").write_bytes(b"")
+    assert import_files(folder, "saelens") == [folder / "sae_weights.safetensors"]
+    (folder / "cfg.json").write_text("{}")
+    assert import_files(folder, "saelens") == [folder / "sae_weights.safetensors", folder / "cfg.json"]
+    assert import_files(folder / "sae_weights.safetensors", "saelens") == import_files(folder, "saelens")
+    assert import_files(folder / "sae_weights.safetensors", "saev") == [folder / "sae_weights.safetensors"]
+
+
+# The checkpoint of each style, and SAELens' cfg.json beside its weights (the weights of a saelens folder
+# take the same path through config.import_files as saev's file; a dry run costs ~10 s here).
+@pytest.mark.parametrize("style, replaced", [("saelens", "cfg.json"), ("saev", "sae.pt")])
 def test_an_imported_file_replaced_at_its_path_reruns_the_sae_and_lut_stages(run_copy, tmp_path, style, replaced):
     """The sae stage's hash names sae.import's path, not the file's bytes: a checkpoint (or SAELens'
     cfg.json, which decides the encoding) replaced at the same path reused the old SAE and its LUT.
