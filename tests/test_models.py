@@ -171,6 +171,7 @@ DAMAGED = {"not JSON": ("{not json", r"is not valid JSON \(Expecting property na
            "a key twice": ('{"model_max_length": 8, "model_max_length": 64}',
                            r"is not valid JSON \(key 'model_max_length' given twice\)"),
            "not an object": ("[1, 2]", "holds a JSON list, not an object")}
+NESTED_DAMAGED = ('{"model_type": "gpt2", "text_config": 3}', "holds text_config 3, not an object of settings")
 
 
 @pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json"])
@@ -187,6 +188,15 @@ def test_a_damaged_json_file_of_the_model_folder_is_named(file, damage, built, f
         preflight(config, 0)
     with pytest.raises(ConfigError, match=rf"model.path: {folder / file} {why}"):
         tiny.make_config(tmp_path, folder, few_texts, extract={"layers": [-1]})
+
+
+def test_a_sub_models_config_that_is_no_object_is_named(tmp_path):
+    """config.json's text_config or vision_config is read as an object by every size lookup: a number
+    there was an AttributeError traceback."""
+    text, why = NESTED_DAMAGED
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=rf"model.path: {tmp_path / 'config.json'} {why}"):
+        read_model_config(tmp_path)
 
 
 def test_infinity_in_config_json_is_read_as_transformers_writes_it(tmp_path):

@@ -47,9 +47,18 @@ def resolve_model_path(spec: str) -> Path:
     return path.resolve()
 
 
+NESTED_CONFIGS = ("text_config", "vision_config")  # a composite checkpoint's sub-models' settings
+
+
 def read_model_config(path: str | Path) -> dict[str, Any]:
-    """The model folder's config.json as a dict."""
-    return read_model_json(Path(path) / "config.json")
+    """The model folder's config.json as a dict; ConfigError naming it when a sub-model's settings
+    (NESTED_CONFIGS) are there but no object (every size lookup reads them as one)."""
+    file = Path(path) / "config.json"
+    config = read_model_json(file)
+    for key in NESTED_CONFIGS:
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise ConfigError(f"model.path: {file} holds {key} {config[key]!r:.60}, not an object of settings")
+    return config
 
 
 def read_model_json(path: Path) -> dict[str, Any]:
