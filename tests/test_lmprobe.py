@@ -352,6 +352,7 @@ def test_reader_errors_name_the_fault(extracted, tmp_path):
     (lambda t: t["logits_topk"].update(k=True), r"logits_topk\.k is malformed: True"),
     (lambda t: t["logits_topk"].pop("k"), r"logits_topk\.k is malformed: None"),
     (lambda t: t["hidden_layers"].update(dtype="int8"), r"hidden_layers\.dtype is malformed: 'int8'"),
+    (lambda t: t["hidden_layers"].pop("dim"), r"hidden_layers\.dim is malformed: None"),
 ])
 def test_a_descriptor_field_of_the_wrong_type_is_named_by_every_reader(extracted, tmp_path, edit, named):
     """lmprobe:tensors' fields build file names, tensor keys and array shapes: each is typed when the

@@ -96,6 +96,9 @@ def _shards(value: Any) -> bool:
         for shard in value)
 
 
+READ_KEYS = ("layers", "dim", "dtype", "file_pattern", "key_pattern", "shards")  # hidden_layers' the readers use
+
+
 def descriptor_problems(info: dict[str, Any]) -> list[str]:
     """The types of the lmprobe: fields a reader computes with: counts, the tensor descriptors'
     layers, dim, patterns and shard lists (a pattern builds file names and tensor keys)."""
@@ -107,6 +110,8 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
                and isinstance(info["model"].get("name"), str)),
               ("lmprobe:prompt_ordering", info["prompt_ordering"], isinstance(info["prompt_ordering"], str)),
               ("lmprobe:files", info.get("files"), isinstance(info.get("files", {}), dict))]
+    # What a reader computes with must be there (verify names every key the spec lists: HIDDEN_KEYS).
+    checks += [(f"hidden_layers.{key}", None, False) for key in READ_KEYS if key not in hidden]
     checks += [(f"hidden_layers.{key}", hidden[key], ok(hidden[key])) for key, ok in (
         ("layers", whole_numbers),
         ("dim", lambda v: whole_number(v) and v > 0),
