@@ -265,3 +265,44 @@ def test_buffer_workers_write_each_item_from_its_own_buffer_and_raise_the_first_
     # items before the failing one all run, but the two other workers' own, which may see its error
     assert len(set(range(40)) - set(written)) <= 2 and max(written) < 40 + 3 + BEHIND
     assert all((tmp_path / str(i)).read_bytes() == data[i] for i in written)
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_bytes_written_twice_cannot_stand_in_for_bytes_never_written(behind, tmp_path):
+    """A leaf's byte count reaches its size when part of it is written twice and part never: that
+    must be named, not hashed as a whole leaf with zeros where nothing was written."""
+    sink = TreeHashFile(tmp_path / "f", MIB)
+    writes = [(0, b"\1" * (MIB // 4)), (3 * MIB // 4, b"\2" * (MIB // 4)), (0, b"\3" * (MIB // 2))]
+    with pytest.raises(OSError, match=rf"f: bytes 0\.\.{MIB // 4} written more than once"):
+        if behind:
+            with WriteBehind(sink) as chain:
+                for offset, data in writes:
+                    chain.submit(offset, data)
+        else:
+            for offset, data in writes:
+                sink.write(offset, data)
+    sink.abort()
+
+
+def test_many_small_writes_in_any_order_still_give_the_tree_hash(tmp_path):
+    """Writes smaller than a leaf, front to back, back to front and shuffled: each leaf's pieces
+    are tracked to catch overlaps, and the digest is that of the bytes."""
+    rng = random.Random(3)
+    size = 2 * MIB + 4321
+    data = rng.randbytes(size)
+    regions = [(lo, min(lo + 10_000, size)) for lo in range(0, size, 10_000)]
+    for order in (regions, regions[::-1], rng.sample(regions, len(regions))):
+        sink = TreeHashFile(tmp_path / "f", size)
+        for start, stop in order:
+            sink.write(start, data[start:stop])
+        assert sink.close() == reference_tree_hash(data) == sha256_tree_file(tmp_path / "f")
+
+
+def test_a_pooled_write_past_the_end_is_named(tmp_path):
+    """A write large enough for the pool that ends past the file and covers none of its leaves whole."""
+    with ThreadPoolExecutor(2) as pool:
+        sink = TreeHashFile(tmp_path / "f", 5 * MIB, pool=pool)
+        with pytest.raises(OSError, match=f"f: a write ends at byte {4 * MIB + MIB // 2 + POOL_MIN_BYTES}, "
+                                          f"past the file's {5 * MIB}"):
+            sink.write(4 * MIB + MIB // 2, bytes(POOL_MIN_BYTES))
+        sink.abort()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import bisect
 import contextlib
 import ctypes
 import glob
@@ -253,7 +254,7 @@ class PositionedFile(abc.ABC):
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
-        self._put(offset, view)
+        self._put_named(offset, view)
         if len(view):
             self._hash(offset, view)
 
@@ -266,6 +267,14 @@ class PositionedFile(abc.ABC):
         if self.unsynced >= WRITEBACK_BYTES:
             start_writeback(self.fd)
             self.unsynced = 0
+
+    def _put_named(self, offset: int, view: memoryview) -> None:
+        """_put, its error (a full disk) naming the file: pwrite's names none. Not for a WriteBehind,
+        whose thread's errors are named by its ThreadChain."""
+        try:
+            self._put(offset, view)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{self.path}: {exc.strerror}") from exc
 
     def _read_back(self, start: int, stop: int, buf: bytearray) -> Iterator[memoryview]:
         """The written bytes start:stop again, from the page cache they were just written to."""
@@ -583,6 +592,9 @@ class TreeHashFile(PositionedFile):
         n_leaves = -(-size // TREE_LEAF)
         self.filled = [0] * n_leaves  # bytes written into each leaf
         self.leaves: list[bytes | None] = [None] * n_leaves
+        # leaf -> the sorted, disjoint (start, stop) ranges written into it, while it is partly filled:
+        # a count alone lets bytes written twice make up for bytes never written
+        self.pieces: dict[int, list[tuple[int, int]]] = {}
         self.buf = bytearray(TREE_LEAF)
         self.pool = pool
         self.write(0, head)
@@ -591,7 +603,7 @@ class TreeHashFile(PositionedFile):
         view = memoryview(data).cast("B")
         started = self._start_hashes(offset, view)
         try:
-            self._put(offset, view)
+            self._put_named(offset, view)
             if len(view):
                 self._hash(offset, view, started)
         finally:
@@ -601,8 +613,8 @@ class TreeHashFile(PositionedFile):
         """The digests of the leaves view covers whole, started on the pool when view is at least
         POOL_MIN_BYTES (none otherwise: _hash then takes them in its own thread), in at most
         HASH_TASKS_PER_WRITE runs of consecutive leaves: leaf -> (its run's task, its place in the run)."""
-        if self.pool is None or len(view) < POOL_MIN_BYTES:
-            return {}
+        if self.pool is None or len(view) < POOL_MIN_BYTES or offset + len(view) > self.size:
+            return {}  # past the end: _hash names the fault
         whole = list(self._whole_leaves(offset, view))
         per_task, started = -(-len(whole) // HASH_TASKS_PER_WRITE), {}
         for first in range(0, len(whole), per_task):
@@ -640,9 +652,13 @@ class TreeHashFile(PositionedFile):
         in_view = {}  # leaf -> its bytes in view, for the leaves this write completes
         for leaf in range(offset // TREE_LEAF, -(-stop // TREE_LEAF)):
             start, end = leaf * TREE_LEAF, leaf * TREE_LEAF + self._leaf_size(leaf)
-            self.filled[leaf] += min(end, stop) - max(start, offset)
+            low, high = max(start, offset), min(end, stop)
+            if high - low < end - start:
+                self._add_piece(leaf, low, high)
+            self.filled[leaf] += high - low
             if self.filled[leaf] < end - start:
                 continue
+            self.pieces.pop(leaf, None)
             if self.filled[leaf] > end - start:
                 raise OSError(f"{self.path}: bytes {start}..{end} written more than once")
             if start >= offset and end <= stop:
@@ -659,6 +675,20 @@ class TreeHashFile(PositionedFile):
                 self.leaves[leaf] = task.result()[i]
             else:
                 self.leaves[leaf] = _leaf_digest(part)
+
+    def _add_piece(self, leaf: int, start: int, stop: int) -> None:
+        """Record bytes start..stop, part of leaf, as written; raise if some of them already were."""
+        pieces = self.pieces.setdefault(leaf, [])
+        i = bisect.bisect(pieces, (start,))
+        for low, high in pieces[max(i - 1, 0):i + 1]:
+            if low < stop and start < high:
+                raise OSError(f"{self.path}: bytes {max(low, start)}..{min(high, stop)} written more than once")
+        if i and pieces[i - 1][1] == start:  # merged with touching neighbours: in-order writes keep one range
+            start = pieces.pop(i - 1)[0]
+            i -= 1
+        if i < len(pieces) and pieces[i][0] == stop:
+            stop = pieces.pop(i)[1]
+        pieces.insert(i, (start, stop))
 
     def _missing(self) -> str | None:
         written = sum(self.filled)
