@@ -211,7 +211,7 @@ def file_problem(path: Path, record: dict[str, Any] | None, source: str, require
     if digest and not set(DIGESTS) & set(record):
         return f"{path}: no sha256 recorded in {source}"
     try:  # what is hashed is the file opened: a FIFO put in its place since the look above never blocks
-        fh = _open_regular(path)
+        fh = open_regular(path)
     except FormatError as exc:
         return f"{exc} (listed in {source})"
     with fh:
@@ -271,7 +271,7 @@ def _no_constant(name: str) -> Any:
 STRICT_JSON = {"object_pairs_hook": unique_keys, "parse_constant": _no_constant}  # json.loads options: what read_json takes
 
 
-def _open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path) -> BinaryIO:
     """`path` opened for reading; FormatError naming it when it is missing, cannot be opened, or is
     not a regular file: a FIFO would block the read forever (O_NONBLOCK: the open itself would
     wait for a writer; O_NOCTTY: a terminal is never made this process's), a device might never
@@ -290,11 +290,11 @@ def _open_regular(path: Path) -> BinaryIO:
 
 def read_sized(path: Path, size: int, source: str) -> bytes:
     """The bytes of `path`, a regular file of the `size` bytes `source` gives it (a record, a chunk
-    layout). What is read is the file opened (_open_regular), never one looked at before: a FIFO or
+    layout). What is read is the file opened (open_regular), never one looked at before: a FIFO or
     device put in its place since would block or never end. Its size is compared before anything is
     read (a sparse file of gigabytes costs nothing to refuse). FormatError naming the file and both
     sizes when they differ, or when it is missing or not a regular file."""
-    with _open_regular(path) as fh:
+    with open_regular(path) as fh:
         found = os.fstat(fh.fileno()).st_size
         if found != size:
             raise FormatError(f"{path}: {found} bytes, expected {size} from {source}")
@@ -317,7 +317,7 @@ def read_json(path: Path) -> Any:
     """A JSON file's content; FormatError naming the file when it is missing, not a regular file,
     over JSON_MAX_BYTES, or not strict JSON: not UTF-8, not JSON, a duplicate key, NaN or Infinity,
     or nested too deeply to parse (a RecursionError otherwise)."""
-    with _open_regular(path) as fh:
+    with open_regular(path) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > JSON_MAX_BYTES:
             raise FormatError(f"{path}: {size} bytes, over the {JSON_MAX_BYTES} of any metadata file")
@@ -343,7 +343,7 @@ def stream_json_object(path: Path, big: str, what: str = "a JSON object") -> Ite
     FormatError names the file: missing, not valid JSON, or not `what` (not an object, or `big`
     not an object)."""
     try:
-        with io.TextIOWrapper(_open_regular(path), encoding="utf-8") as fh:
+        with io.TextIOWrapper(open_regular(path), encoding="utf-8") as fh:
             stream = _JsonStream(fh, path, what)
             yield from stream.members(big)
             stream.end()

@@ -21,8 +21,8 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, STORAGE_DESCR, part_dirname,
                                              tensor_file)
-from actstore.integrity import (check_file, file_records, inside, read_json, refuse, unique_keys, unlisted,
-                                whole_number)
+from actstore.integrity import (check_file, file_records, inside, open_regular, read_json, refuse, unique_keys,
+                                unlisted, whole_number)
 from actstore.io_utils import pread_into
 
 
@@ -79,15 +79,10 @@ class SampleRows(Sequence):
 
     def __init__(self, path: Path, n_samples: int):
         self.path = path
-        if path.exists() and not path.is_file():  # a FIFO would block the open forever
-            raise FormatError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
-        try:
-            with open(path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else nullcontext(b"") as data:
-                    self._starts = self._line_starts(data, size)
-        except FileNotFoundError:
-            raise FormatError(f"{path}: missing") from None
+        with open_regular(path) as fh:  # a FIFO in its place would block a plain open forever
+            size = os.fstat(fh.fileno()).st_size
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else nullcontext(b"") as data:
+                self._starts = self._line_starts(data, size)
         if len(self) != n_samples:
             raise FormatError(f"{path}: {len(self)} rows, {PART_META} says {n_samples} samples")
 
