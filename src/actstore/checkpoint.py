@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError
-from actstore.integrity import STRICT_JSON, whole_numbers
+from actstore.integrity import whole_numbers
+from actstore.safetensors_io import read_header_json
 
 if TYPE_CHECKING:  # the workflow's parse sizes jobs with tensor_bytes, without importing torch
     from torch import nn
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-MAX_HEADER = 100_000_000  # the safetensors library's own limit on a header's JSON
 # Why a module's weights were not found, for every error that says which one.
 HOW_READ = ("its weights are read by their own names, all under one prefix, from the folder's *.safetensors; a "
             "checkpoint that renames them inside the module, or one saved as .bin only, cannot be read this way")
@@ -71,10 +71,7 @@ def _header_sizes(path: Path) -> dict[str, int]:
     past the file allocated it. ValueError (or what indexing raises) naming the tensor otherwise."""
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
-        (length,) = struct.unpack("<Q", handle.read(8))
-        if length > min(MAX_HEADER, size - 8):
-            raise ValueError(f"header length {length} exceeds the file's {size} bytes or {MAX_HEADER}")
-        header = json.loads(handle.read(length).decode("utf-8"), **STRICT_JSON)
+        header, length = read_header_json(handle, size)
     data_bytes = size - 8 - length
     sizes = {}
     for name, entry in header.items():

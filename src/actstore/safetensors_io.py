@@ -11,12 +11,41 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from actstore.integrity import STRICT_JSON
 
 if TYPE_CHECKING:
     import torch
 
 HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to this alignment
+MAX_HEADER = 100_000_000  # the safetensors library's limit on a header's JSON (not 100 MiB)
+
+
+def read_header_json(fh: BinaryIO, size: int) -> tuple[Any, int]:
+    """(the header's JSON value, its length) of the safetensors file of `size` bytes open as `fh` at its
+    start, parsed as strictly as the safetensors library reads it: a length within the file and
+    MAX_HEADER, UTF-8 (json.loads would take UTF-16 or a BOM), no key twice, no NaN or Infinity, and
+    -0 no count. ValueError saying which; what the value holds is the caller's to check."""
+    raw = fh.read(8)
+    if len(raw) < 8:
+        raise ValueError(f"{size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > min(MAX_HEADER, size - 8):
+        raise ValueError(f"safetensors header length {n} exceeds the file ({size} bytes) "
+                         f"or the safetensors limit of {MAX_HEADER}")
+    try:
+        return json.loads(fh.read(n).decode("utf-8"), **STRICT_JSON, parse_int=_int_or_negative_zero), n
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice, NaN, Infinity
+        raise ValueError(f"safetensors header is not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("safetensors header is not JSON (nested too deeply to parse)") from None
+
+
+def _int_or_negative_zero(literal: str) -> int | float:
+    """A JSON integer as json.loads reads it, except -0 as the float -0.0: Python's int has no -0, so
+    it would pass as a count, where the library refuses it (its counts are unsigned)."""
+    return -0.0 if literal == "-0" else int(literal)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:

@@ -7,10 +7,8 @@ little-endian data) so 1 GiB shards stream to disk and memory-map back without a
 """
 from __future__ import annotations
 
-import json
 import math
 import reprlib
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,8 @@ import numpy as np
 
 from actstore.casts import to_bfloat16_bits, to_float16
 from actstore.errors import ConfigError, FormatError
-from actstore.integrity import STRICT_JSON, whole_numbers
-from actstore.safetensors_io import header_bytes
+from actstore.integrity import whole_numbers
+from actstore.safetensors_io import header_bytes, read_header_json
 
 FORMAT = "lmprobe"
 FORMAT_VERSION = "2.0"
@@ -43,7 +41,6 @@ DTYPES = {"float32": ("F32", np.dtype("<f4")), "float16": ("F16", np.dtype("<f2"
 ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "I64": np.dtype("<i8"),
              "I32": np.dtype("<i4")}
 ST_METADATA = {"format": "pt"}  # the __metadata__ of every shard
-MAX_HEADER = 100_000_000  # the safetensors library's limit on a header (not 100 MiB)
 LOGITS_ROW_BYTES_PER_K = 4 + 8  # float32 value + int64 index
 MAX_SHARD_ROWS = 2**31 - 1  # shard_index/row_offset columns are int32
 
@@ -117,20 +114,10 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
         raise FormatError(f"{path}: shard file missing")
     size = path.stat().st_size
     with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(MAX_HEADER, size - 8):
-            raise FormatError(f"{path}: safetensors header length {n} exceeds the file ({size} bytes) "
-                              f"or the safetensors limit of {MAX_HEADER}")
-        text = fh.read(n)
-    try:  # decoded here: json.loads would take bytes in UTF-16 or with a BOM, which the library refuses
-        header = json.loads(text.decode("utf-8"), **STRICT_JSON, parse_int=_int_or_negative_zero)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice, NaN, Infinity
-        raise FormatError(f"{path}: safetensors header is not JSON ({exc})") from None
-    except RecursionError:
-        raise FormatError(f"{path}: safetensors header is not JSON (nested too deeply to parse)") from None
+        try:
+            header, n = read_header_json(fh, size)
+        except ValueError as exc:
+            raise FormatError(f"{path}: {exc}") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not a JSON object")
     for key, value in header.items():
@@ -138,12 +125,6 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, Any], int]:
         if problem:
             raise FormatError(f"{path}: safetensors header key {key!r}: {problem}")
     return header, 8 + n
-
-
-def _int_or_negative_zero(literal: str) -> int | float:
-    """A JSON integer as json.loads reads it, except -0 as the float -0.0: Python's int has no -0, so
-    it would pass as a count, where the library refuses it (its counts are unsigned)."""
-    return -0.0 if literal == "-0" else int(literal)
 
 
 def _metadata_problem(metadata: Any) -> str | None:
