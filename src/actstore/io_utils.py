@@ -126,7 +126,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs_durable(path: Path) -> None:
+    """Create directory `path` and its missing parents, each new one's name fsynced into its parent:
+    an fsync of a file or of the directory a rename lands in makes neither the directory's own name
+    durable, so a crash could lose a new output directory with the files already renamed into it."""
+    missing = []
+    while path != path.parent and not path.is_dir():  # the root, or '.', ends it
+        missing.append(path)
+        path = path.parent
+    for new in reversed(missing):
+        new.mkdir(exist_ok=True)  # another job may create it at the same moment
+        fsync_dir(new.parent)
+
+
 TEMP_SUFFIX = ".tmp"  # atomic_path's temps: f".{final name}.<random>.tmp" beside the final path
+# mkdtemp's <random>: exactly 8 of these characters. A temp of a sibling whose name extends the final
+# name (x.json beside x) then never matches the final name's pattern.
+_TEMP_RANDOM = "[a-z0-9_]" * 8
 
 
 def is_temp(path: Path) -> bool:
@@ -135,8 +151,9 @@ def is_temp(path: Path) -> bool:
 
 
 def remove_stale_temps(final: Path) -> None:
-    """Delete the temps a killed writer of `final` left (a job owns its output: Snakemake locks it)."""
-    for stale in final.parent.glob(f".{glob.escape(final.name)}.*{TEMP_SUFFIX}"):
+    """Delete the temps a killed writer of `final` left (a job owns its output: Snakemake locks it);
+    never the temp of a writer of a sibling, still at work."""
+    for stale in final.parent.glob(f".{glob.escape(final.name)}.{_TEMP_RANDOM}{TEMP_SUFFIX}"):
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
         else:
@@ -153,7 +170,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     machine that goes down just after cannot leave a store of the right name and empty files.
     """
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs_durable(final.parent)
     remove_stale_temps(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent))
     tmp.rmdir()
@@ -229,7 +246,10 @@ class HashingWriter:
         return memoryview(data).nbytes
 
     def _write(self, data: Any) -> None:
-        self.unsynced += self.raw.write(data)
+        view = rest = memoryview(data).cast("B")
+        while rest:  # an unbuffered file's write may take fewer bytes than given; the digest has them all
+            rest = rest[self.raw.write(rest):]
+        self.unsynced += len(view)
         if self.unsynced >= WRITEBACK_BYTES:
             self.raw.flush()
             start_writeback(self.raw.fileno())
@@ -569,12 +589,18 @@ def sha256_tree_file(path: str | os.PathLike | int, threads: int | None = None) 
             leaves = []
             for first in range(0, n_leaves, 4 * threads):  # a window, so futures stay few
                 window = range(first, min(first + 4 * threads, n_leaves))
-                leaves += pool.map(lambda leaf: hashlib.sha256(os.pread(fd, TREE_LEAF, leaf * TREE_LEAF)).digest(),
-                                   window)
+                leaves += pool.map(lambda leaf: _read_leaf_digest(fd, leaf), window)
     finally:
         if fd is not path:
             os.close(fd)
     return tree_root(leaves)
+
+
+def _read_leaf_digest(fd: int, leaf: int) -> bytes:
+    """sha256 of a leaf's bytes read from fd; a read that returns fewer bytes than asked (a network
+    file system or a signal may) is resumed, or the leaf would be hashed from its first bytes only."""
+    buf = bytearray(TREE_LEAF)
+    return _leaf_digest(memoryview(buf)[:pread_into(fd, buf, leaf * TREE_LEAF)])
 
 
 class TreeHashFile(PositionedFile):
