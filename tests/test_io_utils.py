@@ -63,3 +63,12 @@ def test_a_writer_removes_its_own_stale_temps_never_a_siblings_in_progress(tmp_p
     write_bytes_atomic(tmp_path / "x", b"data")
     assert sibling.is_dir() and not stale.exists()
     assert (tmp_path / "x").read_bytes() == b"data"
+
+
+def test_a_failed_fsync_names_what_it_synced():
+    """A quota on NFS or Lustre is often first reported by fsync; its bare OSError named no output.
+    fsync of /dev/null fails (EINVAL) as one of a file over quota fails."""
+    from actstore.io_utils import fsync_dir
+
+    with pytest.raises(OSError, match="Invalid argument: '/dev/null'"):
+        fsync_dir(Path("/dev/null"))

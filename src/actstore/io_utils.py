@@ -118,10 +118,19 @@ def canonical_sha256(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
+def fsync_named(fd: int, path: str | os.PathLike) -> None:
+    """os.fsync, its error naming `path`: a disk quota on NFS or Lustre is often first reported by
+    fsync, and "[Errno 122] Disk quota exceeded" alone does not say which output hit it."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        fsync_named(fd, path)
     finally:
         os.close(fd)
 
@@ -178,7 +187,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         if tmp.is_file():
             with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+                fsync_named(fh.fileno(), final)
         elif tmp.is_dir():
             sync_filesystem(tmp)
         if final.is_dir() and tmp.is_dir():
@@ -323,7 +332,7 @@ class PositionedFile(abc.ABC):
         try:
             if missing := self._missing():
                 raise OSError(f"{self.path}: {missing}")
-            os.fsync(self.fd)
+            fsync_named(self.fd, self.path)
         finally:
             self.abort()
         return self._hexdigest()

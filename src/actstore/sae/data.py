@@ -10,8 +10,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from actstore.errors import ConfigError
-from actstore.formats.extract import Extraction, Part
+from actstore.errors import ConfigError, FormatError
+from actstore.formats.extract import Extraction, Part, tensor_file
 
 
 @dataclass
@@ -53,7 +53,9 @@ class PartRows:
     """One part's (n_tokens, d) hook tensor, read as float32, asked of the part at each read. A
     StoredTensor held for the whole run kept its memory map, and so a file descriptor, open: an
     extraction of more parts than the limit on open files failed; the part lets its least recently
-    used maps go (read.OPEN_MAPS). A part of no samples holds no data file, and is never read."""
+    used maps go (read.OPEN_MAPS). A part of no samples holds no data file, and is never read.
+    Every read is checked finite: one NaN or inf (a float16 capture past its range) in a batch made
+    the whole SAE NaN, or a held-out FVU NaN, with no error."""
 
     def __init__(self, part: Part, hook: str, width: int):
         self.part, self.hook = part, hook
@@ -63,7 +65,18 @@ class PartRows:
         return self.shape[0]
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        return self.part.tensor(self.hook)[key]
+        values = self.part.tensor(self.hook)[key]
+        if not np.isfinite(values).all():
+            self._refuse_non_finite(key, values)
+        return values
+
+    def _refuse_non_finite(self, key: Any, values: np.ndarray) -> None:
+        """FormatError naming the file, the first token row holding a NaN or inf and its sample."""
+        rows = np.atleast_1d(np.arange(len(self))[key])  # the token rows `key` read (one for an int)
+        row = int(rows[np.flatnonzero(~np.isfinite(values).reshape(len(rows), -1).all(axis=1))[0]])
+        sample = self.part.sample_start + int(np.searchsorted(self.part.offsets, row, side="right")) - 1
+        raise FormatError(f"{self.part.dir / tensor_file(self.hook)}: token row {row} (sample {sample}) of "
+                          f"{self.hook} holds a non-finite value; an SAE trained or evaluated on it is NaN")
 
 
 def tensors(extraction: Extraction, hook: str) -> list[PartRows]:

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction
 from actstore.models import pick_device
-from actstore.sae.data import Prefetcher, data_mean, iter_rows, split_tokens, stream_batches, tensors
+from actstore.sae.data import (Prefetcher, TokenSplit, data_mean, iter_rows, split_tokens, stream_batches,
+                               tensors)
 from actstore.sae.model import TopKSAE, auxk_loss, init_sae
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,9 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
     if n == 0:
         return {"n_tokens": 0, "fvu": None, "mse": None, "dead_fraction": None, "tokens_under_k": 0}
     total_var = sq - float((s * s).sum()) / n
-    return {"n_tokens": n, "fvu": sq_err / max(total_var, 1e-30), "mse": sq_err / (n * sae.d_in),
+    # One token (a tiny held-out split, or eval_tokens 1) has no variance: its FVU is undefined, not err / 1e-30.
+    fvu = sq_err / max(total_var, 1e-30) if n > 1 else None
+    return {"n_tokens": n, "fvu": fvu, "mse": sq_err / (n * sae.d_in),
             "dead_fraction": float((fires == 0).float().mean()), "tokens_under_k": under_k, "fires": fires}
 
 
@@ -56,12 +60,14 @@ def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torc
                 progress: bool = True) -> tuple[int, list[dict[str, float]]]:
     """sae_cfg["steps"] optimiser steps on `batches` (already on the SAE's device); returns the tokens
     seen and the loss curve. Nothing in a step reads a device value back, so on a GPU the host runs
-    ahead and queues work; the curve's values are read once, at the end."""
+    ahead and queues work; the curve's values are read once, at the end, and so is the first step
+    whose loss was not finite, a ConfigError: that SAE was reported trained and had not learnt."""
     k, steps = sae.k_active, sae_cfg["steps"]
     aux_k = sae_cfg["aux_k"] or min(512, sae.num_basis // 2)
     # A latent is dead when it has not fired for dead_tokens training tokens (Gao et al.: 10M; scaled).
     last_fired = torch.zeros(sae.num_basis, dtype=torch.long, device=sae.decoder_weight.device)
     seen, curve = 0, []
+    first_non_finite = torch.zeros((), dtype=torch.long, device=last_fired.device)  # 0: none yet
     for step in tqdm(range(1, steps + 1), desc="train sae", unit="step", disable=not progress):
         x = next(batches)
         pre = sae.pre_acts(x)
@@ -73,6 +79,7 @@ def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torc
         dead = (seen - last_fired) >= sae_cfg["dead_tokens"]
         aux = auxk_loss(sae, x, x_hat, pre, dead, aux_k)
         loss = mse + sae_cfg["aux_coef"] * aux
+        first_non_finite = torch.where((first_non_finite == 0) & ~loss.isfinite(), step, first_non_finite)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         sae.remove_parallel_grad()
@@ -80,8 +87,20 @@ def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torc
         sae.normalize_decoder()
         if step == 1 or step % max(1, steps // 100) == 0 or step == steps:
             curve.append((step, seen, torch.stack([mse.detach(), aux.detach(), dead.float().mean()])))
+    if bad_step := int(first_non_finite):
+        raise ConfigError(f"sae: the training loss was not finite from step {bad_step} of {steps} (sae.lr "
+                          f"{sae_cfg['lr']}): the run diverged, or the activations' squares overflow float32")
     return seen, [{"step": step, "tokens": tokens, "fvu": fvu, "auxk": auxk, "dead_fraction_train": dead}
                   for (step, tokens, values) in curve for fvu, auxk, dead in [values.tolist()]]
+
+
+def check_training_tokens(split: TokenSplit) -> None:
+    """A batch is min(sae.batch_size, training tokens) rows (the schema asks 2 of batch_size); the loss
+    is normalised by its variance and AuxK's by the residual's unbiased variance, both undefined for
+    one row: such a run trained a NaN SAE with no error."""
+    if split.n_train < 2:
+        raise ConfigError(f"sae: {split.n_train} training token(s) (the other {split.n_heldout} held out by "
+                          f"sae.heldout_fraction); training needs at least 2")
 
 
 def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
@@ -92,6 +111,7 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
     num_basis = sae_cfg["num_basis"] or 4 * d_in
     k = sae_cfg["k_active"]
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
+    check_training_tokens(split)
     torch.manual_seed(sae_cfg["seed"])
     sae = TopKSAE(d_in, num_basis, k)
     init_sae(sae, data_mean(arrays, split.train), sae_cfg["seed"])

@@ -27,7 +27,7 @@ from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, FORMAT, METADATA, P
                                             distributed_config, layer_key, shard_filename, statistics,
                                             store_metadata)
 from actstore.formats.pickle.read import load_metadata
-from actstore.io_utils import HashingWriter, atomic_path, sha256_file, write_json_atomic
+from actstore.io_utils import HashingWriter, atomic_path, fsync_named, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def dump_shard(shard: dict, path: Path, compressed: bool, compresslevel: int, co
             else:
                 pickle.dump(shard, out, protocol=PICKLE_PROTOCOL)
         raw.flush()
-        os.fsync(raw.fileno())
+        fsync_named(raw.fileno(), path)
     return out.digest.hexdigest()
 
 
