@@ -1690,3 +1690,58 @@ def test_a_metadata_file_not_utf8_is_named_with_its_line(suffix, tmp_path):
     (tmp_path / f"metadata{suffix}").write_bytes(b"\n".join(rows) + b"\n")
     with pytest.raises(ConfigError, match=rf"metadata\{suffix}:{len(rows)}: not UTF-8 text \(byte \d+ of the line"):
         scan_dataset(tmp_path)
+
+
+def stream_ends(data: bytes) -> list[int]:
+    """The byte where each record batch of an Arrow stream ends."""
+    source = pa.BufferReader(data)
+    reader = pa.ipc.open_stream(source)
+    return [source.tell() for _ in reader]
+
+
+def test_an_arrow_stream_cut_where_a_record_batch_ends_is_refused_naming_the_file(tmp_path):
+    """save_to_disk's data files are Arrow streams, which pyarrow reads to the end of the file with
+    or without their end-of-stream marker: a file cut where a record batch ends (a copy or a write
+    stopped there) read as fewer rows, without a word, and so did one holding a second stream after
+    the first's end. The scan names the file and the rows before the cut; the whole file, and one
+    with the 4-byte end marker of pyarrow before 0.15, read as before."""
+    table = pa.table({"text": [f"row {i}" for i in range(100)], "label": [i % 3 for i in range(100)]})
+    root = tiny.write_hf_disk(tmp_path / "hf", {"train": table}, {})
+    path = root / "train" / "data-00001-of-00002.arrow"  # rows 50-99: record batches of 32 and 18
+    data = path.read_bytes()
+    assert scan_dataset(root).n_samples == 100
+    cut = stream_ends(data)[0]
+    path.write_bytes(data[:cut])
+    with pytest.raises(ConfigError, match=rf"data-00001-of-00002\.arrow: after its 32 rows \(byte {cut}\) the Arrow "
+                                          r"stream's end marker is missing \(the file ends\): cut short"):
+        scan_dataset(root)
+    path.write_bytes(data + data)
+    with pytest.raises(ConfigError, match=rf"after its 50 rows \(byte {len(data) - 8}\) the Arrow stream's end "
+                                          rf"marker is missing \({len(data) + 8} more bytes\)"):
+        scan_dataset(root)
+    with pa.ipc.new_stream(path, table.schema, options=pa.ipc.IpcWriteOptions(use_legacy_format=True)) as writer:
+        writer.write_table(table.slice(50), max_chunksize=32)
+    assert path.read_bytes()[-4:] == bytes(4)
+    assert [s.text for s in load_dataset(root).samples] == table.column("text").to_pylist()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+@pytest.mark.parametrize("messages", [[{"role": "user", "content": None}], [None],
+                                      [{"from": "bing", "value": "x"}]])
+def test_the_scan_names_a_table_row_whose_messages_are_no_chat(kind, messages, tmp_path):
+    """A table row whose messages column holds no list of {role, content} (or ShareGPT {from,
+    value}) strings (a null content, a null message, a speaker that is no chat role) is named by the
+    scan with its shard and row, as a JSONL row is (before, only a null list was: the row was found
+    when a part's job rendered it, after the parts before had run); a limit before it lets it be."""
+    good = [{"from": "human", "value": "hi"}] if "from" in (messages[0] or {}) else [{"role": "user", "content": "hi"}]
+    table = pa.table({"messages": [good] * 70 + [messages] + [good] * 9})
+    if kind == "arrow":
+        path = tiny.write_arrow_stream(tmp_path / "chat.arrow", table, batch_rows=16)
+        where = "chat.arrow#70"
+    else:
+        path = tiny.write_parquet(tmp_path / "chat", table, shards=2, row_group_size=16)
+        where = "train-00001-of-00002.parquet#30"
+    with pytest.raises(ConfigError, match=rf"{where}, column 'messages': (messages must be a list|a ShareGPT message "
+                                          rf"from 'bing')"):
+        scan_dataset(path, messages_field="messages")
+    assert scan_dataset(path, messages_field="messages", limit=70).n_samples == 70

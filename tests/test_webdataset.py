@@ -157,6 +157,26 @@ def test_a_shard_cut_short_is_named_with_its_member(shards, tmp_path):
         scan_dataset(cut)
 
 
+def test_a_shard_cut_where_a_member_starts_is_named_not_read_as_fewer_samples(shards, tmp_path):
+    """A shard ending where a member's header starts, without tar's end-of-archive blocks (a copy
+    or a quota stopped at a block boundary): tarfile and tar list the members before, and so did
+    the scan, the last sample lost without a word. The scan names the shard and the byte; a shard
+    ending after one of its end blocks has lost nothing and reads whole."""
+    root, expected = shards
+    cut = shutil.copytree(root, tmp_path / "cut")
+    data = (cut / "shard-00001.tar").read_bytes()
+    with tarfile.open(cut / "shard-00001.tar") as archive:
+        last = archive.getmembers()[-4:]  # the last sample's png, cls, txt and json
+    assert {m.name.split(".")[0] for m in last} == {"d1/010006"}
+    (cut / "shard-00001.tar").write_bytes(data[:last[0].offset])
+    with pytest.raises(ConfigError, match=rf"shard-00001\.tar: ends at byte {last[0].offset}, a member's header, "
+                                          r"without the end-of-archive blocks: the shard is cut short"):
+        scan_dataset(cut)
+    end = last[-1].offset_data + -(-last[-1].size // 512) * 512
+    (cut / "shard-00001.tar").write_bytes(data[:end + 512])
+    assert scan_dataset(cut).n_samples == len(expected)
+
+
 def test_a_sample_without_one_image_is_refused_naming_its_key(tmp_path):
     """No image, two images, or a link in place of one (never followed: the scan reads members'
     data by offset only) is named by the scan, with the shard and key, unless dataset.limit stops

@@ -66,8 +66,9 @@ def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train
     """One pass over every row of `path` (options: the dataset.* keys in FIELD_KEYS): its row count
     and labels, and for JSONL where rows start, each line parsed and checked (ConfigError naming the
     file, line or field); Parquet, Arrow and CSV rows from the metadata, labels from the label
-    column, and the first null prompt named; image folders listed; tar shards' headers read, each
-    sample's image found and its label read. JSONL chat messages are checked to be messages, not rendered.
+    column, the first null prompt named and an Arrow stream's end marker checked; image folders
+    listed; tar shards' headers read to their end-of-archive blocks, each sample's image found and its
+    label read. Chat messages (JSONL, Parquet, Arrow) are checked to be messages, not rendered.
     `workers`: JSONL or tar files scanned at once, each in its own process (scanned_files)."""
     return _scan(path, *_opened(path, split, options), limit, progress, workers)
 

@@ -10,11 +10,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from actstore.datasets.chat import checked_messages
 from actstore.datasets.core import Fields, Sample, label_list
 from actstore.datasets.source import Source
 from actstore.errors import ConfigError
 
 CSV_BLOCK_BYTES = 1 << 24
+STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow stream's end: an empty message
+LEGACY_STREAM_END = b"\x00\x00\x00\x00"  # as pyarrow before 0.15 wrote it
 
 
 def schema_of(fmt: str, path: Path) -> pa.Schema:
@@ -24,7 +27,7 @@ def schema_of(fmt: str, path: Path) -> pa.Schema:
         if fmt == "parquet":
             import pyarrow.parquet as pq
             return pq.read_schema(path)
-        return _open_ipc(path).schema
+        return _open_ipc(pa.memory_map(str(path))).schema
     except (pa.ArrowInvalid, OSError) as exc:
         raise ConfigError(f"{path}: cannot read as {fmt} ({exc})") from None
 
@@ -74,7 +77,7 @@ def read_block(fmt: str, path: Path, index: int, column: str) -> pa.ChunkedArray
     if fmt == "parquet":
         import pyarrow.parquet as pq
         return _row_group(pq.ParquetFile(path), path, index, [column]).column(column)
-    reader = _open_ipc(path)
+    reader = _open_ipc(pa.memory_map(str(path)))
     if isinstance(reader, pa.ipc.RecordBatchFileReader):
         return pa.chunked_array([reader.get_batch(index).column(column)])
     for i, batch in enumerate(reader):  # a stream has no batch index; memory-mapped, skipping is free
@@ -115,8 +118,8 @@ def _csv_batches(path: Path, columns: list[str] | None) -> Iterator[pa.RecordBat
         raise ConfigError(f"{path}: cannot be read as CSV past its first {rows} rows ({exc})") from None
 
 
-def _open_ipc(path: Path):
-    source = pa.memory_map(str(path))  # pages are read when touched: the file is never loaded whole
+def _open_ipc(source: pa.MemoryMappedFile):
+    """A reader of the memory-mapped Arrow file (pages are read when touched: never loaded whole)."""
     try:
         return pa.ipc.open_file(source)
     except pa.ArrowInvalid:
@@ -125,15 +128,32 @@ def _open_ipc(path: Path):
 
 def _ipc_batches(path: Path) -> Iterator[pa.RecordBatch]:
     """The Arrow file's record batches; ConfigError naming the file where one is cut short or damaged
-    (pyarrow's OSError or ArrowInvalid named no file)."""
+    (pyarrow's OSError or ArrowInvalid named no file), or a stream lacks its end marker."""
     try:
-        reader = _open_ipc(path)
+        source = pa.memory_map(str(path))
+        reader = _open_ipc(source)
         if isinstance(reader, pa.ipc.RecordBatchFileReader):
             yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
-        else:
-            yield from reader
+            return
+        end, rows = source.tell(), 0  # where the last message read ends
+        for batch in reader:
+            end, rows = source.tell(), rows + batch.num_rows
+            yield batch
     except (pa.ArrowInvalid, OSError) as exc:
         raise ConfigError(f"{path}: cannot be read as Arrow, cut short or damaged ({exc})") from None
+    _check_stream_end(path, source, end, rows)
+
+
+def _check_stream_end(path: Path, source: pa.MemoryMappedFile, end: int, rows: int) -> None:
+    """ConfigError unless the stream's last message, ending at byte `end`, is followed by its
+    end-of-stream marker and nothing else. pyarrow ends a stream at the end of the file without one:
+    a file cut at a record batch's end (a copy or a write stopped there) read as fewer rows."""
+    source.seek(end)
+    tail = source.read(len(STREAM_END) + 1)
+    if tail not in (STREAM_END, LEGACY_STREAM_END):
+        found = "the file ends" if not tail else f"{source.size() - end} more bytes"
+        raise ConfigError(f"{path}: after its {rows} rows (byte {end}) the Arrow stream's end marker is missing "
+                          f"({found}): cut short")
 
 
 def _select(table: pa.Table, columns: list[str]) -> pa.Table:
@@ -262,10 +282,11 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
 
 
 def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
-    """ConfigError naming the first of the first `n_rows` rows whose prompt is null, as the part's
+    """ConfigError naming the first of the first `n_rows` rows whose prompt is null, or whose chat
+    messages are no list of messages (checked_messages, as rendering checks them), as the part's
     job reading it would, but before any part's job starts. Parquet: row groups whose footer counts
-    no null in a string column are not read; other blocks are read for the prompt's columns alone
-    (a template's each)."""
+    no null in a string column are not read; other blocks (a messages column's every one: it has
+    several leaves) are read for the prompt's columns alone (a template's each)."""
     import pyarrow.compute as pc
 
     for column in fields.prompts:  # a template's columns, else the one prompt column
@@ -276,11 +297,22 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
                 if start >= n_rows:
                     break
                 if (known[block] if block < len(known) else None) != 0:
-                    row = pc.index(read().column(column).is_null(), True).as_py()
-                    if 0 <= row < n_rows - start:
-                        raise ConfigError(f"{source.root}: {source.name(path)}#{start - shard_start + row}, "
-                                          f"column {column!r}: null where a prompt is needed")
+                    values, shard = read().column(column).slice(0, n_rows - start), f"{source.name(path)}#"
+                    row = pc.index(values.is_null(), True).as_py()
+                    if row >= 0:
+                        raise ConfigError(f"{source.root}: {shard}{start - shard_start + row}, column {column!r}: "
+                                          f"null where a prompt is needed")
+                    if column == fields.messages:
+                        _check_messages(source, values, shard, start - shard_start, column)
                 start += size
+
+
+def _check_messages(source: Source, values: pa.ChunkedArray, shard: str, first: int, column: str) -> None:
+    """ConfigError naming the first row of a block of the messages column whose value is no list of
+    chat messages (checked_messages: what rendering the row checks); `first`: the block's first row
+    in its shard. Before, a part's job found it when it rendered the row, after the parts before."""
+    for row, messages in enumerate(values.to_pylist()):
+        checked_messages(messages, f"{source.root}: {shard}{first + row}, column {column!r}")
 
 
 def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int], n_rows: int,

@@ -2,9 +2,10 @@
 (a shard of 10,000 samples holds 30,000 headers). tarfile builds a TarInfo per header in Python,
 parsing every field (16k samples/s measured); this takes from each 512-byte block only what a
 sample needs, the name, type and size, with tarfile's checks (the header checksum, a truncated
-header, data past the end of the file) and its extensions: a pax (`x`) or GNU long-name (`L`)
-header naming the member after it (a GNU long-link (`K`) header's target skipped: only links have
-one), ustar's name prefix, base-256 sizes."""
+header, data past the end of the file) and one it lacks (a file ending at a header, without the
+end-of-archive blocks: cut short, the members after lost), and its extensions: a pax (`x`) or GNU
+long-name (`L`) header naming the member after it (a GNU long-link (`K`) header's target skipped:
+only links have one), ustar's name prefix, base-256 sizes."""
 from __future__ import annotations
 
 import re
@@ -46,14 +47,18 @@ def check_tar(fh: IO[bytes]) -> None:
 
 def members(fh: IO[bytes], position: int, file_size: int) -> Iterator[Member]:
     """The regular-file members whose headers start at `position` and after, in order; TarError
-    naming the byte where a header is damaged or a member ends past `file_size`."""
+    naming the byte where a header is damaged, a member ends past `file_size` or the file ends
+    before the end-of-archive blocks (a zero block: every tar writer ends the archive with two)."""
     extended: dict[str, str | int] = {}  # path and size for the next member (pax, GNU long name)
     first = position
     while True:
         fh.seek(position)
         block = fh.read(BLOCK)
-        if not block or block == ZERO_BLOCK:  # the end-of-archive blocks, or the end of the file
+        if block == ZERO_BLOCK:  # the end-of-archive blocks
             return
+        if not block:  # tarfile and tar stop here too, without a word: the members after are lost
+            raise TarError(f"ends at byte {position}, a member's header, without the end-of-archive blocks: "
+                           f"the shard is cut short (or its writer was never closed)")
         if len(block) < BLOCK:
             raise TarError(f"damaged tar header at byte {position} (truncated header)")
         kind, name, size = _header(block, position)
