@@ -4,10 +4,12 @@
 # Written by saev.jobs scatter jobs (default: one per extraction part, at most 64), each writing a contiguous range
 # of shards (known only once the extraction exists, so the job count is fixed here and a job may get
 # none), then one small job that assembles the store from their files and writes its metadata last.
+from actstore.formats.saev import check_options
 from actstore.jobs import write_jobs
 
 SAEV_DIR = sdir("saev")
 SAEV_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "saev"))]
+check_options(config)  # saev.layers against extract.layers, before any job runs
 
 
 rule saev_shards:

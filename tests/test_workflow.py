@@ -278,6 +278,19 @@ def test_layer_out_of_range_fails_at_parse_time(tmp_path):
     assert "[6] out of range" in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("section", ["saev", "lmprobe"])
+def test_a_formats_layer_not_extracted_fails_at_parse_time(tmp_path, section):
+    """saev's jobs found it only after the extraction ran (lmprobe's was checked at parse time)."""
+    config = demo_config(tmp_path / "dump")
+    config["extract"]["layers"] = [0, 2]
+    config[section] = {"layers": [1]}
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+           str(write(config, tmp_path / "bad.yaml")), "-n"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"{section}.layers: [1] not extracted" in proc.stdout + proc.stderr
+
+
 def test_all_layers_are_resolved_at_parse_time_for_every_rule(tmp_path):
     """extract.layers: all becomes the model's blocks before any rule or hash sees it: the dry run
     plans the extraction directory of the explicit list."""

@@ -163,6 +163,15 @@ def _flavor(section: dict[str, Any], modality: str, family: str) -> str:
     return flavor
 
 
+def check_options(config: dict[str, Any]) -> None:
+    """Parse-time check of saev.layers against extract.layers (ConfigError names the key): the saev
+    jobs found a layer not extracted only once the extraction had run."""
+    extracted = config["extract"]["layers"]
+    missing = [layer for layer in config["saev"].get("layers") or [] if layer not in extracted]
+    if missing:
+        raise ConfigError(f"saev.layers: {missing} not extracted; extract.layers = {extracted}")
+
+
 def _stored_layers(info: PartInfo, section: dict[str, Any]) -> list[int]:
     """saev.layers (default: every extracted layer), each of them extracted."""
     layers = list(section.get("layers") or info.layers)
