@@ -667,6 +667,62 @@ def test_loader_every_vector_once_threads_workers_labels(tmp_path):
             assert len(seen) == len(set(seen)) and sorted(seen) == sorted((int(e), int(t)) for e, t in expect)
 
 
+def test_set_epoch_reaches_persistent_workers(tmp_path):
+    """DataLoader(persistent_workers=True) keeps the workers' copies of the dataset across epochs:
+    set_epoch reached only the main process's, and every epoch replayed epoch 0's order. Now each
+    epoch's order is the one fresh workers give for it, and still holds every vector once."""
+    store_dir = synthetic_store(tmp_path / "store", n=20, tokens=5, d=4, per_shard=8)
+
+    def loader(ds: ShuffledActivations, persistent: bool) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+
+    def order(loader: torch.utils.data.DataLoader) -> list[tuple[int, int]]:
+        return [(int(e), int(t)) for b in loader for e, t in zip(b["example_idx"], b["token_idx"])]
+    ds = ShuffledActivations(store_dir, batch_size=8, seed=1, block_bytes=8)
+    persistent = loader(ds, persistent=True)
+    orders = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        orders.append(order(persistent))
+        fresh = ShuffledActivations(store_dir, batch_size=8, seed=1, block_bytes=8)
+        fresh.set_epoch(epoch)
+        assert orders[-1] == order(loader(fresh, persistent=False)) and fresh.epoch == epoch
+    assert orders[0] != orders[1] != orders[2]
+    assert all(sorted(o) == [(e, t) for e in range(20) for t in range(5)] for o in orders)
+
+
+def test_a_buffer_asked_larger_than_the_store_is_sized_by_the_store(tmp_path):
+    """buffer_blocks (or buffer_bytes) past the whole store, to shuffle it all in one buffer, allocated
+    buffers of the size asked: MemoryError (petabytes, past any address space) on a 30-vector store.
+    The buffers now hold the blocks the process reads; the batches are a buffer of every block's."""
+    store_dir = synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=3)
+    exact = ShuffledActivations(store_dir, batch_size=4, seed=2, block_bytes=8)
+    whole = list(ShuffledActivations(store_dir, batch_size=4, seed=2, block_bytes=8, buffer_blocks=exact.n_blocks))
+    for asked in (dict(buffer_blocks=10**15), dict(buffer_bytes=1 << 50)):
+        got = list(ShuffledActivations(store_dir, batch_size=4, seed=2, block_bytes=8, **asked))
+        assert len(got) == len(whole) and all(torch.equal(a["act"], b["act"]) for a, b in zip(whole, got))
+        loader = torch.utils.data.DataLoader(ShuffledActivations(store_dir, batch_size=4, block_bytes=8, **asked),
+                                             batch_size=None, num_workers=2)
+        seen = sorted((int(e), int(t)) for b in loader for e, t in zip(b["example_idx"], b["token_idx"]))
+        assert seen == [(e, t) for e in range(6) for t in range(5)]
+
+
+def test_keep_labels_and_seed_out_of_range_are_named(tmp_path):
+    """keep_labels=[1.5] kept label 1's patches without a word; [300], a bare 1 and seed=-1 failed in
+    numpy (OverflowError, TypeError, ValueError) naming no argument. Each is a ConfigError naming it;
+    labels given as a numpy array still filter."""
+    store_dir = synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=3)
+    labels = np.arange(6 * 4).reshape(6, 4).astype(np.uint8) % 3
+    saev.write_labels(store_dir, labels)
+    for bad, named in (({"keep_labels": [1.5]}, r"keep_labels=\[1.5\]"), ({"keep_labels": [300]}, r"=\[300\]"),
+                       ({"keep_labels": 1}, "keep_labels=1 "), ({"seed": -1}, "seed=-1")):
+        with pytest.raises(ConfigError, match=named):
+            ShuffledActivations(store_dir, **bad)
+    ds = ShuffledActivations(store_dir, include_cls=False, keep_labels=np.unique(labels)[1:])
+    kept = [(int(e), int(t)) for b in ds for e, t in zip(b["example_idx"], b["token_idx"])]
+    assert sorted(kept) == [(e, p + 1) for e, p in zip(*np.nonzero(labels != 0))]
+
+
 def test_loader_cls_and_labels_filter(extracted, tmp_path):
     _, src = build(extracted, "dinov2")
     store = saev.open_store(src)

@@ -22,9 +22,9 @@ Each epoch every kept vector is yielded exactly once: blocks partition the (exam
 torch DataLoader workers take disjoint slices of the block permutation, and the last partial batch is
 yielded (unless drop_last). Text padding (past n_valid in windows.npy) is never yielded.
 
-Memory per process (DataLoader worker): 3 buffers of buffer_blocks blocks + one batch (row = one token,
-every wanted layer), 16 bytes of indices per buffered vector, one block of scratch per fill thread,
-and the epoch's block order (8 bytes per block).
+Memory per process (DataLoader worker): 3 buffers of buffer_blocks blocks (at most the blocks it reads)
+and one batch (row = one token, every wanted layer), 16 bytes of indices per buffered vector, one block
+of scratch per fill thread, and the epoch's block order (8 bytes per block).
 """
 from __future__ import annotations
 
@@ -86,7 +86,9 @@ class ShuffledActivations(IterableDataset):
                               f"{list(store.layers)}")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
         self.include_cls, self.fill_threads = include_cls, fill_threads
-        self.keep_labels = None if keep_labels is None else np.array(sorted(set(keep_labels)), dtype=np.uint8)
+        if seed < 0:  # numpy's seeding refuses it naming nothing
+            raise ConfigError(f"seed={seed} must be >= 0")
+        self.keep_labels = None if keep_labels is None else _label_values(keep_labels)
         if self.keep_labels is not None and store.labels() is None:
             raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
         # Sizes count every stored layer, so choosing fewer layers changes which tokens a block holds
@@ -101,7 +103,9 @@ class ShuffledActivations(IterableDataset):
         self.runs = self._runs(store, block_bytes)
         self.block_vectors = self.block_examples * -(-store.T // self.chunks_per_example)  # at most
         self.buffer_blocks = buffer_blocks or max(1, buffer_bytes // (self.block_vectors * token_bytes))
-        self.epoch = 0
+        # In shared memory: DataLoader workers started before set_epoch (persistent_workers) still see
+        # it, instead of replaying their first epoch's order every epoch.
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @property
     def n_blocks(self) -> int:
@@ -111,9 +115,13 @@ class ShuffledActivations(IterableDataset):
         """Sent to DataLoader workers without the buffers: each process makes its own."""
         return {k: v for k, v in self.__dict__.items() if k != "_pool"}
 
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
     def set_epoch(self, epoch: int) -> None:
-        """A new epoch gets a new (still seeded) order."""
-        self.epoch = epoch
+        """A new epoch gets a new (still seeded) order, in this process and its DataLoader workers."""
+        self._epoch.fill_(epoch)
 
     def _runs(self, store: SaevStore, block_bytes: int) -> np.ndarray:
         """(n_runs, 2) first example, n examples: runs of block_examples inside one shard, a partition
@@ -133,9 +141,9 @@ class ShuffledActivations(IterableDataset):
         first = np.asarray(store.starts, dtype=np.int64)[shard] + lo
         return np.stack([first, np.minimum(self.block_examples, n[shard] - lo)], axis=1).reshape(-1, 2)
 
-    def my_blocks(self) -> np.ndarray:
-        """This worker's block ids for this epoch: a disjoint slice of one seeded permutation."""
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_blocks)
+    def my_blocks(self, epoch: int) -> np.ndarray:
+        """This worker's block ids for `epoch`: a disjoint slice of one seeded permutation."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
         info = get_worker_info()
         return order if info is None else order[info.id::info.num_workers]
 
@@ -213,10 +221,13 @@ class ShuffledActivations(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         store = SaevStore(self.path)  # per worker: its own file descriptors
-        info = get_worker_info()
-        rng = np.random.default_rng([self.seed, self.epoch, 0 if info is None else info.id + 1])
+        info, epoch = get_worker_info(), self.epoch  # read once: set_epoch may run meanwhile
+        rng = np.random.default_rng([self.seed, epoch, 0 if info is None else info.id + 1])
         nl, squeeze, size = len(self.layer_idx), len(self.layers) == 1, self.batch_size
-        shape = (self.buffer_blocks * self.block_vectors + size, nl, store.D)
+        blocks = self.my_blocks(epoch)
+        # Sized by the blocks this process reads: a buffer_blocks (or buffer_bytes) past the whole
+        # store, asking to shuffle it all at once, must not allocate buffers of that size.
+        shape = (min(self.buffer_blocks, len(blocks)) * self.block_vectors + size, nl, store.D)
         pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
         if pool and pool[0].shape != shape:
             pool.clear()
@@ -236,7 +247,6 @@ class ShuffledActivations(IterableDataset):
             return buf
 
         try:
-            blocks = self.my_blocks()
             groups = [blocks[lo:lo + self.buffer_blocks] for lo in range(0, len(blocks), self.buffer_blocks)]
             nxt = start(groups[0], 0) if groups else None
             for g in range(len(groups)):
@@ -260,6 +270,15 @@ class ShuffledActivations(IterableDataset):
         finally:
             fill.shutdown(wait=True, cancel_futures=True)
             shards.close()
+
+
+def _label_values(keep_labels: Iterable[int]) -> np.ndarray:
+    """keep_labels as the uint8 values labels.bin holds. Any other value is refused: numpy would keep
+    label 1 for 1.5, or fail on 300 or a bare 1 without naming keep_labels."""
+    values = sorted(set(keep_labels)) if isinstance(keep_labels, Iterable) else None
+    if values is None or not all(isinstance(v, (int, np.integer)) and 0 <= v <= 255 for v in values):
+        raise ConfigError(f"keep_labels={keep_labels!r} must be labels.bin values: ints in [0, 255]")
+    return np.array(values, dtype=np.uint8)
 
 
 @dataclass
