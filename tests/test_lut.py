@@ -595,6 +595,21 @@ def test_inspect_detect_read_vector(built):
     assert lut_format.read_vector(lut_out, 0, 1, 0) is None
 
 
+def test_inspect_reads_the_dtype_of_a_store_without_our_extensions(copy_of):
+    """Another writer's bfloat16 store, with the spec's fields alone (no dtype in metadata.json): inspect
+    says what the tables hold; with the table gone it says nothing rather than failing."""
+    meta = json.loads((copy_of / "metadata.json").read_text())
+    for target, entry in meta["layers"].items():
+        file = copy_of / entry["file"]
+        save_file({key: value.bfloat16() for key, value in load_file(str(file)).items()}, str(file))
+        meta["layers"][target] = {key: entry[key] for key in ("input_dim", "output_dim", "file")}
+    (copy_of / "metadata.json").write_text(json.dumps(meta))
+    assert lut_format.verify(copy_of) == []
+    assert lut_format.inspect(copy_of)["dtype"] == "bfloat16"
+    (copy_of / meta["layers"][TARGETS[0]]["file"]).unlink()
+    assert lut_format.inspect(copy_of)["dtype"] is None
+
+
 @pytest.fixture
 def copy_of(built, tmp_path):
     import shutil
@@ -678,6 +693,7 @@ def test_metadata_missing_field_is_named(copy_of):
     (lambda m: m["model_config"].update(hidden_size="0"), r"model_config\.hidden_size' must be a positive whole number"),
     (lambda m: m["creation_info"].update(created_at=7), r"creation_info\.created_at' must be an ISO 8601 time"),
     (lambda m: m.update(version=""), r"field 'version' missing or not a version string"),
+    (lambda m: m.update(version="2.0"), r"field 'version' '2.0' is not a 1.x LUT: this reader knows version 1.0"),
 ])
 def test_a_metadata_field_of_the_wrong_type_or_value_is_named(copy_of, edit, named):
     """Optional fields (model_config, creation_info, our dtype and has_bias) are checked where given:
@@ -686,6 +702,20 @@ def test_a_metadata_field_of_the_wrong_type_or_value_is_named(copy_of, edit, nam
     edit(meta)
     (copy_of / "metadata.json").write_text(json.dumps(meta))
     assert any(re.search(named, p) for p in lut_format.verify(copy_of)), lut_format.verify(copy_of)
+
+
+@pytest.mark.parametrize("key, value", [("precomputed_products", float("nan")), ("encoder_weight", float("inf")),
+                                        ("target_bias", float("-inf"))])
+def test_a_table_holding_inf_or_nan_is_refused_at_load(copy_of, key, value):
+    """A well-formed table (sha256 re-recorded, as another writer's store has none) with one value no
+    product of finite weights is: loading names the file and key, where the runtime would make every
+    token that selects the row NaN."""
+    def edit(tables):
+        tables[key].view(-1)[1] = value
+    file = _rewrite(copy_of, TARGETS[0], edit)
+    with pytest.raises(FormatError, match=rf"{re.escape(file.name)}: key '{key}' holds 1 inf or NaN values"):
+        lut_format.open_lut(copy_of, verify=True).load(TARGETS[0])
+    lut_format.open_lut(copy_of).load(TARGETS[1])  # the other tables still load
 
 
 @pytest.mark.parametrize("edit", ["swapped", "shared"])

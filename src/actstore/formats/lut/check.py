@@ -9,7 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.lut.layout import (BIAS_KEY, META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX,
+from actstore.formats.lut.layout import (BIAS_KEY, META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, VERSION,
                                          expected_shapes, layer_index, lut_dir, lut_file)
 from actstore.integrity import (DIGESTS, inside, iso_timestamp, links_out, listed_problem, problems_of, read_json,
                                 version_string, whole_number)
@@ -37,6 +37,9 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
     if not version_string(meta.get("version")):
         problems.append(f"{meta_path}: field 'version' missing or not a version string like \"1.0\", "
                         f"got {meta.get('version')!r:.60}")
+    elif meta["version"].partition(".")[0] != VERSION.partition(".")[0]:  # another major may change meanings
+        problems.append(f"{meta_path}: field 'version' {meta['version']!r:.60} is not a {VERSION.partition('.')[0]}.x "
+                        f"LUT: this reader knows version {VERSION}")
     sae_config = meta.get("sae_config")
     for key in ("num_basis", "k_active"):
         if not isinstance(sae_config, dict) or not whole_number(sae_config.get(key)) or sae_config[key] < 1:
@@ -72,15 +75,38 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
     return problems
 
 
-def table_problems(file_path: Path, meta: dict[str, Any], entry: dict[str, Any]) -> list[str]:
-    """Keys, shapes and dtypes of one LUT file, read from its safetensors header (no tensor data)."""
+def header_infos(file_path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, safetensors dtype)} from a file's safetensors header (no tensor data); FormatError
+    naming the file when it cannot be read."""
     from safetensors import safe_open
 
+    if not file_path.is_file():  # opening a FIFO put in its place would wait for a writer
+        raise FormatError(f"{file_path}: missing or not a regular file")
     try:
         with safe_open(str(file_path), framework="numpy") as fh:  # the header alone: no torch needed
-            infos = {key: (tuple(fh.get_slice(key).get_shape()), fh.get_slice(key).get_dtype()) for key in fh.keys()}
+            return {key: (tuple(fh.get_slice(key).get_shape()), fh.get_slice(key).get_dtype()) for key in fh.keys()}
     except Exception as exc:  # a truncated or garbled header: safetensors raises its own errors
-        return [f"{file_path}: unreadable safetensors ({exc})"]
+        raise FormatError(f"{file_path}: unreadable safetensors ({exc})") from None
+
+
+def table_dtype(file_path: Path) -> str | None:
+    """The tables' dtype by its torch name, from the file's header: metadata.json's dtype is our
+    extension, which other writers' stores lack. None where the file or its products cannot be read
+    or are of another dtype (verify names why)."""
+    try:
+        infos = header_infos(file_path)
+    except FormatError:
+        return None
+    _, dtype = infos.get("precomputed_products", ((), None))
+    return SAFETENSORS_DTYPES.get(dtype)
+
+
+def table_problems(file_path: Path, meta: dict[str, Any], entry: dict[str, Any]) -> list[str]:
+    """Keys, shapes and dtypes of one LUT file, read from its safetensors header (no tensor data)."""
+    try:
+        infos = header_infos(file_path)
+    except FormatError as exc:
+        return [str(exc)]
     shapes = expected_shapes(meta["sae_config"]["num_basis"], entry["input_dim"], entry["output_dim"])
     problems = [f"{file_path}: missing key {key!r}" for key in REQUIRED_KEYS if key not in infos]
     dtypes = set()
@@ -134,7 +160,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "model": meta.get("creation_info", {}).get("source_model"),
         "layers": indices, "targets": sorted(layers), "n_examples": None, "n_tokens": None,
         "d_model": meta.get("model_config", {}).get("hidden_size", first["input_dim"]),
-        "dtype": first.get("dtype", "float16"), "n_shards": len(files),
+        "dtype": table_dtype(files[0]), "n_shards": len(files),
         "bytes": sum(f.stat().st_size for f in files if f.is_file()) + (root / META_FILE).stat().st_size,
         "num_basis": meta["sae_config"]["num_basis"], "k_active": meta["sae_config"]["k_active"],
         "input_dims": {p: e["input_dim"] for p, e in layers.items()},

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from actstore.errors import FormatError
 from actstore.formats.lut.check import read_metadata, table_problems
 from actstore.formats.lut.check import verify as check_store
-from actstore.formats.lut.layout import META_FILE, lut_dir
+from actstore.formats.lut.layout import BIAS_KEY, META_FILE, REQUIRED_KEYS, lut_dir
 from actstore.integrity import inside, refuse
 
 if TYPE_CHECKING:  # load() imports it: opening or checking a store never loads torch
@@ -46,7 +46,24 @@ class LutStore:
         problems = table_problems(file_path, self.meta, entry)
         if problems:
             raise FormatError("; ".join(problems))
-        return load_file(str(file_path))
+        tables = load_file(str(file_path))
+        refuse(non_finite(file_path, tables))
+        return tables
+
+
+def non_finite(file_path: Path, tables: dict[str, torch.Tensor]) -> list[str]:
+    """A problem for each spec key (or target_bias) holding inf or NaN: products of a finite SAE and
+    layer weight never do (precompute refuses an overflow), and one such row makes every token that
+    selects it NaN, even at weight 0. By each tensor's max and min (NaN propagates; no temporary of
+    a table's size); the count only for the message."""
+    import torch
+
+    problems = []
+    for key in (*REQUIRED_KEYS, BIAS_KEY):
+        value = tables.get(key)
+        if value is not None and not torch.stack([value.amax(), value.amin()]).isfinite().all():
+            problems.append(f"{file_path}: key {key!r} holds {int((~value.isfinite()).sum())} inf or NaN values")
+    return problems
 
 
 def open_lut(path: str | Path, verify: bool = False) -> LutStore:
