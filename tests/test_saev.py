@@ -709,16 +709,19 @@ def test_a_buffer_asked_larger_than_the_store_is_sized_by_the_store(tmp_path):
 
 def test_keep_labels_and_seed_out_of_range_are_named(tmp_path):
     """keep_labels=[1.5] kept label 1's patches without a word; [300], a bare 1 and seed=-1 failed in
-    numpy (OverflowError, TypeError, ValueError) naming no argument. Each is a ConfigError naming it;
-    labels given as a numpy array still filter."""
+    numpy (OverflowError, TypeError, ValueError) naming no argument, layers=0 and a float batch_size
+    in Python (TypeError). Each is a ConfigError naming it; labels given as a numpy array still filter,
+    a numpy integer is a count."""
     store_dir = synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=3)
     labels = np.arange(6 * 4).reshape(6, 4).astype(np.uint8) % 3
     saev.write_labels(store_dir, labels)
     for bad, named in (({"keep_labels": [1.5]}, r"keep_labels=\[1.5\]"), ({"keep_labels": [300]}, r"=\[300\]"),
-                       ({"keep_labels": 1}, "keep_labels=1 "), ({"seed": -1}, "seed=-1")):
+                       ({"keep_labels": 1}, "keep_labels=1 "), ({"seed": -1}, "seed=-1"),
+                       ({"layers": 0}, "layers=0 must be a list"), ({"batch_size": 2.0}, "batch_size=2.0"),
+                       ({"fill_threads": True}, "fill_threads=True")):
         with pytest.raises(ConfigError, match=named):
             ShuffledActivations(store_dir, **bad)
-    ds = ShuffledActivations(store_dir, include_cls=False, keep_labels=np.unique(labels)[1:])
+    ds = ShuffledActivations(store_dir, include_cls=False, keep_labels=np.unique(labels)[1:], batch_size=np.int64(4))
     kept = [(int(e), int(t)) for b in ds for e, t in zip(b["example_idx"], b["token_idx"])]
     assert sorted(kept) == [(e, p + 1) for e, p in zip(*np.nonzero(labels != 0))]
 

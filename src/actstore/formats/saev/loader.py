@@ -32,6 +32,7 @@ import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from numbers import Integral
 from queue import SimpleQueue
 from threading import Lock
 from pathlib import Path
@@ -74,13 +75,16 @@ class ShuffledActivations(IterableDataset):
                  block_bytes: int = 32 << 10, fill_threads: int = 2, buffer_bytes: int = 256 << 20):
         self.path = Path(path)
         store = SaevStore(self.path)
+        if layers is not None and not isinstance(layers, Iterable):
+            raise ConfigError(f"layers={layers!r} must be a list of stored layers {list(store.layers)}, or None")
         self.layers = list(layers) if layers is not None else list(store.layers)
         self.layer_idx = [store.layer_index(layer) for layer in self.layers]
-        if (batch_size < 1 or fill_threads < 1 or min(block_bytes, buffer_bytes, buffer_blocks or 1) < 1
-                or (block_examples is not None and block_examples < 1)):
+        counts = (batch_size, fill_threads, block_bytes, buffer_bytes, buffer_blocks or 1,
+                  1 if block_examples is None else block_examples)
+        if not all(isinstance(count, Integral) and not isinstance(count, bool) and count >= 1 for count in counts):
             raise ConfigError(f"batch_size={batch_size}, fill_threads={fill_threads}, block_bytes={block_bytes}, "
                               f"buffer_bytes={buffer_bytes}, buffer_blocks={buffer_blocks} and block_examples="
-                              f"{block_examples} must be >= 1")
+                              f"{block_examples} must be whole numbers >= 1")  # a float failed deep in range()
         if not self.layers:
             raise ConfigError(f"{store.dir}: layers=[] asks for no layer; pass None for every stored one "
                               f"{list(store.layers)}")
