@@ -838,10 +838,10 @@ def test_an_image_only_decoding_can_fault_is_named_when_decoded(model_dir, image
 def test_a_rerun_removes_what_a_killed_writer_left_and_sizes_ignore_it(model_dir, text_jsonl, tmp_path):
     from actstore.integrity import dir_bytes
     stage = tmp_path / "stage"
-    stale = stage / ".part-0000.k1ll3d.tmp"  # what kill -9 leaves of atomic_path's temp
+    stale = stage / ".part-0000.k1ll3d_x.tmp"  # kill -9 leaves atomic_path's temp (8 random characters)
     stale.mkdir(parents=True)
     (stale / "layer_000.npy").write_bytes(b"x" * 1000)
-    other = stage / ".part-0001.k1ll3d.tmp"  # another job's: not this writer's to remove
+    other = stage / ".part-0001.k1ll3d_x.tmp"  # another job's: not this writer's to remove
     other.mkdir()
     assert dir_bytes(stage) == 0
     run_part(tiny.make_config(tmp_path, model_dir("bert"), text_jsonl), 0, stage / "part-0000", progress=False)
