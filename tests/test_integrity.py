@@ -746,3 +746,141 @@ def test_a_directory_store_reaches_the_disk_before_it_takes_its_name(tmp_path, m
             tmp.mkdir()
             (tmp / "0").write_bytes(b"chunk")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard.zarr"]
+
+
+def rewrite_npy_header(path: Path, header: str) -> None:
+    """`path`'s .npy header text replaced by `header`, padded to the old length (the data stays where it was)."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[8:10], "little")
+    assert len(header) < length
+    path.write_bytes(raw[:10] + (header + " " * (length - 1 - len(header)) + "\n").encode("latin1") + raw[10 + length:])
+
+
+LYING_HEADERS = {  # what np.load did with each before the header was checked against the file's size
+    "negative": "{'descr': '<f4', 'fortran_order': False, 'shape': (ROWS, -1), }",  # OverflowError (mmap)
+    "huge": "{'descr': '<i8', 'fortran_order': False, 'shape': (1099511627776, 3), }",  # MemoryError (24 TiB)
+    "garbled": "{'descr': '<f4', 'fortran_order': False, 'shape': (ROWS,\0\0\0",  # tokenize.TokenError
+}
+
+
+@pytest.mark.parametrize("lie", sorted(LYING_HEADERS))
+@pytest.mark.parametrize("name, file", [("extract", "part-0000/layer_000.npy"), ("extract", "part-0000/offsets.npy"),
+                                        ("saev", "windows.npy")])
+def test_a_npy_header_that_lies_about_its_data_is_named_never_loaded(stores, name, file, lie, tmp_path):
+    """A .npy header of a negative, huge or garbled shape: numpy trusted it and raised OverflowError,
+    MemoryError (allocating the shape before reading) or tokenize.TokenError (verify of an extraction
+    included). Now verify names the file and the reader (read_vector, which opens without verifying)
+    raises FormatError naming it."""
+    store = stores[name]
+    root = tmp_path / store.root.name
+    shutil.copytree(store.root, root, symlinks=True)
+    rows = len(np.load(root / file, mmap_mode="r"))
+    rewrite_npy_header(root / file, LYING_HEADERS[lie].replace("ROWS", str(rows)))
+    problems = format_module(name).verify(root)
+    assert any(file.split("/")[-1] in p for p in problems), problems
+    with pytest.raises(FormatError, match=re.escape(file.split("/")[-1])):
+        format_module(name).read_vector(root, 0, 0, 0)
+
+
+@pytest.mark.parametrize("field, value", [("layers", -1), ("sample_id_range", -1), ("sample_id_range", [None, 40]),
+                                          ("num_samples", "x"), ("shard_id", None)])
+def test_a_mistyped_pickle_shard_entry_is_named_by_every_reader_never_a_type_error(stores, field, value, tmp_path):
+    """A shard entry of metadata.json given a value of another type: verify and inspect named it, but
+    read_vector, iter_activations and ActivationDataset computed with it and raised TypeError or
+    KeyError naming nothing. Each now raises FormatError naming metadata.json and the field."""
+    root = tmp_path / "pickle"
+    shutil.copytree(stores["pickle"].root, root, symlinks=True)
+    edit_json(root / "metadata.json", lambda m: m["shards"][0].update({field: value}))
+    named = re.escape(f"{root / 'metadata.json'}: shards[0].{field}")
+    assert any(re.match(named, p) for p in pickle_format.verify(root))
+    for read in (lambda: pickle_format.read_vector(root, 0, 0, 0),
+                 lambda: list(pickle_format.iter_activations(root, 0)),
+                 lambda: pickle_format.ActivationDataset(root, 0)[0]):
+        with pytest.raises(FormatError, match=named):
+            read()
+
+
+@pytest.mark.parametrize("column", ["num_tokens", "token_shard_ids"])
+def test_an_index_column_pyarrow_cannot_decode_is_named_by_verify_and_the_reader(stores, column, tmp_path):
+    """One column chunk of the lmprobe index zeroed: the reader raised pyarrow's bare OSError ("Couldn't
+    deserialize thrift"), naming no file, and verify of a damaged token column stopped at "<root>:
+    verification aborted", never naming the index nor checking SHA256SUMS. Both now name the index."""
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "lmprobe"
+    shutil.copytree(stores["lmprobe"].root, root, symlinks=True)
+    index = root / stores["lmprobe"].meta
+    row_group = pq.ParquetFile(index).metadata.row_group(0)
+    chunk = next(row_group.column(i) for i in range(row_group.num_columns)
+                 if row_group.column(i).path_in_schema.split(".")[0] == column)
+    raw = bytearray(index.read_bytes())
+    start, size = chunk.data_page_offset, chunk.total_compressed_size
+    raw[start:start + size] = bytes(size)
+    index.write_bytes(bytes(raw))
+    problems = lmprobe.verify(root)
+    assert f"{index}: sha256 differs from SHA256SUMS" in problems, problems
+    assert not any("aborted" in p for p in problems), problems
+    with pytest.raises(FormatError, match=re.escape(str(index))):
+        lmprobe.read_vector(root, 0, 0, 0)
+
+
+def test_a_zarr_manifest_listing_no_store_is_named_by_the_reader_never_a_key_error(stores, tmp_path):
+    """manifest.json with an empty shards list and no layers (another store's files.json copied over it
+    keeps the format name): verify named it, the reader and inspect raised KeyError: 'layers'."""
+    root = tmp_path / "zarr"
+    shutil.copytree(stores["zarr"].root, root, symlinks=True)
+    edit_json(root / "manifest.json", lambda m: (m.update(shards=[]), m.pop("layers")))
+    named = re.escape(f"{root / 'manifest.json'}: 'shards' must be a non-empty list")
+    assert any(re.match(named, p) for p in zarr_format.verify(root))
+    for read in (lambda: zarr_format.read_vector(root, 0, 0, 0), lambda: zarr_format.inspect(root)):
+        with pytest.raises(FormatError, match=named):
+            read()
+
+
+@pytest.mark.parametrize("document", [1, "actstore-zarr-activation-logger", [], None])
+def test_a_zarr_manifest_that_is_no_object_is_named_by_verify(stores, document, tmp_path):
+    """manifest.json holding another JSON value: verify raised AttributeError inside, reported as
+    "<run>: cannot verify (AttributeError: ...)", naming the directory, not the file."""
+    root = tmp_path / "zarr"
+    shutil.copytree(stores["zarr"].root, root, symlinks=True)
+    (root / "manifest.json").write_text(json.dumps(document))
+    assert zarr_format.verify(root) == [f"{root / 'manifest.json'}: not a JSON object, got {document!r}"]
+
+
+def test_lmprobe_schema_metadata_that_is_not_utf8_is_named_never_a_unicode_error(stores, tmp_path):
+    """An lmprobe: schema-metadata value of bytes that are not UTF-8: open, inspect and read_vector
+    raised UnicodeDecodeError from json.loads (only JSONDecodeError was turned into FormatError)."""
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "lmprobe"
+    shutil.copytree(stores["lmprobe"].root, root, symlinks=True)
+    index = root / stores["lmprobe"].meta
+    table = pq.read_table(index)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"lmprobe:dataset": b'"\xdf"'}), index)
+    named = re.escape(f"{index}: schema metadata 'lmprobe:dataset' is not JSON")
+    assert any(re.match(named, p) for p in lmprobe.verify(root))
+    for read in (lambda: lmprobe.read_vector(root, 0, 0, 0), lambda: lmprobe.inspect(root)):
+        with pytest.raises(FormatError, match=named):
+            read()
+
+
+def test_an_lmprobe_token_list_shifted_from_num_tokens_is_refused_never_read_as_another_token(stores, tmp_path):
+    """Index row 0's token_shard_ids and token_shard_offsets lose their first entry: token t of its
+    prompt was read from token t+1's address (another vector, no error), and the last token past the
+    list raised a bare IndexError. verify names the lengths; the reader now refuses them, naming the index."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "lmprobe"
+    shutil.copytree(stores["lmprobe"].root, root, symlinks=True)
+    index = root / stores["lmprobe"].meta
+    table = pq.read_table(index)
+    for name in ("token_shard_ids", "token_shard_offsets"):
+        lists = table.column(name).to_pylist()
+        lists[0] = lists[0][1:]
+        table = table.set_column(table.column_names.index(name), name, pa.array(lists, table.schema.field(name).type))
+    pq.write_table(table, index)
+    sample = table.column("sample_idx")[0].as_py()
+    assert any(p.startswith(f"{index}: token_shard_ids lengths differ from num_tokens") for p in lmprobe.verify(root))
+    with pytest.raises(FormatError, match=re.escape(f"{index}: row 0 ")):
+        lmprobe.read_vector(root, sample, 0, 0)

@@ -8,14 +8,17 @@ import datetime as dt
 import io
 import itertools
 import json
+import math
 import os
 import re
 import stat
+import tokenize
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sized, TypeVar
 
+import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import FormatError
@@ -515,6 +518,37 @@ def links_out(root: Path) -> list[str]:
                 elif entry.is_dir():
                     folders.append(entry.path)
     return sorted(problems)
+
+
+# The .npy versions np.save writes (3.0 only for a dtype's field names outside latin-1: no store has one).
+_NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+# What numpy's header parser raises for a header that is no Python dict literal of shape, order and
+# dtype: its own ValueError, and what escapes it from ast.literal_eval and tokenize (its retry).
+_NPY_HEADER_ERRORS = (ValueError, TypeError, SyntaxError, tokenize.TokenError)
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def check_npy(path: Path, what: str = "a .npy file") -> None:
+    """FormatError naming `path` (and `what` it must be) unless it is a .npy file whose header parses
+    and describes exactly the data bytes that follow it. np.load trusts the header: a negative
+    dimension raised OverflowError, a huge one was allocated before a byte was read (MemoryError, or
+    gigabytes taken), a garbled one raised tokenize's TokenError, none naming the file."""
+    with open_regular(path) as fh:
+        if fh.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC:  # np.load opens a zip archive (.npz) whatever its name
+            raise FormatError(f"{path}: not {what} (an .npz archive)")
+        fh.seek(0)
+        try:
+            read_header = _NPY_HEADER_READERS.get(np.lib.format.read_magic(fh))
+            if read_header is None:
+                raise ValueError("a .npy version other than 1.0 and 2.0")
+            shape, _, dtype = read_header(fh)
+        except _NPY_HEADER_ERRORS as exc:
+            raise FormatError(f"{path}: not {what} (its header: {exc})") from None
+        held = os.fstat(fh.fileno()).st_size - fh.tell()
+    described = math.prod(shape) * dtype.itemsize
+    if min(shape, default=0) < 0 or held != described:
+        raise FormatError(f"{path}: not {what}: its header describes {dtype} {list(shape)} ({described} bytes "
+                          f"of data), the file holds {held} after it")
 
 
 def dir_bytes(root: Path) -> int:

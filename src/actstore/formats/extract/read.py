@@ -21,8 +21,8 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, STORAGE_DESCR, part_dirname,
                                              tensor_file)
-from actstore.integrity import (check_file, file_records, inside, open_regular, read_json, refuse, unique_keys,
-                                unlisted, whole_number)
+from actstore.integrity import (check_file, check_npy, file_records, inside, open_regular, read_json, refuse,
+                                unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
 
 
@@ -319,13 +319,14 @@ def _check_header(array: np.ndarray, record: dict[str, Any], rows: int, path: Pa
 
 
 def load_npy(path: Path, recorded_bytes: int | None, mmap_mode: str | None = None) -> np.ndarray:
-    """A part's .npy file, its size checked against part.json before it is mapped (a truncated
-    file is named, never a bare numpy "mmap length" error)."""
+    """A part's .npy file, its size checked against part.json and its header against its size
+    (check_npy) before it is mapped (a truncated file is named, never a bare numpy "mmap length" error)."""
     if not path.is_file():
         raise FormatError(f"{path}: missing (listed in {PART_META})")
     size = path.stat().st_size
     if recorded_bytes is not None and size != recorded_bytes:
         raise FormatError(f"{path}: {size} bytes, {PART_META} says {recorded_bytes} (truncated or replaced)")
+    check_npy(path)
     try:
         return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
     except (ValueError, OSError) as exc:

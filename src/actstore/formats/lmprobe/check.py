@@ -10,7 +10,8 @@ import numpy as np
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, SUMS, prompt_order)
-from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
+from actstore.formats.lmprobe.read import (LmprobeDataset, dataset_root, find_index, index_batches, open_dataset,
+                                           read_info)
 from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted
 
 
@@ -98,6 +99,8 @@ def verify(path: str | Path, checksums: bool = True) -> list[str]:
     root = dataset_root(path)
     try:
         return _verify(root, checksums)
+    except FormatError as exc:  # an index column pyarrow cannot decode (read_index): named, and the files checked
+        return _verify_sums(root) + [str(exc)]
     except Exception as exc:  # a damaged store must be reported, not crash the validator
         return [f"{root}: verification aborted: {type(exc).__name__}: {exc}"]
 
@@ -210,11 +213,9 @@ def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
     """Each prompt's token_shard_ids/token_shard_offsets: one per token, each a row of a sequence
     shard; token_offset = row_offset. Read a batch of rows at a time: the lists hold two int64 per
     token (gigabytes at terabyte scale). The first batch with a problem is the one reported."""
-    import pyarrow.parquet as pq
-
     rows_of_shard = np.array([sh.get("num_tokens", sh["num_prompts"]) for sh in ds.hidden["shards"]], np.int64)
     start = 0
-    for batch in pq.ParquetFile(ds.index_path).iter_batches(columns=list(FULL_COLUMNS), batch_size=TOKEN_BATCH_ROWS):
+    for batch in index_batches(ds.index_path, list(FULL_COLUMNS), TOKEN_BATCH_ROWS):
         if problems := _token_batch_problems(ds, np.arange(start, start + batch.num_rows), rows_of_shard, batch):
             return problems
         start += batch.num_rows

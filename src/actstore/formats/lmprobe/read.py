@@ -7,8 +7,9 @@ import math
 import os
 import re
 import string
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -136,12 +137,14 @@ def _prefixed_metadata(index_path: Path) -> dict[str, Any]:
         raise FormatError(f"{index_path}: not a readable parquet file ({exc})") from None
     info = {}
     for k, v in metadata.items():
-        if k.decode(errors="replace").startswith(PREFIX):
-            key = k.decode().removeprefix(PREFIX)
+        name = k.decode(errors="replace")
+        if name.startswith(PREFIX):
             try:
-                info[key] = json.loads(v)
-            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deeply to parse
-                raise FormatError(f"{index_path}: schema metadata {k.decode()!r} is not JSON") from None
+                info[name.removeprefix(PREFIX)] = json.loads(v)
+            # ValueError: JSONDecodeError, and UnicodeDecodeError for bytes not UTF-8; RecursionError:
+            # nested too deeply to parse
+            except (ValueError, RecursionError):
+                raise FormatError(f"{index_path}: schema metadata {name!r} is not JSON") from None
     return info
 
 
@@ -154,6 +157,34 @@ def open_tensor(path: str | Path, key: str) -> np.ndarray:
     if math.prod(shape) == 0:
         return np.zeros(shape, dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+
+@contextmanager
+def _decoded(index_path: Path, columns: list[str] | None) -> Iterator[None]:
+    """FormatError naming the index when pyarrow cannot decode its `columns` (None: all): a damaged
+    page raised its bare OSError ("Corrupt snappy compressed data") or ArrowInvalid, naming no file."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (OSError, pa.ArrowException) as exc:
+        raise FormatError(f"{index_path}: index columns {columns or 'all'} cannot be read ({exc})") from None
+
+
+def read_index(index_path: Path, columns: list[str] | None = None):
+    """Those columns of the index (None: all) as a pyarrow Table."""
+    import pyarrow.parquet as pq
+
+    with _decoded(index_path, columns):
+        return pq.read_table(index_path, columns=columns)
+
+
+def index_batches(index_path: Path, columns: list[str], batch_size: int) -> Iterator[Any]:
+    """Those columns of the index, `batch_size` rows at a time (pyarrow RecordBatches)."""
+    import pyarrow.parquet as pq
+
+    with _decoded(index_path, columns):
+        yield from pq.ParquetFile(index_path).iter_batches(columns=columns, batch_size=batch_size)
 
 
 def _list_column(table, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +214,7 @@ class LmprobeDataset:
             raise FormatError(f"{self.index_path}: core columns missing: {missing}")
         # Only the addressing columns are read up front; text/token lists load on first use of .table.
         wanted = ["num_tokens", "shard_index", "row_offset"] + [c for c in ("sample_idx",) if c in self.column_names]
-        address = pq.read_table(self.index_path, columns=wanted)
+        address = read_index(self.index_path, wanted)
         self.num_tokens = address.column("num_tokens").to_numpy().astype(np.int64)
         self.shard_index = address.column("shard_index").to_numpy().astype(np.int64)
         self.row_offset = address.column("row_offset").to_numpy().astype(np.int64)
@@ -198,18 +229,14 @@ class LmprobeDataset:
     @property
     def table(self):
         """The whole index as a pyarrow Table (read on first use)."""
-        import pyarrow.parquet as pq
-
         if self._table is None:
-            self._table = pq.read_table(self.index_path)
+            self._table = read_index(self.index_path)
         return self._table
 
     def _columns(self, *names: str):
         """Those index columns as a pyarrow Table: from the whole index once it is loaded, else read
         alone (a label or logits lookup need not load every prompt's text and token lists)."""
-        import pyarrow.parquet as pq
-
-        return self._table.select(list(names)) if self._table is not None else pq.read_table(self.index_path, columns=list(names))
+        return self._table.select(list(names)) if self._table is not None else read_index(self.index_path, list(names))
 
     def has_sample(self, sample_idx: int) -> bool:
         """Is source dataset row `sample_idx` in the index?"""
@@ -233,8 +260,21 @@ class LmprobeDataset:
         if self._token_cache is None:
             table = self._columns("token_shard_ids", "token_shard_offsets")
             offsets, ids = _list_column(table, "token_shard_ids")
-            self._token_cache = (offsets, ids, _list_column(table, "token_shard_offsets")[1])
+            row_offsets, token_offsets = _list_column(table, "token_shard_offsets")
+            self._check_token_lists(np.diff(offsets), np.diff(row_offsets))
+            self._token_cache = (offsets, ids, token_offsets)
         return self._token_cache
+
+    def _check_token_lists(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        """FormatError naming the first index row whose token_shard_ids or token_shard_offsets list
+        (of `ids` and `offsets` entries) is not one entry per token (num_tokens): the flat lists are
+        sliced by the first's bounds, so one short list made token t of a prompt read token t+1's
+        vector, without an error."""
+        bad = np.flatnonzero((ids != self.num_tokens) | (offsets != self.num_tokens))
+        if len(bad):
+            row = int(bad[0])
+            raise FormatError(f"{self.index_path}: row {row} token_shard_ids/token_shard_offsets hold {int(ids[row])}/"
+                              f"{int(offsets[row])} entries, num_tokens says {int(self.num_tokens[row])}")
 
     # -- descriptor
     @property

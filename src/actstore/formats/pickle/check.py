@@ -37,9 +37,7 @@ def detect(path: str | Path) -> bool:
 
 def inspect(path: str | Path) -> dict[str, Any]:
     """Summary from metadata.json alone (no shard is read), its fields checked first."""
-    meta = load_metadata(path)
-    if problems := _verify_metadata(Path(path), meta):
-        raise FormatError(problems[0])
+    meta = checked_metadata(path)
     ext, stats, cfg = meta.get("actstore", {}), meta["statistics"], meta["extraction_config"]
     shard_bytes = sum(s["size_bytes"] for s in meta["shards"])
     return {
@@ -53,6 +51,15 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "machines": meta.get("distributed_config", {}).get("total_machines"),
         "merged": bool(ext.get("merged")),
     }
+
+
+def checked_metadata(path: str | Path) -> dict[str, Any]:
+    """metadata.json, every field a reader computes with checked first (_verify_metadata): FormatError
+    naming the file and field, where a mistyped shard entry raised TypeError or KeyError naming nothing."""
+    meta = load_metadata(path)
+    if problems := _verify_metadata(Path(path), meta):
+        raise FormatError(problems[0])
+    return meta
 
 
 def _verify_metadata(path: Path, meta: dict[str, Any]) -> list[str]:
@@ -305,7 +312,7 @@ _CACHE: dict[tuple, dict] = {}
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """float32 (d,) activation of one token, or None when the store does not hold that coordinate.
     The last shard read stays cached (keyed on its path, size and mtime)."""
-    meta = load_metadata(path)
+    meta = checked_metadata(path)
     for info in meta["shards"]:
         lo, hi = info["sample_id_range"]
         if lo <= sample_idx <= hi and layer_idx in info["layers"]:

@@ -69,8 +69,10 @@ def load_shard(output_dir: str | Path, info: dict[str, Any],
 
 def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[str, Any]]:
     """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time."""
+    from actstore.formats.pickle.check import checked_metadata  # check imports this module
+
     key = layer_key(layer_idx)
-    for info in load_metadata(output_dir)["shards"]:
+    for info in checked_metadata(output_dir)["shards"]:
         if layer_idx not in info["layers"]:
             continue
         shard = load_shard(output_dir, info)
@@ -85,10 +87,12 @@ class ActivationDataset:
     writer jobs do, does not import torch (~2 s, ~150 MB)."""
 
     def __init__(self, output_dir: str | Path, layer_idx: int) -> None:
+        from actstore.formats.pickle.check import checked_metadata  # check imports this module
+
         self.output_dir = Path(output_dir)
         self.layer_idx = layer_idx
         self.layer_key = layer_key(layer_idx)
-        self.metadata = load_metadata(output_dir)
+        self.metadata = checked_metadata(output_dir)
         self.shards = {s["shard_id"]: s for s in self.metadata["shards"]}
         self.index = [(s["shard_id"], i) for s in self.metadata["shards"] if layer_idx in s["layers"]
                       for i in range(s["num_samples"])]

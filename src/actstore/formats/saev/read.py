@@ -14,7 +14,7 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
                                           check_metadata, examples_per_shard, flavor_of, shard_name, to_spec,
                                           window_problem)
-from actstore.integrity import file_records, inside, read_json, refuse
+from actstore.integrity import check_npy, file_records, inside, read_json, refuse
 from actstore.io_utils import pread_into
 
 
@@ -266,14 +266,14 @@ def _read_exactly(fd: int, path: Path, out: np.ndarray, offset: int) -> None:
 
 
 def _load_windows(path: Path) -> np.ndarray:
-    """windows.npy, refused naming it when np.load cannot read it (an object array, not a .npy) or it
-    is not the (n, 3) integer table the writer saves."""
+    """windows.npy, refused naming it when it is no .npy of the bytes its header describes (check_npy:
+    an .npz archive neither), np.load cannot read it (an object array) or it is not the (n, 3)
+    integer table the writer saves."""
+    check_npy(path, "a .npy array of windows")
     try:
         windows = np.load(path, allow_pickle=False)
-    except (ValueError, EOFError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         raise FormatError(f"{path}: not a .npy array of windows ({exc})") from None
-    if not isinstance(windows, np.ndarray):  # np.load opens a zip archive (.npz) whatever its name
-        raise FormatError(f"{path}: not a .npy array of windows (an .npz archive)")
     if windows.ndim != 2 or windows.shape[1] != 3 or windows.dtype.kind not in "iu":
         raise FormatError(f"{path}: {windows.dtype} {windows.shape}, not an integer (n_examples, 3) table")
     return windows

@@ -78,6 +78,8 @@ def _verify_run(run: Path) -> list[str]:
     except FormatError as exc:
         return [str(exc)]
     where = run / MANIFEST
+    if not isinstance(manifest, dict):
+        return [f"{where}: not a JSON object, got {manifest!r:.60}"]
     problems = [] if manifest.get("format") == FORMAT_NAME else [f"{where}: format={manifest.get('format')!r}"]
     shards = manifest.get("shards")
     if not isinstance(shards, list) or not shards:

@@ -232,9 +232,9 @@ class ZarrRun:
                 raise FormatError(f"{self.path / MANIFEST}: no merged store (build it with zarr.merged: true)")
             entries = [self.manifest["merged"]]
         else:
-            entries = self.manifest.get("shards") or []
-            if not isinstance(entries, list):
-                raise FormatError(f"{self.path / MANIFEST}: 'shards' must be a list, got {entries!r:.60}")
+            entries = self.manifest.get("shards")
+            if not isinstance(entries, list) or not entries:  # none: its run-wide fields checked against no store
+                raise FormatError(f"{self.path / MANIFEST}: 'shards' must be a non-empty list, got {entries!r:.60}")
         where = self.path / MANIFEST
         names = [f"{where}: merged"] if merged else [f"{where}: shards[{k}]" for k in range(len(entries))]
         for entry, name in zip(entries, names):
