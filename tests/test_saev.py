@@ -1007,3 +1007,13 @@ def test_snakemake_saev_target_writes_labels_bin(model_dir, segmentation, tmp_pa
     for _, _, row in extraction.iter_samples():
         want = expected_patch_labels(coarse[int(row["text"].split("_")[-1][:2])][:, 8:40], tiny.PATCH, "prefer-fg")
         assert labels[row["sample_idx"]].tolist() == want
+
+
+def test_labels_bin_linked_from_outside_the_store_is_never_read(tmp_path):
+    """verify named the link, but the loader's keep_labels filtered by the outside file's bytes."""
+    store_dir = synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=3)
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(bytes(6 * 4))
+    (store_dir / "labels.bin").symlink_to(outside)
+    with pytest.raises(FormatError, match=r"'labels.bin' leads outside"):
+        ShuffledActivations(store_dir, keep_labels=[0])

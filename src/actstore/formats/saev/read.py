@@ -222,7 +222,7 @@ class SaevStore:
         or its rows do not give each token of a sample one place (layout.window_problem: `find` would
         hand out other tokens' vectors)."""
         if self._windows is False:  # looked up once: the loader asks for every block
-            path = self.dir / WINDOWS
+            path = inside(self.dir, WINDOWS, str(self.dir))  # never a file a link out leads to
             self._windows = _load_windows(path) if path.is_file() else None
             if self._windows is not None and (problem := window_problem(self._windows, self.n_examples, self.T)):
                 self._windows = False
@@ -230,8 +230,9 @@ class SaevStore:
         return self._windows
 
     def labels(self) -> np.ndarray | None:
-        """labels.bin as a read-only uint8 (n_examples, patches_per_ex) memmap, or None."""
-        path = self.dir / LABELS
+        """labels.bin as a read-only uint8 (n_examples, patches_per_ex) memmap, or None; FormatError when
+        it leads out of the store through a link (verify names it; the loader filtered by it)."""
+        path = inside(self.dir, LABELS, str(self.dir))
         if not path.is_file():
             return None
         want = self.n_examples * self.patches_per_ex
