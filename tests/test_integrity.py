@@ -884,3 +884,22 @@ def test_an_lmprobe_token_list_shifted_from_num_tokens_is_refused_never_read_as_
     assert any(p.startswith(f"{index}: token_shard_ids lengths differ from num_tokens") for p in lmprobe.verify(root))
     with pytest.raises(FormatError, match=re.escape(f"{index}: row 0 ")):
         lmprobe.read_vector(root, sample, 0, 0)
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("actstore.dtype", lambda m: m["actstore"].update(dtype="bfloat16")),
+    ("shards[0].layers", lambda m: m["shards"][0].update(layers=[0, 0, *m["shards"][0]["layers"][1:]])),
+    ("extraction_config.layers_extracted",
+     lambda m: [m[key].update(layers_extracted=[0, *m[key]["layers_extracted"]])
+                for key in ("extraction_config", "statistics")]),
+])
+def test_a_pickle_metadata_value_no_writer_stores_is_named_by_verify(stores, field, edit, tmp_path):
+    """metadata.json stating a dtype other than the float32 every shard holds (inspect reported it), or
+    a layer listed twice (inspect reported it twice): verify names the file and the field."""
+    root = tmp_path / "pickle"
+    shutil.copytree(stores["pickle"].root, root, symlinks=True)
+    edit_json(root / "metadata.json", edit)
+    problems = pickle_format.verify(root)
+    assert any(f"{root / 'metadata.json'}: {field}" in p for p in problems), problems
+    with pytest.raises(FormatError, match=re.escape(field)):
+        pickle_format.inspect(root)

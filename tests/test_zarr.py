@@ -181,6 +181,7 @@ def test_zmetadata_names_are_read_only_inside_the_store_and_only_as_metadata(ber
 
 @pytest.mark.parametrize("key, value", [("layers", [0, 10 ** 30]), ("hidden_size", -1), ("T_chunk", 7), ("T_max", 1),
                                         ("num_layers", 9), ("dtype", "float32"), ("schema_version", "0.0"),
+                                        ("model_id", "another"),
                                         ("layers", [False, 2]), ("hidden_size", 32.0)])  # == the store's, not as JSON
 def test_a_manifest_that_misstates_its_stores_is_named_and_refused(bert_run, key, value, tmp_path):
     """manifest.json's run-wide fields are what the run reader uses (a wrong layer list made it answer

@@ -100,7 +100,7 @@ def _shard_field_problems(info: dict[str, Any]) -> list[str]:
               ("num_samples", "a whole number", whole_number(info["num_samples"])),
               ("num_tokens", "a whole number", whole_number(info.get("num_tokens", 0))),
               ("machine_id", "a whole number", whole_number(info.get("machine_id", 0))),
-              ("layers", "a list of layer numbers", whole_numbers(info["layers"])),
+              ("layers", "a list of distinct layer numbers", _distinct_numbers(info["layers"])),
               ("sample_id_range", "[first, last] sample ids", whole_numbers(info["sample_id_range"])
                and len(info["sample_id_range"]) == 2 and info["sample_id_range"][0] <= info["sample_id_range"][1]),
               ("compressed", f"true or false, as the file name {info['filename']!r:.80} says (.pkl.gz or .pkl)",
@@ -111,12 +111,18 @@ def _shard_field_problems(info: dict[str, Any]) -> list[str]:
     return [f"{key} must be {want}, got {info.get(key)!r:.60}" for key, want, ok in checks if not ok]
 
 
+def _distinct_numbers(value: Any) -> bool:
+    """A list of whole numbers, none twice (a layer listed twice is counted, and reported, twice)."""
+    return whole_numbers(value) and len(set(value)) == len(value)
+
+
 def _run_field_problems(meta: dict[str, Any]) -> list[str]:
     """extraction_config, statistics and our `actstore` section: the fields inspect and the readers use
     (statistics' totals are checked against the shards' sums, by _verify_totals)."""
     cfg, stats, ours, dist = meta["extraction_config"], meta["statistics"], meta.get("actstore", {}), \
         meta.get("distributed_config", {})
-    checks = [("extraction_config.layers_extracted", cfg["layers_extracted"], whole_numbers(cfg["layers_extracted"])),
+    checks = [("extraction_config.layers_extracted", cfg["layers_extracted"],
+               _distinct_numbers(cfg["layers_extracted"])),
               ("extraction_config.model_params", cfg["model_params"], isinstance(cfg["model_params"], dict)),
               ("statistics.layers_extracted", stats["layers_extracted"], whole_numbers(stats["layers_extracted"])),
               ("actstore", ours, isinstance(ours, dict)),
@@ -134,9 +140,11 @@ def _run_field_problems(meta: dict[str, Any]) -> list[str]:
     if isinstance(ours, dict):
         uncompressed = ("compresslevel", "compression", "compressor")  # null in an uncompressed store
         for keys, ok in ((("d_model", "n_dataset_samples", "compresslevel", "pickle_protocol"), whole_number),
-                         (("dtype", "compression", "compressor", "modality", "model_kind"), lambda v: isinstance(v, str))):
+                         (("compression", "compressor", "modality", "model_kind"), lambda v: isinstance(v, str))):
             checks += [(f"actstore.{key}", ours[key], ok(ours[key]) or key in uncompressed and ours[key] is None)
                        for key in keys if key in ours]
+        # every shard holds float32 (_verify_items): inspect reports this field, so another value is a lie
+        checks += [("actstore.dtype", ours["dtype"], ours["dtype"] == "float32")] if "dtype" in ours else []
         checks += [("actstore.merged", ours["merged"], isinstance(ours["merged"], bool))] if "merged" in ours else []
     return [f"{name} is malformed: {value!r:.60}" for name, value, ok in checks if not ok]
 

@@ -200,7 +200,7 @@ def run_field_problems(manifest: dict[str, Any], store: ZarrStore, where: str) -
     own: layers and hidden_size always, the others where the manifest has them (earlier releases)."""
     have = {"layers": store.layers, "hidden_size": store.hidden, "num_layers": len(store.layers),
             "T_max": store.t_max, "T_chunk": store.t_chunk, "dtype": "float16",
-            "schema_version": store.attrs.get("schema_version")}
+            "schema_version": store.attrs.get("schema_version"), "model_id": store.attrs.get("model_id")}
     return [f"{where}: {key}={manifest.get(key)!r:.60}, but {store.path} holds {value!r:.60}"
             for key, value in have.items()
             if (key in ("layers", "hidden_size") or key in manifest) and not same_json(manifest.get(key), value)]
