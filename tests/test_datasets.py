@@ -937,6 +937,32 @@ def test_a_json_array_read_a_few_bytes_at_a_time_gives_the_same_rows_and_marks(t
         assert [r for part in range(parts) for r in flat(load_dataset(path, parts=(parts, part), scan=scan))] == whole
 
 
+def test_a_long_json_array_element_is_parsed_a_few_times_not_once_a_chunk(tmp_path, monkeypatch):
+    """An element (a whole book in one row) was parsed again from its start after every chunk read:
+    quadratic, 3 s for a 64 MiB element, minutes for 200 MB. The text read for it doubles each time:
+    a few parses, the values json.loads gives, and one longer than MAX_ELEMENT_CHARS still named."""
+    from actstore.datasets import json_array
+
+    rows = [{"text": "w\u00e9\u4e16 " * 300000, "nested": [[i, {"k": "v" * i}] for i in range(300)]},
+            {"text": "short", "n": 12345}, 3.25e10, "\U0001f600" * 70000]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    expected = json.loads(path.read_text(encoding="utf-8"))
+    parses = []
+    raw_decode = json.JSONDecoder.raw_decode
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", lambda self, s, i=0: parses.append(i) or raw_decode(self, s, i))
+    for chunk in (json_array.CHUNK, 4096):  # 2 MB: a few chunks; 4096 bytes: 500 of them
+        monkeypatch.setattr(json_array, "CHUNK", chunk)
+        parses.clear()
+        with path.open("rb") as fh:
+            assert [value for _, value, _, _ in json_array.elements(fh)] == expected
+        assert len(parses) < 30, len(parses)  # a parse a chunk: 597 for 4096 bytes
+    monkeypatch.setattr(json_array, "MAX_ELEMENT_CHARS", 100000)
+    with path.open("rb") as fh, pytest.raises(json_array.ArrayError, match=r"element 1 \(byte 1\): not valid JSON "
+                                                                          r"\(longer than 100000 characters"):
+        next(json_array.elements(fh))
+
+
 def test_a_json_array_is_scanned_and_read_in_bounded_memory(tmp_path):
     """The scan of an array on one line holds a few chunks of it, however long the file (json.load
     held 2.5x the file); a part's job holds its rows and the chunks it reads through."""

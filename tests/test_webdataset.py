@@ -8,6 +8,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -178,23 +179,18 @@ def test_a_shard_cut_where_a_member_starts_is_named_not_read_as_fewer_samples(sh
 
 
 def test_a_sample_without_one_image_is_refused_naming_its_key(tmp_path):
-    """No image, two images, or a link in place of one (never followed: the scan reads members'
-    data by offset only) is named by the scan, with the shard and key, unless dataset.limit stops
-    before it; dataset.image_field picks one of two images by extension."""
+    """No image or two images is named by the scan, with the shard and key, unless dataset.limit
+    stops before it (a link in place of one: test_a_link_to_no_member_before_it_is_named...);
+    dataset.image_field picks one of two images by extension."""
     png = encoded(np.zeros((4, 4, 3), np.uint8), "png")
     cases = {"none": ([("k1.cls", b"1"), ("k1.json", b"{}")], "no images"),
-             "two": ([("k1.jpg", encoded(np.ones((4, 4, 3), np.uint8), "jpeg")), ("k1.png", png)], "2 images"),
-             "link": ([("k1.cls", b"1")], "no images")}
+             "two": ([("k1.jpg", encoded(np.ones((4, 4, 3), np.uint8), "jpeg")), ("k1.png", png)], "2 images")}
     for case, (members, message) in cases.items():
         path = tmp_path / f"{case}.tar"
         with tarfile.open(path, "w") as tar:
             add(tar, "k0.png", png)
             for name, data in members:
                 add(tar, name, data)
-            if case == "link":
-                link = tarfile.TarInfo("k1.png")
-                link.type, link.linkname = tarfile.SYMTYPE, "/etc/hostname"
-                tar.addfile(link)
         with pytest.raises(ConfigError, match=rf"{case}\.tar: sample 'k1' \(members: .*\): {message}"):
             scan_dataset(path)
         assert scan_dataset(path, limit=1).n_samples == 1  # past the limit: not read
@@ -335,16 +331,29 @@ def test_tar_shards_extract_the_image_folder_bytes(model_dir, image_folder, tmp_
 # --- Tar headers (datasets/tar.py): the members tarfile lists, at a fraction of its cost. ---
 
 def listed(path: Path) -> tuple[list, list]:
-    """(tar.members', tarfile's) regular members of `path` as (name, offset, offset_data, size)."""
+    """(tar.members', tarfile's) regular members of `path` as (name, offset, offset_data, size); a
+    link's data is an earlier member's, before its header (extracted compares those)."""
     with path.open("rb") as fh:
-        fast = [tuple(m) for m in tar.members(fh, 0, path.stat().st_size)]
+        fast = [tuple(m) for m in tar.members(fh, 0, path.stat().st_size) if m.offset_data > m.offset]
     with tarfile.open(path) as archive:
         return fast, [(m.name, m.offset, m.offset_data, m.size) for m in archive.getmembers() if m.isreg()]
 
 
+def extracted(path: Path) -> tuple[list, list]:
+    """(tar.members', tarfile's) file and link members of `path` as (name, offset, data): a link's
+    data as tarfile's extractfile reads it, the member's it names."""
+    with path.open("rb") as fh:
+        fast = [(m.name, m.offset, os.pread(fh.fileno(), m.size, m.offset_data))
+                for m in tar.members(fh, 0, path.stat().st_size)]
+    with tarfile.open(path) as archive:
+        return fast, [(m.name, m.offset, archive.extractfile(m).read()) for m in archive.getmembers()
+                      if m.isreg() or m.islnk() or m.issym()]
+
+
 def write_tree(root: Path, long_names: bool) -> Path:
-    """Files (empty, a block and a byte, unicode, nested, long names), a folder, a symbolic and a hard
-    link (long names: and a link whose target is over 100 characters, a GNU long-link member)."""
+    """Files (empty, a block and a byte, unicode, nested, long names), a folder, symbolic links (one
+    to its folder's parent) and a hard link (long names: and links whose target is over 100
+    characters, a GNU long-link member or a pax linkpath)."""
     names = ["a.png", "a.txt", "b.cls", "ünï/cödé.json", "deep/" * 22 + "n.png"]
     names += ["x" * 140 + ".jpg", "dir/" + "y" * 110 + ".json"] if long_names else []
     for i, name in enumerate(names):
@@ -352,8 +361,10 @@ def write_tree(root: Path, long_names: bool) -> Path:
         (root / name).write_bytes(bytes(range(256)) * i * 2 + b"z" * i)
     (root / "folder").mkdir()
     (root / "link.png").symlink_to("a.png")
+    (root / "ünï" / "up.cls").symlink_to("../b.cls")
     if long_names:
-        (root / "long-link.png").symlink_to("t" * 120)
+        (root / "z-long-link.png").symlink_to("x" * 140 + ".jpg")  # after it: tar.members looks back
+        os.link(root / "dir" / ("y" * 110 + ".json"), root / "dir" / ("z" * 110 + ".json"))
     os.link(root / "a.txt", root / "hard.txt")
     return root
 
@@ -361,6 +372,11 @@ def write_tree(root: Path, long_names: bool) -> Path:
 def files_in(tree: Path) -> int:
     """Regular files, a hard link's twin counted once (the tar holds it as a link member)."""
     return len({p.stat().st_ino for p in tree.rglob("*") if p.is_file() and not p.is_symlink()})
+
+
+def links_in(tree: Path) -> int:
+    return sum(1 for p in tree.rglob("*") if p.is_symlink()) + sum(p.is_file() and not p.is_symlink()
+                                                                   for p in tree.rglob("*")) - files_in(tree)
 
 
 @pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
@@ -371,6 +387,8 @@ def test_tar_headers_list_what_tarfile_lists_from_pythons_tars(tar_format, tmp_p
             archive.add(path, path.relative_to(tree).as_posix(), recursive=False)
     fast, reference = listed(tmp_path / "t.tar")
     assert fast == reference and len(reference) == files_in(tree)
+    fast, reference = extracted(tmp_path / "t.tar")
+    assert fast == reference and len(reference) == files_in(tree) + links_in(tree)
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar is not installed")
@@ -381,10 +399,12 @@ def test_tar_headers_list_what_tarfile_lists_from_gnu_tars(tar_format, tmp_path)
     tree = write_tree(tmp_path / "tree", long_names=tar_format in ("gnu", "posix"))
     if tar_format == "v7":
         shutil.rmtree(tree / "deep")
-    subprocess.run(["tar", f"--format={tar_format}", "-cf", str(tmp_path / "t.tar"), "-C", str(tree), "."],
-                   check=True)
+    subprocess.run(["tar", "--sort=name", f"--format={tar_format}", "-cf", str(tmp_path / "t.tar"),
+                    "-C", str(tree), "."], check=True)
     fast, reference = listed(tmp_path / "t.tar")
     assert fast == reference and len(reference) == files_in(tree)
+    fast, reference = extracted(tmp_path / "t.tar")
+    assert fast == reference and len(reference) == files_in(tree) + links_in(tree)
 
 
 @pytest.mark.parametrize("tar_format", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
@@ -480,21 +500,82 @@ def test_a_negative_member_size_is_named_not_read_forever(tmp_path):
         scan_dataset(path)
 
 
-def test_a_gnu_long_link_target_is_skipped_as_tarfile_skips_it(tmp_path):
+def test_a_gnu_long_link_target_names_the_member_read(tmp_path):
     """A symbolic link whose target is over 100 characters: GNU tar and tarfile write its target as a
-    long-link (`K`) member before it. Its data is skipped, and the link is no sample, as any link;
-    before, the target was read as the next header and the valid shard refused as damaged."""
+    long-link (`K`) member before it, its data skipped and its text the target read; before, the
+    target was read as the next header and the valid shard refused as damaged."""
     images = [encoded(np.full((4, 4, 3), 50 * i, np.uint8), "png") for i in range(3)]
     path = tmp_path / "shard-00000.tar"
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as archive:
-        add(archive, "s/0000.png", images[0])
+        add(archive, "s/" + "x" * 150 + ".png", images[0])
         add(archive, "s/0001.png", images[1])
-        link = tarfile.TarInfo("s/link")
-        link.type, link.linkname = tarfile.SYMTYPE, "x" * 150
+        link = tarfile.TarInfo("s/0002.png")
+        link.type, link.linkname = tarfile.SYMTYPE, "x" * 150 + ".png"
         archive.addfile(link)
-        add(archive, "s/0002.png", images[2])
     fast, reference = listed(path)
-    assert fast == reference and [m[0] for m in fast] == ["s/0000.png", "s/0001.png", "s/0002.png"]
+    assert fast == reference and [m[0] for m in fast] == ["s/" + "x" * 150 + ".png", "s/0001.png"]
+    fast, reference = extracted(path)
+    assert fast == reference and [m[0] for m in fast][2:] == ["s/0002.png"]
     dataset = load_dataset(path)
-    assert [s.text for s in dataset.samples] == [f"shard-00000.tar/s/000{i}" for i in range(3)]
-    assert [dataset.opener(s).getpixel((0, 0)) for s in dataset.samples] == [(50 * i,) * 3 for i in range(3)]
+    assert [s.text for s in dataset.samples] == [f"shard-00000.tar/s/{n}" for n in ("x" * 150, "0001", "0002")]
+    assert [dataset.opener(s).getpixel((0, 0)) for s in dataset.samples] == [(0,) * 3, (50,) * 3, (0,) * 3]
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar is not installed")
+def test_a_member_stored_as_a_link_reads_as_the_member_it_names(tmp_path, monkeypatch):
+    """GNU tar stores a file hard-linked on disk (labels or captions deduplicated, a repeated image)
+    as a link member naming its first copy, and a symbolic link as one naming its target. Each was
+    skipped: the sample's label read as none, its caption missing, its image refused as absent. Each
+    reads as tarfile's extractfile reads it, by a part starting at a mark after the member named too."""
+    tree = tmp_path / "tree"
+    (tree / "s").mkdir(parents=True)
+    images = [encoded(np.full((4, 4, 3), 60 * i, np.uint8), "png") for i in range(3)]
+    files = {"0000.png": images[0], "0000.cls": b"1\n", "0000.txt": b"same", "0002.png": images[1],
+             "0003.cls": b"2\n", "0003.txt": b"other", "0005.png": images[2], "0005.cls": b"0\n"}
+    for name, data in files.items():
+        (tree / "s" / name).write_bytes(data)
+    for link, target in {"0001.png": "0000.png", "0001.cls": "0000.cls", "0001.txt": "0000.txt",
+                         "0004.png": "0002.png", "0004.cls": "0003.cls", "0004.txt": "0001.txt",
+                         "0005.txt": "0003.txt"}.items():
+        os.link(tree / "s" / target, tree / "s" / link)
+    for link, target in {"0002.cls": "0000.cls", "0002.txt": "../s/0000.txt", "0003.png": "0002.png"}.items():
+        (tree / "s" / link).symlink_to(target)
+    path = tmp_path / "shard-00000.tar"
+    subprocess.run(["tar", "--sort=name", "-cf", str(path), "-C", str(tree), "s"], check=True)
+    with tarfile.open(path) as archive:
+        assert sum(m.islnk() or m.issym() for m in archive.getmembers()) == 10
+        read = {m.name: archive.extractfile(m).read() for m in archive.getmembers() if not m.isdir()}
+    fast, reference = extracted(path)
+    assert fast == reference
+    whole = load_dataset(path, keep_fields=["txt"])
+    assert [(s.text, s.label, s.metadata) for s in whole.samples] == \
+           [(f"shard-00000.tar/s/000{i}", int(read[f"s/000{i}.cls"]), {"txt": read[f"s/000{i}.txt"].decode()})
+            for i in range(6)]
+    for sample in whole.samples:
+        key = sample.text.removeprefix("shard-00000.tar/")
+        assert np.array_equal(np.asarray(whole.opener(sample)),
+                              np.asarray(Image.open(io.BytesIO(read[f"{key}.png"])).convert("RGB")))
+    monkeypatch.setattr(webdataset, "MARK_SAMPLES", 2)
+    scan = scan_dataset(path, keep_fields=["txt"])
+    assert [m.row for m in scan.marks] == [0, 2, 4]
+    part = load_dataset(path, parts=(3, 2), scan=scan, keep_fields=["txt"])  # rows 4-5, from the mark at row 4
+    assert [(s.text, s.label, s.metadata, s.ref) for s in part.samples] == \
+           [(s.text, s.label, s.metadata, s.ref) for s in whole.samples[4:]]
+
+
+@pytest.mark.parametrize("target", ["/etc/hostname", "../../../etc/hostname", "0001.cls", "../s"])
+def test_a_link_to_no_member_before_it_is_named_and_nothing_outside_read(target, tmp_path):
+    """A link's target is looked up among the archive's members before it, never on disk: one naming
+    a file outside the archive, or a member after it (which tarfile would find), is refused naming
+    the link; before, it was skipped and the sample read without its label."""
+    path = tmp_path / "shard-00000.tar"
+    with tarfile.open(path, "w") as archive:
+        add(archive, "s/0000.png", encoded(np.zeros((4, 4, 3), np.uint8), "png"))
+        link = tarfile.TarInfo("s/0000.cls")
+        link.type, link.linkname = tarfile.SYMTYPE, target
+        archive.addfile(link)
+        add(archive, "s/0001.png", encoded(np.zeros((4, 4, 3), np.uint8), "png"))
+        add(archive, "s/0001.cls", b"1")
+    with pytest.raises(ConfigError, match=rf"shard-00000\.tar: member 's/0000\.cls' at byte \d+ is a link to "
+                                          rf"'{re.escape(target)}', which no member before it is"):
+        scan_dataset(path)

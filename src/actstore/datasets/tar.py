@@ -4,10 +4,15 @@ parsing every field (16k samples/s measured); this takes from each 512-byte bloc
 sample needs, the name, type and size, with tarfile's checks (the header checksum, a truncated
 header, data past the end of the file) and one it lacks (a file ending at a header, without the
 end-of-archive blocks: cut short, the members after lost), and its extensions: a pax (`x`) or GNU
-long-name (`L`) header naming the member after it (a GNU long-link (`K`) header's target skipped:
-only links have one), ustar's name prefix, base-256 sizes."""
+long-name (`L`) header naming the member after it (GNU long-link (`K`) and pax `linkpath` naming a
+link's target), ustar's name prefix, base-256 sizes. A hard or symbolic link is read as the member
+before it that it names, as tarfile's extractfile reads it (GNU tar stores a file hard-linked on
+disk, or archived twice, as a link to its first copy): a sample's `cls` or image member that is a
+link was dropped, its label read as missing. A name is only looked up among the archive's members,
+never on disk."""
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import IO, Iterator, NamedTuple
 
@@ -17,6 +22,8 @@ HIGH_BYTES = bytes(range(128, 256))
 POSIX_MAGIC = b"ustar\x00"  # a GNU header's magic is b"ustar  ": its bytes 345-500 hold times, not a prefix
 REGULAR = (b"0", b"\x00", b"7")  # a file; 7: contiguous file, read as one (tarfile too)
 NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, folders, fifos: no data (tarfile's rule)
+HARD_LINK, SYMBOLIC_LINK = b"1", b"2"
+LINKS = (HARD_LINK, SYMBOLIC_LINK)  # read as the member they name
 # Headers for the member after them: pax (x, X: this member; g: every member), GNU long name (L) and
 # long link target (K), each with its text as data.
 EXTENSIONS = (b"x", b"X", b"g", b"L", b"K")
@@ -45,13 +52,16 @@ def check_tar(fh: IO[bytes]) -> None:
         _header(block, 0)
 
 
-def members(fh: IO[bytes], position: int, file_size: int) -> Iterator[Member]:
-    """The regular-file members whose headers start at `position` and after, in order; TarError
-    naming the byte where a header is damaged, a member ends past `file_size` or the file ends
-    before the end-of-archive blocks (a zero block: every tar writer ends the archive with two)."""
-    extended: dict[str, str | int] = {}  # path and size for the next member (pax, GNU long name)
+def members(fh: IO[bytes], position: int, file_size: int, end: float = float("inf")) -> Iterator[Member]:
+    """The regular-file members whose headers start at `position` and after (before `end`), in
+    order, a link as the member it names (its data's offset and size); TarError naming the byte
+    where a header is damaged, a link names no member before it, a member ends past `file_size` or
+    the file ends before the end-of-archive blocks (a zero block: every tar writer ends the archive
+    with two)."""
+    extended: dict[str, str | int] = {}  # path, size and link target for the next member (pax, GNU)
     first = position
-    while True:
+    named: dict[str, Member] | None = None  # by normalized name, from the first link on (most tars have none)
+    while position < end:
         fh.seek(position)
         block = fh.read(BLOCK)
         if block == ZERO_BLOCK:  # the end-of-archive blocks
@@ -64,9 +74,10 @@ def members(fh: IO[bytes], position: int, file_size: int) -> Iterator[Member]:
         kind, name, size = _header(block, position)
         if kind in EXTENSIONS:
             payload = _payload(fh, position, size, file_size, name)
-            if kind == b"L":
-                extended["path"] = payload.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
-            elif kind != b"K":  # a link's target: no sample reads a link
+            if kind in (b"L", b"K"):
+                text = payload.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+                extended["path" if kind == b"L" else "linkpath"] = text
+            else:
                 extended.update(_pax(payload, position, global_=kind == b"g"))
             position += BLOCK + _padded(size)
             continue
@@ -78,10 +89,32 @@ def members(fh: IO[bytes], position: int, file_size: int) -> Iterator[Member]:
             raise TarError(f"member {name!r} ends after the end of the file (byte {data + size} of {file_size}): "
                            f"the shard is cut short")
         regular = kind in REGULAR and not (kind == b"\x00" and name.endswith("/"))  # V7 marks a folder so
-        if regular:
-            yield Member(name, first, data, size)
+        if kind in LINKS and named is None:  # the first link: the members before it, their headers walked again
+            named = _named(fh, first, file_size)
+        if regular or kind in LINKS:
+            where = (_linked(named, kind, name, str(extended.get("linkpath", _text(block[157:257]))), first)
+                     if kind in LINKS else (data, size))
+            member = Member(name, first, *where)
+            if named is not None:
+                named[posixpath.normpath(name)] = member
+            yield member
         position = data if kind in NO_DATA or (kind == b"\x00" and not regular) else data + _padded(size)
         extended, first = {}, position
+
+
+def _named(fh: IO[bytes], position: int, file_size: int) -> dict[str, Member]:
+    """The members whose headers start before `position`, by normalized name (the last of a name)."""
+    return {posixpath.normpath(member.name): member for member in members(fh, 0, file_size, end=position)}
+
+
+def _linked(named: dict[str, Member], kind: bytes, name: str, target: str, position: int) -> tuple[int, int]:
+    """(data offset, size) of the member a link names, found as tarfile finds it: a hard link's target is the archive's
+    name, a symbolic link's is relative to the link's folder. Only members before the link are
+    looked in (tarfile looks after a symbolic link too, which a walk of the headers has not read)."""
+    path = "/".join(filter(None, (posixpath.dirname(name), target))) if kind == SYMBOLIC_LINK else target
+    if posixpath.normpath(path) not in named:
+        raise TarError(f"member {name!r} at byte {position} is a link to {target!r}, which no member before it is")
+    return named[posixpath.normpath(path)][2:]
 
 
 def _header(block: bytes, position: int) -> tuple[bytes, str, int]:
@@ -130,9 +163,9 @@ def _payload(fh: IO[bytes], position: int, size: int, file_size: int, name: str)
 
 
 def _pax(payload: bytes, position: int, global_: bool) -> dict[str, str | int]:
-    """A pax header's path and size, for the member after it. A global header (`g`) is for every
-    member after it, which a part's job starting mid-shard would not see: one naming a path or size
-    is refused, its other records (comments, times) are not needed."""
+    """A pax header's path, size and link target, for the member after it. A global header (`g`) is
+    for every member after it, which a part's job starting mid-shard would not see: one naming a
+    path, size or link target is refused, its other records (comments, times) are not needed."""
     records: dict[str, str | int] = {}
     start = 0
     while match := PAX_RECORD.match(payload, start):
@@ -143,6 +176,8 @@ def _pax(payload: bytes, position: int, global_: bool) -> dict[str, str | int]:
         value = payload[match.end():start + length - 1]
         if keyword == "path":
             records["path"] = value.decode("utf-8", "surrogateescape")
+        elif keyword == "linkpath":
+            records["linkpath"] = value.decode("utf-8", "surrogateescape")
         elif keyword == "size":
             try:
                 records["size"] = int(value)
