@@ -13,7 +13,7 @@ import torch
 import tiny
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import open_extraction, synthetic_extraction, tensor_file
-from actstore.sae import split_tokens, stream_batches, tensors
+from actstore.sae import data_mean, split_tokens, stream_batches, tensors
 from actstore.sae.train import evaluate, train_sae
 
 CFG = {"num_basis": 32, "k_active": 4, "steps": 30, "batch_size": 64, "lr": 0.003, "dead_tokens": 2000,
@@ -179,3 +179,19 @@ def test_the_heldout_fvu_of_one_token_is_none_not_its_error_over_1e_30(tmp_path,
     _, report = train_sae(extraction, "layer_1", dict(CFG, eval_tokens=eval_tokens), progress=False)
     assert report["heldout"]["n_tokens"] == 1 and report["heldout"]["fvu"] is None
     assert report["heldout"]["mse"] > 0
+
+
+def test_b_decs_start_is_the_mean_of_a_sample_from_every_part_not_the_first_rows(tmp_path):
+    """With more training rows than its limit, data_mean took the first rows in storage order: in a
+    dataset sorted by label, one class's tokens. Now a seeded uniform sample, the rows of every part;
+    at or under the limit, every row, as before."""
+    extraction = extraction_of(tmp_path / "x")
+    labelled(extraction, "layer_1")
+    arrays, split = tensors(extraction, "layer_1"), split_tokens(extraction, 0.2, seed=0)
+    rows = np.array(sorted(global_rows(extraction, split.train))) + 1.0  # column 0 of each training row
+    limit = len(rows) // 4
+    sampled = data_mean(arrays, split.train, limit=limit, seed=0)[0].item()
+    assert abs(sampled - rows.mean()) < 0.25 * rows.std()  # the first quarter's mean is 1.3 std below
+    assert data_mean(arrays, split.train, limit=limit, seed=0)[0].item() == sampled
+    assert data_mean(arrays, split.train, limit=limit, seed=1)[0].item() != sampled
+    assert data_mean(arrays, split.train, limit=len(rows))[0].item() == pytest.approx(rows.mean())

@@ -202,10 +202,25 @@ def iter_rows(arrays: list[np.ndarray], rows: list[np.ndarray], chunk: int = 819
             yield np.asarray(array[take], dtype=np.float32)
 
 
-def data_mean(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 65536) -> torch.Tensor:
+def data_mean(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 65536, seed: int = 0) -> torch.Tensor:
+    """Mean of the given rows (b_dec's start), of a seeded uniform sample of `limit` of them when there
+    are more: the first `limit` in storage order were one class's tokens in a dataset sorted by label
+    (an image folder: ImageNet's first 255 images at 257 tokens each)."""
     total, count = None, 0
-    for block in iter_rows(arrays, rows, limit=limit):
+    for block in iter_rows(arrays, _sampled_rows(rows, limit, seed)):
         s = block.astype(np.float64).sum(0)
         total = s if total is None else total + s
         count += len(block)
     return torch.from_numpy(total / max(count, 1)).float()
+
+
+def _sampled_rows(rows: list[np.ndarray], limit: int, seed: int) -> list[np.ndarray]:
+    """`rows` (per part) when they are at most `limit`, else a seeded uniform sample of `limit` of
+    them, in storage order within each part (sequential reads)."""
+    sizes = np.array([len(part_rows) for part_rows in rows], dtype=np.int64)
+    if sizes.sum() <= limit:
+        return rows
+    picked = np.sort(np.random.default_rng(seed).choice(int(sizes.sum()), size=limit, replace=False))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    cuts = np.searchsorted(picked, starts)  # each part's share of the sorted picks
+    return [part_rows[picked[cuts[i]:cuts[i + 1]] - starts[i]] for i, part_rows in enumerate(rows)]

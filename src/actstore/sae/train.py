@@ -114,7 +114,7 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
     check_training_tokens(split)
     torch.manual_seed(sae_cfg["seed"])
     sae = TopKSAE(d_in, num_basis, k)
-    init_sae(sae, data_mean(arrays, split.train), sae_cfg["seed"])
+    init_sae(sae, data_mean(arrays, split.train, seed=sae_cfg["seed"]), sae_cfg["seed"])
     device = pick_device(sae_cfg["device"], "sae.device")
     sae.to(device)
     opt = torch.optim.Adam(sae.parameters(), lr=sae_cfg["lr"], betas=(0.9, 0.999), eps=6.25e-10)
