@@ -25,7 +25,8 @@
 #                                    writer's threads waiting for their copies spinning a CPU, as before
 #                                    session 48 (vit13spin; vit13 itself has them asleep); the images
 #                                    decoded by nvJPEG and processed on the GPU against the workers
-#                                    (decode: bench_image_decode, an image_pipeline: gpu worth building?) (~10 min)
+#                                    (decode: bench_image_decode, an image_pipeline: gpu worth building?); bench_sae with the
+#                                    training rows checked finite (~10 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -126,6 +127,7 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
   row vit13g 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --graph-forward  # vit13 replayed
   # the images decoded (nvJPEG) and processed on the GPU against the decoding workers: worth building?
   step decode 90 python3 bench/bench_image_decode.py --out "$out/decode.json"
+  step sae 60 $SAE  # session 51's finiteness checks on every read of the training rows: hidden?
   # the rest only tells the changes apart, so it goes last: a call cut at its limit keeps the above
   row vit13spin 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --spin-waits  # writers' waits spin
   row vit13n0 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --helper-nice 0  # helpers not below
