@@ -39,7 +39,7 @@ from actstore import io_utils
 from actstore.config import validate_config
 from actstore.datasets import configured_scan, write_scan
 from actstore.datasets.images import check_images
-from actstore.extract import length_batches, logprobs, pipeline, preflight, run_part, tokenize
+from actstore.extract import length_batches, logprobs, preflight, run_part, tokenize
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
@@ -311,7 +311,7 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan
 
 def layers_digest(meta: dict) -> str:
     """The stored layers' bytes in 16 hex digits (their tree hashes from part.json): equal across the
-    rounds of a row, and across rows that differ only in how the same model ran (--graph-forward)."""
+    rounds of a row, and across rows that differ only in how the same model ran (--helper-nice, --hash-threads)."""
     layers = {name: entry["sha256_tree"] for name, entry in sorted(meta["files"].items()) if name.startswith("layer_")}
     return hashlib.sha256(json.dumps(layers).encode()).hexdigest()[:16]
 
@@ -489,12 +489,6 @@ def main() -> None:
     parser.add_argument("--helper-nice", type=int, default=None,
                         help="an experiment: how far below the main thread the decoding workers and hashing "
                              f"threads run (io_utils.HELPER_NICE, default {io_utils.HELPER_NICE}; 0: at its priority)")
-    parser.add_argument("--spin-waits", action="store_true",
-                        help="an experiment (CUDA): the part writer's threads wait for their copies spinning a "
-                             "CPU (a default CUDA event), not asleep (pipeline.BLOCKING_WAITS)")
-    parser.add_argument("--graph-forward", action="store_true",
-                        help="an experiment (CUDA, image rows, layers only): run_part replays each batch of a shape "
-                             "seen before from a CUDA graph (GraphedModel); the bare forward stays eager")
     parser.add_argument("--synthetic-rate", type=float, default=None,
                         help="bytes/s the synthetic producer emits (a model slower than the disk); default memory speed")
     parser.add_argument("--bandwidth-gb", type=float, default=None,
@@ -538,12 +532,6 @@ def main() -> None:
                 result["hash_threads"] = hash_threads_of_part_writer(args.hash_threads)
             if args.helper_nice is not None:
                 io_utils.HELPER_NICE = result["helper_nice"] = args.helper_nice
-            if args.spin_waits:
-                pipeline.BLOCKING_WAITS = result["blocking_waits"] = False
-            if args.graph_forward:
-                if device.type != "cuda":
-                    raise SystemExit("--graph-forward replays CUDA graphs: it needs --device cuda")
-                result["graph_forward"] = graph_forward_in_run_part()
             config = bench_config(args, work)
             # The part's rows from the dataset's scan, as the workflow's part jobs read them (its
             # extract_scan job lists the dataset once for all parts)
@@ -562,72 +550,6 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     for key, value in result.items():
         print(f"{key:24s} {value:.4g}" if isinstance(value, float) else f"{key:24s} {value}")
-
-
-class GraphedModel:
-    """A model whose forward on a batch shape it has run before is replayed from a CUDA graph captured
-    then (bench_graph measures the forward alone). A replay runs no Python, so the forward hooks of
-    run_part's capture (block outputs) are called after it with the outputs the graph wrote: the
-    hooked modules' outputs recorded at capture. Input hooks are not replayed (layers only)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.seen: set[tuple] = set()
-        self.graphs: dict[tuple, tuple] = {}  # shape -> (graph, static input, result, [(module, output, hooks)])
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
-
-    def __call__(self, pixel_values: torch.Tensor, **kwargs):
-        shape = tuple(pixel_values.shape)
-        if kwargs or shape not in self.seen:  # a shape's first batch runs eagerly, its second captures
-            self.seen.add(shape)
-            return self.model(pixel_values=pixel_values, **kwargs)
-        if shape not in self.graphs:
-            self.graphs[shape] = self._capture(pixel_values)
-        graph, static, result, hooked = self.graphs[shape]
-        static.copy_(pixel_values)
-        graph.replay()
-        for module, output, hooks in hooked:
-            for hook, with_kwargs in hooks:
-                hook(module, (), {}, output) if with_kwargs else hook(module, (), output)
-        return result
-
-    def _capture(self, pixel_values: torch.Tensor) -> tuple:
-        static = pixel_values.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.model(pixel_values=static)  # warm-up off the capture, as torch's docs say
-        torch.cuda.current_stream().wait_stream(side)
-        hooked, outputs = [], {}
-        for module in self.model.modules():
-            if module._forward_hooks:
-                hooks = [(hook, module._forward_hooks_with_kwargs.get(key, False))
-                         for key, hook in module._forward_hooks.items()]
-                hooked.append((module, hooks))
-        handles = [module.register_forward_hook(lambda mod, args, out: outputs.__setitem__(mod, out))
-                   for module, _ in hooked]
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the writer threads may wait on earlier batches' events meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            result = self.model(pixel_values=static)
-        for handle in handles:
-            handle.remove()
-        return graph, static, result, [(module, outputs[module], hooks) for module, hooks in hooked]
-
-
-def graph_forward_in_run_part() -> bool:
-    """run_part, from here on, runs its model through GraphedModel."""
-    import actstore.extract.run as extract_run
-    load = extract_run.load_model
-
-    def load_graphed(*args, **kwargs):
-        loaded = load(*args, **kwargs)
-        loaded.model = GraphedModel(loaded.model)
-        return loaded
-    extract_run.load_model = load_graphed
-    return True
 
 
 def hash_threads_of_part_writer(count: int) -> int:

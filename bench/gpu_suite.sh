@@ -3,30 +3,14 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh changes DEST  what sessions 44-46 left to find out: the CUDA tests (the weights' slots
-#                                    forced on tiny models), the zarr shard jobs at 1, 4 and 8 threads (the
-#                                    kernel's share of their CPU seconds, each job's seconds per chunk step),
-#                                    the 1,024-image ViT row with 13 and with 10 decoding workers, and with 13
-#                                    at the main thread's priority (--helper-nice 0; since session 46 the
-#                                    workers and hashing threads run 10 below it) (part.json's
-#                                    main-thread split: ~29 ms a batch against the bare forward's 9-10; CPUs
-#                                    left free tell contention from the thread's own work), and with 13
-#                                    workers and a hashing pool of 2 threads, not 16, and once more under
-#                                    py-spy (every thread's time: vit13spy.spy-summary.txt); the disk
-#                                    written buffered and with O_DIRECT, by 1 and 4 streams (bench_disk:
-#                                    is there room above the llama rows' disk bound?); the ViT forward
-#                                    eager and as a CUDA graph (bench_graph: the main thread's ms a
-#                                    batch, and whether the bits stay the same), and the vit13 row with
-#                                    run_part's forward replayed from graphs (vit13g: same layers_digest
-#                                    as vit13's?); the writers' file system and its journal's commits
-#                                    around the zarr rows (fs, fsafter: with the disks' queue settings), and
-#                                    one 8-thread zarr shard job under py-spy (zarrspy: where its threads
-#                                    wait, by line of actstore's code); the vit13 row with the part
-#                                    writer's threads waiting for their copies spinning a CPU, as before
-#                                    session 48 (vit13spin; vit13 itself has them asleep); the images
-#                                    decoded by nvJPEG and processed on the GPU against the workers
-#                                    (decode: bench_image_decode, an image_pipeline: gpu worth building?); bench_sae with the
-#                                    training rows checked finite (~10 min)
+#   bench/gpu_suite.sh changes DEST  what session 52 left to find out: the CUDA tests; the zarr shard jobs at 1,
+#                                    4 and 8 threads with every module byte-compiled first (session 52's
+#                                    node compiled zarr's sources in each job, holding the GIL its chunk
+#                                    threads waited on) and one 8-thread job under py-spy (zarrspy: how
+#                                    much of its threads' time is still a wait for the GIL); the 1,024-image
+#                                    ViT row (0.79-0.80 of the loading rate in session 52, goal 0.8) with
+#                                    13 workers, at the main thread's priority (--helper-nice 0) and with
+#                                    a hashing pool of 2 threads; the Llama-1B 4-layer row (~8 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -49,9 +33,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     .whl/*.whl 2>&1 | grep -v "already exists" || true
   export PYTHONPATH=/tmp/site
 fi
+# Byte-compiled before any row: on session 52's node no job reused a .pyc (the zarr shard job under
+# py-spy compiled zarr's sources on its import thread, after ten jobs had imported zarr), so each job
+# paid its imports' compiling, holding the GIL its chunk threads waited on
+python3 -m compileall -q -j 0 src ${PYTHONPATH:+/tmp/site} > /dev/null 2>&1 || true
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-SHOW='^(shape|layers_digest|graph_forward|blocking_waits|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|images_per_s|^pixels_|^processor|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction|scheduler'
+SHOW='^(shape|layers_digest|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|images_per_s|^pixels_|^processor|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction|scheduler'
 reached=${FROM:+no}  # FROM=NAME: skip the steps before NAME (a second call resuming one cut at its limit)
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
@@ -105,15 +93,9 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
   build_ext
   step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
     --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
-changes)  # sessions 44-45's changes no GPU has run, and the rows short of their goals
+changes)  # session 52's open questions: the zarr shard jobs without the compiling, the rows short of their goals
   step pytest 120 $CUDA_TESTS
   build_ext
-  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
-  SPY="vit13spy ${SPY-}" row vit13spy 100 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2
-  # the writers' file system (journal, data mode) and its journal's commits, before and after them
-  step fs 10 bash -c 'findmnt -T /tmp; df -T /tmp; head -12 /proc/fs/jbd2/*/info; for q in /sys/block/*/queue; do
-    echo "$q: scheduler $(cat $q/scheduler 2>/dev/null) wbt_lat_usec $(cat $q/wbt_lat_usec 2>/dev/null) nr_requests $(cat $q/nr_requests 2>/dev/null)"
-    done | grep -v /loop'
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"
   # one 8-thread zarr shard job (a 2 GB part) under py-spy: where its threads wait (GIL, mkdir, write, hash)
@@ -121,18 +103,10 @@ changes)  # sessions 44-45's changes no GPU has run, and the rows short of their
     --threads --format raw -o $out/zarrspy.spy.txt -- python3 bench/bench_writers.py --job zarr --threads 8 --part 0 \
     --extract /tmp/writers/extract-6gb-3p-d1024/float32 --out /tmp/writers/spy-\$RANDOM; \
     python3 bench/spy_summary.py $out/zarrspy.spy.txt --top 6 > $out/zarrspy.spy-summary.txt"
-  step fsafter 10 bash -c 'head -12 /proc/fs/jbd2/*/info'
-  step disk 60 python3 bench/bench_disk.py --gb 4 --repeat 2 --out "$out/disk.json"
-  step graph 60 python3 bench/bench_graph.py --out "$out/graph.json"
-  row vit13g 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --graph-forward  # vit13 replayed
-  # the images decoded (nvJPEG) and processed on the GPU against the decoding workers: worth building?
-  step decode 90 python3 bench/bench_image_decode.py --out "$out/decode.json"
-  step sae 60 $SAE  # session 51's finiteness checks on every read of the training rows: hidden?
-  # the rest only tells the changes apart, so it goes last: a call cut at its limit keeps the above
-  row vit13spin 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --spin-waits  # writers' waits spin
+  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
   row vit13n0 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --helper-nice 0  # helpers not below
   row vit13h2 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --hash-threads 2
-  row vit10 70 --shape vit-b14 --num-workers $(( $(nproc) - 6 )) --repeats 2 ;;
+  row llama4 90 --shape llama-1b ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
