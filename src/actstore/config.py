@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,13 @@ def _default_filling_validator():
     ints = Draft202012Validator.TYPE_CHECKER.redefine(
         "integer", lambda checker, instance: isinstance(instance, int) and not isinstance(instance, bool))
     filling = validators.extend(Draft202012Validator, {"properties": fill_defaults}, type_checker=ints)
-    return filling(yaml.safe_load(SCHEMA_PATH.read_text()))
+    return filling(config_schema())
+
+
+@functools.cache
+def config_schema() -> dict[str, Any]:
+    """config.schema.yaml, read once (a Snakefile parse validates and hashes every stage)."""
+    return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

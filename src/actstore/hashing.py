@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from actstore.config import enabled_stages
+from actstore.config import config_schema, enabled_stages
 from actstore.formats import FORMAT_STAGES
 from actstore.formats.saev.layout import POINTER as SAEV_POINTER
 from actstore.errors import ActstoreError
@@ -76,11 +76,13 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
     """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
     dropped when float32 (all earlier releases stored), so extractions made before it keep their hash
     (extract.token_logprobs likewise when true); lmprobe.dtype auto resolved to the storage dtype;
-    likewise pickle.compressor when zlib (or when nothing is compressed)."""
+    likewise pickle.compressor when zlib (or when nothing is compressed); a whole number in a
+    number-typed key as an int (see _integral_numbers_as_ints)."""
     values = config[section]
     if not isinstance(values, dict):
         return values
     values = {k: v for k, v in values.items() if k not in EXECUTION_KEYS.get(section, ())}
+    values = _integral_numbers_as_ints(section, values)
     if section == "dataset":
         values |= dataset_identity(values)
     if section == "pickle" and (values.get("compressor") == "zlib" or values.get("compression") == "none"):
@@ -96,6 +98,23 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
     if section == "lmprobe" and values.get("dtype") == "auto":  # the same dataset as the dtype it names
         values["dtype"] = storage_dtype(config)
     return values
+
+
+def _integral_numbers_as_ints(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each whole float of a key the schema types number (pickle.shard_size_mb: 100.0,
+    sae.lr: 1.0) made an int: YAML reads 100.0 as a float and 100 as an int, the stage runs the same
+    on both, and canonical JSON would hash them apart. Towards the int, as the schema's defaults spell
+    a whole number (shard_size_mb: 100), so a config leaving the key unset keeps its hash. Integer keys
+    hold ints already (config._default_filling_validator refuses 2.0)."""
+    numbers = {key for key, schema in config_schema()["properties"][section].get("properties", {}).items()
+               if "number" in _schema_types(schema)}
+    return {key: int(value) if key in numbers and isinstance(value, float) and value.is_integer() else value
+            for key, value in values.items()}
+
+
+def _schema_types(schema: dict[str, Any]) -> list[str]:
+    types = schema.get("type", [])
+    return [types] if isinstance(types, str) else types
 
 
 def dataset_identity(section: dict[str, Any]) -> dict[str, str]:
