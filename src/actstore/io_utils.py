@@ -5,6 +5,7 @@ import abc
 import bisect
 import contextlib
 import ctypes
+import errno
 import glob
 import hashlib
 import json
@@ -169,11 +170,41 @@ def remove_stale_temps(final: Path) -> None:
             stale.unlink(missing_ok=True)
 
 
+_RENAMEAT2 = getattr(_LIBC, "renameat2", None)  # glibc 2.28 and later
+if _RENAMEAT2 is not None:
+    _RENAMEAT2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+_AT_FDCWD = -100  # renameat2's paths taken as they are (relative to the working directory)
+_RENAME_EXCHANGE = 2
+
+
+def _temp_beside(final: Path) -> Path:
+    """A new empty directory named as atomic_path's temps of `final` (remove_stale_temps sweeps it)."""
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent))
+
+
+def _swap_directories(tmp: Path, final: Path) -> None:
+    """Put directory `tmp` under the name of directory `final`, the old tree left under a temp name of
+    final's for the caller to delete. Linux swaps the two names in one step (renameat2
+    RENAME_EXCHANGE), so a crash finds the whole old tree or the whole new one under the final name.
+    Where the C library lacks it or the file system refuses it (EINVAL, ENOSYS: NFS, Lustre), the old
+    tree is renamed aside first: a crash between the two renames leaves nothing under the final name,
+    the old tree whole under its temp name; no sequence of plain renames closes that window."""
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(code, f"{tmp} <-> {final}: renameat2: {os.strerror(code)}")
+    os.replace(final, _temp_beside(final))  # a directory renamed over an empty one
+    os.replace(tmp, final)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success fsync and rename it into place, else delete it.
 
-    Works for files and directories, so a crash never leaves something under the final name: a
+    Works for files and directories, so a crash never leaves something partly written under the
+    final name, nor a directory partly deleted (one being replaced is swapped out whole, then deleted): a
     directory's files, the small ones its writer never fsynced included (a zarr shard's thousands of
     chunk files, metadata written by other libraries), are on disk before it takes the name, so a
     machine that goes down just after cannot leave a store of the right name and empty files.
@@ -181,7 +212,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     final = Path(path)
     make_dirs_durable(final.parent)
     remove_stale_temps(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent))
+    tmp = _temp_beside(final)
     tmp.rmdir()
     try:
         yield tmp
@@ -190,10 +221,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
                 fsync_named(fh.fileno(), final)
         elif tmp.is_dir():
             sync_filesystem(tmp)
-        if final.is_dir() and tmp.is_dir():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replacing_directory = final.is_dir() and not final.is_symlink() and tmp.is_dir()  # a link: refused by rename
+        if replacing_directory:
+            _swap_directories(tmp, final)
+        else:
+            os.replace(tmp, final)
         fsync_dir(final.parent)
+        if replacing_directory:  # the old tree, deleted once the new one's name is durable; a crash
+            remove_stale_temps(final)  # while it goes leaves it to the next writer's sweep
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
