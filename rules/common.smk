@@ -9,6 +9,7 @@ from actstore.errors import ConfigError
 from actstore.hashing import upstream_stages
 from actstore.jobs import job_items
 from actstore.model_config import check_layers, check_sequence_length, resolve_model_path, run_config
+from actstore.model_identity import check_model_unchanged
 from actstore.workflow import parse_dataset
 
 # Cheap parse-time checks, so bad input fails before any job is scheduled. The library's validation

@@ -2,6 +2,11 @@
 # GPU) reading only its rows, then a small index.
 
 EXTRACT_DIR = sdir("extract")
+# A finished extraction whose model folder has since been given other weights (a model is named by
+# its path) stops the run here, naming the file (actstore/model_identity.py); in the main process
+# only: a copied folder's files are hashed to tell a copy from new weights.
+if workflow.is_main_process:
+    check_model_unchanged(resolve_model_path(config["model"]["path"]), Path(EXTRACT_DIR))
 # A part job's CPUs (images: its decoding workers; actstore/resources.py), from config.json alone.
 EXTRACT_PART_THREADS = actstore_resources.extract_part_threads(config)
 
@@ -66,7 +71,7 @@ rule extract_index:
         log_path("extract", "index"),
     resources:
         mem_mb=1000,
-        runtime=10,
+        runtime=lambda wildcards, attempt: actstore_resources.extract_index_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -244,6 +244,11 @@ def extract_scan_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     return _minutes(workload(config).text_bytes / SCAN_BYTES_PER_S, attempt)
 
 
+def extract_index_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes for the index: the model's files hashed once (model_identity), at the scratch rate."""
+    return _minutes(workload(config).weight_bytes / IO_BYTES_PER_S, attempt)
+
+
 def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     """Minutes for one part: forward FLOPs (2 per weight per token) on one GPU plus writing its share."""
     w = workload(config)

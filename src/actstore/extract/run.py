@@ -25,6 +25,7 @@ from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
+from actstore.model_identity import MODEL_FILES_KEY, model_files
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
                                    model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, storage_dtype,
                                    trusted)
@@ -89,6 +90,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         batches = length_batches(lengths, ext["batch_size"])
     step_done("inputs")
     torch.manual_seed(0)
+    loaded_files = model_files(model_path)  # what it loads (model_identity: a folder changed later is named)
     loaded = load_model(model_path, dtype, str(device), config["model"].get("tower"),
                         trusted(config["model"]), preprocessor)
     if loaded.device.type == "cuda" and (advice := gpu_precision_warning(
@@ -131,7 +133,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                         "tokens are stored (part.json n_truncated_samples)", part, truncated, len(samples),
                         ext["max_seq_length"], ext["max_seq_length"])
         meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
-            "storage_dtype": storage_dtype(config), "num_workers": workers,
+            "storage_dtype": storage_dtype(config), "num_workers": workers, MODEL_FILES_KEY: loaded_files,
             "image_pipeline": "cpu" if token_ids is None else None,
             "image_decoding": IMAGE_DECODING if vision else None,
             # transformers picks a processor's backend by what is installed (torchvision, else PIL),

@@ -24,6 +24,7 @@ from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES,
 from actstore.integrity import (check_file, check_npy, file_records, inside, open_regular, read_json, refuse,
                                 unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
+from actstore.model_identity import MODEL_FILES_KEY
 
 
 class StoredTensor:
@@ -419,7 +420,8 @@ RUN_WIDE = ("tensors", "layers", "hooks", "modality", "model_kind", "max_seq_len
 # part.json keys outside PartInfo, as run-wide. An image part's pixels also depend on the processor
 # class that ran: transformers picks its torchvision or PIL backend by what the job's environment has
 # installed, and the two differ slightly, so parts extracted in two environments would mix them.
-RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding", "image_processor", "image_pipeline")
+# The model files' sizes and mtimes (model_identity): a folder changed between two parts' jobs.
+RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding", "image_processor", "image_pipeline", MODEL_FILES_KEY)
 
 
 def _check_cover(parts: list[Part]) -> None:

@@ -151,11 +151,16 @@ def write_part(out_dir: str | Path):
     return atomic_path(out_dir)
 
 
-def write_index(extract_dir: str | Path, index_path: str | Path) -> dict:
-    """extract.json (index_of the extraction in extract_dir), written atomically."""
+def write_index(extract_dir: str | Path, index_path: str | Path, model_folder: Path | None = None) -> dict:
+    """extract.json (index_of the extraction in extract_dir), written atomically; with the model
+    files its parts loaded hashed from `model_folder` (model_identity), which parses compare."""
     from actstore.formats.extract.read import open_extraction
+    from actstore.model_identity import MODEL_FILES_KEY, hashed_model_files
 
-    index = index_of(open_extraction(extract_dir))
+    extraction = open_extraction(extract_dir)
+    index = index_of(extraction)
+    if model_folder is not None and extraction.parts and (loaded := extraction.parts[0].meta.get(MODEL_FILES_KEY)):
+        index[MODEL_FILES_KEY] = hashed_model_files(model_folder, loaded)
     write_json_atomic(index_path, index)
     return index
 

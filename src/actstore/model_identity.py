@@ -1,0 +1,98 @@
+"""Which model files an extraction read, and whether its model folder still holds them.
+
+Stage hashes name a model by its path (model.path, model.revision), so weights saved over a folder (a
+fine-tune written where its base was) would leave the old extraction standing under the new
+weights' name: Snakemake would find it and run nothing. Each part records the size and mtime of
+the folder's model files it loaded (part.json model_files; the parts of one extraction must agree),
+extract_index adds their sha256 to extract.json, and each Snakefile parse compares a finished
+extraction's record with the folder: a file whose size or mtime moved is hashed again, so a copy
+that kept the bytes passes and new bytes stop the run, naming the file.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from actstore.errors import ConfigError
+from actstore.integrity import read_json
+from actstore.io_utils import sha256_file
+
+# What loading a model, its tokenizer or image processor can read: weights, configs and tokenizer
+# files, remote code. Other files in the folder (a README, images) change nothing extracted.
+MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".json", ".model",
+                  ".txt", ".tiktoken", ".py")
+MODEL_FILES_KEY = "model_files"  # the key of part.json and extract.json
+
+
+def model_files(folder: Path) -> dict[str, dict[str, int]]:
+    """The folder's top-level model files (MODEL_SUFFIXES; links followed, as loading follows them:
+    a Hugging Face cache snapshot links to its blobs) with their size and mtime."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.suffix.lower() in MODEL_SUFFIXES and path.is_file():
+            stat = path.stat()
+            files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return files
+
+
+def hashed_model_files(folder: Path, loaded: dict[str, dict[str, int]], threads: int = 4) -> dict[str, dict]:
+    """`loaded` (what the parts recorded) with each file's sha256, hashed from the folder; ConfigError
+    if the folder no longer holds what the parts loaded."""
+    if moved := _moved(loaded, now := model_files(folder)):
+        raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now)} since the extraction's parts "
+                          f"loaded it, so their activations are of other weights than the folder holds; extract "
+                          f"them again")
+    with ThreadPoolExecutor(threads) as pool:
+        digests = dict(zip(loaded, pool.map(lambda name: sha256_file(folder / name), loaded)))
+    if moved := _moved(loaded, now := model_files(folder)):
+        raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now)} while it was hashed; run again")
+    return {name: stat | {"sha256": digests[name]} for name, stat in loaded.items()}
+
+
+def check_model_unchanged(folder: Path, extract_dir: Path) -> None:
+    """ConfigError naming the file if the finished extraction in `extract_dir` (its extract.json)
+    read other model files than `folder` holds now. Nothing to compare (no finished extraction, one
+    of a release that recorded no files, or no folder here) is no error."""
+    index = extract_dir / "extract.json"
+    recorded = _recorded(index) if index.is_file() else None
+    if not recorded or not folder.is_dir():
+        return
+    now = model_files(folder)
+    if changed := [name for name in _moved(recorded, now) if not _same_bytes(folder, name, recorded, now)]:
+        raise ConfigError(
+            f"model.path {folder}: {_change(changed[0], recorded, now)} since the extraction {extract_dir} read "
+            f"it ({index} {MODEL_FILES_KEY}), so its activations are of the old weights. The stage hashes name a model "
+            f"by its path: save new weights to a new folder or give model.revision a new value, or move "
+            f"{extract_dir} away to extract the new weights under the same name")
+
+
+def _recorded(index: Path) -> dict[str, dict] | None:
+    index_data = read_json(index)
+    recorded = index_data.get(MODEL_FILES_KEY) if isinstance(index_data, dict) else None
+    entry_keys = {"bytes": int, "mtime_ns": int, "sha256": str}
+    if recorded is not None and not (isinstance(recorded, dict) and all(
+            isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in entry_keys.items())
+            for entry in recorded.values())):
+        raise ConfigError(f"{index}: {MODEL_FILES_KEY} is not a map of files to their bytes, mtime_ns and sha256")
+    return recorded
+
+
+def _moved(recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> list[str]:
+    """The files gone, new, or of another size or mtime."""
+    return [name for name in sorted(set(recorded) | set(now)) if name not in now or name not in recorded
+            or (now[name]["bytes"], now[name]["mtime_ns"]) != (recorded[name]["bytes"], recorded[name]["mtime_ns"])]
+
+
+def _same_bytes(folder: Path, name: str, recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> bool:
+    """A file whose mtime alone moved (a copy, a touch) holds the bytes recorded."""
+    return (name in now and name in recorded and now[name]["bytes"] == recorded[name]["bytes"]
+            and sha256_file(folder / name) == recorded[name]["sha256"])
+
+
+def _change(name: str, recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> str:
+    if name not in now:
+        return f"{name} is gone"
+    if name not in recorded:
+        return f"{name} is new"
+    return f"{name} has other bytes"
