@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,54 @@ def config_schema() -> dict[str, Any]:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader (YAML 1.1, as Snakemake reads a config), refusing the plain numbers that
+    YAML 1.1 reads apart from YAML 1.2 and Python: a zero-padded `010` is octal 8 and `1:30` is
+    base 60 (90), so `layers: [010, 011]` would extract blocks 8 and 9 with no error. Hex, binary and
+    underscores (0x10, 0b101, 1_000) read the same everywhere and pass; quoted scalars are text."""
+
+
+def _refusing_yaml11_spellings(construct):
+    """`construct` (SafeLoader's int or float), refusing a plain scalar YAML 1.1 reads apart."""
+    def checked(loader: _ConfigLoader, node: yaml.ScalarNode) -> Any:
+        value = construct(loader, node)
+        if node.style is not None:  # quoted: a number only when tagged !!int or !!float, as asked
+            return value
+        digits = node.value.lstrip("+-").replace("_", "")
+        if ":" in node.value:
+            why, fix = "is base 60 to YAML 1.1 (PyYAML, Snakemake), which reads it as", "write the number itself"
+        elif digits.isdigit() and len(digits) > 1 and digits[0] == "0":
+            why = "has a leading zero, so YAML 1.1 (PyYAML, Snakemake) reads it as octal"
+            fix = "write it without the leading zero"
+        else:
+            return value
+        mark = node.start_mark
+        raise ConfigError(f"{mark.name}, line {mark.line + 1}: {node.value} {why} {value}; "
+                          f"{fix}, or quote it if it is text")
+    return checked
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int",
+                              _refusing_yaml11_spellings(_ConfigLoader.construct_yaml_int))
+_ConfigLoader.add_constructor("tag:yaml.org,2002:float",
+                              _refusing_yaml11_spellings(_ConfigLoader.construct_yaml_float))
+
+
+def check_yaml_numbers(paths: Iterable[str | Path]) -> None:
+    """ConfigError naming the file, line and number for the first number spelled as YAML 1.1 reads
+    apart from YAML 1.2 and Python (_ConfigLoader) in the config files Snakemake read
+    (workflow.configfiles; rules/common.smk), each read as Snakemake reads it: JSON first (whose
+    numbers mean one thing, and which YAML 1.1 does not always parse), then YAML."""
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            try:
+                json.load(fh)
+                continue
+            except ValueError:
+                fh.seek(0)
+            yaml.load(fh, Loader=_ConfigLoader)
+
+
 def load_config(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file, validate it and return the resolved (defaults filled) dict."""
     path = Path(path)
@@ -110,7 +160,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     try:
         with path.open(encoding="utf-8") as fh:
-            config = yaml.safe_load(fh) or {}
+            config = yaml.load(fh, Loader=_ConfigLoader) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     except RecursionError:
