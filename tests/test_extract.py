@@ -1446,7 +1446,8 @@ def test_vit_parts_are_identical_with_and_without_decoding_workers(model_dir, im
         assert meta["num_workers"] == workers
         waits = meta["extraction_waits"]
         steps = waits["startup_steps"]
-        assert list(steps) == ["preflight", "inputs", "model_load", "tokens_per_image"]
+        assert list(steps) == ["preflight", "image_processor", "image_workers", "image_checks", "inputs", "model_load",
+                               "tokens_per_image"]
         assert list(steps.values()) == sorted(steps.values()) and steps["tokens_per_image"] <= waits["startup_seconds"]
         parts.append(data_files(out))
     assert parts[0] == parts[1]

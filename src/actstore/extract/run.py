@@ -78,11 +78,14 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     if vision:  # every image has the same token count: the batches are known before the model is
         batches = length_batches([1] * len(samples), ext["batch_size"])
         preprocessor = load_image_processor(model_path, trusted(config["model"]))
+        step_done("image_processor")
         pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
                                device.type == "cuda", TORCH_DTYPES[dtype])
+        step_done("image_workers")
         # The workers decode the first batches while every image's header is checked here, still
         # before the weights load: decoding, an image part's bound, starts as early as it can.
         check_images(dataset.opener, samples, cpus)
+        step_done("image_checks")
     else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
         preprocessor = load_tokenizer(model_path, trusted(config["model"]), config["model"].get("fix_mistral_regex"))
         token_ids = text_token_ids(config, preprocessor, dataset)
