@@ -136,3 +136,15 @@ def test_snakemake_stops_at_the_parse_when_the_weights_were_replaced(model_dir, 
     new_weights(model)
     stopped = subprocess.run([*cmd, "-n"], capture_output=True, text=True, timeout=300)
     assert stopped.returncode != 0 and "model.safetensors has other bytes" in stopped.stdout + stopped.stderr
+
+
+def test_a_recorded_name_outside_the_folder_is_never_read(extraction, tmp_path):
+    """A name in extract.json is compared with the folder's own listing, never opened: '../x' is gone."""
+    model, out = extraction
+    (tmp_path / "outside.json").write_text("{}")
+    index = out / "extract.json"
+    data = json.loads(index.read_text())
+    data["model_files"]["../outside.json"] = {"bytes": 2, "mtime_ns": 0, "sha256": "0" * 64}
+    index.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"\.\./outside.json is gone"):
+        check_model_unchanged(model, out)
