@@ -67,11 +67,13 @@ def test_weights_saved_over_the_folder_are_named(extraction):
         check_model_unchanged(model, out)
 
 
-def test_a_copy_that_kept_the_bytes_passes(extraction):
+def test_a_copy_that_kept_the_bytes_passes(extraction, caplog):
+    """Hashed again and passed, and the log says how to stop hashing it at every run."""
     model, out = extraction
     for path in model.iterdir():
         os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     check_model_unchanged(model, out)
+    assert "model.safetensors: its mtime moved since the extraction read it, its bytes did not" in caplog.text
 
 
 @pytest.mark.parametrize("change, named", [
@@ -99,7 +101,8 @@ def test_parts_that_loaded_other_weights_are_refused(model_dir, text_jsonl, tmp_
     run_part(config, 0, out / "part-0000", progress=False)
     new_weights(model)
     run_part(config, 1, out / "part-0001", progress=False)
-    with pytest.raises(FormatError, match=r"part-0001/part.json: model_files differs"):
+    with pytest.raises(FormatError, match=r"part-0001/part.json: model_files differ from .*part-0000/part.json's: "
+                                          r"the model folder changed"):
         write_index(out, out / "extract.json", model)
 
 
@@ -110,9 +113,36 @@ def test_the_index_refuses_a_folder_changed_after_the_parts(model_dir, text_json
     for part in range(config["extract"]["parts"]):
         run_part(config, part, out / f"part-{part:04d}", progress=False)
     new_weights(model)
-    with pytest.raises(ConfigError, match="model.safetensors has other bytes since the extraction's parts"):
+    with pytest.raises(ConfigError, match="model.safetensors was written again or touched.* since the extraction"):
         write_index(out, out / "extract.json", model)
     assert not (out / "extract.json").exists()
+
+
+def test_the_index_says_a_touched_weights_file_may_hold_its_bytes(model_dir, text_jsonl, tmp_path):
+    """The parts record no sha256, so a touch (a scratch purge's refresh) between them and the index
+    is refused without claiming other bytes the index never compared."""
+    model = copied_model(model_dir, tmp_path)
+    config = tiny.make_config(tmp_path, model, text_jsonl)
+    out = stage_dir(config, "extract")
+    for part in range(config["extract"]["parts"]):
+        run_part(config, part, out / f"part-{part:04d}", progress=False)
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    with pytest.raises(ConfigError) as refused:
+        write_index(out, out / "extract.json", model)
+    assert "model.safetensors was written again or touched" in str(refused.value)
+    assert "other bytes" not in str(refused.value)
+
+
+def test_an_edited_chat_template_is_named(model_dir, text_jsonl, tmp_path):
+    """chat_template.jinja, which the tokenizer loads (a chat dataset's tokens), is one of the model files."""
+    model = tiny.add_chat_template(model_dir("gpt2"), tmp_path / "model")
+    out = extract(tiny.make_config(tmp_path, model, text_jsonl), model)
+    assert "chat_template.jinja" in json.loads((out / "extract.json").read_text())["model_files"]
+    template = model / "chat_template.jinja"
+    template.write_text(template.read_text().replace("{{", "{{ ", 1))
+    with pytest.raises(ConfigError, match="chat_template.jinja has other bytes"):
+        check_model_unchanged(model, out)
 
 
 def test_a_damaged_record_is_named(extraction):
@@ -148,3 +178,40 @@ def test_a_recorded_name_outside_the_folder_is_never_read(extraction, tmp_path):
     index.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=r"\.\./outside.json is gone"):
         check_model_unchanged(model, out)
+
+
+def test_one_part_of_an_earlier_releases_extraction_can_be_made_again(model_dir, text_jsonl, tmp_path):
+    """Parts written before model_files was recorded say nothing about the model: a part made again
+    today beside them is not refused, and the index records no model files (nothing to compare)."""
+    model = copied_model(model_dir, tmp_path)
+    config = tiny.make_config(tmp_path, model, text_jsonl)
+    out = extract(config, model)
+    old = out / "part-0000" / "part.json"
+    old.write_text(json.dumps({k: v for k, v in json.loads(old.read_text()).items() if k != "model_files"}))
+    write_index(out, out / "extract.json", model)
+    assert len(open_extraction(out).parts) == 2 and "model_files" not in json.loads((out / "extract.json").read_text())
+
+
+def test_files_the_trainer_writes_beside_the_weights_change_nothing(extraction):
+    """An evaluation run adding eval_results.json to the folder is no new weights."""
+    model, out = extraction
+    (model / "eval_results.json").write_text('{"eval_loss": 1.0}')
+    (model / "training_args.bin").write_bytes(b"args")
+    check_model_unchanged(model, out)
+
+
+def test_a_new_file_of_the_users_own_says_to_move_it_out(extraction):
+    model, out = extraction
+    (model / "notes.txt").write_text("fine-tuned on ...\n")
+    with pytest.raises(ConfigError, match=r"notes.txt is new \(if no loading reads it, a file of your own, move it"):
+        check_model_unchanged(model, out)
+
+
+def test_a_damaged_part_record_is_named(extraction):
+    model, out = extraction
+    meta = out / "part-0001" / "part.json"
+    data = json.loads(meta.read_text())
+    data["model_files"]["config.json"] = 5
+    meta.write_text(json.dumps(data))
+    with pytest.raises(FormatError, match=r"part-0001/part.json: model_files is not a map"):
+        open_extraction(out)

@@ -10,6 +10,7 @@ that kept the bytes passes and new bytes stop the run, naming the file.
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,16 @@ from actstore.integrity import read_json
 from actstore.io_utils import sha256_file
 
 # What loading a model, its tokenizer or image processor can read: weights, configs and tokenizer
-# files, remote code. Other files in the folder (a README, images) change nothing extracted.
+# files, the chat template (chat_template.jinja: a chat dataset's tokens), remote code. Other files
+# in the folder (a README, images) change nothing extracted.
 MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".json", ".model",
-                  ".txt", ".tiktoken", ".py")
+                  ".txt", ".tiktoken", ".jinja", ".py")
+# Files Hugging Face's Trainer writes beside the weights that no loading reads (an evaluation run
+# adding eval_results.json would otherwise stop every later run).
+TRAINER_FILES = frozenset({"trainer_state.json", "training_args.bin", "all_results.json", "train_results.json",
+                           "eval_results.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth"})
 MODEL_FILES_KEY = "model_files"  # the key of part.json and extract.json
+log = logging.getLogger(__name__)
 
 
 def model_files(folder: Path) -> dict[str, dict[str, int]]:
@@ -30,7 +37,7 @@ def model_files(folder: Path) -> dict[str, dict[str, int]]:
     a Hugging Face cache snapshot links to its blobs) with their size and mtime."""
     files = {}
     for path in sorted(folder.iterdir()):
-        if path.suffix.lower() in MODEL_SUFFIXES and path.is_file():
+        if path.suffix.lower() in MODEL_SUFFIXES and path.name not in TRAINER_FILES and path.is_file():
             stat = path.stat()
             files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     return files
@@ -40,13 +47,14 @@ def hashed_model_files(folder: Path, loaded: dict[str, dict[str, int]], threads:
     """`loaded` (what the parts recorded) with each file's sha256, hashed from the folder; ConfigError
     if the folder no longer holds what the parts loaded."""
     if moved := _moved(loaded, now := model_files(folder)):
-        raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now)} since the extraction's parts "
-                          f"loaded it, so their activations are of other weights than the folder holds; extract "
-                          f"them again")
+        raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now, hashed=False)} since the "
+                          f"extraction's parts loaded it (their part.json {MODEL_FILES_KEY}), so the folder may no "
+                          f"longer hold the weights they ran; extract them again")
     with ThreadPoolExecutor(threads) as pool:
         digests = dict(zip(loaded, pool.map(lambda name: sha256_file(folder / name), loaded)))
     if moved := _moved(loaded, now := model_files(folder)):
-        raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now)} while it was hashed; run again")
+        raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now, hashed=False)} while it was hashed; "
+                          f"run again")
     return {name: stat | {"sha256": digests[name]} for name, stat in loaded.items()}
 
 
@@ -61,10 +69,10 @@ def check_model_unchanged(folder: Path, extract_dir: Path) -> None:
     now = model_files(folder)
     if changed := [name for name in _moved(recorded, now) if not _same_bytes(folder, name, recorded, now)]:
         raise ConfigError(
-            f"model.path {folder}: {_change(changed[0], recorded, now)} since the extraction {extract_dir} read "
-            f"it ({index} {MODEL_FILES_KEY}), so its activations are of the old weights. The stage hashes name a model "
-            f"by its path: save new weights to a new folder or give model.revision a new value, or move "
-            f"{extract_dir} away to extract the new weights under the same name")
+            f"model.path {folder}: {_change(changed[0], recorded, now, hashed=True)} since the extraction "
+            f"{extract_dir} read it ({index} {MODEL_FILES_KEY}), so its activations are of the old weights. The "
+            f"stage hashes name a model by its path: save new weights to a new folder or give model.revision a "
+            f"new value, or move {extract_dir} away to extract the new weights under the same name")
 
 
 def _recorded(index: Path) -> dict[str, dict] | None:
@@ -85,14 +93,26 @@ def _moved(recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> list[str
 
 
 def _same_bytes(folder: Path, name: str, recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> bool:
-    """A file whose mtime alone moved (a copy, a touch) holds the bytes recorded."""
-    return (name in now and name in recorded and now[name]["bytes"] == recorded[name]["bytes"]
+    """A file whose mtime alone moved (a copy, a touch) holds the bytes recorded; said in the log, as
+    every parse hashes it again until its mtime is the recorded one."""
+    same = (name in now and name in recorded and now[name]["bytes"] == recorded[name]["bytes"]
             and sha256_file(folder / name) == recorded[name]["sha256"])
+    if same:
+        log.warning("%s: its mtime moved since the extraction read it, its bytes did not (hashed again at each "
+                    "run; `touch -d @%.9f` gives it back its recorded mtime)", folder / name,
+                    recorded[name]["mtime_ns"] / 1e9)
+    return same
 
 
-def _change(name: str, recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> str:
+def _change(name: str, recorded: dict[str, Any], now: dict[str, dict[str, int]], hashed: bool) -> str:
+    """How a moved file changed; one of the recorded size whose mtime alone moved has other bytes only
+    where `hashed` compared them (the parts record no sha256: a touch, a scratch purge's refresh or a
+    copy without its times looks the same as new weights of the same size)."""
     if name not in now:
         return f"{name} is gone"
     if name not in recorded:
-        return f"{name} is new"
-    return f"{name} has other bytes"
+        return f"{name} is new (if no loading reads it, a file of your own, move it out of the folder)"
+    if hashed or now[name]["bytes"] != recorded[name]["bytes"]:
+        return f"{name} has other bytes"
+    return (f"{name} was written again or touched (its size is the same, its mtime moved, and the parts "
+            f"recorded no sha256 to tell its bytes from new weights)")

@@ -348,6 +348,7 @@ class Extraction:
             raise FormatError(f"{self.dir}: no extraction parts")
         self.parts = [open_part(self.dir / part_dirname(p)) for p in range(n_parts)]
         _check_cover(self.parts)
+        _check_model_files(self.parts)
         self.meta = self.parts[0].meta
         self.info = self.parts[0].info  # run-wide fields; the counts below are the totals
         self._filled = [p for p in self.parts if p.info.n_samples]  # an empty part records sample_range [0, 0]
@@ -420,8 +421,24 @@ RUN_WIDE = ("tensors", "layers", "hooks", "modality", "model_kind", "max_seq_len
 # part.json keys outside PartInfo, as run-wide. An image part's pixels also depend on the processor
 # class that ran: transformers picks its torchvision or PIL backend by what the job's environment has
 # installed, and the two differ slightly, so parts extracted in two environments would mix them.
-# The model files' sizes and mtimes (model_identity): a folder changed between two parts' jobs.
-RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding", "image_processor", "image_pipeline", MODEL_FILES_KEY)
+RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding", "image_processor", "image_pipeline")
+
+
+def _check_model_files(parts: list[Part]) -> None:
+    """FormatError naming the part whose model files (model_identity: sizes and mtimes) differ from the
+    first recorded ones: the model folder changed between their jobs. A part made before they were
+    recorded says nothing, so one part of an earlier release's extraction can be made again alone."""
+    recorded = [(part, part.meta[MODEL_FILES_KEY]) for part in parts if part.meta.get(MODEL_FILES_KEY) is not None]
+    for part, files in recorded:
+        if not (isinstance(files, dict) and all(isinstance(entry, dict) and all(
+                whole_number(entry.get(key)) for key in ("bytes", "mtime_ns")) for entry in files.values())):
+            raise FormatError(f"{part.dir / PART_META}: {MODEL_FILES_KEY} is not a map of file names to their bytes "
+                              f"and mtime_ns")
+    for part, files in recorded[1:]:
+        if files != recorded[0][1]:
+            raise FormatError(f"{part.dir / PART_META}: {MODEL_FILES_KEY} differ from {recorded[0][0].dir / PART_META}'s: "
+                              f"the model folder changed between the two parts' jobs (its files' sizes or mtimes), "
+                              f"so they may hold two models' activations; extract them again together")
 
 
 def _check_cover(parts: list[Part]) -> None:

@@ -159,8 +159,9 @@ def write_index(extract_dir: str | Path, index_path: str | Path, model_folder: P
 
     extraction = open_extraction(extract_dir)
     index = index_of(extraction)
-    if model_folder is not None and extraction.parts and (loaded := extraction.parts[0].meta.get(MODEL_FILES_KEY)):
-        index[MODEL_FILES_KEY] = hashed_model_files(model_folder, loaded)
+    recorded = [part.meta.get(MODEL_FILES_KEY) for part in extraction.parts]
+    if model_folder is not None and recorded and None not in recorded:  # every part's (one, see _check_cover)
+        index[MODEL_FILES_KEY] = hashed_model_files(model_folder, recorded[0])
     write_json_atomic(index_path, index)
     return index
 
