@@ -23,7 +23,7 @@ from actstore.io_utils import sha256_file
 # files, the chat template (chat_template.jinja: a chat dataset's tokens), remote code. Other files
 # in the folder (a README, images) change nothing extracted.
 MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".json", ".model",
-                  ".txt", ".tiktoken", ".jinja", ".py")
+                  ".txt", ".tiktoken", ".spm", ".codes", ".jinja", ".py")
 # Files Hugging Face's Trainer writes beside the weights that no loading reads (an evaluation run
 # adding eval_results.json would otherwise stop every later run).
 TRAINER_FILES = frozenset({"trainer_state.json", "training_args.bin", "all_results.json", "train_results.json",
