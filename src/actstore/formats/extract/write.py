@@ -160,7 +160,7 @@ def write_index(extract_dir: str | Path, index_path: str | Path, model_folder: P
     extraction = open_extraction(extract_dir)
     index = index_of(extraction)
     recorded = [part.meta.get(MODEL_FILES_KEY) for part in extraction.parts]
-    if model_folder is not None and recorded and None not in recorded:  # every part's (one, see _check_cover)
+    if model_folder is not None and recorded and None not in recorded:  # all equal (read._check_model_files)
         index[MODEL_FILES_KEY] = hashed_model_files(model_folder, recorded[0])
     write_json_atomic(index_path, index)
     return index
