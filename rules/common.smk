@@ -4,7 +4,7 @@ from pathlib import Path
 
 from actstore import parse_memo
 from actstore import resources as actstore_resources
-from actstore.config import check_yaml_numbers, enabled_stages, validate_config
+from actstore.config import enabled_stages, validate_config
 from actstore.errors import ConfigError
 from actstore.hashing import upstream_stages
 from actstore.jobs import job_items
@@ -15,9 +15,6 @@ from actstore.workflow import parse_dataset
 # Cheap parse-time checks, so bad input fails before any job is scheduled. The library's validation
 # after Snakemake's: it refuses the numbers Snakemake's passes (2.0 for an integer, .nan, .inf), and
 # makes extract.layers' `all` and negative indices block indices: every rule, hash and job sees those.
-# Snakemake read the config files as YAML 1.1, to which a zero-padded 010 is octal 8: refuse such
-# numbers before the config they made is used.
-check_yaml_numbers(workflow.configfiles)
 validate_config(config)
 model_config = run_config(config["model"])
 check_layers(config["extract"]["layers"], model_config)

@@ -89,12 +89,16 @@ def test_a_json_config_snakemake_reads_is_checked_as_json(tmp_path):
     check_yaml_numbers([path])
 
 
-def test_the_snakefile_refuses_a_zero_padded_number_before_any_job(tmp_path):
-    """A dry run on the demo config with `steps: 0300` would plan an SAE of 192 steps."""
-    path, line = edited_demo(tmp_path, "steps: 300", "steps: 0300")
+@pytest.mark.parametrize("old, new, read", [("steps: 300", "steps: 0300", "octal 192"),
+                                            ("name: python-stdlib-docstrings", "name: 010", "octal 8")])
+def test_the_snakefile_refuses_a_zero_padded_number_before_any_job(tmp_path, old, new, read):
+    """A dry run on the demo config with `steps: 0300` would plan an SAE of 192 steps; `name: 010`
+    would be Snakemake's schema error about an 8, not a word about the 010 written."""
+    path, line = edited_demo(tmp_path, old, new)
     cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(REPO / "Snakefile"), "-d", str(tmp_path),
            "--configfile", str(path), "--cores", "1", "-n"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-4000:]
-    assert f"{path}, line {line}: 0300 has a leading zero, so YAML 1.1" in output and "octal 192" in output
+    written = new.split(": ")[1]
+    assert f"{path}, line {line}: {written} has a leading zero, so YAML 1.1" in output and read in output
