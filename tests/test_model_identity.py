@@ -74,6 +74,11 @@ def test_a_copy_that_kept_the_bytes_passes(extraction, caplog):
         os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     check_model_unchanged(model, out)
     assert "model.safetensors: its mtime moved since the extraction read it, its bytes did not" in caplog.text
+    weights = model / "model.safetensors"
+    advised = caplog.text.split(f"{weights}: ")[1].split("`touch -d @")[1].split("`")[0]
+    subprocess.run(["touch", "-d", f"@{advised}", str(weights)], check=True)
+    assert weights.stat().st_mtime_ns == json.loads((out / "extract.json").read_text())["model_files"][
+        "model.safetensors"]["mtime_ns"]
 
 
 @pytest.mark.parametrize("change, named", [

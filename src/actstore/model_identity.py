@@ -98,9 +98,9 @@ def _same_bytes(folder: Path, name: str, recorded: dict[str, Any], now: dict[str
     same = (name in now and name in recorded and now[name]["bytes"] == recorded[name]["bytes"]
             and sha256_file(folder / name) == recorded[name]["sha256"])
     if same:
+        seconds, nanoseconds = divmod(recorded[name]["mtime_ns"], 10**9)  # exactly: a float has no 19 digits
         log.warning("%s: its mtime moved since the extraction read it, its bytes did not (hashed again at each "
-                    "run; `touch -d @%.9f` gives it back its recorded mtime)", folder / name,
-                    recorded[name]["mtime_ns"] / 1e9)
+                    "run; `touch -d @%d.%09d` gives it back its recorded mtime)", folder / name, seconds, nanoseconds)
     return same
 
 
