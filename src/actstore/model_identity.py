@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import ConfigError
-from actstore.integrity import read_json
+from actstore.integrity import read_json, whole_number
 from actstore.io_utils import sha256_file
 
 # What loading a model, its tokenizer or image processor can read: weights, configs and tokenizer
@@ -29,6 +29,8 @@ MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpa
 TRAINER_FILES = frozenset({"trainer_state.json", "training_args.bin", "all_results.json", "train_results.json",
                            "eval_results.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth"})
 MODEL_FILES_KEY = "model_files"  # the key of part.json and extract.json
+PART_FIELDS = ("bytes", "mtime_ns")  # a file's entry in part.json; extract.json's adds its sha256
+INDEX_FIELDS = (*PART_FIELDS, "sha256")
 log = logging.getLogger(__name__)
 
 
@@ -75,13 +77,18 @@ def check_model_unchanged(folder: Path, extract_dir: Path) -> None:
             f"new value, or move {extract_dir} away to extract the new weights under the same name")
 
 
+def well_formed(files: Any, fields: tuple[str, ...]) -> bool:
+    """A model_files record: a map of file names to entries of those fields (PART_FIELDS or
+    INDEX_FIELDS), sizes and mtimes whole numbers, a sha256 text."""
+    return isinstance(files, dict) and all(isinstance(entry, dict) and all(
+        isinstance(entry.get(field), str) if field == "sha256" else whole_number(entry.get(field))
+        for field in fields) for entry in files.values())
+
+
 def _recorded(index: Path) -> dict[str, dict] | None:
     index_data = read_json(index)
     recorded = index_data.get(MODEL_FILES_KEY) if isinstance(index_data, dict) else None
-    entry_keys = {"bytes": int, "mtime_ns": int, "sha256": str}
-    if recorded is not None and not (isinstance(recorded, dict) and all(
-            isinstance(entry, dict) and all(isinstance(entry.get(k), t) for k, t in entry_keys.items())
-            for entry in recorded.values())):
+    if recorded is not None and not well_formed(recorded, INDEX_FIELDS):
         raise ConfigError(f"{index}: {MODEL_FILES_KEY} is not a map of files to their bytes, mtime_ns and sha256")
     return recorded
 

@@ -24,7 +24,7 @@ from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES,
 from actstore.integrity import (check_file, check_npy, file_records, inside, open_regular, read_json, refuse,
                                 unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
-from actstore.model_identity import MODEL_FILES_KEY
+from actstore.model_identity import MODEL_FILES_KEY, PART_FIELDS, well_formed
 
 
 class StoredTensor:
@@ -430,8 +430,7 @@ def _check_model_files(parts: list[Part]) -> None:
     recorded says nothing, so one part of an earlier release's extraction can be made again alone."""
     recorded = [(part, part.meta[MODEL_FILES_KEY]) for part in parts if part.meta.get(MODEL_FILES_KEY) is not None]
     for part, files in recorded:
-        if not (isinstance(files, dict) and all(isinstance(entry, dict) and all(
-                whole_number(entry.get(key)) for key in ("bytes", "mtime_ns")) for entry in files.values())):
+        if not well_formed(files, PART_FIELDS):
             raise FormatError(f"{part.dir / PART_META}: {MODEL_FILES_KEY} is not a map of file names to their bytes "
                               f"and mtime_ns")
     for part, files in recorded[1:]:
