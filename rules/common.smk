@@ -18,7 +18,8 @@ from actstore.workflow import parse_dataset
 validate_config(config)
 model_config = run_config(config["model"])
 check_layers(config["extract"]["layers"], model_config)
-check_sequence_length(config["extract"]["max_seq_length"], model_config, resolve_model_path(config["model"]["path"]))
+MODEL_PATH = resolve_model_path(config["model"]["path"])
+check_sequence_length(config["extract"]["max_seq_length"], model_config, MODEL_PATH)
 # The dataset checked (path, shards, each table's columns and types; no rows read), every stage's
 # hash and the Slurm sizes that follow the data: the data listed and stat'ed once, and only in the
 # main process; the jobs it submits parse this file again and take its word for what it read

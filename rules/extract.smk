@@ -6,7 +6,7 @@ EXTRACT_DIR = sdir("extract")
 # its path) stops the run here, naming the file (actstore/model_identity.py); in the main process
 # only: a copied folder's files are hashed to tell a copy from new weights.
 if workflow.is_main_process:
-    check_model_unchanged(resolve_model_path(config["model"]["path"]), Path(EXTRACT_DIR))
+    check_model_unchanged(MODEL_PATH, Path(EXTRACT_DIR))
 # A part job's CPUs (images: its decoding workers; actstore/resources.py), from config.json alone.
 EXTRACT_PART_THREADS = actstore_resources.extract_part_threads(config)
 
