@@ -141,7 +141,7 @@ _ConfigLoader.add_constructor("tag:yaml.org,2002:float",
 def check_yaml_numbers(paths: Iterable[str | Path]) -> None:
     """ConfigError naming the file, line and number for the first number spelled as YAML 1.1 reads
     apart from YAML 1.2 and Python (_ConfigLoader) in the config files Snakemake read
-    (workflow.configfiles; rules/common.smk), each read as Snakemake reads it: JSON first (whose
+    (workflow.configfiles; the Snakefile, before validating them), each read as Snakemake reads it: JSON first (whose
     numbers mean one thing, and which YAML 1.1 does not always parse), then YAML."""
     for path in paths:
         with open(path, encoding="utf-8") as fh:

@@ -29,8 +29,8 @@ from actstore.formats.saev.check import detect, inspect, read_vector, verify
 from actstore.formats.saev.layout import (METADATA_FIELDS, PROTOCOL, SIDECAR, UPSTREAM_FIELDS, decode_data,
                                           encode_data, metadata_hash, upstream_hash)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
-from actstore.formats.saev.write import (PatchLabeler, Plan, check_options, extraction_fill, finish_store, plan_store, write_labels,
-                                         write_pointer, write_raw_store, write_shards, write_store)
+from actstore.formats.saev.write import (PatchLabeler, Plan, check_options, extraction_fill, finish_store, plan_store,
+                                         write_labels, write_pointer, write_raw_store, write_shards, write_store)
 
 __all__ = [
     "METADATA_FIELDS", "PROTOCOL", "SIDECAR", "UPSTREAM_FIELDS", "PatchLabeler", "Plan", "SaevStore", "check_options",
