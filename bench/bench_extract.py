@@ -40,6 +40,7 @@ from actstore.config import validate_config
 from actstore.datasets import configured_scan, write_scan
 from actstore.datasets.images import check_images
 from actstore.extract import length_batches, logprobs, preflight, run_part, tokenize
+from actstore.extract.device_images import device_image_batches
 from actstore.extract.inputs import image_batches, text_batches, to_model
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter
@@ -171,13 +172,16 @@ def train_tokenizer(out: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<s>", bos_token="<s>", pad_token="<s>").save_pretrained(out)
 
 
-def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, dict, object, object, int, dict]:
+def bare_forward(config: dict, threads: int, scan: Path
+                 ) -> tuple[float, float, dict, object, object, object, int, dict]:
     """Everything run_part does except capturing and writing: preflight, model load, tokenize or
     decode, forward. Returns seconds, seconds to the first batch's output (no write can start
     before it), the main thread's loop after the first batch as part.json's extraction_waits counts
     extraction's (input_wait_seconds: near the total, the inputs are the bound; near 0, the main
     thread's own forward calls are; forward_seconds and main_thread_cpu_seconds, to hold against
-    extraction's), the loaded model, an input factory, units (tokens/images) and the seconds from
+    extraction's), the loaded model, an input factory, the image-loading factory the goal's loading
+    rate is measured with (the cpu pipeline's: the job's CPUs; None for texts), units (tokens/images)
+    and the seconds from
     the start at which each step before the first output ended (what the floor's first output is
     made of)."""
     started = time.perf_counter()
@@ -194,14 +198,17 @@ def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, 
         processor = load_image_processor(model_path)
         workers = threads if ext["num_workers"] is None else ext["num_workers"]  # as run_part decides
         dtype = run_dtype(config["model"])
-        pixels = lambda: image_batches(processor, dataset.opener, samples, batches, workers,  # noqa: E731
-                                       ext["device"] == "cuda", TORCH_DTYPES[dtype])
+        cpu_pixels = lambda: image_batches(processor, dataset.opener, samples, batches, workers,  # noqa: E731
+                                           ext["device"] == "cuda", TORCH_DTYPES[dtype])
+        pixels = cpu_pixels if ext["image_pipeline"] == "cpu" else lambda: device_image_batches(  # noqa: E731
+            processor, dataset.opener, samples, batches, workers, torch.device(ext["device"]), TORCH_DTYPES[dtype])
         first_pixels = pixels()
         check_images(dataset.opener, samples, threads)
         mark("image_checks")
         loaded = load_model(model_path, dtype, ext["device"])
         mark("model_load")
         make_inputs = lambda: to_model(loaded, pixels())  # noqa: E731
+        make_loading = lambda: to_model(loaded, cpu_pixels())  # noqa: E731
         first_inputs = to_model(loaded, first_pixels)
         units = len(samples)
     else:
@@ -211,6 +218,7 @@ def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, 
         mark("tokenize")
         batches = length_batches([len(x) for x in ids], ext["batch_size"])
         make_inputs = lambda: text_batches(loaded, ids, batches, not ext["token_logprobs"])  # noqa: E731
+        make_loading = None
         first_inputs = make_inputs()
         units = sum(len(x) for x in ids)
     first_output, arriving = None, iter(first_inputs)
@@ -232,13 +240,13 @@ def bare_forward(config: dict, threads: int, scan: Path) -> tuple[float, float, 
             loop["main_thread_cpu_seconds"] += time.thread_time() - cpu
     sync(loaded.device)
     loop = {key: round(value, 3) for key, value in loop.items()}
-    return time.perf_counter() - started, first_output, loop, loaded, make_inputs, units, marks
+    return time.perf_counter() - started, first_output, loop, loaded, make_inputs, make_loading, units, marks
 
 
-def gpu_only_and_loading(loaded, make_inputs) -> dict:
+def gpu_only_and_loading(loaded, make_inputs, make_loading) -> dict:
     """Forward with every input already on the device and, for images, the loading rate alone
-    (decode + processor in the job's workers, no model), the time to its first batch and the peak
-    of the decoded images waiting in shared memory."""
+    (make_loading: decode + processor in the job's workers, no model), the time to its first batch
+    and the peak of the decoded images waiting in shared memory."""
     result = {}
     with torch.inference_mode():
         staged = list(make_inputs())
@@ -253,7 +261,7 @@ def gpu_only_and_loading(loaded, make_inputs) -> dict:
         watcher = threading.Thread(target=watch_shared_memory, args=(peak, stop))
         watcher.start()
         started = time.perf_counter()
-        for _ in make_inputs():
+        for _ in make_loading():
             first = first or [time.perf_counter() - started]
         result["image_loading_s"] = time.perf_counter() - started
         stop.set()
@@ -281,7 +289,7 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan
     digests = []  # each round's stored layers (layers_digest): rows run another way must match them
     for repeat in range(repeats):
         with gpu_peak(peaks, "bare"):
-            bare_s, first_s, loop, loaded, make_inputs, units, steps = bare_forward(config, threads, scan)
+            bare_s, first_s, loop, loaded, make_inputs, make_loading, units, steps = bare_forward(config, threads, scan)
         first_steps.append(steps)
         target = out / f"part-{repeat}"
         started = time.perf_counter()
@@ -305,7 +313,7 @@ def interleaved_rounds(config: dict, out: Path, threads: int, repeats: int, scan
             "bare_loop_of_best": loops[int(np.argmin(bare))],
             "extract_waits_of_best": extract_waits[int(np.argmin(extract))],
             "first_output_steps_of_best": first_steps[int(np.argmin(first))],
-            "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs),
+            "median_round_ratio": float(np.median(ratios)), **gpu_only_and_loading(loaded, make_inputs, make_loading),
             **({f"{phase}_peak_gpu_mb": round(mb) for phase, mb in peaks.items()} if torch.cuda.is_available() else {})}
 
 
@@ -458,7 +466,8 @@ def bench_config(args, work: Path) -> dict:
                            "max_seq_length": 128 if wide else 512, "batch_size": 8 if wide else 32 if text else 64}}
     raw["dump_to"] = str(work / "dump")
     raw["extract"].update(device=args.device, buffers=args.buffers, writer_threads=args.writer_threads,
-                          num_workers=args.num_workers, token_logprobs=not args.no_token_logprobs)
+                          num_workers=args.num_workers, token_logprobs=not args.no_token_logprobs,
+                          image_pipeline=args.image_pipeline)
     return validate_config(raw)
 
 
@@ -477,6 +486,8 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=3)
     parser.add_argument("--writer-threads", type=int, default=None, help="default: one per tensor, up to the CPUs")
     parser.add_argument("--num-workers", type=int, default=None, help="images: decoding processes (default: the CPUs)")
+    parser.add_argument("--image-pipeline", choices=["cpu", "gpu"], default="cpu",
+                        help="vit-b14: extract.image_pipeline (the loading rate of the goal stays the cpu one's)")
     parser.add_argument("--synthetic", action="store_true", help="the write pipeline alone, fed at memory speed")
     parser.add_argument("--synthetic-gb", type=float, default=2.0)
     parser.add_argument("--synthetic-shape", choices=sorted(SYNTHETIC_SHAPES), default="text",
@@ -516,6 +527,7 @@ def main() -> None:
     result = {"shape": args.shape, "logprob_elements": logprobs.LOGPROB_ELEMENTS, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "token_logprobs": not args.no_token_logprobs, "cpus": threads, "buffers": args.buffers,
               "writer_threads": args.writer_threads, "num_workers": args.num_workers,
+              "image_pipeline": args.image_pipeline,
               "memory_available_gb": machine_available_gb()}
     with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:
         work = Path(tmp)

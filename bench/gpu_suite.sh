@@ -3,14 +3,14 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh changes DEST  what session 52 left to find out: the CUDA tests; the zarr shard jobs at 1,
-#                                    4 and 8 threads with every module byte-compiled first (session 52's
-#                                    node compiled zarr's sources in each job, holding the GIL its chunk
-#                                    threads waited on) and one 8-thread job under py-spy (zarrspy: how
-#                                    much of its threads' time is still a wait for the GIL); the 1,024-image
-#                                    ViT row (0.79-0.80 of the loading rate in session 52, goal 0.8) with
-#                                    13 workers, at the main thread's priority (--helper-nice 0) and with
-#                                    a hashing pool of 2 threads; the Llama-1B 4-layer row (~8 min)
+#   bench/gpu_suite.sh changes DEST  what session 53 left to find out: the CUDA tests (extract.image_pipeline
+#                                    gpu's among them, never yet run on a GPU); bench_image_decode (the cpu
+#                                    and gpu pipelines' rates and pixel difference); the 1,024-image ViT row
+#                                    with 13 workers on the gpu pipeline, then on the cpu one (0.79-0.80 of
+#                                    the loading rate in session 52, goal 0.8); the zarr shard jobs at 1, 4
+#                                    and 8 threads with every module byte-compiled first and one 8-thread
+#                                    job under py-spy (zarrspy: how much of its threads' time is a wait for
+#                                    the GIL); the Llama-1B 4-layer row (~9 min)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -77,7 +77,8 @@ extract() {
 }
 LUT="python3 bench/bench_lut.py --device cuda --shape llama8b-mlp"
 SAE="python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144"
-CUDA_TESTS="python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py"
+CUDA_TESTS="python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py \
+  tests/test_device_images.py"
 lut_sae() { step lut 90 $LUT; step sae 60 $SAE; step pytest 120 $CUDA_TESTS; }
 build_ext() { python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C extensions not built"; }
 case $phase in
@@ -93,8 +94,11 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
   build_ext
   step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
     --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
-changes)  # session 52's open questions: the zarr shard jobs without the compiling, the rows short of their goals
-  step pytest 120 $CUDA_TESTS
+changes)  # session 53's extract.image_pipeline gpu (never run on a GPU yet), then session 52's open questions
+  step pytest 150 $CUDA_TESTS
+  step imgdec 90 python3 bench/bench_image_decode.py --repeat 2 --out "$out/imgdec.json"
+  row vit13gpu 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --image-pipeline gpu
+  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
   build_ext
   step writers 150 python3 bench/bench_writers.py --gb 6 --parts 3 --jobs 3 --work /tmp/writers \
     --thread-counts 1 4 8 --only "zarr shard"
@@ -103,9 +107,6 @@ changes)  # session 52's open questions: the zarr shard jobs without the compili
     --threads --format raw -o $out/zarrspy.spy.txt -- python3 bench/bench_writers.py --job zarr --threads 8 --part 0 \
     --extract /tmp/writers/extract-6gb-3p-d1024/float32 --out /tmp/writers/spy-\$RANDOM; \
     python3 bench/spy_summary.py $out/zarrspy.spy.txt --top 6 > $out/zarrspy.spy-summary.txt"
-  row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
-  row vit13n0 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --helper-nice 0  # helpers not below
-  row vit13h2 70 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 2 --hash-threads 2
   row llama4 90 --shape llama-1b ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16

@@ -75,8 +75,8 @@ def stage_hashes(config: dict[str, Any]) -> dict[str, str]:
 def hashed_section(config: dict[str, Any], section: str) -> Any:
     """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
     dropped when float32 (all earlier releases stored), so extractions made before it keep their hash
-    (extract.token_logprobs likewise when true); lmprobe.dtype auto resolved to the storage dtype;
-    likewise pickle.compressor when zlib (or when nothing is compressed); a whole number in a
+    (extract.token_logprobs likewise when true, extract.image_pipeline when cpu); lmprobe.dtype auto
+    resolved to the storage dtype; likewise pickle.compressor when zlib (or when nothing is compressed); a whole number in a
     number-typed key as an int (see _integral_numbers_as_ints)."""
     values = config[section]
     if not isinstance(values, dict):
@@ -89,6 +89,8 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
         values.pop("compressor", None)
     if section == "extract" and values.get("token_logprobs") is True:  # every earlier release kept them
         values.pop("token_logprobs")
+    if section == "extract" and values.get("image_pipeline") == "cpu":  # every earlier release decoded so
+        values.pop("image_pipeline")
     if section == "model" and values.get("torch_dtype") == "auto":  # the same run as the dtype it names
         values["torch_dtype"] = run_dtype(values)
     if section == "extract" and "storage_dtype" in values:

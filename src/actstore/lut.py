@@ -90,11 +90,15 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
     from actstore.models import load_model, pick_device
     from actstore.sae import SAE_FILE, load_sae
 
+    device = str(pick_device(config["lut"]["device"], "lut.device"))
+    if config["extract"]["image_pipeline"] == "gpu" and not device.startswith("cuda"):
+        raise ConfigError(f"lut.device {device}: the extraction decoded its images on the GPU "
+                          "(extract.image_pipeline gpu), and the lut stage's held-out images are decoded so too: "
+                          "run it on a GPU (lut.device auto or cuda)")
     sae_file = Path(sae_dir) / SAE_FILE
     # Hashed before it is read: a file replaced in between then fails validate, rather than passing.
     sae_sha256 = sha256_file(sae_file)
     sae, sae_meta = load_sae(sae_file)
-    device = str(pick_device(config["lut"]["device"], "lut.device"))
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", device,
                         config["model"].get("tower"), trusted(config["model"]),
                         fix_mistral_regex=config["model"].get("fix_mistral_regex"))
@@ -236,7 +240,7 @@ def batch_inputs(config: dict[str, Any], extraction: Any, loaded: Any, batch: li
 
     if loaded.kind == "vision":
         dataset = configured_dataset(config, loaded.path)
-        return image_batch(loaded, dataset, [dataset.samples[i] for i in batch])
+        return image_batch(loaded, dataset, [dataset.samples[i] for i in batch], config["extract"]["image_pipeline"])
     ids = []
     for sample_idx in batch:
         part, local = extraction.locate(sample_idx)

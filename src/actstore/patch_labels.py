@@ -123,7 +123,7 @@ def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_pa
     for row, rel in enumerate(tqdm(image_rels, desc="patch labels", unit="image", disable=not progress)):
         path = mask_path(section["masks"], rel, section["mask_suffix"])
         with Image.open(image_file(dataset_root, rel)) as img:
-            image_size = upright(img).size  # the size the model saw (datasets.images._decode)
+            image_size = upright(img).size  # the size the model saw (datasets.images.decoded_image)
         mask = processed_mask(processor, read_mask(path, image_size), path)
         out[row, registers:] = aggregate(mask, patch_size, n_patches, section["pixel_agg"],
                                          section["bg_label"], path)

@@ -16,7 +16,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.integrity import inside
 
 
-# How images become the RGB the processor takes (_decode), recorded in part.json: parts decoded
+# How images become the RGB the processor takes (decoded_image), recorded in part.json: parts decoded
 # otherwise (before EXIF and transparency were honoured: no record) are not one extraction.
 IMAGE_DECODING = "upright by EXIF orientation, transparency on white, at most 8 bits a channel"
 
@@ -34,7 +34,18 @@ class ImageOpener:
 
     def __call__(self, sample: Sample) -> Any:
         """The sample's image decoded to RGB; ConfigError naming the file (and column) if it cannot be."""
-        return _decode(*self._locate(sample))
+        return decoded_image(*self._locate(sample))
+
+    def encoded(self, sample: Sample) -> tuple[bytes, str]:
+        """The sample's image file as stored (its bytes, undecoded) and its name for errors
+        (extract.image_pipeline gpu decodes JPEGs on the GPU)."""
+        file, where = self._locate(sample)
+        if isinstance(file, io.BytesIO):
+            return file.getvalue(), where
+        try:
+            return file.read_bytes(), where
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read the image ({exc.strerror or exc})") from None
 
     def check(self, sample: Sample) -> None:
         """The sample's image opened and its structure verified without decoding the pixels (PIL's
@@ -135,7 +146,7 @@ def is_wide(mode: str) -> bool:
     return mode in ("I", "F") or mode.startswith("I;16")
 
 
-def _decode(file: Any, where: str) -> Any:
+def decoded_image(file: Any, where: str) -> Any:
     """An RGB image, upright (EXIF), from a path or file object; ConfigError naming `where` if it cannot
     be decoded, or if its values do not fit 8 bits (check_fits_8_bits)."""
     from PIL import Image

@@ -159,8 +159,16 @@ def load_pixels(processor: Any, opener: ImageOpener, samples: list[Sample]) -> t
     return processor(images=[opener(s) for s in samples], return_tensors="pt")["pixel_values"]
 
 
-def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample]) -> dict[str, torch.Tensor]:
-    pixels = load_pixels(loaded.preprocessor, dataset.opener, samples)
+def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample], pipeline: str
+                ) -> dict[str, torch.Tensor]:
+    """Model inputs of `samples`' images, decoded in this process by extract.image_pipeline `pipeline`
+    (the lut stage's held-out batches see the pixels the extraction's model saw)."""
+    if pipeline == "gpu":
+        from actstore.extract.device_images import device_pixels, worker_image
+
+        pixels = device_pixels(loaded.preprocessor, [worker_image(dataset.opener, s) for s in samples], loaded.device)
+    else:
+        pixels = load_pixels(loaded.preprocessor, dataset.opener, samples)
     return {"pixel_values": pixels.to(loaded.device, loaded.model.dtype)}
 
 

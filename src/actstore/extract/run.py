@@ -19,6 +19,7 @@ from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import IMAGE_DECODING, check_images
 from actstore.errors import ConfigError
 from actstore.extract.capture import capture, check_reached, check_shapes, parse_hook
+from actstore.extract.device_images import check_device_pipeline, device_image_batches
 from actstore.extract.inputs import (TokenIds, check_vocabulary, default_workers, given_token_ids, image_batches,
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.logprobs import TokenLogprobs
@@ -79,13 +80,21 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         batches = length_batches([1] * len(samples), ext["batch_size"])
         preprocessor = load_image_processor(model_path, trusted(config["model"]))
         step_done("image_processor")
-        pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
-                               device.type == "cuda", TORCH_DTYPES[dtype])
+        if ext["image_pipeline"] == "gpu":
+            check_device_pipeline(preprocessor, device)
+            pixels = device_image_batches(preprocessor, dataset.opener, samples, batches, workers, device,
+                                          TORCH_DTYPES[dtype])
+        else:
+            pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
+                                   device.type == "cuda", TORCH_DTYPES[dtype])
         step_done("image_workers")
         # The workers decode the first batches while every image's header is checked here, still
         # before the weights load: decoding, an image part's bound, starts as early as it can.
         check_images(dataset.opener, samples, cpus)
         step_done("image_checks")
+    elif ext["image_pipeline"] == "gpu":
+        raise ConfigError(f"extract.image_pipeline gpu decodes images, and the dataset is {dataset.modality}: "
+                          "remove the key")
     else:  # tokenized before the weights load: a text it cannot take is named in seconds, not after them
         preprocessor = load_tokenizer(model_path, trusted(config["model"]), config["model"].get("fix_mistral_regex"))
         token_ids = text_token_ids(config, preprocessor, dataset)
@@ -137,7 +146,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                         ext["max_seq_length"], ext["max_seq_length"])
         meta = writer.finish(part_meta(config, loaded, dataset, samples, part, model_path) | {
             "storage_dtype": storage_dtype(config), "num_workers": workers, MODEL_FILES_KEY: loaded_files,
-            "image_pipeline": "cpu" if token_ids is None else None,
+            "image_pipeline": ext["image_pipeline"] if vision else None,
             "image_decoding": IMAGE_DECODING if vision else None,
             # transformers picks a processor's backend by what is installed (torchvision, else PIL),
             # and the two differ in the pixels: which one ran is on record.

@@ -1,0 +1,144 @@
+"""extract.image_pipeline gpu: JPEGs decoded on the model's GPU (nvJPEG, torchvision.io.decode_jpeg)
+and the model's image processor run there (transformers' torchvision backend on CUDA tensors).
+
+The cpu pipeline decodes and processes in DataLoader workers, and on a GPU node those CPUs are an
+image part's bound: on an H100 host (session 52, bench_image_decode) 13 workers fed 1,093 images/s,
+this path 2,885 with the ViT-B/14 forward running beside it. Its pixels are not the cpu pipeline's
+bits (nvJPEG's IDCT and the GPU's resize: at most 0.58, on average 0.0115 in normalised units), so it
+is never the default and part.json records which pipeline ran.
+
+The workers still read each image's bytes and look at its header. A JPEG that nvJPEG decodes to what
+the cpu pipeline's opener means (ImageOpener: upright, RGB, 8 bits) goes to the GPU as its bytes: three
+channels (YCbCr), baseline, no EXIF turn. Any other image (PNG, grayscale, CMYK, progressive, turned by
+its EXIF tag) is decoded by the opener in the worker, as uint8, and only processed on the GPU. Which
+way an image goes depends on its bytes alone, so the pixels do not depend on the worker count."""
+from __future__ import annotations
+
+import io
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from actstore.datasets import Sample
+from actstore.datasets.images import EXIF_ORIENTATION, ImageOpener, decoded_image
+from actstore.errors import ConfigError
+from actstore.io_utils import lower_priority
+from actstore.resources import IMAGES_PER_ITEM, items_ahead
+
+# One image as a worker hands it over: (its name for errors, the tensor, whether the tensor is the
+# JPEG's bytes for nvJPEG rather than decoded (3, H, W) uint8 pixels).
+WorkerImage = tuple[str, torch.Tensor, bool]
+
+
+JPEG_END = b"\xff\xd9"  # the EOI marker
+
+
+def nvjpeg_decodable(img: Any, data: bytes) -> bool:
+    """An opened PIL image (header only) whose file `data` nvJPEG decodes to the opener's RGB: a
+    baseline three-channel JPEG of 8 bits that its EXIF tag does not turn, and whole. The opener
+    refuses a truncated JPEG (datasets.images.whole_images_only) where nvJPEG may decode what it has:
+    a file not ending in its EOI marker (cut, or with bytes appended) goes to the opener."""
+    return (img.format == "JPEG" and img.mode == "RGB" and not img.info.get("progressive")
+            and img.getexif().get(EXIF_ORIENTATION, 1) == 1 and data.endswith(JPEG_END))
+
+
+def worker_image(opener: ImageOpener, sample: Sample) -> WorkerImage:
+    """The sample's image as a worker hands it to the GPU (see WorkerImage), its file read once."""
+    from PIL import Image
+
+    data, where = opener.encoded(sample)
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if nvjpeg_decodable(img, data):
+                return where, torch.frombuffer(bytearray(data), dtype=torch.uint8), True
+    # not an image PIL knows, or past its pixel limit: decoded_image names the file and why
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        pass
+    rgb = decoded_image(io.BytesIO(data), where)
+    return where, torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous(), False
+
+
+class WorkerImages(torch.utils.data.Dataset):
+    """Item = a few images of one batch (a list of local indices) as WorkerImage tuples, split as the
+    cpu pipeline's ImageItems splits them (the model sees whole batches either way)."""
+
+    def __init__(self, opener: ImageOpener, samples: list[Sample]):
+        self.opener, self.samples = opener, samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, item: list[int]) -> list[WorkerImage]:
+        return [worker_image(self.opener, self.samples[i]) for i in item]
+
+
+def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], batches: list[list[int]],
+                         num_workers: int, device: torch.device, dtype: torch.dtype
+                         ) -> Iterator[list[torch.Tensor]]:
+    """Processed pixels on `device` in the model's `dtype`, batch by batch, as image_batches yields
+    them (a list of tensors per batch: here one). The workers start at once and read ahead, as the
+    cpu pipeline's do; each batch is decoded and processed here, on the GPU, when the model asks."""
+    items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
+    ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
+    loader = iter(torch.utils.data.DataLoader(
+        WorkerImages(opener, samples), sampler=[item for batch in items for item in batch], batch_size=None,
+        num_workers=num_workers, pin_memory=True, prefetch_factor=ahead,
+        worker_init_fn=lower_priority if num_workers else None))
+    for batch in items:
+        images = [image for _ in batch for image in next(loader)]
+        yield [device_pixels(processor, images, device).to(dtype)]
+
+
+def device_pixels(processor: Any, images: list[WorkerImage], device: torch.device) -> torch.Tensor:
+    """(n, 3, H, W) pixel_values on `device`: the JPEGs decoded there in one nvJPEG call, the decoded
+    images copied there, all processed there in one processor call, in the images' order."""
+    on_device: list[torch.Tensor | None] = [
+        None if encoded else pixels.to(device, non_blocking=True) for _, pixels, encoded in images]
+    jpegs = [i for i, (_, _, encoded) in enumerate(images) if encoded]
+    if jpegs:
+        for i, pixels in zip(jpegs, nvjpeg([images[i] for i in jpegs], device), strict=True):
+            on_device[i] = pixels
+    return processor(images=on_device, return_tensors="pt")["pixel_values"]
+
+
+def nvjpeg(images: list[WorkerImage], device: torch.device) -> list[torch.Tensor]:
+    """The JPEGs' RGB uint8 (3, H, W) pixels decoded on `device`; ConfigError naming the first that
+    nvJPEG cannot decode (a scan its header did not vouch for: truncated, corrupt)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg([data for _, data, _ in images], mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:  # the batch's call names no image: each alone finds the one
+        for where, data, _ in images:
+            try:
+                decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+            except RuntimeError as exc:
+                raise ConfigError(f"{where}: nvJPEG cannot decode the image ({exc}; extract.image_pipeline: gpu)"
+                                  ) from None
+        raise
+
+
+def check_device_pipeline(processor: Any, device: torch.device) -> None:
+    """Before the weights load: ConfigError unless this job can run extract.image_pipeline gpu: a CUDA
+    device, torchvision decoding a JPEG there, and an image processor that processes it there (the
+    torchvision backend; the PIL one would bring the pixels back to the CPU)."""
+    from PIL import Image
+
+    if device.type != "cuda":
+        raise ConfigError(f"extract.image_pipeline gpu decodes images on the model's GPU, and extract.device is "
+                          f"{device}: use image_pipeline cpu, or run on a GPU")
+    encoded = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 100, 50)).save(encoded, format="JPEG")
+    probe = ("a 16 x 16 probe JPEG", torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8), True)
+    try:
+        pixels = device_pixels(processor, [probe], device)
+    except ImportError as exc:
+        raise ConfigError(f"extract.image_pipeline gpu needs torchvision (built for this torch, with CUDA): {exc}"
+                          ) from None
+    except RuntimeError as exc:
+        raise ConfigError(f"extract.image_pipeline gpu: torchvision cannot decode a JPEG on {device} ({exc})") from None
+    if pixels.device != device:
+        raise ConfigError(f"extract.image_pipeline gpu: the model's image processor ({type(processor).__name__}) "
+                          f"returned its pixels on {pixels.device}, not {device}: it needs transformers' torchvision "
+                          "backend (install torchvision), or use image_pipeline cpu")

@@ -1,0 +1,201 @@
+"""extract.image_pipeline gpu (extract/device_images.py): which images go to nvJPEG as their bytes and
+which the workers decode as the cpu pipeline does, the refusals made before the weights load, the
+config hash, and on a CUDA machine with torchvision the parts it writes and the lut stage's inputs."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+import tiny
+from actstore.config import validate_config
+from actstore.datasets import load_dataset
+from actstore.errors import ConfigError
+from actstore.extract import run_part
+from actstore.extract.device_images import check_device_pipeline, device_pixels, worker_image
+from actstore.hashing import hashed_section, stage_hashes
+from test_images import FILES, exif, photo, save
+
+# The files of test_images' zoo that nvJPEG decodes to the opener's RGB: baseline three-channel JPEGs
+# that their EXIF tag does not turn. Everything else (progressive, CMYK, gray, turned, PNG, ...) the
+# workers decode.
+NVJPEG_FILES = {"baseline.jpg", "smaller_than_crop.jpg", "exif_1.jpg"}
+CUDA_AND_TORCHVISION = torch.cuda.is_available() and importlib.util.find_spec("torchvision") is not None
+
+
+def write_folder(folder: Path, files: dict[str, bytes]) -> Path:
+    (folder / "all").mkdir(parents=True)
+    for name, data in files.items():
+        (folder / "all" / name).write_bytes(data)
+    return folder
+
+
+def test_baseline_jpegs_go_as_their_bytes_and_every_other_image_as_the_openers_pixels(tmp_path):
+    dataset = load_dataset(write_folder(tmp_path / "zoo", FILES))
+    sent = {}
+    for sample in dataset.samples:
+        where, tensor, encoded = worker_image(dataset.opener, sample)
+        name = Path(sample.text).name
+        assert where.endswith(name)
+        sent[name] = encoded
+        if encoded:
+            assert tensor.dtype == torch.uint8 and tensor.numpy().tobytes() == FILES[name]
+        else:
+            assert torch.equal(tensor, torch.from_numpy(np.asarray(dataset.opener(sample))).permute(2, 0, 1))
+    assert {name for name, encoded in sent.items() if encoded} == NVJPEG_FILES
+
+
+def test_a_jpeg_not_ending_in_its_end_marker_is_decoded_by_the_opener(tmp_path):
+    """nvJPEG may decode what a cut file holds; the opener refuses it, naming the file. A JPEG with
+    bytes after its end marker is decoded by the opener (as it decodes every other file)."""
+    whole = save(photo(64, 48), "JPEG", quality=90)
+    dataset = load_dataset(write_folder(tmp_path / "d", {"cut.jpg": whole[:len(whole) // 2],
+                                                         "appended.jpg": whole + b"trailer"}))
+    by_name = {Path(s.text).name: s for s in dataset.samples}
+    with pytest.raises(ConfigError, match=r"cut\.jpg: cannot decode the image"):
+        worker_image(dataset.opener, by_name["cut.jpg"])
+    _, pixels, encoded = worker_image(dataset.opener, by_name["appended.jpg"])
+    assert not encoded and pixels.shape == (3, 48, 64)
+
+
+def test_a_tables_and_a_tar_shards_images_go_as_their_stored_bytes(tmp_path):
+    jpeg = save(photo(), "JPEG", quality=90)
+    turned = save(photo(), "JPEG", quality=90, exif=exif(6))
+    (tmp_path / "table").mkdir()
+    pq.write_table(pa.table({"image": [{"bytes": jpeg, "path": "a.jpg"}, {"bytes": turned, "path": "b.jpg"}],
+                             "label": [0, 1]}), tmp_path / "table" / "train.parquet")
+    (tmp_path / "tar").mkdir()
+    with tarfile.open(tmp_path / "tar" / "shard-000000.tar", "w") as tar:
+        for key, data in (("a", jpeg), ("b", turned)):
+            info = tarfile.TarInfo(f"{key}.jpg")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    for data in (tmp_path / "table", tmp_path / "tar"):
+        dataset = load_dataset(data)
+        sent = [worker_image(dataset.opener, sample) for sample in dataset.samples]
+        assert [encoded for _, _, encoded in sent] == [True, False]
+        assert sent[0][1].numpy().tobytes() == jpeg and dataset.opener.encoded(dataset.samples[1])[0] == turned
+        assert sent[1][1].shape == (3, 40, 28)  # turned upright: width and height swap
+
+
+def test_the_decoded_images_are_processed_as_the_cpu_pipeline_processes_them(tmp_path, model_dir):
+    """The images the workers decode reach the processor as uint8 tensors, not PIL images: the same
+    pixels here (the PIL backend, on the CPU) as the cpu pipeline's for every non-JPEG of the zoo."""
+    from actstore.extract.inputs import load_pixels
+    from actstore.models import load_image_processor
+
+    dataset = load_dataset(write_folder(tmp_path / "zoo", FILES))
+    processor = load_image_processor(model_dir("dinov2"))
+    samples = [s for s in dataset.samples if Path(s.text).name not in NVJPEG_FILES]
+    images = [worker_image(dataset.opener, sample) for sample in samples]
+    assert torch.equal(device_pixels(processor, images, torch.device("cpu")),
+                       load_pixels(processor, dataset.opener, samples))
+
+
+def test_the_gpu_pipeline_is_refused_off_a_gpu_before_the_weights_load(tmp_path, model_dir, image_folder,
+                                                                       monkeypatch):
+    import actstore.extract.run as ex
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder,
+                              extract={"parts": 1, "device": "cpu", "image_pipeline": "gpu"})
+    with pytest.raises(ConfigError, match="extract.image_pipeline gpu .* extract.device is cpu"):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+    assert not (tmp_path / "part-0000").exists()
+
+
+def test_the_gpu_pipeline_is_refused_on_texts(tmp_path, model_dir, text_jsonl, monkeypatch):
+    import actstore.extract.run as ex
+    monkeypatch.setattr(ex, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"image_pipeline": "gpu"})
+    with pytest.raises(ConfigError, match="image_pipeline gpu decodes images, and the dataset is text"):
+        run_part(config, 0, tmp_path / "part-0000", progress=False)
+
+
+@pytest.mark.skipif(CUDA_AND_TORCHVISION, reason="this machine can run the gpu pipeline")
+def test_check_device_pipeline_names_what_is_missing(model_dir):
+    from actstore.models import load_image_processor
+
+    processor = load_image_processor(model_dir("dinov2"))
+    with pytest.raises(ConfigError, match="extract.device is cpu"):
+        check_device_pipeline(processor, torch.device("cpu"))
+
+
+def test_the_cpu_pipeline_keeps_every_earlier_hash_and_the_gpu_one_hashes_apart(tmp_path, model_dir, image_folder):
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder)
+    assert config["extract"]["image_pipeline"] == "cpu" and "image_pipeline" not in hashed_section(config, "extract")
+    earlier = copy.deepcopy(config)  # what an earlier release's validated config held: no such key
+    del earlier["extract"]["image_pipeline"]
+    assert stage_hashes(config) == stage_hashes(earlier)
+    gpu = validate_config(json.loads(json.dumps(config)) | {"extract": {**config["extract"], "image_pipeline": "gpu"}})
+    assert stage_hashes(gpu)["extract"] != stage_hashes(config)["extract"]
+
+
+def test_the_lut_stage_refuses_gpu_decoded_images_off_a_gpu(tmp_path, model_dir, image_folder):
+    from actstore.lut import build_lut
+
+    config = tiny.make_config(tmp_path, model_dir("dinov2"), image_folder,
+                              extract={"image_pipeline": "gpu"}, lut={"device": "cpu"})
+    with pytest.raises(ConfigError, match="lut.device cpu: .*extract.image_pipeline gpu"):
+        build_lut(config, tmp_path / "extract", tmp_path / "no-sae", tmp_path / "lut")
+
+
+# --- On a CUDA machine with torchvision (gpu_suite.sh's CUDA tests). ---
+
+def jpeg_folder(folder: Path, n: int = 7) -> Path:
+    """n photographs as baseline JPEGs, and a PNG and an EXIF-turned JPEG the workers decode."""
+    files = {f"img_{i:02d}.jpg": save(photo(96 + 8 * i, 72, seed=i), "JPEG", quality=90) for i in range(n)}
+    files |= {"rgb.png": save(photo(80, 60, seed=99), "PNG"),
+              "turned.jpg": save(photo(80, 60, seed=98), "JPEG", quality=90, exif=exif(6))}
+    return write_folder(folder, files)
+
+
+@pytest.mark.skipif(not CUDA_AND_TORCHVISION, reason="needs a CUDA device and torchvision")
+def test_cuda_gpu_pipeline_parts_are_the_models_outputs_on_its_pixels_whatever_the_workers(tmp_path, model_dir):
+    from actstore.extract import capture, length_batches
+    from actstore.formats.extract import open_part
+    from actstore.models import load_model
+
+    data = jpeg_folder(tmp_path / "images")
+    parts, metas = [], []
+    for workers in (0, 2):
+        config = tiny.make_config(tmp_path, model_dir("dinov2"), data, extract={
+            "parts": 1, "num_workers": workers, "batch_size": 4, "device": "cuda", "image_pipeline": "gpu"})
+        out = tmp_path / f"w{workers}" / "part-0000"
+        metas.append(run_part(config, 0, out, progress=False))
+        parts.append({p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "part.json"})
+    assert parts[0] == parts[1] and metas[0]["image_pipeline"] == "gpu"
+    dataset = load_dataset(data)
+    loaded = load_model(config["model"]["path"], "float32", "cuda")
+    part = open_part(tmp_path / "w0" / "part-0000")
+    with capture(loaded, [0, 2], []) as captured, torch.inference_mode():
+        for batch in length_batches([1] * len(dataset.samples), 4):
+            images = [worker_image(dataset.opener, dataset.samples[i]) for i in batch]
+            loaded.model(pixel_values=device_pixels(loaded.preprocessor, images, loaded.device))
+            for name, tensor in captured.items():
+                raw = part.tensor(name).raw
+                for row, i in enumerate(batch):
+                    assert np.array_equal(np.asarray(raw[part.sample_slice(i)]), tensor[row].cpu().numpy()), (name, i)
+
+
+@pytest.mark.skipif(not CUDA_AND_TORCHVISION, reason="needs a CUDA device and torchvision")
+def test_cuda_gpu_pipeline_pixels_are_near_the_cpu_pipelines(tmp_path, model_dir):
+    from actstore.extract.inputs import image_batch
+    from actstore.models import load_model
+
+    dataset = load_dataset(jpeg_folder(tmp_path / "images"))
+    loaded = load_model(model_dir("dinov2"), "float32", "cuda")
+    check_device_pipeline(loaded.preprocessor, loaded.device)
+    gpu = image_batch(loaded, dataset, dataset.samples, "gpu")["pixel_values"]
+    cpu = image_batch(loaded, dataset, dataset.samples, "cpu")["pixel_values"]
+    assert gpu.shape == cpu.shape and not torch.equal(gpu, cpu)
+    assert float((gpu - cpu).abs().mean()) < 0.05
