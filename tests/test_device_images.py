@@ -15,14 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 
 import tiny
 from actstore.config import validate_config
 from actstore.datasets import load_dataset
 from actstore.errors import ConfigError
 from actstore.extract import run_part
-from actstore.extract.device_images import check_device_pipeline, device_pixels, worker_image
+from actstore.extract.device_images import check_device_pipeline, device_image_batches, device_pixels, worker_image
 from actstore.hashing import hashed_section, stage_hashes
 from test_images import FILES, exif, photo, save
 
@@ -100,6 +99,24 @@ def test_the_decoded_images_are_processed_as_the_cpu_pipeline_processes_them(tmp
     images = [worker_image(dataset.opener, sample) for sample in samples]
     assert torch.equal(device_pixels(processor, images, torch.device("cpu")),
                        load_pixels(processor, dataset.opener, samples))
+
+
+def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_workers(tmp_path, model_dir):
+    """device_image_batches' workers and items (here on the CPU, with images no JPEG path takes):
+    each batch is its images processed in one call, in order, for 0 and 2 workers."""
+    from actstore.extract.inputs import load_pixels
+    from actstore.models import load_image_processor
+
+    files = {f"img_{i:02d}.png": save(photo(30 + 4 * i, 24, seed=i), "PNG") for i in range(21)}
+    dataset = load_dataset(write_folder(tmp_path / "pngs", files))
+    processor = load_image_processor(model_dir("dinov2"))
+    batches = [[20, 3, 4] + list(range(5, 20)), [0, 1, 2]]  # 18 images: an item of IMAGES_PER_ITEM (16) and one of 2
+    for workers in (0, 2):
+        got = list(device_image_batches(processor, dataset.opener, dataset.samples, batches, workers,
+                                        torch.device("cpu"), torch.float32))
+        assert len(got) == 2 and all(len(items) == 1 for items in got)
+        for (pixels,), batch in zip(got, batches):
+            assert torch.equal(pixels, load_pixels(processor, dataset.opener, [dataset.samples[i] for i in batch]))
 
 
 def test_the_gpu_pipeline_is_refused_off_a_gpu_before_the_weights_load(tmp_path, model_dir, image_folder,

@@ -132,13 +132,18 @@ def check_device_pipeline(processor: Any, device: torch.device) -> None:
     Image.new("RGB", (16, 16), (200, 100, 50)).save(encoded, format="JPEG")
     probe = ("a 16 x 16 probe JPEG", torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8), True)
     try:
-        pixels = device_pixels(processor, [probe], device)
+        decoded = nvjpeg([probe], device)
     except ImportError as exc:
         raise ConfigError(f"extract.image_pipeline gpu needs torchvision (built for this torch, with CUDA): {exc}"
                           ) from None
-    except RuntimeError as exc:
+    except (RuntimeError, ConfigError) as exc:
         raise ConfigError(f"extract.image_pipeline gpu: torchvision cannot decode a JPEG on {device} ({exc})") from None
-    if pixels.device != device:
+    try:  # the PIL backend cannot take a CUDA tensor (it converts to numpy), or hands back CPU pixels
+        pixels = processor(images=decoded, return_tensors="pt")["pixel_values"]
+        why = None if pixels.device.type == "cuda" else f"its pixels came back on {pixels.device}"
+    except (TypeError, ValueError, RuntimeError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
         raise ConfigError(f"extract.image_pipeline gpu: the model's image processor ({type(processor).__name__}) "
-                          f"returned its pixels on {pixels.device}, not {device}: it needs transformers' torchvision "
-                          "backend (install torchvision), or use image_pipeline cpu")
+                          f"cannot process images on {device} ({why}): it needs transformers' torchvision backend "
+                          "(install torchvision), or use image_pipeline cpu")
