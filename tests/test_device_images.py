@@ -50,7 +50,7 @@ def test_baseline_jpegs_go_as_their_bytes_and_every_other_image_as_the_openers_p
         if encoded:
             assert tensor.dtype == torch.uint8 and tensor.numpy().tobytes() == FILES[name]
         else:
-            assert torch.equal(tensor, torch.from_numpy(np.asarray(dataset.opener(sample))).permute(2, 0, 1))
+            assert torch.equal(tensor, torch.from_numpy(np.array(dataset.opener(sample))).permute(2, 0, 1))
     assert {name for name, encoded in sent.items() if encoded} == NVJPEG_FILES
 
 

@@ -83,7 +83,7 @@ def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Samp
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     loader = iter(torch.utils.data.DataLoader(
         WorkerImages(opener, samples), sampler=[item for batch in items for item in batch], batch_size=None,
-        num_workers=num_workers, pin_memory=True, prefetch_factor=ahead,
+        num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=ahead,
         worker_init_fn=lower_priority if num_workers else None))
     for batch in items:
         images = [image for _ in batch for image in next(loader)]
