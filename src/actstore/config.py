@@ -144,30 +144,41 @@ def check_yaml_numbers(paths: Iterable[str | Path]) -> None:
     (workflow.configfiles; the Snakefile, before validating them), each read as Snakemake reads it: JSON first (whose
     numbers mean one thing, and which YAML 1.1 does not always parse), then YAML."""
     for path in paths:
-        with open(path, encoding="utf-8") as fh:
-            try:
-                json.load(fh)
-                continue
-            except ValueError:
-                fh.seek(0)
-            yaml.load(fh, Loader=_ConfigLoader)
+        _read_config_file(Path(path))
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file, validate it and return the resolved (defaults filled) dict."""
+    """Read a config file as Snakemake reads one (_read_config_file), validate it and return the
+    resolved (defaults filled) dict."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        with path.open(encoding="utf-8") as fh:
-            config = yaml.load(fh, Loader=_ConfigLoader) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        config = _read_config_file(path)
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     except RecursionError:
         raise ConfigError(f"{path}: not valid YAML (nested too deeply to parse)") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(config).__name__}")
     return validate_config(copy.deepcopy(config))
+
+
+def _read_config_file(path: Path) -> Any:
+    """The document in `path`, read as Snakemake's load_configfile reads a configfile, whatever its
+    name: JSON if it parses as JSON, else YAML. So a JSON config's `2e-3` is the float the workflow
+    runs with (YAML 1.1 reads it as text) and a tab-indented one parses. Only YAML goes through
+    _ConfigLoader: JSON has no octal or base 60. Read from the file, so a YAML mark names it."""
+    with path.open(encoding="utf-8") as fh:
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as json_error:
+            fh.seek(0)
+            try:
+                return yaml.load(fh, Loader=_ConfigLoader) or {}
+            except yaml.YAMLError as yaml_error:
+                raise ConfigError(f"{path}: not valid YAML ({yaml_error}), nor JSON (line {json_error.lineno}, "
+                                  f"column {json_error.colno}: {json_error.msg})") from None
 
 
 def enabled_stages(config: dict[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ that kept the bytes passes and new bytes stop the run, naming the file.
 from __future__ import annotations
 
 import logging
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ TRAINER_FILES = frozenset({"trainer_state.json", "training_args.bin", "all_resul
 MODEL_FILES_KEY = "model_files"  # the key of part.json and extract.json
 PART_FIELDS = ("bytes", "mtime_ns")  # a file's entry in part.json; extract.json's adds its sha256
 INDEX_FIELDS = (*PART_FIELDS, "sha256")
+SHA256_HEX = re.compile("[0-9a-f]{64}")  # hashlib's hexdigest
 log = logging.getLogger(__name__)
 
 
@@ -79,10 +81,11 @@ def check_model_unchanged(folder: Path, extract_dir: Path) -> None:
 
 def well_formed(files: Any, fields: tuple[str, ...]) -> bool:
     """A model_files record: a map of file names to entries of those fields (PART_FIELDS or
-    INDEX_FIELDS), sizes and mtimes whole numbers, a sha256 text."""
+    INDEX_FIELDS), sizes and mtimes whole numbers, a sha256 as hashlib's hexdigest spells it (what
+    the parse compares a file's digest with)."""
     return isinstance(files, dict) and all(isinstance(entry, dict) and all(
-        isinstance(entry.get(field), str) if field == "sha256" else whole_number(entry.get(field))
-        for field in fields) for entry in files.values())
+        isinstance(entry.get(field), str) and SHA256_HEX.fullmatch(entry[field]) is not None if field == "sha256"
+        else whole_number(entry.get(field)) for field in fields) for entry in files.values())
 
 
 def _recorded(index: Path) -> dict[str, dict] | None:

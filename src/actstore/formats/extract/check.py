@@ -9,9 +9,10 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part_dirname, tensor_file
-from actstore.formats.extract.read import open_extraction, open_part
+from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
 from actstore.integrity import file_problem, inside, links_out, read_json
+from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, well_formed
 
 
 def detect(path: str | Path) -> bool:
@@ -68,11 +69,12 @@ def verify(path: str | Path) -> list[str]:
 
 
 def _summary_problems(extract_dir: Path) -> list[str]:
-    """extract.json's totals, tensors, model and dataset against what its (whole) parts say. A key
-    the parts give and the file lacks (written by an earlier release) is not a problem."""
+    """extract.json's totals, tensors, model, dataset and model files against what its (whole) parts
+    say. A key the parts give and the file lacks (written by an earlier release) is not a problem."""
     have = read_json(extract_dir / INDEX)
     try:
-        want = index_of(open_extraction(extract_dir))
+        extraction = open_extraction(extract_dir)
+        want = index_of(extraction)
     except FormatError as exc:
         return [str(exc)]
     pairs = [(key, have.get(key), value) for key, value in want.items() if key != "parts" and key in have]
@@ -80,7 +82,29 @@ def _summary_problems(extract_dir: Path) -> list[str]:
     pairs += [(f"parts[{i}].{key}", entry.get(key) if isinstance(entry, dict) else None, value)
               for i, (entry, part) in enumerate(zip(listed, want["parts"])) for key, value in part.items()]
     return [f"{extract_dir / INDEX}: {key} = {stored!r:.100} but the parts say {value!r:.100}"
-            for key, stored, value in pairs if stored != value]
+            for key, stored, value in pairs if stored != value] + _model_files_problems(
+        extract_dir / INDEX, have.get(MODEL_FILES_KEY), extraction.parts)
+
+
+def _model_files_problems(index: Path, stored: Any, parts: list[Part]) -> list[str]:
+    """extract.json's model_files (write_index: the record the parts agree on, each file with its
+    sha256) against the parts' record; the model folder is not read. Every Snakefile parse compares
+    the folder with it, and outside a workflow stage directory (an extraction the library wrote) no
+    seal vouches for it. None: an earlier release's, or written without the model folder."""
+    if stored is None:
+        return []
+    if not well_formed(stored, INDEX_FIELDS):
+        return [f"{index}: {MODEL_FILES_KEY} is not a map of file names to their bytes, mtime_ns and sha256 "
+                f"(64 hex digits)"]
+    recorded = [part.meta.get(MODEL_FILES_KEY) for part in parts]
+    if None in recorded:  # write_index records the files only when every part did
+        return [f"{index}: {MODEL_FILES_KEY} recorded, but {parts[recorded.index(None)].dir / PART_META} records none"]
+    loaded = recorded[0]  # all equal (open_extraction)
+    stats = {name: {field: entry[field] for field in PART_FIELDS} for name, entry in stored.items()}
+    return [f"{index}: {MODEL_FILES_KEY}[{name!r}] " + (
+        "missing, but the parts loaded it" if name not in stats else "listed, but no part loaded it"
+        if name not in loaded else f"= {stats[name]} but the parts say {loaded[name]}")
+        for name in sorted(set(stats) | set(loaded)) if stats.get(name) != loaded.get(name)]
 
 
 def _index_problems(extract_dir: Path) -> list[str]:
