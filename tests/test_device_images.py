@@ -101,9 +101,10 @@ def test_the_decoded_images_are_processed_as_the_cpu_pipeline_processes_them(tmp
                        load_pixels(processor, dataset.opener, samples))
 
 
-def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_workers(tmp_path, model_dir):
+def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_workers(tmp_path, model_dir, caplog):
     """device_image_batches' workers and items (here on the CPU, with images no JPEG path takes):
-    each batch is its images processed in one call, in order, for 0 and 2 workers."""
+    each batch is its images processed in one call, in order, for 0 and 2 workers; the log says how
+    many went to the GPU's decoder, and that a dataset of few JPEGs runs faster on the cpu pipeline."""
     from actstore.extract.inputs import load_pixels
     from actstore.models import load_image_processor
 
@@ -117,6 +118,7 @@ def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_worker
         assert len(got) == 2 and all(len(items) == 1 for items in got)
         for (pixels,), batch in zip(got, batches):
             assert torch.equal(pixels, load_pixels(processor, dataset.opener, [dataset.samples[i] for i in batch]))
+    assert "0 of 21 images decoded on the GPU" in caplog.text and "image_pipeline cpu is likely faster" in caplog.text
 
 
 def test_the_gpu_pipeline_is_refused_off_a_gpu_before_the_weights_load(tmp_path, model_dir, image_folder,
