@@ -43,14 +43,16 @@ def test_baseline_jpegs_go_as_their_bytes_and_every_other_image_as_the_openers_p
     dataset = load_dataset(write_folder(tmp_path / "zoo", FILES))
     sent = {}
     for sample in dataset.samples:
-        where, tensor, encoded = worker_image(dataset.opener, sample)
+        image = worker_image(dataset.opener, sample)
         name = Path(sample.text).name
-        assert where.endswith(name)
-        sent[name] = encoded
-        if encoded:
-            assert tensor.dtype == torch.uint8 and tensor.numpy().tobytes() == FILES[name]
+        assert image.where.endswith(name)
+        sent[name] = image.encoded
+        decoded = torch.from_numpy(np.array(dataset.opener(sample))).permute(2, 0, 1)
+        assert image.decoded_bytes == decoded.numel()
+        if image.encoded:
+            assert image.data.dtype == torch.uint8 and image.data.numpy().tobytes() == FILES[name]
         else:
-            assert torch.equal(tensor, torch.from_numpy(np.array(dataset.opener(sample))).permute(2, 0, 1))
+            assert torch.equal(image.data, decoded)
     assert {name for name, encoded in sent.items() if encoded} == NVJPEG_FILES
 
 
@@ -63,8 +65,8 @@ def test_a_jpeg_not_ending_in_its_end_marker_is_decoded_by_the_opener(tmp_path):
     by_name = {Path(s.text).name: s for s in dataset.samples}
     with pytest.raises(ConfigError, match=r"cut\.jpg: cannot decode the image"):
         worker_image(dataset.opener, by_name["cut.jpg"])
-    _, pixels, encoded = worker_image(dataset.opener, by_name["appended.jpg"])
-    assert not encoded and pixels.shape == (3, 48, 64)
+    appended = worker_image(dataset.opener, by_name["appended.jpg"])
+    assert not appended.encoded and appended.data.shape == (3, 48, 64)
 
 
 def test_a_tables_and_a_tar_shards_images_go_as_their_stored_bytes(tmp_path):
@@ -82,9 +84,9 @@ def test_a_tables_and_a_tar_shards_images_go_as_their_stored_bytes(tmp_path):
     for data in (tmp_path / "table", tmp_path / "tar"):
         dataset = load_dataset(data)
         sent = [worker_image(dataset.opener, sample) for sample in dataset.samples]
-        assert [encoded for _, _, encoded in sent] == [True, False]
-        assert sent[0][1].numpy().tobytes() == jpeg and dataset.opener.encoded(dataset.samples[1])[0] == turned
-        assert sent[1][1].shape == (3, 40, 28)  # turned upright: width and height swap
+        assert [image.encoded for image in sent] == [True, False]
+        assert sent[0].data.numpy().tobytes() == jpeg and dataset.opener.encoded(dataset.samples[1])[0] == turned
+        assert sent[1].data.shape == (3, 40, 28)  # turned upright: width and height swap
 
 
 def test_the_decoded_images_are_processed_as_the_cpu_pipeline_processes_them(tmp_path, model_dir):
@@ -119,6 +121,24 @@ def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_worker
         for (pixels,), batch in zip(got, batches):
             assert torch.equal(pixels, load_pixels(processor, dataset.opener, [dataset.samples[i] for i in batch]))
     assert "0 of 21 images decoded on the GPU" in caplog.text and "image_pipeline cpu is likely faster" in caplog.text
+
+
+def test_a_batch_is_decoded_in_groups_of_bounded_bytes_with_the_same_pixels(tmp_path, model_dir, monkeypatch):
+    """A batch's images go to the decoder and the processor in consecutive groups of at most
+    DECODE_BYTES decoded bytes (an image larger than that alone), with the pixels of one call."""
+    import actstore.extract.device_images as device_images
+    from actstore.extract.inputs import load_pixels
+    from actstore.models import load_image_processor
+
+    widths = [40, 40, 200, 40, 40, 40]
+    files = {f"img_{i}.png": save(photo(width, 30, seed=i), "PNG") for i, width in enumerate(widths)}
+    dataset = load_dataset(write_folder(tmp_path / "pngs", files))
+    images = [worker_image(dataset.opener, sample) for sample in dataset.samples]
+    monkeypatch.setattr(device_images, "DECODE_BYTES", 3 * 30 * 40 * 2)
+    assert [len(group) for group in device_images.decoding_groups(images)] == [2, 1, 2, 1]
+    processor = load_image_processor(model_dir("dinov2"))
+    assert torch.equal(device_pixels(processor, images, torch.device("cpu")),
+                       load_pixels(processor, dataset.opener, dataset.samples))
 
 
 def test_the_gpu_pipeline_is_refused_off_a_gpu_before_the_weights_load(tmp_path, model_dir, image_folder,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -29,9 +29,18 @@ from actstore.resources import IMAGES_PER_ITEM, items_ahead
 
 log = logging.getLogger(__name__)
 
-# One image as a worker hands it over: (its name for errors, the tensor, whether the tensor is the
-# JPEG's bytes for nvJPEG rather than decoded (3, H, W) uint8 pixels).
-WorkerImage = tuple[str, torch.Tensor, bool]
+# Decoded pixels one processor call holds on the GPU at most (a batch of 64 12-megapixel photos
+# would hold 2.3 GB, 64 500 x 375 JPEGs 36 MB): a batch's images are decoded and processed in
+# consecutive groups of up to this many bytes (at least one image), whatever their sizes.
+DECODE_BYTES = 1 << 30
+
+
+class WorkerImage(NamedTuple):
+    """One image as a worker hands it to the GPU."""
+    where: str  # its file (and row) for errors
+    data: torch.Tensor  # the JPEG's bytes for nvJPEG when `encoded`, else its decoded (3, H, W) uint8 pixels
+    encoded: bool
+    decoded_bytes: int  # 3 x height x width
 
 
 JPEG_END = b"\xff\xd9"  # the EOI marker
@@ -54,12 +63,13 @@ def worker_image(opener: ImageOpener, sample: Sample) -> WorkerImage:
     try:
         with Image.open(io.BytesIO(data)) as img:
             if nvjpeg_decodable(img, data):
-                return where, torch.frombuffer(bytearray(data), dtype=torch.uint8), True
+                return WorkerImage(where, torch.frombuffer(bytearray(data), dtype=torch.uint8), True,
+                                   3 * img.width * img.height)
     # not an image PIL knows, or past its pixel limit: decoded_image names the file and why
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
         pass
-    rgb = decoded_image(io.BytesIO(data), where)
-    return where, torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous(), False
+    pixels = torch.from_numpy(np.array(decoded_image(io.BytesIO(data), where))).permute(2, 0, 1).contiguous()
+    return WorkerImage(where, pixels, False, pixels.numel())
 
 
 class WorkerImages(torch.utils.data.Dataset):
@@ -91,7 +101,7 @@ def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Samp
     on_gpu = 0
     for batch in items:
         images = [image for _ in batch for image in next(loader)]
-        on_gpu += sum(encoded for _, _, encoded in images)
+        on_gpu += sum(image.encoded for image in images)
         yield [device_pixels(processor, images, device).to(dtype)]
     # The workers' images are processed on the GPU from their uint8 pixels, which on the H100 host fed
     # 659 images/s against the cpu pipeline's 1,093 (session 52's hybrid row): a dataset of few
@@ -103,11 +113,32 @@ def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Samp
 
 
 def device_pixels(processor: Any, images: list[WorkerImage], device: torch.device) -> torch.Tensor:
-    """(n, 3, H, W) pixel_values on `device`: the JPEGs decoded there in one nvJPEG call, the decoded
-    images copied there, all processed there in one processor call, in the images' order."""
+    """(n, 3, H, W) pixel_values on `device`, in the images' order, processed in groups of at most
+    DECODE_BYTES of decoded pixels (decoding_groups)."""
+    groups = [group_pixels(processor, group, device) for group in decoding_groups(images)]
+    return groups[0] if len(groups) == 1 else torch.cat(groups)
+
+
+def decoding_groups(images: list[WorkerImage]) -> list[list[WorkerImage]]:
+    """`images` cut in order into groups of up to DECODE_BYTES decoded bytes, each of one image at
+    least. The cuts depend on the images alone, never on the worker count."""
+    groups: list[list[WorkerImage]] = [[]]
+    held = 0
+    for image in images:
+        if groups[-1] and held + image.decoded_bytes > DECODE_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(image)
+        held += image.decoded_bytes
+    return groups
+
+
+def group_pixels(processor: Any, images: list[WorkerImage], device: torch.device) -> torch.Tensor:
+    """The group's pixel_values: its JPEGs decoded on `device` in one nvJPEG call, its decoded images
+    copied there, all processed there in one processor call."""
     on_device: list[torch.Tensor | None] = [
-        None if encoded else pixels.to(device, non_blocking=True) for _, pixels, encoded in images]
-    jpegs = [i for i, (_, _, encoded) in enumerate(images) if encoded]
+        None if image.encoded else image.data.to(device, non_blocking=True) for image in images]
+    jpegs = [i for i, image in enumerate(images) if image.encoded]
     if jpegs:
         for i, pixels in zip(jpegs, nvjpeg([images[i] for i in jpegs], device), strict=True):
             on_device[i] = pixels
@@ -120,14 +151,14 @@ def nvjpeg(images: list[WorkerImage], device: torch.device) -> list[torch.Tensor
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:
-        return decode_jpeg([data for _, data, _ in images], mode=ImageReadMode.RGB, device=device)
+        return decode_jpeg([image.data for image in images], mode=ImageReadMode.RGB, device=device)
     except RuntimeError:  # the batch's call names no image: each alone finds the one
-        for where, data, _ in images:
+        for image in images:
             try:
-                decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+                decode_jpeg(image.data, mode=ImageReadMode.RGB, device=device)
             except RuntimeError as exc:
-                raise ConfigError(f"{where}: nvJPEG cannot decode the image ({exc}; extract.image_pipeline: gpu)"
-                                  ) from None
+                raise ConfigError(f"{image.where}: nvJPEG cannot decode the image ({exc}; "
+                                  "extract.image_pipeline: gpu)") from None
         raise
 
 
@@ -142,7 +173,8 @@ def check_device_pipeline(processor: Any, device: torch.device) -> None:
                           f"{device}: use image_pipeline cpu, or run on a GPU")
     encoded = io.BytesIO()
     Image.new("RGB", (16, 16), (200, 100, 50)).save(encoded, format="JPEG")
-    probe = ("a 16 x 16 probe JPEG", torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8), True)
+    probe = WorkerImage("a 16 x 16 probe JPEG", torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8),
+                        True, 3 * 16 * 16)
     try:
         decoded = nvjpeg([probe], device)
     except ImportError as exc:
