@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,29 @@ def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_worker
         for (pixels,), batch in zip(got, batches):
             assert torch.equal(pixels, load_pixels(processor, dataset.opener, [dataset.samples[i] for i in batch]))
     assert "0 of 21 images decoded on the GPU" in caplog.text and "image_pipeline cpu is likely faster" in caplog.text
+
+
+def test_the_workers_start_reading_when_the_loader_is_made(tmp_path, model_dir, monkeypatch):
+    """As the cpu pipeline's: run_part makes the loader before the weights load, and the workers read
+    the first images meanwhile (an image part's bound), not when the model asks for the first batch."""
+    import actstore.extract.device_images as device_images
+    from actstore.models import load_image_processor
+
+    started = tmp_path / "started"
+
+    def noting(opener, sample):
+        started.touch()  # in the worker process: a file, seen from here
+        return worker_image(opener, sample)
+    monkeypatch.setattr(device_images, "worker_image", noting)
+    files = {f"img_{i}.png": save(photo(seed=i), "PNG") for i in range(4)}
+    dataset = load_dataset(write_folder(tmp_path / "pngs", files))
+    batches = device_image_batches(load_image_processor(model_dir("dinov2")), dataset.opener, dataset.samples,
+                                   [[0, 1], [2, 3]], 2, torch.device("cpu"), torch.float32)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "no worker read an image before the first batch was asked for"
+    assert len(list(batches)) == 2
 
 
 def test_a_batch_is_decoded_in_groups_of_bounded_bytes_with_the_same_pixels(tmp_path, model_dir, monkeypatch):

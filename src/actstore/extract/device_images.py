@@ -91,24 +91,32 @@ def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Samp
                          ) -> Iterator[list[torch.Tensor]]:
     """Processed pixels on `device` in the model's `dtype`, batch by batch, as image_batches yields
     them (a list of tensors per batch: here one). The workers start at once and read ahead, as the
-    cpu pipeline's do; each batch is decoded and processed here, on the GPU, when the model asks."""
+    cpu pipeline's do (so call it before loading the model); each batch is decoded and processed
+    here, on the GPU, when the model asks."""
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     loader = iter(torch.utils.data.DataLoader(
         WorkerImages(opener, samples), sampler=[item for batch in items for item in batch], batch_size=None,
         num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=ahead,
         worker_init_fn=lower_priority if num_workers else None))
-    on_gpu = 0
+    return _processed(processor, loader, items, device, dtype)
+
+
+def _processed(processor: Any, loader: Iterator[list[WorkerImage]], items: list[list[list[int]]],
+               device: torch.device, dtype: torch.dtype) -> Iterator[list[torch.Tensor]]:
+    """Each batch's items from `loader`, decoded and processed on `device`."""
+    on_gpu = images_seen = 0
     for batch in items:
         images = [image for _ in batch for image in next(loader)]
         on_gpu += sum(image.encoded for image in images)
+        images_seen += len(images)
         yield [device_pixels(processor, images, device).to(dtype)]
     # The workers' images are processed on the GPU from their uint8 pixels, which on the H100 host fed
     # 659 images/s against the cpu pipeline's 1,093 (session 52's hybrid row): a dataset of few
     # baseline JPEGs runs faster with image_pipeline cpu.
-    few = on_gpu * 2 < len(samples)
+    few = on_gpu * 2 < images_seen
     log.log(logging.WARNING if few else logging.INFO, "extract.image_pipeline gpu: %d of %d images decoded on the GPU "
-            "(baseline JPEGs), the rest by the workers%s", on_gpu, len(samples),
+            "(baseline JPEGs), the rest by the workers%s", on_gpu, images_seen,
             "; image_pipeline cpu is likely faster for this dataset" if few else "")
 
 
