@@ -57,6 +57,17 @@ def test_baseline_jpegs_go_as_their_bytes_and_every_other_image_as_the_openers_p
     assert {name for name, encoded in sent.items() if encoded} == NVJPEG_FILES
 
 
+def test_an_rgb_jpeg_by_adobes_marker_is_decoded_by_the_opener(tmp_path):
+    """A JPEG whose Adobe marker says its channels are RGB, not YCbCr (Pillow's keep_rgb): PIL
+    honours the marker; the workers decode it rather than trust nvJPEG to."""
+    files = {"rgb.jpg": save(photo(), "JPEG", keep_rgb=True), "ycbcr.jpg": save(photo(), "JPEG")}
+    dataset = load_dataset(write_folder(tmp_path / "d", files))
+    sent = {Path(s.text).name: worker_image(dataset.opener, s) for s in dataset.samples}
+    assert not sent["rgb.jpg"].encoded and sent["ycbcr.jpg"].encoded
+    assert torch.equal(sent["rgb.jpg"].data,
+                       torch.from_numpy(np.array(dataset.opener(dataset.samples[0]))).permute(2, 0, 1))
+
+
 def test_a_jpeg_not_ending_in_its_end_marker_is_decoded_by_the_opener(tmp_path):
     """nvJPEG may decode what a cut file holds; the opener refuses it, naming the file. A JPEG with
     bytes after its end marker is decoded by the opener (as it decodes every other file)."""

@@ -48,10 +48,11 @@ JPEG_END = b"\xff\xd9"  # the EOI marker
 
 def nvjpeg_decodable(img: Any, data: bytes) -> bool:
     """An opened PIL image (header only) whose file `data` nvJPEG decodes to the opener's RGB: a
-    baseline three-channel JPEG of 8 bits that its EXIF tag does not turn, and whole. The opener
+    baseline three-channel YCbCr JPEG of 8 bits that its EXIF tag does not turn, and whole. The opener
     refuses a truncated JPEG (datasets.images.whole_images_only) where nvJPEG may decode what it has:
     a file not ending in its EOI marker (cut, or with bytes appended) goes to the opener."""
     return (img.format == "JPEG" and img.mode == "RGB" and not img.info.get("progressive")
+            and img.info.get("adobe_transform", 1) != 0  # Adobe's RGB, not YCbCr: PIL honours the marker
             and img.getexif().get(EXIF_ORIENTATION, 1) == 1 and data.endswith(JPEG_END))
 
 
@@ -154,20 +155,29 @@ def group_pixels(processor: Any, images: list[WorkerImage], device: torch.device
 
 
 def nvjpeg(images: list[WorkerImage], device: torch.device) -> list[torch.Tensor]:
-    """The JPEGs' RGB uint8 (3, H, W) pixels decoded on `device`; ConfigError naming the first that
-    nvJPEG cannot decode (a scan its header did not vouch for: truncated, corrupt)."""
+    """The JPEGs' RGB uint8 (3, H, W) pixels on `device`, decoded there in one nvJPEG call. When the
+    call fails (one failing image fails it), each is decoded alone, and one nvJPEG refuses (arithmetic
+    coding, a sampling it does not know) is decoded by the cpu pipeline's opener here, with a warning
+    naming it: its bytes decide that, so its pixels do not depend on its batch companions. The opener
+    names an image that is not whole (ConfigError)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:
         return decode_jpeg([image.data for image in images], mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:  # the batch's call names no image: each alone finds the one
-        for image in images:
-            try:
-                decode_jpeg(image.data, mode=ImageReadMode.RGB, device=device)
-            except RuntimeError as exc:
-                raise ConfigError(f"{image.where}: nvJPEG cannot decode the image ({exc}; "
-                                  "extract.image_pipeline: gpu)") from None
-        raise
+    except RuntimeError:  # the call names no image
+        return [one_jpeg(image, device) for image in images]
+
+
+def one_jpeg(image: WorkerImage, device: torch.device) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(image.data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError as exc:
+        log.warning("%s: nvJPEG cannot decode it (%s); decoded on the CPU as image_pipeline cpu decodes it",
+                    image.where, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
+    rgb = decoded_image(io.BytesIO(image.data.numpy().tobytes()), image.where)
+    return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous().to(device)
 
 
 def check_device_pipeline(processor: Any, device: torch.device) -> None:
@@ -181,14 +191,15 @@ def check_device_pipeline(processor: Any, device: torch.device) -> None:
                           f"{device}: use image_pipeline cpu, or run on a GPU")
     encoded = io.BytesIO()
     Image.new("RGB", (16, 16), (200, 100, 50)).save(encoded, format="JPEG")
-    probe = WorkerImage("a 16 x 16 probe JPEG", torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8),
-                        True, 3 * 16 * 16)
     try:
-        decoded = nvjpeg([probe], device)
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        decoded = decode_jpeg([torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8)],
+                              mode=ImageReadMode.RGB, device=device)
     except ImportError as exc:
         raise ConfigError(f"extract.image_pipeline gpu needs torchvision (built for this torch, with CUDA): {exc}"
                           ) from None
-    except (RuntimeError, ConfigError) as exc:
+    except RuntimeError as exc:  # a torchvision built without nvJPEG, a CUDA it cannot use
         raise ConfigError(f"extract.image_pipeline gpu: torchvision cannot decode a JPEG on {device} ({exc})") from None
     try:  # the PIL backend cannot take a CUDA tensor (it converts to numpy), or hands back CPU pixels
         pixels = processor(images=decoded, return_tensors="pt")["pixel_values"]
