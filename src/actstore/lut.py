@@ -102,6 +102,10 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", device,
                         config["model"].get("tower"), trusted(config["model"]),
                         fix_mistral_regex=config["model"].get("fix_mistral_regex"))
+    if config["extract"]["image_pipeline"] == "gpu":  # named before the tables are built
+        from actstore.extract.device_images import check_device_pipeline
+
+        check_device_pipeline(loaded.preprocessor, loaded.device)
     tables = build_tables(config, loaded.model, sae.state())
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(sae_file), SAE_SHA256: sae_sha256,
