@@ -76,8 +76,8 @@ def hashed_section(config: dict[str, Any], section: str) -> Any:
     """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
     dropped when float32 (all earlier releases stored), so extractions made before it keep their hash
     (extract.token_logprobs likewise when true, extract.image_pipeline when cpu); lmprobe.dtype auto
-    resolved to the storage dtype; likewise pickle.compressor when zlib (or when nothing is compressed); a whole number in a
-    number-typed key as an int (see _integral_numbers_as_ints)."""
+    resolved to the storage dtype; likewise pickle.compressor when zlib (or when nothing is
+    compressed); a whole number in a number-typed key as an int (see _integral_numbers_as_ints)."""
     values = config[section]
     if not isinstance(values, dict):
         return values
