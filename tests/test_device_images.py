@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -156,6 +157,77 @@ def test_the_workers_start_reading_when_the_loader_is_made(tmp_path, model_dir, 
         time.sleep(0.05)
     assert started.exists(), "no worker read an image before the first batch was asked for"
     assert len(list(batches)) == 2
+
+
+def pngs(tmp_path: Path, n: int, bad: int | None = None):
+    files = {f"img_{i:02d}.png": save(photo(seed=i), "PNG") for i in range(n)}
+    if bad is not None:
+        files[f"img_{bad:02d}.png"] = files[f"img_{bad:02d}.png"][:60]  # cut inside its pixels
+    return load_dataset(write_folder(tmp_path / "pngs", files))
+
+
+def decoding_thread_ended(timeout: float = 30) -> bool:
+    from actstore.extract.device_images import DECODING_THREAD
+
+    deadline = time.monotonic() + timeout
+    while any(t.name == DECODING_THREAD for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not any(t.name == DECODING_THREAD for t in threading.enumerate())
+
+
+def test_the_decoding_thread_holds_at_most_ahead_bytes_and_hands_batches_in_order(tmp_path, model_dir, monkeypatch):
+    """With room for one batch, the thread decodes one batch ahead of the model and a second it waits
+    to hand over, never the part: the GPU memory the batches waiting take is bounded."""
+    import actstore.extract.device_images as device_images
+    from actstore.extract.inputs import load_pixels
+    from actstore.models import load_image_processor
+
+    made = []
+    monkeypatch.setattr(device_images, "AHEAD_BYTES", 1)
+    monkeypatch.setattr(device_images, "device_pixels", lambda *args: made.append(1) or device_pixels(*args))
+    dataset = pngs(tmp_path, 12)
+    processor = load_image_processor(model_dir("dinov2"))
+    batches = [[i, i + 1] for i in range(0, 12, 2)]
+    handed = device_image_batches(processor, dataset.opener, dataset.samples, batches, 0, torch.device("cpu"),
+                                  torch.float32)
+    time.sleep(2)
+    assert len(made) == 2
+    for (pixels,), batch in zip(handed, batches, strict=True):
+        assert torch.equal(pixels, load_pixels(processor, dataset.opener, [dataset.samples[i] for i in batch]))
+    assert len(made) == 6 and decoding_thread_ended()
+
+
+def test_an_image_the_decoding_thread_cannot_decode_is_named_in_the_models_thread(tmp_path, model_dir):
+    from actstore.models import load_image_processor
+
+    dataset = pngs(tmp_path, 6, bad=3)
+    handed = device_image_batches(load_image_processor(model_dir("dinov2")), dataset.opener, dataset.samples,
+                                  [[0, 1], [2, 3], [4, 5]], 2, torch.device("cpu"), torch.float32)
+    assert len(next(handed)[0]) == 2
+    with pytest.raises(ConfigError, match=r"img_03\.png: cannot decode the image"):
+        next(handed)
+    assert decoding_thread_ended()
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+def test_a_part_that_stops_early_stops_the_decoding_thread(tmp_path, model_dir, monkeypatch, taken):
+    """The model's side failing (out of memory, a full disk) drops the batches, taken from or not:
+    the thread, waiting for room, stops rather than wait forever holding GPU memory and its workers."""
+    import gc
+
+    import actstore.extract.device_images as device_images
+    from actstore.models import load_image_processor
+
+    monkeypatch.setattr(device_images, "AHEAD_BYTES", 1)
+    dataset = pngs(tmp_path, 40)
+    handed = device_image_batches(load_image_processor(model_dir("dinov2")), dataset.opener, dataset.samples,
+                                  [[i, i + 1] for i in range(0, 40, 2)], 0, torch.device("cpu"), torch.float32)
+    time.sleep(0.5)  # the thread waits for room
+    for _ in range(taken):
+        next(handed)
+    del handed
+    gc.collect()
+    assert decoding_thread_ended()
 
 
 def test_a_batch_is_decoded_in_groups_of_bounded_bytes_with_the_same_pixels(tmp_path, model_dir, monkeypatch):

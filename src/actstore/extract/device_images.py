@@ -14,8 +14,12 @@ its EXIF tag) is decoded by the opener in the worker, as uint8, and only process
 way an image goes depends on its bytes alone, so the pixels do not depend on the worker count."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import io
 import logging
+import threading
+import weakref
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -33,6 +37,11 @@ log = logging.getLogger(__name__)
 # would hold 2.3 GB, 64 500 x 375 JPEGs 36 MB): a batch's images are decoded and processed in
 # consecutive groups of up to this many bytes (at least one image), whatever their sizes.
 DECODE_BYTES = 1 << 30
+# Processed pixels the decoding thread holds on the GPU ahead of the model, at most (one batch at
+# least): ViT-B/14's 64 images at 224 in bfloat16 are 19 MB, so this is the first ~1,700 images,
+# which it decodes while the weights load (the cpu pipeline's workers decode so meanwhile).
+AHEAD_BYTES = 1 << 29
+DECODING_THREAD = "actstore-gpu-decoding"
 
 
 class WorkerImage(NamedTuple):
@@ -91,27 +100,101 @@ def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Samp
                          num_workers: int, device: torch.device, dtype: torch.dtype
                          ) -> Iterator[list[torch.Tensor]]:
     """Processed pixels on `device` in the model's `dtype`, batch by batch, as image_batches yields
-    them (a list of tensors per batch: here one). The workers start at once and read ahead, as the
-    cpu pipeline's do (so call it before loading the model); each batch is decoded and processed
-    here, on the GPU, when the model asks."""
+    them (a list of tensors per batch: here one). The workers start at once and read ahead, and a
+    thread decodes and processes each batch on the GPU (on its own CUDA stream) up to AHEAD_BYTES
+    ahead of the model: call it before loading the model, so that the first batches are ready when
+    the weights are, as the cpu pipeline's workers decode them meanwhile."""
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
-    ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
+    prefetch = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     loader = iter(torch.utils.data.DataLoader(
         WorkerImages(opener, samples), sampler=[item for batch in items for item in batch], batch_size=None,
-        num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=ahead,
+        num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=prefetch,
         worker_init_fn=lower_priority if num_workers else None))
-    return _processed(processor, loader, items, device, dtype)
+    ahead = Ahead()
+    threading.Thread(target=_decode_ahead, args=(processor, loader, items, device, dtype, ahead),
+                     name=DECODING_THREAD, daemon=True).start()
+    batches_out = _handed_over(ahead, device)
+    weakref.finalize(batches_out, ahead.stop)  # a generator dropped before its first batch stops the thread too
+    return batches_out
 
 
-def _processed(processor: Any, loader: Iterator[list[WorkerImage]], items: list[list[list[int]]],
-               device: torch.device, dtype: torch.dtype) -> Iterator[list[torch.Tensor]]:
-    """Each batch's items from `loader`, decoded and processed on `device`."""
+class Ahead:
+    """Batches the decoding thread hands to the model's, in order: at most AHEAD_BYTES of pixels held
+    (one batch at least), so the GPU memory they take is bounded; stop() ends the handing over."""
+
+    def __init__(self):
+        self.ready: collections.deque = collections.deque()
+        self.held = 0
+        self.stopped = False
+        self.changed = threading.Condition()
+
+    def put(self, item: Any, nbytes: int) -> bool:
+        """Wait for room, then hand `item` over; False once stopped."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.stopped or not self.ready or self.held + nbytes <= AHEAD_BYTES)
+            if self.stopped:
+                return False
+            self.ready.append((item, nbytes))
+            self.held += nbytes
+            self.changed.notify_all()
+            return True
+
+    def get(self) -> Any:
+        with self.changed:
+            self.changed.wait_for(lambda: self.ready)
+            item, nbytes = self.ready.popleft()
+            self.held -= nbytes
+            self.changed.notify_all()
+            return item
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
+
+
+def _decode_ahead(processor: Any, loader: Iterator[list[WorkerImage]], items: list[list[list[int]]],
+                  device: torch.device, dtype: torch.dtype, ahead: Ahead) -> None:
+    """The decoding thread: each batch's images from `loader`, decoded and processed on `device` (on a
+    CUDA stream of its own, an event marking when they are ready), handed over with the count of
+    images nvJPEG decoded; then None. An exception is handed over for the model's thread to raise."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for batch in items:
+                images = [image for _ in batch for image in next(loader)]
+                pixels = device_pixels(processor, images, device).to(dtype)
+                ready = None
+                if stream is not None:
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+                if not ahead.put((pixels, ready, sum(image.encoded for image in images), len(images)),
+                                 pixels.nbytes):
+                    return
+    except BaseException as exc:  # noqa: BLE001 - raised in the model's thread, naming what failed
+        ahead.put(exc, 0)
+        return
+    ahead.put(None, 0)
+
+
+def _handed_over(ahead: Ahead, device: torch.device) -> Iterator[list[torch.Tensor]]:
+    """The decoding thread's batches, each made ready for the model's stream (it waits for the
+    thread's event, and the allocator keeps the pixels' memory until the model's stream is done)."""
     on_gpu = images_seen = 0
-    for batch in items:
-        images = [image for _ in batch for image in next(loader)]
-        on_gpu += sum(image.encoded for image in images)
-        images_seen += len(images)
-        yield [device_pixels(processor, images, device).to(dtype)]
+    try:
+        while (got := ahead.get()) is not None:
+            if isinstance(got, BaseException):
+                raise got
+            pixels, ready, encoded, n_images = got
+            if ready is not None:
+                model_stream = torch.cuda.current_stream(device)
+                model_stream.wait_event(ready)
+                pixels.record_stream(model_stream)
+            on_gpu += encoded
+            images_seen += n_images
+            yield [pixels]
+    finally:
+        ahead.stop()
     # The workers' images are processed on the GPU from their uint8 pixels, which on the H100 host fed
     # 659 images/s against the cpu pipeline's 1,093 (session 52's hybrid row): a dataset of few
     # baseline JPEGs runs faster with image_pipeline cpu.

@@ -80,7 +80,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         batches = length_batches([1] * len(samples), ext["batch_size"])
         preprocessor = load_image_processor(model_path, trusted(config["model"]))
         step_done("image_processor")
-        if ext["image_pipeline"] == "gpu":  # the workers start reading before the probe starts CUDA
+        if ext["image_pipeline"] == "gpu":  # workers forked, the decoding thread started, then the probe
             pixels = device_image_batches(preprocessor, dataset.opener, samples, batches, workers, device,
                                           TORCH_DTYPES[dtype])
             check_device_pipeline(preprocessor, device)
