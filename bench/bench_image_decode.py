@@ -12,7 +12,10 @@ being the cpu pipeline's bits. This bench measures both on bench_extract's vit-b
            processes read the files and look at their headers; each batch's JPEGs decoded on the
            device by nvJPEG and processed there by the job's processor)
   forward: the model alone on batches already on the device (the bound every path feeds)
-  gpu+forward: the gpu pipeline and the forward, batch after batch, as run_part runs them
+  gpu+forward: the gpu pipeline and the forward, as run_part runs them (its decoding thread beside it)
+  pil, pil+forward: where transformers picked its torchvision backend for the processor (a GPU node),
+           the cpu pipeline with the same processor's PIL backend instead (use_fast=False): which
+           backend decodes faster in the workers, and how far its pixels are
 and how far the gpu pipeline's pixels are from the cpu one's, in normalised units (max and mean of
 the absolute difference; session 52 measured 0.58 and 0.0115). Needs CUDA and torchvision for the
 gpu rows; without them only the cpu and forward rows run.
@@ -30,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from transformers import AutoImageProcessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -81,19 +85,24 @@ def main() -> None:
         loaded = load_model(model_path, config["model"]["torch_dtype"], args.device)
         dtype = TORCH_DTYPES[config["model"]["torch_dtype"]]
         batches = length_batches([1] * len(dataset.samples), config["extract"]["batch_size"])
-        result = run(args, processor, dataset, batches, loaded, dtype)
+        pil_processor = AutoImageProcessor.from_pretrained(model_path, use_fast=False, local_files_only=True)
+        result = run(args, processor, pil_processor, dataset, batches, loaded, dtype)
     result.update(device=torch.cuda.get_device_name() if loaded.device.type == "cuda" else "cpu",
-                  images=len(dataset.samples), workers=args.workers, processor=type(processor).__name__)
+                  images=len(dataset.samples), workers=args.workers, processor=type(processor).__name__,
+                  pil_processor=type(pil_processor).__name__)
     for key, value in result.items():
         print(f"{key:28s} {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 
 
-def run(args, processor, dataset, batches, loaded, dtype) -> dict:
+def run(args, processor, pil_processor, dataset, batches, loaded, dtype) -> dict:
     gpu = loaded.device.type == "cuda" and importlib.util.find_spec("torchvision") is not None
     ways = {"gpu": lambda chosen: to_model(loaded, device_image_batches(
-        processor, dataset.opener, dataset.samples, chosen, args.workers, loaded.device, dtype))}
+        processor, dataset.opener, dataset.samples, chosen, args.workers, loaded.device, dtype))} if gpu else {}
+    if type(pil_processor) is not type(processor):  # the cpu pipeline with transformers' PIL backend
+        ways["pil"] = lambda chosen: to_model(loaded, image_batches(
+            pil_processor, dataset.opener, dataset.samples, chosen, args.workers, gpu, dtype))
     rounds: dict[str, list[float]] = {}
     failed: dict[str, str] = {}  # a device way that raised (an API this node's torchvision or transformers lacks)
     forward_inputs, first_cpu = None, None
@@ -105,7 +114,7 @@ def run(args, processor, dataset, batches, loaded, dtype) -> dict:
                 forward_inputs = list(to_model(loaded, image_batches(processor, dataset.opener, dataset.samples,
                                                                      batches, args.workers, gpu, dtype)))
             rounds.setdefault("forward", []).append(timed(lambda: drain(forward_inputs, loaded.model, loaded.device)))
-            for way, pixels in ways.items() if gpu else ():
+            for way, pixels in ways.items():
                 if way in failed:
                     continue
                 try:
@@ -121,7 +130,7 @@ def run(args, processor, dataset, batches, loaded, dtype) -> dict:
         result.update({f"{way}_error": error for way, error in failed.items()})
         if not gpu:
             result["gpu"] = "not run: needs CUDA and torchvision"
-        for way, pixels in ways.items() if gpu else ():
+        for way, pixels in ways.items():
             if way not in failed:
                 result.update(pixel_difference(way, next(pixels(batches[:1]))["pixel_values"], first_cpu))
     return result

@@ -5,7 +5,8 @@
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
 #   bench/gpu_suite.sh changes DEST  what session 53 left to find out: the CUDA tests (extract.image_pipeline
 #                                    gpu's among them, never yet run on a GPU); bench_image_decode (the cpu
-#                                    and gpu pipelines' rates and pixel difference); the 1,024-image ViT row
+#                                    and gpu pipelines' rates and pixel difference, and the cpu pipeline
+#                                    with the processor's PIL backend); the 1,024-image ViT row
 #                                    with 13 workers on the gpu pipeline, then on the cpu one (0.79-0.80 of
 #                                    the loading rate in session 52, goal 0.8); the zarr shard jobs at 1, 4
 #                                    and 8 threads with every module byte-compiled first and one 8-thread
