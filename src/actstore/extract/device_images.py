@@ -158,8 +158,8 @@ def _decode_ahead(processor: Any, loader: Iterator[list[WorkerImage]], items: li
     """The decoding thread: each batch's images from `loader`, decoded and processed on `device` (on a
     CUDA stream of its own, an event marking when they are ready), handed over with the count of
     images nvJPEG decoded; then None. An exception is handed over for the model's thread to raise."""
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    try:
+    try:  # (from its first step: a thread that died silently would leave the model's waiting for ever)
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for batch in items:
                 images = [image for _ in batch for image in next(loader)]
