@@ -7,6 +7,7 @@ import copy
 import importlib.util
 import io
 import json
+import sys
 import tarfile
 import threading
 import time
@@ -190,7 +191,10 @@ def test_the_decoding_thread_holds_at_most_ahead_bytes_and_hands_batches_in_orde
     batches = [[i, i + 1] for i in range(0, 12, 2)]
     handed = device_image_batches(processor, dataset.opener, dataset.samples, batches, 0, torch.device("cpu"),
                                   torch.float32)
-    time.sleep(2)
+    deadline = time.monotonic() + 30  # the first batch's processor call may be slow on a busy machine
+    while len(made) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # room for a third, were the thread not waiting
     assert len(made) == 2
     for (pixels,), batch in zip(handed, batches, strict=True):
         assert torch.equal(pixels, load_pixels(processor, dataset.opener, [dataset.samples[i] for i in batch]))
@@ -246,6 +250,43 @@ def test_a_batch_is_decoded_in_groups_of_bounded_bytes_with_the_same_pixels(tmp_
     processor = load_image_processor(model_dir("dinov2"))
     assert torch.equal(device_pixels(processor, images, torch.device("cpu")),
                        load_pixels(processor, dataset.opener, dataset.samples))
+
+
+def stand_in_torchvision(monkeypatch, decode_jpeg) -> None:
+    """torchvision.io as device_images imports it, its decode_jpeg replaced (this machine may have none)."""
+    import types
+
+    io_module = types.ModuleType("torchvision.io")
+    io_module.decode_jpeg, io_module.ImageReadMode = decode_jpeg, types.SimpleNamespace(RGB="RGB")
+    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(io=io_module))
+    monkeypatch.setitem(sys.modules, "torchvision.io", io_module)
+
+
+@pytest.mark.parametrize("failure", ["Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB",
+                                     "Error while decoding JPEG images: Failed to decode batch: 5"])
+def test_a_jpeg_nvjpeg_has_no_gpu_memory_for_is_named_not_decoded_on_the_cpu(tmp_path, monkeypatch, failure):
+    """Out of GPU memory (torch's allocator, or nvJPEG's status 5) is the moment's, not the image's: the
+    opener's pixels in its place would make the part's bytes depend on what else held memory."""
+    from actstore.extract.device_images import nvjpeg
+
+    def failing(data, mode, device):
+        raise RuntimeError(failure)
+    stand_in_torchvision(monkeypatch, failing)
+    dataset = load_dataset(write_folder(tmp_path / "d", {"a.jpg": save(photo(), "JPEG", quality=90)}))
+    with pytest.raises(ConfigError, match=r"a\.jpg: nvJPEG ran out of GPU memory .*extract\.batch_size"):
+        nvjpeg([worker_image(dataset.opener, dataset.samples[0])], torch.device("cpu"))
+
+
+def test_a_jpeg_nvjpeg_refuses_is_decoded_by_the_opener(tmp_path, monkeypatch, caplog):
+    from actstore.extract.device_images import nvjpeg
+
+    def refusing(data, mode, device):
+        raise RuntimeError("Error while decoding JPEG images: Failed to decode jpeg stream: 4")
+    stand_in_torchvision(monkeypatch, refusing)
+    dataset = load_dataset(write_folder(tmp_path / "d", {"a.jpg": save(photo(), "JPEG", quality=90)}))
+    (pixels,) = nvjpeg([worker_image(dataset.opener, dataset.samples[0])], torch.device("cpu"))
+    assert torch.equal(pixels, torch.from_numpy(np.array(dataset.opener(dataset.samples[0]))).permute(2, 0, 1))
+    assert "a.jpg: nvJPEG cannot decode it" in caplog.text
 
 
 def test_the_gpu_pipeline_is_refused_off_a_gpu_before_the_weights_load(tmp_path, model_dir, image_folder,

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import io
 import logging
+import re
 import threading
 import weakref
 from typing import Any, Iterator, NamedTuple
@@ -237,12 +238,18 @@ def group_pixels(processor: Any, images: list[WorkerImage], device: torch.device
     return processor(images=on_device, return_tensors="pt")["pixel_values"]
 
 
+# A decode that failed for want of GPU memory: torch's allocator ("CUDA out of memory", which torchvision
+# wraps in a RuntimeError), or nvJPEG's own (status 5, NVJPEG_STATUS_ALLOCATOR_FAILURE: torchvision's
+# "Failed to decode batch: 5").
+GPU_MEMORY_FAILED = re.compile(r"out of memory|: 5\b")
+
+
 def nvjpeg(images: list[WorkerImage], device: torch.device) -> list[torch.Tensor]:
     """The JPEGs' RGB uint8 (3, H, W) pixels on `device`, decoded there in one nvJPEG call. When the
     call fails (one failing image fails it), each is decoded alone, and one nvJPEG refuses (arithmetic
     coding, a sampling it does not know) is decoded by the cpu pipeline's opener here, with a warning
     naming it: its bytes decide that, so its pixels do not depend on its batch companions. The opener
-    names an image that is not whole (ConfigError)."""
+    names an image that is not whole, and one_jpeg an image nvJPEG had no GPU memory for (ConfigError)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:
@@ -257,8 +264,14 @@ def one_jpeg(image: WorkerImage, device: torch.device) -> torch.Tensor:
     try:
         return decode_jpeg(image.data, mode=ImageReadMode.RGB, device=device)
     except RuntimeError as exc:
+        why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        # The GPU's memory, shared with the model's forward, is not the image's: decoded on the CPU
+        # then, its pixels would depend on what else held memory at that moment.
+        if GPU_MEMORY_FAILED.search(str(exc)):
+            raise ConfigError(f"{image.where}: nvJPEG ran out of GPU memory decoding it ({why}): lower "
+                              "extract.batch_size, or use image_pipeline cpu") from None
         log.warning("%s: nvJPEG cannot decode it (%s); decoded on the CPU as image_pipeline cpu decodes it",
-                    image.where, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__)
+                    image.where, why)
     rgb = decoded_image(io.BytesIO(image.data.numpy().tobytes()), image.where)
     return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous().to(device)
 
