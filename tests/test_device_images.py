@@ -42,48 +42,62 @@ def write_folder(folder: Path, files: dict[str, bytes]) -> Path:
     return folder
 
 
-def test_baseline_jpegs_go_as_their_bytes_and_every_other_image_as_the_openers_pixels(tmp_path):
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    from actstore.models import load_image_processor
+
+    return load_image_processor(model_dir("dinov2"))
+
+
+def cpu_pixels(processor, dataset, samples) -> torch.Tensor:
+    """The cpu pipeline's pixel_values of `samples`, one image a processor call as the workers make them."""
+    from actstore.extract.inputs import load_pixels
+
+    return torch.cat([load_pixels(processor, dataset.opener, [sample]) for sample in samples])
+
+
+def test_baseline_jpegs_go_as_their_bytes_and_every_other_image_as_the_cpu_pipelines_pixels(tmp_path, processor):
     dataset = load_dataset(write_folder(tmp_path / "zoo", FILES))
     sent = {}
     for sample in dataset.samples:
-        image = worker_image(dataset.opener, sample)
+        image = worker_image(dataset.opener, processor, sample)
         name = Path(sample.text).name
         assert image.where.endswith(name)
         sent[name] = image.encoded
-        decoded = torch.from_numpy(np.array(dataset.opener(sample))).permute(2, 0, 1)
-        assert image.decoded_bytes == decoded.numel()
         if image.encoded:
+            width, height = dataset.opener(sample).size
             assert image.data.dtype == torch.uint8 and image.data.numpy().tobytes() == FILES[name]
+            assert image.decoded_bytes == 3 * width * height
         else:
-            assert torch.equal(image.data, decoded)
+            assert torch.equal(image.data, cpu_pixels(processor, dataset, [sample])[0]) and image.decoded_bytes == 0
     assert {name for name, encoded in sent.items() if encoded} == NVJPEG_FILES
 
 
-def test_an_rgb_jpeg_by_adobes_marker_is_decoded_by_the_opener(tmp_path):
+def test_an_rgb_jpeg_by_adobes_marker_is_decoded_by_the_workers(tmp_path, processor):
     """A JPEG whose Adobe marker says its channels are RGB, not YCbCr (Pillow's keep_rgb): PIL
     honours the marker; the workers decode it rather than trust nvJPEG to."""
     files = {"rgb.jpg": save(photo(), "JPEG", keep_rgb=True), "ycbcr.jpg": save(photo(), "JPEG")}
     dataset = load_dataset(write_folder(tmp_path / "d", files))
-    sent = {Path(s.text).name: worker_image(dataset.opener, s) for s in dataset.samples}
+    sent = {Path(s.text).name: worker_image(dataset.opener, processor, s) for s in dataset.samples}
     assert not sent["rgb.jpg"].encoded and sent["ycbcr.jpg"].encoded
-    assert torch.equal(sent["rgb.jpg"].data,
-                       torch.from_numpy(np.array(dataset.opener(dataset.samples[0]))).permute(2, 0, 1))
+    assert torch.equal(sent["rgb.jpg"].data, cpu_pixels(processor, dataset, dataset.samples[:1])[0])
 
 
-def test_a_jpeg_not_ending_in_its_end_marker_is_decoded_by_the_opener(tmp_path):
+def test_a_jpeg_not_ending_in_its_end_marker_is_decoded_by_the_workers(tmp_path, processor):
     """nvJPEG may decode what a cut file holds; the opener refuses it, naming the file. A JPEG with
-    bytes after its end marker is decoded by the opener (as it decodes every other file)."""
+    bytes after its end marker is decoded by the workers (as they decode every other file)."""
     whole = save(photo(64, 48), "JPEG", quality=90)
     dataset = load_dataset(write_folder(tmp_path / "d", {"cut.jpg": whole[:len(whole) // 2],
                                                          "appended.jpg": whole + b"trailer"}))
     by_name = {Path(s.text).name: s for s in dataset.samples}
     with pytest.raises(ConfigError, match=r"cut\.jpg: cannot decode the image"):
-        worker_image(dataset.opener, by_name["cut.jpg"])
-    appended = worker_image(dataset.opener, by_name["appended.jpg"])
-    assert not appended.encoded and appended.data.shape == (3, 48, 64)
+        worker_image(dataset.opener, processor, by_name["cut.jpg"])
+    appended = worker_image(dataset.opener, processor, by_name["appended.jpg"])
+    assert not appended.encoded
+    assert torch.equal(appended.data, cpu_pixels(processor, dataset, [by_name["appended.jpg"]])[0])
 
 
-def test_a_tables_and_a_tar_shards_images_go_as_their_stored_bytes(tmp_path):
+def test_a_tables_and_a_tar_shards_images_go_as_their_stored_bytes(tmp_path, processor):
     jpeg = save(photo(), "JPEG", quality=90)
     turned = save(photo(), "JPEG", quality=90, exif=exif(6))
     (tmp_path / "table").mkdir()
@@ -97,44 +111,51 @@ def test_a_tables_and_a_tar_shards_images_go_as_their_stored_bytes(tmp_path):
             tar.addfile(info, io.BytesIO(data))
     for data in (tmp_path / "table", tmp_path / "tar"):
         dataset = load_dataset(data)
-        sent = [worker_image(dataset.opener, sample) for sample in dataset.samples]
+        sent = [worker_image(dataset.opener, processor, sample) for sample in dataset.samples]
         assert [image.encoded for image in sent] == [True, False]
         assert sent[0].data.numpy().tobytes() == jpeg and dataset.opener.encoded(dataset.samples[1])[0] == turned
-        assert sent[1].data.shape == (3, 40, 28)  # turned upright: width and height swap
+        assert torch.equal(sent[1].data, cpu_pixels(processor, dataset, dataset.samples[1:])[0])  # turned upright
 
 
-def test_the_decoded_images_are_processed_as_the_cpu_pipeline_processes_them(tmp_path, model_dir):
-    """The images the workers decode reach the processor as uint8 tensors, not PIL images: the same
-    pixels here (the PIL backend, on the CPU) as the cpu pipeline's for every non-JPEG of the zoo."""
-    from actstore.extract.inputs import load_pixels
-    from actstore.models import load_image_processor
+def stand_in_decoder(data, mode, device):
+    """torchvision.io.decode_jpeg's contract (a CPU uint8 bytes tensor, or a list of them, to RGB uint8
+    (3, H, W) on `device`) kept by PIL's decoder: this machine has no torchvision."""
+    from PIL import Image
 
-    dataset = load_dataset(write_folder(tmp_path / "zoo", FILES))
-    processor = load_image_processor(model_dir("dinov2"))
-    samples = [s for s in dataset.samples if Path(s.text).name not in NVJPEG_FILES]
-    images = [worker_image(dataset.opener, sample) for sample in samples]
+    if isinstance(data, list):
+        return [stand_in_decoder(one, mode, device) for one in data]
+    rgb = Image.open(io.BytesIO(data.numpy().tobytes())).convert("RGB")
+    return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous().to(device)
+
+
+def test_a_batch_of_jpegs_and_other_images_keeps_its_order(tmp_path, processor, monkeypatch):
+    """The JPEGs decoded (here by a stand-in for nvJPEG) and processed in one call, the workers'
+    pixels of the rest put back between them in the images' order."""
+    stand_in_torchvision(monkeypatch, stand_in_decoder)
+    files = {f"img_{i}.{'jpg' if i % 3 else 'png'}": save(photo(seed=i), "JPEG" if i % 3 else "PNG")
+             for i in range(7)}
+    dataset = load_dataset(write_folder(tmp_path / "mixed", files))
+    images = [worker_image(dataset.opener, processor, sample) for sample in dataset.samples]
+    assert [image.encoded for image in images] == [bool(i % 3) for i in range(7)]
     assert torch.equal(device_pixels(processor, images, torch.device("cpu")),
-                       load_pixels(processor, dataset.opener, samples))
+                       cpu_pixels(processor, dataset, dataset.samples))
 
 
-def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_workers(tmp_path, model_dir, caplog):
+def test_the_loaders_batches_are_the_batches_images_in_order_whatever_the_workers(tmp_path, processor, caplog):
     """device_image_batches' workers and items (here on the CPU, with images no JPEG path takes):
-    each batch is its images processed in one call, in order, for 0 and 2 workers; the log says how
-    many went to the GPU's decoder, and that a dataset of few JPEGs runs faster on the cpu pipeline."""
-    from actstore.extract.inputs import load_pixels
-    from actstore.models import load_image_processor
-
+    each batch is its images in order, for 0 and 2 workers; the log says how many went to the GPU's
+    decoder."""
     files = {f"img_{i:02d}.png": save(photo(30 + 4 * i, 24, seed=i), "PNG") for i in range(21)}
     dataset = load_dataset(write_folder(tmp_path / "pngs", files))
-    processor = load_image_processor(model_dir("dinov2"))
     batches = [[20, 3, 4] + list(range(5, 20)), [0, 1, 2]]  # 18 images: an item of IMAGES_PER_ITEM (16) and one of 2
     for workers in (0, 2):
-        got = list(device_image_batches(processor, dataset.opener, dataset.samples, batches, workers,
-                                        torch.device("cpu"), torch.float32))
+        with caplog.at_level("INFO", logger="actstore.extract.device_images"):
+            got = list(device_image_batches(processor, dataset.opener, dataset.samples, batches, workers,
+                                            torch.device("cpu"), torch.float32))
         assert len(got) == 2 and all(len(items) == 1 for items in got)
         for (pixels,), batch in zip(got, batches):
-            assert torch.equal(pixels, load_pixels(processor, dataset.opener, [dataset.samples[i] for i in batch]))
-    assert "0 of 21 images decoded on the GPU" in caplog.text and "image_pipeline cpu is likely faster" in caplog.text
+            assert torch.equal(pixels, cpu_pixels(processor, dataset, [dataset.samples[i] for i in batch]))
+    assert "0 of 21 images decoded on the GPU" in caplog.text
 
 
 def test_the_workers_start_reading_when_the_loader_is_made(tmp_path, model_dir, monkeypatch):
@@ -145,9 +166,9 @@ def test_the_workers_start_reading_when_the_loader_is_made(tmp_path, model_dir, 
 
     started = tmp_path / "started"
 
-    def noting(opener, sample):
+    def noting(opener, processor, sample):
         started.touch()  # in the worker process: a file, seen from here
-        return worker_image(opener, sample)
+        return worker_image(opener, processor, sample)
     monkeypatch.setattr(device_images, "worker_image", noting)
     files = {f"img_{i}.png": save(photo(seed=i), "PNG") for i in range(4)}
     dataset = load_dataset(write_folder(tmp_path / "pngs", files))
@@ -213,6 +234,19 @@ def test_an_image_the_decoding_thread_cannot_decode_is_named_in_the_models_threa
     assert decoding_thread_ended()
 
 
+def test_a_batch_the_gpu_has_no_memory_to_decode_is_named_with_what_to_change(tmp_path, processor, monkeypatch):
+    import actstore.extract.device_images as device_images
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(device_images, "device_pixels", out_of_memory)
+    dataset = pngs(tmp_path, 2)
+    handed = device_image_batches(processor, dataset.opener, dataset.samples, [[0, 1]], 0, torch.device("cpu"),
+                                  torch.float32)
+    with pytest.raises(ConfigError, match=r"ran out of memory decoding .* lower extract\.batch_size"):
+        next(handed)
+
+
 @pytest.mark.parametrize("taken", [0, 1])
 def test_a_part_that_stops_early_stops_the_decoding_thread(tmp_path, model_dir, monkeypatch, taken):
     """The model's side failing (out of memory, a full disk) drops the batches, taken from or not:
@@ -234,22 +268,22 @@ def test_a_part_that_stops_early_stops_the_decoding_thread(tmp_path, model_dir, 
     assert decoding_thread_ended()
 
 
-def test_a_batch_is_decoded_in_groups_of_bounded_bytes_with_the_same_pixels(tmp_path, model_dir, monkeypatch):
-    """A batch's images go to the decoder and the processor in consecutive groups of at most
-    DECODE_BYTES decoded bytes (an image larger than that alone), with the pixels of one call."""
+def test_a_batch_is_decoded_in_groups_of_bounded_bytes_with_the_same_pixels(tmp_path, processor, monkeypatch):
+    """A batch's JPEGs go to the decoder (here a stand-in for nvJPEG) and the processor in consecutive
+    groups of at most DECODE_BYTES decoded bytes (an image larger than that alone), with the pixels
+    of one call; the workers' processed images take none of those bytes."""
     import actstore.extract.device_images as device_images
-    from actstore.extract.inputs import load_pixels
-    from actstore.models import load_image_processor
 
-    widths = [40, 40, 200, 40, 40, 40]
-    files = {f"img_{i}.png": save(photo(width, 30, seed=i), "PNG") for i, width in enumerate(widths)}
-    dataset = load_dataset(write_folder(tmp_path / "pngs", files))
-    images = [worker_image(dataset.opener, sample) for sample in dataset.samples]
+    stand_in_torchvision(monkeypatch, stand_in_decoder)
+    widths = [40, 40, 200, 40, 40, 40, 40]
+    files = {f"img_{i}.jpg": save(photo(width, 30, seed=i), "JPEG", quality=90) for i, width in enumerate(widths)}
+    files["img_7.png"] = save(photo(300, 30), "PNG")
+    dataset = load_dataset(write_folder(tmp_path / "jpegs", files))
+    images = [worker_image(dataset.opener, processor, sample) for sample in dataset.samples]
     monkeypatch.setattr(device_images, "DECODE_BYTES", 3 * 30 * 40 * 2)
-    assert [len(group) for group in device_images.decoding_groups(images)] == [2, 1, 2, 1]
-    processor = load_image_processor(model_dir("dinov2"))
+    assert [len(group) for group in device_images.decoding_groups(images)] == [2, 1, 2, 3]
     assert torch.equal(device_pixels(processor, images, torch.device("cpu")),
-                       load_pixels(processor, dataset.opener, dataset.samples))
+                       cpu_pixels(processor, dataset, dataset.samples))
 
 
 def stand_in_torchvision(monkeypatch, decode_jpeg) -> None:
@@ -264,7 +298,8 @@ def stand_in_torchvision(monkeypatch, decode_jpeg) -> None:
 
 @pytest.mark.parametrize("failure", ["Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB",
                                      "Error while decoding JPEG images: Failed to decode batch: 5"])
-def test_a_jpeg_nvjpeg_has_no_gpu_memory_for_is_named_not_decoded_on_the_cpu(tmp_path, monkeypatch, failure):
+def test_a_jpeg_nvjpeg_has_no_gpu_memory_for_is_named_not_decoded_on_the_cpu(tmp_path, monkeypatch, processor,
+                                                                             failure):
     """Out of GPU memory (torch's allocator, or nvJPEG's status 5) is the moment's, not the image's: the
     opener's pixels in its place would make the part's bytes depend on what else held memory."""
     from actstore.extract.device_images import nvjpeg
@@ -274,17 +309,17 @@ def test_a_jpeg_nvjpeg_has_no_gpu_memory_for_is_named_not_decoded_on_the_cpu(tmp
     stand_in_torchvision(monkeypatch, failing)
     dataset = load_dataset(write_folder(tmp_path / "d", {"a.jpg": save(photo(), "JPEG", quality=90)}))
     with pytest.raises(ConfigError, match=r"a\.jpg: nvJPEG ran out of GPU memory .*extract\.batch_size"):
-        nvjpeg([worker_image(dataset.opener, dataset.samples[0])], torch.device("cpu"))
+        nvjpeg([worker_image(dataset.opener, processor, dataset.samples[0])], torch.device("cpu"))
 
 
-def test_a_jpeg_nvjpeg_refuses_is_decoded_by_the_opener(tmp_path, monkeypatch, caplog):
+def test_a_jpeg_nvjpeg_refuses_is_decoded_by_the_opener(tmp_path, monkeypatch, processor, caplog):
     from actstore.extract.device_images import nvjpeg
 
     def refusing(data, mode, device):
         raise RuntimeError("Error while decoding JPEG images: Failed to decode jpeg stream: 4")
     stand_in_torchvision(monkeypatch, refusing)
     dataset = load_dataset(write_folder(tmp_path / "d", {"a.jpg": save(photo(), "JPEG", quality=90)}))
-    (pixels,) = nvjpeg([worker_image(dataset.opener, dataset.samples[0])], torch.device("cpu"))
+    (pixels,) = nvjpeg([worker_image(dataset.opener, processor, dataset.samples[0])], torch.device("cpu"))
     assert torch.equal(pixels, torch.from_numpy(np.array(dataset.opener(dataset.samples[0]))).permute(2, 0, 1))
     assert "a.jpg: nvJPEG cannot decode it" in caplog.text
 
@@ -366,7 +401,7 @@ def test_cuda_gpu_pipeline_parts_are_the_models_outputs_on_its_pixels_whatever_t
     part = open_part(tmp_path / "w0" / "part-0000")
     with capture(loaded, [0, 2], []) as captured, torch.inference_mode():
         for batch in length_batches([1] * len(dataset.samples), 4):
-            images = [worker_image(dataset.opener, dataset.samples[i]) for i in batch]
+            images = [worker_image(dataset.opener, loaded.preprocessor, dataset.samples[i]) for i in batch]
             loaded.model(pixel_values=device_pixels(loaded.preprocessor, images, loaded.device))
             for name, tensor in captured.items():
                 raw = part.tensor(name).raw

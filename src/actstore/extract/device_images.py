@@ -10,8 +10,10 @@ is never the default and part.json records which pipeline ran.
 The workers still read each image's bytes and look at its header. A JPEG that nvJPEG decodes to what
 the cpu pipeline's opener means (ImageOpener: upright, RGB, 8 bits) goes to the GPU as its bytes: three
 channels (YCbCr), baseline, no EXIF turn. Any other image (PNG, grayscale, CMYK, progressive, turned by
-its EXIF tag) is decoded by the opener in the worker, as uint8, and only processed on the GPU. Which
-way an image goes depends on its bytes alone, so the pixels do not depend on the worker count."""
+its EXIF tag) is decoded and processed in the worker as the cpu pipeline does it, its pixels the cpu
+pipeline's (moving its decoded pixels to the GPU instead took more memory and fed 659 images/s where
+the cpu pipeline fed 1,093: session 52's hybrid row). Which way an image goes depends on its bytes
+alone, so the pixels do not depend on the worker count."""
 from __future__ import annotations
 
 import collections
@@ -48,9 +50,9 @@ DECODING_THREAD = "actstore-gpu-decoding"
 class WorkerImage(NamedTuple):
     """One image as a worker hands it to the GPU."""
     where: str  # its file (and row) for errors
-    data: torch.Tensor  # the JPEG's bytes for nvJPEG when `encoded`, else its decoded (3, H, W) uint8 pixels
+    data: torch.Tensor  # the JPEG's bytes for nvJPEG when `encoded`, else its processed (3, H, W) float32 pixels
     encoded: bool
-    decoded_bytes: int  # 3 x height x width
+    decoded_bytes: int  # what decoding it takes on the GPU: 3 x height x width for a JPEG, else 0
 
 
 JPEG_END = b"\xff\xd9"  # the EOI marker
@@ -66,7 +68,7 @@ def nvjpeg_decodable(img: Any, data: bytes) -> bool:
             and img.getexif().get(EXIF_ORIENTATION, 1) == 1 and data.endswith(JPEG_END))
 
 
-def worker_image(opener: ImageOpener, sample: Sample) -> WorkerImage:
+def worker_image(opener: ImageOpener, processor: Any, sample: Sample) -> WorkerImage:
     """The sample's image as a worker hands it to the GPU (see WorkerImage), its file read once."""
     from PIL import Image
 
@@ -79,22 +81,22 @@ def worker_image(opener: ImageOpener, sample: Sample) -> WorkerImage:
     # not an image PIL knows, or past its pixel limit: decoded_image names the file and why
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
         pass
-    pixels = torch.from_numpy(np.array(decoded_image(io.BytesIO(data), where))).permute(2, 0, 1).contiguous()
-    return WorkerImage(where, pixels, False, pixels.numel())
+    pixels = processor(images=[decoded_image(io.BytesIO(data), where)], return_tensors="pt")["pixel_values"][0]
+    return WorkerImage(where, pixels, False, 0)
 
 
 class WorkerImages(torch.utils.data.Dataset):
     """Item = a few images of one batch (a list of local indices) as WorkerImage tuples, split as the
     cpu pipeline's ImageItems splits them (the model sees whole batches either way)."""
 
-    def __init__(self, opener: ImageOpener, samples: list[Sample]):
-        self.opener, self.samples = opener, samples
+    def __init__(self, opener: ImageOpener, processor: Any, samples: list[Sample]):
+        self.opener, self.processor, self.samples = opener, processor, samples
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, item: list[int]) -> list[WorkerImage]:
-        return [worker_image(self.opener, self.samples[i]) for i in item]
+        return [worker_image(self.opener, self.processor, self.samples[i]) for i in item]
 
 
 def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], batches: list[list[int]],
@@ -108,7 +110,7 @@ def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Samp
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
     prefetch = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     loader = iter(torch.utils.data.DataLoader(
-        WorkerImages(opener, samples), sampler=[item for batch in items for item in batch], batch_size=None,
+        WorkerImages(opener, processor, samples), sampler=[item for batch in items for item in batch], batch_size=None,
         num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=prefetch,
         worker_init_fn=lower_priority if num_workers else None))
     ahead = Ahead()
@@ -172,6 +174,11 @@ def _decode_ahead(processor: Any, loader: Iterator[list[WorkerImage]], items: li
                 if not ahead.put((pixels, ready, sum(image.encoded for image in images), len(images)),
                                  pixels.nbytes):
                     return
+    except torch.OutOfMemoryError as exc:  # the decoding shares the GPU with the model
+        ahead.put(ConfigError(f"{device} ran out of memory decoding and processing a batch's images beside the model "
+                              f"(extract.image_pipeline gpu; {str(exc).splitlines()[0][:200]}): lower "
+                              "extract.batch_size, or use image_pipeline cpu"), 0)
+        return
     except BaseException as exc:  # noqa: BLE001 - raised in the model's thread, naming what failed
         ahead.put(exc, 0)
         return
@@ -196,13 +203,8 @@ def _handed_over(ahead: Ahead, device: torch.device) -> Iterator[list[torch.Tens
             yield [pixels]
     finally:
         ahead.stop()
-    # The workers' images are processed on the GPU from their uint8 pixels, which on the H100 host fed
-    # 659 images/s against the cpu pipeline's 1,093 (session 52's hybrid row): a dataset of few
-    # baseline JPEGs runs faster with image_pipeline cpu.
-    few = on_gpu * 2 < images_seen
-    log.log(logging.WARNING if few else logging.INFO, "extract.image_pipeline gpu: %d of %d images decoded on the GPU "
-            "(baseline JPEGs), the rest by the workers%s", on_gpu, images_seen,
-            "; image_pipeline cpu is likely faster for this dataset" if few else "")
+    log.info("extract.image_pipeline gpu: %d of %d images decoded on the GPU (baseline JPEGs), the rest decoded and "
+             "processed by the workers as image_pipeline cpu does", on_gpu, images_seen)
 
 
 def device_pixels(processor: Any, images: list[WorkerImage], device: torch.device) -> torch.Tensor:
@@ -227,15 +229,16 @@ def decoding_groups(images: list[WorkerImage]) -> list[list[WorkerImage]]:
 
 
 def group_pixels(processor: Any, images: list[WorkerImage], device: torch.device) -> torch.Tensor:
-    """The group's pixel_values: its JPEGs decoded on `device` in one nvJPEG call, its decoded images
-    copied there, all processed there in one processor call."""
-    on_device: list[torch.Tensor | None] = [
+    """The group's pixel_values in the images' order: its JPEGs decoded on `device` in one nvJPEG call
+    and processed there in one processor call, the workers' processed pixels copied there."""
+    pixels: list[torch.Tensor | None] = [
         None if image.encoded else image.data.to(device, non_blocking=True) for image in images]
     jpegs = [i for i, image in enumerate(images) if image.encoded]
     if jpegs:
-        for i, pixels in zip(jpegs, nvjpeg([images[i] for i in jpegs], device), strict=True):
-            on_device[i] = pixels
-    return processor(images=on_device, return_tensors="pt")["pixel_values"]
+        decoded = nvjpeg([images[i] for i in jpegs], device)
+        for i, row in zip(jpegs, processor(images=decoded, return_tensors="pt")["pixel_values"], strict=True):
+            pixels[i] = row
+    return torch.stack(pixels)
 
 
 # A decode that failed for want of GPU memory: torch's allocator ("CUDA out of memory", which torchvision

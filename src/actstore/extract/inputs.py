@@ -166,7 +166,8 @@ def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample], pi
     if pipeline == "gpu":
         from actstore.extract.device_images import device_pixels, worker_image
 
-        pixels = device_pixels(loaded.preprocessor, [worker_image(dataset.opener, s) for s in samples], loaded.device)
+        images = [worker_image(dataset.opener, loaded.preprocessor, sample) for sample in samples]
+        pixels = device_pixels(loaded.preprocessor, images, loaded.device)
     else:
         pixels = load_pixels(loaded.preprocessor, dataset.opener, samples)
     return {"pixel_values": pixels.to(loaded.device, loaded.model.dtype)}
