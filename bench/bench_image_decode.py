@@ -126,7 +126,8 @@ def run(args, processor, pil_processor, dataset, batches, loaded, dtype) -> dict
                 rounds.setdefault(way, []).append(alone)
                 rounds.setdefault(f"{way}+forward", []).append(fed)
         result: dict = {f"{way}_rounds_s": [round(s, 3) for s in seconds] for way, seconds in rounds.items()}
-        result.update({f"{way}_images_per_s": round(len(dataset.samples) / min(seconds)) for way, seconds in rounds.items()})
+        result.update({f"{way}_images_per_s": round(len(dataset.samples) / min(seconds))
+                       for way, seconds in rounds.items()})
         result.update({f"{way}_error": error for way, error in failed.items()})
         if not gpu:
             result["gpu"] = "not run: needs CUDA and torchvision"
