@@ -83,6 +83,27 @@ def test_an_rgb_jpeg_by_adobes_marker_is_decoded_by_the_workers(tmp_path, proces
     assert torch.equal(sent["rgb.jpg"].data, cpu_pixels(processor, dataset, dataset.samples[:1])[0])
 
 
+def without_segment(jpeg: bytes, marker: int) -> bytes:
+    """`jpeg` with its first segment of `marker` (0xEE: Adobe's APP14) left out."""
+    at = 2  # after SOI
+    while jpeg[at + 1] != marker:
+        at += 2 + int.from_bytes(jpeg[at + 2:at + 4], "big")
+    return jpeg[:at] + jpeg[at + 2 + int.from_bytes(jpeg[at + 2:at + 4], "big"):]
+
+
+def test_an_rgb_jpeg_by_its_components_names_is_decoded_by_the_workers(tmp_path, processor):
+    """No JFIF or Adobe marker, components named R, G, B: libjpeg (PIL) reads RGB, which nvJPEG
+    would not be told; the workers decode it."""
+    rgb = save(photo(), "JPEG", keep_rgb=True)
+    files = {"named_rgb.jpg": without_segment(rgb, 0xEE), "adobe_rgb.jpg": rgb}
+    dataset = load_dataset(write_folder(tmp_path / "d", files))
+    sent = {Path(s.text).name: worker_image(dataset.opener, processor, s) for s in dataset.samples}
+    assert not sent["named_rgb.jpg"].encoded
+    assert torch.equal(sent["named_rgb.jpg"].data, cpu_pixels(processor, dataset, dataset.samples[1:])[0])
+    adobe, named = (np.asarray(dataset.opener(sample)) for sample in dataset.samples)
+    assert np.array_equal(named, adobe)  # libjpeg read both as RGB: the marker's absence changed nothing
+
+
 def test_a_jpeg_not_ending_in_its_end_marker_is_decoded_by_the_workers(tmp_path, processor):
     """nvJPEG may decode what a cut file holds; the opener refuses it, naming the file. A JPEG with
     bytes after its end marker is decoded by the workers (as they decode every other file)."""

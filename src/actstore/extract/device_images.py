@@ -64,8 +64,16 @@ def nvjpeg_decodable(img: Any, data: bytes) -> bool:
     refuses a truncated JPEG (datasets.images.whole_images_only) where nvJPEG may decode what it has:
     a file not ending in its EOI marker (cut, or with bytes appended) goes to the opener."""
     return (img.format == "JPEG" and img.mode == "RGB" and not img.info.get("progressive")
-            and img.info.get("adobe_transform", 1) != 0  # Adobe's RGB, not YCbCr: PIL honours the marker
+            and img.info.get("adobe_transform", 1) != 0 and not rgb_components(img)
             and img.getexif().get(EXIF_ORIENTATION, 1) == 1 and data.endswith(JPEG_END))
+
+
+def rgb_components(img: Any) -> bool:
+    """Whether a three-component JPEG may hold RGB, not YCbCr, as libjpeg (PIL's decoder) reads it:
+    components named R, G, B, unless a JFIF or an Adobe marker says YCbCr. (An Adobe marker of
+    transform 0 says RGB: nvjpeg_decodable refuses it apart.)"""
+    named_rgb = [component[0] for component in img.layer] == list(b"RGB")
+    return named_rgb and "jfif" not in img.info and img.info.get("adobe_transform") != 1
 
 
 def worker_image(opener: ImageOpener, processor: Any, sample: Sample) -> WorkerImage:
