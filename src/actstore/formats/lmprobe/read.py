@@ -118,7 +118,8 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
         ("dim", lambda v: whole_number(v) and v > 0),
         ("dtype", lambda v: isinstance(v, str) and v in DTYPES),
         ("file_pattern", lambda v: _pattern(v, {"layer", "shard"})),
-        ("key_pattern", lambda v: _pattern(v, {"layer", "shard"})),
+        # The spec's reader formats a key with the layer alone: a {shard} in it raised KeyError: 'shard'.
+        ("key_pattern", lambda v: _pattern(v, {"layer"})),
         ("shards", _shards), ("last_token_shards", whole_number), ("row_bytes", whole_number)) if key in hidden]
     if logits is not None:  # a reader of the logits needs all three (None: absent)
         checks += [(f"logits_topk.{key}", logits.get(key), ok(logits.get(key))) for key, ok in (
@@ -303,12 +304,26 @@ class LmprobeDataset:
 
     @property
     def labels(self) -> np.ndarray:
-        """Integer label per prompt (label_id column, else position in sorted label names; -1 = none)."""
-        if "label_id" in self.column_names:
-            return self._columns("label_id").column("label_id").fill_null(-1).to_numpy().astype(np.int64)
-        names = self._columns("label").column("label").to_pylist()
+        """Integer label per prompt: the label_id column, else an integer label column as it is, else
+        position in sorted label names; -1 = none."""
+        import pyarrow as pa
+
+        name = "label_id" if "label_id" in self.column_names else "label"
+        column = self._columns(name).column(name)
+        if pa.types.is_integer(column.type):  # the class itself (the spec's int32 label), never renumbered
+            return column.fill_null(-1).to_numpy().astype(np.int64)
+        names = column.to_pylist()
         classes = {v: i for i, v in enumerate(sorted({x for x in names if x is not None}))}
         return np.array([classes.get(x, -1) for x in names], dtype=np.int64)
+
+    def _prompt(self, prompt: int) -> int:
+        """Index row `prompt`, a negative one counted from the end (as get's last token always was);
+        IndexError naming the index when there is none. A prompt's tokens lie between offsets[prompt]
+        and offsets[prompt + 1], one list longer than the rows: a negative prompt there read the next
+        row's tokens (prompt -2 the last prompt's), or none (-1)."""
+        if not -self.num_prompts <= prompt < self.num_prompts:
+            raise IndexError(f"{self.index_path}: prompt {prompt} out of range ({self.num_prompts} prompts)")
+        return int(prompt) % self.num_prompts
 
     def row_of(self, sample_idx: int) -> int:
         """Index row of a source dataset row."""
@@ -377,18 +392,25 @@ class LmprobeDataset:
 
     def get(self, prompt: int, layer: int, token: int | None = None) -> np.ndarray:
         """float32 (dim,) activation of index row `prompt` at `layer`: the last token, or token `token`."""
+        prompt = self._prompt(prompt)
         n = int(self.num_tokens[prompt])
         if token is None or token == n - 1 or token == -1:
             self._check_last_token_shards(np.array([prompt]))
             return self._rows(layer, self.shard_index[[prompt]], self.row_offset[[prompt]], prompt, "row_offset")[0]
         if not -n <= token < n:
             raise IndexError(f"token {token} out of range for prompt {prompt} with {n} tokens")
-        return self.tokens(prompt, layer)[token]
+        token %= n
+        return self._token_rows(prompt, layer, token, token + 1)[0]  # that row alone, not the prompt's all
 
     def tokens(self, prompt: int, layer: int) -> np.ndarray:
         """float32 (num_tokens, dim) activations of every token of a prompt (full_sequence only)."""
+        prompt = self._prompt(prompt)
+        return self._token_rows(prompt, layer, 0, int(self.num_tokens[prompt]))
+
+    def _token_rows(self, prompt: int, layer: int, first: int, stop: int) -> np.ndarray:
+        """float32 (stop - first, dim): tokens [first, stop) of index row `prompt` (not negative)."""
         offsets, ids, token_offsets = self.token_addresses()
-        a, b = offsets[prompt], offsets[prompt + 1]
+        a, b = offsets[prompt] + first, offsets[prompt] + stop
         return self._rows(layer, ids[a:b], token_offsets[a:b], prompt, "token_shard_offsets")
 
     def last_tokens(self, layer: int) -> np.ndarray:
@@ -428,6 +450,7 @@ class LmprobeDataset:
         """(topk_values float32 (k,), topk_indices int64 (k,)) at the last token of a prompt."""
         if self.logits_desc is None:
             raise FormatError(f"{self.index_path}: no logits_topk tensors in this dataset")
+        prompt = self._prompt(prompt)
         shard, offset = (int(column[prompt]) for column in self.logits_rows())
         values, indices = self.logits_tensors(shard)
         self._check_offsets("row_offset_logits", np.array([prompt]), np.array([offset]),

@@ -63,7 +63,8 @@ class ShuffledActivations(IterableDataset):
     (B, n_layers, D) with the same token at each layer. include_cls: yield CLS vectors (ViT stores).
     keep_labels: keep only patches whose labels.bin value is in this set (CLS has no label).
     block_bytes: store bytes per block (every stored layer); below one example a block is a run of
-    tokens of one example, else whole examples (block_examples sets their number directly).
+    tokens of one example, else whole examples (block_examples sets their number directly; a block never
+    holds more than a shard).
     buffer_blocks: blocks per shuffle buffer; by default as many as fit in buffer_bytes (the memory
     of one buffer: the loader keeps three).
     fill_threads: threads reading and scattering blocks into the buffer (per DataLoader worker).
@@ -79,9 +80,9 @@ class ShuffledActivations(IterableDataset):
             raise ConfigError(f"layers={layers!r} must be a list of stored layers {list(store.layers)}, or None")
         self.layers = list(layers) if layers is not None else list(store.layers)
         self.layer_idx = [store.layer_index(layer) for layer in self.layers]
-        counts = (batch_size, fill_threads, block_bytes, buffer_bytes, buffer_blocks or 1,
+        counts = (batch_size, fill_threads, block_bytes, buffer_bytes, 1 if buffer_blocks is None else buffer_blocks,
                   1 if block_examples is None else block_examples)
-        if not all(isinstance(count, Integral) and not isinstance(count, bool) and count >= 1 for count in counts):
+        if not all(_whole(count, least=1) for count in counts):  # buffer_blocks=0 was taken for the default
             raise ConfigError(f"batch_size={batch_size}, fill_threads={fill_threads}, block_bytes={block_bytes}, "
                               f"buffer_bytes={buffer_bytes}, buffer_blocks={buffer_blocks} and block_examples="
                               f"{block_examples} must be whole numbers >= 1")  # a float failed deep in range()
@@ -90,8 +91,8 @@ class ShuffledActivations(IterableDataset):
                               f"{list(store.layers)}")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
         self.include_cls, self.fill_threads = include_cls, fill_threads
-        if seed < 0:  # numpy's seeding refuses it naming nothing
-            raise ConfigError(f"seed={seed} must be >= 0")
+        if not _whole(seed, least=0):  # numpy's seeding refuses it naming nothing, at the first batch
+            raise ConfigError(f"seed={seed!r} must be a whole number >= 0")
         self.keep_labels = None if keep_labels is None else _label_values(keep_labels)
         if self.keep_labels is not None and store.labels() is None:
             raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
@@ -101,8 +102,10 @@ class ShuffledActivations(IterableDataset):
         if block_examples is None and block_bytes < store.example_bytes:  # runs of tokens inside one example
             self.block_examples = 1
             self.chunks_per_example = -(-store.T // max(1, block_bytes // token_bytes))
-        else:
-            self.block_examples = block_examples or block_bytes // store.example_bytes
+        else:  # a block never crosses a shard: one asked larger is the largest shard (the same blocks),
+            # so its scratch and buffers are not sized by what was asked (petabytes for block_bytes=1 << 50)
+            largest = max([1] + [shard["n_examples"] for shard in store.shards])
+            self.block_examples = min(block_examples or block_bytes // store.example_bytes, largest)
             self.chunks_per_example = 1
         self.runs = self._runs(store, block_bytes)
         self.block_vectors = self.block_examples * -(-store.T // self.chunks_per_example)  # at most
@@ -125,6 +128,8 @@ class ShuffledActivations(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """A new epoch gets a new (still seeded) order, in this process and its DataLoader workers."""
+        if not _whole(epoch, least=0):  # -1 failed in numpy at the first batch, 2.7 was taken for epoch 2
+            raise ConfigError(f"epoch={epoch!r} must be a whole number >= 0")
         self._epoch.fill_(epoch)
 
     def _runs(self, store: SaevStore, block_bytes: int) -> np.ndarray:
@@ -230,8 +235,9 @@ class ShuffledActivations(IterableDataset):
         nl, squeeze, size = len(self.layer_idx), len(self.layers) == 1, self.batch_size
         blocks = self.my_blocks(epoch)
         # Sized by the blocks this process reads: a buffer_blocks (or buffer_bytes) past the whole
-        # store, asking to shuffle it all at once, must not allocate buffers of that size.
-        shape = (min(self.buffer_blocks, len(blocks)) * self.block_vectors + size, nl, store.D)
+        # store, asking to shuffle it all at once, or a batch_size past it (the rows a buffer keeps for
+        # the last one's leftovers), must not allocate buffers of that size.
+        shape = (min(self.buffer_blocks * self.block_vectors + size, len(blocks) * self.block_vectors), nl, store.D)
         pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
         if pool and pool[0].shape != shape:
             pool.clear()
@@ -274,6 +280,11 @@ class ShuffledActivations(IterableDataset):
         finally:
             fill.shutdown(wait=True, cancel_futures=True)
             shards.close()
+
+
+def _whole(value: object, least: int) -> bool:
+    """An int (numpy's too, never a bool or a float) of at least `least`."""
+    return isinstance(value, Integral) and not isinstance(value, bool) and value >= least
 
 
 def _label_values(keep_labels: Iterable[int]) -> np.ndarray:
