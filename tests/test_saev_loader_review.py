@@ -1,4 +1,5 @@
-"""saev shuffled loader review: sizes asked past the store, and seeds/epochs numpy refuses late."""
+"""saev shuffled loader review: sizes asked past the store, seeds/epochs numpy refuses late, and
+the split across data-parallel ranks."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,3 +68,24 @@ def test_seeds_epochs_and_buffer_blocks_numpy_or_torch_would_take_are_named(tmp_
             ds.set_epoch(epoch)
     ds.set_epoch(np.int64(4))
     assert ds.epoch == 4 and sorted(rows(ds)) == EVERY_VECTOR
+
+
+def test_data_parallel_ranks_and_their_workers_read_every_vector_once(tmp_path):
+    """Under DDP each rank read the whole store every epoch (world_size x the data). Now ranks and their
+    DataLoader workers take disjoint slices of one block order: together every vector once, each rank
+    its own; one rank of one is the loader as before, batch for batch."""
+    store_dir = synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=3)
+    options = dict(batch_size=3, seed=4, block_bytes=8, buffer_blocks=2)
+    per_rank = []
+    for rank in range(3):
+        loader = torch.utils.data.DataLoader(ShuffledActivations(store_dir, rank=rank, world_size=3, **options),
+                                             batch_size=None, num_workers=2)
+        per_rank.append(rows(loader))
+    assert all(per_rank) and sorted(sum(per_rank, [])) == EVERY_VECTOR
+    alone = list(ShuffledActivations(store_dir, **options))
+    assert [rows([b]) for b in alone] == [rows([b]) for b in ShuffledActivations(store_dir, rank=0, world_size=1,
+                                                                                   **options)]
+    for bad in (dict(rank=3, world_size=3), dict(rank=-1, world_size=2), dict(rank=0, world_size=0),
+                dict(rank=0.0, world_size=2)):
+        with pytest.raises(ConfigError, match="rank=.* and world_size=.* must be whole numbers"):
+            ShuffledActivations(store_dir, **bad)

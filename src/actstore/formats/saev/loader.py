@@ -68,12 +68,17 @@ class ShuffledActivations(IterableDataset):
     buffer_blocks: blocks per shuffle buffer; by default as many as fit in buffer_bytes (the memory
     of one buffer: the loader keeps three).
     fill_threads: threads reading and scattering blocks into the buffer (per DataLoader worker).
+    rank, world_size: this process's share under data-parallel training (DDP: torch.distributed's
+    get_rank() and get_world_size()): the ranks, and each rank's DataLoader workers, read disjoint
+    slices of one seeded block order, together every block once an epoch. Ranks may get different
+    batch counts (blocks keep different numbers of vectors): train for a set number of steps.
     """
 
     def __init__(self, path: str | Path, layers: Iterable[int] | None = None, batch_size: int = 4096,
                  seed: int = 0, block_examples: int | None = None, buffer_blocks: int | None = None,
                  include_cls: bool = True, keep_labels: Iterable[int] | None = None, drop_last: bool = False,
-                 block_bytes: int = 32 << 10, fill_threads: int = 2, buffer_bytes: int = 256 << 20):
+                 block_bytes: int = 32 << 10, fill_threads: int = 2, buffer_bytes: int = 256 << 20,
+                 rank: int = 0, world_size: int = 1):
         self.path = Path(path)
         store = SaevStore(self.path)
         if layers is not None and not isinstance(layers, Iterable):
@@ -93,6 +98,10 @@ class ShuffledActivations(IterableDataset):
         self.include_cls, self.fill_threads = include_cls, fill_threads
         if not _whole(seed, least=0):  # numpy's seeding refuses it naming nothing, at the first batch
             raise ConfigError(f"seed={seed!r} must be a whole number >= 0")
+        if not (_whole(world_size, least=1) and _whole(rank, least=0) and rank < world_size):
+            raise ConfigError(f"rank={rank!r} and world_size={world_size!r} must be whole numbers, 0 <= rank < "
+                              "world_size")
+        self.rank, self.world_size = rank, world_size
         self.keep_labels = None if keep_labels is None else _label_values(keep_labels)
         if self.keep_labels is not None and store.labels() is None:
             raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
@@ -151,10 +160,11 @@ class ShuffledActivations(IterableDataset):
         return np.stack([first, np.minimum(self.block_examples, n[shard] - lo)], axis=1).reshape(-1, 2)
 
     def my_blocks(self, epoch: int) -> np.ndarray:
-        """This worker's block ids for `epoch`: a disjoint slice of one seeded permutation."""
+        """This rank's and worker's block ids for `epoch`: a disjoint slice of one seeded permutation."""
         order = np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
         info = get_worker_info()
-        return order if info is None else order[info.id::info.num_workers]
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        return order[self.rank * workers + worker::self.world_size * workers]
 
     def _plan(self, store: SaevStore, shards: "_ShardFiles", labels: np.ndarray | None, ids: np.ndarray,
               n_carry: int, rng: np.random.Generator, acts: np.ndarray) -> tuple[_Fill, _Blocks]:
