@@ -89,3 +89,26 @@ def test_data_parallel_ranks_and_their_workers_read_every_vector_once(tmp_path):
                 dict(rank=0.0, world_size=2)):
         with pytest.raises(ConfigError, match="rank=.* and world_size=.* must be whole numbers"):
             ShuffledActivations(store_dir, **bad)
+
+
+def test_a_store_of_more_shards_than_open_files_says_what_to_change(tmp_path):
+    """A process keeps every shard it read open; past the open-file limit the error said "reading at
+    byte 0". It now names the limit, the shards and what to change. (In a child process whose limit is
+    lowered to the files it has open plus two.)"""
+    import subprocess
+    import sys
+
+    store_dir = synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=1)
+    child = f"""
+import os, resource
+from actstore.formats.saev.loader import ShuffledActivations
+loader = ShuffledActivations({str(store_dir)!r}, batch_size=30, block_bytes=8)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    list(loader)
+except OSError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120).stdout
+    assert "cannot open it" in out and "of the store's 6 shards open, at its open-file limit of" in out, out
+    assert "ulimit -n" in out and "saev.patches_per_shard" in out and "reading at byte" not in out

@@ -28,7 +28,9 @@ of scratch per fill thread, and the epoch's block order (8 bytes per block).
 """
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -356,8 +358,20 @@ class _ShardFiles:
                 try:
                     self.fds[shard] = os.open(self.path(shard), os.O_RDONLY)
                 except OSError as exc:
-                    raise self.failed(shard, 0, exc.errno) from exc
+                    raise self.not_opened(shard, exc) from exc
             return self.fds[shard]
+
+    def not_opened(self, shard: int, exc: OSError) -> OSError:
+        """The error for a shard that would not open. A buffer's blocks come from anywhere in the store, so
+        a process keeps every shard it has read open: past the open-file limit (often 1,024 on a cluster,
+        a store of 730 shards at 3 layers of ImageNet) the message says what to change."""
+        message = f"{self.path(shard)}: cannot open it ({exc.strerror})"
+        if exc.errno == errno.EMFILE:
+            message += (f": this process has {len(self.fds)} of the store's {len(self.store.shards)} shards open, "
+                        f"at its open-file limit of {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: raise it "
+                        "(ulimit -n, up to the hard limit `ulimit -Hn`) or write the store in fewer, larger "
+                        "shards (saev.patches_per_shard)")
+        return OSError(exc.errno, message)
 
     def failed(self, shard: int, offset: int, error: int) -> Exception:
         """The error for a read of `shard` at `offset` that failed (errno `error`) or found the file
