@@ -90,3 +90,20 @@ def test_a_key_pattern_with_a_shard_field_is_named(extracted, tmp_path):
         lmprobe.open_dataset(root)
     problems = lmprobe.verify(root, checksums=False)
     assert any("hidden_layers.key_pattern is malformed" in p for p in problems), problems
+
+
+def test_a_file_pattern_without_a_shard_field_over_several_shards_is_named(extracted, tmp_path):
+    """hidden_layers.file_pattern with no {shard} names one file for every shard: each shard's rows were
+    read from that one file's (only verify's row count could notice)."""
+    root = build(extracted, "gpt2", tmp_path, storage="pooled", **SMALL)
+    index = lmprobe.find_index(root)
+    table = pq.read_table(index)
+    meta = dict(table.schema.metadata)
+    tensors = json.loads(meta[b"lmprobe:tensors"])
+    assert len(tensors["hidden_layers"]["shards"]) > 1
+    first = re.sub(r"\{shard[^}]*\}", "00000", tensors["hidden_layers"]["file_pattern"])
+    tensors["hidden_layers"]["file_pattern"] = first  # every shard: one file
+    meta[b"lmprobe:tensors"] = json.dumps(tensors).encode()
+    pq.write_table(table.replace_schema_metadata(meta), index)
+    with pytest.raises(FormatError, match=r"hidden_layers\.file_pattern .* has no \{shard\} field for its \d+ shards"):
+        lmprobe.open_dataset(root)

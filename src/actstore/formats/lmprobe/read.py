@@ -125,7 +125,18 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
         checks += [(f"logits_topk.{key}", logits.get(key), ok(logits.get(key))) for key, ok in (
             ("k", lambda v: whole_number(v) and v > 0), ("file_pattern", lambda v: _pattern(v, {"shard"})),
             ("shards", _shards))]
-    return [f"{name} is malformed: {value!r:.80}" for name, value, ok in checks if not ok]
+    problems = [f"{name} is malformed: {value!r:.80}" for name, value, ok in checks if not ok]
+    return problems or _shared_files(hidden, "hidden_layers") + (_shared_files(logits, "logits_topk") if logits else [])
+
+
+def _shared_files(descriptor: dict[str, Any], name: str) -> list[str]:
+    """A file_pattern without {shard} over several shards names one file for all of them: every shard's
+    rows would be read from the first's (only verify's row count would notice)."""
+    fields = {field for _, field, _, _ in string.Formatter().parse(descriptor["file_pattern"])}
+    if "shard" in fields or len(descriptor["shards"]) < 2:
+        return []
+    return [f"{name}.file_pattern {descriptor['file_pattern']!r:.80} has no {{shard}} field for its "
+            f"{len(descriptor['shards'])} shards: they would all be one file"]
 
 
 def _prefixed_metadata(index_path: Path) -> dict[str, Any]:
@@ -398,7 +409,7 @@ class LmprobeDataset:
             self._check_last_token_shards(np.array([prompt]))
             return self._rows(layer, self.shard_index[[prompt]], self.row_offset[[prompt]], prompt, "row_offset")[0]
         if not -n <= token < n:
-            raise IndexError(f"token {token} out of range for prompt {prompt} with {n} tokens")
+            raise IndexError(f"{self.index_path}: token {token} out of range for prompt {prompt} with {n} tokens")
         token %= n
         return self._token_rows(prompt, layer, token, token + 1)[0]  # that row alone, not the prompt's all
 
