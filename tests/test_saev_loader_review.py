@@ -32,8 +32,8 @@ def test_blocks_asked_larger_than_a_shard_are_the_shards(tmp_path):
     shard = list(ShuffledActivations(store_dir, batch_size=4, seed=2, block_examples=3, buffer_blocks=1))
     for asked in (dict(block_bytes=1 << 62), dict(block_examples=10**16)):
         got = list(ShuffledActivations(store_dir, batch_size=4, seed=2, buffer_blocks=1, **asked))
-        assert len(got) == len(shard) and all(torch.equal(a["act"], b["act"]) and
-                                               torch.equal(a["example_idx"], b["example_idx"]) for a, b in zip(shard, got))
+        assert len(got) == len(shard) and all(torch.equal(a["act"], b["act"]) and torch.equal(
+            a["example_idx"], b["example_idx"]) for a, b in zip(shard, got))
     assert sorted(rows(shard)) == EVERY_VECTOR
 
 
@@ -103,7 +103,8 @@ def test_a_store_of_more_shards_than_open_files_says_what_to_change(tmp_path):
 import os, resource
 from actstore.formats.saev.loader import ShuffledActivations
 loader = ShuffledActivations({str(store_dir)!r}, batch_size=30, block_bytes=8)
-resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))
 try:
     list(loader)
 except OSError as exc:
