@@ -18,7 +18,8 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           REQUIRED_ATTRS, VECTOR_ZARRAY, chunk_counts)
-from actstore.integrity import TOOL_FILES, inside, read_json, read_sized, refuse, sorted_files, whole_number
+from actstore.integrity import (TOOL_FILES, inside, read_json, read_sized, refuse, sorted_files, whole_number,
+                                whole_numbers)
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -68,13 +69,16 @@ class ZarrStore:
         for key in REQUIRED_ATTRS:
             if key not in self.attrs:
                 raise FormatError(f"{self.path}/.zattrs: required field {key!r} missing")
+        self._validate_counts()
         self.layers: list[int] = list(self.attrs["layers"])
         self._layer_pos = {layer: l for l, layer in enumerate(self.layers)}
-        self.n_samples = int(self.attrs["num_samples"])
-        self.hidden = int(self.attrs["hidden_size"])
-        self.t_max = int(self.attrs["T_max"])
+        self.n_samples: int = self.attrs["num_samples"]
+        self.hidden: int = self.attrs["hidden_size"]
+        self.t_max: int = self.attrs["T_max"]
         self._validate_activations()
         self.seq_len = self.vector("seq_len")
+        if self.seq_len.dtype.kind not in "iu":  # a float count opened fine, then failed every read unnamed
+            raise FormatError(f"{self.path}/arrays/seq_len: dtype {self.seq_len.dtype}, expected integers")
         if self.seq_len.shape != (self.n_samples,) or (self.seq_len > self.t_max).any() or (self.seq_len < 0).any():
             raise FormatError(f"{self.path}/arrays/seq_len: values outside [0, T_max={self.t_max}] or wrong length")
         self._acts = str(self.path / ACTS)
@@ -84,6 +88,17 @@ class ZarrStore:
         if not isinstance(self.metadata.get(key), dict):
             raise FormatError(f"{self.path}/.zmetadata: no object entry {key!r}")
         return self.metadata[key]
+
+    def _validate_counts(self) -> None:
+        """The attrs every read counts with are whole numbers, and no layer is stored twice (one of its
+        positions would be unreachable): a damaged .zattrs is named here, never a TypeError later."""
+        where = f"{self.path}/.zattrs"
+        for key in ("num_samples", "hidden_size", "T_max"):
+            if not whole_number(self.attrs[key]):
+                raise FormatError(f"{where}: {key}={self.attrs[key]!r:.40}, expected a whole number")
+        layers = self.attrs["layers"]
+        if not whole_numbers(layers) or len(set(layers)) != len(layers):
+            raise FormatError(f"{where}: layers={layers!r:.60}, expected a list of distinct block indices")
 
     def _validate_activations(self) -> None:
         """The fast path is only correct for raw little-endian float16 C-order chunks: check exactly that."""
@@ -206,6 +221,23 @@ def run_field_problems(manifest: dict[str, Any], store: ZarrStore, where: str) -
             if (key in ("layers", "hidden_size") or key in manifest) and not same_json(manifest.get(key), value)]
 
 
+def count_problems(entries: list[dict[str, Any]], stores: list[ZarrStore], names: list[str]) -> list[str]:
+    """Each manifest entry's num_samples against its store's, and its start against the samples of the
+    entries before it. Reads number a run's samples 0 .. num_samples-1 through the entries: a shard left
+    out of the manifest made a gap whose indices were answered from the next store at a negative local
+    index (seq_len: another sample's), and the last samples unreachable."""
+    problems, first = [], 0
+    for entry, name, store in zip(entries, names, stores):
+        if not same_json(entry["num_samples"], store.n_samples):
+            problems.append(f"{name}: num_samples={entry['num_samples']}, but {store.path}/.zattrs says "
+                            f"{store.n_samples}")
+        if not same_json(entry["global_index_start"], first):
+            problems.append(f"{name}: global_index_start={entry['global_index_start']}, expected {first} (the "
+                            "samples of the entries before it)")
+        first += store.n_samples
+    return problems
+
+
 def start_problems(entry: dict[str, Any], store: ZarrStore, where: str, merged: bool) -> list[str]:
     """The global_index_start of a manifest entry (`where` names it) against its store's own .zattrs
     (a merged store's: 0). Reads find a sample's store by the entries' starts, so an entry that names
@@ -243,6 +275,7 @@ class ZarrRun:
         self.stores = [ZarrStore(inside(self.path, e["path"], str(where))) for e in entries]
         for entry, name, store in zip(entries, names, self.stores):  # .zattrs alone: sample_idx is verify's
             refuse(run_field_problems(self.manifest, store, str(where)) + start_problems(entry, store, name, merged))
+        refuse(count_problems(entries, self.stores, names))
         self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
         self.layers: list[int] = list(self.manifest["layers"])
@@ -252,9 +285,7 @@ class ZarrRun:
         """The store holding global `sample_idx` and its local index there."""
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"{self.path}: sample_idx {sample_idx} out of range [0, {self.n_samples})")
-        k = bisect.bisect_right(self._starts, sample_idx) - 1
-        while sample_idx - self._starts[k] >= self.stores[k].n_samples:  # skip empty shards
-            k += 1
+        k = bisect.bisect_right(self._starts, sample_idx) - 1  # the last of equal starts: empty shards skipped
         return self.stores[k], sample_idx - self._starts[k]
 
     def read(self, sample_idx: int, layer: int) -> np.ndarray:
