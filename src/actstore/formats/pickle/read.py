@@ -17,9 +17,11 @@ from actstore.formats.pickle.layout import CHECKSUM_PREFIX, METADATA, is_shard_n
 from actstore.formats.pickle.unpickler import safe_loads
 from actstore.integrity import inside, read_json, read_sized, whole_number
 
-# What a hostile or broken shard can raise from decompression or the restricted unpickler.
+# What a hostile or broken shard can raise from decompression or the restricted unpickler. numpy's
+# ndarray.__setstate__ raises SystemError or RuntimeError on a dtype that a BUILD state altered after
+# numpy.dtype() admitted it (flags saying it holds objects), which no unpickler hook can see first.
 LOAD_ERRORS = (pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, AttributeError, IndexError,
-               KeyError, MemoryError)
+               KeyError, MemoryError, RuntimeError, SystemError)
 
 
 def load_metadata(output_dir: str | Path) -> dict[str, Any]:
@@ -67,17 +69,30 @@ def load_shard(output_dir: str | Path, info: dict[str, Any],
     return shard
 
 
+def _layer_items(output_dir: str | Path, info: dict[str, Any], shard: dict[str, list[dict]],
+                layer_idx: int) -> list[dict]:
+    """The items of a layer the shard's metadata entry lists: FormatError naming the shard unless they
+    are a list of its num_samples. The checksum only proves these are the bytes the writer wrote: a
+    layer it left out would be skipped in silence, and a short list serve too few samples."""
+    key = layer_key(layer_idx)
+    items = shard.get(key)
+    if not isinstance(items, list) or len(items) != info["num_samples"]:
+        found = f"{len(items)} items" if isinstance(items, list) else f"a {type(items).__name__}"
+        raise FormatError(f"{shard_path(output_dir, info)}: {key} holds {found}, {METADATA} says "
+                          f"num_samples={info['num_samples']}")
+    return items
+
+
 def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[str, Any]]:
     """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time."""
     from actstore.formats.pickle.check import checked_metadata  # check imports this module
 
-    key = layer_key(layer_idx)
     for info in checked_metadata(output_dir)["shards"]:
         if layer_idx not in info["layers"]:
             continue
-        shard = load_shard(output_dir, info)
-        yield from shard.get(key, [])
-        del shard
+        items = _layer_items(output_dir, info, load_shard(output_dir, info), layer_idx)
+        yield from items
+        del items
 
 
 class ActivationDataset:
@@ -93,7 +108,7 @@ class ActivationDataset:
         self.layer_idx = layer_idx
         self.layer_key = layer_key(layer_idx)
         self.metadata = checked_metadata(output_dir)
-        self.shards = {s["shard_id"]: s for s in self.metadata["shards"]}
+        self.shards = _shards_by_id(self.output_dir, self.metadata["shards"])
         self.index = [(s["shard_id"], i) for s in self.metadata["shards"] if layer_idx in s["layers"]
                       for i in range(s["num_samples"])]
         self.current_shard_id: int | None = None
@@ -106,10 +121,25 @@ class ActivationDataset:
         shard_id, item_idx = self.index[idx]
         if shard_id != self.current_shard_id:
             self.current_shard = None  # drop the old shard before loading the next
-            self.current_shard = load_shard(self.output_dir, self.shards[shard_id])
-            self.current_shard_id = shard_id
+            info = self.shards[shard_id]
+            shard = load_shard(self.output_dir, info)
+            _layer_items(self.output_dir, info, shard, self.layer_idx)  # the index assumed num_samples items
+            self.current_shard, self.current_shard_id = shard, shard_id
         item = self.current_shard[self.layer_key][item_idx]
         return {"activation": item["activation"], "sample_idx": item["sample_idx"], "text": item["text_preview"]}
+
+
+def _shards_by_id(output_dir: Path, shards: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The shard entries by shard_id; FormatError naming metadata.json when one repeats (machines'
+    lists concatenated without renumbering): the index finds shards by id, so the second shard 1
+    would be served for the first's items too."""
+    by_id: dict[int, dict[str, Any]] = {}
+    for info in shards:
+        if info["shard_id"] in by_id:
+            raise FormatError(f"{output_dir / METADATA}: shard_id {info['shard_id']} is listed twice "
+                              f"({by_id[info['shard_id']]['filename']} and {info['filename']})")
+        by_id[info["shard_id"]] = info
+    return by_id
 
 
 def collate_padded(batch: list[dict[str, Any]]) -> dict[str, Any]:
