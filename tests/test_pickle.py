@@ -115,14 +115,19 @@ def params_of(config: dict) -> dict:
     return model_params(read_model_config(config["model"]["path"]))
 
 
+def write_machines(config: dict, extract_dir: Path, out: Path) -> Path:
+    """Each part's machine store, small gzip shards, under out/machine-NNNN/ (not merged)."""
+    for part in range(config["extract"]["parts"]):
+        ps.write_machine(extract_dir / f"part-{part:04d}", out / ps.machine_dirname(part),
+                         model_params=params_of(config), shard_size_mb=SMALL_MB, progress=False)
+    return out
+
+
 @pytest.fixture(scope="module")
 def store(extracted, tmp_path_factory):
     """(config, extraction, merged store dir): two machines with small gzip shards, merged."""
     config, extract_dir = extracted("bert")
-    out = tmp_path_factory.mktemp("pickle")
-    for part in range(config["extract"]["parts"]):
-        ps.write_machine(extract_dir / f"part-{part:04d}", out / ps.machine_dirname(part),
-                         model_params=params_of(config), shard_size_mb=SMALL_MB, progress=False)
+    out = write_machines(config, extract_dir, tmp_path_factory.mktemp("pickle"))
     ps.merge_machines([out / ps.machine_dirname(p) for p in range(config["extract"]["parts"])], out)
     return config, open_extraction(extract_dir), out
 

@@ -14,21 +14,14 @@ import pytest
 from actstore.errors import FormatError
 from actstore.formats import pickle as ps
 from actstore.formats.pickle.layout import METADATA
-from actstore.model_config import model_params, read_model_config
-
-SMALL_MB = 0.02  # ~20 kB of raw activations per shard: several shards per machine
+from test_pickle import write_machines
 
 
 @pytest.fixture(scope="module")
 def machines(extracted, tmp_path_factory):
     """(layers, store dir): each machine's store written under machine-NNNN/, not merged."""
     config, extract_dir = extracted("bert")
-    out = tmp_path_factory.mktemp("pickle_review")
-    for part in range(config["extract"]["parts"]):
-        ps.write_machine(extract_dir / f"part-{part:04d}", out / ps.machine_dirname(part),
-                         model_params=model_params(read_model_config(config["model"]["path"])),
-                         shard_size_mb=SMALL_MB, progress=False)
-    return config["extract"]["layers"], out
+    return config["extract"]["layers"], write_machines(config, extract_dir, tmp_path_factory.mktemp("pickle_review"))
 
 
 def naive_merge(out: Path, dst: Path) -> Path:

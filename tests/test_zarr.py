@@ -198,6 +198,17 @@ def test_a_manifest_that_misstates_its_stores_is_named_and_refused(bert_run, key
         zs.open_zarr(run)
 
 
+def copied_run(bert_run, tmp_path, edit):
+    """A copy of bert_run's run (two shards of 15 samples, merged) with its manifest edited by `edit`."""
+    _, run_dir = bert_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    manifest = json.loads((run / zs.MANIFEST).read_text())
+    edit(manifest)
+    (run / zs.MANIFEST).write_text(json.dumps(manifest))
+    return run
+
+
 @pytest.mark.parametrize("edit, named", [
     (lambda m: m.update(shards=float("nan")), r"not valid JSON \(NaN is not a JSON number\)"),
     (lambda m: m["shards"][0].update(bytes=[]), r"shards\[0\]: n_files and bytes must be whole numbers"),
@@ -208,12 +219,7 @@ def test_a_manifest_that_misstates_its_stores_is_named_and_refused(bert_run, key
 def test_a_manifest_entry_of_the_wrong_type_or_count_is_named(bert_run, tmp_path, edit, named):
     """The manifest's store entries: their counts are whole numbers and what the store's files.json
     records (verify); a manifest inspect cannot read is refused naming it, never a Python error."""
-    _, run_dir = bert_run
-    run = tmp_path / "run"
-    shutil.copytree(run_dir, run)
-    manifest = json.loads((run / zs.MANIFEST).read_text())
-    edit(manifest)
-    (run / zs.MANIFEST).write_text(json.dumps(manifest))
+    run = copied_run(bert_run, tmp_path, edit)
     assert any(re.search(named, p) for p in zs.verify(run)), zs.verify(run)
     try:
         zs.inspect(run)

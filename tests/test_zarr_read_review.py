@@ -3,25 +3,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
 
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
-from test_zarr import bert_run, synthetic_shard  # noqa: F401 (bert_run: a fixture)
-
-
-def copied_run(bert_run, tmp_path, edit):  # noqa: F811
-    """A copy of bert_run's run (two shards of 15 samples, merged) with its manifest edited by `edit`."""
-    _, run_dir = bert_run
-    run = tmp_path / "run"
-    shutil.copytree(run_dir, run)
-    manifest = json.loads((run / zs.MANIFEST).read_text())
-    edit(manifest)
-    (run / zs.MANIFEST).write_text(json.dumps(manifest))
-    return run
+from test_zarr import bert_run, copied_run, synthetic_shard  # noqa: F401 (bert_run: a fixture)
 
 
 @pytest.mark.parametrize("edit, named", [
