@@ -31,8 +31,7 @@ import torch
 from actstore.datasets import Sample
 from actstore.datasets.images import EXIF_ORIENTATION, ImageOpener, decoded_image
 from actstore.errors import ConfigError
-from actstore.io_utils import lower_priority
-from actstore.resources import IMAGES_PER_ITEM, items_ahead
+from actstore.extract.inputs import item_loader
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +114,7 @@ def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Samp
     thread decodes and processes each batch on the GPU (on its own CUDA stream) up to AHEAD_BYTES
     ahead of the model: call it before loading the model, so that the first batches are ready when
     the weights are, as the cpu pipeline's workers decode them meanwhile."""
-    items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
-    prefetch = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
-    loader = iter(torch.utils.data.DataLoader(
-        WorkerImages(opener, processor, samples), sampler=[item for batch in items for item in batch], batch_size=None,
-        num_workers=num_workers, pin_memory=device.type == "cuda", prefetch_factor=prefetch,
-        worker_init_fn=lower_priority if num_workers else None))
+    items, loader = item_loader(WorkerImages(opener, processor, samples), batches, num_workers, device.type == "cuda")
     ahead = Ahead()
     threading.Thread(target=_decode_ahead, args=(processor, loader, items, device, dtype, ahead),
                      name=DECODING_THREAD, daemon=True).start()

@@ -211,13 +211,20 @@ def image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], ba
     (to_model joins them on the device), decoded ahead by `num_workers` processes (0 = in this
     process). The workers start at once, so call it before loading the model: they decode the first
     batches while the weights load."""
+    items, loader = item_loader(ImageItems(processor, opener, samples, dtype), batches, num_workers, pin_memory)
+    return ([next(loader) for _ in batch] for batch in items)
+
+
+def item_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num_workers: int,
+                pin_memory: bool) -> tuple[list[list[list[int]]], Iterator[Any]]:
+    """Each batch cut into items of IMAGES_PER_ITEM (ImageItems says why), and an iterator over
+    `dataset`'s items in that order, made by `num_workers` processes (0 = in this process) that start
+    at once and keep resources.items_ahead items ready, at nice +10 (io_utils.lower_priority)."""
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
-    loader = iter(torch.utils.data.DataLoader(
-        ImageItems(processor, opener, samples, dtype), sampler=[item for batch in items for item in batch],
-        batch_size=None, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead,
-        worker_init_fn=lower_priority if num_workers else None))
-    return ([next(loader) for _ in batch] for batch in items)
+    return items, iter(torch.utils.data.DataLoader(
+        dataset, sampler=[item for batch in items for item in batch], batch_size=None, num_workers=num_workers,
+        pin_memory=pin_memory, prefetch_factor=ahead, worker_init_fn=lower_priority if num_workers else None))
 
 
 def to_model(loaded: LoadedModel, pixels: Iterator[list[torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
