@@ -50,13 +50,13 @@ def model_files(folder: Path) -> dict[str, dict[str, int]]:
 def hashed_model_files(folder: Path, loaded: dict[str, dict[str, int]], threads: int = 4) -> dict[str, dict]:
     """`loaded` (what the parts recorded) with each file's sha256, hashed from the folder; ConfigError
     if the folder no longer holds what the parts loaded."""
-    if moved := _moved(loaded, now := model_files(folder)):
+    if moved := moved_files(loaded, now := model_files(folder)):
         raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now, hashed=False)} since the "
                           f"extraction's parts loaded it (their part.json {MODEL_FILES_KEY}), so the folder may no "
                           f"longer hold the weights they ran; extract them again")
     with ThreadPoolExecutor(threads) as pool:
         digests = dict(zip(loaded, pool.map(lambda name: sha256_file(folder / name), loaded)))
-    if moved := _moved(loaded, now := model_files(folder)):
+    if moved := moved_files(loaded, now := model_files(folder)):
         raise ConfigError(f"model.path {folder}: {_change(moved[0], loaded, now, hashed=False)} while it was hashed; "
                           f"run again")
     return {name: stat | {"sha256": digests[name]} for name, stat in loaded.items()}
@@ -71,7 +71,7 @@ def check_model_unchanged(folder: Path, extract_dir: Path) -> None:
     if not recorded or not folder.is_dir():
         return
     now = model_files(folder)
-    if changed := [name for name in _moved(recorded, now) if not _same_bytes(folder, name, recorded, now)]:
+    if changed := [name for name in moved_files(recorded, now) if not _same_bytes(folder, name, recorded, now)]:
         raise ConfigError(
             f"model.path {folder}: {_change(changed[0], recorded, now, hashed=True)} since the extraction "
             f"{extract_dir} read it ({index} {MODEL_FILES_KEY}), so its activations are of the old weights. The "
@@ -96,8 +96,8 @@ def _recorded(index: Path) -> dict[str, dict] | None:
     return recorded
 
 
-def _moved(recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> list[str]:
-    """The files gone, new, or of another size or mtime."""
+def moved_files(recorded: dict[str, Any], now: dict[str, dict[str, int]]) -> list[str]:
+    """The files gone, new, or of another size or mtime in `now` than in `recorded` (sorted names)."""
     return [name for name in sorted(set(recorded) | set(now)) if name not in now or name not in recorded
             or (now[name]["bytes"], now[name]["mtime_ns"]) != (recorded[name]["bytes"], recorded[name]["mtime_ns"])]
 

@@ -12,7 +12,7 @@ from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
 from actstore.integrity import file_problem, inside, links_out, read_json
-from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, well_formed
+from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, moved_files, well_formed
 
 
 def detect(path: str | Path) -> bool:
@@ -104,7 +104,7 @@ def _model_files_problems(index: Path, stored: Any, parts: list[Part]) -> list[s
     return [f"{index}: {MODEL_FILES_KEY}[{name!r}] " + (
         "missing, but the parts loaded it" if name not in stats else "listed, but no part loaded it"
         if name not in loaded else f"= {stats[name]} but the parts say {loaded[name]}")
-        for name in sorted(set(stats) | set(loaded)) if stats.get(name) != loaded.get(name)]
+        for name in moved_files(stats, loaded)]
 
 
 def _index_problems(extract_dir: Path) -> list[str]:
