@@ -3,15 +3,17 @@
 # (a call cut off still returns what ran). See ../shared/docs/gpu-measurement.md.
 #   bench/gpu_suite.sh all DEST      what a 15-minute lease holds, in priority order: the CUDA tests, the
 #                                    issues' extraction rows, lut, sae, writers with pickle/zarr threads
-#   bench/gpu_suite.sh changes DEST  what session 53 left to find out: the CUDA tests (extract.image_pipeline
-#                                    gpu's among them, never yet run on a GPU); bench_image_decode (the cpu
-#                                    and gpu pipelines' rates and pixel difference, and the cpu pipeline
-#                                    with the processor's PIL backend); the 1,024-image ViT row
-#                                    with 13 workers on the gpu pipeline, then on the cpu one (0.79-0.80 of
-#                                    the loading rate in session 52, goal 0.8); the zarr shard jobs at 1, 4
-#                                    and 8 threads with every module byte-compiled first and one 8-thread
-#                                    job under py-spy (zarrspy: how much of its threads' time is a wait for
-#                                    the GIL); the Llama-1B 4-layer row (~9 min)
+#   bench/gpu_suite.sh changes DEST  what sessions 53-54 left to find out, the issues' open goals first: the
+#                                    CUDA tests (extract.image_pipeline gpu's among them, never yet run on a
+#                                    GPU); the 1,024-image ViT row with 13 workers on the gpu pipeline, then on
+#                                    the cpu one (0.79-0.80 of the loading rate in session 52, goal 0.8); the
+#                                    zarr shard jobs at 1, 4 and 8 threads with every module byte-compiled
+#                                    first and one 8-thread job under py-spy (zarrspy: how much of its
+#                                    threads' time is a wait for the GIL); the Llama-1B 4-layer row on 2,048
+#                                    texts (llama4long: 17 GB, the disk bound measured on 16 GiB, so the
+#                                    startup before the first output is a part's share, not a third of it);
+#                                    bench_image_decode (the pipelines' rates and pixel difference, and the
+#                                    cpu pipeline with the processor's PIL backend)
 #   bench/gpu_suite.sh extract DEST  bench_extract: llama-1b 4 layers, all 16 layers, vit-b14, wide-vocab
 #                                    (log-probs in chunks of 2**26 and 2**28 logits, and none);
 #                                    the ViT processors' pixels whole and in loader items; the ViT write pattern;
@@ -95,9 +97,9 @@ all)  # the issues' goals, the CUDA tests first (sessions 37-39 added some that 
   build_ext
   step writers 200 python3 bench/bench_writers.py --gb 4 --parts 4 --jobs 4 --work /tmp/writers \
     --thread-counts 1 2 4 --only saev lmprobe zarr "pickle (gzip-1, isal)" ;;
-changes)  # session 53's extract.image_pipeline gpu (never run on a GPU yet), then session 52's open questions
+changes)  # the open goals first: issue 14's ViT row on the gpu pipeline, issue 18's zarr shard, the Llama
+  # row at a size where its first output's startup is amortised; then the image-decode questions
   step pytest 150 $CUDA_TESTS
-  step imgdec 90 python3 bench/bench_image_decode.py --repeat 2 --out "$out/imgdec.json"
   row vit13gpu 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3 --image-pipeline gpu
   row vit13 90 --shape vit-b14 --num-workers $(( $(nproc) - 3 )) --repeats 3
   build_ext
@@ -108,7 +110,9 @@ changes)  # session 53's extract.image_pipeline gpu (never run on a GPU yet), th
     --threads --format raw -o $out/zarrspy.spy.txt -- python3 bench/bench_writers.py --job zarr --threads 8 --part 0 \
     --extract /tmp/writers/extract-6gb-3p-d1024/float32 --out /tmp/writers/spy-\$RANDOM; \
     python3 bench/spy_summary.py $out/zarrspy.spy.txt --top 6 > $out/zarrspy.spy-summary.txt"
-  row llama4 90 --shape llama-1b ;;
+  rm -rf /tmp/writers  # the disk's room for llama4long's 17 GB part and 16 GiB bandwidth file
+  row llama4long 150 --shape llama-1b --limit 2048 --bandwidth-gb 16 --repeats 1  # its last --repeats counts
+  step imgdec 90 python3 bench/bench_image_decode.py --repeat 2 --out "$out/imgdec.json" ;;
 extract) extract
   # an image part's Slurm job before 2026-11-26 (4 CPUs: 4 decoding workers) against vit13's 16
   step vit4cpu 90 taskset -c 0-3 $E --shape vit-b14 --out "$out/vit4cpu.json" ;;
