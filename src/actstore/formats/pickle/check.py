@@ -15,7 +15,7 @@ from actstore.errors import FormatError
 from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA,
                                             PREVIEW_CHARS, REQUIRED, SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name,
                                             layer_key)
-from actstore.formats.pickle.read import load_metadata, load_shard, shard_path
+from actstore.formats.pickle.read import load_metadata, load_shard, shard_path, shards_by_id
 from actstore.formats.pickle.unpickler import BudgetHeldByOthers, ByteBudget
 from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, unlisted, version_string,
                                 whole_number, whole_numbers)
@@ -150,11 +150,13 @@ def _run_field_problems(meta: dict[str, Any]) -> list[str]:
 
 
 def _verify_totals(path: Path, meta: dict[str, Any]) -> list[str]:
-    """Unique shard ids; statistics equal to the sums over shards."""
+    """Unique shard ids (as ActivationDataset finds shards by them: the repeated id and both its files
+    named); statistics equal to the sums over shards."""
     where, problems = path / METADATA, []
-    ids = [s["shard_id"] for s in meta["shards"]]
-    if len(set(ids)) != len(ids):
-        problems.append(f"{where}: shard_id values are not unique")
+    try:
+        shards_by_id(path, meta["shards"])
+    except FormatError as exc:
+        problems.append(str(exc))
     stats, totals = meta["statistics"], [("total_shards", len(meta["shards"])),
                                           ("total_samples", sum(s["num_samples"] for s in meta["shards"])),
                                           ("total_size_bytes", sum(s["size_bytes"] for s in meta["shards"]))]
@@ -207,15 +209,27 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any
         if not isinstance(item, dict) or any(k not in item for k in ITEM_FIELDS):
             problems.append(f"{name}: {key} item lacks one of {ITEM_FIELDS}")
             break
+        if not whole_number(item["sample_idx"]):  # min/max and the store's id set compare them
+            problems.append(f"{name}: {key} sample_idx {item['sample_idx']!r:.40} is not a whole number")
+            break
         act = item["activation"]
-        if act.dtype != np.float32 or act.ndim != 2 or tuple(item["shape"]) != act.shape \
-                or width is not None and act.shape[1] != width:
-            problems.append(f"{name}: {key} sample {item['sample_idx']}: activation {act.dtype} {act.shape} "
-                            f"vs shape {item['shape']}, d_model {width!r} in {METADATA}")
+        if not _activation_fits(act, item["shape"], width):
+            found = f"{act.dtype} {act.shape}" if isinstance(act, np.ndarray) else f"a {type(act).__name__}"
+            problems.append(f"{name}: {key} sample {item['sample_idx']}: activation {found} "
+                            f"vs shape {item['shape']!r:.40}, d_model {width!r} in {METADATA}")
             break  # one bad item names the layer; every other one is likely the same
         if not isinstance(item["text_preview"], str) or len(item["text_preview"]) > PREVIEW_CHARS:
             problems.append(f"{name}: {key} sample {item['sample_idx']}: bad text_preview")
     return problems
+
+
+def _activation_fits(act: Any, shape: Any, width: Any) -> bool:
+    """A float32 (tokens, width) array that its item's `shape` describes. Checked as types first: an
+    activation that is no array, or a shape that is no list, was an AttributeError or TypeError that
+    verify blamed on metadata.json."""
+    return (isinstance(act, np.ndarray) and act.dtype == np.float32 and act.ndim == 2
+            and isinstance(shape, (list, tuple)) and tuple(shape) == act.shape
+            and (width is None or act.shape[1] == width))
 
 
 def _verify_shard(path: Path, info: dict[str, Any], width: Any, budget: ByteBudget) -> tuple[list[str], list[int]]:
@@ -236,7 +250,7 @@ def _shard_content_problems(name: Path, shard: dict, info: dict[str, Any], width
     """_verify_shard's check of a loaded shard's content."""
     want_keys = {layer_key(layer) for layer in info["layers"]}
     if set(shard) != want_keys:
-        return [f"{name}: layer keys {sorted(shard)} != metadata layers {sorted(want_keys)}"], []
+        return [f"{name}: layer keys {sorted(map(str, shard))} != metadata layers {sorted(want_keys)}"], []
     problems, ids_by_layer = [], []
     for key, items in shard.items():
         problems += _verify_items(name, key, items, info["num_samples"], width)
@@ -260,7 +274,7 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
     one shared memory_budget() holds by what they decompress to (a shard that finds it held by others
     is checked again alone), then the sample ids of all of them: each once in the store."""
     shards = meta["shards"]
-    width = meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
+    width = _width(meta)
     budget = ByteBudget(integrity.memory_budget())  # the threads' shards together: metadata may understate them
     found_of: dict[int, list[str]] = {}
     ids_of: dict[int, list[int]] = {}
@@ -284,6 +298,11 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
             problems.append(f"{shard_path(path, info)}: duplicate sample_idx within the store")
         seen.update(ids)
     return problems
+
+
+def _width(meta: dict[str, Any]) -> Any:
+    """The activations' width metadata.json states: actstore.d_model, else model_params.hidden_size."""
+    return meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
 
 
 def _shard_threads(shards: list[dict[str, Any]], width: Any) -> int:
@@ -331,7 +350,11 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
             key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, info["checksum"])
             if key not in _CACHE:
                 _CACHE.clear()
-                _CACHE[key] = load_shard(path, info)
+                shard = load_shard(path, info)
+                # its content checked as verify checks it: a layer it lacked was a bare KeyError (and
+                # `actstore validate` crashed on it), a 1-D activation returned a scalar as the vector
+                integrity.refuse(_shard_content_problems(file, shard, info, _width(meta))[0])
+                _CACHE[key] = shard
             for item in _CACHE[key][layer_key(layer_idx)]:
                 if item["sample_idx"] == sample_idx:
                     act = item["activation"]

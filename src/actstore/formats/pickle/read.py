@@ -108,7 +108,7 @@ class ActivationDataset:
         self.layer_idx = layer_idx
         self.layer_key = layer_key(layer_idx)
         self.metadata = checked_metadata(output_dir)
-        self.shards = _shards_by_id(self.output_dir, self.metadata["shards"])
+        self.shards = shards_by_id(self.output_dir, self.metadata["shards"])
         self.index = [(s["shard_id"], i) for s in self.metadata["shards"] if layer_idx in s["layers"]
                       for i in range(s["num_samples"])]
         self.current_shard_id: int | None = None
@@ -129,7 +129,7 @@ class ActivationDataset:
         return {"activation": item["activation"], "sample_idx": item["sample_idx"], "text": item["text_preview"]}
 
 
-def _shards_by_id(output_dir: Path, shards: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def shards_by_id(output_dir: Path, shards: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """The shard entries by shard_id; FormatError naming metadata.json when one repeats (machines'
     lists concatenated without renumbering): the index finds shards by id, so the second shard 1
     would be served for the first's items too."""

@@ -157,7 +157,7 @@ def _verify_files(store: Path, reader: ZarrStore | None, entry: dict | None = No
     """files.json (in name order, as written) read 1 MiB at a time beside the store's files and the
     activations' chunk keys walked in the same order: a merged store lists millions, none held. Each
     listed file checked against its record (problems_of: several at once), each file on disk listed,
-    each chunk recorded; the files and bytes it records against the manifest `entry`'s n_files and
+    each chunk recorded at chunk_bytes; the files and bytes it records against the manifest `entry`'s n_files and
     bytes (store_entry's counts), in the same pass."""
     return problems_of(lambda check: check(), _file_checks(store, reader, entry), desc="verify zarr files", batch=64)
 
@@ -194,9 +194,14 @@ def _file_checks(store: Path, reader: ZarrStore | None, entry: dict | None) -> I
             while chunk is not None and chunk <= name:
                 if chunk < name:
                     lost, first_lost = lost + 1, first_lost or chunk
+                elif (recorded := _recorded_bytes(info)) is not None and recorded != reader.chunk_bytes:
+                    # the record is what _listed holds the file to: a chunk cut short before files.json
+                    # was written passed, then failed every read of its sample
+                    yield _found(f"{store / name}: {FILES_JSON} records {recorded} bytes, an activations chunk "
+                                 f"holds {reader.chunk_bytes} (T_chunk x hidden_size x 2)")
                 chunk = next(chunks, None)
             totals["n_files"] += 1
-            totals["bytes"] += info["bytes"] if isinstance(info, dict) and whole_number(info.get("bytes")) else 0
+            totals["bytes"] += _recorded_bytes(info) or 0
             yield _listed(store, name, info)
     except FormatError as exc:
         yield _found(f"{files_json}: unreadable ({exc})")
@@ -211,6 +216,11 @@ def _file_checks(store: Path, reader: ZarrStore | None, entry: dict | None) -> I
         if entry is not None and key in entry and entry[key] != recorded:
             yield _found(f"{store}: {FILES_JSON} records {recorded} {key.removeprefix('n_')}, manifest.json says "
                          f"{entry[key]}")
+
+
+def _recorded_bytes(info: Any) -> int | None:
+    """The bytes a files.json record gives its file, None when it gives no whole number (_listed names that)."""
+    return info["bytes"] if isinstance(info, dict) and whole_number(info.get("bytes")) else None
 
 
 def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:

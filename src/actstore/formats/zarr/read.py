@@ -256,8 +256,9 @@ class ZarrRun:
     def __init__(self, path: str | Path, merged: bool = False):
         self.path = Path(path)
         self.manifest = read_json(self.path / MANIFEST)
-        found = self.manifest.get("format") if isinstance(self.manifest, dict) else self.manifest
-        if found != FORMAT_NAME:
+        if not isinstance(self.manifest, dict):  # a bare "actstore-zarr-..." string passed as its own format
+            raise FormatError(f"{self.path / MANIFEST}: not a JSON object, got {self.manifest!r:.60}")
+        if (found := self.manifest.get("format")) != FORMAT_NAME:
             raise FormatError(f"{self.path / MANIFEST}: format={found!r:.60}, expected {FORMAT_NAME!r}")
         if merged:
             if not self.manifest.get("merged"):
