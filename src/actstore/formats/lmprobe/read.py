@@ -234,7 +234,9 @@ class LmprobeDataset:
                            if "sample_idx" in self.column_names else np.arange(address.num_rows))
         self._row_of_map: dict[int, int] | None = None
         self._table = None
-        self._token_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._group_starts: np.ndarray | None = None  # first index row of each row group: 8 B a group
+        # The last row group's token addresses read, as (group, list offsets, flat ids, flat offsets).
+        self._token_group: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._logits_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._views: dict[tuple[str, str], np.ndarray] = {}
 
@@ -265,28 +267,58 @@ class LmprobeDataset:
             self._row_of_map = row_of
         return self._row_of_map
 
-    def token_addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(list offsets, flat token_shard_ids, flat token_shard_offsets) of a full-sequence index."""
+    def token_addresses(self, prompt: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token_shard_ids, token_shard_offsets) of index row `prompt` (not negative) of a full-sequence
+        index. Only the row group holding it is read and kept: the whole index's lists hold 16 B a
+        token (8 GB at 500M tokens), one group's about write.ROW_GROUP_TOKENS tokens' (16 MiB)."""
         if not self.full_sequence:
             raise FormatError(f"{self.index_path}: pooled dataset stores only the last token of each prompt")
-        if self._token_cache is None:
-            table = self._columns("token_shard_ids", "token_shard_offsets")
-            offsets, ids = _list_column(table, "token_shard_ids")
-            row_offsets, token_offsets = _list_column(table, "token_shard_offsets")
-            self._check_token_lists(np.diff(offsets), np.diff(row_offsets))
-            self._token_cache = (offsets, ids, token_offsets)
-        return self._token_cache
+        starts = self._row_group_starts()
+        group = int(np.searchsorted(starts, prompt, side="right")) - 1
+        if self._token_group is None or self._token_group[0] != group:
+            self._token_group = (group, *self._read_token_group(group, starts))
+        _, offsets, ids, token_offsets = self._token_group
+        a, b = offsets[prompt - starts[group]], offsets[prompt - starts[group] + 1]
+        return ids[a:b], token_offsets[a:b]
 
-    def _check_token_lists(self, ids: np.ndarray, offsets: np.ndarray) -> None:
-        """FormatError naming the first index row whose token_shard_ids or token_shard_offsets list
-        (of `ids` and `offsets` entries) is not one entry per token (num_tokens): the flat lists are
-        sliced by the first's bounds, so one short list made token t of a prompt read token t+1's
-        vector, without an error."""
-        bad = np.flatnonzero((ids != self.num_tokens) | (offsets != self.num_tokens))
+    def _row_group_starts(self) -> np.ndarray:
+        """First index row of each row group of the index (from its footer)."""
+        import pyarrow.parquet as pq
+
+        if self._group_starts is None:  # the footer __init__ read the columns through
+            metadata = pq.ParquetFile(self.index_path).metadata
+            rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            self._group_starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+        return self._group_starts
+
+    def _read_token_group(self, group: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(list offsets, flat token_shard_ids, flat token_shard_offsets) of row group `group`, checked
+        against num_tokens."""
+        import pyarrow.parquet as pq
+
+        columns = ["token_shard_ids", "token_shard_offsets"]
+        missing = [c for c in columns if c not in self.column_names]
+        if missing:  # read_row_group leaves out a column it does not find, without an error
+            raise FormatError(f"{self.index_path}: full_sequence index lacks column(s) {missing}")
+        with _decoded(self.index_path, columns):
+            table = pq.ParquetFile(self.index_path).read_row_group(group, columns=columns)
+        offsets, ids = _list_column(table, "token_shard_ids")
+        row_offsets, token_offsets = _list_column(table, "token_shard_offsets")
+        first = int(starts[group])
+        self._check_token_lists(first, np.diff(offsets), np.diff(row_offsets))
+        return offsets, ids, token_offsets
+
+    def _check_token_lists(self, first: int, ids: np.ndarray, offsets: np.ndarray) -> None:
+        """FormatError naming the first index row (from row `first` on) whose token_shard_ids or
+        token_shard_offsets list (of `ids` and `offsets` entries) is not one entry per token (num_tokens):
+        the flat lists are sliced by the first's bounds, so one short list made token t of a prompt read
+        token t+1's vector, without an error."""
+        num_tokens = self.num_tokens[first:first + len(ids)]
+        bad = np.flatnonzero((ids != num_tokens) | (offsets != num_tokens))
         if len(bad):
-            row = int(bad[0])
-            raise FormatError(f"{self.index_path}: row {row} token_shard_ids/token_shard_offsets hold {int(ids[row])}/"
-                              f"{int(offsets[row])} entries, num_tokens says {int(self.num_tokens[row])}")
+            i = int(bad[0])
+            raise FormatError(f"{self.index_path}: row {first + i} token_shard_ids/token_shard_offsets hold "
+                              f"{int(ids[i])}/{int(offsets[i])} entries, num_tokens says {int(num_tokens[i])}")
 
     # -- descriptor
     @property
@@ -420,9 +452,8 @@ class LmprobeDataset:
 
     def _token_rows(self, prompt: int, layer: int, first: int, stop: int) -> np.ndarray:
         """float32 (stop - first, dim): tokens [first, stop) of index row `prompt` (not negative)."""
-        offsets, ids, token_offsets = self.token_addresses()
-        a, b = offsets[prompt] + first, offsets[prompt] + stop
-        return self._rows(layer, ids[a:b], token_offsets[a:b], prompt, "token_shard_offsets")
+        ids, offsets = self.token_addresses(prompt)
+        return self._rows(layer, ids[first:stop], offsets[first:stop], prompt, "token_shard_offsets")
 
     def last_tokens(self, layer: int) -> np.ndarray:
         """float32 (num_prompts, dim): every prompt's last-token vector in index order; reads only
