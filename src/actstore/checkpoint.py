@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,16 +39,34 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
 
 def _weight_map(folder: Path) -> dict[str, str]:
     """The shard index's weight_map; ConfigError naming the index unless it maps names to file names
-    (a number or list there was a TypeError out of sorting or hashing the files)."""
+    of the folder itself (a number or list there was a TypeError out of sorting or hashing the files;
+    `../x.safetensors` or an absolute path was read from outside the folder)."""
     try:
         weight_map = dict(json.loads((folder / INDEX).read_text())["weight_map"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"model.path {folder}: {INDEX} names no weight_map: {exc!r}") from None
     for name, file in weight_map.items():
-        if not isinstance(file, str):
+        if not (isinstance(file, str) and _plain_name(file)):
             raise ConfigError(f"model.path {folder}: {INDEX} weight_map gives {name!r} the file {file!r:.80}, "
-                              "not a file name")
+                              "not a file name of the folder")
     return weight_map
+
+
+def _plain_name(file: str) -> bool:
+    """Whether `file` names a file directly in a folder: no folder part, no `..`, no NUL. A link of that
+    name is followed, as loading follows it (a Hugging Face cache snapshot links to its blobs)."""
+    return file not in ("", ".", "..") and "/" not in file and "\0" not in file
+
+
+def _regular(folder: Path, file: str) -> Path:
+    """`folder / file`, links followed; ConfigError naming it unless it is a regular file: a FIFO
+    blocked the open of the parse or of the job forever (safetensors opens without O_NONBLOCK). A
+    missing file is the OSError of its stat, which each caller names."""
+    path = folder / file
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise ConfigError(f"model.path {folder}: {file} is not a regular file (a FIFO, device or folder), "
+                          "so it is not read")
+    return path
 
 
 def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
@@ -56,7 +75,7 @@ def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
     sizes = {}
     for file in sorted(set(checkpoint_names(folder).values())):
         try:
-            sizes.update({name: size for name, size in _header_sizes(folder / file).items()
+            sizes.update({name: size for name, size in _header_sizes(_regular(folder, file)).items()
                           if names is None or name in names})
         except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError, RecursionError) as exc:
             raise ConfigError(f"model.path {folder}: {file} has no readable safetensors header "
@@ -91,7 +110,7 @@ def _opened(folder: Path, file: str) -> Iterator[Any]:
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(folder / file, framework="pt", device="cpu") as handle:
+        with safe_open(_regular(folder, file), framework="pt", device="cpu") as handle:
             yield handle
     except (OSError, SafetensorError) as exc:
         raise ConfigError(f"model.path {folder}: {file} cannot be read: {exc}") from None

@@ -25,6 +25,9 @@ from actstore.io_utils import sha256_file
 # in the folder (a README, images) change nothing extracted.
 MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".json", ".model",
                   ".txt", ".tiktoken", ".spm", ".codes", ".jinja", ".py")
+# transformers' folder of named chat templates (utils.hub.CHAT_TEMPLATE_DIR): a tokenizer or processor
+# loads each of its *.jinja files, and default.jinja there is the template a chat is rendered with.
+CHAT_TEMPLATES = "additional_chat_templates"
 # Files Hugging Face's Trainer writes beside the weights that no loading reads (an evaluation run
 # adding eval_results.json would otherwise stop every later run).
 TRAINER_FILES = frozenset({"trainer_state.json", "training_args.bin", "all_results.json", "train_results.json",
@@ -38,12 +41,13 @@ log = logging.getLogger(__name__)
 
 def model_files(folder: Path) -> dict[str, dict[str, int]]:
     """The folder's top-level model files (MODEL_SUFFIXES; links followed, as loading follows them:
-    a Hugging Face cache snapshot links to its blobs) with their size and mtime."""
+    a Hugging Face cache snapshot links to its blobs) and its CHAT_TEMPLATES, by their path in the
+    folder, with their size and mtime."""
     files = {}
-    for path in sorted(folder.iterdir()):
+    for path in sorted([*folder.iterdir(), *(folder / CHAT_TEMPLATES).glob("*.jinja")]):
         if path.suffix.lower() in MODEL_SUFFIXES and path.name not in TRAINER_FILES and path.is_file():
             stat = path.stat()
-            files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            files[path.relative_to(folder).as_posix()] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     return files
 
 
