@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import resource
 import stat
 import tokenize
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,14 @@ def memory_budget() -> int:
     """Bytes one allocation sized by a file's own claims may take: a quarter of physical memory.
     Past it a reader refuses, naming the file, instead of failing with a MemoryError or worse."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
+def open_files_budget() -> int:
+    """Files (or memory maps, each holding a descriptor) a reader keeps open at once: a quarter of this
+    process's open-file limit, at least 16, leaving the rest to the caller (a training job's own files,
+    a DataLoader's shared tensors). Past it a reader lets its least recently used file go."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 16 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
 
 
 def stage_config_problems(directory: Path, required: bool = False) -> list[str]:

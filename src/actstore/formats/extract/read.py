@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import resource
 import threading
 import weakref
 from collections import OrderedDict
@@ -21,8 +20,8 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, STORAGE_DESCR, part_dirname,
                                              tensor_file)
-from actstore.integrity import (check_file, check_npy, file_records, inside, open_regular, read_json, refuse,
-                                unique_keys, unlisted, whole_number)
+from actstore.integrity import (check_file, check_npy, file_records, inside, open_files_budget, open_regular, read_json,
+                                refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
 from actstore.model_identity import MODEL_FILES_KEY, PART_FIELDS, well_formed
 
@@ -155,8 +154,7 @@ class _OpenMaps:
 
     def used(self, part: Part, file: str) -> None:
         if self.budget is None:
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            self.budget = 1 << 16 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
+            self.budget = open_files_budget()
         key = (id(part), file)
         with self._lock:
             self._order[key] = weakref.ref(part)

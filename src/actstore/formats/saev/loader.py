@@ -32,7 +32,9 @@ import errno
 import os
 import resource
 import sys
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from numbers import Integral
 from queue import SimpleQueue
@@ -47,7 +49,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev.layout import DTYPE, groups_and_ranks
 from actstore.formats.saev.read import SaevStore
-from actstore.integrity import memory_budget
+from actstore.integrity import memory_budget, open_files_budget
 from actstore.io_utils import pread_into
 
 try:
@@ -74,6 +76,7 @@ class ShuffledActivations(IterableDataset):
     get_rank() and get_world_size()): the ranks, and each rank's DataLoader workers, read disjoint
     slices of one seeded block order, together every block once an epoch. Ranks may get different
     batch counts (blocks keep different numbers of vectors): train for a set number of steps.
+    Batches (and any slice of one) are views of a shuffle buffer and keep all of it: .clone() what you keep.
     """
 
     def __init__(self, path: str | Path, layers: Iterable[int] | None = None, batch_size: int = 4096,
@@ -81,8 +84,10 @@ class ShuffledActivations(IterableDataset):
                  include_cls: bool = True, keep_labels: Iterable[int] | None = None, drop_last: bool = False,
                  block_bytes: int = 32 << 10, fill_threads: int = 2, buffer_bytes: int = 256 << 20,
                  rank: int = 0, world_size: int = 1):
-        self.path = Path(path)
-        store = SaevStore(self.path)
+        store = SaevStore(Path(path).absolute())
+        # Resolved once: each __iter__ (each DataLoader worker) reopens this store, even after the working
+        # directory changed (a relative path named another store, or none) or a saev.json was re-pointed.
+        self.path = store.dir
         if layers is not None and not isinstance(layers, Iterable):
             raise ConfigError(f"layers={layers!r} must be a list of stored layers {list(store.layers)}, or None")
         self.layers = list(layers) if layers is not None else list(store.layers)
@@ -168,8 +173,8 @@ class ShuffledActivations(IterableDataset):
         workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
         return order[self.rank * workers + worker::self.world_size * workers]
 
-    def _plan(self, store: SaevStore, shards: "_ShardFiles", labels: np.ndarray | None, ids: np.ndarray,
-              n_carry: int, rng: np.random.Generator, acts: np.ndarray) -> tuple[_Fill, _Blocks]:
+    def _plan(self, store: SaevStore, labels: np.ndarray | None, ids: np.ndarray, n_carry: int,
+              rng: np.random.Generator, acts: np.ndarray) -> tuple[_Fill, _Blocks]:
         """Where every vector of blocks `ids` goes: vector i in (block, example, token) order to row
         rows[i] of the buffer (-1: not kept: CLS off, padding, label filter), after the n_carry rows
         left over from the last buffer; the example/token index of every row is filled in here."""
@@ -190,9 +195,7 @@ class ShuffledActivations(IterableDataset):
         buf.exs[perm[n_carry:]], buf.toks[perm[n_carry:]] = ex[keep], tok[keep]
         shard = np.searchsorted(store.starts, first, side="right") - 1
         offsets = (first - store.starts[shard]) * store.example_bytes + tok_lo * store.D * DTYPE.itemsize
-        used, which = np.unique(shard, return_inverse=True)
-        fds = np.array([shards.fd(int(i)) for i in used], dtype=np.int64)[which]
-        return buf, _Blocks(shard, fds, offsets, n_ex, n_tok, rows, np.cumsum(counts) - counts)
+        return buf, _Blocks(shard, offsets, n_ex, n_tok, rows, np.cumsum(counts) - counts)
 
     def _kept(self, store: SaevStore, labels: np.ndarray | None, ex: np.ndarray, tok: np.ndarray) -> np.ndarray:
         """Which of the (example, token) pairs are yielded (labels: the store's labels.bin)."""
@@ -213,17 +216,18 @@ class ShuffledActivations(IterableDataset):
         blocks own disjoint rows, and the C call runs without the GIL, so jobs fill in parallel."""
         buf = scratch.get()
         try:
-            if _scatter is None:
+            if _scatter is None:  # each read holds its shard open
                 self._fill_numpy(store, shards, acts, blocks, buf)
                 return
-            layer_off = np.array(self.layer_idx, dtype=np.int64) * store.T * store.D * DTYPE.itemsize
-            short = _scatter.fill(acts.ctypes.data, len(acts), acts.strides[0], buf.ctypes.data, buf.nbytes,
-                                  len(blocks.fds), blocks.fds.ctypes.data, blocks.offsets.ctypes.data, blocks.n_ex.ctypes.data,
-                                  blocks.n_tok.ctypes.data, store.example_bytes, len(layer_off), layer_off.ctypes.data,
-                                  store.D * DTYPE.itemsize, blocks.rows.ctypes.data)
-            if short is not None:  # (block, where the read started, errno: 0 when the file ended first)
-                block, offset, error = short
-                raise shards.failed(int(blocks.shard[block]), offset, error)
+            with shards.opened(blocks.shard) as fds:
+                layer_off = np.array(self.layer_idx, dtype=np.int64) * store.T * store.D * DTYPE.itemsize
+                short = _scatter.fill(acts.ctypes.data, len(acts), acts.strides[0], buf.ctypes.data, buf.nbytes,
+                                      len(fds), fds.ctypes.data, blocks.offsets.ctypes.data, blocks.n_ex.ctypes.data,
+                                      blocks.n_tok.ctypes.data, store.example_bytes, len(layer_off),
+                                      layer_off.ctypes.data, store.D * DTYPE.itemsize, blocks.rows.ctypes.data)
+                if short is not None:  # (block, where the read started, errno: 0 when the file ended first)
+                    block, offset, error = short
+                    raise shards.failed(int(blocks.shard[block]), offset, error)
         finally:
             scratch.put(buf)
 
@@ -259,11 +263,14 @@ class ShuffledActivations(IterableDataset):
         scratch: SimpleQueue = SimpleQueue()  # one read buffer per fill thread, reused: it stays in cache
         for _ in range(self.fill_threads):
             scratch.put(np.empty((self.block_vectors, nl, store.D), dtype=DTYPE))
-        per_job = max(1, FILL_JOB_BYTES // (self.block_vectors * nl * store.D * DTYPE.itemsize))
+        # A job holds its blocks' shards open while it reads: the fill threads' jobs together stay
+        # within the open-file budget however many shards the store has.
+        per_job = max(1, min(FILL_JOB_BYTES // (self.block_vectors * nl * store.D * DTYPE.itemsize),
+                             shards.budget // self.fill_threads))
 
         def start(ids: np.ndarray, n_carry: int) -> _Fill:
             """Plan one buffer and start filling it; the carry is placed once it is known."""
-            buf, blocks = self._plan(store, shards, labels, ids, n_carry, rng, _buffer(pool, shape))
+            buf, blocks = self._plan(store, labels, ids, n_carry, rng, _buffer(pool, shape))
             buf.jobs = [fill.submit(self._fill, store, shards, buf.acts, blocks.slice(lo, lo + per_job), scratch)
                         for lo in range(0, len(ids), per_job)]
             return buf
@@ -323,10 +330,9 @@ class _Fill:
 
 @dataclass
 class _Blocks:
-    """Blocks to read (int64 arrays): shard, its file descriptor, byte offset of the first vector,
-    examples, tokens; and the destination row of each of their vectors (block i's from first_row[i])."""
+    """Blocks to read (int64 arrays): shard, byte offset of the first vector, examples, tokens; and
+    the destination row of each of their vectors (block i's from first_row[i])."""
     shard: np.ndarray
-    fds: np.ndarray
     offsets: np.ndarray
     n_ex: np.ndarray
     n_tok: np.ndarray
@@ -338,33 +344,66 @@ class _Blocks:
         hi = min(hi, len(self.shard))
         start = int(self.first_row[lo])
         end = int(self.first_row[hi]) if hi < len(self.shard) else len(self.rows)
-        return _Blocks(self.shard[lo:hi], self.fds[lo:hi], self.offsets[lo:hi], self.n_ex[lo:hi], self.n_tok[lo:hi],
+        return _Blocks(self.shard[lo:hi], self.offsets[lo:hi], self.n_ex[lo:hi], self.n_tok[lo:hi],
                        self.rows[start:end], self.first_row[lo:hi] - start)
 
 
 class _ShardFiles:
-    """Shard file descriptors, opened on first use and shared by the fill threads."""
+    """Shard file descriptors shared by the fill threads, opened on first use. A buffer's blocks come
+    from anywhere in the store, so a process would soon hold every shard open, past the open-file limit
+    on a store of thousands of shards: past `budget` the least recently used shard no job is reading
+    is closed, and opened again when a later block needs it."""
 
     def __init__(self, store: SaevStore):
         self.store, self.lock = store, Lock()
-        self.fds: dict[int, int] = {}
+        self.fds: OrderedDict[int, int] = OrderedDict()  # least recently used first
+        self.readers: Counter[int] = Counter()  # jobs reading each shard now: never closed under them
+        self.budget = open_files_budget()
 
     def path(self, shard: int) -> Path:
         return self.store.dir / self.store.shards[shard]["name"]
 
-    def fd(self, shard: int) -> int:
-        with self.lock:
-            if shard not in self.fds:
-                try:
-                    self.fds[shard] = os.open(self.path(shard), os.O_RDONLY)
-                except OSError as exc:
-                    raise self.not_opened(shard, exc) from exc
-            return self.fds[shard]
+    @contextmanager
+    def opened(self, shards: np.ndarray) -> Iterator[np.ndarray]:
+        """The file descriptor of each of `shards` (int64, as _scatter.fill takes them), kept open
+        until the block ends."""
+        used, which = np.unique(shards, return_inverse=True)
+        held: list[int] = []
+        try:
+            with self.lock:
+                for shard in used.tolist():
+                    self._open(shard)
+                    self.readers[shard] += 1
+                    held.append(shard)
+                fds = np.array([self.fds[shard] for shard in held], dtype=np.int64)[which]
+            yield fds
+        finally:
+            with self.lock:
+                self.readers.subtract(held)
+                self._close_past_budget()
+
+    def _open(self, shard: int) -> None:
+        """Open `shard` unless it is (then it is the most recently used); the caller holds the lock."""
+        if shard not in self.fds:
+            self._close_past_budget()
+            try:
+                self.fds[shard] = os.open(self.path(shard), os.O_RDONLY)
+            except OSError as exc:
+                raise self.not_opened(shard, exc) from exc
+        self.fds.move_to_end(shard)
+
+    def _close_past_budget(self) -> None:
+        """Close the least recently used shards no job is reading, down to `budget` open."""
+        while len(self.fds) > self.budget:
+            idle = next((shard for shard in self.fds if not self.readers[shard]), None)
+            if idle is None:  # every open shard is being read: the jobs hold at most the budget
+                return
+            os.close(self.fds.pop(idle))
 
     def not_opened(self, shard: int, exc: OSError) -> OSError:
-        """The error for a shard that would not open. A buffer's blocks come from anywhere in the store, so
-        a process keeps every shard it has read open: past the open-file limit (often 1,024 on a cluster,
-        a store of 730 shards at 3 layers of ImageNet) the message says what to change."""
+        """The error for a shard that would not open. At the open-file limit (the loader keeps about
+        `budget` shards open, a quarter of it, at least 16: the rest of the process holds the others) the
+        message says what to change."""
         message = f"{self.path(shard)}: cannot open it ({exc.strerror})"
         if exc.errno == errno.EMFILE:
             message += (f": this process has {len(self.fds)} of the store's {len(self.store.shards)} shards open, "
@@ -385,13 +424,13 @@ class _ShardFiles:
 
     def read(self, shard: int, offset: int, out: np.ndarray) -> None:
         """Fill a C-contiguous array from a shard at offset, resuming after short reads."""
-        fd = self.fd(shard)
-        try:
-            done = pread_into(fd, out, offset)
-        except OSError as exc:
-            raise self.failed(shard, offset, exc.errno) from exc
-        if done < out.nbytes:
-            raise self.failed(shard, offset + done, 0)
+        with self.opened(np.array([shard])) as fds:
+            try:
+                done = pread_into(int(fds[0]), out, offset)
+            except OSError as exc:
+                raise self.failed(shard, offset, exc.errno) from exc
+            if done < out.nbytes:
+                raise self.failed(shard, offset + done, 0)
 
     def close(self) -> None:
         for fd in self.fds.values():

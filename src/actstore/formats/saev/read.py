@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
@@ -14,7 +15,7 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
                                           check_metadata, examples_per_shard, flavor_of, shard_name, to_spec,
                                           window_problem)
-from actstore.integrity import check_npy, file_records, inside, read_json, refuse
+from actstore.integrity import check_npy, file_records, inside, open_files_budget, read_json, refuse
 from actstore.io_utils import pread_into
 
 
@@ -58,7 +59,7 @@ class SaevStore:
         self._check_shards_json()
         self.sidecar = self._read_sidecar()
         self.starts = np.concatenate([[0], np.cumsum([s["n_examples"] for s in self.shards])]).astype(np.int64)
-        self._maps: dict[int, np.memmap] = {}
+        self._maps: OrderedDict[int, np.memmap] = OrderedDict()  # least recently used first
         self._windows: np.ndarray | None | bool = False  # False: not looked for yet
         if check_sizes:
             problems = self.size_problems()
@@ -189,10 +190,15 @@ class SaevStore:
     def memmap(self, shard_idx: int) -> np.memmap:
         """Read-only (S, L, T, D) memmap of one shard (random access for visualisation). A shard cut
         short after it is mapped kills the process on access (SIGBUS, as any memory map); the other
-        readers name it instead."""
+        readers name it instead. Each map holds a file descriptor, so past open_files_budget() the least
+        recently used one is let go (an array handed out stays valid) and mapped again when next asked:
+        reading every example of a store of more shards than the open-file limit failed with EMFILE."""
         if shard_idx not in self._maps:
             self._maps[shard_idx] = np.memmap(self.dir / shard_name(shard_idx), dtype=DTYPE, mode="r",
                                               shape=(self.shards[shard_idx]["n_examples"], self.L, self.T, self.D))
+            if len(self._maps) > open_files_budget():
+                self._maps.popitem(last=False)
+        self._maps.move_to_end(shard_idx)
         return self._maps[shard_idx]
 
     def example(self, example: int) -> np.ndarray:
