@@ -2,6 +2,8 @@
 validate stage): detect, inspect, read_vector and the full integrity check."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, NamedTuple
@@ -157,8 +159,9 @@ def _verify_files(store: Path, reader: ZarrStore | None, entry: dict | None = No
     """files.json (in name order, as written) read 1 MiB at a time beside the store's files and the
     activations' chunk keys walked in the same order: a merged store lists millions, none held. Each
     listed file checked against its record (problems_of: several at once), each file on disk listed,
-    each chunk recorded at chunk_bytes; the files and bytes it records against the manifest `entry`'s n_files and
-    bytes (store_entry's counts), in the same pass."""
+    each chunk recorded at chunk_bytes, each file past a sample's chunks recorded as zeros; the files
+    and bytes it records against the manifest `entry`'s n_files and bytes (store_entry's counts), in
+    the same pass."""
     return problems_of(lambda check: check(), _file_checks(store, reader, entry), desc="verify zarr files", batch=64)
 
 
@@ -191,15 +194,21 @@ def _file_checks(store: Path, reader: ZarrStore | None, entry: dict | None) -> I
                 if disk < name:
                     yield _found(f"{store / disk}: not listed in {FILES_JSON}")
                 disk = next(on_disk, None)
+            holds_tokens = False
             while chunk is not None and chunk <= name:
                 if chunk < name:
                     lost, first_lost = lost + 1, first_lost or chunk
-                elif (recorded := _recorded_bytes(info)) is not None and recorded != reader.chunk_bytes:
-                    # the record is what _listed holds the file to: a chunk cut short before files.json
-                    # was written passed, then failed every read of its sample
-                    yield _found(f"{store / name}: {FILES_JSON} records {recorded} bytes, an activations chunk "
-                                 f"holds {reader.chunk_bytes} (T_chunk x hidden_size x 2)")
+                holds_tokens = chunk == name
                 chunk = next(chunks, None)
+            if holds_tokens and (recorded := _recorded_bytes(info)) is not None and recorded != reader.chunk_bytes:
+                # the record is what _listed holds the file to: a chunk cut short before files.json
+                # was written passed, then failed every read of its sample
+                yield _found(f"{store / name}: {FILES_JSON} records {recorded} bytes, an activations chunk "
+                             f"holds {reader.chunk_bytes} (T_chunk x hidden_size x 2)")
+            elif reader is not None and not holds_tokens and _past_tokens(name, info, reader.chunk_bytes):
+                # the writer leaves these out (zarr reads the fill value 0); an older store's are zeros
+                yield _found(f"{store / name}: an activations chunk past its sample's seq_len, {FILES_JSON} records "
+                             "non-zero bytes (a zarr client reads them as the padding, which is zero)")
             totals["n_files"] += 1
             totals["bytes"] += _recorded_bytes(info) or 0
             yield _listed(store, name, info)
@@ -216,6 +225,23 @@ def _file_checks(store: Path, reader: ZarrStore | None, entry: dict | None) -> I
         if entry is not None and key in entry and entry[key] != recorded:
             yield _found(f"{store}: {FILES_JSON} records {recorded} {key.removeprefix('n_')}, manifest.json says "
                          f"{entry[key]}")
+
+
+def _past_tokens(name: str, info: Any, chunk_bytes: int) -> bool:
+    """True for a file under the activations array, no zarr metadata and no chunk holding tokens, whose
+    record is not a chunk of zeros: _listed holds the file to its record, so no byte of it is read twice."""
+    return (name.startswith(f"{ACTS}/") and PurePosixPath(name).name not in ZARR_METADATA_NAMES
+            and not (isinstance(info, dict) and info.get("bytes") == chunk_bytes
+                     and info.get("sha256") == _zeros_sha256(chunk_bytes)))
+
+
+@functools.cache
+def _zeros_sha256(size: int) -> str:
+    """sha256 of `size` zero bytes, hashed a block at a time (the size comes from .zattrs: never allocated)."""
+    digest, block = hashlib.sha256(), memoryview(bytes(1 << 22))
+    for start in range(0, size, len(block)):
+        digest.update(block[: size - start])
+    return digest.hexdigest()
 
 
 def _recorded_bytes(info: Any) -> int | None:
@@ -243,6 +269,10 @@ def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
             value = {k: v for k, v in value.items() if k != "consolidated_metadata"}
         if on_disk != value:
             problems.append(f"{path}: differs from its entry in {store}/.zmetadata")
+    fill = reader.metadata[f"{ACTS}/.zarray"].get("fill_value")
+    if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill == 0):
+        # the chunks past a sample's tokens have no file: a zarr client reads them as the fill value
+        problems.append(f"{store}/{ACTS}/.zarray: fill_value={fill!r:.40}, expected 0 (tokens past seq_len are zero)")
     if reader.attrs.get("dtype") != "float16":
         problems.append(f"{store}/.zattrs: dtype={reader.attrs.get('dtype')!r}, expected 'float16'")
     if reader.attrs.get("num_layers") != len(reader.layers):
