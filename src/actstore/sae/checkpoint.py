@@ -12,7 +12,7 @@ import torch
 
 from actstore.config import SAELENS_CFG, SAELENS_WEIGHTS, import_files
 from actstore.errors import ConfigError, FormatError
-from actstore.integrity import whole_number
+from actstore.integrity import read_json, whole_number
 from actstore.io_utils import atomic_path, write_json_atomic
 from actstore.safetensors_io import save_safetensors
 from actstore.sae.model import SAE_KEYS, TopKSAE
@@ -55,17 +55,31 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     if missing:  # str: a saev state dict's keys need not be strings, nor sortable together
         raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(map(str, raw))}")
     w_enc, b_enc, w_dec, b_dec = checked_tensors(path, raw, IMPORT_DIMS).values()
-    if k_active > w_enc.shape[1]:
-        raise ConfigError(f"{path}: d_sae {w_enc.shape[1]}, fewer latents than sae.k_active {k_active}")
+    d_in, d_sae = w_enc.shape
+    if k_active > d_sae:
+        raise ConfigError(f"{path}: d_sae {d_sae}, fewer latents than sae.k_active {k_active}")
     subtract, rescale = not native, False
     if saelens_cfg:
-        subtract, rescale = saelens_encoding(saelens_cfg[0], k_active)
-    if rescale:  # SAELens' fold: TopK of (x W_enc + b_enc) * |W_dec row|, decoded by W_dec / |W_dec row|
-        norms = w_dec.norm(dim=1)
-        w_enc, b_enc, w_dec = w_enc * norms, b_enc * norms, w_dec / norms[:, None]
+        subtract, rescale = saelens_encoding(saelens_cfg[0], k_active, {"d_in": d_in, "d_sae": d_sae})
+    if rescale:
+        w_enc, b_enc, w_dec = fold_decoder_norms(path, w_enc, b_enc, w_dec)
     bias = b_enc - b_dec @ w_enc if subtract else b_enc
     return TopKSAE.from_state({"encoder_weight": w_enc.T, "encoder_bias": bias,
                                "decoder_weight": w_dec, "decoder_bias": b_dec}, k_active)
+
+
+def fold_decoder_norms(path: Path, w_enc: torch.Tensor, b_enc: torch.Tensor,
+                       w_dec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W_enc, b_enc, W_dec) with SAELens' rescale_acts_by_decoder_norm folded in, as SAELens folds it:
+    TopK of (x W_enc + b_enc) * |W_dec row|, decoded by W_dec / |W_dec row|. FormatError naming `path`
+    and the row for a W_dec row of norm 0 (a pruned latent), which SAELens divides by: the fold made
+    NaN weights, imported and written, that load_sae refused only at the lut stage."""
+    norms = w_dec.norm(dim=1)
+    zero = torch.nonzero(norms == 0).flatten().tolist()
+    if zero:
+        raise FormatError(f"{path}: W_dec row {zero[0]} has norm 0 ({len(zero)} such rows), which "
+                          "rescale_acts_by_decoder_norm (cfg.json) divides by")
+    return w_enc * norms, b_enc * norms, w_dec / norms[:, None]
 
 
 def is_saev_checkpoint(path: Path) -> bool:
@@ -92,7 +106,7 @@ def read_saev_checkpoint(path: Path, k_active: int) -> dict[str, Any]:
         line = fh.readline(SAEV_HEADER_LIMIT)
         try:
             header = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to parse
             raise FormatError(f"{path}: saev checkpoint header is not one JSON line ({exc})") from None
         activation, top_k = saev_activation(header)
         if activation != "TopK":
@@ -123,27 +137,30 @@ def saev_activation(header: dict[str, Any]) -> tuple[str | None, int | None]:
     return activation.get("cls"), params.get("top_k")
 
 
-def saelens_encoding(cfg_path: Path, k_active: int) -> tuple[bool, bool]:
+def saelens_encoding(cfg_path: Path, k_active: int, sizes: dict[str, int]) -> tuple[bool, bool]:
     """(apply_b_dec_to_input, rescale_acts_by_decoder_norm) of the SAELens cfg.json at `cfg_path`, in
     its 6.x layout or the earlier one (activation_fn_str / activation_fn_kwargs, as SAELens reads it).
     ConfigError naming the file and field for an SAE TopKSAE would encode otherwise than SAELens: an
     architecture other than topk (standard, gated, jumprelu, batchtopk: the LUT spec's Step A is
-    TopK(ReLU)), a k other than sae.k_active, normalised inputs. A decoder-norm rescaling is folded
-    in by the caller, as SAELens folds it."""
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{cfg_path}: not a readable SAELens cfg.json ({exc})") from None
+    TopK(ReLU)), a k other than sae.k_active, normalised inputs; FormatError for a field of the wrong
+    type, or a d_in or d_sae other than the weights' `sizes` (the cfg.json of another SAE, whose
+    encoding it would decide). A decoder-norm rescaling is folded in by the caller, as SAELens folds it."""
+    cfg = read_json(cfg_path)  # FormatError naming it: unreadable, too big, not JSON, nested too deeply
     if not isinstance(cfg, dict):
         raise FormatError(f"{cfg_path}: a SAELens cfg.json is a JSON object, got {type(cfg).__name__}")
-    version = cfg.get("sae_lens_version") or (cfg.get("metadata") or {}).get("sae_lens_version") or ""
+    for field, size in sizes.items():  # whole_number: true == 1 in Python
+        if not whole_number(cfg.get(field)) or cfg[field] != size:
+            raise FormatError(f"{cfg_path}: {field} {cfg.get(field)!r:.40}, but the weights beside it have "
+                              f"{field} {size}: the cfg.json of another SAE")
+    version = cfg.get("sae_lens_version") or cfg_object(cfg_path, cfg, "metadata").get("sae_lens_version") or ""
     major = re.match(r"\d+", str(version))
     if major and int(major[0]) >= 6:
         architecture, k = cfg.get("architecture"), cfg.get("k", SAELENS_DEFAULT_K)
-    else:  # before 6.0 a TopK SAE was architecture standard with activation_fn_str topk
-        kwargs = cfg.get("activation_fn_kwargs") or {}
-        topk = (cfg.get("activation_fn_str") or cfg.get("activation_fn")) == "topk" and "k" in kwargs
-        architecture, k = ("topk", kwargs["k"]) if topk else (cfg.get("architecture", "standard"), None)
+    else:  # before 6.0 a TopK SAE was architecture standard with activation_fn_str topk; in another
+        # architecture (jumprelu: TopK, then its threshold) the activation function is not all of the encoder
+        kwargs, architecture = cfg_object(cfg_path, cfg, "activation_fn_kwargs"), cfg.get("architecture", "standard")
+        topk = architecture == "standard" and (cfg.get("activation_fn_str") or cfg.get("activation_fn")) == "topk"
+        architecture, k = ("topk", kwargs["k"]) if topk and "k" in kwargs else (architecture, None)
     if architecture != "topk":
         raise ConfigError(f"{cfg_path}: architecture {architecture!r}; sae.import takes TopK SAEs (architecture "
                           "topk): the LUT spec's encoder is TopK(ReLU(x W + b)), which this SAE's is not")
@@ -155,6 +172,14 @@ def saelens_encoding(cfg_path: Path, k_active: int) -> tuple[bool, bool]:
     if cfg.get("finetuning_scaling_factor"):
         raise ConfigError(f"{cfg_path}: finetuning_scaling_factor true; sae.import takes SAEs without one")
     return bool(cfg.get("apply_b_dec_to_input", True)), bool(cfg.get("rescale_acts_by_decoder_norm", False))
+
+
+def cfg_object(cfg_path: Path, cfg: dict[str, Any], field: str) -> dict[str, Any]:
+    """cfg.json's `field`, a JSON object; {} where it is absent or null, as SAELens reads it."""
+    value = cfg.get(field) or {}
+    if not isinstance(value, dict):
+        raise FormatError(f"{cfg_path}: {field} is a {type(value).__name__}, not a JSON object")
+    return value
 
 
 def save_sae(sae: TopKSAE, path: str | Path, meta: dict[str, Any]) -> None:
@@ -195,7 +220,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
 def checked_tensors(path: Path, raw: dict[Any, Any], dims: dict[str, tuple[str, ...]],
                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The tensors `dims` names, as float32; FormatError naming `path` and the key for a value that
-    is not a tensor, not of `dtype` (default: any floating point), not of the shape `dims` gives it,
+    is not a dense tensor, not of `dtype` (default: any floating point), not of the shape `dims` gives it,
     or not finite (after the cast: a float64 value past float32's range is infinite in the SAE)."""
     sizes: dict[str, int] = {}
     checked = {}
@@ -203,6 +228,8 @@ def checked_tensors(path: Path, raw: dict[Any, Any], dims: dict[str, tuple[str, 
         value = raw[key]
         if not isinstance(value, torch.Tensor):
             raise FormatError(f"{path}: {key} is a {type(value).__name__}, not a tensor")
+        if value.layout != torch.strided:  # torch's weights-only unpickler rebuilds sparse tensors too
+            raise FormatError(f"{path}: {key} is a {str(value.layout).removeprefix('torch.')} tensor, not a dense one")
         if not value.is_floating_point() or dtype not in (None, value.dtype):
             raise FormatError(f"{path}: {key} is {str(value.dtype).removeprefix('torch.')}, "
                               f"expected {str(dtype).removeprefix('torch.') if dtype else 'floating point'}")
