@@ -117,6 +117,22 @@ def test_inspect_summarises_the_sae_stages_sae(workflow_run):
 
 
 @pytest.mark.slow
+def test_inspect_names_an_sae_checkpoint_whose_header_is_damaged(workflow_run, tmp_path):
+    """A damaged sae.safetensors header was the safetensors library's SafetensorError, which no
+    handler took: a traceback and exit 1. It is named, exit 2, as any store inspect cannot summarise."""
+    source = stage_dir(load_config(workflow_run[1]), "sae")
+    directory = tmp_path / "sae" / source.name
+    shutil.copytree(source, directory)
+    checkpoint = directory / "sae.safetensors"
+    raw = bytearray(checkpoint.read_bytes())
+    raw[8] = ord("[")  # the header's opening brace
+    checkpoint.write_bytes(raw)
+    proc = actstore("inspect", str(directory))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{checkpoint}: safetensors header is not JSON" in proc.stderr
+
+
+@pytest.mark.slow
 def test_the_command_never_imports_torch(workflow_run):
     """inspect, verify and locate on every store, in one fresh process: none of them loads torch
     (~2 s of a login node's time per call, before the LUT format stopped importing it)."""

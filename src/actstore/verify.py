@@ -363,13 +363,19 @@ def stage_report(directory: Path) -> dict[str, Any] | None:
 def sae_summary(directory: Path) -> dict[str, Any]:
     """`actstore inspect` of an sae stage directory, which holds no format's store: the SAE its
     checkpoint's header and report.json describe (read without torch), and its SAELens copy."""
-    from safetensors import safe_open
+    from actstore.safetensors_io import read_header_json
 
     checkpoint = directory / "sae.safetensors"
     if not checkpoint.is_file():
         raise FormatError(f"{directory}: no sae.safetensors; not an sae stage directory")
-    with safe_open(str(checkpoint), framework="numpy") as fh:
-        header = fh.metadata() or {}
+    with open(checkpoint, "rb") as fh:  # parsed here: the library's SafetensorError was a traceback
+        try:
+            tensors = read_header_json(fh, checkpoint.stat().st_size)[0]
+        except ValueError as exc:
+            raise FormatError(f"{checkpoint}: {exc}") from None
+    header = tensors.get("__metadata__") if isinstance(tensors, dict) else None
+    if not isinstance(header, dict):
+        header = {}
     report = stage_report(directory) or {}
     held = report.get("heldout") or {}
     saelens = directory / "saelens"
