@@ -211,18 +211,25 @@ def _verify_order(ds: LmprobeDataset) -> list[str]:
 
 def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
     """Each prompt's token_shard_ids/token_shard_offsets: one per token, each a row of a sequence
-    shard; token_offset = row_offset. Read a batch of rows at a time: the lists hold two int64 per
-    token (gigabytes at terabyte scale). The first batch with a problem is the one reported."""
+    shard, no two naming the same row; token_offset = row_offset. Read a batch of rows at a time: the
+    lists hold two int64 per token (gigabytes at terabyte scale); the rows named so far are one bit a
+    token. The first batch with a problem is the one reported."""
     rows_of_shard = np.array([sh.get("num_tokens", sh["num_prompts"]) for sh in ds.hidden["shards"]], np.int64)
+    held, tokens = int(rows_of_shard[ds.last_token_shards:].sum()), int(ds.num_tokens.sum())
+    if held != tokens:  # every token has a row of its own; and the bits are sized by the index's tokens
+        return [f"{ds.index_path}: sequence shards hold {held} tokens (shards[].num_tokens), index has {tokens}"]
+    named = _TokenRowsNamed(rows_of_shard[ds.last_token_shards:], ds.last_token_shards)
     start = 0
     for batch in index_batches(ds.index_path, list(FULL_COLUMNS), TOKEN_BATCH_ROWS):
-        if problems := _token_batch_problems(ds, np.arange(start, start + batch.num_rows), rows_of_shard, batch):
+        if problems := _token_batch_problems(ds, np.arange(start, start + batch.num_rows), rows_of_shard, named,
+                                             batch):
             return problems
         start += batch.num_rows
     return []
 
 
-def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: np.ndarray, batch: Any) -> list[str]:
+def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: np.ndarray,
+                          named: _TokenRowsNamed, batch: Any) -> list[str]:
     """_verify_token_addresses of one batch of index rows `rows` (their FULL_COLUMNS)."""
     where, first, stop = ds.index_path, ds.last_token_shards, len(rows_of_shard)
     legacy, ids, offsets = (batch.column(name) for name in FULL_COLUMNS)
@@ -239,9 +246,38 @@ def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: n
         return _named(where, "token_shard_ids", f"point outside the sequence shards ({first}..{stop - 1})",
                       owner, ids, bad)
     legacy = legacy.to_numpy()
-    return (_named(where, "token_shard_offsets", "not a row of their sequence shard (shards[].num_tokens)", owner,
-                   offsets, (offsets < 0) | (offsets >= rows_of_shard[ids]))
-            + _named(where, "token_offset", "differs from row_offset", rows, legacy, legacy != ds.row_offset[rows]))
+    problems = _named(where, "token_offset", "differs from row_offset", rows, legacy, legacy != ds.row_offset[rows])
+    outside = _named(where, "token_shard_offsets", "not a row of their sequence shard (shards[].num_tokens)", owner,
+                     offsets, (offsets < 0) | (offsets >= rows_of_shard[ids]))
+    if outside:
+        return outside + problems
+    again = np.flatnonzero(named.again(ids, offsets))
+    return problems + _named(where, "token_shard_ids/token_shard_offsets", "repeats an earlier token's address",
+                             owner[again], [f"({ids[i]}, {offsets[i]})" for i in again[:NAMED]],
+                             np.ones(len(again), bool))
+
+
+class _TokenRowsNamed:
+    """The sequence-shard rows token addresses have named so far, one bit a row (62 MB at 500M tokens):
+    a token naming another's row read that token's vector, and passed every range check."""
+
+    def __init__(self, rows_of_shard: np.ndarray, first_shard: int):
+        """`rows_of_shard`: the rows of each sequence shard, from shard `first_shard` on."""
+        self.first_shard = first_shard
+        self.first_row = np.concatenate([[0], np.cumsum(rows_of_shard)[:-1]]).astype(np.int64)
+        self.bits = np.zeros((int(rows_of_shard.sum()) + 7) // 8, np.uint8)
+
+    def again(self, ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Marks these (shard, row) addresses, each a row of a sequence shard, as named; True where one
+        was named before (by an earlier batch or earlier in this one)."""
+        rows = self.first_row[ids - self.first_shard] + offsets
+        order = np.argsort(rows, kind="stable")
+        again = np.zeros(len(rows), bool)
+        again[order[1:]] = rows[order[1:]] == rows[order[:-1]]
+        byte, bit = rows >> 3, (1 << (rows & 7)).astype(np.uint8)
+        again |= (self.bits[byte] & bit) != 0
+        np.bitwise_or.at(self.bits, byte, bit)
+        return again
 
 
 def _verify_logits_addresses(ds: LmprobeDataset) -> list[str]:
@@ -269,12 +305,17 @@ def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
     for layer in ds.hidden["layers"]:
         for s, shard in enumerate(ds.hidden["shards"]):
             rel = ds.hidden["file_pattern"].format(layer=layer, shard=s)
-            problems += _verify_shard(ds, rel, lambda: ds.hidden_tensor(layer, s),
-                                      shard.get("num_tokens", shard["num_prompts"]))
+            problems += _verify_shard(ds, rel, lambda: ds.hidden_tensor(layer, s), _shard_rows(ds, s, shard))
     for s, shard in enumerate(ds.logits_desc["shards"] if ds.logits_desc else []):
         rel = ds.logits_desc["file_pattern"].format(shard=s)
         problems += _verify_shard(ds, rel, lambda: ds.logits_tensors(s)[0], shard["num_prompts"])
     return problems
+
+
+def _shard_rows(ds: LmprobeDataset, index: int, shard: dict[str, Any]) -> int:
+    """The rows hidden shard `index` holds: a last-token shard one a prompt (the rows shard_index/row_offset
+    address; the spec's num_tokens repeats it), a sequence shard one a token."""
+    return shard["num_prompts"] if index < ds.last_token_shards else shard.get("num_tokens", shard["num_prompts"])
 
 
 def _verify_shard(ds: LmprobeDataset, rel: str, tensor: Any, rows: int) -> list[str]:
