@@ -44,3 +44,17 @@ def test_a_manifest_that_is_its_format_name_alone_is_named(bert_run, tmp_path): 
     for open_run in (zs.open_zarr, zs.inspect, lambda r: zs.open_zarr(r, merged=True)):
         with pytest.raises(FormatError, match=f"{run / zs.MANIFEST}: not a JSON object"):
             open_run(run)
+
+
+def test_a_store_entry_leading_outside_the_run_is_one_problem_among_the_others(bert_run, tmp_path):  # noqa: F811
+    """A manifest entry whose path leads outside the run raised out of verify's loop: the whole run was
+    one "cannot verify", and every other store's problems (here a flipped chunk byte) went unsaid."""
+    run = copied_run(bert_run, tmp_path, lambda m: m["shards"][1].update(path="../elsewhere"))
+    chunk = run / "shards" / zs.shard_name(0) / acts_chunk_key(0, 0, 0)
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 1
+    chunk.write_bytes(raw)
+    problems = zs.verify(run)
+    assert any("'../elsewhere'" in p for p in problems), problems
+    assert any(p.startswith(f"{chunk}: ") and "sha256" in p for p in problems), problems
+    assert not any("cannot verify" in p for p in problems), problems

@@ -94,16 +94,24 @@ def _verify_run(run: Path) -> list[str]:
         if entry["global_index_start"] != expected_start:
             problems.append(f"{where}: shards[{k}].global_index_start={entry['global_index_start']}, expected {expected_start}")
         expected_start += entry["num_samples"]
-        listing = _Listing(manifest, where, f"shards[{k}]", entry)
-        problems += _verify_store(inside(run, entry["path"], str(where)), listing)
+        problems += _verify_listed(run, _Listing(manifest, where, f"shards[{k}]", entry))
     if manifest.get("num_samples") != expected_start:
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
     merged = manifest.get("merged")
     if merged:
         problem = entry_problem(merged, f"{where}: merged")
-        problems += [problem] if problem else _verify_store(inside(run, merged["path"], str(where)),
-                                                            _Listing(manifest, where, "merged", merged))
+        problems += [problem] if problem else _verify_listed(run, _Listing(manifest, where, "merged", merged))
     return problems
+
+
+def _verify_listed(run: Path, listing: _Listing) -> list[str]:
+    """_verify_store of a store the manifest lists; an entry's path leading outside the run is its
+    problem (it was the whole run's "cannot verify", which dropped every other store's problems)."""
+    try:
+        store = inside(run, listing.entry["path"], str(listing.path))
+    except FormatError as exc:
+        return [str(exc)]
+    return _verify_store(store, listing)
 
 
 class _Listing(NamedTuple):
