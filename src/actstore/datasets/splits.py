@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, FormatError
+from actstore.integrity import inside
 
 README = "README.md"
 SHARDED = re.compile(r"^data/(?P<split>[^/]+)-\d{5}-of-\d{5}[^/]*\.[^/]*$")
@@ -37,14 +38,17 @@ SEP = "[-._ 0-9]"
 def split_files(root: Path, files: list[Path], split: str) -> list[Path]:
     """The files of `files` (data files under the folder `root`, in read order) that hold `split`;
     all of them when the folder names no split. ConfigError when it names splits and not this one."""
+    readme = root / README
     configured = _readme_config(root)
-    if configured is not None and "data_dir" in configured and "data_files" not in configured:
-        root = root / str(configured["data_dir"])
+    # data_dir: the folder the config's files are in, its data_files too relative to it, as datasets
+    # resolves them (BuilderConfig._resolve_data_files)
+    if configured is not None and configured.get("data_dir"):
+        root = _data_dir(root, configured["data_dir"])
         files = [f for f in files if f.is_relative_to(root)]
     if configured is not None and "data_files" in configured:
         patterns = _patterns(configured["data_files"])
-        splits = {name: _matching(root, globs, files) for name, globs in patterns.items()}
-        how = f"{root / README}'s configs"
+        splits = {name: _matching(root, globs, files, readme) for name, globs in patterns.items()}
+        how = f"{readme}'s configs"
     else:
         splits, how = _named_splits(root, files)
     if not splits:
@@ -150,11 +154,20 @@ def _patterns(data_files: Any) -> dict[str, list[str]]:
     raise ConfigError(f"README.md configs data_files {data_files!r} is not a pattern, a list or a mapping of splits")
 
 
-def _matching(root: Path, patterns: list[Any], files: list[Path]) -> list[Path]:
+def _data_dir(root: Path, data_dir: Any) -> Path:
+    """README.md's configs data_dir as a folder inside `root`; ConfigError naming it unless it is one
+    (`../other`, an absolute path or a link out would read another dataset's files, or none)."""
+    try:
+        return inside(root, data_dir, f"{root / README}: configs data_dir")
+    except FormatError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _matching(root: Path, patterns: list[Any], files: list[Path], readme: Path) -> list[Path]:
     """The files (in their read order) that a split's patterns, relative to `root`, match."""
     matched = set()
     for pattern in patterns:
         if not isinstance(pattern, str) or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
-            raise ConfigError(f"{root / README}: data_files pattern {pattern!r} is not a path inside {root}")
+            raise ConfigError(f"{readme}: data_files pattern {pattern!r} is not a path inside {root}")
         matched.update(Path(p) for p in glob.glob(str(root / pattern), recursive=True))
     return [f for f in files if f in matched]

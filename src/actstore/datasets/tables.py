@@ -157,7 +157,20 @@ def _check_stream_end(path: Path, source: pa.MemoryMappedFile, end: int, rows: i
 
 
 def _select(table: pa.Table, columns: list[str]) -> pa.Table:
-    return table.select([c.split(".")[0] for c in columns])
+    """`columns` of an Arrow block; "image.path": a struct of that child alone, as Parquet reads it,
+    so the image bytes beside it are neither paged in nor converted to Python (a part's job read
+    every image of its rows to name them)."""
+    return pa.table({name.split(".")[0]: _column(table, name) for name in columns})
+
+
+def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
+    parent, _, child = name.partition(".")
+    column = table.column(parent)
+    if not child:
+        return column
+    chunks = [pa.StructArray.from_arrays([chunk.field(child)], names=[child], mask=chunk.is_null())
+              for chunk in column.chunks]
+    return pa.chunked_array(chunks, pa.struct([column.type.field(child)]))
 
 
 # --- Column checks: each shard's schema, before any row is read. ---
@@ -258,7 +271,30 @@ def table_schemas(source: Source, fields: Fields) -> list[pa.Schema]:
     schemas = [schema_of(source.format, path) for path in source.files]
     for path, schema in zip(source.files, schemas):
         check_columns(path, fields, schema)
+    if schemas and class_names(source, schemas[0], fields.label) is None:  # a ClassLabel's: ids (_check_class_ids)
+        _check_label_kinds(source, fields, schemas)
     return schemas
+
+
+def _check_label_kinds(source: Source, fields: Fields, schemas: list[pa.Schema]) -> None:
+    """ConfigError naming two shards whose label columns hold different kinds of value (integers in
+    one, strings or booleans in another, as CSV shards' inferred types differ): label 1 and "1" were
+    two classes, and True one with 1, without a word. A shard of null labels has no kind."""
+    first: tuple[Path, pa.DataType] | None = None
+    for path, schema in zip(source.files, schemas):
+        kind = schema.field(fields.label).type if fields.label in schema.names else pa.null()
+        if pa.types.is_null(kind):
+            continue
+        if first is None:
+            first = (path, kind)
+        elif _label_kind(kind) != _label_kind(first[1]):
+            raise ConfigError(f"{path}: column {fields.label!r} (dataset.label_field) is {kind}, but {first[0]}'s is "
+                              f"{first[1]}: every shard's labels must be of one kind (integers, strings or booleans)")
+
+
+def _label_kind(t: pa.DataType) -> str:
+    value = t.value_type if pa.types.is_dictionary(t) else t
+    return "integer" if pa.types.is_integer(value) else "boolean" if pa.types.is_boolean(value) else "string"
 
 
 def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: int | None) -> tuple[int, list]:
