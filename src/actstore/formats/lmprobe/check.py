@@ -10,8 +10,7 @@ import numpy as np
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, SUMS, prompt_order)
-from actstore.formats.lmprobe.read import (LmprobeDataset, dataset_root, find_index, index_batches, open_dataset,
-                                           read_info)
+from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
 from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted
 
 
@@ -85,7 +84,8 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
     return ds.get(prompt, layer_idx, token_idx)
 
 
-TOKEN_BATCH_ROWS = 4096  # index rows whose token_shard_ids are checked at once
+TOKEN_BATCH_ROWS = 4096  # index rows whose token_shard_ids are checked at once, at most
+TOKEN_BATCH_TOKENS = 1 << 21  # and their tokens, unless one prompt holds more: ~50 B a token computed (100 MB)
 
 
 def verify(path: str | Path, checksums: bool = True) -> list[str]:
@@ -211,20 +211,18 @@ def _verify_order(ds: LmprobeDataset) -> list[str]:
 
 def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
     """Each prompt's token_shard_ids/token_shard_offsets: one per token, each a row of a sequence
-    shard, no two naming the same row; token_offset = row_offset. Read a batch of rows at a time: the
-    lists hold two int64 per token (gigabytes at terabyte scale); the rows named so far are one bit a
-    token. The first batch with a problem is the one reported."""
+    shard, no two naming the same row; token_offset = row_offset. Read a batch of rows at a time, of
+    at most TOKEN_BATCH_TOKENS tokens: the lists hold two int64 per token (gigabytes at terabyte scale);
+    the rows named so far are one bit a token. The first batch with a problem is the one reported."""
     rows_of_shard = np.array([sh.get("num_tokens", sh["num_prompts"]) for sh in ds.hidden["shards"]], np.int64)
     held, tokens = int(rows_of_shard[ds.last_token_shards:].sum()), int(ds.num_tokens.sum())
     if held != tokens:  # every token has a row of its own; and the bits are sized by the index's tokens
         return [f"{ds.index_path}: sequence shards hold {held} tokens (shards[].num_tokens), index has {tokens}"]
     named = _TokenRowsNamed(rows_of_shard[ds.last_token_shards:], ds.last_token_shards)
-    start = 0
-    for batch in index_batches(ds.index_path, list(FULL_COLUMNS), TOKEN_BATCH_ROWS):
+    for start, batch in ds.index_batches(list(FULL_COLUMNS), TOKEN_BATCH_ROWS, TOKEN_BATCH_TOKENS):
         if problems := _token_batch_problems(ds, np.arange(start, start + batch.num_rows), rows_of_shard, named,
                                              batch):
             return problems
-        start += batch.num_rows
     return []
 
 
@@ -240,7 +238,7 @@ def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: n
         return [f"{where}: token_shard_offsets lengths differ from token_shard_ids'"]
     if legacy.null_count:
         return [f"{where}: token_offset has nulls"]
-    owner, ids, offsets = np.repeat(rows, lengths), ids.flatten().to_numpy(), offsets.flatten().to_numpy()
+    owner, ids, offsets = _EntryRows(rows, lengths), ids.flatten().to_numpy(), offsets.flatten().to_numpy()
     bad = (ids < first) | (ids >= stop)
     if bad.any():
         return _named(where, "token_shard_ids", f"point outside the sequence shards ({first}..{stop - 1})",
@@ -255,6 +253,18 @@ def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: n
     return problems + _named(where, "token_shard_ids/token_shard_offsets", "repeats an earlier token's address",
                              owner[again], [f"({ids[i]}, {offsets[i]})" for i in again[:NAMED]],
                              np.ones(len(again), bool))
+
+
+class _EntryRows:
+    """The index rows of entries of a batch's flat token lists, found for the entries a problem names
+    (np.repeat of the rows held 8 B a token to name a few)."""
+
+    def __init__(self, rows: np.ndarray, lengths: np.ndarray):
+        """`rows`: the batch's index rows; `lengths`: their lists' entries."""
+        self.rows, self.ends = rows, np.cumsum(lengths)
+
+    def __getitem__(self, entry: Any) -> Any:
+        return self.rows[np.searchsorted(self.ends, entry, side="right")]
 
 
 class _TokenRowsNamed:

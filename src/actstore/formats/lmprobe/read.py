@@ -191,14 +191,6 @@ def read_index(index_path: Path, columns: list[str] | None = None):
         return pq.read_table(index_path, columns=columns)
 
 
-def index_batches(index_path: Path, columns: list[str], batch_size: int) -> Iterator[Any]:
-    """Those columns of the index, `batch_size` rows at a time (pyarrow RecordBatches)."""
-    import pyarrow.parquet as pq
-
-    with _decoded(index_path, columns):
-        yield from pq.ParquetFile(index_path).iter_batches(columns=columns, batch_size=batch_size)
-
-
 def _list_column(table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, flat values) of a list<int64> column as numpy, without per-row Python objects."""
     import pyarrow as pa
@@ -207,6 +199,17 @@ def _list_column(table, name: str) -> tuple[np.ndarray, np.ndarray]:
     column = column.cast(pa.large_list(column.type.value_type))
     offsets = column.offsets.to_numpy() - column.offsets[0].as_py()
     return offsets.astype(np.int64), column.flatten().to_numpy(zero_copy_only=False)
+
+
+def _int_column(index_path: Path, table, name: str) -> np.ndarray:
+    """Index column `name` of `table` as int64; FormatError naming the column and its first null row
+    when it holds a null (only label may be null): to_numpy made a null NaN and astype then -2**63, a
+    pooled index's num_tokens so passed verify and made read_vector call the stored last token absent."""
+    column = table.column(name)
+    if column.null_count:
+        row = int(np.flatnonzero(column.is_null().to_numpy())[0])
+        raise FormatError(f"{index_path}: column {name!r} has {column.null_count} null(s), the first at row {row}")
+    return column.to_numpy().astype(np.int64)
 
 
 class LmprobeDataset:
@@ -227,10 +230,10 @@ class LmprobeDataset:
         # Only the addressing columns are read up front; text/token lists load on first use of .table.
         wanted = ["num_tokens", "shard_index", "row_offset"] + [c for c in ("sample_idx",) if c in self.column_names]
         address = read_index(self.index_path, wanted)
-        self.num_tokens = address.column("num_tokens").to_numpy().astype(np.int64)
-        self.shard_index = address.column("shard_index").to_numpy().astype(np.int64)
-        self.row_offset = address.column("row_offset").to_numpy().astype(np.int64)
-        self.sample_idx = (address.column("sample_idx").to_numpy().astype(np.int64)
+        self.num_tokens = _int_column(self.index_path, address, "num_tokens")
+        self.shard_index = _int_column(self.index_path, address, "shard_index")
+        self.row_offset = _int_column(self.index_path, address, "row_offset")
+        self.sample_idx = (_int_column(self.index_path, address, "sample_idx")
                            if "sample_idx" in self.column_names else np.arange(address.num_rows))
         self._sample_order: np.ndarray | None = None  # argsort of sample_idx: 8 B a prompt
         self._table = None
@@ -319,6 +322,24 @@ class LmprobeDataset:
         self._check_token_lists(first, np.diff(offsets), np.diff(row_offsets))
         return offsets, ids, token_offsets
 
+    def index_batches(self, columns: list[str], max_rows: int, max_tokens: int) -> Iterator[tuple[int, Any]]:
+        """(first index row, those index columns of the rows from it as a pyarrow RecordBatch), batch
+        by batch: at most `max_rows` rows and, unless one prompt holds more, `max_tokens` tokens, each
+        row group's batches sized by its longest prompt (a count of rows alone let the lists of 4096
+        long prompts, and what is computed a token from them, take gigabytes)."""
+        import pyarrow.parquet as pq
+
+        with _decoded(self.index_path, columns):
+            parquet = pq.ParquetFile(self.index_path)
+            first = 0
+            for group in range(parquet.metadata.num_row_groups):
+                stop = first + parquet.metadata.row_group(group).num_rows
+                longest = int(self.num_tokens[first:stop].max(initial=1))
+                rows = max(1, min(max_rows, max_tokens // longest))
+                for batch in parquet.iter_batches(rows, row_groups=[group], columns=columns):
+                    yield first, batch
+                    first += batch.num_rows
+
     def _check_token_lists(self, first: int, ids: np.ndarray, offsets: np.ndarray) -> None:
         """FormatError naming the first index row (from row `first` on) whose token_shard_ids or
         token_shard_offsets list (of `ids` and `offsets` entries) is not one entry per token (num_tokens):
@@ -361,14 +382,18 @@ class LmprobeDataset:
         """Integer label per prompt: the label_id column, else an integer label column as it is, else
         position in sorted label names; -1 = none."""
         import pyarrow as pa
+        import pyarrow.compute as pc
 
         name = "label_id" if "label_id" in self.column_names else "label"
         column = self._columns(name).column(name)
         if pa.types.is_integer(column.type):  # the class itself (the spec's int32 label), never renumbered
             return column.fill_null(-1).to_numpy().astype(np.int64)
-        names = column.to_pylist()
-        classes = {v: i for i, v in enumerate(sorted({x for x in names if x is not None}))}
-        return np.array([classes.get(x, -1) for x in names], dtype=np.int64)
+        if pa.types.is_dictionary(column.type):  # a pandas categorical: its names are the labels
+            column = column.cast(column.type.value_type)
+        # Numbered by arrow (int32, then int64): every prompt's name as a Python string took ~75 B a prompt.
+        classes = pc.unique(column).drop_null()
+        classes = classes.take(pc.sort_indices(classes))  # UTF-8 byte order: Python's sorted order of str
+        return pc.index_in(column, value_set=classes).fill_null(-1).to_numpy().astype(np.int64)
 
     def _prompt(self, prompt: int) -> int:
         """Index row `prompt`, a negative one counted from the end (as get's last token always was);
@@ -514,7 +539,7 @@ class LmprobeDataset:
         """(shard_index_logits, row_offset_logits) of every prompt, int64."""
         if self._logits_rows is None:  # both columns, once: a lookup per prompt then reads no index
             table = self._columns("shard_index_logits", "row_offset_logits")
-            self._logits_rows = tuple(table.column(c).to_numpy().astype(np.int64) for c in table.column_names)
+            self._logits_rows = tuple(_int_column(self.index_path, table, c) for c in table.column_names)
         return self._logits_rows
 
     def logits_tensors(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
