@@ -207,14 +207,14 @@ def data_mean(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 655
     are more: the first `limit` in storage order were one class's tokens in a dataset sorted by label
     (an image folder: ImageNet's first 255 images at 257 tokens each)."""
     total, count = None, 0
-    for block in iter_rows(arrays, _sampled_rows(rows, limit, seed)):
+    for block in iter_rows(arrays, sampled_rows(rows, limit, seed)):
         s = block.astype(np.float64).sum(0)
         total = s if total is None else total + s
         count += len(block)
     return torch.from_numpy(total / max(count, 1)).float()
 
 
-def _sampled_rows(rows: list[np.ndarray], limit: int, seed: int) -> list[np.ndarray]:
+def sampled_rows(rows: list[np.ndarray], limit: int, seed: int) -> list[np.ndarray]:
     """`rows` (per part) when they are at most `limit`, else a seeded uniform sample of `limit` of
     them, in storage order within each part (sequential reads)."""
     sizes = np.array([len(part_rows) for part_rows in rows], dtype=np.int64)

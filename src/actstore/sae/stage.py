@@ -26,7 +26,7 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
     if arrays[0].shape[1] != sae.d_in:
         raise ConfigError(f"sae.import.path {imported['path']}: d_in {sae.d_in} != {hook} width {arrays[0].shape[1]}")
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
-    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"])
+    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"], seed=sae_cfg["seed"])
     if imported["style"] == "saev" and held["tokens_under_k"]:
         log.warning("sae.import %s: %d of %d held-out tokens have fewer than %d positive pre-activations; saev's "
                     "TopK keeps the negative ones there, Step A (TopK of ReLU) zeroes them", imported["path"],

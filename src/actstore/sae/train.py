@@ -17,8 +17,8 @@ from tqdm import tqdm
 from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction
 from actstore.models import pick_device
-from actstore.sae.data import (Prefetcher, TokenSplit, data_mean, iter_rows, split_tokens, stream_batches,
-                               tensors)
+from actstore.sae.data import (Prefetcher, TokenSplit, data_mean, iter_rows, sampled_rows, split_tokens,
+                               stream_batches, tensors)
 from actstore.sae.model import TopKSAE, auxk_loss, init_sae
 
 log = logging.getLogger(__name__)
@@ -26,13 +26,15 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], limit: int | None = None,
-             device: str = "cpu") -> dict[str, Any]:
+             device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """Held-out FVU (sum ||x - x_hat||^2 / sum ||x - mean||^2), MSE, per-latent firing counts and the
     tokens with fewer than k_active latents firing (where a TopK without ReLU, saev's, keeps negative
-    pre-activations that Step A zeroes)."""
+    pre-activations that Step A zeroes), on `rows`, or a seeded uniform sample of `limit` of them: the
+    first `limit` in storage order were the first classes' tokens in a dataset sorted by label, and the
+    latents of the others were reported dead."""
     sq_err, sq, s, n, under_k = 0.0, 0.0, None, 0, 0
     fires = torch.zeros(sae.num_basis, dtype=torch.long)
-    for block in iter_rows(arrays, rows, limit=limit):
+    for block in iter_rows(arrays, rows if limit is None else sampled_rows(rows, limit, seed)):
         x = torch.from_numpy(block).to(device)
         values, indices = sae.encode(x)
         x_hat = sae.decode_dense(values, indices)
@@ -123,7 +125,7 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
     with Prefetcher(source, device) as batches:
         seen, curve = train_steps(sae, opt, batches, sae_cfg, progress)
     sae.cpu().eval()
-    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"])
+    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"], seed=sae_cfg["seed"])
     report = {"source": "trained", "hook": hook, "d_in": d_in, "num_basis": num_basis, "k_active": k,
               "steps": sae_cfg["steps"], "batch_size": sae_cfg["batch_size"], "train_tokens_seen": seen,
               "n_train_tokens": split.n_train, "n_heldout_tokens": split.n_heldout,
