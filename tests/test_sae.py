@@ -278,7 +278,9 @@ def test_saelens_folder_encodes_and_decodes_as_the_sae(trained):
 def write_saev_checkpoint(path, ckpt: dict, activation: dict | None, schema: int | None = 5, cls: str | None = None):
     """A checkpoint as saev.nn.dump writes it (saev 3d73f1f): one JSON header line, then torch.save of
     the state dict. `activation`: cfg.activation ({"cls", "params"}); `cls`: schema 1's class name."""
-    header = {"cfg": {"d_model": 8, "d_sae": 16, **({"activation": activation} if activation else {})},
+    weights = ckpt.get("W_enc")  # the sizes of the weights after it, as saev.nn.dump records them
+    d_model, d_sae = weights.shape if isinstance(weights, torch.Tensor) and weights.ndim == 2 else (8, 16)
+    header = {"cfg": {"d_model": d_model, "d_sae": d_sae, **({"activation": activation} if activation else {})},
               "commit": "unknown", "lib": "1.0.0"}
     if schema is not None:
         header["schema"] = schema

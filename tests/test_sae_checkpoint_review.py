@@ -104,3 +104,29 @@ def test_a_sparse_tensor_in_a_saev_checkpoint_is_named(tmp_path):
     path = write_saev(tmp_path / "sae.pt", json.dumps(SAEV_TOPK_3).encode(), state)
     with pytest.raises(FormatError, match=r"sae\.pt: W_enc is a sparse_coo tensor, not a dense one"):
         import_sae(path, "saev", k_active=3)
+
+
+def saev_header(cfg: dict) -> bytes:
+    """saev's header line with these cfg sizes and a TopK of 3."""
+    return json.dumps({"schema": 5, "cfg": {**cfg, "activation": SAEV_TOPK_3["cfg"]["activation"]}}).encode()
+
+
+@pytest.mark.parametrize("cfg, named", [
+    ({"d_model": 768, "d_sae": 16}, r"cfg\.d_model 768, but the weights after it have d_model 8"),
+    ({"d_model": 8, "d_sae": 24576}, r"cfg\.d_sae 24576, but the weights after it have d_sae 16"),
+    ({"d_vit": 8, "exp_factor": 16}, r"cfg\.exp_factor 16, but the weights after it have exp_factor 2"),
+    ({"d_model": "8", "d_sae": 16}, r"cfg\.d_model '8'"),
+])
+def test_a_saev_header_of_another_sae_is_named(tmp_path, cfg, named):
+    """The header's top_k decides the encoding; one whose sizes are not the weights' is another SAE's
+    header (saev.nn.load builds the SAE it describes and refuses these weights), imported before."""
+    path = write_saev(tmp_path / "sae.pt", saev_header(cfg), checkpoint())
+    with pytest.raises(FormatError, match=r"sae\.pt: header " + named):
+        import_sae(path, "saev", k_active=3)
+
+
+@pytest.mark.parametrize("cfg", [{"d_model": 8, "d_sae": 16}, {"d_vit": 8, "exp_factor": 2}, {}])
+def test_a_saev_header_of_these_weights_imports(tmp_path, cfg):
+    """Sizes as saev writes them now (d_model, d_sae) and before (d_vit, exp_factor), or none."""
+    path = write_saev(tmp_path / "sae.pt", saev_header(cfg), checkpoint())
+    assert import_sae(path, "saev", k_active=3).num_basis == 16

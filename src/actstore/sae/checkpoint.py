@@ -50,7 +50,7 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     if not path.is_file():
         raise ConfigError(f"sae.import.path {path}: no such file")
     native = style == "saev" and is_saev_checkpoint(path)
-    raw = read_saev_checkpoint(path, k_active) if native else read_safetensors(path)[1]
+    header, raw = read_saev_checkpoint(path, k_active) if native else ({}, read_safetensors(path)[1])
     missing = [key for key in IMPORT_DIMS if key not in raw]
     if missing:  # str: a saev state dict's keys need not be strings, nor sortable together
         raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(map(str, raw))}")
@@ -58,6 +58,7 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     d_in, d_sae = w_enc.shape
     if k_active > d_sae:
         raise ConfigError(f"{path}: d_sae {d_sae}, fewer latents than sae.k_active {k_active}")
+    check_saev_sizes(path, header, d_in, d_sae)
     subtract, rescale = not native, False
     if saelens_cfg:
         subtract, rescale = saelens_encoding(saelens_cfg[0], k_active, {"d_in": d_in, "d_sae": d_sae})
@@ -93,8 +94,8 @@ def is_saev_checkpoint(path: Path) -> bool:
     return head[:1] == b"{" and not safetensors
 
 
-def read_saev_checkpoint(path: Path, k_active: int) -> dict[str, Any]:
-    """The tensors of saev's own checkpoint file (saev.nn.dump at commit 3d73f1f: one JSON line
+def read_saev_checkpoint(path: Path, k_active: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(header, tensors) of saev's own checkpoint file (saev.nn.dump at commit 3d73f1f: one JSON line
     {"schema", "cfg", ...}, then torch.save of the state dict), read with torch's weights-only
     unpickler. ConfigError naming the file unless its activation is TopK with top_k = k_active:
     ReLU and BatchTopK SAEs (a threshold at inference) are not the LUT spec's Step A."""
@@ -120,7 +121,20 @@ def read_saev_checkpoint(path: Path, k_active: int) -> dict[str, Any]:
             raise FormatError(f"{path}: saev checkpoint weights unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict):
         raise FormatError(f"{path}: saev checkpoint weights are not a state dict")
-    return state
+    return header, state
+
+
+def check_saev_sizes(path: Path, header: dict[str, Any], d_in: int, d_sae: int) -> None:
+    """FormatError naming the file and field when a saev header's sizes (cfg.d_model, d_vit before it;
+    cfg.d_sae, or exp_factor before it) are not those of the weights W_enc [d_in, d_sae] after it:
+    saev.nn.load builds the SAE its header describes and refuses other weights, and read as they are,
+    the top_k of another SAE's header would decide their encoding. A field the header lacks is not checked."""
+    cfg = header.get("cfg") if isinstance(header.get("cfg"), dict) else {}
+    factor = d_sae // d_in if d_sae % d_in == 0 else d_sae / d_in
+    for field, size in {"d_model": d_in, "d_vit": d_in, "d_sae": d_sae, "exp_factor": factor}.items():
+        if field in cfg and (not whole_number(cfg[field]) or cfg[field] != size):  # whole_number: true == 1
+            raise FormatError(f"{path}: header cfg.{field} {cfg[field]!r:.40}, but the weights after it have "
+                              f"{field} {size} (W_enc [{d_in}, {d_sae}]): the header of another SAE")
 
 
 def saev_activation(header: dict[str, Any]) -> tuple[str | None, int | None]:
