@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import time
 import weakref
 from pathlib import Path
@@ -303,6 +304,19 @@ class LutEncoder(nn.Module):
         return weighted_rows(values, indices, self.decoder_weight) + self.decoder_bias
 
 
+def count(value: Any, what: str) -> int:
+    """`value` as a whole number (an int or numpy integer of at least 0): ConfigError naming `what`
+    otherwise, where int() would turn -1 into a pure lookup, 1.5 or True into 1, and a string into a
+    TypeError at the first forward."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = -1
+    if isinstance(value, bool) or number < 0:
+        raise ConfigError(f"{what} {value!r}: expected a whole number (an int of at least 0)")
+    return number
+
+
 class LutLinear(nn.Module):
     """Drop-in replacement for an nn.Linear: Step A (shared encoder) + Step B (+ compensation), or with
     runtime "auto" the dense x @ W above `crossover_tokens` (calibrated or pinned by install_luts).
@@ -334,11 +348,12 @@ class LutLinear(nn.Module):
         self.set_budget(budget)
 
     def set_budget(self, budget: int) -> None:
-        """Input dims per token computed exactly online (0 = pure lookup, input_dim = exact). A crossover
-        measured at another budget no longer holds: calibrate_auto measures it again (a pinned one stays)."""
+        """Input dims per token computed exactly online (0 = pure lookup, input_dim or more = exact);
+        ConfigError for anything but a whole number (-1 is no "all"). A crossover measured at another
+        budget no longer holds: calibrate_auto measures it again (a pinned one stays)."""
+        budget = min(count(budget, "lut budget"), self.in_features)
         if budget and self.w_target is None:
             raise ConfigError("LUT compensation needs the original linear weight (W_target)")
-        budget = max(0, min(int(budget), self.in_features))
         if self.calibration is not None and budget != self.budget:
             self.crossover_tokens = self.calibration = None
         self.budget = budget
@@ -606,19 +621,29 @@ def _name(dtype: torch.dtype) -> str:
 def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torch.dtype | None = None,
                  runtime: str = "lookup", crossover_tokens: int | None = None) -> dict[str, LutLinear]:
     """Replace every layer of `store` in `model` by a LutLinear; same SAE tensors -> one LutEncoder.
-    Each table is checked against its linear first (check_products). Tables are held in `dtype`, by
-    default the dtype of the linear they replace (module docstring; held_tables); the targets sharing
-    an encoder share its tables, in the first one's.
+    Each table is checked against its linear first (check_products), and the model is changed only
+    once every table passed: an error leaves it as it was (not half its targets replaced, which a
+    second call would refuse as not nn.Linear). Tables are held in `dtype`, by default the dtype of
+    the linear they replace (module docstring; held_tables); the targets sharing an encoder share its
+    tables, in the first one's.
     runtime "auto": the crossover is `crossover_tokens` when given (reproducible runs, tests), else
     measured now by calibrate_auto (each target's `calibration` holds its group's table)."""
     from actstore.models import get_module
 
+    if crossover_tokens is not None:
+        crossover_tokens = count(crossover_tokens, "lut crossover_tokens")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"lut dtype {dtype!r}: expected None or a floating torch.dtype (torch.float32, ...)")
     encoders: dict[bytes, LutEncoder] = {}
     installed = {}
+    paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
     for module_path, entry in store.layers.items():
         linear, file = get_module(model, module_path), store.dir / entry["file"]
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"lut target {module_path!r} is a {type(linear).__name__}, not nn.Linear")
+        if linear in paths:
+            raise ConfigError(f"lut targets {paths[linear]!r} and {module_path!r} are one module of the model")
+        paths[linear] = module_path
         if (linear.in_features, linear.out_features) != (entry["input_dim"], entry["output_dim"]):
             raise FormatError(f"{file}: [{entry['input_dim']}, {entry['output_dim']}] does not "
                               f"fit {module_path} ({linear.in_features} -> {linear.out_features})")
@@ -631,8 +656,9 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
             encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
         lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime).to(linear.weight.device)
         lut.crossover_tokens = crossover_tokens
+        installed[module_path] = lut
+    for module_path, lut in installed.items():
         parent, name = parent_module(model, module_path)
         setattr(parent, name, lut)
-        installed[module_path] = lut
     calibrate_auto(installed)
     return installed

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.lut.layout import BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, VERSION, lut_file
+from actstore.formats.lut.layout import (BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, SUFFIX, VERSION,
+                                         lut_file)
 from actstore.integrity import file_record
 from actstore.io_utils import atomic_path, utc_now
 from actstore.safetensors_io import save_safetensors
@@ -52,6 +53,12 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
     num_basis = {t["encoder_weight"].shape[0] for t in tables.values()}
     if len(num_basis) != 1:
         raise FormatError(f"{final}: tables disagree on num_basis {sorted(num_basis)}")
+    if not 1 <= int(k_active) <= min(num_basis):  # a store its own verify would refuse
+        raise FormatError(f"{final}: k_active {k_active} is not within 1..num_basis {min(num_basis)}")
+    for module_path in tables:  # the file is saved under lut/ by this name: a '/' would lead elsewhere
+        if Path(lut_file(module_path)).name != lut_file(module_path):
+            raise FormatError(f"{final}: module path {module_path!r} gives no bare file name "
+                              f"({lut_file(module_path)!r}), as the spec's '{{layer_path}}{SUFFIX}' needs")
     layers = {}
     with atomic_path(final) as tmp:
         tmp.mkdir()
