@@ -142,15 +142,18 @@ def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets:
 
 
 def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path) -> tuple[torch.Tensor, list[int]]:
-    """The SAE's held-out tokens of its hook tensor (at most lut.eval_tokens) and held-out samples."""
+    """The SAE's held-out tokens of its hook tensor (a seeded uniform sample of lut.eval_tokens of them
+    when there are more: the first in storage order were one class's in a dataset sorted by label) and
+    held-out samples."""
     from actstore.formats.extract import open_extraction
     from actstore.sae import REPORT_FILE as SAE_REPORT, iter_rows, split_tokens, tensors
+    from actstore.sae.data import sampled_rows
 
     hook = sae_report_hook(Path(sae_dir) / SAE_REPORT)
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
     split = split_tokens(extraction, config["sae"]["heldout_fraction"], config["sae"]["seed"])
     arrays = tensors(extraction, hook)
-    blocks = list(iter_rows(arrays, split.heldout, limit=config["lut"]["eval_tokens"]))
+    blocks = list(iter_rows(arrays, sampled_rows(split.heldout, config["lut"]["eval_tokens"], config["sae"]["seed"])))
     return torch.from_numpy(np.concatenate(blocks)), split.heldout_samples
 
 

@@ -187,19 +187,11 @@ class Prefetcher:
         self.close()
 
 
-def iter_rows(arrays: list[np.ndarray], rows: list[np.ndarray], chunk: int = 8192,
-              limit: int | None = None) -> Iterator[np.ndarray]:
-    """The given rows in order, `chunk` at a time, stopping after `limit` rows."""
-    seen = 0
+def iter_rows(arrays: list[np.ndarray], rows: list[np.ndarray], chunk: int = 8192) -> Iterator[np.ndarray]:
+    """The given rows in order, `chunk` at a time (a sample of them: sampled_rows)."""
     for array, part_rows in zip(arrays, rows):
         for start in range(0, len(part_rows), chunk):
-            take = part_rows[start:start + chunk]
-            if limit is not None:
-                take = take[:max(0, limit - seen)]
-            if len(take) == 0:
-                return
-            seen += len(take)
-            yield np.asarray(array[take], dtype=np.float32)
+            yield np.asarray(array[part_rows[start:start + chunk]], dtype=np.float32)
 
 
 def data_mean(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 65536, seed: int = 0) -> torch.Tensor:
