@@ -40,9 +40,11 @@ def chat_renderer(tokenizer: Any, model_path: Path, add_generation_prompt: bool)
 
 def checked_messages(messages: Any, where: str) -> list[dict[str, str]]:
     """A row's messages as {role, content} ones (_message); ConfigError naming `where` unless they
-    are a list of them. The scan checks every row so, before any part's job renders one."""
+    are a non-empty list of them. The scan checks every row so, before any part's job renders one."""
     if not isinstance(messages, list):
         raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings")
+    if not messages:  # transformers' apply_chat_template raises a ValueError naming no row
+        raise ConfigError(f"{where}: no messages (an empty list): there is no chat to render")
     return [_message(m, where) for m in messages]
 
 

@@ -94,7 +94,7 @@ def _resolve(path: str, fmt: str, split: str) -> Source:
             raise ConfigError(f"dataset.format image_table: {path} is {source.format}; image tables "
                               f"are {', '.join(IMAGE_TABLE_FORMATS)}")
         return Source(source.format, source.root, source.files, source.features, image_table=True)
-    if glob.has_magic(path):
+    if glob.has_magic(path) and not Path(path).exists():  # a folder named corpus[v2] is itself, no glob
         return _glob_source(path, fmt)
     root = Path(path)
     if root.is_file():

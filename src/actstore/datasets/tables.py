@@ -4,6 +4,7 @@ so memory holds one block, never the whole table."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -318,7 +319,7 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
 
 
 def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
-    """ConfigError naming the first of the first `n_rows` rows whose prompt is null, or whose chat
+    """ConfigError naming the first of the first `n_rows` rows whose prompt is null (or NaN), or whose chat
     messages are no list of messages (checked_messages, as rendering checks them), as the part's
     job reading it would, but before any part's job starts. Parquet: row groups whose footer counts
     no null in a string column are not read; other blocks (a messages column's every one: it has
@@ -334,10 +335,10 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
                     break
                 if (known[block] if block < len(known) else None) != 0:
                     values, shard = read().column(column).slice(0, n_rows - start), f"{source.name(path)}#"
-                    row = pc.index(values.is_null(), True).as_py()
+                    row = pc.index(pc.is_null(values, nan_is_null=True), True).as_py()
                     if row >= 0:
                         raise ConfigError(f"{source.root}: {shard}{start - shard_start + row}, column {column!r}: "
-                                          f"null where a prompt is needed")
+                                          f"{_missing(values[row].as_py())} where a prompt is needed")
                     if column == fields.messages:
                         _check_messages(source, values, shard, start - shard_start, column)
                 start += size
@@ -384,11 +385,15 @@ def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
     """A Parquet file's null count of `column` in each row group, from its footer's statistics (None
     where not recorded). A list of token ids is stored as one leaf column (ids.list.element), whose
     count also counts null and empty lists and null ids: 0 there is no null row too. [] for other
-    formats or a column of several leaves (chat messages), whose blocks are read instead."""
+    formats, a column of several leaves (chat messages) or of floats (a NaN is no null in the
+    footer, and is one in a prompt), whose blocks are read instead."""
     if fmt != "parquet":
         return []
     import pyarrow.parquet as pq
-    metadata = pq.ParquetFile(path).metadata
+    parquet = pq.ParquetFile(path)
+    if pa.types.is_floating(parquet.schema_arrow.field(column).type):
+        return []
+    metadata = parquet.metadata
     counts = []
     for group in range(metadata.num_row_groups):
         chunks = [chunk for chunk in map(metadata.row_group(group).column, range(metadata.num_columns))
@@ -426,9 +431,13 @@ def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: r
             if start >= rows.stop:
                 return samples
             if start + size > rows.start:
-                row_of = _row_reader(source, fields, read(), names, f"{source.name(path)}#", start - shard_start)
-                for row in range(max(rows.start - start, 0), min(rows.stop - start, size)):
-                    text, label, kept, tokens = row_of(row)
+                first, stop = max(rows.start - start, 0), min(rows.stop - start, size)
+                # Only the rows wanted are converted to Python: a Parquet row group is 1Mi rows by
+                # pyarrow's default, and a part may want a few of them.
+                row_of = _row_reader(source, fields, read().slice(first, stop - first), names,
+                                     f"{source.name(path)}#", start - shard_start + first)
+                for row in range(first, stop):
+                    text, label, kept, tokens = row_of(row - first)
                     ref = (shard, block, row) if fields.image else None
                     samples.append(Sample(start + row, text, label, kept, ref, tokens))
             start += size
@@ -448,8 +457,9 @@ def _columns(fields: Fields, schema: pa.Schema) -> list[str]:
 
 def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | None, shard: str,
                 start: int) -> Callable[[int], tuple[str, Any, dict, np.ndarray | None]]:
-    """row -> (text, label, kept fields, token ids) for one block, its columns converted to Python
-    once; token ids stay Arrow data until a row's are asked for (Python ints take 4x the memory)."""
+    """row -> (text, label, kept fields, token ids) for rows of one block (`table`, its first row
+    `start` in the shard), its columns converted to Python once; token ids stay Arrow data until a
+    row's are asked for (Python ints take 4x the memory)."""
     ids = table.column(fields.tokens).combine_chunks() if fields.tokens else None
     values = {name: table.column(name).to_pylist() for name in table.column_names
               if name != fields.tokens or name in (fields.keep or ())}
@@ -466,9 +476,9 @@ def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | N
             return ""  # the ids' text, decoded by the model's tokenizer (extract.inputs.given_token_ids)
         if fields.template:
             for name in fields.prompts:
-                if values[name][row] is None:
-                    raise ConfigError(f"{source.root}: {shard}{start + row}, column {name!r}: null where a prompt "
-                                      f"is needed")
+                if missing := _missing(values[name][row]):
+                    raise ConfigError(f"{source.root}: {shard}{start + row}, column {name!r}: {missing} where a "
+                                      f"prompt is needed")
             return fields.template.format_map({name: values[name][row] for name in fields.prompts})
         value = values[fields.prompt][row]
         where = f"{source.root}: {shard}{start + row}, column {fields.prompt!r}"
@@ -481,6 +491,14 @@ def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | N
                                                             f"{fields.tokens!r} (dataset.tokens_field)")
 
     return lambda row: (text(row), labels[row], {k: values[k][row] for k in fields.keep or ()}, tokens(row))
+
+
+def _missing(value: Any) -> str | None:
+    """"null" or "NaN" for a template field's value that is no value (a float column's NaN, as
+    pandas and polars write a missing number, rendered as the text "nan"), else None."""
+    if value is None:
+        return "null"
+    return "NaN" if isinstance(value, float) and math.isnan(value) else None
 
 
 def token_ids(value: pa.Scalar, where: str) -> np.ndarray:
