@@ -2,6 +2,8 @@
 real nn.Linear layers, installed with install_luts."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -119,3 +121,15 @@ def test_write_refuses_k_active_outside_the_basis(tmp_path, k_active):
     with pytest.raises(FormatError, match=f"k_active {k_active} is not within 1..num_basis {BASIS}"):
         write_lut(tmp_path / "out", tables_for(Tiny()), k_active)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_the_model_lacks_is_named_with_the_luts_metadata(model_and_lut):
+    """A LUT for another model: the missing module was named as an 'extract.hooks' one, a key the user
+    never set for it; it is named with the LUT's metadata.json, where the path came from."""
+    _, lut = model_and_lut
+    other = nn.Module()
+    other.layers = nn.ModuleList([nn.Module()])
+    store = open_lut(lut)
+    named = re.escape(f"{store.dir / 'metadata.json'} layers: module 'layers.0.q' does not exist")
+    with pytest.raises(ConfigError, match=f"^{named}"):
+        install_luts(other, store)

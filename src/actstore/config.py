@@ -36,7 +36,18 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"invalid config at {where}: {error.message}" + (f" ({why})" if why else ""))
     reject_non_finite(config)
     resolve_layers(config)
+    check_sae_sizes(config["sae"])
     return config
+
+
+def check_sae_sizes(sae: dict[str, Any]) -> None:
+    """ConfigError naming both keys when the SAE to train keeps more latents per token than it has:
+    the schema cannot relate two keys, and the sae stage refused it only once it started, after the
+    extraction's GPU hours. An imported SAE's num_basis is its file's (checked when it is read)."""
+    num_basis = sae["num_basis"]
+    if sae["enabled"] and not sae["import"] and num_basis is not None and sae["k_active"] > num_basis:
+        raise ConfigError(f"sae.k_active {sae['k_active']} is more than sae.num_basis {num_basis}: "
+                          f"a TopK SAE keeps at most num_basis latents per token")
 
 
 def reject_non_finite(value: Any, path: tuple[Any, ...] = ()) -> None:

@@ -568,13 +568,17 @@ def dir_bytes(root: Path) -> int:
 
 def inside(root: Path, name: Any, source: str) -> Path:
     """`name` (a relative POSIX path read from metadata) as a path inside `root`; FormatError when
-    it is not a string, is absolute, climbs out with `..`, or resolves outside through a link or
-    through a loop of links."""
+    it is not a string, is absolute, climbs out with `..`, is a path the file system refuses to look
+    up (a component over 255 bytes), or resolves outside through a link or through a loop of links."""
     rel = PurePosixPath(name) if isinstance(name, str) and name else None
     if rel is None or rel.is_absolute() or ".." in rel.parts:
         raise FormatError(f"{source}: {name!r} is not a relative path inside {root}")
     path = root.joinpath(*rel.parts)
-    if _through_link(root, rel):
+    try:
+        through_link = _through_link(root, rel)
+    except OSError as exc:  # ENAMETOOLONG and the like: raised here, the error can name `source`
+        raise FormatError(f"{source}: {name!r} cannot be looked up under {root} ({exc.strerror})") from None
+    if through_link:
         target = resolved(path)
         if target is None:
             raise FormatError(f"{source}: {name!r} leads through a loop of links under {root}")

@@ -46,10 +46,7 @@ def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str,
         raise ConfigError("lut.targets is empty: list the nn.Linear module paths that read sae.hook's tensor")
     linears = {}
     for module_path in targets:
-        try:
-            linear = get_module(model, module_path)
-        except ConfigError:
-            raise ConfigError(f"lut.targets: module {module_path!r} does not exist in the model") from None
+        linear = get_module(model, module_path, "lut.targets")
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"lut.targets: {module_path!r} is a {type(linear).__name__}, not nn.Linear")
         if linear.in_features != d_in:
@@ -125,7 +122,7 @@ def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets:
 
     results = {}
     for module_path in store.layers:
-        linear = get_module(model, module_path)
+        linear = get_module(model, module_path, store.layers_source)
         tables = store.load(module_path)
         lut = LutLinear(LutEncoder(tables, store.k_active, torch.float32), tables, linear, with_bias=False)
         exact = x @ lut.w_target
@@ -184,7 +181,7 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     rows = eval_batch_rows(config, loaded)
     inputs = [batch_inputs(config, extraction, loaded, samples[i:i + rows]) for i in range(0, len(samples), rows)]
     store = open_lut(lut_root)
-    originals = {path: get_module(loaded.model, path) for path in store.layers}
+    originals = {path: get_module(loaded.model, path, store.layers_source) for path in store.layers}
     runtime = config["lut"].get("runtime", "lookup")
     installed = install_luts(loaded.model, store, budgets[0], runtime=runtime,
                              crossover_tokens=config["lut"].get("crossover_tokens"))

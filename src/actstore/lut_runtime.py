@@ -638,7 +638,7 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
     installed = {}
     paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
     for module_path, entry in store.layers.items():
-        linear, file = get_module(model, module_path), store.dir / entry["file"]
+        linear, file = get_module(model, module_path, store.layers_source), store.dir / entry["file"]
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"lut target {module_path!r} is a {type(linear).__name__}, not nn.Linear")
         if linear in paths:

@@ -52,14 +52,15 @@ def find_model_blocks(model: nn.Module, config: dict[str, Any]) -> tuple[str, nn
     return find_blocks(model, num_blocks(config), within=language_model)
 
 
-def get_module(model: nn.Module, module_path: str) -> nn.Module:
-    """Resolve a module path on the model, or on its base model (AutoModel naming)."""
+def get_module(model: nn.Module, module_path: str, where: str = "extract.hooks") -> nn.Module:
+    """Resolve a module path on the model, or on its base model (AutoModel naming); ConfigError
+    naming `where` (the config key or file that gave the path: lut.targets, a LUT's metadata.json)."""
     for root in (model, getattr(model, "base_model", model)):
         try:
             return root.get_submodule(module_path)
         except AttributeError:
             continue
-    raise ConfigError(f"extract.hooks: module {module_path!r} does not exist in {type(model).__name__}")
+    raise ConfigError(f"{where}: module {module_path!r} does not exist in {type(model).__name__}")
 
 
 @dataclass

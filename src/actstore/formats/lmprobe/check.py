@@ -152,9 +152,12 @@ def _missing_fields(ds: LmprobeDataset) -> list[str]:
 
 
 def _verify_counts(ds: LmprobeDataset) -> list[str]:
-    """Prompt counts, the stored dtype, and the last-token (shard_index, row_offset) pairs."""
+    """Prompt counts, each prompt's num_tokens, the stored dtype, and the last-token (shard_index,
+    row_offset) pairs. A prompt has a token at least (its last is stored): a pooled index's num_tokens
+    of 0 or less passed, and read_vector then called the stored last token absent."""
     where, info, hidden = ds.index_path, ds.info, ds.hidden
-    problems = []
+    problems = _named(where, "num_tokens", "is not a token count (1 or more)", np.arange(len(ds.num_tokens)),
+                      ds.num_tokens, ds.num_tokens < 1)
     if info["num_prompts"] != ds.num_prompts:
         problems.append(f"{where}: lmprobe:num_prompts = {info['num_prompts']} but {ds.num_prompts} rows")
     if hidden.get("row_bytes") not in (None, ds.dim * DTYPES[hidden["dtype"]][1].itemsize):

@@ -26,6 +26,11 @@ class LutStore:
         return self.meta["layers"]
 
     @property
+    def layers_source(self) -> str:
+        """Where the layers' module paths come from, for an error naming one the model lacks."""
+        return f"{self.dir / META_FILE} layers"
+
+    @property
     def k_active(self) -> int:
         return self.meta["sae_config"]["k_active"]
 
