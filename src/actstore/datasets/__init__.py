@@ -13,7 +13,6 @@ sample_idx of every sample is its row index in the order defined here, in every 
 from __future__ import annotations
 
 import codecs
-import glob
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -136,7 +135,7 @@ def _scan(path: str | Path, source: Source, fields: Fields, schemas: list, limit
           progress: bool = False, workers: int = 1) -> Scan:
     before = data_state(source)
     if source.format in FOLDER_FORMATS:
-        by_folder = Path(path).is_dir() and not glob.has_magic(str(path))
+        by_folder = Path(path).is_dir()  # an existing path is itself, never a glob (resolve_source)
         scan = scan_folder(source, limit, by_folder, fields, progress)
     elif source.format in ("jsonl", "webdataset"):
         scan = scanned_files(source, fields, limit, progress, workers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, NamedTuple
 
@@ -303,6 +304,8 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         for name in fields.prompts:
             if not isinstance(row.get(name), (str, int, float)):
                 raise ConfigError(f"{where}: {noun} has no string or number field {name!r} (dataset.prompt_template)")
+            if isinstance(row[name], float) and math.isnan(row[name]):  # Python's json reads NaN: "Score: nan"
+                raise ConfigError(f"{where}: field {name!r}: NaN where a prompt is needed (dataset.prompt_template)")
     elif fields.tokens is not None:
         if not _token_ids(row.get(fields.tokens)):
             raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "

@@ -169,5 +169,6 @@ def _matching(root: Path, patterns: list[Any], files: list[Path], readme: Path) 
     for pattern in patterns:
         if not isinstance(pattern, str) or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
             raise ConfigError(f"{readme}: data_files pattern {pattern!r} is not a path inside {root}")
-        matched.update(Path(p) for p in glob.glob(str(root / pattern), recursive=True))
+        # root escaped: a snapshot saved under data[v2]/ is a folder, its brackets no character class
+        matched.update(Path(p) for p in glob.glob(str(Path(glob.escape(str(root))) / pattern), recursive=True))
     return [f for f in files if f in matched]

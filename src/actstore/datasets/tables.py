@@ -19,6 +19,7 @@ from actstore.errors import ConfigError
 CSV_BLOCK_BYTES = 1 << 24
 STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow stream's end: an empty message
 LEGACY_STREAM_END = b"\x00\x00\x00\x00"  # as pyarrow before 0.15 wrote it
+CHECK_ROWS = 4096  # rows of a chat messages column the scan converts to Python at once
 
 
 def schema_of(fmt: str, path: Path) -> pa.Schema:
@@ -347,9 +348,11 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
 def _check_messages(source: Source, values: pa.ChunkedArray, shard: str, first: int, column: str) -> None:
     """ConfigError naming the first row of a block of the messages column whose value is no list of
     chat messages (checked_messages: what rendering the row checks); `first`: the block's first row
-    in its shard. Before, a part's job found it when it rendered the row, after the parts before."""
-    for row, messages in enumerate(values.to_pylist()):
-        checked_messages(messages, f"{source.root}: {shard}{first + row}, column {column!r}")
+    in its shard. Before, a part's job found it when it rendered the row, after the parts before.
+    Converted to Python CHECK_ROWS at a time: a row group is 1Mi rows by pyarrow's default (GBs of dicts)."""
+    for offset in range(0, len(values), CHECK_ROWS):
+        for row, messages in enumerate(values.slice(offset, CHECK_ROWS).to_pylist(), start=offset):
+            checked_messages(messages, f"{source.root}: {shard}{first + row}, column {column!r}")
 
 
 def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int], n_rows: int,
