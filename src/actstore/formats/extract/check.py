@@ -11,7 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part_dirname, tensor_file
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
-from actstore.integrity import file_problem, inside, links_out, read_json
+from actstore.integrity import file_problem, inside, links_out, read_json, whole_number
 from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, moved_files, well_formed
 
 
@@ -53,7 +53,8 @@ def _total(counts: Iterable[int | None]) -> int | None:
 def verify(path: str | Path) -> list[str]:
     """Every part extract.json lists present with its part.json (a stage directory without
     extract.json is a problem), every part's files present with the recorded size and sha256 and
-    nothing unlisted, the parts covering the dataset's rows in order; problems name the file."""
+    nothing unlisted, each samples.jsonl line the row and token count its part's sample_range and
+    offsets give, the parts covering the dataset's rows in order; problems name the file."""
     path = Path(path)
     if problems := links_out(path):
         return problems
@@ -62,10 +63,27 @@ def verify(path: str | Path) -> list[str]:
         f"{path / INDEX}: missing (it lists the parts, so that a deleted part is named)"]
     for part_dir in _part_dirs(path):
         try:
-            open_part(part_dir).verify()
+            part = open_part(part_dir)
+            part.verify()
+            problems += _sample_row_problems(part)
         except (FormatError, OSError, ValueError) as exc:
             problems.append(str(exc))
     return problems or ([] if single else _summary_problems(path))
+
+
+def _sample_row_problems(part: Part) -> list[str]:
+    """samples.jsonl's line i against what the readers use: dataset row sample_range[0] + i, of
+    offsets[i + 1] - offsets[i] tokens. The readers find a sample by sample_range and offsets.npy, while
+    the Zarr and pickle writers copy each line's sample_idx and num_tokens: a line that disagrees
+    (hashed as written, so its sha256 passes) would be stored as another row's id or length."""
+    lengths = np.diff(part.offsets)
+    for local, row in enumerate(part.samples):
+        want, n_tokens = part.sample_start + local, row.get("num_tokens")
+        if row["sample_idx"] != want or not (whole_number(n_tokens) and n_tokens == lengths[local]):
+            return [f"{part.samples.path}: line {local + 1} says sample_idx {row['sample_idx']} of "
+                    f"{n_tokens!r:.40} tokens, where {PART_META}'s sample_range and offsets.npy say sample_idx "
+                    f"{want} of {lengths[local]} tokens"]
+    return []
 
 
 def _summary_problems(extract_dir: Path) -> list[str]:

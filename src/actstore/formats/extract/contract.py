@@ -112,6 +112,10 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
     for key in ("logits_topk", "n_truncated_samples", "float16_overflow_count"):
         if meta.get(key) is not None and not whole_number(meta[key]):
             raise bad(key, "a whole number or null")
+    # extract.json sums it over the parts (write_index, and verify comparing extract.json with them)
+    duration = meta.get("extraction_duration_seconds", 0.0)
+    if not (isinstance(duration, (int, float)) and not isinstance(duration, bool) and duration >= 0):
+        raise bad("extraction_duration_seconds", "a number of seconds")
     files = meta.get("files")
     for name, record in files.items() if isinstance(files, dict) else ():
         shape, dtype = (record.get("shape", []), record.get("dtype", "")) if isinstance(record, dict) else (None, None)
