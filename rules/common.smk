@@ -8,7 +8,8 @@ from actstore.config import enabled_stages, validate_config
 from actstore.errors import ConfigError
 from actstore.hashing import upstream_stages
 from actstore.jobs import job_items
-from actstore.model_config import check_layers, check_sequence_length, resolve_model_path, run_config
+from actstore.model_config import (check_layers, check_logits_topk, check_sequence_length, resolve_model_path,
+                                   run_config)
 from actstore.model_identity import check_model_unchanged
 from actstore.workflow import parse_dataset
 
@@ -20,6 +21,7 @@ model_config = run_config(config["model"])
 check_layers(config["extract"]["layers"], model_config)
 MODEL_PATH = resolve_model_path(config["model"]["path"])
 check_sequence_length(config["extract"]["max_seq_length"], model_config, MODEL_PATH)
+check_logits_topk(config["extract"]["logits_topk"], model_config)
 # The dataset checked (path, shards, each table's columns and types; no rows read), every stage's
 # hash and the Slurm sizes that follow the data: the data listed and stat'ed once, and only in the
 # main process; the jobs it submits parse this file again and take its word for what it read

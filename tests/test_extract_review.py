@@ -128,3 +128,19 @@ def test_a_part_json_duration_that_is_not_a_number_is_named_not_a_type_error(ext
     (copy / "extract.json").write_text(json.dumps(index))
     problems = verify(copy)
     assert problems and all("extraction_duration_seconds" in p and str(part_json) in p for p in problems), problems
+
+
+def test_logits_topk_past_the_vocabulary_is_named_before_the_weights_load(model_dir, tmp_path):
+    """extract.logits_topk 400 on a 300-token vocabulary failed the first batch's top-k after the
+    weights loaded, a bare RuntimeError naming no key; now preflight (and the Snakefile's parse,
+    rules/common.smk) names it."""
+    from actstore.errors import ConfigError
+    from actstore.extract.run import preflight
+
+    data = tmp_path / "texts.jsonl"
+    data.write_text(json.dumps({"text": "a short text"}) + "\n")
+    config = tiny.make_config(tmp_path, model_dir("llama"), data, extract={"parts": 1, "logits_topk": 400})
+    with pytest.raises(ConfigError, match=r"^extract\.logits_topk 400: the model's vocabulary has 300 tokens"):
+        preflight(config, 0)
+    config["extract"]["logits_topk"] = 300
+    preflight(config, 0)

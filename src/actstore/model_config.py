@@ -260,6 +260,15 @@ def check_layers(layers: list[int], config: dict[str, Any]) -> None:
                           "its forward skips them, and the stream after each is the block before's output")
 
 
+def check_logits_topk(logits_topk: int, config: dict[str, Any]) -> None:
+    """extract.logits_topk within a causal LM's vocabulary (config.json's vocab_size, where stated):
+    more failed the first batch's top-k after the weights loaded, naming no key."""
+    vocab = config_int(config, "vocab_size") if model_kind(config) == "causal" else None
+    if vocab is not None and logits_topk > vocab:
+        raise ConfigError(f"extract.logits_topk {logits_topk}: the model's vocabulary has {vocab} tokens "
+                          f"(config.json vocab_size); set it to at most {vocab}")
+
+
 # Text models whose positions are a learned table (BERT's family, GPT-2, OPT...): a longer input
 # indexes past it, a shape error on the CPU and a device-side assert on a GPU, after the weights load.
 # Rotary, relative and ALiBi positions extend past the trained length instead.

@@ -26,9 +26,9 @@ from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
 from actstore.io_utils import utc_now
-from actstore.model_config import (VISION_TOWER_OF, check_layers, check_sequence_length, config_int, modality_hint,
-                                   model_kind, resolve_model_path, run_config, run_dtype, saved_dtype, storage_dtype,
-                                   trusted)
+from actstore.model_config import (VISION_TOWER_OF, check_layers, check_logits_topk, check_sequence_length, config_int,
+                                   modality_hint, model_kind, resolve_model_path, run_config, run_dtype, saved_dtype,
+                                   storage_dtype, trusted)
 from actstore.model_identity import MODEL_FILES_KEY, model_files
 from actstore.models import (TORCH_DTYPES, LoadedModel, get_module, gpu_label, gpu_precision_warning, host_to_device,
                              load_image_processor, load_model, load_tokenizer, mistral_regex_fixed, model_skeleton,
@@ -44,6 +44,7 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
     model_config = run_config(config["model"])
     check_layers(config["extract"]["layers"], model_config)
     check_sequence_length(config["extract"]["max_seq_length"], model_config, model_path)
+    check_logits_topk(config["extract"]["logits_topk"], model_config)
     dataset = configured_dataset(config, model_path, part, read_scan(scan) if scan else None)
     want = "image" if model_kind(model_config) == "vision" else "text"
     if dataset.modality != want:
