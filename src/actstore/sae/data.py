@@ -16,7 +16,8 @@ from actstore.formats.extract import Extraction, Part, tensor_file
 
 @dataclass
 class TokenSplit:
-    """Token rows of each part for training and for held-out evaluation (whole samples)."""
+    """Token rows of each part for training and for held-out evaluation (whole samples), increasing
+    within each part, in index_dtype: they are held for the whole run."""
 
     train: list[np.ndarray]
     heldout: list[np.ndarray]
@@ -43,10 +44,16 @@ def split_tokens(extraction: Extraction, heldout_fraction: float, seed: int) -> 
         start = part.sample_start
         counts = np.diff(part.offsets)
         is_held = np.repeat(held[start:start + len(counts)], counts)
-        rows = np.arange(int(part.offsets[-1]), dtype=np.int64)
+        rows = np.arange(int(part.offsets[-1]), dtype=index_dtype(int(part.offsets[-1])))
         train.append(rows[~is_held])
         heldout.append(rows[is_held])
     return TokenSplit(train, heldout, [int(i) for i in np.flatnonzero(held)])
+
+
+def index_dtype(n: int) -> type:
+    """int32 for indices below `n` when they fit, else int64: the split's rows and an epoch's order are
+    held for the whole run, 16 B a training token in int64 (16 GB at 1B tokens), 8 in int32."""
+    return np.int32 if n <= 2**31 else np.int64
 
 
 class PartRows:
@@ -89,14 +96,15 @@ def tensors(extraction: Extraction, hook: str) -> list[PartRows]:
 
 
 def gather(arrays: list[np.ndarray], rows: list[np.ndarray], picks: np.ndarray) -> np.ndarray:
-    """Rows `picks` (indices into the concatenation of `rows`) read from the memmaps, sorted per part
-    so each read walks the file forward."""
-    sizes = np.cumsum([0] + [len(r) for r in rows])
-    out = []
-    for p, (array, part_rows) in enumerate(zip(arrays, rows)):
-        local = picks[(picks >= sizes[p]) & (picks < sizes[p + 1])] - sizes[p]
-        if len(local):
-            out.append(np.asarray(array[np.sort(part_rows[local])], dtype=np.float32))
+    """Rows `picks` (indices into the concatenation of `rows`) read from the memmaps, part by part in
+    increasing row order so each read walks the file forward. The picks are sorted once and cut at the
+    parts' bounds: masking them for every part was O(parts) array passes a batch, half the time of a
+    batch of 4,096 from a 2,048-part extraction (37 batches/s, 80 now; the prefetcher set the pace)."""
+    starts = np.cumsum([0] + [len(r) for r in rows])
+    picks = np.sort(picks)
+    cuts = np.searchsorted(picks, starts)
+    out = [np.asarray(arrays[p][rows[p][picks[cuts[p]:cuts[p + 1]] - starts[p]]], dtype=np.float32)
+           for p in np.flatnonzero(np.diff(cuts))]
     return np.concatenate(out) if out else np.empty((0, arrays[0].shape[1]), np.float32)
 
 
@@ -107,7 +115,8 @@ def stream_batches(arrays: list[np.ndarray], rows: list[np.ndarray], batch_size:
     if total == 0:
         raise ConfigError("sae: no training tokens (dataset too small for sae.heldout_fraction)")
     while True:
-        order = rng.permutation(total)
+        order = np.arange(total, dtype=index_dtype(total))
+        rng.shuffle(order)  # rng.permutation(total)'s order and draws, in half the bytes
         for start in range(0, total - batch_size + 1 if total >= batch_size else 1, batch_size):
             yield torch.from_numpy(gather(arrays, rows, order[start:start + batch_size]))
 
