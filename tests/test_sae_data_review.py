@@ -3,9 +3,11 @@ uniform sample of the held-out tokens, not the first in storage order."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from actstore.formats.extract import open_extraction, synthetic_extraction, tensor_file
@@ -59,3 +61,13 @@ def test_the_lut_stages_heldout_tokens_are_a_sample_of_every_heldout_token(tmp_p
     x, samples = heldout_inputs(config, root, tmp_path / "sae")
     assert len(x) == before_last and samples == split.heldout_samples
     assert (x[:, 1] == 100).any() and (x[:, 1] == 0).any()  # both classes' tokens
+
+
+def test_an_extraction_of_no_token_is_named(tmp_path):
+    """A (hand-made) extraction whose parts hold no token stopped the sae stage with a bare
+    StopIteration out of tensors()."""
+    from actstore.errors import ConfigError
+
+    root = synthetic_extraction(tmp_path / "x", 0, 1, 8, [1])
+    with pytest.raises(ConfigError, match=f"^sae: the extraction at {re.escape(str(root))} holds no token"):
+        tensors(open_extraction(root), "layer_1")

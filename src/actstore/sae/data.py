@@ -91,7 +91,10 @@ def tensors(extraction: Extraction, hook: str) -> list[PartRows]:
     if hook not in extraction.tensor_names:
         raise ConfigError(f"sae.hook {hook!r} was not captured by the extraction at {extraction.dir}; "
                           f"captured: {extraction.tensor_names} (add it to extract.hooks)")
-    width = next(p for p in extraction.parts if p.info.n_tokens).tensor(hook).shape[1]  # the same in every part
+    holding = next((p for p in extraction.parts if p.info.n_tokens), None)
+    if holding is None:  # the extract stage refuses an empty dataset; a hand-made extraction may hold none
+        raise ConfigError(f"sae: the extraction at {extraction.dir} holds no token")
+    width = holding.tensor(hook).shape[1]  # the same in every part
     return [PartRows(part, hook, width) for part in extraction.parts]
 
 
