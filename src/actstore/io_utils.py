@@ -237,14 +237,28 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def errors_naming(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise an OSError of the block that does not name its file as one naming `path`: a write or
+    close (a buffered file's flush, numpy's, pyarrow's) reports a full disk, a quota or a file-size
+    limit as "[Errno 122] Disk quota exceeded" alone, which does not say which output hit it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or str(path) in str(exc):
+            raise
+        message = f"{path}: {exc.strerror or exc}"
+        raise (OSError(exc.errno, message) if exc.errno else OSError(message)) from exc
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
     """Write JSON through a temp file + rename."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, errors_naming(path):
         tmp.write_text(json.dumps(obj, indent=indent, sort_keys=indent is not None) + "\n")
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, errors_naming(path):
         tmp.write_bytes(data)
 
 

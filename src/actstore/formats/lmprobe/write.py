@@ -31,7 +31,7 @@ from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDE
                                              INDEX, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
                                              LOGITS_VALUES_KEY, PREFIX, ST_METADATA, SUMS, TensorSpec, dataset_card,
                                              encode_header, from_float32, prompt_order, rows_per_shard, tensor_bytes)
-from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, sha256_file, utc_now
+from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, errors_naming, sha256_file, utc_now
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import check_remote_code
 
@@ -382,8 +382,10 @@ def _finish(plan: Plan, root: Path, records: dict[str, dict]) -> dict[str, Any]:
     info = _info(plan, tensors, {rel: records[rel] for rel in plan.files})
     index_rel = INDEX  # whatever the split (recorded in lmprobe:dataset.split and the card)
     (root / "index").mkdir()
-    _write_index(root / index_rel, plan, info)
-    (root / CARD).write_text(dataset_card(info, index_rel))
+    with errors_naming(root / index_rel):  # pyarrow's write errors name no file
+        _write_index(root / index_rel, plan, info)
+    with errors_naming(root / CARD):
+        (root / CARD).write_text(dataset_card(info, index_rel))
     digests = {rel: record["sha256"] for rel, record in records.items()}
     write_sums(root, {**digests, index_rel: sha256_file(root / index_rel), CARD: sha256_file(root / CARD)})
     return info
@@ -392,7 +394,8 @@ def _finish(plan: Plan, root: Path, records: dict[str, dict]) -> dict[str, Any]:
 def write_sums(root: Path, digests: dict[str, str]) -> None:
     """SHA256SUMS (sha256sum format) of `digests` {rel path: sha256}, in path order."""
     lines = [f"{digests[rel]}  {rel}\n" for rel in sorted(digests, key=lambda rel: PurePosixPath(rel).parts)]
-    (root / SUMS).write_text("".join(lines))
+    with errors_naming(root / SUMS):
+        (root / SUMS).write_text("".join(lines))
 
 
 def _hidden_descriptor(plan: Plan) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, FORMAT, METADATA, P
                                             distributed_config, layer_key, shard_filename, statistics,
                                             store_metadata)
 from actstore.formats.pickle.read import load_metadata
-from actstore.io_utils import HashingWriter, atomic_path, fsync_named, sha256_file, write_json_atomic
+from actstore.io_utils import HashingWriter, atomic_path, errors_naming, fsync_named, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,9 @@ def shard_items(part: Part, layers: list[int], local: range, machine_id: int) ->
 
 def dump_shard(shard: dict, path: Path, compressed: bool, compresslevel: int, compressor: str) -> str:
     """Pickle one shard; gzip with mtime 0 and no file name so equal inputs give equal bytes. Returns
-    the file's sha256, taken as it was written."""
-    with open(path, "wb") as raw:
+    the file's sha256, taken as it was written. Errors name the file (a buffered file's flush at close
+    names none, and would replace the write's named error)."""
+    with errors_naming(path), open(path, "wb") as raw:
         with HashingWriter(raw, str(path)) as out:
             if compressed:
                 with GZIP_FILES[compressor](filename="", mode="wb", fileobj=out, compresslevel=compresslevel,

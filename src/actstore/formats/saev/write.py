@@ -25,7 +25,8 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
                                           to_upstream)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
-from actstore.io_utils import BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, write_json_atomic
+from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, errors_naming,
+                               remove_stale_temps, write_json_atomic)
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import config_patches, register_tokens
 
@@ -301,7 +302,11 @@ def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = T
     One job writing every shard, then finishing the store: what the workflow's shard jobs and its
     finishing job do apart."""
     Path(root).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".saev-shards.", suffix=TEMP_SUFFIX, dir=root) as job_dir:
+    # Named as atomic_path names the temps of root/<store>-shards, so that the shards a killed run left
+    # (as large as the store) are swept here by the next run instead of piling up beside the stores.
+    scratch = Path(root) / f"{plan.store_name}-shards"
+    remove_stale_temps(scratch)
+    with tempfile.TemporaryDirectory(prefix=f".{scratch.name}.", suffix=TEMP_SUFFIX, dir=root) as job_dir:
         write_shards(plan, fill, job_dir, 1, 0, progress=progress)
         return finish_store(plan, [job_dir], root)
 
@@ -313,6 +318,9 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
     out_dir = Path(out_dir)
     shards = job_items(len(plan.shard_sizes), jobs, job)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A rerun into a job dir: its old record goes first, or a rerun killed while rewriting a shard
+    # would leave that record vouching for the half-written file (of the recorded size) to finish_store.
+    (out_dir / JOB_RECORD).unlink(missing_ok=True)
     sizes = plan.shard_sizes
     starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     slab = max(1, min(CHUNK_BYTES // plan.example_bytes, max(sizes, default=1)))
@@ -339,7 +347,8 @@ def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.nd
     path.unlink(missing_ok=True)
     out = TreeHashFile(path, size, pool=hashers)
     try:
-        os.ftruncate(out.fd, size)
+        with errors_naming(path):  # a file-size limit is reported here, naming no file
+            os.ftruncate(out.fd, size)
         out.hole(n * per_example, size - n * per_example)
         with WriteBehind(out) as behind:
             for i, lo in enumerate(range(0, n, slab)):
@@ -368,7 +377,8 @@ def finish_store(plan: Plan, job_dirs: Sequence[str | Path], root: str | Path) -
             os.link(job_dir / name, tmp / name)
             files[name] = record
         if plan.windows is not None:
-            np.save(tmp / WINDOWS, plan.windows)
+            with errors_naming(tmp / WINDOWS):
+                np.save(tmp / WINDOWS, plan.windows)
             files[WINDOWS] = file_record(tmp / WINDOWS)
         if plan.labels is not None:
             _write_labels_file(tmp / LABELS, plan.labels, (md["n_examples"], md["patches_per_ex"]))
@@ -411,7 +421,7 @@ def _job_shards(plan: Plan, job_dirs: list[Path]) -> JobFiles:
 def _write_metadata(path: Path, plan: Plan) -> None:
     """metadata.json: keys sorted (spec, as every actstore JSON), or in saev's field order (upstream,
     as saev writes it)."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, errors_naming(path):
         tmp.write_text(json.dumps(plan.file_metadata, indent=2, sort_keys=plan.flavor == "spec") + "\n")
 
 
@@ -431,7 +441,7 @@ def _write_labels_file(path: Path, labels: np.ndarray, shape: tuple[int, int]) -
     labels = np.ascontiguousarray(labels)
     if labels.shape != shape or labels.dtype != np.uint8:
         raise FormatError(f"{path}: need uint8 {shape}, got {labels.dtype} {labels.shape}")
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, errors_naming(path):
         tmp.write_bytes(labels.tobytes())
 
 

@@ -30,7 +30,7 @@ from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PR
 from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
 from actstore.integrity import file_record, links_out, listed_problem, read_json, refuse, stream_json_members
-from actstore.io_utils import TEMP_SUFFIX, atomic_path
+from actstore.io_utils import TEMP_SUFFIX, atomic_path, errors_naming, remove_stale_temps
 from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
 
@@ -75,8 +75,11 @@ def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: b
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     # Beside out_path, so finish_merge's renames stay on one filesystem; not named like one of
-    # atomic_path's temps of out_path, which finish_merge clears as a killed writer's debris.
-    with tempfile.TemporaryDirectory(prefix=f".{out_path.name}-chunks.", suffix=TEMP_SUFFIX,
+    # atomic_path's temps of out_path, which finish_merge clears as a killed writer's debris, but like
+    # those of out_path-chunks, so that a killed merge's (a link to every chunk file) is swept here.
+    scratch_name = out_path.parent / f"{out_path.name}-chunks"
+    remove_stale_temps(scratch_name)
+    with tempfile.TemporaryDirectory(prefix=f".{scratch_name.name}.", suffix=TEMP_SUFFIX,
                                      dir=out_path.parent) as scratch:
         chunk_dir = Path(scratch) / "merge-0"
         link_chunks(shards, chunk_dir, 1, 0, progress)
@@ -252,7 +255,7 @@ def _write_merged_files_json(store: Path, table: int, counts: np.ndarray, n_laye
     that is not there is refused."""
     entries = _merged_entries(store, table, chunk_keys_in_name_order(counts, n_layers))
     (store / "meta").mkdir(exist_ok=True)
-    with (store / FILES_JSON).open("w", encoding="utf-8") as out:
+    with errors_naming(store / FILES_JSON), (store / FILES_JSON).open("w", encoding="utf-8") as out:
         out.writelines(files_json_pieces(entries))
 
 
@@ -314,7 +317,7 @@ def _renamed_back_on_error(moves: Callable[[], Iterator[tuple[Path, Path]]], pro
 def _merge_text(shards: list[Path], dst: Path) -> None:
     (dst / "text").mkdir()
     i = 0
-    with (dst / PROMPTS_JSONL).open("w", encoding="utf-8") as out:
+    with errors_naming(dst / PROMPTS_JSONL), (dst / PROMPTS_JSONL).open("w", encoding="utf-8") as out:
         for shard in shards:
             with (shard / PROMPTS_JSONL).open(encoding="utf-8") as fh:
                 for line in fh:  # renumber "i" in place, every other field as the shard wrote it

@@ -30,7 +30,7 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
 from actstore.integrity import read_json, stream_json_members
-from actstore.io_utils import BufferWorkers, atomic_path, sha256_file, utc_now, write_json_atomic
+from actstore.io_utils import BufferWorkers, atomic_path, errors_naming, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _write_vectors(arrays: Any, rows: list[dict], attrs: dict[str, Any]) -> None
 
 def _write_text(store: Path, rows: list[dict]) -> None:
     (store / "text").mkdir()
-    with (store / PROMPTS_JSONL).open("w", encoding="utf-8") as fh:
+    with errors_naming(store / PROMPTS_JSONL), (store / PROMPTS_JSONL).open("w", encoding="utf-8") as fh:
         for i, r in enumerate(rows):
             fh.write(prompt_line(i, r))
 
@@ -113,7 +113,8 @@ def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None
         entry = known.get(rel)
         files[rel] = entry if entry and entry["bytes"] == size else {"bytes": size, "sha256": sha256_file(store / rel)}
     (store / "meta").mkdir(exist_ok=True)
-    (store / FILES_JSON).write_text(files_json_text(files))
+    with errors_naming(store / FILES_JSON):
+        (store / FILES_JSON).write_text(files_json_text(files))
 
 
 # A chunk's steps, timed for the job's log: its file (read, cast, its directories, write:
