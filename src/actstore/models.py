@@ -48,8 +48,22 @@ def find_blocks(model: nn.Module, n_blocks: int, within: nn.Module | None = None
 def find_model_blocks(model: nn.Module, config: dict[str, Any]) -> tuple[str, nn.ModuleList]:
     """find_blocks for the model `config` (its config.json, or run_config's) describes: text never
     reaches a vision-language model's vision tower, so "layer i" is its language model's block i."""
+    check_unshared_blocks(config)
     language_model = model.get_decoder() if is_vision_language(config) else None
     return find_blocks(model, num_blocks(config), within=language_model)
+
+
+def check_unshared_blocks(config: dict[str, Any]) -> None:
+    """ALBERT runs its num_hidden_layers blocks as num_hidden_groups layer groups, each called in turn
+    for num_hidden_layers / num_hidden_groups blocks. With fewer groups than blocks no module's output
+    is block i's alone: refused, where a ModuleList that happens to hold num_hidden_layers layers (a
+    group's `inner_group_num` of them) would be taken for the blocks and keep each one's last call."""
+    groups, blocks = config.get("num_hidden_groups"), num_blocks(config)
+    if isinstance(groups, int) and groups < blocks:
+        raise ConfigError(f"model config.json: num_hidden_groups {groups} < num_hidden_layers {blocks}: its "
+                          f"{blocks} blocks share {groups} layer group(s), each run several times in one forward "
+                          "(ALBERT), so no module's output is block i's: actstore does not extract this model's "
+                          "layers")
 
 
 def get_module(model: nn.Module, module_path: str, where: str = "extract.hooks") -> nn.Module:

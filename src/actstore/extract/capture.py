@@ -21,8 +21,12 @@ def parse_hook(spec: str) -> tuple[str, str]:
 @contextmanager
 def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterator[dict[str, torch.Tensor]]:
     """Register forward hooks for block outputs and module inputs/outputs; yield the capture dict
-    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device)."""
+    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device).
+    A block or hooked module that runs more than once in one forward of the model (ALBERT's shared
+    layer, T5's encoder dropout on the embeddings then on the output) is a ConfigError at the end of
+    that forward: each call overwrites the capture, which would store the last call's tensor as its."""
     captured: dict[str, torch.Tensor] = {}
+    calls: dict[str, int] = {}  # tensor name -> its module's calls in the model's forward under way
     handles = []
 
     def keep(name: str, use_input: bool):
@@ -32,7 +36,12 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
             else:
                 source = output
             captured[name] = first_tensor(source)
+            calls[name] = calls.get(name, 0) + 1
         return hook
+
+    def check_ran_once(module, args, output):
+        if repeated := {name: n for name, n in calls.items() if n > 1}:
+            raise ConfigError(ran_more_than_once(repeated, layers, hooks, loaded))
 
     for layer_idx in layers:
         handles.append(loaded.blocks[layer_idx].register_forward_hook(
@@ -41,11 +50,29 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
         module_path, io = parse_hook(spec)
         handles.append(get_module(loaded.model, module_path).register_forward_hook(
             keep(spec, io == "input"), with_kwargs=True))
+    # Counted per forward of the model itself, so the token log-probs' head rerun (a forward of its
+    # own, after the batch is packed) starts from zero.
+    handles.append(loaded.model.register_forward_pre_hook(lambda module, args: calls.clear()))
+    handles.append(loaded.model.register_forward_hook(check_ran_once))
     try:
         yield captured
     finally:
         for handle in handles:
             handle.remove()
+
+
+def described(layers: list[int], hooks: list[str], loaded: LoadedModel) -> dict[str, str]:
+    """Each captured tensor's name -> the config entry that asked for it, as errors name it."""
+    rules = {layer_tensor(i): f"extract.layers {i} (block {i} of {type(loaded.model).__name__}.{loaded.blocks_path})"
+             for i in layers}
+    return rules | {spec: f"extract.hooks {spec!r}" for spec in hooks}
+
+
+def ran_more_than_once(repeated: dict[str, int], layers: list[int], hooks: list[str], loaded: LoadedModel) -> str:
+    what = described(layers, hooks, loaded)
+    runs = "; ".join(f"{what[name]}: its module ran {n} times in one forward" for name, n in repeated.items())
+    return (f"{runs}. A capture holds one call's tensor per forward, and which call is meant is not known: "
+            "hook a module that runs once (a shared module's caller, or the module just after it)")
 
 
 def check_reached(captured: dict[str, torch.Tensor], layers: list[int], hooks: list[str], loaded: LoadedModel) -> None:
@@ -63,10 +90,7 @@ def check_shapes(captured: dict[str, torch.Tensor], layers: list[int], hooks: li
     tokens: packing takes dim 1 as the token axis, so any other shape (a pooler's (batch, hidden),
     attention weights' 4 dims) would be stored as values laid over the wrong tokens. Checked on the
     host (shapes need no device sync), before any of the batch is packed or written."""
-    rules = {layer_tensor(i): f"extract.layers {i} (block {i} of {type(loaded.model).__name__}.{loaded.blocks_path})"
-             for i in layers}
-    rules |= {spec: f"extract.hooks {spec!r}" for spec in hooks}
-    for name, what in rules.items():
+    for name, what in described(layers, hooks, loaded).items():
         shape = tuple(captured[name].shape)
         if len(shape) != 3 or shape[:2] != (n_samples, width):
             rule = ("extract.hooks entries must name a module whose input/output is" if name in hooks
