@@ -302,10 +302,15 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         checked_messages(row[fields.messages], where)
     elif fields.template is not None:
         for name in fields.prompts:
+            if isinstance(row.get(name), bool):  # str.format writes "True"; a table's bool column is refused
+                raise ConfigError(f"{where}: field {name!r}: {json.dumps(row[name])} is a boolean, not a string or "
+                                  f"number (dataset.prompt_template)")
             if not isinstance(row.get(name), (str, int, float)):
                 raise ConfigError(f"{where}: {noun} has no string or number field {name!r} (dataset.prompt_template)")
-            if isinstance(row[name], float) and math.isnan(row[name]):  # Python's json reads NaN: "Score: nan"
-                raise ConfigError(f"{where}: field {name!r}: NaN where a prompt is needed (dataset.prompt_template)")
+            if isinstance(row[name], float) and not math.isfinite(row[name]):  # Python's json reads NaN, Infinity
+                # and 1e999 (infinity): "Score: nan", "Score: inf"
+                raise ConfigError(f"{where}: field {name!r}: {json.dumps(row[name])} where a prompt is needed "
+                                  f"(dataset.prompt_template)")
     elif fields.tokens is not None:
         if not _token_ids(row.get(fields.tokens)):
             raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "

@@ -19,7 +19,7 @@ from actstore.errors import ConfigError
 CSV_BLOCK_BYTES = 1 << 24
 STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow stream's end: an empty message
 LEGACY_STREAM_END = b"\x00\x00\x00\x00"  # as pyarrow before 0.15 wrote it
-CHECK_ROWS = 4096  # rows of a chat messages column the scan converts to Python at once
+CHECK_ROWS = 4096  # rows of a column the scan converts to Python at once (chat messages, labels)
 
 
 def schema_of(fmt: str, path: Path) -> pa.Schema:
@@ -320,13 +320,11 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
 
 
 def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
-    """ConfigError naming the first of the first `n_rows` rows whose prompt is null (or NaN), or whose chat
+    """ConfigError naming the first of the first `n_rows` rows whose prompt is null (or NaN or infinite), or whose chat
     messages are no list of messages (checked_messages, as rendering checks them), as the part's
     job reading it would, but before any part's job starts. Parquet: row groups whose footer counts
     no null in a string column are not read; other blocks (a messages column's every one: it has
     several leaves) are read for the prompt's columns alone (a template's each)."""
-    import pyarrow.compute as pc
-
     for column in fields.prompts:  # a template's columns, else the one prompt column
         start = 0
         for path in source.files:
@@ -336,13 +334,23 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
                     break
                 if (known[block] if block < len(known) else None) != 0:
                     values, shard = read().column(column).slice(0, n_rows - start), f"{source.name(path)}#"
-                    row = pc.index(pc.is_null(values, nan_is_null=True), True).as_py()
+                    row = _first_missing(values)
                     if row >= 0:
                         raise ConfigError(f"{source.root}: {shard}{start - shard_start + row}, column {column!r}: "
                                           f"{_missing(values[row].as_py())} where a prompt is needed")
                     if column == fields.messages:
                         _check_messages(source, values, shard, start - shard_start, column)
                 start += size
+
+
+def _first_missing(values: pa.ChunkedArray) -> int:
+    """The first row of a prompt column that is no value (_missing: null, NaN or infinite), else -1."""
+    import pyarrow.compute as pc
+
+    missing = pc.is_null(values, nan_is_null=True)
+    if pa.types.is_floating(values.type):
+        missing = pc.or_kleene(missing, pc.is_inf(values))
+    return pc.index(missing, True).as_py()
 
 
 def _check_messages(source: Source, values: pa.ChunkedArray, shard: str, first: int, column: str) -> None:
@@ -411,7 +419,8 @@ def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
 def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
             n_rows: int) -> Iterator[Any]:
     """The labels of the first `n_rows` rows, read from the label column alone (a shard without
-    one, of `count` rows, has none)."""
+    one, of `count` rows, has none). Converted to Python CHECK_ROWS at a time: a row group is 1Mi
+    rows by pyarrow's default, and its labels as Python strings take tens of MB."""
     for path, schema, count in zip(source.files, schemas, counts):
         if fields.label not in schema.names:
             n_rows -= count
@@ -419,7 +428,9 @@ def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: li
         for size, read in blocks(source.format, path, [fields.label]):
             if n_rows <= 0:
                 return
-            yield from read().column(fields.label).to_pylist()[:n_rows]
+            values = read().column(fields.label).slice(0, n_rows)
+            for offset in range(0, len(values), CHECK_ROWS):
+                yield from values.slice(offset, CHECK_ROWS).to_pylist()
             n_rows -= size
 
 
@@ -497,11 +508,12 @@ def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | N
 
 
 def _missing(value: Any) -> str | None:
-    """"null" or "NaN" for a template field's value that is no value (a float column's NaN, as
-    pandas and polars write a missing number, rendered as the text "nan"), else None."""
+    """"null", "NaN" or "Infinity" (JSON's spelling) for a template field's value that is no value (a
+    float column's NaN, as pandas and polars write a missing number, rendered as the text "nan"; an
+    infinity rendered as "inf"), else None."""
     if value is None:
         return "null"
-    return "NaN" if isinstance(value, float) and math.isnan(value) else None
+    return json.dumps(value) if isinstance(value, float) and not math.isfinite(value) else None
 
 
 def token_ids(value: pa.Scalar, where: str) -> np.ndarray:

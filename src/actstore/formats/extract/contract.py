@@ -125,3 +125,13 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
     for key in ("model", "dataset"):
         if key in meta and not isinstance(meta[key], dict):
             raise bad(key, "an object")
+    _check_labels(meta.get("dataset", {}).get("labels"), source)
+
+
+def _check_labels(labels: Any, source: Path) -> None:
+    """FormatError unless dataset.labels is null or a list of labels: a string read as the list of its
+    characters, each a class (label_id 0 = its first letter), without an error."""
+    if labels is not None and not (isinstance(labels, list)
+                                   and all(isinstance(label, (str, int, float)) for label in labels)):
+        raise FormatError(f"{source}: field 'dataset.labels' must be a list of labels (strings, numbers or "
+                          f"booleans), got {labels!r:.80}")
