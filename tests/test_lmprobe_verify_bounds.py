@@ -3,7 +3,6 @@ built: verify's token check held a batch of rows whatever their lengths, string 
 string a prompt, and a null address column was read as -2**63."""
 from __future__ import annotations
 
-import hashlib
 import json
 import tracemalloc
 from pathlib import Path
@@ -17,6 +16,7 @@ from actstore.errors import FormatError
 from actstore.formats import lmprobe
 from actstore.formats.lmprobe import check, write
 from actstore.formats.lmprobe.read import LmprobeDataset
+from test_lmprobe_check_review import rewrite_index, with_column
 
 
 @pytest.fixture(scope="module")
@@ -27,23 +27,6 @@ def long_extract(extracted, tmp_path_factory) -> Path:
             for i in range(160)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return extracted("gpt2", path, extract={"max_seq_length": 128})[1]
-
-
-def rewrite_index(root: Path, table: pa.Table) -> Path:
-    """Write `table` as the index and its digest into SHA256SUMS, as a writer with that index would."""
-    index = lmprobe.find_index(root)
-    pq.write_table(table, index)
-    rel = index.relative_to(root).as_posix()
-    digest = hashlib.sha256(index.read_bytes()).hexdigest()
-    sums = root / "SHA256SUMS"
-    sums.write_text("".join(f"{digest}  {rel}\n" if line.endswith(f"  {rel}") else f"{line}\n"
-                            for line in sums.read_text().splitlines()))
-    return index
-
-
-def with_column(table: pa.Table, name: str, values: list) -> pa.Table:
-    field = table.schema.field(name)
-    return table.set_column(table.schema.get_field_index(name), field, pa.array(values, field.type))
 
 
 def test_token_check_holds_a_bounded_batch_of_tokens(long_extract, tmp_path, monkeypatch):
