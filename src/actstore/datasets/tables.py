@@ -357,10 +357,16 @@ def _check_messages(source: Source, values: pa.ChunkedArray, shard: str, first: 
     """ConfigError naming the first row of a block of the messages column whose value is no list of
     chat messages (checked_messages: what rendering the row checks); `first`: the block's first row
     in its shard. Before, a part's job found it when it rendered the row, after the parts before.
-    Converted to Python CHECK_ROWS at a time: a row group is 1Mi rows by pyarrow's default (GBs of dicts)."""
+    Converted to Python a slice at a time (_python_values): GBs of dicts for a whole row group."""
+    for row, messages in enumerate(_python_values(values)):
+        checked_messages(messages, f"{source.root}: {shard}{first + row}, column {column!r}")
+
+
+def _python_values(values: pa.ChunkedArray) -> Iterator[Any]:
+    """`values` as Python objects, CHECK_ROWS converted at a time: a row group is 1Mi rows by pyarrow's
+    default, whole a list of them all (chat messages' dicts, labels' strings) in memory at once."""
     for offset in range(0, len(values), CHECK_ROWS):
-        for row, messages in enumerate(values.slice(offset, CHECK_ROWS).to_pylist(), start=offset):
-            checked_messages(messages, f"{source.root}: {shard}{first + row}, column {column!r}")
+        yield from values.slice(offset, CHECK_ROWS).to_pylist()
 
 
 def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int], n_rows: int,
@@ -419,8 +425,7 @@ def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
 def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
             n_rows: int) -> Iterator[Any]:
     """The labels of the first `n_rows` rows, read from the label column alone (a shard without
-    one, of `count` rows, has none). Converted to Python CHECK_ROWS at a time: a row group is 1Mi
-    rows by pyarrow's default, and its labels as Python strings take tens of MB."""
+    one, of `count` rows, has none), converted to Python a slice at a time (_python_values)."""
     for path, schema, count in zip(source.files, schemas, counts):
         if fields.label not in schema.names:
             n_rows -= count
@@ -428,9 +433,7 @@ def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: li
         for size, read in blocks(source.format, path, [fields.label]):
             if n_rows <= 0:
                 return
-            values = read().column(fields.label).slice(0, n_rows)
-            for offset in range(0, len(values), CHECK_ROWS):
-                yield from values.slice(offset, CHECK_ROWS).to_pylist()
+            yield from _python_values(read().column(fields.label).slice(0, n_rows))
             n_rows -= size
 
 
