@@ -171,9 +171,10 @@ def file_record(path: str | os.PathLike) -> dict[str, Any]:
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
 
 
-def whole_number(value: Any) -> bool:
-    """A JSON value that is a count: an int (not a bool, which Python counts as one) of at least 0."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def whole_number(value: Any, least: int = 0) -> bool:
+    """A count, from JSON or an argument: an int (numpy's too; not a bool, which Python counts as one)
+    of at least `least`."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= least
 
 
 def whole_numbers(values: Any) -> bool:

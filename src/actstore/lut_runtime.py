@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import operator
 import time
 import weakref
 from pathlib import Path
@@ -54,6 +53,7 @@ from torch import nn
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lut import BIAS_KEY, REQUIRED_KEYS, LutStore
+from actstore.integrity import whole_number
 
 log = logging.getLogger(__name__)
 RUNTIMES = ("lookup", "auto")
@@ -308,13 +308,9 @@ def count(value: Any, what: str) -> int:
     """`value` as a whole number (an int or numpy integer of at least 0): ConfigError naming `what`
     otherwise, where int() would turn -1 into a pure lookup, 1.5 or True into 1, and a string into a
     TypeError at the first forward."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = -1
-    if isinstance(value, bool) or number < 0:
+    if not whole_number(value):
         raise ConfigError(f"{what} {value!r}: expected a whole number (an int of at least 0)")
-    return number
+    return int(value)
 
 
 class LutLinear(nn.Module):

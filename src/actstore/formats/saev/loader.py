@@ -36,7 +36,6 @@ from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from numbers import Integral
 from queue import SimpleQueue
 from threading import Lock
 from pathlib import Path
@@ -49,7 +48,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev.layout import DTYPE, groups_and_ranks
 from actstore.formats.saev.read import SaevStore
-from actstore.integrity import memory_budget, open_files_budget
+from actstore.integrity import memory_budget, open_files_budget, whole_number
 from actstore.io_utils import pread_into
 
 try:
@@ -94,7 +93,7 @@ class ShuffledActivations(IterableDataset):
         self.layer_idx = [store.layer_index(layer) for layer in self.layers]
         counts = (batch_size, fill_threads, block_bytes, buffer_bytes, 1 if buffer_blocks is None else buffer_blocks,
                   1 if block_examples is None else block_examples)
-        if not all(_whole(count, least=1) for count in counts):  # buffer_blocks=0 was taken for the default
+        if not all(whole_number(count, least=1) for count in counts):  # buffer_blocks=0 was taken for the default
             raise ConfigError(f"batch_size={batch_size}, fill_threads={fill_threads}, block_bytes={block_bytes}, "
                               f"buffer_bytes={buffer_bytes}, buffer_blocks={buffer_blocks} and block_examples="
                               f"{block_examples} must be whole numbers >= 1")  # a float failed deep in range()
@@ -103,9 +102,9 @@ class ShuffledActivations(IterableDataset):
                               f"{list(store.layers)}")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
         self.include_cls, self.fill_threads = include_cls, fill_threads
-        if not _whole(seed, least=0):  # numpy's seeding refuses it naming nothing, at the first batch
+        if not whole_number(seed):  # numpy's seeding refuses it naming nothing, at the first batch
             raise ConfigError(f"seed={seed!r} must be a whole number >= 0")
-        if not (_whole(world_size, least=1) and _whole(rank, least=0) and rank < world_size):
+        if not (whole_number(world_size, least=1) and whole_number(rank) and rank < world_size):
             raise ConfigError(f"rank={rank!r} and world_size={world_size!r} must be whole numbers, 0 <= rank < "
                               "world_size")
         self.rank, self.world_size = rank, world_size
@@ -144,7 +143,7 @@ class ShuffledActivations(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """A new epoch gets a new (still seeded) order, in this process and its DataLoader workers."""
-        if not _whole(epoch, least=0):  # -1 failed in numpy at the first batch, 2.7 was taken for epoch 2
+        if not whole_number(epoch):  # -1 failed in numpy at the first batch, 2.7 was taken for epoch 2
             raise ConfigError(f"epoch={epoch!r} must be a whole number >= 0")
         self._epoch.fill_(epoch)
 
@@ -299,11 +298,6 @@ class ShuffledActivations(IterableDataset):
         finally:
             fill.shutdown(wait=True, cancel_futures=True)
             shards.close()
-
-
-def _whole(value: object, least: int) -> bool:
-    """An int (numpy's too, never a bool or a float) of at least `least`."""
-    return isinstance(value, Integral) and not isinstance(value, bool) and value >= least
 
 
 def _label_values(keep_labels: Iterable[int]) -> np.ndarray:
