@@ -60,6 +60,19 @@ def test_a_shard_that_is_a_fifo_is_named_not_opened(tmp_path, call):
     assert f"ConfigError: model.path {model}: {SHARD} is not a regular file" in done.stderr
 
 
+@pytest.mark.parametrize("fifo", [INDEX, "model.safetensors"])
+def test_an_index_or_single_file_that_is_a_fifo_is_named(tmp_path, fifo):
+    """Skipped as no checkpoint, a FIFO index ended in "weight not in checkpoint" for every weight."""
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / fifo)
+    script = (f"from pathlib import Path\nfrom actstore.checkpoint import tensor_bytes\n"
+              f"tensor_bytes(Path({str(model)!r}))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 1
+    assert f"ConfigError: model.path {model}: {fifo} is not a regular file" in done.stderr
+
+
 def test_a_plain_shard_index_still_loads(tmp_path):
     model = tmp_path / "model"
     linear = sharded_linear(model)

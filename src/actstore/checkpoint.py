@@ -28,10 +28,11 @@ HOW_READ = ("its weights are read by their own names, all under one prefix, from
 
 def checkpoint_names(folder: Path) -> dict[str, str]:
     """Every tensor name of the folder's safetensors checkpoint -> the file that holds it: the shard
-    index's weight_map (no shard opened), else model.safetensors' header; empty for a .bin checkpoint."""
-    if (folder / INDEX).is_file():
+    index's weight_map (no shard opened), else model.safetensors' header; empty for a .bin checkpoint.
+    Either file there but not a regular file (a FIFO) is named: skipping it blamed a missing weight."""
+    if (folder / INDEX).exists():
         return _weight_map(folder)
-    if (folder / SINGLE).is_file():
+    if (folder / SINGLE).exists():
         with _opened(folder, SINGLE) as handle:
             return dict.fromkeys(handle.keys(), SINGLE)
     return {}
@@ -42,7 +43,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
     of the folder itself (a number or list there was a TypeError out of sorting or hashing the files;
     `../x.safetensors` or an absolute path was read from outside the folder)."""
     try:
-        weight_map = dict(json.loads((folder / INDEX).read_text())["weight_map"])
+        weight_map = dict(json.loads(_regular(folder, INDEX).read_text())["weight_map"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"model.path {folder}: {INDEX} names no weight_map: {exc!r}") from None
     for name, file in weight_map.items():
