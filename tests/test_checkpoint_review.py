@@ -33,6 +33,16 @@ def sharded_linear(folder: Path, shard: str = SHARD) -> nn.Linear:
     return linear
 
 
+def assert_named_in_a_child(model: Path, call: str, fifo: str) -> None:
+    """`call` on `model` in a child process (a regression blocks in open() forever) ends in a ConfigError
+    naming `fifo` as no regular file."""
+    script = (f"from pathlib import Path\nfrom torch import nn\nfrom actstore.checkpoint import load_weights, tensor_bytes\n"
+              f"model = Path({str(model)!r})\n{call}\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 1
+    assert f"ConfigError: model.path {model}: {fifo} is not a regular file" in done.stderr
+
+
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "OUTSIDE", "sub/../../outside.safetensors",
                                    "x\0.safetensors"])
 def test_a_shard_index_naming_a_file_outside_the_folder_is_refused(tmp_path, shard):
@@ -53,11 +63,7 @@ def test_a_shard_that_is_a_fifo_is_named_not_opened(tmp_path, call):
     model = tmp_path / "model"
     sharded_linear(model)
     os.mkfifo(model / SHARD)
-    script = (f"from pathlib import Path\nfrom torch import nn\nfrom actstore.checkpoint import load_weights, tensor_bytes\n"
-              f"model = Path({str(model)!r})\n{call}\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert done.returncode == 1
-    assert f"ConfigError: model.path {model}: {SHARD} is not a regular file" in done.stderr
+    assert_named_in_a_child(model, call, SHARD)
 
 
 @pytest.mark.parametrize("fifo", [INDEX, "model.safetensors"])
@@ -66,11 +72,7 @@ def test_an_index_or_single_file_that_is_a_fifo_is_named(tmp_path, fifo):
     model = tmp_path / "model"
     model.mkdir()
     os.mkfifo(model / fifo)
-    script = (f"from pathlib import Path\nfrom actstore.checkpoint import tensor_bytes\n"
-              f"tensor_bytes(Path({str(model)!r}))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert done.returncode == 1
-    assert f"ConfigError: model.path {model}: {fifo} is not a regular file" in done.stderr
+    assert_named_in_a_child(model, "tensor_bytes(model)", fifo)
 
 
 def test_a_plain_shard_index_still_loads(tmp_path):
