@@ -3,6 +3,7 @@ identified, verifies clean, and one flipped byte or one truncated file is caught
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import json
 import re
@@ -17,7 +18,7 @@ import numpy as np
 import yaml
 
 import tiny
-from actstore import cli, integrity
+from actstore import __version__, cli, integrity
 from actstore.config import load_config
 from actstore.formats import FORMAT_STAGES
 from actstore.hashing import stage_dir
@@ -133,6 +134,12 @@ def test_inspect_names_an_sae_checkpoint_whose_header_is_damaged(workflow_run, t
 
 
 @pytest.mark.slow
+def test_version_is_the_packages():
+    done = subprocess.run([ACTSTORE, "--version"], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, f"actstore {__version__}\n")
+    assert __version__ == importlib.metadata.version("actstore")
+
+
 def test_the_command_never_imports_torch(workflow_run):
     """inspect, verify and locate on every store, in one fresh process: none of them loads torch
     (~2 s of a login node's time per call, before the LUT format stopped importing it)."""

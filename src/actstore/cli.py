@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import actstore
 from actstore.errors import ActstoreError
 
 SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model", "dtype", "n_shards", "bytes")
@@ -128,6 +129,8 @@ def _command(sub: argparse._SubParsersAction, name: str, what: str) -> argparse.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    # what a bug report names (the extraction records it too, in its part metadata's versions)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {actstore.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = _command(sub, "inspect", "detect a store's format and summarise it (or an sae stage "
                        "directory's SAE)")
