@@ -74,10 +74,13 @@ class TopKSAE(nn.Module):
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], k_active: int) -> "TopKSAE":
-        sae = cls(state["encoder_weight"].shape[1], state["encoder_weight"].shape[0], k_active)
-        with torch.no_grad():
-            for key in SAE_KEYS:
-                getattr(sae, key).copy_(state[key].float())
+        """The SAE whose parameters are `state`'s tensors themselves (as float32, contiguous: a copy only
+        of those that are not), whose shapes the caller checked: copying each into a new parameter held
+        the checkpoint twice, an import's memory peak."""
+        with torch.device("meta"):  # the constructor's parameters are replaced: allocate none
+            sae = cls(state["encoder_weight"].shape[1], state["encoder_weight"].shape[0], k_active)
+        for key in SAE_KEYS:
+            setattr(sae, key, nn.Parameter(state[key].float().contiguous()))
         return sae
 
 

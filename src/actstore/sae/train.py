@@ -23,6 +23,8 @@ from actstore.sae.model import TopKSAE, auxk_loss, init_sae
 
 log = logging.getLogger(__name__)
 
+EVAL_CODE_ELEMENTS = 1 << 24  # a held-out chunk's (rows, num_basis) activations: 64 MB in float32
+
 
 @torch.no_grad()
 def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], limit: int | None = None,
@@ -34,8 +36,8 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
     latents of the others were reported dead."""
     sq_err, sq, s, n, under_k = 0.0, 0.0, None, 0, 0
     fires = torch.zeros(sae.num_basis, dtype=torch.long)
-    for block in iter_rows(arrays, rows if limit is None else sampled_rows(rows, limit, seed)):
-        x = torch.from_numpy(block).to(device)
+    blocks = iter_rows(arrays, rows if limit is None else sampled_rows(rows, limit, seed))
+    for x in (chunk.to(device) for block in blocks for chunk in torch.from_numpy(block).split(eval_rows(sae))):
         values, indices = sae.encode(x)
         x_hat = sae.decode_dense(values, indices)
         sq_err += float((x - x_hat).double().pow(2).sum())
@@ -53,23 +55,61 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
             "dead_fraction": float((fires == 0).float().mean()), "tokens_under_k": under_k, "fires": fires}
 
 
+def eval_rows(sae: TopKSAE) -> int:
+    """Held-out rows encoded at once: their (rows, num_basis) pre-activations and dense code are made
+    at once; iter_rows' 8,192 rows of a 65,536-latent SAE took 4 GB, after the whole training run."""
+    return max(1, EVAL_CODE_ELEMENTS // sae.num_basis)
+
+
 def heldout_summary(held: dict[str, Any]) -> dict[str, Any]:
     """evaluate's result for report.json: without the per-latent firing counts (a tensor)."""
     return {key: value for key, value in held.items() if key != "fires"}
+
+
+class HostCopy:
+    """Device tensors copied to the host without waiting for the device: on CUDA into pinned memory,
+    non-blocking, with an event recorded after the copy; elsewhere an ordinary copy. `read` waits for
+    that event, which at the next curve point has long completed: the check costs no sync a step."""
+
+    def __init__(self, *values: torch.Tensor):
+        device = values[0].device
+        cuda = device.type == "cuda"
+        self.host = [torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda).copy_(v, non_blocking=cuda)
+                     for v in values]
+        self.copied = torch.cuda.Event() if cuda else None
+        if self.copied is not None:  # on the copies' stream: not the current device's for an SAE on cuda:1
+            self.copied.record(torch.cuda.current_stream(device))
+
+    def read(self) -> list[torch.Tensor]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
+
+
+def check_finite(first_bad: HostCopy, step: int, sae_cfg: dict[str, Any]) -> None:
+    """ConfigError naming the first step whose loss was not finite, and that loss, if `first_bad` (the
+    step, 0 for none, and its loss) holds one: the run is stopped at `step`, not trained to its end."""
+    bad_step, bad_loss = (value.item() for value in first_bad.read())
+    if bad_step:
+        raise ConfigError(f"sae: the training loss was not finite from step {bad_step} of {sae_cfg['steps']} "
+                          f"(loss {bad_loss}, sae.lr {sae_cfg['lr']}; stopped at step {step}): the run diverged, "
+                          "or the activations' squares overflow float32")
 
 
 def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torch.Tensor], sae_cfg: dict[str, Any],
                 progress: bool = True) -> tuple[int, list[dict[str, float]]]:
     """sae_cfg["steps"] optimiser steps on `batches` (already on the SAE's device); returns the tokens
     seen and the loss curve. Nothing in a step reads a device value back, so on a GPU the host runs
-    ahead and queues work; the curve's values are read once, at the end, and so is the first step
-    whose loss was not finite, a ConfigError: that SAE was reported trained and had not learnt."""
+    ahead and queues work. The first step whose loss was not finite (that SAE has not learnt) is copied
+    to the host at each curve point and read at the next one, a ConfigError: a diverged run stops
+    within two curve intervals, not after all its steps. The curve's values are read at the end."""
     k, steps = sae.k_active, sae_cfg["steps"]
     aux_k = sae_cfg["aux_k"] or min(512, sae.num_basis // 2)
     # A latent is dead when it has not fired for dead_tokens training tokens (Gao et al.: 10M; scaled).
     last_fired = torch.zeros(sae.num_basis, dtype=torch.long, device=sae.decoder_weight.device)
-    seen, curve = 0, []
+    seen, curve, first_bad_on_host = 0, [], None
     first_non_finite = torch.zeros((), dtype=torch.long, device=last_fired.device)  # 0: none yet
+    first_non_finite_loss = torch.zeros((), device=last_fired.device)
     for step in tqdm(range(1, steps + 1), desc="train sae", unit="step", disable=not progress):
         x = next(batches)
         pre = sae.pre_acts(x)
@@ -81,7 +121,9 @@ def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torc
         dead = (seen - last_fired) >= sae_cfg["dead_tokens"]
         aux = auxk_loss(sae, x, x_hat, pre, dead, aux_k)
         loss = mse + sae_cfg["aux_coef"] * aux
-        first_non_finite = torch.where((first_non_finite == 0) & ~loss.isfinite(), step, first_non_finite)
+        is_first_bad = (first_non_finite == 0) & ~loss.isfinite()
+        first_non_finite = torch.where(is_first_bad, step, first_non_finite)
+        first_non_finite_loss = torch.where(is_first_bad, loss.detach(), first_non_finite_loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         sae.remove_parallel_grad()
@@ -89,9 +131,10 @@ def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torc
         sae.normalize_decoder()
         if step == 1 or step % max(1, steps // 100) == 0 or step == steps:
             curve.append((step, seen, torch.stack([mse.detach(), aux.detach(), dead.float().mean()])))
-    if bad_step := int(first_non_finite):
-        raise ConfigError(f"sae: the training loss was not finite from step {bad_step} of {steps} (sae.lr "
-                          f"{sae_cfg['lr']}): the run diverged, or the activations' squares overflow float32")
+            if first_bad_on_host is not None:
+                check_finite(first_bad_on_host, step, sae_cfg)
+            first_bad_on_host = HostCopy(first_non_finite, first_non_finite_loss)
+    check_finite(first_bad_on_host, steps, sae_cfg)
     return seen, [{"step": step, "tokens": tokens, "fvu": fvu, "auxk": auxk, "dead_fraction_train": dead}
                   for (step, tokens, values) in curve for fvu, auxk, dead in [values.tolist()]]
 
