@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import io
 import pickle  # absolute import: the standard library, not this package
+import pickletools
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 from isal import igzip, isal_zlib
@@ -159,6 +160,9 @@ class _Gunzip(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def tell(self) -> int:  # the position pickletools.genops names an opcode by
+        return self.gzip.tell()
+
     def readinto(self, buffer: Any) -> int:
         try:  # a block at a time: a read the pickle sizes itself is refused before it is filled
             n = self.gzip.readinto(memoryview(buffer)[:GUNZIP_BLOCK])
@@ -170,24 +174,50 @@ class _Gunzip(io.RawIOBase):
         return n
 
 
+def _gunzip_stream(data: bytes, take: Callable[[int], None]) -> io.BufferedReader:
+    return io.BufferedReader(_Gunzip(data, take), GUNZIP_BLOCK)
+
+
 def _gunzip_load(data: bytes, take: Callable[[int], None]) -> Any:
-    """The restricted unpickler's object from gzip `data`, streamed (_Gunzip); the rest of the
-    stream is read too (and dropped), so a truncated or bad gzip is refused as when it was whole."""
+    """The restricted unpickler's object from gzip `data`, streamed twice (_Gunzip): the opcode check
+    reads all of it, the rest after STOP too (a truncated or bad gzip is refused as when it was
+    whole), charging every byte to `take`; the unpickler then builds from those same bytes, already
+    charged, so the pickle is never held whole and never charged twice."""
     try:
-        with io.BufferedReader(_Gunzip(data, take), GUNZIP_BLOCK) as stream:
-            obj = RestrictedUnpickler(stream).load()
+        with _gunzip_stream(data, take) as stream:
+            _check_memo_puts(stream)
             while stream.read(GUNZIP_BLOCK):
                 pass
+        with _gunzip_stream(data, lambda n: None) as stream:
+            return RestrictedUnpickler(stream).load()
     except _Refused as exc:
         raise pickle.UnpicklingError(str(exc)) from None
-    return obj
+
+
+PUT_OPCODES = ("PUT", "BINPUT", "LONG_BINPUT")
+
+
+def _check_memo_puts(stream: IO[bytes]) -> None:
+    """Refuse a PUT that names any memo index but the next one, as every pickler writes them: the C
+    unpickler grows its memo to twice the index named, zeroed, so 9 bytes naming 2**30 took 16 GiB
+    before anything could refuse the shard."""
+    entries = 0
+    try:
+        for opcode, arg, pos in pickletools.genops(stream):
+            if opcode.name in PUT_OPCODES and arg != entries:
+                raise pickle.UnpicklingError(f"{opcode.name} at byte {pos} names memo index {arg}, "
+                                             f"not the next one ({entries})")
+            entries += opcode.name in PUT_OPCODES or opcode.name == "MEMOIZE"
+    except ValueError as exc:  # genops' word for bytes that are no pickle, or end before its STOP
+        raise pickle.UnpicklingError(f"invalid load key or argument ({exc})") from None
 
 
 def safe_loads(data: bytes, compressed: bool, take: Callable[[int], None] | None = None) -> Any:
-    """Decompress (if gzip) and unpickle with the restricted unpickler; check what came out. The
-    decompressed bytes are charged to `take` (a ByteBudget share), by default a budget of
-    memory_budget() of the shard's own."""
+    """Decompress (if gzip), check the memo indices (_check_memo_puts), unpickle with the restricted
+    unpickler and check what came out. The decompressed bytes are charged to `take` (a ByteBudget
+    share), by default a budget of memory_budget() of the shard's own."""
     if not compressed:
+        _check_memo_puts(io.BytesIO(data))
         obj = RestrictedUnpickler(io.BytesIO(data)).load()
     elif take is None:
         with ByteBudget(memory_budget()).share() as own:

@@ -1,0 +1,40 @@
+"""Review 55: the restricted unpickler against shard bytes that name a memo index far past its end."""
+from __future__ import annotations
+
+import pickle
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from actstore.errors import FormatError
+from actstore.formats import pickle as ps
+from test_pickle import write_machines
+from test_pickle_read_review import replant
+
+
+@pytest.fixture(scope="module")
+def machine(extracted, tmp_path_factory):
+    """A real machine store (tiny bert extraction, small gzip shards) that tests copy and damage."""
+    config, extract_dir = extracted("bert")
+    return write_machines(config, extract_dir, tmp_path_factory.mktemp("review55")) / "machine-0000"
+
+
+def test_a_put_naming_a_far_memo_index_is_refused_naming_the_shard(machine, tmp_path):
+    """The C unpickler grows its memo to twice the index a PUT names, zeroing it: a 29-byte shard
+    whose LONG_BINPUT named 2**26 took 1 GiB (2**30: 16 GiB) and loaded. Refused now, naming the
+    shard; a protocol 3 pickle of a real shard (BINPUTs in order, as every pickler writes) loads."""
+    store = shutil.copytree(machine, tmp_path / "store")
+    info = ps.load_metadata(store)["shards"][0]
+    shard = ps.load_shard(store, info)
+    path = replant(store, b"\x80\x04}r" + struct.pack("<I", 2**22) + b".")  # {} put at memo 2**22
+    with pytest.raises(FormatError, match=f"{path}: refused to load shard: LONG_BINPUT .* memo index 4194304"):
+        ps.load_shard(store, ps.load_metadata(store)["shards"][0])
+
+    replant(store, pickle.dumps(shard, protocol=3))
+    again = ps.load_shard(store, ps.load_metadata(store)["shards"][0])
+    assert list(again) == list(shard)
+    for key in shard:
+        for got, want in zip(again[key], shard[key], strict=True):
+            np.testing.assert_array_equal(got["activation"], want["activation"])
