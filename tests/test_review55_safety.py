@@ -38,3 +38,12 @@ def test_a_put_naming_a_far_memo_index_is_refused_naming_the_shard(machine, tmp_
     for key in shard:
         for got, want in zip(again[key], shard[key], strict=True):
             np.testing.assert_array_equal(got["activation"], want["activation"])
+
+
+def test_a_length_no_shard_has_is_named_with_its_memory_error(machine, tmp_path):
+    """A BINBYTES8 declaring 16 TiB is allocated before its bytes are read: a MemoryError with no text,
+    which left the message "refused to load shard: " saying nothing of why."""
+    store = shutil.copytree(machine, tmp_path / "store")
+    path = replant(store, b"\x80\x05\x8e" + struct.pack("<Q", 1 << 44) + b"x" * 100 + b".")
+    with pytest.raises(FormatError, match=f"{path}: refused to load shard: MemoryError$"):
+        ps.load_shard(store, ps.load_metadata(store)["shards"][0])

@@ -63,7 +63,8 @@ def load_shard(output_dir: str | Path, info: dict[str, Any],
     try:
         shard = safe_loads(data, bool(info.get("compressed")), take)
     except LOAD_ERRORS as exc:
-        raise FormatError(f"{path}: refused to load shard: {exc}") from None
+        # a MemoryError (a length no shard has, allocated before its bytes are read) says nothing itself
+        raise FormatError(f"{path}: refused to load shard: {str(exc) or type(exc).__name__}") from None
     if not isinstance(shard, dict):
         raise FormatError(f"{path}: shard is a {type(shard).__name__}, not a dict of layers")
     return shard
