@@ -28,6 +28,21 @@ from actstore.io_utils import canonical_json, write_json_atomic
 ENV = "ACTSTORE_PARSE_MEMO"  # the handed file's path, in the environment of the main process's jobs
 VERSION = 1
 
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0  # not a bool, which JSON's true gives back
+
+
+# The facts a parse remembers, by their callers' names, and whether a value is one as JSON gives it
+# back: a handed file with any other fact is damaged or another actstore's, and a job taking its
+# values would fail far from here (resources, hashing) or name its outputs by a wrong hash.
+FACTS: dict[str, Callable[[Any], bool]] = {
+    "dataset checked": lambda value: value is None,
+    "dataset identity": lambda value: isinstance(value, dict) and all(isinstance(v, str) for v in value.values()),
+    "dataset size": lambda value: isinstance(value, list) and len(value) == 3 and all(map(_count, value)),
+    "dataset scan processes": _count,
+}
+
 _memo: dict[str, Any] | None = None  # None: not in a Snakefile parse
 _handed: dict[str, Any] = {}         # a job's: the main process's facts
 _written: Path | None = None         # the main process's: the file it handed over
@@ -46,6 +61,8 @@ def start(main_process: bool) -> None:
 def remembered(name: str, key: Any, compute: Callable[[], Any]) -> Any:
     """compute()'s value as JSON gives it back (one type, whoever computed it): the main process's
     when it handed one over for (name, key), else computed once per parse, or at each call outside one."""
+    if name not in FACTS:  # a job would refuse every handed file holding it, and read the data again
+        raise ValueError(f"parse_memo.FACTS has no check for the fact {name!r}")
     entry = f"{name} {canonical_json(key)}"
     if entry in _handed:
         return _handed[entry]
@@ -79,13 +96,25 @@ def withdraw() -> None:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    """The facts of a handed file; none (each computed here, as without one) when it cannot be read."""
+    """The facts of a handed file; none (each computed here, as without one) when it cannot be read or
+    holds a fact that is not one of FACTS (nested too deep to parse, damaged, another actstore's)."""
     try:
         handed = json.loads(path.read_text())
         if handed.get("version") != VERSION or not isinstance(handed.get("facts"), dict):
             raise ValueError(f"not a version {VERSION} parse memo")
-    except (OSError, ValueError, AttributeError) as err:
+        for entry, value in handed["facts"].items():
+            _check_fact(entry, value)
+    except (OSError, ValueError, AttributeError, RecursionError) as err:
         print(f"actstore: {ENV}={path} cannot be read ({err}); the dataset is read again", file=sys.stderr)
         return {}
     print(f"actstore: the dataset as the main process read it: {path}", file=sys.stderr)
     return handed["facts"]
+
+
+def _check_fact(entry: str, value: Any) -> None:
+    """ValueError unless `entry` (remembered's "name key") names one of FACTS and `value` is one."""
+    name = next((name for name in FACTS if entry.startswith(f"{name} ")), None)
+    if name is None:
+        raise ValueError(f"the fact {entry[:100]!r} is none that actstore remembers")
+    if not FACTS[name](value):
+        raise ValueError(f"the fact {entry[:100]!r} holds {json.dumps(value)[:100]}, not a {name} value")

@@ -3,8 +3,9 @@
 safetensors (0.8.0 measured) serialises the `__metadata__` dict from a Rust HashMap, whose iteration
 order is seeded anew for every map, so writing the same tensors and metadata twice, even in one
 process, gives headers with the keys in different orders (and so different sha256s). The tensor data
-layout is deterministic (the library sorts by dtype alignment, then name): its bytes are kept as the
-library writes them and only the header is serialised again, canonically.
+layout is deterministic (the library sorts by its dtype order, then name): it is laid out here as the
+library lays it, the header serialised canonically, and each tensor's bytes written from its own
+memory (the library's save holds the whole file twice more: 3x a 256 MiB SAE's bytes measured).
 """
 from __future__ import annotations
 
@@ -48,18 +49,56 @@ def _int_or_negative_zero(literal: str) -> int | float:
     return -0.0 if literal == "-0" else int(literal)
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:
-    """safetensors.torch.save_file with a canonical header (sorted metadata keys, tensors in data
-    order). Holds the file's bytes in memory once more than save_file (which already copies every
-    tensor to bytes before writing)."""
-    from safetensors.torch import save
+# The library's data order: dtypes by its Dtype enum, last first (not by width alone: BF16 before F16,
+# C64 after F32), then names. The names are its header's; only these dtypes are written here.
+LIBRARY_DTYPES = {"torch.uint64": "U64", "torch.int64": "I64", "torch.float64": "F64", "torch.float32": "F32",
+                  "torch.uint32": "U32", "torch.int32": "I32", "torch.bfloat16": "BF16", "torch.float16": "F16",
+                  "torch.uint16": "U16", "torch.int16": "I16", "torch.int8": "I8", "torch.uint8": "U8",
+                  "torch.bool": "BOOL"}
+DATA_ORDER = {name: rank for rank, name in enumerate(LIBRARY_DTYPES.values())}
 
-    raw = memoryview(save(tensors, metadata=metadata))
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(bytes(raw[8:8 + length]))
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    """The bytes safetensors.torch.save_file writes, with a canonical header (sorted metadata keys,
+    tensors in data order), each tensor written from its own memory: no copy of the file is held
+    (a device tensor is copied to the host one at a time). ValueError naming the file for what the
+    library's save refuses (metadata other than text, a tensor not contiguous) or a dtype outside
+    LIBRARY_DTYPES."""
+    for key, value in metadata.items():  # json.dumps would write any, the library reads only text
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"{path}: metadata {key!r}: {value!r} is not text")
+    dtypes = {name: _library_dtype(tensor, path, name) for name, tensor in tensors.items()}
+    ordered = sorted(tensors, key=lambda name: (DATA_ORDER[dtypes[name]], name))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in ordered:
+        size = tensors[name].nelement() * tensors[name].element_size()
+        header[name] = {"dtype": dtypes[name], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
     with open(path, "wb") as fh:
         fh.write(canonical_header(header))
-        fh.write(raw[8 + length:])
+        for name in ordered:
+            fh.write(_host_bytes(tensors[name]))
+
+
+def _library_dtype(tensor: torch.Tensor, path: str | Path, name: str) -> str:
+    """The header's dtype of tensor `name`; ValueError where it cannot be written from its memory."""
+    if str(tensor.dtype) not in LIBRARY_DTYPES:
+        raise ValueError(f"{path}: tensor {name!r}: dtype {tensor.dtype} is not one safetensors_io writes "
+                         f"({', '.join(LIBRARY_DTYPES)})")
+    if not tensor.is_contiguous():  # its memory is not its row-major bytes: the library refuses it too
+        raise ValueError(f"{path}: tensor {name!r} is not contiguous: call .contiguous() before saving it")
+    return LIBRARY_DTYPES[str(tensor.dtype)]
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in host memory, a view where it is on the CPU (bfloat16 has no numpy dtype:
+    read as bytes). Native byte order: the library's little-endian on the hosts actstore runs on
+    (x86-64, ARM); on a big-endian one the library would swap them."""
+    import torch
+
+    return memoryview(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy())
 
 
 def canonical_header(header: dict) -> bytes:
