@@ -1,10 +1,12 @@
 """Capture hooks: block outputs ("layer i" = output of block i) and named module inputs/outputs."""
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
+from torch import nn
 
 from actstore.errors import ConfigError
 from actstore.formats.extract import layer_tensor
@@ -31,11 +33,7 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
 
     def keep(name: str, use_input: bool):
         def hook(module, args, kwargs, output):
-            if use_input:
-                source = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            else:
-                source = output
-            captured[name] = first_tensor(source)
+            captured[name] = first_tensor(called_input(module, args, kwargs, name) if use_input else output)
             calls[name] = calls.get(name, 0) + 1
         return hook
 
@@ -59,6 +57,23 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
     finally:
         for handle in handles:
             handle.remove()
+
+
+def called_input(module: nn.Module, args: tuple, kwargs: dict[str, Any], spec: str) -> Any:
+    """What `module` was called with as its input: the argument of its forward's first parameter (after
+    self; the class's forward, as the log-probs' head rerun gives the base model a forward of its own).
+    Not the first tensor among keyword arguments: a vision-language model calls its language model
+    with attention_mask= (LLaVA, Qwen2.5-VL) or position_ids= (PaliGemma) before inputs_embeds=."""
+    if args:
+        return args[0]
+    first = list(inspect.signature(type(module).forward).parameters)[1]
+    value = kwargs.get(first)
+    if value is None and first == "input_ids":  # HF's models take inputs_embeds in its place
+        value = kwargs.get("inputs_embeds")
+    if value is None:
+        raise ConfigError(f"extract.hooks {spec!r}: {type(module).__name__} was called without its input "
+                          f"{first!r} (given {sorted(kwargs)}), so there is no input to capture")
+    return value
 
 
 def described(layers: list[int], hooks: list[str], loaded: LoadedModel) -> dict[str, str]:
