@@ -1158,7 +1158,7 @@ def test_a_damaged_scan_file_is_named_not_read(tmp_path):
     good = json.loads((tmp_path / "scan.json").read_text())
     cases = {"truncated": (None, "not valid JSON"), "n_samples": (0, "n_samples must be a whole number"),
              "labels": ("a", "labels must be a list"), "marks": ([[1, 0, 0, 0]], "marks must start at row 0"),
-             "stamps": ([[1, -2]], "stamps must be a list of lists of 2 whole numbers"),
+             "stamps": ([[-1, 2]], "stamps must be a list of lists of 2 whole numbers"),
              "listing": (None, "listing must be a string")}
     for field, (value, message) in cases.items():
         bad = tmp_path / f"{field}.json"

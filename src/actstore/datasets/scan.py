@@ -164,7 +164,7 @@ def read_scan(path: str | Path) -> Scan:
         raise FormatError(f"{path}: labels must be a list")
     if not isinstance(listing, str):
         raise FormatError(f"{path}: listing must be a string")
-    marks = [Mark(*m) for m in _numbers(marks, 4, path, "marks")]
+    marks = [Mark(*m) for m in _numbers(marks, (0, 0, 0, 0), path, "marks")]
     if marks and (marks[0] != Mark(0, 0, 0, 0) or any(a.row > b.row for a, b in zip(marks, marks[1:]))
                   or marks[-1].row > n_samples):
         raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
@@ -172,7 +172,7 @@ def read_scan(path: str | Path) -> Scan:
     folder_format = data.get("folder_format", "")
     if folder_format not in (FOLDER_FORMATS if runs else ("",)):
         raise FormatError(f"{path}: folder_format must be image_folder or text_folder with runs, empty without")
-    stamps = tuple(_numbers(stamps, 2, path, "stamps"))
+    stamps = tuple(_numbers(stamps, (0, -1 << 63), path, "stamps"))  # (size, mtime_ns): see _numbers
     metadata = data.get("metadata", "")
     if metadata not in ("", *METADATA_NAMES) or (metadata and len(stamps) != 1):
         raise FormatError(f"{path}: metadata must be one of {', '.join(METADATA_NAMES)} with its one stamp, or empty")
@@ -199,9 +199,11 @@ def _inside(folder: str) -> bool:
                                 or any(part in ("", ".", "..") for part in folder.split("/")))
 
 
-def _numbers(value: Any, width: int, path: Path, field: str) -> list[tuple[int, ...]]:
-    """A list of `width`-long lists of whole numbers, as tuples."""
+def _numbers(value: Any, least: tuple[int, ...], path: Path, field: str) -> list[tuple[int, ...]]:
+    """A list of lists of whole numbers, each at least its place's `least`, as tuples. A stamp's mtime_ns
+    (os.stat's, an int64) is negative for a file dated before 1970, as an archive's members may be."""
     if not isinstance(value, list) or not all(
-            isinstance(item, list) and len(item) == width and all(map(whole_number, item)) for item in value):
-        raise FormatError(f"{path}: {field} must be a list of lists of {width} whole numbers")
+            isinstance(item, list) and len(item) == len(least) and all(map(whole_number, item, least))
+            for item in value):
+        raise FormatError(f"{path}: {field} must be a list of lists of {len(least)} whole numbers")
     return [tuple(item) for item in value]
