@@ -3,7 +3,6 @@ file in memory; a damaged parse memo leaves a job to read the data itself, namin
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys

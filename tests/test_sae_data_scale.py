@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import pytest
 import torch
 
 from actstore.formats.extract import Extraction, open_extraction, synthetic_extraction
