@@ -160,10 +160,15 @@ def is_temp(path: Path) -> bool:
     return any(part.startswith(".") and part.endswith(TEMP_SUFFIX) for part in path.parts)
 
 
+def stale_temps(final: Path) -> Iterator[Path]:
+    """The atomic_path temps of `final` there are (never those of a sibling's writer)."""
+    return final.parent.glob(f".{glob.escape(final.name)}.{_TEMP_RANDOM}{TEMP_SUFFIX}")
+
+
 def remove_stale_temps(final: Path) -> None:
     """Delete the temps a killed writer of `final` left (a job owns its output: Snakemake locks it);
     never the temp of a writer of a sibling, still at work."""
-    for stale in final.parent.glob(f".{glob.escape(final.name)}.{_TEMP_RANDOM}{TEMP_SUFFIX}"):
+    for stale in stale_temps(final):
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
         else:

@@ -37,7 +37,7 @@ TARGET_CHUNK_BYTES = 1 << 20  # middle of the spec's 0.5-2 MB window
 VECTOR_CHUNK = 1 << 16  # samples per chunk of the 1-D per-sample arrays
 SPLIT_CODES = {"train": 0, "val": 1, "validation": 1, "test": 2}
 REQUIRED_ATTRS = ("schema_version", "model_id", "num_layers", "layers", "hidden_size", "T_max",
-                  "dtype", "T_chunk", "num_samples")
+                  "dtype", "T_chunk", "num_samples", "global_index_start")
 # Attrs every shard of one run must share (checked before merging).
 COMPATIBLE_ATTRS = ("layers", "hidden_size", "T_max", "T_chunk", "dtype", "model_id", "schema_version")
 MANIFEST_ENTRY_KEYS = ("path", "num_samples", "global_index_start", "files_sha256")

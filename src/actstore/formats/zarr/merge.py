@@ -30,7 +30,7 @@ from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PR
 from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
 from actstore.integrity import file_record, links_out, listed_problem, read_json, refuse, stream_json_members
-from actstore.io_utils import TEMP_SUFFIX, atomic_path, errors_naming, remove_stale_temps
+from actstore.io_utils import TEMP_SUFFIX, atomic_path, errors_naming, remove_stale_temps, stale_temps
 from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
 
@@ -182,11 +182,13 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
     (attrs, array metadata, the concatenated 1-D arrays, prompts.jsonl: each shard's first checked
     against its files.json), moves each sample's chunk directory in by rename (no copy), then
     files.json from the jobs' records. Every check comes before the first rename; a failure after
-    it renames them back, so the chunk dirs stay whole.
+    it renames them back, so the chunk dirs stay whole; a kill leaves them in its temp of
+    `out_path`, from where the next run takes them back first.
     Memory does not grow with the chunk files: the records are streamed into a table on disk."""
     shards, readers = _open_shards(shards)
     refuse([problem for reader in readers for problem in _read_file_problems(reader)])
     chunk_dirs, out_path = [Path(d) for d in chunk_dirs], Path(out_path)
+    _take_back_killed_moves(chunk_dirs, _job_shards(shards, len(chunk_dirs)), readers, out_path)
     merged_attrs = _merged_attrs(shards, [r.attrs for r in readers])
     a0, n = readers[0].attrs, merged_attrs["num_samples"]
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -205,6 +207,35 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
                 _write_merged_files_json(tmp, table.fileno(), np.concatenate([r.chunk_counts() for r in readers]),
                                          len(readers[0].layers))
     return store_entry(out_path)
+
+
+def _job_shards(shards: list[Path], jobs: int) -> list[list[str]]:
+    """The names of the shards each of `jobs` link jobs takes (jobs.job_items)."""
+    return [[shards[i].name for i in job_items(len(shards), jobs, job)] for job in range(jobs)]
+
+
+def _take_back_killed_moves(chunk_dirs: list[Path], covered: list[list[str]], readers: list[ZarrStore],
+                            out_path: Path) -> None:
+    """Rename back into its chunk dir each sample directory a killed finish_merge (a job's time or
+    memory limit) had moved into its temp of `out_path`, which the next atomic_path deletes: else
+    the chunk dirs lack them and every rerun is refused until the link jobs are rerun. Only into a
+    chunk dir that lacks the sample, and only when its chunk files are the shard's own (the same
+    inodes the link job made), so nothing but the link job's files ever goes back."""
+    for stale in stale_temps(out_path):
+        for d, reader, local, g in _record_samples(chunk_dirs, covered, readers):
+            moved, home = stale / ACTS / str(g), d / ACTS / str(g)
+            if moved.is_dir() and not os.path.lexists(home) and _links_to_shard(reader, local, g, stale):
+                os.rename(moved, home)
+
+
+def _links_to_shard(reader: ZarrStore, local: int, g: int, store: Path) -> bool:
+    """Whether every chunk file of merged sample `g` under `store` is the file of the shard's
+    sample `local` (a hard link to it)."""
+    try:
+        return all(os.path.samestat(os.lstat(reader.path / key), os.lstat(store / target))
+                   for key, target in _sample_chunk_keys(reader, local, g))
+    except FileNotFoundError:
+        return False
 
 
 def _read_file_problems(reader: ZarrStore) -> list[str]:

@@ -91,9 +91,10 @@ class ZarrStore:
 
     def _validate_counts(self) -> None:
         """The attrs every read counts with are whole numbers, and no layer is stored twice (one of its
-        positions would be unreachable): a damaged .zattrs is named here, never a TypeError later."""
+        positions would be unreachable): a damaged .zattrs is named here, never a TypeError later
+        (global_index_start: the merge named every chunk of a float one "15.0", a missing one a KeyError)."""
         where = f"{self.path}/.zattrs"
-        for key in ("num_samples", "hidden_size", "T_max"):
+        for key in ("num_samples", "hidden_size", "T_max", "global_index_start"):
             if not whole_number(self.attrs[key]):
                 raise FormatError(f"{where}: {key}={self.attrs[key]!r:.40}, expected a whole number")
         layers = self.attrs["layers"]

@@ -29,7 +29,7 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
-from actstore.integrity import read_json, stream_json_members
+from actstore.integrity import file_records, read_json, stream_json_members, whole_number
 from actstore.io_utils import BufferWorkers, atomic_path, errors_naming, sha256_file, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -223,12 +223,17 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
 def store_entry(store: str | Path, rel_to: str | Path | None = None) -> dict[str, Any]:
     """The manifest record of a finished store: path, counts and the sha256 of its meta/files.json."""
     store = Path(store)
-    attrs = read_json(store / ".zattrs")  # write_manifest's shards were written by other jobs, maybe since damaged
+    # write_manifest's shards were written by other jobs, maybe since damaged: each field it takes is
+    # checked, naming the file (a missing one raised a bare KeyError, a string bytes a TypeError)
+    attrs = read_json(store / ".zattrs")
+    counts = {key: attrs.get(key) if isinstance(attrs, dict) else None for key in ("num_samples", "global_index_start")}
+    if not all(map(whole_number, counts.values())):
+        raise FormatError(f"{store}/.zattrs: {counts}, expected whole numbers")
     n_files, n_bytes = 1, (store / FILES_JSON).stat().st_size
-    for _, entry in stream_json_members(store / FILES_JSON, "files"):  # millions of entries when merged
+    for name, entry in stream_json_members(store / FILES_JSON, "files"):  # millions of entries when merged
+        file_records({name: entry}, str(store / FILES_JSON))
         n_files, n_bytes = n_files + 1, n_bytes + entry["bytes"]
-    return {"path": store.relative_to(rel_to).as_posix() if rel_to else store.name,
-            "num_samples": attrs["num_samples"], "global_index_start": attrs["global_index_start"],
+    return {"path": store.relative_to(rel_to).as_posix() if rel_to else store.name, **counts,
             "files_sha256": sha256_file(store / FILES_JSON), "n_files": n_files, "bytes": n_bytes}
 
 
