@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import multiprocessing
 import string
@@ -145,6 +146,23 @@ def checked_label(label: Any, field: str, where: str) -> Any:
         raise ConfigError(f"{where}: field {field!r} is {label}; a row without a label has null there")
     check_unicode(label, where, f"field {field!r}")  # a label name every format stores as UTF-8 text
     return label
+
+
+Labelled = tuple[Any, str]  # a label, and where it was read (for errors)
+
+
+def one_kind(first: Labelled | None, label: Any, where: str) -> Labelled | None:
+    """`first` (the first label read, and where), or (label, where) when this is the first; ConfigError
+    naming both when one is a boolean and the other not: true == 1 in Python, so true and 1 were one
+    class (false and 0 another), named and numbered by whichever came first, without a word."""
+    if label is None:
+        return first
+    if first is None:
+        return label, where
+    if isinstance(label, bool) != isinstance(first[0], bool):
+        raise ConfigError(f"{where}: label {json.dumps(label):.60}, but {first[1]}: label {json.dumps(first[0]):.60}; "
+                          f"a dataset's labels are all booleans or none (true and 1 would be one class)")
+    return first
 
 
 def _label_order(label: Any) -> tuple:

@@ -15,9 +15,9 @@ from isal import isal_zlib
 from tqdm import tqdm
 
 from actstore.datasets.chat import checked_messages
-from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, label_list
+from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, label_list, one_kind
 from actstore.datasets.json_array import MAX_ELEMENT_CHARS, ArrayError, elements, starts_array
-from actstore.datasets.scan import Mark, Scan, mark_before
+from actstore.datasets.scan import RESCAN, Mark, Scan, mark_before
 from actstore.datasets.source import COMPRESSED_SUFFIXES
 from actstore.errors import ConfigError
 
@@ -32,7 +32,7 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
                mark_chars: int = MARK_CHARS) -> Scan:
     """The scan of the first `limit` rows, each parsed and checked for the fields the config reads;
     no row is kept, so memory holds one line (or array element), the distinct labels and the marks."""
-    n_rows, labels, marks, chars = 0, {}, [FIRST], 0
+    n_rows, labels, marks, chars, first = 0, {}, [FIRST], 0, None
     # Text read, against the files' sizes (unknown for compressed files, whose text is larger).
     total = None if any(map(_compressed, files)) else sum(path.stat().st_size for path in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="scan dataset", disable=not progress) as bar:
@@ -41,7 +41,9 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
                 break
             parsed = _parse(row.item, row.where, row.noun)
             _check(parsed, fields, row.where, row.noun)
-            labels[_label(parsed, fields, row.where)] = None
+            label = _label(parsed, fields, row.where)
+            first = one_kind(first, label, row.where)
+            labels[label] = None
             n_rows += 1
             chars += row.chars
             if chars >= mark_chars:
@@ -65,6 +67,9 @@ def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan)
             samples.append(Sample(sample_idx, _prompt(parsed, fields, row.where), parsed.get(fields.label),
                                   _kept(parsed, fields),
                                   tokens=np.asarray(parsed[fields.tokens], np.int64) if fields.tokens else None))
+    if len(samples) < len(rows):  # the scan's row count or marks are not this data's: never fewer rows in silence
+        raise ConfigError(f"{files[-1]}: the dataset ends before row {rows.start + len(samples)}, which its scan "
+                          f"counts ({scan.n_samples} rows); {RESCAN}")
     return samples
 
 

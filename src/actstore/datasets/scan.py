@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from actstore.datasets.core import label_list
+from actstore.datasets.core import label_list, one_kind
 from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
@@ -57,6 +57,8 @@ class Scan:
 
 def mark_before(scan: Scan, row: int) -> Mark:
     """The scan's last mark at or before `row`: where a job reading from `row` on starts."""
+    if not scan.marks:  # a table's scan, or one edited: JSON lines and tar shards are read from marks
+        raise ConfigError(f"the dataset's scan holds no marks of where its rows start; {RESCAN}")
     return scan.marks[bisect.bisect_right([m.row for m in scan.marks], row) - 1]
 
 
@@ -64,10 +66,13 @@ def joined(scans: Iterable[Scan]) -> Scan:
     """The scan of a dataset's files from scans of each file alone, in file order: rows counted on
     across them, each file's marks moved to its rows and its file index (its first mark, at its
     start, stays: a job may start there), labels ordered as one pass over them all would order
-    them (label_list keeps the first of labels with the same text)."""
-    n_rows, labels, marks = 0, [], []
+    them (label_list keeps the first of labels with the same text); ConfigError when one file's labels
+    are booleans and another's not (one_kind)."""
+    n_rows, labels, marks, first = 0, [], [], None
     for file, scan in enumerate(scans):
         marks += [Mark(m.row + n_rows, m.file + file, m.position, m.line) for m in scan.marks]
+        for label in scan.labels:
+            first = one_kind(first, label, f"the dataset's file {file + 1} (in read order)")
         labels += scan.labels
         n_rows += scan.n_samples
     return Scan(n_rows, label_list(labels), tuple(marks))
@@ -160,19 +165,23 @@ def read_scan(path: str | Path) -> Scan:
                                                                        "listing"))
     if not whole_number(n_samples) or not n_samples:
         raise FormatError(f"{path}: n_samples must be a whole number of at least 1, got {n_samples!r:.60}")
-    if not isinstance(labels, list):
-        raise FormatError(f"{path}: labels must be a list")
+    if not isinstance(labels, list) or not all(isinstance(label, (str, int, float)) for label in labels) \
+            or len(set(labels)) < len(labels):  # label_id = position: a label twice, or a list, names no class
+        raise FormatError(f"{path}: labels must be a list of distinct strings, numbers or booleans")
     if not isinstance(listing, str):
         raise FormatError(f"{path}: listing must be a string")
     marks = [Mark(*m) for m in _numbers(marks, (0, 0, 0, 0), path, "marks")]
     if marks and (marks[0] != Mark(0, 0, 0, 0) or any(a.row > b.row for a, b in zip(marks, marks[1:]))
                   or marks[-1].row > n_samples):
         raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
+    stamps = tuple(_numbers(stamps, (0, -1 << 63), path, "stamps"))  # (size, mtime_ns): see _numbers
+    if any(mark.file >= len(stamps) for mark in marks):  # a job would read no file from there: no rows, no error
+        raise FormatError(f"{path}: marks name file {max(mark.file for mark in marks)} (from 0), but stamps "
+                          f"hold {len(stamps)} data files")
     runs = _runs(data.get("runs", []), n_samples, path)  # scans of earlier releases hold none
     folder_format = data.get("folder_format", "")
     if folder_format not in (FOLDER_FORMATS if runs else ("",)):
         raise FormatError(f"{path}: folder_format must be image_folder or text_folder with runs, empty without")
-    stamps = tuple(_numbers(stamps, (0, -1 << 63), path, "stamps"))  # (size, mtime_ns): see _numbers
     metadata = data.get("metadata", "")
     if metadata not in ("", *METADATA_NAMES) or (metadata and len(stamps) != 1):
         raise FormatError(f"{path}: metadata must be one of {', '.join(METADATA_NAMES)} with its one stamp, or empty")
