@@ -282,11 +282,14 @@ class LmprobeDataset:
         return self._sample_order
 
     def token_addresses(self, prompt: int) -> tuple[np.ndarray, np.ndarray]:
-        """(token_shard_ids, token_shard_offsets) of index row `prompt` (not negative) of a full-sequence
-        index. Only the row group holding it is read and kept: the whole index's lists hold 16 B a
-        token (8 GB at 500M tokens), one group's about write.ROW_GROUP_TOKENS tokens' (16 MiB)."""
+        """(token_shard_ids, token_shard_offsets) of index row `prompt` (a negative one counted from the
+        end) of a full-sequence index. Only the row group holding it is read and kept: the whole index's
+        lists hold 16 B a token (8 GB at 500M tokens), one group's about write.ROW_GROUP_TOKENS tokens' (16 MiB)."""
         if not self.full_sequence:
             raise FormatError(f"{self.index_path}: pooled dataset stores only the last token of each prompt")
+        # A row past the last one fell in the last row group (a bare numpy IndexError), a negative one
+        # in group -1 (an error calling the index columns unreadable).
+        prompt = self._prompt(prompt)
         starts = self._row_group_starts()
         group = int(np.searchsorted(starts, prompt, side="right")) - 1
         if self._token_group is None or self._token_group[0] != group:

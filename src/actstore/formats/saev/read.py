@@ -11,11 +11,12 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from actstore.errors import FormatError
+from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
                                           check_metadata, examples_per_shard, flavor_of, shard_name, to_spec,
                                           window_problem)
-from actstore.integrity import check_npy, file_records, inside, open_files_budget, read_json, refuse
+from actstore.integrity import (check_npy, file_records, inside, open_files_budget, read_json, refuse,
+                                whole_number)
 from actstore.io_utils import pread_into
 
 
@@ -165,10 +166,15 @@ class SaevStore:
             raise FormatError(f"{self.dir}: layer {layer} not stored; stored layers are {self.layers}")
         return self.layers.index(layer)
 
+    def _check_example(self, example: int) -> None:
+        """IndexError naming the store unless `example` is one of its examples: example(-1) mapped a
+        shard named acts-00001.bin (FileNotFoundError), one past the end a bare IndexError."""
+        if not 0 <= example < self.n_examples:
+            raise IndexError(f"{self.dir}: example {example} out of range [0, {self.n_examples})")
+
     def locate(self, example: int, layer: int, token: int) -> tuple[Path, int]:
         """Spec §4.2: (shard file, byte offset) of vector [example, layer value, token]."""
-        if not 0 <= example < self.n_examples:
-            raise IndexError(f"example {example} out of range [0, {self.n_examples})")
+        self._check_example(example)
         if not 0 <= token < self.T:
             raise IndexError(f"token {token} out of range [0, {self.T})")
         s = self.examples_per_shard
@@ -203,11 +209,14 @@ class SaevStore:
 
     def example(self, example: int) -> np.ndarray:
         """(L, T, D) view of one example through the shard memmap."""
+        self._check_example(example)
         shard_idx, ex_in_shard = divmod(example, self.examples_per_shard)
         return self.memmap(shard_idx)[ex_in_shard]
 
     def iter_ordered(self, chunk_examples: int = 1024, progress: bool = False) -> Iterator[tuple[int, np.ndarray]]:
         """(first example, (n, L, T, D) array) in example order, one large sequential read each."""
+        if not whole_number(chunk_examples, least=1):  # range() yielded nothing for -1, with no error
+            raise ConfigError(f"chunk_examples={chunk_examples!r} must be a whole number >= 1")
         for idx, shard in enumerate(tqdm(self.shards, desc="saev read", disable=not progress)):
             path = self.dir / shard["name"]
             fd = os.open(path, os.O_RDONLY)
