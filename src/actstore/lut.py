@@ -44,11 +44,15 @@ def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str,
 
     if not targets:
         raise ConfigError("lut.targets is empty: list the nn.Linear module paths that read sae.hook's tensor")
-    linears = {}
+    linears: dict[str, nn.Linear] = {}
+    paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
     for module_path in targets:
         linear = get_module(model, module_path, "lut.targets")
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"lut.targets: {module_path!r} is a {type(linear).__name__}, not nn.Linear")
+        if linear in paths:  # its two tables would be written, then refused by install_luts after training
+            raise ConfigError(f"lut.targets: {paths[linear]!r} and {module_path!r} are one module of the model")
+        paths[linear] = module_path
         if linear.in_features != d_in:
             raise ConfigError(f"lut.targets: {module_path!r} takes {linear.in_features} inputs, the SAE {d_in}")
         linears[module_path] = linear
@@ -69,6 +73,26 @@ def check_targets_before_training(config: dict[str, Any], extract_dir: str | Pat
                                   trusted(config["model"])), config["lut"]["targets"], d_in)
 
 
+def check_targets_read_hook(config: dict[str, Any], extract_dir: str | Path, loaded: Any, hook: str) -> None:
+    """ConfigError naming a lut.targets entry whose input is not the SAE's hook tensor, from one forward
+    of sample 0: the widths alone let through a linear of another layer, whose tables would encode
+    inputs the SAE never saw (and relative_errors, run on the hook's tensors, would look fine)."""
+    from actstore.extract.capture import capture
+    from actstore.formats.extract import open_extraction
+
+    targets = config["lut"]["targets"]
+    inputs = batch_inputs(config, open_extraction(extract_dir, config["extract"]["parts"]), loaded, [0])
+    specs = list(dict.fromkeys([hook, *(f"{target}:input" for target in targets)]))  # once: the hook may be one
+    with torch.inference_mode(), capture(loaded, [], specs) as captured:
+        loaded.model(**inputs)
+    for target in targets:
+        seen = captured.get(f"{target}:input")
+        if seen is None or not torch.equal(seen, captured[hook]):
+            raise ConfigError(f"lut.targets: {target!r} does not take the SAE's hook tensor {hook!r} as its input "
+                              f"({'not called' if seen is None else 'another tensor'} on sample 0): its tables "
+                              f"would encode inputs the SAE was not trained on; list the linears that read {hook!r}")
+
+
 def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, torch.Tensor]) -> dict[str, dict]:
     """Precompute each target's tables from the live model's weights."""
     tables = {}
@@ -85,7 +109,7 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
     """The lut stage: write <out_dir>/lut/ per spec, then evaluate it and write <out_dir>/report.json."""
     from actstore.model_config import resolve_model_path
     from actstore.models import load_model, pick_device
-    from actstore.sae import SAE_FILE, load_sae
+    from actstore.sae import REPORT_FILE as SAE_REPORT, SAE_FILE, load_sae
 
     device = str(pick_device(config["lut"]["device"], "lut.device"))
     if config["extract"]["image_pipeline"] == "gpu" and not device.startswith("cuda"):
@@ -103,6 +127,7 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
         from actstore.extract.device_images import check_device_pipeline
 
         check_device_pipeline(loaded.preprocessor, loaded.device)
+    check_targets_read_hook(config, extract_dir, loaded, sae_report_hook(Path(sae_dir) / SAE_REPORT))
     tables = build_tables(config, loaded.model, sae.state())
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(sae_file), SAE_SHA256: sae_sha256,

@@ -85,8 +85,10 @@ def lut_error(report: dict[str, Any], path: Path) -> None:
     errors = (report.get("lut") or {}).get("relative_error") or {}
     for target, by_budget in sorted(errors.items()):
         budgets = sorted(by_budget, key=int)
+        # A module path is text: matplotlib would parse one holding two '$' as mathtext (rendered as a
+        # formula, or a ValueError at savefig), so its '$' are escaped.
         ax.plot([int(b) for b in budgets], [by_budget[b]["relative_error"] for b in budgets], marker="o",
-                label=target)
+                label=target.replace("$", r"\$"))
     ax.set(xlabel="compensation budget |S|", ylabel="‖LUT(x) − xW‖ / ‖xW‖", title="LUT error vs compensation")
     if errors:
         ax.legend(fontsize=7)

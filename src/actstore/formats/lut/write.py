@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError, FormatError
+from actstore.formats.lut.check import table_problems
 from actstore.formats.lut.layout import (BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, SUFFIX, VERSION,
                                          lut_file)
 from actstore.integrity import file_record
@@ -50,6 +51,9 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
     `tables` maps module path -> the tensors from precompute(); every table must share num_basis.
     """
     final = Path(root) / LUT_DIR
+    for module_path, tensors in tables.items():  # named here, not a KeyError below
+        if missing := [key for key in REQUIRED_KEYS if key not in tensors]:
+            raise FormatError(f"{final}: the tables of {module_path!r} lack {missing}")
     num_basis = {t["encoder_weight"].shape[0] for t in tables.values()}
     if len(num_basis) != 1:
         raise FormatError(f"{final}: tables disagree on num_basis {sorted(num_basis)}")
@@ -71,6 +75,12 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
                                    "sha256": record["sha256"], "bytes": record["bytes"],
                                    "dtype": str(tensors["precomputed_products"].dtype).removeprefix("torch."),
                                    "has_bias": BIAS_KEY in tensors}
+            # Checked as verify checks it, before the store is published: a table of another width or
+            # dtype would make a store its own verify refuses.
+            if problems := table_problems(tmp / file, {"sae_config": {"num_basis": min(num_basis)}},
+                                          layers[module_path]):
+                raise FormatError(f"{final / file}: not written, " + "; ".join(
+                    problem.removeprefix(f"{tmp / file}: ") for problem in problems))
         info = {"created_at": utc_now().strftime("%Y-%m-%dT%H:%M:%SZ"),
                 **(creation_info or {})}
         meta = {"version": VERSION, "sae_config": {"num_basis": num_basis.pop(), "k_active": int(k_active)},
