@@ -165,7 +165,7 @@ def scanned_files(source: Source, fields: Fields, limit: int | None, progress: b
         for size, scan in zip(sizes, in_order(futures)):  # in file order: the first file's error is raised
             scans.append(scan)
             bar.update(size)
-    return joined(scans)
+    return joined(scans, source.files)
 
 
 def _scanned_file(source: Source, fields: Fields, limit: int | None, progress: bool = False) -> Scan:

@@ -62,8 +62,8 @@ def mark_before(scan: Scan, row: int) -> Mark:
     return scan.marks[bisect.bisect_right([m.row for m in scan.marks], row) - 1]
 
 
-def joined(scans: Iterable[Scan]) -> Scan:
-    """The scan of a dataset's files from scans of each file alone, in file order: rows counted on
+def joined(scans: Iterable[Scan], files: tuple[Path, ...]) -> Scan:
+    """The scan of a dataset's `files` from scans of each file alone, in file order: rows counted on
     across them, each file's marks moved to its rows and its file index (its first mark, at its
     start, stays: a job may start there), labels ordered as one pass over them all would order
     them (label_list keeps the first of labels with the same text); ConfigError when one file's labels
@@ -72,7 +72,7 @@ def joined(scans: Iterable[Scan]) -> Scan:
     for file, scan in enumerate(scans):
         marks += [Mark(m.row + n_rows, m.file + file, m.position, m.line) for m in scan.marks]
         for label in scan.labels:
-            first = one_kind(first, label, f"the dataset's file {file + 1} (in read order)")
+            first = one_kind(first, label, str(files[file]))
         labels += scan.labels
         n_rows += scan.n_samples
     return Scan(n_rows, label_list(labels), tuple(marks))
