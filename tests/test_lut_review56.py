@@ -118,3 +118,21 @@ def test_one_module_listed_by_two_paths_fails_before_the_sae_trains(extracted):
     with pytest.raises(ConfigError, match=r"lut\.targets: 'layers\.1\.self_attn\.q_proj' and "
                                           r"'model\.layers\.1\.self_attn\.q_proj' are one module of the model"):
         check_targets_before_training(config, extract_dir)
+
+
+def test_an_extraction_of_one_sample_fails_before_the_sae_trains(extracted, tmp_path):
+    """One sample leaves the SAE no held-out sample, and the lut stage evaluated on those: after the
+    SAE had trained and the tables were written, a bare ValueError (np.concatenate of nothing)."""
+    import json
+
+    from actstore.lut import check_targets_before_training
+
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"text": "The only sample of this dataset."}) + "\n")
+    config, extract_dir = extracted("bert", data=data, extract={"hooks": [HOOK], "parts": 1})
+    config = copy.deepcopy(config)
+    config["sae"]["hook"] = HOOK
+    config["lut"]["targets"] = ["encoder.layer.1.attention.self.query"]
+    with pytest.raises(ConfigError, match=r"holds 1 sample, and the lut stage evaluates its tables on samples the "
+                                          r"SAE did not train on"):
+        check_targets_before_training(config, extract_dir)

@@ -60,15 +60,19 @@ def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str,
 
 
 def check_targets_before_training(config: dict[str, Any], extract_dir: str | Path) -> None:
-    """The lut stage's targets checked on the model skeleton against sae.hook's width, so a bad
-    target fails before the SAE trains rather than after."""
+    """The lut stage's targets checked on the model skeleton against sae.hook's width, and its held-out
+    samples' existence, so a bad target or a one-sample extraction fails before the SAE trains rather than after."""
     from actstore.model_config import resolve_model_path
     from actstore.models import model_skeleton
     from actstore.formats.extract import open_extraction
     from actstore.config import resolve_hook
     from actstore.sae import tensors
 
-    d_in = tensors(open_extraction(extract_dir, config["extract"]["parts"]), resolve_hook(config))[0].shape[1]
+    extraction = open_extraction(extract_dir, config["extract"]["parts"])
+    if extraction.n_samples < 2:  # the lut stage evaluates on the SAE's held-out samples; one sample holds none out
+        raise ConfigError(f"{extract_dir}: the extraction holds {extraction.n_samples} sample, and the lut stage "
+                          "evaluates its tables on samples the SAE did not train on: extract at least 2")
+    d_in = tensors(extraction, resolve_hook(config))[0].shape[1]
     target_linears(model_skeleton(resolve_model_path(config["model"]["path"]), config["model"].get("tower"),
                                   trusted(config["model"])), config["lut"]["targets"], d_in)
 
