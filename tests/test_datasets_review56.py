@@ -85,3 +85,14 @@ def test_labels_of_one_kind_with_nulls_are_read():
         first = one_kind(first, label, f"row {where}")
     assert first == (1, "row 1")
     assert one_kind(one_kind(None, False, "a"), True, "b") == (False, "a")
+
+
+def test_a_webdataset_scan_counting_more_samples_than_its_shards_is_refused(tmp_path):
+    """Tar shards read from a scan counting 24 samples for 16: the last part got no samples, no error."""
+    from test_webdataset import write_shards
+
+    write_shards(tmp_path / "shards")
+    scan = read_scan(edited_scan(tmp_path, tmp_path / "shards", n_samples=24))
+    with pytest.raises(ConfigError, match=r"shard-00002\.tar: the dataset ends before row 16, which its scan counts "
+                                          r"\(24 rows\); scan it again"):
+        load_dataset(tmp_path / "shards", parts=(3, 2), scan=scan)

@@ -25,7 +25,7 @@ from actstore.datasets.core import (FIELD_KEYS, Dataset, Fields, Sample, forked_
 from actstore.datasets.folders import read_folder, read_folder_runs, scan_folder
 from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
-from actstore.datasets.scan import Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
+from actstore.datasets.scan import RESCAN, Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
 from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, identity_files, resolve_source
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
@@ -99,6 +99,9 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     else:
         samples = read_table(source, fields, schemas, rows)
         modality, opener = ("image", ImageOpener(source, fields.image)) if fields.image else ("text", None)
+    if len(samples) < len(rows):  # the scan's row count or marks are not this data's: never fewer rows in silence
+        raise ConfigError(f"{source.files[-1]}: the dataset ends before row {rows.start + len(samples)}, which its "
+                          f"scan counts ({scan.n_samples} rows); {RESCAN}")
     return Dataset(source.root.resolve(), modality, samples, scan.n_samples, scan.labels,
                    chat=fields.messages is not None and modality == "text", opener=opener,
                    pretokenized=fields.tokens is not None)

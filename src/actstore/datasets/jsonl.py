@@ -17,7 +17,7 @@ from tqdm import tqdm
 from actstore.datasets.chat import checked_messages
 from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, label_list, one_kind
 from actstore.datasets.json_array import MAX_ELEMENT_CHARS, ArrayError, elements, starts_array
-from actstore.datasets.scan import RESCAN, Mark, Scan, mark_before
+from actstore.datasets.scan import Mark, Scan, mark_before
 from actstore.datasets.source import COMPRESSED_SUFFIXES
 from actstore.errors import ConfigError
 
@@ -67,9 +67,6 @@ def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan)
             samples.append(Sample(sample_idx, _prompt(parsed, fields, row.where), parsed.get(fields.label),
                                   _kept(parsed, fields),
                                   tokens=np.asarray(parsed[fields.tokens], np.int64) if fields.tokens else None))
-    if len(samples) < len(rows):  # the scan's row count or marks are not this data's: never fewer rows in silence
-        raise ConfigError(f"{files[-1]}: the dataset ends before row {rows.start + len(samples)}, which its scan "
-                          f"counts ({scan.n_samples} rows); {RESCAN}")
     return samples
 
 
