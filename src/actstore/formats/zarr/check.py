@@ -13,7 +13,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
-from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems,
+from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems, same_json,
                                          start_problems, store_files)
 from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, problems_of, read_json,
                                 stream_json_members, whole_number)
@@ -99,8 +99,11 @@ def _verify_run(run: Path) -> list[str]:
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
     merged = manifest.get("merged")
     if merged:
-        problem = entry_problem(merged, f"{where}: merged")
-        problems += [problem] if problem else _verify_listed(run, _Listing(manifest, where, "merged", merged))
+        if problem := entry_problem(merged, f"{where}: merged"):
+            return problems + [problem]
+        if merged["num_samples"] != expected_start:  # Option B's reads would lose the samples past it
+            problems.append(f"{where}: merged.num_samples={merged['num_samples']}, the shards hold {expected_start}")
+        problems += _verify_listed(run, _Listing(manifest, where, "merged", merged))
     return problems
 
 
@@ -283,4 +286,14 @@ def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
         problems.append(f"{store}/.zattrs: dtype={reader.attrs.get('dtype')!r}, expected 'float16'")
     if reader.attrs.get("num_layers") != len(reader.layers):
         problems.append(f"{store}/.zattrs: num_layers={reader.attrs.get('num_layers')} != len(layers)")
-    return problems
+    return problems + _chunk_attr_problems(store, reader)
+
+
+def _chunk_attr_problems(store: Path, reader: ZarrStore) -> list[str]:
+    """The chunk attrs in .zattrs against the activations' .zarray, as JSON (true is not 1): the
+    merge builds the merged .zarray from the attrs' T_chunk and links the shard's chunk files into
+    it, so a store whose attrs disagree verified clean and merged into one no read could use."""
+    chunks = {"T_chunk": reader.t_chunk, "chunk_shape": [1, 1, reader.t_chunk, reader.hidden],
+              "chunk_bytes": reader.chunk_bytes}
+    return [f"{store}/.zattrs: {key}={reader.attrs[key]!r:.40}, but {store}/{ACTS}/.zarray gives {value!r}"
+            for key, value in chunks.items() if key in reader.attrs and not same_json(reader.attrs[key], value)]

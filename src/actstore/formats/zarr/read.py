@@ -23,7 +23,7 @@ from actstore.integrity import (TOOL_FILES, inside, read_json, read_sized, refus
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
-    if value != expected:
+    if not same_json(value, expected):  # as JSON: a shape of [true, ...] or zarr_format 2.0 is not the layout
         raise FormatError(f"{path}: {field}={value!r}, expected {expected!r}")
 
 
@@ -109,7 +109,7 @@ class ZarrStore:
         _expect_fields(where, z, {**ACTS_ZARRAY, "shape": shape})
         chunks = z.get("chunks")
         if not (isinstance(chunks, list) and len(chunks) == 4 and chunks[:2] == [1, 1] and chunks[3] == self.hidden
-                and isinstance(chunks[2], int) and chunks[2] >= 1):
+                and whole_number(chunks[2], 1)):  # true is no T_chunk
             raise FormatError(f"{where}: chunks={chunks!r}, expected [1, 1, T_chunk, {self.hidden}]")
         self.t_chunk = chunks[2]
         self.chunk_bytes = self.t_chunk * self.hidden * 2
@@ -278,6 +278,10 @@ class ZarrRun:
         for entry, name, store in zip(entries, names, self.stores):  # .zattrs alone: sample_idx is verify's
             refuse(run_field_problems(self.manifest, store, str(where)) + start_problems(entry, store, name, merged))
         refuse(count_problems(entries, self.stores, names))
+        if merged and not same_json(entries[0]["num_samples"], self.manifest.get("num_samples")):
+            # a merged store of fewer samples than the run's shards: its reads would lose the rest
+            raise FormatError(f"{names[0]}: num_samples={entries[0]['num_samples']}, but the run's num_samples is "
+                              f"{self.manifest.get('num_samples')!r:.40} (its shards')")
         self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
         self.layers: list[int] = list(self.manifest["layers"])
