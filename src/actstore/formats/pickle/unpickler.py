@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import pickle  # absolute import: the standard library, not this package
 import pickletools
+import re
+import struct
 import threading
 from contextlib import contextmanager
 from typing import IO, Any, Callable, Iterator
@@ -107,8 +109,9 @@ def _check_plain(obj: Any, depth: int = 0, checked: set[int] | None = None, path
 
 
 class _Refused(Exception):
-    """A gzip shard refused as it is streamed (_Gunzip, ByteBudget): raised through the unpickler as
-    this, since it turns an UnpicklingError from the read of an opcode into "Ran out of input"."""
+    """A shard refused as it is streamed (_MemoChecked, _Gunzip, ByteBudget): raised through the
+    unpickler as this, since it turns an UnpicklingError from the read of an opcode into "Ran out of
+    input"."""
 
 
 class BudgetHeldByOthers(Exception):
@@ -117,9 +120,10 @@ class BudgetHeldByOthers(Exception):
 
 
 class ByteBudget:
-    """Decompressed bytes that the shards loaded at once may hold together. verify's threads share
-    one, so that shards whose metadata understates them cannot together hold more than it: each
-    takes its bytes as they come out of the gzip stream, and gives them back when its check is done."""
+    """Decompressed bytes that the shards loaded at once may hold together, with what their opcodes
+    build (OPCODE_BYTES each). verify's threads share one, so that shards whose metadata understates
+    them cannot together hold more than it: each takes its bytes as they come out of the gzip stream,
+    and gives them back when its check is done."""
 
     def __init__(self, total: int) -> None:
         self.total, self.taken, self.lock = total, 0, threading.Lock()
@@ -160,9 +164,6 @@ class _Gunzip(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def tell(self) -> int:  # the position pickletools.genops names an opcode by
-        return self.gzip.tell()
-
     def readinto(self, buffer: Any) -> int:
         try:  # a block at a time: a read the pickle sizes itself is refused before it is filled
             n = self.gzip.readinto(memoryview(buffer)[:GUNZIP_BLOCK])
@@ -179,50 +180,177 @@ def _gunzip_stream(data: bytes, take: Callable[[int], None]) -> io.BufferedReade
 
 
 def _gunzip_load(data: bytes, take: Callable[[int], None]) -> Any:
-    """The restricted unpickler's object from gzip `data`, streamed twice (_Gunzip): the opcode check
-    reads all of it, the rest after STOP too (a truncated or bad gzip is refused as when it was
-    whole), charging every byte to `take`; the unpickler then builds from those same bytes, already
-    charged, so the pickle is never held whole and never charged twice."""
-    try:
-        with _gunzip_stream(data, take) as stream:
-            _check_memo_puts(stream)
-            while stream.read(GUNZIP_BLOCK):
-                pass
-        with _gunzip_stream(data, lambda n: None) as stream:
-            return RestrictedUnpickler(stream).load()
-    except _Refused as exc:
-        raise pickle.UnpicklingError(str(exc)) from None
+    """The restricted unpickler's object from gzip `data`, inflated once as it is read (_Gunzip): the
+    unpickler builds from it through the opcode check (_MemoChecked), then the rest after STOP is
+    read too (a truncated or bad gzip is refused as when it was whole), every byte charged to `take`."""
+    with _gunzip_stream(data, take) as stream:
+        obj = _MemoChecked(stream, take).load()
+        while stream.read(GUNZIP_BLOCK):
+            pass
+    return obj
 
 
 PUT_OPCODES = ("PUT", "BINPUT", "LONG_BINPUT")
+# The struct format of a counted argument's length, by pickletools' word for where its length is
+COUNT_FORMATS = {pickletools.TAKEN_FROM_ARGUMENT1: "<B", pickletools.TAKEN_FROM_ARGUMENT4: "<i",
+                 pickletools.TAKEN_FROM_ARGUMENT4U: "<I", pickletools.TAKEN_FROM_ARGUMENT8U: "<Q"}
 
 
-def _check_memo_puts(stream: IO[bytes]) -> None:
-    """Refuse a PUT that names any memo index but the next one, as every pickler writes them: the C
-    unpickler grows its memo to twice the index named, zeroed, so 9 bytes naming 2**30 took 16 GiB
-    before anything could refuse the shard."""
-    entries = 0
-    try:
-        for opcode, arg, pos in pickletools.genops(stream):
-            if opcode.name in PUT_OPCODES and arg != entries:
-                raise pickle.UnpicklingError(f"{opcode.name} at byte {pos} names memo index {arg}, "
-                                             f"not the next one ({entries})")
-            entries += opcode.name in PUT_OPCODES or opcode.name == "MEMOIZE"
-    except ValueError as exc:  # genops' word for bytes that are no pickle, or end before its STOP
-        raise pickle.UnpicklingError(f"invalid load key or argument ({exc})") from None
+def _layout(opcode: pickletools.OpcodeInfo) -> tuple[pickletools.OpcodeInfo, int, str | None, int, bool]:
+    """How the opcode lies in the stream (pickletools' table): the bytes of its head (the opcode, a
+    fixed argument or the length of a counted one), the struct format of that length, the lines of
+    a text argument (protocol 0: GLOBAL and INST take two), and whether _complete must see it."""
+    n = opcode.arg.n if opcode.arg else 0
+    checked = n in COUNT_FORMATS or opcode.name in (*PUT_OPCODES, "MEMOIZE", "STOP", "FRAME")
+    if n == pickletools.UP_TO_NEWLINE:
+        return opcode, 1, None, 2 if opcode.arg is pickletools.stringnl_noescape_pair else 1, checked
+    if n in COUNT_FORMATS:
+        return opcode, 1 + struct.calcsize(COUNT_FORMATS[n]), COUNT_FORMATS[n], 0, checked
+    return opcode, 1 + n, None, 0, checked
+
+
+LAYOUTS = {opcode.code.encode("latin-1")[0]: _layout(opcode) for opcode in pickletools.opcodes}
+NEWLINE = re.compile(b"\n")  # searches a memoryview (readinto's bytes) without copying it
+# What an opcode may build beyond the bytes it counts, at most: an empty set (232), a dict's item (a
+# key and value opcode each), a memo or stack slot. '}' is 88 bytes of dict and list slot for 1 byte.
+OPCODE_BYTES = 256
+
+
+class _MemoChecked:
+    """The stream the unpickler reads, each opcode checked as its bytes pass, before the unpickler has
+    them: a PUT must name the next memo index, as every pickler writes them. The C unpickler grows
+    its memo to twice the index named, zeroed, so 9 bytes naming 2**30 took 16 GiB before anything
+    could refuse the shard. Frames are checked (_check) and opcodes charged to the budget (_charge)
+    on the way. One pass over the bytes (a check reading them first inflated a gzip shard twice); no
+    peek(), so the unpickler reads nothing it has not been handed, checked."""
+
+    def __init__(self, stream: IO[bytes], take: Callable[[int], None]) -> None:
+        self.stream, self.take = stream, take
+        self.offset = 0  # of the first byte of the next read, for messages
+        self.head = bytearray()  # the opcode being read and as much of its argument as it needs
+        self.skip = 0  # bytes of a counted argument (a string, an array's data) still to pass
+        self.frame_end = 0  # the byte after the frame being read, if one is
+        self.entries = 0  # the memo's size: the index the next PUT must name
+        self.stopped = False
+
+    def load(self) -> Any:
+        return RestrictedUnpickler(self).load()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.stream.read(n)
+        self._check(data)
+        return data
+
+    def readline(self) -> bytes:
+        line = self.stream.readline()
+        self._check(line)
+        return line
+
+    def readinto(self, buffer: Any) -> int:
+        n = self.stream.readinto(buffer)
+        self._check(memoryview(buffer)[:n])
+        return n
+
+    def _check(self, data: Any) -> None:
+        """Read the opcodes in `data`, a frame at a time: the C unpickler drops what is left of a
+        frame when an opcode, its argument or a line runs past the frame's end, and reads them from
+        the bytes after it, so a shard cut that way would have it build from other bytes than these.
+        Refused, as pickle's Python unpickler does (no pickler writes one)."""
+        pos, end, opcodes = 0, len(data), 0
+        while pos < end and not self.stopped:
+            in_frame = self.frame_end > self.offset + pos
+            pos, more = self._check_opcodes(data, pos, min(end, self.frame_end - self.offset) if in_frame else end)
+            opcodes += more
+            if in_frame and self.offset + pos == self.frame_end and (self.head or self.skip):
+                raise _Refused(f"an opcode runs past the end of the frame ending at byte {self.frame_end}")
+        self.offset += end
+        self._charge(opcodes)
+
+    def _charge(self, opcodes: int) -> None:
+        """Charge to the budget what `opcodes` may build before the unpickler has them: a gzip shard's
+        budget counted only its bytes, and 2 KB of gzip (2 MB of '}') built 285 MB of dicts."""
+        try:
+            self.take(opcodes * OPCODE_BYTES)
+        except _Refused as exc:
+            raise _Refused(f"{exc} with the objects its opcodes build ({OPCODE_BYTES} bytes counted "
+                           f"for each)") from None
+
+    def _check_opcodes(self, data: Any, pos: int, end: int) -> tuple[int, int]:
+        """Check the opcodes in data[pos:end] (this loop runs once for every opcode of a shard);
+        returns where it stopped and how many opcodes it read whole."""
+        head, opcodes = self.head, 0
+        while pos < end and not self.stopped:
+            if self.skip:
+                step = min(self.skip, end - pos)
+                self.skip, pos = self.skip - step, pos + step
+                continue
+            if (code := head[0] if head else data[pos]) not in LAYOUTS:  # raised as _Refused: see it
+                raise _Refused(f"invalid load key {bytes([code])!r} at byte {self.offset + pos}")
+            opcode, size, count_format, lines, checked = LAYOUTS[code]
+            if not head and not lines and pos + size <= end:  # whole here (most): no copy unless checked
+                if checked:
+                    head += data[pos:pos + size]
+                    self._complete(opcode, count_format, self.offset + pos)
+                    head.clear()
+                pos, opcodes = pos + size, opcodes + 1
+                continue
+            if lines and head:  # a text argument: up to its next newline
+                newline = NEWLINE.search(data, pos, end)
+                stop = newline.end() if newline else end
+            else:  # the opcode, and its fixed argument or the length of its counted one
+                stop = min(end, pos + size - len(head))
+            head += data[pos:stop]
+            pos = stop
+            if (head.count(b"\n") == lines) if lines else len(head) == size:
+                if checked:
+                    self._complete(opcode, count_format, self.offset + pos - len(head))
+                head.clear()
+                opcodes += 1
+        return pos, opcodes
+
+    def _complete(self, opcode: pickletools.OpcodeInfo, count_format: str | None, at: int) -> None:
+        """The whole head of the opcode at byte `at`: its counted bytes to pass, its memo index checked."""
+        if count_format:
+            (self.skip,) = struct.unpack_from(count_format, self.head, 1)
+            if self.skip < 0:
+                raise _Refused(f"{opcode.name} at byte {at} has a negative length {self.skip}")
+        if opcode.name in PUT_OPCODES:
+            try:
+                index = opcode.arg.reader(io.BytesIO(self.head[1:]))
+            except ValueError as exc:  # a text index that is no number
+                raise _Refused(f"{opcode.name} at byte {at}: {exc}") from None
+            if index != self.entries:
+                raise _Refused(f"{opcode.name} at byte {at} names memo index {index}, not the next one "
+                               f"({self.entries})")
+        if opcode.name == "FRAME":
+            self._begin_frame(at)
+        self.entries += opcode.name in PUT_OPCODES or opcode.name == "MEMOIZE"
+        self.stopped = opcode.name == "STOP"
+
+    def _begin_frame(self, at: int) -> None:
+        """The frame whose FRAME opcode is at byte `at`; one may begin only where the last ended (as
+        in _check, the C unpickler would drop the rest of the last)."""
+        if self.frame_end > at + len(self.head):
+            raise _Refused(f"FRAME at byte {at} begins before the frame ending at byte {self.frame_end} ends")
+        (length,) = struct.unpack_from("<Q", self.head, 1)
+        self.frame_end = at + len(self.head) + length
+
+
+def _load(data: bytes, compressed: bool, take: Callable[[int], None]) -> Any:
+    return _gunzip_load(data, take) if compressed else _MemoChecked(io.BytesIO(data), take).load()
 
 
 def safe_loads(data: bytes, compressed: bool, take: Callable[[int], None] | None = None) -> Any:
-    """Decompress (if gzip), check the memo indices (_check_memo_puts), unpickle with the restricted
-    unpickler and check what came out. The decompressed bytes are charged to `take` (a ByteBudget
-    share), by default a budget of memory_budget() of the shard's own."""
-    if not compressed:
-        _check_memo_puts(io.BytesIO(data))
-        obj = RestrictedUnpickler(io.BytesIO(data)).load()
-    elif take is None:
-        with ByteBudget(memory_budget()).share() as own:
-            obj = _gunzip_load(data, own)
-    else:
-        obj = _gunzip_load(data, take)
+    """Decompress (if gzip), check the memo indices (_MemoChecked), unpickle with the restricted
+    unpickler and check what came out. The decompressed bytes, and OPCODE_BYTES for each opcode, are
+    charged to `take` (a ByteBudget share), by default a budget of memory_budget() of the shard's own."""
+    try:
+        if take is None:
+            with ByteBudget(memory_budget()).share() as own:
+                obj = _load(data, compressed, own)
+        else:
+            obj = _load(data, compressed, take)
+    except _Refused as exc:
+        raise pickle.UnpicklingError(str(exc)) from None
     _check_plain(obj)
     return obj
