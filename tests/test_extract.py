@@ -1706,7 +1706,7 @@ def test_the_extraction_contract_types_part_json_and_names_a_missing_field(extra
     # A field of the wrong type is named before anything computes with it (was a ValueError from
     # the layer's file name, or a TypeError).
     from actstore.formats import extract as extract_format
-    for key, value, want in (("layers", [None], "a list of block numbers"), ("n_tokens", "12", "a whole number"),
+    for key, value, want in (("layers", [None], "a non-empty list of block numbers"), ("n_tokens", "12", "a whole number"),
                              ("sample_range", [3], r"\[start, stop\]"), ("hooks", [1], "a list of strings")):
         bad = json.loads((out / "part-0000" / "part.json").read_text()) | {key: value}
         (copy / "part.json").write_text(json.dumps(bad))

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part_dirname, tensor_file
+from actstore.formats.extract.layout import INDEX, PART_META, layer_tensor, part_dirname, part_dirs, tensor_file
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
 from actstore.integrity import file_problem, inside, links_out, read_json, whole_number
@@ -22,7 +22,7 @@ def detect(path: str | Path) -> bool:
 
 
 def _part_dirs(path: Path) -> list[Path]:
-    return [path] if (path / PART_META).is_file() else sorted(path.glob("part-[0-9][0-9][0-9][0-9]"))
+    return [path] if (path / PART_META).is_file() else part_dirs(path)
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
@@ -38,8 +38,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "dtype": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("dtype", "float32"),
         "n_shards": len(parts),
         "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
-        # finite activations a float16 storage dtype turned into +-inf (part.json, when any)
-        "float16_overflow_count": sum(int(p.meta.get("float16_overflow_count", 0)) for p in parts),
+        # finite activations a float16 storage dtype turned into +-inf (part.json, when any; null: none)
+        "float16_overflow_count": sum(p.meta.get("float16_overflow_count") or 0 for p in parts),
         # texts cut at max_seq_length (part.json; None where a part does not know: images, older parts)
         "n_truncated_samples": _total(p.meta.get("n_truncated_samples") for p in parts),
     }
@@ -139,9 +139,10 @@ def _index_problems(extract_dir: Path) -> list[str]:
 
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
-    """The stored float32 vector of (dataset row, block output, token)."""
+    """The stored float32 vector of (dataset row, block output, token); None for a token the sample
+    lacks (a negative index too: Python's would give a token counted from the end)."""
     extraction = open_extraction(path)
     if layer_idx not in extraction.info.layers:
         return None
     rows = extraction.activations(layer_tensor(layer_idx), sample_idx)
-    return np.array(rows[token_idx]) if token_idx < len(rows) else None
+    return np.array(rows[token_idx]) if 0 <= token_idx < len(rows) else None

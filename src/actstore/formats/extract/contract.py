@@ -104,8 +104,8 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
             raise bad(key, "a string")
     if "sample_range" in meta and not (whole_numbers(meta["sample_range"]) and len(meta["sample_range"]) == 2):
         raise bad("sample_range", "[start, stop]")
-    if "layers" in meta and not whole_numbers(meta["layers"]):
-        raise bad("layers", "a list of block numbers")
+    if "layers" in meta and not (whole_numbers(meta["layers"]) and meta["layers"]):  # formats size from layers[0]
+        raise bad("layers", "a non-empty list of block numbers")
     for key in ("tensors", "hooks"):
         if key in meta and not (isinstance(meta[key], list) and all(isinstance(x, str) for x in meta[key])):
             raise bad(key, "a list of strings")
@@ -122,10 +122,33 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
         if not (whole_numbers(shape) and isinstance(dtype, str)):
             raise FormatError(f"{source}: files[{name!r}] shape must be a list of sizes and dtype a string, "
                               f"got {record!r:.80}")
+    if meta.get("created_at") is not None and not isinstance(meta["created_at"], str):
+        raise bad("created_at", "a string or null")
+    versions = meta.get("versions", {})  # lmprobe's provenance looks its versions up
+    if not (isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values())):
+        raise bad("versions", "an object of version strings")
     for key in ("model", "dataset"):
         if key in meta and not isinstance(meta[key], dict):
             raise bad(key, "an object")
+        _check_strings(meta.get(key, {}), key, source)
     _check_labels(meta.get("dataset", {}).get("labels"), source)
+
+
+# model and dataset fields the formats copy into their metadata or open as paths: strings, those
+# the extraction writer may record as null (OPTIONAL) or null.
+STRING_FIELDS = {"model": ("path", "name", "architecture", "torch_dtype", "revision", "model_type"),
+                 "dataset": ("path", "name", "split")}
+OPTIONAL = ("revision", "model_type")
+
+
+def _check_strings(record: dict[str, Any], key: str, source: Path) -> None:
+    """FormatError naming `key.field` when a field of STRING_FIELDS present in `record` is not a string
+    (a missing one is named where PartInfo.parse reads it)."""
+    for name in STRING_FIELDS[key]:
+        value = record.get(name)
+        if name in record and not (isinstance(value, str) or (value is None and name in OPTIONAL)):
+            raise FormatError(f"{source}: field '{key}.{name}' must be a string"
+                              f"{' or null' if name in OPTIONAL else ''}, got {value!r:.80}")
 
 
 def _check_labels(labels: Any, source: Path) -> None:

@@ -19,6 +19,8 @@ nothing that looks complete.
 from __future__ import annotations
 
 import io
+import re
+from pathlib import Path
 
 import numpy as np
 
@@ -49,6 +51,14 @@ PER_SAMPLE_FILES = ("topk_values.npy", "topk_indices.npy")
 
 def part_dirname(part: int) -> str:
     return f"part-{part:04d}"
+
+
+def part_dirs(extract_dir: Path) -> list[Path]:
+    """The part directories in `extract_dir`, in part order: every name part_dirname gives, which
+    has five digits from part 10000 on (a four-digit pattern left those parts unverified)."""
+    found = [(int(m[1]), path) for path in extract_dir.glob("part-*")
+             if (m := re.fullmatch(r"part-([0-9]+)", path.name)) and path.name == part_dirname(int(m[1]))]
+    return [path for _, path in sorted(found)]
 
 
 # Storage dtypes of captured tensors and their .npy descr. numpy has no bfloat16: it is kept as its

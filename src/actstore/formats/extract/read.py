@@ -19,7 +19,7 @@ from actstore.casts import RowFile, to_float32
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, STORAGE_DESCR, part_dirname,
-                                             tensor_file)
+                                             part_dirs, tensor_file)
 from actstore.integrity import (check_file, check_npy, file_records, inside, open_files_budget, open_regular, read_json,
                                 refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
@@ -340,7 +340,7 @@ class Extraction:
         if n_parts is None and (self.dir / INDEX).is_file():
             n_parts = _listed_parts(self.dir / INDEX)  # a deleted part is missing, not skipped
         if n_parts is None:  # no index yet: every part.json says how many parts there are
-            found = sorted(self.dir.glob("part-[0-9][0-9][0-9][0-9]"))
+            found = part_dirs(self.dir)
             n_parts = open_part(found[0]).info.parts if found else 0
         if n_parts == 0:
             raise FormatError(f"{self.dir}: no extraction parts")
