@@ -138,8 +138,8 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                  waited["batches_seconds"], waited["input_wait_seconds"], waited["staging_wait_seconds"],
                  waited["busiest_writer_seconds"], waited["forward_seconds"], waited["main_thread_cpu_seconds"])
         if overflow:
-            log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (extract.storage_dtype "
-                        "float16; auto, bfloat16 or float32 keeps them)", part, overflow)
+            log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (storage dtype "
+                        "float16; extract.storage_dtype bfloat16 or float32 keeps them)", part, overflow)
         truncated = None if token_ids is None else token_ids.truncated
         if truncated:
             log.warning("part %d: %d of %d texts were longer than extract.max_seq_length %d; their first %d "
@@ -191,8 +191,9 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
     with WritePipeline(writer, loaded.device, ext["buffers"], writer_threads(ext, cpus)) as pipeline, \
             capture(loaded, ext["layers"], ext["hooks"]) as captured, torch.inference_mode(), bar, \
             logprobs.attached() if logprobs else nullcontext():
-        overflow = (torch.zeros((), dtype=torch.int64, device=loaded.device)
-                    if dtype == torch.float16 and loaded.model.dtype != torch.float16 else None)
+        # Counted for a float16 model too: a module it keeps in float32 (T5's `wo`) makes its block
+        # outputs float32, and those can pass float16's range where the model's own tensors cannot.
+        overflow = torch.zeros((), dtype=torch.int64, device=loaded.device) if dtype == torch.float16 else None
         while True:
             asked = time.perf_counter()
             if (item := next(arriving, None)) is None:
@@ -213,6 +214,10 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
                 raise ConfigError(out_of_memory(loaded, ext, rows, token_ids is None)) from exc
             submitting = time.perf_counter()
             pipeline.submit(rows, *packed)
+            # Dropped before the next forward (the copies to the host keep what they still read): held
+            # through it, a batch's packed captures and logits raised every later batch's peak memory
+            # above the first batch's, which out_of_memory's advice takes for the part's.
+            del output, packed
             bar.update()
             spent["forward"] += packing - forwarded
             spent["pack"] += submitting - packing
@@ -271,7 +276,7 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     for name, tensor in captured.items():
         computed = packed(tensor, keep)
         tokens[tensor_file(name)] = stored = computed.to(dtype)
-        if overflow is not None:
+        if overflow is not None and computed.dtype != dtype:  # a float16 tensor's infs are the model's own
             overflow.add_((stored.isinf() & computed.isfinite()).sum())
     per_row: dict[str, torch.Tensor] = {}
     if token_ids is not None:
