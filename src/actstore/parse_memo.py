@@ -11,17 +11,19 @@ the main parse would name its outputs by another hash than the one it was submit
 So while a Snakefile is parsed (`start`), each such fact is computed once (`remembered`); when the
 main process starts running jobs, the Snakefile's onstart writes them to a file (`hand_over`) whose
 path its jobs inherit in their environment (Slurm jobs through sbatch's --export=ALL), and a job's
-parse takes the main process's facts from it. Outside a parse (rule scripts, the actstore command)
-every fact is computed afresh: the extraction's scan checks the data against the stage's hash.
+parse takes the main process's facts from it, as does the stage config a rule's script records
+(`main_process_facts`). Elsewhere outside a parse (rule scripts, the actstore command) every fact is
+computed afresh: the extraction's scan checks the data against the stage's hash.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from actstore.io_utils import canonical_json, write_json_atomic
 
@@ -56,6 +58,20 @@ def start(main_process: bool) -> None:
     path = os.environ.get(ENV)
     if not main_process and path:
         _handed = _read(Path(path))
+
+
+@contextlib.contextmanager
+def main_process_facts() -> Iterator[None]:
+    """Within: each fact as the main process read it, from the file its environment names (else
+    computed once, as in a job's parse); after, as before. For a rule's script whose output the
+    main process named: workflow.record_stage."""
+    global _memo, _handed
+    before = _memo, _handed
+    start(main_process=False)
+    try:
+        yield
+    finally:
+        _memo, _handed = before
 
 
 def remembered(name: str, key: Any, compute: Callable[[], Any]) -> Any:

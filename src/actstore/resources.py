@@ -17,8 +17,8 @@ from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
 from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
-from actstore.model_config import (config_int, config_patches, model_kind, resolve_model_path, run_config, run_dtype,
-                                   tower_config)
+from actstore.model_config import (config_int, config_patches, model_kind, read_model_config, resolve_model_path,
+                                   run_config, run_dtype, saved_dtype, tower_config)
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
@@ -107,8 +107,9 @@ def _workload(key: str) -> Workload:
     inner = int(model.get("intermediate_size") or model.get("n_inner") or 4 * hidden)
     ext = config["extract"]
     rows, data_bytes, block_bytes = _count_rows(config["dataset"])
-    if config["dataset"].get("limit"):
-        rows = min(rows, config["dataset"]["limit"])
+    limit = config["dataset"].get("limit")
+    if limit and limit < rows:  # the first `limit` rows' share of the text: what a part holds, the scan reads
+        rows, data_bytes = limit, data_bytes * limit // rows
     # Text: truncated at max_seq_length. Images: more where config.json says so (Gemma 3's tower: 4,096).
     per_row = max(MAX_IMAGE_TOKENS, config_patches(model) + 1) if vision else ext["max_seq_length"]
     patch = model.get("patch_size") or 16
@@ -178,11 +179,11 @@ TOKEN_ID_BYTES = 16  # a text part's token ids (extract.inputs.TokenIds): int64,
 
 
 def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
-    """Host memory of one extraction job: weights loaded on the host first, what reading its rows
-    holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches of captures)
-    plus one batch being packed, the decoded images waiting in shared memory (extract.num_workers,
-    else the job's CPUs: IMAGE_JOB_THREADS, or `threads` where more; workers' items ahead and two
-    batches), and 3 GB for torch/CUDA."""
+    """Host memory of one extraction job: weights loaded on the host first (host_weight_bytes), what
+    reading its rows holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches
+    of captures) plus one batch being packed, the decoded images waiting in shared memory
+    (extract.num_workers, else the job's CPUs: IMAGE_JOB_THREADS, or `threads` where more; workers'
+    items ahead and two batches), and 3 GB for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
     batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors
@@ -191,7 +192,16 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
     token_ids = 0 if w.pixel_bytes else TOKEN_ID_BYTES * w.tokens / ext["parts"]
     held = dataset_bytes(config, workers) + token_ids + batch + images * w.pixel_bytes
-    return _round_mb((1.5 * w.weight_bytes + held) / 1e6 + 3000) * attempt
+    return _round_mb((1.5 * host_weight_bytes(config) + held) / 1e6 + 3000) * attempt
+
+
+def host_weight_bytes(config: dict[str, Any]) -> float:
+    """Bytes of the model an extraction job loads on the host, before it moves to the GPU: its weight
+    files, widened where model.torch_dtype is wider than the dtype they were saved in (the default
+    float32 run of a bfloat16 checkpoint holds twice its files)."""
+    saved = saved_dtype(read_model_config(resolve_model_path(config["model"]["path"])))
+    widening = _itemsize(run_dtype(config["model"])) / _itemsize(saved)
+    return workload(config).weight_bytes * max(1.0, widening)
 
 
 def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
@@ -318,7 +328,8 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "pickle_machines": rows / parts + pickle_shards,  # one part at a time
         "zarr_shards": (rows + zarr_records) / parts + zarr_buffers,
-        "zarr_merge_chunks": zarr_records / min(parts, write_jobs(config, "zarr", "merge_jobs")),
+        # the records of every part it links, held to its end: the most parts a job takes (jobs.job_items)
+        "zarr_merge_chunks": zarr_records * -(-parts // write_jobs(config, "zarr", "merge_jobs")) / parts,
         "zarr_merge": ZARR_MERGE_SAMPLE_BYTES * w.rows,
     }[job]
     return int(buffers)

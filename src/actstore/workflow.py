@@ -40,8 +40,15 @@ def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[di
 def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> None:
     """Write the stage config into `stage_dir`, sealing the files the stage wrote there
     (integrity.sealed_names; `actstore verify` and the validate stage check them against it).
-    validate's plots are drawn after its stage config, by their own rule: only its report is sealed."""
-    write_stage_config(config, stage, Path(stage_dir), sealed=seal(Path(stage_dir), stage))
+    validate's plots are drawn after its stage config, by their own rule: only its report is sealed.
+    The config's hashes are those the main Snakemake process named `stage_dir` by (parse_memo): hashed
+    from the data as it is now, a dataset touched during the run (its mtimes: identity stat) would
+    record the config of another directory, which `actstore verify` then refuses, and every job
+    finishing a stage would list and hash the whole dataset again. The extraction checks its rows
+    against the data itself (datasets.check_unchanged)."""
+    sealed = seal(Path(stage_dir), stage)
+    with parse_memo.main_process_facts():
+        write_stage_config(config, stage, Path(stage_dir), sealed=sealed)
 
 
 def parse_dataset(config: dict[str, Any], main_process: bool) -> dict[str, str]:
