@@ -29,9 +29,18 @@ HOW_READ = ("its weights are read by their own names, all under one prefix, from
 def checkpoint_names(folder: Path) -> dict[str, str]:
     """Every tensor name of the folder's safetensors checkpoint -> the file that holds it: the shard
     index's weight_map (no shard opened), else model.safetensors' header; empty for a .bin checkpoint.
-    Either file there but not a regular file (a FIFO) is named: skipping it blamed a missing weight."""
+    Either file there but not a regular file (a FIFO) is named: skipping it blamed a missing weight.
+    Both there is a ConfigError: save_pretrained in shards over a single-file checkpoint (a fine-tune
+    saved where its base was) leaves model.safetensors, which from_pretrained reads first, so a model
+    ran the old weights and its vision tower, read by the index, the new. (An index mapping every
+    name to model.safetensors itself, as some repositories ship, is one checkpoint.)"""
     if (folder / INDEX).exists():
-        return _weight_map(folder)
+        weight_map = _weight_map(folder)
+        if (folder / SINGLE).exists() and set(weight_map.values()) != {SINGLE}:
+            raise ConfigError(f"model.path {folder}: holds both {SINGLE} and {INDEX} with its shards, two "
+                              f"checkpoints (save_pretrained removes neither when the other is saved over it): "
+                              f"from_pretrained would read {SINGLE}; move the stale one out of the folder")
+        return weight_map
     if (folder / SINGLE).exists():
         with _opened(folder, SINGLE) as handle:
             return dict.fromkeys(handle.keys(), SINGLE)
@@ -51,6 +60,19 @@ def _weight_map(folder: Path) -> dict[str, str]:
             raise ConfigError(f"model.path {folder}: {INDEX} weight_map gives {name!r} the file {file!r:.80}, "
                               "not a file name of the folder")
     return weight_map
+
+
+def check_checkpoint_files(folder: Path) -> None:
+    """ConfigError naming the file unless every file of the folder's safetensors checkpoint is a regular
+    file of the folder, checked before from_pretrained reads them: it joins the index's names to the
+    folder as given (`../x.safetensors` was read from outside it, where model_identity, which records
+    the folder's own files, never saw it change) and blocked forever opening a FIFO."""
+    for file in sorted(set(checkpoint_names(folder).values())):
+        try:
+            _regular(folder, file)
+        except OSError as exc:
+            raise ConfigError(f"model.path {folder}: {file}, which {INDEX} names, cannot be read "
+                              f"({exc.strerror})") from None
 
 
 def _plain_name(file: str) -> bool:

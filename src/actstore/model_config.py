@@ -271,10 +271,12 @@ def check_logits_topk(logits_topk: int, config: dict[str, Any]) -> None:
 
 # Text models whose positions are a learned table (BERT's family, GPT-2, OPT...): a longer input
 # indexes past it, a shape error on the CPU and a device-side assert on a GPU, after the weights load.
-# Rotary, relative and ALiBi positions extend past the trained length instead.
+# Rotary, relative and ALiBi positions extend past the trained length instead. BART's family (its
+# encoder, which extraction runs), Longformer and ESM-1 (ESM-2's position_embedding_type is rotary)
+# learn theirs too: a longer text was an IndexError out of the first batch.
 ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "albert", "distilbert",
                            "ernie", "data2vec-text", "mpnet", "gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt",
-                           "xglm")
+                           "xglm", "bart", "mbart", "plbart", "blenderbot", "longformer", "esm")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actstore.checkpoint import load_weights
+from actstore.checkpoint import check_checkpoint_files, load_weights
 from actstore.errors import ConfigError
 from actstore.model_config import (check_remote_code, check_tower, is_vision_language, model_kind, num_blocks,
                                    read_model_config, read_model_json, vision_tower_config)
@@ -345,6 +345,7 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     if tower == "vision":
         model = _vision_tower(path, skeleton, TORCH_DTYPES[torch_dtype])
     else:
+        check_checkpoint_files(path)  # the tower's loader checks the files it reads
         model = _tower(checkpoint, _auto_class(checkpoint).from_pretrained(
             path, dtype=TORCH_DTYPES[torch_dtype], local_files_only=True, trust_remote_code=trust_remote_code), tower)
     model = weights_to_device(model, dev).eval()
