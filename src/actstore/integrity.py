@@ -415,8 +415,11 @@ class _JsonStream:
         return self.consumed + self.pos
 
     def _more(self) -> bool:
-        """Append the next block (dropping what was parsed); False at the end of the file."""
-        block = "" if self.eof else self.fh.read(JSON_BLOCK_CHARS)
+        """Append the next block (dropping what was parsed); False at the end of the file. A block is
+        as long as the unparsed text it follows, at least JSON_BLOCK_CHARS: a value that runs on is
+        parsed again from its start once per block, so its blocks double (a 1 MiB block each made that
+        quadratic: an unterminated 128 MB string took 11 s, one of gigabytes hung every verify)."""
+        block = "" if self.eof else self.fh.read(max(JSON_BLOCK_CHARS, len(self.buf) - self.pos))
         if not block:
             self.eof = True
             return False
@@ -452,7 +455,8 @@ class _JsonStream:
                 if self.eof:
                     raise FormatError(f"{self.path}: not valid JSON ({exc.msg} at character "
                                       f"{self.consumed + exc.pos})") from None
-            except _StrictJsonError as exc:  # raised on a whole value only: more text cannot mend it
+            except ValueError as exc:  # _StrictJsonError, an int past Python's 4300 digits: raised on a
+                # whole value only, so more text cannot mend it
                 raise FormatError(f"{self.path}: not valid JSON ({exc})") from None
             except RecursionError:
                 raise FormatError(f"{self.path}: not valid JSON (nested too deeply to parse)") from None
@@ -569,9 +573,10 @@ def dir_bytes(root: Path) -> int:
 
 def inside(root: Path, name: Any, source: str) -> Path:
     """`name` (a relative POSIX path read from metadata) as a path inside `root`; FormatError when
-    it is not a string, is absolute, climbs out with `..`, is a path the file system refuses to look
-    up (a component over 255 bytes), or resolves outside through a link or through a loop of links."""
-    rel = PurePosixPath(name) if isinstance(name, str) and name else None
+    it is not a string, is no file name (_file_name), is absolute, climbs out with `..`, is a path the
+    file system refuses to look up (a component over 255 bytes), or resolves outside through a link
+    or through a loop of links."""
+    rel = PurePosixPath(name) if _file_name(name) else None
     if rel is None or rel.is_absolute() or ".." in rel.parts:
         raise FormatError(f"{source}: {name!r} is not a relative path inside {root}")
     path = root.joinpath(*rel.parts)
@@ -586,6 +591,20 @@ def inside(root: Path, name: Any, source: str) -> Path:
         if not target.is_relative_to(root.resolve()):
             raise FormatError(f"{source}: {name!r} leads outside {root} (through a link)")
     return path
+
+
+def _file_name(name: Any) -> bool:
+    """Whether `name` is text the operating system can take as a path: not empty, with no NUL byte
+    and encodable to bytes (a lone surrogate, which a JSON "\\ud800" escape gives, is not). A path
+    with either is "missing" to pathlib's is_file(), then a bare ValueError naming no file from the
+    open (a zarr manifest's store path so made crashed open_zarr)."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return False
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _through_link(root: Path, rel: PurePosixPath) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from actstore.integrity import STRICT_JSON
+from actstore.io_utils import errors_naming
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +64,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
     tensors in data order), each tensor written from its own memory: no copy of the file is held
     (a device tensor is copied to the host one at a time). ValueError naming the file for what the
     library's save refuses (metadata other than text, a tensor not contiguous) or a dtype outside
-    LIBRARY_DTYPES."""
+    LIBRARY_DTYPES; an OSError of the writes (a full disk, a quota) names it too."""
     for key, value in metadata.items():  # json.dumps would write any, the library reads only text
         if not isinstance(key, str) or not isinstance(value, str):
             raise ValueError(f"{path}: metadata {key!r}: {value!r} is not text")
@@ -76,7 +77,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadat
         header[name] = {"dtype": dtypes[name], "shape": list(tensors[name].shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
-    with open(path, "wb") as fh:
+    with errors_naming(path), open(path, "wb") as fh:  # a full disk's error names no file
         fh.write(canonical_header(header))
         for name in ordered:
             fh.write(_host_bytes(tensors[name]))
