@@ -80,7 +80,7 @@ def scan_metadata(path: Path, names: list[str], fields: Fields) -> dict[str, Any
             raise ConfigError(f"{where}: {NAME_FIELD} {name!r} is not an image of the folder")
         if images[name] is not _NO_ROW:
             raise ConfigError(f"{where}: a second row for {name!r}")
-        images[name] = described(row, fields, where)[0]
+        images[name] = described(row, fields, where, csv=path.suffix == ".csv")[0]
         described_rows += 1
     if described_rows < len(images):
         missing = next(name for name in names if images[name] is _NO_ROW)
@@ -99,14 +99,17 @@ def rows_of(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def described(row: dict[str, Any], fields: Fields, where: str) -> tuple[Any, dict[str, Any]]:
-    """(label, kept fields) of an image's row: the label from dataset.label_field (None when unset:
-    the image's folder is its label), and dataset.keep_fields, or every field but the name and label."""
+def described(row: dict[str, Any], fields: Fields, where: str, csv: bool) -> tuple[Any, dict[str, Any]]:
+    """(label, kept fields) of an image's row (`csv`: of metadata.csv): the label from
+    dataset.label_field (None when unset: the image's folder is its label; a CSV's empty value,
+    which csv.writer and pandas' to_csv write for a missing label and Hugging Face's imagefolder
+    reads as one, not a class "" of its own), and dataset.keep_fields, or every field but the name
+    and label."""
     label = None
     if fields.label_required:
         if fields.label not in row:
             raise ConfigError(f"{where}: no field {fields.label!r} (dataset.label_field)")
-        label = checked_label(row[fields.label], fields.label, where)
+        label = None if csv and row[fields.label] == "" else checked_label(row[fields.label], fields.label, where)
     if fields.keep is None:
         skip = {NAME_FIELD, fields.label} if fields.label_required else {NAME_FIELD}
         return label, {k: v for k, v in row.items() if k not in skip}

@@ -101,7 +101,7 @@ def _samples(fmt: str, root: Path, named: dict[int, str], fields: Fields, metada
     rows = rows_of(metadata, named.values())
     samples = []
     for row, name in named.items():
-        label, kept = described(rows[name], fields, f"{metadata}: the row of {name!r}")
+        label, kept = described(rows[name], fields, f"{metadata}: the row of {name!r}", csv=metadata.suffix == ".csv")
         samples.append(Sample(row, name, label if fields.label_required else folder_label(name), kept))
     return samples
 

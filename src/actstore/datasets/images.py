@@ -184,10 +184,16 @@ EXIF_ORIENTATION = 0x0112
 def upright(img: Any) -> Any:
     """The image turned as its EXIF Orientation says (a phone photo is stored sideways with a tag to
     turn it), as Hugging Face datasets' Image feature and transformers' load_image show it; an image
-    without the tag as it is."""
-    from PIL import ImageOps
+    without the tag as it is. Turned as ImageOps.exif_transpose turns it, but not by it: it also
+    writes the EXIF again without the tag, which raised a TypeError or struct.error naming no file
+    (in a DataLoader worker, after the weights loaded) where another tag's value is not of its type
+    (a damaged byte, a camera's own tags), for an image whose pixels decode."""
+    from PIL import Image
 
-    return img if img.getexif().get(EXIF_ORIENTATION) is None else ImageOps.exif_transpose(img)
+    method = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}.get(img.getexif().get(EXIF_ORIENTATION))
+    return img if method is None else img.transpose(method)
 
 
 def to_rgb(img: Any) -> Any:

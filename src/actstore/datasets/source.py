@@ -136,8 +136,11 @@ def _folder_source(root: Path, fmt: str, split: str) -> Source:
     if fmt == "text_folder":  # never chosen by auto, as any folder holds files
         return Source(fmt, root, tuple(files))
     images = tuple(p for p in files if folder_file(p.name, "image_folder"))
+    if fmt == "auto" and images:
+        _check_no_data_files(root, images, files)
     if fmt == "image_folder" or (fmt == "auto" and images):
         if (chosen := split_folder(root, split)) != root:  # train/<label>/..., validation/<label>/...
+            _check_no_metadata_above(root, chosen, files)
             root = chosen
             files = [p for p in files if p.is_relative_to(root)]
             images = tuple(p for p in images if p.is_relative_to(root))
@@ -149,6 +152,30 @@ def _folder_source(root: Path, fmt: str, split: str) -> Source:
             return Source("image_folder", root, ())  # empty: load_dataset names it
         fmt = _one_format(str(root), set(shards.values()))
     return Source(fmt, root, tuple(p for p, kind in shards.items() if kind == fmt))
+
+
+def _check_no_data_files(root: Path, images: tuple[Path, ...], files: list[Path]) -> None:
+    """ConfigError naming an image and a data file (Parquet, Arrow, CSV, JSONL, tar; an image folder's
+    metadata file aside) when the folder holds both: a Hub snapshot of data/train-*.parquet whose
+    README shows a banner.png was read as an image folder of that one image, its rows left out
+    without a word. Which is the dataset is the config's to say."""
+    data = next((p for p in files if shard_format(p) and p.name not in METADATA_NAMES), None)
+    if data is not None:
+        raise ConfigError(f"dataset.path {root} holds images ({images[0].relative_to(root)}, {len(images)} in all) "
+                          f"and data files ({data.relative_to(root)}): set dataset.format to image_folder, or to "
+                          f"the data files' format ({shard_format(data)})")
+
+
+def _check_no_metadata_above(root: Path, chosen: Path, files: list[Path]) -> None:
+    """ConfigError naming a metadata file at the root of split folders (Hugging Face's imagefolder
+    reads it for every split, its file_name `train/cat/1.png`): the split's folder `chosen` is read,
+    and its images were read without their fields, without a word (or, with dataset.label_field,
+    refused as having no metadata file)."""
+    above = next((p for p in files if p.parent == root and p.name in METADATA_NAMES), None)
+    if above is not None:
+        raise ConfigError(f"dataset.path {root}: {above.name} at the root of its split folders is not read (the "
+                          f"split's images are read from {chosen.name}/): put one {above.name} in each split's "
+                          f"folder, its file_name relative to that folder")
 
 
 def _metadata_file(root: Path, files: list[Path]) -> Path | None:

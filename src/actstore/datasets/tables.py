@@ -52,13 +52,15 @@ def blocks(fmt: str, path: Path, columns: list[str]) -> Iterator[tuple[int, Call
 
 
 def count_rows(fmt: str, path: Path) -> int:
-    """Rows of one table file, reading no values (Parquet: its footer; CSV: no column converted;
-    Arrow: batch lengths of the memory-mapped file)."""
+    """Rows of one table file, reading no values (Parquet: its footer; CSV: its first column alone,
+    as bytes, which no value fails; Arrow: batch lengths of the memory-mapped file)."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
         return pq.ParquetFile(path).metadata.num_rows
-    if fmt == "csv":
-        return sum(batch.num_rows for batch in _csv_batches(path, []))
+    if fmt == "csv":  # one column, as bytes: every column converted failed the scan on a column the config
+        # never reads (an id column of numbers in the first block and text in a later one)
+        first = schema_of(fmt, path).names[:1]
+        return sum(batch.num_rows for batch in _csv_batches(path, first, dict.fromkeys(first, pa.binary())))
     return sum(batch.num_rows for batch in _ipc_batches(path))
 
 
@@ -98,22 +100,24 @@ def _row_group(parquet: Any, path: Path, group: int, columns: list[str]) -> pa.T
         raise ConfigError(f"{path}: row group {group} cannot be read as Parquet, damaged ({exc})") from None
 
 
-def _open_csv(path: Path, columns: list[str] | None):
-    """A CSV reader; newlines_in_values: a quoted value may hold line breaks (as csv.writer and pandas
-    write a multi-line text), which without it fail the read of any file past one block."""
+def _open_csv(path: Path, columns: list[str] | None, types: dict[str, pa.DataType] | None = None):
+    """A CSV reader (`types`: columns' types, not inferred); newlines_in_values: a quoted value may
+    hold line breaks (as csv.writer and pandas write a multi-line text), which without it fail the
+    read of any file past one block."""
     from pyarrow import csv
     return csv.open_csv(path, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
                         parse_options=csv.ParseOptions(newlines_in_values=True),
-                        convert_options=csv.ConvertOptions(include_columns=columns))
+                        convert_options=csv.ConvertOptions(include_columns=columns, column_types=types))
 
 
-def _csv_batches(path: Path, columns: list[str] | None) -> Iterator[pa.RecordBatch]:
+def _csv_batches(path: Path, columns: list[str] | None,
+                 types: dict[str, pa.DataType] | None = None) -> Iterator[pa.RecordBatch]:
     """The CSV file's blocks; ConfigError naming the file and the rows read before one pyarrow cannot
     parse or decompress (a row of more values than the header's columns, a .csv.gz cut short: a bare
     ArrowInvalid or OSError named no file)."""
     rows = 0
     try:
-        for batch in _open_csv(path, columns):
+        for batch in _open_csv(path, columns, types):
             yield batch
             rows += batch.num_rows
     except (pa.ArrowInvalid, OSError) as exc:
@@ -433,8 +437,20 @@ def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: li
         for size, read in blocks(source.format, path, [fields.label]):
             if n_rows <= 0:
                 return
-            yield from _python_values(read().column(fields.label).slice(0, n_rows))
+            yield from _python_values(_label_column(source.format, read().column(fields.label)).slice(0, n_rows))
             n_rows -= size
+
+
+def _label_column(fmt: str, labels: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A block's label column, a CSV's empty strings null: CSV has no null but the empty value, which
+    csv.writer writes for None and pandas' to_csv for a missing label (and pandas, so Hugging Face,
+    reads back as one). As a string it was a class "" of its own, without a word; in a column of
+    integers pyarrow reads it as null already."""
+    if fmt != "csv" or not is_text(labels.type):
+        return labels
+    import pyarrow.compute as pc
+
+    return pc.if_else(pc.equal(labels, ""), pa.scalar(None, labels.type), labels)
 
 
 def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: range) -> list[Sample]:
@@ -480,7 +496,8 @@ def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | N
     ids = table.column(fields.tokens).combine_chunks() if fields.tokens else None
     values = {name: table.column(name).to_pylist() for name in table.column_names
               if name != fields.tokens or name in (fields.keep or ())}
-    labels = values.get(fields.label, [None] * table.num_rows)
+    labels = (_label_column(source.format, table.column(fields.label)).to_pylist() if fields.label in values
+              else [None] * table.num_rows)
     if names is not None:
         labels = [names[v] if isinstance(v, int) and 0 <= v < len(names) else None for v in labels]
 
