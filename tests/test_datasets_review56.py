@@ -96,3 +96,24 @@ def test_a_webdataset_scan_counting_more_samples_than_its_shards_is_refused(tmp_
     with pytest.raises(ConfigError, match=r"shard-00002\.tar: the dataset ends before row 16, which its scan counts "
                                           r"\(24 rows\); scan it again"):
         load_dataset(tmp_path / "shards", parts=(3, 2), scan=scan)
+
+
+def test_an_image_folder_of_split_folders_is_read_by_part_from_its_scan(tmp_path):
+    """train/<label>/... beside validation/: the scan recorded the runs of train/, and every part job
+    looked for <label>/ at the dataset's root ("cat: its files changed since the dataset was scanned")."""
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path / "images"
+    for split, shade in (("train", 0), ("validation", 100)):
+        for label in ("cat", "dog"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(np.full((8, 8, 3), shade + 10 * i, np.uint8)).save(root / split / label / f"{i}.png")
+    whole = load_dataset(root)
+    scan = scan_dataset(root)
+    parts = [load_dataset(root, scan=scan, parts=(2, part)) for part in range(2)]
+    read = [sample for part in parts for sample in part.samples]
+    assert [(s.sample_idx, s.text, s.label) for s in read] == [(s.sample_idx, s.text, s.label) for s in whole.samples]
+    assert [(s.text, s.label) for s in read] == [(f"{label}/{i}.png", label) for label in ("cat", "dog") for i in range(3)]
+    assert np.asarray(parts[1].opener(parts[1].samples[-1]))[0, 0, 0] == 20  # train/dog/2.png, not validation's

@@ -27,6 +27,7 @@ from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.scan import RESCAN, Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
 from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, identity_files, resolve_source
+from actstore.datasets.splits import split_folder
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError
@@ -83,8 +84,11 @@ def load_dataset(path: str | Path, limit: int | None = None, split: str = "train
     dataset. `scan`: scan_dataset's for the same path and options, else scanned here."""
     if scan is not None and scan.runs:  # a folder of files: only the folders of these rows are listed
         rows = part_range(scan.n_samples, *parts) if parts else range(scan.n_samples)
-        samples = read_folder_runs(Path(path), scan, rows, _fields(options, None))
-        return _folder_dataset(Source(scan.folder_format, Path(path), ()), samples, scan)
+        # the runs are the split's folder's, as the scan read them (train/<label>/...: every part job
+        # looked for <label>/ at the root, "gone")
+        root = split_folder(Path(path), split) if scan.folder_format == "image_folder" else Path(path)
+        samples = read_folder_runs(root, scan, rows, _fields(options, None))
+        return _folder_dataset(Source(scan.folder_format, root, ()), samples, scan)
     source, fields, schemas = _opened(path, split, options)
     scan = scan or _scan(path, source, fields, schemas, limit)
     check_unchanged(scan, source)
