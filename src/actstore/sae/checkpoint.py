@@ -14,7 +14,7 @@ from actstore.config import SAELENS_CFG, SAELENS_WEIGHTS, import_files
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
 from actstore.io_utils import atomic_path, write_json_atomic
-from actstore.safetensors_io import save_safetensors
+from actstore.safetensors_io import read_header_json, save_safetensors
 from actstore.sae.model import SAE_KEYS, TopKSAE
 
 SAE_FILE = "sae.safetensors"
@@ -33,9 +33,10 @@ SAE_DIMS = {"encoder_weight": ("num_basis", "d_in"), "encoder_bias": ("num_basis
 IMPORT_DIMS = {"W_enc": ("d_in", "d_sae"), "b_enc": ("d_sae",), "W_dec": ("d_sae", "d_in"), "b_dec": ("d_in",)}
 
 
-def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
+def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | None = None) -> TopKSAE:
     """Load a SAELens- or saev-style checkpoint (W_enc [d_in, d_sae], W_dec [d_sae, d_in], b_enc
     [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias where it is subtracted first.
+    `hook_width`: the width of the hook it will encode, which d_in must be (check_hook_width).
 
     SAELens (safetensors, or the folder holding sae_weights.safetensors): b_dec is subtracted before encoding unless cfg.json beside the file says
     apply_b_dec_to_input: false; a cfg.json must describe an SAE that encodes as TopKSAE does
@@ -50,12 +51,15 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     if not path.is_file():
         raise ConfigError(f"sae.import.path {path}: no such file")
     native = style == "saev" and is_saev_checkpoint(path)
-    header, raw = read_saev_checkpoint(path, k_active) if native else ({}, read_safetensors(path)[1])
+    if not native:
+        check_hook_width(path, safetensors_width(path), hook_width, "its safetensors header's W_enc shape")
+    header, raw = read_saev_checkpoint(path, k_active, hook_width) if native else ({}, read_safetensors(path)[1])
     missing = [key for key in IMPORT_DIMS if key not in raw]
     if missing:  # str: a saev state dict's keys need not be strings, nor sortable together
         raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(map(str, raw))}")
     w_enc, b_enc, w_dec, b_dec = checked_tensors(path, raw, IMPORT_DIMS).values()
     d_in, d_sae = w_enc.shape
+    check_hook_width(path, d_in, hook_width, "W_enc's shape")  # a header without the width: the weights'
     if k_active > d_sae:
         raise ConfigError(f"{path}: d_sae {d_sae}, fewer latents than sae.k_active {k_active}")
     check_saev_sizes(path, header, d_in, d_sae)
@@ -67,6 +71,30 @@ def import_sae(path: str | Path, style: str, k_active: int) -> TopKSAE:
     bias = b_enc - b_dec @ w_enc if subtract else b_enc
     return TopKSAE.from_state({"encoder_weight": w_enc.T, "encoder_bias": bias,
                                "decoder_weight": w_dec, "decoder_bias": b_dec}, k_active)
+
+
+def check_hook_width(path: Path, d_in: Any, hook_width: int | None, source: str) -> None:
+    """ConfigError naming the file and `source` (where d_in was read) when its SAE's d_in is not the
+    hook's width. Checked from the file's header where it gives d_in, before its weights are read: a
+    checkpoint of another model's width was loaded whole (gigabytes, from a cluster's shared file
+    system) before it was refused. A `d_in` that is not a whole number is the later checks' to name."""
+    if hook_width is not None and whole_number(d_in) and d_in != hook_width:
+        raise ConfigError(f"sae.import.path {path}: d_in {d_in} ({source}), but the hook's width is {hook_width}: "
+                          "an SAE of another model or hook")
+
+
+def safetensors_width(path: Path) -> Any:
+    """W_enc's first dimension (d_in) as the safetensors header of `path` gives it, None where it names
+    none; read from the header alone, not the tensors. FormatError naming the file for a header that
+    is not one."""
+    with path.open("rb") as fh:
+        try:
+            header, _ = read_header_json(fh, path.stat().st_size)
+        except ValueError as exc:
+            raise FormatError(f"{path}: unreadable safetensors ({exc})") from None
+    entry = header.get("W_enc") if isinstance(header, dict) else None
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    return shape[0] if isinstance(shape, list) and len(shape) == 2 else None
 
 
 def fold_decoder_norms(path: Path, w_enc: torch.Tensor, b_enc: torch.Tensor,
@@ -94,11 +122,13 @@ def is_saev_checkpoint(path: Path) -> bool:
     return head[:1] == b"{" and not safetensors
 
 
-def read_saev_checkpoint(path: Path, k_active: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_saev_checkpoint(path: Path, k_active: int,
+                         hook_width: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(header, tensors) of saev's own checkpoint file (saev.nn.dump at commit 3d73f1f: one JSON line
     {"schema", "cfg", ...}, then torch.save of the state dict), read with torch's weights-only
     unpickler. ConfigError naming the file unless its activation is TopK with top_k = k_active:
-    ReLU and BatchTopK SAEs (a threshold at inference) are not the LUT spec's Step A."""
+    ReLU and BatchTopK SAEs (a threshold at inference) are not the LUT spec's Step A; or, before the
+    weights are read, when the header's d_model (d_vit before it) is not `hook_width`."""
     with path.open("rb") as fh:
         line = fh.readline(SAEV_HEADER_LIMIT)
         try:
@@ -111,6 +141,9 @@ def read_saev_checkpoint(path: Path, k_active: int) -> tuple[dict[str, Any], dic
                               "encoder is TopK(ReLU(x W + b)))")
         if not whole_number(top_k) or top_k != k_active:  # whole_number: true == 1 in Python
             raise ConfigError(f"{path}: top_k {top_k!r}, but sae.k_active is {k_active}: set sae.k_active to it")
+        cfg = header.get("cfg") if isinstance(header.get("cfg"), dict) else {}
+        field = "d_model" if "d_model" in cfg else "d_vit"
+        check_hook_width(path, cfg.get(field), hook_width, f"its header's cfg.{field}")
         try:
             # From the file itself, after the header line: a copy of its bytes first doubled the peak.
             state = torch.load(fh, weights_only=True, map_location="cpu")

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from actstore.config import import_files, resolve_hook
-from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction, open_extraction
 from actstore.io_utils import sha256_file, write_json_atomic
 from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, SAELENS_DIR, import_sae, save_sae, save_saelens
@@ -21,10 +20,8 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
     """sae.import's checkpoint, checked against the hook's width and evaluated on the same held-out
     split a trained SAE would get; return it and the report dict."""
     imported = sae_cfg["import"]
-    sae = import_sae(imported["path"], imported["style"], sae_cfg["k_active"])
     arrays = tensors(extraction, hook)
-    if arrays[0].shape[1] != sae.d_in:
-        raise ConfigError(f"sae.import.path {imported['path']}: d_in {sae.d_in} != {hook} width {arrays[0].shape[1]}")
+    sae = import_sae(imported["path"], imported["style"], sae_cfg["k_active"], hook_width=arrays[0].shape[1])
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
     held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"], seed=sae_cfg["seed"])
     if imported["style"] == "saev" and held["tokens_under_k"]:
