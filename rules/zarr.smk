@@ -13,9 +13,6 @@ ZARR_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr"))]
 ZARR_RECORDS = expand(f"{ZARR_DIR}/scatter/shards-{{job}}", job=ZARR_JOBS)
 ZARR_MERGED = [f"{ZARR_DIR}/merged"] if config["zarr"]["merged"] else []
 ZARR_MERGE_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr", "merge_jobs"))]
-# The most parts one chunk-link job takes: its runtime is bounded by that many parts' bytes read once
-# (it reads none: a hard link per chunk file, the shard's file itself).
-ZARR_PARTS_PER_MERGE_JOB = -(-N_PARTS // len(ZARR_MERGE_JOBS))
 
 
 rule zarr_shards:
@@ -39,8 +36,7 @@ rule zarr_shards:
     resources:
         cpus_per_task=config["zarr"]["threads"],
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_shards", attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
-            config, attempt, jobs=len(ZARR_JOBS), passes=2.0),
+        runtime=lambda wildcards, attempt: actstore_resources.part_jobs_runtime(config, attempt, "zarr", 2.0),
     conda:
         "../envs/actstore.yaml"
     script:
@@ -67,8 +63,9 @@ rule zarr_merge_chunks:
     threads: 1
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_merge_chunks", attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(
-            config, attempt, jobs=N_PARTS, passes=float(ZARR_PARTS_PER_MERGE_JOB)),
+        # bounded by its parts' bytes read once (it reads none: a hard link per chunk file)
+        runtime=lambda wildcards, attempt: actstore_resources.part_jobs_runtime(
+            config, attempt, "zarr", 1.0, key="merge_jobs"),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -107,3 +107,30 @@ def test_a_zarr_merge_job_taking_more_parts_than_its_share_is_sized_for_them(ext
     held = len(link_chunks(taken, tmp_path / "merge-0", jobs, 0, progress=False))
     assert len(taken) == 2 and held * resources.FILES_JSON_ENTRY_BYTES <= resources.writer_buffer_bytes(
         resources.workload(config), config, "zarr_merge_chunks")
+
+
+def test_a_writer_job_taking_two_parts_asks_for_two_parts_time_whatever_the_job_count(tmp_path):
+    """4 parts in 3 pickle / zarr jobs: job 0 takes 2 parts, and asked for a third of the whole (1.5
+    parts' time), where 2 jobs of 2 parts each asked for 2 parts' time; Slurm killed it at its limit."""
+    import re
+
+    import yaml
+    from test_workflow import demo_config, snakemake
+
+    def runtimes(jobs: int) -> dict[str, int]:
+        config = demo_config(tmp_path / f"r{jobs}")
+        config["extract"].update(parts=4, max_seq_length=512)
+        config["pickle"], config["zarr"] = {"jobs": jobs}, {"jobs": jobs}
+        (tmp_path / f"c{jobs}.yaml").write_text(yaml.safe_dump(config))
+        output = snakemake(tmp_path, tmp_path / f"c{jobs}.yaml", "-n", "pickle", "zarr")
+        jobs_run = {}  # rule of job 0000 -> its runtime, from each job's block of the dry run
+        for block in output.split("\nrule ")[1:]:
+            rule, wildcards, runtime = (re.search(pattern, block) for pattern in (
+                r"^(\w+):", r"wildcards: job=(\d+)", r"resources: .*runtime=(\d+)"))
+            if rule[1] in ("pickle_machines", "zarr_shards") and wildcards[1] == "0000":
+                jobs_run[rule[1]] = int(runtime[1])
+        return jobs_run
+
+    three, two = runtimes(3), runtimes(2)
+    assert set(three) == {"pickle_machines", "zarr_shards"}
+    assert three == two

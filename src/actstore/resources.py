@@ -347,6 +347,17 @@ def io_runtime(config: dict[str, Any], attempt: int = 1, jobs: int = 1, passes: 
     return _minutes(passes * w.activation_bytes / jobs / IO_BYTES_PER_S, attempt)
 
 
+def part_jobs_runtime(config: dict[str, Any], attempt: int, stage: str, passes: float, key: str = "jobs") -> int:
+    """Minutes for the busiest of `stage`'s jobs over the extraction's parts (write_jobs(config, stage,
+    key) of them, jobs.job_items' ranges): `passes` over the activations of each part it takes, the
+    most any job takes. A share of the whole by the job count was short where the parts do not divide
+    (65 parts in 64 jobs: half the time of the job taking two) or are fewer than the jobs (4 parts in
+    16: a quarter of one part's), and Slurm killed the job at its limit."""
+    parts = config["extract"]["parts"]
+    most = -(-parts // write_jobs(config, stage, key))
+    return io_runtime(config, attempt, jobs=parts, passes=passes * most)
+
+
 def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     """Minutes for train_sae on one GPU: about 12 x d x num_basis FLOPs per training token (encoder and
     dense decoder, forward and backward) plus reading the hook's activations a few times."""
