@@ -4,6 +4,7 @@ error, each through the real writers' stores and files."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 from pathlib import Path
@@ -110,3 +111,55 @@ def test_the_checks_leave_good_names_and_values_alone(bert_run, tmp_path):
     cut.write_text(head + "x" * (JSON_BLOCK_CHARS - len(head) - 10) + '", "a": true}}')
     assert [(k, list(v)) for k, v in stream_json_object(cut, "files")] == [
         ("files", [("pad", "x" * (JSON_BLOCK_CHARS - len(head) - 10)), ("a", True)])]
+
+
+def budget_in_child(setup: str) -> int:
+    """memory_budget() in a fresh Python that first runs `setup`."""
+    import subprocess
+    import sys
+
+    script = f"{setup}\nfrom actstore.integrity import memory_budget\nprint(memory_budget())\n"
+    return int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+
+
+def test_the_memory_budget_is_a_quarter_of_an_address_space_limit():
+    """A process limited below physical memory (ulimit -v, as some clusters set) had a quarter of the
+    machine's: a hostile file's allocation under that failed as a bare MemoryError."""
+    limit = 3 << 30
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert physical > limit
+    assert budget_in_child(f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({limit}, -1))") == limit // 4
+
+
+def own_memory_cgroup() -> Path | None:
+    """A new memory cgroup below this process's (v1 or v2), where it may make one (root), else None."""
+    from actstore.integrity import CGROUP_MEMORY_FILES
+
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        kind = "" if not controllers else "memory" if "memory" in controllers.split(",") else None
+        root, name = CGROUP_MEMORY_FILES.get(kind, (None, None))
+        folder = Path(root or "/nonexistent") / path.lstrip("/") / "actstore-test56"
+        try:
+            folder.mkdir()
+        except OSError:
+            continue
+        if (folder / name).exists():
+            return folder
+        folder.rmdir()
+    return None
+
+
+def test_the_memory_budget_is_a_quarter_of_the_cgroups_limit():
+    """A Slurm job's --mem is its cgroup's memory limit: a job given 16 GB of a 512 GB node had a budget
+    of 128 GB, so a file's claim under it was allocated, and the kernel killed the job naming nothing."""
+    group = own_memory_cgroup()
+    if group is None:
+        pytest.skip("no memory cgroup this process may make one below")
+    try:
+        limit_file = group / ("memory.max" if (group / "memory.max").exists() else "memory.limit_in_bytes")
+        limit_file.write_text(str(2 << 30))
+        budget = budget_in_child(f"import os\nopen({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))")
+    finally:
+        group.rmdir()
+    assert budget == (2 << 30) // 4

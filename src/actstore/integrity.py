@@ -87,9 +87,44 @@ def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threa
 
 
 def memory_budget() -> int:
-    """Bytes one allocation sized by a file's own claims may take: a quarter of physical memory.
-    Past it a reader refuses, naming the file, instead of failing with a MemoryError or worse."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    """Bytes one allocation sized by a file's own claims may take: a quarter of the memory this process
+    may use, physical memory or less where its cgroup (a Slurm job's --mem) or its address-space limit
+    caps it. Past it a reader refuses, naming the file, instead of failing with a MemoryError or worse
+    (a job given 16 GB of a 512 GB node had a budget of 128 GB: the kernel killed it, naming nothing)."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    limits = [physical, *_cgroup_memory_limits()]
+    if address_space != resource.RLIM_INFINITY:
+        limits.append(address_space)
+    return min(limits) // 4
+
+
+CGROUP_MEMORY_FILES = {"": ("/sys/fs/cgroup", "memory.max"),  # v2: the unified hierarchy
+                       "memory": ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")}  # v1
+
+
+def _cgroup_memory_limits() -> list[int]:
+    """The memory limits of this process's cgroup and of those above it (Slurm sets --mem on the job's,
+    above the step's and task's), v1 or v2, as /proc/self/cgroup names them; none where unreadable."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        kind = "" if not controllers else "memory" if "memory" in controllers.split(",") else None
+        if kind is None:
+            continue
+        root, name = map(Path, CGROUP_MEMORY_FILES[kind])
+        group = root / path.lstrip("/")
+        for folder in [group, *group.parents][:len(group.relative_to(root).parts) + 1]:
+            try:
+                text = (folder / name).read_text().strip()
+            except OSError:
+                continue
+            limits += [int(text)] if text.isdigit() else []  # "max": none
+    return limits
 
 
 def open_files_budget() -> int:
