@@ -16,11 +16,12 @@ rule validate_stores:
         bench_path("validate", "validate_stores")
     # verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the
     # CPUs it is given. cpus_per_task: Slurm's CPUs for those threads. mem_mb: pickle shards checked at
-    # once hold up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES), the rest is small.
+    # once hold up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES), a larger one four times its size (the
+    # quarter of the job's memory a file's claims may take); the rest is small.
     threads: 8
     resources:
         cpus_per_task=8,
-        mem_mb=4000,
+        mem_mb=lambda wildcards, attempt: actstore_resources.validate_mem_mb(config, attempt),
         runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=1.0),
     conda:
         "../envs/actstore.yaml"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import tiny
@@ -134,3 +135,18 @@ def test_a_writer_job_taking_two_parts_asks_for_two_parts_time_whatever_the_job_
     three, two = runtimes(3), runtimes(2)
     assert set(three) == {"pickle_machines", "zarr_shards"}
     assert three == two
+
+
+@pytest.mark.parametrize("shard_size_mb", [100, 500, 2000])
+def test_the_validate_job_holds_a_pickle_shard_within_its_memory_budget(shard_size_mb):
+    """A file's claims may take a quarter of a job's memory (integrity.memory_budget, from its cgroup's
+    limit under Slurm): the validate job, a fixed 4,000 MB, refused a 2,000 MB shard as too large."""
+    import yaml
+
+    from actstore.config import validate_config
+    from actstore.resources import validate_mem_mb
+
+    config = validate_config(yaml.safe_load((tiny.REPO / "config" / "config.yaml").read_text()))
+    config["pickle"]["shard_size_mb"] = shard_size_mb
+    assert validate_mem_mb(config) / 4 >= shard_size_mb * 1.1
+    assert validate_mem_mb(config) >= 4000

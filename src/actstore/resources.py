@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actstore.config import enabled_stages
 from actstore.checkpoint import tensor_bytes
 from actstore.datasets.jsonl import size_estimate
 from actstore.datasets.source import Source, resolve_source
@@ -333,6 +334,17 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "zarr_merge": ZARR_MERGE_SAMPLE_BYTES * w.rows,
     }[job]
     return int(buffers)
+
+
+VALIDATE_MEM_MB = 4000  # verify's files at once: pickle shards up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES)
+
+
+def validate_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
+    """mem_mb of the validate_stores job: VALIDATE_MEM_MB, or where pickle shards are larger, four
+    times one (with a tenth for what its opcodes build): a shard is refused past a quarter of the
+    job's memory (integrity.memory_budget, from its cgroup's limit), so one must fit in that quarter."""
+    shard_mb = config["pickle"]["shard_size_mb"] * 1.1 if "pickle" in enabled_stages(config) else 0
+    return _round_mb(max(VALIDATE_MEM_MB, 4 * shard_mb)) * attempt
 
 
 def writer_mem_mb(config: dict[str, Any], job: str, attempt: int = 1) -> int:
