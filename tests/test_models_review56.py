@@ -120,3 +120,34 @@ def test_an_index_naming_only_the_single_file_is_one_checkpoint(model_dir, tmp_p
     (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": names}))
     assert checkpoint_names(folder) == names and set(names.values()) == {SINGLE}
     load_model(folder, device="cpu")
+
+
+# llava-hf/llava-1.5-7b-hf's config.json as the Hub serves it (saved by transformers 4.36): its text_config
+# leaves out the settings equal to LlamaConfig's defaults, Vicuna-7B's 32 blocks of width 4096 among them.
+LLAVA_15_CONFIG = {
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                    "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                    "torch_dtype": "float16", "vocab_size": 32064},
+    "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.36.0.dev0",
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                      "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+
+
+def test_a_text_config_saved_without_its_default_sizes_reads_them_from_its_class(tmp_path):
+    """LLaVA 1.5's language model: its text extraction was refused as naming no block count, and the
+    resources took its width for 1024."""
+    from actstore.model_config import check_layers, config_int, num_blocks, vision_tower_config
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAVA_15_CONFIG))
+    config = read_model_config(tmp_path)
+    assert (num_blocks(config), config_int(config, "hidden_size"), config_int(config, "num_attention_heads")) \
+        == (32, 4096, 32)
+    assert config["text_config"]["intermediate_size"] == 11008
+    check_layers([0, 31], config)
+    with pytest.raises(ConfigError):
+        check_layers([32], config)
+    assert num_blocks(vision_tower_config(config)) == 24  # what the file gives is kept

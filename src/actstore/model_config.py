@@ -1,8 +1,10 @@
 """A local HF model's config.json: where the folder is, what kind of model, its sizes. No torch: the
 workflow's parse (common.smk, resources.py) and the writer jobs read these, and importing torch
-costs each of them ~2 s and ~150 MB (on Slurm every job parses the workflow again)."""
+costs each of them ~2 s and ~150 MB (on Slurm every job parses the workflow again); only a sub-model's
+config saved without its class's default sizes imports transformers (_fill_class_defaults)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from pathlib import Path
@@ -58,7 +60,38 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
     for key in NESTED_CONFIGS:
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise ConfigError(f"model.path: {file} holds {key} {config[key]!r:.60}, not an object of settings")
+        if config.get(key) is not None:
+            _fill_class_defaults(config[key])
     return config
+
+
+# The settings of a sub-model that the sizes, layer checks and resources read.
+CLASS_DEFAULT_SETTINGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def _fill_class_defaults(nested: dict[str, Any]) -> None:
+    """Fill a sub-model's missing CLASS_DEFAULT_SETTINGS from its model_type's config class, as
+    from_pretrained does: transformers 4 saved a composite's text_config without the values equal to
+    its class's defaults (llava-hf/llava-1.5-7b-hf: a Llama with no num_hidden_layers or hidden_size),
+    and its text extraction was refused as naming no block count. Imports transformers (and torch,
+    seconds) only for such a config."""
+    missing = [setting for setting in CLASS_DEFAULT_SETTINGS
+               if not any(isinstance(nested.get(name), int) for name in CONFIG_ALIASES.get(setting, (setting,)))]
+    if missing and isinstance(nested.get("model_type"), str):
+        nested.update((setting, value) for setting, value in _class_defaults(nested["model_type"]).items()
+                      if setting in missing)
+
+
+@functools.lru_cache(maxsize=8)
+def _class_defaults(model_type: str) -> dict[str, int]:
+    """CLASS_DEFAULT_SETTINGS of transformers' config class for `model_type` (none for a type it lacks)."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return {}
+    defaults = CONFIG_MAPPING[model_type]()
+    return {setting: value for setting in CLASS_DEFAULT_SETTINGS
+            if isinstance(value := getattr(defaults, setting, None), int)}
 
 
 def read_model_json(path: Path) -> dict[str, Any]:
