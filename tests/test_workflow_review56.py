@@ -150,3 +150,19 @@ def test_the_validate_job_holds_a_pickle_shard_within_its_memory_budget(shard_si
     config["pickle"]["shard_size_mb"] = shard_size_mb
     assert validate_mem_mb(config) / 4 >= shard_size_mb * 1.1
     assert validate_mem_mb(config) >= 4000
+
+
+@pytest.mark.parametrize("section", ["model", "dataset"])
+def test_an_empty_path_is_refused_naming_its_key(section, tmp_path):
+    """model.path or dataset.path "" passed the schema and resolved to the working directory: its
+    files were read as the dataset, and failed far away naming them."""
+    import yaml
+
+    from actstore.config import load_config
+    from actstore.errors import ConfigError
+
+    config = yaml.safe_load((tiny.REPO / "config" / "config.yaml").read_text())
+    config[section]["path"] = ""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=rf"{section}/path"):
+        load_config(tmp_path / "c.yaml")
