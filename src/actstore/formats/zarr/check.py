@@ -140,7 +140,7 @@ def _verify_store(store: Path, listing: _Listing | None = None) -> list[str]:
         reader = ZarrStore(store)
     except FormatError as exc:
         return _verify_files(store, None, entry) + [str(exc)]
-    problems = _verify_files(store, reader, entry) + _verify_metadata(store, reader) + _sample_idx_problems(reader)
+    problems = _verify_files(store, reader, entry) + metadata_problems(store, reader) + _sample_idx_problems(reader)
     if listing is not None:
         problems += run_field_problems(listing.manifest, reader, str(listing.path))
         problems += start_problems(entry, reader, f"{listing.path}: {listing.name}", listing.name == "merged")
@@ -258,7 +258,9 @@ def _recorded_bytes(info: Any) -> int | None:
     return info["bytes"] if isinstance(info, dict) and whole_number(info.get("bytes")) else None
 
 
-def _verify_metadata(store: Path, reader: ZarrStore) -> list[str]:
+def metadata_problems(store: Path, reader: ZarrStore) -> list[str]:
+    """A store's metadata as zarr clients read it and as its attrs describe it (verify's; the merge's
+    check of each shard before it builds the merged store from the first one's attrs)."""
     problems = []
     for key, value in reader.metadata.items():  # what plain zarr clients see must equal the files
         try:

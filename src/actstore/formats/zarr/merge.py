@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
+from actstore.formats.zarr.check import metadata_problems
 from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key,
                                           chunk_counts, chunk_keys_in_name_order, files_json_pieces)
 from actstore.formats.zarr.read import ZarrStore, store_files
@@ -187,6 +188,9 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
     Memory does not grow with the chunk files: the records are streamed into a table on disk."""
     shards, readers = _open_shards(shards)
     refuse([problem for reader in readers for problem in _read_file_problems(reader)])
+    # the merged .zarray is built from the first shard's attrs, around chunk files its .zarray made:
+    # attrs that verify names (T_chunk, num_layers) made a store no read could use
+    refuse([problem for shard, reader in zip(shards, readers) for problem in metadata_problems(shard, reader)])
     chunk_dirs, out_path = [Path(d) for d in chunk_dirs], Path(out_path)
     _take_back_killed_moves(chunk_dirs, _job_shards(shards, len(chunk_dirs)), readers, out_path)
     merged_attrs = _merged_attrs(shards, [r.attrs for r in readers])
@@ -322,9 +326,11 @@ def _record_samples(chunk_dirs: list[Path], covered: list[list[str]],
 
 def _sample_moves(chunk_dirs: list[Path], covered: list[list[str]], readers: list[ZarrStore],
                   dst: Path) -> Iterator[tuple[Path, Path]]:
-    """(chunk directory in a chunk dir, its place in `dst`) of every merged sample, in order."""
-    for d, _, _, g in _record_samples(chunk_dirs, covered, readers):
-        yield d / ACTS / str(g), dst / ACTS / str(g)
+    """(chunk directory in a chunk dir, its place in `dst`) of every merged sample with a token, in
+    order: one of no token (seq_len 0) has no chunk file, so no directory, in the shard or the chunk dir."""
+    for d, reader, local, g in _record_samples(chunk_dirs, covered, readers):
+        if reader.seq_len[local]:
+            yield d / ACTS / str(g), dst / ACTS / str(g)
 
 
 @contextlib.contextmanager
