@@ -44,17 +44,25 @@ def read_mask(path: Path, image_size: tuple[int, int]) -> np.ndarray:
     """(H, W) uint8 class ids; raise FormatError naming the file if it is not a label image of that size."""
     from PIL import Image
 
-    from actstore.datasets.images import upright  # not at the top: it imports pyarrow, which saev jobs need not
+    # not at the top: it imports pyarrow, which saev jobs need not
+    from actstore.datasets.images import upright, whole_images_only
     if not path.is_file():
         raise FormatError(f"{path}: mask missing (saev.patch_labels.masks)")
-    with Image.open(path) as stored:
-        img = upright(stored)  # as Hugging Face datasets shows a mask, like its image
-        if img.size != image_size:
-            raise FormatError(f"{path}: mask is {img.size[0]}x{img.size[1]}, its image is "
-                              f"{image_size[0]}x{image_size[1]}")
-        if img.mode not in ("L", "P", "I", "I;16"):
-            raise FormatError(f"{path}: mask mode {img.mode!r}; need one channel of class ids (L, P or I)")
-        mask = np.asarray(img)
+    # Decoded whole, as the images are: with LOAD_TRUNCATED_IMAGES set in the process a cut file gave
+    # class 0 for its missing rows, else an OSError naming no file.
+    try:
+        with whole_images_only(), Image.open(path) as stored:
+            img = upright(stored)  # as Hugging Face datasets shows a mask, like its image
+            if img.size != image_size:
+                raise FormatError(f"{path}: mask is {img.size[0]}x{img.size[1]}, its image is "
+                                  f"{image_size[0]}x{image_size[1]}")
+            if img.mode not in ("L", "P", "I", "I;16"):
+                raise FormatError(f"{path}: mask mode {img.mode!r}; need one channel of class ids (L, P or I)")
+            mask = np.asarray(img)
+    # truncated or not an image (OSError), a broken chunk (SyntaxError), a text chunk past PIL's limit
+    # (ValueError), past PIL's pixel limit: PIL's messages name no file
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise FormatError(f"{path}: cannot decode the mask ({exc})") from None
     if mask.max(initial=0) >= N_CLASSES or mask.min(initial=0) < 0:
         raise FormatError(f"{path}: class ids must be 0-255 (labels.bin is uint8), found {mask.min()}-{mask.max()}")
     return mask.astype(np.uint8)

@@ -26,7 +26,7 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
 from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
 from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, errors_naming,
-                               remove_stale_temps, write_json_atomic)
+                               make_dirs_durable, remove_stale_temps, write_json_atomic)
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import config_patches, register_tokens
 
@@ -129,7 +129,7 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
             kept_tokens = np.delete(np.arange(patches + int(cls_token)), dropped)
             patches, registers, sidecar["dropped_tokens"] = patches - registers, 0, dropped.tolist()
         labels = _plan_labels(extraction, section, description, labeler,
-                              (_patch_size(model_config), patches, registers), progress, labels)
+                              (model_config, patches, registers), progress, labels)
     else:
         if section.get("patch_labels"):
             raise ConfigError("saev.patch_labels: per-patch labels need an image dataset; "
@@ -204,9 +204,10 @@ def _image_patches(extraction, num_tokens: np.ndarray, cls_token: bool,
 
 
 def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any], labeler: PatchLabeler | None,
-                 geometry: tuple[int, int, int], progress: bool, compute: bool) -> np.ndarray | None:
+                 geometry: tuple[dict[str, Any], int, int], progress: bool, compute: bool) -> np.ndarray | None:
     """labels.bin rows from saev.patch_labels (None when unset, or when not `compute`); the settings
-    join `data` either way, so HASH changes with them. geometry: patch_size, patches_per_ex, registers."""
+    join `data` either way, so HASH changes with them. geometry: the model's config.json dict,
+    patches_per_ex, registers."""
     settings = section.get("patch_labels")
     if not settings:
         return None
@@ -215,17 +216,26 @@ def _plan_labels(extraction, section: dict[str, Any], description: dict[str, Any
     settings = {**settings, "masks": str(Path(settings["masks"]).resolve())}
     if not Path(settings["masks"]).is_dir():
         raise ConfigError(f"saev.patch_labels.masks: {settings['masks']} is not a directory")
+    model_config, patches, registers = geometry
+    patch_size = _patch_size(model_config, extraction.info.model.path)  # checked in the shard jobs too
     description["patch_labels"] = {**settings, "register_label": labeler.register_label}
     if not compute:
         return None
     rels = [row["text"] for _, _, row in extraction.iter_samples()]
-    patch_size, patches, registers = geometry
     return labeler.compute(extraction.info.dataset.path, rels, extraction.info.model.path, patch_size, settings,
                            patches, registers, progress=progress)
 
 
-def _patch_size(model_config: dict[str, Any]) -> int:
-    return int((model_config.get("vision_config") or model_config)["patch_size"])
+def _patch_size(model_config: dict[str, Any], model_path: str | Path) -> int:
+    """The image tower's patch_size from config.json, which only labels.bin needs (a tile of mask
+    pixels per patch): a CLIP saved by transformers 4 leaves its vision_config's default out."""
+    tower = model_config.get("vision_config") or model_config
+    patch_size = tower.get("patch_size")
+    if type(patch_size) is not int or patch_size < 1:
+        where = "vision_config.patch_size" if tower is not model_config else "patch_size"
+        raise ConfigError(f"saev.patch_labels: {Path(model_path) / 'config.json'} {where} = {patch_size!r}; "
+                          "labels.bin needs the model's patch size in pixels (add it to config.json)")
+    return patch_size
 
 
 def _check_patches(model_config: dict[str, Any], measured: int) -> None:
@@ -301,12 +311,13 @@ def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = T
     root/<sha256> (spec) or root/shards/<8 hex> (upstream); every file's size and sha256 go to actstore.json.
     One job writing every shard, then finishing the store: what the workflow's shard jobs and its
     finishing job do apart."""
-    Path(root).mkdir(parents=True, exist_ok=True)
     # Named as atomic_path names the temps of root/<store>-shards, so that the shards a killed run left
-    # (as large as the store) are swept here by the next run instead of piling up beside the stores.
+    # (as large as the store) are swept here by the next run instead of piling up beside the stores;
+    # made beside that name (root/shards/ for upstream), where the sweep looks.
     scratch = Path(root) / f"{plan.store_name}-shards"
+    make_dirs_durable(scratch.parent)  # the store's parent, whose name a crash must not lose
     remove_stale_temps(scratch)
-    with tempfile.TemporaryDirectory(prefix=f".{scratch.name}.", suffix=TEMP_SUFFIX, dir=root) as job_dir:
+    with tempfile.TemporaryDirectory(prefix=f".{scratch.name}.", suffix=TEMP_SUFFIX, dir=scratch.parent) as job_dir:
         write_shards(plan, fill, job_dir, 1, 0, progress=progress)
         return finish_store(plan, [job_dir], root)
 
@@ -448,9 +459,14 @@ def _write_labels_file(path: Path, labels: np.ndarray, shape: tuple[int, int]) -
 def write_labels(path: str | Path, labels: np.ndarray) -> None:
     """Attach per-patch labels (n_examples, patches_per_ex) as labels.bin (uint8) and record its sha256
     in actstore.json. A store a workflow stage points at is sealed by its pointer: labels written
-    afterwards are a change `actstore verify <stage dir>` names (the saev stage writes its own labels)."""
+    afterwards are a change `actstore verify <stage dir>` names (the saev stage writes its own labels).
+    A store saev wrote has no actstore.json and keeps none: its labels.bin unrecorded, as saev leaves
+    it (verify checks its size); a new actstore.json would make verify read the store as ours, whose
+    every shard is recorded and whose `data` is a plain dict, and name each of them."""
     store = open_store(path)
     _write_labels_file(store.dir / LABELS, labels, (store.n_examples, store.patches_per_ex))
+    if not store.sidecar:
+        return
     sidecar = store.sidecar
     sidecar.setdefault("files", {})[LABELS] = file_record(store.dir / LABELS)
     write_json_atomic(store.dir / SIDECAR, sidecar)
