@@ -151,3 +151,16 @@ def test_a_text_config_saved_without_its_default_sizes_reads_them_from_its_class
     with pytest.raises(ConfigError):
         check_layers([32], config)
     assert num_blocks(vision_tower_config(config)) == 24  # what the file gives is kept
+
+
+def test_a_vision_config_saved_without_its_default_patch_size_reads_it_from_its_class(tmp_path):
+    """A CLIP vision_config left out patch_size (32, CLIPVisionConfig's default): saev's labels and the
+    patch-count check had none."""
+    from actstore.model_config import config_patches, vision_tower_config
+
+    config = {**LLAVA_15_CONFIG, "vision_config": {
+        key: value for key, value in LLAVA_15_CONFIG["vision_config"].items() if key not in ("patch_size", "image_size")}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tower = vision_tower_config(read_model_config(tmp_path))
+    assert (tower["patch_size"], tower["image_size"], tower["hidden_size"]) == (32, 224, 1024)
+    assert config_patches(tower) == (224 // 32) ** 2

@@ -61,37 +61,43 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise ConfigError(f"model.path: {file} holds {key} {config[key]!r:.60}, not an object of settings")
         if config.get(key) is not None:
-            _fill_class_defaults(config[key])
+            _fill_class_defaults(key, config[key])
     return config
 
 
-# The settings of a sub-model that the sizes, layer checks and resources read.
-CLASS_DEFAULT_SETTINGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# A sub-model's settings taken from its class where config.json leaves them out: the sizes, layer
+# checks and resources read these; the first of each kind (what a store cannot be made without) is
+# what makes a config.json worth the import.
+CLASS_DEFAULT_SETTINGS = {"text_config": ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"),
+                          "vision_config": ("num_hidden_layers", "hidden_size", "patch_size", "image_size",
+                                            "num_attention_heads", "intermediate_size")}
+NEEDED_SETTINGS = {"text_config": 2, "vision_config": 3}  # image_size: a dynamic-resolution tower has none
 
 
-def _fill_class_defaults(nested: dict[str, Any]) -> None:
+def _fill_class_defaults(key: str, nested: dict[str, Any]) -> None:
     """Fill a sub-model's missing CLASS_DEFAULT_SETTINGS from its model_type's config class, as
-    from_pretrained does: transformers 4 saved a composite's text_config without the values equal to
-    its class's defaults (llava-hf/llava-1.5-7b-hf: a Llama with no num_hidden_layers or hidden_size),
-    and its text extraction was refused as naming no block count. Imports transformers (and torch,
-    seconds) only for such a config."""
-    missing = [setting for setting in CLASS_DEFAULT_SETTINGS
+    from_pretrained does: transformers 4 saved a composite's sub-configs without the values equal to
+    their class's defaults (llava-hf/llava-1.5-7b-hf: a Llama text_config with no num_hidden_layers or
+    hidden_size, whose text extraction was refused as naming no block count; a CLIP vision_config
+    without patch_size). Imports transformers (and torch, seconds) only where a needed one is missing."""
+    settings = CLASS_DEFAULT_SETTINGS[key]
+    missing = [setting for setting in settings
                if not any(isinstance(nested.get(name), int) for name in CONFIG_ALIASES.get(setting, (setting,)))]
-    if missing and isinstance(nested.get("model_type"), str):
-        nested.update((setting, value) for setting, value in _class_defaults(nested["model_type"]).items()
-                      if setting in missing)
+    if set(missing) & set(settings[:NEEDED_SETTINGS[key]]) and isinstance(nested.get("model_type"), str):
+        defaults = _class_defaults(nested["model_type"], settings)
+        nested.update((setting, defaults[setting]) for setting in missing if setting in defaults)
 
 
 @functools.lru_cache(maxsize=8)
-def _class_defaults(model_type: str) -> dict[str, int]:
-    """CLASS_DEFAULT_SETTINGS of transformers' config class for `model_type` (none for a type it lacks)."""
+def _class_defaults(model_type: str, settings: tuple[str, ...]) -> dict[str, int]:
+    """`settings` of transformers' config class for `model_type`, where whole numbers (none for a type
+    it lacks)."""
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         return {}
     defaults = CONFIG_MAPPING[model_type]()
-    return {setting: value for setting in CLASS_DEFAULT_SETTINGS
-            if isinstance(value := getattr(defaults, setting, None), int)}
+    return {setting: value for setting in settings if isinstance(value := getattr(defaults, setting, None), int)}
 
 
 def read_model_json(path: Path) -> dict[str, Any]:
