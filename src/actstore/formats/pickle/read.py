@@ -84,11 +84,22 @@ def _layer_items(output_dir: str | Path, info: dict[str, Any], shard: dict[str, 
     return items
 
 
-def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[str, Any]]:
-    """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time."""
+def stored_metadata(output_dir: str | Path, layer_idx: int) -> dict[str, Any]:
+    """metadata.json, checked (check.checked_metadata), of a store that extracted `layer_idx`: the spec's
+    loaders skip the shards without it, so a layer never extracted (or "15" for 15) gave no items and
+    no error, as if the store were empty."""
     from actstore.formats.pickle.check import checked_metadata  # check imports this module
 
-    for info in checked_metadata(output_dir)["shards"]:
+    meta = checked_metadata(output_dir)
+    layers = meta["extraction_config"]["layers_extracted"]
+    if layer_idx not in layers:
+        raise FormatError(f"{output_dir}: layer {layer_idx!r} not stored; layers are {layers}")
+    return meta
+
+
+def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[str, Any]]:
+    """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time."""
+    for info in stored_metadata(output_dir, layer_idx)["shards"]:
         if layer_idx not in info["layers"]:
             continue
         items = _layer_items(output_dir, info, load_shard(output_dir, info), layer_idx)
@@ -103,12 +114,10 @@ class ActivationDataset:
     writer jobs do, does not import torch (~2 s, ~150 MB)."""
 
     def __init__(self, output_dir: str | Path, layer_idx: int) -> None:
-        from actstore.formats.pickle.check import checked_metadata  # check imports this module
-
         self.output_dir = Path(output_dir)
         self.layer_idx = layer_idx
         self.layer_key = layer_key(layer_idx)
-        self.metadata = checked_metadata(output_dir)
+        self.metadata = stored_metadata(output_dir, layer_idx)
         self.shards = shards_by_id(self.output_dir, self.metadata["shards"])
         self.index = [(s["shard_id"], i) for s in self.metadata["shards"] if layer_idx in s["layers"]
                       for i in range(s["num_samples"])]
@@ -121,7 +130,9 @@ class ActivationDataset:
     def __getitem__(self, idx: int) -> dict[str, Any]:
         shard_id, item_idx = self.index[idx]
         if shard_id != self.current_shard_id:
-            self.current_shard = None  # drop the old shard before loading the next
+            # drop the old shard before loading the next, and its id: a load that fails must not leave
+            # the old id naming no shard
+            self.current_shard, self.current_shard_id = None, None
             info = self.shards[shard_id]
             shard = load_shard(self.output_dir, info)
             _layer_items(self.output_dir, info, shard, self.layer_idx)  # the index assumed num_samples items
