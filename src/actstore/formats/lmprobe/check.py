@@ -9,7 +9,7 @@ import numpy as np
 
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
-                                             LOGITS_COLUMNS, SUMS, prompt_order)
+                                             LOGITS_COLUMNS, STORAGES, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
 from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted
 
@@ -136,7 +136,7 @@ def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]
 
 def _verify_index(ds: LmprobeDataset) -> list[str]:
     """Columns and descriptor keys first; the addressing is checked only when they are all there."""
-    problems = _missing_fields(ds)
+    problems = _missing_fields(ds) or _descriptor_values(ds)
     if problems:
         return problems
     return (_verify_counts(ds) + _verify_order(ds) + (_verify_token_addresses(ds) if ds.full_sequence else [])
@@ -149,6 +149,17 @@ def _missing_fields(ds: LmprobeDataset) -> list[str]:
     problems = [f"{ds.index_path}: column {c!r} missing" for c in need if c not in ds.column_names]
     return problems + [f"{ds.index_path}: lmprobe:tensors.hidden_layers.{key} missing"
                        for key in HIDDEN_KEYS if key not in ds.hidden]
+
+
+def _descriptor_values(ds: LmprobeDataset) -> list[str]:
+    """hidden_layers values the readers take to be the spec's only ones: any storage but full_sequence
+    was read as pooled (a damaged full_sequence dataset verified, its sequence shards unchecked), and
+    a pooled vector as the last token's per-layer row whatever pooling or layout said."""
+    expected = {"layout": ("per_layer",), "storage": STORAGES}
+    if ds.hidden["storage"] == "pooled":
+        expected["pooling"] = ("last_token",)
+    return [f"{ds.index_path}: lmprobe:tensors.hidden_layers.{key} is {ds.hidden.get(key)!r:.80}, "
+            f"not one of {list(values)}" for key, values in expected.items() if ds.hidden.get(key) not in values]
 
 
 def _verify_counts(ds: LmprobeDataset) -> list[str]:

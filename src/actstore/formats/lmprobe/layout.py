@@ -35,6 +35,7 @@ CORE_COLUMNS = ("text", "label", "num_tokens", "shard_index", "row_offset")
 FULL_COLUMNS = ("token_offset", "token_shard_ids", "token_shard_offsets")
 LOGITS_COLUMNS = ("shard_index_logits", "row_offset_logits")
 HIDDEN_KEYS = ("layers", "dim", "dtype", "layout", "file_pattern", "key_pattern", "storage", "shards")
+STORAGES = ("pooled", "full_sequence")  # hidden_layers.storage: the spec's two
 # dtype name -> (safetensors dtype, numpy storage dtype); bfloat16 is stored as raw uint16 bits.
 DTYPES = {"float32": ("F32", np.dtype("<f4")), "float16": ("F16", np.dtype("<f2")),
           "bfloat16": ("BF16", np.dtype("<u2"))}

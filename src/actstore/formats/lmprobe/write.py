@@ -29,8 +29,9 @@ from actstore.formats.extract import layer_tensor
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
                                              INDEX, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
-                                             LOGITS_VALUES_KEY, PREFIX, ST_METADATA, SUMS, TensorSpec, dataset_card,
-                                             encode_header, from_float32, prompt_order, rows_per_shard, tensor_bytes)
+                                             LOGITS_VALUES_KEY, PREFIX, ST_METADATA, STORAGES, SUMS, TensorSpec,
+                                             dataset_card, encode_header, from_float32, prompt_order, rows_per_shard,
+                                             tensor_bytes)
 from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, errors_naming, sha256_file, utc_now
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import check_remote_code
@@ -185,7 +186,7 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
     info = extraction.info
     opts = {**DEFAULTS, **options}
     opts.pop("enabled", None)
-    if opts["storage"] not in ("pooled", "full_sequence"):
+    if opts["storage"] not in STORAGES:
         raise ConfigError(f"lmprobe.storage: unknown value {opts['storage']!r} (pooled or full_sequence)")
     if opts["dtype"] not in (*DTYPES, "auto"):
         raise ConfigError(f"lmprobe.dtype: unknown value {opts['dtype']!r} (auto, {', '.join(DTYPES)})")
@@ -504,6 +505,7 @@ class _IndexColumns:
         self.strings = (_TokenStrings(plan.extraction, plan.trust_remote_code)
                         if self.token_ids and plan.opts["token_strings"] else None)
         self.meta_types = _metadata_types(plan)
+        self.label_type = _label_type(plan.extraction.info.dataset.labels)
 
     def block(self, start: int, stop: int):
         """Index rows [start, stop) as a pyarrow Table (columns in the order of the spec's tables)."""
@@ -515,7 +517,7 @@ class _IndexColumns:
         rows = np.arange(start, stop)
         cols: dict[str, Any] = {
             "text": pa.array([r["text"] for r in samples], pa.string()),
-            "label": pa.array([r["label"] for r in samples], pa.string()),
+            "label": pa.array([_label_value(r["label"], self.label_type) for r in samples], self.label_type),
             "num_tokens": num_tokens.astype(np.int32), "shard_index": (rows // plan.lt_rows).astype(np.int32),
             "row_offset": (rows % plan.lt_rows).astype(np.int32)}
         if plan.seq_shard is not None:
@@ -529,7 +531,12 @@ class _IndexColumns:
         cols["label_id"] = pa.array([None if r["label"] is None else r["label_id"] for r in samples], pa.int32())
         taken = set(cols)
         for key, type_ in self.meta_types.items():  # a clash with a column already taken gets `meta_`
-            cols[f"meta_{key}" if key in taken else key] = pa.array([r["metadata"].get(key) for r in samples], type_)
+            name = f"meta_{key}" if key in taken else key
+            if name in cols:  # fields `x` (x a column) and `meta_x`: the later one replaced the other's column
+                other = name.removeprefix("meta_") if name == key else name
+                raise FormatError(f"{plan.extraction.dir}: sample metadata fields {other!r} and {key!r} would both "
+                                  f"be index column {name!r} (a field named as a column gets meta_); rename one")
+            cols[name] = pa.array([r["metadata"].get(key) for r in samples], type_)
         return pa.table(cols)
 
     def _token_columns(self, order: np.ndarray) -> dict[str, Any]:
@@ -548,6 +555,24 @@ class _IndexColumns:
             cols["token_strings"] = pa.ListArray.from_arrays(list_offsets,
                                                              pa.array(self.strings.decode(flat_ids), pa.string()))
         return cols
+
+
+def _label_type(labels: list) -> Any:
+    """The label column's type, one for every row group: the spec's int32 when every label of the
+    dataset is an integer that fits it (a table's class column, a webdataset's cls), else string
+    (a number label in a string column crashed the finishing job with a bare ArrowTypeError)."""
+    import pyarrow as pa
+
+    if labels and all(type(label) is int and -2**31 <= label < 2**31 for label in labels):
+        return pa.int32()
+    return pa.string()
+
+
+def _label_value(label: Any, label_type: Any) -> Any:
+    """`label` as its column stores it: a number or boolean in a string column as its JSON text."""
+    import pyarrow as pa
+
+    return label if label is None or isinstance(label, str) or label_type == pa.int32() else json.dumps(label)
 
 
 def _sequence_columns(plan: Plan, start: int, stop: int) -> dict[str, Any]:
