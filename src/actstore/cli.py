@@ -2,12 +2,15 @@
 
 Exit codes: 0 success; 1 `verify` found problems (each printed, naming the file); 2 bad usage, an
 unknown path, a directory holding no known format, a store `inspect` cannot summarise or a config
-`locate` cannot read (each named on stderr).
+`locate` cannot read (each named on stderr); 141 (as killed by SIGPIPE) when the output's reader
+stopped reading (`| head`), printing nothing more.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +21,10 @@ SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model"
 # What a store lost, printed when it lost any: texts cut at max_seq_length, values float16 made inf.
 NOTE_KEYS = ("n_truncated_samples", "float16_overflow_count")
 SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source", "heldout_fvu", "saelens")
+# --threads past this gains no reads (each thread holds one file) and a store of many files could start
+# as many threads, past the process's limit; 2**61 and up overflowed the check's window, and a clean
+# store verified as "cannot verify".
+MAX_THREADS = 256
 
 
 def _detect_or_exit(path: Path) -> str:
@@ -65,7 +72,15 @@ def _is_sae_stage(path: Path) -> bool:
     """An sae stage directory ({dump_to}/sae/<hash>/): it writes no format's store, only the checkpoint."""
     from actstore.hashing import is_stage_dir
 
+    path = _followed(path)
     return is_stage_dir(path) and path.absolute().parent.name == "sae"
+
+
+def _followed(path: Path) -> Path:
+    """`path`, or where it leads when it is a link: a workflow stage directory given through one (`latest`
+    -> {dump_to}/zarr/<hash>) was known by the link's name, so taken for no stage's: its missing stage
+    config passed verify, and an sae stage's was "holds none of the known formats"."""
+    return path.resolve() if path.is_symlink() else path
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -73,8 +88,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from actstore.formats import FORMAT_NAMES, detect_format, format_module
     from actstore.hashing import is_stage_dir, stage_problems
 
-    stage = args.path.absolute().parent.name
-    if is_stage_dir(args.path) and detect_format(args.path) is None:
+    stage_path = _followed(args.path)
+    stage = stage_path.absolute().parent.name
+    if is_stage_dir(stage_path) and detect_format(args.path) is None:
         # A stage that writes no format's store (sae: the checkpoint), or a format stage whose store is
         # gone (its folder or top metadata deleted, renamed): its stage config's seal is the check, and
         # names the sealed files no longer there.
@@ -88,7 +104,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 problems = format_module(name).verify(args.path)
         except ActstoreError as exc:  # metadata too broken to even open: still a problem naming the file
             problems = [str(exc)]
-    problems += stage_problems(args.path)
+    problems += stage_problems(stage_path)
     for problem in problems:
         print(f"BAD  {problem}")
     print(f"{what} {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))
@@ -114,10 +130,10 @@ def cmd_locate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least_one(text: str) -> int:
-    """A whole number >= 1 (argparse reports anything else as bad usage, exit code 2)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+def _thread_count(text: str) -> int:
+    """A whole number from 1 to MAX_THREADS (argparse reports anything else as bad usage, exit code 2)."""
+    if not text.isdigit() or not 1 <= int(text) <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1 and at most {MAX_THREADS}")
     return int(text)
 
 
@@ -140,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify = _command(sub, "verify", "full integrity check: files, sizes, sha256, spec fields (exit 1 on problems)")
     verify.add_argument("path", type=Path, help="a store, or the workflow stage directory holding it (the "
                         "sae stage's too: its files against the stage config's seal)")
-    verify.add_argument("--threads", type=_at_least_one, default=None,
-                        help="files checked at once (default: the CPUs this process may use, at most 8)")
+    verify.add_argument("--threads", type=_thread_count, default=None,
+                        help=f"files checked at once, at most {MAX_THREADS} (default: the CPUs this process may "
+                        "use, at most 8)")
     verify.set_defaults(func=cmd_verify)
     locate = _command(sub, "locate", "print each enabled stage's output directory for a config, and whether "
                       "it is done (its stage config written), incomplete or not built")
@@ -155,10 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a pipe closed early (`| head`) is then caught below
+        return code
     except ActstoreError as exc:
         print(f"actstore: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader stopped reading (`actstore verify STORE | head`): end quietly, as a command killed by
+        # SIGPIPE does, not with a traceback; the exit's own flush then writes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
