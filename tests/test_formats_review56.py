@@ -3,7 +3,6 @@ it, and a chunk size range() cannot step by is refused instead of reading nothin
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq

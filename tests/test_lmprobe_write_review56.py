@@ -2,7 +2,6 @@
 verify's checks of the descriptor could notice, must be named by it."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from actstore.errors import FormatError
 from actstore.formats import lmprobe
+from test_lmprobe_check_review import rewrite_index
 
 FULL = {"storage": "full_sequence", "shard_bytes": 32 * 4 * 12}  # dim 32 float32: 3 last-token shards
 
@@ -31,13 +31,7 @@ def rewrite_hidden(root: Path, **values) -> Path:
     tensors = json.loads(metadata[b"lmprobe:tensors"])
     tensors["hidden_layers"].update(values)
     metadata[b"lmprobe:tensors"] = json.dumps(tensors).encode()
-    pq.write_table(table.replace_schema_metadata(metadata), index)
-    rel = index.relative_to(root).as_posix()
-    digest = hashlib.sha256(index.read_bytes()).hexdigest()
-    sums = root / "SHA256SUMS"
-    sums.write_text("".join(f"{digest}  {rel}\n" if line.endswith(f"  {rel}") else f"{line}\n"
-                            for line in sums.read_text().splitlines()))
-    return index
+    return rewrite_index(root, table.replace_schema_metadata(metadata))
 
 
 @pytest.mark.parametrize("options, key, value, allowed", [

@@ -3,26 +3,15 @@ its activations' .zarray (it built the merged store from the attrs and linked th
 and merges shards holding samples of no token (it renamed their directories, which do not exist)."""
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
 from actstore.formats.extract import open_extraction, synthetic_extraction
-from actstore.formats.zarr.layout import FILES_JSON
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory) -> list[Path]:
-    """Three parts (2 layers, hidden 16, 3-20 tokens) of a small synthetic extraction."""
-    extract = synthetic_extraction(tmp_path_factory.mktemp("write-review56") / "extract", 100_000, 3, 16, [1, 2],
-                                   tokens=(3, 20))
-    return [part.dir for part in open_extraction(extract).parts]
+from test_zarr_review56 import edited, parts  # noqa: F401 (parts: a fixture)
 
 
 def written(parts: list[Path], root: Path, t_chunk: int = 4) -> list[Path]:
@@ -30,22 +19,6 @@ def written(parts: list[Path], root: Path, t_chunk: int = 4) -> list[Path]:
     for part, shard in zip(parts, shards):
         zs.write_shard(part, shard, t_chunk=t_chunk, progress=False)
     return shards
-
-
-def edit_attrs(store: Path, edit: Callable[[dict], None]) -> None:
-    """`store`'s .zattrs edited, alike in .zmetadata, both recorded anew in files.json (damaged before
-    files.json was written, or written so by another tool): only the attrs disagree with the store."""
-    attrs = json.loads((store / ".zattrs").read_text())
-    edit(attrs)
-    (store / ".zattrs").write_text(json.dumps(attrs))
-    consolidated = json.loads((store / ".zmetadata").read_text())
-    consolidated["metadata"][".zattrs"] = attrs
-    (store / ".zmetadata").write_text(json.dumps(consolidated))
-    files = json.loads((store / FILES_JSON).read_text())
-    for name in (".zattrs", ".zmetadata"):
-        data = (store / name).read_bytes()
-        files["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (store / FILES_JSON).write_text(json.dumps(files, sort_keys=True, separators=(",", ":")) + "\n")
 
 
 @pytest.mark.parametrize("edit, named", [
@@ -58,7 +31,7 @@ def test_a_shard_whose_attrs_disagree_with_its_zarray_is_refused_by_the_merge(pa
     merged store then failed ('128 bytes, expected 256'; a shape refused on opening)."""
     shards = written(parts, tmp_path)
     for shard in shards:
-        edit_attrs(shard, edit)
+        edited(shard, ".zattrs", edit)
     with pytest.raises(FormatError, match=re.escape(f"{shards[0]}/.zattrs: {named}")):
         zs.merge_stores(shards, tmp_path / zs.MERGED, progress=False)
     assert not (tmp_path / zs.MERGED).exists()
