@@ -514,10 +514,11 @@ class _IndexColumns:
         plan = self.plan
         order, num_tokens = plan.order[start:stop], plan.num_tokens[start:stop]
         samples = plan.extraction.samples(order.tolist())
-        rows = np.arange(start, stop)
+        rows, labels = np.arange(start, stop), [r["label"] for r in samples]
         cols: dict[str, Any] = {
             "text": pa.array([r["text"] for r in samples], pa.string()),
-            "label": pa.array([_label_value(r["label"], self.label_type) for r in samples], self.label_type),
+            "label": pa.array(labels if self.label_type == pa.int32() else list(map(_label_text, labels)),
+                              self.label_type),
             "num_tokens": num_tokens.astype(np.int32), "shard_index": (rows // plan.lt_rows).astype(np.int32),
             "row_offset": (rows % plan.lt_rows).astype(np.int32)}
         if plan.seq_shard is not None:
@@ -568,11 +569,9 @@ def _label_type(labels: list) -> Any:
     return pa.string()
 
 
-def _label_value(label: Any, label_type: Any) -> Any:
-    """`label` as its column stores it: a number or boolean in a string column as its JSON text."""
-    import pyarrow as pa
-
-    return label if label is None or isinstance(label, str) or label_type == pa.int32() else json.dumps(label)
+def _label_text(label: Any) -> str | None:
+    """`label` as a string column stores it: a number or boolean as its JSON text."""
+    return label if label is None or isinstance(label, str) else json.dumps(label)
 
 
 def _sequence_columns(plan: Plan, start: int, stop: int) -> dict[str, Any]:
