@@ -55,7 +55,7 @@ def test_extraction_memory_holds_a_16bit_checkpoint_run_in_float32(model_dir, tm
     for dtype in ("float32", "bfloat16", "auto"):
         config = tiny.make_config(tmp_path, checkpoint, data, model={"torch_dtype": dtype})
         loaded = weight_bytes(load_model(checkpoint, run_dtype(config["model"]), "cpu").model)
-        assert resources.host_weight_bytes(config) >= loaded, dtype
+        assert resources.workload(config).host_weight_bytes >= loaded, dtype
 
 
 def test_a_finished_stage_records_the_hashes_that_named_its_directory(model_dir, tmp_path):

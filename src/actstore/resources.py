@@ -40,10 +40,16 @@ class Workload:
     itemsize: int        # bytes per stored value (extract.storage_dtype)
     pixel_bytes: int = 0  # bytes of one processed image in the model's dtype, at most (0 for text)
     block_bytes: int = 0  # a table's largest block (row group, record batch) as Arrow holds it (0 for JSONL)
+    weight_widening: float = 1.0  # run over saved dtype, at least 1 (a bfloat16 checkpoint run in float32: 2)
 
     @property
     def activation_bytes(self) -> int:
         return self.tokens * self.d * self.itemsize * self.n_tensors
+
+    @property
+    def host_weight_bytes(self) -> float:
+        """The model loaded on the host, before it moves to the GPU: its files, widened to the run dtype."""
+        return self.weight_bytes * self.weight_widening
 
 
 def _dataset_source(section: dict[str, Any]) -> Source:
@@ -117,11 +123,13 @@ def _workload(key: str) -> Workload:
     patch = max(patch) if isinstance(patch, (list, tuple)) else int(patch)  # some configs give (height, width)
     weights = _weight_bytes(model_path, config["model"].get("tower"))
     computed = run_dtype(config["model"])
+    widening = max(1.0, _itemsize(computed) / _itemsize(saved_dtype(read_model_config(model_path))))
     storage = ext.get("storage_dtype", "float32")
     storage = computed if storage == "auto" else storage
     return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
-                    weight_bytes=weights, text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
+                    weight_bytes=weights, weight_widening=widening,
+                    text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
                     itemsize=_itemsize(storage),
                     # RGB over every patch, in the model's dtype: the decoding workers cast what they hand on
                     pixel_bytes=per_row * patch ** 2 * 3 * _itemsize(computed) if vision else 0,
@@ -193,16 +201,7 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
     token_ids = 0 if w.pixel_bytes else TOKEN_ID_BYTES * w.tokens / ext["parts"]
     held = dataset_bytes(config, workers) + token_ids + batch + images * w.pixel_bytes
-    return _round_mb((1.5 * host_weight_bytes(config) + held) / 1e6 + 3000) * attempt
-
-
-def host_weight_bytes(config: dict[str, Any]) -> float:
-    """Bytes of the model an extraction job loads on the host, before it moves to the GPU: its weight
-    files, widened where model.torch_dtype is wider than the dtype they were saved in (the default
-    float32 run of a bfloat16 checkpoint holds twice its files)."""
-    saved = saved_dtype(read_model_config(resolve_model_path(config["model"]["path"])))
-    widening = _itemsize(run_dtype(config["model"])) / _itemsize(saved)
-    return workload(config).weight_bytes * max(1.0, widening)
+    return _round_mb((1.5 * w.host_weight_bytes + held) / 1e6 + 3000) * attempt
 
 
 def dataset_bytes(config: dict[str, Any], workers: int = 0) -> float:
