@@ -133,13 +133,8 @@ def test_the_memory_budget_is_a_quarter_of_an_address_space_limit():
 
 def own_memory_cgroup() -> Path | None:
     """A new memory cgroup below this process's (v1 or v2), where it may make one (root), else None."""
-    from actstore.integrity import CGROUP_MEMORY_FILES
-
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        kind = "" if not controllers else "memory" if "memory" in controllers.split(",") else None
-        root, name = CGROUP_MEMORY_FILES.get(kind, (None, None))
-        folder = Path(root or "/nonexistent") / path.lstrip("/") / "actstore-test56"
+    for _, group, name in integrity.memory_cgroups():
+        folder = group / "actstore-test56"
         try:
             folder.mkdir()
         except OSError:

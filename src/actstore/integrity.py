@@ -103,21 +103,28 @@ CGROUP_MEMORY_FILES = {"": ("/sys/fs/cgroup", "memory.max"),  # v2: the unified 
                        "memory": ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")}  # v1
 
 
-def _cgroup_memory_limits() -> list[int]:
-    """The memory limits of this process's cgroup and of those above it (Slurm sets --mem on the job's,
-    above the step's and task's), v1 or v2, as /proc/self/cgroup names them; none where unreadable."""
+def memory_cgroups() -> list[tuple[Path, Path, str]]:
+    """(hierarchy root, this process's cgroup in it, its memory limit file's name) of each memory
+    hierarchy /proc/self/cgroup names, v1 or v2; none where unreadable."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return []
-    limits = []
+    groups = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
         kind = "" if not controllers else "memory" if "memory" in controllers.split(",") else None
-        if kind is None:
-            continue
-        root, name = map(Path, CGROUP_MEMORY_FILES[kind])
-        group = root / path.lstrip("/")
+        if kind is not None:
+            root, name = CGROUP_MEMORY_FILES[kind]
+            groups.append((Path(root), Path(root) / path.lstrip("/"), name))
+    return groups
+
+
+def _cgroup_memory_limits() -> list[int]:
+    """The memory limits of this process's cgroup and of those above it (Slurm sets --mem on the job's,
+    above the step's and task's)."""
+    limits = []
+    for root, group, name in memory_cgroups():
         for folder in [group, *group.parents][:len(group.relative_to(root).parts) + 1]:
             try:
                 text = (folder / name).read_text().strip()
