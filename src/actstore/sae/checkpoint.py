@@ -69,6 +69,7 @@ def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | No
     if rescale:
         w_enc, b_enc, w_dec = fold_decoder_norms(path, w_enc, b_enc, w_dec)
     bias = b_enc - b_dec @ w_enc if subtract else b_enc
+    check_folded(path, {"encoder_bias": bias}, "b_dec (b_enc - b_dec @ W_enc)")
     return TopKSAE.from_state({"encoder_weight": w_enc.T, "encoder_bias": bias,
                                "decoder_weight": w_dec, "decoder_bias": b_dec}, k_active)
 
@@ -108,7 +109,20 @@ def fold_decoder_norms(path: Path, w_enc: torch.Tensor, b_enc: torch.Tensor,
     if zero:
         raise FormatError(f"{path}: W_dec row {zero[0]} has norm 0 ({len(zero)} such rows), which "
                           "rescale_acts_by_decoder_norm (cfg.json) divides by")
-    return w_enc * norms, b_enc * norms, w_dec / norms[:, None]
+    folded = {"W_enc": w_enc * norms, "b_enc": b_enc * norms, "W_dec": w_dec / norms[:, None]}
+    check_folded(path, folded, "rescale_acts_by_decoder_norm (cfg.json)")
+    return folded["W_enc"], folded["b_enc"], folded["W_dec"]
+
+
+def check_folded(path: Path, folded: dict[str, torch.Tensor], fold: str) -> None:
+    """FormatError naming `path`, the tensor and the fold for a folded tensor that is not finite: finite
+    weights whose fold overflows float32 were imported as infinite ones (a NaN held-out FVU), written,
+    and refused by load_sae only at the lut stage, naming the stage's output, not the import."""
+    for key, value in folded.items():
+        # Its least and largest values, NaN if any is: as checked_tensors, without isfinite's masks.
+        if value.numel() and not torch.stack(value.aminmax()).isfinite().all():
+            raise FormatError(f"{path}: {key} overflows float32 with {fold} folded in: weights too large "
+                              "for the LUT spec's float32 encoder")
 
 
 def is_saev_checkpoint(path: Path) -> bool:

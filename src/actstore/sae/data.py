@@ -130,7 +130,8 @@ class Prefetcher:
     On CUDA each batch is copied into one of a ring of pinned host buffers and sent to the device on a
     side stream; the step's stream waits on that copy's event, the host never does (no per-step
     synchronisation). Elsewhere the thread only overlaps the memmap gathers with the step (no pinning:
-    pinned memory only speeds up copies to a GPU). The batches and their order are those of `source`.
+    pinned memory only speeds up copies to a GPU). The batches and their order are those of `source`,
+    and it ends where a finite `source` ends.
     """
 
     def __init__(self, source: Iterator[torch.Tensor], device: torch.device, depth: int = 2):
@@ -163,6 +164,8 @@ class Prefetcher:
                     item = (on_device, copied[slot])
                 if not self._put(item):
                     return
+            # A finite source's end: without it a consumer waited for the next batch forever.
+            self._put((StopIteration(), None))
         except BaseException as exc:  # re-raised in the training thread by __next__
             self._put((exc, None))
 
@@ -180,7 +183,8 @@ class Prefetcher:
 
     def __next__(self) -> torch.Tensor:
         batch, copied = self._queue.get()
-        if isinstance(batch, BaseException):
+        if isinstance(batch, BaseException):  # the end or the source's error: the producer's last item
+            self._queue.put_nowait((batch, copied))  # raised again at any later call, which waited forever
             raise batch
         if copied is not None:
             step_stream = torch.cuda.current_stream(self.device)

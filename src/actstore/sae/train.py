@@ -111,7 +111,9 @@ def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torc
     first_non_finite = torch.zeros((), dtype=torch.long, device=last_fired.device)  # 0: none yet
     first_non_finite_loss = torch.zeros((), device=last_fired.device)
     for step in tqdm(range(1, steps + 1), desc="train sae", unit="step", disable=not progress):
-        x = next(batches)
+        x = next(batches, None)
+        if x is None:  # a finite source (the stage's is endless): its StopIteration named no step nor setting
+            raise ConfigError(f"sae: the batches ended before step {step} of sae.steps {steps}")
         pre = sae.pre_acts(x)
         values, indices = torch.topk(pre, k, dim=-1)
         x_hat = sae.decode_dense(values, indices)
