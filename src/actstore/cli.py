@@ -8,6 +8,7 @@ stopped reading (`| head`), printing nothing more.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 import actstore
-from actstore.errors import ActstoreError
+from actstore.errors import ActstoreError, ConfigError
 
 SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model", "dtype", "n_shards", "bytes")
 # What a store lost, printed when it lost any: texts cut at max_seq_length, values float16 made inf.
@@ -111,14 +112,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+DEFAULT_CONFIG = Path("config/config.yaml")  # the Snakefile's `configfile:`, in the workflow's directory
+
+
 def cmd_locate(args: argparse.Namespace) -> int:
     from actstore.config import enabled_stages, load_config
     from actstore.hashing import stage_dirs
     from actstore.integrity import STAGE_CONFIG_FILE
 
-    config = load_config(args.configfile)
-    dirs = stage_dirs(config)
-    located = {stage: str(dirs[stage]) for stage in enabled_stages(config)}
+    if not args.directory.is_dir():
+        raise ConfigError(f"--directory {args.directory}: not a directory")
+    # As Snakemake reads them: --configfile from where the command runs, everything the config names
+    # (dump_to, the dataset hashed by its files) from the workflow's working directory.
+    configfile = (args.configfile or args.directory / DEFAULT_CONFIG).absolute()
+    with contextlib.chdir(args.directory):
+        config = load_config(configfile)
+        dirs = stage_dirs(config)
+    located = {stage: str(args.directory / dirs[stage]) for stage in enabled_stages(config)}
     if args.json:
         print(json.dumps(located, indent=2))
     else:
@@ -162,8 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=cmd_verify)
     locate = _command(sub, "locate", "print each enabled stage's output directory for a config, and whether "
                       "it is done (its stage config written), incomplete or not built")
-    locate.add_argument("--configfile", type=Path, default=Path("config/config.yaml"),
-                        help="the workflow config (default: %(default)s)")
+    locate.add_argument("-d", "--directory", type=Path, default=Path("."),
+                        help="the workflow's working directory (snakemake's -d, else where it ran), from which "
+                        "the config's relative paths are read (default: the current directory)")
+    locate.add_argument("--configfile", type=Path, default=None,
+                        help=f"the workflow config (default: {DEFAULT_CONFIG} in --directory)")
     locate.add_argument("--json", action="store_true", help="print {stage: directory} as JSON")
     locate.set_defaults(func=cmd_locate)
     return parser

@@ -33,7 +33,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 class Workload:
     rows: int            # dataset rows used (after dataset.limit)
     tokens: int          # upper bound on stored tokens (rows * max_seq_length for text)
-    d: int               # widest captured vector
+    d: int               # widest captured vector, an LM head's output apart (head_values)
     n_tensors: int       # layers + hooks
     weight_bytes: int    # bytes of weight files on disk
     text_bytes: int      # the samples' text: a text dataset's size on disk; for images, their names
@@ -41,10 +41,16 @@ class Workload:
     pixel_bytes: int = 0  # bytes of one processed image in the model's dtype, at most (0 for text)
     block_bytes: int = 0  # a table's largest block (row group, record batch) as Arrow holds it (0 for JSONL)
     weight_widening: float = 1.0  # run over saved dtype, at least 1 (a bfloat16 checkpoint run in float32: 2)
+    head_values: int = 0  # values a token of hooks on an LM head's output holds past the d each is counted at
+
+    @property
+    def token_values(self) -> int:
+        """Values stored per token, every captured tensor's."""
+        return self.d * self.n_tensors + self.head_values
 
     @property
     def activation_bytes(self) -> int:
-        return self.tokens * self.d * self.itemsize * self.n_tensors
+        return self.tokens * self.token_values * self.itemsize
 
     @property
     def host_weight_bytes(self) -> float:
@@ -126,14 +132,29 @@ def _workload(key: str) -> Workload:
     widening = max(1.0, _itemsize(computed) / _itemsize(saved_dtype(read_model_config(model_path))))
     storage = ext.get("storage_dtype", "float32")
     storage = computed if storage == "auto" else storage
-    return Workload(rows=rows, tokens=rows * per_row, d=inner if ext.get("hooks") else hidden,
+    d = inner if ext.get("hooks") else hidden
+    vocab = config_int(model, "vocab_size") or 0
+    return Workload(rows=rows, tokens=rows * per_row, d=d,
                     n_tensors=len(ext["layers"]) + len(ext.get("hooks", [])),
+                    head_values=sum(max(vocab - d, 0) for spec in ext.get("hooks", []) if _head_output(spec)),
                     weight_bytes=weights, weight_widening=widening,
                     text_bytes=rows * IMAGE_NAME_BYTES if vision else data_bytes,
                     itemsize=_itemsize(storage),
                     # RGB over every patch, in the model's dtype: the decoding workers cast what they hand on
                     pixel_bytes=per_row * patch ** 2 * 3 * _itemsize(computed) if vision else 0,
                     block_bytes=block_bytes)
+
+
+# The output-embedding modules (get_output_embeddings) of transformers' causal LMs: GPT-NeoX's embed_out,
+# the others' lm_head. Their output is the logits, vocab_size wide at every token (extract.run.head_hooked):
+# a Llama 3's 128,256 values, 9x its MLP's 14,336.
+HEAD_MODULES = ("lm_head", "embed_out")
+
+
+def _head_output(spec: str) -> bool:
+    """Whether hook `spec` captures an LM head's output (the logits)."""
+    module, _, io = spec.rpartition(":")
+    return io == "output" and module.rpartition(".")[2] in HEAD_MODULES
 
 
 def _itemsize(dtype: str) -> int:
@@ -195,7 +216,7 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     items ahead and two batches), and 3 GB for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
-    batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.d * w.itemsize * w.n_tensors
+    batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.token_values * w.itemsize
     batch *= ext.get("buffers", 3) + 1
     workers = max(threads, IMAGE_JOB_THREADS) if ext.get("num_workers") is None else ext["num_workers"]
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]

@@ -10,6 +10,7 @@ memory (the library's save holds the whole file twice more: 3x a 256 MiB SAE's b
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -27,8 +28,9 @@ MAX_HEADER = 100_000_000  # the safetensors library's limit on a header's JSON (
 def read_header_json(fh: BinaryIO, size: int) -> tuple[Any, int]:
     """(the header's JSON value, its length) of the safetensors file of `size` bytes open as `fh` at its
     start, parsed as strictly as the safetensors library reads it: a length within the file and
-    MAX_HEADER, UTF-8 (json.loads would take UTF-16 or a BOM), no key twice, no NaN or Infinity, and
-    -0 no count. ValueError saying which; what the value holds is the caller's to check."""
+    MAX_HEADER, UTF-8 (json.loads would take UTF-16 or a BOM), no key twice, no NaN or Infinity, -0
+    no count, and no lone surrogate escape. ValueError saying which; what the value holds is the
+    caller's to check."""
     raw = fh.read(8)
     if len(raw) < 8:
         raise ValueError(f"{size} bytes, too short for a safetensors header")
@@ -37,11 +39,31 @@ def read_header_json(fh: BinaryIO, size: int) -> tuple[Any, int]:
         raise ValueError(f"safetensors header length {n} exceeds the file ({size} bytes) "
                          f"or the safetensors limit of {MAX_HEADER}")
     try:
-        return json.loads(fh.read(n).decode("utf-8"), **STRICT_JSON, parse_int=_int_or_negative_zero), n
+        value = json.loads(fh.read(n).decode("utf-8"), **STRICT_JSON, parse_int=_int_or_negative_zero)
+        _refuse_surrogates(value)
+        return value, n
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice, NaN, Infinity
         raise ValueError(f"safetensors header is not JSON ({exc})") from None
     except RecursionError:
         raise ValueError("safetensors header is not JSON (nested too deeply to parse)") from None
+
+
+# A code point of a UTF-16 surrogate: UTF-8 text cannot hold one, so in a parsed string it came from a
+# \uD800-\uDFFF escape json.loads did not pair, which the library's parser (serde_json) refuses.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_surrogates(value: Any) -> None:
+    """ValueError where a string of the parsed JSON `value` (a key too) holds a lone surrogate."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_surrogates(key)
+            _refuse_surrogates(item)
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_surrogates(item)
+    elif isinstance(value, str) and _SURROGATE.search(value):
+        raise ValueError(f"lone surrogate escape in the string {value!r:.100}")
 
 
 def _int_or_negative_zero(literal: str) -> int | float:
