@@ -117,7 +117,9 @@ def _verify(root: Path, checksums: bool) -> list[str]:
 
 
 def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]:
-    """SHA256SUMS against the files; a file in `trusted` (lmprobe:files) only against that record."""
+    """SHA256SUMS against the files; a file in `trusted` (lmprobe:files) only against that record, and
+    by its name: a file there inside the root (a name no descriptor gives is checked nowhere else:
+    missing, or leading outside the dataset, it passed)."""
     sums = root / SUMS
     if not sums.is_file():
         return [f"{sums}: missing"]
@@ -126,6 +128,8 @@ def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]
     def check(line: tuple[str, str]) -> list[str]:
         digest, rel = line
         if isinstance(trusted, dict) and rel in trusted:
+            if problem := listed_problem(root, rel, None, SUMS, str(sums), required=False):
+                return [problem]
             if not isinstance(trusted[rel], dict) or trusted[rel].get("sha256") != digest:
                 return [f"{root / rel}: sha256 in {SUMS} differs from lmprobe:files"]
             return []

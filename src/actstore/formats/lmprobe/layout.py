@@ -34,6 +34,12 @@ REQUIRED_INFO = ("format_version", "model", "num_prompts", "prompt_ordering", "t
 CORE_COLUMNS = ("text", "label", "num_tokens", "shard_index", "row_offset")
 FULL_COLUMNS = ("token_offset", "token_shard_ids", "token_shard_offsets")
 LOGITS_COLUMNS = ("shard_index_logits", "row_offset_logits")
+OPTIONAL_COLUMNS = ("perplexity_mean", "perplexity_min", "perplexity_max", "token_ids", "token_perplexity",
+                    "token_strings")
+EXTENSION_COLUMNS = ("sample_idx", "label_id", "token_logprob")  # actstore's (docs/formats/lmprobe.md)
+# Every column the spec or actstore gives a meaning, whether a dataset has it or not: a sample
+# metadata field of one of these names is stored as meta_<name>, never in the column's place.
+INDEX_COLUMNS = CORE_COLUMNS + FULL_COLUMNS + LOGITS_COLUMNS + OPTIONAL_COLUMNS + EXTENSION_COLUMNS
 HIDDEN_KEYS = ("layers", "dim", "dtype", "layout", "file_pattern", "key_pattern", "storage", "shards")
 STORAGES = ("pooled", "full_sequence")  # hidden_layers.storage: the spec's two
 # dtype name -> (safetensors dtype, numpy storage dtype); bfloat16 is stored as raw uint16 bits.
@@ -191,18 +197,22 @@ def check_tiling(path: Path, header: dict[str, Any], start: int) -> None:
         raise FormatError(f"{path}: tensor data ends at byte {at} of {size} (trailing bytes)")
 
 
+def card_configs(split: str, index_rel: str) -> str:
+    """The card's `configs:` front matter, dumped as YAML: a split written into it as it is was read
+    back by a YAML reader (huggingface_hub's card, `datasets`) as another value (`yes` as True, `1` as
+    1, `x #y` as `x`) or failed the card (`a: b`); a plain name is written as before."""
+    import yaml
+
+    configs = [{"config_name": "default", "data_files": [{"split": split, "path": index_rel}]}]
+    return yaml.safe_dump({"configs": configs}, sort_keys=False, allow_unicode=True, width=math.inf)
+
+
 def dataset_card(info: dict[str, Any], index_rel: str) -> str:
     """README.md: a short Hugging Face dataset card describing the dataset and how to read it. Its
     snippet resolves the first prompt's last-token vector and runs as written (the tests exec it)."""
     hidden = info["tensors"]["hidden_layers"]
-    split = info["dataset"]["split"]
     return f"""---
-configs:
-- config_name: default
-  data_files:
-  - split: {split}
-    path: {index_rel}
----
+{card_configs(info["dataset"]["split"], index_rel)}---
 # lmprobe {info['format_version']} activations of {info['model']['name']}
 
 {info['num_prompts']} prompts from `{info['dataset']['name']}`, layers {hidden['layers']} (dim {hidden['dim']},

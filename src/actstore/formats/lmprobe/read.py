@@ -34,7 +34,8 @@ def find_index(root: str | Path, split: str | None = None) -> Path:
     """The index parquet of a dataset root: index/train-00000-of-00001.parquet (layout.INDEX, whatever
     the split), else the only index/*.parquet (actstore wrote a split other than train as
     index/{split}-... before). With `split`, the index recording that split (lmprobe:dataset.split;
-    an index without it counts as the split its file name says)."""
+    an index without it counts as the split its file name says). Only a regular file is an index:
+    pyarrow opening a FIFO in its place waited for a writer forever (verify, detect and inspect hung)."""
     root = dataset_root(root)
     if split is not None:
         for path in (root / INDEX, root / split_index_name(split)):
@@ -44,7 +45,8 @@ def find_index(root: str | Path, split: str | None = None) -> Path:
                           f"({INDEX} records another split or is missing)")
     if (root / INDEX).is_file():
         return root / INDEX
-    found = sorted((root / "index").glob("*.parquet")) if (root / "index").is_dir() else []
+    listed = (root / "index").glob("*.parquet") if (root / "index").is_dir() else []
+    found = sorted(path for path in listed if path.is_file())
     if len(found) == 1:
         return found[0]
     if not found:

@@ -28,10 +28,10 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import layer_tensor
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
-                                             INDEX, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY, LOGITS_ROW_BYTES_PER_K,
-                                             LOGITS_VALUES_KEY, PREFIX, ST_METADATA, STORAGES, SUMS, TensorSpec,
-                                             dataset_card, encode_header, from_float32, prompt_order, rows_per_shard,
-                                             tensor_bytes)
+                                             INDEX, INDEX_COLUMNS, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY,
+                                             LOGITS_ROW_BYTES_PER_K, LOGITS_VALUES_KEY, PREFIX, ST_METADATA, STORAGES,
+                                             SUMS, TensorSpec, dataset_card, encode_header, from_float32,
+                                             prompt_order, rows_per_shard, tensor_bytes)
 from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, errors_naming, sha256_file, utc_now
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import check_remote_code
@@ -530,8 +530,10 @@ class _IndexColumns:
             cols.update(self._token_columns(order))
         cols["sample_idx"] = pa.array(order, pa.int64())
         cols["label_id"] = pa.array([None if r["label"] is None else r["label_id"] for r in samples], pa.int32())
-        taken = set(cols)
-        for key, type_ in self.meta_types.items():  # a clash with a column already taken gets `meta_`
+        # A field named as any column the spec or actstore defines gets `meta_`, one this dataset lacks
+        # too: stored under that name, a field `token_strings` or `perplexity_mean` was read as the spec's.
+        taken = set(cols) | set(INDEX_COLUMNS)
+        for key, type_ in self.meta_types.items():
             name = f"meta_{key}" if key in taken else key
             if name in cols:  # fields `x` (x a column) and `meta_x`: the later one replaced the other's column
                 other = name.removeprefix("meta_") if name == key else name
@@ -610,9 +612,11 @@ def _perplexity_columns(list_offsets: np.ndarray, flat_lp: np.ndarray) -> dict[s
 
 
 class _TokenStrings:
-    """Each token decoded on its own with the model's tokenizer (special tokens kept); decoded ids
-    are kept, so memory is bounded by the vocabulary, not the data. The tokenizer loads here, not
-    through actstore.models, which imports torch: this writer job never needs it."""
+    """Each token decoded on its own with the model's tokenizer (special tokens kept); an id the
+    tokenizer has no token for (past its vocabulary, in a model's padded embedding) is null, where
+    decoding it gave "", a string no reader could tell from a token's. Decoded ids are kept, so memory
+    is bounded by the vocabulary, not the data. The tokenizer loads here, not through actstore.models,
+    which imports torch: this writer job never needs it."""
 
     def __init__(self, extraction, trust_remote_code: bool):
         from transformers import AutoTokenizer
@@ -626,12 +630,15 @@ class _TokenStrings:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"lmprobe.token_strings: cannot load the tokenizer from {path} ({exc}); "
                               "set lmprobe.token_strings: false") from None
-        self.known: dict[int, str] = {}
+        self.known: dict[int, str | None] = {}
 
-    def decode(self, flat_ids: np.ndarray) -> list[str]:
+    def decode(self, flat_ids: np.ndarray) -> list[str | None]:
         uniq, inverse = np.unique(flat_ids, return_inverse=True)
         new = [i for i in uniq.tolist() if i not in self.known]
-        self.known.update(zip(new, self.tokenizer.batch_decode([[i] for i in new])))
+        tokens = self.tokenizer.convert_ids_to_tokens(new)
+        have = [i for i, token in zip(new, tokens) if token is not None]
+        self.known.update(dict.fromkeys(new))
+        self.known.update(zip(have, self.tokenizer.batch_decode([[i] for i in have])))
         return np.array([self.known[i] for i in uniq.tolist()], dtype=object)[inverse].tolist()
 
 
