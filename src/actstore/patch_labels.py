@@ -1,7 +1,7 @@
 """Per-patch labels for image stores, from pixel segmentation masks (saev's labels.bin contents).
 
 Each image `<dataset.path>/<rel>` has a mask `<masks>/<rel with its suffix replaced by mask_suffix>`
-(ADE20K's `annotations/` beside `images/`): a single-channel image (mode L, P or 16-bit I) of the
+(ADE20K's `annotations/` beside `images/`): a single-channel image (mode 1, L, P or 16-bit I) of the
 same size whose pixel values are class ids 0-255, both turned upright by their EXIF Orientation as the
 extraction turns images (datasets.images.upright). The mask goes through the model's own image processor with
 NEAREST resampling and no rescale/normalise, so it is resized and cropped exactly like the pixels
@@ -23,6 +23,9 @@ from actstore.errors import ConfigError, FormatError
 
 REGISTER_LABEL = 255
 N_CLASSES = 256
+# One channel of class ids: "1" is a boolean mask as PIL saves a numpy bool array (a 1-bit PNG,
+# ids 0 and 1); the I;16 modes are 16-bit PNGs and TIFFs of either byte order.
+MASK_MODES = ("1", "L", "P", "I", "I;16", "I;16L", "I;16B")
 
 
 def folder_path(root: str | Path, image_rel: str, where: str) -> Path:
@@ -56,8 +59,8 @@ def read_mask(path: Path, image_size: tuple[int, int]) -> np.ndarray:
             if img.size != image_size:
                 raise FormatError(f"{path}: mask is {img.size[0]}x{img.size[1]}, its image is "
                                   f"{image_size[0]}x{image_size[1]}")
-            if img.mode not in ("L", "P", "I", "I;16"):
-                raise FormatError(f"{path}: mask mode {img.mode!r}; need one channel of class ids (L, P or I)")
+            if img.mode not in MASK_MODES:
+                raise FormatError(f"{path}: mask mode {img.mode!r}; need one channel of class ids (1, L, P or I)")
             mask = np.asarray(img)
     # truncated or not an image (OSError), a broken chunk (SyntaxError), a text chunk past PIL's limit
     # (ValueError), past PIL's pixel limit: PIL's messages name no file
@@ -85,7 +88,10 @@ def processed_mask(processor: Any, mask: np.ndarray, where: Path) -> np.ndarray:
 
 def aggregate(mask: np.ndarray, patch_size: int, n_patches: int, pixel_agg: str, bg_label: int,
               where: Path) -> np.ndarray:
-    """(n_patches,) uint8: one label per patch_size tile of the processed mask, row-major like the ViT."""
+    """(n_patches,) uint8: one label per patch_size tile of the processed mask, row-major like the ViT.
+    Pixels past the last whole tile (SigLIP so400m-patch14-384: 384 = 27 x 14 + 6) are left out, as
+    the ViT's strided patch embedding leaves them out of every patch (saev's own labeller asserts
+    there are none)."""
     grid_h, grid_w = mask.shape[0] // patch_size, mask.shape[1] // patch_size
     if grid_h * grid_w != n_patches:
         raise FormatError(f"{where}: processed mask {mask.shape[1]}x{mask.shape[0]} gives {grid_w}x{grid_h} "

@@ -88,6 +88,7 @@ def _rows(files: tuple[Path, ...], start: Mark) -> Iterator[Row]:
     file holding one JSON array (json_array.py)."""
     for file in range(start.file, len(files)):
         begin = start if file == start.file else FIRST
+        number = begin.line  # the last element read: the one after it is named when it cannot be parsed
         try:
             if _is_array(files[file]):
                 with _open_bytes(files[file]) as fh:
@@ -97,6 +98,9 @@ def _rows(files: tuple[Path, ...], start: Mark) -> Iterator[Row]:
                 yield from _lines(files, file, begin)
         except ArrayError as exc:
             raise ConfigError(f"{files[file]}: not one JSON array of objects: {exc}") from None
+        except RecursionError:  # in elements(), which parses each element as _parse parses a line
+            raise ConfigError(f"{files[file]}: element {number + 1}: not valid JSON (nested too deeply to "
+                              f"parse)") from None
         except UnicodeDecodeError:
             raise not_utf8(files[file]) from None
         except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
@@ -269,7 +273,9 @@ def _elements_in(head: bytes) -> int:
     try:
         for count, *_ in elements(io.BytesIO(head)):
             pass
-    except (ArrayError, UnicodeDecodeError):  # the start ends inside an element (or a character)
+    # the start ends inside an element (or a character), or an element is nested too deeply to parse
+    # (the scan names it; at parse time a bare RecursionError stopped every Snakemake run)
+    except (ArrayError, UnicodeDecodeError, RecursionError):
         pass
     return count
 
@@ -291,6 +297,8 @@ def _parse(item: Any, where: str, noun: str) -> dict[str, Any]:
         row = json.loads(item) if isinstance(item, str) else item
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:  # json recurses once a level: ~1000 nested lists crashed naming no line
+        raise ConfigError(f"{where}: not valid JSON (nested too deeply to parse)") from None
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: {noun} is not a JSON object")
     return row

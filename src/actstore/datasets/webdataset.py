@@ -173,6 +173,8 @@ def _kept(data: bytes, extension: str, where: str, parse_json: bool = True) -> A
         return json.loads(text) if kind == "JSON" else int(text) if extension == "cls" else text
     except (UnicodeDecodeError, ValueError):
         raise ConfigError(f"{where}: its {extension!r} member is not {kind} ({data[:40]!r})") from None
+    except RecursionError:  # json recurses once a level: ~1000 nested lists crashed naming no sample
+        raise ConfigError(f"{where}: its {extension!r} member is not {kind} (nested too deeply to parse)") from None
 
 
 def _read(fh: IO[bytes], path: Path, offset: int, size: int) -> bytes:
