@@ -145,3 +145,20 @@ def test_a_fifo_in_the_index_place_is_named_not_waited_on(extracted, tmp_path):
     assert lmprobe.verify(root) == [f"{index}: missing (listed in SHA256SUMS)",
                                     f"{root}: no index/*.parquet; not an lmprobe dataset"]
     assert not lmprobe.detect(root)
+
+
+@pytest.mark.parametrize("number, text", [(1, "1"), (2.5, "2.5")])
+def test_labels_stored_as_one_text_are_refused_before_any_file(extracted, tmp_path, number, text):
+    """A JSONL dataset's labels 1 and "1" are two classes (two label_ids), but lmprobe's string label
+    column stored both as "1" (booleans mix with nothing): refused when the dataset is planned, naming both, before any file."""
+    from actstore.errors import ConfigError
+
+    rows = [json.loads(line) for line in tiny.write_jsonl(tmp_path / "docs.jsonl", 4).read_text().splitlines()]
+    data = tmp_path / "labels.jsonl"
+    labels = [number, text, "other", number]
+    data.write_text("".join(json.dumps({**row, "label": label}) + "\n" for row, label in zip(rows, labels)))
+    _, extract_dir = extracted("bert", data=data)
+    out = tmp_path / "ds"
+    with pytest.raises(ConfigError, match=rf"labels .* and .* would both be stored as label '{text}'"):
+        lmprobe.write_dataset(extract_dir, out, POOLED, progress=False)
+    assert not out.exists()

@@ -240,6 +240,7 @@ def plan_dataset(extract_dir: str | Path, options: dict[str, Any], trust_remote_
     from actstore.formats.extract import open_extraction
 
     extraction = open_extraction(extract_dir)
+    check_label_texts(extraction.info.dataset.labels, f"{extract_dir}: dataset labels")
     opts = _options(options, extraction)
     n = extraction.n_samples
     if n == 0:
@@ -566,9 +567,26 @@ def _label_type(labels: list) -> Any:
     (a number label in a string column crashed the finishing job with a bare ArrowTypeError)."""
     import pyarrow as pa
 
-    if labels and all(type(label) is int and -2**31 <= label < 2**31 for label in labels):
-        return pa.int32()
-    return pa.string()
+    return pa.int32() if _int32_labels(labels) else pa.string()
+
+
+def _int32_labels(labels: list) -> bool:
+    return bool(labels) and all(type(label) is int and -2**31 <= label < 2**31 for label in labels)
+
+
+def check_label_texts(labels: list, where: str) -> None:
+    """ConfigError naming two labels a string label column would store as one text: a JSONL dataset's
+    labels 1 and "1" (or 2.5 and "2.5") are two classes, but both were stored as label "1", told
+    apart by label_id only."""
+    if _int32_labels(labels):
+        return
+    first: dict[str | None, Any] = {}
+    for label in labels:
+        other = first.setdefault(_label_text(label), label)
+        if other is not label:
+            raise ConfigError(f"{where}: labels {json.dumps(other)} and {json.dumps(label)} would both be stored "
+                              f"as label {_label_text(label)!r} in lmprobe's string label column; make the "
+                              "dataset's labels all strings or all numbers")
 
 
 def _label_text(label: Any) -> str | None:
