@@ -205,8 +205,11 @@ def _swap_directories(tmp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, undo: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success fsync and rename it into place, else delete it.
+    `undo(temp)` runs first when it fails before the temp takes the name (the block, the sync, the
+    rename): a caller that moved things in that are not its own to delete moves them back (an undo
+    that fails leaves the temp as it is, for the caller's next run to recover from).
 
     Works for files and directories, so a crash never leaves something partly written under the
     final name, nor a directory partly deleted (one being replaced is swapped out whole, then deleted): a
@@ -219,6 +222,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     remove_stale_temps(final)
     tmp = _temp_beside(final)
     tmp.rmdir()
+    named = False  # tmp holds the new tree until it takes the name (after a swap, the old one)
     try:
         yield tmp
         if tmp.is_file():
@@ -231,10 +235,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             _swap_directories(tmp, final)
         else:
             os.replace(tmp, final)
+        named = True
         fsync_dir(final.parent)
         if replacing_directory:  # the old tree, deleted once the new one's name is durable; a crash
             remove_stale_temps(final)  # while it goes leaves it to the next writer's sweep
     except BaseException:
+        if undo is not None and not named:
+            undo(tmp)
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
@@ -640,23 +647,51 @@ def tree_root(leaves: list[bytes]) -> str:
 
 
 def sha256_tree_file(path: str | os.PathLike | int, threads: int | None = None) -> str:
-    """The SHA-256 tree hash (1 MiB leaves) of a file's bytes, its leaves read and hashed by `threads`
-    threads (default: the CPUs this process may use; hashlib and pread release the GIL), which a
-    plain sha256, sequential by definition, cannot do. Memory: a leaf per thread in flight. `path`
-    may be a descriptor the caller opened (and keeps)."""
+    """The SHA-256 tree hash (1 MiB leaves) of a file's bytes, its leaves read and hashed by the
+    process's leaf hashers (hashlib and pread release the GIL), which a plain sha256, sequential by
+    definition, cannot do; `threads` × 4 of its leaves are queued at a time (default: the CPUs this
+    process may use). Memory: a leaf per hasher at work. `path` may be a descriptor the caller
+    opened (and keeps)."""
     threads = threads or len(os.sched_getaffinity(0))
     fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY)
+    pool, leaves, window = _leaf_hashers(), [], []
     try:
         n_leaves = -(-os.fstat(fd).st_size // TREE_LEAF)
-        with ThreadPoolExecutor(threads) as pool:
-            leaves = []
-            for first in range(0, n_leaves, 4 * threads):  # a window, so futures stay few
-                window = range(first, min(first + 4 * threads, n_leaves))
-                leaves += pool.map(lambda leaf: _read_leaf_digest(fd, leaf), window)
+        for first in range(0, n_leaves, 4 * threads):  # a window, so futures stay few
+            stop = min(first + 4 * threads, n_leaves)
+            window = [pool.submit(_read_leaf_digest, fd, leaf) for leaf in range(first, stop)]
+            leaves += [future.result() for future in window]
     finally:
+        for future in window:  # after a failure: no leaf is read from fd once it is closed (or the caller's)
+            future.cancel()
+        wait(window)
         if fd is not path:
             os.close(fd)
     return tree_root(leaves)
+
+
+# One pool of leaf hashers for the process, a thread a CPU: verify hashes several files at once from
+# its own threads, and a pool a file made threads x CPUs threads and leaf buffers (1024 and 1 GiB
+# under 8 verify threads on a 128-CPU node), every file's threads started anew.
+_LEAF_HASHERS: ThreadPoolExecutor | None = None
+_LEAF_HASHERS_LOCK = threading.Lock()
+
+
+def _leaf_hashers() -> ThreadPoolExecutor:
+    global _LEAF_HASHERS
+    with _LEAF_HASHERS_LOCK:
+        if _LEAF_HASHERS is None:
+            _LEAF_HASHERS = ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="leaf-hash")
+        return _LEAF_HASHERS
+
+
+def _forget_leaf_hashers() -> None:
+    """In a forked child: the parent's pool has no thread there, so a task given it would wait forever."""
+    global _LEAF_HASHERS, _LEAF_HASHERS_LOCK
+    _LEAF_HASHERS, _LEAF_HASHERS_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_leaf_hashers)
 
 
 def _read_leaf_digest(fd: int, leaf: int) -> bytes:

@@ -10,17 +10,15 @@ store leaves the other as it was.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
-import itertools
 import json
 import os
 import stat
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
 
@@ -183,8 +181,9 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
     (attrs, array metadata, the concatenated 1-D arrays, prompts.jsonl: each shard's first checked
     against its files.json), moves each sample's chunk directory in by rename (no copy), then
     files.json from the jobs' records. Every check comes before the first rename; a failure after
-    it renames them back, so the chunk dirs stay whole; a kill leaves them in its temp of
-    `out_path`, from where the next run takes them back first.
+    it, until the store takes its name (its sync and rename too), renames them back, so the chunk
+    dirs stay whole; a kill leaves them in its temp of `out_path`, from where the next run takes
+    them back first.
     Memory does not grow with the chunk files: the records are streamed into a table on disk."""
     shards, readers = _open_shards(shards)
     refuse([problem for reader in readers for problem in _read_file_problems(reader)])
@@ -199,17 +198,17 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
     with tempfile.TemporaryFile(dir=out_path.parent) as table:  # unnamed: gone with the job, however it ends
         covered = _record_table(shards, readers, chunk_dirs, table)
         table.flush()
-        with atomic_path(out_path) as tmp:
+        # the sample directories moved in go back to the chunk dirs on a failure before the store takes its name
+        with atomic_path(out_path, undo=functools.partial(_move_back, chunk_dirs, covered, readers)) as tmp:
             _, arrays = _open_root(tmp, merged_attrs, (n, a0["num_layers"], a0["T_max"], a0["hidden_size"]),
                                    a0["T_chunk"])
             for name in readers[0].vector_names:
                 _create_vector(arrays, name, np.concatenate([r.vector(name) for r in readers]))
             _consolidate(tmp)
             _merge_text(shards, tmp)
-            moves = functools.partial(_sample_moves, chunk_dirs, covered, readers, tmp)
-            with _renamed_back_on_error(moves, progress):
-                _write_merged_files_json(tmp, table.fileno(), np.concatenate([r.chunk_counts() for r in readers]),
-                                         len(readers[0].layers))
+            _move_in(chunk_dirs, covered, readers, tmp, progress)
+            _write_merged_files_json(tmp, table.fileno(), np.concatenate([r.chunk_counts() for r in readers]),
+                                     len(readers[0].layers))
     return store_entry(out_path)
 
 
@@ -256,8 +255,8 @@ def _read_file_problems(reader: ZarrStore) -> list[str]:
 
 def _record_table(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list[Path], table: BinaryIO) -> list[list[str]]:
     """Each job linked the shards job_items gives it and lists every chunk of their samples, in order
-    (as link_chunks writes them): their {bytes, sha256} appended to `table`, in merged order. Returns
-    the shards each job covered."""
+    (as link_chunks writes them), still linked to the shard's files: their {bytes, sha256} appended
+    to `table`, in merged order. Returns the shards each job covered."""
     covered = []
     for job, (d, extra, listed) in enumerate(iter_job_records(chunk_dirs)):
         record, names = d / JOB_RECORD, extra.get("shards")
@@ -266,14 +265,26 @@ def _record_table(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list
             raise FormatError(f"{record}: linked shards {names}, job {job} of {len(chunk_dirs)} takes {expected}")
         covered.append(names)
         for _, reader, local, g in _record_samples([d], [names], readers):
-            for _, target in _sample_chunk_keys(reader, local, g):
+            for c, (key, target) in enumerate(_sample_chunk_keys(reader, local, g)):
                 name, entry = next(listed, (None, None))
                 if name != target:
                     raise FormatError(f"{record}: no entry for {target}" + (f" (next: {name})" if name else ""))
+                if c == 0:
+                    _check_still_linked(reader.path / key, d / target, record)
                 table.write(TABLE_ENTRY.pack(entry["bytes"], _digest(entry["sha256"], record, name)))
         for name, _ in listed:
             raise FormatError(f"{record}: lists {name}, not a chunk of its shards")
     return covered
+
+
+def _check_still_linked(shard_file: Path, linked: Path, record: Path) -> None:
+    """`linked` (a sample's first chunk) is still a link to the shard's file: a shard written again
+    after its link job (every file new) leaves the links at its old files, whose bytes and records
+    the merged store would take beside the new shard's 1-D arrays and prompts, and verify clean.
+    A sample's first chunk stands for its others (a shard is written whole; two lstats a sample)."""
+    if not os.path.samestat(os.lstat(shard_file), os.lstat(linked)):
+        raise FormatError(f"{linked}: not a link to {shard_file} (the shard was written again after its link job):"
+                          f" run the zarr_merge_chunks job of {record} again")
 
 
 def _digest(sha256: str, record: Path, name: str) -> bytes:
@@ -333,22 +344,22 @@ def _sample_moves(chunk_dirs: list[Path], covered: list[list[str]], readers: lis
             yield d / ACTS / str(g), dst / ACTS / str(g)
 
 
-@contextlib.contextmanager
-def _renamed_back_on_error(moves: Callable[[], Iterator[tuple[Path, Path]]], progress: bool) -> Iterator[None]:
-    """Rename every (src, dst) of `moves()`, then run the body; if anything fails, rename back the
-    ones done, so the chunk dirs can be finished again (the plan is re-walked, never held in memory)."""
+def _move_in(chunk_dirs: list[Path], covered: list[list[str]], readers: list[ZarrStore], dst: Path,
+             progress: bool) -> None:
+    """Rename every sample directory of the chunk dirs into `dst`, in order."""
     from tqdm import tqdm
 
-    done = 0
-    try:
-        for src, dst in tqdm(moves(), desc="zarr merge", unit="sample", disable=not progress):
-            os.rename(src, dst)
-            done += 1
-        yield
-    except BaseException:
-        for src, dst in itertools.islice(moves(), done):
-            os.rename(dst, src)
-        raise
+    for src, moved in tqdm(_sample_moves(chunk_dirs, covered, readers, dst), desc="zarr merge", unit="sample",
+                           disable=not progress):
+        os.rename(src, moved)
+
+
+def _move_back(chunk_dirs: list[Path], covered: list[list[str]], readers: list[ZarrStore], dst: Path) -> None:
+    """Rename back every sample directory `_move_in` moved into `dst` (the plan re-walked, never held
+    in memory), so the chunk dirs can be finished again."""
+    for src, moved in _sample_moves(chunk_dirs, covered, readers, dst):
+        if os.path.lexists(moved):
+            os.rename(moved, src)
 
 
 def _merge_text(shards: list[Path], dst: Path) -> None:
