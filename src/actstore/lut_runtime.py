@@ -204,10 +204,14 @@ class LutEncoder(nn.Module):
         return slice(start, self.products.shape[1])
 
     def _results(self, x: torch.Tensor, path: str = "lookup") -> dict[Any, Any]:
-        """What `path` computed for x, or a new empty record when x is not its last input (or was edited)."""
+        """What `path` computed for x, or a new empty record when x is not its last input (or was edited).
+        The record is emptied when x is freed: a decoder layer's normed input is gone once the layer
+        returns, and its encoding and residuals (N x budget) would otherwise stay until the group's next
+        input, every layer's at once. Emptied, not removed: a weakref callback may run amid a dict walk."""
         last, version = self._last.get(path), _version(x)
         if last is None or last[0]() is not x or last[1] != version:
-            self._last[path] = last = (weakref.ref(x), version, {})
+            results: dict[Any, Any] = {}
+            self._last[path] = last = (weakref.ref(x, lambda _: results.clear()), version, results)
         return last[2]
 
     def forget(self) -> None:
@@ -327,12 +331,12 @@ class LutLinear(nn.Module):
         # W_target [in, out]: rows are what compensation sums.
         self.columns = encoder.add_target(tables["precomputed_products"], tables["bias_product"],
                                           None if linear is None else linear.weight.detach().T)
-        bias = tables.get("target_bias")
-        if bias is None and linear is not None and linear.bias is not None:
-            bias = linear.bias.detach()
-        if not with_bias:
-            bias = None
-        self.register_buffer("target_bias", None if bias is None else bias.to(encoder.products), persistent=False)
+        # The linear's own bias when the linear is given (exact): the table's target_bias is that bias
+        # rounded to the tables' 16 bits (0.2 off a bias of a few hundred, as Qwen2's q/k/v hold, in
+        # bfloat16), and auto's dense path is to equal the nn.Linear it replaced.
+        bias = (linear.bias if linear is not None else tables.get(BIAS_KEY)) if with_bias else None
+        self.register_buffer("target_bias", None if bias is None else bias.detach().to(encoder.products),
+                             persistent=False)
         self.in_features = tables["decoder_weight"].shape[1]
         self.out_features = tables["precomputed_products"].shape[1]
         # Without W there is nothing to fall back to: auto is then the lookup.
@@ -464,8 +468,15 @@ def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKEN
         encoder.forget()  # every call pays the encoding, as every new input does
         return [lut.lookup_path(x) for lut in luts]
 
+    # Inputs from a generator of its own: draws from the global one would move a caller's seeded stream
+    # by as many calls as the time bound allowed, so a seeded run after install_luts would not repeat.
+    generator = torch.Generator(table.device).manual_seed(0)
+
+    def inputs(n: int) -> torch.Tensor:
+        return torch.randn(n, luts[0].in_features, generator=generator, device=table.device, dtype=table.dtype)
+
     with torch.inference_mode():
-        first = torch.randn(1, luts[0].in_features, device=table.device, dtype=table.dtype)
+        first = inputs(1)
         lookup_all(first)
         for lut in luts:
             lut.dense_path(first)
@@ -473,7 +484,7 @@ def calibrate(luts: list[LutLinear], tokens: tuple[int, ...] = CALIBRATION_TOKEN
         for n in counts:
             if rows and time.perf_counter() - start + predicted_seconds(rows[-1], n) > max_seconds:
                 break
-            x = torch.randn(n, luts[0].in_features, device=table.device, dtype=table.dtype)
+            x = inputs(n)
             lookup = min(call_seconds(lambda: lookup_all(x), table.device, CALIBRATION_REPEATS))
             dense = min(call_seconds(lambda: [lut.dense_path(x) for lut in luts], table.device, CALIBRATION_REPEATS))
             rows.append({"tokens": n, "lookup_ms": lookup * 1e3, "dense_ms": dense * 1e3})
@@ -643,6 +654,10 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
         if (linear.in_features, linear.out_features) != (entry["input_dim"], entry["output_dim"]):
             raise FormatError(f"{file}: [{entry['input_dim']}, {entry['output_dim']}] does not "
                               f"fit {module_path} ({linear.in_features} -> {linear.out_features})")
+        if linear.weight.is_meta:  # no values to check the tables against, nor to compute with
+            raise ConfigError(f"lut target {module_path!r} holds no weights (meta device: a model_skeleton, or "
+                              f"a layer accelerate offloads and loads per forward): install the LUT in a model "
+                              f"whose targets are loaded on a device")
         stored = store.load(module_path)
         check_products(stored, linear, file, module_path)
         key = _sae_digest(stored)
