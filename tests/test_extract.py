@@ -1986,6 +1986,8 @@ def write_real_store(name, root, out, parts=(0, 1), **section):
     if name == "pickle":
         machines = [write_machine(root / f"part-{p:04d}", out / f"machine-{p:04d}", model_params=PICKLE_PARAMS,
                                   progress=False) and out / f"machine-{p:04d}" for p in parts]
+        if len(machines) == 1:  # a machine's own store: the merge refuses a subset of the machines
+            return machines[0]
         merge_machines(machines, out)
     elif name == "zarr":
         shards = [out / "shards" / f"shard-{p:04d}.zarr" for p in parts]

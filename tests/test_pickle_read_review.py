@@ -95,8 +95,6 @@ def test_a_shard_whose_layer_disagrees_with_its_entry_is_named(machines, tmp_pat
         dataset[0]
 
 
-# numpy reports the half-built array's failed clear on dealloc as unraisable: its doing, not the reader's
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_dtype_its_build_state_marks_as_holding_objects_is_refused_naming_the_shard(machines, tmp_path):
     """numpy.dtype('f4') passes the restricted unpickler's check, then the pickle's BUILD state sets
     its flags to 63 (holds objects): numpy's ndarray.__setstate__ then failed with a bare SystemError,

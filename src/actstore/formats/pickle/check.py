@@ -198,9 +198,9 @@ def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any) -> list[str]:
+def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any, unpadded: bool) -> list[str]:
     """One layer's item list: its length, each item's fields, activation dtype/shape (`width` columns:
-    the d_model metadata.json states) and preview."""
+    the d_model metadata.json states), token_count (_token_count_fits) and preview."""
     if not isinstance(items, list) or len(items) != num_samples:
         return [f"{name}: {key} holds {len(items) if isinstance(items, list) else '?'} items, "
                 f"num_samples={num_samples}"]
@@ -218,6 +218,11 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any
             problems.append(f"{name}: {key} sample {item['sample_idx']}: activation {found} "
                             f"vs shape {item['shape']!r:.40}, d_model {width!r} in {METADATA}")
             break  # one bad item names the layer; every other one is likely the same
+        if not _token_count_fits(item["metadata"], act.shape[0], unpadded):
+            problems.append(f"{name}: {key} sample {item['sample_idx']}: metadata.token_count "
+                            f"{item['metadata']['token_count']!r:.40} {'!=' if unpadded else '>'} its "
+                            f"{act.shape[0]} activation rows")
+            break
         if not isinstance(item["text_preview"], str) or len(item["text_preview"]) > PREVIEW_CHARS:
             problems.append(f"{name}: {key} sample {item['sample_idx']}: bad text_preview")
     return problems
@@ -232,7 +237,18 @@ def _activation_fits(act: Any, shape: Any, width: Any) -> bool:
             and (width is None or act.shape[1] == width))
 
 
-def _verify_shard(path: Path, info: dict[str, Any], width: Any, budget: ByteBudget) -> tuple[list[str], list[int]]:
+def _token_count_fits(metadata: Any, rows: int, unpadded: bool) -> bool:
+    """An item's optional metadata.token_count, when it has one, counts its real tokens: all its rows
+    in an unpadded store, at most its rows in the spec's (padded to max_seq_length: 487 of 512). A
+    reader that cuts the padding by it got other rows than the shard holds, and verify passed it."""
+    if not isinstance(metadata, dict) or "token_count" not in metadata:
+        return True
+    count = metadata["token_count"]
+    return whole_number(count) and (count == rows if unpadded else count <= rows)
+
+
+def _verify_shard(path: Path, info: dict[str, Any], width: Any, unpadded: bool,
+                  budget: ByteBudget) -> tuple[list[str], list[int]]:
     """One shard: bytes, safe load (its decompressed bytes held in `budget` until it is checked), and
     content against its metadata entry (activations `width` wide, as many token rows in each layer as
     its num_tokens when recorded); its problems, and its sample ids when it is whole (verify checks
@@ -243,17 +259,18 @@ def _verify_shard(path: Path, info: dict[str, Any], width: Any, budget: ByteBudg
             shard = load_shard(path, info, take)
         except FormatError as exc:
             return [str(exc)], []
-        return _shard_content_problems(name, shard, info, width)
+        return _shard_content_problems(name, shard, info, width, unpadded)
 
 
-def _shard_content_problems(name: Path, shard: dict, info: dict[str, Any], width: Any) -> tuple[list[str], list[int]]:
+def _shard_content_problems(name: Path, shard: dict, info: dict[str, Any], width: Any,
+                            unpadded: bool) -> tuple[list[str], list[int]]:
     """_verify_shard's check of a loaded shard's content."""
     want_keys = {layer_key(layer) for layer in info["layers"]}
     if set(shard) != want_keys:
         return [f"{name}: layer keys {sorted(map(str, shard))} != metadata layers {sorted(want_keys)}"], []
     problems, ids_by_layer = [], []
     for key, items in shard.items():
-        problems += _verify_items(name, key, items, info["num_samples"], width)
+        problems += _verify_items(name, key, items, info["num_samples"], width, unpadded)
         if isinstance(items, list) and len(items) == info["num_samples"]:
             ids_by_layer.append([item.get("sample_idx") for item in items if isinstance(item, dict)])
     if problems:
@@ -281,7 +298,7 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
 
     def check(i: int) -> list[str]:
         try:
-            found_of[i], ids_of[i] = _verify_shard(path, shards[i], width, budget)
+            found_of[i], ids_of[i] = _verify_shard(path, shards[i], width, _unpadded(meta), budget)
         except BudgetHeldByOthers:  # checked again below, alone
             pass
         return []
@@ -303,6 +320,12 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
 def _width(meta: dict[str, Any]) -> Any:
     """The activations' width metadata.json states: actstore.d_model, else model_params.hidden_size."""
     return meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
+
+
+def _unpadded(meta: dict[str, Any]) -> bool:
+    """Whether each activation holds only its sample's tokens: so in a store with our `actstore` block
+    (docs/formats/pickle.md), where the spec's example pads them to max_seq_length."""
+    return "actstore" in meta
 
 
 def _shard_threads(shards: list[dict[str, Any]], width: Any) -> int:
@@ -353,7 +376,7 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
                 shard = load_shard(path, info)
                 # its content checked as verify checks it: a layer it lacked was a bare KeyError (and
                 # `actstore validate` crashed on it), a 1-D activation returned a scalar as the vector
-                integrity.refuse(_shard_content_problems(file, shard, info, _width(meta))[0])
+                integrity.refuse(_shard_content_problems(file, shard, info, _width(meta), _unpadded(meta))[0])
                 _CACHE[key] = shard
             for item in _CACHE[key][layer_key(layer_idx)]:
                 if item["sample_idx"] == sample_idx:

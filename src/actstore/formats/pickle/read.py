@@ -6,7 +6,11 @@ bytes go through the restricted unpickler (unpickler.py).
 from __future__ import annotations
 
 import hashlib
+import operator
 import pickle  # absolute import: the standard library, not this package
+from bisect import bisect_right
+from collections.abc import Sequence
+from itertools import accumulate
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
@@ -107,6 +111,28 @@ def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[st
         del items
 
 
+class SampleIndex(Sequence):
+    """The spec's index, [(shard_id, item_idx), ...] over the shards given, held as one count per
+    shard: a tuple per sample held ~96 MB per million samples (a GB at 10M, and any memory a
+    metadata.json's num_samples asked for), before a shard was read. A sequence like that list
+    (negative indices too, IndexError past the end, which ends a plain `for` over the dataset)."""
+
+    def __init__(self, shards: list[dict[str, Any]]) -> None:
+        self.shard_ids = [s["shard_id"] for s in shards]
+        self.ends = list(accumulate(s["num_samples"] for s in shards))  # one past each shard's last sample
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def __getitem__(self, idx: int) -> tuple[int, int]:
+        n, idx = len(self), operator.index(idx)
+        if not -n <= idx < n:
+            raise IndexError(f"sample index {idx} out of range for {n} samples")
+        idx %= n
+        pos = bisect_right(self.ends, idx)  # the first shard ending past idx (skips shards of 0 samples)
+        return self.shard_ids[pos], idx - (self.ends[pos - 1] if pos else 0)
+
+
 class ActivationDataset:
     """The spec's ActivationDataset, but indexed from metadata.json (no shard is read to build it)
     and loading each shard verified and safely; one shard cached at a time. Not a subclass of torch's
@@ -119,8 +145,7 @@ class ActivationDataset:
         self.layer_key = layer_key(layer_idx)
         self.metadata = stored_metadata(output_dir, layer_idx)
         self.shards = shards_by_id(self.output_dir, self.metadata["shards"])
-        self.index = [(s["shard_id"], i) for s in self.metadata["shards"] if layer_idx in s["layers"]
-                      for i in range(s["num_samples"])]
+        self.index = SampleIndex([s for s in self.metadata["shards"] if layer_idx in s["layers"]])
         self.current_shard_id: int | None = None
         self.current_shard: dict | None = None
 

@@ -9,6 +9,7 @@ import re
 import struct
 import threading
 from contextlib import contextmanager
+from functools import partial
 from typing import IO, Any, Callable, Iterator
 
 import numpy as np
@@ -26,8 +27,10 @@ def _numeric_dtype(dtype: np.dtype, where: str) -> np.dtype:
     return dtype
 
 
-def _make_dtype(*args: Any) -> np.dtype:
-    return _numeric_dtype(np.dtype(*args), "numpy.dtype")
+def _make_dtype(made: list[np.dtype], *args: Any) -> np.dtype:
+    """numpy.dtype(*args), a plain numeric one, kept in `made` (for _disarm)."""
+    made.append(dtype := _numeric_dtype(np.dtype(*args), "numpy.dtype"))
+    return dtype
 
 
 class _NdarrayName:
@@ -56,22 +59,32 @@ def _frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
 
 
 # Exactly the globals numpy's own pickles of plain arrays name (protocols 3-5, numpy 1.x and 2.x
-# module paths), each wrapped so that only numeric dtypes and plain ndarrays come out.
+# module paths), each wrapped so that only numeric dtypes and plain ndarrays come out; and numpy.dtype,
+# which each RestrictedUnpickler answers with its own _make_dtype (keeping the dtypes it made).
 ALLOWED_GLOBALS = {
     ("numpy", "ndarray"): _NdarrayName,
-    ("numpy", "dtype"): _make_dtype,
     ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
     ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
     ("numpy._core.numeric", "_frombuffer"): _frombuffer,
     ("numpy.core.numeric", "_frombuffer"): _frombuffer,
 }
+DTYPE_GLOBAL = ("numpy", "dtype")
 PLAIN_TYPES = (str, int, float, bool, type(None))
 
 
 class RestrictedUnpickler(pickle.Unpickler):
     """Refuses every global but the numpy array constructors above; never imports anything else."""
 
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.dtypes: list[np.dtype] = []  # every dtype the shard made, for _disarm
+        # not a bound method: the memo holds the global, and a bound method would hold the unpickler,
+        # a cycle that kept everything it built alive until the garbage collector ran
+        self.numpy_dtype = partial(_make_dtype, self.dtypes)
+
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == DTYPE_GLOBAL:
+            return self.numpy_dtype
         try:
             return ALLOWED_GLOBALS[(module, name)]
         except KeyError:
@@ -106,6 +119,15 @@ def _check_plain(obj: Any, depth: int = 0, checked: set[int] | None = None, path
         _check_plain(item, depth + 1, checked, path)
     path.discard(id(obj))
     checked.add(id(obj))
+
+
+def _disarm(dtypes: list[np.dtype]) -> None:
+    """Clear the flags of the dtypes a refused shard made (a numeric dtype has none). A BUILD state
+    can set them after numpy.dtype() admitted the dtype, before or after an array is filled with it,
+    saying it holds objects: numpy then frees the array by clearing its numbers as objects, which
+    fails and printed a RuntimeError traceback on stderr beside the error that refused the shard."""
+    for dtype in dtypes:
+        dtype.__setstate__((3, dtype.byteorder, None, None, None, -1, -1, 0))
 
 
 class _Refused(Exception):
@@ -234,7 +256,18 @@ class _MemoChecked:
         self.stopped = False
 
     def load(self) -> Any:
-        return RestrictedUnpickler(self).load()
+        """The restricted unpickler's object, checked (_check_plain). A refused shard's dtypes are
+        disarmed (_disarm) while the unpickler still holds what it built; then it is let go, as the C
+        unpickler alone was: held by the traceback, its arrays outlived the budget share they took."""
+        unpickler = RestrictedUnpickler(self)
+        try:
+            obj = unpickler.load()
+            _check_plain(obj)
+        except BaseException:
+            _disarm(unpickler.dtypes)
+            del unpickler
+            raise
+        return obj
 
     def read(self, n: int = -1) -> bytes:
         data = self.stream.read(n)
@@ -352,5 +385,4 @@ def safe_loads(data: bytes, compressed: bool, take: Callable[[int], None] | None
             obj = _load(data, compressed, take)
     except _Refused as exc:
         raise pickle.UnpicklingError(str(exc)) from None
-    _check_plain(obj)
     return obj

@@ -14,6 +14,7 @@ import math
 import os
 import pickle  # absolute import: the standard library, not this package
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,27 @@ def check_no_overlap(out_dir: Path, shards: list[dict]) -> None:
                               f"{out_dir / before['filename']}'s {before['sample_id_range']}")
 
 
+def check_every_machine(machines: list[tuple[Path, dict[str, Any]]], out_dir: Path) -> None:
+    """The machines merged are all of their extraction, 0..total_machines-1, each saying the same
+    total: verify refuses a merged store whose total_machines differs from the machines it lists, so
+    a subset (a machine whose job failed) was merged into a store that then failed verify."""
+    first_dir, first = machines[0]
+    total = first["distributed_config"].get("total_machines")
+    if not whole_number(total, 1):
+        raise FormatError(f"{first_dir / METADATA}: distributed_config.total_machines must be a whole number "
+                          f"of at least 1, got {total!r:.40}")
+    for mdir, meta in machines:
+        if meta["distributed_config"].get("total_machines") != total:
+            raise FormatError(f"{mdir / METADATA}: distributed_config.total_machines = "
+                              f"{meta['distributed_config'].get('total_machines')!r:.40} differs from "
+                              f"{first_dir / METADATA}'s {total!r:.40}")
+    ids = {machine_id_of(mdir, meta) for mdir, meta in machines}
+    if len(machines) != total or ids != set(range(len(machines))):
+        missing = list(islice((m for m in range(total) if m not in ids), 8))
+        raise FormatError(f"{out_dir}: refused to merge machines {sorted(ids)[:8]}: not the machines 0..{total - 1} "
+                          f"that {first_dir / METADATA} gives the extraction (missing {missing})")
+
+
 def machine_entry(mdir: Path, meta: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """The merged store's record of a machine: its directory, which must lie under `out_dir` (a path
     that climbs out is one every reader of the merged store refuses), and its metadata.json's sha256."""
@@ -255,6 +277,7 @@ def merge_machines(machine_dirs: list[str | Path], out_dir: str | Path) -> dict[
         check_same_extraction(mdir, meta, first_dir, first)
         shards += machine_shards(mdir, meta, out_dir, len(shards) + 1)
     check_no_overlap(out_dir, shards)
+    check_every_machine(machines, out_dir)
     duration = sum((meta["statistics"]["extraction_duration_seconds"] for _, meta in machines), 0.0)
     listing = [machine_entry(mdir, meta, out_dir) for mdir, meta in machines]
     first_dc = first["distributed_config"]
