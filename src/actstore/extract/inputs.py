@@ -19,6 +19,10 @@ from actstore.resources import IMAGES_PER_ITEM, items_ahead
 
 
 TOKENIZE_TOKENS = 1 << 20  # tokens the tokenizer encodes at once, at most: its Python lists take ~230 B a token
+# Characters the tokenizer encodes at once beyond a single text: it encodes each text whole before
+# cutting it to max_seq_length (the test tokenizer, 40 texts of 1M characters cut to 16 tokens: 4.1 GB
+# of host memory in one call, 1.3 GB in calls of TOKENIZE_CHARS), so books ran a part out of memory.
+TOKENIZE_CHARS = 1 << 22
 
 
 class TokenIds:
@@ -42,14 +46,13 @@ class TokenIds:
 def tokenize(tokenizer: Any, samples: list[Sample], max_seq_length: int,
              add_special_tokens: bool = True) -> TokenIds:
     """Token ids per sample; add_special_tokens=False for rendered chat templates (they hold their own).
-    Encoded TOKENIZE_TOKENS // max_seq_length texts at a time (each text is encoded alone: the ids
-    are the same as one call's). The texts cut at max_seq_length are counted: a fast tokenizer keeps
-    what it cut as each encoding's `overflowing` (a slow one keeps nothing: None)."""
-    chunks, lengths, step = [], [0], max(1, TOKENIZE_TOKENS // max_seq_length)
+    Encoded a run of texts at a time (text_runs; each text is encoded alone: the ids are the same as
+    one call's). The texts cut at max_seq_length are counted: a fast tokenizer keeps what it cut as
+    each encoding's `overflowing` (a slow one keeps nothing: None)."""
+    chunks, lengths = [], [0]
     truncated: int | None = 0
     empty: list[int] = []  # rows with no token: every one of the part is named at once
-    for start in range(0, len(samples), step):
-        rows = samples[start:start + step]
+    for rows in text_runs(samples, max(1, TOKENIZE_TOKENS // max_seq_length)):
         batch = tokenizer([s.text for s in rows], truncation=True, max_length=max_seq_length,
                           add_special_tokens=add_special_tokens)
         encoded = batch["input_ids"]
@@ -62,6 +65,21 @@ def tokenize(tokenizer: Any, samples: list[Sample], max_seq_length: int,
         raise ConfigError(zero_token_rows(empty))
     flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
     return TokenIds(flat, np.cumsum(lengths, dtype=np.int64), truncated)
+
+
+def text_runs(samples: list[Sample], max_texts: int) -> Iterator[list[Sample]]:
+    """Consecutive samples, at most `max_texts` and TOKENIZE_CHARS characters a run (a longer text
+    alone)."""
+    run: list[Sample] = []
+    chars = 0
+    for sample in samples:
+        if run and (len(run) == max_texts or chars + len(sample.text) > TOKENIZE_CHARS):
+            yield run
+            run, chars = [], 0
+        run.append(sample)
+        chars += len(sample.text)
+    if run:
+        yield run
 
 
 def check_vocabulary(token_ids: TokenIds, samples: list[Sample], vocab: int | None, source: str) -> None:
