@@ -355,8 +355,10 @@ def test_causal_lm_keeps_topk_logits_and_token_logprobs(kind, model_dir, text_js
     out = tmp_path / "extract"
     run_part(config, 0, out / "part-0000", progress=False)
     batch = config["extract"]["batch_size"]
-    assert head_inputs and all(positions <= rows <= batch or (rows == 1 and positions <= 5)
+    # the forward's head: each row's last position only (last_token_head); its reruns: chunks of 5 tokens
+    assert head_inputs and all((positions == 1 and rows <= batch) or (rows == 1 and positions <= 5)
                                for rows, positions in head_inputs), head_inputs
+    assert any(rows > 1 for rows, _ in head_inputs)
     loaded = load_model(tiny.Path(config["model"]["path"]))
     part = open_part(out / "part-0000")
     for local in range(len(part.samples)):

@@ -39,3 +39,31 @@ def test_tokenize_hands_the_tokenizer_a_bounded_number_of_characters_a_call(tmp_
         alone = tokenizer(sample.text, truncation=True, max_length=16)["input_ids"]
         np.testing.assert_array_equal(token_ids[i], alone)
     assert token_ids.truncated == 7
+
+
+def test_bfloat16_topk_is_the_same_whatever_the_batch(model_dir, text_jsonl, tmp_path):
+    """bfloat16 logits tie often, and torch.topk leaves tied tokens' order (and which of them make the
+    k) to its selection, which changed with the batch a text ran in: the same text stored other
+    topk_indices at batch_size 1 than at 32, with the same values (rows whose values the batch's
+    matmul rounded otherwise are not compared). Ties now rank by lower token id."""
+    from actstore.extract import run_part
+    from actstore.formats.extract import open_part
+
+    topk = {}
+    for batch_size in (1, 32):
+        config = tiny.make_config(tmp_path / f"b{batch_size}", model_dir("llama"), text_jsonl,
+                                  model={"torch_dtype": "bfloat16"},
+                                  extract={"layers": [0], "parts": 1, "batch_size": batch_size, "logits_topk": 20})
+        part_dir = tmp_path / f"b{batch_size}" / "part-0000"
+        run_part(config, 0, part_dir, progress=False)
+        part = open_part(part_dir)
+        topk[batch_size] = [part.topk(local) for local in range(len(part.samples))]
+    ties = 0
+    for (values_1, indices_1), (values_32, indices_32) in zip(topk[1], topk[32]):
+        if values_1.tobytes() != values_32.tobytes():  # the batch's matmul rounded this row's logits otherwise
+            continue
+        assert indices_1.tolist() == indices_32.tolist()
+        ties += len(np.unique(values_1)) < len(values_1)
+        order = np.lexsort((indices_1, -values_1))  # by value down, then token id up
+        assert (order == np.arange(len(order))).all()
+    assert ties  # the test's texts tie in their top-k

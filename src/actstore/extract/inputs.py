@@ -133,8 +133,9 @@ def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]], last_logits_on
                ) -> dict[str, torch.Tensor]:
     """Right-padded input_ids and attention_mask on the model's device (pad positions are never
     stored), and no generation cache. last_logits_only: a causal LM that takes `logits_to_keep` runs
-    its head at the rows' last positions only (sorted, distinct: pack_batch finds each row's there,
-    for the top-k; token log-probs rerun the head on the final hidden states, extract/logprobs.py)."""
+    its head at the rows' last positions only (sorted, distinct; run.last_token_head then hands the
+    head each row's own, for the top-k; token log-probs rerun the head on the final hidden states,
+    extract/logprobs.py)."""
     lengths = np.fromiter(map(len, ids), np.int64, len(ids))
     real = np.arange(window_width(loaded.model.config, int(lengths.max()))) < lengths[:, None]
     # Filled in one numpy call (row-major, so each row's ids in order): per-row tensor assignments

@@ -7,7 +7,7 @@ import itertools
 import logging
 import platform
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -204,7 +204,8 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             captured.clear()
             rows = BatchRows(np.asarray(batch, dtype=np.int64), np.asarray([lengths[i] for i in batch]))
             try:
-                output = loaded.model(**inputs)
+                with last_token_head(loaded, inputs, rows):
+                    output = loaded.model(**inputs)
                 check_reached(captured, ext["layers"], ext["hooks"], loaded)
                 check_shapes(captured, ext["layers"], ext["hooks"], loaded, len(batch), batch_width(inputs, rows))
                 packing = time.perf_counter()
@@ -283,14 +284,48 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
         tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))
     if loaded.kind == "causal":
         last = host_to_device(torch.from_numpy(rows.n_tokens - 1), loaded.device)
-        head_ran = inputs.get("logits_to_keep")  # the positions the LM head ran at (text_batch), else all
-        at = last if head_ran is None else torch.searchsorted(head_ran, last)
+        # last_token_head fed the LM head each row's last position only, else it ran at all of them
+        at = torch.zeros_like(last) if "logits_to_keep" in inputs else last
+        if "logits_to_keep" in inputs and output.logits.shape[1] != 1:
+            raise ConfigError(f"model.path {loaded.path}: its forward computed logits without calling its output "
+                              "embeddings (get_output_embeddings()), so which position each row's logits are "
+                              "is unknown; set extract.logits_topk: 0 and extract.token_logprobs: false")
         last_logits = output.logits[torch.arange(len(last), device=last.device), at]
         if logprobs is not None:
             tokens["token_logprob.npy"] = logprobs.packed(inputs["input_ids"], keep_host, rows.n_tokens, last_logits)
-        values, indices = torch.topk(last_logits.float(), topk)
+        values, indices = top_tokens(last_logits.float(), topk)
         per_row = {"topk_values.npy": values, "topk_indices.npy": indices}
     return tokens, per_row
+
+
+@contextmanager
+def last_token_head(loaded: LoadedModel, inputs: dict[str, torch.Tensor], rows: BatchRows) -> Iterator[None]:
+    """While the batch's forward runs, its LM head sees each row's last position only: logits_to_keep
+    (text_batch) keeps the batch's distinct last positions for every row, (batch, distinct, vocab)
+    logits where one per row is read (at Gemma 3's vocabulary and 32 lengths, 1 GB of float32)."""
+    keep = inputs.get("logits_to_keep")
+    if keep is None:
+        yield
+        return
+    at = torch.searchsorted(keep, host_to_device(torch.from_numpy(rows.n_tokens - 1), loaded.device))
+    rows_at = torch.arange(len(at), device=at.device)
+    handle = loaded.model.get_output_embeddings().register_forward_pre_hook(
+        lambda head, args: (args[0][rows_at, at][:, None], *args[1:]))  # (batch, 1, hidden)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk of float32 (rows, vocab) logits with ties ranked by lower token id: torch leaves their
+    order (and which tied tokens make the k) to its selection, which depends on the rest of the row.
+    Ranked by one int64 key a token: the value's bits made monotone, then the id reversed."""
+    bits = logits.view(torch.int32)
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    ids = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)
+    indices = torch.topk(monotone * (1 << 32) + (0xFFFFFFFF - ids), k).indices
+    return logits.gather(1, indices), indices
 
 
 def head_hooked(loaded: LoadedModel, hooks: list[str]) -> bool:
