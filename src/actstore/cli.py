@@ -71,25 +71,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _is_sae_stage(path: Path) -> bool:
     """An sae stage directory ({dump_to}/sae/<hash>/): it writes no format's store, only the checkpoint."""
-    from actstore.hashing import is_stage_dir
+    from actstore.hashing import followed, is_stage_dir
 
-    path = _followed(path)
+    path = followed(path)
     return is_stage_dir(path) and path.absolute().parent.name == "sae"
-
-
-def _followed(path: Path) -> Path:
-    """`path`, or where it leads when it is a link: a workflow stage directory given through one (`latest`
-    -> {dump_to}/zarr/<hash>) was known by the link's name, so taken for no stage's: its missing stage
-    config passed verify, and an sae stage's was "holds none of the known formats"."""
-    return path.resolve() if path.is_symlink() else path
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from actstore import integrity
     from actstore.formats import FORMAT_NAMES, detect_format, format_module
-    from actstore.hashing import is_stage_dir, stage_problems
+    from actstore.hashing import followed, is_stage_dir, stage_problems
 
-    stage_path = _followed(args.path)
+    stage_path = followed(args.path)
     stage = stage_path.absolute().parent.name
     if is_stage_dir(stage_path) and detect_format(args.path) is None:
         # A stage that writes no format's store (sae: the checkpoint), or a format stage whose store is

@@ -15,7 +15,7 @@ from actstore.config import config_schema, enabled_stages
 from actstore.formats import FORMAT_STAGES
 from actstore.formats.saev.layout import POINTER as SAEV_POINTER
 from actstore.errors import ActstoreError
-from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, stage_config_problems
+from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, resolved, stage_config_problems
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
 from actstore.model_config import run_dtype, storage_dtype
 from actstore.parse_memo import remembered
@@ -209,15 +209,23 @@ def stage_problems(path: str | Path) -> list[str]:
     """The problems of the stage config of the workflow stage directory holding the store at `path`
     (the path itself, or its parent: lmprobe's dataset/, lut/, a pickle machine); a workflow stage
     directory must hold one (is_stage_dir). What `actstore verify` and the readers' verify=True add
-    to a format's own checks."""
-    path = Path(path)
+    to a format's own checks. Either directory given as a link (`latest` -> {dump_to}/lmprobe/<hash>,
+    opened as `latest` or `latest/dataset`) is followed: known by the link's name, a stage directory's
+    missing or foreign stage config passed a reader's verify=True."""
+    path = followed(Path(path))
     problems = []
-    for directory in dict.fromkeys([path, path.parent]):
+    for directory in dict.fromkeys([path, followed(path.parent)]):
         try:
             problems += stage_config_problems(directory, required=is_stage_dir(directory))
         except ActstoreError as exc:  # a stage config too broken to read: the problem names it
             problems.append(str(exc))
     return problems
+
+
+def followed(path: Path) -> Path:
+    """`path`, or where it leads when it is a link (is_stage_dir knows a stage directory by its name: a
+    stage directory given through one, `latest` -> {dump_to}/zarr/<hash>, was taken for no stage's)."""
+    return (resolved(path) or path) if path.is_symlink() else path  # a loop of links: the format names it
 
 
 def write_stage_config(config: dict[str, Any], stage: str, out_dir: str | Path | None = None, *,

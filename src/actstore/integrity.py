@@ -163,8 +163,9 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
     digest = canonical_sha256({k: v for k, v in record.items() if k not in ("hash", SEAL_KEY)})  # as stage_hash
     if digest != record["hash"]:
         return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
-    if re.fullmatch("[0-9a-f]{64}", directory.name) and directory.name != digest:
-        return [f"{path}: the config of stage directory {digest}, found in {directory.name}"]
+    name = directory.absolute().name  # `actstore verify .` in a stage directory: "." has no name
+    if re.fullmatch("[0-9a-f]{64}", name) and name != digest:
+        return [f"{path}: the config of stage directory {digest}, found in {name}"]
     if SEAL_KEY not in record:  # every stage config the workflow writes holds one
         return [f"{path}: no {SEAL_KEY!r} record, so the stage's metadata files cannot be checked against it "
                 f"(its key removed, or written by an actstore from before stages were sealed: rerun the stage "
@@ -323,7 +324,17 @@ def _no_constant(name: str) -> Any:
     raise _StrictJsonError(f"{name} is not a JSON number")
 
 
-STRICT_JSON = {"object_pairs_hook": unique_keys, "parse_constant": _no_constant}  # json.loads options: what read_json takes
+def _finite_float(text: str) -> float:
+    """A JSON number past the largest float (1e999), which Python reads as the infinity that
+    _no_constant refuses by name: so spelt, it passed (a pickle store's statistics verified)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _StrictJsonError(f"{text[:40]} is past the largest float, read as {value}")
+    return value
+
+
+# json.loads options: what read_json takes
+STRICT_JSON = {"object_pairs_hook": unique_keys, "parse_constant": _no_constant, "parse_float": _finite_float}
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -460,7 +471,13 @@ class _JsonStream:
         """Append the next block (dropping what was parsed); False at the end of the file. A block is
         as long as the unparsed text it follows, at least JSON_BLOCK_CHARS: a value that runs on is
         parsed again from its start once per block, so its blocks double (a 1 MiB block each made that
-        quadratic: an unterminated 128 MB string took 11 s, one of gigabytes hung every verify)."""
+        quadratic: an unterminated 128 MB string took 11 s, one of gigabytes hung every verify). A value
+        running past JSON_MAX_BYTES, more than any metadata file read whole holds, is refused: the
+        window held it all, so a damaged record (a tail of NUL bytes a crash left, sparse on disk: no
+        JSON error is final before the end) took memory as large as the file."""
+        if len(self.buf) - self.pos > JSON_MAX_BYTES:
+            raise FormatError(f"{self.path}: not valid JSON (a value at character {self._offset()} runs past "
+                              f"{JSON_MAX_BYTES} characters, more than any metadata value)")
         block = "" if self.eof else self.fh.read(max(JSON_BLOCK_CHARS, len(self.buf) - self.pos))
         if not block:
             self.eof = True
