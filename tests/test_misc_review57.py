@@ -109,3 +109,48 @@ def test_an_lm_head_output_hook_is_sized_at_the_vocabulary(extracted):
     assert work.d < vocab  # the layer's and the SAE's width (the MLP's) is not the head's
     assert work.activation_bytes >= stored
     assert work.token_values == work.d + vocab  # layer 0 at d, the logits at their own width
+
+
+LUT_HOOK = "encoder.layer.1.attention.self.query:input"
+LUT_TARGETS = [f"encoder.layer.1.attention.self.{m}" for m in ("query", "key", "value")]
+
+
+def _with_basis(config: dict, num_basis: int) -> dict:
+    import copy
+
+    config = copy.deepcopy(config)
+    config["sae"].update(enabled=True, hook=LUT_HOOK, num_basis=num_basis, k_active=4)
+    config["lut"].update(enabled=True, targets=LUT_TARGETS)
+    return config
+
+
+def test_the_lut_and_sae_jobs_memory_grows_with_the_saes_latents(extracted):
+    """lut_mem_mb counted the model and the evaluation but no table, and sae_mem_mb no SAE: at
+    num_basis 131,072 on Llama-1B's up/gate projections the tables alone are ~13 GB, beyond the
+    request. Measured on the real tables build_tables makes (and the real SAE's parameters with
+    Adam's state after a step), extrapolated by latents, each request grows by at least as much."""
+    from actstore.lut import build_tables
+    from actstore.models import load_model
+    from actstore.sae.model import TopKSAE
+
+    config, _ = extracted("bert", extract={"hooks": [LUT_HOOK]})
+    small, large = 256, 1 << 21
+    model = load_model(Path(config["model"]["path"]), "float32", "cpu").model
+    d_in = model.config.hidden_size
+    sae = TopKSAE(d_in, small, 4)
+    torch.nn.init.normal_(sae.encoder_weight)
+    torch.nn.init.normal_(sae.decoder_weight)
+    tables = build_tables(_with_basis(config, small), model, sae.state())
+    table_bytes = sum(t.nbytes for target in tables.values() for t in target.values())
+    grown_mb = (large - small) / small * table_bytes / 1e6
+    assert (resources.lut_mem_mb(_with_basis(config, large))
+            - resources.lut_mem_mb(_with_basis(config, small))) >= grown_mb
+
+    opt = torch.optim.Adam(sae.parameters())
+    x = torch.randn(8, d_in)
+    (sae.decode_dense(*torch.topk(sae.pre_acts(x), 4)) - x).square().sum().backward()  # as train_steps
+    opt.step()
+    held = sum(p.nbytes + p.grad.nbytes for p in sae.parameters())
+    held += sum(v.nbytes for state in opt.state.values() for v in state.values() if torch.is_tensor(v))
+    assert (resources.sae_mem_mb(_with_basis(config, large))
+            - resources.sae_mem_mb(_with_basis(config, small))) >= (large - small) / small * held / 1e6

@@ -401,10 +401,28 @@ def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
 
 def sae_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     """Host memory of train_sae: the prefetch ring of float32 batches (pinned on a GPU), the held-out
-    evaluation's chunks, 3 GB for torch/CUDA."""
+    evaluation's chunks, the SAE (on the host: its weights, gradients and Adam's two moments; trained
+    on a GPU, the trained weights and the state saved from them), 3 GB for torch/CUDA."""
     w = workload(config)
     batches = 8 * config["sae"]["batch_size"] * w.d * 4
-    return _round_mb((batches + 8192 * w.d * 16) / 1e6 + 3000) * attempt
+    copies = 2 if config["sae"]["device"].startswith("cuda") else 4  # auto may find no GPU
+    return _round_mb((batches + 8192 * w.d * 16 + copies * sae_weight_bytes(config, w)) / 1e6 + 3000) * attempt
+
+
+def sae_weight_bytes(config: dict[str, Any], w: Workload) -> int:
+    """The SAE's float32 encoder and decoder, num_basis x its input width each (num_basis null: 4x the
+    hook's width); the hook is at most the widest captured vector, w.d."""
+    return 2 * (config["sae"].get("num_basis") or 4 * w.d) * w.d * 4
+
+
+def lut_table_bytes(config: dict[str, Any], w: Workload) -> int:
+    """What build_tables holds: each target's tables in lut.dtype (products num_basis x its outputs,
+    and the encoder and decoder it carries), one target's float32 products being computed, and the
+    float32 SAE they come from. A target's outputs are counted at w.d (the MLP's width when hooks are
+    captured; an LM head target, vocabulary-wide, is not)."""
+    basis = config["sae"].get("num_basis") or 4 * w.d
+    tables = len(config["lut"]["targets"]) * basis * 3 * w.d * 2
+    return tables + basis * w.d * 4 + sae_weight_bytes(config, w)
 
 
 LUT_EVAL_LOGITS = 1 << 27  # logits of one end-to-end LUT evaluation batch, at most (lut.end_to_end)
@@ -412,7 +430,9 @@ LUT_EVAL_LOGITS = 1 << 27  # logits of one end-to-end LUT evaluation batch, at m
 
 def lut_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     """Host memory of build_lut: the model loaded in float32 on the host first (twice its weight files
-    for a 16-bit checkpoint), the tables of every target, the end-to-end evaluation's batch (two runs'
-    float32 outputs and their log-softmaxes: LUT_EVAL_LOGITS each, at most), 3 GB for torch/CUDA."""
+    for a 16-bit checkpoint), the tables of every target (lut_table_bytes), the end-to-end evaluation's
+    batch (two runs' float32 outputs and their log-softmaxes: LUT_EVAL_LOGITS each, at most), 3 GB for
+    torch/CUDA."""
     w = workload(config)
-    return _round_mb(2 * w.weight_bytes / 1e6 * 1.5 + 6 * LUT_EVAL_LOGITS * 4 / 1e6 + 3000) * attempt
+    return _round_mb(2 * w.weight_bytes / 1e6 * 1.5 + lut_table_bytes(config, w) / 1e6
+                     + 6 * LUT_EVAL_LOGITS * 4 / 1e6 + 3000) * attempt
