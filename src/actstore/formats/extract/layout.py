@@ -38,8 +38,9 @@ def layer_tensor(layer_idx: int) -> str:
 
 
 def tensor_file(name: str) -> str:
-    """File name of a captured tensor inside a part directory."""
-    if name.startswith("layer_"):
+    """File name of a captured tensor inside a part directory: layer_<i> is block i's output, any
+    other name a hook spec, whose module path may itself start with "layer_" (a `layer_norm`)."""
+    if re.fullmatch(r"layer_[0-9]+", name):
         return f"layer_{int(name[6:]):03d}.npy"
     module_path, _, io = name.partition(":")
     return f"hook-{module_path}-{io}.npy"

@@ -282,10 +282,12 @@ def open_part(part_dir: str | Path) -> Part:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
     files = file_records(meta.get("files"), str(meta_path))
-    # Mapped, checked, then copied: a file far larger than the part's samples is never read whole.
-    offsets = load_npy(part_dir / "offsets.npy", files.get("offsets.npy", {}).get("bytes"), mmap_mode="r")
+    # Mapped, checked, then copied: a file far larger than the part's samples is never read whole. Looked
+    # up with inside, as every other file of the part: a link leading out of the part is refused.
+    offsets_path = inside(part_dir, "offsets.npy", str(meta_path))
+    offsets = load_npy(offsets_path, files.get("offsets.npy", {}).get("bytes"), mmap_mode="r")
     info = PartInfo.parse(meta, meta_path)
-    _check_offsets(offsets, info, part_dir / "offsets.npy")
+    _check_offsets(offsets, info, offsets_path)
     return Part(part_dir, meta, info, np.array(offsets))
 
 
@@ -414,12 +416,14 @@ def _listed_parts(index: Path) -> int:
 # PartInfo fields every part of one extraction shares: a format built from the parts reads them
 # from the first (Extraction.info), so a part made by another run (another config, an actstore that
 # numbers labels otherwise) would be mislabelled silently.
-RUN_WIDE = ("tensors", "layers", "hooks", "modality", "model_kind", "max_seq_length", "logits_topk", "model",
-            "dataset")
-# part.json keys outside PartInfo, as run-wide. An image part's pixels also depend on the processor
-# class that ran: transformers picks its torchvision or PIL backend by what the job's environment has
-# installed, and the two differ slightly, so parts extracted in two environments would mix them.
-RUN_WIDE_RECORDS = ("storage_dtype", "image_decoding", "image_processor", "image_pipeline")
+RUN_WIDE = ("tensors", "layers", "hooks", "modality", "model_kind", "max_seq_length", "logits_topk")
+# part.json keys compared as written, run-wide: the model and dataset records whole: ModelInfo leaves
+# out what says how the tokens and activations were made (fix_mistral_regex, blocks_path, tower,
+# auto_map), and formats copy part 0's record as the whole store's. An image part's pixels also depend
+# on the processor class that ran: transformers picks its torchvision or PIL backend by what the job's
+# environment has installed, and the two differ slightly, so parts extracted in two environments would
+# mix them.
+RUN_WIDE_RECORDS = ("model", "dataset", "storage_dtype", "image_decoding", "image_processor", "image_pipeline")
 
 
 def _check_model_files(parts: list[Part]) -> None:
