@@ -45,7 +45,18 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "d_model": reader.hidden, "dtype": "float16", "n_shards": len(stores), "bytes": dir_bytes(path),
         "T_max": attrs.get("T_max"), "T_chunk": attrs.get("T_chunk"), "chunk_bytes": attrs.get("chunk_bytes"),
         "merged": bool(manifest and manifest.get("merged")), "schema_version": attrs.get("schema_version"),
+        "float16_overflow_count": _overflow_count(stores),
     }
+
+
+def _overflow_count(stores: list[ZarrStore]) -> int:
+    """Activations the writer made +-inf, over the stores (attr float16_overflow_count, absent: none):
+    `actstore inspect` notes what a store lost, and a zarr store is float16 whatever its extraction."""
+    counts = [store.attrs.get("float16_overflow_count", 0) for store in stores]
+    for store, count in zip(stores, counts):
+        if not whole_number(count):
+            raise FormatError(f"{store.path}/.zattrs: float16_overflow_count={count!r:.40}, expected a whole number")
+    return sum(counts)
 
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
@@ -53,7 +64,10 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
     reader = open_zarr(path)
     if layer_idx not in reader.layers:
         return None
-    x = reader.read(sample_idx, layer_idx)
+    # a single store (a shard) holds rows from its global_index_start on: row 15 of a shard starting
+    # at 15 was read as its local sample 15, another row's or none
+    start = reader.attrs["global_index_start"] if isinstance(reader, ZarrStore) else 0
+    x = reader.read(sample_idx - start, layer_idx)
     if not 0 <= token_idx < x.shape[0]:
         raise IndexError(f"{path}: token {token_idx} out of range [0, {x.shape[0]}) for sample {sample_idx}")
     return x[token_idx].astype(np.float32)

@@ -107,14 +107,22 @@ def sample_key(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).hexdigest().encode("ascii")
 
 
-def store_attrs(info: PartInfo, n: int, t_chunk: int, hidden: int, created: str,
+def store_t_max(info: PartInfo, longest: int) -> int:
+    """T_max of a part's store, given its longest sample's tokens: extract.max_seq_length, which cuts
+    texts. An image's tokens are never cut (a ViT-B/16's 197 pass the default 128, a DINOv2's 257): an
+    image part's T_max holds them."""
+    t_max = int(info.max_seq_length)
+    return max(t_max, longest) if info.modality == "image" else t_max
+
+
+def store_attrs(info: PartInfo, n: int, t_max: int, t_chunk: int, hidden: int, created: str,
                 git_commit: str | None) -> dict[str, Any]:
     """Global metadata kept in the group attrs (never per-sample data: the spec's attrs guardrail)."""
     layers = list(info.layers)
     return {
         "format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "model_id": info.model.name,
         "num_layers": len(layers), "layers": layers, "model_num_blocks": info.model.n_blocks,
-        "hidden_size": hidden, "T_max": int(info.max_seq_length), "dtype": "float16",
+        "hidden_size": hidden, "T_max": t_max, "dtype": "float16",
         "T_chunk": t_chunk, "chunk_shape": [1, 1, t_chunk, hidden], "chunk_bytes": t_chunk * hidden * 2,
         "num_samples": n, "global_index_start": int(info.sample_range[0]),
         "created": created, "git_commit": git_commit,

@@ -27,7 +27,7 @@ from actstore.formats.extract import layer_tensor, open_part
 from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL, SEPARATOR,
                                           SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk, chunk_counts,
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
-                                          vector_chunks, vector_fill)
+                                          store_t_max, vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, list_store_files
 from actstore.integrity import file_records, read_json, stream_json_members, whole_number
 from actstore.io_utils import BufferWorkers, atomic_path, errors_naming, sha256_file, utc_now, write_json_atomic
@@ -122,7 +122,7 @@ def _write_files_json(store: Path, known: dict[str, dict] | None = None) -> None
 STAGES = ("file", "hash")
 
 
-def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threads: int,
+def _write_chunks(part: Any, layers: list[int], store: Path, t_max: int, t_chunk: int, threads: int,
                   progress: bool) -> tuple[dict[str, dict], int, dict[str, float]]:
     """The activation chunks of the part that hold tokens (layout.chunk_counts: those past a sample's tokens
     hold only the fill value and are left out, as zarr leaves empty chunks out), each read into a
@@ -139,7 +139,7 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_chunk: int, threa
     from tqdm import tqdm
 
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
-    hidden, t_max = tensors[0].shape[1], int(part.info.max_seq_length)
+    hidden = tensors[0].shape[1]
     files, overflows, seconds, lock = {}, {}, dict.fromkeys(STAGES, 0.0), threading.Lock()
 
     def write_sample(buffers: tuple[np.ndarray, np.ndarray], i: int, rows: slice) -> None:
@@ -196,16 +196,17 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     """
     part = open_part(part_dir)
     rows = list(part.samples)  # one part's rows, held: the vectors and the text arrays each pass over them
-    n, layers, t_max = len(rows), list(part.info.layers), int(part.info.max_seq_length)
+    n, layers = len(rows), list(part.info.layers)
+    t_max = store_t_max(part.info, int(np.diff(part.offsets).max(initial=0)))
     hidden = int(part.tensor(layer_tensor(layers[0])).shape[1])
     tc = choose_t_chunk(t_max, hidden, t_chunk)
-    attrs = store_attrs(part.info, n, tc, hidden, _now(), git_commit)
+    attrs = store_attrs(part.info, n, t_max, tc, hidden, _now(), git_commit)
     # zarr's import (0.15-0.3 s on the 2-core VM, a sixth of a 1 GB part's job) runs beside the chunk
     # files, which need none of zarr; _open_root's own import then waits for it (the module's lock).
     threading.Thread(target=_import_zarr, daemon=True).start()
     with atomic_path(out_path) as tmp:
         began = time.perf_counter()
-        files, overflow, seconds = _write_chunks(part, layers, tmp, tc, threads, progress)
+        files, overflow, seconds = _write_chunks(part, layers, tmp, t_max, tc, threads, progress)
         log.info("%s: %d chunk files of %d bytes in %.2f s by %d threads; their seconds: %s", out_path, len(files),
                  tc * hidden * 2, time.perf_counter() - began, threads,
                  ", ".join(f"{stage} {value:.2f}" for stage, value in seconds.items()))
