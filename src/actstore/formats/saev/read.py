@@ -235,9 +235,14 @@ class SaevStore:
         """Text stores: (n_examples, 3) sample_idx, token_start, n_valid; None for images. FormatError
         naming windows.npy when it is not a 2-D integer array of 3 columns (every reader indexes it so)
         or its rows do not give each token of a sample one place (layout.window_problem: `find` would
-        hand out other tokens' vectors)."""
+        hand out other tokens' vectors). FormatError too when actstore.json records windows.npy and it
+        is missing (a copy of the *.bin and *.json files alone): read as an image store's, example e was
+        dataset row e and the loader yielded the zero padding."""
         if self._windows is False:  # looked up once: the loader asks for every block
             path = inside(self.dir, WINDOWS, str(self.dir))  # never a file a link out leads to
+            if not path.is_file() and WINDOWS in self.sidecar.get("files", {}):
+                raise FormatError(f"{path}: missing, but {self.dir / SIDECAR} records it: this text store's "
+                                  "examples cannot be mapped to dataset rows and tokens without it")
             self._windows = _load_windows(path) if path.is_file() else None
             if self._windows is not None and (problem := window_problem(self._windows, self.n_examples, self.T)):
                 self._windows = False

@@ -146,11 +146,10 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         "patches_per_shard": int(section["patches_per_shard"]), "data": encode_data(description),
         "dataset": str(Path(info.dataset.path).resolve()), "dtype": "float32", "protocol": PROTOCOL,
     }
-    if examples_per_shard(metadata["patches_per_shard"], patches + int(cls_token), len(layers)) < 1:
-        raise ConfigError(f"saev.patches_per_shard={metadata['patches_per_shard']} is smaller than one example "
-                          f"({patches + int(cls_token)} tokens x {len(layers)} layers)")
     pixel_agg = (section.get("patch_labels") or {}).get("pixel_agg", "majority")
-    return Plan(metadata, windows, sidecar, labels, kept_tokens, _flavor(section, info.modality, family), pixel_agg)
+    plan = Plan(metadata, windows, sidecar, labels, kept_tokens, _flavor(section, info.modality, family), pixel_agg)
+    _check_shape(plan)
+    return plan
 
 
 def _flavor(section: dict[str, Any], modality: str, family: str) -> str:
@@ -326,6 +325,7 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
     """Write job `job` of `jobs`' shards of the plan's store (jobs.job_items) into out_dir, then its
     job record (jobs.write_job_record, with the store's name) last; return the record's path. Holds
     BEHIND + 1 slab buffers of CHUNK_BYTES (at least one example each) whatever the data's size."""
+    _check_shape(plan)
     out_dir = Path(out_dir)
     shards = job_items(len(plan.shard_sizes), jobs, job)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -343,6 +343,21 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
             files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffers,
                                             plan.shard_bytes(sizes[idx]), hashers)
     return write_job_record(out_dir, jobs, job, files, store=plan.store_name)
+
+
+def _check_shape(plan: Plan) -> None:
+    """ConfigError naming the metadata fields of a plan (write_raw_store takes any) whose examples hold
+    no vector, whose shards hold no example (the shard arithmetic divided by zero: a ZeroDivisionError
+    naming nothing) or whose example count is negative (a shard planned for a store no reader opens)."""
+    md = plan.metadata
+    layers, tokens, d_model = plan.example_shape
+    if min(layers, tokens, d_model) < 1 or md["n_examples"] < 0:
+        raise ConfigError(f"saev: layers {md['layers']}, {tokens} tokens (patches_per_ex + cls_token), d_model "
+                          f"{d_model}, n_examples {md['n_examples']}: an example needs a layer, a token and a "
+                          "dimension, n_examples must be >= 0")
+    if plan.per_shard < 1:
+        raise ConfigError(f"saev.patches_per_shard={md['patches_per_shard']} is smaller than one example "
+                          f"({tokens} tokens x {layers} layers)")
 
 
 def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int,
