@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # the workflow's parse sizes jobs with tensor_bytes, without 
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# A .bin checkpoint's, which from_pretrained reads where the folder has no safetensors checkpoint.
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
 # Why a module's weights were not found, for every error that says which one.
 HOW_READ = ("its weights are read by their own names, all under one prefix, from the folder's *.safetensors; a "
             "checkpoint that renames them inside the module, or one saved as .bin only, cannot be read this way")
@@ -35,7 +38,7 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
     ran the old weights and its vision tower, read by the index, the new. (An index mapping every
     name to model.safetensors itself, as some repositories ship, is one checkpoint.)"""
     if (folder / INDEX).exists():
-        weight_map = _weight_map(folder)
+        weight_map = _weight_map(folder, INDEX)
         if (folder / SINGLE).exists() and set(weight_map.values()) != {SINGLE}:
             raise ConfigError(f"model.path {folder}: holds both {SINGLE} and {INDEX} with its shards, two "
                               f"checkpoints (save_pretrained removes neither when the other is saved over it): "
@@ -47,31 +50,36 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
     return {}
 
 
-def _weight_map(folder: Path) -> dict[str, str]:
-    """The shard index's weight_map; ConfigError naming the index unless it maps names to file names
-    of the folder itself (a number or list there was a TypeError out of sorting or hashing the files;
-    `../x.safetensors` or an absolute path was read from outside the folder)."""
+def _weight_map(folder: Path, index: str) -> dict[str, str]:
+    """The shard index's weight_map (`index`: INDEX or BIN_INDEX); ConfigError naming the index unless
+    it maps names to file names of the folder itself (a number or list there was a TypeError out of
+    sorting or hashing the files; `../x.safetensors` or an absolute path was read from outside the folder)."""
     try:
-        weight_map = dict(json.loads(_regular(folder, INDEX).read_text())["weight_map"])
+        weight_map = dict(json.loads(_regular(folder, index).read_text())["weight_map"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"model.path {folder}: {INDEX} names no weight_map: {exc!r}") from None
+        raise ConfigError(f"model.path {folder}: {index} names no weight_map: {exc!r}") from None
     for name, file in weight_map.items():
         if not (isinstance(file, str) and _plain_name(file)):
-            raise ConfigError(f"model.path {folder}: {INDEX} weight_map gives {name!r} the file {file!r:.80}, "
+            raise ConfigError(f"model.path {folder}: {index} weight_map gives {name!r} the file {file!r:.80}, "
                               "not a file name of the folder")
     return weight_map
 
 
 def check_checkpoint_files(folder: Path) -> None:
-    """ConfigError naming the file unless every file of the folder's safetensors checkpoint is a regular
-    file of the folder, checked before from_pretrained reads them: it joins the index's names to the
-    folder as given (`../x.safetensors` was read from outside it, where model_identity, which records
-    the folder's own files, never saw it change) and blocked forever opening a FIFO."""
-    for file in sorted(set(checkpoint_names(folder).values())):
+    """ConfigError naming the file unless every file of the checkpoint from_pretrained reads is a regular
+    file of the folder, checked before it reads them: it joins an index's names to the folder as given
+    (`../x.safetensors` was read from outside it, where model_identity, which records the folder's own
+    files, never saw it change) and blocked forever opening a FIFO. The safetensors checkpoint's, else
+    the .bin shards BIN_INDEX names, which from_pretrained reads after both safetensors files and
+    BIN_SINGLE: a safetensors download beside the .bin index alone is no error."""
+    index, files = INDEX, set(checkpoint_names(folder).values())
+    if not files and (folder / BIN_INDEX).exists() and not (folder / BIN_SINGLE).exists():
+        index, files = BIN_INDEX, set(_weight_map(folder, BIN_INDEX).values())
+    for file in sorted(files):
         try:
             _regular(folder, file)
         except OSError as exc:
-            raise ConfigError(f"model.path {folder}: {file}, which {INDEX} names, cannot be read "
+            raise ConfigError(f"model.path {folder}: {file}, which {index} names, cannot be read "
                               f"({exc.strerror})") from None
 
 

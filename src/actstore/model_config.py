@@ -220,9 +220,23 @@ def register_tokens(config: dict[str, Any]) -> int:
 
 def tower_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of config.json that sizes the tower extraction runs: a composite checkpoint's
-    vision_config (a vision model) or text_config (a vision-language model), else the whole."""
-    nested = config.get("vision_config" if model_kind(config) == "vision" else "text_config")
-    return nested if isinstance(nested, dict) else config
+    vision_config (a vision model) or text_scope (a vision-language model's text_config, a T5Gemma's
+    encoder), else the whole."""
+    nested = config.get("vision_config") if model_kind(config) == "vision" else text_scope(config)
+    return nested if isinstance(nested, dict) and nested else config
+
+
+# Encoder-decoders whose config.json keeps each side's settings in `encoder` and `decoder`, none of
+# the encoder's at the top level (T5Gemma; EncoderDecoderModel, as bert2bert): extraction runs the encoder.
+SPLIT_ENCODER_TYPES = ("t5gemma", "encoder-decoder")
+
+
+def text_scope(config: dict[str, Any]) -> dict[str, Any]:
+    """The sub-config of the part of a composite checkpoint text runs through: a vision-language
+    model's text_config, a SPLIT_ENCODER_TYPES checkpoint's encoder; {} for a checkpoint that keeps
+    its settings at the top level."""
+    nested = config.get("encoder" if config.get("model_type") in SPLIT_ENCODER_TYPES else "text_config")
+    return nested if isinstance(nested, dict) else {}
 
 
 # The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer;
@@ -237,12 +251,12 @@ CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
 def config_int(config: dict[str, Any], setting: str) -> int | None:
     """An integer size setting (a CONFIG_ALIASES key) from config.json under any of its names: a vision
     model's from the top level, else its vision_config, else its text_config (an image-text checkpoint's
-    vocab_size); a text model's from its text_config (a vision-language model's language model), else
-    the top level; None when no scope has it."""
+    vocab_size); a text model's from its text_scope (a vision-language model's language model, an
+    encoder-decoder's encoder), else the top level; None when no scope has it."""
     if model_kind(config) == "vision":
         scopes = (config, config.get("vision_config") or {}, config.get("text_config") or {})
     else:
-        scopes = (config.get("text_config") or {}, config)
+        scopes = (text_scope(config), config)
     return next((scope[name] for scope in scopes for name in CONFIG_ALIASES[setting]
                  if isinstance(scope.get(name), int)), None)
 
@@ -317,13 +331,18 @@ ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "elect
                            "ernie", "data2vec-text", "mpnet", "gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt",
                            "xglm", "bart", "mbart", "plbart", "blenderbot", "longformer", "esm")
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# Text models whose blocks compute on (tokens, batch, hidden), the model transposing its input to that
+# and its output back (XLNet): a block's output is captured with its first two axes swapped back. Read
+# as (batch, tokens), the shape check refused it, except on a batch of as many samples as tokens, whose
+# vectors were stored laid over the wrong samples and tokens.
+TOKENS_FIRST_TYPES = ("xlnet",)
 
 
 def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_path: str | Path) -> None:
     """ConfigError when extract.max_seq_length passes the positions a learned-position text model
     has: config.json's n_positions / max_position_embeddings, or its tokenizer's model_max_length
     where smaller (RoBERTa's table of 514 holds 512 tokens: its positions start after the padding id)."""
-    text = config.get("text_config") or config
+    text = text_scope(config) or config
     learned = text.get("position_embedding_type", "absolute") == "absolute"
     if text.get("model_type") not in ABSOLUTE_POSITION_TYPES or not learned:
         return

@@ -101,14 +101,30 @@ class LoadedModel:
 def pick_device(name: str, key: str = "device") -> torch.device:
     """`auto`: the GPU when torch sees one, else the CPU, except in a Slurm job given GPUs that
     torch cannot see (a CPU-only torch, a driver it cannot use): that job is refused, where it
-    would run on the CPU for many times as long. `key`: the config key `name` came from."""
+    would run on the CPU for many times as long. `key`: the config key `name` came from. A name torch
+    does not know, or a GPU where torch sees none (a CPU-only torch, a job on a CPU node), is a
+    ConfigError naming the key, where torch's own (Torch not compiled with CUDA enabled) named neither."""
     if name != "auto":
-        return torch.device(name)
+        return named_device(name, key)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if error := unseen_gpus_error(os.environ, torch.__version__, torch.version.cuda, key):
         raise ConfigError(error)
     return torch.device("cpu")
+
+
+def named_device(name: str, key: str) -> torch.device:
+    """The device `name` (cpu, cuda, cuda:N) of config key `key`; ConfigError unless torch can use it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"{key} {name!r} is no device: auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = ("a CPU-only build" if torch.version.cuda is None
+               else f"built for CUDA {torch.version.cuda}, it found no usable GPU (check nvidia-smi)")
+        raise ConfigError(f"{key} {name}: torch {torch.__version__} sees no GPU here, being {why}; run on a GPU "
+                          f"node, or set {key}: cpu")
+    return device
 
 
 def unseen_gpus_error(env: Mapping[str, str], torch_version: str, cuda_version: str | None,
@@ -255,11 +271,15 @@ class _PinnedSlots:
 
 def _auto_class(config: dict[str, Any]) -> Any:
     """The transformers Auto class that loads the checkpoint whole: a vision-language model as the
-    image-text-to-text model it was saved as (its language model's weights under their own names)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+    image-text-to-text model it was saved as (its language model's weights under their own names); an
+    EncoderDecoderModel of two checkpoints (bert2bert), which AutoModel does not map, as the seq2seq LM
+    it is."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
     if is_vision_language(config):
         return AutoModelForImageTextToText
+    if config.get("model_type") == "encoder-decoder":
+        return AutoModelForSeq2SeqLM
     return AutoModelForCausalLM if model_kind(config) == "causal" else AutoModel
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from actstore.errors import ConfigError
 from actstore.formats.extract import layer_tensor
+from actstore.model_config import TOKENS_FIRST_TYPES
 from actstore.models import LoadedModel, first_tensor, get_module
 
 
@@ -23,7 +24,8 @@ def parse_hook(spec: str) -> tuple[str, str]:
 @contextmanager
 def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterator[dict[str, torch.Tensor]]:
     """Register forward hooks for block outputs and module inputs/outputs; yield the capture dict
-    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device).
+    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device; a
+    TOKENS_FIRST_TYPES model's blocks' (tokens, batch, dim) outputs transposed to it).
     A block or hooked module that runs more than once in one forward of the model (ALBERT's shared
     layer, T5's encoder dropout on the embeddings then on the output) is a ConfigError at the end of
     that forward: each call overwrites the capture, which would store the last call's tensor as its."""
@@ -31,9 +33,10 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
     calls: dict[str, int] = {}  # tensor name -> its module's calls in the model's forward under way
     handles = []
 
-    def keep(name: str, use_input: bool):
+    def keep(name: str, use_input: bool, tokens_first: bool = False):
         def hook(module, args, kwargs, output):
-            captured[name] = first_tensor(called_input(module, args, kwargs, name) if use_input else output)
+            tensor = first_tensor(called_input(module, args, kwargs, name) if use_input else output)
+            captured[name] = tensor.transpose(0, 1) if tokens_first else tensor
             calls[name] = calls.get(name, 0) + 1
         return hook
 
@@ -41,9 +44,10 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
         if repeated := {name: n for name, n in calls.items() if n > 1}:
             raise ConfigError(ran_more_than_once(repeated, layers, hooks, loaded))
 
+    tokens_first = loaded.config.get("model_type") in TOKENS_FIRST_TYPES
     for layer_idx in layers:
         handles.append(loaded.blocks[layer_idx].register_forward_hook(
-            keep(layer_tensor(layer_idx), False), with_kwargs=True))
+            keep(layer_tensor(layer_idx), False, tokens_first), with_kwargs=True))
     for spec in hooks:
         module_path, io = parse_hook(spec)
         handles.append(get_module(loaded.model, module_path).register_forward_hook(
