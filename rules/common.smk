@@ -38,6 +38,14 @@ PARTS = [f"{p:04d}" for p in range(N_PARTS)]
 TARGETS = {}
 
 
+# A part's or a scatter job's number as its file names write it (f"{n:04d}"): four digits, and five or
+# more from 10000 on (extract.parts and the writers' jobs have no maximum); never another zero-padding.
+# (Not `\d{4,}`: Snakemake's wildcard pattern does not parse `{4,}` inside a constraint.)
+wildcard_constraints:
+    part=r"\d{4}|[1-9]\d{4}\d*",
+    job=r"\d{4}|[1-9]\d{4}\d*",
+
+
 onstart:
     parse_memo.hand_over(DUMP_TO / "logs" / "parse")
 

@@ -43,8 +43,6 @@ rule extract_part:
         log_path("extract", "part-{part}"),
     benchmark:
         bench_path("extract", "part-{part}")
-    wildcard_constraints:
-        part=r"\d{4}",
     # Images: 16 CPUs decoding (or extract.num_workers + the main process and writers); text: 4.
     threads: EXTRACT_PART_THREADS
     # Scale with the model and the part's share of the dataset (actstore/resources.py); the
@@ -69,8 +67,10 @@ rule extract_index:
         stage_config=f"{EXTRACT_DIR}/actstore_config.json",
     log:
         log_path("extract", "index"),
+    benchmark:
+        bench_path("extract", "index")
     resources:
-        mem_mb=1000,
+        mem_mb=lambda wildcards, attempt: 1000 * attempt,
         runtime=lambda wildcards, attempt: actstore_resources.extract_index_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"

@@ -23,8 +23,6 @@ rule lmprobe_tensors:
         log_path("lmprobe", job_name("tensors", LMPROBE_JOBS)),
     benchmark:
         bench_path("lmprobe", job_name("tensors", LMPROBE_JOBS))
-    wildcard_constraints:
-        job=r"\d{4}",
     # Two tensor files at once (lmprobe.write.THREADS: each file's sha256 is sequential), each with
     # its rows gathered while the chunk before is written and hashed (io_utils.WriteBehind).
     threads: 2

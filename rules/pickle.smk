@@ -29,8 +29,6 @@ rule pickle_machines:
         log_path("pickle", job_name("job", len(PICKLE_JOBS))),
     benchmark:
         bench_path("pickle", job_name("job", len(PICKLE_JOBS)))
-    wildcard_constraints:
-        job=r"\d{4}",
     # pickle.threads shards dumped and gzipped at once, one per thread.
     threads: config["pickle"]["threads"]
     # One shard in memory per thread, plus its pickle stream. cpus_per_task: the Slurm profile's
@@ -55,9 +53,11 @@ rule pickle_merge:
         machines=PICKLE_MACHINES,
     log:
         log_path("pickle", "merge"),
+    benchmark:
+        bench_path("pickle", "merge")
     resources:
-        mem_mb=1000,
-        runtime=10,
+        mem_mb=lambda wildcards, attempt: 1000 * attempt,
+        runtime=lambda wildcards, attempt: 10 * attempt,
     conda:
         "../envs/actstore.yaml"
     script:

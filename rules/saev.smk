@@ -24,8 +24,6 @@ rule saev_shards:
         log_path("saev", job_name("job", len(SAEV_JOBS))),
     benchmark:
         bench_path("saev", job_name("job", len(SAEV_JOBS)))
-    wildcard_constraints:
-        job=r"\d{4}",
     # The slab being filled and the tree hash of the one before run at once (io_utils.WriteBehind; its
     # 1 MiB leaves hashed by as many threads as the job has CPUs; a further thread's pwrite mostly
     # waits on the disk). cpus_per_task: Slurm's CPUs for those threads.

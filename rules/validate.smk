@@ -44,8 +44,11 @@ rule validate_plots:
         },
     log:
         log_path("validate", "validate_plots"),
+    benchmark:
+        bench_path("validate", "validate_plots")
     resources:
-        mem_mb=2000,
+        mem_mb=lambda wildcards, attempt: 2000 * attempt,
+        runtime=lambda wildcards, attempt: 30 * attempt,
     conda:
         "../envs/actstore.yaml"
     script:

@@ -29,8 +29,6 @@ rule zarr_shards:
         log_path("zarr", job_name("shards", len(ZARR_JOBS))),
     benchmark:
         bench_path("zarr", job_name("shards", len(ZARR_JOBS)))
-    wildcard_constraints:
-        job=r"\d{4}",
     # zarr.threads threads each read, cast, write and hash a chunk file.
     threads: config["zarr"]["threads"]
     resources:
@@ -58,8 +56,6 @@ rule zarr_merge_chunks:
         log_path("zarr", job_name("merge", len(ZARR_MERGE_JOBS))),
     benchmark:
         bench_path("zarr", job_name("merge", len(ZARR_MERGE_JOBS)))
-    wildcard_constraints:
-        job=r"\d{4}",
     threads: 1
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_merge_chunks", attempt),
@@ -107,10 +103,12 @@ rule zarr_manifest:
         shards=ZARR_SHARDS,
     log:
         log_path("zarr", "manifest"),
+    benchmark:
+        bench_path("zarr", "manifest")
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=10,
+        mem_mb=lambda wildcards, attempt: 1000 * attempt,
+        runtime=lambda wildcards, attempt: 10 * attempt,
     conda:
         "../envs/actstore.yaml"
     script:
