@@ -9,7 +9,7 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR,
-                                          UPSTREAM_FAMILIES, WINDOWS, decode_data, store_name)
+                                          UPSTREAM_FAMILIES, WINDOWS, decode_data, protocol_problem, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
 from actstore.integrity import (SEAL_KEY, dir_bytes, file_problem, links_out, listed_problem, problems_of, read_json,
                                 refuse, seal_problems, unlisted)
@@ -54,7 +54,7 @@ def verify(path: str | Path) -> list[str]:
         store = SaevStore(path, check_sizes=False)
     except (FormatError, OSError) as exc:
         return [str(exc)]
-    problems = _verify_name(store) + _verify_pointer_seal(Path(path), store.dir)
+    problems = _verify_name(store) + _verify_protocol(store) + _verify_pointer_seal(Path(path), store.dir)
     try:
         description = _data_description(store)
     except FormatError as exc:
@@ -78,6 +78,13 @@ def _verify_name(store: SaevStore) -> list[str]:
     if have == want:
         return []
     return [f"{store.dir / METADATA}: its hash {want!r} does not match the directory name {have!r} (config drift)"]
+
+
+def _verify_protocol(store: SaevStore) -> list[str]:
+    """A major protocol version this reader does not know: opening only warns (spec §5), but every
+    vector is then found by this version's arithmetic, which such a store may not follow."""
+    problem = protocol_problem(store.metadata["protocol"])
+    return [f"{store.dir / METADATA}: {problem}"] if problem else []
 
 
 def _verify_pointer_seal(path: Path, store_dir: Path) -> list[str]:

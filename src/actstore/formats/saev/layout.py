@@ -58,6 +58,21 @@ FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "dinov3_vit":
 CLS_FAMILIES = ("dinov2", "dinov3", "clip", "vit", "deit", "beit", "data2vec-vision", "vit-msn")
 
 
+def protocol_problem(protocol: str) -> str | None:
+    """Why a store of `protocol` cannot be read by this protocol's arithmetic, or None. Spec §5 bumps
+    the major version for a shape reorder, a dtype switch or a new required key; a minor one only adds."""
+    if protocol.split(".")[0] == PROTOCOL.split(".")[0]:
+        return None
+    return (f"protocol {protocol} has a different major version than this reader's {PROTOCOL}; "
+            "the layout may have changed")
+
+
+def dropped_tokens(cls_token: bool, registers: int) -> list[int]:
+    """The extracted token indices an upstream store leaves out: the registers right after CLS (saev's
+    dinov2/dinov3 writers keep CLS and the patches)."""
+    return list(range(int(cls_token), int(cls_token) + registers))
+
+
 def shard_name(idx: int) -> str:
     return f"acts{idx:06d}.bin"
 

@@ -12,12 +12,16 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, PROTOCOL, SHARDS, SIDECAR, WINDOWS,
-                                          check_metadata, examples_per_shard, flavor_of, shard_name, to_spec,
-                                          window_problem)
+from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, SHARDS, SIDECAR, WINDOWS,
+                                          check_metadata, dropped_tokens, examples_per_shard, flavor_of,
+                                          protocol_problem, shard_name, to_spec, window_problem)
 from actstore.integrity import (check_npy, file_records, inside, open_files_budget, read_json, refuse,
                                 whole_number)
 from actstore.io_utils import pread_into
+
+# iter_ordered's default read: a whole shard of a multi-layer ViT store at the spec's default
+# patches_per_shard is about 10 GiB, which 1024 examples a chunk could take at once.
+READ_CHUNK_BYTES = 256 << 20
 
 
 def resolve(path: str | Path) -> Path:
@@ -53,9 +57,8 @@ class SaevStore:
         check_metadata(self.file_metadata, self.dir / METADATA)
         self.flavor = flavor_of(self.file_metadata)
         self.metadata = to_spec(self.file_metadata)
-        if str(self.metadata["protocol"]).split(".")[0] != PROTOCOL.split(".")[0]:
-            warnings.warn(f"{self.dir / METADATA}: protocol {self.metadata['protocol']} has a different major "
-                          f"version than this reader's {PROTOCOL}; the layout may have changed", stacklevel=2)
+        if problem := protocol_problem(self.metadata["protocol"]):  # spec §5: "a breaking warning"; verify names it
+            warnings.warn(f"{self.dir / METADATA}: {problem}", stacklevel=2)
         self.shards = read_json(self.dir / SHARDS)
         self._check_shards_json()
         self.sidecar = self._read_sidecar()
@@ -68,9 +71,10 @@ class SaevStore:
                 raise FormatError("; ".join(problems))
 
     def _read_sidecar(self) -> dict:
-        """actstore.json ({} for a store saev wrote): an object whose `files` records (and the extracted
-        tokens an upstream store leaves out, `dropped_tokens`) are checked for shape here, so that
-        verify reports a bad record instead of failing on it."""
+        """actstore.json ({} for a store saev wrote): an object whose `files` records are checked for
+        shape here, so that verify reports a bad record instead of failing on it, and whose
+        `dropped_tokens` (the extracted tokens an upstream store leaves out) are the ones its writer
+        records: find() shifts every token past them, so any other list hands out other tokens' vectors."""
         path = self.dir / SIDECAR
         if not path.is_file():
             return {}
@@ -79,9 +83,14 @@ class SaevStore:
             raise FormatError(f"{path}: must be a JSON object, got {type(sidecar).__name__}")
         file_records(sidecar.get("files", {}), str(path))
         dropped = sidecar.get("dropped_tokens", [])
-        if not (isinstance(dropped, list) and all(type(t) is int and t >= 0 for t in dropped)
-                and dropped == sorted(set(dropped))):
-            raise FormatError(f"{path}: dropped_tokens must be increasing token indices, got {dropped!r}")
+        # write.plan_store: upstream leaves out the `registers` after CLS; spec keeps every token.
+        registers = sidecar.get("registers", 0) if self.flavor == "upstream" else 0
+        if not (isinstance(dropped, list) and all(type(t) is int for t in dropped) and len(dropped) == registers
+                and dropped == dropped_tokens(self.metadata["cls_token"], len(dropped))):
+            expected = (f"the registers={registers!r:.20} tokens after CLS" if self.flavor == "upstream"
+                        else "none: a spec-flavor store keeps every extracted token")
+            raise FormatError(f"{path}: dropped_tokens must be increasing token indices, got {dropped!r:.80}; "
+                              f"its writer records {expected}")
         return sidecar
 
     # spec §4.1 names
@@ -213,8 +222,12 @@ class SaevStore:
         shard_idx, ex_in_shard = divmod(example, self.examples_per_shard)
         return self.memmap(shard_idx)[ex_in_shard]
 
-    def iter_ordered(self, chunk_examples: int = 1024, progress: bool = False) -> Iterator[tuple[int, np.ndarray]]:
-        """(first example, (n, L, T, D) array) in example order, one large sequential read each."""
+    def iter_ordered(self, chunk_examples: int | None = None,
+                     progress: bool = False) -> Iterator[tuple[int, np.ndarray]]:
+        """(first example, (n, L, T, D) array) in example order, one large sequential read each of
+        chunk_examples (default: as many as READ_CHUNK_BYTES holds, at least one)."""
+        if chunk_examples is None:
+            chunk_examples = max(1, READ_CHUNK_BYTES // self.example_bytes)
         if not whole_number(chunk_examples, least=1):  # range() yielded nothing for -1, with no error
             raise ConfigError(f"chunk_examples={chunk_examples!r} must be a whole number >= 1")
         for idx, shard in enumerate(tqdm(self.shards, desc="saev read", disable=not progress)):
@@ -251,8 +264,11 @@ class SaevStore:
 
     def labels(self) -> np.ndarray | None:
         """labels.bin as a read-only uint8 (n_examples, patches_per_ex) memmap, or None; FormatError when
-        it leads out of the store through a link (verify names it; the loader filtered by it)."""
+        it leads out of the store through a link (verify names it; the loader filtered by it), or when
+        actstore.json records it and it is missing (the loader said the store had no labels.bin)."""
         path = inside(self.dir, LABELS, str(self.dir))
+        if not path.is_file() and LABELS in self.sidecar.get("files", {}):
+            raise FormatError(f"{path}: missing, but {self.dir / SIDECAR} records it (written with this store)")
         if not path.is_file():
             return None
         want = self.n_examples * self.patches_per_ex

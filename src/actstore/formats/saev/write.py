@@ -20,9 +20,9 @@ from tqdm import tqdm
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import PartInfo, layer_tensor
 from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS, LABELS, METADATA, PROTOCOL,
-                                          SEALED, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, encode_data,
-                                          examples_per_shard, shard_name, shard_sizes, store_name, text_windows,
-                                          to_upstream)
+                                          SEALED, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, dropped_tokens,
+                                          encode_data, examples_per_shard, shard_name, shard_sizes, store_name,
+                                          text_windows, to_upstream)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
 from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, errors_naming,
@@ -125,9 +125,9 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         if registers and _flavor(section, info.modality, family) == "upstream":
             # saev's own dinov2/dinov3 writers store CLS and the patches, never the registers: its
             # readers and label grids take content token i as patch i.
-            dropped = np.arange(registers) + int(cls_token)
+            dropped = dropped_tokens(cls_token, registers)
             kept_tokens = np.delete(np.arange(patches + int(cls_token)), dropped)
-            patches, registers, sidecar["dropped_tokens"] = patches - registers, 0, dropped.tolist()
+            patches, registers, sidecar["dropped_tokens"] = patches - registers, 0, dropped
         labels = _plan_labels(extraction, section, description, labeler,
                               (model_config, patches, registers), progress, labels)
     else:
