@@ -77,13 +77,26 @@ def _sample_row_problems(part: Part) -> list[str]:
     the Zarr and pickle writers copy each line's sample_idx and num_tokens: a line that disagrees
     (hashed as written, so its sha256 passes) would be stored as another row's id or length."""
     lengths = np.diff(part.offsets)
+    label_ids = {label: i for i, label in enumerate(part.info.dataset.labels)}
     for local, row in enumerate(part.samples):
         want, n_tokens = part.sample_start + local, row.get("num_tokens")
         if row["sample_idx"] != want or not (whole_number(n_tokens) and n_tokens == lengths[local]):
             return [f"{part.samples.path}: line {local + 1} says sample_idx {row['sample_idx']} of "
                     f"{n_tokens!r:.40} tokens, where {PART_META}'s sample_range and offsets.npy say sample_idx "
                     f"{want} of {lengths[local]} tokens"]
+        if not _label_id_fits(row, label_ids):
+            return [f"{part.samples.path}: line {local + 1} says label_id {row.get('label_id')!r:.40} for label "
+                    f"{row.get('label')!r:.60}, which is not its position in {PART_META}'s dataset.labels"]
     return []
+
+
+def _label_id_fits(row: dict, label_ids: dict) -> bool:
+    """A row's label_id as the extraction writes it: its label's position in dataset.labels, -1 for no
+    label (or one not listed), null also for no label (synthetic_extraction's rows). Zarr, pickle and
+    lmprobe copy it, where a label_id naming another label would file the sample under that label."""
+    label, label_id = row.get("label"), row.get("label_id")
+    want = label_ids.get(label, -1) if isinstance(label, (str, int, float)) else -1
+    return (type(label_id) is int and label_id == want) or (label is None and label_id is None)
 
 
 def _summary_problems(extract_dir: Path) -> list[str]:
@@ -140,9 +153,22 @@ def _index_problems(extract_dir: Path) -> list[str]:
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """The stored float32 vector of (dataset row, block output, token); None for a token the sample
-    lacks (a negative index too: Python's would give a token counted from the end)."""
-    extraction = open_extraction(path)
-    if layer_idx not in extraction.info.layers:
+    lacks (a negative index too: Python's would give a token counted from the end). `path` is an
+    extraction or, as detect, verify and inspect take, one part directory."""
+    part, local = _locate(Path(path), sample_idx)
+    if layer_idx not in part.info.layers:
         return None
-    rows = extraction.activations(layer_tensor(layer_idx), sample_idx)
+    rows = part.activations(layer_tensor(layer_idx), local)
     return np.array(rows[token_idx]) if 0 <= token_idx < len(rows) else None
+
+
+def _locate(path: Path, sample_idx: int) -> tuple[Part, int]:
+    """The part holding dataset row `sample_idx` and its index there; IndexError for a row that is
+    not in the extraction, or not in the one part `path` is."""
+    if not (path / PART_META).is_file():
+        return open_extraction(path).locate(sample_idx)
+    part = open_part(path)
+    if not 0 <= sample_idx - part.sample_start < part.info.n_samples:
+        raise IndexError(f"{path}: sample_idx {sample_idx} is not in this part's sample_range "
+                         f"{list(part.info.sample_range)}")
+    return part, sample_idx - part.sample_start

@@ -56,6 +56,8 @@ class StoredTensor:
         of the mapping: a writer streaming every row pays no page fault per 4 KiB (half its time,
         measured, in a zarr shard's float16 cast), and its resident memory stays at its buffers."""
         raw = self.raw
+        if not 0 <= a <= b <= len(raw):  # a row before 0 would be read from the .npy header's bytes
+            raise IndexError(f"{raw.filename}: token rows {a}..{b} of {len(raw)}")
         if len(out) != b - a or out.dtype not in (raw.dtype, np.float32):
             raise ValueError(f"rows {a}..{b} of {raw.filename} ({self.stored_dtype}) into {out.dtype} {out.shape}")
         target = out if out.dtype == raw.dtype else np.empty((b - a, raw.shape[1]), raw.dtype)
@@ -383,9 +385,12 @@ class Extraction:
 
     def samples(self, sample_idxs: Sequence[int]) -> list[dict]:
         """The rows of `sample_idxs`, in that order; each part's samples.jsonl opened once."""
-        idx = np.asarray(sample_idxs, dtype=np.int64)
+        idx = np.asarray(sample_idxs)
+        if len(idx) and idx.dtype.kind not in "iu":  # int64 would cut 1.5 to 1: another sample's row
+            raise TypeError(f"sample_idx must be integers, got {idx.dtype} {idx[:3].tolist()!r:.60}")
         if len(idx) and not (0 <= idx.min() and idx.max() < self.n_samples):
             raise IndexError(f"sample_idx out of range [0, {self.n_samples})")
+        idx = idx.astype(np.int64)
         which = np.searchsorted(self._filled_starts, idx, side="right") - 1
         local = idx - self._filled_starts[which]
         by_part = np.argsort(which, kind="stable")

@@ -198,8 +198,10 @@ def synthetic_extraction(root: str | Path, n_bytes: int, parts: int, dim: int, l
     root = Path(root)
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
-    while sum(lengths) * len(layers) * dim * 4 < n_bytes:
+    n_tokens = 0  # sum(lengths), kept as they grow: summed each turn, 10^5 samples took 10^10 additions
+    while n_tokens * len(layers) * dim * 4 < n_bytes:
         lengths.append(int(rng.integers(tokens[0], tokens[1] + 1)))
+        n_tokens += lengths[-1]
     # Each sample's rows start at a random place in the pool, so it holds the largest sample and one
     # value more (SYNTHETIC_POOL alone, as before, wherever that is enough: the same values)
     pool_size = max(SYNTHETIC_POOL, tokens[1] * dim + 1)

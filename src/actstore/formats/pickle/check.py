@@ -248,42 +248,44 @@ def _token_count_fits(metadata: Any, rows: int, unpadded: bool) -> bool:
 
 
 def _verify_shard(path: Path, info: dict[str, Any], width: Any, unpadded: bool,
-                  budget: ByteBudget) -> tuple[list[str], list[int]]:
+                  budget: ByteBudget) -> tuple[list[str], list[int] | None]:
     """One shard: bytes, safe load (its decompressed bytes held in `budget` until it is checked), and
     content against its metadata entry (activations `width` wide, as many token rows in each layer as
-    its num_tokens when recorded); its problems, and its sample ids when it is whole (verify checks
-    them against the other shards')."""
+    its num_tokens when recorded); its problems, and its sample_id_range when its ids are checked
+    against it (verify checks it against the other shards')."""
     with budget.share() as take:
         try:
             name = shard_path(path, info)
             shard = load_shard(path, info, take)
         except FormatError as exc:
-            return [str(exc)], []
+            return [str(exc)], None
         return _shard_content_problems(name, shard, info, width, unpadded)
 
 
 def _shard_content_problems(name: Path, shard: dict, info: dict[str, Any], width: Any,
-                            unpadded: bool) -> tuple[list[str], list[int]]:
+                            unpadded: bool) -> tuple[list[str], list[int] | None]:
     """_verify_shard's check of a loaded shard's content."""
     want_keys = {layer_key(layer) for layer in info["layers"]}
     if set(shard) != want_keys:
-        return [f"{name}: layer keys {sorted(map(str, shard))} != metadata layers {sorted(want_keys)}"], []
+        return [f"{name}: layer keys {sorted(map(str, shard))} != metadata layers {sorted(want_keys)}"], None
     problems, ids_by_layer = [], []
     for key, items in shard.items():
         problems += _verify_items(name, key, items, info["num_samples"], width, unpadded)
         if isinstance(items, list) and len(items) == info["num_samples"]:
             ids_by_layer.append([item.get("sample_idx") for item in items if isinstance(item, dict)])
     if problems:
-        return problems, []
+        return problems, None
     rows = {sum(item["activation"].shape[0] for item in items) for items in shard.values()}
     if "num_tokens" in info and rows != {info["num_tokens"]}:
-        return [f"{name}: {sorted(rows)} token rows per layer, {METADATA} says num_tokens={info['num_tokens']!r}"], []
+        return [f"{name}: {sorted(rows)} token rows per layer, {METADATA} says num_tokens={info['num_tokens']!r}"], None
     ids = ids_by_layer[0] if ids_by_layer else []
     lo, hi = info["sample_id_range"]
     if any(other != ids for other in ids_by_layer) or (ids and (min(ids) != lo or max(ids) != hi)):
-        problems.append(f"{name}: sample ids {ids[:1]}..{ids[-1:]} disagree across layers or with "
-                        f"sample_id_range {info['sample_id_range']}")
-    return problems, ids
+        return [f"{name}: sample ids {ids[:1]}..{ids[-1:]} disagree across layers or with "
+                f"sample_id_range {info['sample_id_range']}"], None
+    if len(set(ids)) != len(ids):
+        return [f"{name}: duplicate sample_idx within the store"], None
+    return [], info["sample_id_range"] if ids else None
 
 
 def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
@@ -294,11 +296,11 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
     width = _width(meta)
     budget = ByteBudget(integrity.memory_budget())  # the threads' shards together: metadata may understate them
     found_of: dict[int, list[str]] = {}
-    ids_of: dict[int, list[int]] = {}
+    range_of: dict[int, list[int] | None] = {}
 
     def check(i: int) -> list[str]:
         try:
-            found_of[i], ids_of[i] = _verify_shard(path, shards[i], width, _unpadded(meta), budget)
+            found_of[i], range_of[i] = _verify_shard(path, shards[i], width, _unpadded(meta), budget)
         except BudgetHeldByOthers:  # checked again below, alone
             pass
         return []
@@ -308,12 +310,19 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
         if i not in found_of:
             check(i)  # the budget is all its own now: loaded, or refused for passing it alone
     problems = [problem for i in range(len(shards)) for problem in found_of[i]]
-    seen: set[int] = set()
-    for i, info in enumerate(shards):
-        ids = ids_of[i]
-        if len(set(ids)) != len(ids) or seen & set(ids):
+    return problems + _shared_id_problems(path, [(info, range_of[i]) for i, info in enumerate(shards) if range_of[i]])
+
+
+def _shared_id_problems(path: Path, held: list[tuple[dict[str, Any], list[int]]]) -> list[str]:
+    """A sample id in two shards, found as (shard, sample_id_range) pairs whose ranges overlap, each
+    range checked against its shard's ids (a set of every id held ~1 GB at 10M samples). Shards hold
+    contiguous samples (docs/formats/pickle.md; the merge refuses overlapping ranges too), so an
+    overlap is a repeated id. Named in the shard whose range starts later."""
+    problems, reach = [], -1  # the highest id of the ranges before (ids are whole numbers)
+    for info, (lo, hi) in sorted(held, key=lambda pair: pair[1][0]):
+        if lo <= reach:
             problems.append(f"{shard_path(path, info)}: duplicate sample_idx within the store")
-        seen.update(ids)
+        reach = max(reach, hi)
     return problems
 
 

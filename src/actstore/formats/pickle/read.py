@@ -184,6 +184,8 @@ def collate_padded(batch: list[dict[str, Any]]) -> dict[str, Any]:
     plus `lengths` (the default collate needs equal shapes, which unpadded samples do not have)."""
     import torch
 
+    if not batch:  # no sample gives the width (torch's default_collate([]) fails too, an IndexError)
+        raise ValueError("collate_padded: an empty batch has no activation width to pad to")
     lengths = [item["activation"].shape[0] for item in batch]
     d = batch[0]["activation"].shape[1]
     out = torch.zeros((len(batch), max(lengths), d), dtype=torch.float32)
