@@ -4,7 +4,6 @@ on one part, read_rows from a negative row, samples.jsonl's label_id, and non-in
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import tiny
 from actstore.formats import pickle as ps
 from actstore.formats.extract import open_extraction, open_part, read_vector, verify
 from actstore.formats.pickle.write import dump_shard
-from actstore.io_utils import sha256_file, sha256_tree_file
+from test_extract_review import rewritten_samples
 from test_pickle import _traced_peak
 
 
@@ -127,25 +126,6 @@ def test_read_rows_from_a_negative_row_is_refused(extraction):
     np.testing.assert_array_equal(out, tensor[0:2])
 
 
-def _rewritten_samples(extraction: Path, tmp_path: Path, change) -> Path:
-    """A copy of the extraction whose part 1 samples.jsonl rows went through `change(rows)`, part.json
-    and extract.json recording the new bytes (as a writer that wrote them would have)."""
-    copy = tmp_path / "extract"
-    shutil.copytree(extraction, copy)
-    part_dir = copy / "part-0001"
-    rows = [json.loads(line) for line in (part_dir / "samples.jsonl").read_text().splitlines()]
-    change(rows)
-    (part_dir / "samples.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    meta = json.loads((part_dir / "part.json").read_text())
-    meta["files"]["samples.jsonl"] = {"bytes": (part_dir / "samples.jsonl").stat().st_size,
-                                      "sha256_tree": sha256_tree_file(part_dir / "samples.jsonl")}
-    (part_dir / "part.json").write_text(json.dumps(meta))
-    index = json.loads((copy / "extract.json").read_text())
-    index["parts"][1]["part_json_sha256"] = sha256_file(part_dir / "part.json")
-    (copy / "extract.json").write_text(json.dumps(index))
-    return part_dir
-
-
 def test_a_label_id_that_is_not_its_labels_position_is_named(extraction, tmp_path):
     """Zarr, pickle and lmprobe copy each line's label_id: one that is not its label's position in
     part.json's dataset.labels (its sha256 re-recorded) passed verify."""
@@ -154,7 +134,7 @@ def test_a_label_id_that_is_not_its_labels_position_is_named(extraction, tmp_pat
 
     def relabel(rows):
         rows[1]["label_id"] = (rows[1]["label_id"] + 1) % len(labels)
-    part_dir = _rewritten_samples(extraction, tmp_path, relabel)
+    _, part_dir = rewritten_samples(extraction, tmp_path, relabel)
     for path in (part_dir.parent, part_dir):
         problems = verify(path)
         assert len(problems) == 1 and f"{part_dir / 'samples.jsonl'}: line 2 says label_id" in problems[0], problems

@@ -19,27 +19,9 @@ import pytest
 from actstore.errors import FormatError
 from actstore.formats import pickle as ps
 from actstore.formats.pickle.layout import METADATA
-from test_pickle import _traced_peak, write_machines
+from test_pickle import _traced_peak
 from test_pickle_read_review import replant
-
-
-@pytest.fixture(scope="module")
-def machines(extracted, tmp_path_factory):
-    """A real extraction (tiny bert, two parts) written as two machine stores, not merged."""
-    config, extract_dir = extracted("bert")
-    return write_machines(config, extract_dir, tmp_path_factory.mktemp("review57"))
-
-
-def _copy(out: Path, dst: Path) -> list[Path]:
-    """A copy of the machine stores a test may edit; their directories in machine order."""
-    shutil.copytree(out, dst)
-    return sorted(dst.glob("machine-*"))
-
-
-def _edit(mdir: Path, edit) -> None:
-    meta = json.loads((mdir / METADATA).read_text())
-    edit(meta)
-    (mdir / METADATA).write_text(json.dumps(meta))
+from test_pickle_write_review56 import _copy, _edit, machines  # noqa: F401 (machines: a fixture)
 
 
 def test_a_merge_of_some_machines_is_refused_naming_the_missing_ones(machines, tmp_path):

@@ -20,32 +20,7 @@ from actstore.formats import zarr as zs
 from actstore.formats.extract import open_extraction, synthetic_extraction
 from actstore.integrity import file_problem, problems_of
 from actstore.io_utils import TREE_LEAF, tree_root
-from actstore.jobs import job_items
-
-EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: the merged store's "created", the same in every run
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> list[Path]:
-    """Three shards (T_chunk 4, 2 layers) of a small synthetic extraction: ~45 samples each."""
-    root = tmp_path_factory.mktemp("review57")
-    extract = synthetic_extraction(root / "extract", 200_000, 3, 16, [1, 2], tokens=(3, 20))
-    paths = [root / zs.shard_name(k) for k in range(3)]
-    for part, path in zip(open_extraction(extract).parts, paths):
-        zs.write_shard(part.dir, path, t_chunk=4, progress=False)
-    return paths
-
-
-def linked(shards: list[Path], root: Path) -> list[Path]:
-    """The workflow's two zarr_merge_chunks jobs by hand."""
-    dirs = [root / "scatter" / f"merge-{j}" for j in range(2)]
-    for j, d in enumerate(dirs):
-        zs.link_chunks([shards[p] for p in job_items(3, 2, j)], d, 2, j, progress=False)
-    return dirs
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+from test_zarr_review55 import EPOCH, linked, shards, tree  # noqa: F401 (shards: a fixture)
 
 
 def fail_once(error: BaseException, original, when=lambda *args: True):
