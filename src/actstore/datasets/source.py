@@ -11,7 +11,7 @@ import glob
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from actstore.datasets.splits import split_files, split_folder
@@ -264,15 +264,28 @@ def _split_folder(root: Path, split: str) -> Path:
 
 
 def _state_files(root: Path, state: dict[str, Any]) -> tuple[Path, ...]:
-    """The data files state.json lists, each name resolved inside `root`: a state.json naming a file
-    elsewhere (`../`, an absolute path, a link out) would read rows from outside the dataset."""
+    """The data files state.json lists, each name resolved inside `root` (_data_file): a state.json
+    naming a file elsewhere (`../`, an absolute path, a folder linked out) would read rows from
+    outside the dataset."""
     where = root / "state.json"
     try:
-        return tuple(inside(root, entry.get("filename") if isinstance(entry, dict) else None,
-                            f"{where}: _data_files[{i}].filename")
+        return tuple(_data_file(root, entry.get("filename") if isinstance(entry, dict) else None,
+                                f"{where}: _data_files[{i}].filename")
                      for i, entry in enumerate(state.get("_data_files", [])))
     except FormatError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _data_file(root: Path, name: Any, where: str) -> Path:
+    """`name` as a path inside `root` (integrity.inside), but the file itself may be a link to a file,
+    as every other layout's listing keeps one (files_under): a save_to_disk folder downloaded from the
+    Hub (huggingface_hub's cache) is links into the cache's blobs/, and every one was refused as
+    leading outside. The folders on its way are checked as inside() checks them."""
+    rel = PurePosixPath(name) if isinstance(name, str) else None
+    if rel is None or rel.name in ("", "..") or not (root / rel).is_symlink():
+        return inside(root, name, where)
+    folder = root if rel.parent == PurePosixPath(".") else inside(root, rel.parent.as_posix(), where)
+    return folder / rel.name
 
 
 def _cache_files(root: Path, info: dict[str, Any], split: str) -> tuple[Path, ...]:

@@ -22,10 +22,11 @@ LEGACY_STREAM_END = b"\x00\x00\x00\x00"  # as pyarrow before 0.15 wrote it
 CHECK_ROWS = 4096  # rows of a column the scan converts to Python at once (chat messages, labels)
 
 
-def schema_of(fmt: str, path: Path) -> pa.Schema:
+def schema_of(fmt: str, path: Path, csv_types: dict[str, pa.DataType] | None = None) -> pa.Schema:
+    """The file's schema (`csv_types`: a CSV's columns of these types, not inferred: _text_columns)."""
     try:
         if fmt == "csv":
-            return _open_csv(path, None).schema
+            return _open_csv(path, None, csv_types).schema
         if fmt == "parquet":
             import pyarrow.parquet as pq
             return pq.read_schema(path)
@@ -34,11 +35,13 @@ def schema_of(fmt: str, path: Path) -> pa.Schema:
         raise ConfigError(f"{path}: cannot read as {fmt} ({exc})") from None
 
 
-def blocks(fmt: str, path: Path, columns: list[str]) -> Iterator[tuple[int, Callable[[], pa.Table]]]:
+def blocks(fmt: str, path: Path, columns: list[str], csv_types: dict[str, pa.DataType] | None = None
+           ) -> Iterator[tuple[int, Callable[[], pa.Table]]]:
     """(rows, read) of the file's blocks in order: read() gives the block with `columns` only
-    ("image.path": that struct child only). A Parquet row group is read only when asked for."""
+    ("image.path": that struct child only; `csv_types`: as schema_of). A Parquet row group is read
+    only when asked for."""
     if fmt == "csv":
-        for batch in _csv_batches(path, columns):
+        for batch in _csv_batches(path, columns, csv_types):
             yield batch.num_rows, lambda batch=batch: pa.Table.from_batches([batch])
     elif fmt == "parquet":
         import pyarrow.parquet as pq
@@ -100,7 +103,15 @@ def _row_group(parquet: Any, path: Path, group: int, columns: list[str]) -> pa.T
         raise ConfigError(f"{path}: row group {group} cannot be read as Parquet, damaged ({exc})") from None
 
 
-def _open_csv(path: Path, columns: list[str] | None, types: dict[str, pa.DataType] | None = None):
+def _text_columns(fields: Fields) -> dict[str, pa.DataType]:
+    """A CSV's columns read as strings, not by the types pyarrow infers from its first block: the text
+    column. A text column of numbers ("42", "007", "3.10", a probe of how a model reads numbers) was
+    inferred as integers or floats and refused as no strings (read, "007" would have been 7), and one
+    whose first block held only numbers failed at the first later block with words."""
+    return {fields.text: pa.string()} if fields.prompts == (fields.text,) else {}
+
+
+def _open_csv(path: Path, columns: list[str] | None, types: dict[str, pa.DataType] | None):
     """A CSV reader (`types`: columns' types, not inferred); newlines_in_values: a quoted value may
     hold line breaks (as csv.writer and pandas write a multi-line text), which without it fail the
     read of any file past one block."""
@@ -219,12 +230,22 @@ def _is_scalar(t: pa.DataType) -> bool:
 
 
 def _is_label(t: pa.DataType) -> bool:
-    return (is_text(t) or pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
-            or pa.types.is_dictionary(t))
+    """Strings, numbers (floats too, as JSON lines' labels: pandas writes an integer column with a
+    missing value as floats, and STS-B's `label` is a score; each was refused, the dataset with it,
+    though no label was asked for), booleans, or dictionary-encoded ones."""
+    return (is_text(t) or pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+            or pa.types.is_null(t) or pa.types.is_dictionary(t))
 
 
 def _is_json(t: pa.DataType) -> bool:
-    return not (is_bytes(t) or pa.types.is_temporal(t) or pa.types.is_decimal(t))
+    """Values JSON holds at every depth: a struct's fields and a list's or map's items too. Checked at
+    the top only, a struct holding a date or a list of decimals passed, and the part's samples.jsonl
+    failed after the model ran (json.dumps: a TypeError naming no column)."""
+    if is_bytes(t) or pa.types.is_fixed_size_binary(t) or pa.types.is_temporal(t) or pa.types.is_decimal(t):
+        return False
+    if pa.types.is_dictionary(t):
+        return _is_json(t.value_type)
+    return all(_is_json(t.field(i).type) for i in range(t.num_fields))
 
 
 def image_field(source: Source, fields: Fields, schema: pa.Schema) -> str | None:
@@ -248,8 +269,9 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
         wanted = [("dataset.messages_field", fields.messages, _is_messages, messages)
                   if fields.messages else ("dataset.text_field", fields.text, _is_string_values, "a string column")]
     if fields.label_required or fields.label in schema.names:
-        wanted.append(("dataset.label_field", fields.label, _is_label, "strings, integers or a ClassLabel"))
-    wanted += [("dataset.keep_fields", k, _is_json, "JSON values (not bytes or dates)") for k in fields.keep or ()]
+        wanted.append(("dataset.label_field", fields.label, _is_label, "strings, numbers or a ClassLabel"))
+    kept = "JSON values (no bytes, dates or decimals, nested ones too)"
+    wanted += [("dataset.keep_fields", k, _is_json, kept) for k in fields.keep or ()]
     for key, name, ok, expected in wanted:
         if name not in schema.names:
             ids = [n for n in schema.names if key == "dataset.text_field" and _is_token_ids(schema.field(n).type)]
@@ -274,7 +296,7 @@ def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
 
 def table_schemas(source: Source, fields: Fields) -> list[pa.Schema]:
     """Every shard's schema, each checked for the columns the config reads (check_columns)."""
-    schemas = [schema_of(source.format, path) for path in source.files]
+    schemas = [schema_of(source.format, path, _text_columns(fields)) for path in source.files]
     for path, schema in zip(source.files, schemas):
         check_columns(path, fields, schema)
     if schemas and class_names(source, schemas[0], fields.label) is None:  # a ClassLabel's: ids (_check_class_ids)
@@ -283,9 +305,10 @@ def table_schemas(source: Source, fields: Fields) -> list[pa.Schema]:
 
 
 def _check_label_kinds(source: Source, fields: Fields, schemas: list[pa.Schema]) -> None:
-    """ConfigError naming two shards whose label columns hold different kinds of value (integers in
+    """ConfigError naming two shards whose label columns hold different kinds of value (numbers in
     one, strings or booleans in another, as CSV shards' inferred types differ): label 1 and "1" were
-    two classes, and True one with 1, without a word. A shard of null labels has no kind."""
+    two classes, and True one with 1, without a word. A shard of null labels has no kind; integers
+    and floats are one (1 and 1.0 are one label, as in JSON lines)."""
     first: tuple[Path, pa.DataType] | None = None
     for path, schema in zip(source.files, schemas):
         kind = schema.field(fields.label).type if fields.label in schema.names else pa.null()
@@ -295,12 +318,13 @@ def _check_label_kinds(source: Source, fields: Fields, schemas: list[pa.Schema])
             first = (path, kind)
         elif _label_kind(kind) != _label_kind(first[1]):
             raise ConfigError(f"{path}: column {fields.label!r} (dataset.label_field) is {kind}, but {first[0]}'s is "
-                              f"{first[1]}: every shard's labels must be of one kind (integers, strings or booleans)")
+                              f"{first[1]}: every shard's labels must be of one kind (numbers, strings or booleans)")
 
 
 def _label_kind(t: pa.DataType) -> str:
     value = t.value_type if pa.types.is_dictionary(t) else t
-    return "integer" if pa.types.is_integer(value) else "boolean" if pa.types.is_boolean(value) else "string"
+    number = pa.types.is_integer(value) or pa.types.is_floating(value)
+    return "number" if number else "boolean" if pa.types.is_boolean(value) else "string"
 
 
 def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: int | None) -> tuple[int, list]:
@@ -333,7 +357,7 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
         start = 0
         for path in source.files:
             shard_start, known = start, _footer_null_counts(source.format, path, column)
-            for block, (size, read) in enumerate(blocks(source.format, path, [column])):
+            for block, (size, read) in enumerate(blocks(source.format, path, [column], _text_columns(fields))):
                 if start >= n_rows:
                     break
                 if (known[block] if block < len(known) else None) != 0:
@@ -429,27 +453,39 @@ def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
 def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
             n_rows: int) -> Iterator[Any]:
     """The labels of the first `n_rows` rows, read from the label column alone (a shard without
-    one, of `count` rows, has none), converted to Python a slice at a time (_python_values)."""
+    one, of `count` rows, has none), converted to Python a slice at a time (_python_values).
+    ConfigError naming the row of an infinite label: the scan's JSON cannot hold it, and every
+    part's job failed reading the scan, naming no row."""
     for path, schema, count in zip(source.files, schemas, counts):
         if fields.label not in schema.names:
             n_rows -= count
             continue
-        for size, read in blocks(source.format, path, [fields.label]):
+        first = 0  # the block's first row in its shard
+        for size, read in blocks(source.format, path, [fields.label], _text_columns(fields)):
             if n_rows <= 0:
                 return
-            yield from _python_values(_label_column(source.format, read().column(fields.label)).slice(0, n_rows))
+            labels = _label_column(source.format, read().column(fields.label)).slice(0, n_rows)
+            for row, label in enumerate(_python_values(labels), first):
+                if isinstance(label, float) and math.isinf(label):
+                    raise ConfigError(f"{source.root}: {source.name(path)}#{row}, column {fields.label!r}: label "
+                                      f"{label}; a row without a label has null (or NaN) there")
+                yield label
             n_rows -= size
+            first += size
 
 
 def _label_column(fmt: str, labels: pa.ChunkedArray) -> pa.ChunkedArray:
-    """A block's label column, a CSV's empty strings null: CSV has no null but the empty value, which
-    csv.writer writes for None and pandas' to_csv for a missing label (and pandas, so Hugging Face,
-    reads back as one). As a string it was a class "" of its own, without a word; in a column of
-    integers pyarrow reads it as null already."""
-    if fmt != "csv" or not is_text(labels.type):
-        return labels
+    """A block's label column, a row without a label null: a float column's NaN, which pandas writes
+    for a missing label in a column of numbers (each NaN would be a class of its own), and a CSV's
+    empty string: CSV has no null but the empty value, which csv.writer writes for None and pandas'
+    to_csv for a missing label (and pandas, so Hugging Face, reads back as one). As a string it was a
+    class "" of its own, without a word; in a column of integers pyarrow reads it as null already."""
     import pyarrow.compute as pc
 
+    if pa.types.is_floating(labels.type):
+        return pc.if_else(pc.is_nan(labels), pa.scalar(None, labels.type), labels)
+    if fmt != "csv" or not is_text(labels.type):
+        return labels
     return pc.if_else(pc.equal(labels, ""), pa.scalar(None, labels.type), labels)
 
 
@@ -460,7 +496,7 @@ def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: r
     start = 0  # sample_idx of the block's first row
     for shard, (path, schema) in enumerate(zip(source.files, schemas)):
         columns, shard_start = _columns(fields, schema), start
-        for block, (size, read) in enumerate(blocks(source.format, path, columns)):
+        for block, (size, read) in enumerate(blocks(source.format, path, columns, _text_columns(fields))):
             if start >= rows.stop:
                 return samples
             if start + size > rows.start:
