@@ -4,6 +4,7 @@ worker processes."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from typing import Any, Iterator, Sequence
 
@@ -14,9 +15,11 @@ from actstore.datasets import Dataset, Sample
 from actstore.datasets.images import ImageOpener
 from actstore.errors import ConfigError
 from actstore.io_utils import lower_priority
+from actstore.model_config import PADDING_SENSITIVE_TYPES
 from actstore.models import LoadedModel, host_to_device
 from actstore.resources import IMAGES_PER_ITEM, items_ahead
 
+log = logging.getLogger(__name__)
 
 TOKENIZE_TOKENS = 1 << 20  # tokens the tokenizer encodes at once, at most: its Python lists take ~230 B a token
 # Characters the tokenizer encodes at once beyond a single text: it encodes each text whole before
@@ -122,11 +125,18 @@ def given_token_ids(tokenizer: Any, vocab: int | None, samples: list[Sample], ma
     return token_ids
 
 
-def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+def length_batches(lengths: list[int], batch_size: int, model_type: str | None = None) -> list[list[int]]:
     """Local indices grouped by length over the whole part (longest first) so batches carry little
-    padding. The grouping fixes each sample's batch companions, hence its exact float bits."""
+    padding. The grouping fixes each sample's batch companions, hence its exact float bits. A
+    PADDING_SENSITIVE_TYPES model's batches each hold one length, so none is padded (`model_type`:
+    config.json's)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    one_length = model_type in PADDING_SENSITIVE_TYPES
+    if one_length:
+        log.info("model_type %s: padding changes its real tokens' outputs, so each batch holds texts of one "
+                 "token length", model_type)
+    runs = [list(run) for _, run in itertools.groupby(order, key=lambda i: lengths[i] if one_length else 0)]
+    return [run[i:i + batch_size] for run in runs for i in range(0, len(run), batch_size)]
 
 
 def text_batch(loaded: LoadedModel, ids: Sequence[Sequence[int]], last_logits_only: bool = False

@@ -100,7 +100,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         preprocessor = load_tokenizer(model_path, trusted(config["model"]), config["model"].get("fix_mistral_regex"))
         token_ids = text_token_ids(config, preprocessor, dataset)
         lengths = token_ids.lengths()
-        batches = length_batches(lengths, ext["batch_size"])
+        batches = length_batches(lengths, ext["batch_size"], run_config(config["model"]).get("model_type"))
     step_done("inputs")
     torch.manual_seed(0)
     loaded_files = model_files(model_path)  # what it loads (model_identity: a folder changed later is named)
@@ -236,7 +236,8 @@ def batch_width(inputs: dict[str, torch.Tensor], rows: BatchRows) -> int:
 
 def out_of_memory(loaded: LoadedModel, ext: dict[str, Any], rows: BatchRows, images: bool) -> str:
     """What to change when a batch does not fit in the GPU's memory. Batches run longest first
-    (length_batches), so the first batch is the largest: a size that passes it passes the part."""
+    (length_batches), so the first batch is the largest: a size that passes it passes the part (a
+    PADDING_SENSITIVE_TYPES model's batches each hold one length: its first may hold fewer texts)."""
     n = len(rows.n_tokens)
     what = f"{n} images" if images else f"{n} texts of up to {rows.n_tokens.max()} tokens"
     peak = torch.cuda.max_memory_allocated(loaded.device) / 1e9
