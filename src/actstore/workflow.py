@@ -5,7 +5,9 @@ of the metadata files the stage wrote there."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,18 +23,28 @@ from actstore.integrity import seal
 
 
 def setup_logging(snakemake: Any) -> None:
-    """Send stderr (progress bars, warnings) and logging to the rule's `log:` file."""
+    """Send the job's stdout, stderr (progress bars, warnings, the traceback of an uncaught error) and
+    logging to the rule's `log:` file, where a user looks first and whose tail Snakemake shows when the
+    job fails. At the file descriptors, not only sys.stderr: native code (a CUDA abort, a C library's
+    warning) and subprocesses write to fd 2, and a crash in native code leaves its Python stack there
+    (faulthandler). Each script calls it before its other imports, so that one failing is logged too."""
     if snakemake.log:
-        sys.stderr = open(snakemake.log[0], "w", buffering=1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(snakemake.log[0], "wb") as log:
+            for fd in (1, 2):
+                os.dup2(log.fileno(), fd)
+        sys.stdout.reconfigure(line_buffering=True)  # lines in the order written, among stderr's
+    faulthandler.enable()
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
 
 
 @contextlib.contextmanager
 def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """The script of the rule that completes `stage`: logging set up, the config yielded, and on
-    success the stage's resolved config written into `stage_dir` (nothing when the body raises)."""
-    setup_logging(snakemake)
+    """The script of the rule that completes `stage` (its logging set up first, by setup_logging): the
+    config yielded, and on success the stage's resolved config written into `stage_dir` (nothing when
+    the body raises)."""
     yield snakemake.config
     record_stage(snakemake.config, stage, stage_dir)
 

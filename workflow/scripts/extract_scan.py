@@ -3,9 +3,11 @@ every part's job reads, so each reads only its own rows; its files scanned at on
 First the data is checked to be what the stage's hash was computed from when Snakemake started."""
 from pathlib import Path
 
-from actstore.datasets import configured_scan, write_scan
 from actstore.workflow import check_data_unchanged, setup_logging
 
-setup_logging(snakemake)
+setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
+
+from actstore.datasets import configured_scan, write_scan
+
 check_data_unchanged(snakemake.config, Path(snakemake.output[0]).parent)
 write_scan(configured_scan(snakemake.config, progress=True, workers=snakemake.threads), snakemake.output[0])

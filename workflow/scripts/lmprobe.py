@@ -8,10 +8,13 @@ from pathlib import Path
 # written, at random, and more the longer the index; the C library's malloc 1-3.5 MB (docs/scale.md).
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
+from actstore.workflow import setup_logging, stage_rule
+
+setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
+
 from actstore.errors import FormatError
 from actstore.formats import lmprobe
 from actstore.model_config import trusted
-from actstore.workflow import stage_rule
 
 with stage_rule(snakemake, "lmprobe", Path(snakemake.output.stage_config).parent) as config:
     out = Path(snakemake.output.dataset)

@@ -1,10 +1,13 @@
 """Rule build_lut: write lut/ (metadata.json + one .lut.safetensors per target) and report.json."""
 from pathlib import Path
 
+from actstore.workflow import setup_logging, stage_rule
+
+setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
+
 import torch
 
 from actstore.lut import build_lut
-from actstore.workflow import stage_rule
 
 out_dir = Path(snakemake.output.report).parent
 with stage_rule(snakemake, "lut", out_dir) as config:

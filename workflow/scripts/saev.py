@@ -2,14 +2,16 @@
 from functools import partial
 from pathlib import Path
 
+from actstore.workflow import record_stage, setup_logging
+
+setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
+
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, finish_store, open_store, plan_store, write_pointer
 from actstore.hashing import stage_hash
 from actstore.model_config import run_config, trusted
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
-from actstore.workflow import record_stage, setup_logging
 
-setup_logging(snakemake)
 config = snakemake.config
 pointer = Path(snakemake.output.pointer)
 extraction = open_extraction(Path(snakemake.input.index).parent, config["extract"]["parts"])

@@ -1,14 +1,16 @@
 """Rule saev_shards: write one job's contiguous range of the saev store's shards, and its job record."""
 from pathlib import Path
 
+from actstore.workflow import setup_logging
+
+setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
+
 from actstore.formats.extract import open_extraction
 from actstore.formats.saev import PatchLabeler, extraction_fill, plan_store, write_shards
 from actstore.hashing import stage_hash
 from actstore.model_config import run_config
 from actstore.patch_labels import REGISTER_LABEL, image_patch_labels
-from actstore.workflow import setup_logging
 
-setup_logging(snakemake)
 config = snakemake.config
 extraction = open_extraction(Path(snakemake.input.index).parent, config["extract"]["parts"])
 image = extraction.info.modality == "image"

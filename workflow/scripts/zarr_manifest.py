@@ -2,9 +2,12 @@
 once the shard jobs' records show every shard written."""
 from pathlib import Path
 
+from actstore.workflow import setup_logging, stage_rule
+
+setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
+
 from actstore.formats.zarr import write_manifest
 from actstore.jobs import check_job_parts
-from actstore.workflow import stage_rule
 
 run_dir = Path(snakemake.output.manifest).parent
 with stage_rule(snakemake, "zarr", run_dir):

@@ -2,11 +2,13 @@
 self-contained Zarr v2 shard store in shards/, then the job's record of the parts written."""
 import logging
 
-from actstore.formats.zarr import write_shard
-from actstore.jobs import write_job_record
 from actstore.workflow import git_commit, setup_logging
 
-setup_logging(snakemake)
+setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
+
+from actstore.formats.zarr import write_shard
+from actstore.jobs import write_job_record
+
 commit = git_commit()
 for part_dir, shard in zip(snakemake.input, snakemake.params.shards):
     entry = write_shard(part_dir, shard, snakemake.params.t_chunk, git_commit=commit, threads=snakemake.threads)
