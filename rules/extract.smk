@@ -13,9 +13,13 @@ EXTRACT_PART_THREADS = actstore_resources.extract_part_threads(config)
 
 # Every job needs the dataset's row count and labels (sample_idx and label_id are over the whole
 # dataset): one job reads every row for them, and finds bad data before any GPU is held.
+# Kept, never temp(): a part lost after the run is redone from the scan the others were cut from. A
+# temp scan, deleted with the run's last part, was scanned again for it, and its new mtime redid
+# every part (a GPU job each); ancient() cannot help a file that is not there, and would keep
+# `--forcerun extract_scan` from redoing the parts. Verify skips it (integrity.STAGE_TEMPS).
 rule extract_scan:
     output:
-        temp(f"{EXTRACT_DIR}/dataset_scan.json"),
+        f"{EXTRACT_DIR}/dataset_scan.json",
     log:
         log_path("extract", "scan"),
     benchmark:

@@ -31,8 +31,9 @@ STAGE_CONFIG_FILE = "actstore_config.json"
 # Files the workflow adds to a store (Snakemake's directory() marker, the stage config): never data,
 # so never "unlisted".
 TOOL_FILES = frozenset({".snakemake_timestamp", STAGE_CONFIG_FILE})
-# The rules' temp() outputs inside stage directories (rules/*.smk): Snakemake deletes them once the
-# stage's last rule is done, so they are never sealed.
+# Files the rules leave inside stage directories besides the stores (rules/*.smk): the writers' scatter
+# folders, temp() outputs Snakemake deletes once the stage is done, and the dataset scan, kept so that
+# a lost part is redone from it; none is sealed or counted as unlisted.
 STAGE_TEMPS = frozenset({"scatter", "dataset_scan.json"})
 # The stage config's record of the metadata files the stage wrote ({name: {bytes, sha256}}): no
 # format's own record covers every one of them (a store's top metadata file records the others), so
