@@ -227,7 +227,8 @@ def test_an_edited_or_misplaced_stage_config_fails_verify_and_validate(workflow_
 def test_every_stage_seals_the_metadata_files_it_wrote(workflow_run):
     """Each stage config records {bytes, sha256} of every metadata file its stage wrote (the sae
     stage, which writes no format's store: of every file), and of nothing the workflow deletes
-    afterwards (its temps): verify and validate check them."""
+    afterwards (its temps), nor of the files it keeps outside its stores (the dataset scan,
+    integrity.STAGE_TEMPS): verify and validate check them."""
     from actstore.formats import is_metadata_name
 
     config = load_config(workflow_run[1])
@@ -240,7 +241,8 @@ def test_every_stage_seals_the_metadata_files_it_wrote(workflow_run):
     for stage, names in must.items():
         directory = stage_dir(config, stage)
         sealed = json.loads((directory / "actstore_config.json").read_text())["sealed"]
-        on_disk = {rel for rel in integrity.sorted_files(directory) if Path(rel).name not in integrity.TOOL_FILES
+        on_disk = {rel for rel in integrity.sorted_files(directory)
+                   if Path(rel).name not in integrity.TOOL_FILES | integrity.STAGE_TEMPS
                    and (is_metadata_name(Path(rel).name) or stage == "sae")}  # sae: no format, every file
         assert names <= set(sealed) == on_disk, stage
         assert integrity.stage_config_problems(directory, required=True) == []
@@ -736,3 +738,23 @@ def test_a_file_given_for_a_store_exits_2_saying_it_is_not_a_directory(command, 
     metadata.write_text("{}")
     proc = run(ACTSTORE, command, str(metadata))
     assert proc.returncode == 2 and proc.stderr.startswith(f"actstore: {metadata}: not a directory"), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_part_lost_after_the_run_is_redone_alone(workflow_run, tmp_path):
+    """The dataset scan every part was cut from stays in the stage directory (rules/extract.smk: never
+    temp(); a temp scan, deleted with the run's last part, was scanned again for a lost part, and its
+    new mtime redid every part, a GPU job each): a part lost after the run is planned alone."""
+    config = copied_run(workflow_run, tmp_path)
+    out = stage_dir(config, "extract")
+    assert (out / "dataset_scan.json").is_file()
+    shutil.rmtree(out / "part-0001")
+    (out / "extract.json").unlink()
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    proc = run(SNAKEMAKE, "-s", str(tiny.REPO / "Snakefile"), "-d", str(tmp_path), "--configfile", str(configfile),
+               "-n", "extract")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    table = proc.stdout.split("Job stats:")[1].split("Reasons:")[0]
+    jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M)}
+    assert jobs == {"extract_part": 1, "extract_index": 1, "extract": 1, "total": 3}, table

@@ -49,8 +49,8 @@ def test_pickle_verify_holds_no_sample_id_set_of_the_whole_store(tmp_path):
     in about the memory of 2."""
     from actstore import integrity
 
-    few = _tiny_shards(tmp_path / "few", [(k * 2000, 2000) for k in range(2)])
-    many = _tiny_shards(tmp_path / "many", [(k * 2000, 2000) for k in range(40)])
+    few = _tiny_shards(tmp_path / "few", [(k * 500, 500) for k in range(2)])
+    many = _tiny_shards(tmp_path / "many", [(k * 500, 500) for k in range(40)])
     with integrity.check_threads(1):
         problems_few, peak_few = _traced_peak(lambda: ps.verify(few))
         problems_many, peak_many = _traced_peak(lambda: ps.verify(many))

@@ -287,7 +287,7 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
     slurm_cfg = write_config(tmp_path, model, data, "slurm", extract={"device": "cpu"})
 
     env = {"SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
-    local = run([SNAKEMAKE, TARGET, "--cores", "1", "--configfile", str(local_cfg)], timeout=RUN_TIMEOUT_S, env=env)
+    local = run([SNAKEMAKE, TARGET, "--cores", "2", "--configfile", str(local_cfg)], timeout=RUN_TIMEOUT_S, env=env)
     assert local.returncode == 0, local.stdout[-4000:]
 
     logdir = tmp_path / "slurm_logs"

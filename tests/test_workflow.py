@@ -40,7 +40,11 @@ def snakemake(workdir: Path, configfile: Path, *args: str, timeout: int = 900, e
 
 def scheduled(workdir: Path, configfile: Path) -> dict[str, int]:
     """Jobs a dry run would execute, rule -> count ({} when there is nothing to do)."""
-    output = snakemake(workdir, configfile, "-n")
+    return job_counts(snakemake(workdir, configfile, "-n"))
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """A dry run's jobs, rule -> count, from its output."""
     if "Nothing to be done" in output:
         return {}
     table = output.split("Job stats:")[1].split("Reasons:")[0]
@@ -316,12 +320,20 @@ def test_snakemake_lint_is_clean(tmp_path):
 
 
 def test_zarr_merge_is_scattered_over_merge_jobs_in_the_dry_run(tmp_path):
-    """zarr.merged: zarr.merge_jobs chunk-copy jobs (here more than the parts), then one finishing job."""
+    """zarr.merged: zarr.merge_jobs chunk-copy jobs (here more than the parts), then one finishing job.
+    Every job of the whole workflow, each stage's finishing one too (extract_index over thousands of
+    parts, pickle_merge, zarr_manifest, validate_plots wrote none before 2026-11-28), records its wall
+    time and peak memory under {dump_to}/benchmarks/, what a cluster user sizes the next run from."""
     config = demo_config(tmp_path / "dump")
     config["zarr"] = {"merged": True, "merge_jobs": 3}
-    jobs = scheduled(tmp_path, write(config, tmp_path / "merged.yaml"))
+    output = snakemake(tmp_path, write(config, tmp_path / "merged.yaml"), "-n")
+    jobs = job_counts(output)
     assert jobs["zarr_shards"] == config["extract"]["parts"] == 2
     assert jobs["zarr_merge_chunks"] == 3 and jobs["zarr_merge"] == 1 and jobs["zarr_manifest"] == 1
+    blocks = re.findall(r"^rule (\w+):\n((?:    .*\n)*)", output, re.M)
+    ran = {name for name, body in blocks if "    output: " in body}
+    assert {"extract_index", "pickle_merge", "zarr_manifest", "validate_plots", "build_lut"} <= ran
+    assert {name for name in ran if not any("    benchmark: " in body for n, body in blocks if n == name)} == set()
 
 
 def test_many_parts_are_written_by_at_most_64_jobs_per_format_in_the_dry_run(tmp_path):

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 import tiny
 from actstore.hashing import stage_dir
@@ -42,22 +41,6 @@ def test_a_run_of_more_than_9999_parts_and_writer_jobs_has_a_rule_for_each(tmp_p
     assert re.search(r"^extract_part\s+1$", output, re.M), output[-3000:]
     assert re.search(r"^pickle_machines\s+1$", output, re.M), output[-3000:]
     assert f"output: {part}\n" in output and f"output: {job}\n" in output
-
-
-def test_every_rule_that_runs_a_job_writes_a_benchmark(tmp_path):
-    """Every job that runs a script (each stage's finishing job too: extract_index over thousands of
-    parts, pickle_merge, zarr_manifest, validate_plots) records its wall time and peak memory under
-    {dump_to}/benchmarks/, what a cluster user sizes the next run's requests from."""
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["dump_to"] = str(tmp_path / "dump")
-    config["dataset"]["path"] = str(REPO / config["dataset"]["path"])
-    config["zarr"] = {"merged": True}
-    output = dry_run(tmp_path, config)
-    blocks = re.findall(r"^rule (\w+):\n((?:    .*\n)*)", output, re.M)
-    jobs = {name for name, body in blocks if "    output: " in body}
-    assert {"extract_index", "pickle_merge", "zarr_manifest", "zarr_merge", "validate_plots", "build_lut"} <= jobs
-    unbenchmarked = {name for name, body in blocks if "    output: " in body and "    benchmark: " not in body}
-    assert unbenchmarked == set()
 
 
 # rule -> (stage, its log's name, its inputs and its outputs in the stage dirs: (stage, path)).
