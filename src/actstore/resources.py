@@ -409,10 +409,15 @@ def sae_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     return _round_mb((batches + 8192 * w.d * 16 + copies * sae_weight_bytes(config, w)) / 1e6 + 3000) * attempt
 
 
+def sae_basis(config: dict[str, Any], w: Workload) -> int:
+    """The SAE's latents, at most: sae.num_basis, or (null) 4x the hook's width, itself at most the
+    widest captured vector, w.d."""
+    return config["sae"].get("num_basis") or 4 * w.d
+
+
 def sae_weight_bytes(config: dict[str, Any], w: Workload) -> int:
-    """The SAE's float32 encoder and decoder, num_basis x its input width each (num_basis null: 4x the
-    hook's width); the hook is at most the widest captured vector, w.d."""
-    return 2 * (config["sae"].get("num_basis") or 4 * w.d) * w.d * 4
+    """The SAE's float32 encoder and decoder, sae_basis x its input width (at most w.d) each."""
+    return 2 * sae_basis(config, w) * w.d * 4
 
 
 def lut_table_bytes(config: dict[str, Any], w: Workload) -> int:
@@ -420,7 +425,7 @@ def lut_table_bytes(config: dict[str, Any], w: Workload) -> int:
     and the encoder and decoder it carries), one target's float32 products being computed, and the
     float32 SAE they come from. A target's outputs are counted at w.d (the MLP's width when hooks are
     captured; an LM head target, vocabulary-wide, is not)."""
-    basis = config["sae"].get("num_basis") or 4 * w.d
+    basis = sae_basis(config, w)
     tables = len(config["lut"]["targets"]) * basis * 3 * w.d * 2
     return tables + basis * w.d * 4 + sae_weight_bytes(config, w)
 
