@@ -39,10 +39,12 @@ def layer_tensor(layer_idx: int) -> str:
 
 def tensor_file(name: str) -> str:
     """File name of a captured tensor inside a part directory: layer_<i> is block i's output, any
-    other name a hook spec, whose module path may itself start with "layer_" (a `layer_norm`)."""
+    other name a hook spec, whose module path may itself start with "layer_" (a `layer_norm`). The
+    spec is split at its last ':' as extract.capture.parse_hook splits it: a module path may hold a
+    ':' (a ModuleDict key), and hook "m.a:b:output" is module "m.a:b"'s output."""
     if re.fullmatch(r"layer_[0-9]+", name):
         return f"layer_{int(name[6:]):03d}.npy"
-    module_path, _, io = name.partition(":")
+    module_path, _, io = name.rpartition(":")
     return f"hook-{module_path}-{io}.npy"
 
 

@@ -344,8 +344,7 @@ class Extraction:
         if n_parts is None and (self.dir / INDEX).is_file():
             n_parts = _listed_parts(self.dir / INDEX)  # a deleted part is missing, not skipped
         if n_parts is None:  # no index yet: every part.json says how many parts there are
-            found = part_dirs(self.dir)
-            n_parts = open_part(found[0]).info.parts if found else 0
+            n_parts = parts_said(self.dir)
         if n_parts == 0:
             raise FormatError(f"{self.dir}: no extraction parts")
         self.parts = [open_part(self.dir / part_dirname(p)) for p in range(n_parts)]
@@ -407,6 +406,12 @@ class Extraction:
         for part in self.parts:
             for local, row in enumerate(part.samples):
                 yield part, local, row
+
+
+def parts_said(extract_dir: Path) -> int:
+    """How many parts the first part directory's part.json says the extraction has (0: no part)."""
+    found = part_dirs(extract_dir)
+    return open_part(found[0]).info.parts if found else 0
 
 
 def _listed_parts(index: Path) -> int:

@@ -140,7 +140,9 @@ class PartWriter:
             self.files[file] = {"shape": list(sink.shape), "dtype": sink.dtype, "bytes": sink.file.size,
                                 TREE_HASH_KEY: sink.file.close()}
         files = {file: self.files[file] for file in sorted(self.files)}
-        meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta,
+        # The writer's keys last: a caller's meta copied from another part (an older version's) would
+        # otherwise make this part claim that part's format version.
+        meta = {**meta, "format": FORMAT_NAME, "version": FORMAT_VERSION,
                 "n_samples": len(self.samples), "n_tokens": self.n_tokens, "files": files}
         (self.dir / PART_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return meta
@@ -153,11 +155,13 @@ def write_part(out_dir: str | Path):
 
 def write_index(extract_dir: str | Path, index_path: str | Path, model_folder: Path | None = None) -> dict:
     """extract.json (index_of the extraction in extract_dir), written atomically; with the model
-    files its parts loaded hashed from `model_folder` (model_identity), which parses compare."""
-    from actstore.formats.extract.read import open_extraction
+    files its parts loaded hashed from `model_folder` (model_identity), which parses compare. The
+    parts are counted from their part.json, never from an extract.json already there: one written
+    before the parts were made again (another part count) refused the parts it is rebuilt from."""
+    from actstore.formats.extract.read import open_extraction, parts_said
     from actstore.model_identity import MODEL_FILES_KEY, hashed_model_files
 
-    extraction = open_extraction(extract_dir)
+    extraction = open_extraction(extract_dir, parts_said(Path(extract_dir)))
     index = index_of(extraction)
     recorded = [part.meta.get(MODEL_FILES_KEY) for part in extraction.parts]
     if model_folder is not None and recorded and None not in recorded:  # all equal (read._check_model_files)
