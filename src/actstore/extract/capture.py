@@ -24,8 +24,8 @@ def parse_hook(spec: str) -> tuple[str, str]:
 @contextmanager
 def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterator[dict[str, torch.Tensor]]:
     """Register forward hooks for block outputs and module inputs/outputs; yield the capture dict
-    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device; a
-    TOKENS_FIRST_TYPES model's blocks' (tokens, batch, dim) outputs transposed to it).
+    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device; the
+    (tokens, batch, dim) tensors of a TOKENS_FIRST_TYPES model's inner modules transposed to it).
     A block or hooked module that runs more than once in one forward of the model (ALBERT's shared
     layer, T5's encoder dropout on the embeddings then on the output) is a ConfigError at the end of
     that forward: each call overwrites the capture, which would store the last call's tensor as its."""
@@ -44,14 +44,16 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
         if repeated := {name: n for name, n in calls.items() if n > 1}:
             raise ConfigError(ran_more_than_once(repeated, layers, hooks, loaded))
 
-    tokens_first = loaded.config.get("model_type") in TOKENS_FIRST_TYPES
+    tokens_first = tokens_first_modules(loaded)
     for layer_idx in layers:
-        handles.append(loaded.blocks[layer_idx].register_forward_hook(
-            keep(layer_tensor(layer_idx), False, tokens_first), with_kwargs=True))
+        block = loaded.blocks[layer_idx]
+        handles.append(block.register_forward_hook(
+            keep(layer_tensor(layer_idx), False, block in tokens_first), with_kwargs=True))
     for spec in hooks:
         module_path, io = parse_hook(spec)
-        handles.append(get_module(loaded.model, module_path).register_forward_hook(
-            keep(spec, io == "input"), with_kwargs=True))
+        module = get_module(loaded.model, module_path)
+        handles.append(module.register_forward_hook(
+            keep(spec, io == "input", module in tokens_first), with_kwargs=True))
     # Counted per forward of the model itself, so the token log-probs' head rerun (a forward of its
     # own, after the batch is packed) starts from zero.
     handles.append(loaded.model.register_forward_pre_hook(lambda module, args: calls.clear()))
@@ -61,6 +63,18 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
     finally:
         for handle in handles:
             handle.remove()
+
+
+def tokens_first_modules(loaded: LoadedModel) -> set[nn.Module]:
+    """The modules whose inputs and outputs are (tokens, batch, ...): in a TOKENS_FIRST_TYPES model,
+    every module below the one holding the blocks (XLNet's embedding, blocks and their attention and
+    feed-forward parts), which transposes its input to that and its output back (so it, and the LM
+    head after it, are (batch, tokens, ...)). A hook inside a block was stored tokens-first, laid
+    over the wrong samples and tokens where a batch held as many samples as tokens."""
+    if loaded.config.get("model_type") not in TOKENS_FIRST_TYPES:
+        return set()
+    holder = loaded.model.get_submodule(loaded.blocks_path.rpartition(".")[0])
+    return set(holder.modules()) - {holder}
 
 
 def called_input(module: nn.Module, args: tuple, kwargs: dict[str, Any], spec: str) -> Any:

@@ -110,11 +110,26 @@ class TokenLogprobs:
 
     def check(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         rerun, logits = self.head(hidden).float(), logits.float()
-        error = float((rerun - logits).abs().max()) if rerun.shape == logits.shape else float("inf")
-        scale = max(1.0, float(logits.abs().max()))
+        if logits.isnan().any():
+            raise ConfigError(
+                f"{type(self.model).__name__}: its forward's logits at the first batch's last tokens hold NaN, "
+                "computed by the model itself (not by the log-probs' head rerun); check model.torch_dtype, or "
+                "set extract.token_logprobs: false")
+        error = head_difference(rerun, logits)
+        # Over the finite logits: a token the model masks with -inf made the scale, and so the
+        # tolerance, infinite, which any difference passed.
+        scale = max(1.0, float(logits.abs().nan_to_num(posinf=0.0).max()))
         if not error <= HEAD_TOLERANCE * scale:
             raise ConfigError(
                 f"{type(self.model).__name__}: its LM head rerun on the final hidden states differs from the "
                 f"forward's logits by {error:.3g} (largest logit {scale:.3g}), so token log-probs cannot be "
                 "computed chunk by chunk for this model; set extract.token_logprobs: false")
         self.vocab = logits.shape[-1]
+
+
+def head_difference(rerun: torch.Tensor, logits: torch.Tensor) -> float:
+    """The largest |rerun - logits|: 0 where they are equal, the same infinity included (-inf - -inf
+    is NaN, which refused a model masking tokens with -inf logits); NaN where the rerun gave NaN."""
+    if rerun.shape != logits.shape:
+        return float("inf")
+    return float(torch.where(rerun == logits, 0.0, (rerun - logits).abs()).max())
