@@ -318,18 +318,22 @@ def _verify_logits_addresses(ds: LmprobeDataset) -> list[str]:
 
 
 def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:
-    """Each shard against lmprobe:files (its size only without `checksums`), then each hidden and
-    logits shard's header against its descriptor."""
+    """Each shard the descriptors name, and each other file lmprobe:files names, against lmprobe:files
+    (its size only without `checksums`; a file only lmprobe:files named was checked nowhere: missing,
+    changed, or named outside the dataset, it passed), then each hidden and logits shard's header
+    against its descriptor."""
     recorded = ds.info.get("files", {})
+    named_by = dict.fromkeys(tensor_files(ds.info), "lmprobe:tensors")  # where each name comes from
+    named_by.update((rel, "lmprobe:files") for rel in recorded if rel not in named_by)
 
     def check(rel: str) -> list[str]:
         record = recorded.get(rel)
         if not checksums and isinstance(record, dict):
             record = {k: v for k, v in record.items() if k != "sha256"}
-        problem = listed_problem(ds.root, rel, record, "lmprobe:files", "lmprobe:tensors", digest=checksums)
+        problem = listed_problem(ds.root, rel, record, "lmprobe:files", named_by[rel], digest=checksums)
         return [problem] if problem else []
 
-    problems = problems_of(check, tensor_files(ds.info), desc="verify lmprobe tensors")
+    problems = problems_of(check, list(named_by), desc="verify lmprobe tensors")
     for layer in ds.hidden["layers"]:
         for s, shard in enumerate(ds.hidden["shards"]):
             rel = ds.hidden["file_pattern"].format(layer=layer, shard=s)

@@ -8,6 +8,7 @@ little-endian data) so 1 GiB shards stream to disk and memory-map back without a
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from pathlib import Path
 from typing import Any
@@ -207,15 +208,43 @@ def card_configs(split: str, index_rel: str) -> str:
     return yaml.safe_dump({"configs": configs}, sort_keys=False, allow_unicode=True, width=math.inf)
 
 
+# Characters of a name no card line may hold as they are: a line break (or any control character)
+# ended the line, and the rest of the name was read as the card's own Markdown (a heading, raw HTML).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# ASCII punctuation Markdown (or HTML) reads mid-line: emphasis, links, raw HTML, entities, a heading's
+# closing #s, GFM strikethrough and tables; each is backslash-escaped, which CommonMark renders as itself.
+_MARKDOWN_PUNCTUATION = re.compile(r"[\\`*_\[\]<>&#!|~]")
+
+
+def _visible_controls(text: str) -> str:
+    """`text` with each control character written as its escape (\\x0a), which renders as those letters."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256 else f"\\u{ord(m[0]):04x}", text)
+
+
+def markdown_text(text: str) -> str:
+    """`text` (a model name) as Markdown inline text that renders as itself, on one line."""
+    return _visible_controls(_MARKDOWN_PUNCTUATION.sub(lambda m: "\\" + m[0], text))
+
+
+def code_span(text: str) -> str:
+    """`text` (a dataset name) as a Markdown code span that renders as itself on one line: delimited by
+    one backtick more than its longest run of them (a name's backtick closed a one-backtick span), with
+    a space inside each delimiter when it starts or ends with one."""
+    text = _visible_controls(text)
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def dataset_card(info: dict[str, Any], index_rel: str) -> str:
     """README.md: a short Hugging Face dataset card describing the dataset and how to read it. Its
     snippet resolves the first prompt's last-token vector and runs as written (the tests exec it)."""
     hidden = info["tensors"]["hidden_layers"]
     return f"""---
 {card_configs(info["dataset"]["split"], index_rel)}---
-# lmprobe {info['format_version']} activations of {info['model']['name']}
+# lmprobe {info['format_version']} activations of {markdown_text(info['model']['name'])}
 
-{info['num_prompts']} prompts from `{info['dataset']['name']}`, layers {hidden['layers']} (dim {hidden['dim']},
+{info['num_prompts']} prompts from {code_span(info['dataset']['name'])}, layers {hidden['layers']} (dim {hidden['dim']},
 {hidden['dtype']}, {hidden['storage']} storage), prompt ordering `{info['prompt_ordering']}`
 (seed {info.get('prompt_ordering_seed')}). Written by actstore {info['provenance']['actstore_version']}.
 
