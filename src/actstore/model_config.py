@@ -23,7 +23,23 @@ DISTILLATION_TYPES = ("deit",)
 # SigLIP 2's NaFlex towers cut each image into as many patches as its aspect ratio gives (padded to
 # max_num_patches): a store holds one patch count for every image. Its fixed-resolution checkpoints
 # (siglip2-*-patch16-224 ...) are model_type siglip and run as SigLIP.
-VARIABLE_PATCH_TYPES = ("siglip2", "siglip2_vision_model")
+NAFLEX = ("(NaFlex) model gives each image its own patch count, and a store needs one for all; use a "
+          "fixed-resolution checkpoint (model_type siglip)")
+# Families no store can take, refused by name from config.json (model_kind), before any weight loads:
+# Reformer to Gemma 3n were refused, or failed naming nothing, once their weights had loaded (a GPU job).
+# {model_type (top level or text_scope): why, after "a <model_type> "}
+REFUSED_TYPES = {
+    "siglip2": NAFLEX, "siglip2_vision_model": NAFLEX,
+    "reformer": ("model's LSH attention hashes with random rotations drawn anew each forward (its checkpoints' "
+                 "hash_seed is null) and buckets a text's tokens with its batch's padding, so a stored vector could "
+                 "not be reproduced"),
+    "squeezebert": ("model's encoder calls its blocks' forward directly, past any hook, on (batch, hidden, tokens): "
+                    "no block's output can be captured"),
+    "fsmt": ("model's encoder runs its blocks on (tokens, batch, hidden) and has no config of its own, which "
+             "extraction reads"),
+    "gemma3n_text": ("model's blocks carry altup_num_inputs predictions of the stream, (altup, batch, tokens, hidden), "
+                     "where a store holds one (batch, tokens, hidden) output a block"),
+}
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 # A vision-language model (Gemma 3 from 4B, Qwen3.5, LLaVA, Mistral 3...): its checkpoint holds a
 # language model, run on text, beside a vision tower that text never reaches.
@@ -119,14 +135,22 @@ def read_model_json(path: Path) -> dict[str, Any]:
 def model_kind(config: dict[str, Any]) -> str:
     """'vision', 'causal' or 'encoder' from a config.json dict (a vision-language model is 'causal':
     its language model runs)."""
-    if config.get("model_type") in VARIABLE_PATCH_TYPES:
-        raise ConfigError(f"model.path: a {config['model_type']} (NaFlex) model gives each image its own patch "
-                          "count, and a store needs one for all; use a fixed-resolution checkpoint (model_type siglip)")
+    check_refused_type(config)
     if config.get("model_type") in VISION_TYPES:
         return "vision"
     if any(a.endswith(CAUSAL_SUFFIXES) for a in config.get("architectures") or []) or is_vision_language(config):
         return "causal"
     return "encoder"
+
+
+def check_refused_type(config: dict[str, Any]) -> None:
+    """ConfigError naming a REFUSED_TYPES model_type, of the checkpoint or of its text_scope (Gemma 3n's
+    language model, model_type gemma3n_text inside a gemma3n), and why no store can hold its blocks."""
+    refused = [kind for kind in (config.get("model_type"), text_scope(config).get("model_type"))
+               if isinstance(kind, str) and kind in REFUSED_TYPES]
+    if refused:
+        raise ConfigError(f"model.path: a {refused[0]} {REFUSED_TYPES[refused[0]]}; actstore does not extract "
+                          "this family")
 
 
 def run_config(model: dict[str, Any]) -> dict[str, Any]:
@@ -332,17 +356,20 @@ ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "elect
                            "xglm", "bart", "mbart", "plbart", "blenderbot", "longformer", "esm")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Text models whose blocks compute on (tokens, batch, hidden), the model transposing its input to that
-# and its output back (XLNet): a block's output is captured with its first two axes swapped back. Read
+# and its output back (XLNet): a block's output, and a hook on any module inside the blocks' holder
+# (capture.tokens_first_modules), is captured with its first two axes swapped back. Read
 # as (batch, tokens), the shape check refused it, except on a batch of as many samples as tokens, whose
 # vectors were stored laid over the wrong samples and tokens.
 TOKENS_FIRST_TYPES = ("xlnet",)
 # Text models whose real tokens' outputs change with the padding after them, which the attention mask
 # does not stop: MobileBERT's trigram embedding reads the next token's (a pad's at a text's end), FNet's
 # Fourier transform mixes the whole padded sequence, ConvBERT's span convolution runs over it, YOSO's
-# attention takes pad keys in (its mask, cast to integers, keeps them). A stored vector then depended
-# on the texts that shared its batch (0.15 to 1.6 of the block output's largest value on tiny models):
-# their batches each hold one length (length_batches), so none is padded.
-PADDING_SENSITIVE_TYPES = ("mobilebert", "fnet", "convbert", "yoso")
+# attention takes pad keys in (its mask, cast to integers, keeps them). BigBird's and BigBird-Pegasus's
+# block-sparse attention (their checkpoints' default) runs only on a batch wider than its global,
+# sliding and random blocks (full attention on a narrower one) and makes the batch's last block global.
+# A stored vector then depended on the texts that shared its batch (0.15 to 1.6 of the block output's
+# largest value on tiny models): their batches each hold one length (length_batches), so none is padded.
+PADDING_SENSITIVE_TYPES = ("mobilebert", "fnet", "convbert", "yoso", "big_bird", "bigbird_pegasus")
 
 
 def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_path: str | Path) -> None:

@@ -174,12 +174,22 @@ def pad_id(loaded: LoadedModel) -> int:
 
 
 def window_width(config: Any, width: int) -> int:
-    """The batch's width padded up to a multiple of the model's `attention_window` (Longformer, LED): such
-    a model pads its inputs so inside its forward, with attention mask 0 as here, and its blocks
-    would return more tokens than the batch holds. Any other model: `width`."""
+    """The batch's width padded up to a multiple of the model's `attention_window` (Longformer, LED) or,
+    where its block-sparse attention runs (sparse_block), of its `block_size` (BigBird): such a model
+    pads its inputs so inside its forward, with attention mask 0 as here, and its blocks would return
+    more tokens than the batch holds. Any other model: `width`."""
     window = getattr(config, "attention_window", None)
-    window = max(window) if isinstance(window, (list, tuple)) else window
+    window = max(window) if isinstance(window, (list, tuple)) else (window or sparse_block(config, width))
     return -(-width // window) * window if isinstance(window, int) and window > 0 else width
+
+
+def sparse_block(config: Any, width: int) -> int | None:
+    """BigBird's `block_size` when its block-sparse attention runs on a batch `width` tokens wide: wider
+    than its 2 global, 3 sliding and 2 x num_random_blocks random blocks (on a narrower batch its forward
+    runs full attention, unpadded); None for any other model."""
+    if getattr(config, "attention_type", None) != "block_sparse":
+        return None
+    return config.block_size if width > (5 + 2 * config.num_random_blocks) * config.block_size else None
 
 
 def load_pixels(processor: Any, opener: ImageOpener, samples: list[Sample]) -> torch.Tensor:
