@@ -29,11 +29,14 @@ IMAGE_SUFFIXES = {
     ".dds", ".blp", ".psd", ".msp", ".pcd", ".pxr", ".ras", ".xbm", ".xpm", ".gbr", ".iim",
     ".ftc", ".ftu", ".fli", ".flc",
 }
-SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".tar": "webdataset"}
+# .tsv: CSV of tabs (tables.csv_delimiter), as Hugging Face's csv loader reads it (GLUE, MTEB, TREC dumps);
+# before, a .tsv file was read as JSON lines and refused at its first line, a folder of them as holding none.
+SHARD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".tsv": "csv",
+                  ".tar": "webdataset"}
 # Compressed JSON lines (.jsonl.gz, .json.zst: the Pile, C4, Dolma), decompressed as read (datasets.jsonl),
 # and compressed CSV (pyarrow decompresses by the name).
 COMPRESSED_SUFFIXES = (".gz", ".zst")
-COMPRESSED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
+COMPRESSED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "csv"}
 HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table", "webdataset",
            "text_folder")

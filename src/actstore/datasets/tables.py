@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -13,7 +14,7 @@ import pyarrow as pa
 
 from actstore.datasets.chat import checked_messages
 from actstore.datasets.core import Fields, Sample, label_list
-from actstore.datasets.source import Source
+from actstore.datasets.source import COMPRESSED_SUFFIXES, Source
 from actstore.errors import ConfigError
 
 CSV_BLOCK_BYTES = 1 << 24
@@ -52,6 +53,20 @@ def blocks(fmt: str, path: Path, columns: list[str], csv_types: dict[str, pa.Dat
     else:
         for batch in _ipc_batches(path):
             yield batch.num_rows, lambda batch=batch: _select(pa.Table.from_batches([batch]), columns)
+
+
+def _blocks_to(fmt: str, path: Path, columns: list[str], csv_types: dict[str, pa.DataType] | None,
+               rows: int) -> Iterator[tuple[int, Callable[[], pa.Table]]]:
+    """blocks() holding the file's first `rows` rows, the block after them never reached: a CSV block
+    is parsed and converted when reached, and a value past dataset.limit (or a part's rows) that its
+    column's type cannot hold failed the scan, or the part's job, for a row never read."""
+    if rows <= 0:
+        return
+    for size, read in blocks(fmt, path, columns, csv_types):
+        yield size, read
+        rows -= size
+        if rows <= 0:
+            return
 
 
 def count_rows(fmt: str, path: Path) -> int:
@@ -104,11 +119,12 @@ def _row_group(parquet: Any, path: Path, group: int, columns: list[str]) -> pa.T
 
 
 def _text_columns(fields: Fields) -> dict[str, pa.DataType]:
-    """A CSV's columns read as strings, not by the types pyarrow infers from its first block: the text
-    column. A text column of numbers ("42", "007", "3.10", a probe of how a model reads numbers) was
-    inferred as integers or floats and refused as no strings (read, "007" would have been 7), and one
-    whose first block held only numbers failed at the first later block with words."""
-    return {fields.text: pa.string()} if fields.prompts == (fields.text,) else {}
+    """A CSV's columns read as strings, not by the types pyarrow infers from its first block: the
+    prompt's (the text column, a template's each). A text column of numbers ("42", "007", "3.10", a
+    probe of how a model reads numbers) was inferred as integers or floats and refused as no strings,
+    a template's was read as numbers ("zip {zip}" of "007" was "zip 7", without a word), and one whose
+    first block held only numbers failed at the first later block with words."""
+    return dict.fromkeys(fields.prompts, pa.string()) if fields.prompt == fields.text else {}
 
 
 def _open_csv(path: Path, columns: list[str] | None, types: dict[str, pa.DataType] | None):
@@ -117,8 +133,14 @@ def _open_csv(path: Path, columns: list[str] | None, types: dict[str, pa.DataTyp
     read of any file past one block."""
     from pyarrow import csv
     return csv.open_csv(path, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
-                        parse_options=csv.ParseOptions(newlines_in_values=True),
+                        parse_options=csv.ParseOptions(delimiter=csv_delimiter(path), newlines_in_values=True),
                         convert_options=csv.ConvertOptions(include_columns=columns, column_types=types))
+
+
+def csv_delimiter(path: Path) -> str:
+    """A tab for a .tsv file (compressed too: .tsv.gz), as Hugging Face's csv loader reads one; else a comma."""
+    data = path.with_suffix("") if path.suffix.lower() in COMPRESSED_SUFFIXES else path
+    return "\t" if data.suffix.lower() == ".tsv" else ","
 
 
 def _csv_batches(path: Path, columns: list[str] | None,
@@ -132,7 +154,24 @@ def _csv_batches(path: Path, columns: list[str] | None,
             yield batch
             rows += batch.num_rows
     except (pa.ArrowInvalid, OSError) as exc:
-        raise ConfigError(f"{path}: cannot be read as CSV past its first {rows} rows ({exc})") from None
+        raise ConfigError(f"{path}: cannot be read as CSV past its first {rows} rows "
+                          f"({_column_named(path, str(exc))})") from None
+
+
+def _column_named(path: Path, message: str) -> str:
+    """pyarrow's error with its "CSV column #N" (the file's Nth column, from 0) given its header's
+    name: a conversion error (a word in a column of numbers past the first block) named no column."""
+    import csv
+    import io
+
+    found = re.search(r"CSV column #(\d+)", message)
+    if found is None:
+        return message
+    with pa.input_stream(str(path), compression="detect") as raw:
+        header = next(csv.reader(io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline=""),
+                                 delimiter=csv_delimiter(path)), [])
+    index = int(found[1])
+    return message if index >= len(header) else message.replace(found[0], f"column {header[index]!r}", 1)
 
 
 def _open_ipc(source: pa.MemoryMappedFile):
@@ -285,11 +324,37 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
 def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
     """ClassLabel names of the label column from the Hugging Face features (save_to_disk's
     dataset_info.json, or the `huggingface` schema metadata the Hub writes in Parquet/Arrow)."""
-    features = source.features
-    if not features and schema.metadata and b"huggingface" in schema.metadata:
-        features = json.loads(schema.metadata[b"huggingface"]).get("info", {}).get("features", {})
-    feature = features.get(label) or {}
-    return list(feature["names"]) if feature.get("_type") == "ClassLabel" and "names" in feature else None
+    features, where = _features(source, schema)
+    feature = features.get(label)
+    if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel" or "names" not in feature:
+        return None
+    names = feature["names"]  # a string was read as a list of its letters, each a class, without a word
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names) or len(set(names)) < len(names):
+        raise ConfigError(f"{where}: {label!r} ClassLabel's names must be a list of distinct strings, got "
+                          f"{json.dumps(names):.80}")
+    return names
+
+
+def _features(source: Source, schema: pa.Schema) -> tuple[dict[str, Any], str]:
+    """The Hugging Face features (dataset_info.json's, else the first shard's `huggingface` schema
+    metadata's info.features) and where they were read; ConfigError naming the file and key when
+    they are no JSON object (a bare JSONDecodeError or AttributeError named nothing)."""
+    if source.features:
+        features, where = source.features, f"{source.root / 'dataset_info.json'}: features"
+    elif schema.metadata and b"huggingface" in schema.metadata:
+        where = f"{source.files[0]}: schema metadata 'huggingface'"
+        try:
+            features = json.loads(schema.metadata[b"huggingface"])
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+        for key in ("info", "features"):
+            features = features.get(key, {}) if isinstance(features, dict) else features
+        where += " info.features"
+    else:
+        return {}, ""
+    if not isinstance(features, dict):
+        raise ConfigError(f"{where}: must be a JSON object of features by column, got {json.dumps(features):.80}")
+    return features, where
 
 
 # --- Rows. ---
@@ -339,6 +404,8 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
             break
     if not fields.image:
         _check_prompts(source, fields, n_rows)
+    if source.format == "csv" and fields.keep:
+        _convert_csv_kept(source, fields, n_rows)
     names = class_names(source, schemas[0], fields.label) if schemas else None
     if names is not None:
         _check_class_ids(source, fields, schemas, counts, n_rows, len(names))
@@ -357,9 +424,8 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
         start = 0
         for path in source.files:
             shard_start, known = start, _footer_null_counts(source.format, path, column)
-            for block, (size, read) in enumerate(blocks(source.format, path, [column], _text_columns(fields))):
-                if start >= n_rows:
-                    break
+            for block, (size, read) in enumerate(_blocks_to(source.format, path, [column], _text_columns(fields),
+                                                             n_rows - start)):
                 if (known[block] if block < len(known) else None) != 0:
                     values, shard = read().column(column).slice(0, n_rows - start), f"{source.name(path)}#"
                     row = _first_missing(values)
@@ -368,7 +434,21 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
                                           f"{_missing(values[row].as_py())} where a prompt is needed")
                     if column == fields.messages:
                         _check_messages(source, values, shard, start - shard_start, column)
+                    if column == fields.tokens and (row := _first_bad_ids(values)) >= 0:
+                        token_ids(values[row], f"{source.root}: {shard}{start - shard_start + row}, column "
+                                               f"{column!r} (dataset.tokens_field)")  # raises, as the part's job would
                 start += size
+
+
+def _convert_csv_kept(source: Source, fields: Fields, n_rows: int) -> None:
+    """Converts a CSV's keep_fields columns through the blocks of its first `n_rows` rows, as a part's
+    job does: their types are inferred from the first block, and a value a later block holds that
+    the type cannot (a word in a column of numbers) failed the part's job of its rows alone, after
+    the parts before (_csv_batches names the file and column)."""
+    start = 0
+    for path in source.files:
+        for size, _ in _blocks_to(source.format, path, list(fields.keep or ()), _text_columns(fields), n_rows - start):
+            start += size
 
 
 def _first_missing(values: pa.ChunkedArray) -> int:
@@ -379,6 +459,23 @@ def _first_missing(values: pa.ChunkedArray) -> int:
     if pa.types.is_floating(values.type):
         missing = pc.or_kleene(missing, pc.is_inf(values))
     return pc.index(missing, True).as_py()
+
+
+def _first_bad_ids(values: pa.ChunkedArray) -> int:
+    """The first row of a token-id column whose ids token_ids refuses, else -1: no ids (`[]`), a null
+    id, or one below 0 or past int64 (null rows: _first_missing's). The scan passed them, and each
+    failed only in its part's job, after the model was loaded on a GPU node."""
+    import pyarrow.compute as pc
+
+    lists = values.combine_chunks()
+    empty = pc.index(pc.equal(pc.list_value_length(lists), 0), True).as_py()
+    ids = pc.list_flatten(lists)
+    bad = pc.or_kleene(pc.is_null(ids), pc.less(ids, pa.scalar(0, ids.type)))  # a bare 0 is cast as int64
+    if pa.types.is_uint64(ids.type):
+        bad = pc.or_kleene(bad, pc.greater(ids, pa.scalar(np.iinfo(np.int64).max, ids.type)))
+    first = pc.index(bad, True).as_py()
+    bad_row = pc.list_parent_indices(lists)[first].as_py() if first >= 0 else -1
+    return min((row for row in (empty, bad_row) if row >= 0), default=-1)
 
 
 def _check_messages(source: Source, values: pa.ChunkedArray, shard: str, first: int, column: str) -> None:
@@ -429,7 +526,8 @@ def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], c
 def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
     """A Parquet file's null count of `column` in each row group, from its footer's statistics (None
     where not recorded). A list of token ids is stored as one leaf column (ids.list.element), whose
-    count also counts null and empty lists and null ids: 0 there is no null row too. [] for other
+    count also counts null and empty lists and null ids: 0 there is no null row too, where its
+    min and max hold the ids in token_ids' range (_ids_in_range; else None). [] for other
     formats, a column of several leaves (chat messages) or of floats (a NaN is no null in the
     footer, and is one in a prompt), whose blocks are read instead."""
     if fmt != "parquet":
@@ -446,8 +544,16 @@ def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
         if len(chunks) != 1:
             return []
         stats = chunks[0].statistics
-        counts.append(stats.null_count if stats is not None and stats.has_null_count else None)
+        ids = chunks[0].path_in_schema != column  # a list's ids (token ids): their range counts too
+        known = stats is not None and stats.has_null_count and (not ids or _ids_in_range(stats))
+        counts.append(stats.null_count if known else None)
     return counts
+
+
+def _ids_in_range(stats: Any) -> bool:
+    """Whether a token-id leaf's statistics bound its ids to 0..int64's max, as token_ids takes them:
+    its null count alone let a row group of an id below 0 pass the scan unread."""
+    return stats.has_min_max and stats.min >= 0 and stats.max <= np.iinfo(np.int64).max
 
 
 def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
@@ -461,9 +567,7 @@ def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: li
             n_rows -= count
             continue
         first = 0  # the block's first row in its shard
-        for size, read in blocks(source.format, path, [fields.label], _text_columns(fields)):
-            if n_rows <= 0:
-                return
+        for size, read in _blocks_to(source.format, path, [fields.label], _text_columns(fields), n_rows):
             labels = _label_column(source.format, read().column(fields.label)).slice(0, n_rows)
             for row, label in enumerate(_python_values(labels), first):
                 if isinstance(label, float) and math.isinf(label):
@@ -496,9 +600,8 @@ def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: r
     start = 0  # sample_idx of the block's first row
     for shard, (path, schema) in enumerate(zip(source.files, schemas)):
         columns, shard_start = _columns(fields, schema), start
-        for block, (size, read) in enumerate(blocks(source.format, path, columns, _text_columns(fields))):
-            if start >= rows.stop:
-                return samples
+        for block, (size, read) in enumerate(_blocks_to(source.format, path, columns, _text_columns(fields),
+                                                         rows.stop - start)):
             if start + size > rows.start:
                 first, stop = max(rows.start - start, 0), min(rows.stop - start, size)
                 # Only the rows wanted are converted to Python: a Parquet row group is 1Mi rows by
