@@ -380,14 +380,17 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
                 raise FormatError(f"{file}: shard missing")
             stat = file.stat()
             key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, info["checksum"])
-            if key not in _CACHE:
+            # One lookup into a local: another thread's clear() between a check and a second lookup
+            # would be a KeyError (a free-threaded Python gives the GIL's guarantee up).
+            shard = _CACHE.get(key)
+            if shard is None:
                 _CACHE.clear()
                 shard = load_shard(path, info)
                 # its content checked as verify checks it: a layer it lacked was a bare KeyError (and
                 # `actstore validate` crashed on it), a 1-D activation returned a scalar as the vector
                 integrity.refuse(_shard_content_problems(file, shard, info, _width(meta), _unpadded(meta))[0])
                 _CACHE[key] = shard
-            for item in _CACHE[key][layer_key(layer_idx)]:
+            for item in shard[layer_key(layer_idx)]:
                 if item["sample_idx"] == sample_idx:
                     act = item["activation"]
                     return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < act.shape[0] else None
