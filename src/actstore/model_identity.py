@@ -11,6 +11,7 @@ that kept the bytes passes and new bytes stop the run, naming the file.
 from __future__ import annotations
 
 import logging
+import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,11 @@ CHAT_TEMPLATES = "additional_chat_templates"
 # adding eval_results.json would otherwise stop every later run).
 TRAINER_FILES = frozenset({"trainer_state.json", "training_args.bin", "all_results.json", "train_results.json",
                            "eval_results.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth"})
+# Read by from_pretrained, but only generate() uses it: an edited sampling setting changes no activation.
+UNUSED_FILES = TRAINER_FILES | {"generation_config.json"}
+# config.json's key naming the weights file from_pretrained reads in place of model.safetensors (transformers
+# 4.5x: a file anywhere in the folder, or a shard index whose weight_map names the shards).
+WEIGHTS_KEY = "transformers_weights"
 MODEL_FILES_KEY = "model_files"  # the key of part.json and extract.json
 PART_FIELDS = ("bytes", "mtime_ns")  # a file's entry in part.json; extract.json's adds its sha256
 INDEX_FIELDS = (*PART_FIELDS, "sha256")
@@ -44,11 +50,37 @@ def model_files(folder: Path) -> dict[str, dict[str, int]]:
     a Hugging Face cache snapshot links to its blobs) and its CHAT_TEMPLATES, by their path in the
     folder, with their size and mtime."""
     files = {}
-    for path in sorted([*folder.iterdir(), *(folder / CHAT_TEMPLATES).glob("*.jinja")]):
-        if path.suffix.lower() in MODEL_SUFFIXES and path.name not in TRAINER_FILES and path.is_file():
+    listed = [*folder.iterdir(), *(folder / CHAT_TEMPLATES).glob("*.jinja"), *_named_weights(folder)]
+    for path in sorted(set(listed)):
+        if path.suffix.lower() in MODEL_SUFFIXES and path.name not in UNUSED_FILES and path.is_file():
             stat = path.stat()
             files[path.relative_to(folder).as_posix()] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     return files
+
+
+def _named_weights(folder: Path) -> list[Path]:
+    """The weights config.json's WEIGHTS_KEY names, wherever in the folder (a subfolder is not listed
+    otherwise), and the shards of a shard index it names. A name that is not a relative path inside the
+    folder names nothing: from_pretrained refuses it, and no file outside the folder is stat'ed."""
+    name = _json_key(folder / "config.json", WEIGHTS_KEY)
+    if not _inside(name):
+        return []
+    named = folder / name
+    weight_map = _json_key(named, "weight_map") if named.name.endswith(".index.json") else None
+    shards = {shard for shard in weight_map.values() if _inside(shard)} if isinstance(weight_map, dict) else set()
+    return [named, *(folder / shard for shard in sorted(shards))]
+
+
+def _json_key(path: Path, key: str) -> Any:
+    """`key` of the JSON object in file `path`; None where the file or the key is not there."""
+    data = read_json(path) if path.is_file() else None
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def _inside(name: Any) -> bool:
+    """Whether `name` is a relative path that stays inside its folder (no `..` out of it)."""
+    return isinstance(name, str) and bool(name) and not posixpath.isabs(name) and not posixpath.normpath(
+        name).startswith("..")
 
 
 def hashed_model_files(folder: Path, loaded: dict[str, dict[str, int]], threads: int = 4) -> dict[str, dict]:
@@ -74,6 +106,8 @@ def check_model_unchanged(folder: Path, extract_dir: Path) -> None:
     recorded = _recorded(index) if index.is_file() else None
     if not recorded or not folder.is_dir():
         return
+    # An extraction of a release that counted generation_config.json (UNUSED_FILES) compares without it.
+    recorded = {name: entry for name, entry in recorded.items() if Path(name).name not in UNUSED_FILES}
     now = model_files(folder)
     if changed := [name for name in moved_files(recorded, now) if not _same_bytes(folder, name, recorded, now)]:
         raise ConfigError(

@@ -301,18 +301,23 @@ ZARR_MERGE_SAMPLE_BYTES = 300
 
 
 def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
-    """Activation chunk files of every zarr shard store, at most: a sample's chunks up to
-    max_seq_length (zarr.t_chunk tokens, or the layout's choice); only those holding its tokens are
-    written, a number the config alone does not give."""
-    t_max = config["extract"]["max_seq_length"]
-    return w.rows * len(config["extract"]["layers"]) * -(-t_max // zarr_t_chunk(config, w.d))
+    """Activation chunk files of every zarr shard store, at most: a sample's chunks up to its store's
+    T_max (zarr.t_chunk tokens, or the layout's choice); only those holding its tokens are written, a
+    number the config alone does not give."""
+    return w.rows * len(config["extract"]["layers"]) * -(-zarr_t_max(w, config) // zarr_t_chunk(config, w))
 
 
-def zarr_t_chunk(config: dict[str, Any], d: int) -> int:
+def zarr_t_max(w: Workload, config: dict[str, Any]) -> int:
+    """T_max of a zarr shard store, at most: max_seq_length, or an image's tokens where more (an image
+    is never cut, zarr.layout.store_t_max: a ViT-B/16's 197 past the default 128)."""
+    return max(config["extract"]["max_seq_length"], w.tokens // max(w.rows, 1))
+
+
+def zarr_t_chunk(config: dict[str, Any], w: Workload) -> int:
     """Tokens per activation chunk of the zarr stores (zarr.t_chunk, or the layout's choice)."""
     from actstore.formats.zarr.layout import choose_t_chunk
 
-    return choose_t_chunk(config["extract"]["max_seq_length"], d, config["zarr"]["t_chunk"])
+    return choose_t_chunk(zarr_t_max(w, config), w.d, config["zarr"]["t_chunk"])
 
 
 def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
@@ -340,7 +345,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     # a 16-bit part's rows as read and converted (6 bytes a value), a chunk a thread.
     zarr_threads = config["zarr"]["threads"]
     zarr_buffers = ((zarr_threads + BEHIND) * 6 + (zarr_threads * 6 if w.itemsize != 4 else 0)) \
-        * zarr_t_chunk(config, w.d) * w.d
+        * zarr_t_chunk(config, w) * w.d
     buffers = {
         "saev_shards": (BEHIND + 2) * CHUNK_BYTES + windows,  # the ring + a fill's temporaries
         "saev": windows + labels,
