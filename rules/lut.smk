@@ -5,7 +5,7 @@ LUT_DIR = sdir("lut")
 rule build_lut:
     input:
         index=rules.extract_index.output.index,
-        sae=rules.train_sae.output.sae,
+        sae=f"{SAE_DIR}/sae.safetensors",
     output:
         lut=directory(f"{LUT_DIR}/lut"),
         report=f"{LUT_DIR}/report.json",

@@ -13,7 +13,11 @@ SAE_IMPORT = config["sae"].get("import")
 SAE_IMPORT_FILES = [str(path) for path in import_files(**SAE_IMPORT)] if SAE_IMPORT else []
 
 
+# An import needs no GPU: its rule is named import_sae, which the profiles leave on a CPU partition
+# (profiles/osc puts train_sae on the GPU partition by name).
 rule train_sae:
+    name:
+        "import_sae" if SAE_IMPORT else "train_sae"
     input:
         index=rules.extract_index.output.index,
         imported=SAE_IMPORT_FILES,
@@ -40,7 +44,7 @@ rule train_sae:
 
 rule sae:
     input:
-        rules.train_sae.output.report,
+        f"{SAE_DIR}/report.json",
 
 
 TARGETS["sae"] = [f"{SAE_DIR}/report.json"]

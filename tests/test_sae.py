@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from actstore.config import resolve_hook
@@ -714,7 +715,10 @@ def test_an_imported_file_replaced_at_its_path_reruns_the_sae_and_lut_stages(run
     later = max(file.stat().st_mtime for file in (*dirs["sae"].iterdir(), *dirs["lut"].iterdir())) + 1
     os.utime(changed, (later, later))
     jobs = planned_jobs(tmp_path, config, "lut")
-    assert jobs.get("train_sae") == 1 and jobs.get("build_lut") == 1, jobs
+    # Run as import_sae: profiles/osc sends train_sae, by its name, to the GPU partition an import does not need.
+    assert jobs.get("import_sae") == 1 and jobs.get("build_lut") == 1 and "train_sae" not in jobs, jobs
+    gpu_rules = yaml.safe_load((Path(__file__).resolve().parents[1] / "profiles" / "osc" / "config.yaml").read_text())["set-resources"]
+    assert "gpu" in gpu_rules["train_sae"] and "import_sae" not in gpu_rules
 
 
 @pytest.mark.parametrize("style", ["saelens", "saelens-rescaled", "saev"])
