@@ -18,8 +18,8 @@ import numpy as np
 from actstore.casts import RowFile, to_float32
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
-from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, STORAGE_DESCR, part_dirname,
-                                             part_dirs, tensor_file)
+from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, FORMAT_VERSION,
+                                             STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
 from actstore.integrity import (check_file, check_npy, file_records, inside, open_files_budget, open_regular, read_json,
                                 refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
@@ -272,6 +272,26 @@ class Part:
         for file, record in self.meta["files"].items():
             if "shape" in record:
                 self._load(file)
+        self._check_topk()
+
+    def _check_topk(self) -> None:
+        """FormatError unless the top-k files are both there or neither, each (n_samples, logits_topk):
+        each header is checked against its own record only, so a pair of two widths, or of another k than
+        the part's, passed; lmprobe's writer, taking the first logits_topk columns of each, then failed on
+        a narrower file with a bare numpy broadcast error, or spread a width-1 file's column over all k."""
+        records = {file: self.meta["files"].get(file) for file in PER_SAMPLE_FILES}
+        if not any(records.values()):
+            return
+        want = [self.info.n_samples, self.info.logits_topk]
+        shapes = {file: record.get("shape") if isinstance(record, dict) else None for file, record in records.items()}
+        if any(shape != want for shape in shapes.values()):
+            raise FormatError(f"{self.dir / PART_META}: top-k files' shapes {shapes} (null: not listed), where "
+                              f"n_samples {self.info.n_samples} and logits_topk {self.info.logits_topk} give {want} each")
+
+
+# Versions of part.json this reader knows: 1 recorded plain sha256, 2 the tree hash (integrity.DIGESTS
+# checks either). A newer version's changes would be read as these, with no error.
+READ_VERSIONS = (1, FORMAT_VERSION)
 
 
 def open_part(part_dir: str | Path) -> Part:
@@ -283,6 +303,9 @@ def open_part(part_dir: str | Path) -> Part:
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{meta_path}: not an actstore extraction part")
+    if not (whole_number(meta.get("version")) and meta["version"] in READ_VERSIONS):
+        raise FormatError(f"{meta_path}: version {meta.get('version')!r:.40} of {FORMAT_NAME}; this actstore reads "
+                          f"versions {', '.join(map(str, READ_VERSIONS))} (a newer actstore wrote it?)")
     files = file_records(meta.get("files"), str(meta_path))
     # Mapped, checked, then copied: a file far larger than the part's samples is never read whole. Looked
     # up with inside, as every other file of the part: a link leading out of the part is refused.

@@ -51,6 +51,11 @@ class PartWriter:
     def __init__(self, tmp_dir: Path, samples: list[dict], offsets: np.ndarray, hash_threads: int = 1):
         """hash_threads: threads, shared by the files, that hash each write's whole leaves while its
         bytes go to the kernel, so a writer thread's time is its writes (1: in the writing thread)."""
+        # Checked before anything is made: offsets of another length failed finish with a bare
+        # IndexError, or made a part every reader refused at open.
+        if np.shape(offsets) != (len(samples) + 1,):
+            raise ValueError(f"{tmp_dir}: offsets of shape {list(np.shape(offsets))} for {len(samples)} samples, "
+                             f"expected [{len(samples) + 1}] (n_samples + 1)")
         self.dir = tmp_dir
         # The hashing threads run below the job's others (lower_priority): a file's digests are needed
         # only when it closes, the thread feeding the GPU at every batch.
@@ -102,7 +107,9 @@ class PartWriter:
         if (again := np.flatnonzero(sink.written[local_idx:local_idx + n_samples])).size:
             raise OSError(f"{self.file_path(file)}: sample_idx {self._sample_idx(local_idx + int(again[0]))} "
                           "written twice")
-        sink.file.write(sink.header_bytes + int(start) * sink.unit_bytes, data.data)
+        # A transposed or Fortran-order view is copied to C order, its values in the order the file holds
+        # them (the buffer protocol refuses to hand its bytes out flat); a C-order array is used as it is.
+        sink.file.write(sink.header_bytes + int(start) * sink.unit_bytes, np.ascontiguousarray(data).data)
         sink.written[local_idx:local_idx + n_samples] = True
 
     def _sample_idx(self, local_idx: int) -> int:
