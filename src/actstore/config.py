@@ -120,7 +120,28 @@ class _ConfigLoader(yaml.SafeLoader):
     """PyYAML's SafeLoader (YAML 1.1, as Snakemake reads a config), refusing the plain numbers that
     YAML 1.1 reads apart from YAML 1.2 and Python: a zero-padded `010` is octal 8 and `1:30` is
     base 60 (90), so `layers: [010, 011]` would extract blocks 8 and 9 with no error. Hex, binary and
-    underscores (0x10, 0b101, 1_000) read the same everywhere and pass; quoted scalars are text."""
+    underscores (0x10, 0b101, 1_000) read the same everywhere and pass; quoted scalars are text.
+    A key given twice in one mapping is refused too (_refuse_repeated_keys)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        _refuse_repeated_keys(self, node)
+        return super().construct_mapping(node, deep)
+
+
+def _refuse_repeated_keys(loader: _ConfigLoader, node: yaml.MappingNode) -> None:
+    """ConfigError naming the file, lines and key given twice in the mapping `node`: PyYAML and
+    Snakemake keep the last, so a second `sae:` appended to a config replaced the whole first section
+    (enabled: true gone, no SAE stage) with no error. The keys a merge (`<<: *defaults`) brings may
+    be given again: overriding them is what a merge is for."""
+    first_lines: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+            continue  # a key that is a list or mapping: SafeLoader refuses it as unhashable
+        key, mark = loader.construct_object(key_node), key_node.start_mark
+        if key in first_lines:
+            raise ConfigError(f"{mark.name}, line {mark.line + 1}: {key!r} is given again (first on line "
+                              f"{first_lines[key]}); YAML keeps only the last, dropping the first: merge them")
+        first_lines[key] = mark.line + 1
 
 
 def _refusing_yaml11_spellings(construct):
@@ -151,7 +172,8 @@ _ConfigLoader.add_constructor("tag:yaml.org,2002:float",
 
 def check_yaml_numbers(paths: Iterable[str | Path]) -> None:
     """ConfigError naming the file, line and number for the first number spelled as YAML 1.1 reads
-    apart from YAML 1.2 and Python (_ConfigLoader) in the config files Snakemake read
+    apart from YAML 1.2 and Python (_ConfigLoader), or the key given twice in one mapping, of which
+    Snakemake kept the last (_refuse_repeated_keys), in the config files Snakemake read
     (workflow.configfiles; the Snakefile, before validating them), each read as Snakemake reads it: JSON first (whose
     numbers mean one thing, and which YAML 1.1 does not always parse), then YAML."""
     for path in paths:
@@ -182,7 +204,7 @@ def _read_config_file(path: Path) -> Any:
     _ConfigLoader: JSON has no octal or base 60. Read from the file, so a YAML mark names it."""
     with path.open(encoding="utf-8") as fh:
         try:
-            return json.load(fh)
+            return json.load(fh, object_pairs_hook=functools.partial(_unrepeated_json_keys, path))
         except json.JSONDecodeError as json_error:
             fh.seek(0)
             try:
@@ -190,6 +212,17 @@ def _read_config_file(path: Path) -> Any:
             except yaml.YAMLError as yaml_error:
                 raise ConfigError(f"{path}: not valid YAML ({yaml_error}), nor JSON (line {json_error.lineno}, "
                                   f"column {json_error.colno}: {json_error.msg})") from None
+
+
+def _unrepeated_json_keys(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict; ConfigError naming a key it gives twice (JSON readers keep the last)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ConfigError(f"{path}: {key!r} is given twice in one object; JSON readers keep only the last, "
+                              f"dropping the first: merge them")
+        seen.add(key)
+    return dict(pairs)
 
 
 def enabled_stages(config: dict[str, Any]) -> list[str]:

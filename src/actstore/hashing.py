@@ -32,6 +32,9 @@ EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"model": ("trust_remote_code",),
                                               "extract": ("num_workers", "buffers", "writer_threads"),
                                               "saev": ("jobs",), "lmprobe": ("jobs",),
                                               "zarr": ("jobs", "merge_jobs", "threads"), "pickle": ("threads", "jobs")}
+# Keys with no schema default (so configs made before them keep their hash) given as what leaving
+# them out means: hashed as left out, or writing out the documented value would rewrite the stage.
+ABSENT_MEANS: dict[str, dict[str, Any]] = {"saev": {"flavor": "spec"}, "lut": {"runtime": "lookup"}}
 
 
 def upstream_stages(config: dict[str, Any], stage: str) -> list[str]:
@@ -73,20 +76,26 @@ def stage_hashes(config: dict[str, Any]) -> dict[str, str]:
 
 
 def hashed_section(config: dict[str, Any], section: str) -> Any:
-    """A config section as hashed: execution-only keys dropped; extract.storage_dtype resolved, and
-    dropped when float32 (all earlier releases stored), so extractions made before it keep their hash
+    """A config section as hashed: execution-only keys dropped, and keys given as what their absence
+    means (ABSENT_MEANS); extract.storage_dtype resolved, and dropped when float32 (all earlier
+    releases stored), so extractions made before it keep their hash
     (extract.token_logprobs likewise when true, extract.image_pipeline when cpu); lmprobe.dtype auto
     resolved to the storage dtype; likewise pickle.compressor when zlib (or when nothing is
-    compressed); a whole number in a number-typed key as an int (see _integral_numbers_as_ints)."""
+    compressed, when pickle.compresslevel hashes as its default); a whole number in a number-typed
+    key as an int (see _integral_numbers_as_ints)."""
     values = config[section]
     if not isinstance(values, dict):
         return values
-    values = {k: v for k, v in values.items() if k not in EXECUTION_KEYS.get(section, ())}
+    absent = ABSENT_MEANS.get(section, {}).items()
+    values = {k: v for k, v in values.items() if k not in EXECUTION_KEYS.get(section, ()) and (k, v) not in absent}
     values = _integral_numbers_as_ints(section, values)
     if section == "dataset":
         values |= dataset_identity(values)
     if section == "pickle" and (values.get("compressor") == "zlib" or values.get("compression") == "none"):
         values.pop("compressor", None)
+    if section == "pickle" and values.get("compression") == "none" and "compresslevel" in values:
+        # the store records no level (compresslevel null): every level is the default's store and hash
+        values["compresslevel"] = config_schema()["properties"]["pickle"]["properties"]["compresslevel"]["default"]
     if section == "extract" and values.get("token_logprobs") is True:  # every earlier release kept them
         values.pop("token_logprobs")
     if section == "extract" and values.get("image_pipeline") == "cpu":  # every earlier release decoded so
