@@ -124,6 +124,8 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
     # Hashed before it is read: a file replaced in between then fails validate, rather than passing.
     sae_sha256 = sha256_file(sae_file)
     sae, sae_meta = load_sae(sae_file)
+    # Read before the model loads: an extraction that holds out no token is named before any heavy work.
+    heldout = heldout_inputs(config, extract_dir, sae_dir)
     loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", device,
                         config["model"].get("tower"), trusted(config["model"]),
                         fix_mistral_regex=config["model"].get("fix_mistral_regex"))
@@ -136,7 +138,7 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(sae_file), SAE_SHA256: sae_sha256,
         "hook": sae_meta.get("hook"), "format_writer": "actstore"})
-    report = evaluate_lut(config, extract_dir, sae_dir, lut_root, loaded, progress)
+    report = evaluate_lut(config, extract_dir, heldout, lut_root, loaded, progress)
     write_json_atomic(Path(out_dir) / REPORT_FILE, report)
     return report
 
@@ -170,7 +172,7 @@ def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets:
 def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path) -> tuple[torch.Tensor, list[int]]:
     """The SAE's held-out tokens of its hook tensor (a seeded uniform sample of lut.eval_tokens of them
     when there are more: the first in storage order were one class's in a dataset sorted by label) and
-    held-out samples."""
+    held-out samples. ConfigError when the split holds out no token (one sample: the SAE trained on all)."""
     from actstore.formats.extract import open_extraction
     from actstore.sae import REPORT_FILE as SAE_REPORT, iter_rows, split_tokens, tensors
     from actstore.sae.data import sampled_rows
@@ -178,6 +180,10 @@ def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str
     hook = sae_report_hook(Path(sae_dir) / SAE_REPORT)
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
     split = split_tokens(extraction, config["sae"]["heldout_fraction"], config["sae"]["seed"])
+    if not split.n_heldout:
+        raise ConfigError(f"{extract_dir}: sae.heldout_fraction {config['sae']['heldout_fraction']} of its "
+                          f"{extraction.n_samples} sample(s) holds out no token, and the lut stage evaluates its "
+                          "tables on tokens the SAE did not train on: extract at least 2 samples")
     arrays = tensors(extraction, hook)
     blocks = list(iter_rows(arrays, sampled_rows(split.heldout, config["lut"]["eval_tokens"], config["sae"]["seed"])))
     return torch.from_numpy(np.concatenate(blocks)), split.heldout_samples
@@ -196,7 +202,8 @@ def sae_report_hook(path: Path) -> str:
 def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, loaded: Any,
                samples: list[int], budgets: list[int]) -> dict[str, Any]:
     """Swap the targets into the real model with lut.runtime: cosine of final hidden states (encoders,
-    vision) or KL(original || LUT) and perplexity change (causal LMs), on held-out samples; per budget
+    vision) or KL(original || LUT) and perplexity change (causal LMs), on a seeded sample of
+    lut.eval_samples held-out samples (sampled_samples), batched as extraction batched them; per budget
     which path (lookup or dense) the targets' calls took, each target's crossover and (runtime auto,
     not pinned by lut.crossover_tokens) the measured times it came from. Each batch runs the original
     model (its linears put back) and then the LUT one, and is counted before the next: one batch's
@@ -206,9 +213,9 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     from actstore.models import get_module
 
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
-    samples = samples[:config["lut"]["eval_samples"]]
-    rows = eval_batch_rows(config, loaded)
-    inputs = [batch_inputs(config, extraction, loaded, samples[i:i + rows]) for i in range(0, len(samples), rows)]
+    samples = sampled_samples(samples, config["lut"]["eval_samples"], config["sae"]["seed"])
+    inputs = [batch_inputs(config, extraction, loaded, batch)
+              for batch in eval_batches(extraction, loaded, samples, eval_batch_rows(config, loaded))]
     store = open_lut(lut_root)
     originals = {path: get_module(loaded.model, path, store.layers_source) for path in store.layers}
     runtime = config["lut"].get("runtime", "lookup")
@@ -228,6 +235,32 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
             "crossover_tokens": {name: lut.crossover_tokens for name, lut in installed.items()},
             "calibration": calibration}
     return result
+
+
+def sampled_samples(samples: list[int], limit: int, seed: int) -> list[int]:
+    """`samples` when they are at most `limit`, else a seeded uniform sample of `limit` of them, in
+    index order: the first `limit` were one class's in a dataset sorted by label (an image folder)."""
+    from actstore.sae.data import uniform_picks
+
+    if len(samples) <= limit:
+        return samples
+    return [samples[i] for i in uniform_picks(len(samples), limit, np.random.default_rng(seed))]
+
+
+def eval_batches(extraction: Any, loaded: Any, samples: list[int], rows: int) -> list[list[int]]:
+    """`samples` in batches of at most `rows`, grouped by token length as extraction groups them
+    (length_batches): a PADDING_SENSITIVE_TYPES model's padding changes its real tokens' outputs, so
+    texts of mixed lengths in one batch fed the targets inputs the SAE never saw, and the reference
+    outputs were not the model's own."""
+    from actstore.extract import length_batches
+
+    if loaded.kind == "vision":  # every image has the same token count
+        lengths = [1] * len(samples)
+    else:
+        lengths = [int(part.offsets[local + 1] - part.offsets[local])
+                   for part, local in map(extraction.locate, samples)]
+    batches = length_batches(lengths, rows, loaded.config.get("model_type"))
+    return [[samples[i] for i in batch] for batch in batches]
 
 
 def eval_batch_rows(config: dict[str, Any], loaded: Any) -> int:
@@ -317,11 +350,12 @@ def mask_of(inputs: dict[str, torch.Tensor], ref: torch.Tensor) -> torch.Tensor:
     return torch.ones(ref.shape[:2], dtype=torch.bool)
 
 
-def evaluate_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path, lut_root: Path,
-                 loaded: Any, progress: bool = True) -> dict[str, Any]:
-    """report.json: per-target relative errors for each budget, and the end-to-end effect."""
+def evaluate_lut(config: dict[str, Any], extract_dir: str | Path, heldout: tuple[torch.Tensor, list[int]],
+                 lut_root: Path, loaded: Any, progress: bool = True) -> dict[str, Any]:
+    """report.json: per-target relative errors for each budget on the held-out tokens, and the end-to-end
+    effect on the held-out samples (heldout: heldout_inputs)."""
     budgets = list(config["lut"]["budgets"])
-    x, samples = heldout_inputs(config, extract_dir, sae_dir)
+    x, samples = heldout
     store = open_lut(lut_root)
     report = {"lut_dir": str(lut_root), "targets": sorted(store.layers), "k_active": store.k_active,
               "num_basis": store.num_basis, "dtype": config["lut"]["dtype"], "n_heldout_tokens": len(x),

@@ -183,8 +183,8 @@ class LutEncoder(nn.Module):
         # Per path, the last input it saw: (input, its version, what was computed for it). "lookup": the
         # encoding, residual terms by budget, the group's lookup and compensation; "dense": the group's
         # x @ W (group sums with the targets that took their columns). Separate, so that a dense call
-        # between two calls on one input does not make the second encode again. "served": for an
-        # inference tensor, the targets it was served to in this forward (begin).
+        # between two calls on one input does not make the second encode again. "served": the targets
+        # the input was served to in this forward (begin).
         self._last: dict[str, tuple[Any, int | None, dict[Any, Any]]] = {}
 
     def add_target(self, products: torch.Tensor, bias_product: torch.Tensor, weight: torch.Tensor | None) -> slice:
@@ -220,12 +220,11 @@ class LutEncoder(nn.Module):
         self._last = {}
 
     def begin(self, x: torch.Tensor, columns: slice) -> None:
-        """Before a target computes on x. An inference tensor has no version counter, so an in-place
-        edit of it between two forwards cannot be seen: what was computed for it serves only the
-        group's targets of one forward. A target that was served x already begins another forward, so
-        x's records are dropped first (end drops them once every target was served)."""
-        if _version(x) is not None:
-            return
+        """Before a target computes on x. What was computed for x serves only the group's targets of one
+        forward: an inference tensor has no version counter, and a tensor sharing memory with a numpy
+        array (torch.from_numpy) refilled between two forwards keeps its version, so neither edit can be
+        seen. A target that was served x already begins another forward, so x's records are dropped
+        first (end drops them once every target was served)."""
         served = self._results(x, "served")
         if columns.start in served:
             self._forget_input(x)
@@ -233,9 +232,9 @@ class LutEncoder(nn.Module):
         served[columns.start] = True
 
     def end(self, x: torch.Tensor) -> None:
-        """After a target computed on x: an inference tensor's records are dropped once every target of
-        the group was served it (begin)."""
-        if _version(x) is None and len(self._results(x, "served")) == self.n_targets:
+        """After a target computed on x: x's records are dropped once every target of the group was
+        served it (begin)."""
+        if len(self._results(x, "served")) == self.n_targets:
             self._forget_input(x)
 
     def _forget_input(self, x: torch.Tensor) -> None:
