@@ -20,9 +20,9 @@ from tqdm import tqdm
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import PartInfo, layer_tensor
 from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS, LABELS, METADATA, PROTOCOL,
-                                          SEALED, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, dropped_tokens,
-                                          encode_data, examples_per_shard, shard_name, shard_sizes, store_name,
-                                          text_windows, to_upstream)
+                                          SEALED, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, check_metadata,
+                                          dropped_tokens, encode_data, examples_per_shard, shard_name, shard_sizes,
+                                          store_name, text_windows, to_upstream)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
 from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, errors_naming,
@@ -348,7 +348,8 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
 def _check_shape(plan: Plan) -> None:
     """ConfigError naming the metadata fields of a plan (write_raw_store takes any) whose examples hold
     no vector, whose shards hold no example (the shard arithmetic divided by zero: a ZeroDivisionError
-    naming nothing) or whose example count is negative (a shard planned for a store no reader opens)."""
+    naming nothing) or whose example count is negative (a shard planned for a store no reader opens);
+    FormatError naming the field of metadata the readers refuse (layout.check_metadata)."""
     md = plan.metadata
     layers, tokens, d_model = plan.example_shape
     if min(layers, tokens, d_model) < 1 or md["n_examples"] < 0:
@@ -358,6 +359,9 @@ def _check_shape(plan: Plan) -> None:
     if plan.per_shard < 1:
         raise ConfigError(f"saev.patches_per_shard={md['patches_per_shard']} is smaller than one example "
                           f"({tokens} tokens x {layers} layers)")
+    # The readers' own check (a raw plan's metadata is the caller's): a layer listed twice, a bool for
+    # an int or a dtype other than float32 wrote every shard of a store that no reader opens.
+    check_metadata(plan.file_metadata, Path("saev.Plan.metadata"))
 
 
 def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int,
