@@ -4,33 +4,13 @@ sample is drawn without a permutation of every held-out row."""
 from __future__ import annotations
 
 import itertools
-import threading
 import tracemalloc
-from typing import Any
 
 import numpy as np
 import torch
 
 from actstore.sae.data import PERMUTED_ROWS, Prefetcher, sampled_rows
-
-WAIT_S = 30  # far longer than a few CPU batches take; a hang is reported as one, not waited on forever
-
-
-def finished_within(consume: Any) -> tuple[bool, Any]:
-    """(finished, result or exception) of `consume()` on a daemon thread: one that blocks forever fails
-    the test instead of hanging the suite."""
-    done: list[Any] = []
-
-    def run() -> None:
-        try:
-            done.append(consume())
-        except BaseException as exc:
-            done.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(WAIT_S)
-    return bool(done), done[0] if done else None
+from test_sae_review57 import finished_within
 
 
 def test_a_closed_prefetcher_of_an_endless_source_ends_at_once():

@@ -21,12 +21,16 @@ WAIT_S = 30  # far longer than a few CPU batches take; a hang is reported as one
 def outcome_within(consume: Callable[[Prefetcher], Any], source: Any) -> tuple[bool, Any]:
     """(finished, result or exception) of `consume` on a CPU Prefetcher of `source`, run on a daemon
     thread: a consumer that blocks forever fails the test instead of hanging the suite."""
+    return finished_within(lambda: consume(Prefetcher(source, torch.device("cpu"))))
+
+
+def finished_within(consume: Callable[[], Any]) -> tuple[bool, Any]:
+    """(finished, result or exception) of `consume()` on a daemon thread, waited on WAIT_S."""
     done: list[Any] = []
 
     def run() -> None:
-        prefetcher = Prefetcher(source, torch.device("cpu"))
         try:
-            done.append(consume(prefetcher))
+            done.append(consume())
         except BaseException as exc:
             done.append(exc)
 
