@@ -211,12 +211,45 @@ def _verify_labels_size(store: SaevStore) -> list[str]:
             f"x patches_per_ex {store.patches_per_ex} of {store.dir / METADATA})"]
 
 
+# read_vector's last opened store. Validation reads many coordinates of one store, and opening it
+# stats every shard (size_problems): tens of millions of stats for 10,000 shards on a cluster file system.
+_OPENED: dict[tuple, SaevStore] = {}
+_KEY_FILES = (METADATA, SHARDS, SIDECAR, WINDOWS)  # what opening a store reads
+
+
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
-    """(d,) float32 activation of dataset row sample_idx, block layer_idx, token token_idx, or None."""
-    store = open_store(path)
+    """(d,) float32 activation of dataset row sample_idx, block layer_idx, token token_idx, or None.
+    The last store opened stays open (keyed on its metadata files, _store_key); the shard read is
+    checked on each call, as opening checks every shard."""
+    store = _opened(path)
     if layer_idx not in store.layers:
         return None
     where = store.find(sample_idx, token_idx)
     if where is None:
         return None
+    if problem := store.shard_problem(where[0] // store.examples_per_shard):
+        raise FormatError(problem)  # missing, resized or linked out since the store was opened
     return store.vector(where[0], layer_idx, where[1])
+
+
+def _opened(path: str | Path) -> SaevStore:
+    """The store at `path`, opened again only when its key changed."""
+    key = _store_key(resolve(path))  # before opening: a file changed meanwhile changes the next call's key
+    # One lookup into a local: another thread's clear() between a check and a second lookup would be a KeyError.
+    store = _OPENED.get(key)
+    if store is None:
+        _OPENED.clear()
+        store = _OPENED[key] = open_store(path)
+    return store
+
+
+def _store_key(store_dir: Path) -> tuple:
+    """The store's directory and (inode, size, mtime) of each file opening it reads (None: absent):
+    any of them replaced or rewritten gives another key."""
+    def identity(name: str) -> tuple[int, int, int] | None:
+        try:
+            stat = (store_dir / name).stat()
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_size, stat.st_mtime_ns
+    return (str(store_dir), *(identity(name) for name in _KEY_FILES))

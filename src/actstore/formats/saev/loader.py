@@ -64,7 +64,8 @@ class ShuffledActivations(IterableDataset):
 
     layers: layer values to return (default all stored); one layer gives act (B, D), several give
     (B, n_layers, D) with the same token at each layer. include_cls: yield CLS vectors (ViT stores).
-    keep_labels: keep only patches whose labels.bin value is in this set (CLS has no label).
+    keep_labels: keep only patches whose labels.bin value is in this set. CLS has no label: include_cls
+    alone keeps it (with the default True, every example's CLS comes with the kept patches).
     block_bytes: store bytes per block (every stored layer); below one example a block is a run of
     tokens of one example, else whole examples (block_examples sets their number directly; a block never
     holds more than a shard).

@@ -155,19 +155,22 @@ class SaevStore:
 
     def size_problems(self) -> list[str]:
         """Every shard present with an allowed size (checked before any read)."""
-        problems = []
-        for i, shard in enumerate(self.shards):
-            try:  # a shard linked to a file outside the store is never read
-                path = inside(self.dir, shard["name"], str(self.dir / SHARDS))
-            except FormatError as exc:
-                problems.append(str(exc))
-                continue
-            if not path.is_file():
-                problems.append(f"{path}: missing shard")
-            elif path.stat().st_size not in self.allowed_bytes(i):
-                problems.append(f"{path}: {path.stat().st_size} bytes, expected {self.shard_bytes(i)} "
-                                f"({shard['n_examples']} x {self.L} x {self.T} x {self.D} float32)")
-        return problems
+        return [problem for i in range(len(self.shards)) if (problem := self.shard_problem(i))]
+
+    def shard_problem(self, idx: int) -> str | None:
+        """What is wrong with shard `idx` (missing, of a size not allowed, linked out), None if nothing:
+        a reader of a store opened earlier checks the one shard it reads, not every shard again."""
+        shard = self.shards[idx]
+        try:  # a shard linked to a file outside the store is never read
+            path = inside(self.dir, shard["name"], str(self.dir / SHARDS))
+        except FormatError as exc:
+            return str(exc)
+        if not path.is_file():
+            return f"{path}: missing shard"
+        if path.stat().st_size not in self.allowed_bytes(idx):
+            return (f"{path}: {path.stat().st_size} bytes, expected {self.shard_bytes(idx)} "
+                    f"({shard['n_examples']} x {self.L} x {self.T} x {self.D} float32)")
+        return None
 
     def layer_index(self, layer: int) -> int:
         """Spec §4.2 step 2: a layer not stored is an error naming the stored layers."""
