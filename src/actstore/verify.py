@@ -158,7 +158,8 @@ def coverage_problems(name: str, store: Path, info: dict[str, Any], extraction,
     problems = [f"{store}: holds layers {info['layers']}, lacks layers {missing} the config lists ({listed})"
                 ] if missing else []
     tokens = np.concatenate([np.diff(part.offsets) for part in extraction.parts]).astype(np.int64)
-    return problems + _SAMPLE_CHECKS[name](store, info, tokens, section)
+    problems += _SAMPLE_CHECKS[name](store, info, tokens, section)
+    return problems + (_lmprobe_dtype(store, info, extraction, section) if name == "lmprobe" else [])
 
 
 def _token_problem(store: Path, what: str, held: np.ndarray, tokens: np.ndarray) -> list[str]:
@@ -199,10 +200,13 @@ def _zarr_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section
 
 
 def _lmprobe_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section: dict[str, Any]) -> list[str]:
-    """One index row of every sample_idx, its num_tokens the extraction's; the storage the config's."""
+    """One index row of every sample_idx, in the config's prompt order, its num_tokens the extraction's;
+    the storage the config's."""
     from actstore.formats.lmprobe import open_dataset
+    from actstore.formats.lmprobe.write import DEFAULTS
     dataset = open_dataset(store)
-    storage = section.get("storage", "full_sequence")
+    opts = {**DEFAULTS, **section}
+    storage = opts["storage"]
     problems = [] if info["storage"] == storage or storage == "pooled" else [
         f"{store}: storage {info['storage']!r} (last tokens only), the config's lmprobe.storage {storage!r}"]
     ids = dataset.sample_idx
@@ -211,7 +215,36 @@ def _lmprobe_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, sect
                            f"{len(tokens) - 1} of the extraction"]
     held = np.empty_like(tokens)
     held[ids] = dataset.num_tokens
-    return problems + _token_problem(store, "num_tokens", held, tokens)
+    return problems + _token_problem(store, "num_tokens", held, tokens) + _lmprobe_order(store, ids, opts)
+
+
+def _lmprobe_order(store: Path, ids: np.ndarray, opts: dict[str, Any]) -> list[str]:
+    """The index rows' sample_idx in the order the config's prompt_ordering and seed make. lmprobe's
+    verify checks a random order against the seed the store records only: two rows of equal
+    num_tokens whose sample_idx were swapped in an "original" store verified, and validate's few
+    rows read them (another sample's vectors) at ~1 seed in 5 of 437 samples."""
+    from actstore.formats.lmprobe.layout import prompt_order
+    order = prompt_order(len(ids), opts["prompt_ordering"], opts["seed"])
+    wrong = np.flatnonzero(ids != order)
+    if not wrong.size:
+        return []
+    row = int(wrong[0])
+    return [f"{store}: index row {row} holds sample_idx {int(ids[row])}, lmprobe.prompt_ordering "
+            f"{opts['prompt_ordering']!r} (seed {opts['seed']}) puts {int(order[row])} there "
+            f"({wrong.size} rows differ)"]
+
+
+def _lmprobe_dtype(store: Path, info: dict[str, Any], extraction, section: dict[str, Any]) -> list[str]:
+    """The stored dtype against the config's lmprobe.dtype (auto: the extraction's storage dtype).
+    Its vectors are compared rounded to the dtype the store says it holds, so a store written in
+    float16 where the config asks float32 matched them."""
+    from actstore.formats.lmprobe.write import DEFAULTS
+    asked = {**DEFAULTS, **section}["dtype"]
+    wanted = (extraction.parts[0].tensor(layer_tensor(extraction.info.layers[0])).stored_dtype
+              if asked == "auto" else asked)
+    return [] if info["dtype"] == wanted else [
+        f"{store}: dtype {info['dtype']!r}, the config's lmprobe.dtype {asked!r}"
+        + (f" (the extraction's storage dtype {wanted!r})" if asked == "auto" else "")]
 
 
 def _saev_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section: dict[str, Any]) -> list[str]:

@@ -215,11 +215,16 @@ def _named(where: Path, field: str, fault: str, rows: Any, values: Any, bad: np.
 
 
 def _verify_order(ds: LmprobeDataset) -> list[str]:
-    """sample_idx is a permutation, and the recorded seed's one when the ordering is random."""
+    """sample_idx is a permutation, the identity when the ordering is original (two rows that traded
+    sample_idx, each reading the other's vectors, verified), and the recorded seed's one when random."""
     where, info = ds.index_path, ds.info
     problems = []
     if not np.array_equal(np.sort(ds.sample_idx), np.arange(ds.num_prompts)):
         problems.append(f"{where}: sample_idx is not a permutation of 0..{ds.num_prompts - 1}")
+    elif info["prompt_ordering"] == "original" and (
+            wrong := np.flatnonzero(ds.sample_idx != np.arange(ds.num_prompts))).size:
+        problems.append(f"{where}: row {int(wrong[0])} holds sample_idx {int(ds.sample_idx[wrong[0]])}, where "
+                        f"lmprobe:prompt_ordering 'original' keeps rows in sample order ({wrong.size} rows differ)")
     seed = info.get("prompt_ordering_seed")
     if info["prompt_ordering"] == "random" and seed is not None and \
             not np.array_equal(ds.sample_idx, prompt_order(ds.num_prompts, "random", seed)):
