@@ -78,11 +78,14 @@ def refused_config(model_type: str) -> object:
         config = tf.Gemma3nConfig()
         config.architectures = ["Gemma3nForConditionalGeneration"]
         return config
+    if model_type == "nystromformer":  # landmark attention: fewer landmarks than segment_means_seq_len
+        return tf.NystromformerConfig(num_landmarks=4, segment_means_seq_len=16, **tiny.FAMILY_COMMON)
     return tf.AutoConfig.for_model(model_type, **tiny.FAMILY_COMMON)
 
 
 @pytest.mark.parametrize(("model_type", "named"), [("reformer", "reformer"), ("squeezebert", "squeezebert"),
-                                                   ("fsmt", "fsmt"), ("gemma3n", "gemma3n_text")])
+                                                   ("fsmt", "fsmt"), ("gemma3n", "gemma3n_text"), ("canine", "canine"),
+                                                   ("nystromformer", "nystromformer")])
 def test_a_family_no_store_can_hold_is_refused_by_name_before_any_weight_loads(model_type, named, text_jsonl,
                                                                                  tmp_path):
     """The model folder holds config.json and a tokenizer, no weight: the checks before the load name the

@@ -39,6 +39,8 @@ REFUSED_TYPES = {
              "extraction reads"),
     "gemma3n_text": ("model's blocks carry altup_num_inputs predictions of the stream, (altup, batch, tokens, hidden), "
                      "where a store holds one (batch, tokens, hidden) output a block"),
+    "canine": ("model's blocks run on its characters downsampled by downsampling_rate (a row per 4 characters), "
+               "where a store holds a vector per token"),
 }
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 # A vision-language model (Gemma 3 from 4B, Qwen3.5, LLaVA, Mistral 3...): its checkpoint holds a
@@ -151,6 +153,14 @@ def check_refused_type(config: dict[str, Any]) -> None:
     if refused:
         raise ConfigError(f"model.path: a {refused[0]} {REFUSED_TYPES[refused[0]]}; actstore does not extract "
                           "this family")
+    landmarks, segment = config.get("num_landmarks"), config.get("segment_means_seq_len")
+    if config.get("model_type") == "nystromformer" and landmarks != segment:
+        # Landmark attention reshapes by segment_means_seq_len, not the batch's width: a reshape error,
+        # or, where a batch's texts x tokens equal it, landmarks averaged across the batch's texts.
+        raise ConfigError(f"model.path: a nystromformer model's landmark attention (num_landmarks {landmarks}, "
+                          f"segment_means_seq_len {segment}) expects inputs padded to {segment} tokens, which "
+                          "extraction does not pad to; actstore does not extract this family so configured (its "
+                          "released checkpoints set the two equal)")
 
 
 def run_config(model: dict[str, Any]) -> dict[str, Any]:
@@ -367,9 +377,11 @@ TOKENS_FIRST_TYPES = ("xlnet",)
 # attention takes pad keys in (its mask, cast to integers, keeps them). BigBird's and BigBird-Pegasus's
 # block-sparse attention (their checkpoints' default) runs only on a batch wider than its global,
 # sliding and random blocks (full attention on a narrower one) and makes the batch's last block global.
-# A stored vector then depended on the texts that shared its batch (0.15 to 1.6 of the block output's
-# largest value on tiny models): their batches each hold one length (length_batches), so none is padded.
-PADDING_SENSITIVE_TYPES = ("mobilebert", "fnet", "convbert", "yoso", "big_bird", "bigbird_pegasus")
+# Nystromformer's attention adds a depthwise convolution (conv_kernel_size 65) over the values, pads'
+# too. A stored vector then depended on the texts that shared its batch (0.15 to 1.6 of the block
+# output's largest value on tiny models): their batches each hold one length (length_batches), so none
+# is padded.
+PADDING_SENSITIVE_TYPES = ("mobilebert", "fnet", "convbert", "yoso", "big_bird", "bigbird_pegasus", "nystromformer")
 
 
 def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_path: str | Path) -> None:
