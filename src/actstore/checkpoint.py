@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError
 from actstore.integrity import whole_numbers
+from actstore.model_identity import named_weights
 from actstore.safetensors_io import read_header_json
 
 if TYPE_CHECKING:  # the workflow's parse sizes jobs with tensor_bytes, without importing torch
@@ -32,11 +33,16 @@ HOW_READ = ("its weights are read by their own names, all under one prefix, from
 def checkpoint_names(folder: Path) -> dict[str, str]:
     """Every tensor name of the folder's safetensors checkpoint -> the file that holds it: the shard
     index's weight_map (no shard opened), else model.safetensors' header; empty for a .bin checkpoint.
+    The file config.json's transformers_weights names (a subfolder's too) is that checkpoint where it
+    names one, as from_pretrained loads it in place of both: the tower was read, and jobs sized, from a
+    model.safetensors the model never ran.
     Either file there but not a regular file (a FIFO) is named: skipping it blamed a missing weight.
     Both there is a ConfigError: save_pretrained in shards over a single-file checkpoint (a fine-tune
     saved where its base was) leaves model.safetensors, which from_pretrained reads first, so a model
     ran the old weights and its vision tower, read by the index, the new. (An index mapping every
     name to model.safetensors itself, as some repositories ship, is one checkpoint.)"""
+    if named := named_weights(folder):
+        return _names_in(folder, named[0].relative_to(folder).as_posix())
     if (folder / INDEX).exists():
         weight_map = _weight_map(folder, INDEX)
         if (folder / SINGLE).exists() and set(weight_map.values()) != {SINGLE}:
@@ -44,10 +50,18 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
                               f"checkpoints (save_pretrained removes neither when the other is saved over it): "
                               f"from_pretrained would read {SINGLE}; move the stale one out of the folder")
         return weight_map
-    if (folder / SINGLE).exists():
-        with _opened(folder, SINGLE) as handle:
-            return dict.fromkeys(handle.keys(), SINGLE)
-    return {}
+    return _names_in(folder, SINGLE) if (folder / SINGLE).exists() else {}
+
+
+def _names_in(folder: Path, file: str) -> dict[str, str]:
+    """Tensor name -> file, of the checkpoint file `file` of the folder: a shard index's weight_map,
+    a safetensors file's header; empty for another (a .bin, as for a .bin checkpoint)."""
+    if file.endswith(".index.json"):
+        return _weight_map(folder, file)
+    if not file.endswith(".safetensors"):
+        return {}
+    with _opened(folder, file) as handle:
+        return dict.fromkeys(handle.keys(), file)
 
 
 def _weight_map(folder: Path, index: str) -> dict[str, str]:
@@ -72,7 +86,8 @@ def check_checkpoint_files(folder: Path) -> None:
     files, never saw it change) and blocked forever opening a FIFO. The safetensors checkpoint's, else
     the .bin shards BIN_INDEX names, which from_pretrained reads after both safetensors files and
     BIN_SINGLE: a safetensors download beside the .bin index alone is no error."""
-    index, files = INDEX, set(checkpoint_names(folder).values())
+    named = named_weights(folder)  # the index read in place of INDEX, where config.json names one
+    index, files = named[0].relative_to(folder).as_posix() if named else INDEX, set(checkpoint_names(folder).values())
     if not files and (folder / BIN_INDEX).exists() and not (folder / BIN_SINGLE).exists():
         index, files = BIN_INDEX, set(_weight_map(folder, BIN_INDEX).values())
     for file in sorted(files):

@@ -50,7 +50,7 @@ def model_files(folder: Path) -> dict[str, dict[str, int]]:
     a Hugging Face cache snapshot links to its blobs) and its CHAT_TEMPLATES, by their path in the
     folder, with their size and mtime."""
     files = {}
-    listed = [*folder.iterdir(), *(folder / CHAT_TEMPLATES).glob("*.jinja"), *_named_weights(folder)]
+    listed = [*folder.iterdir(), *(folder / CHAT_TEMPLATES).glob("*.jinja"), *named_weights(folder)]
     for path in sorted(set(listed)):
         if path.suffix.lower() in MODEL_SUFFIXES and path.name not in UNUSED_FILES and path.is_file():
             stat = path.stat()
@@ -58,7 +58,7 @@ def model_files(folder: Path) -> dict[str, dict[str, int]]:
     return files
 
 
-def _named_weights(folder: Path) -> list[Path]:
+def named_weights(folder: Path) -> list[Path]:
     """The weights config.json's WEIGHTS_KEY names, wherever in the folder (a subfolder is not listed
     otherwise), and the shards of a shard index it names. A name that is not a relative path inside the
     folder names nothing: from_pretrained refuses it, and no file outside the folder is stat'ed."""

@@ -73,7 +73,8 @@ def non_finite(file_path: Path, tables: dict[str, torch.Tensor]) -> list[str]:
 
 def open_lut(path: str | Path, verify: bool = False) -> LutStore:
     """Open a lut/ directory (or its parent). verify=True first checks every table's size, sha256
-    (when recorded), keys, shapes and dtypes; by default each table is checked when it loads."""
+    (when recorded), keys, shapes, dtypes and values (no inf or NaN); by default each table is checked
+    when it loads."""
     if verify:
         from actstore.hashing import stage_problems
         refuse(check_store(path) + stage_problems(path))

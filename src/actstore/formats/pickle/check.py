@@ -393,5 +393,13 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
             for item in shard[layer_key(layer_idx)]:
                 if item["sample_idx"] == sample_idx:
                     act = item["activation"]
-                    return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < act.shape[0] else None
+                    return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < _tokens(item) else None
     return None
+
+
+def _tokens(item: dict[str, Any]) -> int:
+    """The sample's real tokens: its metadata.token_count where given (checked by then to be at most its
+    rows), as the rows past it in the spec's padded store hold padding, not tokens; else its rows."""
+    metadata = item["metadata"]
+    rows = item["activation"].shape[0]
+    return metadata.get("token_count", rows) if isinstance(metadata, dict) else rows
