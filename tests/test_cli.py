@@ -677,7 +677,7 @@ def _hash_walk_base(tmp_path: Path) -> dict:
     data.write_text('{"text": "a"}\n')
     return {"dump_to": str(tmp_path / "dump"), "model": {"path": str(tmp_path / "model")},
             "dataset": {"path": str(data)}, "extract": {"layers": [0, 2], "hooks": ["a.c:input", "a.d:input"]},
-            "sae": {"enabled": True, "hook": "a.c:input"}}
+            "sae": {"enabled": True, "hook": "a.c:input"}, "lut": {"targets": ["a.p"]}}
 
 
 def test_every_hashed_schema_key_changes_exactly_its_stage_and_the_stages_downstream(tmp_path):

@@ -159,9 +159,8 @@ def test_a_bin_index_beside_a_safetensors_checkpoint_is_not_read(model_dir, tmp_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine where torch sees no GPU")
-@pytest.mark.parametrize(("device", "message"), [
-    ("cuda", r"extract.device cuda: torch .* sees no GPU here"),
-    ("gpu", r"extract.device 'gpu' is no device: auto, cpu, cuda or cuda:N")])
+@pytest.mark.parametrize(("device", "message"), [  # "gpu": refused by the schema (test_config_schema_review58)
+    ("cuda", r"extract.device cuda: torch .* sees no GPU here")])
 def test_a_device_torch_cannot_use_is_named_by_its_key(device, message, model_dir, text_jsonl, tmp_path):
     """Was torch's AssertionError (Torch not compiled with CUDA enabled) or its list of device types,
     naming no key, from a job sent to a CPU node or a typo."""

@@ -37,6 +37,7 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     reject_non_finite(config)
     resolve_layers(config)
     check_sae_sizes(config["sae"])
+    check_lut_targets(config)
     return config
 
 
@@ -48,6 +49,14 @@ def check_sae_sizes(sae: dict[str, Any]) -> None:
     if sae["enabled"] and not sae["import"] and num_basis is not None and sae["k_active"] > num_basis:
         raise ConfigError(f"sae.k_active {sae['k_active']} is more than sae.num_basis {num_basis}: "
                           f"a TopK SAE keeps at most num_basis latents per token")
+
+
+def check_lut_targets(config: dict[str, Any]) -> None:
+    """ConfigError when the lut stage runs (sae and lut enabled) with no lut.targets: the sae job
+    refused it only once it started, after the extraction's GPU hours."""
+    if config["sae"]["enabled"] and config["lut"]["enabled"] and not config["lut"]["targets"]:
+        raise ConfigError("lut.targets is empty while sae.enabled and lut.enabled are true: list the nn.Linear "
+                          "module paths that read sae.hook's tensor, or set lut.enabled: false")
 
 
 def reject_non_finite(value: Any, path: tuple[Any, ...] = ()) -> None:
