@@ -5,6 +5,8 @@ LSH attention draws new random rotations each forward; SqueezeBERT, FSMT and Gem
 load (a hook that never fired, an unnamed AttributeError, a 4-dimensional block output)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -40,12 +42,11 @@ def block_outputs_alone(loaded, ids: list[int], layers: tuple[int, ...]) -> dict
     return {i: outputs[i][0, :len(ids)].numpy() for i in layers}
 
 
-@pytest.mark.parametrize("model_type", sorted(BIG_BIRDS))
-def test_big_bird_block_sparse_stores_each_texts_own_block_outputs(model_type, monkeypatch, text_jsonl, tmp_path):
-    """Batches of 1 and of 8 store the same bytes, each vector the block's output on its text alone. Texts
-    of many lengths shared a batch, whose width chose block-sparse or full attention (0.56 to 0.72 off);
-    a batch of odd width > 14 came back padded to the block size and the shape check refused it."""
-    monkeypatch.setitem(test_padding_families57.SETTINGS, model_type, BIG_BIRDS[model_type])
+def extracted_at_batch_sizes(model_type: str, settings: dict, monkeypatch, text_jsonl: Path,
+                             tmp_path: Path) -> tuple[Path, dict]:
+    """A tiny `model_type` encoder (test_padding_families57.build_encoder with `settings`) and its part of
+    the texts extracted at batch size 1 and 8: {batch size: Part}."""
+    monkeypatch.setitem(test_padding_families57.SETTINGS, model_type, settings)
     model = test_padding_families57.build_encoder(model_type, tmp_path / "model")
     parts = {}
     for batch_size in (1, 8):
@@ -53,6 +54,15 @@ def test_big_bird_block_sparse_stores_each_texts_own_block_outputs(model_type, m
                                   extract={"batch_size": batch_size, "parts": 1, "max_seq_length": 64})
         run_part(config, 0, tmp_path / f"batch-{batch_size}" / "part-0000", progress=False)
         parts[batch_size] = open_part(tmp_path / f"batch-{batch_size}" / "part-0000")
+    return model, parts
+
+
+@pytest.mark.parametrize("model_type", sorted(BIG_BIRDS))
+def test_big_bird_block_sparse_stores_each_texts_own_block_outputs(model_type, monkeypatch, text_jsonl, tmp_path):
+    """Batches of 1 and of 8 store the same bytes, each vector the block's output on its text alone. Texts
+    of many lengths shared a batch, whose width chose block-sparse or full attention (0.56 to 0.72 off);
+    a batch of odd width > 14 came back padded to the block size and the shape check refused it."""
+    model, parts = extracted_at_batch_sizes(model_type, BIG_BIRDS[model_type], monkeypatch, text_jsonl, tmp_path)
     lengths = [row["num_tokens"] for row in parts[8].samples]
     assert any(n <= FULL_ATTENTION_WIDTH for n in lengths)  # full attention alone
     assert any(n > FULL_ATTENTION_WIDTH and n % 2 for n in lengths)  # block-sparse alone, padded to a block

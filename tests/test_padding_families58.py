@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-import test_padding_families57
-import tiny
-from actstore.extract import run_part
-from actstore.formats.extract import open_part
 from test_extract import rel_err
+from test_models_review58 import extracted_at_batch_sizes
 
 # Settings on top of tiny.FAMILY_COMMON. Nystromformer's defaults, as its released checkpoints':
 # num_landmarks == segment_means_seq_len (64), so its attention is exact and the convolution the only leak.
@@ -29,14 +26,7 @@ BATCH_TOL = 1e-4
 def test_a_conv_attention_familys_vectors_do_not_depend_on_its_batch(model_type, monkeypatch, text_jsonl, tmp_path):
     """Batches of 1 and of 8 store the same vectors of blocks 0 and 2 for every text. Batches of 8 mixed
     lengths gave the short texts vectors 0.85 to 1.3 off (relative): the padding ran through the convolution."""
-    monkeypatch.setitem(test_padding_families57.SETTINGS, model_type, FAMILIES[model_type])
-    model = test_padding_families57.build_encoder(model_type, tmp_path / "model")
-    parts = {}
-    for batch_size in (1, 8):
-        config = tiny.make_config(tmp_path / f"batch-{batch_size}", model, text_jsonl,
-                                  extract={"batch_size": batch_size, "parts": 1, "max_seq_length": 64})
-        run_part(config, 0, tmp_path / f"batch-{batch_size}" / "part-0000", progress=False)
-        parts[batch_size] = open_part(tmp_path / f"batch-{batch_size}" / "part-0000")
+    _, parts = extracted_at_batch_sizes(model_type, FAMILIES[model_type], monkeypatch, text_jsonl, tmp_path)
     assert len({row["num_tokens"] for row in parts[8].samples}) >= 10  # batches of 8 would mix lengths
     for local in range(len(parts[8].samples)):
         for i in (0, 2):
