@@ -302,7 +302,23 @@ def metadata_problems(store: Path, reader: ZarrStore) -> list[str]:
         problems.append(f"{store}/.zattrs: dtype={reader.attrs.get('dtype')!r}, expected 'float16'")
     if reader.attrs.get("num_layers") != len(reader.layers):
         problems.append(f"{store}/.zattrs: num_layers={reader.attrs.get('num_layers')} != len(layers)")
-    return problems + _chunk_attr_problems(store, reader)
+    return problems + _vector_problems(reader) + _chunk_attr_problems(store, reader)
+
+
+def _vector_problems(reader: ZarrStore) -> list[str]:
+    """Each 1-D array's name and .zarray as reads and the merge take them: a name of "." or "" (its
+    chunks looked up outside arrays/) verified clean, and read or merged the store's other files."""
+    try:
+        names = reader.vector_names
+    except FormatError as exc:
+        return [str(exc)]
+    problems = []
+    for name in names:
+        try:
+            reader.vector_chunk_names(name)
+        except FormatError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _chunk_attr_problems(store: Path, reader: ZarrStore) -> list[str]:

@@ -42,6 +42,14 @@ def _plain_dtype(name: Any) -> np.dtype | None:
     return dtype if dtype is not None and dtype.kind in "biufS" else None
 
 
+def _integer(value: Any, what: str, where: Path) -> int:
+    """`value`, a sample index or block given to a read, as an int: a Python or numpy integer. A bool
+    is refused (True read sample 1), and so is a float (a TypeError naming no store, or 1.0 read block 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {what} {value!r:.40} is not an integer")
+    return int(value)
+
+
 def list_store_files(store: Path) -> list[str]:
     """Every file under `store`, as sorted POSIX paths relative to it (Snakemake's marker excluded)."""
     return list(store_files(store))
@@ -117,8 +125,20 @@ class ZarrStore:
 
     @property
     def vector_names(self) -> list[str]:
-        return sorted(k.split("/")[1] for k in self.metadata if k.startswith("arrays/") and k.endswith("/.zarray")
+        """The 1-D arrays .zmetadata lists (arrays/<name>/.zarray); FormatError naming a key whose name is
+        not one plain path component."""
+        return sorted(self._vector_name(k) for k in self.metadata if k.startswith("arrays/") and k.endswith("/.zarray")
                       and k != f"{ACTS}/.zarray")
+
+    def _vector_name(self, key: str) -> str:
+        """The array name in .zmetadata key arrays/<name>/.zarray. Its chunks are read at arrays/<name>/<c>:
+        a name of "..", "." or "" put them outside arrays/ (the store's own files read as a vector, and
+        merged as one), a nested or NUL one left the key unread or the open unnamed."""
+        parts = key.split("/")
+        if len(parts) != 3 or parts[1] in ("", ".", "..") or "\0" in parts[1]:
+            raise FormatError(f"{self.path}/.zmetadata: {key!r:.80} is no array directly under arrays/ (a 1-D "
+                              "array's name is one plain path component)")
+        return parts[1]
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D per-sample array (seq_len, sample_key, ...) read raw after validating its .zarray."""
@@ -137,8 +157,10 @@ class ZarrStore:
 
     def _vector_layout(self, name: str) -> tuple[np.dtype, int]:
         """dtype and samples per chunk of 1-D array `name`, from its validated .zarray."""
-        where = f"{self.path}/arrays/{name}/.zarray"
-        z = self._meta(f"arrays/{name}/.zarray")
+        key = f"arrays/{name}/.zarray"
+        where = f"{self.path}/{key}"
+        self._vector_name(key)  # refuses a name whose chunks lie outside arrays/
+        z = self._meta(key)
         _expect_fields(where, z, {**VECTOR_ZARRAY, "shape": [self.n_samples]})
         dtype, chunks = _plain_dtype(z.get("dtype")), z.get("chunks")
         if dtype is None or not (isinstance(chunks, list) and len(chunks) == 1 and whole_number(chunks[0]) and chunks[0]):
@@ -153,7 +175,7 @@ class ZarrStore:
     def layer_position(self, layer: int) -> int:
         """Position on the L axis of block `layer`; FormatError naming the stored layers if absent."""
         try:
-            return self._layer_pos[layer]
+            return self._layer_pos[_integer(layer, "layer", self.path)]
         except KeyError:
             raise FormatError(f"{self.path}: layer {layer} not stored; layers are {self.layers}") from None
 
@@ -162,6 +184,7 @@ class ZarrStore:
 
     def read(self, i: int, layer: int) -> np.ndarray:
         """(seq_len[i], H) float16 activations of local sample i, block `layer`: only its own chunks."""
+        i = _integer(i, "sample", self.path)
         if not 0 <= i < self.n_samples:
             raise IndexError(f"{self.path}: sample {i} out of range [0, {self.n_samples})")
         l = self.layer_position(layer)
@@ -289,6 +312,7 @@ class ZarrRun:
 
     def locate(self, sample_idx: int) -> tuple[ZarrStore, int]:
         """The store holding global `sample_idx` and its local index there."""
+        sample_idx = _integer(sample_idx, "sample_idx", self.path)
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"{self.path}: sample_idx {sample_idx} out of range [0, {self.n_samples})")
         k = bisect.bisect_right(self._starts, sample_idx) - 1  # the last of equal starts: empty shards skipped
