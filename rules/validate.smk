@@ -15,14 +15,15 @@ rule validate_stores:
     benchmark:
         bench_path("validate", "validate_stores")
     # verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the
-    # CPUs it is given. cpus_per_task: Slurm's CPUs for those threads. mem_mb: pickle shards checked at
-    # once hold up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES), a larger one four times its size (the
-    # quarter of the job's memory a file's claims may take); the rest is small.
+    # CPUs it is given; then every vector is compared (fingerprints: the extraction and each store read
+    # once more, a thread each). cpus_per_task: Slurm's CPUs for those threads. mem_mb: pickle shards
+    # checked at once hold up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES), a larger one four times its
+    # size (the quarter of the job's memory a file's claims may take); a full-pass thread ~200 MB.
     threads: 8
     resources:
         cpus_per_task=8,
         mem_mb=lambda wildcards, attempt: actstore_resources.validate_mem_mb(config, attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=1.0),
+        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=2.0),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -46,13 +46,13 @@ def test_one_token_reads_that_token_alone(extracted, tmp_path, monkeypatch):
     prompt = int(np.argmax(ds.num_tokens))
     want = ds.tokens(prompt, 0)
     rows_read = []
-    rows = LmprobeDataset._rows
+    rows = LmprobeDataset.rows_at
 
     def counted(self, layer, shards, *args):
         rows_read.append(len(shards))
         return rows(self, layer, shards, *args)
 
-    monkeypatch.setattr(LmprobeDataset, "_rows", counted)
+    monkeypatch.setattr(LmprobeDataset, "rows_at", counted)
     for token in (0, 3, -2):
         assert np.array_equal(ds.get(prompt, 0, token), want[token])
     assert rows_read == [1, 1, 1]

@@ -12,8 +12,10 @@ import numpy as np
 from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits
 from actstore.config import enabled_stages, import_files
 from actstore.errors import FormatError
+from actstore.fingerprints import fingerprint_problems
 from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
+from actstore.formats.saev import open_store
 from actstore.hashing import stage_dirs
 from actstore.integrity import link_out, read_json, stage_config_problems
 from actstore.io_utils import sha256_file, write_json_atomic
@@ -89,13 +91,14 @@ def check_format(name: str, store: Path, extraction, coords,
     section = section or {}
     problems += coverage_problems(name, store, info, extraction, section)
     to_stored = reference_dtype(info.get("dtype", "float32"))
+    dropped = set(open_store(store).sidecar.get("dropped_tokens", [])) if name == "saev" else set()
     checked, not_stored, why, missing, latencies_us = 0, 0, set(), [], []
     for sample_idx, layer, token in coords:
         started = time.perf_counter()
         got = _read(module, store, sample_idx, layer, token)
         latencies_us.append((time.perf_counter() - started) * 1e6)
         if got is None:
-            if reason := left_out_by_design(name, store, info, extraction, section, (sample_idx, layer, token)):
+            if reason := left_out_by_design(name, info, extraction, section, dropped, (sample_idx, layer, token)):
                 not_stored, why = not_stored + 1, why | {reason}
             else:
                 missing.append(f"(sample {sample_idx}, layer {layer}, token {token})")
@@ -128,9 +131,10 @@ def held_layers(extraction, section: dict[str, Any]) -> list[int]:
     return list(section.get("layers") or extraction.info.layers)
 
 
-def left_out_by_design(name: str, store: Path, info: dict[str, Any], extraction, section: dict[str, Any],
+def left_out_by_design(name: str, info: dict[str, Any], extraction, section: dict[str, Any], dropped: set[int],
                        coord: tuple[int, int, int]) -> str | None:
-    """Why the format leaves `coord` out of this store by design, None where it must hold it."""
+    """Why the format leaves `coord` out of this store by design, None where it must hold it
+    (`dropped`: the register tokens a saev store's actstore.json says it leaves out)."""
     sample_idx, layer, token = coord
     if layer not in held_layers(extraction, section):
         return f"layers outside {name}.layers {section.get('layers')}"
@@ -138,10 +142,8 @@ def left_out_by_design(name: str, store: Path, info: dict[str, Any], extraction,
         part, local = extraction.locate(sample_idx)
         tokens = part.sample_slice(local)
         return "lmprobe.storage pooled holds last tokens only" if token != tokens.stop - tokens.start - 1 else None
-    if name == "saev":
-        from actstore.formats.saev import open_store
-        if token in open_store(store).sidecar.get("dropped_tokens", []):
-            return "register tokens, which saev's upstream layout leaves out (actstore.json dropped_tokens)"
+    if token in dropped:
+        return "register tokens, which saev's upstream layout leaves out (actstore.json dropped_tokens)"
     return None
 
 
@@ -152,6 +154,9 @@ def coverage_problems(name: str, store: Path, info: dict[str, Any], extraction,
     holds them all). A store written from a subset, or from another config, verifies on its own."""
     if name == "extract":
         return []
+    if name == "lmprobe":  # its checks read options the section may leave to the writer's defaults
+        from actstore.formats.lmprobe.write import DEFAULTS
+        section = {**DEFAULTS, **section}
     missing = [layer for layer in held_layers(extraction, section) if layer not in info["layers"]]
     listed = (f"{name}.layers {section['layers']}" if section.get("layers")
               else f"extract.layers {extraction.info.layers}")
@@ -203,10 +208,8 @@ def _lmprobe_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, sect
     """One index row of every sample_idx, in the config's prompt order, its num_tokens the extraction's;
     the storage the config's."""
     from actstore.formats.lmprobe import open_dataset
-    from actstore.formats.lmprobe.write import DEFAULTS
     dataset = open_dataset(store)
-    opts = {**DEFAULTS, **section}
-    storage = opts["storage"]
+    storage = section["storage"]
     problems = [] if info["storage"] == storage or storage == "pooled" else [
         f"{store}: storage {info['storage']!r} (last tokens only), the config's lmprobe.storage {storage!r}"]
     ids = dataset.sample_idx
@@ -215,7 +218,7 @@ def _lmprobe_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, sect
                            f"{len(tokens) - 1} of the extraction"]
     held = np.empty_like(tokens)
     held[ids] = dataset.num_tokens
-    return problems + _token_problem(store, "num_tokens", held, tokens) + _lmprobe_order(store, ids, opts)
+    return problems + _token_problem(store, "num_tokens", held, tokens) + _lmprobe_order(store, ids, section)
 
 
 def _lmprobe_order(store: Path, ids: np.ndarray, opts: dict[str, Any]) -> list[str]:
@@ -238,8 +241,7 @@ def _lmprobe_dtype(store: Path, info: dict[str, Any], extraction, section: dict[
     """The stored dtype against the config's lmprobe.dtype (auto: the extraction's storage dtype).
     Its vectors are compared rounded to the dtype the store says it holds, so a store written in
     float16 where the config asks float32 matched them."""
-    from actstore.formats.lmprobe.write import DEFAULTS
-    asked = {**DEFAULTS, **section}["dtype"]
+    asked = section["dtype"]
     wanted = (extraction.parts[0].tensor(layer_tensor(extraction.info.layers[0])).stored_dtype
               if asked == "auto" else asked)
     return [] if info["dtype"] == wanted else [
@@ -250,7 +252,6 @@ def _lmprobe_dtype(store: Path, info: dict[str, Any], extraction, section: dict[
 def _saev_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section: dict[str, Any]) -> list[str]:
     """Text: the windows (windows.npy) cover every token of every sample. Images: one example a
     sample, of its tokens but the dropped registers."""
-    from actstore.formats.saev import open_store
     saev = open_store(store)
     windows = saev.windows
     if windows is None:
@@ -292,6 +293,7 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         report["formats"][name] = check_format(name, store, extraction, coords, config.get(name))
         log.info("%s: %d checked, %d not stored, %d problems", name, report["formats"][name]["checked"],
                  report["formats"][name]["not_stored"], len(report["formats"][name]["problems"]))
+    add_fingerprints(report["formats"], extraction, config["validate"]["seed"])
     for name in ("sae", "lut"):
         if name in stages:
             report[name] = stage_report(dirs[name])
@@ -309,6 +311,18 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
         raise FormatError("validation failed:\n" + "\n".join(problems))
     write_json_atomic(report_path, report)
     return report
+
+
+def add_fingerprints(formats: dict[str, dict[str, Any]], extraction, seed: int) -> None:
+    """Every vector of every format's store against the extraction (fingerprints: one sequential pass
+    over each), into each entry's `fingerprint` (rows read, by view) and `problems`."""
+    stores = {name: (Path(entry["store"]), entry["inspect"].get("dtype", "float32"))
+              for name, entry in formats.items() if name != "extract"}
+    for name, result in fingerprint_problems(stores, extraction, seed, reference_dtype).items():
+        formats[name]["fingerprint"] = result["views"]
+        formats[name]["problems"] += result["problems"]
+        log.info("%s: every vector compared, %s rows read, %d problems", name, result["views"],
+                 len(result["problems"]))
 
 
 def sae_import_problems(config: dict[str, Any], sae_report: dict[str, Any] | None, sae_dir: Path) -> list[str]:

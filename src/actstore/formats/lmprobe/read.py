@@ -345,6 +345,25 @@ class LmprobeDataset:
                     yield first, batch
                     first += batch.num_rows
 
+    def token_address_batches(self, max_tokens: int) -> Iterator[tuple[np.ndarray, ...]]:
+        """(index row, token position, token_shard_id, token_shard_offset) of every token of a
+        full-sequence index, flat, batch by batch (index_batches: at most `max_tokens` tokens unless
+        one prompt holds more), each row's lists checked against its num_tokens."""
+        import pyarrow as pa
+
+        columns = ["token_shard_ids", "token_shard_offsets"]
+        if not self.full_sequence or any(c not in self.column_names for c in columns):
+            raise FormatError(f"{self.index_path}: not a full_sequence index with columns {columns}")
+        for first, batch in self.index_batches(columns, max_tokens, max_tokens):
+            table = pa.Table.from_batches([batch])
+            offsets, ids = _list_column(table, "token_shard_ids")
+            row_offsets, token_offsets = _list_column(table, "token_shard_offsets")
+            counts = np.diff(offsets)
+            self._check_token_lists(first, counts, np.diff(row_offsets))
+            prompts = np.repeat(np.arange(first, first + len(counts)), counts)
+            tokens = np.arange(len(ids)) - np.repeat(offsets[:-1], counts)
+            yield prompts, tokens, ids.astype(np.int64), token_offsets.astype(np.int64)
+
     def _check_token_lists(self, first: int, ids: np.ndarray, offsets: np.ndarray) -> None:
         """FormatError naming the first index row (from row `first` on) whose token_shard_ids or
         token_shard_offsets list (of `ids` and `offsets` entries) is not one entry per token (num_tokens):
@@ -462,25 +481,31 @@ class LmprobeDataset:
             raise FormatError(f"{self.index_path}: row {int(prompts[bad[0]])} {field} {int(values[bad[0]])} "
                               f"is not {what}")
 
-    def _rows(self, layer: int, shards: np.ndarray, offsets: np.ndarray, prompt: int, field: str) -> np.ndarray:
-        """float32 rows at (shard, offset) pairs of a layer (index row `prompt`'s `field`), one fancy read per shard."""
+    def rows_at(self, layer: int, shards: np.ndarray, offsets: np.ndarray, prompts: np.ndarray,
+                field: str = "token_shard_offsets") -> np.ndarray:
+        """float32 rows at (shard, offset) pairs of a layer, one fancy read per shard; `prompts`: the
+        index row whose `field` gave each pair, named when its offset is not a row of its shard."""
         out = np.empty((len(shards), self.dim), np.float32)
         for s in np.unique(shards):
             mask = shards == s
             view = self.hidden_tensor(layer, int(s))
             wanted = offsets[mask]
-            self._check_offsets(field, np.full(len(wanted), prompt), wanted,
+            self._check_offsets(field, prompts[mask], wanted,
                                 self.hidden["file_pattern"].format(layer=layer, shard=int(s)), view.shape[0])
             out[mask] = to_float32(view[wanted], self.dtype)
         return out
+
+    def last_token_rows(self, layer: int, prompts: np.ndarray) -> np.ndarray:
+        """float32 (len(prompts), dim): the last-token vectors of those index rows."""
+        self._check_last_token_shards(prompts)
+        return self.rows_at(layer, self.shard_index[prompts], self.row_offset[prompts], prompts, "row_offset")
 
     def get(self, prompt: int, layer: int, token: int | None = None) -> np.ndarray:
         """float32 (dim,) activation of index row `prompt` at `layer`: the last token, or token `token`."""
         prompt = self._prompt(prompt)
         n = int(self.num_tokens[prompt])
         if token is None or token == n - 1 or token == -1:
-            self._check_last_token_shards(np.array([prompt]))
-            return self._rows(layer, self.shard_index[[prompt]], self.row_offset[[prompt]], prompt, "row_offset")[0]
+            return self.last_token_rows(layer, np.array([prompt]))[0]
         if not -n <= token < n:
             raise IndexError(f"{self.index_path}: token {token} out of range for prompt {prompt} with {n} tokens")
         token %= n
@@ -494,7 +519,7 @@ class LmprobeDataset:
     def _token_rows(self, prompt: int, layer: int, first: int, stop: int) -> np.ndarray:
         """float32 (stop - first, dim): tokens [first, stop) of index row `prompt` (not negative)."""
         ids, offsets = self.token_addresses(prompt)
-        return self._rows(layer, ids[first:stop], offsets[first:stop], prompt, "token_shard_offsets")
+        return self.rows_at(layer, ids[first:stop], offsets[first:stop], np.full(stop - first, prompt))
 
     def last_tokens(self, layer: int) -> np.ndarray:
         """float32 (num_prompts, dim): every prompt's last-token vector in index order; reads only

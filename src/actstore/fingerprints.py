@@ -1,0 +1,354 @@
+"""Every stored vector against the extraction, in one sequential pass over each: validate's full check.
+
+validate reads a few hundred coordinates exactly; a writer that swapped two samples' vectors, shifted
+a sample's tokens by one or wrote one layer's values under another's name, with every identity field
+right, passed unless a sampled row landed on it. Here every row a store holds is folded into a
+fingerprint, and the extraction's rows (rounded to the store's dtype, of the tokens the store holds by
+design) into another; the two must agree.
+
+The fingerprint is order-free (a reader may meet rows in any order): for each layer and range of
+samples, the sum over its rows of r(sample) * w(token) * (x . q), with q a seeded random direction and
+r, w fixed irregular weights in [1, 2), so a swap of two samples or of two tokens, or a row moved to
+another token, changes the sum; plus the row count, and the sum of |x| . |q| as the scale a float64
+rounding error is measured against. Its memory is fixed (at most MAX_CELLS sums, whatever the data
+size); a difference is located to a layer and a range of samples, which the sampled check then reads.
+A single value changed by less than ~1e-9 of its range's scale is below the tolerance: a damaged byte is
+the sha256's to find, a misplaced row this check's.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from actstore import integrity
+from actstore.errors import FormatError
+from actstore.formats.extract import layer_tensor
+
+# (layer, sample_idx (n,), token (n,), vectors (n, d) float32): rows of a store, in any order
+Rows = tuple[int, np.ndarray, np.ndarray, np.ndarray]
+
+MAX_CELLS = 1 << 20  # (layer, sample range) sums kept, at most: 24 MB a fingerprint
+BLOCK_BYTES = 32 << 20  # float32 rows read at once
+TOLERANCE = 1e-9  # of a range's scale: float64 dot products of d <= 65536 terms err < 1.5e-11 of it
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def weights(values: np.ndarray, salt: int) -> np.ndarray:
+    """Fixed irregular weights in [1, 2), one for each of `values` (non-negative integers)."""
+    mixed = (values.astype(np.uint64) + np.uint64(salt)) * GOLDEN
+    mixed ^= mixed >> np.uint64(29)
+    return 1.0 + (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+@dataclass
+class Fingerprint:
+    """The sums of one store's rows (or the extraction's) for `layers` over `n_samples` samples."""
+
+    n_samples: int
+    layers: list[int]
+    direction: np.ndarray  # q, float64 (d,)
+    scaled: bool = True  # keep the scales (the extraction's: a store's would only repeat them)
+
+    def __post_init__(self) -> None:
+        per_layer = max(1, MAX_CELLS // max(1, len(self.layers)))
+        self.range_size = max(1, -(-self.n_samples // per_layer))
+        n_ranges = max(1, -(-self.n_samples // self.range_size))
+        shape = (len(self.layers), n_ranges)
+        self.sums, self.scales = np.zeros(shape), np.zeros(shape)
+        self.counts = np.zeros(shape, np.int64)
+        self._position = {layer: i for i, layer in enumerate(self.layers)}
+
+    def add(self, layer: int, samples: np.ndarray, tokens: np.ndarray, vectors: np.ndarray) -> None:
+        """Fold rows (sample_idx, token, vector) of `layer` in. A row of a sample outside
+        0..n_samples-1 (which no store may hold) counts in the range nearest it, so it is named."""
+        if layer not in self._position or not len(samples):
+            return
+        at, size = self._position[layer], self.sums.shape[1]
+        weight = weights(samples, 0) * weights(tokens, 1)
+        ranges = np.clip(samples // self.range_size, 0, size - 1)
+        self.sums[at] += np.bincount(ranges, weight * (vectors.astype(np.float64) @ self.direction), size)
+        self.counts[at] += np.bincount(ranges, minlength=size)
+        if self.scaled:  # float32 is precise enough for a tolerance's scale, and 5x faster
+            magnitude = np.abs(vectors, dtype=np.float32) @ np.abs(self.direction).astype(np.float32)
+            self.scales[at] += np.bincount(ranges, weight * magnitude, size)
+
+    def differences(self, other: Fingerprint, where: str) -> list[str]:
+        """Where this store's sums (self) differ from the extraction's (other, whose scales measure
+        the tolerance), at most 3 ranges a layer named."""
+        problems = []
+        for at, layer in enumerate(self.layers):
+            for index in _differing(self, other, at)[:3]:
+                first = int(index) * self.range_size
+                span = f"samples {first}..{min(first + self.range_size, self.n_samples) - 1}"
+                mine, theirs = self.counts[at, index], other.counts[at, index]
+                what = (f"holds {mine} rows, the extraction {theirs}" if mine != theirs else
+                        f"holds other vectors than the extraction's (weighted sum {self.sums[at, index]:.9g}, "
+                        f"the extraction's {other.sums[at, index]:.9g})")
+                problems.append(f"{where}: layer {layer}, {span}: {what}")
+        return problems
+
+
+def _differing(mine: Fingerprint, theirs: Fingerprint, at: int) -> np.ndarray:
+    """Range indices of layer row `at` whose counts differ or whose sums differ past the tolerance;
+    ranges whose sums are non-finite on both sides (a NaN the model computed) agree when both are."""
+    a, b = mine.sums[at], theirs.sums[at]
+    with np.errstate(invalid="ignore"):
+        close = np.abs(a - b) <= TOLERANCE * theirs.scales[at]
+    same_special = (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
+    return np.flatnonzero((mine.counts[at] != theirs.counts[at]) | ~(close | same_special))
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """The extraction's rows a store holds: rounded to `dtype`, of `layers`, all tokens or each
+    sample's last (`last_only`), none of the positions in `dropped` (saev's register tokens)."""
+
+    dtype: str
+    layers: tuple[int, ...]
+    last_only: bool = False
+    dropped: frozenset[int] = frozenset()
+
+    def keep(self, tokens: np.ndarray, n_tokens: np.ndarray) -> np.ndarray:
+        """Mask of rows (token positions, their samples' token counts) the store holds."""
+        keep = tokens == n_tokens - 1 if self.last_only else np.ones(len(tokens), bool)
+        return keep & ~np.isin(tokens, list(self.dropped)) if self.dropped else keep
+
+
+def extraction_fingerprints(extraction, wanted: dict[Any, Wanted], seed: int,
+                            rounded: Callable[[str], Callable[[np.ndarray], np.ndarray]],
+                            on_rows: Callable[[int], Any] = lambda n: None) -> dict[Any, Fingerprint]:
+    """One pass over the extraction's rows, folding each into the fingerprint of every entry of
+    `wanted` (rounded(dtype): the float32 -> stored dtype -> float32 rounding validate compares by);
+    on_rows(n) after each block of n rows."""
+    prints = {name: new_fingerprint(extraction, list(w.layers), seed) for name, w in wanted.items()}
+    layers = sorted({layer for w in wanted.values() for layer in w.layers})
+    for samples, tokens, n_tokens, layer, block in _extraction_rows(extraction, layers):
+        by_dtype = {"float32": block}  # each rounding once a block, whatever shares it
+        for name, w in wanted.items():
+            if layer not in w.layers:
+                continue
+            if w.dtype not in by_dtype:
+                by_dtype[w.dtype] = rounded(w.dtype)(block)
+            keep = w.keep(tokens, n_tokens)
+            if keep.all():  # a copy of the block saved where every row is held
+                prints[name].add(layer, samples, tokens, by_dtype[w.dtype])
+            else:
+                prints[name].add(layer, samples[keep], tokens[keep], by_dtype[w.dtype][keep])
+        on_rows(len(samples))
+    return prints
+
+
+def new_fingerprint(extraction, layers: list[int], seed: int, scaled: bool = True) -> Fingerprint:
+    """An empty fingerprint of `layers` over the extraction's samples, q seeded by `seed`."""
+    width = extraction.parts[0].tensor(layer_tensor(extraction.info.layers[0])).shape[1]
+    return Fingerprint(extraction.n_samples, layers, np.random.default_rng(seed).standard_normal(width), scaled)
+
+
+def _extraction_rows(extraction, layers: list[int]) -> Iterator[tuple[np.ndarray, ...]]:
+    """(sample_idx, token, token count of the row's sample, layer, float32 rows) blocks of every part."""
+    for part in extraction.parts:
+        counts = np.diff(part.offsets)
+        for layer in layers:
+            tensor = part.tensor(layer_tensor(layer))
+            step = max(1, BLOCK_BYTES // (4 * tensor.shape[1]))
+            for a in range(0, len(tensor), step):
+                b = min(a + step, len(tensor))
+                rows = np.arange(a, b)
+                local = np.searchsorted(part.offsets, rows, side="right") - 1
+                block = np.empty((b - a, tensor.shape[1]), np.float32)
+                tensor.read_rows(a, b, block)
+                yield (part.sample_start + local, rows - part.offsets[local], counts[local], layer, block)
+
+
+def store_fingerprint(rows: Iterator[Rows], extraction, layers: list[int], seed: int,
+                      on_rows: Callable[[int], Any] = lambda n: None) -> Fingerprint:
+    """The fingerprint of a store's rows (a view's, below); on_rows(n) after each block of n rows."""
+    fingerprint = new_fingerprint(extraction, layers, seed, scaled=False)
+    for layer, samples, tokens, vectors in rows:
+        fingerprint.add(layer, samples, tokens, vectors)
+        on_rows(len(samples))
+    return fingerprint
+
+
+def fingerprint_problems(stores: dict[str, tuple[Path, str]], extraction, seed: int,
+                         rounded: Callable[[str], Callable[[np.ndarray], np.ndarray]]) -> dict[str, dict[str, Any]]:
+    """{format: {"views": {view: rows read}, "problems": [...]}} for `stores` {format: (store, stored
+    dtype)}: one pass over the extraction and one over each view of each store, integrity.CHECK_THREADS
+    at once (numpy's casts and products release the GIL)."""
+    views, results = {}, {}
+    for name, (store, dtype) in stores.items():
+        try:
+            views[name] = store_views(name, store, dtype)
+        except FormatError as exc:  # verify names what is wrong with the store; nothing to compare
+            results[name] = {"views": {}, "problems": [f"{exc} (no fingerprint read)"]}
+    held = set(extraction.info.layers)
+    wanted = {label: replace(w, layers=tuple(l for l in w.layers if l in held))
+              for name in views for label, _, w in views[name]}
+    rows_total = extraction.n_tokens * len(held) * (1 + len(wanted))  # about: views of last tokens read fewer
+    with ThreadPoolExecutor(integrity.CHECK_THREADS) as pool, \
+            tqdm(total=rows_total, desc="validate every vector", unit="row", unit_scale=True) as bar:
+        reference = pool.submit(extraction_fingerprints, extraction, {w: w for w in wanted.values()}, seed,
+                                rounded, bar.update)
+        passes = {(name, label): pool.submit(store_fingerprint, rows, extraction, list(wanted[label].layers),
+                                             seed, bar.update)
+                  for name, format_views in views.items() for label, rows, _ in format_views}
+        for name in views:
+            results[name] = {"views": {}, "problems": []}
+        try:
+            prints = reference.result()
+        except FormatError as exc:  # check_format("extract") names it too; nothing to compare with
+            prints, unread = None, f"{exc} (the extraction's fingerprint not read)"
+        for (name, label), done in passes.items():
+            try:
+                mine = done.result()
+            except FormatError as exc:
+                results[name]["problems"].append(f"{exc} ({label} fingerprint not read)")
+                continue
+            if prints is None:
+                results[name]["problems"].append(unread)
+                continue
+            results[name]["views"][label] = int(mine.counts.sum())
+            results[name]["problems"] += mine.differences(prints[wanted[label]], f"{stores[name][0]} ({label})")
+    return results
+
+
+# ---------------------------------------------------------------------------- each format's rows
+# A view: (name, the store's rows, the extraction's rows it must equal). A format whose files hold a
+# vector twice (lmprobe's last tokens, zarr's merged store) has a view for each copy.
+View = tuple[str, Iterator[Rows], Wanted]
+
+
+def store_views(name: str, store: Path, dtype: str) -> list[View]:
+    """The views of format `name`'s store at `store`, its vectors stored in `dtype`."""
+    return _VIEWS[name](store, dtype)
+
+
+def _saev_views(store: Path, dtype: str) -> list[View]:
+    """Every token a saev store holds: a text store's windows (their n_valid tokens, from
+    token_start), an image store's examples (one a sample, its positions past the dropped registers)."""
+    from actstore.formats.saev import open_store
+
+    saev = open_store(store)
+    dropped = frozenset(saev.sidecar.get("dropped_tokens", [])) if saev.windows is None else frozenset()
+    return [("saev", _saev_rows(saev, dropped), Wanted(dtype, tuple(saev.layers), dropped=dropped))]
+
+
+def _saev_rows(saev, dropped: frozenset[int]) -> Iterator[Rows]:
+    windows = saev.windows
+    positions = np.array([p for p in range(saev.T + len(dropped)) if p not in dropped], np.int64)
+    for first, chunk in saev.iter_ordered(max(1, BLOCK_BYTES // saev.example_bytes)):
+        examples = np.arange(first, first + len(chunk))
+        for at, layer in enumerate(saev.layers):
+            if windows is None:
+                samples = np.repeat(examples, saev.T)
+                yield layer, samples, np.tile(positions, len(examples)), chunk[:, at].reshape(-1, saev.D)
+                continue
+            valid = np.arange(saev.T) < windows[examples, 2, None]  # (n, T): the padding left out
+            samples = np.broadcast_to(windows[examples, 0, None], valid.shape)[valid]
+            tokens = (windows[examples, 1, None] + np.arange(saev.T))[valid]
+            yield layer, samples, tokens, chunk[:, at][valid]
+
+
+def _pickle_views(store: Path, dtype: str) -> list[View]:
+    from actstore.formats.pickle.check import checked_metadata
+
+    layers = tuple(checked_metadata(store)["extraction_config"]["layers_extracted"])
+    return [("pickle", _pickle_rows(store, layers), Wanted(dtype, layers))]
+
+
+def _pickle_rows(store: Path, layers: tuple[int, ...]) -> Iterator[Rows]:
+    """Every item of every layer's shards: its token_count rows (the spec's padding left out)."""
+    from actstore.formats.pickle import iter_activations
+
+    for layer in layers:
+        items, held = [], 0
+        for item in iter_activations(store, layer):
+            items.append(item)
+            held += item["activation"].nbytes
+            if held >= BLOCK_BYTES:
+                yield _pickle_block(layer, items)
+                items, held = [], 0
+        if items:
+            yield _pickle_block(layer, items)
+
+
+def _pickle_block(layer: int, items: list[dict[str, Any]]) -> Rows:
+    from actstore.formats.pickle.check import _tokens
+
+    return _sample_block(layer, [(item["sample_idx"], item["activation"][:_tokens(item)]) for item in items])
+
+
+def _zarr_views(store: Path, dtype: str) -> list[View]:
+    """The run's stores (or the one store given) and, where the run has one, its merged store."""
+    from actstore.formats.zarr import ZarrRun, open_zarr
+
+    reader = open_zarr(store)
+    runs = [("zarr", reader)]
+    if isinstance(reader, ZarrRun) and reader.manifest.get("merged"):
+        runs.append(("zarr merged", ZarrRun(store, merged=True)))
+    return [(label, _zarr_rows(run.stores if isinstance(run, ZarrRun) else [run]), Wanted(dtype, tuple(run.layers)))
+            for label, run in runs]
+
+
+def _zarr_rows(stores: list) -> Iterator[Rows]:
+    """Every sample's seq_len tokens of every layer, store by store."""
+    for zarr in stores:
+        start = int(zarr.attrs["global_index_start"])
+        for layer in zarr.layers:
+            blocks, held = [], 0
+            for i in range(zarr.n_samples):
+                blocks.append((start + i, zarr.read(i, layer)))
+                held += blocks[-1][1].nbytes
+                if held >= BLOCK_BYTES // 2 or i == zarr.n_samples - 1:
+                    yield _sample_block(layer, blocks)
+                    blocks, held = [], 0
+
+
+def _sample_block(layer: int, blocks: list[tuple[int, np.ndarray]]) -> Rows:
+    """Rows of whole samples [(sample_idx, (tokens, d) array), ...] as one block."""
+    counts = [len(vectors) for _, vectors in blocks]
+    samples = np.repeat([int(sample) for sample, _ in blocks], counts).astype(np.int64)
+    tokens = np.concatenate([np.arange(n) for n in counts]).astype(np.int64)
+    return layer, samples, tokens, np.concatenate([np.asarray(v, np.float32) for _, v in blocks])
+
+
+def _lmprobe_views(store: Path, dtype: str) -> list[View]:
+    """The last-token shards' row of every prompt and, in a full-sequence dataset, every token of the
+    sequence shards: a last token is in both, and users read both."""
+    from actstore.formats.lmprobe import open_dataset
+
+    dataset = open_dataset(store)
+    layers = tuple(dataset.layers)
+    views = [("lmprobe last tokens", _lmprobe_last_rows(dataset), Wanted(dtype, layers, last_only=True))]
+    if dataset.full_sequence:
+        views.append(("lmprobe sequences", _lmprobe_sequence_rows(dataset), Wanted(dtype, layers)))
+    return views
+
+
+def _lmprobe_last_rows(dataset) -> Iterator[Rows]:
+    samples = np.asarray(dataset.sample_idx, np.int64)
+    last = np.asarray(dataset.num_tokens, np.int64) - 1
+    step = _rows_per_block(dataset.dim)
+    for layer in dataset.layers:
+        for first in range(0, dataset.num_prompts, step):
+            rows = np.arange(first, min(first + step, dataset.num_prompts))
+            yield layer, samples[rows], last[rows], dataset.last_token_rows(layer, rows)
+
+
+def _lmprobe_sequence_rows(dataset) -> Iterator[Rows]:
+    samples = np.asarray(dataset.sample_idx, np.int64)
+    for prompts, tokens, shards, offsets in dataset.token_address_batches(_rows_per_block(dataset.dim)):
+        for layer in dataset.layers:
+            yield layer, samples[prompts], tokens, dataset.rows_at(layer, shards, offsets, prompts)
+
+
+def _rows_per_block(dim: int) -> int:
+    return max(1, BLOCK_BYTES // (4 * dim))
+
+
+_VIEWS = {"saev": _saev_views, "pickle": _pickle_views, "zarr": _zarr_views, "lmprobe": _lmprobe_views}
