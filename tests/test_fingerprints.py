@@ -214,3 +214,22 @@ def test_the_full_pass_holds_a_few_blocks_whatever_the_data_size(tmp_path, monke
         tracemalloc.stop()
     assert all(result["problems"] == [] for result in results.values())
     assert peak < 24 << 20, peak  # the data: 32 MiB; blocks of 0.5 MiB, float64 copies, 4 threads
+
+
+def test_a_zarr_merged_store_is_its_own_view_and_named_where_it_differs(extraction_root, tmp_path):
+    """The merged store is another copy users read: a chunk replaced there alone (its own file, not the
+    shards' link) is named in the `zarr merged` view, the shards' view still agreeing."""
+    from actstore.formats.zarr import merge_stores
+    store = write_real_store("zarr", extraction_root, tmp_path / "zarr")
+    shards = sorted((store / "shards").iterdir())
+    merge_stores(shards, store / "merged", progress=False)
+    write_manifest(store, shards, store / "merged")
+    problems, views = problems_of("zarr", store, extraction_root)
+    assert problems == [] and views == {"zarr": views["zarr"], "zarr merged": views["zarr"]}
+    merged_chunk = next(p for p in (store / "merged").rglob("0") if p.is_file() and
+                        p.parts[-4:-1] == ("7", "1", "0"))
+    replaced = merged_chunk.with_name("new")
+    replaced.write_bytes(zarr_chunk(store, 8, 1).read_bytes())
+    replaced.rename(merged_chunk)
+    problems, _ = problems_of("zarr", store, extraction_root)
+    assert [p.split(": holds")[0] for p in problems] == [f"{store} (zarr merged): layer 2, samples 7..7"]
