@@ -1,7 +1,7 @@
 """Integrity checks every format shares: file records ({bytes, sha256} or {bytes, sha256_tree}),
-checked files, JSON reads, directory sizes and names resolved inside a store. Each format keeps its
-own spec key names and passes in where a record comes from; every message names the file it is
-about."""
+checked files, JSON reads, directory sizes, names resolved inside a store, and the one store or shard
+a reader keeps while its files are unchanged (LastBuilt). Each format keeps its own spec key names and
+passes in where a record comes from; every message names the file it is about."""
 from __future__ import annotations
 
 import datetime as dt
@@ -17,7 +17,7 @@ import tokenize
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sized, TypeVar
+from typing import Any, BinaryIO, Callable, Generic, Iterable, Iterator, Sized, TypeVar
 
 import numpy as np
 from tqdm import tqdm
@@ -49,6 +49,7 @@ DIGESTS = {"sha256": sha256_file, TREE_HASH_KEY: sha256_tree_file}
 # cores' and disks' speed instead of one sha256 at a time; at most 8, as login nodes are shared.
 CHECK_THREADS = min(8, len(os.sched_getaffinity(0)))
 Item = TypeVar("Item")
+Value = TypeVar("Value")
 
 
 @contextmanager
@@ -85,6 +86,40 @@ def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threa
                 problems += found
             bar.update(len(window))
     return problems
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int] | None:
+    """(st_dev, st_ino, st_size, st_mtime_ns) of `path`, links followed; None when it cannot be looked
+    at (absent: whoever reads it names why). A file replaced by a rename has another inode, one
+    rewritten in place another mtime or size."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+class LastBuilt(Generic[Value]):
+    """The last value built from some files (a store opened, a shard loaded), kept while none of them
+    changed (file_identity): a reader asked for one coordinate at a time (validate reads thousands of
+    one store) opens or loads once, and still sees a file rewritten or replaced since. One entry, so
+    it holds one store's or shard's memory at most."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[tuple, Value] | None = None
+
+    def get(self, files: Iterable[Path], build: Callable[[], Value], extra: Any = None) -> Value:
+        """The kept value when `files` (and `extra`, whatever else the value was built from) are as
+        they were, else `build()`, kept."""
+        # Taken before building: a file changed while it is built changes the next call's key.
+        key = (extra, *((str(file), file_identity(file)) for file in files))
+        entry = self._entry  # one read: another thread may replace it meanwhile
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        self._entry = None  # the old value's memory (a shard: hundreds of MB) is let go before the new is built
+        value = build()
+        self._entry = (key, value)
+        return value
 
 
 def memory_budget() -> int:

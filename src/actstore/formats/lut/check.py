@@ -3,6 +3,7 @@ dtypes and values (no inf or NaN), files the metadata does not list, names that 
 lut/ directory, and each layer's file named after its layer (the spec's `{layer_path}.lut.safetensors`)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -11,8 +12,8 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.lut.layout import (BIAS_KEY, META_FILE, REQUIRED_KEYS, SAFETENSORS_DTYPES, SUFFIX, VERSION,
                                          expected_shapes, layer_index, lut_dir, lut_file)
-from actstore.integrity import (DIGESTS, inside, iso_timestamp, links_out, listed_problem, problems_of, read_json,
-                                version_string, whole_number)
+from actstore.integrity import (DIGESTS, inside, iso_timestamp, links_out, listed_problem, open_regular, problems_of,
+                                read_json, version_string, whole_number)
 from actstore.safetensors_io import read_header_json
 
 # Bits of a float16 / bfloat16 value with every exponent bit set: +-inf or NaN.
@@ -134,13 +135,20 @@ def table_problems(file_path: Path, meta: dict[str, Any], entry: dict[str, Any])
 
 
 def non_finite_problems(file_path: Path) -> list[str]:
-    """A problem for each spec key (or target_bias) holding inf or NaN, as LutStore.load refuses them,
-    from the file's bytes read SCAN_VALUES at a time: a store with no sha256 recorded (the spec has none)
-    would otherwise pass verify with such a table. For a file table_problems passed (F16 or BF16 keys)."""
+    """A problem for each spec key (or target_bias) holding inf or NaN, from the file's bytes read
+    SCAN_VALUES at a time (a table can be GBs; no torch): products of a finite SAE and layer weight never
+    hold one (precompute refuses an overflow), and one such row makes every token that selects it NaN,
+    even at weight 0. verify runs it (a store with no sha256 recorded, as the spec records none, passed
+    with such a table), and LutStore.load before a table loads. For a file table_problems passed (F16 or
+    BF16 keys); one naming it when it is missing or not a regular file (a FIFO put in its place since)."""
     problems = []
-    with open(file_path, "rb") as fh:
+    try:
+        fh = open_regular(file_path)
+    except FormatError as exc:
+        return [str(exc)]
+    with fh:
         try:
-            header, header_size = read_header_json(fh, file_path.stat().st_size)
+            header, header_size = read_header_json(fh, os.fstat(fh.fileno()).st_size)
         except ValueError as exc:
             return [f"{file_path}: unreadable safetensors ({exc})"]
         for key in (*REQUIRED_KEYS, BIAS_KEY):

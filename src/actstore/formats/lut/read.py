@@ -5,9 +5,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actstore.errors import FormatError
-from actstore.formats.lut.check import read_metadata, table_problems
+from actstore.formats.lut.check import non_finite_problems, read_metadata, table_problems
 from actstore.formats.lut.check import verify as check_store
-from actstore.formats.lut.layout import BIAS_KEY, META_FILE, REQUIRED_KEYS, lut_dir
+from actstore.formats.lut.layout import META_FILE, lut_dir
 from actstore.integrity import inside, refuse
 
 if TYPE_CHECKING:  # load() imports it: opening or checking a store never loads torch
@@ -39,7 +39,8 @@ class LutStore:
         return self.meta["sae_config"]["num_basis"]
 
     def load(self, module_path: str) -> dict[str, torch.Tensor]:
-        """One layer's tensors after checking keys, shapes and dtypes; FormatError names file and key."""
+        """One layer's tensors after checking keys, shapes, dtypes and values (no inf or NaN: check.
+        non_finite_problems, as verify checks them); FormatError names file and key."""
         from safetensors.torch import load_file
 
         if module_path not in self.layers:
@@ -48,27 +49,8 @@ class LutStore:
         file_path = inside(self.dir, entry["file"], f"{self.dir / META_FILE} layers.{module_path}.file")
         if not file_path.is_file():
             raise FormatError(f"{file_path}: missing (listed in metadata.json layers.{module_path})")
-        problems = table_problems(file_path, self.meta, entry)
-        if problems:
-            raise FormatError("; ".join(problems))
-        tables = load_file(str(file_path))
-        refuse(non_finite(file_path, tables))
-        return tables
-
-
-def non_finite(file_path: Path, tables: dict[str, torch.Tensor]) -> list[str]:
-    """A problem for each spec key (or target_bias) holding inf or NaN: products of a finite SAE and
-    layer weight never do (precompute refuses an overflow), and one such row makes every token that
-    selects it NaN, even at weight 0. By each tensor's max and min (NaN propagates; no temporary of
-    a table's size); the count only for the message."""
-    import torch
-
-    problems = []
-    for key in (*REQUIRED_KEYS, BIAS_KEY):
-        value = tables.get(key)
-        if value is not None and not torch.stack([value.amax(), value.amin()]).isfinite().all():
-            problems.append(f"{file_path}: key {key!r} holds {int((~value.isfinite()).sum())} inf or NaN values")
-    return problems
+        refuse(table_problems(file_path, self.meta, entry) or non_finite_problems(file_path))
+        return load_file(str(file_path))
 
 
 def open_lut(path: str | Path, verify: bool = False) -> LutStore:

@@ -365,36 +365,39 @@ def verify(path: str | Path) -> list[str]:
         return [f"{path / METADATA}: {type(exc).__name__}: {exc}"]
 
 
-_CACHE: dict[tuple, dict] = {}
+# read_vector's last shard read, its content checked, kept while the file is unchanged.
+_LAST_SHARD: integrity.LastBuilt[dict] = integrity.LastBuilt()
 
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """float32 (d,) activation of one token, or None when the store does not hold that coordinate.
-    The last shard read stays cached (keyed on its path, size and mtime)."""
+    The last shard read stays loaded while its file and recorded checksum are unchanged (_shard)."""
     meta = checked_metadata(path)
     for info in meta["shards"]:
         lo, hi = info["sample_id_range"]
         if lo <= sample_idx <= hi and layer_idx in info["layers"]:
-            file = shard_path(path, info)
-            if not file.is_file():
-                raise FormatError(f"{file}: shard missing")
-            stat = file.stat()
-            key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, info["checksum"])
-            # One lookup into a local: another thread's clear() between a check and a second lookup
-            # would be a KeyError (a free-threaded Python gives the GIL's guarantee up).
-            shard = _CACHE.get(key)
-            if shard is None:
-                _CACHE.clear()
-                shard = load_shard(path, info)
-                # its content checked as verify checks it: a layer it lacked was a bare KeyError (and
-                # `actstore validate` crashed on it), a 1-D activation returned a scalar as the vector
-                integrity.refuse(_shard_content_problems(file, shard, info, _width(meta), _unpadded(meta))[0])
-                _CACHE[key] = shard
+            shard = _shard(path, meta, info)
             for item in shard[layer_key(layer_idx)]:
                 if item["sample_idx"] == sample_idx:
                     act = item["activation"]
                     return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < _tokens(item) else None
     return None
+
+
+def _shard(path: str | Path, meta: dict[str, Any], info: dict[str, Any]) -> dict:
+    """The shard `info` lists, loaded and its content checked as verify checks it (a layer it lacked
+    was a bare KeyError, and `actstore validate` crashed on it; a 1-D activation returned a scalar as
+    the vector); loaded again only when the file or its recorded checksum changed."""
+    file = shard_path(path, info)
+    if not file.is_file():
+        raise FormatError(f"{file}: shard missing")
+
+    def load() -> dict:
+        shard = load_shard(path, info)
+        integrity.refuse(_shard_content_problems(file, shard, info, _width(meta), _unpadded(meta))[0])
+        return shard
+
+    return _LAST_SHARD.get([file], load, extra=info["checksum"])
 
 
 def _tokens(item: dict[str, Any]) -> int:

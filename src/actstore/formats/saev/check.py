@@ -11,8 +11,8 @@ from actstore.errors import FormatError
 from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR,
                                           UPSTREAM_FAMILIES, WINDOWS, decode_data, protocol_problem, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
-from actstore.integrity import (SEAL_KEY, dir_bytes, file_problem, links_out, listed_problem, problems_of, read_json,
-                                refuse, seal_problems, unlisted)
+from actstore.integrity import (SEAL_KEY, LastBuilt, dir_bytes, file_problem, links_out, listed_problem, problems_of,
+                                read_json, refuse, seal_problems, unlisted)
 
 
 def detect(path: str | Path) -> bool:
@@ -211,15 +211,16 @@ def _verify_labels_size(store: SaevStore) -> list[str]:
             f"x patches_per_ex {store.patches_per_ex} of {store.dir / METADATA})"]
 
 
-# read_vector's last opened store. Validation reads many coordinates of one store, and opening it
-# stats every shard (size_problems): tens of millions of stats for 10,000 shards on a cluster file system.
-_OPENED: dict[tuple, SaevStore] = {}
+# read_vector's last opened store, kept while the files opening it reads are unchanged. Validation
+# reads many coordinates of one store, and opening it stats every shard (size_problems): tens of
+# millions of stats for 10,000 shards on a cluster file system.
+_OPENED: LastBuilt[SaevStore] = LastBuilt()
 _KEY_FILES = (METADATA, SHARDS, SIDECAR, WINDOWS)  # what opening a store reads
 
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """(d,) float32 activation of dataset row sample_idx, block layer_idx, token token_idx, or None.
-    The last store opened stays open (keyed on its metadata files, _store_key); the shard read is
+    The last store opened stays open while its metadata files are unchanged (_opened); the shard read is
     checked on each call, as opening checks every shard."""
     store = _opened(path)
     if layer_idx not in store.layers:
@@ -233,23 +234,6 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
 
 
 def _opened(path: str | Path) -> SaevStore:
-    """The store at `path`, opened again only when its key changed."""
-    key = _store_key(resolve(path))  # before opening: a file changed meanwhile changes the next call's key
-    # One lookup into a local: another thread's clear() between a check and a second lookup would be a KeyError.
-    store = _OPENED.get(key)
-    if store is None:
-        _OPENED.clear()
-        store = _OPENED[key] = open_store(path)
-    return store
-
-
-def _store_key(store_dir: Path) -> tuple:
-    """The store's directory and (inode, size, mtime) of each file opening it reads (None: absent):
-    any of them replaced or rewritten gives another key."""
-    def identity(name: str) -> tuple[int, int, int] | None:
-        try:
-            stat = (store_dir / name).stat()
-        except FileNotFoundError:
-            return None
-        return stat.st_ino, stat.st_size, stat.st_mtime_ns
-    return (str(store_dir), *(identity(name) for name in _KEY_FILES))
+    """The store at `path`, opened again only when one of the files opening it reads changed."""
+    store_dir = resolve(path)
+    return _OPENED.get([store_dir / name for name in _KEY_FILES], lambda: open_store(path))
