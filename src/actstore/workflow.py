@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from actstore import parse_memo, resources
-from actstore.config import REPO_ROOT
-from actstore.datasets import check_dataset
-from actstore.datasets.source import remember_sources
 from actstore.errors import ConfigError
-from actstore.hashing import stage_hash, stage_hashes, write_stage_config
-from actstore.integrity import seal
+
+# Only the standard library and actstore.errors at import: every script imports this module before
+# setup_logging sends its output to the rule's log, so an import that fails here (numpy, pyarrow or
+# isal built for another node's libraries) left the log missing and its traceback in Slurm's output.
+# The functions below import what they use.
 
 
 def setup_logging(snakemake: Any) -> None:
@@ -58,6 +57,10 @@ def record_stage(config: dict[str, Any], stage: str, stage_dir: str | Path) -> N
     record the config of another directory, which `actstore verify` then refuses, and every job
     finishing a stage would list and hash the whole dataset again. The extraction checks its rows
     against the data itself (datasets.check_unchanged)."""
+    from actstore import parse_memo
+    from actstore.hashing import write_stage_config
+    from actstore.integrity import seal
+
     sealed = seal(Path(stage_dir), stage)
     with parse_memo.main_process_facts():
         write_stage_config(config, stage, Path(stage_dir), sealed=sealed)
@@ -68,6 +71,11 @@ def parse_dataset(config: dict[str, Any], main_process: bool) -> dict[str, str]:
     checked (datasets.check_dataset), every stage's hash (the extract hash's data digest) and the
     Slurm requests that follow the data (resources). In the main process they are remembered for
     its jobs (parse_memo.hand_over); in a job, taken from the main process's file."""
+    from actstore import parse_memo, resources
+    from actstore.datasets import check_dataset
+    from actstore.datasets.source import remember_sources
+    from actstore.hashing import stage_hashes
+
     remember_sources()
     parse_memo.start(main_process)
     check_dataset(config["dataset"])
@@ -80,6 +88,8 @@ def check_data_unchanged(config: dict[str, Any], extract_dir: str | Path) -> Non
     """ConfigError unless `extract_dir` is named by the extract stage's hash of the data as it is now.
     The jobs of a run name their outputs by the hash the main Snakemake process computed when it
     started (parse_memo): data changed since then would be extracted under the old data's name."""
+    from actstore.hashing import stage_hash
+
     now = stage_hash(config, "extract")
     if Path(extract_dir).name != now:
         raise ConfigError(f"dataset.path {config['dataset']['path']}: the data changed after Snakemake read it "
@@ -89,6 +99,8 @@ def check_data_unchanged(config: dict[str, Any], extract_dir: str | Path) -> Non
 
 def git_commit() -> str | None:
     """HEAD of the repository actstore runs from (the zarr store records it), None outside a checkout."""
+    from actstore.config import REPO_ROOT
+
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True)

@@ -297,6 +297,8 @@ def _parse(item: Any, where: str, noun: str) -> dict[str, Any]:
         row = json.loads(item) if isinstance(item, str) else item
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
+    except ValueError as exc:  # a whole number of over 4300 digits: Python refuses it, naming no line
+        raise ConfigError(f"{where}: cannot be read ({exc})") from None
     except RecursionError:  # json recurses once a level: ~1000 nested lists crashed naming no line
         raise ConfigError(f"{where}: not valid JSON (nested too deeply to parse)") from None
     if not isinstance(row, dict):

@@ -147,7 +147,8 @@ def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: di
     converted to float32). The bytes do not depend on it."""
     if compression not in COMPRESSIONS:
         raise FormatError(f"pickle.compression: {compression!r} must be 'gzip' or 'none'")
-    if compressor not in LEVELS or compresslevel not in LEVELS[compressor]:
+    # no level is used (or recorded, or hashed) when nothing is compressed
+    if compression == "gzip" and (compressor not in LEVELS or compresslevel not in LEVELS[compressor]):
         raise FormatError(f"pickle.compressor {compressor!r} with compresslevel {compresslevel}: levels are "
                           + ", ".join(f"{name} {levels.start}-{levels.stop - 1}" for name, levels in LEVELS.items()))
     part = open_part(part_dir)
