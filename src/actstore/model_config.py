@@ -41,6 +41,8 @@ REFUSED_TYPES = {
                      "where a store holds one (batch, tokens, hidden) output a block"),
     "canine": ("model's blocks run on its characters downsampled by downsampling_rate (a row per 4 characters), "
                "where a store holds a vector per token"),
+    "pegasus_x": ("model's encoder pads its input to a multiple of its block_size (512 in its checkpoints) and its "
+                  "blocks output that many tokens, where a store holds each text's own"),
 }
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 # A vision-language model (Gemma 3 from 4B, Qwen3.5, LLaVA, Mistral 3...): its checkpoint holds a
@@ -274,11 +276,13 @@ def text_scope(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # The names one size setting goes by across model families' config.json (GPT-2: n_embd, n_layer;
-# DistilBERT: dim, n_layers, n_heads; MPT: d_model, n_layers, n_heads), in the order they are tried.
+# DistilBERT: dim, n_layers, n_heads; MPT: d_model, n_layers, n_heads; ProphetNet: num_encoder_layers,
+# num_encoder_attention_heads, where it was refused as naming no block count), in the order they are tried.
 CONFIG_ALIASES = {"hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
-                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers"),
+                  "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers",
+                                        "num_encoder_layers"),
                   "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads",
-                                          "encoder_attention_heads"),
+                                          "encoder_attention_heads", "num_encoder_attention_heads"),
                   "vocab_size": ("vocab_size",)}
 
 
@@ -360,10 +364,12 @@ def check_logits_topk(logits_topk: int, config: dict[str, Any]) -> None:
 # indexes past it, a shape error on the CPU and a device-side assert on a GPU, after the weights load.
 # Rotary, relative and ALiBi positions extend past the trained length instead. BART's family (its
 # encoder, which extraction runs), Longformer and ESM-1 (ESM-2's position_embedding_type is rotary)
-# learn theirs too: a longer text was an IndexError out of the first batch.
+# learn theirs too, and LiLT: a longer text was an IndexError out of the first batch. ProphetNet's clamps
+# the positions past its table to the last, and gave those tokens vectors of a position they are not at.
 ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "albert", "distilbert",
                            "ernie", "data2vec-text", "mpnet", "gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt",
-                           "xglm", "bart", "mbart", "plbart", "blenderbot", "longformer", "esm")
+                           "xglm", "bart", "mbart", "plbart", "blenderbot", "longformer", "esm", "lilt",
+                           "prophetnet")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Text models whose blocks compute on (tokens, batch, hidden), the model transposing its input to that
 # and its output back (XLNet): a block's output, and a hook on any module inside the blocks' holder
