@@ -16,7 +16,12 @@ from actstore.integrity import dir_bytes, inside, links_out, listed_problem, pro
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
                     have_topk: int | None) -> None:
-    """ConfigError (naming the lmprobe key) unless the layers and top-k asked for were extracted."""
+    """ConfigError (naming the lmprobe key) unless the layers and top-k asked for were extracted, each
+    layer once: a layer twice was written twice at once into one file, and stored twice in
+    hidden_layers.layers (every reader of its list then took that layer's vectors twice)."""
+    repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if repeated:
+        raise ConfigError(f"lmprobe.layers: {repeated} given more than once")
     missing = [layer for layer in layers if layer not in have_layers]
     if missing:
         raise ConfigError(f"lmprobe.layers: {missing} not extracted (extract.layers = {have_layers})")
@@ -162,8 +167,12 @@ def _descriptor_values(ds: LmprobeDataset) -> list[str]:
     expected = {"layout": ("per_layer",), "storage": STORAGES}
     if ds.hidden["storage"] == "pooled":
         expected["pooling"] = ("last_token",)
-    return [f"{ds.index_path}: lmprobe:tensors.hidden_layers.{key} is {ds.hidden.get(key)!r:.80}, "
-            f"not one of {list(values)}" for key, values in expected.items() if ds.hidden.get(key) not in values]
+    problems = [f"{ds.index_path}: lmprobe:tensors.hidden_layers.{key} is {ds.hidden.get(key)!r:.80}, "
+                f"not one of {list(values)}" for key, values in expected.items() if ds.hidden.get(key) not in values]
+    if len(set(ds.layers)) != len(ds.layers):  # each reader of the list (lmprobe's, ProbeDataset) read it twice
+        problems.append(f"{ds.index_path}: lmprobe:tensors.hidden_layers.layers {ds.layers!r:.80} names a layer "
+                        "more than once")
+    return problems
 
 
 def _verify_counts(ds: LmprobeDataset) -> list[str]:
@@ -314,12 +323,23 @@ class _TokenRowsNamed:
 
 
 def _verify_logits_addresses(ds: LmprobeDataset) -> list[str]:
-    """shard_index_logits/row_offset_logits: every prompt's own row of a logits shard."""
+    """shard_index_logits/row_offset_logits: every prompt's own row of a logits shard; each shard's `file`."""
     counts = np.array([sh["num_prompts"] for sh in ds.logits_desc["shards"]], np.int64)
     problems = [] if counts.sum() == ds.num_prompts else [
         f"{ds.index_path}: logits shards hold {counts.sum()} prompts, index has {ds.num_prompts}"]
-    return problems + _address_problems(ds.index_path, ("shard_index_logits", "row_offset_logits"),
-                                        *ds.logits_rows(), counts, "logits shard")
+    return problems + _logits_file_names(ds) + _address_problems(
+        ds.index_path, ("shard_index_logits", "row_offset_logits"), *ds.logits_rows(), counts, "logits shard")
+
+
+def _logits_file_names(ds: LmprobeDataset) -> list[str]:
+    """Each logits shard's `file`, where given, is the name its file_pattern gives it: lmprobe's own
+    loader opens `shards[i].file`, every other reader (and verify) the pattern's, so a `file` naming
+    another shard, a missing file or one outside the dataset passed verify and was read by lmprobe."""
+    pattern = ds.logits_desc["file_pattern"]
+    return [f"{ds.index_path}: lmprobe:tensors.logits_topk.shards[{s}].file {shard['file']!r:.80} is not "
+            f"{pattern.format(shard=s)!r}, the name its file_pattern gives"
+            for s, shard in enumerate(ds.logits_desc["shards"])
+            if "file" in shard and shard["file"] != pattern.format(shard=s)]
 
 
 def _verify_tensor_files(ds: LmprobeDataset, checksums: bool) -> list[str]:

@@ -506,7 +506,11 @@ class _IndexColumns:
         self.strings = (_TokenStrings(plan.extraction, plan.trust_remote_code)
                         if self.token_ids and plan.opts["token_strings"] else None)
         self.meta_types = _metadata_types(plan)
-        self.label_type = _label_type(plan.extraction.info.dataset.labels)
+        labels = plan.extraction.info.dataset.labels
+        self.label_type = _label_type(labels)
+        # Each label as lmprobe:dataset.labels spells it, found by equality: a row's 1.0 where the
+        # class is 1 (one class to the extraction, one label_id) was stored as a second text "1.0".
+        self.class_labels = {label: label for label in labels}
 
     def block(self, start: int, stop: int):
         """Index rows [start, stop) as a pyarrow Table (columns in the order of the spec's tables)."""
@@ -515,7 +519,7 @@ class _IndexColumns:
         plan = self.plan
         order, num_tokens = plan.order[start:stop], plan.num_tokens[start:stop]
         samples = plan.extraction.samples(order.tolist())
-        rows, labels = np.arange(start, stop), [r["label"] for r in samples]
+        rows, labels = np.arange(start, stop), [self.class_labels.get(r["label"], r["label"]) for r in samples]
         cols: dict[str, Any] = {
             "text": pa.array([r["text"] for r in samples], pa.string()),
             "label": pa.array(labels if self.label_type == pa.int32() else list(map(_label_text, labels)),
