@@ -1,15 +1,15 @@
 """Per-patch labels for image stores, from pixel segmentation masks (saev's labels.bin contents).
 
 Each image `<dataset.path>/<rel>` has a mask `<masks>/<rel with its suffix replaced by mask_suffix>`
-(ADE20K's `annotations/` beside `images/`): a single-channel image (mode 1, L, P or 16-bit I) of the
-same size whose pixel values are class ids 0-255, both turned upright by their EXIF Orientation as the
-extraction turns images (datasets.images.upright). The mask goes through the model's own image processor with
-NEAREST resampling and no rescale/normalise, so it is resized and cropped exactly like the pixels
-the model saw; then each patch_size x patch_size tile gets one label:
+(ADE20K's `annotations/` beside `images/`): a single-frame, single-channel image (mode 1, L, P or
+16-bit I) of the same size whose pixel values are class ids 0-255, both turned upright by their EXIF
+Orientation as the extraction turns images (datasets.images.upright). The mask goes through the model's
+own image processor with NEAREST resampling and no rescale/normalise, so it is resized and cropped
+exactly like the pixels the model saw; then each patch_size x patch_size tile gets one label:
   majority   the most frequent label in the tile (ties: the smallest label), saev's default
   prefer-fg  the most frequent label other than bg_label, bg_label only if the whole tile is background
 Register tokens (DINOv2 with registers, DINOv3) and DeiT's distillation token have no pixels: their
-columns hold REGISTER_LABEL.
+columns hold REGISTER_LABEL, which a mask may then not hold (PASCAL VOC's void id 255 would share its byte).
 """
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def read_mask(path: Path, image_size: tuple[int, int]) -> np.ndarray:
     # class 0 for its missing rows, else an OSError naming no file.
     try:
         with whole_images_only(), Image.open(path) as stored:
+            # A multi-frame TIFF/GIF/APNG decodes as its first frame, the rest left out with nothing said.
+            if getattr(stored, "n_frames", 1) > 1:
+                raise FormatError(f"{path}: mask has {stored.n_frames} frames; need one frame of class ids")
             img = upright(stored)  # as Hugging Face datasets shows a mask, like its image
             if img.size != image_size:
                 raise FormatError(f"{path}: mask is {img.size[0]}x{img.size[1]}, its image is "
@@ -138,7 +141,13 @@ def image_patch_labels(dataset_root: str | Path, image_rels: list[str], model_pa
         path = mask_path(section["masks"], rel, section["mask_suffix"])
         with Image.open(image_file(dataset_root, rel)) as img:
             image_size = upright(img).size  # the size the model saw (datasets.images.decoded_image)
-        mask = processed_mask(processor, read_mask(path, image_size), path)
+        mask = read_mask(path, image_size)
+        # Its patches and the register columns would share one byte (PASCAL VOC's void/boundary id is 255).
+        if registers and (mask == REGISTER_LABEL).any():
+            raise FormatError(f"{path}: class id {REGISTER_LABEL} marks this model's {registers} register columns "
+                              "in labels.bin, so its patches could not be told from register tokens; give it "
+                              "another id in the masks, or use saev.flavor: upstream (no register columns)")
+        mask = processed_mask(processor, mask, path)
         out[row, registers:] = aggregate(mask, patch_size, n_patches, section["pixel_agg"],
                                          section["bg_label"], path)
     return out
