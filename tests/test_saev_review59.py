@@ -50,3 +50,22 @@ def test_a_multi_frame_mask_is_refused_naming_it(tmp_path, suffix):
     frames[0].save(path, save_all=True, append_images=frames[1:])
     with pytest.raises(FormatError, match=rf"{path}: mask has 2 frames"):
         read_mask(path, (24, 16))
+
+
+def test_a_shard_count_given_as_true_is_refused_naming_shards_json(tmp_path):
+    """`"n_examples": true` is 1 to isinstance(n, int): verify passed it and a read crashed inside
+    numpy's memmap naming no file."""
+    import json
+
+    from actstore.formats import saev
+    from actstore.formats.extract import open_extraction, synthetic_extraction
+    from test_extract import write_real_store
+    root = synthetic_extraction(tmp_path / "x", 4_000, 1, 8, [1], tokens=(4, 6))
+    examples = saev.open_store(write_real_store("saev", root, tmp_path / "probe")).n_examples
+    store = write_real_store("saev", root, tmp_path / "saev", patches_per_shard=4 * (examples - 1))
+    shards = json.loads((store / "shards.json").read_text())
+    assert shards[-1]["n_examples"] == 1
+    shards[-1]["n_examples"] = True
+    (store / "shards.json").write_text(json.dumps(shards))
+    assert any("shards.json" in p and "n_examples=True" in p for p in saev.verify(store)), saev.verify(store)
+    assert open_extraction(root).n_samples  # the extraction itself is untouched

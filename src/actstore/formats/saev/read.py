@@ -85,7 +85,8 @@ class SaevStore:
         dropped = sidecar.get("dropped_tokens", [])
         # write.plan_store: upstream leaves out the `registers` after CLS; spec keeps every token.
         registers = sidecar.get("registers", 0) if self.flavor == "upstream" else 0
-        if not (isinstance(dropped, list) and all(type(t) is int for t in dropped) and len(dropped) == registers
+        if not (isinstance(dropped, list) and all(type(t) is int for t in dropped) and type(registers) is int
+                and len(dropped) == registers
                 and dropped == dropped_tokens(self.metadata["cls_token"], len(dropped))):
             expected = (f"the registers={registers!r:.20} tokens after CLS" if self.flavor == "upstream"
                         else "none: a spec-flavor store keeps every extracted token")
@@ -136,7 +137,7 @@ class SaevStore:
                 raise FormatError(f"{where}: entry {i} must be named {shard_name(i)!r}, got {shard!r:.80}")
             n, last = shard.get("n_examples"), i == len(self.shards) - 1
             # saev's writer ends with an empty shard when n_examples is a multiple of examples_per_shard.
-            if not isinstance(n, int) or n < int(not last) or n > per or (not last and n != per):
+            if type(n) is not int or n < int(not last) or n > per or (not last and n != per):
                 raise FormatError(f"{where}: {shard_name(i)} n_examples={n!r}; expected {per} "
                                   f"(only the last shard may be smaller)")
         total = sum(s["n_examples"] for s in self.shards)
