@@ -84,7 +84,7 @@ def test_a_vector_key_that_is_no_plain_name_is_named(run, tmp_path, key):
     """arrays/../.zarray listed a vector "..", read from the store's own files (arrays/../0); a nested
     key listed "seq_len" twice; a NUL made the open a bare ValueError."""
     reader = zs.ZarrStore(_listing(run, tmp_path, key))
-    with pytest.raises(FormatError, match=rf"\.zmetadata: .* is no array directly under arrays/"):
+    with pytest.raises(FormatError, match=r"\.zmetadata: .* is no array directly under arrays/"):
         reader.vector_names
 
 
