@@ -278,9 +278,9 @@ def _pickle_rows(store: Path, layers: tuple[int, ...]) -> Iterator[Rows]:
 
 
 def _pickle_block(layer: int, items: list[dict[str, Any]]) -> Rows:
-    from actstore.formats.pickle.check import _tokens
+    from actstore.formats.pickle import item_tokens
 
-    return _sample_block(layer, [(item["sample_idx"], item["activation"][:_tokens(item)]) for item in items])
+    return _sample_block(layer, [(item["sample_idx"], item["activation"][:item_tokens(item)]) for item in items])
 
 
 def _zarr_views(store: Path, dtype: str) -> list[View]:

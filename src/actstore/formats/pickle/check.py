@@ -15,7 +15,7 @@ from actstore.errors import FormatError
 from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORMAT, ITEM_FIELDS, METADATA,
                                             PREVIEW_CHARS, REQUIRED, SHARD_FIELDS, STAT_FIELDS, ends_in_shard_name,
                                             layer_key)
-from actstore.formats.pickle.read import load_metadata, load_shard, shard_path, shards_by_id
+from actstore.formats.pickle.read import item_tokens, load_metadata, load_shard, shard_path, shards_by_id
 from actstore.formats.pickle.unpickler import BudgetHeldByOthers, ByteBudget
 from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, unlisted, version_string,
                                 whole_number, whole_numbers)
@@ -380,7 +380,7 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
             for item in shard[layer_key(layer_idx)]:
                 if item["sample_idx"] == sample_idx:
                     act = item["activation"]
-                    return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < _tokens(item) else None
+                    return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < item_tokens(item) else None
     return None
 
 
@@ -398,11 +398,3 @@ def _shard(path: str | Path, meta: dict[str, Any], info: dict[str, Any]) -> dict
         return shard
 
     return _LAST_SHARD.get([file], load, extra=info["checksum"])
-
-
-def _tokens(item: dict[str, Any]) -> int:
-    """The sample's real tokens: its metadata.token_count where given (checked by then to be at most its
-    rows), as the rows past it in the spec's padded store hold padding, not tokens; else its rows."""
-    metadata = item["metadata"]
-    rows = item["activation"].shape[0]
-    return metadata.get("token_count", rows) if isinstance(metadata, dict) else rows

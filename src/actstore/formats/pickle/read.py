@@ -111,6 +111,15 @@ def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[st
         del items
 
 
+def item_tokens(item: dict[str, Any]) -> int:
+    """The sample's real tokens: its metadata.token_count where given (checked by then to be at most its
+    rows), as the rows past it in the spec's padded store hold padding, not tokens; else its rows."""
+    metadata = item["metadata"]
+    rows = item["activation"].shape[0]
+    return metadata.get("token_count", rows) if isinstance(metadata, dict) else rows
+
+
+
 class SampleIndex(Sequence):
     """The spec's index, [(shard_id, item_idx), ...] over the shards given, held as one count per
     shard: a tuple per sample held ~96 MB per million samples (a GB at 10M, and any memory a
