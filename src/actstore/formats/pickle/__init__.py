@@ -16,5 +16,5 @@ from actstore.formats.pickle.unpickler import safe_loads
 from actstore.formats.pickle.write import LEVELS, dump_shard, merge_machines, shard_items, write_machine
 
 __all__ = ["LEVELS", "ActivationDataset", "collate_padded", "detect", "dump_shard", "inspect", "item_tokens",
-           "iter_activations", "load_metadata", "load_shard", "machine_dirname", "merge_machines", "read_vector", "safe_loads",
-           "shard_filename", "shard_items", "verify", "write_machine"]
+           "iter_activations", "load_metadata", "load_shard", "machine_dirname", "merge_machines", "read_vector",
+           "safe_loads", "shard_filename", "shard_items", "verify", "write_machine"]
