@@ -189,7 +189,8 @@ def fingerprint_problems(stores: dict[str, tuple[Path, str]], extraction, seed: 
     held = set(extraction.info.layers)
     wanted = {label: replace(w, layers=tuple(l for l in w.layers if l in held))
               for name in views for label, _, w in views[name]}
-    rows_total = extraction.n_tokens * len(held) * (1 + len(wanted))  # about: views of last tokens read fewer
+    rows_total = extraction.n_tokens * len(held) + sum(  # about: saev's dropped registers are fewer
+        (extraction.n_samples if w.last_only else extraction.n_tokens) * len(w.layers) for w in wanted.values())
     with ThreadPoolExecutor(integrity.CHECK_THREADS) as pool, \
             tqdm(total=rows_total, desc="validate every vector", unit="row", unit_scale=True) as bar:
         reference = pool.submit(extraction_fingerprints, extraction, {w: w for w in wanted.values()}, seed,
