@@ -15,16 +15,20 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 
-from actstore import integrity
-from actstore.fingerprints import fingerprint_problems
-from actstore.formats import format_module
-from actstore.formats.extract import open_extraction, synthetic_extraction
-from actstore.io_utils import sha256_file
-from actstore.verify import reference_dtype
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_verify import seconds  # noqa: E402
+
+from actstore import integrity  # noqa: E402
+from actstore.fingerprints import fingerprint_problems  # noqa: E402
+from actstore.formats import format_module  # noqa: E402
+from actstore.formats.extract import open_extraction, synthetic_extraction  # noqa: E402
+from actstore.io_utils import sha256_file  # noqa: E402
+from actstore.verify import reference_dtype  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 PARAMS = {"hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16, "vocab_size": 30522}
@@ -48,12 +52,6 @@ def write_stores(root: Path, out: Path) -> dict[str, Path]:
     store = saev.write_store(open_extraction(root), {"patches_per_shard": 2_400_000, "tokens_per_window": 32},
                              out / "saev", model_config=None, progress=False)
     return {"saev": store, "pickle": out / "pickle", "zarr": out / "zarr", "lmprobe": out / "lmprobe"}
-
-
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -48,13 +48,18 @@ def extracted_at_batch_sizes(model_type: str, settings: dict, monkeypatch, text_
     the texts extracted at batch size 1 and 8: {batch size: Part}."""
     monkeypatch.setitem(test_padding_families57.SETTINGS, model_type, settings)
     model = test_padding_families57.build_encoder(model_type, tmp_path / "model")
+    return model, parts_at_batch_sizes(model, text_jsonl, tmp_path)
+
+
+def parts_at_batch_sizes(model: Path, text_jsonl: Path, tmp_path: Path) -> dict:
+    """The texts extracted by the model at `model` at batch size 1 and 8: {batch size: Part}."""
     parts = {}
     for batch_size in (1, 8):
         config = tiny.make_config(tmp_path / f"batch-{batch_size}", model, text_jsonl,
                                   extract={"batch_size": batch_size, "parts": 1, "max_seq_length": 64})
         run_part(config, 0, tmp_path / f"batch-{batch_size}" / "part-0000", progress=False)
         parts[batch_size] = open_part(tmp_path / f"batch-{batch_size}" / "part-0000")
-    return model, parts
+    return parts
 
 
 @pytest.mark.parametrize("model_type", sorted(BIG_BIRDS))

@@ -14,10 +14,10 @@ import torch
 
 import tiny
 from actstore.errors import ConfigError
-from actstore.extract import preflight, run_part
-from actstore.formats.extract import open_part
+from actstore.extract import preflight
 from actstore.models import load_model
 from test_extract import REL_TOL, rel_err
+from test_models_review58 import parts_at_batch_sizes
 
 # {model_type: (causal, its config's settings)}: each family's own size names (ProphetNet has no
 # num_hidden_layers to set); LiLT's layout embedding needs hidden_size / 4 divisible by 6.
@@ -55,12 +55,7 @@ def test_a_surveyed_familys_stored_vectors_do_not_depend_on_its_batch(model_type
     """Batches of 1 and of 8 mixed-length texts store the same vectors of blocks 0 and 2, each the block's
     output on its text alone. ProphetNet was refused before (no block count under the names looked for)."""
     model = build(model_type, tmp_path / "model")
-    parts = {}
-    for batch_size in (1, 8):
-        config = tiny.make_config(tmp_path / f"batch-{batch_size}", model, text_jsonl,
-                                  extract={"batch_size": batch_size, "parts": 1, "max_seq_length": 64})
-        run_part(config, 0, tmp_path / f"batch-{batch_size}" / "part-0000", progress=False)
-        parts[batch_size] = open_part(tmp_path / f"batch-{batch_size}" / "part-0000")
+    parts = parts_at_batch_sizes(model, text_jsonl, tmp_path)
     assert len({row["num_tokens"] for row in parts[8].samples}) >= 10  # batches of 8 mix lengths
     loaded = load_model(model)
     for local in range(len(parts[8].samples)):
