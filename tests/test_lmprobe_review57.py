@@ -158,7 +158,7 @@ def test_labels_stored_as_one_text_are_refused_before_any_file(extracted, tmp_pa
     data = tmp_path / "labels.jsonl"
     labels = [number, text, "other", number]
     data.write_text("".join(json.dumps({**row, "label": label}) + "\n" for row, label in zip(rows, labels)))
-    _, extract_dir = extracted("bert", data=data)
+    _, extract_dir = extracted("bert", data=data, lmprobe={"enabled": False})  # else refused by the extraction
     out = tmp_path / "ds"
     with pytest.raises(ConfigError, match=rf"labels .* and .* would both be stored as label '{text}'"):
         lmprobe.write_dataset(extract_dir, out, POOLED, progress=False)

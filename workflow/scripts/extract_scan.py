@@ -8,6 +8,9 @@ from actstore.workflow import check_data_unchanged, setup_logging
 setup_logging(snakemake)  # before the other imports: one failing (torch, CUDA) is logged too
 
 from actstore.datasets import configured_scan, write_scan
+from actstore.formats.lmprobe import check_dataset_labels
 
 check_data_unchanged(snakemake.config, Path(snakemake.output[0]).parent)
-write_scan(configured_scan(snakemake.config, progress=True, workers=snakemake.threads), snakemake.output[0])
+scan = configured_scan(snakemake.config, progress=True, workers=snakemake.threads)
+check_dataset_labels(snakemake.config, scan.labels)
+write_scan(scan, snakemake.output[0])

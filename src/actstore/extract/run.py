@@ -25,6 +25,7 @@ from actstore.extract.inputs import (TokenIds, check_vocabulary, default_workers
 from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
 from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
+from actstore.formats.lmprobe import check_dataset_labels
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_logits_topk, check_sequence_length, config_int,
                                    modality_hint, model_kind, resolve_model_path, run_config, run_dtype, saved_dtype,
@@ -46,6 +47,7 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
     check_sequence_length(config["extract"]["max_seq_length"], model_config, model_path)
     check_logits_topk(config["extract"]["logits_topk"], model_config)
     dataset = configured_dataset(config, model_path, part, read_scan(scan) if scan else None)
+    check_dataset_labels(config, dataset.labels)
     want = "image" if model_kind(model_config) == "vision" else "text"
     if dataset.modality != want:
         raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s but the model at "

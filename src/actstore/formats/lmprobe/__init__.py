@@ -19,7 +19,7 @@ read (LmprobeDataset, the torch ProbeDataset), check (detect/inspect/verify/read
 from actstore.formats.lmprobe.check import check_options, detect, inspect, read_vector, verify
 from actstore.formats.lmprobe.layout import DATASET_DIR
 from actstore.formats.lmprobe.read import LmprobeDataset, find_index, open_dataset, read_info
-from actstore.formats.lmprobe.write import finish_dataset, write_dataset, write_job
+from actstore.formats.lmprobe.write import check_dataset_labels, finish_dataset, write_dataset, write_job
 
-__all__ = ["DATASET_DIR", "LmprobeDataset", "check_options", "detect", "find_index", "finish_dataset", "inspect",
+__all__ = ["DATASET_DIR", "LmprobeDataset", "check_dataset_labels", "check_options", "detect", "find_index", "finish_dataset", "inspect",
            "open_dataset", "read_info", "read_vector", "verify", "write_dataset", "write_job"]

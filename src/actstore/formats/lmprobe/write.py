@@ -578,6 +578,16 @@ def _int32_labels(labels: list) -> bool:
     return bool(labels) and all(type(label) is int and -2**31 <= label < 2**31 for label in labels)
 
 
+def check_dataset_labels(config: dict[str, Any], labels: list) -> None:
+    """check_label_texts of the dataset's labels where the config enables lmprobe: a mixed JSONL
+    dataset is refused by the scan and by each part's preflight, not by lmprobe's job after the
+    whole extraction has run."""
+    from actstore.config import enabled_stages
+
+    if "lmprobe" in enabled_stages(config):
+        check_label_texts(labels, f"dataset.path {config['dataset']['path']} (lmprobe is enabled)")
+
+
 def check_label_texts(labels: list, where: str) -> None:
     """ConfigError naming two labels a string label column would store as one text: a JSONL dataset's
     labels 1 and "1" (or 2.5 and "2.5") are two classes, but both were stored as label "1", told
