@@ -32,7 +32,8 @@ from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDE
                                              LOGITS_ROW_BYTES_PER_K, LOGITS_VALUES_KEY, PREFIX, ST_METADATA, STORAGES,
                                              SUMS, TensorSpec, dataset_card, encode_header, from_float32,
                                              prompt_order, rows_per_shard, tensor_bytes)
-from actstore.io_utils import BEHIND, OrderedHashFile, WriteBehind, atomic_path, errors_naming, sha256_file, utc_now
+from actstore.io_utils import (BEHIND, OrderedHashFile, WriteBehind, atomic_path, canonical_sha256, errors_naming,
+                               sha256_file, utc_now)
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import check_remote_code
 
@@ -225,6 +226,13 @@ class Plan:
         return len(self.order)
 
     @property
+    def digest(self) -> str:
+        """What every job's files follow from: the resolved options and each part's record (its files'
+        sha256 among them). A job's record carries it, so a finisher never links files written for
+        other options (a float16 job's tensors under a float32 index) or another extraction."""
+        return canonical_sha256({"options": self.opts, "parts": [part.meta for part in self.extraction.parts]})
+
+    @property
     def last_token_shards(self) -> int:
         return sum(last for _, _, last in self.groups)
 
@@ -317,7 +325,7 @@ def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, A
     items = job_items(len(plan.files), jobs, job)
     with atomic_path(job_dir) as tmp:
         records = write_tensor_files(plan, tmp, items, progress, threads)
-        write_job_record(tmp, jobs, job, records)
+        write_job_record(tmp, jobs, job, records, plan=plan.digest)
     log.info("lmprobe job %d/%d: %d tensor files -> %s", job, jobs, len(items), job_dir)
     return records
 
@@ -348,7 +356,13 @@ def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
     """rel path -> (its job directory, {bytes, sha256}), in plan order, from the jobs' records
     (jobs.read_job_records: each file there with its recorded size); every job must list exactly
     the files the plan gives it (jobs.job_items)."""
-    files = read_job_records(job_dirs).files
+    records = read_job_records(job_dirs)
+    files = records.files
+    for job_dir, extra in zip(job_dirs, records.extras):
+        if extra.get("plan") != plan.digest:
+            raise FormatError(f"{job_dir / JOB_RECORD}: written for other lmprobe options or another extraction "
+                              f"(plan {str(extra.get('plan'))[:12]}, this finisher's {plan.digest[:12]}); "
+                              "run the job again")
     for job, job_dir in enumerate(job_dirs):
         for rel in (plan.files[i] for i in job_items(len(plan.files), len(job_dirs), job)):
             if files.get(rel, (None,))[0] != job_dir:
