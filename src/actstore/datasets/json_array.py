@@ -112,6 +112,9 @@ class _Reader:
                     reason = "the file ends inside it (cut short?)" if self.eof and exc.pos >= len(self.text) - 1 \
                         else exc.msg if self.eof else f"longer than {MAX_ELEMENT_CHARS} characters or not JSON"
                     raise ArrayError(f"{where}: not valid JSON ({reason})") from None
+            except ValueError as exc:  # a whole number of over 4300 digits: Python refuses it
+                raise ArrayError(f"element {number} (byte {self.position_at(self.i)()}): cannot be read ({exc})") \
+                    from None
             pending = len(self.text) - self.i
             self.more(min(pending, MAX_ELEMENT_CHARS + 1 - pending))
 
