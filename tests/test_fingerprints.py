@@ -162,8 +162,35 @@ def test_fingerprint_memory_is_bounded_and_nan_agrees_with_nan():
     for fingerprint, vectors in ((one, rows), (two, rows), (finite, np.nan_to_num(rows))):
         fingerprint.add(0, np.array([3]), np.array([0]), vectors)
     assert one.differences(two, "x") == []
-    assert one.differences(finite, "x") == ["x: layer 0, samples 3..3: holds other vectors than the extraction's "
-                                            "(weighted sum nan, the extraction's " + f"{finite.sums[0, 3]:.9g})"]
+    assert one.differences(finite, "x") == ["x: layer 0, samples 3..3: holds its NaN or inf rows elsewhere than the "
+                                            f"extraction (weighted sum {one.specials[0, 3]:.9g}, the extraction's 0)"]
+
+
+def test_a_nan_the_model_computed_blinds_neither_its_range_nor_itself():
+    """Sample 1's token 1 holds a NaN: its tokens 0 and 2 traded, the NaN row moved to token 2, or its
+    NaN stored as an inf, each is named in sample 1's range; the same rows in another order agree.
+    (A NaN made the range's whole sum NaN, which agreed with any other NaN sum.)"""
+    rng = np.random.default_rng(0)
+    samples, tokens = np.repeat(np.arange(4), 3), np.tile(np.arange(3), 4)
+    vectors = rng.standard_normal((12, 8)).astype(np.float32)
+    vectors[4, 2] = np.nan
+
+    def fingerprint(order: np.ndarray, rows: np.ndarray, at_tokens: np.ndarray = tokens) -> Fingerprint:
+        folded = Fingerprint(4, [0], np.linspace(-1, 1, 8))
+        folded.add(0, samples[order], at_tokens[order], rows[order])
+        return folded
+    want = fingerprint(np.arange(12), vectors)
+    assert fingerprint(rng.permutation(12), vectors).differences(want, "x") == []
+    traded = vectors.copy()
+    traded[[3, 5]] = vectors[[5, 3]]
+    moved = tokens.copy()
+    moved[[4, 5]] = [2, 1]
+    as_inf = vectors.copy()
+    as_inf[4, 2] = np.inf
+    for rows, at_tokens, what in ((traded, tokens, "holds other vectors"), (vectors, moved, "NaN or inf rows"),
+                                  (as_inf, tokens, "NaN or inf rows")):
+        problems = fingerprint(np.arange(12), rows, at_tokens).differences(want, "x")
+        assert len(problems) == 1 and problems[0].startswith("x: layer 0, samples 1..1: ") and what in problems[0]
 
 
 def test_validate_report_of_the_demo_format_stores_lists_the_rows_read(extraction_root, tmp_path):

@@ -13,7 +13,8 @@ another token, changes the sum; plus the row count, and the sum of |x| . |q| as 
 rounding error is measured against. Its memory is fixed (at most MAX_CELLS sums, whatever the data
 size); a difference is located to a layer and a range of samples, which the sampled check then reads.
 A single value changed by less than ~1e-9 of its range's scale is below the tolerance: a damaged byte is
-the sha256's to find, a misplaced row this check's.
+the sha256's to find, a misplaced row this check's. A row whose product is NaN or infinite (a value the
+model computed) is summed apart, by its kind, so it blinds neither its range's other rows nor itself.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class Fingerprint:
         self.range_size = max(1, -(-self.n_samples // per_layer))
         n_ranges = max(1, -(-self.n_samples // self.range_size))
         shape = (len(self.layers), n_ranges)
-        self.sums, self.scales = np.zeros(shape), np.zeros(shape)
+        self.sums, self.scales, self.specials = np.zeros(shape), np.zeros(shape), np.zeros(shape)
         self.counts = np.zeros(shape, np.int64)
         self._position = {layer: i for i, layer in enumerate(self.layers)}
 
@@ -71,10 +72,19 @@ class Fingerprint:
         at, size = self._position[layer], self.sums.shape[1]
         weight = weights(samples, 0) * weights(tokens, 1)
         ranges = np.clip(samples // self.range_size, 0, size - 1)
-        self.sums[at] += np.bincount(ranges, weight * (vectors.astype(np.float64) @ self.direction), size)
+        dots = vectors.astype(np.float64) @ self.direction
+        special = ~np.isfinite(dots)
+        if special.any():  # a NaN or inf the model computed: its row apart, the range's other rows still summed
+            kinds = np.where(np.isnan(dots), 1.0, np.where(dots > 0, 2.0, 3.0))
+            self.specials[at] += np.bincount(ranges[special], (weight * kinds)[special], size)
+            dots[special] = 0.0
+        self.sums[at] += np.bincount(ranges, weight * dots, size)
         self.counts[at] += np.bincount(ranges, minlength=size)
         if self.scaled:  # float32 is precise enough for a tolerance's scale, and 5x faster
             magnitude = np.abs(vectors, dtype=np.float32) @ np.abs(self.direction).astype(np.float32)
+            if not np.isfinite(magnitude).all():  # float32 overflowed, or a special row (scale 0: not summed)
+                magnitude = np.abs(vectors.astype(np.float64)) @ np.abs(self.direction)
+                magnitude[special] = 0.0
             self.scales[at] += np.bincount(ranges, weight * magnitude, size)
 
     def differences(self, other: Fingerprint, where: str) -> list[str]:
@@ -87,6 +97,9 @@ class Fingerprint:
                 span = f"samples {first}..{min(first + self.range_size, self.n_samples) - 1}"
                 mine, theirs = self.counts[at, index], other.counts[at, index]
                 what = (f"holds {mine} rows, the extraction {theirs}" if mine != theirs else
+                        f"holds its NaN or inf rows elsewhere than the extraction (weighted sum "
+                        f"{self.specials[at, index]:.9g}, the extraction's {other.specials[at, index]:.9g})"
+                        if not _same_specials(self.specials[at, index], other.specials[at, index]) else
                         f"holds other vectors than the extraction's (weighted sum {self.sums[at, index]:.9g}, "
                         f"the extraction's {other.sums[at, index]:.9g})")
                 problems.append(f"{where}: layer {layer}, {span}: {what}")
@@ -94,13 +107,16 @@ class Fingerprint:
 
 
 def _differing(mine: Fingerprint, theirs: Fingerprint, at: int) -> np.ndarray:
-    """Range indices of layer row `at` whose counts differ or whose sums differ past the tolerance;
-    ranges whose sums are non-finite on both sides (a NaN the model computed) agree when both are."""
-    a, b = mine.sums[at], theirs.sums[at]
-    with np.errstate(invalid="ignore"):
-        close = np.abs(a - b) <= TOLERANCE * theirs.scales[at]
-    same_special = (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
-    return np.flatnonzero((mine.counts[at] != theirs.counts[at]) | ~(close | same_special))
+    """Range indices of layer row `at` whose counts differ, whose sums differ past the tolerance, or
+    whose rows of a NaN or inf (their kind, sample and token) differ: each side adds the same weights
+    in another order, so those sums agree to a few float64 roundings."""
+    close = np.abs(mine.sums[at] - theirs.sums[at]) <= TOLERANCE * theirs.scales[at]
+    same = _same_specials(mine.specials[at], theirs.specials[at])
+    return np.flatnonzero((mine.counts[at] != theirs.counts[at]) | ~(close & same))
+
+
+def _same_specials(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.abs(a - b) <= 1e-12 * np.maximum(a, b)
 
 
 @dataclass(frozen=True)
