@@ -280,24 +280,12 @@ def _pickle_views(store: Path, dtype: str) -> list[View]:
 
 def _pickle_rows(store: Path, layers: tuple[int, ...]) -> Iterator[Rows]:
     """Every item of every layer's shards: its token_count rows (the spec's padding left out)."""
-    from actstore.formats.pickle import iter_activations
+    from actstore.formats.pickle import item_tokens, iter_activations
 
-    for layer in layers:
-        items, held = [], 0
-        for item in iter_activations(store, layer):
-            items.append(item)
-            held += item["activation"].nbytes
-            if held >= BLOCK_BYTES:
-                yield _pickle_block(layer, items)
-                items, held = [], 0
-        if items:
-            yield _pickle_block(layer, items)
-
-
-def _pickle_block(layer: int, items: list[dict[str, Any]]) -> Rows:
-    from actstore.formats.pickle import item_tokens
-
-    return _sample_block(layer, [(item["sample_idx"], item["activation"][:item_tokens(item)]) for item in items])
+    for layer in layers:  # each item held whole (its padding too) until its block is folded in
+        yield from _sample_blocks(layer, ((item["sample_idx"], item["activation"][:item_tokens(item)],
+                                           item["activation"].nbytes) for item in iter_activations(store, layer)),
+                                  BLOCK_BYTES)
 
 
 def _zarr_views(store: Path, dtype: str) -> list[View]:
@@ -317,13 +305,26 @@ def _zarr_rows(stores: list) -> Iterator[Rows]:
     for zarr in stores:
         start = int(zarr.attrs["global_index_start"])
         for layer in zarr.layers:
+            yield from _sample_blocks(layer, _zarr_samples(zarr, start, layer), BLOCK_BYTES // 2)
+
+
+def _zarr_samples(zarr, start: int, layer: int) -> Iterator[tuple[int, np.ndarray, int]]:
+    for i in range(zarr.n_samples):
+        vectors = zarr.read(i, layer)
+        yield start + i, vectors, vectors.nbytes
+
+
+def _sample_blocks(layer: int, samples: Iterator[tuple[int, np.ndarray, int]], limit: int) -> Iterator[Rows]:
+    """Whole samples (sample_idx, (tokens, d) rows, bytes they hold) gathered into blocks of `limit` bytes."""
+    blocks, held = [], 0
+    for sample, vectors, nbytes in samples:
+        blocks.append((sample, vectors))
+        held += nbytes
+        if held >= limit:
+            yield _sample_block(layer, blocks)
             blocks, held = [], 0
-            for i in range(zarr.n_samples):
-                blocks.append((start + i, zarr.read(i, layer)))
-                held += blocks[-1][1].nbytes
-                if held >= BLOCK_BYTES // 2 or i == zarr.n_samples - 1:
-                    yield _sample_block(layer, blocks)
-                    blocks, held = [], 0
+    if blocks:
+        yield _sample_block(layer, blocks)
 
 
 def _sample_block(layer: int, blocks: list[tuple[int, np.ndarray]]) -> Rows:
