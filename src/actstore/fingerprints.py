@@ -251,7 +251,7 @@ def _saev_views(store: Path, dtype: str) -> list[View]:
     from actstore.formats.saev import open_store
 
     saev = open_store(store)
-    dropped = frozenset(saev.sidecar.get("dropped_tokens", [])) if saev.windows is None else frozenset()
+    dropped = frozenset(saev.dropped_tokens)
     return [("saev", _saev_rows(saev, dropped), Wanted(dtype, tuple(saev.layers), dropped=dropped))]
 
 

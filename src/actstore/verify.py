@@ -91,7 +91,7 @@ def check_format(name: str, store: Path, extraction, coords,
     section = section or {}
     problems += coverage_problems(name, store, info, extraction, section)
     to_stored = reference_dtype(info.get("dtype", "float32"))
-    dropped = set(open_store(store).sidecar.get("dropped_tokens", [])) if name == "saev" else set()
+    dropped = set(open_store(store).dropped_tokens) if name == "saev" else set()
     checked, not_stored, why, missing, latencies_us = 0, 0, set(), [], []
     for sample_idx, layer, token in coords:
         started = time.perf_counter()
@@ -256,7 +256,7 @@ def _saev_samples(store: Path, info: dict[str, Any], tokens: np.ndarray, section
     windows = saev.windows
     if windows is None:
         problems = _count_problem(store, "examples", info["n_examples"], len(tokens))
-        held = np.full(len(tokens), saev.T + len(saev.sidecar.get("dropped_tokens", [])), np.int64)
+        held = np.full(len(tokens), saev.T + len(saev.dropped_tokens), np.int64)
         return problems or _token_problem(store, "tokens per example", held, tokens)
     inside = (windows[:, 0] >= 0) & (windows[:, 0] < len(tokens))
     held = np.bincount(windows[inside, 0], weights=windows[inside, 2], minlength=len(tokens)).astype(np.int64)

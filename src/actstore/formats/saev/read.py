@@ -104,6 +104,12 @@ class SaevStore:
         return len(self.layers)
 
     @property
+    def dropped_tokens(self) -> list[int]:
+        """The extracted token positions the store leaves out (actstore.json, checked when opened): an
+        upstream image store's registers after CLS; none for a spec store or one saev wrote."""
+        return self.sidecar.get("dropped_tokens", [])
+
+    @property
     def patches_per_ex(self) -> int:
         return self.metadata["patches_per_ex"]
 
@@ -284,7 +290,7 @@ class SaevStore:
         """(example, token) holding token `token_idx` of dataset row `sample_idx`, or None."""
         windows = self.windows
         if windows is None:
-            dropped = self.sidecar.get("dropped_tokens", [])  # an upstream store's register tokens
+            dropped = self.dropped_tokens
             if token_idx in dropped:
                 return None
             token_idx -= sum(1 for t in dropped if t < token_idx)
