@@ -24,7 +24,8 @@ from actstore.extract.inputs import (TokenIds, check_vocabulary, default_workers
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
-from actstore.formats.extract import PartWriter, layer_tensor, tensor_file, write_part
+from actstore.formats.extract import (NON_FINITE_KEY, OVERFLOW_KEY, PartWriter, layer_tensor, tensor_file,
+                                      write_part)
 from actstore.formats.lmprobe import check_dataset_labels
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_logits_topk, check_sequence_length, config_int,
@@ -128,10 +129,10 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
         writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets, hash_threads=cpus)
-        overflow, waited = extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids,
-                                           writer, TORCH_DTYPES[storage_dtype(config)],
-                                           tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
-                                                disable=not progress), cpus)
+        counts, waited = extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids,
+                                         writer, TORCH_DTYPES[storage_dtype(config)],
+                                         tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
+                                              disable=not progress), cpus)
         waited["startup_seconds"] = round(started - began, 3)
         waited["startup_steps"] = steps
         log.info("part %d: %.2f s of startup, then %d batches in %.2f s; waited %.2f s for inputs and %.2f s for a "
@@ -139,9 +140,13 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
                  "the main thread %.2f s of CPU", part, waited["startup_seconds"], len(batches),
                  waited["batches_seconds"], waited["input_wait_seconds"], waited["staging_wait_seconds"],
                  waited["busiest_writer_seconds"], waited["forward_seconds"], waited["main_thread_cpu_seconds"])
-        if overflow:
+        if overflow := counts.get(OVERFLOW_KEY):
             log.warning("part %d: %d finite activations beyond +-65504 are stored as +-inf (storage dtype "
                         "float16; extract.storage_dtype bfloat16 or float32 keeps them)", part, overflow)
+        if non_finite := counts.get(NON_FINITE_KEY):
+            log.warning("part %d: %d activations the model computed are NaN or +-inf, stored as computed (part.json "
+                        "%s; in float16, model.torch_dtype bfloat16 or float32 may avoid them)", part, non_finite,
+                        NON_FINITE_KEY)
         truncated = None if token_ids is None else token_ids.truncated
         if truncated:
             log.warning("part %d: %d of %d texts were longer than extract.max_seq_length %d; their first %d "
@@ -154,8 +159,7 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             # transformers picks a processor's backend by what is installed (torchvision, else PIL),
             # and the two differ in the pixels: which one ran is on record.
             "image_processor": type(preprocessor).__name__ if vision else None,
-            "extraction_duration_seconds": time.perf_counter() - started, "extraction_waits": waited} | (
-            {"float16_overflow_count": overflow} if overflow else {}) | (
+            "extraction_duration_seconds": time.perf_counter() - started, "extraction_waits": waited} | counts | (
             {} if token_ids is None else {"n_truncated_samples": truncated}))
     log.info("part %d: %d samples, %d tokens -> %s", part, meta["n_samples"], meta["n_tokens"], out_dir)
     return meta
@@ -182,10 +186,12 @@ def writer_threads(ext: dict[str, Any], cpus: int) -> int:
 
 def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[tuple[list[int], dict]],
                     lengths: list[int], token_ids: TokenIds | None, writer: PartWriter,
-                    dtype: torch.dtype, bar: tqdm, cpus: int) -> tuple[int, dict[str, float]]:
+                    dtype: torch.dtype, bar: tqdm, cpus: int) -> tuple[dict[str, int], dict[str, float]]:
     """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline.
-    Returns how many finite activations overflowed to +-inf in a float16 storage dtype, counted on
-    the device and read once at the end (no sync per batch), and where the run waited (waits)."""
+    Returns the part's counts that are not zero, counted on the device and read once at the end (no
+    sync per batch): the finite activations a float16 storage dtype overflowed to +-inf
+    (OVERFLOW_KEY), the activations the model computed as NaN or +-inf (NON_FINITE_KEY); and where
+    the run waited (waits)."""
     logprobs = TokenLogprobs(loaded) if ext["token_logprobs"] and loaded.kind == "causal" else None
     started, arriving = time.perf_counter(), iter(batches)
     spent = dict.fromkeys(("input_wait", "forward", "pack", "submit"), 0.0)  # the main thread's wall seconds
@@ -196,6 +202,7 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
         # Counted for a float16 model too: a module it keeps in float32 (T5's `wo`) makes its block
         # outputs float32, and those can pass float16's range where the model's own tensors cannot.
         overflow = torch.zeros((), dtype=torch.int64, device=loaded.device) if dtype == torch.float16 else None
+        non_finite = torch.zeros((), dtype=torch.int64, device=loaded.device)
         while True:
             asked = time.perf_counter()
             if (item := next(arriving, None)) is None:
@@ -212,7 +219,7 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
                 check_shapes(captured, ext["layers"], ext["hooks"], loaded, len(batch), batch_width(inputs, rows))
                 packing = time.perf_counter()
                 packed = pack_batch(loaded, inputs, output, captured, rows, token_ids, dtype, ext["logits_topk"],
-                                    logprobs, overflow)
+                                    logprobs, overflow, non_finite)
             except torch.OutOfMemoryError as exc:
                 raise ConfigError(out_of_memory(loaded, ext, rows, token_ids is None)) from exc
             submitting = time.perf_counter()
@@ -225,9 +232,9 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             spent["forward"] += packing - forwarded
             spent["pack"] += submitting - packing
             spent["submit"] += time.perf_counter() - submitting
-        overflow = 0 if overflow is None else int(overflow)
+        counts = {OVERFLOW_KEY: 0 if overflow is None else int(overflow), NON_FINITE_KEY: int(non_finite)}
         spent["main_cpu"] = time.thread_time() - cpu_started
-    return overflow, waits(time.perf_counter() - started, spent, pipeline)
+    return {key: n for key, n in counts.items() if n}, waits(time.perf_counter() - started, spent, pipeline)
 
 
 def batch_width(inputs: dict[str, torch.Tensor], rows: BatchRows) -> int:
@@ -267,11 +274,13 @@ def waits(batches_s: float, spent: dict[str, float], pipeline: WritePipeline) ->
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
                captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: TokenIds | None,
                dtype: torch.dtype, topk: int, logprobs: TokenLogprobs | None = None,
-               overflow: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+               overflow: torch.Tensor | None = None, non_finite: torch.Tensor | None = None,
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
     order and per-sample rows. Log-probs (when `logprobs`) and top-k for all rows at once (no per-row
     device sync).
-    `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf."""
+    `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf;
+    `non_finite` the NaN and +-inf values the model computed."""
     width = next(iter(captured.values())).shape[1]
     keep_host = np.flatnonzero(np.arange(width) < rows.n_tokens[:, None])  # row j's tokens at j * width + t
     keep = host_to_device(torch.from_numpy(keep_host), loaded.device)
@@ -280,8 +289,11 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     for name, tensor in captured.items():
         computed = packed(tensor, keep)
         tokens[tensor_file(name)] = stored = computed.to(dtype)
+        finite = computed.isfinite() if overflow is not None or non_finite is not None else None
+        if non_finite is not None:
+            non_finite.add_(finite.numel() - finite.sum())
         if overflow is not None and computed.dtype != dtype:  # a float16 tensor's infs are the model's own
-            overflow.add_((stored.isinf() & computed.isfinite()).sum())
+            overflow.add_((stored.isinf() & finite).sum())
     per_row: dict[str, torch.Tensor] = {}
     if token_ids is not None:
         tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))

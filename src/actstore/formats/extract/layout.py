@@ -30,6 +30,9 @@ PART_META = "part.json"
 INDEX = "extract.json"  # beside the parts: every part's directory and part.json sha256
 FORMAT_NAME = "actstore-part"
 FORMAT_VERSION = 2
+# part.json counts, present only where not zero (a part with none keeps the bytes it had before them)
+OVERFLOW_KEY = "float16_overflow_count"  # finite activations a float16 storage dtype turned into +-inf
+NON_FINITE_KEY = "non_finite_count"  # activations the model itself computed as NaN or +-inf
 
 
 def layer_tensor(layer_idx: int) -> str:
