@@ -46,7 +46,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.saev.layout import DTYPE, groups_and_ranks
+from actstore.formats.saev.layout import DTYPE, LABELS, groups_and_ranks
 from actstore.formats.saev.read import SaevStore
 from actstore.integrity import memory_budget, open_files_budget, whole_number
 from actstore.io_utils import pread_into
@@ -88,6 +88,8 @@ class ShuffledActivations(IterableDataset):
         # Resolved once: each __iter__ (each DataLoader worker) reopens this store, even after the working
         # directory changed (a relative path named another store, or none) or a saev.json was re-pointed.
         self.path = store.dir
+        # The blocks, layer offsets and buffer sizes below are planned from this store's layout.
+        self._layout = (store.file_metadata, store.shards)
         if layers is not None and not isinstance(layers, Iterable):
             raise ConfigError(f"layers={layers!r} must be a list of stored layers {list(store.layers)}, or None")
         self.layers = list(layers) if layers is not None else list(store.layers)
@@ -148,6 +150,16 @@ class ShuffledActivations(IterableDataset):
             raise ConfigError(f"epoch={epoch!r} must be a whole number >= 0")
         self._epoch.fill_(epoch)
 
+    def _reopened(self) -> SaevStore:
+        """The store again, refused when the files at its path now describe another one (a store written
+        over it): blocks planned from the old layout yielded part of a larger store as a whole epoch, and
+        failed on a smaller one with a bare IndexError."""
+        store = SaevStore(self.path)
+        if (store.file_metadata, store.shards) != self._layout:
+            raise FormatError(f"{store.dir}: changed since this loader was made (its metadata.json or "
+                              "shards.json differ); make a new ShuffledActivations for the store there now")
+        return store
+
     def _runs(self, store: SaevStore, block_bytes: int) -> np.ndarray:
         """(n_runs, 2) first example, n examples: runs of block_examples inside one shard, a partition
         of every example. Block b is token chunk b % chunks_per_example of run b // chunks_per_example.
@@ -173,7 +185,7 @@ class ShuffledActivations(IterableDataset):
         workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
         return order[self.rank * workers + worker::self.world_size * workers]
 
-    def _plan(self, store: SaevStore, labels: np.ndarray | None, ids: np.ndarray, n_carry: int,
+    def _plan(self, store: SaevStore, labels: Path | None, ids: np.ndarray, n_carry: int,
               rng: np.random.Generator, acts: np.ndarray) -> tuple[_Fill, _Blocks]:
         """Where every vector of blocks `ids` goes: vector i in (block, example, token) order to row
         rows[i] of the buffer (-1: not kept: CLS off, padding, label filter), after the n_carry rows
@@ -197,7 +209,7 @@ class ShuffledActivations(IterableDataset):
         offsets = (first - store.starts[shard]) * store.example_bytes + tok_lo * store.D * DTYPE.itemsize
         return buf, _Blocks(shard, offsets, n_ex, n_tok, rows, np.cumsum(counts) - counts)
 
-    def _kept(self, store: SaevStore, labels: np.ndarray | None, ex: np.ndarray, tok: np.ndarray) -> np.ndarray:
+    def _kept(self, store: SaevStore, labels: Path | None, ex: np.ndarray, tok: np.ndarray) -> np.ndarray:
         """Which of the (example, token) pairs are yielded (labels: the store's labels.bin)."""
         keep = np.ones(len(ex), dtype=bool)
         cls = int(store.metadata["cls_token"])
@@ -207,8 +219,18 @@ class ShuffledActivations(IterableDataset):
             keep &= tok < store.windows[ex, 2]
         if self.keep_labels is not None:
             patch = tok >= cls
-            keep[patch] &= np.isin(labels[ex[patch], tok[patch] - cls], self.keep_labels)
+            examples, row = np.unique(ex[patch], return_inverse=True)
+            values = _label_rows(labels, examples, store.patches_per_ex)[row, tok[patch] - cls]
+            keep[patch] &= np.isin(values, self.keep_labels)
         return keep
+
+    def _labels_path(self, store: SaevStore) -> Path | None:
+        """labels.bin when keep_labels filters by it, its size checked as each epoch begins (SaevStore.labels)."""
+        if self.keep_labels is None:
+            return None
+        if store.labels() is None:  # a store written over this one since the loader was made
+            raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
+        return store.dir / LABELS
 
     def _fill(self, store: SaevStore, shards: "_ShardFiles", acts: np.ndarray, blocks: "_Blocks",
               scratch: SimpleQueue) -> None:
@@ -245,7 +267,7 @@ class ShuffledActivations(IterableDataset):
             acts[rows[rows >= 0]] = data.transpose(0, 2, 1, 3).reshape(ne * nt, -1, store.D)[rows >= 0]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        store = SaevStore(self.path)  # per worker: its own file descriptors
+        store = self._reopened()  # per worker: its own file descriptors
         info, epoch = get_worker_info(), self.epoch  # read once: set_epoch may run meanwhile
         rng = np.random.default_rng([self.seed, epoch, 0 if info is None else info.id + 1])
         nl, squeeze, size = len(self.layer_idx), len(self.layers) == 1, self.batch_size
@@ -257,7 +279,7 @@ class ShuffledActivations(IterableDataset):
         pool = self.__dict__.setdefault("_pool", [])  # kept across epochs, per process
         if pool and pool[0].shape != shape:
             pool.clear()
-        labels = store.labels() if self.keep_labels is not None else None
+        labels = self._labels_path(store)
         shards = _ShardFiles(store)
         fill = ThreadPoolExecutor(max_workers=self.fill_threads)
         scratch: SimpleQueue = SimpleQueue()  # one read buffer per fill thread, reused: it stays in cache
@@ -299,6 +321,26 @@ class ShuffledActivations(IterableDataset):
         finally:
             fill.shutdown(wait=True, cancel_futures=True)
             shards.close()
+
+
+def _label_rows(path: Path, examples: np.ndarray, width: int) -> np.ndarray:
+    """labels.bin's rows of `examples` (sorted, unique), read, never mapped: a file cut short during
+    the epoch is named (reading a map of it killed the process with SIGBUS). Runs of consecutive
+    examples are read at once: a buffer's blocks are whole runs or token chunks of single examples."""
+    out = np.empty((len(examples), width), dtype=np.uint8)
+    if not len(examples):  # a buffer of CLS tokens only
+        return out
+    breaks = (np.flatnonzero(np.diff(examples) != 1) + 1).tolist()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for lo, hi in zip([0, *breaks], [*breaks, len(examples)]):
+            offset = int(examples[lo]) * width
+            if pread_into(fd, out[lo:hi], offset) < out[lo:hi].nbytes:
+                raise FormatError(f"{path}: ends at byte {os.fstat(fd).st_size}, before byte "
+                                  f"{offset + out[lo:hi].nbytes} of the labels read; was it truncated or purged?")
+    finally:
+        os.close(fd)
+    return out
 
 
 def _label_values(keep_labels: Iterable[int]) -> np.ndarray:

@@ -179,8 +179,15 @@ class SaevStore:
                     f"({shard['n_examples']} x {self.L} x {self.T} x {self.D} float32)")
         return None
 
+    def _check_integer(self, what: str, value: object) -> None:
+        """TypeError naming `value` unless it is an int (numpy's too): a bool is 1 to every range and
+        `in` check, and 1.0 matched layer 1, so True read example 1; other floats failed naming nothing."""
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):  # negatives: the range check
+            raise TypeError(f"{self.dir}: {what} {value!r:.40} is not an integer")
+
     def layer_index(self, layer: int) -> int:
         """Spec §4.2 step 2: a layer not stored is an error naming the stored layers."""
+        self._check_integer("layer", layer)
         if layer not in self.layers:
             raise FormatError(f"{self.dir}: layer {layer} not stored; stored layers are {self.layers}")
         return self.layers.index(layer)
@@ -188,14 +195,16 @@ class SaevStore:
     def _check_example(self, example: int) -> None:
         """IndexError naming the store unless `example` is one of its examples: example(-1) mapped a
         shard named acts-00001.bin (FileNotFoundError), one past the end a bare IndexError."""
+        self._check_integer("example", example)
         if not 0 <= example < self.n_examples:
             raise IndexError(f"{self.dir}: example {example} out of range [0, {self.n_examples})")
 
     def locate(self, example: int, layer: int, token: int) -> tuple[Path, int]:
         """Spec §4.2: (shard file, byte offset) of vector [example, layer value, token]."""
         self._check_example(example)
+        self._check_integer("token", token)
         if not 0 <= token < self.T:
-            raise IndexError(f"token {token} out of range [0, {self.T})")
+            raise IndexError(f"{self.dir}: token {token} out of range [0, {self.T})")
         s = self.examples_per_shard
         shard_idx, ex_in_shard = divmod(example, s)
         offset_in_vectors = ex_in_shard * self.L * self.T + self.layer_index(layer) * self.T + token
@@ -217,14 +226,28 @@ class SaevStore:
         short after it is mapped kills the process on access (SIGBUS, as any memory map); the other
         readers name it instead. Each map holds a file descriptor, so past open_files_budget() the least
         recently used one is let go (an array handed out stays valid) and mapped again when next asked:
-        reading every example of a store of more shards than the open-file limit failed with EMFILE."""
-        if shard_idx not in self._maps:
-            self._maps[shard_idx] = np.memmap(self.dir / shard_name(shard_idx), dtype=DTYPE, mode="r",
-                                              shape=(self.shards[shard_idx]["n_examples"], self.L, self.T, self.D))
-            if len(self._maps) > open_files_budget():
-                self._maps.popitem(last=False)
-        self._maps.move_to_end(shard_idx)
-        return self._maps[shard_idx]
+        reading every example of a store of more shards than the open-file limit failed with EMFILE.
+        A shard cut short (or gone) since the store was opened is named before it is mapped: numpy
+        refused it with "mmap length is greater than file size", naming no file. Threads may read at
+        once: the map returned is held here, since another thread may let it go from _maps meanwhile."""
+        mapped = self._maps.get(shard_idx)
+        if mapped is None:
+            if problem := self.shard_problem(shard_idx):
+                raise FormatError(problem)
+            mapped = np.memmap(self.dir / shard_name(shard_idx), dtype=DTYPE, mode="r",
+                               shape=(self.shards[shard_idx]["n_examples"], self.L, self.T, self.D))
+            self._maps[shard_idx] = mapped
+            while len(self._maps) > open_files_budget():
+                try:
+                    self._maps.popitem(last=False)
+                except KeyError:  # emptied by the other threads letting maps go
+                    break
+        else:
+            try:
+                self._maps.move_to_end(shard_idx)
+            except KeyError:  # let go by another thread since: it is mapped again when next asked
+                pass
+        return mapped
 
     def example(self, example: int) -> np.ndarray:
         """(L, T, D) view of one example through the shard memmap."""
@@ -288,6 +311,8 @@ class SaevStore:
 
     def find(self, sample_idx: int, token_idx: int) -> tuple[int, int] | None:
         """(example, token) holding token `token_idx` of dataset row `sample_idx`, or None."""
+        self._check_integer("sample_idx", sample_idx)
+        self._check_integer("token_idx", token_idx)
         windows = self.windows
         if windows is None:
             dropped = self.dropped_tokens
