@@ -167,3 +167,17 @@ def test_labels_filter_buffers_of_single_tokens(tmp_path):
     loader = ShuffledActivations(store_dir, batch_size=2, seed=0, block_bytes=1, buffer_blocks=1, keep_labels=[2])
     want = [(e, 0) for e in range(n)] + [(int(e), int(p) + 1) for e, p in zip(*np.nonzero(labels == 2))]
     assert sorted(_epoch_rows(loader)) == sorted(want)
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"layers": [0, 0]}, r"layers=\[0, 0\] names a layer twice"),
+    ({"include_cls": "no"}, r"include_cls='no' and drop_last=False must be True or False"),
+    ({"drop_last": 1}, r"include_cls=True and drop_last=1 must be True or False"),
+])
+def test_a_layer_twice_or_a_flag_that_is_not_a_bool_is_refused(tmp_path, options, named):
+    """layers=[0, 0] yielded layer 0 twice in every batch, as two layers; include_cls="no" kept CLS."""
+    from actstore.errors import ConfigError
+
+    store = saev.open_store(synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=3))
+    with pytest.raises(ConfigError, match=named):
+        ShuffledActivations(store.dir, **options)

@@ -103,6 +103,10 @@ class ShuffledActivations(IterableDataset):
         if not self.layers:
             raise ConfigError(f"{store.dir}: layers=[] asks for no layer; pass None for every stored one "
                               f"{list(store.layers)}")
+        if len(set(self.layers)) != len(self.layers):  # each batch held the layer twice, as two layers
+            raise ConfigError(f"{store.dir}: layers={self.layers} names a layer twice")
+        if not (isinstance(include_cls, bool) and isinstance(drop_last, bool)):  # "no" was taken for True
+            raise ConfigError(f"include_cls={include_cls!r} and drop_last={drop_last!r} must be True or False")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
         self.include_cls, self.fill_threads = include_cls, fill_threads
         if not whole_number(seed):  # numpy's seeding refuses it naming nothing, at the first batch
