@@ -14,7 +14,9 @@ rounding error is measured against. Its memory is fixed (at most MAX_CELLS sums,
 size); a difference is located to a layer and a range of samples, which the sampled check then reads.
 A single value changed by less than ~1e-9 of its range's scale is below the tolerance: a damaged byte is
 the sha256's to find, a misplaced row this check's. A row whose product is NaN or infinite (a value the
-model computed) is summed apart, by its kind, so it blinds neither its range's other rows nor itself.
+model computed) is also folded in apart, as a hash of its sample, token and kind summed mod 2**64
+(exact in any order), and its finite values with the other rows', so it blinds neither its range's
+other rows nor itself.
 """
 from __future__ import annotations
 
@@ -39,11 +41,15 @@ TOLERANCE = 1e-9  # of a range's scale: float64 dot products of d <= 65536 terms
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
+def mixed(values: np.ndarray, salt: int) -> np.ndarray:
+    """Fixed irregular uint64s, one for each of `values` (non-negative integers)."""
+    out = (values.astype(np.uint64) + np.uint64(salt)) * GOLDEN
+    return out ^ (out >> np.uint64(29))
+
+
 def weights(values: np.ndarray, salt: int) -> np.ndarray:
     """Fixed irregular weights in [1, 2), one for each of `values` (non-negative integers)."""
-    mixed = (values.astype(np.uint64) + np.uint64(salt)) * GOLDEN
-    mixed ^= mixed >> np.uint64(29)
-    return 1.0 + (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return 1.0 + (mixed(values, salt) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 @dataclass
@@ -60,7 +66,8 @@ class Fingerprint:
         self.range_size = max(1, -(-self.n_samples // per_layer))
         n_ranges = max(1, -(-self.n_samples // self.range_size))
         shape = (len(self.layers), n_ranges)
-        self.sums, self.scales, self.specials = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+        self.sums, self.scales = np.zeros(shape), np.zeros(shape)
+        self.specials = np.zeros(shape, np.uint64)  # exact: a sum mod 2**64, order-free at any row count
         self.counts = np.zeros(shape, np.int64)
         self._position = {layer: i for i, layer in enumerate(self.layers)}
 
@@ -74,17 +81,19 @@ class Fingerprint:
         ranges = np.clip(samples // self.range_size, 0, size - 1)
         dots = vectors.astype(np.float64) @ self.direction
         special = ~np.isfinite(dots)
-        if special.any():  # a NaN or inf the model computed: its row apart, the range's other rows still summed
-            kinds = np.where(np.isnan(dots), 1.0, np.where(dots > 0, 2.0, 3.0))
-            self.specials[at] += np.bincount(ranges[special], (weight * kinds)[special], size)
-            dots[special] = 0.0
+        if special.any():  # a NaN or inf the model computed: its row's kind apart, its finite values still summed
+            kinds = np.where(np.isnan(dots), 1, np.where(dots > 0, 2, 3))[special]
+            row = mixed(mixed(samples[special], 2) ^ tokens[special].astype(np.uint64), 3)
+            np.add.at(self.specials[at], ranges[special], mixed(row ^ kinds.astype(np.uint64), 4))
+            vectors = vectors.copy()  # the caller's block left as it is
+            vectors[special] = np.nan_to_num(vectors[special], nan=0.0, posinf=0.0, neginf=0.0)
+            dots[special] = vectors[special].astype(np.float64) @ self.direction
         self.sums[at] += np.bincount(ranges, weight * dots, size)
         self.counts[at] += np.bincount(ranges, minlength=size)
         if self.scaled:  # float32 is precise enough for a tolerance's scale, and 5x faster
             magnitude = np.abs(vectors, dtype=np.float32) @ np.abs(self.direction).astype(np.float32)
-            if not np.isfinite(magnitude).all():  # float32 overflowed, or a special row (scale 0: not summed)
+            if not np.isfinite(magnitude).all():  # float32 overflowed: an inf scale would pass any sum
                 magnitude = np.abs(vectors.astype(np.float64)) @ np.abs(self.direction)
-                magnitude[special] = 0.0
             self.scales[at] += np.bincount(ranges, weight * magnitude, size)
 
     def differences(self, other: Fingerprint, where: str) -> list[str]:
@@ -97,9 +106,9 @@ class Fingerprint:
                 span = f"samples {first}..{min(first + self.range_size, self.n_samples) - 1}"
                 mine, theirs = self.counts[at, index], other.counts[at, index]
                 what = (f"holds {mine} rows, the extraction {theirs}" if mine != theirs else
-                        f"holds its NaN or inf rows elsewhere than the extraction (weighted sum "
-                        f"{self.specials[at, index]:.9g}, the extraction's {other.specials[at, index]:.9g})"
-                        if not _same_specials(self.specials[at, index], other.specials[at, index]) else
+                        f"holds its NaN or inf rows elsewhere than the extraction (their hash sum "
+                        f"{int(self.specials[at, index]):#x}, the extraction's {int(other.specials[at, index]):#x})"
+                        if self.specials[at, index] != other.specials[at, index] else
                         f"holds other vectors than the extraction's (weighted sum {self.sums[at, index]:.9g}, "
                         f"the extraction's {other.sums[at, index]:.9g})")
                 problems.append(f"{where}: layer {layer}, {span}: {what}")
@@ -108,15 +117,11 @@ class Fingerprint:
 
 def _differing(mine: Fingerprint, theirs: Fingerprint, at: int) -> np.ndarray:
     """Range indices of layer row `at` whose counts differ, whose sums differ past the tolerance, or
-    whose rows of a NaN or inf (their kind, sample and token) differ: each side adds the same weights
-    in another order, so those sums agree to a few float64 roundings."""
+    whose rows of a NaN or inf (their kind, sample and token) differ: hashes summed mod 2**64, equal
+    in any order."""
     close = np.abs(mine.sums[at] - theirs.sums[at]) <= TOLERANCE * theirs.scales[at]
-    same = _same_specials(mine.specials[at], theirs.specials[at])
+    same = mine.specials[at] == theirs.specials[at]
     return np.flatnonzero((mine.counts[at] != theirs.counts[at]) | ~(close & same))
-
-
-def _same_specials(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.abs(a - b) <= 1e-12 * np.maximum(a, b)
 
 
 @dataclass(frozen=True)
