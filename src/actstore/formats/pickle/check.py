@@ -198,6 +198,11 @@ def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
     return problems
 
 
+def layer_item_problems(name: Path, key: str, items: Any, num_samples: int, meta: dict[str, Any]) -> list[str]:
+    """verify's check of one layer's items in shard `name` (the readers run it on each shard they load)."""
+    return _verify_items(name, key, items, num_samples, _width(meta), _unpadded(meta))
+
+
 def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any, unpadded: bool) -> list[str]:
     """One layer's item list: its length, each item's fields, activation dtype/shape (`width` columns:
     the d_model metadata.json states), token_count (_token_count_fits) and preview."""

@@ -19,7 +19,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.pickle.layout import CHECKSUM_PREFIX, METADATA, is_shard_name, layer_key
 from actstore.formats.pickle.unpickler import safe_loads
-from actstore.integrity import inside, read_json, read_sized, whole_number
+from actstore.integrity import inside, read_json, read_sized, refuse, whole_number
 
 # What a hostile or broken shard can raise from decompression or the restricted unpickler. numpy's
 # ndarray.__setstate__ raises SystemError or RuntimeError on a dtype that a BUILD state altered after
@@ -74,17 +74,18 @@ def load_shard(output_dir: str | Path, info: dict[str, Any],
     return shard
 
 
-def _layer_items(output_dir: str | Path, info: dict[str, Any], shard: dict[str, list[dict]],
-                layer_idx: int) -> list[dict]:
-    """The items of a layer the shard's metadata entry lists: FormatError naming the shard unless they
-    are a list of its num_samples. The checksum only proves these are the bytes the writer wrote: a
-    layer it left out would be skipped in silence, and a short list serve too few samples."""
+def _layer_items(output_dir: str | Path, meta: dict[str, Any], info: dict[str, Any],
+                 shard: dict[str, list[dict]], layer_idx: int) -> list[dict]:
+    """The items of a layer the shard's metadata entry lists, checked as verify checks them (check's
+    _verify_items): FormatError naming the shard unless they are a list of its num_samples, each with
+    the spec's fields and a (tokens, d_model) float32 activation. The checksum only proves these are the
+    bytes the writer wrote: a layer it left out was skipped in silence, a short list served too few
+    samples, an item without text_preview was a bare KeyError, a 1-D activation served as a sample."""
+    from actstore.formats.pickle.check import layer_item_problems  # check imports this module
+
     key = layer_key(layer_idx)
     items = shard.get(key)
-    if not isinstance(items, list) or len(items) != info["num_samples"]:
-        found = f"{len(items)} items" if isinstance(items, list) else f"a {type(items).__name__}"
-        raise FormatError(f"{shard_path(output_dir, info)}: {key} holds {found}, {METADATA} says "
-                          f"num_samples={info['num_samples']}")
+    refuse(layer_item_problems(shard_path(output_dir, info), key, items, info["num_samples"], meta))
     return items
 
 
@@ -96,17 +97,19 @@ def stored_metadata(output_dir: str | Path, layer_idx: int) -> dict[str, Any]:
 
     meta = checked_metadata(output_dir)
     layers = meta["extraction_config"]["layers_extracted"]
-    if layer_idx not in layers:
+    # False == 0 and 2.0 == 2 passed `in`, then no shard held "layer_False": an intact shard was named damaged
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) or layer_idx not in layers:
         raise FormatError(f"{output_dir}: layer {layer_idx!r} not stored; layers are {layers}")
     return meta
 
 
 def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[str, Any]]:
     """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time."""
-    for info in stored_metadata(output_dir, layer_idx)["shards"]:
+    meta = stored_metadata(output_dir, layer_idx)
+    for info in meta["shards"]:
         if layer_idx not in info["layers"]:
             continue
-        items = _layer_items(output_dir, info, load_shard(output_dir, info), layer_idx)
+        items = _layer_items(output_dir, meta, info, load_shard(output_dir, info), layer_idx)
         yield from items
         del items
 
@@ -134,6 +137,8 @@ class SampleIndex(Sequence):
         return self.ends[-1] if self.ends else 0
 
     def __getitem__(self, idx: int) -> tuple[int, int]:
+        if isinstance(idx, bool):  # operator.index(True) is 1: sample 1 was served for True
+            raise TypeError(f"sample index {idx!r} is a bool, not an integer")
         n, idx = len(self), operator.index(idx)
         if not -n <= idx < n:
             raise IndexError(f"sample index {idx} out of range for {n} samples")
@@ -169,7 +174,8 @@ class ActivationDataset:
             self.current_shard, self.current_shard_id = None, None
             info = self.shards[shard_id]
             shard = load_shard(self.output_dir, info)
-            _layer_items(self.output_dir, info, shard, self.layer_idx)  # the index assumed num_samples items
+            # the index assumed num_samples items, and each is served as one
+            _layer_items(self.output_dir, self.metadata, info, shard, self.layer_idx)
             self.current_shard, self.current_shard_id = shard, shard_id
         item = self.current_shard[self.layer_key][item_idx]
         return {"activation": item["activation"], "sample_idx": item["sample_idx"], "text": item["text_preview"]}

@@ -65,9 +65,9 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
     if layer_idx not in reader.layers:
         return None
     # a single store (a shard) holds rows from its global_index_start on: row 15 of a shard starting
-    # at 15 was read as its local sample 15, another row's or none
-    start = reader.attrs["global_index_start"] if isinstance(reader, ZarrStore) else 0
-    x = reader.read(sample_idx - start, layer_idx)
+    # at 15 was read as its local sample 15, another row's or none; True (== 1) as row 1
+    store, local = reader.locate(sample_idx)
+    x = store.read(local, layer_idx)
     if not 0 <= token_idx < x.shape[0]:
         raise IndexError(f"{path}: token {token_idx} out of range [0, {x.shape[0]}) for sample {sample_idx}")
     return x[token_idx].astype(np.float32)

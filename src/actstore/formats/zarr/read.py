@@ -90,6 +90,7 @@ class ZarrStore:
         if self.seq_len.shape != (self.n_samples,) or (self.seq_len > self.t_max).any() or (self.seq_len < 0).any():
             raise FormatError(f"{self.path}/arrays/seq_len: values outside [0, T_max={self.t_max}] or wrong length")
         self._acts = str(self.path / ACTS)
+        self._root = os.path.realpath(self.path) + os.sep  # what every chunk opened must lie under
         self._seq: list[int] = self.seq_len.tolist()  # Python ints: cheaper than numpy scalars per read
 
     def _meta(self, key: str) -> dict[str, Any]:
@@ -144,16 +145,18 @@ class ZarrStore:
         """A 1-D per-sample array (seq_len, sample_key, ...) read raw after validating its .zarray."""
         dtype, chunk = self._vector_layout(name)
         source = f"{self.path}/arrays/{name}/.zarray"
-        parts = [np.frombuffer(read_sized(self.path / key, chunk * dtype.itemsize, source), dtype=dtype)
+        parts = [np.frombuffer(read_sized(inside(self.path, key, source), chunk * dtype.itemsize, source), dtype=dtype)
                  for key in self.vector_chunk_names(name)]
         out = np.concatenate(parts)[: self.n_samples] if parts else np.zeros(0, dtype)
         return out.astype(dtype.newbyteorder("="))
 
-    def vector_chunk_names(self, name: str) -> list[str]:
+    def vector_chunk_names(self, name: str) -> Iterator[str]:
         """The chunk files of 1-D array `name`, relative to the store: what vector() reads, and what the
-        merge checks against files.json before it copies them."""
+        merge checks against files.json before it copies them. Its .zarray is checked now, the names
+        made one at a time: a .zattrs claiming 10^12 samples made a list of them (memory without end)
+        before the first chunk, missing, was found."""
         _, chunk = self._vector_layout(name)
-        return [f"arrays/{name}/{c}" for c in range(math.ceil(self.n_samples / chunk))]
+        return (f"arrays/{name}/{c}" for c in range(math.ceil(self.n_samples / chunk)))
 
     def _vector_layout(self, name: str) -> tuple[np.dtype, int]:
         """dtype and samples per chunk of 1-D array `name`, from its validated .zarray."""
@@ -178,6 +181,14 @@ class ZarrStore:
             return self._layer_pos[_integer(layer, "layer", self.path)]
         except KeyError:
             raise FormatError(f"{self.path}: layer {layer} not stored; layers are {self.layers}") from None
+
+    def locate(self, sample_idx: int) -> tuple[ZarrStore, int]:
+        """This store and the local index of dataset row `sample_idx` (ZarrRun.locate's answer): a shard
+        holds the rows from its global_index_start on. IndexError for a row it does not hold."""
+        row, start = _integer(sample_idx, "sample_idx", self.path), self.attrs["global_index_start"]
+        if not start <= row < start + self.n_samples:
+            raise IndexError(f"{self.path}: sample_idx {row} out of range [{start}, {start + self.n_samples})")
+        return self, row - start
 
     def chunk_path(self, i: int, l: int, c: int) -> str:
         return f"{self._acts}/{i}/{l}/{c}/0"
@@ -204,12 +215,24 @@ class ZarrStore:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):  # a FIFO would block the read, a device never end
                 raise FormatError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
+            if not (opened := _opened_path(fd, path)).startswith(self._root):
+                # a chunk, or a sample's directory, linked out of the store: a file outside was read as data
+                raise FormatError(f"{path}: leads outside {self.path} (to {opened}, through a link)")
             if (size := found.st_size) != self.chunk_bytes:  # a truncated or padded chunk is corruption, not fill
                 raise FormatError(f"{path}: {size} bytes, expected {self.chunk_bytes}")
             if os.preadv(fd, [into], 0) != into.nbytes:
                 raise FormatError(f"{path}: short read")
         finally:
             os.close(fd)
+
+
+_FD_PATHS = os.path.isdir("/proc/self/fd")  # Linux names each open file's real path there
+
+
+def _opened_path(fd: int, path: str) -> str:
+    """The real path of the file open as `fd` (opened from `path`): the kernel's name for it where it
+    gives one (one system call, and no link changed after the open can deceive it), else `path` resolved."""
+    return os.readlink(f"/proc/self/fd/{fd}") if _FD_PATHS else os.path.realpath(path)
 
 
 def entry_problem(entry: Any, where: str) -> str | None:
@@ -373,9 +396,10 @@ class ZarrActivationDataset:
         import torch
         if isinstance(key, tuple):
             i, layer = key
-        else:
-            i, layer = int(key) // len(self.layers), self.layers[int(key) % len(self.layers)]
-        return torch.from_numpy(self.reader.read(int(i), int(layer)))
+        else:  # int() made a key of 1.5 or True read sample 0 or 1: it is refused as the reader refuses it
+            k = _integer(key, "key", self.path)
+            i, layer = k // len(self.layers), self.layers[k % len(self.layers)]
+        return torch.from_numpy(self.reader.read(i, layer))
 
 
 class TrainingPatternSampler:
