@@ -30,13 +30,16 @@ SAEV_HEADER_LIMIT = 1 << 20  # bytes of a saev checkpoint's JSON header line rea
 # broadcasting error when it is copied in).
 SAE_DIMS = {"encoder_weight": ("num_basis", "d_in"), "encoder_bias": ("num_basis",),
             "decoder_weight": ("num_basis", "d_in"), "decoder_bias": ("d_in",)}
+ACTSTORE_HOOK = re.compile(r"[A-Za-z0-9_.]+:(input|output)")  # a captured tensor's name (config schema: sae.hook)
 IMPORT_DIMS = {"W_enc": ("d_in", "d_sae"), "b_enc": ("d_sae",), "W_dec": ("d_sae", "d_in"), "b_dec": ("d_in",)}
 
 
-def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | None = None) -> TopKSAE:
+def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | None = None,
+               hook: str | None = None) -> TopKSAE:
     """Load a SAELens- or saev-style checkpoint (W_enc [d_in, d_sae], W_dec [d_sae, d_in], b_enc
     [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias where it is subtracted first.
-    `hook_width`: the width of the hook it will encode, which d_in must be (check_hook_width).
+    `hook_width`: the width of the hook it will encode, which d_in must be (check_hook_width); `hook`:
+    that hook, which a cfg.json naming one of actstore's hooks must name (check_saelens_hook).
 
     SAELens (safetensors, or the folder holding sae_weights.safetensors): b_dec is subtracted before encoding unless cfg.json beside the file says
     apply_b_dec_to_input: false; a cfg.json must describe an SAE that encodes as TopKSAE does
@@ -53,6 +56,8 @@ def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | No
     native = style == "saev" and is_saev_checkpoint(path)
     if not native:
         check_hook_width(path, safetensors_width(path), hook_width, "its safetensors header's W_enc shape")
+    if saelens_cfg and hook is not None:
+        check_saelens_hook(saelens_cfg[0], hook)
     header, raw = read_saev_checkpoint(path, k_active, hook_width) if native else ({}, read_safetensors(path)[1])
     missing = [key for key in IMPORT_DIMS if key not in raw]
     if missing:  # str: a saev state dict's keys need not be strings, nor sortable together
@@ -82,6 +87,21 @@ def check_hook_width(path: Path, d_in: Any, hook_width: int | None, source: str)
     if hook_width is not None and whole_number(d_in) and d_in != hook_width:
         raise ConfigError(f"sae.import.path {path}: d_in {d_in} ({source}), but the hook's width is {hook_width}: "
                           "an SAE of another model or hook")
+
+
+def check_saelens_hook(cfg_path: Path, hook: str) -> None:
+    """ConfigError naming the cfg.json and both hooks when its hook_name (metadata.hook_name from 6.0,
+    hook_name before) is one of actstore's tensor names (module:input or module:output, as the sae
+    stage's saelens/ folder records it) other than `hook`: an SAE of another layer of the same width
+    imported silently, and its LUT evaluated the encoding of tensors it never saw. A TransformerLens
+    hook name (blocks.0.hook_resid_pre) names no module of the model, and is not compared."""
+    cfg = read_json(cfg_path)
+    if not isinstance(cfg, dict):  # saelens_encoding names it
+        return
+    named = cfg_object(cfg_path, cfg, "metadata").get("hook_name", cfg.get("hook_name"))
+    if isinstance(named, str) and ACTSTORE_HOOK.fullmatch(named) and named != hook:
+        raise ConfigError(f"sae.import.path {cfg_path}: hook_name {named!r}, but sae.hook is {hook!r}: an SAE "
+                          f"trained on another tensor; set sae.hook to {named!r} (capturing it in extract.hooks)")
 
 
 def safetensors_width(path: Path) -> Any:

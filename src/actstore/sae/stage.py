@@ -21,7 +21,8 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
     split a trained SAE would get; return it and the report dict."""
     imported = sae_cfg["import"]
     arrays = tensors(extraction, hook)
-    sae = import_sae(imported["path"], imported["style"], sae_cfg["k_active"], hook_width=arrays[0].shape[1])
+    sae = import_sae(imported["path"], imported["style"], sae_cfg["k_active"], hook_width=arrays[0].shape[1],
+                     hook=hook)
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
     held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"], seed=sae_cfg["seed"])
     if imported["style"] == "saev" and held["tokens_under_k"]:

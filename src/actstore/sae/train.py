@@ -24,6 +24,7 @@ from actstore.sae.model import TopKSAE, auxk_loss, init_sae
 log = logging.getLogger(__name__)
 
 EVAL_CODE_ELEMENTS = 1 << 24  # a held-out chunk's (rows, num_basis) activations: 64 MB in float32
+ZERO_VARIANCE = 1e-12  # held-out variance at most this fraction of the mean square: none (evaluate)
 
 
 @torch.no_grad()
@@ -49,8 +50,10 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
     if n == 0:
         return {"n_tokens": 0, "fvu": None, "mse": None, "dead_fraction": None, "tokens_under_k": 0}
     total_var = sq - float((s * s).sum()) / n
-    # One token (a tiny held-out split, or eval_tokens 1) has no variance: its FVU is undefined, not err / 1e-30.
-    fvu = sq_err / max(total_var, 1e-30) if n > 1 else None
+    # Tokens without variance (one token: a tiny held-out split, or eval_tokens 1; or all equal) have an
+    # undefined FVU, not their float32 rounding error over 1e-30 (6e26). "Without": below float64's rounding
+    # of the sums it is computed from (equal tokens of a value float64 cannot hold leave ~1e-17 of sq).
+    fvu = sq_err / total_var if n > 1 and total_var > sq * ZERO_VARIANCE else None
     return {"n_tokens": n, "fvu": fvu, "mse": sq_err / (n * sae.d_in),
             "dead_fraction": float((fires == 0).float().mean()), "tokens_under_k": under_k, "fires": fires}
 
