@@ -253,7 +253,20 @@ def file_record(path: str | os.PathLike) -> dict[str, Any]:
 def whole_number(value: Any, least: int = 0) -> bool:
     """A count, from JSON or an argument: an int (numpy's too; not a bool, which Python counts as one)
     of at least `least`."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= least
+    return is_integer(value) and value >= least
+
+
+def is_integer(value: Any) -> bool:
+    """A Python or numpy integer, not a bool (True == 1 to every range and `in` check)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def read_index(value: Any, what: str, where: Path) -> int:
+    """`value`, a sample, token or layer index given to a reader, as an int; TypeError naming `where`
+    for a bool (True read index 1) or a float (1.0 matched layer 1, others failed naming nothing)."""
+    if not is_integer(value):
+        raise TypeError(f"{where}: {what} {value!r:.40} is not an integer")
+    return int(value)
 
 
 def whole_numbers(values: Any) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.pickle.layout import CHECKSUM_PREFIX, METADATA, is_shard_name, layer_key
 from actstore.formats.pickle.unpickler import safe_loads
-from actstore.integrity import inside, read_json, read_sized, refuse, whole_number
+from actstore.integrity import inside, is_integer, read_json, read_sized, refuse, whole_number
 
 # What a hostile or broken shard can raise from decompression or the restricted unpickler. numpy's
 # ndarray.__setstate__ raises SystemError or RuntimeError on a dtype that a BUILD state altered after
@@ -98,7 +98,7 @@ def stored_metadata(output_dir: str | Path, layer_idx: int) -> dict[str, Any]:
     meta = checked_metadata(output_dir)
     layers = meta["extraction_config"]["layers_extracted"]
     # False == 0 and 2.0 == 2 passed `in`, then no shard held "layer_False": an intact shard was named damaged
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) or layer_idx not in layers:
+    if not is_integer(layer_idx) or layer_idx not in layers:
         raise FormatError(f"{output_dir}: layer {layer_idx!r} not stored; layers are {layers}")
     return meta
 

@@ -15,7 +15,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, SHARDS, SIDECAR, WINDOWS,
                                           check_metadata, dropped_tokens, examples_per_shard, flavor_of,
                                           protocol_problem, shard_name, to_spec, window_problem)
-from actstore.integrity import (check_npy, file_records, inside, open_files_budget, read_json, refuse,
+from actstore.integrity import (check_npy, file_records, inside, open_files_budget, read_index, read_json, refuse,
                                 whole_number)
 from actstore.io_utils import pread_into
 
@@ -179,15 +179,9 @@ class SaevStore:
                     f"({shard['n_examples']} x {self.L} x {self.T} x {self.D} float32)")
         return None
 
-    def _check_integer(self, what: str, value: object) -> None:
-        """TypeError naming `value` unless it is an int (numpy's too): a bool is 1 to every range and
-        `in` check, and 1.0 matched layer 1, so True read example 1; other floats failed naming nothing."""
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):  # negatives: the range check
-            raise TypeError(f"{self.dir}: {what} {value!r:.40} is not an integer")
-
     def layer_index(self, layer: int) -> int:
         """Spec §4.2 step 2: a layer not stored is an error naming the stored layers."""
-        self._check_integer("layer", layer)
+        read_index(layer, "layer", self.dir)
         if layer not in self.layers:
             raise FormatError(f"{self.dir}: layer {layer} not stored; stored layers are {self.layers}")
         return self.layers.index(layer)
@@ -195,14 +189,14 @@ class SaevStore:
     def _check_example(self, example: int) -> None:
         """IndexError naming the store unless `example` is one of its examples: example(-1) mapped a
         shard named acts-00001.bin (FileNotFoundError), one past the end a bare IndexError."""
-        self._check_integer("example", example)
+        read_index(example, "example", self.dir)
         if not 0 <= example < self.n_examples:
             raise IndexError(f"{self.dir}: example {example} out of range [0, {self.n_examples})")
 
     def locate(self, example: int, layer: int, token: int) -> tuple[Path, int]:
         """Spec §4.2: (shard file, byte offset) of vector [example, layer value, token]."""
         self._check_example(example)
-        self._check_integer("token", token)
+        read_index(token, "token", self.dir)
         if not 0 <= token < self.T:
             raise IndexError(f"{self.dir}: token {token} out of range [0, {self.T})")
         s = self.examples_per_shard
@@ -311,8 +305,8 @@ class SaevStore:
 
     def find(self, sample_idx: int, token_idx: int) -> tuple[int, int] | None:
         """(example, token) holding token `token_idx` of dataset row `sample_idx`, or None."""
-        self._check_integer("sample_idx", sample_idx)
-        self._check_integer("token_idx", token_idx)
+        read_index(sample_idx, "sample_idx", self.dir)
+        read_index(token_idx, "token_idx", self.dir)
         windows = self.windows
         if windows is None:
             dropped = self.dropped_tokens

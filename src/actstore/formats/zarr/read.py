@@ -18,8 +18,8 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
                                           REQUIRED_ATTRS, VECTOR_ZARRAY, chunk_counts)
-from actstore.integrity import (TOOL_FILES, inside, read_json, read_sized, refuse, sorted_files, whole_number,
-                                whole_numbers)
+from actstore.integrity import (TOOL_FILES, inside, read_index, read_json, read_sized, refuse, sorted_files,
+                                whole_number, whole_numbers)
 
 
 def _expect(path: str, field: str, value: Any, expected: Any) -> None:
@@ -40,14 +40,6 @@ def _plain_dtype(name: Any) -> np.dtype | None:
     except TypeError:
         return None
     return dtype if dtype is not None and dtype.kind in "biufS" else None
-
-
-def _integer(value: Any, what: str, where: Path) -> int:
-    """`value`, a sample index or block given to a read, as an int: a Python or numpy integer. A bool
-    is refused (True read sample 1), and so is a float (a TypeError naming no store, or 1.0 read block 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {what} {value!r:.40} is not an integer")
-    return int(value)
 
 
 def list_store_files(store: Path) -> list[str]:
@@ -178,14 +170,14 @@ class ZarrStore:
     def layer_position(self, layer: int) -> int:
         """Position on the L axis of block `layer`; FormatError naming the stored layers if absent."""
         try:
-            return self._layer_pos[_integer(layer, "layer", self.path)]
+            return self._layer_pos[read_index(layer, "layer", self.path)]
         except KeyError:
             raise FormatError(f"{self.path}: layer {layer} not stored; layers are {self.layers}") from None
 
     def locate(self, sample_idx: int) -> tuple[ZarrStore, int]:
         """This store and the local index of dataset row `sample_idx` (ZarrRun.locate's answer): a shard
         holds the rows from its global_index_start on. IndexError for a row it does not hold."""
-        row, start = _integer(sample_idx, "sample_idx", self.path), self.attrs["global_index_start"]
+        row, start = read_index(sample_idx, "sample_idx", self.path), self.attrs["global_index_start"]
         if not start <= row < start + self.n_samples:
             raise IndexError(f"{self.path}: sample_idx {row} out of range [{start}, {start + self.n_samples})")
         return self, row - start
@@ -195,7 +187,7 @@ class ZarrStore:
 
     def read(self, i: int, layer: int) -> np.ndarray:
         """(seq_len[i], H) float16 activations of local sample i, block `layer`: only its own chunks."""
-        i = _integer(i, "sample", self.path)
+        i = read_index(i, "sample", self.path)
         if not 0 <= i < self.n_samples:
             raise IndexError(f"{self.path}: sample {i} out of range [0, {self.n_samples})")
         l = self.layer_position(layer)
@@ -335,7 +327,7 @@ class ZarrRun:
 
     def locate(self, sample_idx: int) -> tuple[ZarrStore, int]:
         """The store holding global `sample_idx` and its local index there."""
-        sample_idx = _integer(sample_idx, "sample_idx", self.path)
+        sample_idx = read_index(sample_idx, "sample_idx", self.path)
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"{self.path}: sample_idx {sample_idx} out of range [0, {self.n_samples})")
         k = bisect.bisect_right(self._starts, sample_idx) - 1  # the last of equal starts: empty shards skipped
@@ -397,7 +389,7 @@ class ZarrActivationDataset:
         if isinstance(key, tuple):
             i, layer = key
         else:  # int() made a key of 1.5 or True read sample 0 or 1: it is refused as the reader refuses it
-            k = _integer(key, "key", self.path)
+            k = read_index(key, "key", self.path)
             i, layer = k // len(self.layers), self.layers[k % len(self.layers)]
         return torch.from_numpy(self.reader.read(i, layer))
 
