@@ -273,14 +273,13 @@ def waits(batches_s: float, spent: dict[str, float], pipeline: WritePipeline) ->
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
                captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: TokenIds | None,
-               dtype: torch.dtype, topk: int, logprobs: TokenLogprobs | None = None,
-               overflow: torch.Tensor | None = None, non_finite: torch.Tensor | None = None,
-               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+               dtype: torch.dtype, topk: int, logprobs: TokenLogprobs | None, overflow: torch.Tensor | None,
+               non_finite: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
     order and per-sample rows. Log-probs (when `logprobs`) and top-k for all rows at once (no per-row
     device sync).
     `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf;
-    `non_finite` the NaN and +-inf values the model computed."""
+    `non_finite` (one too) the NaN and +-inf values the model computed."""
     width = next(iter(captured.values())).shape[1]
     keep_host = np.flatnonzero(np.arange(width) < rows.n_tokens[:, None])  # row j's tokens at j * width + t
     keep = host_to_device(torch.from_numpy(keep_host), loaded.device)
@@ -289,9 +288,8 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
     for name, tensor in captured.items():
         computed = packed(tensor, keep)
         tokens[tensor_file(name)] = stored = computed.to(dtype)
-        finite = computed.isfinite() if overflow is not None or non_finite is not None else None
-        if non_finite is not None:
-            non_finite.add_(finite.numel() - finite.sum())
+        finite = computed.isfinite()
+        non_finite.add_(finite.numel() - finite.sum())
         if overflow is not None and computed.dtype != dtype:  # a float16 tensor's infs are the model's own
             overflow.add_((stored.isinf() & finite).sum())
     per_row: dict[str, torch.Tensor] = {}

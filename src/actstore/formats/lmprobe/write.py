@@ -358,10 +358,11 @@ def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
     the files the plan gives it (jobs.job_items)."""
     records = read_job_records(job_dirs)
     files = records.files
+    digest = plan.digest  # hashes every part's record: once, not once a job
     for job_dir, extra in zip(job_dirs, records.extras):
-        if extra.get("plan") != plan.digest:
+        if extra.get("plan") != digest:
             raise FormatError(f"{job_dir / JOB_RECORD}: written for other lmprobe options or another extraction "
-                              f"(plan {str(extra.get('plan'))[:12]}, this finisher's {plan.digest[:12]}); "
+                              f"(plan {str(extra.get('plan'))[:12]}, this finisher's {digest[:12]}); "
                               "run the job again")
     for job, job_dir in enumerate(job_dirs):
         for rel in (plan.files[i] for i in job_items(len(plan.files), len(job_dirs), job)):

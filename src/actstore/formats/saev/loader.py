@@ -116,8 +116,7 @@ class ShuffledActivations(IterableDataset):
                               "world_size")
         self.rank, self.world_size = rank, world_size
         self.keep_labels = None if keep_labels is None else _label_values(keep_labels)
-        if self.keep_labels is not None and store.labels() is None:
-            raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
+        self._labels_path(store)  # refused now, not at the first epoch, where the store has no labels.bin
         # Sizes count every stored layer, so choosing fewer layers changes which tokens a block holds
         # and a buffer's block count not at all (the batches are the same, narrower); memory only shrinks.
         token_bytes = store.L * store.D * DTYPE.itemsize
@@ -232,7 +231,7 @@ class ShuffledActivations(IterableDataset):
         """labels.bin when keep_labels filters by it, its size checked as each epoch begins (SaevStore.labels)."""
         if self.keep_labels is None:
             return None
-        if store.labels() is None:  # a store written over this one since the loader was made
+        if store.labels() is None:  # also as each epoch begins: a store written over this one since
             raise ConfigError(f"{store.dir}: keep_labels given but the store has no labels.bin")
         return store.dir / LABELS
 
