@@ -113,3 +113,20 @@ except OSError as exc:
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120).stdout
     assert "cannot open it" in out and "of the store's 6 shards open, at its open-file limit of" in out, out
     assert "ulimit -n" in out and "saev.patches_per_shard" in out and "reading at byte" not in out
+
+
+def test_ranks_shuffle_their_buffers_each_its_own_way(tmp_path):
+    """Every rank drew its buffer permutations from one stream ([seed, epoch, worker]), so ranks of
+    equal share permuted their disjoint buffers alike: the n-th vector of each rank's batch came from
+    the same buffer slot on every rank. Each rank now has its own stream."""
+    store_dir = synthetic_store(tmp_path / "store", n=6, tokens=5, d=4, per_shard=3)
+    options = dict(batch_size=100, seed=0, block_examples=1, buffer_blocks=10)
+
+    def slots(ds: ShuffledActivations) -> list[int]:
+        """Each yielded vector's place in the rank's buffer (its blocks, one example each, in order)."""
+        blocks = ds.my_blocks(0).tolist()
+        return [blocks.index(e) * 5 + t for e, t in rows(ds)]
+
+    per_rank = [slots(ShuffledActivations(store_dir, rank=rank, world_size=2, **options)) for rank in range(2)]
+    assert sorted(per_rank[0]) == sorted(per_rank[1]) == list(range(15))
+    assert per_rank[0] != per_rank[1]

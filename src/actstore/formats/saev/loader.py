@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from threading import Lock
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -188,6 +188,13 @@ class ShuffledActivations(IterableDataset):
         workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
         return order[self.rank * workers + worker::self.world_size * workers]
 
+    def _stream(self, info: Any) -> int:
+        """This rank's and worker's own shuffle stream: ranks with one stream would permute their
+        (disjoint) buffers alike, the n-th row of every rank's batch drawn from the same buffer slot.
+        Rank 0 keeps the streams a single process always had (0 alone, worker i: i + 1)."""
+        slots = 1 if info is None else info.num_workers + 1
+        return self.rank * slots + (0 if info is None else info.id + 1)
+
     def _plan(self, store: SaevStore, labels: Path | None, ids: np.ndarray, n_carry: int,
               rng: np.random.Generator, acts: np.ndarray) -> tuple[_Fill, _Blocks]:
         """Where every vector of blocks `ids` goes: vector i in (block, example, token) order to row
@@ -272,7 +279,7 @@ class ShuffledActivations(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         store = self._reopened()  # per worker: its own file descriptors
         info, epoch = get_worker_info(), self.epoch  # read once: set_epoch may run meanwhile
-        rng = np.random.default_rng([self.seed, epoch, 0 if info is None else info.id + 1])
+        rng = np.random.default_rng([self.seed, epoch, self._stream(info)])
         nl, squeeze, size = len(self.layer_idx), len(self.layers) == 1, self.batch_size
         blocks = self.my_blocks(epoch)
         # Sized by the blocks this process reads: a buffer_blocks (or buffer_bytes) past the whole
