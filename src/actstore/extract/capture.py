@@ -24,7 +24,7 @@ def parse_hook(spec: str) -> tuple[str, str]:
 @contextmanager
 def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterator[dict[str, torch.Tensor]]:
     """Register forward hooks for block outputs and module inputs/outputs; yield the capture dict
-    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device; the
+    (tensor name -> the (batch, tokens, dim) tensor of the last forward, left on the device, a hook's copied; the
     (tokens, batch, dim) tensors of a TOKENS_FIRST_TYPES model's inner modules transposed to it).
     A block or hooked module that runs more than once in one forward of the model (ALBERT's shared
     layer, T5's encoder dropout on the embeddings then on the output) is a ConfigError at the end of
@@ -33,10 +33,11 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
     calls: dict[str, int] = {}  # tensor name -> its module's calls in the model's forward under way
     handles = []
 
-    def keep(name: str, use_input: bool, tokens_first: bool = False):
+    def keep(name: str, use_input: bool, tokens_first: bool = False, copy: bool = False):
         def hook(module, args, kwargs, output):
             tensor = first_tensor(called_input(module, args, kwargs, name) if use_input else output)
-            captured[name] = tensor.transpose(0, 1) if tokens_first else tensor
+            tensor = tensor.transpose(0, 1) if tokens_first else tensor
+            captured[name] = tensor.clone() if copy else tensor
             calls[name] = calls.get(name, 0) + 1
         return hook
 
@@ -45,20 +46,25 @@ def capture(loaded: LoadedModel, layers: list[int], hooks: list[str]) -> Iterato
             raise ConfigError(ran_more_than_once(repeated, layers, hooks, loaded))
 
     tokens_first = tokens_first_modules(loaded)
-    for layer_idx in layers:
-        block = loaded.blocks[layer_idx]
-        handles.append(block.register_forward_hook(
-            keep(layer_tensor(layer_idx), False, block in tokens_first), with_kwargs=True))
-    for spec in hooks:
-        module_path, io = parse_hook(spec)
-        module = get_module(loaded.model, module_path)
-        handles.append(module.register_forward_hook(
-            keep(spec, io == "input", module in tokens_first), with_kwargs=True))
-    # Counted per forward of the model itself, so the token log-probs' head rerun (a forward of its
-    # own, after the batch is packed) starts from zero.
-    handles.append(loaded.model.register_forward_pre_hook(lambda module, args: calls.clear()))
-    handles.append(loaded.model.register_forward_hook(check_ran_once))
+    # Registered inside the try: a hook path refused after the blocks' hooks were on the model left
+    # them there, each holding its last forward's tensor.
     try:
+        for layer_idx in layers:
+            block = loaded.blocks[layer_idx]
+            handles.append(block.register_forward_hook(
+                keep(layer_tensor(layer_idx), False, block in tokens_first), with_kwargs=True))
+        for spec in hooks:
+            module_path, io = parse_hook(spec)
+            module = get_module(loaded.model, module_path)
+            # A hooked tensor is copied: the model may change it in place after the module ran (Falcon's
+            # `mlp_output += attention_output`, Llama 4's shared expert), which the stored one showed. A
+            # block's output is the residual stream the next block reads, changed in place by none tested.
+            handles.append(module.register_forward_hook(
+                keep(spec, io == "input", module in tokens_first, copy=True), with_kwargs=True))
+        # Counted per forward of the model itself, so the token log-probs' head rerun (a forward of its
+        # own, after the batch is packed) starts from zero.
+        handles.append(loaded.model.register_forward_pre_hook(lambda module, args: calls.clear()))
+        handles.append(loaded.model.register_forward_hook(check_ran_once))
         yield captured
     finally:
         for handle in handles:
