@@ -24,7 +24,7 @@ from actstore.extract.inputs import (TokenIds, check_vocabulary, default_workers
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
-from actstore.formats.extract import (NON_FINITE_KEY, OVERFLOW_KEY, PartWriter, layer_tensor, tensor_file,
+from actstore.formats.extract import (NON_FINITE_KEY, NON_FINITE_LOGITS_KEY, OVERFLOW_KEY, PartWriter, layer_tensor, tensor_file,
                                       write_part)
 from actstore.formats.lmprobe import check_dataset_labels
 from actstore.io_utils import utc_now
@@ -147,6 +147,9 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
             log.warning("part %d: %d activations the model computed are NaN or +-inf, stored as computed (part.json "
                         "%s; in float16, model.torch_dtype bfloat16 or float32 may avoid them)", part, non_finite,
                         NON_FINITE_KEY)
+        if non_finite := counts.get(NON_FINITE_LOGITS_KEY):
+            log.warning("part %d: %d top-k logits or token log-probs the model computed are NaN (or +inf logits), "
+                        "stored as computed (part.json %s)", part, non_finite, NON_FINITE_LOGITS_KEY)
         truncated = None if token_ids is None else token_ids.truncated
         if truncated:
             log.warning("part %d: %d of %d texts were longer than extract.max_seq_length %d; their first %d "
@@ -190,8 +193,8 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
     """Forward every batch with the capture hooks on and hand its packed tensors to the pipeline.
     Returns the part's counts that are not zero, counted on the device and read once at the end (no
     sync per batch): the finite activations a float16 storage dtype overflowed to +-inf
-    (OVERFLOW_KEY), the activations the model computed as NaN or +-inf (NON_FINITE_KEY); and where
-    the run waited (waits)."""
+    (OVERFLOW_KEY), the activations the model computed as NaN or +-inf (NON_FINITE_KEY), the logits
+    and log-probs it computed as NaN or +inf (NON_FINITE_LOGITS_KEY); and where the run waited (waits)."""
     logprobs = TokenLogprobs(loaded) if ext["token_logprobs"] and loaded.kind == "causal" else None
     started, arriving = time.perf_counter(), iter(batches)
     spent = dict.fromkeys(("input_wait", "forward", "pack", "submit"), 0.0)  # the main thread's wall seconds
@@ -201,8 +204,8 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             logprobs.attached() if logprobs else nullcontext():
         # Counted for a float16 model too: a module it keeps in float32 (T5's `wo`) makes its block
         # outputs float32, and those can pass float16's range where the model's own tensors cannot.
-        overflow = torch.zeros((), dtype=torch.int64, device=loaded.device) if dtype == torch.float16 else None
-        non_finite = torch.zeros((), dtype=torch.int64, device=loaded.device)
+        counters = {key: torch.zeros((), dtype=torch.int64, device=loaded.device) for key in (
+            NON_FINITE_KEY, NON_FINITE_LOGITS_KEY, *([OVERFLOW_KEY] if dtype == torch.float16 else []))}
         while True:
             asked = time.perf_counter()
             if (item := next(arriving, None)) is None:
@@ -219,7 +222,7 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
                 check_shapes(captured, ext["layers"], ext["hooks"], loaded, len(batch), batch_width(inputs, rows))
                 packing = time.perf_counter()
                 packed = pack_batch(loaded, inputs, output, captured, rows, token_ids, dtype, ext["logits_topk"],
-                                    logprobs, overflow, non_finite)
+                                    logprobs, counters)
             except torch.OutOfMemoryError as exc:
                 raise ConfigError(out_of_memory(loaded, ext, rows, token_ids is None)) from exc
             submitting = time.perf_counter()
@@ -232,7 +235,7 @@ def extract_batches(loaded: LoadedModel, ext: dict[str, Any], batches: Iterator[
             spent["forward"] += packing - forwarded
             spent["pack"] += submitting - packing
             spent["submit"] += time.perf_counter() - submitting
-        counts = {OVERFLOW_KEY: 0 if overflow is None else int(overflow), NON_FINITE_KEY: int(non_finite)}
+        counts = {key: int(counter) for key, counter in counters.items()}
         spent["main_cpu"] = time.thread_time() - cpu_started
     return {key: n for key, n in counts.items() if n}, waits(time.perf_counter() - started, spent, pipeline)
 
@@ -273,13 +276,12 @@ def waits(batches_s: float, spent: dict[str, float], pipeline: WritePipeline) ->
 
 def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any,
                captured: dict[str, torch.Tensor], rows: BatchRows, token_ids: TokenIds | None,
-               dtype: torch.dtype, topk: int, logprobs: TokenLogprobs | None, overflow: torch.Tensor | None,
-               non_finite: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+               dtype: torch.dtype, topk: int, logprobs: TokenLogprobs | None,
+               counters: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The batch's files on the device, padding dropped: token tensors (n_tokens, ...) in batch
     order and per-sample rows. Log-probs (when `logprobs`) and top-k for all rows at once (no per-row
-    device sync).
-    `overflow` (a device scalar), when given, counts the finite values the cast to `dtype` made inf;
-    `non_finite` (one too) the NaN and +-inf values the model computed."""
+    device sync). `counters` (device scalars, extract_batches' keys) add up the batch's counts:
+    OVERFLOW_KEY, when given, the finite values the cast to `dtype` made inf."""
     width = next(iter(captured.values())).shape[1]
     keep_host = np.flatnonzero(np.arange(width) < rows.n_tokens[:, None])  # row j's tokens at j * width + t
     keep = host_to_device(torch.from_numpy(keep_host), loaded.device)
@@ -289,9 +291,9 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
         computed = packed(tensor, keep)
         tokens[tensor_file(name)] = stored = computed.to(dtype)
         finite = computed.isfinite()
-        non_finite.add_(finite.numel() - finite.sum())
-        if overflow is not None and computed.dtype != dtype:  # a float16 tensor's infs are the model's own
-            overflow.add_((stored.isinf() & finite).sum())
+        counters[NON_FINITE_KEY].add_(finite.numel() - finite.sum())
+        if OVERFLOW_KEY in counters and computed.dtype != dtype:  # a float16 tensor's infs are the model's own
+            counters[OVERFLOW_KEY].add_((stored.isinf() & finite).sum())
     per_row: dict[str, torch.Tensor] = {}
     if token_ids is not None:
         tokens["token_ids.npy"] = torch.from_numpy(np.concatenate([token_ids[i] for i in rows.local_idx]))
@@ -305,8 +307,11 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
                               "is unknown; set extract.logits_topk: 0 and extract.token_logprobs: false")
         last_logits = output.logits[torch.arange(len(last), device=last.device), at]
         if logprobs is not None:
-            tokens["token_logprob.npy"] = logprobs.packed(inputs["input_ids"], keep_host, rows.n_tokens, last_logits)
+            tokens["token_logprob.npy"] = scored = logprobs.packed(inputs["input_ids"], keep_host, rows.n_tokens,
+                                                                   last_logits)
+            counters[NON_FINITE_LOGITS_KEY].add_(scored.isnan().sum() - len(rows.n_tokens))  # first tokens: NaN
         values, indices = top_tokens(last_logits.float(), topk)
+        counters[NON_FINITE_LOGITS_KEY].add_((values.isnan() | values.isposinf()).sum())
         per_row = {"topk_values.npy": values, "topk_indices.npy": indices}
     return tokens, per_row
 

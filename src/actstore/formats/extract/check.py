@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import (INDEX, NON_FINITE_KEY, OVERFLOW_KEY, PART_META, layer_tensor, part_dirname,
+from actstore.formats.extract.layout import (COUNT_KEYS, INDEX, PART_META, layer_tensor, part_dirname,
                                              part_dirs, tensor_file)
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
@@ -40,7 +40,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "n_shards": len(parts),
         "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
         # part.json's counts, when any: the float16 overflows, the model's own NaN and +-inf
-        **{key: sum(p.meta.get(key) or 0 for p in parts) for key in (OVERFLOW_KEY, NON_FINITE_KEY)},
+        **{key: sum(p.meta.get(key) or 0 for p in parts) for key in COUNT_KEYS},
         # texts cut at max_seq_length (part.json; None where a part does not know: images, older parts)
         "n_truncated_samples": _total(p.meta.get("n_truncated_samples") for p in parts),
     }

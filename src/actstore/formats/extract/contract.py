@@ -9,7 +9,7 @@ from typing import Any
 
 from actstore.errors import FormatError
 from actstore.integrity import whole_number, whole_numbers
-from actstore.formats.extract.layout import NON_FINITE_KEY, OVERFLOW_KEY
+from actstore.formats.extract.layout import COUNT_KEYS
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _check_types(meta: dict[str, Any], source: Path) -> None:
     for key in ("tensors", "hooks"):
         if key in meta and not (isinstance(meta[key], list) and all(isinstance(x, str) for x in meta[key])):
             raise bad(key, "a list of strings")
-    for key in ("logits_topk", "n_truncated_samples", OVERFLOW_KEY, NON_FINITE_KEY):
+    for key in ("logits_topk", "n_truncated_samples", *COUNT_KEYS):
         if meta.get(key) is not None and not whole_number(meta[key]):
             raise bad(key, "a whole number or null")
     # extract.json sums it over the parts (write_index, and verify comparing extract.json with them)

@@ -33,6 +33,10 @@ FORMAT_VERSION = 2
 # part.json counts, present only where not zero (a part with none keeps the bytes it had before them)
 OVERFLOW_KEY = "float16_overflow_count"  # finite activations a float16 storage dtype turned into +-inf
 NON_FINITE_KEY = "non_finite_count"  # activations the model itself computed as NaN or +-inf
+# top-k logits the model computed as NaN or +inf, token log-probs NaN past each text's first token
+# (-inf is a token the model masks, as it computed it)
+NON_FINITE_LOGITS_KEY = "non_finite_logits_count"
+COUNT_KEYS = (OVERFLOW_KEY, NON_FINITE_KEY, NON_FINITE_LOGITS_KEY)
 
 
 def layer_tensor(layer_idx: int) -> str:
