@@ -24,8 +24,8 @@ from actstore.extract.inputs import (TokenIds, check_vocabulary, default_workers
                                      length_batches, text_batches, to_model, tokenize)
 from actstore.extract.logprobs import TokenLogprobs
 from actstore.extract.pipeline import BatchRows, WritePipeline
-from actstore.formats.extract import (NON_FINITE_KEY, NON_FINITE_LOGITS_KEY, OVERFLOW_KEY, PartWriter, layer_tensor, tensor_file,
-                                      write_part)
+from actstore.formats.extract import (NON_FINITE_KEY, NON_FINITE_LOGITS_KEY, OVERFLOW_KEY, PartWriter, layer_tensor,
+                                      tensor_file, write_part)
 from actstore.formats.lmprobe import check_dataset_labels
 from actstore.io_utils import utc_now
 from actstore.model_config import (VISION_TOWER_OF, check_layers, check_logits_topk, check_sequence_length, config_int,

@@ -20,5 +20,5 @@ __all__ = ["COUNT_KEYS", "FORMAT_NAME", "FORMAT_VERSION", "INDEX", "NON_FINITE_K
            "OVERFLOW_KEY", "PART_META", "STORAGE_DESCR", "DatasetInfo", "Extraction",
            "ModelInfo", "Part", "PartInfo",
            "PartWriter", "StoredTensor", "detect", "inspect", "layer_tensor", "load_npy", "npy_header",
-           "open_extraction", "open_part", "part_dirname", "read_vector", "synthetic_extraction", "tensor_file", "to_float32", "verify",
-           "write_index", "write_part"]
+           "open_extraction", "open_part", "part_dirname", "read_vector", "synthetic_extraction", "tensor_file",
+           "to_float32", "verify", "write_index", "write_part"]
