@@ -122,8 +122,9 @@ SCALE = os.environ.get("ACTSTORE_SCALE_TESTS") == "1"  # `make test-scale`: minu
 
 @pytest.fixture(scope="module")
 def extraction_4x_the_bound(tmp_path_factory):
-    """An extraction (d = 1024, layers 1/3/5) holding 5.2 GB: more than 4x each writer's mem_mb (<= 1.3 GB)."""
-    return synthetic_extraction(tmp_path_factory.mktemp("scale-4x") / "extract", 5_200 * 10**6, 2, 1024, LAYERS)
+    """An extraction (d = 1024, layers 1/3/5) holding 6 GB: more than 4x each writer's mem_mb (<= 1.45 GB;
+    lmprobe's tensor jobs, a ring a file for each of their threads, 1.40 GB)."""
+    return synthetic_extraction(tmp_path_factory.mktemp("scale-4x") / "extract", 6_000 * 10**6, 2, 1024, LAYERS)
 
 
 @pytest.mark.skipif(not SCALE, reason="data 4x the memory bound: run with make test-scale")
