@@ -62,3 +62,16 @@ def test_nan_log_probs_after_the_first_batch_are_counted(tmp_path):
     plain = tiny.make_config(tmp_path, tiny.build_family("phi", tmp_path / "plain-model"), data,
                              dataset={"path": str(data), "tokens_field": "ids"}, extract={"parts": 1, "layers": [0]})
     assert "non_finite_logits_count" not in run_part(plain, 0, tmp_path / "plain", progress=False)
+
+
+def test_top_k_ranks_minus_zero_and_zero_as_the_tie_they_are():
+    """-0.0 == +0.0, yet the monotone bits put +0.0 first whatever the ids: token 5's +0.0 ranked
+    above token 3's -0.0, against "ties ranked by lower token id". The values stay the logits' own."""
+    from actstore.extract.run import top_tokens
+
+    logits = torch.full((2, 8), -1.0)
+    logits[0, 3], logits[0, 5] = -0.0, 0.0
+    logits[1, 3], logits[1, 5] = 0.0, -0.0
+    values, indices = top_tokens(logits, 2)
+    assert indices.tolist() == [[3, 5], [3, 5]]
+    assert [[float(v).hex() for v in row] for row in values] == [["-0x0.0p+0", "0x0.0p+0"], ["0x0.0p+0", "-0x0.0p+0"]]

@@ -338,8 +338,10 @@ def last_token_head(loaded: LoadedModel, inputs: dict[str, torch.Tensor], rows: 
 def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk of float32 (rows, vocab) logits with ties ranked by lower token id: torch leaves their
     order (and which tied tokens make the k) to its selection, which depends on the rest of the row.
-    Ranked by one int64 key a token: the value's bits made monotone, then the id reversed."""
-    bits = logits.view(torch.int32)
+    Ranked by one int64 key a token: the value's bits made monotone, then the id reversed. -0.0 is
+    keyed as +0.0 (adding +0.0), an equal value that the bits alone ranked below it whatever the ids;
+    the values returned are the logits' own."""
+    bits = (logits + 0.0).view(torch.int32)
     monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     ids = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)
     indices = torch.topk(monotone * (1 << 32) + (0xFFFFFFFF - ids), k).indices
