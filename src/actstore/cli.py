@@ -19,8 +19,9 @@ import actstore
 from actstore.errors import ActstoreError, ConfigError
 
 SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model", "dtype", "n_shards", "bytes")
-# What a store lost, printed when it lost any: texts cut at max_seq_length, values float16 made inf.
-NOTE_KEYS = ("n_truncated_samples", "float16_overflow_count", "non_finite_count")
+# What a store lost, printed when it lost any: texts cut at max_seq_length, values float16 made inf, the
+# activations and the logits (or log-probs) the model computed as NaN or inf (formats.extract.COUNT_KEYS).
+NOTE_KEYS = ("n_truncated_samples", "float16_overflow_count", "non_finite_count", "non_finite_logits_count")
 SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source", "heldout_fvu", "saelens")
 # --threads past this gains no reads (each thread holds one file) and a store of many files could start
 # as many threads, past the process's limit; 2**61 and up overflowed the check's window, and a clean
@@ -28,12 +29,16 @@ SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source"
 MAX_THREADS = 256
 
 
-def _detect_or_exit(path: Path) -> str:
-    from actstore.formats import FORMAT_NAMES, detect_format
-
+def _exists_or_exit(path: Path) -> None:
     if not path.exists():
         print(f"actstore: {path}: no such file or directory", file=sys.stderr)
         sys.exit(2)  # never 1, which is verify's "problems found"
+
+
+def _detect_or_exit(path: Path) -> str:
+    from actstore.formats import FORMAT_NAMES, detect_format
+
+    _exists_or_exit(path)
     if not path.is_dir():
         print(f"actstore: {path}: not a directory (a store is a directory: give the one holding this file)",
               file=sys.stderr)
@@ -50,15 +55,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from actstore.integrity import links_out, refuse
     from actstore.verify import sae_summary
 
+    _exists_or_exit(args.path)  # before the sae stage's own check, which would name a missing checkpoint
     refuse(links_out(args.path))  # a metadata file linked out would be summarised as the store's
     try:
         if _is_sae_stage(args.path):
             info, keys = sae_summary(args.path), SAE_KEYS
         else:
             info, keys = format_module(_detect_or_exit(args.path)).inspect(args.path), SUMMARY_KEYS
-    except (ValueError, IndexError, OSError) as exc:
-        # What a reader did not name itself (an array of another shape, a directory where a file goes):
-        # still bad input, exit 2, never a traceback.
+    except (ValueError, IndexError, OSError, TypeError, AttributeError) as exc:
+        # What a reader did not name itself (an array of another shape, a directory where a file goes, a
+        # report.json member of another JSON type): still bad input, exit 2, never a traceback.
         print(f"actstore: {args.path}: cannot be summarised ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     if args.json:
@@ -82,6 +88,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from actstore.formats import FORMAT_NAMES, detect_format, format_module
     from actstore.hashing import followed, is_stage_dir, stage_problems
 
+    # A stage directory's path mistyped or deleted is an unknown path (exit 2), not a stage whose store is gone.
+    _exists_or_exit(args.path)
     stage_path = followed(args.path)
     stage = stage_path.absolute().parent.name
     if is_stage_dir(stage_path) and detect_format(args.path) is None:

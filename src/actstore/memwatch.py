@@ -6,7 +6,6 @@ under pressure, as it does the page cache behind plain reads."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -70,9 +69,10 @@ class PeakMemory:
             self.peak = now
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             self._sample()
-            time.sleep(self.interval)
+            if self._stop.wait(self.interval):  # woken at the block's end, not after a whole interval
+                return
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -81,3 +81,4 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self._sample()  # what the block held at its end, taken after the thread's last sample

@@ -33,21 +33,27 @@ def _save(fig, path: Path) -> None:
 
 
 def activation_norms(extraction: Extraction, path: Path) -> None:
-    """Box plot of per-token L2 norms for every stored layer (a seeded token subsample)."""
+    """Box plot of per-token L2 norms for every stored layer (a seeded token subsample); a layer's label
+    counts the sampled tokens the model computed as NaN or inf, which have no norm to draw."""
     rng = np.random.default_rng(0)
-    norms = []
+    norms, labels = [], []
+    per_part = MAX_TOKENS_PER_LAYER // len(extraction.parts)
     for layer in extraction.info.layers:
         values = []
         for part in extraction.parts:
             if part.info.n_tokens == 0:
                 continue
             tensor = part.tensor(layer_tensor(layer))
-            take = np.sort(rng.choice(len(tensor), size=min(len(tensor), MAX_TOKENS_PER_LAYER // len(extraction.parts)), replace=False))
+            take = np.sort(rng.choice(len(tensor), size=min(len(tensor), per_part), replace=False))
             values.append(np.linalg.norm(tensor[take], axis=1))
-        norms.append(np.concatenate(values))
+        layer_norms = np.concatenate(values)
+        # A box of NaN statistics is not drawn: a layer with one NaN token would vanish without a word.
+        finite = np.isfinite(layer_norms)
+        norms.append(layer_norms[finite])
+        labels.append(f"{layer}\n({(~finite).sum()} non-finite)" if not finite.all() else str(layer))
     fig, ax = _figure()
     ax.boxplot(norms, showfliers=False)
-    ax.set_xticks(range(1, len(norms) + 1), [str(layer) for layer in extraction.info.layers])
+    ax.set_xticks(range(1, len(norms) + 1), labels)
     ax.set(xlabel="layer (block output)", ylabel="token L2 norm", title="Activation norm per layer")
     _save(fig, path)
 
@@ -100,14 +106,15 @@ def sae_loss(report: dict[str, Any], path: Path) -> None:
     sae = report.get("sae") or {}
     curve = sae.get("loss_curve") or []
     fig, ax = _figure()
-    if curve:
-        steps = [point["step"] for point in curve]
-        for key in ("fvu", "auxk"):
-            if any(point.get(key) for point in curve):
-                ax.plot(steps, [point.get(key) for point in curve], label=f"train {key}")
-        heldout = (sae.get("heldout") or {}).get("fvu")
-        if heldout is not None:
-            ax.axhline(heldout, color="k", linestyle="--", label=f"held-out FVU {heldout:.3f}")
+    steps = [point["step"] for point in curve]
+    for key in ("fvu", "auxk"):
+        if any(point.get(key) for point in curve):
+            ax.plot(steps, [point.get(key) for point in curve], label=f"train {key}")
+    # An imported SAE has no training curve, but its held-out FVU was measured all the same.
+    heldout = (sae.get("heldout") or {}).get("fvu")
+    if heldout is not None:
+        ax.axhline(heldout, color="k", linestyle="--", label=f"held-out FVU {heldout:.3f}")
+    if ax.lines:
         ax.legend(fontsize=7)
     ax.set(xlabel="step", ylabel="fraction of variance unexplained", title="SAE training loss")
     _save(fig, path)
