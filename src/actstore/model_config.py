@@ -12,6 +12,7 @@ from typing import Any
 
 from actstore.errors import ConfigError
 from actstore.integrity import unique_keys
+from actstore.model_identity import WEIGHTS_KEY, inside_folder
 
 PACKAGE_PREFIX = "package:"
 VISION_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit", "clip", "clip_vision_model", "metaclip_2", "siglip",
@@ -41,6 +42,11 @@ REFUSED_TYPES = {
                      "where a store holds one (batch, tokens, hidden) output a block"),
     "canine": ("model's blocks run on its characters downsampled by downsampling_rate (a row per 4 characters), "
                "where a store holds a vector per token"),
+    "funnel": ("model's encoder pools its tokens between its block groups (block_sizes), halving them after each "
+               "group, so later blocks output fewer vectors than the text has tokens, where a store holds a "
+               "vector per token"),
+    "perceiver": ("model's blocks run on its num_latents latent vectors, which cross-attention reads the input "
+                  "into, not on the text's tokens, and its one list of blocks runs num_blocks times a forward"),
     "pegasus_x": ("model's encoder pads its input to a multiple of its block_size (512 in its checkpoints) and its "
                   "blocks output that many tokens, where a store holds each text's own"),
 }
@@ -74,15 +80,40 @@ NESTED_CONFIGS = ("text_config", "vision_config")  # a composite checkpoint's su
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
     """The model folder's config.json as a dict; ConfigError naming it when a sub-model's settings
-    (NESTED_CONFIGS) are there but no object (every size lookup reads them as one)."""
+    (NESTED_CONFIGS) are there but no object (every size lookup reads them as one), or the names of its
+    classes or weights file are of no use (check_class_names, check_weights_name)."""
     file = Path(path) / "config.json"
     config = read_model_json(file)
+    check_class_names(file, config)
+    check_weights_name(file, config)
     for key in NESTED_CONFIGS:
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise ConfigError(f"model.path: {file} holds {key} {config[key]!r:.60}, not an object of settings")
         if config.get(key) is not None:
             _fill_class_defaults(key, config[key])
     return config
+
+
+def check_class_names(file: Path, config: dict[str, Any]) -> None:
+    """ConfigError naming config.json and the field when model_type is no string or architectures no
+    list of class names: model_kind reads them (architectures 5 was a TypeError traceback, and a bare
+    string was read as its letters, a causal LM run as an encoder)."""
+    model_type, architectures = config.get("model_type"), config.get("architectures")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConfigError(f"model.path: {file} holds model_type {model_type!r:.60}, not a string")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(name, str) for name in architectures)):
+        raise ConfigError(f"model.path: {file} holds architectures {architectures!r:.60}, not a list of class names")
+
+
+def check_weights_name(file: Path, config: dict[str, Any]) -> None:
+    """ConfigError naming config.json's WEIGHTS_KEY when it is no relative path, inside the folder, of a
+    safetensors file or shard index, the only names from_pretrained reads there: any other was its
+    ValueError (or AttributeError, for a number) traceback, after the parse-time checks had passed."""
+    name = config.get(WEIGHTS_KEY)
+    if name is not None and not (inside_folder(name) and name.endswith((".safetensors", ".safetensors.index.json"))):
+        raise ConfigError(f"model.path: {file} holds {WEIGHTS_KEY} {name!r:.60}, not the name of a .safetensors "
+                          "file or .safetensors.index.json inside its folder")
 
 
 # A sub-model's settings taken from its class where config.json leaves them out: the sizes, layer
@@ -291,20 +322,36 @@ def config_int(config: dict[str, Any], setting: str) -> int | None:
     model's from the top level, else its vision_config, else its text_config (an image-text checkpoint's
     vocab_size); a text model's from its text_scope (a vision-language model's language model, an
     encoder-decoder's encoder), else the top level; None when no scope has it."""
+    found = config_setting(config, setting)
+    return found[1] if found else None
+
+
+def config_setting(config: dict[str, Any], setting: str) -> tuple[str, int] | None:
+    """config_int's setting with the name config.json gives it (JSON's true and false are ints here too)."""
     if model_kind(config) == "vision":
         scopes = (config, config.get("vision_config") or {}, config.get("text_config") or {})
     else:
         scopes = (text_scope(config), config)
-    return next((scope[name] for scope in scopes for name in CONFIG_ALIASES[setting]
+    return next(((name, scope[name]) for scope in scopes for name in CONFIG_ALIASES[setting]
                  if isinstance(scope.get(name), int)), None)
 
 
+# No released model has 1,000 blocks; a count past this is a damaged config.json, whose weightless
+# model alone would take hours to build (10**12 blocks were taken, extract.layers checked against them).
+MAX_BLOCKS = 10_000
+
+
 def num_blocks(config: dict[str, Any]) -> int:
-    """Number of transformer blocks, from config.json (vision towers nest it in vision_config)."""
-    blocks = config_int(config, "num_hidden_layers")
-    if blocks is None:
+    """Number of transformer blocks, from config.json (vision towers nest it in vision_config); ConfigError
+    naming the setting when it is no count of blocks (true was read as 1 block, 0 gave "blocks 0..-1")."""
+    found = config_setting(config, "num_hidden_layers")
+    if found is None:
         names = ", ".join(CONFIG_ALIASES["num_hidden_layers"])
         raise ConfigError(f"model config.json names no block count (looked for {names})")
+    name, blocks = found
+    if isinstance(blocks, bool) or not 1 <= blocks <= MAX_BLOCKS:
+        raise ConfigError(f"model config.json {name} {blocks!r} is no block count (a whole number from 1 to "
+                          f"{MAX_BLOCKS})")
     return blocks
 
 

@@ -63,11 +63,12 @@ def named_weights(folder: Path) -> list[Path]:
     otherwise), and the shards of a shard index it names. A name that is not a relative path inside the
     folder names nothing: from_pretrained refuses it, and no file outside the folder is stat'ed."""
     name = _json_key(folder / "config.json", WEIGHTS_KEY)
-    if not _inside(name):
+    if not inside_folder(name):
         return []
     named = folder / name
     weight_map = _json_key(named, "weight_map") if named.name.endswith(".index.json") else None
-    shards = {shard for shard in weight_map.values() if _inside(shard)} if isinstance(weight_map, dict) else set()
+    shards = ({shard for shard in weight_map.values() if inside_folder(shard)} if isinstance(weight_map, dict)
+              else set())
     return [named, *(folder / shard for shard in sorted(shards))]
 
 
@@ -77,7 +78,7 @@ def _json_key(path: Path, key: str) -> Any:
     return data.get(key) if isinstance(data, dict) else None
 
 
-def _inside(name: Any) -> bool:
+def inside_folder(name: Any) -> bool:
     """Whether `name` is a relative path that stays inside its folder (no `..` out of it)."""
     return isinstance(name, str) and bool(name) and not posixpath.isabs(name) and not posixpath.normpath(
         name).startswith("..")

@@ -23,12 +23,19 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def find_blocks(model: nn.Module, n_blocks: int, within: nn.Module | None = None) -> tuple[str, nn.ModuleList]:
+# Families whose blocks are parallel lists (refused by find_blocks), and the list whose module i's output
+# is block i's (XLM's and post-norm Flaubert's blocks end with layer_norm2), for the refusal to name.
+BLOCK_OUTPUT_LISTS = {"xlm": "layer_norm2", "flaubert": "layer_norm2"}
+
+
+def find_blocks(model: nn.Module, n_blocks: int, within: nn.Module | None = None,
+                ends_with: str | None = None) -> tuple[str, nn.ModuleList]:
     """The ModuleList of transformer blocks: the shallowest ModuleList of length n_blocks (inside
     `within` when given: a vision-language model's vision tower may have as many blocks). Several
     as shallow are refused: a model whose block is no one module (XLM's attentions, ffns and norms,
     each a list of n_blocks) has no module whose output is "layer i", and the first list's would be
-    stored as it."""
+    stored as it. `ends_with`: the name of such a list whose module i ends block i, for the error
+    to name (BLOCK_OUTPUT_LISTS)."""
     inside = {id(module) for module in (within or model).modules()}
     candidates = [
         name for name, module in model.named_modules()
@@ -39,9 +46,13 @@ def find_blocks(model: nn.Module, n_blocks: int, within: nn.Module | None = None
     depth = min(name.count(".") for name in candidates)
     shallowest = [name for name in candidates if name.count(".") == depth]
     if len(shallowest) > 1:
+        last = [name for name in shallowest if name.rsplit(".", 1)[-1] == ends_with]
+        # Not extract.hooks: the model is refused whole, hooks and all.
+        advice = (f" (block i's output is {last[0]}.i's, which ends each block: a forward hook of your own "
+                  "there reads it)" if last else "")
         raise ConfigError(f"{type(within or model).__name__}: its {n_blocks} blocks are no one ModuleList but "
                           f"{len(shallowest)} ({', '.join(shallowest)}), so no module's output is a block's: actstore "
-                          "does not extract this architecture's layers (extract.hooks can capture a named module)")
+                          f"does not extract this architecture's layers{advice}")
     return shallowest[0], model.get_submodule(shallowest[0])
 
 
@@ -50,7 +61,9 @@ def find_model_blocks(model: nn.Module, config: dict[str, Any]) -> tuple[str, nn
     reaches a vision-language model's vision tower, so "layer i" is its language model's block i."""
     check_unshared_blocks(config)
     language_model = model.get_decoder() if is_vision_language(config) else None
-    return find_blocks(model, num_blocks(config), within=language_model)
+    # A pre-norm Flaubert's layer_norm2 normalizes its feed-forward's input: no list's output is its block's.
+    ends_with = None if config.get("pre_norm") else BLOCK_OUTPUT_LISTS.get(config.get("model_type"))
+    return find_blocks(model, num_blocks(config), within=language_model, ends_with=ends_with)
 
 
 def check_unshared_blocks(config: dict[str, Any]) -> None:
@@ -342,6 +355,18 @@ def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> A
                           f"{str(exc).strip().splitlines()[0]}") from None
 
 
+def check_takes_inputs(skeleton: nn.Module, kind: str) -> None:
+    """ConfigError, before any weight loads, when the part of the checkpoint extraction runs (`skeleton`)
+    takes no input_ids (text) or pixel_values (images): an audio model's encoder (Whisper's takes
+    input_features) was a TypeError out of its first batch once its weights had loaded."""
+    wanted = "pixel_values" if kind == "vision" else "input_ids"
+    takes = inspect.signature(skeleton.forward).parameters  # transformers 5's all take **kwargs: not enough
+    if wanted in takes:
+        return
+    raise ConfigError(f"{type(skeleton).__name__}'s forward takes {next(iter(takes), 'nothing')}, not {wanted} "
+                      f"({'images' if kind == 'vision' else 'text'}): actstore runs text and image models only")
+
+
 def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "auto",
                tower: str | None = None, trust_remote_code: bool = False, preprocessor: Any = None,
                fix_mistral_regex: bool | None = None) -> LoadedModel:
@@ -360,6 +385,7 @@ def load_model(path: str | Path, torch_dtype: str = "float32", device: str = "au
     skeleton = model_skeleton(path, tower, trust_remote_code)  # built once: blocks, size, a tower's class
     # Refused on the weightless skeleton: a model whose blocks cannot be found loads no weights first.
     blocks_path, _ = find_model_blocks(skeleton, config)
+    check_takes_inputs(skeleton, kind)
     if dev.type == "cuda":
         check_fits_on_gpu(path, skeleton, torch_dtype, dev)
     if tower == "vision":
