@@ -63,18 +63,6 @@ def test_verify_of_a_stage_directory_that_does_not_exist_is_an_unknown_path(lmpr
     assert f"actstore: {missing}: no such file or directory" in proc.stderr
 
 
-@pytest.mark.parametrize("report", ['{"heldout": 5}', "[1]", '"trained"'])
-def test_inspect_names_an_sae_stage_whose_report_is_not_an_object(sae_stage, tmp_path, report):
-    """report.json of another shape (`heldout` a number, the report a list) was an AttributeError traceback,
-    exit 1. It is named as any stage inspect cannot summarise: exit 2, the directory on stderr."""
-    directory = tmp_path / "sae" / sae_stage.name
-    shutil.copytree(sae_stage, directory)
-    (directory / "report.json").write_text(report)
-    proc = actstore("inspect", str(directory))
-    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
-    assert f"actstore: {directory}: cannot be summarised" in proc.stderr
-
-
 def test_the_sae_plot_shows_an_imported_saes_held_out_fvu(sae_stage, tmp_path):
     """An imported SAE's report has no training curve (loss_curve []) but a held-out FVU: the plot drew the
     line only beside a curve, so the report showed an empty figure, the FVU the stage measured left out."""
@@ -156,3 +144,16 @@ def test_the_norm_plot_names_the_tokens_the_model_computed_as_nan(model_dir, tex
         tick.get_text() for tick in fig.axes[0].get_xticklabels()]))
     report.activation_norms(extraction, tmp_path / "norms.png")
     assert drawn["labels"] == ["0", f"1\n({nan_tokens} non-finite)"]
+
+
+@pytest.mark.parametrize(("report", "named"), [("[1, 2]", "holds list [1, 2], not a report's JSON object"),
+                                               ('"trained"', "holds str 'trained', not a report's JSON object"),
+                                               ('{"heldout": 0.5}', "heldout 0.5 is not an object of measures")])
+def test_an_sae_report_of_another_shape_is_named_with_its_field(sae_stage, tmp_path, report, named):
+    """report.json of another shape (`heldout` a number, the report a list) was an AttributeError traceback,
+    exit 1: now exit 2, the report and its field named."""
+    directory = tmp_path / "sae" / sae_stage.name
+    shutil.copytree(sae_stage, directory)
+    (directory / "report.json").write_text(report)
+    proc = actstore("inspect", str(directory))
+    assert proc.returncode == 2 and f"{directory / 'report.json'}: {named}" in proc.stderr, proc.stderr

@@ -62,9 +62,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             info, keys = sae_summary(args.path), SAE_KEYS
         else:
             info, keys = format_module(_detect_or_exit(args.path)).inspect(args.path), SUMMARY_KEYS
-    except (ValueError, IndexError, OSError, TypeError, AttributeError) as exc:
-        # What a reader did not name itself (an array of another shape, a directory where a file goes, a
-        # report.json member of another JSON type): still bad input, exit 2, never a traceback.
+    except (ValueError, IndexError, OSError) as exc:
+        # What a reader did not name itself (an array of another shape, a directory where a file goes):
+        # still bad input, exit 2, never a traceback.
         print(f"actstore: {args.path}: cannot be summarised ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     if args.json:

@@ -404,7 +404,10 @@ def stage_report(directory: Path) -> dict[str, Any] | None:
     path = directory / "report.json"
     if problem := link_out(directory, path):
         raise FormatError(f"{problem}: not read")
-    return read_json(path) if path.is_file() else None
+    report = read_json(path) if path.is_file() else None
+    if report is not None and not isinstance(report, dict):
+        raise FormatError(f"{path}: holds {type(report).__name__} {report!r:.40}, not a report's JSON object")
+    return report
 
 
 def sae_summary(directory: Path) -> dict[str, Any]:
@@ -425,6 +428,8 @@ def sae_summary(directory: Path) -> dict[str, Any]:
         header = {}
     report = stage_report(directory) or {}
     held = report.get("heldout") or {}
+    if not isinstance(held, dict):
+        raise FormatError(f"{directory / 'report.json'}: heldout {held!r:.40} is not an object of measures")
     saelens = directory / "saelens"
     return {"format": "sae", "model": header.get("model"), "hook": header.get("hook"),
             "d_in": _whole(header.get("d_in")), "num_basis": _whole(header.get("num_basis")),
