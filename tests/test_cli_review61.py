@@ -157,3 +157,15 @@ def test_an_sae_report_of_another_shape_is_named_with_its_field(sae_stage, tmp_p
     (directory / "report.json").write_text(report)
     proc = actstore("inspect", str(directory))
     assert proc.returncode == 2 and f"{directory / 'report.json'}: {named}" in proc.stderr, proc.stderr
+
+
+def test_available_memory_is_none_where_meminfo_lists_none(tmp_path, monkeypatch):
+    """A /proc/meminfo without MemAvailable (kernels before 3.14) raised StopIteration out of the benches,
+    where the docstring promises None."""
+    from actstore import memwatch
+
+    monkeypatch.setattr(memwatch, "MEMINFO", tmp_path / "meminfo")
+    memwatch.MEMINFO.write_text("MemTotal:       24000000 kB\nMemFree:        12000000 kB\n")
+    assert memwatch.machine_available_gb() is None
+    memwatch.MEMINFO.write_text("MemTotal:       24000000 kB\nMemAvailable:   2000000 kB\n")
+    assert memwatch.machine_available_gb() == 2.0

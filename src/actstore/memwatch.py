@@ -40,16 +40,20 @@ def process_memory(pid: int) -> Memory:
     return Memory(anonymous, max(0, dirty - anonymous))
 
 
+MEMINFO = Path("/proc/meminfo")
+
+
 def machine_available_gb() -> float | None:
     """The machine's MemAvailable in GB (/proc/meminfo; None without it). The benchmarks record it: on a
     machine short of memory (session 46's VM, with 11 GB of stale files in /dev/shm) every new
     page-cache page costs a reclaim, which moved writer and test times by up to 1.5x."""
     try:
-        text = Path("/proc/meminfo").read_text()
+        text = MEMINFO.read_text()
     except FileNotFoundError:
         return None
-    kib = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("MemAvailable:"))
-    return round(kib * KIB / 1e9, 1)
+    # Kernels before 3.14 (and some sandboxes) list no MemAvailable: StopIteration escaped the bench.
+    kib = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("MemAvailable:")), None)
+    return None if kib is None else round(kib * KIB / 1e9, 1)
 
 
 class PeakMemory:
