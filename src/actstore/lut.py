@@ -184,9 +184,24 @@ def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str
         raise ConfigError(f"{extract_dir}: sae.heldout_fraction {config['sae']['heldout_fraction']} of its "
                           f"{extraction.n_samples} sample(s) holds out no token, and the lut stage evaluates its "
                           "tables on tokens the SAE did not train on: extract at least 2 samples")
+    check_recorded_split(Path(sae_dir) / SAE_REPORT, split.heldout_samples)
     arrays = tensors(extraction, hook)
     blocks = list(iter_rows(arrays, sampled_rows(split.heldout, config["lut"]["eval_tokens"], config["sae"]["seed"])))
     return torch.from_numpy(np.concatenate(blocks)), split.heldout_samples
+
+
+def check_recorded_split(path: Path, heldout_samples: list[int]) -> None:
+    """ConfigError naming the SAE report unless the held-out samples it records are `heldout_samples`
+    (the split recomputed from this config): a config whose sae.seed or heldout_fraction differ from
+    the SAE stage's (build_lut given another run's SAE) would evaluate the tables on training tokens.
+    A report without the record (hand-made) is not checked: the SAE stage always writes it."""
+    report = read_json(path)
+    recorded = report.get("heldout_samples") if isinstance(report, dict) else None
+    if recorded is not None and recorded != heldout_samples:
+        raise ConfigError(f"{path}: heldout_samples {recorded!r:.80} are not the held-out samples of this config's "
+                          f"sae.heldout_fraction and sae.seed ({heldout_samples!r:.80}): the SAE was trained with "
+                          f"another split, so its held-out tokens would be ones it trained on; run the lut stage "
+                          f"with the SAE stage's config")
 
 
 def sae_report_hook(path: Path) -> str:

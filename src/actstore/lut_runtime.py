@@ -57,6 +57,8 @@ from actstore.integrity import whole_number
 
 log = logging.getLogger(__name__)
 RUNTIMES = ("lookup", "auto")
+# The dtypes tables can be held in: torch's matmul, top-k and embedding_bag compute in these (not in float8).
+HELD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CALIBRATION_TOKENS = (1, 8, 64, 512, 2048)
 CALIBRATION_SECONDS = 2.0  # per group of targets sharing an encoder (see calibrate)
 # Activations one calibration call may hold beside the loaded model: larger token counts are not timed.
@@ -638,8 +640,8 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
 
     if crossover_tokens is not None:
         crossover_tokens = count(crossover_tokens, "lut crossover_tokens")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ConfigError(f"lut dtype {dtype!r}: expected None or a floating torch.dtype (torch.float32, ...)")
+    if dtype is not None and dtype not in HELD_DTYPES:
+        raise ConfigError(f"lut dtype {dtype!r}: expected None or one of {', '.join(map(repr, HELD_DTYPES))}")
     encoders: dict[bytes, LutEncoder] = {}
     installed = {}
     paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
@@ -667,8 +669,8 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
         lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime).to(linear.weight.device)
         lut.crossover_tokens = crossover_tokens
         installed[module_path] = lut
+    calibrate_auto(installed)  # before the model changes: it may fail too (out of memory on a GPU)
     for module_path, lut in installed.items():
         parent, name = parent_module(model, module_path)
         setattr(parent, name, lut)
-    calibrate_auto(installed)
     return installed
