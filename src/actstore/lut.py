@@ -169,7 +169,8 @@ def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets:
     return results
 
 
-def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path) -> tuple[torch.Tensor, list[int]]:
+def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path,
+                   ) -> tuple[torch.Tensor, list[int]]:
     """The SAE's held-out tokens of its hook tensor (a seeded uniform sample of lut.eval_tokens of them
     when there are more: the first in storage order were one class's in a dataset sorted by label) and
     held-out samples. ConfigError when the split holds out no token (one sample: the SAE trained on all)."""
