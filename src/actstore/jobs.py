@@ -6,12 +6,13 @@ only once the extraction exists, but the number of jobs is fixed at parse time, 
 shows the whole DAG."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from actstore.errors import FormatError
-from actstore.integrity import DIGESTS, listed_problem, stream_json_members, stream_json_object
+from actstore.integrity import DIGESTS, listed_problem, stream_json_members, stream_json_object, whole_number
 from actstore.io_utils import write_json_atomic
 
 # Unset, a writer gets a job per extraction part up to this many: at 10 TB each job then writes
@@ -39,6 +40,9 @@ def jobs_covering(n_items: int, jobs: int, items: range) -> range:
     """The jobs of `jobs` (as job_items splits n_items) that hold any of the consecutive `items`."""
     if not items:
         return range(0)
+    # an item no job holds gave a job that is none (-1: the last job's record to a list index) or divided by 0
+    if jobs < 1 or items[0] < 0 or items[-1] >= n_items:
+        raise ValueError(f"items {items[0]}..{items[-1]} of {n_items} in {jobs} jobs: not all held by a job")
     base, extra = divmod(n_items, jobs)
 
     def job_of(item: int) -> int:
@@ -135,7 +139,8 @@ def _read_head(path: Path) -> dict[str, Any]:
         head[key] = value
     else:
         raise FormatError(f"{path}: not {_NOT_A_RECORD}")
-    if not all(isinstance(head.get(k), int) for k in ("jobs", "job")):
+    # whole_number: true and false are ints to Python, and equal to job 0 of 1
+    if not (whole_number(head.get("jobs"), 1) and whole_number(head.get("job"))):
         raise FormatError(f"{path}: not {_NOT_A_RECORD}")
     return head
 
@@ -145,8 +150,7 @@ def _record_files(job_dir: Path, earlier: JobFiles) -> Iterator[tuple[str, dict[
     path = job_dir / JOB_RECORD
     source = str(path)
     for name, entry in stream_json_members(path, "files", _NOT_A_RECORD):
-        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
-                or not any(isinstance(entry.get(key), str) for key in DIGESTS):
+        if not isinstance(entry, dict) or not whole_number(entry.get("bytes")) or not _digests_recorded(entry):
             raise FormatError(f"{path}: no bytes and sha256 recorded for {name!r}")
         if name in earlier:
             raise FormatError(f"{path}: {name} also listed in {earlier[name][0] / JOB_RECORD}")
@@ -154,6 +158,13 @@ def _record_files(job_dir: Path, earlier: JobFiles) -> Iterator[tuple[str, dict[
         if problem:
             raise FormatError(problem)
         yield name, entry
+
+
+def _digests_recorded(entry: dict[str, Any]) -> bool:
+    """A sha256 (or sha256_tree) recorded, each one given a sha256's 64 hex digits: the finisher hands
+    them on unread, so one that is no digest ("", cut short) would reach the store's own records."""
+    digests = [entry[key] for key in DIGESTS if key in entry]
+    return bool(digests) and all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests)
 
 
 def _check_numbering(paths: list[Path], records: list[dict[str, Any]]) -> None:
