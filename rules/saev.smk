@@ -33,7 +33,7 @@ rule saev_shards:
     resources:
         cpus_per_task=2,
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "saev_shards", attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=len(SAEV_JOBS)),
+        runtime=lambda wildcards, attempt: actstore_resources.saev_shards_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"
     script:

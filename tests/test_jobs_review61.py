@@ -77,3 +77,25 @@ def test_a_digest_that_is_no_sha256_is_refused(tmp_path, digest):
     edit(job_dir, lambda record: record["files"]["a.bin"].update(sha256=digest))
     with pytest.raises(FormatError, match=r"job-0000/job\.json: no bytes and sha256 recorded for 'a\.bin'"):
         read_job_records([job_dir])
+
+
+def test_a_saev_shards_job_is_given_the_time_of_the_shards_it_writes(model_dir, text_jsonl, tmp_path, monkeypatch):
+    """saev_shards jobs each write whole shards, but each was given a job count's share of the data: with
+    2 shards and 4 jobs, two jobs write a shard each (half the data) in a quarter's time, and Slurm
+    killed them at their limit. The busiest job's shards set it now; a job count below the shards,
+    the most shards any job writes."""
+    import tiny
+    from actstore import resources
+
+    config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, extract={"layers": [0, 1], "parts": 4})
+    work = resources.workload(config)
+    vectors = work.tokens * 2
+    # the rate made slow enough that a pass over the data is ~100 minutes, not the start-up minimum
+    monkeypatch.setattr(resources, "IO_BYTES_PER_S", work.activation_bytes / 6000)
+    config["saev"].update(jobs=4, patches_per_shard=-(-vectors // 2))
+    assert resources.saev_shards_runtime(config) == resources.io_runtime(config, jobs=2)
+    assert resources.saev_shards_runtime(config) > resources.io_runtime(config, jobs=4)
+    config["saev"].update(jobs=2, patches_per_shard=-(-vectors // 3))  # 3 shards in 2 jobs: one writes 2
+    assert resources.saev_shards_runtime(config) == resources.io_runtime(config, jobs=3, passes=4.0)
+    config["saev"].update(jobs=4, patches_per_shard=10**9)
+    assert resources.saev_shards_runtime(config) == resources.io_runtime(config, jobs=1)

@@ -395,6 +395,18 @@ def part_jobs_runtime(config: dict[str, Any], attempt: int, stage: str, passes: 
     return io_runtime(config, attempt, jobs=parts, passes=passes * most)
 
 
+def saev_shards_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes for the busiest saev_shards job: a job writes whole shards (jobs.job_items' ranges of
+    them), each of up to saev.patches_per_shard vectors, the most any job takes. A share of the whole
+    by the job count was short where the shards are fewer than the jobs (3 shards of 39 GB in 64 jobs:
+    a 64th of the data for a job writing a shard) or do not divide, and Slurm killed the job at its limit."""
+    w = workload(config)
+    vectors = w.tokens * len(config["saev"].get("layers") or config["extract"]["layers"])
+    shards = max(1, -(-vectors // config["saev"]["patches_per_shard"]))
+    most = -(-shards // write_jobs(config, "saev"))
+    return io_runtime(config, attempt, jobs=shards, passes=2.0 * most)
+
+
 def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     """Minutes for train_sae on one GPU: about 12 x d x num_basis FLOPs per training token (encoder and
     dense decoder, forward and backward) plus reading the hook's activations a few times."""
