@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from actstore.config import config_schema, enabled_stages
 from actstore.formats import FORMAT_STAGES
 from actstore.formats.saev.layout import POINTER as SAEV_POINTER
 from actstore.errors import ActstoreError
-from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, resolved, stage_config_problems
+from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, is_sha256, resolved, stage_config_problems
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
 from actstore.model_config import run_dtype, storage_dtype
 from actstore.parse_memo import remembered
@@ -209,7 +208,7 @@ def is_stage_dir(directory: Path) -> bool:
     a saev stage directory is the one holding the pointer (saev.json), or its stage config when the
     pointer is gone (a store holds none)."""
     directory = directory.absolute()
-    return (bool(re.fullmatch("[0-9a-f]{64}", directory.name)) and directory.parent.name in STAGES
+    return (is_sha256(directory.name) and directory.parent.name in STAGES
             and (directory.parent.name != "saev" or (directory / SAEV_POINTER).exists()
                  or (directory / STAGE_CONFIG_FILE).exists()))
 

@@ -200,7 +200,7 @@ def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
     if digest != record["hash"]:
         return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
     name = directory.absolute().name  # `actstore verify .` in a stage directory: "." has no name
-    if re.fullmatch("[0-9a-f]{64}", name) and name != digest:
+    if is_sha256(name) and name != digest:
         return [f"{path}: the config of stage directory {digest}, found in {name}"]
     if SEAL_KEY not in record:  # every stage config the workflow writes holds one
         return [f"{path}: no {SEAL_KEY!r} record, so the stage's metadata files cannot be checked against it "
@@ -248,6 +248,14 @@ def seal(directory: Path, stage: str) -> dict[str, dict[str, Any]]:
 def file_record(path: str | os.PathLike) -> dict[str, Any]:
     """{bytes, sha256} of a finished file, as every format records it."""
     return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
+SHA256_HEX = re.compile("[0-9a-f]{64}")  # hashlib's hexdigest
+
+
+def is_sha256(value: Any) -> bool:
+    """A sha256 as hashlib's hexdigest spells it: a string of 64 lowercase hex digits."""
+    return isinstance(value, str) and SHA256_HEX.fullmatch(value) is not None
 
 
 def whole_number(value: Any, least: int = 0) -> bool:

@@ -6,13 +6,13 @@ only once the extraction exists, but the number of jobs is fixed at parse time, 
 shows the whole DAG."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from actstore.errors import FormatError
-from actstore.integrity import DIGESTS, listed_problem, stream_json_members, stream_json_object, whole_number
+from actstore.integrity import (DIGESTS, is_sha256, listed_problem, stream_json_members, stream_json_object,
+                                whole_number)
 from actstore.io_utils import write_json_atomic
 
 # Unset, a writer gets a job per extraction part up to this many: at 10 TB each job then writes
@@ -164,7 +164,7 @@ def _digests_recorded(entry: dict[str, Any]) -> bool:
     """A sha256 (or sha256_tree) recorded, each one given a sha256's 64 hex digits: the finisher hands
     them on unread, so one that is no digest ("", cut short) would reach the store's own records."""
     digests = [entry[key] for key in DIGESTS if key in entry]
-    return bool(digests) and all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests)
+    return bool(digests) and all(map(is_sha256, digests))
 
 
 def _check_numbering(paths: list[Path], records: list[dict[str, Any]]) -> None:

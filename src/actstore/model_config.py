@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import ConfigError
-from actstore.integrity import unique_keys
+from actstore.integrity import unique_keys, whole_number
 from actstore.model_identity import WEIGHTS_KEY, inside_folder
 
 PACKAGE_PREFIX = "package:"
@@ -349,7 +349,7 @@ def num_blocks(config: dict[str, Any]) -> int:
         names = ", ".join(CONFIG_ALIASES["num_hidden_layers"])
         raise ConfigError(f"model config.json names no block count (looked for {names})")
     name, blocks = found
-    if isinstance(blocks, bool) or not 1 <= blocks <= MAX_BLOCKS:
+    if not (whole_number(blocks, 1) and blocks <= MAX_BLOCKS):
         raise ConfigError(f"model config.json {name} {blocks!r} is no block count (a whole number from 1 to "
                           f"{MAX_BLOCKS})")
     return blocks

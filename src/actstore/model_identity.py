@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from actstore.errors import ConfigError
-from actstore.integrity import read_json, whole_number
+from actstore.integrity import is_sha256, read_json, whole_number
 from actstore.io_utils import sha256_file
 
 # What loading a model, its tokenizer or image processor can read: weights, configs and tokenizer
@@ -41,7 +40,6 @@ WEIGHTS_KEY = "transformers_weights"
 MODEL_FILES_KEY = "model_files"  # the key of part.json and extract.json
 PART_FIELDS = ("bytes", "mtime_ns")  # a file's entry in part.json; extract.json's adds its sha256
 INDEX_FIELDS = (*PART_FIELDS, "sha256")
-SHA256_HEX = re.compile("[0-9a-f]{64}")  # hashlib's hexdigest
 log = logging.getLogger(__name__)
 
 
@@ -123,7 +121,7 @@ def well_formed(files: Any, fields: tuple[str, ...]) -> bool:
     INDEX_FIELDS), sizes and mtimes whole numbers, a sha256 as hashlib's hexdigest spells it (what
     the parse compares a file's digest with)."""
     return isinstance(files, dict) and all(isinstance(entry, dict) and all(
-        isinstance(entry.get(field), str) and SHA256_HEX.fullmatch(entry[field]) is not None if field == "sha256"
+        is_sha256(entry.get(field)) if field == "sha256"
         else whole_number(entry.get(field)) for field in fields) for entry in files.values())
 
 
