@@ -133,7 +133,7 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
         from actstore.extract.device_images import check_device_pipeline
 
         check_device_pipeline(loaded.preprocessor, loaded.device)
-    check_targets_read_hook(config, extract_dir, loaded, sae_report_hook(Path(sae_dir) / SAE_REPORT))
+    check_targets_read_hook(config, extract_dir, loaded, sae_report(Path(sae_dir) / SAE_REPORT)["hook"])
     tables = build_tables(config, loaded.model, sae.state())
     lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(sae_file), SAE_SHA256: sae_sha256,
@@ -178,26 +178,25 @@ def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str
     from actstore.sae import REPORT_FILE as SAE_REPORT, iter_rows, split_tokens, tensors
     from actstore.sae.data import sampled_rows
 
-    hook = sae_report_hook(Path(sae_dir) / SAE_REPORT)
+    report_path = Path(sae_dir) / SAE_REPORT
+    report = sae_report(report_path)
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
     split = split_tokens(extraction, config["sae"]["heldout_fraction"], config["sae"]["seed"])
     if not split.n_heldout:
         raise ConfigError(f"{extract_dir}: sae.heldout_fraction {config['sae']['heldout_fraction']} of its "
                           f"{extraction.n_samples} sample(s) holds out no token, and the lut stage evaluates its "
                           "tables on tokens the SAE did not train on: extract at least 2 samples")
-    check_recorded_split(Path(sae_dir) / SAE_REPORT, split.heldout_samples)
-    arrays = tensors(extraction, hook)
+    check_recorded_split(report_path, report.get("heldout_samples"), split.heldout_samples)
+    arrays = tensors(extraction, report["hook"])
     blocks = list(iter_rows(arrays, sampled_rows(split.heldout, config["lut"]["eval_tokens"], config["sae"]["seed"])))
     return torch.from_numpy(np.concatenate(blocks)), split.heldout_samples
 
 
-def check_recorded_split(path: Path, heldout_samples: list[int]) -> None:
-    """ConfigError naming the SAE report unless the held-out samples it records are `heldout_samples`
-    (the split recomputed from this config): a config whose sae.seed or heldout_fraction differ from
-    the SAE stage's (build_lut given another run's SAE) would evaluate the tables on training tokens.
-    A report without the record (hand-made) is not checked: the SAE stage always writes it."""
-    report = read_json(path)
-    recorded = report.get("heldout_samples") if isinstance(report, dict) else None
+def check_recorded_split(path: Path, recorded: Any, heldout_samples: list[int]) -> None:
+    """ConfigError naming the SAE report `path` unless the held-out samples it records (`recorded`) are
+    `heldout_samples` (the split recomputed from this config): a config whose sae.seed or heldout_fraction
+    differ from the SAE stage's (build_lut given another run's SAE) would evaluate the tables on training
+    tokens. A report without the record (hand-made) is not checked: the SAE stage always writes it."""
     if recorded is not None and recorded != heldout_samples:
         raise ConfigError(f"{path}: heldout_samples {recorded!r:.80} are not the held-out samples of this config's "
                           f"sae.heldout_fraction and sae.seed ({heldout_samples!r:.80}): the SAE was trained with "
@@ -205,14 +204,14 @@ def check_recorded_split(path: Path, heldout_samples: list[int]) -> None:
                           f"with the SAE stage's config")
 
 
-def sae_report_hook(path: Path) -> str:
-    """The hook the SAE stage's report says it trained on, read strictly (a key given twice was the
-    last, a missing or damaged report a Python traceback); FormatError naming the report otherwise."""
+def sae_report(path: Path) -> dict[str, Any]:
+    """The SAE stage's report, read strictly (a key given twice was the last, a missing or damaged
+    report a Python traceback), its "hook" the tensor it trained on; FormatError naming it otherwise."""
     report = read_json(path)
     hook = report.get("hook") if isinstance(report, dict) else None
     if not isinstance(hook, str):
         raise FormatError(f"{path}: hook {hook!r:.80} is not a tensor name")
-    return hook
+    return report
 
 
 def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, loaded: Any,
