@@ -438,6 +438,24 @@ def test_group_lookup_equals_each_targets_own_lookup_bit_for_bit(built, model, b
         LutLinear(encoder, tables, None)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_targets_of_one_sae_on_two_devices_each_get_an_encoder_on_theirs(built, model):
+    """A model split across devices: q on the GPU, k and v on the CPU. One shared encoder moved to
+    whichever target was installed last, and the others' lookups then met tensors on another device."""
+    get_module(model, TARGETS[0]).cuda()
+    devices = {target: get_module(model, target).weight.device for target in TARGETS}
+    alone = {target: _lut_for(built, model, target, 8)[1].to(devices[target]) for target in TARGETS}
+    installed = install_luts(model, lut_format.open_lut(built[3]), budget=8)
+    assert installed[TARGETS[0]].encoder is not installed[TARGETS[1]].encoder
+    assert installed[TARGETS[1]].encoder is installed[TARGETS[2]].encoder
+    x = torch.randn(2, 5, 32) * 2
+    with torch.inference_mode():
+        for target, device in devices.items():
+            out = installed[target](x.to(device))
+            assert out.device == device
+            assert torch.equal(out, alone[target](x.to(device)) + installed[target].target_bias)
+
+
 def test_each_targets_output_is_a_tensor_of_its_own(built, model):
     """Without a bias to add, a target's columns of the group's lookup are still copied out, as an
     nn.Linear's output is its own: a view would keep the group's [N, 3 x out] alive and refuse .view."""

@@ -632,8 +632,8 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
     Each table is checked against its linear first (check_products), and the model is changed only
     once every table passed: an error leaves it as it was (not half its targets replaced, which a
     second call would refuse as not nn.Linear). Tables are held in `dtype`, by default the dtype of
-    the linear they replace (module docstring; held_tables); the targets sharing an encoder share its
-    tables, in the first one's.
+    the linear they replace (module docstring; held_tables); the targets sharing an encoder (same SAE,
+    same device) share its tables, in the first one's.
     runtime "auto": the crossover is `crossover_tokens` when given (reproducible runs, tests), else
     measured now by calibrate_auto (each target's `calibration` holds its group's table)."""
     from actstore.models import get_module
@@ -642,7 +642,9 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
         crossover_tokens = count(crossover_tokens, "lut crossover_tokens")
     if dtype is not None and dtype not in HELD_DTYPES:
         raise ConfigError(f"lut dtype {dtype!r}: expected None or one of {', '.join(map(repr, HELD_DTYPES))}")
-    encoders: dict[bytes, LutEncoder] = {}
+    # Keyed by device too: targets of one SAE on two GPUs (a model split across devices) each need
+    # the encoder on theirs, and a shared one would move to whichever target came last.
+    encoders: dict[tuple[bytes, torch.device], LutEncoder] = {}
     installed = {}
     paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
     for module_path, entry in store.layers.items():
@@ -661,12 +663,14 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
                               f"whose targets are loaded on a device")
         stored = store.load(module_path)
         check_products(stored, linear, file, module_path)
-        key = _sae_digest(stored)
+        key = _sae_digest(stored), linear.weight.device
         held = encoders[key].products.dtype if key in encoders else (dtype or linear.weight.dtype)
         tables = held_tables(stored, held, file, module_path)
         if key not in encoders:
             encoders[key] = LutEncoder(tables, store.k_active, held).to(linear.weight.device)
-        lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime).to(linear.weight.device)
+        # On its encoder's device already (its tensors are made there): no .to, which would move the
+        # encoder the group shares.
+        lut = LutLinear(encoders[key], tables, linear, budget, runtime=runtime)
         lut.crossover_tokens = crossover_tokens
         installed[module_path] = lut
     calibrate_auto(installed)  # before the model changes: it may fail too (out of memory on a GPU)
