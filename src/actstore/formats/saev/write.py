@@ -25,8 +25,8 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
                                           store_name, text_windows, to_upstream)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
-from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, errors_naming,
-                               make_dirs_durable, remove_stale_temps, write_json_atomic)
+from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, canonical_sha256,
+                               errors_naming, make_dirs_durable, remove_stale_temps, write_json_atomic)
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import config_patches, register_tokens
 
@@ -64,6 +64,10 @@ class Plan:
     kept_tokens: np.ndarray | None = None  # images: the extracted tokens an example holds (None: all)
     flavor: str = "spec"
     pixel_agg: str = "majority"  # upstream's pixel_agg field (saev's default when there are no labels)
+    # The extraction's digest (each part's record, its files' sha256 among them): every job record carries
+    # it, so a finisher never takes shards of another extraction of the same shape and metadata (another
+    # storage dtype; a library caller's extract_hash None). None: a raw plan, filled from anything.
+    source: str | None = None
 
     @property
     def tokens_per_ex(self) -> int:
@@ -147,7 +151,8 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
         "dataset": str(Path(info.dataset.path).resolve()), "dtype": "float32", "protocol": PROTOCOL,
     }
     pixel_agg = (section.get("patch_labels") or {}).get("pixel_agg", "majority")
-    plan = Plan(metadata, windows, sidecar, labels, kept_tokens, _flavor(section, info.modality, family), pixel_agg)
+    plan = Plan(metadata, windows, sidecar, labels, kept_tokens, _flavor(section, info.modality, family), pixel_agg,
+                canonical_sha256([part.meta for part in extraction.parts]))
     _check_shape(plan)
     return plan
 
@@ -323,7 +328,7 @@ def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = T
 
 def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: int, progress: bool = False) -> Path:
     """Write job `job` of `jobs`' shards of the plan's store (jobs.job_items) into out_dir, then its
-    job record (jobs.write_job_record, with the store's name) last; return the record's path. Holds
+    job record (jobs.write_job_record, with the store's name and the plan's source) last; return the record's path. Holds
     BEHIND + 1 slab buffers of CHUNK_BYTES (at least one example each) whatever the data's size."""
     _check_shape(plan)
     out_dir = Path(out_dir)
@@ -342,7 +347,7 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
             path = out_dir / shard_name(idx)
             files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffers,
                                             plan.shard_bytes(sizes[idx]), hashers)
-    return write_job_record(out_dir, jobs, job, files, store=plan.store_name)
+    return write_job_record(out_dir, jobs, job, files, store=plan.store_name, source=plan.source)
 
 
 def _check_shape(plan: Plan) -> None:
@@ -431,6 +436,9 @@ def _job_shards(plan: Plan, job_dirs: list[Path]) -> JobFiles:
         if extra.get("store") != plan.store_name:
             raise FormatError(f"{job_dir / JOB_RECORD}: shards of store {extra.get('store')!r}, not "
                               f"{plan.store_name!r} (a job of another config?)")
+        if extra.get("source") != plan.source:
+            raise FormatError(f"{job_dir / JOB_RECORD}: shards of extraction {str(extra.get('source'))[:12]}, "
+                              f"not {str(plan.source)[:12]}, this finisher's (a job of another extraction?)")
     files = dict(found.files)
     shards = {}
     for idx, n in enumerate(plan.shard_sizes):
