@@ -186,11 +186,16 @@ def _extraction_rows(extraction, layers: list[int]) -> Iterator[tuple[np.ndarray
                 yield (part.sample_start + local, rows - part.offsets[local], counts[local], layer, block)
 
 
-def store_fingerprint(rows: Iterator[Rows], extraction, layers: list[int], seed: int,
+def store_fingerprint(rows: Iterator[Rows], extraction, layers: list[int], seed: int, store: Path,
                       on_rows: Callable[[int], Any] = lambda n: None) -> Fingerprint:
     """The fingerprint of a store's rows (a view's, below); on_rows(n) after each block of n rows."""
     fingerprint = new_fingerprint(extraction, layers, seed, scaled=False)
+    width = len(fingerprint.direction)
     for layer, samples, tokens, vectors in rows:
+        # A store of another model's (or layer kind's) width: numpy's matmul error named no file
+        if vectors.shape[1] != width:
+            raise FormatError(f"{store}: layer {layer} holds vectors of {vectors.shape[1]} values, "
+                              f"the extraction's {width}")
         fingerprint.add(layer, samples, tokens, vectors)
         on_rows(len(samples))
     return fingerprint
@@ -217,7 +222,7 @@ def fingerprint_problems(stores: dict[str, tuple[Path, str]], extraction, seed: 
         reference = pool.submit(extraction_fingerprints, extraction, {w: w for w in wanted.values()}, seed,
                                 rounded, bar.update)
         passes = {(name, label): pool.submit(store_fingerprint, rows, extraction, list(wanted[label].layers),
-                                             seed, bar.update)
+                                             seed, stores[name][0], bar.update)
                   for name, format_views in views.items() for label, rows, _ in format_views}
         for name in views:
             results[name] = {"views": {}, "problems": []}
@@ -228,7 +233,9 @@ def fingerprint_problems(stores: dict[str, tuple[Path, str]], extraction, seed: 
         for (name, label), done in passes.items():
             try:
                 mine = done.result()
-            except FormatError as exc:
+            # OSError: a file its reader could not open (a loop of links, an I/O error), named by the error;
+            # raised here, it ended validate in a traceback, verify's problems of every store unreported
+            except (FormatError, OSError) as exc:
                 results[name]["problems"].append(f"{exc} ({label} fingerprint not read)")
                 continue
             if prints is None:

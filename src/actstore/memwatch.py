@@ -1,5 +1,6 @@
 """Peak memory a Slurm job's cgroup is charged for and cannot simply drop: anonymous memory plus
-dirty file-mapped pages (a memmap written to), sampled from /proc/<pid>/smaps_rollup (Linux).
+dirty file-mapped pages (a memmap written to), sampled from /proc/<pid>/smaps_rollup (Linux;
+its smaps where the kernel has no rollup).
 
 Clean mapped pages (a part's .npy read through np.memmap) are left out: the kernel reclaims them
 under pressure, as it does the page cache behind plain reads."""
@@ -25,19 +26,37 @@ class Memory:
         return self.anonymous + self.dirty_mapped
 
 
+PROC = Path("/proc")
+FIELDS = ("Anonymous", "Private_Dirty", "Shared_Dirty")
+
+
 def process_memory(pid: int) -> Memory:
-    """One sample of process `pid` (zero once it has exited)."""
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    """One sample of process `pid` (zero once it has exited): its smaps_rollup, or where the kernel has
+    none (Linux before 4.14, some containers) the same fields of every mapping in its smaps, summed.
+    Without smaps_rollup every sample read 0, and a memory bound passed whatever the process held."""
+    text = _smaps_text(pid)
+    if text is None:
         return Memory()
-    fields = {}
-    for line in text.splitlines()[1:]:
+    fields = dict.fromkeys(FIELDS, 0)
+    for line in text.splitlines():
         name, _, value = line.partition(":")
-        fields[name] = int(value.split()[0]) * KIB if value.strip() else 0
-    anonymous = fields.get("Anonymous", 0)
-    dirty = fields.get("Private_Dirty", 0) + fields.get("Shared_Dirty", 0)
+        if name in fields:
+            fields[name] += int(value.split()[0]) * KIB
+    anonymous = fields["Anonymous"]
+    dirty = fields["Private_Dirty"] + fields["Shared_Dirty"]
     return Memory(anonymous, max(0, dirty - anonymous))
+
+
+def _smaps_text(pid: int) -> str | None:
+    """/proc/<pid>/smaps_rollup, else /proc/<pid>/smaps; None once the process has exited."""
+    for name in ("smaps_rollup", "smaps"):
+        try:
+            return (PROC / str(pid) / name).read_text()
+        except FileNotFoundError:
+            continue
+        except (ProcessLookupError, PermissionError):
+            return None
+    return None
 
 
 MEMINFO = Path("/proc/meminfo")

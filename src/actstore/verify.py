@@ -95,7 +95,11 @@ def check_format(name: str, store: Path, extraction, coords,
     checked, not_stored, why, missing, latencies_us = 0, 0, set(), [], []
     for sample_idx, layer, token in coords:
         started = time.perf_counter()
-        got = _read(module, store, sample_idx, layer, token)
+        try:
+            got = _read(module, store, sample_idx, layer, token)
+        except OSError as exc:  # a file the reader could not open (a loop of links): a traceback hid every problem
+            problems.append(f"{store}: (sample {sample_idx}, layer {layer}, token {token}) not read ({exc})")
+            continue
         latencies_us.append((time.perf_counter() - started) * 1e6)
         if got is None:
             if reason := left_out_by_design(name, info, extraction, section, dropped, (sample_idx, layer, token)):
