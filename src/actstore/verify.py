@@ -97,7 +97,9 @@ def check_format(name: str, store: Path, extraction, coords,
         started = time.perf_counter()
         try:
             got = _read(module, store, sample_idx, layer, token)
-        except OSError as exc:  # a file the reader could not open (a loop of links): a traceback hid every problem
+        # A file the reader refused or could not open (a loop of links, a chunk cut short): named with its
+        # coordinate, the others still read; raised, it hid every other store's problems.
+        except (FormatError, OSError) as exc:
             problems.append(f"{store}: (sample {sample_idx}, layer {layer}, token {token}) not read ({exc})")
             continue
         latencies_us.append((time.perf_counter() - started) * 1e6)

@@ -6,6 +6,7 @@ sampler and a padding collate function.
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import math
 import os
@@ -203,6 +204,10 @@ class ZarrStore:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
         except FileNotFoundError:
             raise FormatError(f"{path}: chunk file missing") from None
+        except OSError as exc:  # a loop of links is the store's damage (verify names it), not the machine's
+            if exc.errno != errno.ELOOP:
+                raise
+            raise FormatError(f"{path}: a link that cannot be resolved (a loop of links)") from None
         try:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode):  # a FIFO would block the read, a device never end

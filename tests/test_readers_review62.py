@@ -1,0 +1,20 @@
+"""Review 62 follow-ups in the readers: damage a reader meets is a FormatError naming the file."""
+import pytest
+
+from actstore.errors import FormatError
+from actstore.formats import zarr
+from actstore.formats.extract import synthetic_extraction
+from test_extract import write_real_store
+
+
+def test_a_zarr_chunk_that_is_a_loop_of_links_is_a_format_error_naming_it(tmp_path):
+    """A chunk replaced by a link to itself: verify names it, and the reader raised a bare OSError (ELOOP),
+    which readers' callers do not take as a damaged store."""
+    root = synthetic_extraction(tmp_path / "x", 200_000, 2, 8, [1, 2], tokens=(4, 10))
+    store = write_real_store("zarr", root, tmp_path / "zarr")
+    shard = store / "shards" / "shard-0000.zarr"
+    chunk = shard / "arrays" / "activations" / "3" / "0" / "0" / "0"
+    chunk.unlink()
+    chunk.symlink_to(chunk.name)
+    with pytest.raises(FormatError, match=f"{chunk}: a link that cannot be resolved"):
+        zarr.ZarrStore(shard).read(3, 1)
