@@ -19,7 +19,9 @@ except ImportError:  # built without a C compiler, or a CPU without F16C: numpy,
     _casts = None
 
 F16_EXPONENT = 0x7C00  # float16 bits with every exponent bit set: +-inf or NaN
-BLOCK = 1 << 16  # values per step of the bfloat16 cast
+# values per step of the bfloat16 cast and of the overflow count: blocks that stay in cache, and the count's
+# indices and copies stay ~1 MiB however many values are inf or NaN (a diverged layer: all of them)
+BLOCK = 1 << 16
 
 
 def to_float16(x: np.ndarray, out: np.ndarray) -> int:
@@ -39,11 +41,15 @@ def _overflowed(flat: np.ndarray, out: np.ndarray, redo: bool = True) -> int:
     """How many finite values of `flat` (float32) are +-inf in `out` (their float16 cast), found among
     the outputs that are inf or NaN; `redo`: first cast those few again with numpy, for its NaN
     payloads (F16C truncates them)."""
-    special = np.flatnonzero(out.view(np.uint16) & F16_EXPONENT == F16_EXPONENT)
-    if redo:
-        with np.errstate(over="ignore"):
-            out[special] = flat[special].astype(np.float16)
-    return int(np.isinf(out[special]).sum() - np.isinf(flat[special]).sum())
+    overflowed = 0
+    for lo in range(0, len(flat), BLOCK):
+        block, cast = flat[lo:lo + BLOCK], out[lo:lo + BLOCK]
+        special = np.flatnonzero(cast.view(np.uint16) & F16_EXPONENT == F16_EXPONENT)
+        if redo:
+            with np.errstate(over="ignore"):
+                cast[special] = block[special].astype(np.float16)
+        overflowed += int(np.isinf(cast[special]).sum() - np.isinf(block[special]).sum())
+    return overflowed
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,7 @@ def float16_file(source: RowFile, first: int, rows: int, wide: np.ndarray, out: 
     file (here and for its hash) instead of at each of a dozen system calls (py-spy, 2-core VM: a zarr
     shard job's 2 threads spent ~30 % of their samples waiting for it after those calls)."""
     n, flat = rows * source.width, out.reshape(-1)
-    if n < 0 or n > flat.size or (source.dtype != "float16" and n > wide.size):
-        raise ValueError(f"float16_file: {n} values into {out.nbytes} float16 bytes ({wide.nbytes} float32 bytes "
-                         "of room)")
+    _check_buffers(source, n, wide, out)
     offset = source.start + first * source.width * np.dtype(STORED[source.dtype]).itemsize
     if _casts is not None:
         special = _casts.f16_file(source.fd, source.name, offset, SOURCE_CODES[source.dtype], n, wide, out,
@@ -91,6 +95,19 @@ def float16_file(source: RowFile, first: int, rows: int, wide: np.ndarray, out: 
             raise OSError(exc.errno, f"{directory}: {exc.strerror}") from exc
     write_with_hole(path, flat, 2 * n)
     return overflowed
+
+
+def _check_buffers(source: RowFile, n: int, wide: np.ndarray, out: np.ndarray) -> None:
+    """float16_file's refusals, before anything is read or made."""
+    if source.dtype not in STORED:
+        raise ValueError(f"{source.name}: storage dtype {source.dtype!r}, not one of {', '.join(STORED)}")
+    contiguous = out.flags.c_contiguous and wide.flags.c_contiguous  # else `out`'s reshape is a copy, not filled
+    if not contiguous or out.dtype != np.float16 or wide.dtype != np.float32:
+        raise ValueError(f"float16_file: wide {wide.dtype} and out {out.dtype} must be C-contiguous float32 and "
+                         "float16")
+    if n < 0 or n > out.size or (source.dtype != "float16" and n > wide.size):
+        raise ValueError(f"float16_file: {n} values into {out.nbytes} float16 bytes ({wide.nbytes} float32 bytes "
+                         "of room)")
 
 
 def _read_and_cast(source: RowFile, offset: int, n: int, wide: np.ndarray, flat: np.ndarray, stop: int) -> int:
@@ -148,10 +165,15 @@ def bfloat16_bits_to_float32(bits: np.ndarray, out: np.ndarray | None = None) ->
 
 def to_float32(values: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
     """Stored values of storage dtype `dtype` (float32, float16, or bfloat16 as its uint16 bits) as
-    float32, exact for each, into `out` when given; float32 without `out` is returned as is."""
+    float32, exact for each, into `out` (float32, values' shape) when given; float32 without `out` is
+    returned as is."""
+    if dtype not in STORED:
+        raise ValueError(f"to_float32: storage dtype {dtype!r}, not one of {', '.join(STORED)}")
     if dtype == "bfloat16":
         return bfloat16_bits_to_float32(values, out)
     if out is None:
         return np.asarray(values, dtype=np.float32)
+    if out.shape != np.shape(values) or out.dtype != np.float32:  # else a row would be broadcast, silently
+        raise ValueError(f"to_float32: {dtype} {np.shape(values)} into {out.dtype} {out.shape}")
     out[...] = values
     return out

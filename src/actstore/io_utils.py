@@ -19,6 +19,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from actstore.errors import ConfigError
+
 CHUNK = 1 << 22
 # A PositionedFile starts the disk on its dirty pages every this many bytes. What is left unstarted
 # when the run ends (up to this much per file, 16 files for a 16-layer part) is the final fsync's
@@ -99,14 +101,20 @@ sync_filesystem = _syncfs()
 
 def sha256_file(path: str | os.PathLike | int) -> str:
     """Hex sha256 of a file's bytes, read in 4 MiB blocks; `path` may be a descriptor the caller
-    opened (and keeps), read from its start."""
+    opened (and keeps), read from its start. Errors name a path (a descriptor's caller names its file)."""
     digest = hashlib.sha256()
     if isinstance(path, int):
         os.lseek(path, 0, os.SEEK_SET)
-    with open(path, "rb", closefd=not isinstance(path, int)) as fh:
+    with _naming(path), open(path, "rb", closefd=not isinstance(path, int)) as fh:
         while block := fh.read(CHUNK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _naming(path: str | os.PathLike | int) -> contextlib.AbstractContextManager:
+    """errors_naming(path) for a path: a read's error (EIO from a bad disk) names no file; nothing for a
+    descriptor, whose name only its caller knows."""
+    return contextlib.nullcontext() if isinstance(path, int) else errors_naming(path)
 
 
 def canonical_json(obj: Any) -> str:
@@ -226,7 +234,7 @@ def atomic_path(path: str | os.PathLike, undo: Callable[[Path], None] | None = N
     try:
         yield tmp
         if tmp.is_file():
-            with open(tmp, "rb+") as fh:
+            with open(tmp, "rb") as fh:  # fsync needs no write access: a umask of 0222 makes the temp read-only
                 fsync_named(fh.fileno(), final)
         elif tmp.is_dir():
             sync_filesystem(tmp)
@@ -281,7 +289,11 @@ def utc_now():
 
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     if epoch:
-        return dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc)
+        try:
+            return dt.datetime.fromtimestamp(int(epoch), dt.timezone.utc)
+        except (ValueError, OverflowError, OSError) as exc:  # not an integer, or past what a datetime holds
+            raise ConfigError(f"SOURCE_DATE_EPOCH={epoch!r}: not an integer count of seconds since 1970 "
+                              f"({exc})") from None
     return dt.datetime.now(dt.timezone.utc)
 
 
@@ -347,6 +359,15 @@ class PositionedFile(abc.ABC):
         self._put_named(offset, view)
         if len(view):
             self._hash(offset, view)
+
+    def _write_head(self, head: bytes) -> None:
+        """write(0, head) from a subclass's constructor, the file closed if it fails (a full disk): the
+        caller never gets the object to close it."""
+        try:
+            self.write(0, head)
+        except BaseException:
+            self.abort()
+            raise
 
     def _put(self, offset: int, view: memoryview) -> None:
         """The bytes of view written at offset; the disk started on them every WRITEBACK_BYTES."""
@@ -416,7 +437,7 @@ class OrderedHashFile(PositionedFile):
         self.digest = hashlib.sha256()
         self.hashed = 0
         self.ahead: dict[int, int] = {}  # start -> stop of regions written past the hashed prefix
-        self.write(0, head)
+        self._write_head(head)
 
     def _hash(self, offset: int, view: memoryview) -> None:
         if offset != self.hashed:
@@ -651,16 +672,17 @@ def sha256_tree_file(path: str | os.PathLike | int, threads: int | None = None) 
     process's leaf hashers (hashlib and pread release the GIL), which a plain sha256, sequential by
     definition, cannot do; `threads` × 4 of its leaves are queued at a time (default: the CPUs this
     process may use). Memory: a leaf per hasher at work. `path` may be a descriptor the caller
-    opened (and keeps)."""
+    opened (and keeps); errors name a path."""
     threads = threads or len(os.sched_getaffinity(0))
     fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY)
     pool, leaves, window = _leaf_hashers(), [], []
     try:
-        n_leaves = -(-os.fstat(fd).st_size // TREE_LEAF)
-        for first in range(0, n_leaves, 4 * threads):  # a window, so futures stay few
-            stop = min(first + 4 * threads, n_leaves)
-            window = [pool.submit(_read_leaf_digest, fd, leaf) for leaf in range(first, stop)]
-            leaves += [future.result() for future in window]
+        with _naming(path):
+            n_leaves = -(-os.fstat(fd).st_size // TREE_LEAF)
+            for first in range(0, n_leaves, 4 * threads):  # a window, so futures stay few
+                stop = min(first + 4 * threads, n_leaves)
+                window = [pool.submit(_read_leaf_digest, fd, leaf) for leaf in range(first, stop)]
+                leaves += [future.result() for future in window]
     finally:
         for future in window:  # after a failure: no leaf is read from fd once it is closed (or the caller's)
             future.cancel()
@@ -721,7 +743,7 @@ class TreeHashFile(PositionedFile):
         self.pieces: dict[int, list[tuple[int, int]]] = {}
         self.buf = bytearray(TREE_LEAF)
         self.pool = pool
-        self.write(0, head)
+        self._write_head(head)
 
     def write(self, offset: int, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
