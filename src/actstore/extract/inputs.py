@@ -13,7 +13,7 @@ import torch
 
 from actstore.datasets import Dataset, Sample
 from actstore.datasets.images import ImageOpener
-from actstore.errors import ConfigError
+from actstore.errors import ActstoreError, ConfigError
 from actstore.io_utils import lower_priority
 from actstore.model_config import PADDING_SENSITIVE_TYPES
 from actstore.models import LoadedModel, host_to_device
@@ -258,12 +258,43 @@ def item_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num
                 pin_memory: bool) -> tuple[list[list[list[int]]], Iterator[Any]]:
     """Each batch cut into items of IMAGES_PER_ITEM (ImageItems says why), and an iterator over
     `dataset`'s items in that order, made by `num_workers` processes (0 = in this process) that start
-    at once and keep resources.items_ahead items ready, at nice +10 (io_utils.lower_priority)."""
+    at once and keep resources.items_ahead items ready, at nice +10 (io_utils.lower_priority). A worker's
+    ActstoreError is raised as the worker raised it (Refusals)."""
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
-    return items, iter(torch.utils.data.DataLoader(
-        dataset, sampler=[item for batch in items for item in batch], batch_size=None, num_workers=num_workers,
-        pin_memory=pin_memory, prefetch_factor=ahead, worker_init_fn=lower_priority if num_workers else None))
+    return items, _raised(iter(torch.utils.data.DataLoader(
+        Refusals(dataset), sampler=[item for batch in items for item in batch], batch_size=None,
+        num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead,
+        worker_init_fn=lower_priority if num_workers else None)))
+
+
+class Refusals(torch.utils.data.Dataset):
+    """`dataset`'s items, or the ActstoreError making one (naming its file) as the item: torch re-raises
+    a worker's exception as a new one whose message is "Caught ConfigError in DataLoader worker process
+    1. Original Traceback ...", the file named on the traceback's last line only."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: list[int]) -> Any:
+        try:
+            return self.dataset[item]
+        except ActstoreError as exc:
+            return exc
+
+
+def _raised(loader: Iterator[Any]) -> Iterator[Any]:
+    """The loader's items, an ActstoreError among them raised (Refusals)."""
+    for item in loader:
+        if isinstance(item, ActstoreError):
+            # The error's traceback holds this frame, and the frame the error: a cycle, which the garbage
+            # collector ended with the workers' shutdown waiting 5 s on each worker (torch's join timeout).
+            del loader
+            raise item
+        yield item
 
 
 def to_model(loaded: LoadedModel, pixels: Iterator[list[torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
