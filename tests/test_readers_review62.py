@@ -18,3 +18,28 @@ def test_a_zarr_chunk_that_is_a_loop_of_links_is_a_format_error_naming_it(tmp_pa
     chunk.symlink_to(chunk.name)
     with pytest.raises(FormatError, match=f"{chunk}: a link that cannot be resolved"):
         zarr.ZarrStore(shard).read(3, 1)
+
+
+def test_truncated_images_stay_refused_until_the_last_decoder_leaves(tmp_path):
+    """Two decoders (threads) inside whole_images_only, the first leaving while the second decodes, in a
+    process where PIL's LOAD_TRUNCATED_IMAGES was set: the first's exit restored True under the second,
+    which then decoded a truncated file (its missing rows gray), and the second's exit left False."""
+    from PIL import Image, ImageFile
+
+    from actstore.datasets.images import whole_images_only
+
+    path = tmp_path / "cut.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(path)
+    path.write_bytes(path.read_bytes()[:-40])
+    ImageFile.LOAD_TRUNCATED_IMAGES = True
+    try:
+        first, second = whole_images_only(), whole_images_only()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        with pytest.raises(OSError), Image.open(path) as img:
+            img.load()
+        second.__exit__(None, None, None)
+        assert ImageFile.LOAD_TRUNCATED_IMAGES is True
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = False

@@ -4,6 +4,7 @@ whichever process asks, so DataLoader workers do the reading and decoding."""
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -164,18 +165,35 @@ def decoded_image(file: Any, where: str) -> Any:
         raise ConfigError(f"{where}: cannot decode the image ({exc})") from None
 
 
+class _WholeImagesOnly:
+    """The decoders inside whole_images_only, and PIL's setting from before the first of them."""
+
+    lock = threading.Lock()
+    decoding = 0
+    truncated_allowed = False
+
+
 @contextmanager
 def whole_images_only() -> Iterator[None]:
     """PIL's LOAD_TRUNCATED_IMAGES off while decoding, as it is by default: code sharing the process
     (a notebook, a model's remote code) may have set it, and a truncated file would then decode
-    without an error, its missing rows gray or black."""
+    without an error, its missing rows gray or black. Restored when the last decoder leaves: a
+    thread's restore while another decoded (the gpu pipeline's decoding thread beside check_images)
+    let that one decode a truncated file, and the setting of whichever left last survived."""
     from PIL import ImageFile
 
-    truncated_allowed, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
+    with _WholeImagesOnly.lock:
+        if not _WholeImagesOnly.decoding:
+            _WholeImagesOnly.truncated_allowed = ImageFile.LOAD_TRUNCATED_IMAGES
+        _WholeImagesOnly.decoding += 1
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
     try:
         yield
     finally:
-        ImageFile.LOAD_TRUNCATED_IMAGES = truncated_allowed
+        with _WholeImagesOnly.lock:
+            _WholeImagesOnly.decoding -= 1
+            if not _WholeImagesOnly.decoding:
+                ImageFile.LOAD_TRUNCATED_IMAGES = _WholeImagesOnly.truncated_allowed
 
 
 EXIF_ORIENTATION = 0x0112
