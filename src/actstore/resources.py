@@ -42,6 +42,7 @@ class Workload:
     block_bytes: int = 0  # a table's largest block (row group, record batch) as Arrow holds it (0 for JSONL)
     weight_widening: float = 1.0  # run over saved dtype, at least 1 (a bfloat16 checkpoint run in float32: 2)
     head_values: int = 0  # values a token of hooks on an LM head's output holds past the d each is counted at
+    listing_bytes: int = 0  # a text folder's names, every file's, as its scan lists them (images': text_bytes)
 
     @property
     def token_values(self) -> int:
@@ -120,6 +121,8 @@ def _workload(key: str) -> Workload:
     inner = int(model.get("intermediate_size") or model.get("n_inner") or 4 * hidden)
     ext = config["extract"]
     rows, data_bytes, block_bytes = _count_rows(config["dataset"])
+    # listed whole whatever dataset.limit; a text folder is never `auto`'s choice, so the config names it
+    listing = rows * IMAGE_NAME_BYTES if config["dataset"].get("format") == "text_folder" else 0
     limit = config["dataset"].get("limit")
     if limit and limit < rows:  # the first `limit` rows' share of the text: what a part holds, the scan reads
         rows, data_bytes = limit, data_bytes * limit // rows
@@ -142,7 +145,7 @@ def _workload(key: str) -> Workload:
                     itemsize=_itemsize(storage),
                     # RGB over every patch, in the model's dtype: the decoding workers cast what they hand on
                     pixel_bytes=per_row * patch ** 2 * 3 * _itemsize(computed) if vision else 0,
-                    block_bytes=block_bytes)
+                    block_bytes=block_bytes, listing_bytes=listing)
 
 
 # The output-embedding modules (get_output_embeddings) of transformers' causal LMs: GPT-NeoX's embed_out,
@@ -262,11 +265,11 @@ def _scan_processes(source: Source) -> int:
 
 def extract_scan_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
     """Host memory of the dataset scan: a Python process with pyarrow (WRITER_BASE_MB) and what the
-    scan holds: every image's name (a folder is listed whole), or a table's label-column blocks, or
-    a JSONL line at a time; and the distinct labels, assumed few; SCAN_WORKER_MB for each of its
+    scan holds: every image's or text file's name (a folder is listed whole), or a table's label-column
+    blocks, or a JSONL line at a time; and the distinct labels, assumed few; SCAN_WORKER_MB for each of its
     `threads` processes past the first."""
     w = workload(config)
-    held = 2 * w.text_bytes if w.pixel_bytes else 3 * w.block_bytes
+    held = 2 * w.text_bytes if w.pixel_bytes else 3 * w.block_bytes + 2 * w.listing_bytes
     return _round_mb(WRITER_BASE_MB + SCAN_WORKER_MB * (threads - 1) + held / 1e6) * attempt
 
 
@@ -276,15 +279,19 @@ def extract_scan_runtime(config: dict[str, Any], attempt: int = 1) -> int:
 
 
 def extract_index_runtime(config: dict[str, Any], attempt: int = 1) -> int:
-    """Minutes for the index: the model's files hashed once (model_identity), at the scratch rate."""
-    return _minutes(workload(config).weight_bytes / IO_BYTES_PER_S, attempt)
+    """Minutes for the index: the model's files hashed once (model_identity), at the scratch rate, and
+    every stored sample's row parsed (formats.extract.write.index_of), at the scan's rate (23 MB/s here)."""
+    w = workload(config)
+    return _minutes(w.weight_bytes / IO_BYTES_PER_S + w.text_bytes / SCAN_BYTES_PER_S, attempt)
 
 
 def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     """Minutes for one part: forward FLOPs (2 per weight per token) on one GPU plus writing its share."""
     w = workload(config)
     parts = config["extract"]["parts"]
-    params = w.weight_bytes / 4  # float32 checkpoints; half-precision ones make this an overestimate
+    # The weights as float32 (a 16-bit checkpoint run in float32: twice its files' bytes), at fp32's rate: a
+    # run in 16 bits, counted at half its parameters, runs faster than that
+    params = w.host_weight_bytes / 4
     seconds = (2 * params * w.tokens / GPU_FLOPS + w.activation_bytes / IO_BYTES_PER_S) / parts
     return _minutes(seconds, attempt)
 
