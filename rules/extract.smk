@@ -74,7 +74,7 @@ rule extract_index:
     benchmark:
         bench_path("extract", "index")
     resources:
-        mem_mb=lambda wildcards, attempt: 1000 * attempt,
+        mem_mb=lambda wildcards, attempt: actstore_resources.opened_extraction_mb(config, attempt=attempt),
         runtime=lambda wildcards, attempt: actstore_resources.extract_index_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"

@@ -48,7 +48,8 @@ rule validate_plots:
     benchmark:
         bench_path("validate", "validate_plots")
     resources:
-        mem_mb=lambda wildcards, attempt: 2000 * attempt,
+        mem_mb=lambda wildcards, attempt: actstore_resources.opened_extraction_mb(
+            config, actstore_resources.PLOTS_BASE_MB, attempt),
         runtime=lambda wildcards, attempt: 30 * attempt,
     conda:
         "../envs/actstore.yaml"

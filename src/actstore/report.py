@@ -59,10 +59,18 @@ def activation_norms(extraction: Extraction, path: Path) -> None:
 
 
 def tokens_per_sample(extraction: Extraction, path: Path) -> None:
-    counts = [row["num_tokens"] for _, _, row in extraction.iter_samples()]
+    """40 bins over every sample's token count, from the parts' offsets (which verify holds to be the
+    truth), a part at a time: a Python list of every row's parsed count took ~36 bytes a sample (3.6 GB
+    at 10^8 samples) and a JSON parse of each row's text."""
+    counts = [np.diff(part.offsets) for part in extraction.parts]
+    n = sum(len(c) for c in counts)
+    lo = min((int(c.min()) for c in counts if len(c)), default=0)
+    hi = max((int(c.max()) for c in counts if len(c)), default=0)
+    edges = np.histogram_bin_edges([lo, hi], bins=40)
+    samples = sum(np.histogram(c, bins=edges)[0] for c in counts)
     fig, ax = _figure()
-    ax.hist(counts, bins=40)
-    ax.set(xlabel="tokens per sample", ylabel="samples", title=f"Tokens per sample (n={len(counts)})")
+    ax.stairs(samples, edges, fill=True)
+    ax.set(xlabel="tokens per sample", ylabel="samples", title=f"Tokens per sample (n={n})")
     _save(fig, path)
 
 

@@ -369,6 +369,15 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
 
 
 VALIDATE_MEM_MB = 4000  # verify's files at once: pickle shards up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES)
+PLOTS_BASE_MB = 2000  # the validate_plots job: an interpreter with matplotlib and numpy
+OPENED_SAMPLE_BYTES = 8 + ROW_INDEX_BYTES  # an opened extraction, a sample: its part's offsets, its row's start
+
+
+def opened_extraction_mb(config: dict[str, Any], base_mb: int = WRITER_BASE_MB, attempt: int = 1) -> int:
+    """mem_mb of a job that opens the whole extraction (extract_index, validate_plots): `base_mb` plus
+    every part's offsets and samples.jsonl line index, all held while it runs (1.6 GB at 10^8 samples,
+    where a fixed 1,000 MB was asked for)."""
+    return _round_mb(base_mb + OPENED_SAMPLE_BYTES * workload(config).rows / 1e6) * attempt
 
 
 def validate_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:

@@ -1,0 +1,26 @@
+"""Review 62: jobs that open the whole extraction are sized for it."""
+import re
+from pathlib import Path
+
+import tiny
+from actstore import resources
+from actstore.formats.extract import open_extraction, synthetic_extraction
+from test_workflow_review62 import sparse_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_an_opened_extraction_is_measured_at_what_the_jobs_opening_it_are_given(model_dir, tmp_path):
+    """extract_index and validate_plots open every part (offsets, samples.jsonl line index: 16 bytes a
+    sample, held); they asked for a fixed 1,000 and 2,000 MB, which 10^8 samples pass."""
+    root = synthetic_extraction(tmp_path / "x", 2_000_000, 4, 8, [1], tokens=(1, 2))
+    extraction = open_extraction(root)
+    held = sum(part.offsets.nbytes + part.samples._starts.nbytes for part in extraction.parts)
+    assert held >= resources.OPENED_SAMPLE_BYTES * extraction.n_samples > 0
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), sparse_jsonl(tmp_path / "big.jsonl", 9 * 10**9))
+    rows = resources.workload(config).rows
+    assert rows > 10**8
+    for base in (resources.WRITER_BASE_MB, resources.PLOTS_BASE_MB):
+        assert resources.opened_extraction_mb(config, base) >= base + resources.OPENED_SAMPLE_BYTES * rows / 1e6
+    rules = (ROOT / "rules" / "extract.smk").read_text() + (ROOT / "rules" / "validate.smk").read_text()
+    assert len(re.findall(r"mem_mb=lambda wildcards, attempt: actstore_resources.opened_extraction_mb\(", rules)) == 2
