@@ -304,7 +304,9 @@ def pack_batch(loaded: LoadedModel, inputs: dict[str, torch.Tensor], output: Any
         if "logits_to_keep" in inputs and output.logits.shape[1] != 1:
             raise ConfigError(f"model.path {loaded.path}: its forward computed logits without calling its output "
                               "embeddings (get_output_embeddings()), so which position each row's logits are "
-                              "is unknown; set extract.logits_topk: 0 and extract.token_logprobs: false")
+                              "is unknown: a causal LM's top-k logits are always kept (extract.logits_topk is "
+                              "at least 1), and one whose head cannot be narrowed to each text's last token "
+                              "is not supported")
         last_logits = output.logits[torch.arange(len(last), device=last.device), at]
         if logprobs is not None:
             tokens["token_logprob.npy"] = scored = logprobs.packed(inputs["input_ids"], keep_host, rows.n_tokens,
