@@ -57,7 +57,7 @@ rule saev:
     # (saev.patch_labels) is computed here from the masks.
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "saev", attempt),
-        runtime=lambda wildcards, attempt: 30 * attempt,
+        runtime=lambda wildcards, attempt: actstore_resources.saev_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -24,3 +24,21 @@ def test_an_opened_extraction_is_measured_at_what_the_jobs_opening_it_are_given(
         assert resources.opened_extraction_mb(config, base) >= base + resources.OPENED_SAMPLE_BYTES * rows / 1e6
     rules = (ROOT / "rules" / "extract.smk").read_text() + (ROOT / "rules" / "validate.smk").read_text()
     assert len(re.findall(r"mem_mb=lambda wildcards, attempt: actstore_resources.opened_extraction_mb\(", rules)) == 2
+
+
+def test_the_saev_finisher_is_timed_for_the_masks_it_labels(model_dir, tmp_path, monkeypatch):
+    """With saev.patch_labels the finishing job runs every image's mask through the model's processor
+    (labels.bin); its runtime was a fixed 30 minutes, which COCO-Stuff's 164k masks (~14 min measured
+    at MASK_SECONDS / 2) and larger mask sets pass."""
+    import dataclasses
+
+    images, masks, _ = tiny.write_segmentation_folder(tmp_path / "seg", (4, 4), (8, 8), n_images=2)
+    plain = tiny.make_config(tmp_path, model_dir("dinov2"), images)
+    labelled = tiny.make_config(tmp_path, model_dir("dinov2"), images, saev={"patch_labels": {"masks": str(masks)}})
+    assert resources.saev_runtime(plain) == resources.saev_runtime(labelled) == resources.SAEV_FINISH_MIN
+    coco = dataclasses.replace(resources.workload(labelled), rows=164_000 * 4)  # COCO-Stuff's, four times over
+    monkeypatch.setattr(resources, "workload", lambda config: coco)
+    assert resources.saev_runtime(labelled) >= coco.rows * resources.MASK_SECONDS / 60 > resources.SAEV_FINISH_MIN
+    assert resources.saev_runtime(plain) == resources.SAEV_FINISH_MIN
+    rules = (ROOT / "rules" / "saev.smk").read_text()
+    assert "runtime=lambda wildcards, attempt: actstore_resources.saev_runtime(config, attempt)" in rules
