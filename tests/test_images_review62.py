@@ -29,11 +29,8 @@ def folder_with_a_cut_jpeg(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "images", cut
 
 
-@pytest.mark.parametrize("pipeline", ["cpu", "gpu"])
-def test_an_image_a_worker_cannot_decode_is_named_first_not_after_the_workers_traceback(pipeline, tmp_path,
-                                                                                         model_dir):
-    """A worker's ConfigError reached the job as torch's re-raise, 'Caught ConfigError in DataLoader
-    worker process 1. Original Traceback ...', the file named only on the traceback's last line."""
+def loader_of_a_cut_jpeg(pipeline: str, tmp_path, model_dir):
+    """The `pipeline`'s batches (2 workers) of a folder holding a cut JPEG, and that file."""
     from actstore.models import load_image_processor
 
     root, cut = folder_with_a_cut_jpeg(tmp_path)
@@ -41,10 +38,17 @@ def test_an_image_a_worker_cannot_decode_is_named_first_not_after_the_workers_tr
     processor = load_image_processor(model_dir("dinov2"))
     batches = [[0, 1], [2, 3], [4, 5]]
     if pipeline == "cpu":
-        loader = image_batches(processor, dataset.opener, dataset.samples, batches, 2, False, torch.float32)
-    else:
-        loader = device_image_batches(processor, dataset.opener, dataset.samples, batches, 2, torch.device("cpu"),
-                                      torch.float32)
+        return image_batches(processor, dataset.opener, dataset.samples, batches, 2, False, torch.float32), cut
+    return device_image_batches(processor, dataset.opener, dataset.samples, batches, 2, torch.device("cpu"),
+                                torch.float32), cut
+
+
+@pytest.mark.parametrize("pipeline", ["cpu", "gpu"])
+def test_an_image_a_worker_cannot_decode_is_named_first_not_after_the_workers_traceback(pipeline, tmp_path,
+                                                                                         model_dir):
+    """A worker's ConfigError reached the job as torch's re-raise, 'Caught ConfigError in DataLoader
+    worker process 1. Original Traceback ...', the file named only on the traceback's last line."""
+    loader, cut = loader_of_a_cut_jpeg(pipeline, tmp_path, model_dir)
     with pytest.raises(ConfigError) as caught:
         list(loader)
     assert str(caught.value).startswith(f"{cut}: cannot decode the image")
@@ -57,17 +61,7 @@ def test_the_workers_of_a_loader_that_met_a_bad_image_end_at_once(pipeline, tmp_
     got its stop signal, then killing it (a job stalled 5 s a worker, 80 s with 16)."""
     from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
-    from actstore.models import load_image_processor
-
-    root, cut = folder_with_a_cut_jpeg(tmp_path)
-    dataset = load_dataset(root)
-    processor = load_image_processor(model_dir("dinov2"))
-    batches = [[0, 1], [2, 3], [4, 5]]
-    if pipeline == "cpu":
-        loader = image_batches(processor, dataset.opener, dataset.samples, batches, 2, False, torch.float32)
-    else:
-        loader = device_image_batches(processor, dataset.opener, dataset.samples, batches, 2, torch.device("cpu"),
-                                      torch.float32)
+    loader, _ = loader_of_a_cut_jpeg(pipeline, tmp_path, model_dir)
     with pytest.raises(ConfigError):
         list(loader)
     began = time.perf_counter()

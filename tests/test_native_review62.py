@@ -11,15 +11,7 @@ import pytest
 
 from actstore import casts
 from actstore.io_utils import sha256_file, sha256_tree_file
-
-
-@pytest.fixture(params=["C", "numpy"])
-def cast_path(request, monkeypatch):
-    if request.param == "numpy":
-        monkeypatch.setattr(casts, "_casts", None)
-    elif casts._casts is None:
-        pytest.skip("the C casts (actstore._casts) are not built here")
-    return request.param
+from test_casts import cast_path  # noqa: F401 (a fixture)
 
 
 def test_casting_values_that_are_all_nan_or_overflow_takes_little_memory_beyond_out(cast_path):
