@@ -17,8 +17,8 @@ from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORM
                                             layer_key)
 from actstore.formats.pickle.read import item_tokens, load_metadata, load_shard, shard_path, shards_by_id
 from actstore.formats.pickle.unpickler import BudgetHeldByOthers, ByteBudget
-from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, unlisted, version_string,
-                                whole_number, whole_numbers)
+from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, read_index, unlisted,
+                                version_string, whole_number, whole_numbers)
 
 # Shard bytes verify holds at once (validate_stores' mem_mb leaves room for it): with the default
 # 100 MB shards, 3 checked at once; 500 MB shards (the spec's largest) one at a time.
@@ -36,8 +36,10 @@ def detect(path: str | Path) -> bool:
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
-    """Summary from metadata.json alone (no shard is read), its fields checked first."""
+    """Summary from metadata.json alone (no shard is read), its fields checked first, the statistics it
+    reports against the shard entries' sums too (a total_samples of 999, or "x", was reported as it was)."""
     meta = checked_metadata(path)
+    integrity.refuse(_verify_totals(Path(path), meta))
     ext, stats, cfg = meta.get("actstore", {}), meta["statistics"], meta["extraction_config"]
     shard_bytes = sum(s["size_bytes"] for s in meta["shards"])
     return {
@@ -376,7 +378,10 @@ _LAST_SHARD: integrity.LastBuilt[dict] = integrity.LastBuilt()
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """float32 (d,) activation of one token, or None when the store does not hold that coordinate.
-    The last shard read stays loaded while its file and recorded checksum are unchanged (_shard)."""
+    The last shard read stays loaded while its file and recorded checksum are unchanged (_shard). Each
+    index must be an integer (read_index): True read sample 1 and token True the whole activation."""
+    sample_idx, layer_idx, token_idx = (read_index(value, what, Path(path)) for value, what in (
+        (sample_idx, "sample_idx"), (layer_idx, "layer_idx"), (token_idx, "token_idx")))
     meta = checked_metadata(path)
     for info in meta["shards"]:
         lo, hi = info["sample_id_range"]
@@ -384,8 +389,9 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
             shard = _shard(path, meta, info)
             for item in shard[layer_key(layer_idx)]:
                 if item["sample_idx"] == sample_idx:
+                    # a copy: a view of the shard kept loaded let a caller's change reach every later read
                     act = item["activation"]
-                    return np.asarray(act[token_idx], dtype=np.float32) if 0 <= token_idx < item_tokens(item) else None
+                    return np.array(act[token_idx], dtype=np.float32) if 0 <= token_idx < item_tokens(item) else None
     return None
 
 

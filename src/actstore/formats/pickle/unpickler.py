@@ -33,17 +33,36 @@ def _make_dtype(made: list[np.dtype], *args: Any) -> np.dtype:
     return dtype
 
 
-class _NdarrayName:
-    """What a shard's `numpy.ndarray` global loads as: numpy's pickles only pass it to _reconstruct.
-    Called (a REDUCE of ndarray itself: ndarray((n,), dtype)) it refuses, where the real class would
-    allocate n elements sized by the untrusted file, or hand back uninitialised memory."""
+class _Admitted:
+    """A global a shard may name, called as `function`. A BUILD of it is refused: its state's items were
+    set as attributes of this module's own objects, kept for every later load in the process (memory no
+    budget counts, as much as a shard's BUILDs put there)."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> None:
-        raise pickle.UnpicklingError("numpy.ndarray(...) called in a shard: numpy's pickles never call it")
+    def __init__(self, name: str, function: Callable[..., Any]) -> None:
+        self.name, self.function = name, function
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
+
+    def __repr__(self) -> str:  # as messages name it: "_reconstruct of numpy.dtype"
+        return self.name
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"BUILD of the global {self.name} in a shard: numpy's pickles never build one")
+
+
+def _ndarray_called(*args: Any) -> None:
+    """What a shard's `numpy.ndarray` global does, called (a REDUCE of ndarray itself: ndarray((n,),
+    dtype)): refuse, where the real class would allocate n elements sized by the untrusted file, or hand
+    back uninitialised memory. numpy's pickles only pass it to _reconstruct."""
+    raise pickle.UnpicklingError("numpy.ndarray(...) called in a shard: numpy's pickles never call it")
+
+
+NDARRAY = _Admitted("numpy.ndarray", _ndarray_called)  # what a shard's `numpy.ndarray` global loads as
 
 
 def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> np.ndarray:
-    if subtype is not _NdarrayName:
+    if subtype is not NDARRAY:
         raise pickle.UnpicklingError(f"_reconstruct of {subtype!r}: only numpy.ndarray is admitted")
     # numpy's own pickles always start from an empty array and fill it from the state's bytes (whose
     # length numpy checks); any other shape would be an allocation sized by the untrusted file.
@@ -62,11 +81,11 @@ def _frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
 # module paths), each wrapped so that only numeric dtypes and plain ndarrays come out; and numpy.dtype,
 # which each RestrictedUnpickler answers with its own _make_dtype (keeping the dtypes it made).
 ALLOWED_GLOBALS = {
-    ("numpy", "ndarray"): _NdarrayName,
-    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
-    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
-    ("numpy._core.numeric", "_frombuffer"): _frombuffer,
-    ("numpy.core.numeric", "_frombuffer"): _frombuffer,
+    ("numpy", "ndarray"): NDARRAY,
+    ("numpy._core.multiarray", "_reconstruct"): _Admitted("_reconstruct", _reconstruct),
+    ("numpy.core.multiarray", "_reconstruct"): _Admitted("_reconstruct", _reconstruct),
+    ("numpy._core.numeric", "_frombuffer"): _Admitted("_frombuffer", _frombuffer),
+    ("numpy.core.numeric", "_frombuffer"): _Admitted("_frombuffer", _frombuffer),
 }
 DTYPE_GLOBAL = ("numpy", "dtype")
 PLAIN_TYPES = (str, int, float, bool, type(None))
@@ -80,7 +99,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         self.dtypes: list[np.dtype] = []  # every dtype the shard made, for _disarm
         # not a bound method: the memo holds the global, and a bound method would hold the unpickler,
         # a cycle that kept everything it built alive until the garbage collector ran
-        self.numpy_dtype = partial(_make_dtype, self.dtypes)
+        self.numpy_dtype = _Admitted("numpy.dtype", partial(_make_dtype, self.dtypes))
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == DTYPE_GLOBAL:
@@ -256,13 +275,17 @@ class _MemoChecked:
         self.stopped = False
 
     def load(self) -> Any:
-        """The restricted unpickler's object, checked (_check_plain). A refused shard's dtypes are
-        disarmed (_disarm) while the unpickler still holds what it built; then it is let go, as the C
-        unpickler alone was: held by the traceback, its arrays outlived the budget share they took."""
+        """The restricted unpickler's object, checked (_check_plain), as are the dtypes it made. A refused
+        shard's dtypes are disarmed (_disarm) while the unpickler still holds what it built; then it is let
+        go, as the C unpickler alone was: held by the traceback, its arrays outlived the budget share they took."""
         unpickler = RestrictedUnpickler(self)
         try:
             obj = unpickler.load()
             _check_plain(obj)
+            # a BUILD state can alter a dtype after numpy.dtype() admitted it, its array then dropped: no
+            # check of `obj` sees it, and numpy printed a traceback freeing the array with the unpickler
+            for dtype in unpickler.dtypes:
+                _numeric_dtype(dtype, "numpy.dtype after its BUILD")
         except BaseException:
             _disarm(unpickler.dtypes)
             del unpickler

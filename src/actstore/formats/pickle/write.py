@@ -270,6 +270,8 @@ def merge_machines(machine_dirs: list[str | Path], out_dir: str | Path) -> dict[
     it): shards referenced in place by relative path, shard_id renumbered 1..N in machine order; sample
     ids checked unique."""
     out_dir = Path(out_dir)
+    if not machine_dirs:  # the first machine gives the extraction's fields: an IndexError named nothing
+        raise FormatError(f"{out_dir}: no machine stores to merge")
     machines = [(Path(m), checked_metadata(m)) for m in machine_dirs]
     machines.sort(key=lambda m: machine_id_of(*m))
     first_dir, first = machines[0]
