@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError
-from actstore.integrity import whole_numbers
 from actstore.model_identity import named_weights
-from actstore.safetensors_io import read_header_json
+from actstore.safetensors_io import read_header_json, tensor_sizes
 
 if TYPE_CHECKING:  # the workflow's parse sizes jobs with tensor_bytes, without importing torch
     from torch import nn
@@ -66,12 +64,16 @@ def _names_in(folder: Path, file: str) -> dict[str, str]:
 
 def _weight_map(folder: Path, index: str) -> dict[str, str]:
     """The shard index's weight_map (`index`: INDEX or BIN_INDEX); ConfigError naming the index unless
-    it maps names to file names of the folder itself (a number or list there was a TypeError out of
-    sorting or hashing the files; `../x.safetensors` or an absolute path was read from outside the folder)."""
+    it is a JSON object mapping names to file names of the folder itself (a number or list there was a
+    TypeError out of sorting or hashing the files; `../x.safetensors` or an absolute path was read from
+    outside the folder)."""
     try:
-        weight_map = dict(json.loads(_regular(folder, index).read_text())["weight_map"])
-    except (ValueError, KeyError, TypeError) as exc:
+        weight_map = json.loads(_regular(folder, index).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # OSError: an index config.json names, not there
         raise ConfigError(f"model.path {folder}: {index} names no weight_map: {exc!r}") from None
+    if not isinstance(weight_map, dict):  # a list of pairs read as one (or of "ab": a to b); transformers refuses it
+        raise ConfigError(f"model.path {folder}: {index} weight_map is a {type(weight_map).__name__}, not an "
+                          "object of tensor names to files")
     for name, file in weight_map.items():
         if not (isinstance(file, str) and _plain_name(file)):
             raise ConfigError(f"model.path {folder}: {index} weight_map gives {name!r} the file {file!r:.80}, "
@@ -123,7 +125,7 @@ def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
         try:
             sizes.update({name: size for name, size in _header_sizes(_regular(folder, file)).items()
                           if names is None or name in names})
-        except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError, RecursionError) as exc:
+        except (OSError, ValueError) as exc:
             raise ConfigError(f"model.path {folder}: {file} has no readable safetensors header "
                               f"({exc!r:.200})") from None
     return sizes
@@ -131,22 +133,13 @@ def tensor_bytes(folder: Path, names: set[str] | None = None) -> dict[str, int]:
 
 def _header_sizes(path: Path) -> dict[str, int]:
     """Bytes of each tensor `path`'s header gives, read as strictly as the safetensors library that
-    loads them reads it: a header is whoever published the model's, and json.loads took a key given
-    twice (the last won), NaN, bool, float or backwards offsets into the job's size, and a length
-    past the file allocated it. ValueError (or what indexing raises) naming the tensor otherwise."""
+    loads them reads it (tensor_sizes): a header is whoever published the model's, and a key given
+    twice, NaN, or two tensors over the same bytes sized the job past the weights, and a length past
+    the file allocated it. ValueError naming the tensor otherwise."""
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         header, length = read_header_json(handle, size)
-    data_bytes = size - 8 - length
-    sizes = {}
-    for name, entry in header.items():
-        if name != "__metadata__":
-            offsets = entry["data_offsets"]
-            if not (whole_numbers(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1] <= data_bytes):
-                raise ValueError(f"tensor {name!r} data_offsets {offsets!r:.60} are not two whole numbers "
-                                 f"in order within its {data_bytes} bytes of data")
-            sizes[name] = offsets[1] - offsets[0]
-    return sizes
+    return tensor_sizes(header, size - 8 - length)
 
 
 @contextmanager

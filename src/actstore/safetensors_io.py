@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from actstore.integrity import STRICT_JSON
+from actstore.integrity import STRICT_JSON, whole_numbers
 from actstore.io_utils import errors_naming
 
 if TYPE_CHECKING:
@@ -28,9 +28,10 @@ MAX_HEADER = 100_000_000  # the safetensors library's limit on a header's JSON (
 def read_header_json(fh: BinaryIO, size: int) -> tuple[Any, int]:
     """(the header's JSON value, its length) of the safetensors file of `size` bytes open as `fh` at its
     start, parsed as strictly as the safetensors library reads it: a length within the file and
-    MAX_HEADER, UTF-8 (json.loads would take UTF-16 or a BOM), no key twice, no NaN or Infinity, -0
-    no count, and no lone surrogate escape. ValueError saying which; what the value holds is the
-    caller's to check."""
+    MAX_HEADER, UTF-8 (json.loads would take UTF-16 or a BOM), no NaN or Infinity, -0 no count, and
+    no lone surrogate escape; and no key twice, which the library takes (0.8.0: the last wins), where
+    which was meant is not known. ValueError saying which; what the value holds is the caller's to
+    check (tensor_sizes)."""
     raw = fh.read(8)
     if len(raw) < 8:
         raise ValueError(f"{size} bytes, too short for a safetensors header")
@@ -46,6 +47,59 @@ def read_header_json(fh: BinaryIO, size: int) -> tuple[Any, int]:
         raise ValueError(f"safetensors header is not JSON ({exc})") from None
     except RecursionError:
         raise ValueError("safetensors header is not JSON (nested too deeply to parse)") from None
+
+
+# Bits of one value of each dtype the safetensors library reads (0.8.0's Dtype enum).
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+USIZE_LIMIT = 1 << 64  # the library counts in usize and refuses a shape whose bit count overflows it
+
+
+def tensor_sizes(header: Any, data_bytes: int) -> dict[str, int]:
+    """Bytes of each tensor of a safetensors header (read_header_json's value) whose file holds
+    `data_bytes` of data after it, checked as the library checks it before it reads a tensor: text
+    metadata; a known dtype, a shape of whole numbers whose bytes are its data_offsets'; the tensors'
+    data laid end to end from 0 to `data_bytes`, no byte twice, none left over. ValueError naming the
+    tensor: sized from offsets alone, two tensors claiming the same bytes were counted twice."""
+    if not isinstance(header, dict):
+        raise ValueError(f"safetensors header is a JSON {type(header).__name__}, not an object")
+    metadata = header.get("__metadata__")  # null is none, as the library reads it
+    texts = isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())
+    if not (metadata is None or texts):
+        raise ValueError(f"safetensors header __metadata__ {metadata!r:.100} is not a map of text to text")
+    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    sizes = {name: _entry_bytes(name, entry) for name, entry in tensors.items()}
+    end = 0
+    for name in sorted(tensors, key=lambda name: tensors[name]["data_offsets"]):
+        if tensors[name]["data_offsets"][0] != end:
+            raise ValueError(f"tensor {name!r:.100} data_offsets {tensors[name]['data_offsets']} do not start where "
+                             f"the tensor before it ends, at {end}: tensors overlap or leave a gap")
+        end = tensors[name]["data_offsets"][1]
+    if end != data_bytes:
+        raise ValueError(f"the tensors' data ends at byte {end} of its {data_bytes} bytes of data")
+    return sizes
+
+
+def _entry_bytes(name: str, entry: Any) -> int:
+    """Bytes of tensor `name`'s header entry, which its data_offsets must span; ValueError naming it."""
+    dtype, offsets = (entry.get("dtype"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
+    if not (isinstance(dtype, str) and dtype in DTYPE_BITS and whole_numbers(entry.get("shape"))
+            and whole_numbers(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        raise ValueError(f"tensor {name!r:.100}: {entry!r:.200} is not a safetensors dtype, a shape of whole numbers "
+                         "and two data_offsets in order")
+    count = 1
+    for dim in entry["shape"]:  # stops at an overflow, as the library: a long shape's product is no cost
+        count *= dim
+        if count >= USIZE_LIMIT:
+            break
+    bits = count * DTYPE_BITS[dtype]
+    if bits >= USIZE_LIMIT:
+        raise ValueError(f"tensor {name!r:.100}: shape {entry['shape']!r:.100} overflows the library's count")
+    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+        raise ValueError(f"tensor {name!r:.100}: {dtype} {entry['shape']} is {bits / 8:g} bytes, its "
+                         f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")
+    return bits // 8
 
 
 # A code point of a UTF-16 surrogate: UTF-8 text cannot hold one, so in a parsed string it came from a

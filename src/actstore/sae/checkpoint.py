@@ -41,11 +41,11 @@ def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | No
     `hook_width`: the width of the hook it will encode, which d_in must be (check_hook_width); `hook`:
     that hook, which a cfg.json naming one of actstore's hooks must name (check_saelens_hook).
 
-    SAELens (safetensors, or the folder holding sae_weights.safetensors): b_dec is subtracted before encoding unless cfg.json beside the file says
-    apply_b_dec_to_input: false; a cfg.json must describe an SAE that encodes as TopKSAE does
-    (saelens_encoding). saev: saev's own checkpoint file (read_saev_checkpoint) encodes x as saev's
-    code does, without subtracting b_dec; a safetensors file with saev's names, as saev encoded before
-    August 2025: b_dec subtracted.
+    SAELens (safetensors, or the folder holding sae_weights.safetensors): b_dec is subtracted before
+    encoding unless cfg.json beside the file says apply_b_dec_to_input: false; a cfg.json must describe
+    an SAE that encodes as TopKSAE does (saelens_encoding). saev: saev's own checkpoint file
+    (read_saev_checkpoint) encodes x as saev's code does, without subtracting b_dec; a safetensors file
+    with saev's names, as saev encoded before August 2025: b_dec subtracted.
     """
     path = Path(path)
     if style not in IMPORT_STYLES:
@@ -249,7 +249,17 @@ def saelens_encoding(cfg_path: Path, k_active: int, sizes: dict[str, int]) -> tu
                           "SAEs of the hook's raw activations (normalize_activations none)")
     if cfg.get("finetuning_scaling_factor"):
         raise ConfigError(f"{cfg_path}: finetuning_scaling_factor true; sae.import takes SAEs without one")
-    return bool(cfg.get("apply_b_dec_to_input", True)), bool(cfg.get("rescale_acts_by_decoder_norm", False))
+    return (cfg_switch(cfg_path, cfg, "apply_b_dec_to_input", True),
+            cfg_switch(cfg_path, cfg, "rescale_acts_by_decoder_norm", False))
+
+
+def cfg_switch(cfg_path: Path, cfg: dict[str, Any], field: str, default: bool) -> bool:
+    """cfg.json's true-or-false `field` (null as false, as SAELens tests it); FormatError naming it for
+    another value: bool("false") is true, and decided the encoding against what the file says."""
+    value = cfg.get(field, default)
+    if value is not None and not isinstance(value, bool):
+        raise FormatError(f"{cfg_path}: {field} {value!r:.40} is a {type(value).__name__}, not true or false")
+    return bool(value)
 
 
 def cfg_object(cfg_path: Path, cfg: dict[str, Any], field: str) -> dict[str, Any]:
@@ -298,8 +308,8 @@ def read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor
 def checked_tensors(path: Path, raw: dict[Any, Any], dims: dict[str, tuple[str, ...]],
                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The tensors `dims` names, as float32; FormatError naming `path` and the key for a value that
-    is not a dense tensor, not of `dtype` (default: any floating point), not of the shape `dims` gives it,
-    or not finite (after the cast: a float64 value past float32's range is infinite in the SAE)."""
+    is not a dense tensor, not of `dtype` (default: any floating point), not of the shape `dims` gives it
+    (no dimension 0), or not finite (after the cast: a float64 value past float32's range is infinite in the SAE)."""
     sizes: dict[str, int] = {}
     checked = {}
     for key, names in dims.items():
@@ -315,9 +325,11 @@ def checked_tensors(path: Path, raw: dict[Any, Any], dims: dict[str, tuple[str, 
         if len(names) != value.ndim or want != list(value.shape):
             raise FormatError(f"{path}: {key} has shape {list(value.shape)}, expected "
                               f"[{', '.join(str(sizes.get(name, name)) for name in names)}] ({', '.join(names)})")
+        if 0 in value.shape:  # no SAE: a d_in of 0 was a ZeroDivisionError (check_saev_sizes), or LUT tables of it
+            raise FormatError(f"{path}: {key} has shape {list(value.shape)}, a dimension of 0")
         checked[key] = value.float()
         # Its least and largest values, NaN if any is: isfinite's masks made 1.8x the tensor's bytes.
-        if value.numel() and not torch.stack(checked[key].aminmax()).isfinite().all():
+        if not torch.stack(checked[key].aminmax()).isfinite().all():
             raise FormatError(f"{path}: {key} holds NaN or infinite values")
     return checked
 
@@ -328,7 +340,8 @@ def header_k_active(path: Path, meta: dict[str, str], state: dict[str, torch.Ten
     reports them) must be the tensors'."""
     num_basis, d_in = state["encoder_weight"].shape
     text = meta["k_active"]
-    if not re.fullmatch(r"[0-9]+", text) or not 0 < int(text) <= num_basis:
+    # At most 18 digits: int() of over 4300 is a ValueError naming neither the file nor the field.
+    if not re.fullmatch(r"[0-9]{1,18}", text) or not 0 < int(text) <= num_basis:
         raise FormatError(f"{path}: header k_active {text!r:.40} is not a whole number in 1..num_basis ({num_basis})")
     for key, size in (("num_basis", num_basis), ("d_in", d_in)):
         if key in meta and meta[key] != str(size):
