@@ -586,8 +586,8 @@ def test_validate_never_takes_a_link_in_a_stage_directory_for_its_store(tmp_path
     shard.write_bytes(damaged)
     assert find_store(stage, "pickle") == store
     extraction = open_extraction(root)
-    with pytest.raises(FormatError, match=r"shard_0001\.pkl\.gz: checksum"):
-        check_format("pickle", store, extraction, sample_coordinates(extraction, 4, 0))
+    problems = check_format("pickle", store, extraction, sample_coordinates(extraction, 4, 0))["problems"]
+    assert any(re.search(r"shard_0001\.pkl\.gz: checksum", problem) for problem in problems), problems
 
 
 def test_validate_names_a_vector_of_another_width_and_passes_nan_copied_faithfully(tmp_path):

@@ -8,11 +8,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import (COUNT_KEYS, INDEX, PART_META, layer_tensor, part_dirname,
-                                             part_dirs, tensor_file)
+from actstore.formats.extract.layout import COUNT_KEYS, INDEX, PART_META, layer_tensor, part_dirname, part_dirs
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
-from actstore.integrity import file_problem, inside, links_out, read_json, whole_number
+from actstore.integrity import file_problem, inside, links_out, read_index, read_json, whole_number
 from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, moved_files, well_formed
 
 
@@ -30,13 +29,15 @@ def inspect(path: str | Path) -> dict[str, Any]:
     """Summary of an extraction (all parts) for `actstore inspect`."""
     parts = [open_part(p) for p in _part_dirs(Path(path))]
     info = parts[0].info
-    first_layer = layer_tensor(info.layers[0])
+    # Read through Part.tensor, which checks the record and header are (tokens, width) in a storage dtype
+    # (a 1-D record crashed this with a bare IndexError), from a part holding tokens (an empty one has no files)
+    first_layer = next((p.tensor(layer_tensor(info.layers[0])) for p in parts if p.info.n_tokens), None)
     return {
         "format": "actstore-extract", "model": info.model.name, "layers": info.layers,
         "hooks": info.hooks, "n_examples": sum(p.info.n_samples for p in parts),
         "n_tokens": sum(p.info.n_tokens for p in parts),
-        "d_model": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("shape", [0, None])[1],
-        "dtype": parts[0].meta["files"].get(tensor_file(first_layer), {}).get("dtype", "float32"),
+        "d_model": first_layer.shape[1] if first_layer is not None else None,
+        "dtype": first_layer.stored_dtype if first_layer is not None else "float32",
         "n_shards": len(parts),
         "bytes": sum(info["bytes"] for p in parts for info in p.meta["files"].values()),
         # part.json's counts, when any: the float16 overflows, the model's own NaN and +-inf
@@ -155,8 +156,12 @@ def _index_problems(extract_dir: Path) -> list[str]:
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """The stored float32 vector of (dataset row, block output, token); None for a token the sample
     lacks (a negative index too: Python's would give a token counted from the end). `path` is an
-    extraction or, as detect, verify and inspect take, one part directory."""
-    part, local = _locate(Path(path), sample_idx)
+    extraction or, as detect, verify and inspect take, one part directory. TypeError for an index that is
+    no integer: token True read the sample's every token, under a new axis, as the vector."""
+    path = Path(path)
+    sample_idx, layer_idx, token_idx = (read_index(value, what, path) for value, what in
+                                        ((sample_idx, "sample_idx"), (layer_idx, "layer"), (token_idx, "token")))
+    part, local = _locate(path, sample_idx)
     if layer_idx not in part.info.layers:
         return None
     rows = part.activations(layer_tensor(layer_idx), local)

@@ -20,8 +20,8 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, FORMAT_VERSION,
                                              STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
-from actstore.integrity import (check_file, check_npy, file_records, inside, open_files_budget, open_regular, read_json,
-                                refuse, unique_keys, unlisted, whole_number)
+from actstore.integrity import (check_file, check_npy, file_records, inside, open_files_budget, open_regular,
+                                read_index, read_json, refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
 from actstore.model_identity import MODEL_FILES_KEY, PART_FIELDS, well_formed
 
@@ -231,6 +231,13 @@ class Part:
         return StoredTensor(raw, stored_dtype)
 
     def sample_slice(self, local_idx: int) -> slice:
+        """Token rows of local sample `local_idx`, a negative one counted from the end as samples[] counts
+        it: offsets[-1]:offsets[0] was an empty slice, the last sample read as one of no tokens."""
+        n = self.info.n_samples
+        local_idx = read_index(local_idx, "local sample", self.dir)
+        if not -n <= local_idx < n:
+            raise IndexError(f"{self.dir}: local sample {local_idx} of {n}")
+        local_idx %= n
         return slice(int(self.offsets[local_idx]), int(self.offsets[local_idx + 1]))
 
     def activations(self, name: str, local_idx: int) -> np.ndarray:
@@ -266,11 +273,12 @@ class Part:
             raise FormatError(extra[0])
         # The headers as part.json records them (a misstated dtype is no byte of the file, so its
         # sha256 passes), and every tensor part.json names present in a storage dtype (a part of no
-        # samples holds no data files: they are made from the first batch's shapes).
+        # samples holds no data files: they are made from the first batch's shapes). Every data file,
+        # a record without its shape too: it passed, and each read of the file was then refused.
         for name in self.info.tensors if self.info.n_samples else ():
             self.tensor(name)
-        for file, record in self.meta["files"].items():
-            if "shape" in record:
+        for file in self.meta["files"]:
+            if file.endswith(".npy") and file != "offsets.npy":  # offsets.npy: checked as the part opened
                 self._load(file)
         self._check_topk()
 
@@ -297,7 +305,7 @@ READ_VERSIONS = (1, FORMAT_VERSION)
 def open_part(part_dir: str | Path) -> Part:
     """Open a finished part directory; a missing part.json means the part never finished."""
     part_dir = Path(part_dir)
-    meta_path = part_dir / PART_META
+    meta_path = inside(part_dir, PART_META, str(part_dir))  # as every file of the part: never a link out of it
     if not meta_path.is_file():
         raise FormatError(f"{part_dir}: no {PART_META}; the extraction part is missing or unfinished")
     meta = read_json(meta_path)
@@ -391,7 +399,8 @@ class Extraction:
         return self.info.tensors
 
     def locate(self, sample_idx: int) -> tuple[Part, int]:
-        """The part holding `sample_idx` and the sample's local index in it."""
+        """The part holding `sample_idx` and the sample's local index in it (True is no row 1)."""
+        sample_idx = read_index(sample_idx, "sample_idx", self.dir)
         if not 0 <= sample_idx < self.n_samples:
             raise IndexError(f"sample_idx {sample_idx} out of range [0, {self.n_samples})")
         w = int(np.searchsorted(self._filled_starts, sample_idx, side="right")) - 1

@@ -56,6 +56,11 @@ class PartWriter:
         if np.shape(offsets) != (len(samples) + 1,):
             raise ValueError(f"{tmp_dir}: offsets of shape {list(np.shape(offsets))} for {len(samples)} samples, "
                              f"expected [{len(samples) + 1}] (n_samples + 1)")
+        # Offsets from 2 sized the files for rows no sample fills (refused only at finish), offsets going
+        # down failed a write as ending past its file, and 1.5 tokens was cut to 1 without an error.
+        if np.asarray(offsets).dtype.kind not in "iu" or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+            raise ValueError(f"{tmp_dir}: offsets {np.asarray(offsets)[:8].tolist()!r:.80} must be whole numbers of "
+                             f"tokens from 0, never going down")
         self.dir = tmp_dir
         # The hashing threads run below the job's others (lower_priority): a file's digests are needed
         # only when it closes, the thread feeding the GPU at every batch.
@@ -182,8 +187,10 @@ def index_of(extraction: Extraction) -> dict:
     part.json sha256 (so a deleted part is named, never skipped); the parts must cover sample_idx
     0..n-1 once. verify compares a store's extract.json with it."""
     # compared row by row: a list of every sample_idx took ~70 bytes a sample (GBs at 10^7 samples)
-    if any(row["sample_idx"] != i for i, (_, _, row) in enumerate(extraction.iter_samples())):
-        raise FormatError(f"{extraction.dir}: parts do not cover sample_idx 0..{extraction.n_samples - 1} exactly once")
+    for i, (part, local, row) in enumerate(extraction.iter_samples()):
+        if row["sample_idx"] != i:  # the line named: which of thousands of parts was left to a search
+            raise FormatError(f"{part.samples.path}: line {local + 1} says sample_idx {row['sample_idx']}, where it is "
+                              f"row {i}: the parts do not cover sample_idx 0..{extraction.n_samples - 1} exactly once")
     return {
         "n_samples": extraction.n_samples, "n_tokens": extraction.n_tokens,
         "tensors": extraction.tensor_names, "layers": extraction.info.layers,
@@ -232,7 +239,7 @@ def _synthetic_part(tmp: Path, rows: range, lengths: list[int], layers: list[int
     local = [lengths[i] for i in rows]
     samples = [{"sample_idx": i, "text": f"synthetic sample {i}", "label": None, "label_id": None,
                 "num_tokens": lengths[i], "metadata": {}} for i in rows]
-    writer = PartWriter(tmp, samples, np.concatenate([[0], np.cumsum(local)]))
+    writer = PartWriter(tmp, samples, np.concatenate([[0], np.cumsum(local, dtype=np.int64)]))
     writer.add_tokens("token_ids.npy", None, "int64")
     files = [tensor_file(layer_tensor(layer)) for layer in layers]
     for file in files:
