@@ -11,11 +11,11 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, MANIFEST, ZARR_METADATA_NAMES,
+from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, GROUP_KEYS, MANIFEST, ZARR_METADATA_NAMES,
                                           chunk_keys_in_name_order)
 from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems, same_json,
                                          start_problems, store_files)
-from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, problems_of, read_json,
+from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, problems_of, read_index, read_json,
                                 stream_json_members, whole_number)
 from actstore.io_utils import sha256_file
 
@@ -52,15 +52,22 @@ def inspect(path: str | Path) -> dict[str, Any]:
 def _overflow_count(stores: list[ZarrStore]) -> int:
     """Activations the writer made +-inf, over the stores (attr float16_overflow_count, absent: none):
     `actstore inspect` notes what a store lost, and a zarr store is float16 whatever its extraction."""
-    counts = [store.attrs.get("float16_overflow_count", 0) for store in stores]
-    for store, count in zip(stores, counts):
-        if not whole_number(count):
-            raise FormatError(f"{store.path}/.zattrs: float16_overflow_count={count!r:.40}, expected a whole number")
-    return sum(counts)
+    for store in stores:
+        if problem := _overflow_count_problem(store):
+            raise FormatError(problem)
+    return sum(store.attrs.get("float16_overflow_count", 0) for store in stores)
+
+
+def _overflow_count_problem(store: ZarrStore) -> str | None:
+    """A float16_overflow_count that is no whole number (the merge sums the shards'), named."""
+    count = store.attrs.get("float16_overflow_count", 0)
+    return None if whole_number(count) else (f"{store.path}/.zattrs: float16_overflow_count={count!r:.40}, "
+                                             "expected a whole number")
 
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """float32 (H,) of dataset row `sample_idx`, block `layer_idx`, token `token_idx`; None if layer not stored."""
+    token_idx = read_index(token_idx, "token", Path(path))  # True indexed numpy's way: a (1, H) array
     reader = open_zarr(path)
     if layer_idx not in reader.layers:
         return None
@@ -109,7 +116,7 @@ def _verify_run(run: Path) -> list[str]:
             problems.append(f"{where}: shards[{k}].global_index_start={entry['global_index_start']}, expected {expected_start}")
         expected_start += entry["num_samples"]
         problems += _verify_listed(run, _Listing(manifest, where, f"shards[{k}]", entry))
-    if manifest.get("num_samples") != expected_start:
+    if not same_json(manifest.get("num_samples"), expected_start):  # 67.0 and true are counts only to Python
         problems.append(f"{where}: num_samples={manifest.get('num_samples')}, shards hold {expected_start}")
     merged = manifest.get("merged")
     if merged:
@@ -213,6 +220,10 @@ def _file_checks(store: Path, reader: ZarrStore | None, entry: dict | None) -> I
                 yield _found(f"{files_json}: {name!r} out of name order (after {previous!r})")
                 return
             previous = name
+            if reader is not None and PurePosixPath(name).name in ZARR_METADATA_NAMES and name not in reader.metadata:
+                # zarr.open_consolidated reads .zmetadata alone: a group it lacks does not open, an array
+                # it lacks is not there (a client reading the files sees it)
+                yield _found(f"{store / name}: a zarr metadata document that {store}/.zmetadata does not hold")
             while disk is not None and disk <= name:
                 if disk < name:
                     yield _found(f"{store / disk}: not listed in {FILES_JSON}")
@@ -275,7 +286,8 @@ def _recorded_bytes(info: Any) -> int | None:
 def metadata_problems(store: Path, reader: ZarrStore) -> list[str]:
     """A store's metadata as zarr clients read it and as its attrs describe it (verify's; the merge's
     check of each shard before it builds the merged store from the first one's attrs)."""
-    problems = []
+    problems = [f"{store}/.zmetadata: no entry {key!r} (zarr.open_consolidated opens no group it lacks)"
+                for key in GROUP_KEYS if key not in reader.metadata]
     for key, value in reader.metadata.items():  # what plain zarr clients see must equal the files
         try:
             path = inside(store, key, f"{store}/.zmetadata")
@@ -302,6 +314,8 @@ def metadata_problems(store: Path, reader: ZarrStore) -> list[str]:
         problems.append(f"{store}/.zattrs: dtype={reader.attrs.get('dtype')!r}, expected 'float16'")
     if reader.attrs.get("num_layers") != len(reader.layers):
         problems.append(f"{store}/.zattrs: num_layers={reader.attrs.get('num_layers')} != len(layers)")
+    if overflow := _overflow_count_problem(reader):
+        problems.append(overflow)
     return problems + _vector_problems(reader) + _chunk_attr_problems(store, reader)
 
 

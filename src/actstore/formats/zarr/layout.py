@@ -23,6 +23,8 @@ FILES_JSON = "meta/files.json"
 PROMPTS_JSONL = "text/prompts.jsonl"
 ACTS = "arrays/activations"
 ZARR_METADATA_NAMES = (".zarray", ".zattrs", ".zgroup")  # what .zmetadata may name: zarr v2 metadata documents
+# The groups of the hierarchy, which .zmetadata must hold: zarr.open_consolidated opens no group it lacks.
+GROUP_KEYS = (".zgroup", "arrays/.zgroup")
 
 # Encoding of every array (the reader's fast path depends on exactly this).
 ZARR_FORMAT = 2
@@ -38,8 +40,11 @@ VECTOR_CHUNK = 1 << 16  # samples per chunk of the 1-D per-sample arrays
 SPLIT_CODES = {"train": 0, "val": 1, "validation": 1, "test": 2}
 REQUIRED_ATTRS = ("schema_version", "model_id", "num_layers", "layers", "hidden_size", "T_max",
                   "dtype", "T_chunk", "num_samples", "global_index_start")
-# Attrs every shard of one run must share (checked before merging).
-COMPATIBLE_ATTRS = ("layers", "hidden_size", "T_max", "T_chunk", "dtype", "model_id", "schema_version")
+# Attrs every shard of one run must share (checked before merging): the merged store takes the first
+# shard's, so they must be true of every sample (its label ids index label_names). Not the model and
+# dataset records: they hold the extraction's path, which a moved run's shards rewritten since differ in.
+COMPATIBLE_ATTRS = ("layers", "hidden_size", "T_max", "T_chunk", "dtype", "model_id", "schema_version",
+                    "model_num_blocks", "modality", "model_kind", "label_names", "split_codes")
 MANIFEST_ENTRY_KEYS = ("path", "num_samples", "global_index_start", "files_sha256")
 
 

@@ -28,7 +28,8 @@ from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PR
                                           chunk_counts, chunk_keys_in_name_order, files_json_pieces)
 from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
-from actstore.integrity import file_record, links_out, listed_problem, read_json, refuse, stream_json_members
+from actstore.integrity import (file_record, file_records, links_out, listed_problem, read_json, refuse,
+                                stream_json_members)
 from actstore.io_utils import TEMP_SUFFIX, atomic_path, errors_naming, remove_stale_temps, stale_temps
 from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
@@ -109,7 +110,9 @@ def link_chunks(shards: Sequence[str | Path], out_dir: str | Path, jobs: int, jo
 
 def _link_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, dict]:
     """Every chunk of the shard linked into `dst` under its merged key; merged key -> its files.json entry."""
-    shard_files = read_json(shard / FILES_JSON)["files"]
+    files_json = read_json(shard / FILES_JSON)  # its records go into the job record as they are: checked here
+    shard_files = file_records(files_json.get("files") if isinstance(files_json, dict) else None,
+                               str(shard / FILES_JSON))
     start = reader.attrs["global_index_start"]
     linked: dict[str, dict] = {}
     walked: list[str] = []

@@ -403,7 +403,7 @@ class TrainingPatternSampler:
     """Batch sampler (DataLoader's batch_sampler) for the spec's pattern: b random samples x
     `layers_per_sample` random layers each.
 
-    Yields lists of (sample_idx, layer) keys; a new permutation per epoch (seed + epoch).
+    Yields lists of (sample_idx, layer) keys; new draws each epoch (seeded by [seed, epoch]).
     """
 
     def __init__(self, n_samples: int, layers: Sequence[int], batch_samples: int, layers_per_sample: int = 2,
@@ -420,7 +420,7 @@ class TrainingPatternSampler:
         return self.num_batches
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        rng = np.random.default_rng(self.seed + self.epoch)
+        rng = np.random.default_rng([self.seed, self.epoch])  # seed + epoch: seed 1 drew seed 0's epoch 1
         self.epoch += 1
         for _ in range(self.num_batches):
             samples = rng.choice(self.n_samples, size=self.b, replace=False)
