@@ -26,7 +26,8 @@ from actstore.datasets.folders import read_folder, read_folder_runs, scan_folder
 from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
 from actstore.datasets.scan import RESCAN, Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
-from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, identity_files, resolve_source
+from actstore.datasets.source import (FOLDER_FORMATS, METADATA_NAMES, Source, files_under, identity_files,
+                                      resolve_source)
 from actstore.datasets.splits import split_folder
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
@@ -195,9 +196,23 @@ def _check_dataset(section: dict[str, Any]) -> None:
 
 
 def _no_samples(path: str | Path, source: Source) -> ConfigError:
-    hint = " (no images or data files: a folder of text files is read with dataset.format: text_folder)" if (
-        source.format == "image_folder" and not source.files) else ""
-    return ConfigError(f"dataset.path {path} holds no samples{hint}")
+    return ConfigError(f"dataset.path {path} holds no samples{_why_no_files(source)}")
+
+
+def _why_no_files(source: Source) -> str:
+    """A hint for a folder in which no file was taken for data. Its .json files are not shards (a
+    folder's other .json files are no rows: an image folder's annotations, a Hub snapshot's
+    dataset_infos.json): a snapshot's data/train.json was sent to text_folder, which reads each
+    file whole as one sample's text."""
+    if source.files or not source.root.is_dir():
+        return ""
+    json_file = next((p for p in files_under(source.root) if p.suffix.lower() == ".json"), None)
+    if json_file is not None:
+        return (f" (its .json files, such as {source.name(json_file)}, are not read as a folder's shards: set "
+                f"dataset.path to one, or to a glob of them)")
+    if source.format == "image_folder":
+        return " (no images or data files: a folder of text files is read with dataset.format: text_folder)"
+    return ""
 
 
 def _renderer(options: dict[str, Any], model_path: Path | None,

@@ -64,6 +64,10 @@ def _parsed(line: str, path: Path, number: int) -> Any:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    except ValueError as exc:  # a whole number of over 4300 digits: Python refuses it, naming no line
+        raise ConfigError(f"{path}:{number}: cannot be read ({exc})") from None
+    except RecursionError:  # json recurses once a level: ~1000 nested lists crashed naming no line
+        raise ConfigError(f"{path}:{number}: not valid JSON (nested too deeply to parse)") from None
     if not isinstance(row, dict):
         raise ConfigError(f"{path}:{number}: not a JSON object")
     return row

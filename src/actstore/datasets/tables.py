@@ -216,17 +216,20 @@ def _select(table: pa.Table, columns: list[str]) -> pa.Table:
     """`columns` of an Arrow block; "image.path": a struct of that child alone, as Parquet reads it,
     so the image bytes beside it are neither paged in nor converted to Python (a part's job read
     every image of its rows to name them)."""
-    return pa.table({name.split(".")[0]: _column(table, name) for name in columns})
+    return pa.table(dict(_column(table, name) for name in columns))
 
 
-def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
+def _column(table: pa.Table, name: str) -> tuple[str, pa.ChunkedArray]:
+    """(name, column) of an Arrow block's column `name`, or of its struct's child ("image.path"). A
+    column whose own name holds a dot (a flattened dataset's "answers.text") is that column, as
+    Parquet reads it: taken for a struct's child, it failed the scan with a bare KeyError."""
+    if name in table.column_names:
+        return name, table.column(name)
     parent, _, child = name.partition(".")
     column = table.column(parent)
-    if not child:
-        return column
     chunks = [pa.StructArray.from_arrays([chunk.field(child)], names=[child], mask=chunk.is_null())
               for chunk in column.chunks]
-    return pa.chunked_array(chunks, pa.struct([column.type.field(child)]))
+    return parent, pa.chunked_array(chunks, pa.struct([column.type.field(child)]))
 
 
 # --- Column checks: each shard's schema, before any row is read. ---

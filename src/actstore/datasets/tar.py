@@ -28,6 +28,7 @@ LINKS = (HARD_LINK, SYMBOLIC_LINK)  # read as the member they name
 # long link target (K), each with its text as data.
 EXTENSIONS = (b"x", b"X", b"g", b"L", b"K")
 PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
+MAX_EXTENSION_BYTES = 16 << 20  # an extended header's text, read whole: names, a link's target, pax records
 
 
 class TarError(Exception):
@@ -73,6 +74,9 @@ def members(fh: IO[bytes], position: int, file_size: int, end: float = float("in
             raise TarError(f"damaged tar header at byte {position} (truncated header)")
         kind, name, size = _header(block, position)
         if kind in EXTENSIONS:
+            if size > MAX_EXTENSION_BYTES:  # read whole: a damaged header's size of gigabytes ran out of memory
+                raise TarError(f"the extended header at byte {position} holds {size} bytes, more than a name and pax "
+                               f"records take (at most {MAX_EXTENSION_BYTES}): damaged")
             payload = _payload(fh, position, size, file_size, name)
             if kind in (b"L", b"K"):
                 text = payload.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
