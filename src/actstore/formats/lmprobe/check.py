@@ -10,8 +10,9 @@ import numpy as np
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, STORAGES, SUMS, prompt_order)
-from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, open_dataset, read_info
+from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, list_column, open_dataset, read_info
 from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted
+from actstore.integrity import read_index as index_argument  # read.read_index reads the parquet
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -80,6 +81,9 @@ def inspect(path: str | Path) -> dict[str, Any]:
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """float32 (dim,) of dataset row `sample_idx`, block `layer_idx`, token `token_idx`; None if not stored."""
     ds = open_dataset(path)
+    # TypeError for a bool or a float: True read row, layer or token 1 (as the other formats' readers refuse)
+    sample_idx, layer_idx, token_idx = (index_argument(value, what, ds.index_path) for value, what in
+                                        ((sample_idx, "sample_idx"), (layer_idx, "layer"), (token_idx, "token")))
     if layer_idx not in ds.layers or not ds.has_sample(sample_idx):
         return None
     prompt = ds.row_of(sample_idx)
@@ -261,16 +265,23 @@ def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
 def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: np.ndarray,
                           named: _TokenRowsNamed, batch: Any) -> list[str]:
     """_verify_token_addresses of one batch of index rows `rows` (their FULL_COLUMNS)."""
+    import pyarrow as pa
+
     where, first, stop = ds.index_path, ds.last_token_shards, len(rows_of_shard)
-    legacy, ids, offsets = (batch.column(name) for name in FULL_COLUMNS)
-    lengths = np.diff(ids.offsets.to_numpy())
-    if not np.array_equal(lengths, ds.num_tokens[rows]) or ids.null_count:
+    legacy, id_lists, offset_lists = (batch.column(name) for name in FULL_COLUMNS)
+    table = pa.Table.from_batches([batch])
+    try:  # each a list column of integers, or named: a bare AttributeError or IndexError aborted verify
+        (id_ends, ids), (offset_ends, offsets) = (list_column(where, table, name) for name in FULL_COLUMNS[1:])
+    except FormatError as exc:
+        return [str(exc)]
+    lengths = np.diff(id_ends)
+    if not np.array_equal(lengths, ds.num_tokens[rows]) or id_lists.null_count:
         return [f"{where}: token_shard_ids lengths differ from num_tokens"]
-    if not np.array_equal(np.diff(offsets.offsets.to_numpy()), lengths) or offsets.null_count:
+    if not np.array_equal(np.diff(offset_ends), lengths) or offset_lists.null_count:
         return [f"{where}: token_shard_offsets lengths differ from token_shard_ids'"]
     if legacy.null_count:
         return [f"{where}: token_offset has nulls"]
-    owner, ids, offsets = _EntryRows(rows, lengths), ids.flatten().to_numpy(), offsets.flatten().to_numpy()
+    owner = _EntryRows(rows, lengths)
     bad = (ids < first) | (ids >= stop)
     if bad.any():
         return _named(where, "token_shard_ids", f"point outside the sequence shards ({first}..{stop - 1})",

@@ -19,6 +19,7 @@ from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DATASET_DIR, DTYPES, 
                                              LOGITS_INDICES_KEY, LOGITS_VALUES_KEY, PREFIX, REQUIRED_INFO, ST_DTYPES,
                                              check_tiling, read_safetensors_header, split_index_name, tensor_entry)
 from actstore.integrity import inside, refuse, whole_number, whole_numbers
+from actstore.integrity import read_index as index_argument  # this module's read_index reads the parquet
 from actstore.io_utils import pread_into
 
 
@@ -193,14 +194,31 @@ def read_index(index_path: Path, columns: list[str] | None = None):
         return pq.read_table(index_path, columns=columns)
 
 
-def _list_column(table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, flat values) of a list<int64> column as numpy, without per-row Python objects."""
+def list_column(index_path: Path, table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, flat values as int64) of a list<int64> column as numpy, without per-row Python objects;
+    FormatError naming the column when it holds no lists (its missing `value_type` was a bare AttributeError)."""
     import pyarrow as pa
 
     column = table.column(name).combine_chunks()
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise FormatError(f"{index_path}: column {name!r} holds {column.type} values, not lists of integers")
     column = column.cast(pa.large_list(column.type.value_type))
     offsets = column.offsets.to_numpy() - column.offsets[0].as_py()
-    return offsets.astype(np.int64), column.flatten().to_numpy(zero_copy_only=False)
+    return offsets.astype(np.int64), integers(index_path, name, column.flatten())
+
+
+def integers(index_path: Path, name: str, values) -> np.ndarray:
+    """`values` of index column `name` (the column, or a list column's flat values) as int64;
+    FormatError naming the column when they are of no integer type or hold a null: a float or string
+    column was cast (row_offset 2.7 read as row 2, and verified) where the spec's reader indexes a
+    tensor with it and fails, a null in a token list read as NaN and failed as a bare numpy IndexError."""
+    import pyarrow as pa
+
+    if not pa.types.is_integer(values.type):
+        raise FormatError(f"{index_path}: column {name!r} holds {values.type} values, not integers")
+    if values.null_count:
+        raise FormatError(f"{index_path}: column {name!r} holds {values.null_count} null value(s)")
+    return values.to_numpy().astype(np.int64)
 
 
 def _int_column(index_path: Path, table, name: str) -> np.ndarray:
@@ -211,7 +229,7 @@ def _int_column(index_path: Path, table, name: str) -> np.ndarray:
     if column.null_count:
         row = int(np.flatnonzero(column.is_null().to_numpy())[0])
         raise FormatError(f"{index_path}: column {name!r} has {column.null_count} null(s), the first at row {row}")
-    return column.to_numpy().astype(np.int64)
+    return integers(index_path, name, column)
 
 
 class LmprobeDataset:
@@ -259,7 +277,7 @@ class LmprobeDataset:
 
     def has_sample(self, sample_idx: int) -> bool:
         """Is source dataset row `sample_idx` in the index?"""
-        return self._find_row(int(sample_idx)) is not None
+        return self._find_row(index_argument(sample_idx, "sample_idx", self.index_path)) is not None
 
     def _find_row(self, sample_idx: int) -> int | None:
         """Index row of source row `sample_idx`, None when no row holds it: a binary search through the
@@ -321,10 +339,12 @@ class LmprobeDataset:
             raise FormatError(f"{self.index_path}: full_sequence index lacks column(s) {missing}")
         with _decoded(self.index_path, columns):
             table = pq.ParquetFile(self.index_path).read_row_group(group, columns=columns)
-        offsets, ids = _list_column(table, "token_shard_ids")
-        row_offsets, token_offsets = _list_column(table, "token_shard_offsets")
+        offsets, ids = list_column(self.index_path, table, "token_shard_ids")
+        row_offsets, token_offsets = list_column(self.index_path, table, "token_shard_offsets")
         first = int(starts[group])
         self._check_token_lists(first, np.diff(offsets), np.diff(row_offsets))
+        for kept in (offsets, ids, token_offsets):  # token_addresses returns views of them: a caller's
+            kept.flags.writeable = False  # change to one would move every later lookup of the group
         return offsets, ids, token_offsets
 
     def index_batches(self, columns: list[str], max_rows: int, max_tokens: int) -> Iterator[tuple[int, Any]]:
@@ -356,8 +376,8 @@ class LmprobeDataset:
             raise FormatError(f"{self.index_path}: not a full_sequence index with columns {columns}")
         for first, batch in self.index_batches(columns, max_tokens, max_tokens):
             table = pa.Table.from_batches([batch])
-            offsets, ids = _list_column(table, "token_shard_ids")
-            row_offsets, token_offsets = _list_column(table, "token_shard_offsets")
+            offsets, ids = list_column(self.index_path, table, "token_shard_ids")
+            row_offsets, token_offsets = list_column(self.index_path, table, "token_shard_offsets")
             counts = np.diff(offsets)
             self._check_token_lists(first, counts, np.diff(row_offsets))
             prompts = np.repeat(np.arange(first, first + len(counts)), counts)
@@ -404,7 +424,8 @@ class LmprobeDataset:
     @property
     def labels(self) -> np.ndarray:
         """Integer label per prompt: the label_id column, else an integer label column as it is, else
-        position in sorted label names; -1 = none."""
+        position in sorted label names; -1 = none. FormatError for labels of another type: a float
+        column (pandas' ints with a null: 1.0, 3.0, NaN) was numbered 0, 1 by position, silently."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -414,6 +435,11 @@ class LmprobeDataset:
             return column.fill_null(-1).to_numpy().astype(np.int64)
         if pa.types.is_dictionary(column.type):  # a pandas categorical: its names are the labels
             column = column.cast(column.type.value_type)
+        # null: a column of None alone; booleans: False 0, True 1, as their order numbers them
+        names = (pa.types.is_string, pa.types.is_large_string, pa.types.is_null, pa.types.is_boolean)
+        if name == "label_id" or not any(is_kind(column.type) for is_kind in names):
+            raise FormatError(f"{self.index_path}: column {name!r} holds {column.type} values, not the "
+                              f"{'integers' if name == 'label_id' else 'integers, strings or booleans'} labels are")
         # Numbered by arrow (int32, then int64): every prompt's name as a Python string took ~75 B a prompt.
         classes = pc.unique(column).drop_null()
         classes = classes.take(pc.sort_indices(classes))  # UTF-8 byte order: Python's sorted order of str
@@ -423,22 +449,24 @@ class LmprobeDataset:
         """Index row `prompt`, a negative one counted from the end (as get's last token always was);
         IndexError naming the index when there is none. A prompt's tokens lie between offsets[prompt]
         and offsets[prompt + 1], one list longer than the rows: a negative prompt there read the next
-        row's tokens (prompt -2 the last prompt's), or none (-1)."""
+        row's tokens (prompt -2 the last prompt's), or none (-1). TypeError for a bool or a float (True
+        and 1.0 read row 1, 1.5 row 1)."""
+        prompt = index_argument(prompt, "prompt", self.index_path)
         if not -self.num_prompts <= prompt < self.num_prompts:
             raise IndexError(f"{self.index_path}: prompt {prompt} out of range ({self.num_prompts} prompts)")
-        return int(prompt) % self.num_prompts
+        return prompt % self.num_prompts
 
     def row_of(self, sample_idx: int) -> int:
         """Index row of a source dataset row."""
-        row = self._find_row(int(sample_idx))
+        row = self._find_row(index_argument(sample_idx, "sample_idx", self.index_path))
         if row is None:
             raise IndexError(f"{self.index_path}: no prompt with sample_idx {sample_idx}")
         return row
 
     # -- tensors
     def check_layer(self, layer: int) -> None:
-        """KeyError unless `layer` is stored."""
-        if layer not in self.hidden["layers"]:
+        """KeyError unless `layer` is stored; TypeError for a bool or a float (True and 1.0 are 1 to `in`)."""
+        if index_argument(layer, "layer", self.index_path) not in self.hidden["layers"]:
             raise KeyError(f"{self.index_path}: layer {layer} not stored (layers {self.hidden['layers']})")
 
     def hidden_tensor(self, layer: int, shard: int) -> np.ndarray:
@@ -504,6 +532,7 @@ class LmprobeDataset:
         """float32 (dim,) activation of index row `prompt` at `layer`: the last token, or token `token`."""
         prompt = self._prompt(prompt)
         n = int(self.num_tokens[prompt])
+        token = None if token is None else index_argument(token, "token", self.index_path)
         if token is None or token == n - 1 or token == -1:
             return self.last_token_rows(layer, np.array([prompt]))[0]
         if not -n <= token < n:
@@ -611,6 +640,7 @@ class ProbeDataset:
     def __getitem__(self, i: int) -> dict[str, Any]:
         import torch
 
+        i = index_argument(i, "item", self.dataset.index_path)  # True was item 1
         if not 0 <= i < len(self):
             raise IndexError(i)
         layer, prompt = self.layers[i // self.dataset.num_prompts], i % self.dataset.num_prompts

@@ -32,6 +32,7 @@ from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDE
                                              LOGITS_ROW_BYTES_PER_K, LOGITS_VALUES_KEY, PREFIX, ST_METADATA, STORAGES,
                                              SUMS, TensorSpec, dataset_card, encode_header, from_float32,
                                              prompt_order, rows_per_shard, tensor_bytes)
+from actstore.integrity import whole_number
 from actstore.io_utils import (BEHIND, OrderedHashFile, WriteBehind, atomic_path, canonical_sha256, errors_naming,
                                sha256_file, utc_now)
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
@@ -191,6 +192,9 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
         raise ConfigError(f"lmprobe.storage: unknown value {opts['storage']!r} (pooled or full_sequence)")
     if opts["dtype"] not in (*DTYPES, "auto"):
         raise ConfigError(f"lmprobe.dtype: unknown value {opts['dtype']!r} (auto, {', '.join(DTYPES)})")
+    if not whole_number(opts["seed"]):  # None drew a fresh permutation in each job, under one plan digest
+        raise ConfigError(f"lmprobe.seed: {opts['seed']!r} is not a whole number (every job computes the "
+                          "prompt permutation from it alike)")
     layers = opts["layers"] if opts["layers"] is not None else info.layers
     k_have = info.logits_topk
     check_selection(layers, opts["logits_topk"], info.layers, k_have)
