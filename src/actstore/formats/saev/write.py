@@ -328,8 +328,9 @@ def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = T
 
 def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: int, progress: bool = False) -> Path:
     """Write job `job` of `jobs`' shards of the plan's store (jobs.job_items) into out_dir, then its
-    job record (jobs.write_job_record, with the store's name and the plan's source) last; return the record's path. Holds
-    BEHIND + 1 slab buffers of CHUNK_BYTES (at least one example each) whatever the data's size."""
+    job record (jobs.write_job_record, with the store's name and the plan's source) last; return the
+    record's path. Holds BEHIND + 1 slab buffers of CHUNK_BYTES (at least one example each) whatever the
+    data's size."""
     _check_shape(plan)
     out_dir = Path(out_dir)
     shards = job_items(len(plan.shard_sizes), jobs, job)
