@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from actstore.errors import FormatError
 from actstore.formats.lut.check import non_finite_problems, read_metadata, table_problems
 from actstore.formats.lut.check import verify as check_store
-from actstore.formats.lut.layout import META_FILE, lut_dir
+from actstore.formats.lut.layout import BIAS_KEY, META_FILE, REQUIRED_KEYS, lut_dir
 from actstore.integrity import inside, refuse
 
 if TYPE_CHECKING:  # load() imports it: opening or checking a store never loads torch
@@ -39,9 +39,11 @@ class LutStore:
         return self.meta["sae_config"]["num_basis"]
 
     def load(self, module_path: str) -> dict[str, torch.Tensor]:
-        """One layer's tensors after checking keys, shapes, dtypes and values (no inf or NaN: check.
-        non_finite_problems, as verify checks them); FormatError names file and key."""
-        from safetensors.torch import load_file
+        """One layer's spec tensors (and target_bias) after checking keys, shapes, dtypes and values (no
+        inf or NaN: check.non_finite_problems, as verify checks them); FormatError names file and key.
+        Another key is never read: extra keys are never interpreted, and one of a dtype torch lacks (F6_E2M3)
+        failed the whole load naming no file."""
+        from safetensors import safe_open
 
         if module_path not in self.layers:
             raise FormatError(f"{self.dir / META_FILE}: no layer {module_path!r}; has {sorted(self.layers)}")
@@ -50,7 +52,9 @@ class LutStore:
         if not file_path.is_file():
             raise FormatError(f"{file_path}: missing (listed in metadata.json layers.{module_path})")
         refuse(table_problems(file_path, self.meta, entry) or non_finite_problems(file_path))
-        return load_file(str(file_path))
+        with safe_open(str(file_path), framework="pt") as fh:
+            keys = set(fh.keys())
+            return {key: fh.get_tensor(key) for key in (*REQUIRED_KEYS, BIAS_KEY) if key in keys}
 
 
 def open_lut(path: str | Path, verify: bool = False) -> LutStore:

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.lut.check import table_problems
+from actstore.formats.lut.check import metadata_problems, non_finite_problems, table_problems
 from actstore.formats.lut.layout import (BIAS_KEY, DTYPES, LUT_DIR, META_FILE, REQUIRED_KEYS, SUFFIX, VERSION,
                                          lut_file)
-from actstore.integrity import file_record
+from actstore.integrity import file_record, whole_number
 from actstore.io_utils import atomic_path, utc_now
 from actstore.safetensors_io import save_safetensors
 
@@ -54,10 +54,14 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
     for module_path, tensors in tables.items():  # named here, not a KeyError below
         if missing := [key for key in REQUIRED_KEYS if key not in tensors]:
             raise FormatError(f"{final}: the tables of {module_path!r} lack {missing}")
+    if not tables:
+        raise FormatError(f"{final}: no tables to write (a LUT lists at least one layer)")
     num_basis = {t["encoder_weight"].shape[0] for t in tables.values()}
     if len(num_basis) != 1:
         raise FormatError(f"{final}: tables disagree on num_basis {sorted(num_basis)}")
-    if not 1 <= int(k_active) <= min(num_basis):  # a store its own verify would refuse
+    if not whole_number(k_active):  # int() made 2.5 a k_active of 2, True one of 1, "3" one of 3
+        raise FormatError(f"{final}: k_active {k_active!r} is not a whole number")
+    if not 1 <= k_active <= min(num_basis):  # a store its own verify would refuse
         raise FormatError(f"{final}: k_active {k_active} is not within 1..num_basis {min(num_basis)}")
     for module_path in tables:  # the file is saved under lut/ by this name: a '/' would lead elsewhere
         if Path(lut_file(module_path)).name != lut_file(module_path):
@@ -76,14 +80,16 @@ def write_lut(root: str | Path, tables: dict[str, dict[str, torch.Tensor]], k_ac
                                    "dtype": str(tensors["precomputed_products"].dtype).removeprefix("torch."),
                                    "has_bias": BIAS_KEY in tensors}
             # Checked as verify checks it, before the store is published: a table of another width or
-            # dtype would make a store its own verify refuses.
+            # dtype, or holding a NaN or inf (a model weight holding one), would make a store its own verify refuses.
             if problems := table_problems(tmp / file, {"sae_config": {"num_basis": min(num_basis)}},
-                                          layers[module_path]):
+                                          layers[module_path]) or non_finite_problems(tmp / file):
                 raise FormatError(f"{final / file}: not written, " + "; ".join(
                     problem.removeprefix(f"{tmp / file}: ") for problem in problems))
         info = {"created_at": utc_now().strftime("%Y-%m-%dT%H:%M:%SZ"),
                 **(creation_info or {})}
         meta = {"version": VERSION, "sae_config": {"num_basis": num_basis.pop(), "k_active": int(k_active)},
                 "model_config": model_config or {}, "layers": layers, "creation_info": info}
+        if problems := metadata_problems(meta, final / META_FILE):  # the caller's model_config, creation_info
+            raise FormatError(f"{problems[0]} (not written)")
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return final
