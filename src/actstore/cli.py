@@ -29,23 +29,34 @@ SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source"
 MAX_THREADS = 256
 
 
-def _exists_or_exit(path: Path) -> None:
+def _line(text: str) -> str:
+    """`text` as one line of plain text: each character a terminal does not print as itself (a newline,
+    an escape, a bidi override; a lone surrogate, a file name's undecodable byte, that stdout cannot
+    encode) written as a Python string escape. Names from a store's metadata are printed: a newline
+    in one printed a line of its own ("... : OK") among verify's, an escape drove the terminal."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _directory_or_exit(path: Path) -> None:
+    """Exit 2 (never 1, which is verify's "problems found") naming `path` unless it is a directory: checked
+    first, so that a file named as a stage directory ({dump_to}/sae/<hash>) is not taken for one."""
     if not path.exists():
-        print(f"actstore: {path}: no such file or directory", file=sys.stderr)
-        sys.exit(2)  # never 1, which is verify's "problems found"
+        print(_line(f"actstore: {path}: no such file or directory"), file=sys.stderr)
+        sys.exit(2)
+    if not path.is_dir():
+        print(_line(f"actstore: {path}: not a directory (a store is a directory: give the one holding this "
+                    "file)"), file=sys.stderr)
+        sys.exit(2)
 
 
 def _detect_or_exit(path: Path) -> str:
     from actstore.formats import FORMAT_NAMES, detect_format
 
-    _exists_or_exit(path)
-    if not path.is_dir():
-        print(f"actstore: {path}: not a directory (a store is a directory: give the one holding this file)",
-              file=sys.stderr)
-        sys.exit(2)
+    _directory_or_exit(path)
     name = detect_format(path)
     if name is None:
-        print(f"actstore: {path}: holds none of the known formats ({', '.join(FORMAT_NAMES)})", file=sys.stderr)
+        print(_line(f"actstore: {path}: holds none of the known formats ({', '.join(FORMAT_NAMES)})"),
+              file=sys.stderr)
         sys.exit(2)
     return name
 
@@ -55,7 +66,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from actstore.integrity import links_out, refuse
     from actstore.verify import sae_summary
 
-    _exists_or_exit(args.path)  # before the sae stage's own check, which would name a missing checkpoint
+    _directory_or_exit(args.path)  # before the sae stage's own check, which would name a missing checkpoint
     refuse(links_out(args.path))  # a metadata file linked out would be summarised as the store's
     try:
         if _is_sae_stage(args.path):
@@ -65,13 +76,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except (ValueError, IndexError, OSError) as exc:
         # What a reader did not name itself (an array of another shape, a directory where a file goes):
         # still bad input, exit 2, never a traceback.
-        print(f"actstore: {args.path}: cannot be summarised ({type(exc).__name__}: {exc})", file=sys.stderr)
+        print(_line(f"actstore: {args.path}: cannot be summarised ({type(exc).__name__}: {exc})"),
+              file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
         for key in keys + tuple(key for key in NOTE_KEYS if info.get(key)):
-            print(f"{key:11s} {info.get(key)}")
+            print(_line(f"{key:11s} {info.get(key)}"))
     return 0
 
 
@@ -89,7 +101,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from actstore.hashing import followed, is_stage_dir, stage_problems
 
     # A stage directory's path mistyped or deleted is an unknown path (exit 2), not a stage whose store is gone.
-    _exists_or_exit(args.path)
+    _directory_or_exit(args.path)
     stage_path = followed(args.path)
     stage = stage_path.absolute().parent.name
     if is_stage_dir(stage_path) and detect_format(args.path) is None:
@@ -108,8 +120,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems = [str(exc)]
     problems += stage_problems(stage_path)
     for problem in problems:
-        print(f"BAD  {problem}")
-    print(f"{what} {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK"))
+        print(_line(f"BAD  {problem}"))
+    print(_line(f"{what} {args.path}: " + (f"{len(problems)} problem(s)" if problems else "OK")))
     return 1 if problems else 0
 
 
@@ -137,7 +149,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
             # A stage's last job writes its stage config: a directory without one is a run cut short.
             state = "done" if (Path(directory) / STAGE_CONFIG_FILE).is_file() else \
                 "incomplete" if Path(directory).is_dir() else "not built"
-            print(f"{stage:9s} {directory}  ({state})")
+            print(_line(f"{stage:9s} {directory}  ({state})"))
     return 0
 
 
@@ -190,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, not at exit: a pipe closed early (`| head`) is then caught below
         return code
     except ActstoreError as exc:
-        print(f"actstore: {exc}", file=sys.stderr)
+        print(_line(f"actstore: {exc}"), file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader stopped reading (`actstore verify STORE | head`): end quietly, as a command killed by

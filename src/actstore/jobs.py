@@ -6,6 +6,7 @@ only once the extraction exists, but the number of jobs is fixed at parse time, 
 shows the whole DAG."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -172,9 +173,12 @@ def _check_numbering(paths: list[Path], records: list[dict[str, Any]]) -> None:
     claims = [(r["jobs"], r["job"]) for r in records]
     counts = {jobs for jobs, _ in claims}
     if len(counts) == 1 and (jobs := counts.pop()) > len(records):
-        missing = sorted(set(range(jobs)) - {job for _, job in claims})
+        # The first few only, found lazily: `jobs` is read from a record (one damaged digit, 2 -> 2000000)
+        # and a set of every job number, each then printed, grew with it.
+        claimed = {job for _, job in claims}
+        missing = list(itertools.islice((job for job in range(jobs) if job not in claimed), 9))
         raise FormatError(f"{', '.join(map(str, paths))}: records of {jobs} jobs, none of job "
-                          f"{', '.join(map(str, missing))}")
+                          f"{', '.join(map(str, missing[:8]))}{', ...' if len(missing) > 8 else ''}")
     seen: dict[tuple[int, int], Path] = {}
     for path, claim in zip(paths, claims):
         if claim in seen:
