@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR,
-                                          UPSTREAM_FAMILIES, WINDOWS, decode_data, protocol_problem, store_name)
+from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR, WINDOWS,
+                                          decode_data, protocol_problem, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
 from actstore.integrity import (SEAL_KEY, LastBuilt, dir_bytes, file_problem, links_out, listed_problem, problems_of,
                                 read_json, refuse, seal_problems, unlisted)
@@ -64,7 +64,7 @@ def verify(path: str | Path) -> list[str]:
         problems.append(_missing_sidecar(store))
     elif store.sidecar:
         problems += _verify_provenance(store, description)
-    problems += store.size_problems() + _verify_shard_checksums(store) + _verify_sidecar_files(store)
+    problems += store.size_problems() + _verify_shard_checksums(store) + _verify_sidecar_files(store, description)
     problems += _verify_labels_size(store)
     # labels.bin is the spec's (§1): a store saev wrote holds it with no record
     listed = {METADATA, SHARDS, SIDECAR, LABELS, *(s["name"] for s in store.shards), *_recorded(store)}
@@ -180,8 +180,10 @@ def _verify_shard_checksums(store: SaevStore) -> list[str]:
     return problems_of(check, range(len(store.shards)), desc="verify saev shards")
 
 
-def _verify_sidecar_files(store: SaevStore) -> list[str]:
-    """windows.npy / labels.bin against actstore.json (the shards are _verify_shard_checksums')."""
+def _verify_sidecar_files(store: SaevStore, description: Any) -> list[str]:
+    """windows.npy / labels.bin against actstore.json (the shards are _verify_shard_checksums'). A text
+    store is one `data` says was planned from a text extraction: a family outside our image lists is
+    also a store saev wrote of a family it added since, or an image model FAMILIES does not map."""
     problems = []
     shards = {shard["name"] for shard in store.shards}
     files = {name: info for name, info in _recorded(store).items() if name not in shards}
@@ -190,7 +192,7 @@ def _verify_sidecar_files(store: SaevStore) -> list[str]:
             problems.append(problem)
     if store.sidecar and (store.dir / LABELS).is_file() and LABELS not in files:
         problems.append(f"{store.dir / LABELS}: no sha256 recorded in {SIDECAR}")
-    if store.metadata["family"] not in {*FAMILIES.values(), *UPSTREAM_FAMILIES} and WINDOWS not in files:
+    if _planned(description) and description.get("modality") == "text" and WINDOWS not in files:
         problems.append(f"{store.dir / WINDOWS}: text store without a recorded windows.npy")
     if (store.dir / WINDOWS).is_file() and not problems:  # read as the text store's index whether recorded or not
         try:

@@ -206,3 +206,5 @@ def check_metadata(md: Any, where: Path) -> None:
     for name in (name for name in fields if name in POSITIVE):
         if md[name] < 1:
             raise FormatError(f"{where}: {name} = {md[name]} must be >= 1")
+    if md["n_examples"] < 0:  # else shards.json was blamed: "must be a non-empty array"
+        raise FormatError(f"{where}: n_examples = {md['n_examples']} must be >= 0")

@@ -84,7 +84,7 @@ class ShuffledActivations(IterableDataset):
                  include_cls: bool = True, keep_labels: Iterable[int] | None = None, drop_last: bool = False,
                  block_bytes: int = 32 << 10, fill_threads: int = 2, buffer_bytes: int = 256 << 20,
                  rank: int = 0, world_size: int = 1):
-        store = SaevStore(Path(path).absolute())
+        store = SaevStore(path)
         # Resolved once: each __iter__ (each DataLoader worker) reopens this store, even after the working
         # directory changed (a relative path named another store, or none) or a saev.json was re-pointed.
         self.path = store.dir
@@ -182,11 +182,13 @@ class ShuffledActivations(IterableDataset):
         return np.stack([first, np.minimum(self.block_examples, n[shard] - lo)], axis=1).reshape(-1, 2)
 
     def my_blocks(self, epoch: int) -> np.ndarray:
-        """This rank's and worker's block ids for `epoch`: a disjoint slice of one seeded permutation."""
+        """This rank's and worker's block ids for `epoch`: a disjoint slice of one seeded permutation. The
+        rank's share is cut first, so it does not depend on how many DataLoader workers the rank runs (ranks
+        of different worker counts read some blocks twice and others never)."""
         order = np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
         info = get_worker_info()
         workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
-        return order[self.rank * workers + worker::self.world_size * workers]
+        return order[self.rank::self.world_size][worker::workers]
 
     def _stream(self, info: Any) -> int:
         """This rank's and worker's own shuffle stream: ranks with one stream would permute their

@@ -25,8 +25,10 @@ READ_CHUNK_BYTES = 256 << 20
 
 
 def resolve(path: str | Path) -> Path:
-    """The store directory from itself, a stage dir holding saev.json, or saev.json itself."""
-    path = Path(path)
+    """The store directory (absolute) from itself, a stage dir holding saev.json, or saev.json itself."""
+    # Absolute: the store's name is its metadata's hash (check.verify, inspect), and a pointer's store is
+    # its parent's sibling; "." named nothing, and the parent of "saev.json" or "." was "." again.
+    path = Path(os.path.abspath(path))
     if path.is_dir() and (path / METADATA).exists():  # not a regular file: read_json names it
         return path
     pointer = path / POINTER if path.is_dir() else path
@@ -138,6 +140,9 @@ class SaevStore:
         if not isinstance(self.shards, list) or not self.shards and self.n_examples:
             raise FormatError(f"{where}: must be a non-empty array of shard objects")
         per = self.examples_per_shard
+        if per < 1 and self.n_examples:  # every shard then "expected 0" examples, blaming a right shards.json
+            raise FormatError(f"{self.dir / METADATA}: patches_per_shard = {self.metadata['patches_per_shard']} holds "
+                              f"no example ({self.T} tokens x {self.L} layers)")
         for i, shard in enumerate(self.shards):
             if not isinstance(shard, dict) or shard.get("name") != shard_name(i):
                 raise FormatError(f"{where}: entry {i} must be named {shard_name(i)!r}, got {shard!r:.80}")
@@ -224,6 +229,9 @@ class SaevStore:
         A shard cut short (or gone) since the store was opened is named before it is mapped: numpy
         refused it with "mmap length is greater than file size", naming no file. Threads may read at
         once: the map returned is held here, since another thread may let it go from _maps meanwhile."""
+        read_index(shard_idx, "shard", self.dir)
+        if not 0 <= shard_idx < len(self.shards):  # -1 mapped the last shard, one past the end a bare IndexError
+            raise IndexError(f"{self.dir}: shard {shard_idx} out of range [0, {len(self.shards)})")
         mapped = self._maps.get(shard_idx)
         if mapped is None:
             if problem := self.shard_problem(shard_idx):
