@@ -43,3 +43,26 @@ def test_truncated_images_stay_refused_until_the_last_decoder_leaves(tmp_path):
         assert ImageFile.LOAD_TRUNCATED_IMAGES is True
     finally:
         ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+def test_a_zarr_link_job_record_of_a_tree_hash_alone_is_named_by_the_merge(tmp_path):
+    """The job records' reader takes a chunk recorded with a sha256_tree alone; the merge's finisher then
+    read its sha256 as a bare KeyError naming nothing."""
+    import json
+
+    from actstore.formats import zarr as zs
+    from actstore.formats.extract import open_extraction
+    from actstore.jobs import JOB_RECORD
+
+    extract = synthetic_extraction(tmp_path / "extract", 100_000, 2, 16, [1, 2], tokens=(3, 20))
+    stores = [tmp_path / "run" / "shards" / zs.shard_name(k) for k in range(2)]
+    for part, store in zip(open_extraction(extract).parts, stores):
+        zs.write_shard(part.dir, store, t_chunk=4, progress=False)
+    job_dir = tmp_path / "merge-0"
+    zs.link_chunks(stores, job_dir, 1, 0, progress=False)
+    record = json.loads((job_dir / JOB_RECORD).read_text())
+    name = next(iter(record["files"]))
+    record["files"][name] = {"bytes": record["files"][name]["bytes"], "sha256_tree": record["files"][name]["sha256"]}
+    (job_dir / JOB_RECORD).write_text(json.dumps(record))
+    with pytest.raises(FormatError, match=f"{job_dir / JOB_RECORD}: sha256 of {name} is missing"):
+        zs.finish_merge(stores, [job_dir], tmp_path / "run" / "merged", progress=False)

@@ -274,7 +274,8 @@ def _record_table(shards: list[Path], readers: list[ZarrStore], chunk_dirs: list
                     raise FormatError(f"{record}: no entry for {target}" + (f" (next: {name})" if name else ""))
                 if c == 0:
                     _check_still_linked(reader.path / key, d / target, record)
-                table.write(TABLE_ENTRY.pack(entry["bytes"], _digest(entry["sha256"], record, name)))
+                # .get: jobs.read_job_records also takes a record of a sha256_tree alone, a KeyError here
+                table.write(TABLE_ENTRY.pack(entry["bytes"], _digest(entry.get("sha256", ""), record, name)))
         for name, _ in listed:
             raise FormatError(f"{record}: lists {name}, not a chunk of its shards")
     return covered
@@ -292,8 +293,8 @@ def _check_still_linked(shard_file: Path, linked: Path, record: Path) -> None:
 
 def _digest(sha256: str, record: Path, name: str) -> bytes:
     digest = bytes.fromhex(sha256) if len(sha256) == 64 else b""
-    if digest.hex() != sha256:
-        raise FormatError(f"{record}: sha256 of {name} is not 64 lowercase hex digits")
+    if not digest or digest.hex() != sha256:
+        raise FormatError(f"{record}: sha256 of {name} is missing or not 64 lowercase hex digits")
     return digest
 
 
