@@ -42,3 +42,17 @@ def test_the_saev_finisher_is_timed_for_the_masks_it_labels(model_dir, tmp_path,
     assert resources.saev_runtime(plain) == resources.SAEV_FINISH_MIN
     rules = (ROOT / "rules" / "saev.smk").read_text()
     assert "runtime=lambda wildcards, attempt: actstore_resources.saev_runtime(config, attempt)" in rules
+
+
+def test_lut_budgets_given_twice_are_refused_at_load(model_dir, tmp_path):
+    """A budget listed twice was evaluated twice and listed twice in report.json's budgets, once in its
+    per-budget map."""
+    import pytest
+
+    from actstore.config import load_config
+    from actstore.errors import ConfigError
+
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), tmp_path / "data.jsonl")
+    path = tiny.save_config({**config, "lut": {**config["lut"], "budgets": [0, 8, 8]}}, tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match="budgets"):
+        load_config(path)
