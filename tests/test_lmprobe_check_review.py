@@ -106,6 +106,9 @@ def test_a_last_token_shard_is_checked_against_its_prompt_count(extracted, tmp_p
         lmprobe.open_dataset(root).get(moved, 0)
     named = {f"{root}/tensors/hidden_layer{layer:03d}_shard{s:03d}.safetensors: tensor of 12 rows, "
              f"descriptor says {rows}" for layer in (0, 2) for s, rows in ((0, 13), (1, 11))}
+    index = lmprobe.find_index(root)
+    named |= {f"{index}: hidden_layers.shards[{s}] num_tokens 12 is not its num_prompts {rows} (a last-token "
+              "shard holds one token a prompt)" for s, rows in ((0, 13), (1, 11))}
     assert set(lmprobe.verify(root)) == named
 
 

@@ -152,3 +152,22 @@ def test_a_label_column_of_booleans_reads_false_as_0_and_true_as_1(extracted, tm
     rewrite_index(root, table.set_column(table.schema.get_field_index("label"), pa.field("label", pa.bool_()),
                                          pa.array(flags)))
     assert lmprobe.open_dataset(root).labels.tolist() == [int(flag) for flag in flags]
+
+
+def test_a_last_token_shards_token_count_other_than_its_prompts_is_named(extracted, tmp_path):
+    """The spec: a last-token shard's num_tokens always equals its num_prompts. Edited alone, it passed
+    verify (the shards' headers are checked against num_prompts)."""
+    import json
+
+    root = build(extracted, tmp_path, FULL)
+    table = pq.read_table(lmprobe.find_index(root))
+    metadata = dict(table.schema.metadata)
+    tensors = json.loads(metadata[b"lmprobe:tensors"])
+    shard = tensors["hidden_layers"]["shards"][0]
+    assert shard["num_tokens"] == shard["num_prompts"]
+    shard["num_tokens"] += 1
+    metadata[b"lmprobe:tensors"] = json.dumps(tensors).encode()
+    rewrite_index(root, table.replace_schema_metadata(metadata))
+    assert lmprobe.verify(root) == [f"{lmprobe.find_index(root)}: hidden_layers.shards[0] num_tokens "
+                                    f"{shard['num_tokens']} is not its num_prompts {shard['num_prompts']} "
+                                    "(a last-token shard holds one token a prompt)"]

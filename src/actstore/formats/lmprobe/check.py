@@ -190,7 +190,14 @@ def _verify_counts(ds: LmprobeDataset) -> list[str]:
         problems.append(f"{where}: lmprobe:num_prompts = {info['num_prompts']} but {ds.num_prompts} rows")
     if hidden.get("row_bytes") not in (None, ds.dim * DTYPES[hidden["dtype"]][1].itemsize):
         problems.append(f"{where}: hidden_layers.row_bytes {hidden['row_bytes']} != dim x dtype size")
-    counts = np.array([sh["num_prompts"] for sh in hidden["shards"][:ds.last_token_shards]], np.int64)
+    last_token = hidden["shards"][:ds.last_token_shards]
+    # The spec: a last-token shard's num_tokens, where given (a pooled index's shards have none), always
+    # equals its num_prompts (a token a prompt)
+    problems += [f"{where}: hidden_layers.shards[{i}] num_tokens {shard['num_tokens']!r:.20} is not its "
+                 f"num_prompts {shard['num_prompts']} (a last-token shard holds one token a prompt)"
+                 for i, shard in enumerate(last_token)
+                 if "num_tokens" in shard and shard["num_tokens"] != shard["num_prompts"]]
+    counts = np.array([sh["num_prompts"] for sh in last_token], np.int64)
     if counts.sum() != ds.num_prompts:
         problems.append(f"{where}: last-token shards hold {counts.sum()} prompts, index has {ds.num_prompts}")
     return problems + _address_problems(where, ("shard_index", "row_offset"), ds.shard_index, ds.row_offset,
