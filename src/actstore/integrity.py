@@ -277,6 +277,13 @@ def read_index(value: Any, what: str, where: Path) -> int:
     return int(value)
 
 
+def vector_indices(sample_idx: Any, layer_idx: Any, token_idx: Any, where: Path) -> tuple[int, int, int]:
+    """A format's read_vector arguments, each checked by read_index and named as the argument: token
+    True read a sample's every token as its vector, True row 1."""
+    return (read_index(sample_idx, "sample_idx", where), read_index(layer_idx, "layer_idx", where),
+            read_index(token_idx, "token_idx", where))
+
+
 def whole_numbers(values: Any) -> bool:
     """A JSON list of counts (layer numbers, a shape, a sample range)."""
     return isinstance(values, list) and all(map(whole_number, values))

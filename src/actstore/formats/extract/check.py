@@ -11,7 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.layout import COUNT_KEYS, INDEX, PART_META, layer_tensor, part_dirname, part_dirs
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
-from actstore.integrity import file_problem, inside, links_out, read_index, read_json, whole_number
+from actstore.integrity import file_problem, inside, links_out, read_json, vector_indices, whole_number
 from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, moved_files, well_formed
 
 
@@ -159,8 +159,7 @@ def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: in
     extraction or, as detect, verify and inspect take, one part directory. TypeError for an index that is
     no integer: token True read the sample's every token, under a new axis, as the vector."""
     path = Path(path)
-    sample_idx, layer_idx, token_idx = (read_index(value, what, path) for value, what in
-                                        ((sample_idx, "sample_idx"), (layer_idx, "layer"), (token_idx, "token")))
+    sample_idx, layer_idx, token_idx = vector_indices(sample_idx, layer_idx, token_idx, path)
     part, local = _locate(path, sample_idx)
     if layer_idx not in part.info.layers:
         return None

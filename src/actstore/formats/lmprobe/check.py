@@ -11,8 +11,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, STORAGES, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, list_column, open_dataset, read_info
-from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted
-from actstore.integrity import read_index as index_argument  # read.read_index reads the parquet
+from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted, vector_indices
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -80,10 +79,9 @@ def inspect(path: str | Path) -> dict[str, Any]:
 
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """float32 (dim,) of dataset row `sample_idx`, block `layer_idx`, token `token_idx`; None if not stored."""
+    # TypeError for a bool or a float, before the index is read: True read row, layer or token 1
+    sample_idx, layer_idx, token_idx = vector_indices(sample_idx, layer_idx, token_idx, Path(path))
     ds = open_dataset(path)
-    # TypeError for a bool or a float: True read row, layer or token 1 (as the other formats' readers refuse)
-    sample_idx, layer_idx, token_idx = (index_argument(value, what, ds.index_path) for value, what in
-                                        ((sample_idx, "sample_idx"), (layer_idx, "layer"), (token_idx, "token")))
     if layer_idx not in ds.layers or not ds.has_sample(sample_idx):
         return None
     prompt = ds.row_of(sample_idx)

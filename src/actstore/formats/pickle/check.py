@@ -17,8 +17,8 @@ from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, CONFIG_FIELDS, FORM
                                             layer_key)
 from actstore.formats.pickle.read import item_tokens, load_metadata, load_shard, shard_path, shards_by_id
 from actstore.formats.pickle.unpickler import BudgetHeldByOthers, ByteBudget
-from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, read_index, unlisted,
-                                version_string, whole_number, whole_numbers)
+from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, problems_of, unlisted,
+                                vector_indices, version_string, whole_number, whole_numbers)
 
 # Shard bytes verify holds at once (validate_stores' mem_mb leaves room for it): with the default
 # 100 MB shards, 3 checked at once; 500 MB shards (the spec's largest) one at a time.
@@ -379,9 +379,8 @@ _LAST_SHARD: integrity.LastBuilt[dict] = integrity.LastBuilt()
 def read_vector(path: str | Path, sample_idx: int, layer_idx: int, token_idx: int) -> np.ndarray | None:
     """float32 (d,) activation of one token, or None when the store does not hold that coordinate.
     The last shard read stays loaded while its file and recorded checksum are unchanged (_shard). Each
-    index must be an integer (read_index): True read sample 1 and token True the whole activation."""
-    sample_idx, layer_idx, token_idx = (read_index(value, what, Path(path)) for value, what in (
-        (sample_idx, "sample_idx"), (layer_idx, "layer_idx"), (token_idx, "token_idx")))
+    index must be an integer (vector_indices): True read sample 1 and token True the whole activation."""
+    sample_idx, layer_idx, token_idx = vector_indices(sample_idx, layer_idx, token_idx, Path(path))
     meta = checked_metadata(path)
     for info in meta["shards"]:
         lo, hi = info["sample_id_range"]
