@@ -51,7 +51,7 @@ def test_a_streamed_record_with_a_value_running_past_the_cap_is_refused_before_i
 
     monkeypatch.setattr(integrity, "JSON_MAX_BYTES", 1 << 20)
     (tmp_path / "a.bin").write_bytes(b"abc")
-    record = write_job_record(tmp_path, 1, 0, {"a.bin": integrity.file_record(tmp_path / "a.bin")})
+    record = write_job_record(tmp_path, 1, 0, [("a.bin", integrity.file_record(tmp_path / "a.bin"))])
     assert list(read_job_records([tmp_path]).files) == ["a.bin"]
     text = record.read_bytes()
     cut = text.index(b'"sha256"')

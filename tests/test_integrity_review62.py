@@ -24,7 +24,7 @@ def job_dirs_claiming(root: Path, jobs: int, count: int) -> list[Path]:
         job_dir = root / f"job-{job:04d}"
         job_dir.mkdir(parents=True)
         (job_dir / f"{job}.bin").write_bytes(b"x")
-        write_job_record(job_dir, jobs, job, {f"{job}.bin": file_record(job_dir / f"{job}.bin")})
+        write_job_record(job_dir, jobs, job, [(f"{job}.bin", file_record(job_dir / f"{job}.bin"))])
         dirs.append(job_dir)
     return dirs
 

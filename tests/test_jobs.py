@@ -21,7 +21,7 @@ def write_jobs(root: Path, contents: list[dict[str, bytes]]) -> list[Path]:
             (job_dir / rel).parent.mkdir(parents=True, exist_ok=True)
             (job_dir / rel).write_bytes(data)
         job_dir.mkdir(parents=True, exist_ok=True)
-        write_job_record(job_dir, len(contents), job, {rel: file_record(job_dir / rel) for rel in files}, n=job)
+        write_job_record(job_dir, len(contents), job, [(rel, file_record(job_dir / rel)) for rel in files], n=job)
         dirs.append(job_dir)
     return dirs
 
@@ -126,7 +126,7 @@ def part_records(root: Path, parts: list[list[int]]) -> list[Path]:
     """The records pickle_machines / zarr_shards leave: no files of their own, the parts they wrote."""
     dirs = []
     for job, written in enumerate(parts):
-        write_job_record(root / f"job-{job:04d}", len(parts), job, {}, parts=written)
+        write_job_record(root / f"job-{job:04d}", len(parts), job, (), parts=written)
         dirs.append(root / f"job-{job:04d}")
     return dirs
 

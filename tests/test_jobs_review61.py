@@ -17,7 +17,7 @@ def one_job(root: Path, data: bytes = b"x") -> Path:
     job_dir = root / "job-0000"
     job_dir.mkdir(parents=True)
     (job_dir / "a.bin").write_bytes(data)
-    write_job_record(job_dir, 1, 0, {"a.bin": file_record(job_dir / "a.bin")})
+    write_job_record(job_dir, 1, 0, [("a.bin", file_record(job_dir / "a.bin"))])
     return job_dir
 
 

@@ -251,3 +251,40 @@ def test_zarr_merge_finisher_and_verify_hold_nothing_per_chunk_file(tmp_path):
     for step in ("finish", "verify"):
         assert grown[step, 3_000] - grown[step, 750] < designed + 4, \
             f"{step}: grew {grown[step, 750]:.1f} MB, then {grown[step, 3_000]:.1f} MB"
+
+
+LINK_JOB = """
+import sys
+from pathlib import Path
+from actstore.formats import zarr
+root, n = Path(sys.argv[1]), int(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()
+zarr.link_chunks(sorted(root.glob("shard-*.zarr"))[:n], root / f"merge-{n}", 1, 0, progress=False)
+"""
+
+
+def test_a_zarr_link_job_holds_one_shards_records_whatever_the_shards_it_takes(tmp_path):
+    """A chunk-link job of 4 shards (~6K chunk files each) against one of 1: it streams each chunk's
+    {bytes, sha256} into its job record as it links the file, and holds the files.json of the shard it
+    is on alone (resources: a part's records). Holding every shard's records to the end took ~1 KB a
+    chunk file, ~18 MB more for 4 shards than for 1."""
+    from actstore.formats import zarr
+
+    extract = synthetic_extraction(tmp_path / "extract", 8_000 * 3 * 8 * 4, 4, 8, [1], tokens=(2, 4))
+    for part in range(4):
+        zarr.write_shard(extract / f"part-{part:04d}", tmp_path / f"shard-{part}.zarr", t_chunk=1, progress=False)
+    grown = {}
+    for n in (1, 4):
+        proc = subprocess.Popen([sys.executable, "-c", LINK_JOB, str(tmp_path), str(n)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        before = process_memory(proc.pid).total / 1e6
+        with PeakMemory([proc.pid], interval=0.005) as watch:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.wait() == 0
+        grown[n] = watch.peak.total / 1e6 - before
+    chunks = sum(path.is_file() for path in (tmp_path / "merge-1" / zarr.ACTS).rglob("*"))
+    per_shard = resources.FILES_JSON_ENTRY_BYTES * chunks / 1e6
+    assert grown[4] - grown[1] < per_shard, f"1 shard: grew {grown[1]:.1f} MB, 4 shards: {grown[4]:.1f} MB"

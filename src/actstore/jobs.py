@@ -7,14 +7,15 @@ shows the whole DAG."""
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from actstore.errors import FormatError
 from actstore.integrity import (DIGESTS, is_sha256, listed_problem, stream_json_members, stream_json_object,
                                 whole_number)
-from actstore.io_utils import write_json_atomic
+from actstore.io_utils import atomic_path, errors_naming
 
 # Unset, a writer gets a job per extraction part up to this many: at 10 TB each job then writes
 # ~160 GB (about 15 min at Lustre's per-job rate), and the DAG of a 4,096-part run stays small.
@@ -62,14 +63,26 @@ RECORD_KEYS = ("jobs", "job", "files")
 JobFiles = dict[str, tuple[Path, dict[str, Any]]]
 
 
-def write_job_record(job_dir: str | Path, jobs: int, job: int, files: dict[str, dict[str, Any]],
+def write_job_record(job_dir: str | Path, jobs: int, job: int, files: Iterable[tuple[str, dict[str, Any]]],
                      **extra: Any) -> Path:
     """Record what job `job` of `jobs` wrote into `job_dir`: each file (a relative POSIX path) with its
     {bytes, sha256}, taken as it was written, plus the format's own `extra` keys; written atomically,
-    after the files, so a record means the job finished. Returns the record's path."""
+    after the files, so a record means the job finished. Returns the record's path. `files` is
+    streamed into the record as it comes (a zarr merge job lists millions): a job holds none of it."""
     path = Path(job_dir) / JOB_RECORD
-    # Compact and in insertion order: the files in the order written (a zarr merge job lists millions).
-    write_json_atomic(path, {**extra, "jobs": jobs, "job": job, "files": files}, indent=None)
+    head = json.dumps({**extra, "jobs": jobs, "job": job, "files": {}})
+    with atomic_path(path) as tmp, open(tmp, "w") as out:
+        # Compact, the keys before the files (iter_job_records reads them first), the files in order.
+        # errors_naming round the writes alone: an error of whatever yields `files` is its own.
+        with errors_naming(path):
+            out.write(head[:-len("}}")])
+        for i, (name, entry) in enumerate(files):
+            text = f"{', ' if i else ''}{json.dumps(name)}: {json.dumps(entry)}"
+            with errors_naming(path):
+                out.write(text)
+        with errors_naming(path):
+            out.write("}}\n")
+            out.flush()
     return path
 
 

@@ -361,8 +361,8 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
         "lmprobe_dataset": group_rows + 128 * ROW_GROUP_TOKENS + LMPROBE_PLAN_ROW_BYTES * w.rows,
         "pickle_machines": rows / parts + pickle_shards,  # one part at a time
         "zarr_shards": (rows + zarr_records) / parts + zarr_buffers,
-        # the records of every part it links, held to its end: the most parts a job takes (jobs.job_items)
-        "zarr_merge_chunks": zarr_records * -(-parts // write_jobs(config, "zarr", "merge_jobs")) / parts,
+        # the meta/files.json of the part it links (their records stream into its job record)
+        "zarr_merge_chunks": zarr_records / parts,
         "zarr_merge": ZARR_MERGE_SAMPLE_BYTES * w.rows,
     }[job]
     return int(buffers)

@@ -15,5 +15,5 @@ for part_dir, machine_dir in zip(snakemake.input, snakemake.params.machines):
                   shard_size_mb=snakemake.params.shard_size_mb, compression=snakemake.params.compression,
                   compresslevel=snakemake.params.compresslevel, compressor=snakemake.params.compressor,
                   threads=snakemake.threads)
-write_job_record(snakemake.output[0], snakemake.params.jobs, int(snakemake.wildcards.job), {},
+write_job_record(snakemake.output[0], snakemake.params.jobs, int(snakemake.wildcards.job), (),
                  parts=snakemake.params.parts)

@@ -13,5 +13,5 @@ commit = git_commit()
 for part_dir, shard in zip(snakemake.input, snakemake.params.shards):
     entry = write_shard(part_dir, shard, snakemake.params.t_chunk, git_commit=commit, threads=snakemake.threads)
     logging.getLogger("zarr_shards").info("%s: %d samples, %d bytes", entry["path"], entry["num_samples"], entry["bytes"])
-write_job_record(snakemake.output[0], snakemake.params.jobs, int(snakemake.wildcards.job), {},
+write_job_record(snakemake.output[0], snakemake.params.jobs, int(snakemake.wildcards.job), (),
                  parts=snakemake.params.parts)

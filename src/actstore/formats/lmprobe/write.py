@@ -329,7 +329,7 @@ def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, A
     items = job_items(len(plan.files), jobs, job)
     with atomic_path(job_dir) as tmp:
         records = write_tensor_files(plan, tmp, items, progress, threads)
-        write_job_record(tmp, jobs, job, records, plan=plan.digest)
+        write_job_record(tmp, jobs, job, records.items(), plan=plan.digest)
     log.info("lmprobe job %d/%d: %d tensor files -> %s", job, jobs, len(items), job_dir)
     return records
 

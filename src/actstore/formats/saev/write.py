@@ -348,7 +348,7 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
             path = out_dir / shard_name(idx)
             files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffers,
                                             plan.shard_bytes(sizes[idx]), hashers)
-    return write_job_record(out_dir, jobs, job, files, store=plan.store_name, source=plan.source)
+    return write_job_record(out_dir, jobs, job, files.items(), store=plan.store_name, source=plan.source)
 
 
 def _check_shape(plan: Plan) -> None:

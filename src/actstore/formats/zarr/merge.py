@@ -87,34 +87,41 @@ def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: b
 
 
 def link_chunks(shards: Sequence[str | Path], out_dir: str | Path, jobs: int, job: int,
-                progress: bool = True) -> dict[str, dict]:
+                progress: bool = True) -> int:
     """Job `job` of `jobs` of the scattered merge (atomic): the activation chunks of `shards`, its
     consecutive shards of the run (jobs.job_items), hard-linked file for file under their merged
     names (sample axis = the shard's global_index_start + local; chunking and encoding are
     identical, so the bytes are too; `out_dir` on the shards' filesystem, as the stage directory
     is), and its job record (jobs.write_job_record, with the shards' names) of their bytes + sha256
-    as each shard's meta/files.json has them (no re-hash). Returns those entries. A shard with a link
+    as each shard's meta/files.json has them (no re-hash), streamed as each file is linked: the job
+    holds one shard's files.json at a time. Returns the number of files linked. A shard with a link
     leading out of it, or a chunk file that is a link or reached through one, is refused by name."""
     from tqdm import tqdm
 
     refuse([problem for shard in shards for problem in links_out(Path(shard))])  # before a file of theirs is read
     shards, readers = _open_shards(shards, start=None)
-    files: dict[str, dict] = {}
+    linked = 0
+
+    def entries() -> Iterator[tuple[str, dict]]:
+        nonlocal linked
+        for shard, reader in zip(shards, tqdm(readers, desc="zarr merge chunks", unit="shard", disable=not progress)):
+            for entry in _link_shard_chunks(shard, reader, tmp):
+                linked += 1
+                yield entry
+
     with atomic_path(out_dir) as tmp:
         (tmp / ACTS).mkdir(parents=True)
-        for shard, reader in zip(shards, tqdm(readers, desc="zarr merge chunks", unit="shard", disable=not progress)):
-            files.update(_link_shard_chunks(shard, reader, tmp))
-        write_job_record(tmp, jobs, job, files, shards=[s.name for s in shards])
-    return files
+        write_job_record(tmp, jobs, job, entries(), shards=[s.name for s in shards])
+    return linked
 
 
-def _link_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, dict]:
-    """Every chunk of the shard linked into `dst` under its merged key; merged key -> its files.json entry."""
+def _link_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> Iterator[tuple[str, dict]]:
+    """Every chunk of the shard linked into `dst` under its merged key, yielded as it is linked with
+    its files.json entry: (merged key, entry)."""
     files_json = read_json(shard / FILES_JSON)  # its records go into the job record as they are: checked here
     shard_files = file_records(files_json.get("files") if isinstance(files_json, dict) else None,
                                str(shard / FILES_JSON))
     start = reader.attrs["global_index_start"]
-    linked: dict[str, dict] = {}
     walked: list[str] = []
     for local in range(reader.n_samples):
         for key, target in _sample_chunk_keys(reader, local, start + local):
@@ -122,8 +129,7 @@ def _link_shard_chunks(shard: Path, reader: ZarrStore, dst: Path) -> dict[str, d
                 raise FormatError(f"{shard / FILES_JSON}: no entry for {key}")
             (dst / target).parent.mkdir(parents=True, exist_ok=True)
             _link(_own_file(shard, key, walked), dst / target, shard, dst)
-            linked[target] = shard_files[key]
-    return linked
+            yield target, shard_files[key]
 
 
 def _own_file(shard: Path, key: str, walked: list[str]) -> str:
