@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
 from actstore.errors import ConfigError
-from actstore.integrity import unique_keys, whole_number
-from actstore.model_identity import WEIGHTS_KEY, inside_folder
+from actstore.integrity import whole_number
+from actstore.model_identity import WEIGHTS_KEY, inside_folder, read_model_json
 
 PACKAGE_PREFIX = "package:"
 VISION_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit", "clip", "clip_vision_model", "metaclip_2", "siglip",
@@ -151,22 +150,6 @@ def _class_defaults(model_type: str, settings: tuple[str, ...]) -> dict[str, int
     return {setting: value for setting in settings if isinstance(value := getattr(defaults, setting, None), int)}
 
 
-def read_model_json(path: Path) -> dict[str, Any]:
-    """A JSON object file of a model folder (config.json, tokenizer_config.json...); ConfigError naming
-    it when it is not JSON, gives a key twice (transformers would take the last, and which was meant is
-    unknown) or is not an object. NaN and Infinity are taken, unlike integrity.read_json: transformers
-    writes them (Mamba 2's and Falcon-H1's config.json: "time_step_limit": [0.0, Infinity])."""
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice
-        raise ConfigError(f"model.path: {path} is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise ConfigError(f"model.path: {path} is not valid JSON (nested too deeply to parse)") from None
-    if not isinstance(content, dict):
-        raise ConfigError(f"model.path: {path} holds a JSON {type(content).__name__}, not an object")
-    return content
-
-
 def model_kind(config: dict[str, Any]) -> str:
     """'vision', 'causal' or 'encoder' from a config.json dict (a vision-language model is 'causal':
     its language model runs)."""
@@ -227,6 +210,8 @@ def check_remote_code(folder: str | Path, trust_remote_code: bool, spec: str | P
     for name in CODE_MAPS:
         path = Path(folder) / name
         custom = read_model_json(path).get("auto_map") if path.is_file() else None
+        if isinstance(custom, list) and name == TOKENIZER_CONFIG:  # the legacy [slow, fast], still run as code
+            custom = {"AutoTokenizer": custom}
         if isinstance(custom, dict) and custom:
             first = next(iter(custom.items()))
             raise ConfigError(f"model.path {spec or folder}: its {name} maps {first[0]} to {first[1]!r}, Python in "
@@ -413,10 +398,19 @@ def check_logits_topk(logits_topk: int, config: dict[str, Any]) -> None:
 # encoder, which extraction runs), Longformer and ESM-1 (ESM-2's position_embedding_type is rotary)
 # learn theirs too, and LiLT: a longer text was an IndexError out of the first batch. ProphetNet's clamps
 # the positions past its table to the last, and gave those tokens vectors of a position they are not at.
+# Megatron-BERT to X-MOD, and Marian's and Pegasus's sinusoidal tables, are as long (tests/test_models_review63.py).
 ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "albert", "distilbert",
                            "ernie", "data2vec-text", "mpnet", "gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt",
                            "xglm", "bart", "mbart", "plbart", "blenderbot", "longformer", "esm", "lilt",
-                           "prophetnet")
+                           "prophetnet", "megatron-bert", "rembert", "xlm-roberta-xl", "roberta-prelayernorm", "ibert",
+                           "splinter", "luke", "markuplm", "layoutlm", "roc_bert", "mra", "marian", "pegasus", "mvp",
+                           "blenderbot-small", "bert-generation", "nystromformer", "yoso", "xmod")
+# Of those, the ones that number a text's positions from their padding id + 1 (RoBERTa's family:
+# config.json's pad_token_id, its class default 1 where left out; MPNet's is always 1), so a table of
+# max_position_embeddings holds that many fewer tokens (514: 512). Their tokenizer's model_max_length
+# says so where the folder states it; where not, a text of the table's length passed the parse.
+PADDED_POSITION_TYPES = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "mpnet", "xlm-roberta-xl",
+                         "roberta-prelayernorm", "ibert", "luke", "markuplm", "xmod")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Text models whose blocks compute on (tokens, batch, hidden), the model transposing its input to that
 # and its output back (XLNet): a block's output, and a hook on any module inside the blocks' holder
@@ -439,14 +433,13 @@ PADDING_SENSITIVE_TYPES = ("mobilebert", "fnet", "convbert", "yoso", "big_bird",
 
 def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_path: str | Path) -> None:
     """ConfigError when extract.max_seq_length passes the positions a learned-position text model
-    has: config.json's n_positions / max_position_embeddings, or its tokenizer's model_max_length
-    where smaller (RoBERTa's table of 514 holds 512 tokens: its positions start after the padding id)."""
+    has: config.json's n_positions / max_position_embeddings less its first_position, or its tokenizer's
+    model_max_length where smaller."""
     text = text_scope(config) or config
     learned = text.get("position_embedding_type", "absolute") == "absolute"
     if text.get("model_type") not in ABSOLUTE_POSITION_TYPES or not learned:
         return
-    limits = [(text[key], f"config.json {key}") for key in ("n_positions", "max_position_embeddings")
-              if isinstance(text.get(key), int)][:1]
+    limits = [table] if (table := position_table(text)) else []
     tokenizer_config = Path(model_path) / TOKENIZER_CONFIG
     if tokenizer_config.is_file():
         stated = read_model_json(tokenizer_config).get("model_max_length")
@@ -457,6 +450,24 @@ def check_sequence_length(max_seq_length: int, config: dict[str, Any], model_pat
         raise ConfigError(f"extract.max_seq_length {max_seq_length}: {model_path} (model_type {text['model_type']}) "
                           f"has learned positions for {limit} tokens ({where}); a longer text would index past them. "
                           f"Set extract.max_seq_length to at most {limit}")
+
+
+def position_table(text: dict[str, Any]) -> tuple[int, str] | None:
+    """The tokens a text model's position table (n_positions, else max_position_embeddings) holds and
+    where config.json says so; None where it names neither."""
+    key = next((key for key in ("n_positions", "max_position_embeddings") if isinstance(text.get(key), int)), None)
+    if key is None:
+        return None
+    first = first_position(text)
+    return text[key] - first, f"config.json {key}" + (f" {text[key]}, counted from position {first}" if first else "")
+
+
+def first_position(text: dict[str, Any]) -> int:
+    """The position a PADDED_POSITION_TYPES text model gives a text's first token (0 for the others)."""
+    if text.get("model_type") not in PADDED_POSITION_TYPES:
+        return 0
+    pad = text.get("pad_token_id", 1)
+    return 2 if text["model_type"] == "mpnet" or not whole_number(pad) else pad + 1
 
 
 def image_only_blocks(config: dict[str, Any]) -> list[int]:

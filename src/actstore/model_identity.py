@@ -10,6 +10,7 @@ that kept the bytes passes and new bytes stop the run, naming the file.
 """
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import ConfigError
-from actstore.integrity import is_sha256, read_json, whole_number
+from actstore.integrity import is_sha256, read_json, unique_keys, whole_number
 from actstore.io_utils import sha256_file
 
 # What loading a model, its tokenizer or image processor can read: weights, configs and tokenizer
@@ -71,9 +72,26 @@ def named_weights(folder: Path) -> list[Path]:
 
 
 def _json_key(path: Path, key: str) -> Any:
-    """`key` of the JSON object in file `path`; None where the file or the key is not there."""
-    data = read_json(path) if path.is_file() else None
-    return data.get(key) if isinstance(data, dict) else None
+    """`key` of the JSON object in model folder file `path`, read as transformers reads it (a Mamba 2
+    config.json's Infinity: integrity.read_json's FormatError stopped its extraction before the load);
+    None where the file or the key is not there."""
+    return read_model_json(path).get(key) if path.is_file() else None
+
+
+def read_model_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of a model folder (config.json, tokenizer_config.json...); ConfigError naming
+    it when it is not JSON, gives a key twice (transformers would take the last, and which was meant is
+    unknown) or is not an object. NaN and Infinity are taken, unlike integrity.read_json: transformers
+    writes them (Mamba 2's and Falcon-H1's config.json: "time_step_limit": [0.0, Infinity])."""
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice
+        raise ConfigError(f"model.path: {path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"model.path: {path} is not valid JSON (nested too deeply to parse)") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"model.path: {path} holds a JSON {type(content).__name__}, not an object")
+    return content
 
 
 def inside_folder(name: Any) -> bool:
