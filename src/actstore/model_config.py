@@ -410,7 +410,7 @@ ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "elect
 # max_position_embeddings holds that many fewer tokens (514: 512). Their tokenizer's model_max_length
 # says so where the folder states it; where not, a text of the table's length passed the parse.
 PADDED_POSITION_TYPES = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "mpnet", "xlm-roberta-xl",
-                         "roberta-prelayernorm", "ibert", "luke", "markuplm", "xmod")
+                         "roberta-prelayernorm", "ibert", "luke", "markuplm", "xmod", "longformer", "esm", "lilt")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Text models whose blocks compute on (tokens, batch, hidden), the model transposing its input to that
 # and its output back (XLNet): a block's output, and a hook on any module inside the blocks' holder
