@@ -106,3 +106,27 @@ def test_positions_counted_from_the_padding_id_leave_fewer_tokens(model_type, pa
                                           rf"max_position_embeddings 16, counted from position {16 - limit}\)"):
         check_sequence_length(limit + 1, config, tmp_path)
     check_sequence_length(limit, config, tmp_path)
+
+
+def test_a_gpu_ordinal_past_the_jobs_gpus_is_named_with_its_key(monkeypatch):
+    """extract.device cuda:1 in a job given one GPU (Slurm numbers a job's GPUs from 0) passed, then
+    the first tensor moved raised CUDA's "invalid device ordinal", naming no key. torch's count of
+    GPUs is set here (this machine has none); the suite's CUDA step runs the real count."""
+    from actstore.models import named_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert named_device("cuda:0", "extract.device") == torch.device("cuda:0")
+    assert named_device("cuda", "extract.device") == torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"extract.device cuda:1: torch sees 1 GPU\(s\) here, cuda:0 to cuda:0"):
+        named_device("cuda:1", "extract.device")
+
+
+def test_cuda_ordinal_past_this_machines_gpus_is_named():
+    """The same on a real GPU machine (bench/gpu_suite.sh's CUDA step): the ordinal one past torch's count."""
+    from actstore.models import named_device
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with pytest.raises(ConfigError, match="lut.device"):
+        named_device(f"cuda:{torch.cuda.device_count()}", "lut.device")

@@ -137,6 +137,10 @@ def named_device(name: str, key: str) -> torch.device:
                else f"built for CUDA {torch.version.cuda}, it found no usable GPU (check nvidia-smi)")
         raise ConfigError(f"{key} {name}: torch {torch.__version__} sees no GPU here, being {why}; run on a GPU "
                           f"node, or set {key}: cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= (seen := torch.cuda.device_count()):
+        # CUDA's own "invalid device ordinal" came from the first tensor moved, naming no key
+        raise ConfigError(f"{key} {name}: torch sees {seen} GPU(s) here, cuda:0 to cuda:{seen - 1} (a Slurm job's "
+                          f"GPUs are numbered from 0 whichever the node's they are); set {key}: cuda or auto")
     return device
 
 
