@@ -34,6 +34,11 @@ STAGE_HASHES = parse_dataset(config, main_process=workflow.is_main_process)
 if config["saev"].get("patch_labels") and not Path(config["saev"]["patch_labels"]["masks"]).is_dir():
     raise ConfigError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
 
+# Every rule's paths are {dump_to}/...: a brace there is a Snakemake wildcard, which stopped the parse
+# with a bare WildcardError naming a rule's line, not the key.
+if "{" in config["dump_to"] or "}" in config["dump_to"]:
+    raise ConfigError(f"dump_to {config['dump_to']!r}: a brace is a wildcard in the Snakemake rules' paths, "
+                      f"which are under dump_to; name a folder without braces")
 DUMP_TO = Path(config["dump_to"])
 N_PARTS = config["extract"]["parts"]
 PARTS = [f"{p:04d}" for p in range(N_PARTS)]
@@ -43,7 +48,7 @@ TARGETS = {}
 
 
 # A part's or a scatter job's number as its file names write it (f"{n:04d}"): four digits, and five or
-# more from 10000 on (extract.parts and the writers' jobs have no maximum); never another zero-padding.
+# more from 10000 on (extract.parts and the writers' jobs go up to 100,000); never another zero-padding.
 # (Not `\d{4,}`: Snakemake's wildcard pattern does not parse `{4,}` inside a constraint.)
 wildcard_constraints:
     part=r"\d{4}|[1-9]\d{4}\d*",

@@ -5,6 +5,7 @@ import copy
 import functools
 import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,28 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         why = error.schema.get("description") if isinstance(error.schema, dict) else None
         raise ConfigError(f"invalid config at {where}: {error.message}" + (f" ({why})" if why else ""))
     reject_non_finite(config)
+    check_paths(config)
     resolve_layers(config)
     check_sae_sizes(config["sae"])
     check_lut_targets(config)
     return config
+
+
+# The keys holding a path (check_paths).
+PATH_KEYS = (("dump_to",), ("model", "path"), ("dataset", "path"), ("saev", "patch_labels", "masks"),
+             ("sae", "import", "path"))
+
+
+def check_paths(config: dict[str, Any]) -> None:
+    """ConfigError naming a path key whose value starts with `~`: only a shell expands it, never
+    Snakemake or actstore, so `dump_to: ~/results` wrote every stage into a folder named `~` in the
+    working directory with no error (where a `rm -rf ~` to tidy it removes the home folder)."""
+    for keys in PATH_KEYS:
+        value = functools.reduce(lambda node, key: (node or {}).get(key), keys, config)
+        if isinstance(value, str) and value.startswith("~"):
+            raise ConfigError(f"invalid config at {_where(keys)}: {value!r} starts with ~, which neither Snakemake "
+                              f"nor actstore expands (it names a folder `~` in the working directory): write the "
+                              f"path out, e.g. {os.path.expanduser(value)}")
 
 
 def check_sae_sizes(sae: dict[str, Any]) -> None:

@@ -14,7 +14,8 @@ from actstore.config import config_schema, enabled_stages
 from actstore.formats import FORMAT_STAGES
 from actstore.formats.saev.layout import POINTER as SAEV_POINTER
 from actstore.errors import ActstoreError
-from actstore.integrity import SEAL_KEY, STAGE_CONFIG_FILE, is_sha256, resolved, stage_config_problems
+from actstore.integrity import (SEAL_KEY, STAGE_CONFIG_FILE, is_sha256, read_json, resolved,
+                                stage_config_problems)
 from actstore.io_utils import canonical_sha256, sha256_file, write_json_atomic
 from actstore.model_config import run_dtype, storage_dtype
 from actstore.parse_memo import remembered
@@ -216,18 +217,32 @@ def is_stage_dir(directory: Path) -> bool:
 def stage_problems(path: str | Path) -> list[str]:
     """The problems of the stage config of the workflow stage directory holding the store at `path`
     (the path itself, or its parent: lmprobe's dataset/, lut/, a pickle machine); a workflow stage
-    directory must hold one (is_stage_dir). What `actstore verify` and the readers' verify=True add
-    to a format's own checks. Either directory given as a link (`latest` -> {dump_to}/lmprobe/<hash>,
-    opened as `latest` or `latest/dataset`) is followed: known by the link's name, a stage directory's
-    missing or foreign stage config passed a reader's verify=True."""
+    directory must hold one (is_stage_dir), of its folder's stage (_foreign_stage). What `actstore verify`
+    and the readers' verify=True add to a format's own checks. Either directory given as a link (`latest`
+    -> {dump_to}/lmprobe/<hash>, opened as `latest` or `latest/dataset`) is followed: known by the link's
+    name, a stage directory's missing or foreign stage config passed a reader's verify=True."""
     path = followed(Path(path))
     problems = []
     for directory in dict.fromkeys([path, followed(path.parent)]):
         try:
-            problems += stage_config_problems(directory, required=is_stage_dir(directory))
+            problems += stage_config_problems(directory, required=is_stage_dir(directory)) or \
+                _foreign_stage(directory)
         except ActstoreError as exc:  # a stage config too broken to read: the problem names it
             problems.append(str(exc))
     return problems
+
+
+def _foreign_stage(directory: Path) -> list[str]:
+    """A stage directory holding the stage config of another stage than its folder's: copied or moved
+    under another stage's folder ({dump_to}/lut/<the sae hash>/, a pickle store at saev/<its hash>/), it
+    kept its name, so the check of its hash against its name passed it. Called on a stage config
+    integrity.stage_config_problems passed (or a directory holding none)."""
+    path = directory / STAGE_CONFIG_FILE
+    if not is_stage_dir(directory) or not path.is_file():
+        return []
+    stage, folder = read_json(path)["stage"], directory.absolute().parent.name
+    return [] if stage == folder else [f"{path}: the config of stage {stage!r}, found in {folder}/ (copied or "
+                                       f"moved from {stage}/: its store is not a {folder} stage's)"]
 
 
 def followed(path: Path) -> Path:
