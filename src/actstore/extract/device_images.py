@@ -22,8 +22,7 @@ import io
 import logging
 import re
 import threading
-import weakref
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Generator, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -108,18 +107,20 @@ class WorkerImages(torch.utils.data.Dataset):
 
 def device_image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], batches: list[list[int]],
                          num_workers: int, device: torch.device, dtype: torch.dtype
-                         ) -> Iterator[list[torch.Tensor]]:
+                         ) -> Generator[list[torch.Tensor], None, None]:
     """Processed pixels on `device` in the model's `dtype`, batch by batch, as image_batches yields
     them (a list of tensors per batch: here one). The workers start at once and read ahead, and a
     thread decodes and processes each batch on the GPU (on its own CUDA stream) up to AHEAD_BYTES
     ahead of the model: call it before loading the model, so that the first batches are ready when
-    the weights are, as the cpu pipeline's workers decode them meanwhile."""
+    the weights are, as the cpu pipeline's workers decode them meanwhile. Closing it ends the thread."""
     items, loader = item_loader(WorkerImages(opener, processor, samples), batches, num_workers, device.type == "cuda")
     ahead = Ahead()
     threading.Thread(target=_decode_ahead, args=(processor, loader, items, device, dtype, ahead),
                      name=DECODING_THREAD, daemon=True).start()
     batches_out = _handed_over(ahead, device)
-    weakref.finalize(batches_out, ahead.stop)  # a generator dropped before its first batch stops the thread too
+    # Run to its first yield, inside its try: closed (run_part's end) or dropped before its first batch,
+    # it stops the thread too (a generator closed before it started runs nothing).
+    next(batches_out)
     return batches_out
 
 
@@ -192,6 +193,7 @@ def _handed_over(ahead: Ahead, device: torch.device) -> Iterator[list[torch.Tens
     thread's event, and the allocator keeps the pixels' memory until the model's stream is done)."""
     on_gpu = images_seen = 0
     try:
+        yield []  # taken by device_image_batches
         while (got := ahead.get()) is not None:
             if isinstance(got, BaseException):
                 raise got

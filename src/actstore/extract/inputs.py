@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,10 @@ TOKENIZE_TOKENS = 1 << 20  # tokens the tokenizer encodes at once, at most: its 
 # cutting it to max_seq_length (the test tokenizer, 40 texts of 1M characters cut to 16 tokens: 4.1 GB
 # of host memory in one call, 1.3 GB in calls of TOKENIZE_CHARS), so books ran a part out of memory.
 TOKENIZE_CHARS = 1 << 22
+# Seconds the model's side waits for one DataLoader item (IMAGES_PER_ITEM images) before naming its rows:
+# a worker blocked on a file that never comes (a stalled network file system) otherwise held the job, and
+# its GPU, to Slurm's time limit. Far past any item's decoding (16 of PIL's largest images take seconds).
+ITEM_TIMEOUT_S = 1800
 
 
 class TokenIds:
@@ -245,11 +249,11 @@ def default_workers(threads: int | None) -> int:  # also sizes the writer thread
 
 
 def image_batches(processor: Any, opener: ImageOpener, samples: list[Sample], batches: list[list[int]],
-                  num_workers: int, pin_memory: bool, dtype: torch.dtype) -> Iterator[list[torch.Tensor]]:
+                  num_workers: int, pin_memory: bool, dtype: torch.dtype) -> Generator[list[torch.Tensor], None, None]:
     """Processed pixels in the model's `dtype` batch by batch, as the batch's items in order
     (to_model joins them on the device), decoded ahead by `num_workers` processes (0 = in this
     process). The workers start at once, so call it before loading the model: they decode the first
-    batches while the weights load."""
+    batches while the weights load; closing it ends them."""
     items, loader = item_loader(ImageItems(processor, opener, samples, dtype), batches, num_workers, pin_memory)
     return ([next(loader) for _ in batch] for batch in items)
 
@@ -259,13 +263,15 @@ def item_loader(dataset: torch.utils.data.Dataset, batches: list[list[int]], num
     """Each batch cut into items of IMAGES_PER_ITEM (ImageItems says why), and an iterator over
     `dataset`'s items in that order, made by `num_workers` processes (0 = in this process) that start
     at once and keep resources.items_ahead items ready, at nice +10 (io_utils.lower_priority). A worker's
-    ActstoreError is raised as the worker raised it (Refusals)."""
+    ActstoreError is raised as the worker raised it (Refusals); an item not handed over in ITEM_TIMEOUT_S
+    is a ConfigError naming its rows. `dataset` holds the part's `samples` (ImageItems, WorkerImages)."""
     items = [[batch[i:i + IMAGES_PER_ITEM] for i in range(0, len(batch), IMAGES_PER_ITEM)] for batch in batches]
+    order = [item for batch in items for item in batch]
     ahead = items_ahead(max(map(len, batches), default=1), num_workers) if num_workers else None
     return items, _raised(iter(torch.utils.data.DataLoader(
-        Refusals(dataset), sampler=[item for batch in items for item in batch], batch_size=None,
-        num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=ahead,
-        worker_init_fn=lower_priority if num_workers else None)))
+        Refusals(dataset), sampler=order, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+        prefetch_factor=ahead, timeout=ITEM_TIMEOUT_S if num_workers else 0,
+        worker_init_fn=lower_priority if num_workers else None)), order, dataset.samples)
 
 
 class Refusals(torch.utils.data.Dataset):
@@ -286,15 +292,32 @@ class Refusals(torch.utils.data.Dataset):
             return exc
 
 
-def _raised(loader: Iterator[Any]) -> Iterator[Any]:
-    """The loader's items, an ActstoreError among them raised (Refusals)."""
-    for item in loader:
+def _raised(loader: Iterator[Any], order: list[list[int]], samples: list[Sample]) -> Iterator[Any]:
+    """The loader's items (`order`'s, of local indices into `samples`), an ActstoreError among them
+    raised (Refusals), and the loader's timeout raised naming the awaited item's rows."""
+    for rows in order:
+        try:
+            item = next(loader)
+        except RuntimeError as exc:  # torch's "DataLoader timed out after N seconds" names no file
+            if "timed out" not in str(exc):
+                raise
+            del loader  # as below: its workers are shut down now, the stuck one ended
+            raise ConfigError(stalled_item([samples[i] for i in rows])) from None
         if isinstance(item, ActstoreError):
             # The error's traceback holds this frame, and the frame the error: a cycle, which the garbage
             # collector ended with the workers' shutdown waiting 5 s on each worker (torch's join timeout).
             del loader
             raise item
         yield item
+
+
+def stalled_item(samples: list[Sample]) -> str:
+    """The error for an item its worker did not hand over in ITEM_TIMEOUT_S: items arrive in order and
+    each worker makes its own in order, so that worker is still on this item (one of its images)."""
+    shown = ", ".join(f"{s.sample_idx} ({s.text})" for s in samples)
+    return (f"dataset rows {shown}: the image-decoding worker making them has not handed them over in "
+            f"{ITEM_TIMEOUT_S} s: one of these files cannot be read (a stalled network file system, a FIFO) "
+            "or its decoding does not return")
 
 
 def to_model(loaded: LoadedModel, pixels: Iterator[list[torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:

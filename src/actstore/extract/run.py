@@ -7,7 +7,7 @@ import itertools
 import logging
 import platform
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,6 +66,15 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
     """Extract part `part` of config's dataset into `out_dir` (atomic); return its part.json dict.
     `threads`: the CPUs the job was given (image decoding workers when extract.num_workers is null).
     `scan`: the dataset's scan file (datasets.write_scan), so that the job reads only its rows."""
+    # The image batches are closed however the part ends: an error's traceback keeps _run_part's frame
+    # (a notebook keeps the last error), and with it their decoding workers (and the gpu pipeline's
+    # thread, with the GPU memory it holds) lived on beside the next part run in the process.
+    with ExitStack() as ends:
+        return _run_part(config, part, out_dir, progress, threads, scan, ends)
+
+
+def _run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: bool, threads: int | None,
+              scan: str | Path | None, ends: ExitStack) -> dict:
     began, steps = time.perf_counter(), {}
 
     def step_done(name: str) -> None:  # part.json extraction_waits.startup_steps
@@ -85,12 +94,12 @@ def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: b
         preprocessor = load_image_processor(model_path, trusted(config["model"]))
         step_done("image_processor")
         if ext["image_pipeline"] == "gpu":  # workers forked, the decoding thread started, then the probe
-            pixels = device_image_batches(preprocessor, dataset.opener, samples, batches, workers, device,
-                                          TORCH_DTYPES[dtype])
+            pixels = ends.enter_context(closing(device_image_batches(
+                preprocessor, dataset.opener, samples, batches, workers, device, TORCH_DTYPES[dtype])))
             check_device_pipeline(preprocessor, device)
         else:
-            pixels = image_batches(preprocessor, dataset.opener, samples, batches, workers,
-                                   device.type == "cuda", TORCH_DTYPES[dtype])
+            pixels = ends.enter_context(closing(image_batches(
+                preprocessor, dataset.opener, samples, batches, workers, device.type == "cuda", TORCH_DTYPES[dtype])))
         step_done("image_workers")
         # The workers decode the first batches while every image's header is checked here, still
         # before the weights load: decoding, an image part's bound, starts as early as it can.
@@ -342,8 +351,10 @@ def top_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     order (and which tied tokens make the k) to its selection, which depends on the rest of the row.
     Ranked by one int64 key a token: the value's bits made monotone, then the id reversed. -0.0 is
     keyed as +0.0 (adding +0.0), an equal value that the bits alone ranked below it whatever the ids;
-    the values returned are the logits' own."""
-    bits = (logits + 0.0).view(torch.int32)
+    every NaN as one positive NaN, first as torch.topk ranks it (x86 makes inf - inf a NaN with the sign
+    bit set, which the bits alone ranked below -inf: out of the top-k, and not counted); the values
+    returned are the logits' own."""
+    bits = torch.where(logits.isnan(), float("nan"), logits + 0.0).view(torch.int32)
     monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     ids = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)
     indices = torch.topk(monotone * (1 << 32) + (0xFFFFFFFF - ids), k).indices
