@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -221,16 +221,35 @@ def iter_rows(arrays: list[np.ndarray], rows: list[np.ndarray], chunk: int = 819
             yield np.asarray(array[part_rows[start:start + chunk]], dtype=np.float32)
 
 
+class Moments(NamedTuple):
+    """data_moments' result: the mean (float32, b_dec's start), rows read, variance (summed over the
+    columns) and mean square norm (float64)."""
+
+    mean: torch.Tensor
+    count: int
+    variance: float
+    mean_square: float
+
+
 def data_mean(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 65536, seed: int = 0) -> torch.Tensor:
     """Mean of the given rows (b_dec's start), of a seeded uniform sample of `limit` of them when there
     are more: the first `limit` in storage order were one class's tokens in a dataset sorted by label
     (an image folder: ImageNet's first 255 images at 257 tokens each)."""
-    total, count = None, 0
+    return data_moments(arrays, rows, limit, seed).mean
+
+
+def data_moments(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 65536, seed: int = 0) -> Moments:
+    """data_mean's mean with the same rows' variance and mean square, read in the same pass."""
+    total, squares, count = None, 0.0, 0
     for block in iter_rows(arrays, sampled_rows(rows, limit, seed)):
-        s = block.astype(np.float64).sum(0)
+        wide = block.astype(np.float64)
+        s = wide.sum(0)
         total = s if total is None else total + s
+        squares += float(np.einsum("ij,ij->", wide, wide))  # no squared copy of the block
         count += len(block)
-    return torch.from_numpy(total / max(count, 1)).float()
+    mean = total / max(count, 1)
+    mean_square = squares / max(count, 1)
+    return Moments(torch.from_numpy(mean).float(), count, mean_square - float(mean @ mean), mean_square)
 
 
 def sampled_rows(rows: list[np.ndarray], limit: int, seed: int) -> list[np.ndarray]:

@@ -13,6 +13,8 @@ from actstore.lut_runtime import embedding_bag_rows
 
 # The LUT spec's key names; an actstore SAE checkpoint stores these four in float32.
 SAE_KEYS = ("encoder_weight", "encoder_bias", "decoder_weight", "decoder_bias")
+# A variance at most this fraction of the mean square norm is none: the rounding of equal rows.
+ZERO_VARIANCE = 1e-12
 
 
 class TopKSAE(nn.Module):
@@ -105,5 +107,14 @@ def auxk_loss(sae: TopKSAE, x: torch.Tensor, x_hat: torch.Tensor, pre: torch.Ten
     values, indices = torch.topk(masked, min(aux_k, sae.num_basis), dim=-1)
     residual = (x - x_hat).detach()
     recon = sae.decode_dense(values, indices, bias=False)
-    loss = (recon - residual).pow(2).sum(-1).mean() / residual.var(0).sum().clamp_min(1e-8)
+    loss = normalised((recon - residual).pow(2).sum(-1).mean(), residual.var(0).sum(), residual)
     return loss * dead.any()
+
+
+def normalised(error: torch.Tensor, variance: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """error / variance (of `x`, rows of d), the variance floored at ZERO_VARIANCE of x's mean square
+    norm (at least float32's least normal number, not 0: an exact reconstruction's 0 / 0): a floor
+    relative to the data, as a fixed 1e-8 made the loss of activations of standard deviation 1e-5
+    (width 8) their error over 1e-8, not their FVU. Above the floor it is error / variance exactly."""
+    floor = (ZERO_VARIANCE * x.pow(2).sum(-1).mean()).clamp_min(torch.finfo(torch.float32).tiny)
+    return error / variance.clamp_min(floor)

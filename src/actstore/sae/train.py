@@ -17,14 +17,13 @@ from tqdm import tqdm
 from actstore.errors import ConfigError
 from actstore.formats.extract import Extraction
 from actstore.models import pick_device
-from actstore.sae.data import (Prefetcher, TokenSplit, data_mean, iter_rows, sampled_rows, split_tokens,
+from actstore.sae.data import (Moments, Prefetcher, TokenSplit, data_moments, iter_rows, sampled_rows, split_tokens,
                                stream_batches, tensors)
-from actstore.sae.model import TopKSAE, auxk_loss, init_sae
+from actstore.sae.model import ZERO_VARIANCE, TopKSAE, auxk_loss, init_sae, normalised
 
 log = logging.getLogger(__name__)
 
 EVAL_CODE_ELEMENTS = 1 << 24  # a held-out chunk's (rows, num_basis) activations: 64 MB in float32
-ZERO_VARIANCE = 1e-12  # held-out variance at most this fraction of the mean square: none (evaluate)
 
 
 @torch.no_grad()
@@ -120,7 +119,7 @@ def train_steps(sae: TopKSAE, opt: torch.optim.Optimizer, batches: Iterator[torc
         pre = sae.pre_acts(x)
         values, indices = torch.topk(pre, k, dim=-1)
         x_hat = sae.decode_dense(values, indices)
-        mse = (x_hat - x).pow(2).sum(-1).mean() / (x - x.mean(0)).pow(2).sum(-1).mean().clamp_min(1e-8)
+        mse = normalised((x_hat - x).pow(2).sum(-1).mean(), (x - x.mean(0)).pow(2).sum(-1).mean(), x)
         seen += len(x)
         last_fired.scatter_reduce_(0, indices.flatten(), torch.where(values > 0, seen, 0).flatten(), "amax")
         dead = (seen - last_fired) >= sae_cfg["dead_tokens"]
@@ -153,6 +152,16 @@ def check_training_tokens(split: TokenSplit) -> None:
                           f"sae.heldout_fraction); training needs at least 2")
 
 
+def check_variance(moments: Moments, hook: str) -> None:
+    """ConfigError naming the hook when the training tokens read for b_dec's start are all equal (their
+    variance at most ZERO_VARIANCE of their mean square: rounding): a constant tensor (token type
+    embeddings) has nothing for an SAE to learn, and its loss, normalised by its variance, was rounding
+    noise over a floor: a loss curve of FVUs in the millions, an SAE trained on that noise."""
+    if moments.variance <= ZERO_VARIANCE * moments.mean_square:
+        raise ConfigError(f"sae.hook {hook!r}: the {moments.count} training tokens sampled are all equal (no "
+                          "variance): an SAE has nothing to learn of it; set sae.hook to another captured tensor")
+
+
 def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
               progress: bool = True) -> tuple[TopKSAE, dict[str, Any]]:
     """Train a TopK SAE on `hook`'s activations; return it and the report dict."""
@@ -162,9 +171,11 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
     k = sae_cfg["k_active"]
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
     check_training_tokens(split)
+    moments = data_moments(arrays, split.train, seed=sae_cfg["seed"])
+    check_variance(moments, hook)
     torch.manual_seed(sae_cfg["seed"])
     sae = TopKSAE(d_in, num_basis, k)
-    init_sae(sae, data_mean(arrays, split.train, seed=sae_cfg["seed"]), sae_cfg["seed"])
+    init_sae(sae, moments.mean, sae_cfg["seed"])
     device = pick_device(sae_cfg["device"], "sae.device")
     sae.to(device)
     opt = torch.optim.Adam(sae.parameters(), lr=sae_cfg["lr"], betas=(0.9, 0.999), eps=6.25e-10)
