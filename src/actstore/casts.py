@@ -75,7 +75,7 @@ def float16_file(source: RowFile, first: int, rows: int, wide: np.ndarray, out: 
     file (here and for its hash) instead of at each of a dozen system calls (py-spy, 2-core VM: a zarr
     shard job's 2 threads spent ~30 % of their samples waiting for it after those calls)."""
     n, flat = rows * source.width, out.reshape(-1)
-    _check_buffers(source, n, wide, out)
+    _check_buffers(source, first, n, wide, out, directories)
     offset = source.start + first * source.width * np.dtype(STORED[source.dtype]).itemsize
     if _casts is not None:
         special = _casts.f16_file(source.fd, source.name, offset, SOURCE_CODES[source.dtype], n, wide, out,
@@ -97,10 +97,15 @@ def float16_file(source: RowFile, first: int, rows: int, wide: np.ndarray, out: 
     return overflowed
 
 
-def _check_buffers(source: RowFile, n: int, wide: np.ndarray, out: np.ndarray) -> None:
-    """float16_file's refusals, before anything is read or made."""
+def _check_buffers(source: RowFile, first: int, n: int, wide: np.ndarray, out: np.ndarray,
+                   directories: Sequence[str]) -> None:
+    """float16_file's refusals, before anything is read or made, alike with the C casts and without."""
     if source.dtype not in STORED:
         raise ValueError(f"{source.name}: storage dtype {source.dtype!r}, not one of {', '.join(STORED)}")
+    if first < 0:  # else the bytes before the rows (a .npy header) were read as values
+        raise ValueError(f"float16_file: row {first} of {source.name}, before its first")
+    if len(directories) > MAX_DIRECTORIES:  # _casts.c's MAX_DIRS: the numpy path made them all
+        raise ValueError(f"float16_file: {len(directories)} directories to make, at most {MAX_DIRECTORIES}")
     contiguous = out.flags.c_contiguous and wide.flags.c_contiguous  # else `out`'s reshape is a copy, not filled
     if not contiguous or out.dtype != np.float16 or wide.dtype != np.float32:
         raise ValueError(f"float16_file: wide {wide.dtype} and out {out.dtype} must be C-contiguous float32 and "
@@ -127,6 +132,7 @@ def _read_and_cast(source: RowFile, offset: int, n: int, wide: np.ndarray, flat:
 
 
 SOURCE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # _casts.f16_file's src_dtype
+MAX_DIRECTORIES = 4  # _casts.f16_file's most directories to make (MAX_DIRS)
 STORED = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}  # a storage dtype's numpy view
 
 

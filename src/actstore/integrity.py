@@ -462,6 +462,7 @@ def read_json(path: Path) -> Any:
 
 JSON_BLOCK_CHARS = 1 << 20  # what stream_json_object reads at a time
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_NUMBER_GOES_ON = re.compile(r"\.|[eE][-+]?")  # a window's last characters that a number's next ones complete
 _JSON_DECODER = json.JSONDecoder(**STRICT_JSON)
 
 
@@ -538,11 +539,13 @@ class _JsonStream:
         quadratic: an unterminated 128 MB string took 11 s, one of gigabytes hung every verify). A value
         running past JSON_MAX_BYTES, more than any metadata file read whole holds, is refused: the
         window held it all, so a damaged record (a tail of NUL bytes a crash left, sparse on disk: no
-        JSON error is final before the end) took memory as large as the file."""
-        if len(self.buf) - self.pos > JSON_MAX_BYTES:
+        JSON error is final before the end) took memory as large as the file. The last block stops a
+        character past the cap (read whole, the window reached twice the cap, its refusal ~5 caps of memory)."""
+        held = len(self.buf) - self.pos
+        if held > JSON_MAX_BYTES:
             raise FormatError(f"{self.path}: not valid JSON (a value at character {self._offset()} runs past "
                               f"{JSON_MAX_BYTES} characters, more than any metadata value)")
-        block = "" if self.eof else self.fh.read(max(JSON_BLOCK_CHARS, len(self.buf) - self.pos))
+        block = "" if self.eof else self.fh.read(min(max(JSON_BLOCK_CHARS, held), JSON_MAX_BYTES + 1 - held))
         if not block:
             self.eof = True
             return False
@@ -566,12 +569,13 @@ class _JsonStream:
         return c
 
     def _value(self) -> Any:
-        """The value that starts here (a value ending at the window's end may go on: a number)."""
+        """The value that starts here (a value ending at the window's end may go on: a number; so may
+        one the window cuts after its "." or exponent, parsed as its first digits)."""
         self._peek()
         while True:
             try:
                 value, end = _JSON_DECODER.raw_decode(self.buf, self.pos)
-                if end < len(self.buf) or self.eof:
+                if self.eof or (end < len(self.buf) and not _NUMBER_GOES_ON.fullmatch(self.buf, end)):
                     self.pos = end
                     return value
             except json.JSONDecodeError as exc:

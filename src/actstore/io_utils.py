@@ -9,6 +9,7 @@ import errno
 import glob
 import hashlib
 import json
+import math
 import os
 import queue
 import shutil
@@ -57,6 +58,17 @@ def pread_into(fd: int, buffer: Any, offset: int) -> int:
     return done
 
 
+def _taken(count: int | None) -> int:
+    """The bytes a write took, for the loops that resume short writes: a write that took none would be
+    asked again forever, so it is an error: 0 (a file system that cannot take more) the full disk
+    _casts.c's new_file takes it for, None (an unbuffered non-blocking file that would block) EAGAIN."""
+    if count is None:
+        raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+    if count == 0:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return count
+
+
 def write_with_hole(path: str, data: Any, written: int) -> None:
     """A new file `path` of buffer `data`'s bytes, of which only the first `written` are written: the
     rest, zeros, are a hole (read back as zeros, never copied to the page cache or the disk). The
@@ -68,7 +80,7 @@ def write_with_hole(path: str, data: Any, written: int) -> None:
         try:
             rest = view[:written]
             while rest:
-                rest = rest[os.write(fd, rest):]
+                rest = rest[_taken(os.write(fd, rest)):]
             if written < len(view):
                 os.ftruncate(fd, len(view))
             start_writeback(fd)
@@ -272,9 +284,28 @@ def errors_naming(path: str | os.PathLike) -> Iterator[None]:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
-    """Write JSON through a temp file + rename."""
+    """Write JSON through a temp file + rename. ValueError naming the file and the key of a NaN or
+    infinity, before anything is written: json.dumps writes them as NaN and Infinity, which are not
+    JSON (jq, JavaScript and read_json refuse the file)."""
+    try:
+        text = json.dumps(obj, indent=indent, sort_keys=indent is not None, allow_nan=False)
+    except ValueError:
+        json.dumps(obj)  # raises json's own error (a circular reference) where NaN is not the fault
+        raise ValueError(f"{path}: {non_finite_at(obj)} is not a JSON number (JSON has no NaN or Infinity)") from None
     with atomic_path(path) as tmp, errors_naming(path):
-        tmp.write_text(json.dumps(obj, indent=indent, sort_keys=indent is not None) + "\n")
+        tmp.write_text(text + "\n")
+
+
+def non_finite_at(obj: Any, at: str = "") -> str | None:
+    """Where the first NaN or infinity in `obj` (dicts, their keys too, lists and tuples, no cycle)
+    is, as its subscripts ("value nan at ['a'][1]"); None when there is none."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return f"value {obj} at {at or 'the top level'}"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        if where := non_finite_at(key, f"{at}[{key!r}], a key,") or non_finite_at(value, f"{at}[{key!r}]"):
+            return where
+    return None
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -330,7 +361,7 @@ class HashingWriter:
     def _write(self, data: Any) -> None:
         view = rest = memoryview(data).cast("B")
         while rest:  # an unbuffered file's write may take fewer bytes than given; the digest has them all
-            rest = rest[self.raw.write(rest):]
+            rest = rest[_taken(self.raw.write(rest)):]
         self.unsynced += len(view)
         if self.unsynced >= WRITEBACK_BYTES:
             self.raw.flush()
@@ -373,7 +404,7 @@ class PositionedFile(abc.ABC):
         """The bytes of view written at offset; the disk started on them every WRITEBACK_BYTES."""
         done = 0
         while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
+            done += _taken(os.pwrite(self.fd, view[done:], offset + done))
         self.unsynced += len(view)
         if self.unsynced >= WRITEBACK_BYTES:
             start_writeback(self.fd)
