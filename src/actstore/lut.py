@@ -354,9 +354,21 @@ def compare(kind: str, batches: Iterable[tuple[torch.Tensor, torch.Tensor, dict[
         nll_ref -= float(logp_r[:, :-1].gather(-1, ids[..., None])[..., 0][nxt].sum())
         nll_lut -= float(logp_o[:, :-1].gather(-1, ids[..., None])[..., 0][nxt].sum())
         n += int(nxt.sum())
-    ppl_ref, ppl_lut = math.exp(nll_ref / max(n, 1)), math.exp(nll_lut / max(n, 1))
-    return {"kl_mean": kl / max(1, n_real),
-            "perplexity_original": ppl_ref, "perplexity_lut": ppl_lut, "perplexity_change": ppl_lut - ppl_ref}
+    ppl_ref, ppl_lut = perplexity(nll_ref, n), perplexity(nll_lut, n)
+    return {"kl_mean": kl / max(1, n_real), "perplexity_original": ppl_ref, "perplexity_lut": ppl_lut,
+            "perplexity_change": None if None in (ppl_ref, ppl_lut) else ppl_lut - ppl_ref}
+
+
+def perplexity(nll: float, n: int) -> float | None:
+    """exp of the mean next-token NLL; None (JSON null: JSON has no infinity) past what a float holds, a
+    mean NLL over 709 nats that a LUT breaking the model's logits gives: math.exp raised OverflowError,
+    ending the stage with no report."""
+    try:
+        return math.exp(nll / max(n, 1))
+    except OverflowError:
+        log.warning("lut: a mean next-token NLL of %.4g nats: its perplexity is past a float, recorded as null",
+                    nll / max(n, 1))
+        return None
 
 
 def mask_of(inputs: dict[str, torch.Tensor], ref: torch.Tensor) -> torch.Tensor:
