@@ -25,8 +25,9 @@
 #                                    issue 18's 0.8 x cp goal; bench_verify with 1-8 files checked at once
 # Needs torch + transformers (the GPU image); jsonschema, zarr, numcodecs, isal (cp312 wheels, with
 # their dependencies) from .whl, which bench/gpu_wheels.sh fetches here: name .whl in the call's carry.
-# env: FROM (skip the steps before this one: resume a call cut at its limit); REPEATS (rounds per extraction row, default 2); PROFILE (rows also run under cProfile: the main
-# thread's Python) and TRACE (rows also run under torch.profiler: how busy the GPU was, its top
+# env: FROM (skip the steps before this one: resume a call cut at its limit); BUDGET (seconds, default 590: no
+# step runs past it, each cut to what is left); REPEATS (rounds per extraction row, default 2); PROFILE (rows
+# also run under cProfile: the main thread's Python) and TRACE (rows also run under torch.profiler: how busy the GPU was, its top
 # kernels): by default the ViT row, whose gap session 36's run left open; SPY (rows run under py-spy,
 # which samples every thread, running or waiting, with native frames: bench/spy_summary.py).
 set -uo pipefail
@@ -42,16 +43,35 @@ fi
 python3 -m compileall -q -j 0 src ${PYTHONPATH:+/tmp/site} > /dev/null 2>&1 || true
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+# what the rows import, named before any runs (a module missing here fails every row that needs it)
+python3 -c "
+import importlib.metadata as m, importlib.util as u, sys
+def have(module, dist):
+    try:
+        return m.version(dist) if u.find_spec(module) else 'MISSING'
+    except Exception as exc:  # a module without its distribution's metadata
+        return type(exc).__name__
+print('python', sys.version.split()[0], *(f'{n}={have(n, d)}' for n, d in (('torch', 'torch'),
+      ('transformers', 'transformers'), ('torchvision', 'torchvision'), ('pyarrow', 'pyarrow'), ('zarr', 'zarr'),
+      ('numcodecs', 'numcodecs'), ('jsonschema', 'jsonschema'), ('isal', 'isal'), ('zstandard', 'zstandard'),
+      ('PIL', 'pillow'), ('pytest', 'pytest'), ('setuptools', 'setuptools'), ('triton', 'triton'))))" \
+  2>&1 | tee -a "$out/device.txt"
 SHOW='^(shape|layers_digest|memory_available|model_|logprob_elements|write_bytes|bare_forward_s|first_output_s|extract_s|bytes_written|.*rounds_s|extract_waits|bare_loop|gpu_only|disk_bound|floor|ratio|fraction|trace_|bound_by|synthetic|hashed|image_|.*peak_gpu)|equal|DIFFER|Error|FAILED|passed|failed|^ *[0-9]+ |^(dense|lookup|encode|A\+B|A: |B triton|candidate)|^(on device|prefetched|inline)|images_per_s|^pixels_|^processor|^warm|^\||chunk files of|GB of memory|GB a row|FSTYPE|ext4|xfs|transaction|scheduler'
 reached=${FROM:+no}  # FROM=NAME: skip the steps before NAME (a second call resuming one cut at its limit)
 step() {  # step NAME SECONDS COMMAND...: its log in the tarball, the lines worth reading printed
   local name=$1 limit=$2 started=$(date +%s); shift 2
   [[ $reached == no && $name != "${FROM-}" ]] && { echo "== $name: skipped (FROM=$FROM)"; return 0; }
   reached=yes
+  # no step past BUDGET seconds of the call (default 590, under the device call's 600 s limit): one cut by
+  # its own timeout still leaves its log in the tarball, one cut by the call's limit leaves nothing
+  local left=$(( ${BUDGET:-590} - ($(date +%s) - t0) ))
+  (( left < 10 )) && { echo "== $name: skipped (${left} s left of BUDGET ${BUDGET:-590})"; return 0; }
+  (( left < limit )) && limit=$left
   timeout "$limit" "$@" > "$out/$name.log" 2>&1; local rc=$?
   echo "== $name: rc $rc, $(( $(date +%s) - started )) s (at $(( $(date +%s) - t0 )) s)"
   grep -vE 'it/s|s/it|[Ww]arn|\.py:[0-9]|\{(built-in|method)' "$out/$name.log" | grep -E "$SHOW" | head -40
-  tar czf "$dest/$phase.tgz" -C "$out" .
+  # written aside, then renamed: a call cut at its limit while tar runs keeps the last whole tarball
+  tar czf "$dest/.$phase.tgz.part" -C "$out" . && mv -f "$dest/.$phase.tgz.part" "$dest/$phase.tgz"
 }
 E="python3 bench/bench_extract.py --device cuda --repeats ${REPEATS:-2}"
 row() {  # row NAME SECONDS ARGS...: one bench_extract row, profiled when NAME is in PROFILE
