@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
@@ -196,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A character stdout's encoding lacks (a CJK path where LANG is latin-1) escaped, as stderr does: print
+        # raised UnicodeEncodeError after the check, a traceback and verify's exit 1 for a clean store.
+        sys.stdout.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)

@@ -37,7 +37,7 @@ def activation_norms(extraction: Extraction, path: Path) -> None:
     counts the sampled tokens the model computed as NaN or inf, which have no norm to draw."""
     rng = np.random.default_rng(0)
     norms, labels = [], []
-    per_part = MAX_TOKENS_PER_LAYER // len(extraction.parts)
+    per_part = max(1, MAX_TOKENS_PER_LAYER // len(extraction.parts))  # 0 past 20,000 parts: every box empty
     for layer in extraction.info.layers:
         values = []
         for part in extraction.parts:

@@ -59,6 +59,8 @@ def sample_coordinates(extraction, n_coords: int, seed: int) -> list[tuple[int, 
         part, local = extraction.locate(int(sample_idx))
         tokens = part.sample_slice(local)
         n_tokens = tokens.stop - tokens.start
+        if n_tokens < 1:  # no extraction writes one (offsets.npy edited in place?): numpy's ValueError named nothing
+            raise FormatError(f"{part.dir / 'offsets.npy'}: sample_idx {sample_idx} holds no token")
         layer = int(layers[i % len(layers)])
         for token in {int(rng.integers(n_tokens)), n_tokens - 1}:
             coords.append((int(sample_idx), layer, token))
@@ -84,14 +86,19 @@ def check_format(name: str, store: Path, extraction, coords,
     coordinate read through the format's reader vs the extraction. `section`: the format's config
     section (None: the defaults, every extracted layer and token). A coordinate the store does not
     hold is a problem, unless the format or section leaves it out by design (`not_stored`, and why
-    in `not_stored_why`)."""
+    in `not_stored_why`). A store too broken to open (its metadata unreadable) is a problem too, its
+    `inspect` empty and no coordinate read."""
     module = format_module(name)
     problems = module.verify(store)
-    info = module.inspect(store)
     section = section or {}
-    problems += coverage_problems(name, store, info, extraction, section)
+    try:
+        info = module.inspect(store)
+        problems += coverage_problems(name, store, info, extraction, section)
+        dropped = set(open_store(store).dropped_tokens) if name == "saev" else set()
+    except FormatError as exc:
+        return {"store": str(store), "problems": _stopped(problems, exc), "inspect": {}, "checked": 0,
+                "not_stored": 0, "not_stored_why": [], "read_latency_us": []}
     to_stored = reference_dtype(info.get("dtype", "float32"))
-    dropped = set(open_store(store).dropped_tokens) if name == "saev" else set()
     checked, not_stored, why, missing, latencies_us = 0, 0, set(), [], []
     for sample_idx, layer, token in coords:
         started = time.perf_counter()
@@ -129,6 +136,12 @@ def _read(module, store: Path, sample_idx: int, layer: int, token: int) -> np.nd
         return module.read_vector(store, sample_idx, layer, token)
     except IndexError:
         return None
+
+
+def _stopped(problems: list[str], exc: FormatError) -> list[str]:
+    """A store's problems with the error that stopped its checks (its metadata unreadable), unless verify
+    named it already. Raised, it ended validate there: every other store's problems went unreported."""
+    return problems if str(exc) in problems else [*problems, str(exc)]
 
 
 def held_layers(extraction, section: dict[str, Any]) -> list[int]:
@@ -321,9 +334,10 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
 
 def add_fingerprints(formats: dict[str, dict[str, Any]], extraction, seed: int) -> None:
     """Every vector of every format's store against the extraction (fingerprints: one sequential pass
-    over each), into each entry's `fingerprint` (rows read, by view) and `problems`."""
+    over each), into each entry's `fingerprint` (rows read, by view) and `problems`; a store check_format
+    could not open (its `inspect` empty) is named there already."""
     stores = {name: (Path(entry["store"]), entry["inspect"].get("dtype", "float32"))
-              for name, entry in formats.items() if name != "extract"}
+              for name, entry in formats.items() if name != "extract" and entry["inspect"]}
     for name, result in fingerprint_problems(stores, extraction, seed, reference_dtype).items():
         formats[name]["fingerprint"] = result["views"]
         formats[name]["problems"] += result["problems"]
@@ -364,8 +378,11 @@ def check_lut(store: Path, sae_dir: Path) -> dict[str, Any]:
     sae_problems, notes = lut_sae_problems(store, sae_dir)
     for note in notes:
         log.warning("lut: %s", note)
-    return {"store": str(store), "problems": problems + sae_problems, "inspect": module.inspect(store),
-            "notes": notes}
+    try:
+        info = module.inspect(store)
+    except FormatError as exc:
+        info, problems = {}, _stopped(problems, exc)
+    return {"store": str(store), "problems": problems + sae_problems, "inspect": info, "notes": notes}
 
 
 def lut_sae_problems(store: Path, sae_dir: Path) -> tuple[list[str], list[str]]:
