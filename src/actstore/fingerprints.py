@@ -92,7 +92,8 @@ class Fingerprint:
         at, size = self._position[layer], self.sums.shape[1]
         weight = weights(samples, 0) * weights(tokens, 1)
         ranges = np.clip(samples // self.range_size, 0, size - 1)
-        dots = vectors.astype(np.float64) @ self.direction
+        with np.errstate(invalid="ignore"):  # inf - inf in a row the model computed: NaN, handled below
+            dots = vectors.astype(np.float64) @ self.direction
         special = ~np.isfinite(dots)
         if special.any():  # a NaN or inf the model computed: hashed apart, its row's finite values still summed
             row = mixed(mixed(samples[special], 2) ^ tokens[special].astype(np.uint64), 3)
