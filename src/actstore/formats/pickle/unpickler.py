@@ -7,6 +7,7 @@ import pickle  # absolute import: the standard library, not this package
 import pickletools
 import re
 import struct
+import sys
 import threading
 from contextlib import contextmanager
 from functools import partial
@@ -19,11 +20,17 @@ from actstore.formats.pickle.layout import NUMERIC_KINDS
 from actstore.integrity import memory_budget
 
 MAX_DEPTH = 16
+# The widest int a shard may hold: no field holds one near it, and Python prints no int past 4,300 digits
+# (14,284 bits), so every message naming one failed (verify blamed metadata.json, readers a bare ValueError)
+MAX_INT_BITS = 4096
 
 
 def _numeric_dtype(dtype: np.dtype, where: str) -> np.dtype:
     if dtype.kind not in NUMERIC_KINDS or dtype.hasobject or dtype.fields is not None or dtype.subdtype:
-        raise pickle.UnpicklingError(f"{where}: dtype {dtype} is not a plain numeric dtype")
+        # cut: a structured dtype of 10**5 fields names every one
+        raise pickle.UnpicklingError(f"{where}: dtype {dtype!s:.80} is not a plain numeric dtype")
+    if dtype.metadata is not None:  # a BUILD state's (version 4): any object the shard chose, kept by numpy
+        raise pickle.UnpicklingError(f"{where}: dtype {dtype} carries metadata, which numpy's pickles never give")
     return dtype
 
 
@@ -63,11 +70,11 @@ NDARRAY = _Admitted("numpy.ndarray", _ndarray_called)  # what a shard's `numpy.n
 
 def _reconstruct(subtype: Any, shape: Any, dtype_code: Any) -> np.ndarray:
     if subtype is not NDARRAY:
-        raise pickle.UnpicklingError(f"_reconstruct of {subtype!r}: only numpy.ndarray is admitted")
+        raise pickle.UnpicklingError(f"_reconstruct of {subtype!r:.80}: only numpy.ndarray is admitted")
     # numpy's own pickles always start from an empty array and fill it from the state's bytes (whose
     # length numpy checks); any other shape would be an allocation sized by the untrusted file.
     if shape != (0,):
-        raise pickle.UnpicklingError(f"_reconstruct of shape {shape!r} is not allowed: numpy pickles use (0,)")
+        raise pickle.UnpicklingError(f"_reconstruct of shape {shape!r:.80} is not allowed: numpy pickles use (0,)")
     from numpy._core.multiarray import _reconstruct as real
     return real(np.ndarray, shape, _numeric_dtype(np.dtype(dtype_code), "_reconstruct"))
 
@@ -128,6 +135,8 @@ def _check_plain(obj: Any, depth: int = 0, checked: set[int] | None = None, path
     if type(obj) not in (dict, list, tuple):
         if type(obj) not in PLAIN_TYPES:
             raise pickle.UnpicklingError(f"object of type {type(obj).__name__} is not allowed in a shard")
+        if type(obj) is int and obj.bit_length() > MAX_INT_BITS:
+            raise pickle.UnpicklingError(f"an int of {obj.bit_length()} bits (at most {MAX_INT_BITS} allowed)")
         return
     if id(obj) in path:
         raise pickle.UnpicklingError(f"a {type(obj).__name__} that holds itself")
@@ -222,16 +231,15 @@ def _gunzip_stream(data: bytes, take: Callable[[int], None]) -> io.BufferedReade
 
 def _gunzip_load(data: bytes, take: Callable[[int], None]) -> Any:
     """The restricted unpickler's object from gzip `data`, inflated once as it is read (_Gunzip): the
-    unpickler builds from it through the opcode check (_MemoChecked), then the rest after STOP is
-    read too (a truncated or bad gzip is refused as when it was whole), every byte charged to `take`."""
+    unpickler builds from it through the opcode check (_MemoChecked), which reads on to the end of the
+    gzip stream (a truncated or bad gzip is refused as when it was whole), every byte charged to `take`."""
     with _gunzip_stream(data, take) as stream:
-        obj = _MemoChecked(stream, take).load()
-        while stream.read(GUNZIP_BLOCK):
-            pass
-    return obj
+        return _MemoChecked(stream, take).load()
 
 
 PUT_OPCODES = ("PUT", "BINPUT", "LONG_BINPUT")
+GET_OPCODES = ("GET", "BINGET", "LONG_BINGET")
+INDEXED = (*PUT_OPCODES, *GET_OPCODES)  # the opcodes whose argument is a memo index
 # The struct format of a counted argument's length, by pickletools' word for where its length is
 COUNT_FORMATS = {pickletools.TAKEN_FROM_ARGUMENT1: "<B", pickletools.TAKEN_FROM_ARGUMENT4: "<i",
                  pickletools.TAKEN_FROM_ARGUMENT4U: "<I", pickletools.TAKEN_FROM_ARGUMENT8U: "<Q"}
@@ -240,9 +248,9 @@ COUNT_FORMATS = {pickletools.TAKEN_FROM_ARGUMENT1: "<B", pickletools.TAKEN_FROM_
 def _layout(opcode: pickletools.OpcodeInfo) -> tuple[pickletools.OpcodeInfo, int, str | None, int, bool]:
     """How the opcode lies in the stream (pickletools' table): the bytes of its head (the opcode, a
     fixed argument or the length of a counted one), the struct format of that length, the lines of
-    a text argument (protocol 0: GLOBAL and INST take two), and whether _complete must see it."""
+    a text argument (protocol 0: GLOBAL and INST take two), and whether _complete reads its head."""
     n = opcode.arg.n if opcode.arg else 0
-    checked = n in COUNT_FORMATS or opcode.name in (*PUT_OPCODES, "MEMOIZE", "STOP", "FRAME")
+    checked = n in COUNT_FORMATS or opcode.name in (*INDEXED, "FRAME")
     if n == pickletools.UP_TO_NEWLINE:
         return opcode, 1, None, 2 if opcode.arg is pickletools.stringnl_noescape_pair else 1, checked
     if n in COUNT_FORMATS:
@@ -255,6 +263,118 @@ NEWLINE = re.compile(b"\n")  # searches a memoryview (readinto's bytes) without 
 # What an opcode may build beyond the bytes it counts, at most: an empty set (232), a dict's item (a
 # key and value opcode each), a memo or stack slot. '}' is 88 bytes of dict and list slot for 1 byte.
 OPCODE_BYTES = 256
+
+
+# What an opcode does to the stack (pickletools' table): "change" the object below what it takes (which
+# goes into it), "mark", "memo" (the memo shares the top), "get", "dup", "make" a new object of what it
+# takes or "drop" what it takes (POP, POP_MARK, STOP); whether it takes what lies above its MARK; how
+# many slots it takes besides (the object it changes among them).
+CHANGES = ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
+NAMED_KINDS = {"MARK": "mark", "DUP": "dup", "MEMOIZE": "memo", **dict.fromkeys(PUT_OPCODES, "memo"),
+               **dict.fromkeys(GET_OPCODES, "get"), **dict.fromkeys(CHANGES, "change")}
+
+
+def _effect(opcode: pickletools.OpcodeInfo) -> tuple[str, bool, int]:
+    before = [slot.name for slot in opcode.stack_before]
+    kind = NAMED_KINDS.get(opcode.name, "make" if opcode.stack_after else "drop")
+    return kind, "mark" in before, before.index("mark") if "mark" in before else len(before)
+
+
+EFFECTS = {opcode.name: _effect(opcode) for opcode in pickletools.opcodes}
+# The opcodes _check_opcodes follows inline: those making a scalar or an empty container of a fixed
+# argument it does not check (a third of a shard's opcodes), and BINGET (a quarter)
+SCALARS = frozenset(code for code, (opcode, _, _, lines, checked) in LAYOUTS.items()
+                    if EFFECTS[opcode.name] == ("make", False, 0) and not lines and not checked)
+BINGET, STOP = (pickletools.code2op[code].code.encode("latin-1")[0] for code in "h.")
+# How deep the stream may nest what it builds: numpy's arrays are a few levels deeper here (their
+# arguments and state) than _check_plain counts them, and C's hash of a tuple recurses unchecked
+STREAM_DEPTH = 4 * MAX_DEPTH
+
+
+class _Nesting:
+    """How deep the objects of a stream nest, followed opcode by opcode before the unpickler builds them:
+    a dict key nested 100,000 levels (a 100 KB shard of TUPLE1s, or numeric dtypes each BUILT with the
+    last in its fields) crashed the process (a segfault) as C hashed it, before _check_plain saw it.
+    A stack slot holds its object's depth: an int while it alone holds the object, a [depth, held] cell
+    once the memo (or DUP) shares it. An object is changed (APPEND, SETITEM, BUILD...) only until another
+    holds it, as picklers write them: after that, the depths of what holds it would be stale."""
+
+    def __init__(self) -> None:
+        self.stack: list[int | list] = []
+        self.marks: list[int] = []  # the stack's length at each open MARK
+        self.memo: list[list] = []
+
+    def step(self, name: str, at: int, index: int | None) -> None:
+        """The stack after opcode `name` at byte `at` (`index`: a GET's memo index); _Refused where the
+        unpickler would fail on it (no MARK, too few slots, an unset memo index) or as said above."""
+        kind, marked, takes = EFFECTS[name]
+        if kind == "mark":
+            self.marks.append(len(self.stack))
+        elif kind == "get":
+            if not 0 <= index < len(self.memo):  # a text GET's -1 would have named the last
+                raise _Refused(f"{name} at byte {at} names memo index {index}, which no PUT has set")
+            self.stack.append(self.memo[index])
+        elif kind in ("memo", "dup"):
+            (self.memo if kind == "memo" else self.stack).append(self._shared(name, at))
+        elif kind == "change":
+            self._change(name, at, self._take(name, at, marked, 0 if marked else takes - 1))
+        elif marked or takes:
+            taken = self._take(name, at, marked, takes)
+            if kind == "make":
+                self.stack.append(self._deepest(self._depth(taken), at))
+        elif kind == "make":  # a scalar or an empty container (most opcodes): nothing taken
+            self.stack.append(0)
+
+    def _fence(self, name: str, at: int, n: int) -> None:
+        """Refused unless the stack holds `n` slots above its last MARK (as the unpickler refuses)."""
+        if len(self.stack) - n < (self.marks[-1] if self.marks else 0):
+            raise _Refused(f"{name} at byte {at}: unpickling stack underflow")
+
+    def _take(self, name: str, at: int, marked: bool, n: int) -> list[int | list]:
+        """The slots an opcode takes off the stack: those above its MARK, or its last `n`."""
+        if marked and not self.marks:
+            raise _Refused(f"{name} at byte {at}: no MARK before it")
+        if not marked:
+            self._fence(name, at, n)
+        start = self.marks.pop() if marked else len(self.stack) - n
+        taken = self.stack[start:]
+        del self.stack[start:]
+        return taken
+
+    def _shared(self, name: str, at: int) -> list:
+        """The top slot, made a cell (the memo or DUP shares it)."""
+        self._fence(name, at, 1)
+        if isinstance(top := self.stack[-1], int):
+            top = self.stack[-1] = [top, False]
+        return top
+
+    def _change(self, name: str, at: int, items: list[int | list]) -> None:
+        """The top slot's object with `items` put into it."""
+        self._fence(name, at, 1)
+        target = self.stack[-1]
+        if isinstance(target, list) and target[1]:
+            raise _Refused(f"{name} at byte {at} changes an object another one already holds (picklers "
+                           f"build each object, a dtype or an array, whole before they use it)")
+        depth = self._deepest(max(target if isinstance(target, int) else target[0], self._depth(items)), at)
+        if isinstance(target, int):
+            self.stack[-1] = depth
+        else:
+            target[0] = depth
+
+    @staticmethod
+    def _depth(slots: list[int | list]) -> int:
+        """The depth of an object holding `slots` (0: none), which are held by it from now on."""
+        for slot in slots:
+            if isinstance(slot, list):
+                slot[1] = True
+        return 1 + max((slot if isinstance(slot, int) else slot[0] for slot in slots), default=-1)
+
+    @staticmethod
+    def _deepest(depth: int, at: int) -> int:
+        """`depth`, refused past STREAM_DEPTH."""
+        if depth > STREAM_DEPTH:
+            raise _Refused(f"nesting deeper than {STREAM_DEPTH} levels at byte {at}")
+        return depth
 
 
 class _MemoChecked:
@@ -271,16 +391,23 @@ class _MemoChecked:
         self.head = bytearray()  # the opcode being read and as much of its argument as it needs
         self.skip = 0  # bytes of a counted argument (a string, an array's data) still to pass
         self.frame_end = 0  # the byte after the frame being read, if one is
-        self.entries = 0  # the memo's size: the index the next PUT must name
+        self.nesting = _Nesting()
         self.stopped = False
 
+    @property
+    def entries(self) -> int:
+        """The memo's size: the index the next PUT must name."""
+        return len(self.nesting.memo)
+
     def load(self) -> Any:
-        """The restricted unpickler's object, checked (_check_plain), as are the dtypes it made. A refused
-        shard's dtypes are disarmed (_disarm) while the unpickler still holds what it built; then it is let
-        go, as the C unpickler alone was: held by the traceback, its arrays outlived the budget share they took."""
+        """The restricted unpickler's object, checked (_check_plain), as are the dtypes it made and the end of
+        the stream (nothing may follow STOP). A refused shard's dtypes are disarmed (_disarm) while the
+        unpickler still holds what it built; then it is let go, as the C unpickler alone was: held by the
+        traceback, its arrays outlived the budget share they took."""
         unpickler = RestrictedUnpickler(self)
         try:
             obj = unpickler.load()
+            self.read(1)  # the end of the stream, or bytes after STOP, which _check refuses
             _check_plain(obj)
             # a BUILD state can alter a dtype after numpy.dtype() admitted it, its array then dropped: no
             # check of `obj` sees it, and numpy printed a traceback freeing the array with the unpickler
@@ -319,6 +446,8 @@ class _MemoChecked:
             opcodes += more
             if in_frame and self.offset + pos == self.frame_end and (self.head or self.skip):
                 raise _Refused(f"an opcode runs past the end of the frame ending at byte {self.frame_end}")
+        if pos < end:  # a second pickle (a retry appended to the file) would never be read, in silence
+            raise _Refused(f"bytes after the pickle's end at byte {self.offset + pos}")
         self.offset += end
         self._charge(opcodes)
 
@@ -343,11 +472,22 @@ class _MemoChecked:
             if (code := head[0] if head else data[pos]) not in LAYOUTS:  # raised as _Refused: see it
                 raise _Refused(f"invalid load key {bytes([code])!r} at byte {self.offset + pos}")
             opcode, size, count_format, lines, checked = LAYOUTS[code]
+            if code in SCALARS and not head and pos + size <= end:  # the most frequent opcodes, inline
+                self.nesting.stack.append(0)
+                pos, opcodes = pos + size, opcodes + 1
+                continue
+            if code == BINGET and not head and pos + size <= end:  # a shared dtype or key, each sample
+                self.nesting.step("BINGET", self.offset + pos, data[pos + 1])
+                pos, opcodes = pos + size, opcodes + 1
+                continue
             if not head and not lines and pos + size <= end:  # whole here (most): no copy unless checked
                 if checked:
                     head += data[pos:pos + size]
                     self._complete(opcode, count_format, self.offset + pos)
                     head.clear()
+                else:  # its stack step alone
+                    self.nesting.step(opcode.name, self.offset + pos, None)
+                    self.stopped = code == STOP
                 pos, opcodes = pos + size, opcodes + 1
                 continue
             if lines and head:  # a text argument: up to its next newline
@@ -358,29 +498,28 @@ class _MemoChecked:
             head += data[pos:stop]
             pos = stop
             if (head.count(b"\n") == lines) if lines else len(head) == size:
-                if checked:
-                    self._complete(opcode, count_format, self.offset + pos - len(head))
+                self._complete(opcode, count_format, self.offset + pos - len(head))
                 head.clear()
                 opcodes += 1
         return pos, opcodes
 
     def _complete(self, opcode: pickletools.OpcodeInfo, count_format: str | None, at: int) -> None:
-        """The whole head of the opcode at byte `at`: its counted bytes to pass, its memo index checked."""
+        """The whole head of the opcode at byte `at` (only its first byte unless LAYOUTS says it is checked):
+        its counted bytes to pass, its memo index checked, its step of the stack followed (_Nesting)."""
         if count_format:
             (self.skip,) = struct.unpack_from(count_format, self.head, 1)
-            if self.skip < 0:
-                raise _Refused(f"{opcode.name} at byte {at} has a negative length {self.skip}")
-        if opcode.name in PUT_OPCODES:
+            _check_length(opcode.name, at, self.skip)
+        index = None
+        if opcode.name in INDEXED:
             try:
                 index = opcode.arg.reader(io.BytesIO(self.head[1:]))
             except ValueError as exc:  # a text index that is no number
                 raise _Refused(f"{opcode.name} at byte {at}: {exc}") from None
-            if index != self.entries:
-                raise _Refused(f"{opcode.name} at byte {at} names memo index {index}, not the next one "
-                               f"({self.entries})")
+        if opcode.name in PUT_OPCODES and index != self.entries:
+            raise _Refused(f"{opcode.name} at byte {at} names memo index {index}, not the next one ({self.entries})")
         if opcode.name == "FRAME":
             self._begin_frame(at)
-        self.entries += opcode.name in PUT_OPCODES or opcode.name == "MEMOIZE"
+        self.nesting.step(opcode.name, at, index)
         self.stopped = opcode.name == "STOP"
 
     def _begin_frame(self, at: int) -> None:
@@ -389,7 +528,17 @@ class _MemoChecked:
         if self.frame_end > at + len(self.head):
             raise _Refused(f"FRAME at byte {at} begins before the frame ending at byte {self.frame_end} ends")
         (length,) = struct.unpack_from("<Q", self.head, 1)
+        _check_length("FRAME", at, length)
         self.frame_end = at + len(self.head) + length
+
+
+def _check_length(name: str, at: int, length: int) -> None:
+    """An opcode's length, refused where the unpickler would raise OverflowError (past sys.maxsize: not
+    among the errors a hostile shard is expected to raise, so it escaped load_shard naming no shard)."""
+    if length < 0:
+        raise _Refused(f"{name} at byte {at} has a negative length {length}")
+    if length > sys.maxsize:
+        raise _Refused(f"{name} at byte {at} has a length {length} past the largest a Python object can have")
 
 
 def _load(data: bytes, compressed: bool, take: Callable[[int], None]) -> Any:
