@@ -12,6 +12,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.formats.extract import PartInfo
+from actstore.integrity import whole_number
 
 FORMAT_NAME = "actstore-zarr-activation-logger"
 SCHEMA_VERSION = 1
@@ -93,9 +94,12 @@ def in_name_order(n: int) -> Iterator[int]:
 
 
 def choose_t_chunk(t_max: int, hidden: int, t_chunk: int | None = None) -> int:
-    """Tokens per chunk: the configured value, else the power of two nearest a 1 MiB chunk; <= T_max."""
+    """Tokens per chunk: the configured value, else the power of two nearest a 1 MiB chunk; <= T_max.
+    ValueError for a configured value that is no integer of at least 1 (0 and -4 became 1, 2.5 2)."""
     if t_chunk is None:
         t_chunk = 2 ** max(0, round(math.log2(TARGET_CHUNK_BYTES / (2 * hidden))))
+    elif not whole_number(t_chunk, 1):
+        raise ValueError(f"t_chunk={t_chunk!r:.40} must be an integer of at least 1 (tokens per chunk)")
     return max(1, min(int(t_chunk), t_max))
 
 

@@ -294,6 +294,26 @@ def start_problems(entry: dict[str, Any], store: ZarrStore, where: str, merged: 
     return []
 
 
+def entry_names(where: Path, n: int, merged: bool) -> list[str]:
+    """The names of a manifest's `n` store entries in messages: "<where>: shards[k]", or its merged one."""
+    return [f"{where}: merged"] if merged else [f"{where}: shards[{k}]" for k in range(n)]
+
+
+def check_entries(manifest: dict[str, Any], where: Path, entries: list[dict[str, Any]], stores: list[ZarrStore],
+                  merged: bool) -> None:
+    """FormatError naming what ZarrRun cannot read through in the store entries of manifest `where`
+    (its shards', or its merged one) against their stores, from .zattrs alone (sample_idx is verify's)."""
+    names = entry_names(where, len(entries), merged)
+    refuse([problem for entry, name, store in zip(entries, names, stores)
+            for problem in run_field_problems(manifest, store, str(where))
+            + start_problems(entry, store, name, merged)])
+    refuse(count_problems(entries, stores, names))
+    if merged and not same_json(entries[0]["num_samples"], manifest.get("num_samples")):
+        # a merged store of fewer samples than the run's shards: its reads would lose the rest
+        raise FormatError(f"{names[0]}: num_samples={entries[0]['num_samples']}, but the run's num_samples is "
+                          f"{manifest.get('num_samples')!r:.40} (its shards')")
+
+
 class ZarrRun:
     """A run directory read through its manifest (Option A), or its merged/ store (Option B)."""
 
@@ -313,18 +333,11 @@ class ZarrRun:
             if not isinstance(entries, list) or not entries:  # none: its run-wide fields checked against no store
                 raise FormatError(f"{self.path / MANIFEST}: 'shards' must be a non-empty list, got {entries!r:.60}")
         where = self.path / MANIFEST
-        names = [f"{where}: merged"] if merged else [f"{where}: shards[{k}]" for k in range(len(entries))]
-        for entry, name in zip(entries, names):
+        for entry, name in zip(entries, entry_names(where, len(entries), merged)):
             if problem := entry_problem(entry, name):
                 raise FormatError(problem)
         self.stores = [ZarrStore(inside(self.path, e["path"], str(where))) for e in entries]
-        for entry, name, store in zip(entries, names, self.stores):  # .zattrs alone: sample_idx is verify's
-            refuse(run_field_problems(self.manifest, store, str(where)) + start_problems(entry, store, name, merged))
-        refuse(count_problems(entries, self.stores, names))
-        if merged and not same_json(entries[0]["num_samples"], self.manifest.get("num_samples")):
-            # a merged store of fewer samples than the run's shards: its reads would lose the rest
-            raise FormatError(f"{names[0]}: num_samples={entries[0]['num_samples']}, but the run's num_samples is "
-                              f"{self.manifest.get('num_samples')!r:.40} (its shards')")
+        check_entries(self.manifest, where, entries, self.stores, merged)
         self._starts = [int(e["global_index_start"]) for e in entries]
         self.n_samples = int(sum(e["num_samples"] for e in entries))
         self.layers: list[int] = list(self.manifest["layers"])
@@ -365,7 +378,8 @@ def open_zarr(path: str | Path, merged: bool = False, verify: bool = False) -> Z
 
 
 class ZarrActivationDataset:
-    """Map-style dataset for torch's DataLoader: key (sample_idx, layer) -> (seq_len, H) float16 tensor.
+    """Map-style dataset for torch's DataLoader: key (sample_idx, layer) -> (seq_len, H) float16 tensor
+    (over a single store, a shard: its local index, as ZarrStore.read takes it).
 
     An int key k means (k // L, layers[k % L]). The reader is rebuilt in each process (pid check),
     so DataLoader workers never share state with the parent.
@@ -392,6 +406,8 @@ class ZarrActivationDataset:
     def __getitem__(self, key: int | tuple[int, int]) -> Any:
         import torch
         if isinstance(key, tuple):
+            if len(key) != 2:  # unpacking it said "not enough values to unpack", naming nothing
+                raise TypeError(f"{self.path}: key {key!r:.60} is not a (sample, layer) pair")
             i, layer = key
         else:  # int() made a key of 1.5 or True read sample 0 or 1: it is refused as the reader refuses it
             k = read_index(key, "key", self.path)
@@ -408,13 +424,19 @@ class TrainingPatternSampler:
 
     def __init__(self, n_samples: int, layers: Sequence[int], batch_samples: int, layers_per_sample: int = 2,
                  num_batches: int | None = None, seed: int = 0):
-        if layers_per_sample > len(layers):
-            raise ValueError(f"layers_per_sample={layers_per_sample} > {len(layers)} stored layers {list(layers)}")
-        if not 1 <= batch_samples <= n_samples:
-            raise ValueError(f"batch_samples={batch_samples} must be in [1, n_samples={n_samples}]")
-        self.n_samples, self.layers, self.b = n_samples, np.asarray(layers), batch_samples
-        self.k, self.seed, self.epoch = layers_per_sample, seed, 0
-        self.num_batches = num_batches if num_batches is not None else n_samples // batch_samples
+        # each checked here, not at the first batch: layers_per_sample 0 drew empty batches, the others
+        # failed there in numpy's words (a negative seed) or made a negative len (num_batches)
+        if len(set(np.asarray(layers).tolist())) != len(layers):  # a layer listed twice could be drawn twice
+            raise ValueError(f"layers={list(layers)} must be distinct")
+        _check_argument("n_samples", n_samples, 1)
+        _check_argument("batch_samples", batch_samples, 1, n_samples)
+        _check_argument("layers_per_sample", layers_per_sample, 1, len(layers))
+        _check_argument("seed", seed, 0)
+        if num_batches is not None:
+            _check_argument("num_batches", num_batches, 0)
+        self.n_samples, self.layers, self.b = int(n_samples), np.asarray(layers), int(batch_samples)
+        self.k, self.seed, self.epoch = int(layers_per_sample), int(seed), 0
+        self.num_batches = int(num_batches) if num_batches is not None else self.n_samples // self.b
 
     def __len__(self) -> int:
         return self.num_batches
@@ -426,6 +448,13 @@ class TrainingPatternSampler:
             samples = rng.choice(self.n_samples, size=self.b, replace=False)
             yield [(int(i), int(layer)) for i in samples
                    for layer in rng.choice(self.layers, size=self.k, replace=False)]
+
+
+def _check_argument(name: str, value: Any, least: int, most: int | None = None) -> None:
+    """ValueError naming a sampler argument that is no integer (a bool, a float) in [least, most]."""
+    if not whole_number(value, least) or (most is not None and value > most):
+        raise ValueError(f"TrainingPatternSampler: {name}={value!r:.40} must be an integer in [{least}, "
+                         f"{'inf' if most is None else most}]")
 
 
 def collate_padded(batch: list[Any]) -> tuple[Any, Any]:

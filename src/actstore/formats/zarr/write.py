@@ -28,7 +28,7 @@ from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST
                                           SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk, chunk_counts,
                                           files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
                                           store_t_max, vector_chunks, vector_fill)
-from actstore.formats.zarr.read import ZarrStore, list_store_files
+from actstore.formats.zarr.read import ZarrStore, check_entries, list_store_files
 from actstore.integrity import file_records, read_json, stream_json_members, whole_number
 from actstore.io_utils import BufferWorkers, atomic_path, errors_naming, sha256_file, utc_now, write_json_atomic
 
@@ -243,6 +243,10 @@ def write_manifest(run_dir: str | Path, shards: Sequence[str | Path], merged: st
     run_dir = Path(run_dir)
     entries = [store_entry(s, run_dir) for s in shards]
     merged_entry = store_entry(merged, run_dir) if merged else None
-    manifest = manifest_doc(ZarrStore(shards[0]).attrs, entries, merged_entry, _now())
+    stores = [ZarrStore(s) for s in shards]
+    manifest = manifest_doc(stores[0].attrs, entries, merged_entry, _now())
+    # what ZarrRun refuses, refused before it is written: shards out of order or one left out made a
+    # manifest no reader opened
+    check_entries(manifest, run_dir / MANIFEST, entries, stores, merged=False)
     write_json_atomic(run_dir / MANIFEST, manifest)
     return manifest
