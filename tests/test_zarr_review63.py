@@ -114,3 +114,13 @@ def test_a_t_chunk_that_is_no_positive_integer_is_refused(tmp_path, t_chunk):
     assert not (tmp_path / "store.zarr").exists()
     with pytest.raises(ValueError, match="t_chunk"):
         zs.choose_t_chunk(128, 8, t_chunk)
+
+
+@pytest.mark.parametrize("tokens", [(0, 0), (5, 3), (-1, 4)])
+def test_synthetic_extraction_refuses_a_token_range_that_reaches_no_byte(tokens, tmp_path):
+    """Samples of 0 tokens never reach n_bytes: synthetic_extraction looped forever, its memory growing."""
+    from actstore.formats.extract import synthetic_extraction
+
+    with pytest.raises(ValueError, match=r"tokens=\("):
+        synthetic_extraction(tmp_path / "x", 1000, 1, 8, [1], tokens=tokens)
+    assert not (tmp_path / "x").exists()

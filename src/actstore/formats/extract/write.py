@@ -213,6 +213,8 @@ def synthetic_extraction(root: str | Path, n_bytes: int, parts: int, dim: int, l
     (= max_seq_length) until the layers hold `n_bytes` as float32, split into `parts` parts, token
     ids, a bert-like model record (no model folder), extract.json. Stored in `dtype` (a storage
     dtype): the same samples and values whatever it is, rounded to it."""
+    if not 0 <= tokens[0] <= tokens[1] or tokens[1] < 1:  # samples of no token never reach n_bytes: it looped
+        raise ValueError(f"synthetic_extraction: tokens={tokens}, a range of 0 <= lo <= hi with hi >= 1")
     root = Path(root)
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
