@@ -195,3 +195,23 @@ def test_every_float32_casts_like_numpy_and_torch():
         assert_float16_like_numpy(bits)
         expected = torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
         assert (casts.to_bfloat16_bits(bits.view(np.float32)) == expected.view(np.uint16)).all(), hex(start)
+
+
+def test_float16_file_refuses_rows_before_the_first_and_more_than_4_directories_on_both_paths(cast_path, tmp_path):
+    """A negative first row read the bytes before the rows (the .npy header) as values, silently; more
+    than 4 directories were refused by the C call alone, made by the numpy path. Both refuse each before
+    anything is read or made (review 63)."""
+    source = tmp_path / "layer.npy"
+    source.write_bytes(b"H" * 128 + np.ones((4, 8), np.float32).tobytes())
+    wide, out = np.empty((2, 8), np.float32), np.empty((2, 8), np.float16)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        row_file = casts.RowFile(fd, str(source), 128, "float32", 8)
+        with pytest.raises(ValueError, match="row -1"):
+            casts.float16_file(row_file, -1, 2, wide, out, [], str(tmp_path / "neg"))
+        dirs = [str(tmp_path / "d")] + [str(tmp_path / "d" / "/".join("x" * i)) for i in range(1, 5)]
+        with pytest.raises(ValueError, match="5 directories"):
+            casts.float16_file(row_file, 0, 2, wide, out, dirs, dirs[-1] + "/0")
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "neg").exists() and not (tmp_path / "d").exists()

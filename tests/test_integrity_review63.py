@@ -100,39 +100,6 @@ def test_read_json_takes_back_what_write_json_atomic_wrote(tmp_path):
     assert read_json(tmp_path / "x.json") == value == json.loads((tmp_path / "x.json").read_text())
 
 
-@pytest.fixture(params=["C", "numpy"])
-def cast_path(request, monkeypatch):
-    from actstore import casts
-
-    if request.param == "numpy":
-        monkeypatch.setattr(casts, "_casts", None)
-    elif casts._casts is None:
-        pytest.skip("the C casts (actstore._casts) are not built here")
-    return request.param
-
-
-def test_float16_file_refuses_rows_before_the_first_and_more_than_4_directories_on_both_paths(cast_path, tmp_path):
-    """A negative first row read the bytes before the rows (the .npy header) as values, silently; more
-    than 4 directories were refused by the C call alone, made by the numpy path. Both refuse each before
-    anything is read or made."""
-    from actstore import casts
-
-    source = tmp_path / "layer.npy"
-    source.write_bytes(b"H" * 128 + np.ones((4, 8), np.float32).tobytes())
-    wide, out = np.empty((2, 8), np.float32), np.empty((2, 8), np.float16)
-    fd = os.open(source, os.O_RDONLY)
-    try:
-        row_file = casts.RowFile(fd, str(source), 128, "float32", 8)
-        with pytest.raises(ValueError, match="row -1"):
-            casts.float16_file(row_file, -1, 2, wide, out, [], str(tmp_path / "neg"))
-        dirs = [str(tmp_path / "d")] + [str(tmp_path / "d" / "/".join("x" * i)) for i in range(1, 5)]
-        with pytest.raises(ValueError, match="5 directories"):
-            casts.float16_file(row_file, 0, 2, wide, out, dirs, dirs[-1] + "/0")
-    finally:
-        os.close(fd)
-    assert not (tmp_path / "neg").exists() and not (tmp_path / "d").exists()
-
-
 @pytest.mark.parametrize("block", [1, 2, 3, 5, 7, 1 << 20])
 def test_a_streamed_number_cut_by_a_block_after_its_point_or_exponent_is_read_whole(tmp_path, monkeypatch, block):
     """A block ending just after a number's "." or "e" (3. | 0) left the window a valid number, 3, followed by
