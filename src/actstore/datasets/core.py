@@ -58,6 +58,14 @@ class Fields:
         """The fields a prompt is made of: a template's placeholders, else the one prompt field."""
         return template_fields(self.template) if self.template else (self.prompt,)
 
+    @functools.cached_property  # asked of every JSON line (jsonl._distinct)
+    def json_names(self) -> tuple[tuple[str, str], ...]:
+        """(name, its spelling in JSON) of each field the config reads: a name of non-ASCII characters
+        twice, as Python's json escapes them and as UTF-8 (ensure_ascii=False)."""
+        names = sorted({*self.own(), *(self.keep or ())})
+        return tuple(dict.fromkeys((name, json.dumps(name, ensure_ascii=escaped)) for name in names
+                                   for escaped in (True, False)))
+
     def own(self) -> set[str]:
         return {*self.prompts, self.label, *([self.image] if self.image else [])}
 

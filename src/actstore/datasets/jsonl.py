@@ -39,8 +39,7 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
         for row in _rows(files, FIRST):
             if limit is not None and n_rows >= limit:
                 break
-            parsed = _parse(row.item, row.where, row.noun)
-            _check(parsed, fields, row.where, row.noun)
+            parsed = _checked(row, fields)
             label = _label(parsed, fields, row.where)
             first = one_kind(first, label, row.where)
             labels[label] = None
@@ -62,8 +61,7 @@ def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan)
         if sample_idx >= rows.stop:
             break
         if sample_idx >= rows.start:
-            parsed = _parse(row.item, row.where, row.noun)
-            _check(parsed, fields, row.where, row.noun)
+            parsed = _checked(row, fields)
             samples.append(Sample(sample_idx, _prompt(parsed, fields, row.where), parsed.get(fields.label),
                                   _kept(parsed, fields),
                                   tokens=np.asarray(parsed[fields.tokens], np.int64) if fields.tokens else None))
@@ -218,21 +216,22 @@ def _decompressed_blocks(path: Path, limit: int | None = None) -> Iterator[bytes
     or frame (cut short: never fewer rows in silence), ValueError when its data is not that format's or
     fails its checksum (gzip always has one; zstd where the writer kept it, as the zstd tool does).
     `limit`: decompress the first `limit` bytes of the file alone (an estimate's sample; not checked)."""
+    # padding: bytes skipped after a member, as Python's gzip skips zeros (some tools pad a .gz to a block)
     if path.suffix.lower() == ".gz":
-        new, errors = lambda: isal_zlib.decompressobj(wbits=31), isal_zlib.error  # isal: ~3x zlib's speed
+        new, errors, padding = lambda: isal_zlib.decompressobj(wbits=31), isal_zlib.error, b"\0"  # isal: ~3x zlib
     else:
         import zstandard  # only where a dataset is .zst
-        new, errors = lambda: zstandard.ZstdDecompressor().decompressobj(), zstandard.ZstdError
+        new, errors, padding = lambda: zstandard.ZstdDecompressor().decompressobj(), zstandard.ZstdError, b""
     try:
         with path.open("rb") as fh:
-            stream, inside, left = new(), False, limit
+            stream, inside, ended, left = new(), False, False, limit
             while data := fh.read(COMPRESSED_INPUT if left is None else min(COMPRESSED_INPUT, left)):
                 left = None if left is None else left - len(data)
-                while data:
+                while data := data.lstrip(padding) if ended and not inside else data:
                     yield stream.decompress(data)
                     data, inside = b"", True
                     if stream.eof:  # the next member or frame (bgzip, pzstd, appended files) in what is left
-                        data, stream, inside = stream.unused_data, new(), False
+                        data, stream, inside, ended = stream.unused_data, new(), False, True
             if inside and limit is None:
                 raise EOFError(f"the file ends inside a compressed {path.suffix[1:]} stream (cut short)")
     except errors as exc:
@@ -289,6 +288,30 @@ def not_utf8(path: Path) -> ConfigError:
             except UnicodeDecodeError as exc:
                 return ConfigError(f"{path}:{line_no}: not UTF-8 text (byte {exc.start + 1} of the line: {exc.reason})")
     return ConfigError(f"{path}: not UTF-8 text")
+
+
+def _checked(row: Row, fields: Fields) -> dict[str, Any]:
+    """The row parsed (_parse) and checked for the fields the config reads (_distinct, _check)."""
+    parsed = _parse(row.item, row.where, row.noun)
+    _distinct(row.item, fields, row.where)
+    _check(parsed, fields, row.where, row.noun)
+    return parsed
+
+
+def _distinct(item: Any, fields: Fields, where: str) -> None:
+    """ConfigError naming a field the config reads that a line names twice: json keeps the last
+    value, so the row was read with its second text (or label, or kept field) without a word
+    (Hugging Face's json loader refuses the line). The line is parsed again, as pairs, only where
+    such a name's quoted spelling is in its text twice (once more in a nested object is no duplicate)."""
+    if not isinstance(item, str):
+        return  # an array's element, parsed already
+    found = [name for name, quoted in fields.json_names if item.count(quoted) > 1]
+    if found:
+        keys = [key for key, _ in json.loads(item, object_pairs_hook=list)]
+        twice = [name for name in found if keys.count(name) > 1]
+        if twice:
+            raise ConfigError(f"{where}: field {twice[0]!r} appears twice in the line; a row's fields are "
+                              f"distinct (which value is meant?)")
 
 
 def _parse(item: Any, where: str, noun: str) -> dict[str, Any]:

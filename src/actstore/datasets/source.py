@@ -43,6 +43,8 @@ FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder"
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
 FOLDER_FORMATS = ("image_folder", "text_folder")  # a sample a file (datasets/folders.py)
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv")  # an image folder's metadata file (datasets/folder_metadata.py)
+# The Hub names a JSON lines shard train-00000-of-00001.json (as its Parquet ones): the folder held no samples.
+HUB_JSON_SHARD = re.compile(r"^[^/]+-\d{5}-of-\d{5}\.json$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -197,11 +199,13 @@ def _metadata_file(root: Path, files: list[Path]) -> Path | None:
 
 def shard_format(path: Path) -> str | None:
     """The format a data file's name gives: its suffix's (SHARD_SUFFIXES), or for a compressed
-    file the suffix's before it (COMPRESSED_FORMATS); None for any other file."""
+    file the suffix's before it (COMPRESSED_FORMATS); JSON lines for a Hub shard's name ending .json
+    (HUB_JSON_SHARD); None for any other file (a folder's other .json files are no rows: an image
+    folder's annotations, a Hub snapshot's dataset_infos.json)."""
     suffixes = [suffix.lower() for suffix in path.suffixes]
     if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
         return COMPRESSED_FORMATS.get(suffixes[-2]) if len(suffixes) > 1 else None
-    return SHARD_SUFFIXES.get(path.suffix.lower())
+    return "jsonl" if HUB_JSON_SHARD.match(path.name) else SHARD_SUFFIXES.get(path.suffix.lower())
 
 
 def files_under(root: Path) -> list[Path]:
