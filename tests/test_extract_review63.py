@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,3 +105,27 @@ def test_the_gpu_pipelines_batches_closed_before_the_first_stop_the_decoding_thr
         time.sleep(0.05)
     assert not any(thread.name == DECODING_THREAD for thread in threading.enumerate())
     assert handed is not None
+
+
+def test_a_misspelt_hook_is_named_by_the_scan_job_with_what_its_module_holds(tmp_path):
+    """extract.hooks "...mlp.downproj:input" passed `snakemake -n` and stopped each part's job (on Slurm,
+    after its wait for a GPU), naming the path alone. The scan job, which runs once on a CPU before any
+    part's, names it now, with the names the module it stops at holds; no part's job starts."""
+    import subprocess
+    import sys
+
+    import yaml
+    from test_workflow import REPO, demo_config
+
+    config = demo_config(tmp_path / "dump")
+    config["extract"]["hooks"] += ["encoder.layer.1.attention.outputt:output"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "-s", str(REPO / "Snakefile"), "-d",
+                           str(tmp_path), "--configfile", str(tmp_path / "c.yaml"), "--cores", "2", "extract"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    logs = "".join(path.read_text() for path in (tmp_path / "dump" / "logs").rglob("*.log"))
+    assert ("extract.hooks: module 'encoder.layer.1.attention.outputt' does not exist in BertModel; "
+            "encoder.layer.1.attention holds self, output") in logs
+    assert "Error in rule extract_scan" in done.stdout + done.stderr
+    assert not list((tmp_path / "dump" / "logs").rglob("*part-*")) and not list((tmp_path / "dump").rglob("part-*"))

@@ -54,9 +54,9 @@ def test_a_zarr_store_path_too_long_to_look_up_is_named(bert_run, tmp_path):
 def test_get_module_names_the_key_or_file_that_gave_the_path():
     """get_module said 'extract.hooks' for every missing module, a LUT's layer on the wrong model too;
     its caller now names where the path came from (extract.hooks when it names none)."""
-    with pytest.raises(ConfigError, match=r"^lut\.targets: module 'layers\.0\.v' does not exist in Tiny$"):
+    with pytest.raises(ConfigError, match=r"^lut\.targets: module 'layers\.0\.v' does not exist in Tiny; "):
         get_module(Tiny(), "layers.0.v", where="lut.targets")
-    with pytest.raises(ConfigError, match=r"^extract\.hooks: module 'layers\.0\.v' does not exist in Tiny$"):
+    with pytest.raises(ConfigError, match=r"^extract\.hooks: module 'layers\.0\.v' does not exist in Tiny; "):
         get_module(Tiny(), "layers.0.v")
 
 

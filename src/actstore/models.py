@@ -87,7 +87,24 @@ def get_module(model: nn.Module, module_path: str, where: str = "extract.hooks")
             return root.get_submodule(module_path)
         except AttributeError:
             continue
-    raise ConfigError(f"{where}: module {module_path!r} does not exist in {type(model).__name__}")
+    raise ConfigError(f"{where}: module {module_path!r} does not exist in {type(model).__name__}; "
+                      + max((_nearest(root, module_path) for root in (model, getattr(model, "base_model", model))),
+                            key=lambda found: found[0])[1])
+
+
+def _nearest(root: nn.Module, module_path: str) -> tuple[int, str]:
+    """How far `module_path` goes into `root`, and what the module it stops at holds: a misspelt hook
+    (`mlp.downproj`) named the path alone, and the right name was a search of the model's code."""
+    module, depth = root, 0
+    for name in module_path.split("."):
+        if name not in module._modules:
+            break
+        module, depth = module._modules[name], depth + 1
+    held = list(module._modules)
+    where = ".".join(module_path.split(".")[:depth]) or "the model"
+    if not held:
+        return depth, f"{where} holds no module"
+    return depth, f"{where} holds {', '.join(held[:12])}" + (f" and {len(held) - 12} more" if len(held) > 12 else "")
 
 
 @dataclass

@@ -6,7 +6,7 @@ writer threads), run.py (the loop and part.json).
 """
 from actstore.extract.capture import capture, parse_hook
 from actstore.extract.inputs import image_batch, length_batches, text_batch, tokenize
-from actstore.extract.run import preflight, run_part, storage_dtype
+from actstore.extract.run import check_hooks, preflight, run_part, storage_dtype
 
-__all__ = ["capture", "image_batch", "length_batches", "parse_hook", "preflight", "run_part",
+__all__ = ["capture", "check_hooks", "image_batch", "length_batches", "parse_hook", "preflight", "run_part",
            "storage_dtype", "text_batch", "tokenize"]

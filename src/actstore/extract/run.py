@@ -54,11 +54,19 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
         raise ConfigError(f"dataset.path {config['dataset']['path']} holds {dataset.modality}s but the model at "
                           f"{model_path} (model_type {model_config.get('model_type')}) takes {want}s"
                           + modality_hint(model_config))
+    check_hooks(config)
+    return model_path, dataset
+
+
+def check_hooks(config: dict[str, Any]) -> None:
+    """Each extract.hooks module path found in the model's module tree (no weights: seconds); ConfigError
+    naming the path and what the module it stops at holds. The dataset scan job runs it too: a misspelt
+    hook passed `snakemake -n` and stopped each part's job, on Slurm after its wait for a GPU."""
     if config["extract"]["hooks"]:
-        skeleton = model_skeleton(model_path, config["model"].get("tower"), trusted(config["model"]))
+        skeleton = model_skeleton(resolve_model_path(config["model"]["path"]), config["model"].get("tower"),
+                                  trusted(config["model"]))
         for spec in config["extract"]["hooks"]:
             get_module(skeleton, parse_hook(spec)[0])
-    return model_path, dataset
 
 
 def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: bool = True,
