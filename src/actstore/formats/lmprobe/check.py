@@ -2,6 +2,7 @@
 checks of the lmprobe config section against what the extraction holds."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, STORAGES, SUMS, prompt_order)
 from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, list_column, open_dataset, read_info
-from actstore.integrity import dir_bytes, inside, links_out, listed_problem, problems_of, unlisted, vector_indices
+from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, open_regular, problems_of, sorted_files,
+                                unlisted, vector_indices, whole_number)
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -98,9 +100,10 @@ TOKEN_BATCH_TOKENS = 1 << 21  # and their tokens, unless one prompt holds more: 
 def verify(path: str | Path, checksums: bool = True) -> list[str]:
     """Every problem found (each naming its file); empty = the dataset is intact. Never raises.
 
-    checksums=False skips hashing the tensor files (what a job that wrote none of them checks): each is
-    checked by size against lmprobe:files, whose sha256 SHA256SUMS must repeat, and by its header;
-    the index and card are still hashed, the index columns still checked."""
+    A file lmprobe:files records (the tensor files) is hashed once, against that record, whose sha256
+    SHA256SUMS must repeat. checksums=False skips hashing them (what a job that wrote none of them checks):
+    each is checked by size and by its header; the index and card are still hashed, the index columns
+    still checked."""
     if problems := links_out(Path(path)):
         return problems
     root = dataset_root(path)
@@ -119,8 +122,9 @@ def _verify(root: Path, checksums: bool) -> list[str]:
         return _verify_sums(root) + [str(exc)]
     except Exception as exc:  # pyarrow errors on a damaged parquet
         return _verify_sums(root) + [f"{find_index(root)}: unreadable index ({type(exc).__name__}: {exc})"]
-    trusted = {} if checksums else ds.info.get("files", {})
-    return _verify_sums(root, trusted) + _verify_index(ds) + _verify_tensor_files(ds, checksums)
+    # SHA256SUMS' digest of a file lmprobe:files records is compared with that record, the file hashed
+    # once against it (_verify_tensor_files): hashed against each, a terabyte dataset was read twice
+    return _verify_sums(root, ds.info.get("files", {})) + _verify_index(ds) + _verify_tensor_files(ds, checksums)
 
 
 def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]:
@@ -128,9 +132,10 @@ def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]
     by its name: a file there inside the root (a name no descriptor gives is checked nowhere else:
     missing, or leading outside the dataset, it passed)."""
     sums = root / SUMS
-    if not sums.is_file():
-        return [f"{sums}: missing"]
-    lines = [line.partition("  ")[::2] for line in sums.read_text(errors="replace").splitlines()]
+    try:
+        lines = _sums_lines(root)
+    except FormatError as exc:
+        return [str(exc)]
 
     def check(line: tuple[str, str]) -> list[str]:
         digest, rel = line
@@ -143,6 +148,25 @@ def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]
         return [problem] if (problem := listed_problem(root, rel, {"sha256": digest}, SUMS, str(sums))) else []
 
     return problems_of(check, lines, desc=f"verify {SUMS}") + unlisted(root, {SUMS, *(rel for _, rel in lines)}, SUMS)
+
+
+SUMS_LINE_BYTES = 64 + 2 + 2  # a line's digest, the two spaces before its name, its end (CRLF at most)
+SUMS_SLACK_BYTES = 1 << 20  # more, for lines of files missing from the dataset (each named as missing)
+
+
+def _sums_lines(root: Path) -> list[tuple[str, str]]:
+    """(digest, name) of each SHA256SUMS line; FormatError naming the file when it is missing, no
+    regular file, or larger than a line for each file of the dataset takes (and SUMS_SLACK_BYTES): it
+    was read whole, and gigabytes in its place took that memory twice, and a list entry a line."""
+    sums = root / SUMS
+    limit = SUMS_SLACK_BYTES + sum(SUMS_LINE_BYTES + len(os.fsencode(rel)) for rel in sorted_files(root))
+    with open_regular(sums) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        data = fh.read(limit + 1)  # a file grown past `limit` since is refused too, never read whole
+    if len(data) > limit:
+        raise FormatError(f"{sums}: {size} bytes, more than the dataset's files take to list; not a {SUMS} a "
+                          "writer made")
+    return [line.partition("  ")[::2] for line in data.decode(errors="replace").splitlines()]
 
 
 def _verify_index(ds: LmprobeDataset) -> list[str]:
@@ -244,7 +268,9 @@ def _verify_order(ds: LmprobeDataset) -> list[str]:
         problems.append(f"{where}: row {int(wrong[0])} holds sample_idx {int(ds.sample_idx[wrong[0]])}, where "
                         f"lmprobe:prompt_ordering 'original' keeps rows in sample order ({wrong.size} rows differ)")
     seed = info.get("prompt_ordering_seed")
-    if info["prompt_ordering"] == "random" and seed is not None and \
+    if seed is not None and not whole_number(seed):  # numpy's TypeError or ValueError aborted verify; True was 1
+        problems.append(f"{where}: lmprobe:prompt_ordering_seed {seed!r:.80} is not a whole number")
+    elif info["prompt_ordering"] == "random" and seed is not None and \
             not np.array_equal(ds.sample_idx, prompt_order(ds.num_prompts, "random", seed)):
         problems.append(f"{where}: sample_idx is not the permutation of lmprobe:prompt_ordering_seed {seed}")
     return problems

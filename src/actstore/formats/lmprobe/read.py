@@ -129,17 +129,30 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
             ("k", lambda v: whole_number(v) and v > 0), ("file_pattern", lambda v: _pattern(v, {"shard"})),
             ("shards", _shards))]
     problems = [f"{name} is malformed: {value!r:.80}" for name, value, ok in checks if not ok]
-    return problems or _shared_files(hidden, "hidden_layers") + (_shared_files(logits, "logits_topk") if logits else [])
+    return problems or (_shared_files(hidden, "hidden_layers") + _shared_tensors(hidden)
+                        + (_shared_files(logits, "logits_topk") if logits else []))
+
+
+def _fields(pattern: str) -> set[str | None]:
+    return {field for _, field, _, _ in string.Formatter().parse(pattern)}
 
 
 def _shared_files(descriptor: dict[str, Any], name: str) -> list[str]:
     """A file_pattern without {shard} over several shards names one file for all of them: every shard's
     rows would be read from the first's (only verify's row count would notice)."""
-    fields = {field for _, field, _, _ in string.Formatter().parse(descriptor["file_pattern"])}
-    if "shard" in fields or len(descriptor["shards"]) < 2:
+    if "shard" in _fields(descriptor["file_pattern"]) or len(descriptor["shards"]) < 2:
         return []
     return [f"{name}.file_pattern {descriptor['file_pattern']!r:.80} has no {{shard}} field for its "
             f"{len(descriptor['shards'])} shards: they would all be one file"]
+
+
+def _shared_tensors(hidden: dict[str, Any]) -> list[str]:
+    """hidden_layers patterns, neither with {layer}, over several layers name one tensor for all of them:
+    every layer's vectors were the first's, and verify passed (each file listed and intact)."""
+    if len(hidden["layers"]) < 2 or "layer" in _fields(hidden["file_pattern"]) | _fields(hidden["key_pattern"]):
+        return []
+    return [f"hidden_layers.file_pattern {hidden['file_pattern']!r:.80} and key_pattern {hidden['key_pattern']!r:.80} "
+            f"have no {{layer}} field for its {len(hidden['layers'])} layers: they would all be one tensor"]
 
 
 def _prefixed_metadata(index_path: Path) -> dict[str, Any]:

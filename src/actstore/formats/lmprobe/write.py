@@ -196,6 +196,11 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
         raise ConfigError(f"lmprobe.seed: {opts['seed']!r} is not a whole number (every job computes the "
                           "prompt permutation from it alike)")
     layers = opts["layers"] if opts["layers"] is not None else info.layers
+    if not layers:  # the schema's minItems: [] was a bare IndexError
+        raise ConfigError(f"lmprobe.layers: {layers!r} names no layer")
+    # The schema's minimum: True was a bare TypeError, -1 numpy's ValueError, 0 silently the extraction's k
+    if opts["logits_topk"] is not None and not whole_number(opts["logits_topk"], 1):
+        raise ConfigError(f"lmprobe.logits_topk: {opts['logits_topk']!r:.40} is not a whole number of 1 or more")
     k_have = info.logits_topk
     check_selection(layers, opts["logits_topk"], info.layers, k_have)
     opts["layers"] = sorted(layers)
