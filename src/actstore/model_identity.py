@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,8 @@ def _same_bytes(folder: Path, name: str, recorded: dict[str, Any], now: dict[str
     if same:
         seconds, nanoseconds = divmod(recorded[name]["mtime_ns"], 10**9)  # exactly: a float has no 19 digits
         log.warning("%s: its mtime moved since the extraction read it, its bytes did not (hashed again at each "
-                    "run; `touch -d @%d.%09d` gives it back its recorded mtime)", folder / name, seconds, nanoseconds)
+                    "run; `touch -d @%d.%09d %s` gives it back its recorded mtime)", folder / name, seconds,
+                    nanoseconds, shlex.quote(str(folder / name)))
     return same
 
 
