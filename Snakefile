@@ -2,7 +2,7 @@
 # Every stage writes under {dump_to}/{stage}/{hash}/ (see rules/common.smk and README.md).
 from snakemake.utils import min_version, validate
 
-from actstore.config import check_yaml_numbers
+from actstore.config import check_schema, check_yaml_numbers
 
 min_version("9.0")
 
@@ -18,6 +18,8 @@ if not workflow.overwrite_configfiles:
 # Snakemake read the config files as YAML 1.1, to which a zero-padded 010 is octal 8 and 1:30 is 90:
 # refuse such numbers, naming the file and line, before the config they made is validated or used.
 check_yaml_numbers(workflow.configfiles)
+# A key at fault named in one line first: Snakemake's own error prints the whole schema around it.
+check_schema(config)
 validate(config, "config/config.schema.yaml")
 
 

@@ -90,3 +90,21 @@ def test_a_dump_to_holding_a_brace_is_refused_naming_it(tmp_path, model_dir, tex
     assert proc.returncode != 0 and "WildcardError" not in output, output[-2000:]
     assert f"ConfigError in file \"{tiny.REPO / 'rules' / 'common.smk'}\"" in output, output[-2000:]
     assert f"dump_to {config['dump_to']!r}: a brace is a wildcard" in output, output[-2000:]
+
+
+def test_a_misspelt_key_is_named_in_one_line_by_the_parse(tmp_path):
+    """extract.max_seq_lenght: Snakemake's validate printed the whole schema, the key on its fourth of
+    ~150 lines; the parse names it in one line first."""
+    import yaml
+    from test_workflow import REPO, demo_config
+
+    config = demo_config(tmp_path / "dump")
+    config["extract"]["max_seq_lenght"] = 64
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "--configfile",
+                           str(tmp_path / "c.yaml"), "-n"], capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "invalid config at extract: Additional properties are not allowed ('max_seq_lenght' was unexpected)" \
+        in output
+    assert len(output.splitlines()) < 20, output

@@ -28,6 +28,19 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
     _default_filling_validator, reject_non_finite), so the Snakefile runs it too (rules/common.smk).
     An unknown, misspelled or mistyped key raises ConfigError naming it.
     """
+    check_schema(config)
+    reject_non_finite(config)
+    check_paths(config)
+    resolve_layers(config)
+    check_sae_sizes(config["sae"])
+    check_lut_targets(config)
+    return config
+
+
+def check_schema(config: dict[str, Any]) -> None:
+    """`config` against the schema, its defaults filled in place; ConfigError naming the first key at
+    fault in one line (the Snakefile runs it before Snakemake's validate, whose error for a misspelt key
+    printed the whole schema, the key on its fourth of 150 lines)."""
     import jsonschema
 
     error = jsonschema.exceptions.best_match(_default_filling_validator().iter_errors(config))
@@ -35,12 +48,6 @@ def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         where = _where(error.absolute_path)
         why = error.schema.get("description") if isinstance(error.schema, dict) else None
         raise ConfigError(f"invalid config at {where}: {error.message}" + (f" ({why})" if why else ""))
-    reject_non_finite(config)
-    check_paths(config)
-    resolve_layers(config)
-    check_sae_sizes(config["sae"])
-    check_lut_targets(config)
-    return config
 
 
 # The keys holding a path (check_paths).
