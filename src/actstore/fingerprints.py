@@ -185,7 +185,7 @@ def new_fingerprint(extraction, layers: list[int], seed: int, scaled: bool = Tru
 
 def _extraction_rows(extraction, layers: list[int]) -> Iterator[tuple[np.ndarray, ...]]:
     """(sample_idx, token, token count of the row's sample, layer, float32 rows) blocks of every part."""
-    for part in extraction.parts:
+    for part in (part for part in extraction.parts if part.info.n_tokens):  # an empty part has no tensor file
         counts = np.diff(part.offsets)
         for layer in layers:
             tensor = part.tensor(layer_tensor(layer))

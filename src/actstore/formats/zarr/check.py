@@ -12,7 +12,7 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, GROUP_KEYS, MANIFEST, ZARR_METADATA_NAMES,
-                                          chunk_keys_in_name_order)
+                                          chunk_keys_in_name_order, chunk_shape, run_attrs)
 from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems, same_json,
                                          start_problems, store_files)
 from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, problems_of, read_index, read_json,
@@ -37,7 +37,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     reader = open_zarr(path)
     stores = reader.stores if isinstance(reader, ZarrRun) else [reader]
-    attrs = stores[0].attrs if stores else {}
+    attrs = run_attrs([s.attrs for s in stores])
     manifest = reader.manifest if isinstance(reader, ZarrRun) else None
     return {
         "format": FORMAT_NAME, "model": attrs.get("model_id"), "layers": list(reader.layers),
@@ -339,7 +339,7 @@ def _chunk_attr_problems(store: Path, reader: ZarrStore) -> list[str]:
     """The chunk attrs in .zattrs against the activations' .zarray, as JSON (true is not 1): the
     merge builds the merged .zarray from the attrs' T_chunk and links the shard's chunk files into
     it, so a store whose attrs disagree verified clean and merged into one no read could use."""
-    chunks = {"T_chunk": reader.t_chunk, "chunk_shape": [1, 1, reader.t_chunk, reader.hidden],
+    chunks = {"T_chunk": reader.t_chunk, "chunk_shape": chunk_shape(reader.t_chunk, reader.hidden),
               "chunk_bytes": reader.chunk_bytes}
     return [f"{store}/.zattrs: {key}={reader.attrs[key]!r:.40}, but {store}/{ACTS}/.zarray gives {value!r}"
             for key, value in chunks.items() if key in reader.attrs and not same_json(reader.attrs[key], value)]

@@ -46,6 +46,11 @@ REQUIRED_ATTRS = ("schema_version", "model_id", "num_layers", "layers", "hidden_
 # dataset records: they hold the extraction's path, which a moved run's shards rewritten since differ in.
 COMPATIBLE_ATTRS = ("layers", "hidden_size", "T_max", "T_chunk", "dtype", "model_id", "schema_version",
                     "model_num_blocks", "modality", "model_kind", "label_names", "split_codes")
+# Attrs a store of no sample cannot know: an empty extraction part (ceil(N/P) rows a part leaves the
+# last ones empty) has no tensor file to take a width from (the extraction declares them from its
+# first batch), nor an image's tokens. Its store holds none of their values, so none is checked
+# against it: a run (its manifest, its merged store) takes them from its first store of samples.
+WIDTH_ATTRS = ("hidden_size", "T_max", "T_chunk")
 MANIFEST_ENTRY_KEYS = ("path", "num_samples", "global_index_start", "files_sha256")
 
 
@@ -93,11 +98,26 @@ def in_name_order(n: int) -> Iterator[int]:
             i //= 10
 
 
+def chunk_width(hidden: int) -> int:
+    """The activations chunks' last edge: hidden_size, or 1 in a store of no width (an empty part's,
+    hidden_size 0): a zarr chunk edge is at least 1, where an array's length may be 0."""
+    return max(hidden, 1)
+
+
+def chunk_shape(t_chunk: int, hidden: int) -> list[int]:
+    """The activations' chunks (1, 1, T_chunk, H): a chunk never spans samples or layers."""
+    return [1, 1, t_chunk, chunk_width(hidden)]
+
+
+def chunk_bytes(t_chunk: int, hidden: int) -> int:
+    return t_chunk * chunk_width(hidden) * 2
+
+
 def choose_t_chunk(t_max: int, hidden: int, t_chunk: int | None = None) -> int:
     """Tokens per chunk: the configured value, else the power of two nearest a 1 MiB chunk; <= T_max.
     ValueError for a configured value that is no integer of at least 1 (0 and -4 became 1, 2.5 2)."""
     if t_chunk is None:
-        t_chunk = 2 ** max(0, round(math.log2(TARGET_CHUNK_BYTES / (2 * hidden))))
+        t_chunk = 2 ** max(0, round(math.log2(TARGET_CHUNK_BYTES / chunk_bytes(1, hidden))))
     elif not whole_number(t_chunk, 1):
         raise ValueError(f"t_chunk={t_chunk!r:.40} must be an integer of at least 1 (tokens per chunk)")
     return max(1, min(int(t_chunk), t_max))
@@ -126,14 +146,16 @@ def store_t_max(info: PartInfo, longest: int) -> int:
 
 def store_attrs(info: PartInfo, n: int, t_max: int, t_chunk: int, hidden: int, created: str,
                 git_commit: str | None) -> dict[str, Any]:
-    """Global metadata kept in the group attrs (never per-sample data: the spec's attrs guardrail)."""
+    """Global metadata kept in the group attrs (never per-sample data: the spec's attrs guardrail).
+    An empty part's sample_range is [0, 0]; the extraction's split (datasets.part_range) leaves only
+    the last parts empty, so its store starts after every sample, where a run's reads count it."""
     layers = list(info.layers)
     return {
         "format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "model_id": info.model.name,
         "num_layers": len(layers), "layers": layers, "model_num_blocks": info.model.n_blocks,
         "hidden_size": hidden, "T_max": t_max, "dtype": "float16",
-        "T_chunk": t_chunk, "chunk_shape": [1, 1, t_chunk, hidden], "chunk_bytes": t_chunk * hidden * 2,
-        "num_samples": n, "global_index_start": int(info.sample_range[0]),
+        "T_chunk": t_chunk, "chunk_shape": chunk_shape(t_chunk, hidden), "chunk_bytes": chunk_bytes(t_chunk, hidden),
+        "num_samples": n, "global_index_start": int(info.sample_range[0]) if n else info.n_dataset_samples,
         "created": created, "git_commit": git_commit,
         "dataset": info.dataset.record, "model": info.model.record, "modality": info.modality,
         "model_kind": info.model_kind, "label_names": info.dataset.labels,
@@ -162,6 +184,17 @@ def files_json_pieces(entries: Iterable[tuple[str, dict]]) -> Iterator[str]:
         yield ("," if i else "") + json.dumps(name) + ":" + json.dumps(entry, sort_keys=True, separators=(",", ":"))
     rest = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION}  # keys sorting after "files"
     yield "}," + json.dumps(rest, sort_keys=True, separators=(",", ":"))[1:] + "\n"
+
+
+def run_attrs(attrs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The attrs a run's manifest and merged store take: its first store's that holds a sample (an
+    empty part's store knows no WIDTH_ATTRS), the first store's where none does; {} of no store."""
+    return next((a for a in attrs if a["num_samples"]), attrs[0] if attrs else {})
+
+
+def known_attrs(attrs: dict[str, Any], keys: Iterable[str]) -> list[str]:
+    """Those of `keys` a store's attrs hold for the run: all but WIDTH_ATTRS in a store of no sample."""
+    return [key for key in keys if attrs["num_samples"] or key not in WIDTH_ATTRS]
 
 
 def manifest_doc(first_attrs: dict[str, Any], entries: list[dict], merged: dict | None, created: str) -> dict:

@@ -25,7 +25,8 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.zarr.check import metadata_problems
 from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key,
-                                          chunk_counts, chunk_keys_in_name_order, files_json_pieces)
+                                          chunk_counts, chunk_keys_in_name_order, files_json_pieces, known_attrs,
+                                          run_attrs)
 from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
 from actstore.integrity import (file_record, file_records, links_out, listed_problem, read_json, refuse,
@@ -35,11 +36,14 @@ from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_rec
 
 
 def _check_compatible(stores: list[Path], attrs: list[dict], start: int = 0) -> None:
-    """Shards of one run, consecutive from global sample `start`: refused before anything is written."""
-    for store, a in zip(stores[1:], attrs[1:]):
-        for key in COMPATIBLE_ATTRS:
-            if a.get(key) != attrs[0].get(key):
-                raise FormatError(f"{store}/.zattrs: {key}={a.get(key)!r} differs from {stores[0]} ({attrs[0].get(key)!r})")
+    """Shards of one run, consecutive from global sample `start`: refused before anything is written.
+    Each against the store the run takes its attrs from (layout.run_attrs), an empty one but its width."""
+    ref = run_attrs(attrs)
+    ref_store = next((store for store, a in zip(stores, attrs) if a is ref), None)
+    for store, a in zip(stores, attrs):
+        for key in known_attrs(a, COMPATIBLE_ATTRS):
+            if a.get(key) != ref.get(key):
+                raise FormatError(f"{store}/.zattrs: {key}={a.get(key)!r} differs from {ref_store} ({ref.get(key)!r})")
     expected = start
     for store, a in zip(stores, attrs):
         if a["global_index_start"] != expected and a["num_samples"]:
@@ -59,8 +63,8 @@ def _open_shards(shards: Sequence[str | Path], start: int | None = 0) -> tuple[l
 
 
 def _merged_attrs(shards: list[Path], attrs: list[dict]) -> dict[str, Any]:
-    """The first shard's attrs over every sample; float16 overflows summed over the shards."""
-    merged = {**attrs[0], "num_samples": sum(a["num_samples"] for a in attrs), "global_index_start": 0,
+    """The run's attrs (layout.run_attrs) over every sample; float16 overflows summed over the shards."""
+    merged = {**run_attrs(attrs), "num_samples": sum(a["num_samples"] for a in attrs), "global_index_start": 0,
               "merged_from": [s.name for s in shards], "created": _now()}
     merged.pop("float16_overflow_count", None)
     overflow = sum(a.get("float16_overflow_count", 0) for a in attrs)
@@ -202,7 +206,7 @@ def finish_merge(shards: Sequence[str | Path], chunk_dirs: Sequence[str | Path],
     chunk_dirs, out_path = [Path(d) for d in chunk_dirs], Path(out_path)
     _take_back_killed_moves(chunk_dirs, _job_shards(shards, len(chunk_dirs)), readers, out_path)
     merged_attrs = _merged_attrs(shards, [r.attrs for r in readers])
-    a0, n = readers[0].attrs, merged_attrs["num_samples"]
+    a0, n = run_attrs([r.attrs for r in readers]), merged_attrs["num_samples"]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=out_path.parent) as table:  # unnamed: gone with the job, however it ends
         covered = _record_table(shards, readers, chunk_dirs, table)

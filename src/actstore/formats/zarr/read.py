@@ -18,7 +18,8 @@ import numpy as np
 
 from actstore.errors import FormatError
 from actstore.formats.zarr.layout import (ACTS, ACTS_ZARRAY, FORMAT_NAME, MANIFEST, MANIFEST_ENTRY_KEYS,
-                                          REQUIRED_ATTRS, VECTOR_ZARRAY, chunk_counts)
+                                          REQUIRED_ATTRS, VECTOR_ZARRAY, chunk_bytes, chunk_counts, chunk_width,
+                                          known_attrs)
 from actstore.integrity import (TOOL_FILES, inside, read_index, read_json, read_sized, refuse, sorted_files,
                                 whole_number, whole_numbers)
 
@@ -99,6 +100,8 @@ class ZarrStore:
         for key in ("num_samples", "hidden_size", "T_max", "global_index_start"):
             if not whole_number(self.attrs[key]):
                 raise FormatError(f"{where}: {key}={self.attrs[key]!r:.40}, expected a whole number")
+        if self.attrs["num_samples"] and not self.attrs["hidden_size"]:  # width 0: an empty part's store alone
+            raise FormatError(f"{where}: hidden_size=0 in a store of {self.attrs['num_samples']} samples")
         layers = self.attrs["layers"]
         if not whole_numbers(layers) or len(set(layers)) != len(layers):
             raise FormatError(f"{where}: layers={layers!r:.60}, expected a list of distinct block indices")
@@ -110,11 +113,12 @@ class ZarrStore:
         shape = [self.n_samples, len(self.layers), self.t_max, self.hidden]
         _expect_fields(where, z, {**ACTS_ZARRAY, "shape": shape})
         chunks = z.get("chunks")
-        if not (isinstance(chunks, list) and len(chunks) == 4 and chunks[:2] == [1, 1] and chunks[3] == self.hidden
+        width = chunk_width(self.hidden)
+        if not (isinstance(chunks, list) and len(chunks) == 4 and chunks[:2] == [1, 1] and chunks[3] == width
                 and whole_number(chunks[2], 1)):  # true is no T_chunk
-            raise FormatError(f"{where}: chunks={chunks!r}, expected [1, 1, T_chunk, {self.hidden}]")
+            raise FormatError(f"{where}: chunks={chunks!r}, expected [1, 1, T_chunk, {width}]")
         self.t_chunk = chunks[2]
-        self.chunk_bytes = self.t_chunk * self.hidden * 2
+        self.chunk_bytes = chunk_bytes(self.t_chunk, self.hidden)
         self.n_chunks = math.ceil(self.t_max / self.t_chunk)
 
     @property
@@ -256,13 +260,14 @@ def same_json(a: Any, b: Any) -> bool:
 
 def run_field_problems(manifest: dict[str, Any], store: ZarrStore, where: str) -> list[str]:
     """The run-wide fields manifest.json repeats (what ZarrRun reads from it) against one store's
-    own: layers and hidden_size always, the others where the manifest has them (earlier releases)."""
+    own: layers and hidden_size always, the others where the manifest has them (earlier releases); a
+    store of no sample's width attrs are none of the run's (layout.WIDTH_ATTRS)."""
     have = {"layers": store.layers, "hidden_size": store.hidden, "num_layers": len(store.layers),
             "T_max": store.t_max, "T_chunk": store.t_chunk, "dtype": "float16",
             "schema_version": store.attrs.get("schema_version"), "model_id": store.attrs.get("model_id")}
-    return [f"{where}: {key}={manifest.get(key)!r:.60}, but {store.path} holds {value!r:.60}"
-            for key, value in have.items()
-            if (key in ("layers", "hidden_size") or key in manifest) and not same_json(manifest.get(key), value)]
+    return [f"{where}: {key}={manifest.get(key)!r:.60}, but {store.path} holds {have[key]!r:.60}"
+            for key in known_attrs(store.attrs, have)
+            if (key in ("layers", "hidden_size") or key in manifest) and not same_json(manifest.get(key), have[key])]
 
 
 def count_problems(entries: list[dict[str, Any]], stores: list[ZarrStore], names: list[str]) -> list[str]:

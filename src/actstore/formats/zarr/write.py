@@ -26,8 +26,8 @@ from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor, open_part
 from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL, SEPARATOR,
                                           SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk, chunk_counts,
-                                          files_json_text, manifest_doc, prompt_line, sample_key, store_attrs,
-                                          store_t_max, vector_chunks, vector_fill)
+                                          chunk_shape, files_json_text, manifest_doc, prompt_line, run_attrs,
+                                          sample_key, store_attrs, store_t_max, vector_chunks, vector_fill)
 from actstore.formats.zarr.read import ZarrStore, check_entries, list_store_files
 from actstore.integrity import file_records, read_json, stream_json_members, whole_number
 from actstore.io_utils import BufferWorkers, atomic_path, errors_naming, sha256_file, utc_now, write_json_atomic
@@ -62,7 +62,7 @@ def _open_root(path: Path, attrs: dict[str, Any], shape: tuple[int, int, int, in
     import zarr
     root = zarr.open_group(str(path), mode="a", zarr_format=ZARR_FORMAT, attributes=attrs)
     arrays = root.create_group("arrays")
-    _create(arrays, "activations", shape, (1, 1, t_chunk, shape[3]), ACTS_DTYPE)
+    _create(arrays, "activations", shape, tuple(chunk_shape(t_chunk, shape[3])), ACTS_DTYPE)
     return root, arrays
 
 
@@ -138,6 +138,9 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_max: int, t_chunk
     seconds in each of STAGES (summed over threads: where a job short of its disk's speed spends them)."""
     from tqdm import tqdm
 
+    os.makedirs(store / ACTS)  # the samples' directories' parent
+    if not part.samples:  # no chunk; nor a tensor file to open: an empty part's extraction declared none
+        return {}, 0, dict.fromkeys(STAGES, 0.0)
     tensors = [part.tensor(layer_tensor(layer)) for layer in layers]
     hidden = tensors[0].shape[1]
     files, overflows, seconds, lock = {}, {}, dict.fromkeys(STAGES, 0.0), threading.Lock()
@@ -168,7 +171,6 @@ def _write_chunks(part: Any, layers: list[int], store: Path, t_max: int, t_chunk
     def make_buffers() -> tuple[np.ndarray, np.ndarray]:
         return np.empty((widened, hidden), dtype=np.float32), np.empty((t_chunk, hidden), dtype=np.float16)
 
-    os.makedirs(store / ACTS)  # the samples' directories' parent
     with contextlib.ExitStack() as opened:
         sources = [opened.enter_context(tensor.row_file()) for tensor in tensors]  # each layer's file, open
         workers = opened.enter_context(BufferWorkers(write_sample, threads, make_buffers))  # left first
@@ -198,7 +200,8 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     rows = list(part.samples)  # one part's rows, held: the vectors and the text arrays each pass over them
     n, layers = len(rows), list(part.info.layers)
     t_max = store_t_max(part.info, int(np.diff(part.offsets).max(initial=0)))
-    hidden = int(part.tensor(layer_tensor(layers[0])).shape[1])
+    # An empty part has no tensor file, so no width: its store is (0, L, T_max, 0) (layout.WIDTH_ATTRS)
+    hidden = int(part.tensor(layer_tensor(layers[0])).shape[1]) if n else 0
     tc = choose_t_chunk(t_max, hidden, t_chunk)
     attrs = store_attrs(part.info, n, t_max, tc, hidden, _now(), git_commit)
     # zarr's import (0.15-0.3 s on the 2-core VM, a sixth of a 1 GB part's job) runs beside the chunk
@@ -244,7 +247,7 @@ def write_manifest(run_dir: str | Path, shards: Sequence[str | Path], merged: st
     entries = [store_entry(s, run_dir) for s in shards]
     merged_entry = store_entry(merged, run_dir) if merged else None
     stores = [ZarrStore(s) for s in shards]
-    manifest = manifest_doc(stores[0].attrs, entries, merged_entry, _now())
+    manifest = manifest_doc(run_attrs([s.attrs for s in stores]), entries, merged_entry, _now())
     # what ZarrRun refuses, refused before it is written: shards out of order or one left out made a
     # manifest no reader opened
     check_entries(manifest, run_dir / MANIFEST, entries, stores, merged=False)
