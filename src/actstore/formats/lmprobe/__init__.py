@@ -22,4 +22,5 @@ from actstore.formats.lmprobe.read import LmprobeDataset, find_index, open_datas
 from actstore.formats.lmprobe.write import check_dataset_labels, finish_dataset, write_dataset, write_job
 
 __all__ = ["DATASET_DIR", "LmprobeDataset", "check_dataset_labels", "check_options", "detect", "find_index",
-           "finish_dataset", "inspect", "open_dataset", "read_info", "read_vector", "verify", "write_dataset", "write_job"]
+           "finish_dataset", "inspect", "open_dataset", "read_info", "read_vector", "verify", "write_dataset",
+           "write_job"]
