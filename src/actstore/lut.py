@@ -148,7 +148,10 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
 def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets: list[int]) -> dict[str, Any]:
     """Per target and budget: ||LUT(x) - xW|| / ||xW|| over all held-out tokens (Frobenius) and the
     mean of the per-token ratio. Both sides exclude the linear's bias (the spec's output ≈ x @ W).
-    Always the lookup (whatever lut.runtime says): this is the accuracy of the tables."""
+    Always the lookup (whatever lut.runtime says): this is the accuracy of the tables. A token whose
+    x @ W is 0 has no ratio: it is left out of the mean and counted (zero_output_tokens, only when
+    there are some; a floor of 1e-12 made the mean ~1e9 for one such token); a ratio with no token to
+    average over, or a zero ||xW||, is null."""
     from actstore.models import get_module
 
     results = {}
@@ -157,14 +160,21 @@ def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets:
         tables = store.load(module_path)
         lut = LutLinear(LutEncoder(tables, store.k_active, torch.float32), tables, linear, with_bias=False)
         exact = x @ lut.w_target
-        norms = exact.norm(dim=-1).clamp_min(1e-12)
+        norms = exact.norm(dim=-1)
+        nonzero = norms > 0
+        zero_tokens = int((~nonzero).sum())
+        if zero_tokens:
+            log.warning("lut %s: %d held-out token(s) with a zero target output x @ W, left out of its "
+                        "mean_token_relative_error (their ratio is undefined)", module_path, zero_tokens)
         per_budget = {}
         for budget in budgets:
             lut.set_budget(budget)
             with torch.inference_mode():
                 diff = lut(x) - exact
-            per_budget[str(budget)] = {"relative_error": float(diff.norm() / exact.norm().clamp_min(1e-12)),
-                                       "mean_token_relative_error": float((diff.norm(dim=-1) / norms).mean())}
+            ratios = diff.norm(dim=-1)[nonzero] / norms[nonzero]
+            errors = {"relative_error": float(diff.norm() / exact.norm()) if exact.norm() > 0 else None,
+                      "mean_token_relative_error": float(ratios.mean()) if len(ratios) else None}
+            per_budget[str(budget)] = {**errors, "zero_output_tokens": zero_tokens} if zero_tokens else errors
         results[module_path] = per_budget
     return results
 

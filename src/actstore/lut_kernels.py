@@ -56,7 +56,8 @@ def _weighted_rows_kernel(values, indices, table, out, k, n_cols, row_stride, co
 
 def weighted_rows_triton(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, float32 sums;
-    weights [n, k] of any float dtype (loaded as float32), indices [n, k], table [rows, cols] on CUDA."""
+    weights [n, k] of any float dtype (loaded as float32), indices [n, k], table [rows, cols] on CUDA, of
+    16 or 32 bits (lut_runtime.TRITON_DTYPES: float64 tables would be summed to float32 precision)."""
     rows, k = indices.shape
     n_cols = table.shape[1]
     out = torch.empty(rows, n_cols, dtype=table.dtype, device=table.device)
@@ -105,7 +106,8 @@ def _row_top_kernel(candidates, values, indices, n_candidates, K: tl.constexpr, 
 def topk_relu_triton(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(relu(pre), k) for pre [rows, width] (rows contiguous): the same values, in pre's
     dtype, descending; indices equal up to ties, the lower index first among equal values (ReLU's
-    zeros tie whenever fewer than k latents fire)."""
+    zeros tie whenever fewer than k latents fire). pre of 16 or 32 bits (lut_runtime.TRITON_DTYPES): the
+    keys hold float32 bits, to which float64 values would be rounded."""
     rows, width = pre.shape
     size = max(SLICE, triton.next_power_of_2(k))  # a slice gives k candidates
     slices = triton.cdiv(width, size)

@@ -76,16 +76,20 @@ DECODE_ROWS = 8
 # linear's weight in float32 pieces of at most CHECK_CHUNK_BYTES.
 CHECK_ROWS = 8
 CHECK_CHUNK_BYTES = 64 * 2**20
+# The dtypes the Triton kernels compute in: they sum (Step B) and sort (Step A) in float32, so float64
+# tables (HELD_DTYPES) take torch's ops, which keep float64.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_LOADED: set[tuple] = set()  # the signatures whose Triton kernel an eager call ran (in_graph)
 TRITON_WARNED: set[tuple] = set()
 
 
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """sum_j weights[n, j] * table[indices[n, j]] -> [n, table.shape[1]] in table's dtype, fused (no
-    [n, k, out] temporary), float32 sums: on CUDA by the Triton kernel when triton imports (at decode
-    sizes only in a CUDA graph capture: DECODE_ROWS; in_graph), else by embedding_bag_rows. Not
+    [n, k, out] temporary), float32 sums (float64 for float64 tables): on CUDA by the Triton kernel when
+    triton imports and the table is not float64 (TRITON_DTYPES; at decode sizes only in a CUDA graph
+    capture: DECODE_ROWS; in_graph), else by embedding_bag_rows. Not
     differentiable on CUDA (the runtime's tables are constants)."""
-    if table.is_cuda and (kernels := _lut_kernels()) is not None:
+    if table.is_cuda and table.dtype in TRITON_DTYPES and (kernels := _lut_kernels()) is not None:
         def triton() -> torch.Tensor:
             return kernels.weighted_rows_triton(weights, indices, table)
         signature = ("weighted_rows", table.device, table.dtype, weights.dtype, indices.shape[1], table.shape,
@@ -145,10 +149,10 @@ def embedding_bag_rows(weights: torch.Tensor, indices: torch.Tensor, table: torc
 def topk_relu(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest of each row of ReLU(pre) [rows, width], descending (pre is
     consumed): on CUDA at decode sizes (DECODE_ROWS) inside a graph capture by the Triton kernels of
-    lut_kernels.topk_relu_triton, else by torch's ReLU and topk. Both give the same values; the indices
-    may differ among tied values (ReLU's zeros, whenever fewer than k latents fire), where the weights
-    are equal. NaN, which torch.topk ranks first, is a zero to the kernels."""
-    if pre.is_cuda and len(pre) <= DECODE_ROWS and (kernels := _lut_kernels()) is not None:
+    lut_kernels.topk_relu_triton (not for float64: TRITON_DTYPES), else by torch's ReLU and topk. Both
+    give the same values; the indices may differ among tied values (ReLU's zeros, whenever fewer than
+    k latents fire), where the weights are equal. NaN, which torch.topk ranks first, is a zero to the kernels."""
+    if pre.is_cuda and len(pre) <= DECODE_ROWS and pre.dtype in TRITON_DTYPES and (kernels := _lut_kernels()):
         def triton() -> tuple[torch.Tensor, torch.Tensor]:
             return kernels.topk_relu_triton(pre, k)
         signature = ("topk_relu", pre.device, pre.dtype, k, pre.shape[1], pre.stride(), pre.data_ptr() % 16)
@@ -195,6 +199,13 @@ class LutEncoder(nn.Module):
         target when it is installed; the targets of a group all have their W or none has."""
         if self.n_targets and (weight is None) != (self.weights is None):
             raise ConfigError("LUT targets sharing an encoder must all come with their linear weight, or none")
+        # [in, out] of the tables: a W of another shape would be read by rows and columns that are not its
+        # (the compensation's rows of x's dims, the group's later targets' columns).
+        need = (self.decoder_weight.shape[1], products.shape[1])
+        if weight is not None and tuple(weight.shape) != need:
+            raise ConfigError(f"a LUT target's linear has weight [{weight.shape[1]}, {weight.shape[0]}], its tables "
+                              f"need [{need[1]}, {need[0]}] (nn.Linear({need[0]}, {need[1]})): install the LUT on "
+                              f"the linear it was built from")
         start = self.products.shape[1]
         self.products = torch.cat([self.products, products.to(self.products)], dim=1)
         self.bias_products = torch.cat([self.bias_products, bias_product.to(self.bias_products)])
