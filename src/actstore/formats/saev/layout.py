@@ -189,6 +189,13 @@ def check_metadata(md: Any, where: Path) -> None:
     if not isinstance(md, dict):
         raise FormatError(f"{where}: top level must be an object")
     upstream = flavor_of(md) == "upstream"
+    # A field under both names was read (to_spec) as whichever came last, while the store's name hashes its
+    # flavor's alone: verify passed the directory, every reader took the other value (saev refuses any key).
+    for spec_name, upstream_name in UPSTREAM_RENAMED.items():
+        other, own = (spec_name, upstream_name) if upstream else (upstream_name, spec_name)
+        if other in md:
+            raise FormatError(f"{where}: field {other!r} is the {'spec' if upstream else 'upstream'} flavor's name "
+                              f"of {own!r}; a {'upstream' if upstream else 'spec'} metadata.json holds {own!r} alone")
     if upstream and md.get("pixel_agg") not in PIXEL_AGGS:
         raise FormatError(f"{where}: field 'pixel_agg' = {md.get('pixel_agg')!r} is not one of {PIXEL_AGGS}")
     fields = UPSTREAM_FIELDS if upstream else METADATA_FIELDS

@@ -236,8 +236,12 @@ class SaevStore:
         if mapped is None:
             if problem := self.shard_problem(shard_idx):
                 raise FormatError(problem)
-            mapped = np.memmap(self.dir / shard_name(shard_idx), dtype=DTYPE, mode="r",
-                               shape=(self.shards[shard_idx]["n_examples"], self.L, self.T, self.D))
+            shape = (self.shards[shard_idx]["n_examples"], self.L, self.T, self.D)
+            if not shape[0]:  # an empty last shard may have no bytes, which numpy refuses to map, naming nothing
+                empty = np.empty(shape, dtype=DTYPE)
+                empty.flags.writeable = False
+                return empty
+            mapped = np.memmap(self.dir / shard_name(shard_idx), dtype=DTYPE, mode="r", shape=shape)
             self._maps[shard_idx] = mapped
             while len(self._maps) > open_files_budget():
                 try:

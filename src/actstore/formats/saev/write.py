@@ -355,7 +355,8 @@ def _check_shape(plan: Plan) -> None:
     """ConfigError naming the metadata fields of a plan (write_raw_store takes any) whose examples hold
     no vector, whose shards hold no example (the shard arithmetic divided by zero: a ZeroDivisionError
     naming nothing) or whose example count is negative (a shard planned for a store no reader opens);
-    FormatError naming the field of metadata the readers refuse (layout.check_metadata)."""
+    FormatError naming the field of metadata (layout.check_metadata), or the labels (labels.bin's uint8
+    (n_examples, patches_per_ex)), the readers refuse."""
     md = plan.metadata
     layers, tokens, d_model = plan.example_shape
     if min(layers, tokens, d_model) < 1 or md["n_examples"] < 0:
@@ -368,6 +369,9 @@ def _check_shape(plan: Plan) -> None:
     # The readers' own check (a raw plan's metadata is the caller's): a layer listed twice, a bool for
     # an int or a dtype other than float32 wrote every shard of a store that no reader opens.
     check_metadata(plan.file_metadata, Path("saev.Plan.metadata"))
+    # So is its labels.bin: finish_store refused it after every shard was written, naming the store's temp dir.
+    if plan.labels is not None:
+        _check_labels(np.asarray(plan.labels), (md["n_examples"], md["patches_per_ex"]), "saev.Plan.labels")
 
 
 def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int,
@@ -478,10 +482,14 @@ def write_pointer(pointer: str | Path, store: str | Path) -> None:
 def _write_labels_file(path: Path, labels: np.ndarray, shape: tuple[int, int]) -> None:
     """labels.bin: raw C-order uint8 (n_examples, patches_per_ex), written atomically."""
     labels = np.ascontiguousarray(labels)
-    if labels.shape != shape or labels.dtype != np.uint8:
-        raise FormatError(f"{path}: need uint8 {shape}, got {labels.dtype} {labels.shape}")
+    _check_labels(labels, shape, str(path))
     with atomic_path(path) as tmp, errors_naming(path):
         tmp.write_bytes(labels.tobytes())
+
+
+def _check_labels(labels: np.ndarray, shape: tuple[int, int], where: str) -> None:
+    if labels.shape != shape or labels.dtype != np.uint8:
+        raise FormatError(f"{where}: need uint8 {shape}, got {labels.dtype} {labels.shape}")
 
 
 def write_labels(path: str | Path, labels: np.ndarray) -> None:
