@@ -15,6 +15,7 @@ from actstore.formats import zarr as zs
 from actstore.formats.extract import open_extraction, synthetic_extraction
 from actstore.formats.zarr.check import verify
 from actstore.formats.zarr.layout import ACTS, FILES_JSON
+from actstore.formats.zarr.write import store_entry
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,25 @@ def parts(tmp_path_factory) -> list[Path]:
     return [part.dir for part in open_extraction(extract).parts]
 
 
+def manifest_naming_merged(run: Path, shards: list[Path]) -> dict:
+    """The run's manifest.json with its merged/ entry put in by hand: write_manifest refuses a merged
+    store of fewer samples than the shards (review 63), which another tool, or an edit, can still write."""
+    manifest = zs.write_manifest(run, shards)
+    manifest["merged"] = store_entry(run / zs.MERGED, run)
+    (run / zs.MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def test_write_manifest_refuses_a_merged_store_of_fewer_samples_than_the_shards(parts, tmp_path):
+    shards = [tmp_path / "shards" / zs.shard_name(k) for k in range(3)]
+    for part, shard in zip(parts, shards):
+        zs.write_shard(part, shard, t_chunk=4, progress=False)
+    zs.merge_stores(shards[:2], tmp_path / zs.MERGED, progress=False)
+    with pytest.raises(FormatError, match="merged: num_samples="):
+        zs.write_manifest(tmp_path, shards, tmp_path / zs.MERGED)
+    assert not (tmp_path / zs.MANIFEST).exists()
+
+
 def test_a_merged_store_of_fewer_samples_than_the_shards_fails_verify(parts, tmp_path):
     """A merged store built from two of the three shards verified clean beside them: Option B's
     reads (ZarrRun(merged=True)) then had none of the third shard's samples."""
@@ -32,7 +52,7 @@ def test_a_merged_store_of_fewer_samples_than_the_shards_fails_verify(parts, tmp
     for part, shard in zip(parts, shards):
         zs.write_shard(part, shard, t_chunk=4, progress=False)
     zs.merge_stores(shards[:2], tmp_path / zs.MERGED, progress=False)
-    manifest = zs.write_manifest(tmp_path, shards, tmp_path / zs.MERGED)
+    manifest = manifest_naming_merged(tmp_path, shards)
     held, total = manifest["merged"]["num_samples"], manifest["num_samples"]
     assert held < total
     assert verify(tmp_path) == [f"{tmp_path / zs.MANIFEST}: merged.num_samples={held}, the shards hold {total}"]
@@ -96,7 +116,7 @@ def test_a_merged_store_of_fewer_samples_than_the_run_is_refused_on_opening(part
     for part, shard in zip(parts, shards):
         zs.write_shard(part, shard, t_chunk=4, progress=False)
     zs.merge_stores(shards[:2], tmp_path / zs.MERGED, progress=False)
-    manifest = zs.write_manifest(tmp_path, shards, tmp_path / zs.MERGED)
+    manifest = manifest_naming_merged(tmp_path, shards)
     with pytest.raises(FormatError, match=re.escape(f"{tmp_path / zs.MANIFEST}: merged: num_samples="
                                                     f"{manifest['merged']['num_samples']}, but the run's num_samples "
                                                     f"is {manifest['num_samples']}")):

@@ -248,8 +248,10 @@ def write_manifest(run_dir: str | Path, shards: Sequence[str | Path], merged: st
     merged_entry = store_entry(merged, run_dir) if merged else None
     stores = [ZarrStore(s) for s in shards]
     manifest = manifest_doc(run_attrs([s.attrs for s in stores]), entries, merged_entry, _now())
-    # what ZarrRun refuses, refused before it is written: shards out of order or one left out made a
-    # manifest no reader opened
+    # what ZarrRun refuses, refused before it is written: shards out of order or one left out, or a
+    # merged store of fewer samples than they hold, made a manifest no reader opened
     check_entries(manifest, run_dir / MANIFEST, entries, stores, merged=False)
+    if merged:
+        check_entries(manifest, run_dir / MANIFEST, [merged_entry], [ZarrStore(merged)], merged=True)
     write_json_atomic(run_dir / MANIFEST, manifest)
     return manifest
