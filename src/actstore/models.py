@@ -82,14 +82,14 @@ def check_unshared_blocks(config: dict[str, Any]) -> None:
 def get_module(model: nn.Module, module_path: str, where: str = "extract.hooks") -> nn.Module:
     """Resolve a module path on the model, or on its base model (AutoModel naming); ConfigError
     naming `where` (the config key or file that gave the path: lut.targets, a LUT's metadata.json)."""
-    for root in (model, getattr(model, "base_model", model)):
+    roots = (model, getattr(model, "base_model", model))
+    for root in roots:
         try:
             return root.get_submodule(module_path)
         except AttributeError:
             continue
-    raise ConfigError(f"{where}: module {module_path!r} does not exist in {type(model).__name__}; "
-                      + max((_nearest(root, module_path) for root in (model, getattr(model, "base_model", model))),
-                            key=lambda found: found[0])[1])
+    _, holds = max((_nearest(root, module_path) for root in roots), key=lambda found: found[0])
+    raise ConfigError(f"{where}: module {module_path!r} does not exist in {type(model).__name__}; {holds}")
 
 
 def _nearest(root: nn.Module, module_path: str) -> tuple[int, str]:
