@@ -837,8 +837,6 @@ def test_the_parts_rows_are_the_whole_datasets_rows_in_order(kind, limit, rows, 
 def test_a_part_job_holds_its_rows_not_the_dataset(model_dir, tmp_path):
     """A part's job parses every line once for the row count and labels, keeping none: its peak
     follows its part, and stays under the share extract_part_mem_mb counts for it."""
-    import tracemalloc
-
     from actstore import resources
     path = tmp_path / "long.jsonl"
     with path.open("w") as fh:
@@ -846,10 +844,7 @@ def test_a_part_job_holds_its_rows_not_the_dataset(model_dir, tmp_path):
             fh.write(json.dumps({"text": f"row {i} " + "word " * 200, "label": f"class-{i % 7}", "n": i}) + "\n")
 
     def peak(parts: int, part: int) -> int:
-        tracemalloc.start()
-        dataset = load_dataset(path, parts=(parts, part))
-        held = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        dataset, held = tiny.traced_peak(lambda: load_dataset(path, parts=(parts, part)))
         assert dataset.labels == [f"class-{i}" for i in range(7)]
         return held
 
@@ -966,18 +961,11 @@ def test_a_long_json_array_element_is_parsed_a_few_times_not_once_a_chunk(tmp_pa
 def test_a_json_array_is_scanned_and_read_in_bounded_memory(tmp_path):
     """The scan of an array on one line holds a few chunks of it, however long the file (json.load
     held 2.5x the file); a part's job holds its rows and the chunks it reads through."""
-    import tracemalloc
-
     def peaks(rows: int) -> tuple[int, int, int]:
         path = tmp_path / f"{rows}.json"
         path.write_text(json.dumps([{"text": f"row {i} " + "word " * 100, "label": i % 3} for i in range(rows)]))
-        tracemalloc.start()
-        scan = scan_dataset(path)
-        scan_peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.reset_peak()
-        part = load_dataset(path, parts=(8, 5), scan=scan)
-        part_peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        scan, scan_peak = tiny.traced_peak(lambda: scan_dataset(path))
+        part, part_peak = tiny.traced_peak(lambda: load_dataset(path, parts=(8, 5), scan=scan))
         assert scan.n_samples == rows and len(part.samples) == rows // 8
         return path.stat().st_size, scan_peak, part_peak
 

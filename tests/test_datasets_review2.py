@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -87,11 +86,7 @@ def test_a_part_job_converts_its_rows_not_its_row_groups(tmp_path):
     scan = scan_dataset(path, keep_fields=["url"])
 
     def peak(parts: int, part: int):
-        tracemalloc.start()
-        samples = load_dataset(path, parts=(parts, part), scan=scan, keep_fields=["url"]).samples
-        held = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        return samples, held
+        return tiny.traced_peak(lambda: load_dataset(path, parts=(parts, part), scan=scan, keep_fields=["url"]).samples)
 
     (part, part_peak), (whole, whole_peak) = peak(1000, 7), peak(1, 0)
     assert part == whole[part_range(n, 1000, 7).start:part_range(n, 1000, 7).stop]

@@ -4,7 +4,6 @@ chat column's large row group."""
 from __future__ import annotations
 
 import json
-import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,6 +11,7 @@ import pytest
 
 from actstore.datasets import load_dataset, scan_dataset
 from actstore.errors import ConfigError
+from tiny import traced_peak
 
 NAN_ROWS = {"scores.jsonl": '{"review": "good", "score": 4.5}\n{"review": "bad", "score": NaN}\n',
             "scores.json": '[{"review": "good", "score": 4.5}, {"review": "bad", "score": NaN}]'}
@@ -63,12 +63,9 @@ def _scan_peak(tmp_path, n: int, bad_row: int | None = None) -> int:
     path = tmp_path / f"chat-{n}.parquet"
     pq.write_table(pa.table({"messages": messages}), path, row_group_size=n)
     del messages
-    tracemalloc.start()
-    try:
-        assert scan_dataset(path, messages_field="messages").n_samples == n
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    scan, peak = traced_peak(lambda: scan_dataset(path, messages_field="messages"))
+    assert scan.n_samples == n
+    return peak
 
 
 def test_the_scan_checks_a_chat_row_group_in_slices(tmp_path):

@@ -1953,8 +1953,6 @@ def test_verify_names_a_dtype_part_json_misstates(tmp_path):
 def test_an_oversized_offsets_file_is_refused_without_reading_it(tmp_path):
     """offsets.npy was read whole before anything checked it: with its record gone from part.json (so
     no size is compared), a 256 MiB file (sparse) took 256 MiB of memory to refuse."""
-    import tracemalloc
-
     from actstore.formats.extract import synthetic_extraction
     part = synthetic_extraction(tmp_path / "x", 20_000, 1, 8, [1], tokens=(4, 10)) / "part-0000"
     meta = json.loads((part / "part.json").read_text())
@@ -1964,13 +1962,11 @@ def test_an_oversized_offsets_file_is_refused_without_reading_it(tmp_path):
     with open(part / "offsets.npy", "wb") as fh:
         np.lib.format.write_array_header_1_0(fh, {"descr": "<i8", "fortran_order": False, "shape": (n,)})
         fh.truncate(fh.tell() + 8 * n)
-    tracemalloc.start()
-    try:
+    def refused() -> None:
         with pytest.raises(FormatError, match=rf"offsets\.npy: int64 \[{n}\], part\.json says int64"):
             open_part(part)
-        assert tracemalloc.get_traced_memory()[1] < 64 << 20
-    finally:
-        tracemalloc.stop()
+
+    assert tiny.traced_peak(refused)[1] < 64 << 20
 
 
 PICKLE_PARAMS = {"hidden_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2, "vocab_size": 100}

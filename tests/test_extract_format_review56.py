@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract import (PartWriter, inspect, open_extraction, open_part, read_vector,
                                       synthetic_extraction, verify, write_index, write_part)
 from actstore.formats.extract.write import index_of
+from tiny import traced_peak
 
 
 @pytest.fixture
@@ -114,8 +114,5 @@ def test_indexing_an_extraction_holds_no_list_of_every_sample_idx(tmp_path):
     for n in (2_000, 20_000):
         extraction = open_extraction(_one_token_samples(tmp_path / str(n), n))
         assert len(extraction.parts[0].samples) == n
-        tracemalloc.start()
-        index_of(extraction)
-        peaks.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
+        peaks.append(traced_peak(lambda: index_of(extraction))[1])
     assert peaks[1] - peaks[0] < 18_000 * 8  # under 8 bytes a further sample

@@ -21,6 +21,7 @@ from actstore.formats.zarr import write_manifest
 from actstore.formats.zarr.layout import FILES_JSON, files_json_text
 from actstore.verify import check_format, reference_dtype, sample_coordinates
 from test_extract import write_real_store
+from tiny import traced_peak
 
 FORMATS = ["pickle", "zarr", "saev", "lmprobe"]
 
@@ -226,21 +227,14 @@ def test_two_samples_of_one_range_swapped_differ():
 
 def test_the_full_pass_holds_a_few_blocks_whatever_the_data_size(tmp_path, monkeypatch):
     """Blocks of BLOCK_BYTES read at a time, a thread each: 64 blocks of data, a few blocks' memory."""
-    import tracemalloc
-
     from actstore import fingerprints
     root = synthetic_extraction(tmp_path / "x", 32 << 20, 2, 64, [1, 2], tokens=(32, 128))
     stores = {name: write_real_store(name, root, tmp_path / name) for name in ("saev", "zarr", "lmprobe")}
     monkeypatch.setattr(fingerprints, "BLOCK_BYTES", 512 << 10)
     monkeypatch.setattr(fingerprints.integrity, "CHECK_THREADS", 4)
     extraction = open_extraction(root)
-    tracemalloc.start()
-    try:
-        results = fingerprint_problems({name: (store, format_module(name).inspect(store).get("dtype", "float32"))
-                                        for name, store in stores.items()}, extraction, 0, reference_dtype)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    dtypes = {name: (store, format_module(name).inspect(store).get("dtype", "float32")) for name, store in stores.items()}
+    results, peak = traced_peak(lambda: fingerprint_problems(dtypes, extraction, 0, reference_dtype))
     assert all(result["problems"] == [] for result in results.values())
     assert peak < 24 << 20, peak  # the data: 32 MiB; blocks of 0.5 MiB, float64 copies, 4 threads
 

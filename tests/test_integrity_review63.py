@@ -14,6 +14,7 @@ import pytest
 
 from actstore.integrity import read_json
 from actstore.io_utils import OrderedHashFile, TreeHashFile, stale_temps, write_json_atomic, write_with_hole
+from tiny import traced_peak
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), np.float64("nan")])
@@ -121,8 +122,6 @@ def test_a_streamed_value_past_the_cap_is_refused_before_the_window_doubles_past
     the cap, and a tail of NUL bytes a crash left took 5 caps of memory to refuse (the window, the block
     read, its bytes and the two joined; ~5 GiB as shipped). It now never holds more than the cap and a
     character: under 3 caps."""
-    import tracemalloc
-
     import actstore.integrity as integrity
 
     cap = 4 << 20
@@ -132,11 +131,9 @@ def test_a_streamed_value_past_the_cap_is_refused_before_the_window_doubles_past
     with open(path, "wb") as fh:
         fh.write(b'{"files": {"a": "')
         fh.truncate(64 << 20)  # sparse NUL bytes: a string that never ends
-    tracemalloc.start()
-    try:
+    def refused() -> None:
         with pytest.raises(integrity.FormatError, match="runs past"):
             list(integrity.stream_json_members(path, "files"))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+
+    peak = traced_peak(refused)[1]
     assert peak < 3 * cap, peak / cap  # 5 caps before

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,6 +12,7 @@ import pytest
 from actstore.datasets import scan_dataset
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import open_part, synthetic_extraction
+from tiny import traced_peak
 
 
 def test_the_scan_converts_a_large_row_groups_labels_in_slices(tmp_path):
@@ -22,10 +22,7 @@ def test_the_scan_converts_a_large_row_groups_labels_in_slices(tmp_path):
         path = tmp_path / f"{rows}.parquet"
         pq.write_table(pa.table({"text": ["t"] * rows, "label": [f"class-{i % 5}" for i in range(rows)]}), path,
                        row_group_size=rows)
-        tracemalloc.start()
-        scan = scan_dataset(path)
-        held = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        scan, held = traced_peak(lambda: scan_dataset(path))
         assert (scan.n_samples, scan.labels) == (rows, [f"class-{i}" for i in range(5)])
         return held
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats import lmprobe
 from actstore.formats.extract import open_extraction
 from test_lmprobe_check_review import rewrite_index
+from tiny import traced_peak
 
 SMALL = 32 * 4 * 7  # 7 float32 rows of the tiny models' dim 32: prompts past several shard boundaries
 
@@ -96,12 +96,7 @@ def test_a_sha256sums_no_writer_made_is_named_without_reading_it_whole(extracted
     sums = root / "SHA256SUMS"
     with sums.open("r+b") as fh:
         fh.truncate(256 << 20)  # the lines, then 256 MiB of zero bytes (sparse: no disk)
-    tracemalloc.start()
-    try:
-        problems = lmprobe.verify(root)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    problems, peak = traced_peak(lambda: lmprobe.verify(root))
     assert [p for p in problems if "SHA256SUMS" in p] == [
         f"{sums}: {256 << 20} bytes, more than the dataset's files take to list; not a SHA256SUMS a writer made"]
     assert peak < 32 << 20  # 1 MiB of SHA256SUMS read; each hashing thread's 4 MiB blocks

@@ -4,7 +4,6 @@ string a prompt, and a null address column was read as -2**63."""
 from __future__ import annotations
 
 import json
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from actstore.formats import lmprobe
 from actstore.formats.lmprobe import check, write
 from actstore.formats.lmprobe.read import LmprobeDataset
 from test_lmprobe_check_review import rewrite_index, with_column
+from tiny import traced_peak
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,8 @@ def test_token_check_holds_a_bounded_batch_of_tokens(long_extract, tmp_path, mon
     tokens = int(ds.num_tokens.sum())
     assert pq.ParquetFile(ds.index_path).metadata.num_row_groups > 3 and tokens > 8000
     monkeypatch.setattr(check, "TOKEN_BATCH_TOKENS", 256, raising=False)
-    tracemalloc.start()
-    try:
-        assert check._verify_token_addresses(ds) == []
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    problems, peak = traced_peak(lambda: check._verify_token_addresses(ds))
+    assert problems == []
     assert peak < 8 * tokens  # a token's two list entries alone are 16 B
     assert lmprobe.verify(root) == []
 
@@ -108,12 +104,7 @@ def test_string_labels_numbered_as_sorted_names_without_a_string_a_prompt(extrac
     classes = {name: i for i, name in enumerate(sorted({x for x in names if x is not None}))}
     ds = LmprobeDataset(root)
     ds._columns("label")  # imports and the footer, outside the count
-    tracemalloc.start()
-    try:
-        labels = ds.labels
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    labels, peak = traced_peak(lambda: ds.labels)
     assert labels.tolist() == [classes.get(x, -1) for x in names]
     assert peak < 24 * n
 

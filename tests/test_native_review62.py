@@ -4,7 +4,6 @@ under a read-only umask, and a hashed file closed when its head cannot be writte
 import os
 import subprocess
 import sys
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from actstore import casts
 from actstore.io_utils import sha256_file, sha256_tree_file
 from test_casts import cast_path  # noqa: F401 (a fixture)
+from tiny import traced_peak
 
 
 def test_casting_values_that_are_all_nan_or_overflow_takes_little_memory_beyond_out(cast_path):
@@ -20,12 +20,7 @@ def test_casting_values_that_are_all_nan_or_overflow_takes_little_memory_beyond_
     x = np.full(1 << 22, np.nan, np.float32)
     x[::3] = 1e6  # overflows float16
     out = np.empty(x.shape, np.float16)
-    tracemalloc.start()
-    try:
-        overflowed = casts.to_float16(x, out)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    overflowed, peak = traced_peak(lambda: casts.to_float16(x, out))
     with np.errstate(over="ignore"):
         assert out.view(np.uint16).tolist() == x.astype(np.float16).view(np.uint16).tolist()
     assert overflowed == len(x[::3])

@@ -20,6 +20,7 @@ from actstore.formats import pickle as ps
 from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.formats.pickle.layout import PICKLE_PROTOCOL
 from actstore.model_config import model_params, read_model_config
+from tiny import traced_peak
 
 SPEC = Path("/work/shared/specs/pickle-shard-format.md")
 SMALL_MB = 0.02  # ~20 kB of raw activations per shard: forces many shards from 15 tiny samples
@@ -657,24 +658,13 @@ def _gzip_shards(root: Path, n_shards: int, samples: int, rows: int, zeros: bool
     return {"shards": shards, "actstore": {"d_model": 512}, "extraction_config": {"model_params": {}}}
 
 
-def _traced_peak(run) -> tuple[object, int]:
-    """run()'s result and the most memory Python and numpy held at once while it ran."""
-    import tracemalloc
-
-    tracemalloc.start()
-    try:
-        return run(), tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
 def test_a_gzip_shard_is_unpickled_as_it_is_decompressed_never_held_whole(tmp_path):
     """load_shard decompressed a gzip shard whole (its pieces and their join at once) before the
     arrays were built from it: 2.6x the arrays with the file. Streamed, it holds the file and the
     arrays, and returns the same shard."""
     meta = _gzip_shards(tmp_path, 1, 8, 1024, zeros=False)  # 16 MiB of arrays
     info, arrays = meta["shards"][0], 8 * 1024 * 512 * 4
-    shard, peak = _traced_peak(lambda: ps.load_shard(tmp_path, info))
+    shard, peak = traced_peak(lambda: ps.load_shard(tmp_path, info))
     assert peak < info["size_bytes"] + 1.25 * arrays, (peak, info["size_bytes"], arrays)
     # What it returned before: the whole pickle, decompressed first, through the same unpickler.
     expected = ps.safe_loads(gzip.decompress((tmp_path / info["filename"]).read_bytes()), compressed=False)
@@ -699,7 +689,7 @@ def test_verify_holds_the_shards_it_checks_at_once_within_one_memory_budget(tmp_
     monkeypatch.setattr(integrity, "memory_budget", lambda: budget)
     monkeypatch.setattr(unpickler, "memory_budget", lambda: budget)
     with integrity.check_threads(4):
-        problems, peak = _traced_peak(lambda: check._verify_shards(tmp_path, meta))
+        problems, peak = traced_peak(lambda: check._verify_shards(tmp_path, meta))
     assert problems == []
     # Beyond the budget, each thread's buffers and the one array it is filling: under 4 MiB.
     assert peak < budget + 4 * (4 << 20), (peak, budget)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from actstore.formats import pickle as ps
 from actstore.formats import zarr as zs
 from test_pickle import store  # noqa: F401 (a fixture)
 from test_zarr import bert_run, synthetic_shard  # noqa: F401 (bert_run: a fixture)
+from tiny import traced_peak
 
 
 @pytest.mark.parametrize("key", [1.5, True, (1.7, 0), (True, 0), (1, 0.0)])
@@ -62,13 +62,11 @@ def test_a_zarr_store_claiming_millions_of_samples_is_refused_without_listing_th
         if key.endswith("/.zarray"):
             zarray["shape"][0] = claimed
     (store / ".zmetadata").write_text(json.dumps(consolidated))
-    tracemalloc.start()
-    try:
+    def refused() -> None:
         with pytest.raises(FormatError, match=rf"{re.escape(str(store))}/arrays/seq_len/1: .*missing"):
             zs.ZarrStore(store)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+
+    peak = traced_peak(refused)[1]
     assert peak < 16 << 20, f"opening the store took {peak >> 20} MiB"
 
 

@@ -4,13 +4,13 @@ sample is drawn without a permutation of every held-out row."""
 from __future__ import annotations
 
 import itertools
-import tracemalloc
 
 import numpy as np
 import torch
 
 from actstore.sae.data import PERMUTED_ROWS, Prefetcher, sampled_rows
 from test_sae_review57 import finished_within
+from tiny import traced_peak
 
 
 def test_a_closed_prefetcher_of_an_endless_source_ends_at_once():
@@ -31,12 +31,7 @@ def test_a_large_heldout_sample_is_drawn_in_memory_of_the_sample_not_of_the_rows
     1/50 of them: sae.eval_tokens 10M of 200M held-out tokens took 1.6 GB more than the split held."""
     total, limit = PERMUTED_ROWS + (1 << 20), 500_000
     rows = [np.arange(total // 2, dtype=np.int32), np.arange(total - total // 2, dtype=np.int32)]
-    tracemalloc.start()
-    try:
-        picked = sampled_rows(rows, limit, seed=3)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    picked, peak = traced_peak(lambda: sampled_rows(rows, limit, seed=3))
     assert peak < 10 * limit * 8, f"{peak / 1e6:.0f} MB to draw {limit} rows of {total}"
     assert sum(len(p) for p in picked) == limit
     for part, part_rows in zip(picked, rows):

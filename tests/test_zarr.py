@@ -20,6 +20,7 @@ from actstore.formats.zarr.layout import FILES_JSON, acts_chunk_key, files_json_
 from actstore.formats.zarr.read import list_store_files
 from actstore.integrity import file_record
 from actstore.jobs import job_items
+from tiny import traced_peak
 
 
 GIT_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # what the zarr_shards script passes in
@@ -708,19 +709,14 @@ def test_the_merge_refuses_a_shard_file_it_copies_that_differs_from_its_files_js
 def test_a_per_sample_arrays_chunk_is_refused_by_its_size_before_it_is_read(tmp_path):
     """A 1-D array's chunk of the wrong size is named from its size alone: a 64 MiB sparse seq_len
     chunk was read whole first (a 512 MiB one cost verify and inspect 512 MiB of memory)."""
-    import tracemalloc
-
     store = synthetic_shard(tmp_path, tmp_path / "s.zarr")
     with open(store / "arrays/seq_len/0", "r+b") as fh:
         fh.truncate(64 << 20)
-    tracemalloc.start()
-    try:
+    def refused() -> None:
         with pytest.raises(FormatError, match=rf"arrays/seq_len/0: {64 << 20} bytes, expected 8"):
             zs.ZarrStore(store)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20
+
+    assert traced_peak(refused)[1] < 1 << 20
 
 
 def test_a_fifo_in_an_activation_chunks_place_is_refused_never_waited_on(tmp_path):
@@ -743,7 +739,6 @@ def test_a_metadata_file_zmetadata_lists_is_compared_only_when_it_is_metadata_si
     (then decoded: 4 GiB), a MemoryError on a small machine that lost every other problem. It is named
     from its size, unread, and the rest of the report stays."""
     import os
-    import tracemalloc
 
     store = synthetic_shard(tmp_path, tmp_path / "s.zarr")
     (store / "extra").mkdir()
@@ -752,12 +747,7 @@ def test_a_metadata_file_zmetadata_lists_is_compared_only_when_it_is_metadata_si
     meta = json.loads((store / ".zmetadata").read_text())
     meta["metadata"]["extra/.zattrs"] = {}
     (store / ".zmetadata").write_text(json.dumps(meta))
-    tracemalloc.start()
-    try:
-        problems = zs.verify(store)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    problems, peak = traced_peak(lambda: zs.verify(store))
     assert f"{store}/extra/.zattrs: {2 << 30} bytes, over the {1 << 30} of any metadata file (listed in .zmetadata)" \
         in problems, problems
     assert f"{store}/extra/.zattrs: not listed in {FILES_JSON}" in problems

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import tracemalloc
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -19,6 +21,18 @@ IMAGE_SIZE = 32
 PATCH = 8
 REGISTERS = 4  # dinov2_registers, dinov3: tokens 1..4 after CLS
 VISION_TOWER_WIDTH = 48  # a vision-language model's vision tower: wider than its language model (32)
+
+
+T = TypeVar("T")
+
+
+def traced_peak(run: Callable[[], T]) -> tuple[T, int]:
+    """run()'s result and the most memory Python and numpy held at once while it ran."""
+    tracemalloc.start()
+    try:
+        return run(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def corpus_rows(n: int) -> list[dict]:
