@@ -233,7 +233,8 @@ def test_the_full_pass_holds_a_few_blocks_whatever_the_data_size(tmp_path, monke
     monkeypatch.setattr(fingerprints, "BLOCK_BYTES", 512 << 10)
     monkeypatch.setattr(fingerprints.integrity, "CHECK_THREADS", 4)
     extraction = open_extraction(root)
-    dtypes = {name: (store, format_module(name).inspect(store).get("dtype", "float32")) for name, store in stores.items()}
+    dtypes = {name: (store, format_module(name).inspect(store).get("dtype", "float32"))
+              for name, store in stores.items()}
     results, peak = traced_peak(lambda: fingerprint_problems(dtypes, extraction, 0, reference_dtype))
     assert all(result["problems"] == [] for result in results.values())
     assert peak < 24 << 20, peak  # the data: 32 MiB; blocks of 0.5 MiB, float64 copies, 4 threads
