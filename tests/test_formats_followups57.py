@@ -14,7 +14,7 @@ from actstore.formats import pickle as ps
 from actstore.formats.extract import open_extraction, open_part, read_vector, verify
 from actstore.formats.pickle.write import dump_shard
 from test_extract_review import rewritten_samples
-from test_pickle import _traced_peak
+from tiny import traced_peak
 
 
 def _tiny_shards(root: Path, ranges: list[tuple[int, int]]) -> Path:
@@ -52,8 +52,8 @@ def test_pickle_verify_holds_no_sample_id_set_of_the_whole_store(tmp_path):
     few = _tiny_shards(tmp_path / "few", [(k * 500, 500) for k in range(2)])
     many = _tiny_shards(tmp_path / "many", [(k * 500, 500) for k in range(40)])
     with integrity.check_threads(1):
-        problems_few, peak_few = _traced_peak(lambda: ps.verify(few))
-        problems_many, peak_many = _traced_peak(lambda: ps.verify(many))
+        problems_few, peak_few = traced_peak(lambda: ps.verify(few))
+        problems_many, peak_many = traced_peak(lambda: ps.verify(many))
     assert problems_few == problems_many == []
     assert peak_many < 1.5 * peak_few, (peak_few, peak_many)
 

@@ -19,9 +19,9 @@ import pytest
 from actstore.errors import FormatError
 from actstore.formats import pickle as ps
 from actstore.formats.pickle.layout import METADATA
-from test_pickle import _traced_peak
 from test_pickle_read_review import replant
 from test_pickle_write_review56 import _copy, _edit, machines  # noqa: F401 (machines: a fixture)
+from tiny import traced_peak
 
 
 def test_a_merge_of_some_machines_is_refused_naming_the_missing_ones(machines, tmp_path):
@@ -68,7 +68,7 @@ def test_the_dataset_index_is_the_spec_index_held_per_shard(machines, tmp_path):
         last["sample_id_range"][1] += 1_000_000
         meta["statistics"]["total_samples"] += 1_000_000
     _edit(dirs[0], widen)
-    big, peak = _traced_peak(lambda: ps.ActivationDataset(dirs[0], layer))
+    big, peak = traced_peak(lambda: ps.ActivationDataset(dirs[0], layer))
     assert len(big) > 1_000_000 and big.index[-1][1] == ps.load_metadata(dirs[0])["shards"][-1]["num_samples"] - 1
     assert peak < 5_000_000, peak  # the tuples held 96 MB
 

@@ -13,7 +13,8 @@ import pytest
 from actstore.errors import FormatError
 from actstore.formats import pickle as ps
 from actstore.formats.pickle.layout import METADATA
-from test_pickle import _traced_peak, write_machines
+from test_pickle import write_machines
+from tiny import traced_peak
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_the_merge_holds_no_set_of_every_sample_id(machines, tmp_path):
         last["sample_id_range"][1] = last["sample_id_range"][0] + 999_999
         last["num_samples"] = 1_000_000
     _edit(dirs[-1], widen)
-    merged, peak = _traced_peak(lambda: ps.merge_machines(dirs, tmp_path / "store"))
+    merged, peak = traced_peak(lambda: ps.merge_machines(dirs, tmp_path / "store"))
     assert merged["statistics"]["total_samples"] > 1_000_000
     assert peak < 20_000_000, peak  # the set of a million ids held 99 MB
 
