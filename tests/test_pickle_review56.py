@@ -17,8 +17,9 @@ from actstore.errors import FormatError
 from actstore.formats import pickle as ps
 from actstore.formats.pickle import unpickler
 from actstore.formats.pickle.write import dump_shard
-from test_pickle import _traced_peak, write_machines
+from test_pickle import write_machines
 from test_pickle_read_review import replant
+from tiny import traced_peak
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def test_every_protocol_loads_through_the_check_read_in_any_pieces(protocol):
                 np.testing.assert_array_equal(loaded[key], obj[key])
     memo = sum(op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE") for op, _, _ in pickletools.genops(data))
     for sizes in ([1], [1, 7, 2, 64, 3, 1000]):
-        check, pos = unpickler._MemoChecked(io.BytesIO(), lambda n: None), 0
+        check, pos = unpickler._MemoChecked(io.BytesIO(), lambda n: None, len(data), "its end"), 0
         while pos < len(data):
             size = sizes[pos % len(sizes)]
             check._check(memoryview(bytearray(data[pos:pos + size])))
@@ -128,7 +129,7 @@ def test_a_shard_of_many_small_objects_is_refused_within_its_budget(machine, tmp
     def load() -> None:
         with pytest.raises(FormatError, match=f"{path}: refused to load shard: {refused}"):
             ps.load_shard(store, ps.load_metadata(store)["shards"][0])
-    assert _traced_peak(load)[1] < 64 << 20
+    assert traced_peak(load)[1] < 64 << 20
     with pytest.raises(pickle.UnpicklingError, match=refused):
         ps.safe_loads(dicts, compressed=False)
     assert real.keys() and all(len(items) for items in real.values())

@@ -85,14 +85,21 @@ def test_a_key_nested_past_what_hash_can_recurse_is_refused_naming_the_shard(mac
 
 
 @pytest.mark.parametrize("head", [b"\x8e", b"\x96", b"\x8d", b"\x95"])  # BINBYTES8, BYTEARRAY8, BINUNICODE8, FRAME
-def test_a_length_past_what_python_can_hold_is_refused_naming_the_shard(machine, tmp_path, head):
-    """An 8-byte length of 2**63 or more (no object can be that long): the unpickler raised OverflowError,
-    which load_shard let through as a bare traceback naming no shard (read_vector, the dataset)."""
+@pytest.mark.parametrize("length", [2**63, 2**62, 2**40])
+def test_a_length_past_what_the_shard_can_hold_is_refused_naming_the_shard(machine, tmp_path, head, length):
+    """An 8-byte length past what the shard holds: 2**63 or more (no object can be that long) raised
+    OverflowError, 2**62 MemoryError (the C unpickler allocates the argument before reading it), each a
+    bare traceback from load_shard naming no shard (read_vector, the dataset); 2**40 allocated a TB
+    (virtual) first. A gzip shard's room is what a shard may decompress to, a plain pickle's its end."""
     store = shutil.copytree(machine, tmp_path / "store")
-    path = replant(store, b"\x80\x05" + head + (2**63).to_bytes(8, "little") + b"x.")
+    pickled = b"\x80\x05" + head + length.to_bytes(8, "little") + b"x."
+    path = replant(store, pickled)  # gzip
     with pytest.raises(FormatError, match=f"{path}: refused to load shard: .* at byte 2 has a length "
-                                             f"{2**63} past the largest a Python object can have"):
+                                             f"{length} past what a shard may decompress to"):
         ps.load_shard(store, ps.load_metadata(store)["shards"][0])
+    with pytest.raises(pickle.UnpicklingError, match=rf"at byte 2 has a length {length} past the end of the pickle "
+                                                     rf"\(13 bytes\)"):
+        ps.safe_loads(pickled, compressed=False)
 
 
 def test_an_int_too_long_to_print_is_refused_naming_the_shard(machine, tmp_path):

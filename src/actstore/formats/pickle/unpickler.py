@@ -7,7 +7,6 @@ import pickle  # absolute import: the standard library, not this package
 import pickletools
 import re
 import struct
-import sys
 import threading
 from contextlib import contextmanager
 from functools import partial
@@ -234,7 +233,7 @@ def _gunzip_load(data: bytes, take: Callable[[int], None]) -> Any:
     unpickler builds from it through the opcode check (_MemoChecked), which reads on to the end of the
     gzip stream (a truncated or bad gzip is refused as when it was whole), every byte charged to `take`."""
     with _gunzip_stream(data, take) as stream:
-        return _MemoChecked(stream, take).load()
+        return _MemoChecked(stream, take, memory_budget(), "what a shard may decompress to").load()
 
 
 PUT_OPCODES = ("PUT", "BINPUT", "LONG_BINPUT")
@@ -383,10 +382,11 @@ class _MemoChecked:
     its memo to twice the index named, zeroed, so 9 bytes naming 2**30 took 16 GiB before anything
     could refuse the shard. Frames are checked (_check) and opcodes charged to the budget (_charge)
     on the way. One pass over the bytes (a check reading them first inflated a gzip shard twice); no
-    peek(), so the unpickler reads nothing it has not been handed, checked."""
+    peek(), so the unpickler reads nothing it has not been handed, checked. `room`: the most bytes the
+    stream can hold, `room_is` what that is, for messages."""
 
-    def __init__(self, stream: IO[bytes], take: Callable[[int], None]) -> None:
-        self.stream, self.take = stream, take
+    def __init__(self, stream: IO[bytes], take: Callable[[int], None], room: int, room_is: str) -> None:
+        self.stream, self.take, self.room, self.room_is = stream, take, room, room_is
         self.offset = 0  # of the first byte of the next read, for messages
         self.head = bytearray()  # the opcode being read and as much of its argument as it needs
         self.skip = 0  # bytes of a counted argument (a string, an array's data) still to pass
@@ -508,7 +508,7 @@ class _MemoChecked:
         its counted bytes to pass, its memo index checked, its step of the stack followed (_Nesting)."""
         if count_format:
             (self.skip,) = struct.unpack_from(count_format, self.head, 1)
-            _check_length(opcode.name, at, self.skip)
+            self._check_length(opcode.name, at, self.skip)
         index = None
         if opcode.name in INDEXED:
             try:
@@ -528,21 +528,23 @@ class _MemoChecked:
         if self.frame_end > at + len(self.head):
             raise _Refused(f"FRAME at byte {at} begins before the frame ending at byte {self.frame_end} ends")
         (length,) = struct.unpack_from("<Q", self.head, 1)
-        _check_length("FRAME", at, length)
+        self._check_length("FRAME", at, length)
         self.frame_end = at + len(self.head) + length
 
-
-def _check_length(name: str, at: int, length: int) -> None:
-    """An opcode's length, refused where the unpickler would raise OverflowError (past sys.maxsize: not
-    among the errors a hostile shard is expected to raise, so it escaped load_shard naming no shard)."""
-    if length < 0:
-        raise _Refused(f"{name} at byte {at} has a negative length {length}")
-    if length > sys.maxsize:
-        raise _Refused(f"{name} at byte {at} has a length {length} past the largest a Python object can have")
+    def _check_length(self, name: str, at: int, length: int) -> None:
+        """The length of the opcode at byte `at`, refused past the stream's room: the C unpickler allocates
+        a counted argument before reading it, so a length of 2**62 was a MemoryError naming no shard (past
+        sys.maxsize, an OverflowError, as bare: neither is an error a hostile shard is expected to raise)."""
+        if length < 0:
+            raise _Refused(f"{name} at byte {at} has a negative length {length}")
+        if at + len(self.head) + length > self.room:
+            raise _Refused(f"{name} at byte {at} has a length {length} past {self.room_is} ({self.room:,} bytes)")
 
 
 def _load(data: bytes, compressed: bool, take: Callable[[int], None]) -> Any:
-    return _gunzip_load(data, take) if compressed else _MemoChecked(io.BytesIO(data), take).load()
+    if compressed:
+        return _gunzip_load(data, take)
+    return _MemoChecked(io.BytesIO(data), take, len(data), "the end of the pickle").load()
 
 
 def safe_loads(data: bytes, compressed: bool, take: Callable[[int], None] | None = None) -> Any:
