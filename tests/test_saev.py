@@ -569,6 +569,18 @@ def text_store(root: Path, windows: list[list[int]], layers: tuple[int, ...] = (
     return saev.write_raw_store(saev.Plan(md, np.array(windows, np.int64), {}), fill, root, progress=False)
 
 
+def planted_windows(store_dir: Path, windows: list[list[int]]) -> Path:
+    """The store's windows.npy replaced by these rows, its actstore.json record rewritten to match (a
+    writer's bug, or a hostile store: the records cannot show it; the writer refuses such rows)."""
+    from actstore.integrity import file_record
+
+    np.save(store_dir / "windows.npy", np.array(windows, np.int64))
+    sidecar = json.loads((store_dir / saev.SIDECAR).read_text())
+    sidecar["files"]["windows.npy"] = file_record(store_dir / "windows.npy")
+    (store_dir / saev.SIDECAR).write_text(json.dumps(sidecar))
+    return store_dir
+
+
 @pytest.mark.parametrize("windows, named", [
     ([[1, 0, 4], [0, 0, 4], [0, 4, 2]], r"row 1 \[0, 0, 4\]: sample_idx smaller than the row before"),
     ([[0, 0, 4], [0, 2, 4], [1, 0, 3]], r"row 1 \[0, 2, 4\]: token_start 2, expected 4"),  # overlap
@@ -580,8 +592,12 @@ def text_store(root: Path, windows: list[list[int]], layers: tuple[int, ...] = (
 def test_windows_that_hand_out_other_tokens_are_named(tmp_path, windows, named):
     """windows.npy rows out of sample order, or a sample's windows that overlap, leave a gap or start
     off its token 0: read_vector returned another sample's (or window's) vector and verify passed. verify
-    names windows.npy and the row, read_vector refuses it; windows that tile each sample read right."""
-    store_dir = text_store(tmp_path / "bad", windows)
+    names windows.npy and the row, read_vector refuses it; windows that tile each sample read right.
+    The writer refuses such rows before it writes a shard (it wrote the store, which verify then named)."""
+    with pytest.raises(FormatError, match=rf"saev\.Plan\.windows: {named}"):
+        text_store(tmp_path / "refused", windows)
+    assert not list((tmp_path / "refused").iterdir())
+    store_dir = planted_windows(text_store(tmp_path / "bad", [[i, 0, 4] for i in range(len(windows))]), windows)
     problems = saev.verify(store_dir)
     assert len(problems) == 1 and re.match(rf"{re.escape(str(store_dir / 'windows.npy'))}: {named}", problems[0]), problems
     with pytest.raises(FormatError, match=named):

@@ -22,7 +22,7 @@ from actstore.formats.extract import PartInfo, layer_tensor
 from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS, LABELS, METADATA, PROTOCOL,
                                           SEALED, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, check_metadata,
                                           dropped_tokens, encode_data, examples_per_shard, shard_name, shard_sizes,
-                                          store_name, text_windows, to_upstream)
+                                          store_name, text_windows, to_upstream, window_problem)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
 from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, canonical_sha256,
@@ -355,8 +355,8 @@ def _check_shape(plan: Plan) -> None:
     """ConfigError naming the metadata fields of a plan (write_raw_store takes any) whose examples hold
     no vector, whose shards hold no example (the shard arithmetic divided by zero: a ZeroDivisionError
     naming nothing) or whose example count is negative (a shard planned for a store no reader opens);
-    FormatError naming the field of metadata (layout.check_metadata), or the labels (labels.bin's uint8
-    (n_examples, patches_per_ex)), the readers refuse."""
+    FormatError naming the field of metadata (layout.check_metadata), the labels (labels.bin's uint8
+    (n_examples, patches_per_ex)) or the windows (layout.window_problem) the readers refuse."""
     md = plan.metadata
     layers, tokens, d_model = plan.example_shape
     if min(layers, tokens, d_model) < 1 or md["n_examples"] < 0:
@@ -372,6 +372,9 @@ def _check_shape(plan: Plan) -> None:
     # So is its labels.bin: finish_store refused it after every shard was written, naming the store's temp dir.
     if plan.labels is not None:
         _check_labels(np.asarray(plan.labels), (md["n_examples"], md["patches_per_ex"]), "saev.Plan.labels")
+    # And its windows.npy, which verify and the readers refused after every shard was written.
+    if plan.windows is not None and (problem := window_problem(np.asarray(plan.windows), md["n_examples"], tokens)):
+        raise FormatError(f"saev.Plan.windows: {problem}")
 
 
 def _write_shard(path: Path, fill: Fill, start: int, n: int, buffers: list[np.ndarray], size: int,
