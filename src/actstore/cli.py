@@ -21,8 +21,10 @@ from actstore.errors import ActstoreError, ConfigError
 
 SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model", "dtype", "n_shards", "bytes")
 # What a store lost, printed when it lost any: texts cut at max_seq_length, values float16 made inf, the
-# activations and the logits (or log-probs) the model computed as NaN or inf (formats.extract.COUNT_KEYS).
-NOTE_KEYS = ("n_truncated_samples", "float16_overflow_count", "non_finite_count", "non_finite_logits_count")
+# activations and the logits (or log-probs) the model computed as NaN or inf (formats.extract.COUNT_KEYS);
+# and an extraction's parts so far, while it lacks some.
+NOTE_KEYS = ("n_truncated_samples", "float16_overflow_count", "non_finite_count", "non_finite_logits_count",
+             "unfinished")
 SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source", "heldout_fvu", "saelens")
 # --threads past this gains no reads (each thread holds one file) and a store of many files could start
 # as many threads, past the process's limit; 2**61 and up overflowed the check's window, and a clean

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import COUNT_KEYS, INDEX, PART_META, layer_tensor, part_dirname, part_dirs
+from actstore.formats.extract.layout import COUNT_KEYS, INDEX, PART_META, layer_tensor, part_dirs
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
 from actstore.integrity import file_problem, inside, links_out, read_json, vector_indices, whole_number
@@ -16,9 +16,10 @@ from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, 
 
 
 def detect(path: str | Path) -> bool:
-    """An extraction stage directory (part-NNNN/part.json) or a single part directory."""
+    """An extraction stage directory (part-NNNN/part.json: any part, as the parts of a running
+    extraction finish in any order) or a single part directory."""
     path = Path(path)
-    return (path / PART_META).is_file() or (path / part_dirname(0) / PART_META).is_file()
+    return (path / PART_META).is_file() or any((part / PART_META).is_file() for part in part_dirs(path))
 
 
 def _part_dirs(path: Path) -> list[Path]:
@@ -26,12 +27,15 @@ def _part_dirs(path: Path) -> list[Path]:
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
-    """Summary of an extraction (all parts) for `actstore inspect`."""
-    parts = [open_part(p) for p in _part_dirs(Path(path))]
+    """Summary of an extraction (all parts) for `actstore inspect`; `unfinished` says how many parts
+    an extraction without extract.json (running, or cut short) holds of how many."""
+    path = Path(path)
+    parts = [open_part(p) for p in _part_dirs(path)]
     info = parts[0].info
     # Read through Part.tensor, which checks the record and header are (tokens, width) in a storage dtype
     # (a 1-D record crashed this with a bare IndexError), from a part holding tokens (an empty one has no files)
     first_layer = next((p.tensor(layer_tensor(info.layers[0])) for p in parts if p.info.n_tokens), None)
+    unfinished = not (path / PART_META).is_file() and not (path / INDEX).is_file()
     return {
         "format": "actstore-extract", "model": info.model.name, "layers": info.layers,
         "hooks": info.hooks, "n_examples": sum(p.info.n_samples for p in parts),
@@ -44,6 +48,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
         **{key: sum(p.meta.get(key) or 0 for p in parts) for key in COUNT_KEYS},
         # texts cut at max_seq_length (part.json; None where a part does not know: images, older parts)
         "n_truncated_samples": _total(p.meta.get("n_truncated_samples") for p in parts),
+        **({"unfinished": f"{len(parts)} of {info.parts} parts, no {INDEX}: still running or cut short, "
+                          "the counts above are those parts'"} if unfinished else {}),
     }
 
 
