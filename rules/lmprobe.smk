@@ -7,7 +7,7 @@ from actstore.jobs import write_jobs
 
 LMPROBE_DIR = sdir("lmprobe")
 LMPROBE_JOBS = write_jobs(config, "lmprobe")
-check_options(config)  # lmprobe.layers / logits_topk against extract.*, before any job runs
+check_options(config)  # lmprobe.layers / logits_topk against extract.* and the model's kind, before any job runs
 
 
 # Only the index as input: it already depends on every part (and records each part.json's sha256),

@@ -11,7 +11,8 @@ import numpy as np
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
                                              LOGITS_COLUMNS, STORAGES, SUMS, prompt_order)
-from actstore.formats.lmprobe.read import LmprobeDataset, dataset_root, find_index, list_column, open_dataset, read_info
+from actstore.formats.lmprobe.read import (LmprobeDataset, dataset_root, find_index, list_column, open_dataset,
+                                           pattern_fields, read_info)
 from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, open_regular, problems_of, sorted_files,
                                 unlisted, vector_indices, whole_number)
 
@@ -20,21 +21,31 @@ def check_selection(layers: list[int], logits_topk: int | None, have_layers: lis
                     have_topk: int | None) -> None:
     """ConfigError (naming the lmprobe key) unless the layers and top-k asked for were extracted, each
     layer once: a layer twice was written twice at once into one file, and stored twice in
-    hidden_layers.layers (every reader of its list then took that layer's vectors twice)."""
+    hidden_layers.layers (every reader of its list then took that layer's vectors twice). `have_topk`
+    None: no logits were (or will be) extracted, so a top-k asked for is refused (an encoder's or vision
+    model's dataset was written without them, silently)."""
     repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
     if repeated:
         raise ConfigError(f"lmprobe.layers: {repeated} given more than once")
     missing = [layer for layer in layers if layer not in have_layers]
     if missing:
         raise ConfigError(f"lmprobe.layers: {missing} not extracted (extract.layers = {have_layers})")
-    if logits_topk and have_topk is not None and logits_topk > have_topk:
+    if logits_topk is not None and have_topk is None:
+        raise ConfigError(f"lmprobe.logits_topk: {logits_topk} asked for, but the extraction keeps no logits (only a "
+                          "causal LM's are kept); set lmprobe.logits_topk: null")
+    if logits_topk and logits_topk > have_topk:
         raise ConfigError(f"lmprobe.logits_topk: {logits_topk} > extract.logits_topk = {have_topk}")
 
 
 def check_options(config: dict[str, Any]) -> None:
-    """Parse-time check of the lmprobe section against the extract section (ConfigError names the key)."""
+    """Parse-time check of the lmprobe section against the extract section and the model's kind
+    (only a causal LM's logits are extracted: extract.logits_topk is the default 20 for any model);
+    ConfigError names the key."""
+    from actstore.model_config import model_kind, run_config
+
     opts, ext = config["lmprobe"], config["extract"]
-    check_selection(opts.get("layers") or [], opts.get("logits_topk"), ext["layers"], ext["logits_topk"])
+    have_topk = ext["logits_topk"] if model_kind(run_config(config["model"])) == "causal" else None
+    check_selection(opts.get("layers") or [], opts.get("logits_topk"), ext["layers"], have_topk)
 
 
 def detect(path: str | Path) -> bool:
@@ -110,30 +121,60 @@ def verify(path: str | Path, checksums: bool = True) -> list[str]:
     try:
         return _verify(root, checksums)
     except FormatError as exc:  # an index column pyarrow cannot decode (read_index): named, and the files checked
-        return _verify_sums(root) + [str(exc)]
+        return _verify_sums(root, _listing(root)) + [str(exc)]
     except Exception as exc:  # a damaged store must be reported, not crash the validator
         return [f"{root}: verification aborted: {type(exc).__name__}: {exc}"]
 
 
 def _verify(root: Path, checksums: bool) -> list[str]:
+    listing = _listing(root)
     try:
         ds = open_dataset(root)
     except (FormatError, OSError, ValueError) as exc:
-        return _verify_sums(root) + [str(exc)]
+        return _verify_sums(root, listing) + [str(exc)]
     except Exception as exc:  # pyarrow errors on a damaged parquet
-        return _verify_sums(root) + [f"{find_index(root)}: unreadable index ({type(exc).__name__}: {exc})"]
+        return _verify_sums(root, listing) + [f"{find_index(root)}: unreadable index ({type(exc).__name__}: {exc})"]
     # SHA256SUMS' digest of a file lmprobe:files records is compared with that record, the file hashed
     # once against it (_verify_tensor_files): hashed against each, a terabyte dataset was read twice
-    return _verify_sums(root, ds.info.get("files", {})) + _verify_index(ds) + _verify_tensor_files(ds, checksums)
+    return (_verify_sums(root, listing, ds.info.get("files", {})) + _verify_index(ds)
+            + (_named_beyond_files(ds, listing[0]) or _verify_tensor_files(ds, checksums)))
 
 
-def _verify_sums(root: Path, trusted: dict[str, Any] | None = None) -> list[str]:
+def _listing(root: Path) -> tuple[int, int]:
+    """(files under `root`, bytes of their names), one walk: what bounds SHA256SUMS' size and the tensor
+    files the descriptors may name."""
+    count = name_bytes = 0
+    for rel in sorted_files(root):
+        count, name_bytes = count + 1, name_bytes + len(os.fsencode(rel))
+    return count, name_bytes
+
+
+def _named_beyond_files(ds: LmprobeDataset, held: int) -> list[str]:
+    """One problem when a descriptor names more distinct tensor files than the dataset holds files (all
+    but some are missing): a 64 KB index naming 1000 layers x 1000 shards had verify list, check and
+    report each of 10^6 names (36 s, 400 MB; 10^8 names in a few hundred KB, hours and gigabytes)."""
+    hidden, logits = ds.hidden, ds.logits_desc
+    counts = {"hidden_layers": _distinct(hidden["file_pattern"], "layer", len(set(ds.layers)))
+              * _distinct(hidden["file_pattern"], "shard", len(hidden["shards"]))}
+    if logits:
+        counts["logits_topk"] = _distinct(logits["file_pattern"], "shard", len(logits["shards"]))
+    return [f"{ds.index_path}: lmprobe:tensors.{name} names {count} tensor files, the dataset holds {held} files; "
+            "its files are not checked" for name, count in counts.items() if count > held]
+
+
+def _distinct(pattern: str, field: str, values: int) -> int:
+    """Distinct names `values` distinct whole numbers give `pattern`'s {field} (read_info's patterns
+    format a number with a width at most: distinct numbers, distinct names)."""
+    return values if field in pattern_fields(pattern) else 1
+
+
+def _verify_sums(root: Path, listing: tuple[int, int], trusted: dict[str, Any] | None = None) -> list[str]:
     """SHA256SUMS against the files; a file in `trusted` (lmprobe:files) only against that record, and
     by its name: a file there inside the root (a name no descriptor gives is checked nowhere else:
-    missing, or leading outside the dataset, it passed)."""
+    missing, or leading outside the dataset, it passed). `listing`: _listing(root)."""
     sums = root / SUMS
     try:
-        lines = _sums_lines(root)
+        lines = _sums_lines(root, listing)
     except FormatError as exc:
         return [str(exc)]
 
@@ -154,12 +195,14 @@ SUMS_LINE_BYTES = 64 + 2 + 2  # a line's digest, the two spaces before its name,
 SUMS_SLACK_BYTES = 1 << 20  # more, for lines of files missing from the dataset (each named as missing)
 
 
-def _sums_lines(root: Path) -> list[tuple[str, str]]:
+def _sums_lines(root: Path, listing: tuple[int, int]) -> list[tuple[str, str]]:
     """(digest, name) of each SHA256SUMS line; FormatError naming the file when it is missing, no
-    regular file, or larger than a line for each file of the dataset takes (and SUMS_SLACK_BYTES): it
-    was read whole, and gigabytes in its place took that memory twice, and a list entry a line."""
+    regular file, or larger than a line for each file of the dataset (`listing`: their count and their
+    names' bytes) takes, and SUMS_SLACK_BYTES: it was read whole, and gigabytes in its place took that
+    memory twice, and a list entry a line."""
     sums = root / SUMS
-    limit = SUMS_SLACK_BYTES + sum(SUMS_LINE_BYTES + len(os.fsencode(rel)) for rel in sorted_files(root))
+    count, name_bytes = listing
+    limit = SUMS_SLACK_BYTES + count * SUMS_LINE_BYTES + name_bytes
     with open_regular(sums) as fh:
         size = os.fstat(fh.fileno()).st_size
         data = fh.read(limit + 1)  # a file grown past `limit` since is refused too, never read whole

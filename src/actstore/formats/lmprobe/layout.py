@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.casts import to_bfloat16_bits, to_float16
+from actstore.casts import BLOCK, to_bfloat16_bits, to_float16
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import whole_numbers
 from actstore.safetensors_io import header_bytes, read_header_json
@@ -85,15 +85,31 @@ def prompt_order(n: int, ordering: str, seed: int | None) -> np.ndarray:
 # ---------------------------------------------------------------- stored dtypes
 
 def from_float32(array: np.ndarray, dtype: str) -> tuple[np.ndarray, int]:
-    """float32 rows -> (rows in the storage dtype, how many finite values float16 turned into +-inf;
-    0 for the other dtypes): bfloat16 and float16 rounded to nearest even, the bits torch and numpy
-    give (actstore.casts)."""
+    """float32 rows -> (rows in the storage dtype, how many finite values it turned into +-inf; 0 for
+    float32): bfloat16 and float16 rounded to nearest even, the bits torch and numpy give (actstore.casts)."""
     if dtype == "bfloat16":
-        return to_bfloat16_bits(array), 0  # float32's range: only |x| > 3.39e38 could round to inf
+        bits = to_bfloat16_bits(array)
+        return bits, _bfloat16_overflow(array, bits)
     if dtype == "float16":
         out = np.empty(np.shape(array), np.float16)
         return out, to_float16(array, out)
     return np.asarray(array, dtype=DTYPES[dtype][1]), 0
+
+
+BF16_INF = 0x7F80  # bfloat16 bits of +inf; -inf has the sign bit too
+LARGEST = {"float16": "+-65504", "bfloat16": "+-3.3895e38"}  # each narrow dtype's finite range, as logged
+
+
+def _bfloat16_overflow(array: np.ndarray, bits: np.ndarray) -> int:
+    """How many finite values of `array` (float32) are +-inf in `bits` (their bfloat16 cast): a float32
+    past bfloat16's largest finite value (3.3895e38) by half its step or more rounds to inf, as torch's
+    cast does, and was stored so uncounted. Looked at a block at a time (temporaries stay ~casts.BLOCK)."""
+    flat, out = np.asarray(array, np.float32).reshape(-1), bits.reshape(-1)
+    overflowed = 0
+    for lo in range(0, len(out), BLOCK):
+        inf = np.flatnonzero(out[lo:lo + BLOCK] & np.uint16(0x7FFF) == BF16_INF)
+        overflowed += len(inf) - int(np.isinf(flat[lo:lo + BLOCK][inf]).sum())
+    return overflowed
 
 
 # ---------------------------------------------------------------- safetensors header codec

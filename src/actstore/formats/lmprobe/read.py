@@ -133,14 +133,15 @@ def descriptor_problems(info: dict[str, Any]) -> list[str]:
                         + (_shared_files(logits, "logits_topk") if logits else []))
 
 
-def _fields(pattern: str) -> set[str | None]:
+def pattern_fields(pattern: str) -> set[str | None]:
+    """The replacement field names of a file or key pattern."""
     return {field for _, field, _, _ in string.Formatter().parse(pattern)}
 
 
 def _shared_files(descriptor: dict[str, Any], name: str) -> list[str]:
     """A file_pattern without {shard} over several shards names one file for all of them: every shard's
     rows would be read from the first's (only verify's row count would notice)."""
-    if "shard" in _fields(descriptor["file_pattern"]) or len(descriptor["shards"]) < 2:
+    if "shard" in pattern_fields(descriptor["file_pattern"]) or len(descriptor["shards"]) < 2:
         return []
     return [f"{name}.file_pattern {descriptor['file_pattern']!r:.80} has no {{shard}} field for its "
             f"{len(descriptor['shards'])} shards: they would all be one file"]
@@ -149,7 +150,8 @@ def _shared_files(descriptor: dict[str, Any], name: str) -> list[str]:
 def _shared_tensors(hidden: dict[str, Any]) -> list[str]:
     """hidden_layers patterns, neither with {layer}, over several layers name one tensor for all of them:
     every layer's vectors were the first's, and verify passed (each file listed and intact)."""
-    if len(hidden["layers"]) < 2 or "layer" in _fields(hidden["file_pattern"]) | _fields(hidden["key_pattern"]):
+    fields = pattern_fields(hidden["file_pattern"]) | pattern_fields(hidden["key_pattern"])
+    if len(hidden["layers"]) < 2 or "layer" in fields:
         return []
     return [f"hidden_layers.file_pattern {hidden['file_pattern']!r:.80} and key_pattern {hidden['key_pattern']!r:.80} "
             f"have no {{layer}} field for its {len(hidden['layers'])} layers: they would all be one tensor"]
@@ -438,13 +440,18 @@ class LmprobeDataset:
     def labels(self) -> np.ndarray:
         """Integer label per prompt: the label_id column, else an integer label column as it is, else
         position in sorted label names; -1 = none. FormatError for labels of another type: a float
-        column (pandas' ints with a null: 1.0, 3.0, NaN) was numbered 0, 1 by position, silently."""
+        column (pandas' ints with a null: 1.0, 3.0, NaN) was numbered 0, 1 by position, silently; and for
+        an integer label column (no label_id: another writer's) holding both a null and the label -1,
+        which would be one value (the -1/1 classes of a binary task with unlabelled rows)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         name = "label_id" if "label_id" in self.column_names else "label"
         column = self._columns(name).column(name)
         if pa.types.is_integer(column.type):  # the class itself (the spec's int32 label), never renumbered
+            if column.null_count and pc.any(pc.equal(column, -1)).as_py():
+                raise FormatError(f"{self.index_path}: column {name!r} holds both nulls and the label -1, which "
+                                  "labels gives to a row without a label; read the column itself")
             return column.fill_null(-1).to_numpy().astype(np.int64)
         if pa.types.is_dictionary(column.type):  # a pandas categorical: its names are the labels
             column = column.cast(column.type.value_type)
@@ -478,9 +485,11 @@ class LmprobeDataset:
 
     # -- tensors
     def check_layer(self, layer: int) -> None:
-        """KeyError unless `layer` is stored; TypeError for a bool or a float (True and 1.0 are 1 to `in`)."""
+        """FormatError naming the stored layers unless `layer` is one, as the saev, zarr and pickle readers
+        (a bare KeyError here was the one reader's other error); TypeError for a bool or a float (True and
+        1.0 are 1 to `in`)."""
         if index_argument(layer, "layer", self.index_path) not in self.hidden["layers"]:
-            raise KeyError(f"{self.index_path}: layer {layer} not stored (layers {self.hidden['layers']})")
+            raise FormatError(f"{self.index_path}: layer {layer} not stored; layers are {self.hidden['layers']}")
 
     def hidden_tensor(self, layer: int, shard: int) -> np.ndarray:
         """Memmap (rows, dim) of one hidden shard, raw storage dtype; FormatError naming the shard when

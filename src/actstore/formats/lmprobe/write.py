@@ -28,7 +28,7 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.extract import layer_tensor
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
-                                             INDEX, INDEX_COLUMNS, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY,
+                                             INDEX, INDEX_COLUMNS, LARGEST, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY,
                                              LOGITS_ROW_BYTES_PER_K, LOGITS_VALUES_KEY, PREFIX, ST_METADATA, STORAGES,
                                              SUMS, TensorSpec, dataset_card, encode_header, from_float32,
                                              prompt_order, rows_per_shard, tensor_bytes)
@@ -104,7 +104,7 @@ class _TokenRows:
         self.local = np.concatenate([np.arange(p.info.n_samples, dtype=np.int64) for p in self.parts])
         self.start = np.concatenate([p.offsets[:-1] for p in self.parts]).astype(np.int64)
         self.stop = np.concatenate([p.offsets[1:] for p in self.parts]).astype(np.int64)
-        self.float16_overflow = 0  # finite values that became +-inf in float16 (lmprobe.dtype float16)
+        self.overflow = 0  # finite values that became +-inf in the storage dtype (lmprobe.dtype float16, bfloat16)
         self.lock = threading.Lock()  # files are gathered on several threads
 
     def runs(self, samples: np.ndarray) -> Iterator[tuple[int, int, int]]:
@@ -165,14 +165,14 @@ class _TokenRows:
             yield self._stored(ring[turn % len(ring)][:fill], dtype)
 
     def _stored(self, rows: np.ndarray, dtype: str) -> np.ndarray:
-        """Rows in the storage dtype: float32 ones converted (float16 overflows are counted, and
+        """Rows in the storage dtype: float32 ones converted (values made +-inf are counted, and
         write_tensor_files logs them), ones gathered in it as they are."""
         if rows.dtype == DTYPES[dtype][1]:
             return rows
         stored, overflow = from_float32(rows, dtype)
         if overflow:
             with self.lock:
-                self.float16_overflow += overflow
+                self.overflow += overflow
         return stored
 
     def topk(self, samples: np.ndarray, k: int, which: int) -> np.ndarray:
@@ -206,7 +206,7 @@ def _options(options: dict[str, Any], extraction) -> dict[str, Any]:
     opts["layers"] = sorted(layers)
     if opts["dtype"] == "auto":  # the extraction's, run-wide: lossless, and its bits copied as they are
         opts["dtype"] = extraction.parts[0].tensor(layer_tensor(opts['layers'][0])).stored_dtype
-    opts["logits_topk"] = (opts["logits_topk"] or k_have) if k_have is not None else None
+    opts["logits_topk"] = opts["logits_topk"] or k_have  # None where the extraction kept none (checked above)
     return opts
 
 
@@ -302,9 +302,9 @@ def write_tensor_files(plan: Plan, root: Path, items: range, progress: bool = Fa
         written = tqdm(pool.map(write_file, items), total=len(items), desc="lmprobe tensor files", unit="file",
                        disable=not progress)
         records = {plan.files[i]: record for i, record in zip(items, written)}
-    if plan.src.float16_overflow:
-        log.warning("lmprobe.dtype float16: %d finite activations beyond +-65504 are stored as +-inf in %s "
-                    "(bfloat16 or float32 keeps them)", plan.src.float16_overflow, root / "tensors")
+    if plan.src.overflow:
+        log.warning("lmprobe.dtype %s: %d finite activations beyond %s are stored as +-inf in %s (float32 keeps "
+                    "them)", plan.opts["dtype"], plan.src.overflow, LARGEST[plan.opts["dtype"]], root / "tensors")
     return records
 
 
