@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from actstore.datasets.core import Fields, Sample, check_unicode, label_list
 from actstore.datasets.folder_metadata import described, rows_of, scan_metadata
+from actstore.datasets.json_array import MAX_ELEMENT_CHARS
 from actstore.datasets.scan import Scan, check_metadata_unchanged, files_changed
 from actstore.datasets.source import Source, folder_file
 from actstore.errors import ConfigError
@@ -106,9 +107,19 @@ def _samples(fmt: str, root: Path, named: dict[int, str], fields: Fields, metada
     return samples
 
 
+# A text file larger than this is named rather than read: it is one sample's text, held whole
+# (and tokenized whole before max_seq_length cuts it), as a JSON line is bounded (jsonl.MAX_LINE_CHARS).
+MAX_TEXT_BYTES = MAX_ELEMENT_CHARS
+
+
 def read_text(path: Path, encoding: str) -> str:
-    """A text file's text, as written; ConfigError naming the file unless it is text in `encoding`."""
-    data = path.read_bytes()
+    """A text file's text, as written; ConfigError naming the file unless it is text in `encoding`
+    of at most MAX_TEXT_BYTES bytes (never more read: a 5 GB log held 5 GB, and its text more)."""
+    with path.open("rb") as fh:
+        data = fh.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise ConfigError(f"{path}: a text file larger than {MAX_TEXT_BYTES} bytes, not one sample's text "
+                          f"(split it, or leave it out with a glob in dataset.path)")
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as exc:

@@ -97,8 +97,9 @@ class ImageOpener:
             try:
                 return inside(self.source.files[shard].parent, value, row)
             except FormatError as exc:
-                raise ConfigError(f"{exc}: a table's image is its bytes, or a path relative to the table's folder "
-                                  "(store the images' bytes in the table, or put the images under that folder)") from None
+                raise ConfigError(f"{exc}: a table's image is its bytes, or a path relative to the table's "
+                                  "folder (store the images' bytes in the table, or put the images under that "
+                                  "folder)") from None
         raise ConfigError(f"{where}: holds no image (null)")
 
     def __getstate__(self) -> dict[str, Any]:  # workers start with no cached block

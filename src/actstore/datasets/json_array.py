@@ -1,7 +1,8 @@
 """A JSON file holding one array of objects (Alpaca's alpaca_data.json, ShareGPT dumps, most
 `data.json` files): its elements read one at a time from a bounded buffer, never the whole file
-(json.load holds ~2.5 times the file: +170 MB for 67 MB, measured), each from the byte after the one before, so the scan can
-mark where rows start and a job read from there, as for JSON lines (jsonl.py)."""
+(json.load holds ~2.5 times the file: +170 MB for 67 MB, measured), each from the byte after the
+one before, so the scan can mark where rows start and a job read from there, as for JSON lines
+(jsonl.py)."""
 from __future__ import annotations
 
 import codecs
@@ -25,8 +26,8 @@ def starts_array(head: bytes) -> bool:
 
 
 def elements(fh: IO[bytes], position: int = 0, number: int = 0
-             ) -> Iterator[tuple[int, Any, int, Callable[[], int]]]:
-    """(number, value, characters, byte position just after it) of each element of the array in
+             ) -> Iterator[tuple[int, Any, str, Callable[[], int]]]:
+    """(number, value, its JSON text, byte position just after it) of each element of the array in
     `fh` (an open binary file), from its start, or (`number` > 0) from just after element `number`,
     which ends at byte `position`. ArrayError naming the element and byte where the file is not
     a JSON array, ends inside it, or goes on after it."""
@@ -45,7 +46,7 @@ def elements(fh: IO[bytes], position: int = 0, number: int = 0
     while True:
         value, start, end = reader.value(number + 1)
         number += 1
-        yield number, value, end - start, reader.position_at(end)
+        yield number, value, reader.text[start:end], reader.position_at(end)
         reader.i = end
         if not reader.comma_or_end(number):
             return reader.end()

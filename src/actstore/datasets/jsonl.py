@@ -73,12 +73,16 @@ class Row(NamedTuple):
     number: int  # its line (JSON lines) or element (an array) in the file, from 1
     where: str  # for errors: file:line, or file: element N
     item: Any  # the line's text, or the element's value (parsed to find its end)
-    chars: int
+    text: str  # the row's JSON text: the line, or the element's
     position: Callable[[], int]  # where the next row starts: a Mark's position
 
     @property
     def noun(self) -> str:
         return "line" if isinstance(self.item, str) else "element"
+
+    @property
+    def chars(self) -> int:
+        return len(self.text)
 
 
 def _rows(files: tuple[Path, ...], start: Mark) -> Iterator[Row]:
@@ -89,9 +93,9 @@ def _rows(files: tuple[Path, ...], start: Mark) -> Iterator[Row]:
         number = begin.line  # the last element read: the one after it is named when it cannot be parsed
         try:
             if _is_array(files[file]):
-                with _open_bytes(files[file]) as fh:
-                    for number, value, chars, position in elements(fh, begin.position, begin.line):
-                        yield Row(file, number, f"{files[file]}: element {number}", value, chars, position)
+                with open_bytes(files[file]) as fh:
+                    for number, value, text, position in elements(fh, begin.position, begin.line):
+                        yield Row(file, number, f"{files[file]}: element {number}", value, text, position)
             else:
                 yield from _lines(files, file, begin)
         except ArrayError as exc:
@@ -134,7 +138,7 @@ def _lines(files: tuple[Path, ...], file: int, start: Mark) -> Iterator[Row]:
                     raise ConfigError(f"{files[file]}:{line_no}: a line longer than {MAX_LINE_CHARS} characters, "
                                       f"not a JSON lines row")
                 if line.strip():
-                    yield Row(file, line_no, f"{files[file]}:{line_no}", line, len(line), fh.tell)
+                    yield Row(file, line_no, f"{files[file]}:{line_no}", line, line, fh.tell)
         except UnicodeDecodeError:
             raise  # named by _rows
         except (EOFError, ValueError) as exc:  # a .gz or .zst file cut short or damaged (_decompressed_blocks)
@@ -146,14 +150,14 @@ def open_text(path: Path) -> IO[str]:
     seek) are in the decompressed text, so the scan's marks work alike: a compressed stream cannot
     be entered midway, so seeking to one decompresses the file up to it. A UTF-8 byte order mark
     at its start (files saved on Windows) is skipped, as Hugging Face's json loader skips it."""
-    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig")
+    return io.TextIOWrapper(open_bytes(path), encoding="utf-8-sig")
 
 
 def _compressed(path: Path) -> bool:
     return path.suffix.lower() in COMPRESSED_SUFFIXES
 
 
-def _open_bytes(path: Path) -> IO[bytes]:
+def open_bytes(path: Path) -> IO[bytes]:
     """The file's bytes, decompressed when it is .gz or .zst."""
     return io.BufferedReader(_Decompressed(path)) if _compressed(path) else path.open("rb")
 
@@ -281,7 +285,7 @@ def _elements_in(head: bytes) -> int:
 
 def not_utf8(path: Path) -> ConfigError:
     """The error naming the first line that is not UTF-8 (text mode decodes ahead, by blocks)."""
-    with _open_bytes(path) as fh:
+    with open_bytes(path) as fh:
         for line_no, line in enumerate(fh, start=1):
             try:
                 line.decode("utf-8")
@@ -293,24 +297,23 @@ def not_utf8(path: Path) -> ConfigError:
 def _checked(row: Row, fields: Fields) -> dict[str, Any]:
     """The row parsed (_parse) and checked for the fields the config reads (_distinct, _check)."""
     parsed = _parse(row.item, row.where, row.noun)
-    _distinct(row.item, fields, row.where)
+    _distinct(row.text, fields, row.where, row.noun)
     _check(parsed, fields, row.where, row.noun)
     return parsed
 
 
-def _distinct(item: Any, fields: Fields, where: str) -> None:
-    """ConfigError naming a field the config reads that a line names twice: json keeps the last
-    value, so the row was read with its second text (or label, or kept field) without a word
-    (Hugging Face's json loader refuses the line). The line is parsed again, as pairs, only where
-    such a name's quoted spelling is in its text twice (once more in a nested object is no duplicate)."""
-    if not isinstance(item, str):
-        return  # an array's element, parsed already
-    found = [name for name, quoted in fields.json_names if item.count(quoted) > 1]
+def _distinct(text: str, fields: Fields, where: str, noun: str) -> None:
+    """ConfigError naming a field the config reads that a row (a line, or an array's element) names
+    twice: json keeps the last value, so the row was read with its second text (or label, or kept
+    field) without a word (Hugging Face's json loader refuses the line). The row's text is parsed
+    again, as pairs, only where such a name's quoted spelling is in it twice (once more in a nested
+    object is no duplicate)."""
+    found = [name for name, quoted in fields.json_names if text.count(quoted) > 1]
     if found:
-        keys = [key for key, _ in json.loads(item, object_pairs_hook=list)]
+        keys = [key for key, _ in json.loads(text, object_pairs_hook=list)]
         twice = [name for name in found if keys.count(name) > 1]
         if twice:
-            raise ConfigError(f"{where}: field {twice[0]!r} appears twice in the line; a row's fields are "
+            raise ConfigError(f"{where}: field {twice[0]!r} appears twice in the {noun}; a row's fields are "
                               f"distinct (which value is meant?)")
 
 

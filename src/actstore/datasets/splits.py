@@ -49,6 +49,9 @@ def split_files(root: Path, files: list[Path], split: str) -> list[Path]:
         patterns = _patterns(configured["data_files"])
         splits = {name: _matching(root, globs, files, readme) for name, globs in patterns.items()}
         how = f"{readme}'s configs"
+        if split in splits and not splits[split]:  # a misspelt pattern: "holds no samples" named none
+            raise ConfigError(f"{readme}: configs data_files of split {split!r} "
+                              f"({', '.join(map(str, patterns[split]))}) match no data file under {root}")
     else:
         splits, how = _named_splits(root, files)
     if not splits:

@@ -3,6 +3,7 @@ block at a time (a Parquet row group, an Arrow record batch, a CSV block) and on
 so memory holds one block, never the whole table."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -14,6 +15,7 @@ import pyarrow as pa
 
 from actstore.datasets.chat import checked_messages
 from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.jsonl import open_bytes
 from actstore.datasets.source import COMPRESSED_SUFFIXES, Source
 from actstore.errors import ConfigError
 
@@ -27,12 +29,13 @@ def schema_of(fmt: str, path: Path, csv_types: dict[str, pa.DataType] | None = N
     """The file's schema (`csv_types`: a CSV's columns of these types, not inferred: _text_columns)."""
     try:
         if fmt == "csv":
-            return _open_csv(path, None, csv_types).schema
+            with _open_csv(path, None, csv_types) as reader:
+                return reader.schema
         if fmt == "parquet":
             import pyarrow.parquet as pq
             return pq.read_schema(path)
         return _open_ipc(pa.memory_map(str(path))).schema
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (OSError, EOFError, ValueError) as exc:  # as _csv_batches
         raise ConfigError(f"{path}: cannot read as {fmt} ({exc})") from None
 
 
@@ -127,14 +130,19 @@ def _text_columns(fields: Fields) -> dict[str, pa.DataType]:
     return dict.fromkeys(fields.prompts, pa.string()) if fields.prompt == fields.text else {}
 
 
+@contextlib.contextmanager
 def _open_csv(path: Path, columns: list[str] | None, types: dict[str, pa.DataType] | None):
     """A CSV reader (`types`: columns' types, not inferred); newlines_in_values: a quoted value may
     hold line breaks (as csv.writer and pandas write a multi-line text), which without it fail the
-    read of any file past one block."""
+    read of any file past one block. A .gz or .zst file is decompressed as a JSON lines file is
+    (jsonl.open_bytes): pyarrow's own gzip reader refused zero padding after the last member, which
+    gzip, Python and a .jsonl.gz read."""
     from pyarrow import csv
-    return csv.open_csv(path, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
-                        parse_options=csv.ParseOptions(delimiter=csv_delimiter(path), newlines_in_values=True),
-                        convert_options=csv.ConvertOptions(include_columns=columns, column_types=types))
+    compressed = path.suffix.lower() in COMPRESSED_SUFFIXES
+    with open_bytes(path) if compressed else contextlib.nullcontext(str(path)) as source:
+        yield csv.open_csv(source, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+                           parse_options=csv.ParseOptions(delimiter=csv_delimiter(path), newlines_in_values=True),
+                           convert_options=csv.ConvertOptions(include_columns=columns, column_types=types))
 
 
 def csv_delimiter(path: Path) -> str:
@@ -150,10 +158,12 @@ def _csv_batches(path: Path, columns: list[str] | None,
     ArrowInvalid or OSError named no file)."""
     rows = 0
     try:
-        for batch in _open_csv(path, columns, types):
-            yield batch
-            rows += batch.num_rows
-    except (pa.ArrowInvalid, OSError) as exc:
+        with _open_csv(path, columns, types) as reader:
+            for batch in reader:
+                yield batch
+                rows += batch.num_rows
+    except (OSError, EOFError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError; EOFError and
+        # ValueError are also open_bytes' for a compressed file cut short or damaged
         raise ConfigError(f"{path}: cannot be read as CSV past its first {rows} rows "
                           f"({_column_named(path, str(exc))})") from None
 
