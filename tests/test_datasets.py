@@ -276,7 +276,7 @@ def test_sharegpt_conversations_render_as_the_same_role_content_messages(model_d
         read = load_dataset(path, model_path=chat_model, messages_field="conversations")
         assert [s.text for s in read.samples] == expected
     lines.write_text(json.dumps({"conversations": [{"from": "bing", "value": "hi"}]}) + "\n")
-    with pytest.raises(ConfigError, match=r"sharegpt.jsonl:1: a ShareGPT message from 'bing'; the speakers that "
+    with pytest.raises(ConfigError, match=r"sharegpt.jsonl:1: message 0: a ShareGPT message from 'bing'; the speakers that "
                                           r"are chat roles: human, gpt, system, user, assistant"):
         load_dataset(lines, model_path=chat_model, messages_field="conversations")
 
@@ -1611,7 +1611,8 @@ def test_the_scan_names_a_jsonl_row_whose_messages_are_no_chat(messages, tmp_pat
     checked: each part's job found it, after the parts before it had run)."""
     lines = tmp_path / "chat.jsonl"
     lines.write_text(json.dumps({"messages": MESSAGES[0]}) + "\n" + json.dumps({"messages": messages}) + "\n")
-    with pytest.raises(ConfigError, match=r"chat\.jsonl:2: (messages must be a list|a ShareGPT message from 'bing')"):
+    with pytest.raises(ConfigError, match=r"chat\.jsonl:2: (messages must be a list|message 0: (needs string role "
+                                          r"and content|a ShareGPT message from 'bing'))"):
         scan_dataset(lines, messages_field="messages")
     assert scan_dataset(lines, messages_field="messages", limit=1).n_samples == 1
 
@@ -1755,7 +1756,8 @@ def test_the_scan_names_a_table_row_whose_messages_are_no_chat(kind, messages, t
     else:
         path = tiny.write_parquet(tmp_path / "chat", table, shards=2, row_group_size=16)
         where = "train-00001-of-00002.parquet#30"
-    with pytest.raises(ConfigError, match=rf"{where}, column 'messages': (messages must be a list|a ShareGPT message "
-                                          rf"from 'bing')"):
+    with pytest.raises(ConfigError, match=rf"{where}, column 'messages': (messages must be a list|message 0: "
+                                          rf"(a NoneType, not|needs string role and content|a ShareGPT message "
+                                          rf"from 'bing'))"):
         scan_dataset(path, messages_field="messages")
     assert scan_dataset(path, messages_field="messages", limit=70).n_samples == 70

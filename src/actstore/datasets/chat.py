@@ -38,28 +38,44 @@ def chat_renderer(tokenizer: Any, model_path: Path, add_generation_prompt: bool)
     return render
 
 
-def checked_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """A row's messages as {role, content} ones (_message); ConfigError naming `where` unless they
+def checked_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """A row's messages as {role, content, ...} ones (_message); ConfigError naming `where` unless they
     are a non-empty list of them. The scan checks every row so, before any part's job renders one."""
     if not isinstance(messages, list):
         raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings")
     if not messages:  # transformers' apply_chat_template raises a ValueError naming no row
         raise ConfigError(f"{where}: no messages (an empty list): there is no chat to render")
-    return [_message(m, where) for m in messages]
+    return [_message(m, f"{where}: message {i}") for i, m in enumerate(messages)]
 
 
 # ShareGPT's speakers (FastChat, axolotl's and LLaMA-Factory's `sharegpt` datasets) as chat roles.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
-def _message(message: Any, where: str) -> dict[str, str]:
+def _message(message: Any, where: str) -> dict[str, Any]:
     """A {role, content} message, or ShareGPT's {from, value} one as the same, its speaker mapped by
-    SHAREGPT_ROLES; ConfigError naming `where` for anything else."""
-    if isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str):
-        return {"role": message["role"], "content": message["content"]}
-    if isinstance(message, dict) and isinstance(message.get("from"), str) and isinstance(message.get("value"), str):
+    SHAREGPT_ROLES, with its other keys: templates render tool_calls, tool_call_id, name or
+    reasoning_content (Llama 3.1's, Qwen's, Mistral's), and a tool call was dropped, leaving an empty
+    assistant turn. A key holding null is left out, as absent (a Parquet struct's missing field: a
+    template testing `'tool_calls' in message` failed on it). ConfigError naming `where` otherwise."""
+    if not isinstance(message, dict):
+        raise ConfigError(f"{where}: a {type(message).__name__}, not a {{role, content}} object")
+    present = {key: value for key, value in message.items() if value is not None}
+    if isinstance(message.get("role"), str) and isinstance(message.get("content"), str):
+        return present
+    if isinstance(message.get("from"), str) and isinstance(message.get("value"), str):
         if message["from"] not in SHAREGPT_ROLES:
             raise ConfigError(f"{where}: a ShareGPT message from {message['from']!r}; the speakers that are chat "
                               f"roles: {', '.join(SHAREGPT_ROLES)}")
-        return {"role": SHAREGPT_ROLES[message["from"]], "content": message["value"]}
-    raise ConfigError(f"{where}: messages must be a list of {{role, content}} strings (or ShareGPT's {{from, value}})")
+        others = {key: value for key, value in present.items() if key not in ("from", "value")}
+        return {**others, "role": SHAREGPT_ROLES[message["from"]], "content": message["value"]}
+    raise ConfigError(f"{where}: needs string role and content (or ShareGPT's from and value); it has "
+                      f"{_described(message)}")
+
+
+def _described(message: dict) -> str:
+    """What a refused message holds, for its error: each key and its value's JSON type."""
+    kinds = {str: "string", list: "list", dict: "object", bool: "bool", int: "number", float: "number",
+             type(None): "null"}
+    return ", ".join(f"{key}: {kinds.get(type(value), type(value).__name__)}"
+                     for key, value in list(message.items())[:8]) or "no keys"
