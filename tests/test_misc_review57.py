@@ -140,7 +140,7 @@ def test_the_lut_and_sae_jobs_memory_grows_with_the_saes_latents(extracted):
     sae = TopKSAE(d_in, small, 4)
     torch.nn.init.normal_(sae.encoder_weight)
     torch.nn.init.normal_(sae.decoder_weight)
-    tables = build_tables(_with_basis(config, small), model, sae.state())
+    tables = dict(build_tables(_with_basis(config, small), model, sae.state()))
     table_bytes = sum(t.nbytes for target in tables.values() for t in target.values())
     grown_mb = (large - small) / small * table_bytes / 1e6
     assert (resources.lut_mem_mb(_with_basis(config, large))

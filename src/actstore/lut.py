@@ -97,15 +97,16 @@ def check_targets_read_hook(config: dict[str, Any], extract_dir: str | Path, loa
                               f"would encode inputs the SAE was not trained on; list the linears that read {hook!r}")
 
 
-def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Precompute each target's tables from the live model's weights."""
-    tables = {}
-    for module_path, linear in target_linears(model, config["lut"]["targets"],
-                                              sae_state["encoder_weight"].shape[1]).items():
-        w_target = linear.weight.detach().float().cpu().T
-        bias = None if linear.bias is None else linear.bias.detach().float().cpu()
-        tables[module_path] = precompute(sae_state, w_target, bias, config["lut"]["dtype"], module_path)
-    return tables
+def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, torch.Tensor]
+                 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(module path, its tables) for each target, precomputed from the live model's weights when asked
+    for and never held here: write_lut writes and drops each before the next is made, so the stage holds
+    one target's tables (GBs at 65k latents), not every target's. The targets are resolved up front."""
+    linears = target_linears(model, config["lut"]["targets"], sae_state["encoder_weight"].shape[1])
+    return ((module_path, precompute(sae_state, linear.weight.detach().float().cpu().T,
+                                     None if linear.bias is None else linear.bias.detach().float().cpu(),
+                                     config["lut"]["dtype"], module_path))
+            for module_path, linear in linears.items())
 
 
 def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path, out_dir: str | Path,
@@ -134,10 +135,11 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
 
         check_device_pipeline(loaded.preprocessor, loaded.device)
     check_targets_read_hook(config, extract_dir, loaded, sae_report(Path(sae_dir) / SAE_REPORT)["hook"])
-    tables = build_tables(config, loaded.model, sae.state())
-    lut_root = write_lut(out_dir, tables, sae.k_active, model_config_summary(loaded.config), {
+    lut_root = write_lut(out_dir, build_tables(config, loaded.model, sae.state()), sae.k_active,
+                         model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(sae_file), SAE_SHA256: sae_sha256,
         "hook": sae_meta.get("hook"), "format_writer": "actstore"})
+    del sae  # its float32 weights are in the tables now: not held through the evaluation (lut_mem_mb)
     report = evaluate_lut(config, extract_dir, heldout, lut_root, loaded, progress)
     write_json_atomic(Path(out_dir) / REPORT_FILE, report)
     return report
@@ -151,32 +153,36 @@ def relative_errors(store: LutStore, model: nn.Module, x: torch.Tensor, budgets:
     Always the lookup (whatever lut.runtime says): this is the accuracy of the tables. A token whose
     x @ W is 0 has no ratio: it is left out of the mean and counted (zero_output_tokens, only when
     there are some; a floor of 1e-12 made the mean ~1e9 for one such token); a ratio with no token to
-    average over, or a zero ||xW||, is null."""
+    average over, or a zero ||xW||, is null. One target's tables are held at a time (target_errors)."""
+    return {module_path: target_errors(store, model, module_path, x, budgets) for module_path in store.layers}
+
+
+def target_errors(store: LutStore, model: nn.Module, module_path: str, x: torch.Tensor,
+                  budgets: list[int]) -> dict[str, Any]:
+    """relative_errors of one target, its tables loaded here and let go on return (a loop's variables
+    held the last target's float32 copies while the next loaded)."""
     from actstore.models import get_module
 
-    results = {}
-    for module_path in store.layers:
-        linear = get_module(model, module_path, store.layers_source)
-        tables = store.load(module_path)
-        lut = LutLinear(LutEncoder(tables, store.k_active, torch.float32), tables, linear, with_bias=False)
-        exact = x @ lut.w_target
-        norms = exact.norm(dim=-1)
-        nonzero = norms > 0
-        zero_tokens = int((~nonzero).sum())
-        if zero_tokens:
-            log.warning("lut %s: %d held-out token(s) with a zero target output x @ W, left out of its "
-                        "mean_token_relative_error (their ratio is undefined)", module_path, zero_tokens)
-        per_budget = {}
-        for budget in budgets:
-            lut.set_budget(budget)
-            with torch.inference_mode():
-                diff = lut(x) - exact
-            ratios = diff.norm(dim=-1)[nonzero] / norms[nonzero]
-            errors = {"relative_error": float(diff.norm() / exact.norm()) if exact.norm() > 0 else None,
-                      "mean_token_relative_error": float(ratios.mean()) if len(ratios) else None}
-            per_budget[str(budget)] = {**errors, "zero_output_tokens": zero_tokens} if zero_tokens else errors
-        results[module_path] = per_budget
-    return results
+    linear = get_module(model, module_path, store.layers_source)
+    tables = store.load(module_path)
+    lut = LutLinear(LutEncoder(tables, store.k_active, torch.float32), tables, linear, with_bias=False)
+    exact = x @ lut.w_target
+    norms = exact.norm(dim=-1)
+    nonzero = norms > 0
+    zero_tokens = int((~nonzero).sum())
+    if zero_tokens:
+        log.warning("lut %s: %d held-out token(s) with a zero target output x @ W, left out of its "
+                    "mean_token_relative_error (their ratio is undefined)", module_path, zero_tokens)
+    per_budget = {}
+    for budget in budgets:
+        lut.set_budget(budget)
+        with torch.inference_mode():
+            diff = lut(x) - exact
+        ratios = diff.norm(dim=-1)[nonzero] / norms[nonzero]
+        errors = {"relative_error": float(diff.norm() / exact.norm()) if exact.norm() > 0 else None,
+                  "mean_token_relative_error": float(ratios.mean()) if len(ratios) else None}
+        per_budget[str(budget)] = {**errors, "zero_output_tokens": zero_tokens} if zero_tokens else errors
+    return per_budget
 
 
 def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path,

@@ -468,13 +468,17 @@ def sae_weight_bytes(config: dict[str, Any], w: Workload) -> int:
 
 
 def lut_table_bytes(config: dict[str, Any], w: Workload) -> int:
-    """What build_tables holds: each target's tables in lut.dtype (products num_basis x its outputs,
-    and the encoder and decoder it carries), one target's float32 products being computed, and the
-    float32 SAE they come from. A target's outputs are counted at w.d (the MLP's width when hooks are
-    captured; an LM head target, vocabulary-wide, is not)."""
-    basis = sae_basis(config, w)
-    tables = len(config["lut"]["targets"]) * basis * 3 * w.d * 2
-    return tables + basis * w.d * 4 + sae_weight_bytes(config, w)
+    """The most bytes build_lut holds in tables at once, about 26 a value of one num_basis x w.d table
+    (a target's outputs are counted at w.d: the MLP's width when hooks are captured; an LM head target,
+    vocabulary-wide, is not) for one target's, whatever the number of targets: built (build_tables into
+    write_lut, one target at a time), the float32 SAE (8), a target's float32 products (4), its three
+    16-bit tables (6) and the overflow check's temporaries (about 8, measured); evaluated (the SAE let
+    go), a target's 16-bit tables (6), their float32 copies (12) and an encoder's (8). Where the tables
+    stay on the host (lut.device not cuda: auto may find no GPU), end_to_end's model holds every
+    target's float32 products side by side, twice that while install_luts' torch.cat copies them: 8 a
+    value more a target."""
+    on_host = not config["lut"]["device"].startswith("cuda")
+    return (26 + on_host * 8 * len(config["lut"]["targets"])) * sae_basis(config, w) * w.d
 
 
 LUT_EVAL_LOGITS = 1 << 27  # logits of one end-to-end LUT evaluation batch, at most (lut.end_to_end)
@@ -482,7 +486,7 @@ LUT_EVAL_LOGITS = 1 << 27  # logits of one end-to-end LUT evaluation batch, at m
 
 def lut_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     """Host memory of build_lut: the model loaded in float32 on the host first (twice its weight files
-    for a 16-bit checkpoint), the tables of every target (lut_table_bytes), the end-to-end evaluation's
+    for a 16-bit checkpoint), its tables at their peak (lut_table_bytes), the end-to-end evaluation's
     batch (two runs' float32 outputs and their log-softmaxes: LUT_EVAL_LOGITS each, at most), 3 GB for
     torch/CUDA."""
     w = workload(config)

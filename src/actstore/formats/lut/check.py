@@ -52,12 +52,7 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
             problems.append(f"{meta_path}: field 'sae_config.{key}' missing or not a positive int")
     if not problems and meta["sae_config"]["k_active"] > meta["sae_config"]["num_basis"]:
         problems.append(f"{meta_path}: sae_config.k_active > sae_config.num_basis")
-    for key in ("model_config", "creation_info"):
-        if key in meta and not isinstance(meta[key], dict):
-            problems.append(f"{meta_path}: field '{key}' is not an object")
-        elif key in meta:  # optional (spec); where a field is given, its type is checked
-            problems += [f"{meta_path}: field '{key}.{field}' must be {want}, got {meta[key][field]!r:.60}"
-                         for field, want, ok in OPTIONAL_FIELDS[key] if field in meta[key] and not ok(meta[key][field])]
+    problems += optional_field_problems(meta, meta_path)
     layers = meta.get("layers")
     if not isinstance(layers, dict) or not layers:
         return problems + [f"{meta_path}: field 'layers' missing, empty or not an object"]
@@ -78,6 +73,19 @@ def metadata_problems(meta: Any, meta_path: Path) -> list[str]:
         if isinstance(entry, dict) and not isinstance(entry.get("has_bias", False), bool):
             problems.append(f"{meta_path}: field 'layers.{name}.has_bias' must be true or false, "
                             f"got {entry['has_bias']!r:.60}")
+    return problems
+
+
+def optional_field_problems(meta: dict[str, Any], meta_path: Path) -> list[str]:
+    """model_config and creation_info (optional in the spec): each an object, where a field is given of
+    its type (OPTIONAL_FIELDS). write_lut checks its caller's before any table is made."""
+    problems = []
+    for key in ("model_config", "creation_info"):
+        if key in meta and not isinstance(meta[key], dict):
+            problems.append(f"{meta_path}: field '{key}' is not an object")
+        elif key in meta:
+            problems += [f"{meta_path}: field '{key}.{field}' must be {want}, got {meta[key][field]!r:.60}"
+                         for field, want, ok in OPTIONAL_FIELDS[key] if field in meta[key] and not ok(meta[key][field])]
     return problems
 
 
