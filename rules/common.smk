@@ -15,6 +15,7 @@ from actstore.jobs import job_items
 from actstore.model_config import (check_layers, check_logits_topk, check_sequence_length, resolve_model_path,
                                    run_config)
 from actstore.model_identity import check_model_unchanged
+from actstore.patch_labels import check_masks_dataset
 from actstore.workflow import parse_dataset
 
 # Cheap parse-time checks, so bad input fails before any job is scheduled. The library's validation
@@ -33,6 +34,9 @@ check_logits_topk(config["extract"]["logits_topk"], model_config)
 STAGE_HASHES = parse_dataset(config, main_process=workflow.is_main_process)
 if config["saev"].get("patch_labels") and not Path(config["saev"]["patch_labels"]["masks"]).is_dir():
     raise ConfigError(f"saev.patch_labels.masks is not a directory: {config['saev']['patch_labels']['masks']}")
+# The main process only: its dataset listing is remembered from parse_dataset; a job's parse lists nothing.
+if config["saev"].get("patch_labels") and workflow.is_main_process:
+    check_masks_dataset(config["dataset"])
 
 # Every rule's paths are {dump_to}/...: a brace there is a Snakemake wildcard, which stopped the parse
 # with a bare WildcardError naming a rule's line, not the key.

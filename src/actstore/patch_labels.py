@@ -112,6 +112,22 @@ def aggregate(mask: np.ndarray, patch_size: int, n_patches: int, pixel_agg: str,
     raise ConfigError(f"saev.patch_labels.pixel_agg = {pixel_agg!r}; use majority or prefer-fg")
 
 
+def check_masks_dataset(dataset: dict[str, Any]) -> None:
+    """At parse, before any extraction part runs: ConfigError unless the `dataset` section resolves to
+    an image folder. Masks are named by an image folder's files (image_file); an image table's rows and
+    a webdataset's members are none, which the saev finishing job found only after every part ran."""
+    from actstore.datasets.source import resolve_source
+
+    fmt = dataset.get("format", "auto")
+    source = resolve_source(str(dataset["path"]), fmt, dataset.get("split", "train"))
+    if source.format != "image_folder":
+        raise ConfigError(f"saev.patch_labels: dataset.path {dataset['path']} is {source.format.replace('_', ' ')} "
+                          f"(dataset.format {fmt}), no image folder; "
+                          "masks are named by the files of an image folder dataset (masks/<image's path in the "
+                          "folder>), and a table's rows or a webdataset's members are no files: use an image "
+                          "folder, or drop saev.patch_labels")
+
+
 def image_file(dataset_root: str | Path, image_rel: str) -> Path:
     """The image folder's file of a sample (its text), whose size its mask must have; ConfigError for
     a sample that is no such file, as an image table's or webdataset's row ("<shard>#<row>")."""

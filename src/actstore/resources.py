@@ -209,6 +209,11 @@ def extract_part_threads(config: dict[str, Any]) -> int:
 
 
 TOKEN_ID_BYTES = 16  # a text part's token ids (extract.inputs.TokenIds): int64, and a second copy while joined
+# What a decoding worker holds for the image it is decoding (extract.inputs.load_pixels: one at a time): a
+# 24-megapixel photo (a phone's or a DSLR's largest) through decode and the processor, ~4.7x its RGB bytes
+# (measured on a 16 MP JPEG with the PIL backend). A larger image (the decoder refuses past 179 MP) may need
+# the retry's doubled memory; the scan reads no image's size.
+DECODING_WORKER_BYTES = 5 * 3 * 24_000_000
 
 
 def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int = 1) -> int:
@@ -216,7 +221,8 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     reading its rows holds (dataset_bytes), its token ids, the staging ring (extract.buffers batches
     of captures) plus one batch being packed, the decoded images waiting in shared memory
     (extract.num_workers, else the job's CPUs: IMAGE_JOB_THREADS, or `threads` where more; workers'
-    items ahead and two batches), and 3 GB for torch/CUDA."""
+    items ahead and two batches) and the image each worker is decoding (DECODING_WORKER_BYTES), and 3 GB
+    for torch/CUDA."""
     w = workload(config)
     ext = config["extract"]
     batch = ext["batch_size"] * (w.tokens // max(w.rows, 1)) * w.token_values * w.itemsize
@@ -224,7 +230,8 @@ def extract_part_mem_mb(config: dict[str, Any], attempt: int = 1, threads: int =
     workers = max(threads, IMAGE_JOB_THREADS) if ext.get("num_workers") is None else ext["num_workers"]
     images = workers * items_ahead(ext["batch_size"], workers) * IMAGES_PER_ITEM + 2 * ext["batch_size"]
     token_ids = 0 if w.pixel_bytes else TOKEN_ID_BYTES * w.tokens / ext["parts"]
-    held = dataset_bytes(config, workers) + token_ids + batch + images * w.pixel_bytes
+    decoding = workers * DECODING_WORKER_BYTES if w.pixel_bytes else 0
+    held = dataset_bytes(config, workers) + token_ids + batch + images * w.pixel_bytes + decoding
     return _round_mb((1.5 * w.host_weight_bytes + held) / 1e6 + 3000) * attempt
 
 

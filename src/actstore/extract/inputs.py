@@ -198,8 +198,25 @@ def sparse_block(config: Any, width: int) -> int | None:
 
 def load_pixels(processor: Any, opener: ImageOpener, samples: list[Sample]) -> torch.Tensor:
     """Decode images (ImageOpener names the file or table row it cannot decode) and run the image
-    processor over them: (n, 3, H, W) pixel_values."""
-    return processor(images=[opener(s) for s in samples], return_tensors="pt")["pixel_values"]
+    processor over each as it is decoded: (n, 3, H, W) pixel_values. One call an image, so a worker
+    holds one full-size image at a time (16 16-megapixel photos decoded at once peaked at 1.7 GB a
+    worker). Each processor actstore runs treats images one by one, so the bits are one call's for all;
+    one that pads a batch to its largest image would make pixels of two shapes here: named."""
+    pixels = [processor(images=[opener(sample)], return_tensors="pt")["pixel_values"] for sample in samples]
+    check_one_shape(processor, pixels, samples)
+    return torch.cat(pixels)
+
+
+def check_one_shape(processor: Any, pixels: list[torch.Tensor], samples: list[Sample]) -> None:
+    """ConfigError naming two rows whose processed pixels differ in shape: a store holds one patch
+    count for every image, and torch.cat's error would name neither row nor the processor."""
+    for sample, image in zip(samples, pixels):
+        if image.shape != pixels[0].shape:
+            raise ConfigError(f"dataset rows {samples[0].sample_idx} ({samples[0].text}) and {sample.sample_idx} "
+                              f"({sample.text}): the model's image processor ({type(processor).__name__}) makes "
+                              f"pixels of shape {tuple(pixels[0].shape[1:])} and {tuple(image.shape[1:])}; a store "
+                              "needs one patch count for every image (a processor that resizes each image to one "
+                              "size)")
 
 
 def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample], pipeline: str
@@ -217,13 +234,13 @@ def image_batch(loaded: LoadedModel, dataset: Dataset, samples: list[Sample], pi
 
 
 class ImageItems(torch.utils.data.Dataset):
-    """Item = a few images of one batch (a list of local indices), decoded and processed by one
-    processor call. Items are smaller than batches so that every worker decodes the batch the model
+    """Item = a few images of one batch (a list of local indices), decoded and processed an image at
+    a time (load_pixels). Items are smaller than batches so that every worker decodes the batch the model
     needs next: batches arrive one by one while the model and the writers work, instead of in bursts
     of one per worker, and the decoded images waiting in shared memory are workers x items ahead x
     IMAGES_PER_ITEM (resources.items_ahead), not x batch_size. The split depends on the batch size
     alone, never on the worker count, so the bytes do not either (and each image processor tested
-    treats images one by one, so they equal a whole-batch call's: tests/test_extract.py).
+    treats images one by one, so they equal a whole-batch call's: tests/test_image_inputs_review64.py).
 
     Items are cast to the model's dtype in the worker: the cast rounds the same on either side
     (round to nearest even, c10's one conversion on CPU and CUDA), and every later step of an item
