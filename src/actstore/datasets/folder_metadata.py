@@ -12,12 +12,15 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from actstore.datasets.core import Fields, checked_label
 from actstore.datasets.jsonl import not_utf8
 from actstore.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 NAME_FIELD = "file_name"
 _NO_ROW = object()  # an image no row has described yet
@@ -102,7 +105,7 @@ def scan_metadata(path: Path, names: list[str], fields: Fields) -> dict[str, Any
     every image of `names` has exactly one row, every row names one of them and has the fields the
     config reads. ConfigError naming the file and line, or the image."""
     images = dict.fromkeys(names, _NO_ROW)  # one entry an image: 1.28M of them are ~150 MB
-    described_rows = 0
+    described_rows = unread_labels = 0
     for where, name, row in metadata_rows(path):
         if name not in images:
             raise ConfigError(f"{where}: {NAME_FIELD} {name!r} is not an image of the folder")
@@ -110,10 +113,23 @@ def scan_metadata(path: Path, names: list[str], fields: Fields) -> dict[str, Any
             raise ConfigError(f"{where}: a second row for {name!r}")
         images[name] = described(row, fields, where, csv=path.suffix == ".csv")[0]
         described_rows += 1
+        unread_labels += not fields.label_required and fields.label in row
+    if unread_labels:
+        _warn_unread_labels(path, fields.label, unread_labels)
     if described_rows < len(images):
         missing = next(name for name in names if images[name] is _NO_ROW)
         raise ConfigError(f"{path}: no row for the image {missing!r} ({len(images) - described_rows} images have none)")
     return images
+
+
+def _warn_unread_labels(path: Path, field: str, rows: int) -> None:
+    """A warning for a metadata file whose rows have a label field while dataset.label_field is unset:
+    Hugging Face's imagefolder labels the images by it, and here their folders label them (none at
+    the folder's root: every label_id -1), the field kept as metadata. Not read by default: that
+    would change the labels of extractions made before, under the same hash."""
+    log.warning("%s: %d rows have a %r field, not read as labels since dataset.label_field is unset (the images' "
+                "first-level folders label them, an image at the root none; Hugging Face's imagefolder labels "
+                "them by the field): set dataset.label_field: %s to label them by it", path, rows, field, field)
 
 
 def rows_of(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:

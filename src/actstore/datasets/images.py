@@ -76,7 +76,8 @@ class ImageOpener:
             path = self.source.files[shard]
             return member_file(path, offset, size), f"{path}: {sample.text}"
         shard, block, row = sample.ref
-        where = f"{self.source.files[shard]}: {sample.text}, column {self.field!r}"
+        # the row too: a table's image struct names its file (`x.png`), and many rows may name one
+        where = f"sample {sample.sample_idx} of {self.source.files[shard]}: {sample.text}, column {self.field!r}"
         return self._image_file(self._column(shard, block)[row].as_py(), shard, sample.sample_idx, where), where
 
     def _column(self, shard: int, block: int) -> Any:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import glob
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from actstore.datasets.splits import split_files, split_folder
+from actstore.datasets.splits import README, readme_class_labels, split_files, split_folder
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import inside, read_json
 
@@ -41,6 +41,7 @@ HF_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 FORMATS = ("auto", "jsonl", "parquet", "arrow", "csv", "hf_disk", "image_folder", "image_table", "webdataset",
            "text_folder")
 IMAGE_TABLE_FORMATS = ("parquet", "arrow", "hf_disk")
+TABLE_FORMATS = ("parquet", "arrow", "csv", "hf_disk")  # read by datasets/tables.py
 FOLDER_FORMATS = ("image_folder", "text_folder")  # a sample a file (datasets/folders.py)
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv")  # an image folder's metadata file (datasets/folder_metadata.py)
 # The Hub names a JSON lines shard train-00000-of-00001.json (as its Parquet ones): the folder held no samples.
@@ -55,13 +56,14 @@ class Source:
     format: str  # jsonl | parquet | arrow | csv | hf_disk | image_folder | webdataset | text_folder
     root: Path  # the file, the folder, or a glob's folder: image paths and shard names are relative to it
     files: tuple[Path, ...]  # data files in read order (image_folder: the images; text_folder: the texts)
-    features: dict[str, Any] = field(default_factory=dict)  # hf_disk dataset_info.json features
+    features: dict[str, Any] = field(default_factory=dict)  # Hugging Face features, by column
     image_table: bool = False
     metadata: Path | None = None  # an image folder's metadata file (METADATA_NAMES), at its root
+    features_file: Path | None = None  # where `features` were read: dataset_info.json, or a README.md's YAML
 
     @property
     def table(self) -> bool:
-        return self.format in ("parquet", "arrow", "csv", "hf_disk")
+        return self.format in TABLE_FORMATS
 
     def name(self, path: Path) -> str:
         """A file's name relative to the root, as errors and image-table sample texts give it."""
@@ -98,7 +100,7 @@ def _resolve(path: str, fmt: str, split: str) -> Source:
         if source.format not in IMAGE_TABLE_FORMATS:
             raise ConfigError(f"dataset.format image_table: {path} is {source.format}; image tables "
                               f"are {', '.join(IMAGE_TABLE_FORMATS)}")
-        return Source(source.format, source.root, source.files, source.features, image_table=True)
+        return replace(source, image_table=True)
     if glob.has_magic(path) and not Path(path).exists():  # a folder named corpus[v2] is itself, no glob
         return _glob_source(path, fmt)
     root = Path(path)
@@ -156,7 +158,9 @@ def _folder_source(root: Path, fmt: str, split: str) -> Source:
         if not shards:
             return Source("image_folder", root, ())  # empty: load_dataset names it
         fmt = _one_format(str(root), set(shards.values()))
-    return Source(fmt, root, tuple(p for p, kind in shards.items() if kind == fmt))
+    files = tuple(p for p, kind in shards.items() if kind == fmt)
+    labels = readme_class_labels(root) if fmt in TABLE_FORMATS else {}
+    return Source(fmt, root, files, labels, features_file=root / README if labels else None)
 
 
 def _check_no_data_files(root: Path, images: tuple[Path, ...], files: list[Path]) -> None:
@@ -251,7 +255,8 @@ def _hf_disk_source(root: Path, split: str) -> Source:
     missing = [p for p in files if not p.is_file()]
     if missing or not files:
         raise ConfigError(f"{root}: save_to_disk folder lacks its data file {missing[0] if missing else '*.arrow'}")
-    return Source("hf_disk", root, files, info.get("features") or {})
+    features = info.get("features") or {}
+    return Source("hf_disk", root, files, features, features_file=root / "dataset_info.json" if features else None)
 
 
 def _split_folder(root: Path, split: str) -> Path:
@@ -323,6 +328,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def identity_files(source: Source) -> list[Path]:
-    """Every file whose bytes decide the samples (the data files, and the features that name labels)."""
-    extra = [source.root / "dataset_info.json"] if source.format == "hf_disk" else [source.metadata]
+    """Every file whose bytes decide the samples (the data files, and the features that name labels:
+    a README.md only where it declares a ClassLabel, so a Hub snapshot whose README declares none
+    keeps its hash)."""
+    extra = [source.root / "dataset_info.json"] if source.format == "hf_disk" else [source.metadata,
+                                                                                    source.features_file]
     return [*source.files, *(p for p in extra if p and p.is_file())]

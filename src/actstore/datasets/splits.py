@@ -116,20 +116,26 @@ def _named(name: str, keyword: str) -> bool:
     return bool(re.match(f"{keyword}{SEP}", name) or re.search(f"{SEP}{keyword}{SEP}", name))
 
 
-def _readme_config(root: Path) -> dict[str, Any] | None:
-    """The default config of README.md's YAML front matter `configs`, or None."""
+def _front_matter(root: Path) -> dict[str, Any]:
+    """README.md's YAML front matter (the Hub's dataset card metadata), or {} without one."""
     readme = root / README
     if not readme.is_file():
-        return None
+        return {}
     text = readme.read_text(errors="replace")
     match = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
     if not match:
-        return None
+        return {}
     try:
         front = yaml.safe_load(match[1]) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{readme}: its YAML header does not parse: {exc}") from None
-    configs = front.get("configs") if isinstance(front, dict) else None
+    return front if isinstance(front, dict) else {}
+
+
+def _readme_config(root: Path) -> dict[str, Any] | None:
+    """The default config of README.md's YAML front matter `configs`, or None."""
+    readme = root / README
+    configs = _front_matter(root).get("configs")
     if not isinstance(configs, list) or not configs:
         return None
     chosen = ([c for c in configs if isinstance(c, dict) and c.get("default") is True]
@@ -140,6 +146,60 @@ def _readme_config(root: Path) -> dict[str, Any] | None:
         raise ConfigError(f"{readme} lists the configs {', '.join(map(str, names))} and none is the default: "
                           "set dataset.path to one config's files (a folder or a glob)")
     return chosen[0]
+
+
+def readme_class_labels(root: Path) -> dict[str, dict[str, Any]]:
+    """The ClassLabel features README.md's YAML `dataset_info` declares for the config read, as
+    dataset_info.json spells them ({column: {"_type": "ClassLabel", "names": [...]}}); {} when it
+    declares none. `datasets.load_dataset` casts a Hub repository's data files to these features:
+    Parquet written by pandas or polars carries no features of its own, and its label ids were
+    numbered by rank, a split missing a class numbered unlike the others, without a word."""
+    readme = root / README
+    front = _front_matter(root)
+    info = _config_info(front.get("dataset_info"), front.get("configs"), root)
+    features = info.get("features") if isinstance(info, dict) else None
+    if features is None:
+        return {}
+    if not isinstance(features, list) or not all(isinstance(f, dict) and "name" in f for f in features):
+        raise ConfigError(f"{readme}: dataset_info features must be a list of {{name, dtype}} entries, got "
+                          f"{features!r:.80}")
+    labels = {}
+    for feature in features:
+        spec = feature.get("dtype", feature)  # `dtype: {class_label: ...}`, or `class_label:` beside the name
+        if isinstance(spec, dict) and isinstance(spec.get("class_label"), dict):
+            names = _class_names(spec["class_label"].get("names"), f"{readme}: dataset_info feature "
+                                                                   f"{feature['name']!r} class_label names")
+            labels[str(feature["name"])] = {"_type": "ClassLabel", "names": names}
+    return labels
+
+
+def _config_info(dataset_info: Any, configs: Any, root: Path) -> Any:
+    """The entry of README.md's `dataset_info` (one entry, or a list of one a config) of the config
+    read, chosen as datasets chooses it: the default config's name (`default` when it names none),
+    or with no `configs` the only entry, else the one named `default`."""
+    if isinstance(dataset_info, dict):
+        dataset_info = [dataset_info]
+    if not isinstance(dataset_info, list):
+        return None
+    by_name = {entry.get("config_name", "default"): entry for entry in dataset_info if isinstance(entry, dict)}
+    if isinstance(configs, list) and configs:
+        return by_name.get((_readme_config(root) or {}).get("config_name", "default"))
+    return next(iter(by_name.values())) if len(by_name) == 1 else by_name.get("default")
+
+
+def _class_names(names: Any, where: str) -> Any:
+    """A class_label's names as a list: the YAML's {'0': name, ...} by id, as datasets reads it;
+    ConfigError naming `where` for ids that are not 0..N-1. A list is as written (tables.class_names
+    checks its names)."""
+    if not isinstance(names, dict):
+        return names
+    try:
+        ids = sorted(names, key=int)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: ids {', '.join(map(repr, names))} are not whole numbers") from None
+    if [int(i) for i in ids] != list(range(len(ids))):
+        raise ConfigError(f"{where}: ids {', '.join(map(str, ids))} are not 0 to {len(ids) - 1}, each once")
+    return [names[i] for i in ids]
 
 
 def _patterns(data_files: Any) -> dict[str, list[str]]:

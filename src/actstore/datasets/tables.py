@@ -336,7 +336,8 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
 
 def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
     """ClassLabel names of the label column from the Hugging Face features (save_to_disk's
-    dataset_info.json, or the `huggingface` schema metadata the Hub writes in Parquet/Arrow)."""
+    dataset_info.json, a Hub repository's README.md dataset_info, or the `huggingface` schema
+    metadata the Hub writes in Parquet/Arrow)."""
     features, where = _features(source, schema)
     feature = features.get(label)
     if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel" or "names" not in feature:
@@ -349,11 +350,12 @@ def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
 
 
 def _features(source: Source, schema: pa.Schema) -> tuple[dict[str, Any], str]:
-    """The Hugging Face features (dataset_info.json's, else the first shard's `huggingface` schema
-    metadata's info.features) and where they were read; ConfigError naming the file and key when
-    they are no JSON object (a bare JSONDecodeError or AttributeError named nothing)."""
+    """The Hugging Face features (dataset_info.json's or README.md's, which datasets casts the data
+    files to, else the first shard's `huggingface` schema metadata's info.features) and where they
+    were read; ConfigError naming the file and key when they are no JSON object (a bare
+    JSONDecodeError or AttributeError named nothing)."""
     if source.features:
-        features, where = source.features, f"{source.root / 'dataset_info.json'}: features"
+        features, where = source.features, f"{source.features_file}: features"
     elif schema.metadata and b"huggingface" in schema.metadata:
         where = f"{source.files[0]}: schema metadata 'huggingface'"
         try:
