@@ -338,14 +338,18 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     """What format writer job `job` (its rule's name) holds by design: its fixed copy buffers, what
     it plans per sample or per file, and the sample rows (texts) of the parts it reads them from.
     None of it grows with the activations. tests/test_scale.py checks real peaks against it."""
-    from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_TOKENS, THREADS
+    from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_LINE_BYTES, ROW_GROUP_ROWS, ROW_GROUP_TOKENS, THREADS
     from actstore.formats.saev.write import CHUNK_BYTES
     from actstore.io_utils import BEHIND
 
     parts = config["extract"]["parts"]
     row_bytes = ROW_INDEX_BYTES + PYTHON_ROW_BYTES + 2 * w.text_bytes / max(w.rows, 1)
     rows = row_bytes * w.rows  # every row of every part parsed and held (a part's, per part)
-    group_rows = ROW_INDEX_BYTES * w.rows + row_bytes * min(w.rows, ROW_GROUP_TOKENS)  # one index row group's
+    # One index row group's rows: their texts twice, at most its lines' bound (and a line past it) twice
+    group = min(w.rows, ROW_GROUP_ROWS)
+    text = 2 * w.text_bytes / max(w.rows, 1)
+    group_rows = (ROW_INDEX_BYTES * w.rows + (ROW_INDEX_BYTES + PYTHON_ROW_BYTES) * group
+                  + min(text * group, 2 * ROW_GROUP_LINE_BYTES + text))
     windows = WINDOW_BYTES * w.tokens // config["saev"]["tokens_per_window"]
     labels = w.rows * 1025 + rows if config["saev"].get("patch_labels") else 0  # labels.bin from the masks
     sample_bytes = 4 * w.d * w.tokens // max(w.rows, 1)  # one sample's rows of one tensor in float32

@@ -102,6 +102,10 @@ class SampleRows(Sequence):
     def __len__(self) -> int:
         return len(self._starts) - 1
 
+    def line_bytes(self) -> np.ndarray:
+        """Each sample's line in bytes, its newline counted (from the line index: nothing parsed)."""
+        return np.diff(self._starts)
+
     def __getitem__(self, local: int) -> dict:
         return self.rows([local])[0]
 

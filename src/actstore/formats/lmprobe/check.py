@@ -118,6 +118,8 @@ def verify(path: str | Path, checksums: bool = True) -> list[str]:
     if problems := links_out(Path(path)):
         return problems
     root = dataset_root(path)
+    if not root.is_dir():  # named as the other formats name theirs: walked, it was "verification aborted"
+        return [f"{root}: {'not a directory' if root.exists() else 'missing'} (an lmprobe dataset is a directory)"]
     try:
         return _verify(root, checksums)
     except FormatError as exc:  # an index column pyarrow cannot decode (read_index): named, and the files checked

@@ -46,11 +46,15 @@ COPY_BYTES = 32 << 20  # each of the BEHIND + 1 buffers a shard is gathered into
 THREADS = 2
 # Index row groups: at most ROW_GROUP_ROWS rows (pq.write_table's default, so a small index is one
 # group and byte-identical to writing it whole) and ending at the first row that brings the group
-# to ROW_GROUP_TOKENS tokens. One group's columns, as arrow arrays and again encoded, are what the
-# finishing job holds beyond its per-prompt arrays: measured 70 B a token without token_strings
-# (about 70 MB at 2**20 tokens; 2**22 held 480 MB in all where the whole 11.5M-token index held 730).
+# to ROW_GROUP_TOKENS tokens or ROW_GROUP_LINE_BYTES bytes of samples.jsonl lines. One group's columns,
+# as arrow arrays and again encoded, are what the finishing job holds beyond its per-prompt arrays:
+# measured 70 B a token without token_strings (about 70 MB at 2**20 tokens; 2**22 held 480 MB in all
+# where the whole 11.5M-token index held 730). Its rows' texts are whole, not cut at max_seq_length:
+# 2**20 tokens of 1 MB web pages or books held gigabytes, so the lines' bytes end a group too. Ordinary
+# prompts (under 128 B of line a token) never reach it: their groups are as the tokens alone made them.
 ROW_GROUP_ROWS = 1024 * 1024
 ROW_GROUP_TOKENS = 1 << 20
+ROW_GROUP_LINE_BYTES = 128 << 20
 DEFAULTS = {"storage": "full_sequence", "prompt_ordering": "random", "seed": 0, "dtype": "float32",
             "shard_bytes": 1 << 30, "logits_topk": None, "layers": None, "token_strings": True}
 
@@ -482,17 +486,31 @@ def _info(plan: Plan, tensors: dict[str, Any], files: dict[str, dict]) -> dict[s
 
 # ---------------------------------------------------------------- the index, streamed in row groups
 
-def row_groups(num_tokens: np.ndarray) -> Iterator[tuple[int, int]]:
+def row_groups(num_tokens: np.ndarray, line_bytes: np.ndarray) -> list[tuple[int, int]]:
     """[start, stop) index rows of each row group: ROW_GROUP_ROWS rows at most, ending at the row that
-    brings the group to ROW_GROUP_TOKENS tokens."""
-    ends = np.cumsum(num_tokens)
-    start = 0
+    brings the group to ROW_GROUP_TOKENS tokens or to ROW_GROUP_LINE_BYTES of `line_bytes` (each row's
+    samples.jsonl line: its text, metadata and label as parsed)."""
+    token_ends, byte_ends = np.cumsum(num_tokens), np.cumsum(line_bytes)
+    groups, start = [], 0
     while start < len(num_tokens):
-        before = int(ends[start - 1]) if start else 0
-        full = int(np.searchsorted(ends, before + ROW_GROUP_TOKENS, side="left")) + 1
-        stop = min(len(num_tokens), full, start + ROW_GROUP_ROWS)
-        yield start, stop
+        stop = min(len(num_tokens), start + ROW_GROUP_ROWS, _reaching(token_ends, start, ROW_GROUP_TOKENS),
+                   _reaching(byte_ends, start, ROW_GROUP_LINE_BYTES))
+        groups.append((start, stop))
         start = stop
+    return groups
+
+
+def _reaching(ends: np.ndarray, start: int, limit: int) -> int:
+    """One past the first row from `start` whose running total (`ends`: cumulative) reaches `limit`."""
+    before = int(ends[start - 1]) if start else 0
+    return int(np.searchsorted(ends, before + limit, side="left")) + 1
+
+
+def _line_bytes(plan: Plan) -> np.ndarray:
+    """Each index row's samples.jsonl line, in bytes (its newline counted): from where SampleRows found
+    each line to start (8 B a sample, indexed already; nothing parsed)."""
+    per_sample = np.concatenate([part.samples.line_bytes() for part in plan.extraction.parts])
+    return per_sample[plan.order]
 
 
 def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
@@ -504,10 +522,11 @@ def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
     import pyarrow.parquet as pq
 
     metadata = {f"{PREFIX}{k}".encode(): json.dumps(v).encode() for k, v in info.items()}
-    columns = _IndexColumns(plan)
+    groups = row_groups(plan.num_tokens, _line_bytes(plan))
+    columns = _IndexColumns(plan, groups)
     writer = None
     try:
-        for start, stop in row_groups(plan.num_tokens):
+        for start, stop in groups:
             table = columns.block(start, stop)
             if writer is None:
                 writer = pq.ParquetWriter(path, table.schema.with_metadata(metadata), write_page_checksum=True)
@@ -522,14 +541,14 @@ def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
 class _IndexColumns:
     """The index columns of any block of rows, typed alike for every block."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, groups: list[tuple[int, int]]):
         self.plan = plan
         parts = [p for p in plan.extraction.parts if p.info.n_samples]
         self.token_ids = all("token_ids.npy" in p.meta["files"] for p in parts)
         self.logprob = self.token_ids and all("token_logprob.npy" in p.meta["files"] for p in parts)
         self.strings = (_TokenStrings(plan.extraction, plan.trust_remote_code)
                         if self.token_ids and plan.opts["token_strings"] else None)
-        self.meta_types = _metadata_types(plan)
+        self.meta_types = _metadata_types(plan, groups)
         labels = plan.extraction.info.dataset.labels
         self.label_type = _label_type(labels)
         # Each label as lmprobe:dataset.labels spells it, found by equality: a row's 1.0 where the
@@ -652,16 +671,25 @@ def _int64_lists(list_offsets: np.ndarray, values: np.ndarray):
 
 
 def _perplexity_columns(list_offsets: np.ndarray, flat_lp: np.ndarray) -> dict[str, Any]:
-    """perplexity_mean/min/max per prompt (over tokens 1..), token_perplexity and token_logprob lists."""
+    """perplexity_mean/min/max per prompt (over tokens 1..; null with none), token_perplexity and
+    token_logprob lists. Prompts of one body length are reduced together, each row as np.mean/min/max
+    reduce it alone (the same pairwise sum, so the same bits): a Python loop over the prompts took 5-30 s
+    a million; np.add.reduceat sums in order, and its means differ in the last bit."""
     import pyarrow as pa
 
     ppl = np.exp(-flat_lp.astype(np.float64))  # NaN at token 0: nothing predicts the first token
-    stats: dict[str, list] = {"perplexity_mean": [], "perplexity_min": [], "perplexity_max": []}
-    for a, b in zip(list_offsets[:-1], list_offsets[1:]):
-        body = ppl[a + 1:b]
-        for name, fn in (("perplexity_mean", np.mean), ("perplexity_min", np.min), ("perplexity_max", np.max)):
-            stats[name].append(float(fn(body)) if len(body) else None)
-    cols: dict[str, Any] = {name: pa.array(v, pa.float64()) for name, v in stats.items()}
+    starts = list_offsets[:-1].astype(np.int64) + 1
+    lengths = np.maximum(list_offsets[1:] - starts, 0)
+    stats = np.zeros((3, len(lengths)))
+    by_length = np.argsort(lengths, kind="stable")
+    for rows in np.split(by_length, np.flatnonzero(np.diff(lengths[by_length])) + 1):
+        n = int(lengths[rows[0]]) if len(rows) else 0
+        if n:
+            bodies = np.lib.stride_tricks.sliding_window_view(ppl, n)[starts[rows]]  # (rows, n), a copy
+            stats[:, rows] = np.add.reduce(bodies, axis=1) / n, bodies.min(axis=1), bodies.max(axis=1)
+    empty = lengths == 0
+    cols: dict[str, Any] = {name: pa.array(values, pa.float64(), mask=empty) for name, values in
+                            zip(("perplexity_mean", "perplexity_min", "perplexity_max"), stats)}
     cols["token_perplexity"] = pa.ListArray.from_arrays(list_offsets, pa.array(ppl, pa.float64()))
     cols["token_logprob"] = pa.ListArray.from_arrays(list_offsets, pa.array(flat_lp, pa.float32()))
     return cols
@@ -698,15 +726,18 @@ class _TokenStrings:
         return np.array([self.known[i] for i in uniq.tolist()], dtype=object)[inverse].tolist()
 
 
-def _metadata_types(plan: Plan) -> dict[str, Any]:
+def _metadata_types(plan: Plan, groups: list[tuple[int, int]]) -> dict[str, Any]:
     """User metadata field -> its arrow type, as pyarrow infers it over every row, found block by
-    block (the same blocks the index is written in): a field null in the first blocks takes its type
-    from later ones, ints and floats unify to double; incompatible types fail naming the field."""
+    block (`groups`: the blocks the index is written in): a field null in the first blocks takes its type
+    from later ones, ints and floats unify to double; incompatible types fail naming the field. This
+    first pass also checks each row is the sample it is read as (_check_sample_idx)."""
     import pyarrow as pa
 
     types: dict[str, Any] = {}
-    for start, stop in row_groups(plan.num_tokens):
-        rows = [row["metadata"] for row in plan.extraction.samples(plan.order[start:stop].tolist())]
+    for start, stop in groups:
+        samples = plan.extraction.samples(plan.order[start:stop].tolist())
+        _check_sample_idx(plan.extraction, plan.order[start:stop], samples)
+        rows = [row["metadata"] for row in samples]
         for row in rows:
             types.update({k: pa.null() for k in row if k not in types})
         for key, have in types.items():
@@ -717,6 +748,18 @@ def _metadata_types(plan: Plan) -> dict[str, Any]:
                 raise FormatError(f"{plan.extraction.dir}: sample metadata field {key!r} mixes types "
                                   f"({exc}); lmprobe cannot store it as one index column") from None
     return types
+
+
+def _check_sample_idx(extraction, order: np.ndarray, samples: list[dict]) -> None:
+    """FormatError naming the samples.jsonl line read as sample `order[i]` that says it is another:
+    lines moved within a part put one sample's text and label beside another's activations, a fault
+    only a part's sha256 (hashed by verify, not by writers) would otherwise tell."""
+    for want, row in zip(order.tolist(), samples):
+        if row["sample_idx"] != want:
+            part, local = extraction.locate(want)
+            raise FormatError(f"{part.samples.path}: line {local + 1} says sample_idx {row['sample_idx']!r:.40}, "
+                              f"where the part's sample_range makes it sample {want}; the extraction is damaged "
+                              "(actstore verify names its faults)")
 
 
 def _unify(a, b):
