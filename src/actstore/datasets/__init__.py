@@ -32,7 +32,7 @@ from actstore.datasets.splits import split_folder
 from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError
-from actstore.model_config import trusted
+from actstore.model_config import config_int, run_config, trusted
 from actstore.parse_memo import remembered
 
 __all__ = ["FIELD_KEYS", "Dataset", "Sample", "Scan", "check_dataset", "configured_dataset", "configured_scan",
@@ -56,22 +56,27 @@ def configured_dataset(config: dict[str, Any], model_path: Path, part: int | Non
 
 
 def configured_scan(config: dict[str, Any], progress: bool = False, workers: int = 1) -> Scan:
-    """The scan of the dataset a resolved config names (see scan_dataset)."""
+    """The scan of the dataset a resolved config names (see scan_dataset); token ids (dataset.tokens_field)
+    checked against the model's vocab_size, so a row holding one past it fails here, before any part's job
+    (the part's job, on its GPU, named it after the parts before it had run)."""
     section = config["dataset"]
-    return scan_dataset(section["path"], section["limit"], section["split"], progress, workers,
+    vocab = config_int(run_config(config["model"]), "vocab_size") if section.get("tokens_field") else None
+    return scan_dataset(section["path"], section["limit"], section["split"], progress, workers, vocab,
                         **dataset_options(section))
 
 
 def scan_dataset(path: str | Path, limit: int | None = None, split: str = "train", progress: bool = False,
-                 workers: int = 1, **options: Any) -> Scan:
+                 workers: int = 1, vocab: int | None = None, **options: Any) -> Scan:
     """One pass over every row of `path` (options: the dataset.* keys in FIELD_KEYS): its row count
     and labels, and for JSONL where rows start, each line parsed and checked (ConfigError naming the
     file, line or field); Parquet, Arrow and CSV rows from the metadata, labels from the label
     column, the first null prompt named and an Arrow stream's end marker checked; image folders
     listed; tar shards' headers read to their end-of-archive blocks, each sample's image found and its
     label read. Chat messages (JSONL, Parquet, Arrow) are checked to be messages, not rendered.
-    `workers`: JSONL or tar files scanned at once, each in its own process (scanned_files)."""
-    return _scan(path, *_opened(path, split, options), limit, progress, workers)
+    `workers`: JSONL or tar files scanned at once, each in its own process (scanned_files). `vocab`:
+    token ids (dataset.tokens_field) at or past it are refused, naming the row."""
+    source, fields, schemas = _opened(path, split, options)
+    return _scan(path, source, replace(fields, vocab=vocab), schemas, limit, progress, workers)
 
 
 def load_dataset(path: str | Path, limit: int | None = None, split: str = "train",

@@ -47,6 +47,7 @@ class Fields:
     encoding: str = "utf-8"  # dataset.encoding: a text folder's files' (JSON is UTF-8)
     keep: tuple[str, ...] | None = None
     render: Callable[[Any, str], str] | None = None
+    vocab: int | None = None  # the model's vocab_size: the scan refuses a token id at or past it
 
     @property
     def prompt(self) -> str:

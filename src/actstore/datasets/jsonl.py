@@ -353,6 +353,9 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         if not _token_ids(row.get(fields.tokens)):
             raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "
                               f"list of token ids, whole numbers from 0, got {_short(row.get(fields.tokens))}")
+        if fields.vocab is not None and max(row[fields.tokens]) >= fields.vocab:
+            raise ConfigError(f"{where}: field {fields.tokens!r}: token id {max(row[fields.tokens])} is outside the "
+                              f"model's vocabulary of {fields.vocab} (config.json vocab_size; dataset.tokens_field)")
     elif not isinstance(row.get(fields.text), str):
         ids = [k for k in ("input_ids", "tokens") if _token_ids(row.get(k))]
         hint = f" (token ids in {ids[0]!r}: set dataset.tokens_field)" if ids else ""

@@ -438,7 +438,7 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
     for column in fields.prompts:  # a template's columns, else the one prompt column
         start = 0
         for path in source.files:
-            shard_start, known = start, _footer_null_counts(source.format, path, column)
+            shard_start, known = start, _footer_null_counts(source.format, path, column, fields.vocab)
             for block, (size, read) in enumerate(_blocks_to(source.format, path, [column], _text_columns(fields),
                                                              n_rows - start)):
                 if (known[block] if block < len(known) else None) != 0:
@@ -449,9 +449,9 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
                                           f"{_missing(values[row].as_py())} where a prompt is needed")
                     if column == fields.messages:
                         _check_messages(source, values, shard, start - shard_start, column)
-                    if column == fields.tokens and (row := _first_bad_ids(values)) >= 0:
-                        token_ids(values[row], f"{source.root}: {shard}{start - shard_start + row}, column "
-                                               f"{column!r} (dataset.tokens_field)")  # raises, as the part's job would
+                    if column == fields.tokens and (row := _first_bad_ids(values, fields.vocab)) >= 0:
+                        where = f"{source.root}: {shard}{start - shard_start + row}, column {column!r}"
+                        _refuse_ids(token_ids(values[row], f"{where} (dataset.tokens_field)"), fields.vocab, where)
                 start += size
 
 
@@ -476,18 +476,20 @@ def _first_missing(values: pa.ChunkedArray) -> int:
     return pc.index(missing, True).as_py()
 
 
-def _first_bad_ids(values: pa.ChunkedArray) -> int:
+def _first_bad_ids(values: pa.ChunkedArray, vocab: int | None) -> int:
     """The first row of a token-id column whose ids token_ids refuses, else -1: no ids (`[]`), a null
-    id, or one below 0 or past int64 (null rows: _first_missing's). The scan passed them, and each
-    failed only in its part's job, after the model was loaded on a GPU node."""
+    id, one below 0 or past int64 (null rows: _first_missing's), or one at or past `vocab` (the model's
+    vocab_size, when the scan knows it). The scan passed them, and each failed only in its part's job,
+    after the model was loaded on a GPU node."""
     import pyarrow.compute as pc
 
     lists = values.combine_chunks()
     empty = pc.index(pc.equal(pc.list_value_length(lists), 0), True).as_py()
     ids = pc.list_flatten(lists)
     bad = pc.or_kleene(pc.is_null(ids), pc.less(ids, pa.scalar(0, ids.type)))  # a bare 0 is cast as int64
-    if pa.types.is_uint64(ids.type):
-        bad = pc.or_kleene(bad, pc.greater(ids, pa.scalar(np.iinfo(np.int64).max, ids.type)))
+    most = _most_id(vocab)
+    if most < np.iinfo(ids.type.to_pandas_dtype()).max:
+        bad = pc.or_kleene(bad, pc.greater(ids, pa.scalar(most, ids.type)))
     first = pc.index(bad, True).as_py()
     bad_row = pc.list_parent_indices(lists)[first].as_py() if first >= 0 else -1
     return min((row for row in (empty, bad_row) if row >= 0), default=-1)
@@ -538,11 +540,11 @@ def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], c
             start += size
 
 
-def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
+def _footer_null_counts(fmt: str, path: Path, column: str, vocab: int | None = None) -> list[int | None]:
     """A Parquet file's null count of `column` in each row group, from its footer's statistics (None
     where not recorded). A list of token ids is stored as one leaf column (ids.list.element), whose
     count also counts null and empty lists and null ids: 0 there is no null row too, where its
-    min and max hold the ids in token_ids' range (_ids_in_range; else None). [] for other
+    min and max hold the ids in token_ids' range, below `vocab` (_ids_in_range; else None). [] for other
     formats, a column of several leaves (chat messages) or of floats (a NaN is no null in the
     footer, and is one in a prompt), whose blocks are read instead."""
     if fmt != "parquet":
@@ -560,15 +562,28 @@ def _footer_null_counts(fmt: str, path: Path, column: str) -> list[int | None]:
             return []
         stats = chunks[0].statistics
         ids = chunks[0].path_in_schema != column  # a list's ids (token ids): their range counts too
-        known = stats is not None and stats.has_null_count and (not ids or _ids_in_range(stats))
+        known = stats is not None and stats.has_null_count and (not ids or _ids_in_range(stats, vocab))
         counts.append(stats.null_count if known else None)
     return counts
 
 
-def _ids_in_range(stats: Any) -> bool:
-    """Whether a token-id leaf's statistics bound its ids to 0..int64's max, as token_ids takes them:
-    its null count alone let a row group of an id below 0 pass the scan unread."""
-    return stats.has_min_max and stats.min >= 0 and stats.max <= np.iinfo(np.int64).max
+def _ids_in_range(stats: Any, vocab: int | None) -> bool:
+    """Whether a token-id leaf's statistics bound its ids to 0..int64's max, as token_ids takes them,
+    and below `vocab` when known: its null count alone let a row group of an id below 0 pass the scan
+    unread."""
+    return stats.has_min_max and stats.min >= 0 and stats.max <= _most_id(vocab)
+
+
+def _most_id(vocab: int | None) -> int:
+    """The largest token id the scan takes: below the model's vocab_size, else int64's largest."""
+    return vocab - 1 if vocab is not None else int(np.iinfo(np.int64).max)
+
+
+def _refuse_ids(ids: np.ndarray, vocab: int | None, where: str) -> None:
+    """ConfigError naming the row (`where`) whose ids (token_ids took) hold one at or past `vocab`."""
+    if vocab is not None and len(ids) and int(ids.max()) >= vocab:
+        raise ConfigError(f"{where}: token id {int(ids.max())} is outside the model's vocabulary of {vocab} "
+                          f"(config.json vocab_size; dataset.tokens_field)")
 
 
 def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
