@@ -26,6 +26,7 @@ SUMMARY_KEYS = ("format", "model", "layers", "n_examples", "n_tokens", "d_model"
 NOTE_KEYS = ("n_truncated_samples", "float16_overflow_count", "non_finite_count", "non_finite_logits_count",
              "unfinished")
 SAE_KEYS = ("format", "model", "hook", "d_in", "num_basis", "k_active", "source", "heldout_fvu", "saelens")
+VALIDATE_KEYS = ("format", "stores", "coordinates", "problems")
 # --threads past this gains no reads (each thread holds one file) and a store of many files could start
 # as many threads, past the process's limit; 2**61 and up overflowed the check's window, and a clean
 # store verified as "cannot verify".
@@ -67,13 +68,15 @@ def _detect_or_exit(path: Path) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from actstore.formats import format_module
     from actstore.integrity import links_out, refuse
-    from actstore.verify import sae_summary
+    from actstore.verify import sae_summary, validate_summary
 
     _directory_or_exit(args.path)  # before the sae stage's own check, which would name a missing checkpoint
     refuse(links_out(args.path))  # a metadata file linked out would be summarised as the store's
     try:
-        if _is_sae_stage(args.path):
+        if _stage_of(args.path) == "sae":
             info, keys = sae_summary(args.path), SAE_KEYS
+        elif _stage_of(args.path) == "validate":
+            info, keys = validate_summary(args.path), VALIDATE_KEYS
         else:
             info, keys = format_module(_detect_or_exit(args.path)).inspect(args.path), SUMMARY_KEYS
     except (ValueError, IndexError, OSError) as exc:
@@ -90,12 +93,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_sae_stage(path: Path) -> bool:
-    """An sae stage directory ({dump_to}/sae/<hash>/): it writes no format's store, only the checkpoint."""
+def _stage_of(path: Path) -> str | None:
+    """The stage of a stage directory ({dump_to}/<stage>/<hash>/) that writes no format's store: "sae"
+    (its checkpoint) or "validate" (its report); None for any other path."""
     from actstore.hashing import followed, is_stage_dir
 
     path = followed(path)
-    return is_stage_dir(path) and path.absolute().parent.name == "sae"
+    stage = path.absolute().parent.name
+    return stage if is_stage_dir(path) and stage in ("sae", "validate") else None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -433,6 +433,22 @@ def stage_report(directory: Path) -> dict[str, Any] | None:
     return report
 
 
+def validate_summary(directory: Path) -> dict[str, Any]:
+    """`actstore inspect` of a validate stage directory, which holds no format's store: what its
+    report.json says of the stores it checked (each one's sampled coordinates and problems)."""
+    report = stage_report(directory)
+    formats = report.get("formats") if report else None
+    if not isinstance(formats, dict) or not all(isinstance(entry, dict) for entry in formats.values()):
+        raise FormatError(f"{directory / 'report.json'}: no 'formats' object of stores; not a validate stage's report")
+    problems = {name: entry.get("problems") or [] for name, entry in formats.items()}
+    if not all(isinstance(found, list) for found in problems.values()):
+        raise FormatError(f"{directory / 'report.json'}: a store's 'problems' is not a list")
+    return {"format": "validate", "stores": ", ".join(formats), "coordinates": report.get("coordinates"),
+            "problems": sum(map(len, problems.values())),
+            "checked": {name: {"store": entry.get("store"), "checked": entry.get("checked"),
+                               "problems": problems[name]} for name, entry in formats.items()}}
+
+
 def sae_summary(directory: Path) -> dict[str, Any]:
     """`actstore inspect` of an sae stage directory, which holds no format's store: the SAE its
     checkpoint's header and report.json describe (read without torch), and its SAELens copy."""
