@@ -3,6 +3,7 @@ joined, errors naming the file and line, and memory that does not hold the rows.
 from __future__ import annotations
 
 import json
+import re
 import tracemalloc
 
 import pytest
@@ -17,9 +18,13 @@ def write_rows(path, rows, final_newline=True):
     path.write_text(text, encoding="utf-8")
 
 
-ROWS = [{"sample_idx": 0, "text": "line\u2028separator and \u00e9", "label": None},
-        {"sample_idx": 1, "text": "", "label": "b", "metadata": {"k": [1, 2]}},
-        {"sample_idx": 2, "text": "x" * 70_000, "label": "a"}]
+def row(i: int, text: str, label=None, **fields) -> dict:
+    """A samples.jsonl row as the extraction writes it (every field a writer reads)."""
+    return {"sample_idx": i, "text": text, "label": label, "label_id": -1 if label is None else 0,
+            "num_tokens": 1, "metadata": {}, **fields}
+
+
+ROWS = [row(0, "line\u2028separator and \u00e9"), row(1, "", "b", metadata={"k": [1, 2]}), row(2, "x" * 70_000, "a")]
 
 
 @pytest.mark.parametrize("final_newline", [True, False])
@@ -34,7 +39,7 @@ def test_rows_are_the_lines_parsed(tmp_path, final_newline):
 def test_rows_across_scan_blocks(tmp_path, monkeypatch):
     """Newlines found block by block: rows straddling a block boundary come back whole."""
     monkeypatch.setattr(SampleRows, "SCAN_BYTES", 7)
-    many = [{"sample_idx": i, "text": "t" * (i % 13)} for i in range(200)]
+    many = [row(i, "t" * (i % 13)) for i in range(200)]
     write_rows(tmp_path / "samples.jsonl", many)
     assert list(SampleRows(tmp_path / "samples.jsonl", 200)) == many
 
@@ -51,11 +56,29 @@ def test_row_count_must_match_part_json(tmp_path):
 
 
 def test_bad_line_is_named(tmp_path):
-    (tmp_path / "samples.jsonl").write_text('{"sample_idx": 0}\n{"sample_idx": \n{"sample_idx": 2}\n')
+    (tmp_path / "samples.jsonl").write_text(f'{json.dumps(row(0, "a"))}\n{{"sample_idx": \n{json.dumps(row(2, "c"))}\n')
     rows = SampleRows(tmp_path / "samples.jsonl", 3)
-    assert rows[0] == {"sample_idx": 0} and rows[2] == {"sample_idx": 2}
+    assert rows[0] == row(0, "a") and rows[2] == row(2, "c")
     with pytest.raises(FormatError, match=r"samples\.jsonl: line 2 is not valid JSON"):
         rows[1]
+
+
+@pytest.mark.parametrize("damage, named", [
+    ({"text": None}, "field 'text' holds NoneType None"), ({"label": ["a", "b"]}, "field 'label' holds list"),
+    ({"label_id": True}, "field 'label_id' holds bool True"), ({"label_id": 1.5}, "field 'label_id' holds float"),
+    ({"metadata": []}, "field 'metadata' holds list"), ({"num_tokens": "3"}, "field 'num_tokens' holds str")])
+def test_a_row_a_writer_cannot_read_is_named_with_its_field(tmp_path, damage, named):
+    """Every format writer reads a row's text, label, label_id, num_tokens and metadata: a row missing one or
+    holding another type stopped the writer with a bare KeyError or TypeError naming no file."""
+    write_rows(tmp_path / "samples.jsonl", [row(0, "a"), {**row(1, "b"), **damage}])
+    rows = SampleRows(tmp_path / "samples.jsonl", 2)
+    with pytest.raises(FormatError, match=rf"samples\.jsonl: line 2 \(sample 1\): {re.escape(named)}"):
+        rows[1]
+    dropped = row(1, "b")
+    del dropped["metadata"]
+    write_rows(tmp_path / "samples.jsonl", [row(0, "a"), dropped])
+    with pytest.raises(FormatError, match=r"line 2 \(sample 1\): no field 'metadata'"):
+        list(SampleRows(tmp_path / "samples.jsonl", 2))
 
 
 def test_missing_file_is_named(tmp_path):
@@ -66,8 +89,7 @@ def test_missing_file_is_named(tmp_path):
 def test_reading_every_row_holds_none_of_them(tmp_path):
     """200,000 rows of ~100 B: the index is 8 B a row (1.6 MB); as dicts they took ~100 MB."""
     n = 200_000
-    write_rows(tmp_path / "samples.jsonl", ({"sample_idx": i, "text": f"sample text number {i}" * 3, "label": None,
-                                              "label_id": None, "metadata": {}} for i in range(n)))
+    write_rows(tmp_path / "samples.jsonl", (row(i, f"sample text number {i}" * 3) for i in range(n)))
     tracemalloc.start()
     try:
         rows = SampleRows(tmp_path / "samples.jsonl", n)

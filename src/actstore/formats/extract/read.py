@@ -144,7 +144,25 @@ class SampleRows(Sequence):
         if not isinstance(row, dict) or not whole_number(row.get("sample_idx")):
             raise FormatError(f"{self.path}: line {local + 1} is not a sample's JSON object with a whole-number "
                               f"sample_idx: {line[:80]!r}")
+        if problem := _row_problem(row):
+            raise FormatError(f"{self.path}: line {local + 1} (sample {row['sample_idx']}): {problem}")
         return row
+
+
+# What every format writer reads of a sample's row, and what each field must be: a row missing one, or
+# holding a list for its label, stopped a writer with a bare KeyError or TypeError naming no file.
+ROW_FIELDS = {"text": (str,), "label": (str, int, float, type(None)), "label_id": (int, type(None)),
+              "num_tokens": (int,), "metadata": (dict,)}
+
+
+def _row_problem(row: dict[str, Any]) -> str | None:
+    """What keeps a samples.jsonl row from being one a writer can read (ROW_FIELDS), or None."""
+    for field, kinds in ROW_FIELDS.items():
+        if field not in row:
+            return f"no field {field!r}"
+        if not isinstance(row[field], kinds) or (isinstance(row[field], bool) and field != "label"):
+            return f"field {field!r} holds {type(row[field]).__name__} {row[field]!r:.40}"
+    return None
 
 
 class _OpenMaps:
