@@ -276,7 +276,8 @@ def test_sharegpt_conversations_render_as_the_same_role_content_messages(model_d
         read = load_dataset(path, model_path=chat_model, messages_field="conversations")
         assert [s.text for s in read.samples] == expected
     lines.write_text(json.dumps({"conversations": [{"from": "bing", "value": "hi"}]}) + "\n")
-    with pytest.raises(ConfigError, match=r"sharegpt.jsonl:1: message 0: a ShareGPT message from 'bing'; the speakers that "
+    with pytest.raises(ConfigError, match=r"sharegpt.jsonl:1: message 0: a ShareGPT message from 'bing'; the "
+                                          r"speakers that "
                                           r"are chat roles: human, gpt, system, user, assistant"):
         load_dataset(lines, model_path=chat_model, messages_field="conversations")
 

@@ -338,7 +338,8 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
     """What format writer job `job` (its rule's name) holds by design: its fixed copy buffers, what
     it plans per sample or per file, and the sample rows (texts) of the parts it reads them from.
     None of it grows with the activations. tests/test_scale.py checks real peaks against it."""
-    from actstore.formats.lmprobe.write import COPY_BYTES, ROW_GROUP_LINE_BYTES, ROW_GROUP_ROWS, ROW_GROUP_TOKENS, THREADS
+    from actstore.formats.lmprobe.write import (COPY_BYTES, ROW_GROUP_LINE_BYTES, ROW_GROUP_ROWS, ROW_GROUP_TOKENS,
+                                                THREADS)
     from actstore.formats.saev.write import CHUNK_BYTES
     from actstore.io_utils import BEHIND
 

@@ -157,11 +157,11 @@ ROW_FIELDS = {"text": (str,), "label": (str, int, float, type(None)), "label_id"
 
 def _row_problem(row: dict[str, Any]) -> str | None:
     """What keeps a samples.jsonl row from being one a writer can read (ROW_FIELDS), or None."""
-    for field, kinds in ROW_FIELDS.items():
-        if field not in row:
-            return f"no field {field!r}"
-        if not isinstance(row[field], kinds) or (isinstance(row[field], bool) and field != "label"):
-            return f"field {field!r} holds {type(row[field]).__name__} {row[field]!r:.40}"
+    for name, kinds in ROW_FIELDS.items():
+        if name not in row:
+            return f"no field {name!r}"
+        if not isinstance(row[name], kinds) or (isinstance(row[name], bool) and name != "label"):
+            return f"field {name!r} holds {type(row[name]).__name__} {row[name]!r:.40}"
     return None
 
 
