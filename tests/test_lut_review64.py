@@ -16,9 +16,9 @@ from actstore.errors import ConfigError, FormatError
 from actstore.formats.lut import open_lut, precompute, verify, write_lut
 from actstore.lut import build_tables, relative_errors
 from actstore.lut_runtime import install_luts
+from test_lut_review import BASIS, D_IN, K, sae_state
 from tiny import traced_peak
 
-D_IN, BASIS, K = 16, 32, 4
 OUTS = {"a": 24, "b": 40, "c": 8}  # three widths; b without a bias
 
 
@@ -26,14 +26,6 @@ class Targets(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b, self.c = (nn.Linear(D_IN, out, bias=name != "b") for name, out in OUTS.items())
-
-
-def sae_state() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {"encoder_weight": torch.randn(BASIS, D_IN, generator=gen),
-            "encoder_bias": torch.randn(BASIS, generator=gen) * 0.1,
-            "decoder_weight": torch.randn(BASIS, D_IN, generator=gen) / 4,
-            "decoder_bias": torch.randn(D_IN, generator=gen) * 0.1}
 
 
 def lut_config(dtype: str = "float16") -> dict:
