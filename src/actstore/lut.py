@@ -1,4 +1,5 @@
-"""The lut stage: LUTs precomputed from a trained SAE and the model's target linears (the format is
+"""The lut stage: LUTs precomputed from a trained SAE and the model's target linears (nn.Linear, or
+transformers' Conv1D as GPT-2 holds its projections; the format is
 actstore.formats.lut, the runtime that uses them actstore.lut_runtime), then evaluated end to end
 with the runtime installed in the model."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from actstore.errors import ConfigError, FormatError
 from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
 from actstore.integrity import read_json
-from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts, parent_module
+from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts, parent_module, target_weight
 from actstore.io_utils import sha256_file, write_json_atomic
 from actstore.model_config import config_int, trusted
 from actstore.resources import LUT_EVAL_LOGITS
@@ -37,24 +38,25 @@ def model_config_summary(config_json: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in summary.items() if v is not None}
 
 
-def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str, nn.Linear]:
+def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str, nn.Module]:
     """lut.targets resolved on `model` (a model skeleton works: the sae job checks them before it
-    trains); ConfigError naming a target that is missing, not an nn.Linear or of another width."""
+    trains); ConfigError naming a target that is missing, not an nn.Linear nor a transformers Conv1D
+    (target_weight), or of another input width."""
     from actstore.models import get_module
 
     if not targets:
-        raise ConfigError("lut.targets is empty: list the nn.Linear module paths that read sae.hook's tensor")
-    linears: dict[str, nn.Linear] = {}
+        raise ConfigError("lut.targets is empty: list the nn.Linear (or Conv1D) module paths that read "
+                          "sae.hook's tensor")
+    linears: dict[str, nn.Module] = {}
     paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
     for module_path in targets:
         linear = get_module(model, module_path, "lut.targets")
-        if not isinstance(linear, nn.Linear):
-            raise ConfigError(f"lut.targets: {module_path!r} is a {type(linear).__name__}, not nn.Linear")
+        w_target = target_weight(linear, f"lut.targets: {module_path!r}")
         if linear in paths:  # its two tables would be written, then refused by install_luts after training
             raise ConfigError(f"lut.targets: {paths[linear]!r} and {module_path!r} are one module of the model")
         paths[linear] = module_path
-        if linear.in_features != d_in:
-            raise ConfigError(f"lut.targets: {module_path!r} takes {linear.in_features} inputs, the SAE {d_in}")
+        if w_target.shape[0] != d_in:
+            raise ConfigError(f"lut.targets: {module_path!r} takes {w_target.shape[0]} inputs, the SAE {d_in}")
         linears[module_path] = linear
     return linears
 
@@ -103,7 +105,7 @@ def build_tables(config: dict[str, Any], model: nn.Module, sae_state: dict[str, 
     for and never held here: write_lut writes and drops each before the next is made, so the stage holds
     one target's tables (GBs at 65k latents), not every target's. The targets are resolved up front."""
     linears = target_linears(model, config["lut"]["targets"], sae_state["encoder_weight"].shape[1])
-    return ((module_path, precompute(sae_state, linear.weight.detach().float().cpu().T,
+    return ((module_path, precompute(sae_state, target_weight(linear, module_path).float().cpu(),
                                      None if linear.bias is None else linear.bias.detach().float().cpu(),
                                      config["lut"]["dtype"], module_path))
             for module_path, linear in linears.items())

@@ -1,4 +1,5 @@
-"""The LUT runtime: nn.Linear replaced by SAE encode + lookup (tables from actstore.formats.lut).
+"""The LUT runtime: an nn.Linear (or a transformers Conv1D: GPT-2's projections) replaced by SAE
+encode + lookup (tables from actstore.formats.lut).
 
 Runtime, per spec: Step A values, indices = TopK(ReLU(x @ E.T + e)); Step B
 out = sum_j values_j * P[indices_j] + bias_product (+ the linear's own bias, an extension).
@@ -81,6 +82,22 @@ CHECK_CHUNK_BYTES = 64 * 2**20
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_LOADED: set[tuple] = set()  # the signatures whose Triton kernel an eager call ran (in_graph)
 TRITON_WARNED: set[tuple] = set()
+
+
+def target_weight(module: nn.Module, what: str) -> torch.Tensor:
+    """W_target [in, out] of a LUT target, detached: an nn.Linear's weight [out, in] transposed (it
+    computes x @ weight.T + bias), a transformers Conv1D's as stored (GPT-2's projections: x @ weight +
+    bias; transposing it too would be another map, of the same shape when in == out). ConfigError
+    naming `what` (the target) and the type of any other module."""
+    # Imported here: verify and the SAE import this module, and need not pay for importing transformers.
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, nn.Linear):
+        return module.weight.detach().T
+    if isinstance(module, Conv1D):
+        return module.weight.detach()
+    raise ConfigError(f"{what} is a {type(module).__name__}, not nn.Linear nor a transformers Conv1D: "
+                      f"list the linear maps that read the SAE's hook tensor")
 
 
 def weighted_rows(weights: torch.Tensor, indices: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -203,9 +220,10 @@ class LutEncoder(nn.Module):
         # (the compensation's rows of x's dims, the group's later targets' columns).
         need = (self.decoder_weight.shape[1], products.shape[1])
         if weight is not None and tuple(weight.shape) != need:
-            raise ConfigError(f"a LUT target's linear has weight [{weight.shape[1]}, {weight.shape[0]}], its tables "
-                              f"need [{need[1]}, {need[0]}] (nn.Linear({need[0]}, {need[1]})): install the LUT on "
-                              f"the linear it was built from")
+            raise ConfigError(f"a LUT target's linear maps {weight.shape[0]} inputs to {weight.shape[1]} outputs, its "
+                              f"tables need [{need[1]}, {need[0]}] as an nn.Linear's weight (nn.Linear({need[0]}, "
+                              f"{need[1]})), [{need[0]}, {need[1]}] as a Conv1D's: install the LUT on the linear it "
+                              f"was built from")
         start = self.products.shape[1]
         self.products = torch.cat([self.products, products.to(self.products)], dim=1)
         self.bias_products = torch.cat([self.bias_products, bias_product.to(self.bias_products)])
@@ -330,11 +348,12 @@ def count(value: Any, what: str) -> int:
 
 
 class LutLinear(nn.Module):
-    """Drop-in replacement for an nn.Linear: Step A (shared encoder) + Step B (+ compensation), or with
-    runtime "auto" the dense x @ W above `crossover_tokens` (calibrated or pinned by install_luts).
-    `paths` counts which ran; `calibration` is the measured table the crossover came from."""
+    """Drop-in replacement for an nn.Linear or a transformers Conv1D (`linear`, its W_target as
+    target_weight reads it): Step A (shared encoder) + Step B (+ compensation), or with runtime "auto"
+    the dense x @ W above `crossover_tokens` (calibrated or pinned by install_luts). `paths` counts
+    which ran; `calibration` is the measured table the crossover came from."""
 
-    def __init__(self, encoder: LutEncoder, tables: dict[str, torch.Tensor], linear: nn.Linear | None,
+    def __init__(self, encoder: LutEncoder, tables: dict[str, torch.Tensor], linear: nn.Module | None,
                  budget: int = 0, with_bias: bool = True, runtime: str = "lookup"):
         super().__init__()
         if runtime not in RUNTIMES:
@@ -342,10 +361,10 @@ class LutLinear(nn.Module):
         self.encoder = encoder
         # W_target [in, out]: rows are what compensation sums.
         self.columns = encoder.add_target(tables["precomputed_products"], tables["bias_product"],
-                                          None if linear is None else linear.weight.detach().T)
+                                          None if linear is None else target_weight(linear, "a LUT target"))
         # The linear's own bias when the linear is given (exact): the table's target_bias is that bias
         # rounded to the tables' 16 bits (0.2 off a bias of a few hundred, as Qwen2's q/k/v hold, in
-        # bfloat16), and auto's dense path is to equal the nn.Linear it replaced.
+        # bfloat16), and auto's dense path is to equal the module it replaced.
         bias = (linear.bias if linear is not None else tables.get(BIAS_KEY)) if with_bias else None
         self.register_buffer("target_bias", None if bias is None else bias.detach().to(encoder.products),
                              persistent=False)
@@ -558,21 +577,21 @@ def _rounding(*dtypes: torch.dtype) -> float:
     return sum(torch.finfo(dtype).eps for dtype in dtypes)
 
 
-def _products(rows: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows @ weight.T and |rows| @ |weight|.T (the second bounds the rounding of the first) in
+def _products(rows: torch.Tensor, w_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows @ w_target and |rows| @ |w_target| (the second bounds the rounding of the first) in
     float64: on a GPU where a caller allowed TF32, float32 matmuls round their inputs to 10 bits, as
-    coarse as float16 tables. Over CHECK_CHUNK_BYTES of weight at a time: a float64 copy of a whole
+    coarse as float16 tables. Over CHECK_CHUNK_BYTES of columns at a time: a float64 copy of a whole
     weight would multiply the largest layer's memory."""
-    step = max(1, CHECK_CHUNK_BYTES // (8 * weight.shape[1]))
+    step = max(1, CHECK_CHUNK_BYTES // (8 * w_target.shape[0]))
     exact, scale = [], []
-    for chunk in weight.detach().split(step):
+    for chunk in w_target.split(step, dim=1):
         chunk = chunk.double()
-        exact.append(rows @ chunk.T)
-        scale.append(rows.abs() @ chunk.abs().T)
+        exact.append(rows @ chunk)
+        scale.append(rows.abs() @ chunk.abs())
     return torch.cat(exact, dim=1), torch.cat(scale, dim=1)
 
 
-def check_products(tables: dict[str, torch.Tensor], linear: nn.Linear, file: Path, module_path: str) -> None:
+def check_products(tables: dict[str, torch.Tensor], linear: nn.Module, file: Path, module_path: str) -> None:
     """FormatError naming `file` and `module_path` unless the tables were built from this linear: up
     to CHECK_ROWS rows of P (spread over the basis) and bias_product against decoder_weight and
     decoder_bias times the live weight, and target_bias against its bias. Sizes alone let
@@ -588,20 +607,21 @@ def check_products(tables: dict[str, torch.Tensor], linear: nn.Linear, file: Pat
     device = linear.weight.device
     rows = torch.cat([tables["decoder_weight"][picked], tables["decoder_bias"][None]]).to(device, torch.float64)
     kept = torch.cat([tables["precomputed_products"][picked], tables["bias_product"][None]]).to(device, torch.float64)
-    exact, scale = _products(rows, linear.weight)
+    exact, scale = _products(rows, target_weight(linear, f"lut target {module_path!r}"))
     error, allowed = (kept - exact).abs(), eps * scale + tiny
     row, column = divmod(int((error - allowed).argmax()), error.shape[1])
     if error[row, column] > allowed[row, column]:
         what, source = (("bias_product", "decoder_bias") if row == len(picked) else
                         (f"precomputed_products row {int(picked[row])}", f"decoder_weight[{int(picked[row])}]"))
-        raise FormatError(f"{file}: {what} differs from {source} @ {module_path}.weight.T by "
+        w_target = f"{module_path}.weight" + (".T" if isinstance(linear, nn.Linear) else "")  # a Conv1D's is [in, out]
+        raise FormatError(f"{file}: {what} differs from {source} @ {w_target} by "
                           f"{error[row, column].item():.3g} (rounding allows {allowed[row, column].item():.3g}): "
                           f"the tables were built from other weights than this model's {module_path}; build the "
                           f"LUT from this model")
     _check_bias(tables.get(BIAS_KEY), linear, file, module_path)
 
 
-def _check_bias(target_bias: torch.Tensor | None, linear: nn.Linear, file: Path, module_path: str) -> None:
+def _check_bias(target_bias: torch.Tensor | None, linear: nn.Module, file: Path, module_path: str) -> None:
     """A table's target_bias (when it has one) against the linear's bias, within both dtypes' rounding."""
     if target_bias is None:
         return
@@ -639,11 +659,12 @@ def _name(dtype: torch.dtype) -> str:
 
 def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torch.dtype | None = None,
                  runtime: str = "lookup", crossover_tokens: int | None = None) -> dict[str, LutLinear]:
-    """Replace every layer of `store` in `model` by a LutLinear; same SAE tensors -> one LutEncoder.
+    """Replace every layer of `store` in `model` (an nn.Linear or a transformers Conv1D) by a LutLinear;
+    same SAE tensors -> one LutEncoder.
     Each table is checked against its linear first (check_products), and the model is changed only
     once every table passed: an error leaves it as it was (not half its targets replaced, which a
-    second call would refuse as not nn.Linear). Tables are held in `dtype`, by default the dtype of
-    the linear they replace (module docstring; held_tables); the targets sharing an encoder (same SAE,
+    second call would refuse as not nn.Linear nor Conv1D). Tables are held in `dtype`, by default the
+    dtype of the linear they replace (module docstring; held_tables); the targets sharing an encoder (same SAE,
     same device) share its tables, in the first one's.
     runtime "auto": the crossover is `crossover_tokens` when given (reproducible runs, tests), else
     measured now by calibrate_auto (each target's `calibration` holds its group's table)."""
@@ -660,14 +681,13 @@ def install_luts(model: nn.Module, store: LutStore, budget: int = 0, dtype: torc
     paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
     for module_path, entry in store.layers.items():
         linear, file = get_module(model, module_path, store.layers_source), store.dir / entry["file"]
-        if not isinstance(linear, nn.Linear):
-            raise ConfigError(f"lut target {module_path!r} is a {type(linear).__name__}, not nn.Linear")
+        in_out = tuple(target_weight(linear, f"lut target {module_path!r}").shape)
         if linear in paths:
             raise ConfigError(f"lut targets {paths[linear]!r} and {module_path!r} are one module of the model")
         paths[linear] = module_path
-        if (linear.in_features, linear.out_features) != (entry["input_dim"], entry["output_dim"]):
+        if in_out != (entry["input_dim"], entry["output_dim"]):
             raise FormatError(f"{file}: [{entry['input_dim']}, {entry['output_dim']}] does not "
-                              f"fit {module_path} ({linear.in_features} -> {linear.out_features})")
+                              f"fit {module_path} ({in_out[0]} -> {in_out[1]})")
         if linear.weight.is_meta:  # no values to check the tables against, nor to compute with
             raise ConfigError(f"lut target {module_path!r} holds no weights (meta device: a model_skeleton, or "
                               f"a layer accelerate offloads and loads per forward): install the LUT in a model "

@@ -25,7 +25,7 @@ def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias:
                dtype: str = "float16", name: str = "the LUT") -> dict[str, torch.Tensor]:
     """The six spec tensors (+ target_bias): products in float32, then everything cast to `dtype`.
 
-    `w_target` is [input_dim, output_dim] (an nn.Linear's weight transposed). ConfigError naming
+    `w_target` is [input_dim, output_dim] (an nn.Linear's weight transposed, a transformers Conv1D's as stored). ConfigError naming
     `name` and the tensor when the cast would turn finite values into +-inf (float16's +-65504): a
     table that silently holds inf would make every lookup through it inf.
     """
@@ -35,7 +35,8 @@ def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias:
         raise ConfigError(f"{name}: lut.dtype {dtype!r}, expected one of {', '.join(DTYPES)}")
     if w_target.ndim != 2 or w_target.shape[0] != sae_state["decoder_weight"].shape[1]:  # torch's error names no target
         raise ConfigError(f"{name}: w_target {list(w_target.shape)} is not [input_dim, output_dim] of the SAE's "
-                          f"input_dim {sae_state['decoder_weight'].shape[1]} (an nn.Linear's weight, transposed)")
+                          f"input_dim {sae_state['decoder_weight'].shape[1]} (an nn.Linear's weight transposed, a "
+                          "Conv1D's as stored)")
     w = w_target.float()
     tensors = {key: sae_state[key].float() for key in REQUIRED_KEYS[:4]}
     tensors["precomputed_products"] = tensors["decoder_weight"] @ w
