@@ -57,3 +57,27 @@ def test_the_scan_names_the_row_of_a_token_id_past_the_vocabulary_in_every_table
         scan_dataset(path, tokens_field="input_ids", vocab=300)
     assert scan_dataset(path, tokens_field="input_ids", vocab=301).n_samples == 100
     assert scan_dataset(path, tokens_field="input_ids").n_samples == 100
+
+
+def test_a_lut_target_that_is_no_linear_map_fails_the_scan_before_any_part_job(model_dir, tmp_path):
+    """A lut.targets module of another kind (GPT-2's token embedding) was refused by the sae job, once
+    every part had run on its GPU; the scan job, which already builds the model's skeleton for
+    extract.hooks, names it. GPT-2's Conv1D projections pass (they are LUT targets)."""
+    from actstore.errors import ConfigError
+    from actstore.extract.run import check_hooks
+
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", 8)
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), data, extract={"hooks": ["h.1.attn.c_attn:input"]},
+                              sae={"enabled": True, "num_basis": 64, "k_active": 8},
+                              lut={"targets": ["h.1.attn.c_attn", "wte"]})
+    with pytest.raises(ConfigError, match=r"lut.targets: 'wte' is a Embedding, not nn.Linear nor a transformers "
+                                          r"Conv1D"):
+        check_hooks(config)
+    config["lut"]["targets"] = ["h.1.attn.c_attn"]
+    check_hooks(config)
+    configfile = tiny.save_config({**config, "lut": {**config["lut"], "targets": ["wte"]}}, tmp_path / "config.yaml")
+    cmd = [str(Path(sys.executable).with_name("snakemake")), "-s", str(tiny.REPO / "Snakefile"), "-d",
+           str(tmp_path), "--configfile", str(configfile), "--cores", "1", "extract_scan"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    logs = "".join(p.read_text() for p in (tmp_path / "dump" / "logs").rglob("scan.log"))
+    assert proc.returncode != 0 and "lut.targets: 'wte' is a Embedding" in logs, (proc.stdout + proc.stderr)[-2000:]

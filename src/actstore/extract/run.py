@@ -59,14 +59,21 @@ def preflight(config: dict[str, Any], part: int, scan: str | Path | None = None)
 
 
 def check_hooks(config: dict[str, Any]) -> None:
-    """Each extract.hooks module path found in the model's module tree (no weights: seconds); ConfigError
-    naming the path and what the module it stops at holds. The dataset scan job runs it too: a misspelt
-    hook passed `snakemake -n` and stopped each part's job, on Slurm after its wait for a GPU."""
+    """Each extract.hooks module path found in the model's module tree (no weights: seconds), and when the
+    lut stage runs each lut.targets module a linear map (lut_runtime.target_weight); ConfigError naming the
+    path and what the module it stops at holds, or the target's type. The dataset scan job runs it too: a
+    misspelt hook passed `snakemake -n` and stopped each part's job, on Slurm after its wait for a GPU, and
+    a target of another kind (an embedding) stopped the sae job, after every part."""
     if config["extract"]["hooks"]:
+        from actstore.lut_runtime import target_weight
+
         skeleton = model_skeleton(resolve_model_path(config["model"]["path"]), config["model"].get("tower"),
                                   trusted(config["model"]))
         for spec in config["extract"]["hooks"]:
             get_module(skeleton, parse_hook(spec)[0])
+        if config["sae"]["enabled"] and config["lut"]["enabled"]:
+            for path in config["lut"]["targets"]:
+                target_weight(get_module(skeleton, path, "lut.targets"), f"lut.targets: {path!r}")
 
 
 def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: bool = True,
