@@ -1580,9 +1580,9 @@ def test_a_jsonl_line_past_the_longest_row_is_named_not_read_whole(monkeypatch, 
 
 def test_a_class_id_past_the_classlabel_names_is_named_by_the_scan(tmp_path):
     """A ClassLabel column's ids are looked up in its names: an id past them (or below -1, Hugging
-    Face's row without a label) is named with its shard, row and column by the scan, and so is a
-    column of strings (before, each such label was None, as if the row had none); -1 stays a row
-    without a label."""
+    Face's row without a label) is named with its shard, row and column by the scan (before, each such
+    label was None, as if the row had none); -1 stays a row without a label, and a column of strings
+    is read as its names."""
     features = {"text": {"dtype": "string", "_type": "Value"},
                 "label": {"names": ["neg", "pos"], "_type": "ClassLabel"}}
     metadata = {"huggingface": json.dumps({"info": {"features": features}})}
@@ -1599,9 +1599,8 @@ def test_a_class_id_past_the_classlabel_names_is_named_by_the_scan(tmp_path):
     assert [(s.text, s.label) for s in dataset.samples] == [("a", "neg"), ("b", "pos"), ("c", None), ("d", "pos")]
     pq.write_table(pa.table({"text": ["c"], "label": ["pos"]}).replace_schema_metadata(metadata),
                    folder / "train-1.parquet")
-    with pytest.raises(ConfigError, match=r"train-1\.parquet: column 'label' is string, but the features make it "
-                                          r"a ClassLabel"):
-        scan_dataset(folder)
+    assert scan_dataset(folder).labels == ["neg", "pos"]
+    assert [(s.text, s.label) for s in load_dataset(folder).samples] == [("a", "neg"), ("b", "pos"), ("c", "pos")]
 
 
 @pytest.mark.parametrize("messages", ["hello", None, [{"role": "user", "content": None}],

@@ -87,17 +87,6 @@ def test_readme_dataset_info_per_config_takes_the_default_configs(tmp_path):
     assert numbered(dataset) == [("a", 0), ("c", 2), ("c", 2)]
 
 
-@pytest.mark.parametrize("suffix", ["parquet", "csv"])
-def test_readme_class_label_over_a_column_of_names_is_refused_naming_the_column(suffix, tmp_path):
-    """A column of names under a README's ClassLabel: its labels were numbered by their text, not as the
-    ClassLabel numbers them (datasets casts Parquet names to their ids, and refuses a CSV's), without a word."""
-    splits = {"train": ["person", "cat"], "test": ["person", "thing"]}
-    root = hub_folder(tmp_path, splits=splits, label_type=pa.string(), suffix=suffix)
-    with pytest.raises(ConfigError, match=rf"test-00000-of-00001\.{suffix}: column 'label' is string, but the "
-                                          r"features make it a ClassLabel"):
-        scan_dataset(root, split="test")
-
-
 def test_a_label_id_past_the_readmes_names_is_named(tmp_path):
     """datasets 5.0.1 loads id 3 of 3 names without a word; here it is named."""
     root = hub_folder(tmp_path, splits={"train": [0, 1], "test": [2, 3, 0]})

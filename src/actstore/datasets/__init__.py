@@ -29,7 +29,7 @@ from actstore.datasets.scan import RESCAN, Scan, check_unchanged, data_state, jo
 from actstore.datasets.source import (FOLDER_FORMATS, METADATA_NAMES, Source, files_under, identity_files,
                                       resolve_source)
 from actstore.datasets.splits import split_folder
-from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas
+from actstore.datasets.tables import image_field, read_table, scan_table, schema_of, table_schemas, with_classes
 from actstore.datasets.webdataset import read_webdataset, scan_webdataset
 from actstore.errors import ConfigError
 from actstore.model_config import config_int, run_config, trusted
@@ -138,6 +138,8 @@ def _opened(path: str | Path, split: str, options: dict[str, Any]) -> tuple[Sour
         what = "a text folder" if source.format == "text_folder" else \
             f"an image folder without a metadata file ({' or '.join(METADATA_NAMES)} at its root)"
         raise ConfigError(f"dataset.{key}: {path} is {what}: its labels are its folders, and it has no other fields")
+    if source.format == "jsonl":
+        return source, with_classes(source, fields, None), []
     if not source.table:
         return source, fields, []
     fields = _table_fields(source, fields)
@@ -178,7 +180,7 @@ def scanned_files(source: Source, fields: Fields, limit: int | None, progress: b
         for size, scan in zip(sizes, in_order(futures)):  # in file order: the first file's error is raised
             scans.append(scan)
             bar.update(size)
-    return joined(scans, source.files)
+    return joined(scans, source.files, fields)
 
 
 def _scanned_file(source: Source, fields: Fields, limit: int | None, progress: bool = False) -> Scan:
@@ -255,9 +257,11 @@ def _fields(options: dict[str, Any], render: Callable[[Any, str], str] | None) -
 
 
 def _table_fields(source: Source, fields: Fields) -> Fields:
-    """Fields with the image column resolved from the first shard's schema (see tables.image_field)."""
-    image = image_field(source, fields, schema_of(source.format, source.files[0])) if source.files else None
+    """Fields with the image column resolved from the first shard's schema (see tables.image_field)
+    and the label column's ClassLabel names (tables.with_classes)."""
+    schema = schema_of(source.format, source.files[0]) if source.files else None
+    image = image_field(source, fields, schema) if schema is not None else None
     if image and source.format == "csv":
         raise ConfigError(f"dataset.path {source.root}: CSV holds no image bytes; use Parquet, Arrow, "
                           f"save_to_disk or an image folder")
-    return replace(fields, image=image)
+    return replace(with_classes(source, fields, schema), image=image)

@@ -48,6 +48,14 @@ class Fields:
     keep: tuple[str, ...] | None = None
     render: Callable[[Any, str], str] | None = None
     vocab: int | None = None  # the model's vocab_size: the scan refuses a token id at or past it
+    # The label field's ClassLabel names (Hugging Face features: tables.with_classes): a label is read as its
+    # class id or name (class_name), label_id = its id in every split, whichever classes a split holds
+    classes: tuple[str, ...] | None = None
+    classes_from: str = ""  # where `classes` were read, for errors
+
+    @functools.cached_property  # asked of every row's label (class_name)
+    def class_ids(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.classes or ())}
 
     @property
     def prompt(self) -> str:
@@ -155,6 +163,48 @@ def checked_label(label: Any, field: str, where: str) -> Any:
         raise ConfigError(f"{where}: field {field!r} is {label}; a row without a label has null there")
     check_unicode(label, where, f"field {field!r}")  # a label name every format stores as UTF-8 text
     return label
+
+
+def class_label_names(features: dict[str, Any], label: str, where: str) -> list[str] | None:
+    """The ClassLabel names Hugging Face `features` (by column) give column `label`, or None when
+    it is no ClassLabel; ConfigError naming `where` when the names are not distinct strings (a
+    string was read as a list of its letters, each a class, without a word)."""
+    feature = features.get(label)
+    if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel" or "names" not in feature:
+        return None
+    names = feature["names"]
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names) or len(set(names)) < len(names):
+        raise ConfigError(f"{where}: {label!r} ClassLabel's names must be a list of distinct strings, got "
+                          f"{json.dumps(names):.80}")
+    return names
+
+
+def class_name(label: Any, fields: Fields, where: str) -> str | None:
+    """A JSON label (checked_label's) under the ClassLabel `fields.classes`, as its name; None for a
+    row without one (null, or id -1). A number is a class id (a whole float too: pandas writes an
+    integer column with a missing value as floats), a string a name as Hugging Face's
+    ClassLabel.str2int reads it (as written, stripped, else a whole number that is an id).
+    ConfigError naming `where` for an id past the names, an unknown name or a boolean (datasets
+    loads an id past the names, which no name labels, and true as id 1)."""
+    if label is None:
+        return None
+    names, field = fields.classes or (), fields.label
+    if isinstance(label, str):
+        number = fields.class_ids.get(label, fields.class_ids.get(label.strip()))
+        if number is not None:
+            return names[number]
+        try:
+            label = int(label)
+        except ValueError:
+            raise ConfigError(f"{where}: field {field!r}: {json.dumps(label):.60} is none of its ClassLabel's "
+                              f"{len(names)} names ({fields.classes_from}: {', '.join(names):.120})") from None
+    if isinstance(label, bool) or (isinstance(label, float) and not label.is_integer()):
+        raise ConfigError(f"{where}: field {field!r}: {json.dumps(label)} is no class id or name of its "
+                          f"ClassLabel ({fields.classes_from})")
+    if not -1 <= label < len(names):
+        raise ConfigError(f"{where}: field {field!r}: class id {json.dumps(label)} names no class (its ClassLabel has "
+                          f"{len(names)} names: ids 0 to {len(names) - 1}; -1 is no label; {fields.classes_from})")
+    return names[int(label)] if label >= 0 else None
 
 
 Labelled = tuple[Any, str]  # a label, and where it was read (for errors)

@@ -15,9 +15,9 @@ from isal import isal_zlib
 from tqdm import tqdm
 
 from actstore.datasets.chat import checked_messages
-from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, label_list, one_kind
+from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, class_name, one_kind
 from actstore.datasets.json_array import MAX_ELEMENT_CHARS, ArrayError, elements, starts_array
-from actstore.datasets.scan import Mark, Scan, mark_before
+from actstore.datasets.scan import Mark, Scan, mark_before, scan_labels
 from actstore.datasets.source import COMPRESSED_SUFFIXES
 from actstore.errors import ConfigError
 
@@ -31,7 +31,8 @@ FIRST = Mark(0, 0, 0, 0)
 def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progress: bool = False,
                mark_chars: int = MARK_CHARS) -> Scan:
     """The scan of the first `limit` rows, each parsed and checked for the fields the config reads;
-    no row is kept, so memory holds one line (or array element), the distinct labels and the marks."""
+    no row is kept, so memory holds one line (or array element), the distinct labels and the marks.
+    Labels under a ClassLabel (fields.classes) are its names, label_id its class id, in every split."""
     n_rows, labels, marks, chars, first = 0, {}, [FIRST], 0, None
     # Text read, against the files' sizes (unknown for compressed files, whose text is larger).
     total = None if any(map(_compressed, files)) else sum(path.stat().st_size for path in files)
@@ -49,7 +50,7 @@ def scan_jsonl(files: tuple[Path, ...], fields: Fields, limit: int | None, progr
                 marks.append(Mark(n_rows, row.file, row.position(), row.number))
                 bar.update(chars)
                 chars = 0
-    return Scan(n_rows, label_list(labels), tuple(marks))
+    return Scan(n_rows, scan_labels(labels, fields), tuple(marks))
 
 
 def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan) -> list[Sample]:
@@ -62,8 +63,8 @@ def read_jsonl(files: tuple[Path, ...], fields: Fields, rows: range, scan: Scan)
             break
         if sample_idx >= rows.start:
             parsed = _checked(row, fields)
-            samples.append(Sample(sample_idx, _prompt(parsed, fields, row.where), parsed.get(fields.label),
-                                  _kept(parsed, fields),
+            samples.append(Sample(sample_idx, _prompt(parsed, fields, row.where),
+                                  _label(parsed, fields, row.where), _kept(parsed, fields),
                                   tokens=np.asarray(parsed[fields.tokens], np.int64) if fields.tokens else None))
     return samples
 
@@ -381,7 +382,8 @@ def _short(value: Any) -> str:
 
 
 def _label(row: dict[str, Any], fields: Fields, where: str) -> Any:
-    return checked_label(row.get(fields.label), fields.label, where)
+    label = checked_label(row.get(fields.label), fields.label, where)
+    return label if fields.classes is None else class_name(label, fields, where)
 
 
 def _prompt(row: dict[str, Any], fields: Fields, where: str) -> str:

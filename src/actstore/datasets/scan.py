@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from actstore.datasets.core import label_list, one_kind
+from actstore.datasets.core import Fields, label_list, one_kind
 from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source
+from actstore.datasets.splits import README
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
 from actstore.io_utils import write_json_atomic
@@ -43,7 +44,9 @@ class Scan:
     root, "" for the root; files; the sha256 of their names, folders.names_digest) of each run of
     consecutive files in one folder, over every file, so that a part's job lists only the folders
     of its rows and checks them. metadata: an image folder's metadata file (source.METADATA_NAMES,
-    at its root; "" for none), whose (size, mtime_ns) is then the one stamp."""
+    at its root; "" for none), whose (size, mtime_ns) is then the one stamp. features: the file whose
+    ClassLabel names the labels (source.features_file: README.md or dataset_info.json; "" for none),
+    its stamp after the data files': its names, changed since, would label rows by other names."""
 
     n_samples: int
     labels: list
@@ -53,6 +56,7 @@ class Scan:
     runs: tuple[tuple[str, int, str], ...] = ()
     folder_format: str = ""
     metadata: str = ""
+    features: str = ""
 
 
 def mark_before(scan: Scan, row: int) -> Mark:
@@ -62,12 +66,12 @@ def mark_before(scan: Scan, row: int) -> Mark:
     return scan.marks[bisect.bisect_right([m.row for m in scan.marks], row) - 1]
 
 
-def joined(scans: Iterable[Scan], files: tuple[Path, ...]) -> Scan:
+def joined(scans: Iterable[Scan], files: tuple[Path, ...], fields: Fields) -> Scan:
     """The scan of a dataset's `files` from scans of each file alone, in file order: rows counted on
     across them, each file's marks moved to its rows and its file index (its first mark, at its
     start, stays: a job may start there), labels ordered as one pass over them all would order
-    them (label_list keeps the first of labels with the same text); ConfigError when one file's labels
-    are booleans and another's not (one_kind)."""
+    them (label_list keeps the first of labels with the same text), or a ClassLabel's names
+    (scan_labels); ConfigError when one file's labels are booleans and another's not (one_kind)."""
     n_rows, labels, marks, first = 0, [], [], None
     for file, scan in enumerate(scans):
         marks += [Mark(m.row + n_rows, m.file + file, m.position, m.line) for m in scan.marks]
@@ -75,9 +79,16 @@ def joined(scans: Iterable[Scan], files: tuple[Path, ...]) -> Scan:
             first = one_kind(first, label, str(files[file]))
         labels += scan.labels
         n_rows += scan.n_samples
-    return Scan(n_rows, label_list(labels), tuple(marks))
+    return Scan(n_rows, scan_labels(labels, fields), tuple(marks))
 
 
+def scan_labels(labels: Iterable[Any], fields: Fields) -> list:
+    """A scan's labels: the ClassLabel's names where the features name them (label_id = class id, in
+    every split, whichever classes it holds), else the labels read, ordered by label_list."""
+    return list(fields.classes) if fields.classes is not None else label_list(labels)
+
+
+FEATURES_NAMES = (README, "dataset_info.json")  # a features file's (Source.features_file) names
 RESCAN = "scan it again (the workflow: snakemake --forcerun extract_scan)"
 DataState = tuple[tuple[tuple[int, int], ...], str]  # Scan.stamps, Scan.listing
 
@@ -88,7 +99,16 @@ def data_state(source: Source) -> DataState:
     during the scan is seen too."""
     if source.format in FOLDER_FORMATS:
         return _stamps((source.metadata,) if source.metadata else ()), _listing(source)
-    return _stamps(source.files), ""
+    return _stamps(_stamped_files(source)), ""
+
+
+def _stamped_files(source: Source) -> tuple[Path, ...]:
+    """The files a table's or JSON lines' scan stamps: the data files, then its features file."""
+    return (*source.files, *([source.features_file] if source.features_file else []))
+
+
+def _features_name(source: Source) -> str:
+    return source.features_file.name if source.features_file else ""
 
 
 def _stamps(files: Iterable[Path]) -> tuple[tuple[int, int], ...]:
@@ -98,21 +118,26 @@ def _stamps(files: Iterable[Path]) -> tuple[tuple[int, int], ...]:
 def stamped(scan: Scan, source: Source, state: DataState | None = None) -> Scan:
     """`scan` with `state` (default: what `source`'s data is now)."""
     stamps, listing = state or data_state(source)
-    return replace(scan, stamps=stamps, listing=listing, metadata=source.metadata.name if source.metadata else "")
+    return replace(scan, stamps=stamps, listing=listing, metadata=source.metadata.name if source.metadata else "",
+                   features=_features_name(source))
 
 
 def check_unchanged(scan: Scan, source: Source) -> None:
     """ConfigError naming the data that changed since `scan` was taken (a file's size or mtime, the
-    number of files, a folder's listing of images or texts, an image folder's metadata file)."""
+    number of files, a folder's listing of images or texts, an image folder's metadata file, the
+    features file naming the labels)."""
     stamps, listing = data_state(source)
     if listing != scan.listing:
         raise files_changed(source.root)
     if source.format in FOLDER_FORMATS:
         return check_metadata_unchanged(scan, source.root)
+    if (features := _features_name(source)) != scan.features:
+        raise ConfigError(f"{source.root}: its features file (the labels' ClassLabel names) is {features or 'none'}, "
+                          f"{scan.features or 'none'} when the dataset was scanned; {RESCAN}")
     if len(stamps) != len(scan.stamps):
-        raise ConfigError(f"{source.root}: holds {len(stamps)} data files, {len(scan.stamps)} when the "
-                          f"dataset was scanned; {RESCAN}")
-    for path, was, stamp in zip(source.files, scan.stamps, stamps):
+        raise ConfigError(f"{source.root}: holds {len(source.files)} data files, "
+                          f"{len(scan.stamps) - bool(features)} when the dataset was scanned; {RESCAN}")
+    for path, was, stamp in zip(_stamped_files(source), scan.stamps, stamps):
         if tuple(was) != stamp:
             raise ConfigError(f"{path}: changed since the dataset was scanned (size {was[0]} -> {stamp[0]} bytes, "
                               f"or its modification time); {RESCAN}")
@@ -149,7 +174,7 @@ def write_scan(scan: Scan, path: str | Path) -> None:
                              "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
                              "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing,
                              "runs": [list(run) for run in scan.runs], "folder_format": scan.folder_format,
-                             "metadata": scan.metadata},
+                             "metadata": scan.metadata, "features": scan.features},
                       indent=None)
     log.info("dataset scan: %d rows, %d labels, %d marks -> %s", scan.n_samples, len(scan.labels),
              len(scan.marks), path)
@@ -175,9 +200,12 @@ def read_scan(path: str | Path) -> Scan:
                   or marks[-1].row > n_samples):
         raise FormatError(f"{path}: marks must start at row 0 of the first file and go up to n_samples")
     stamps = tuple(_numbers(stamps, (0, -1 << 63), path, "stamps"))  # (size, mtime_ns): see _numbers
-    if any(mark.file >= len(stamps) for mark in marks):  # a job would read no file from there: no rows, no error
+    features = data.get("features", "")  # scans of earlier releases hold none
+    if features not in ("", *FEATURES_NAMES) or (features and not stamps):
+        raise FormatError(f"{path}: features must be one of {', '.join(FEATURES_NAMES)} with its stamp, or empty")
+    if any(mark.file >= len(stamps) - bool(features) for mark in marks):  # a job would read no file from there
         raise FormatError(f"{path}: marks name file {max(mark.file for mark in marks)} (from 0), but stamps "
-                          f"hold {len(stamps)} data files")
+                          f"hold {len(stamps) - bool(features)} data files")
     runs = _runs(data.get("runs", []), n_samples, path)  # scans of earlier releases hold none
     folder_format = data.get("folder_format", "")
     if folder_format not in (FOLDER_FORMATS if runs else ("",)):
@@ -185,7 +213,7 @@ def read_scan(path: str | Path) -> Scan:
     metadata = data.get("metadata", "")
     if metadata not in ("", *METADATA_NAMES) or (metadata and len(stamps) != 1):
         raise FormatError(f"{path}: metadata must be one of {', '.join(METADATA_NAMES)} with its one stamp, or empty")
-    return Scan(n_samples, labels, tuple(marks), stamps, listing, runs, folder_format, metadata)
+    return Scan(n_samples, labels, tuple(marks), stamps, listing, runs, folder_format, metadata, features)
 
 
 def _runs(value: Any, n_samples: int, path: Path) -> tuple[tuple[str, int, str], ...]:

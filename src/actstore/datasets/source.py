@@ -159,7 +159,7 @@ def _folder_source(root: Path, fmt: str, split: str) -> Source:
             return Source("image_folder", root, ())  # empty: load_dataset names it
         fmt = _one_format(str(root), set(shards.values()))
     files = tuple(p for p, kind in shards.items() if kind == fmt)
-    labels = readme_class_labels(root) if fmt in TABLE_FORMATS else {}
+    labels = readme_class_labels(root) if fmt in (*TABLE_FORMATS, "jsonl") else {}
     return Source(fmt, root, files, labels, features_file=root / README if labels else None)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -14,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.datasets.chat import checked_messages
-from actstore.datasets.core import Fields, Sample, label_list
+from actstore.datasets.core import Fields, Sample, class_label_names, class_name, label_list
 from actstore.datasets.jsonl import open_bytes
 from actstore.datasets.source import COMPRESSED_SUFFIXES, Source
 from actstore.errors import ConfigError
@@ -334,29 +335,24 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
             raise ConfigError(f"{path}: column {name!r} ({key}) is {schema.field(name).type}, expected {expected}")
 
 
-def class_names(source: Source, schema: pa.Schema, label: str) -> list | None:
-    """ClassLabel names of the label column from the Hugging Face features (save_to_disk's
-    dataset_info.json, a Hub repository's README.md dataset_info, or the `huggingface` schema
-    metadata the Hub writes in Parquet/Arrow)."""
+def with_classes(source: Source, fields: Fields, schema: pa.Schema | None) -> Fields:
+    """`fields` with the label column's ClassLabel names (Fields.classes) from the Hugging Face
+    features (save_to_disk's dataset_info.json, a Hub repository's README.md dataset_info, or the
+    `huggingface` schema metadata the Hub writes in Parquet/Arrow, of the first shard's `schema`;
+    JSON lines: None), unchanged where the label is no ClassLabel."""
     features, where = _features(source, schema)
-    feature = features.get(label)
-    if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel" or "names" not in feature:
-        return None
-    names = feature["names"]  # a string was read as a list of its letters, each a class, without a word
-    if not isinstance(names, list) or not all(isinstance(name, str) for name in names) or len(set(names)) < len(names):
-        raise ConfigError(f"{where}: {label!r} ClassLabel's names must be a list of distinct strings, got "
-                          f"{json.dumps(names):.80}")
-    return names
+    names = class_label_names(features, fields.label, where)
+    return fields if names is None else replace(fields, classes=tuple(names), classes_from=where)
 
 
-def _features(source: Source, schema: pa.Schema) -> tuple[dict[str, Any], str]:
+def _features(source: Source, schema: pa.Schema | None) -> tuple[dict[str, Any], str]:
     """The Hugging Face features (dataset_info.json's or README.md's, which datasets casts the data
     files to, else the first shard's `huggingface` schema metadata's info.features) and where they
     were read; ConfigError naming the file and key when they are no JSON object (a bare
     JSONDecodeError or AttributeError named nothing)."""
     if source.features:
         features, where = source.features, f"{source.features_file}: features"
-    elif schema.metadata and b"huggingface" in schema.metadata:
+    elif schema is not None and schema.metadata and b"huggingface" in schema.metadata:
         where = f"{source.files[0]}: schema metadata 'huggingface'"
         try:
             features = json.loads(schema.metadata[b"huggingface"])
@@ -379,7 +375,7 @@ def table_schemas(source: Source, fields: Fields) -> list[pa.Schema]:
     schemas = [schema_of(source.format, path, _text_columns(fields)) for path in source.files]
     for path, schema in zip(source.files, schemas):
         check_columns(path, fields, schema)
-    if schemas and class_names(source, schemas[0], fields.label) is None:  # a ClassLabel's: ids (_check_class_ids)
+    if fields.classes is None:  # a ClassLabel's: ids or names (_check_class_ids)
         _check_label_kinds(source, fields, schemas)
     return schemas
 
@@ -421,11 +417,11 @@ def scan_table(source: Source, fields: Fields, schemas: list[pa.Schema], limit: 
         _check_prompts(source, fields, n_rows)
     if source.format == "csv" and fields.keep:
         _convert_csv_kept(source, fields, n_rows)
-    names = class_names(source, schemas[0], fields.label) if schemas else None
-    if names is not None:
-        _check_class_ids(source, fields, schemas, counts, n_rows, len(names))
-    if names is not None or not any(fields.label in schema.names for schema in schemas):
-        return n_rows, names or []
+    if fields.classes is not None:
+        _check_class_ids(source, fields, schemas, counts, n_rows)
+        return n_rows, list(fields.classes)
+    if not any(fields.label in schema.names for schema in schemas):
+        return n_rows, []
     return n_rows, label_list(_labels(source, fields, schemas, counts, n_rows))
 
 
@@ -511,33 +507,44 @@ def _python_values(values: pa.ChunkedArray) -> Iterator[Any]:
         yield from values.slice(offset, CHECK_ROWS).to_pylist()
 
 
-def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int], n_rows: int,
-                     n_names: int) -> None:
-    """ConfigError naming the first of the first `n_rows` rows whose ClassLabel id is none of the
-    `n_names` names' (-1: Hugging Face's row without a label): the samples' labels come from the
-    names, and an id past them (or any value of a column not of integers) was read as no label,
-    without a word. `counts`: each shard's rows."""
-    import pyarrow.compute as pc
-
+def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int], n_rows: int) -> None:
+    """ConfigError naming the first of the first `n_rows` rows whose label is not of its ClassLabel
+    (fields.classes): an integer id past its names (-1: Hugging Face's row without a label), or a
+    string none of its names (class_name: datasets casts a Parquet column of names to their ids).
+    The samples' labels come from the names, and such a label (or any value of a column of floats
+    or booleans) was read as no label, without a word. `counts`: each shard's rows."""
     start = 0
     for path, schema, count in zip(source.files, schemas, counts):
         shard_start = start
-        if fields.label not in schema.names or pa.types.is_null(schema.field(fields.label).type):
+        kind = schema.field(fields.label).type if fields.label in schema.names else pa.null()
+        if pa.types.is_null(kind):
             start += count
             continue
-        if not pa.types.is_integer(kind := schema.field(fields.label).type):  # every label was read as None
+        if not pa.types.is_integer(kind) and _label_kind(kind) != "string":
             raise ConfigError(f"{path}: column {fields.label!r} is {kind}, but the features make it a ClassLabel, "
-                              f"whose values are integer ids of its names")
+                              f"whose values are integer ids or names of its classes")
         for size, read in blocks(source.format, path, [fields.label]):
             if start >= n_rows:
                 return
-            ids = read().column(fields.label)
-            row = pc.index(pc.or_(pc.less(ids, -1), pc.greater_equal(ids, n_names)), True).as_py()
-            if 0 <= row < n_rows - start:
-                raise ConfigError(f"{source.root}: {source.name(path)}#{start - shard_start + row}, column "
-                                  f"{fields.label!r}: class id {ids[row]} names no class (its ClassLabel has {n_names} "
-                                  f"names: ids 0 to {n_names - 1}; -1 is no label)")
+            labels = _label_column(source.format, read().column(fields.label)).slice(0, n_rows - start)
+            _check_block_classes(labels, fields, f"{source.root}: {source.name(path)}#", start - shard_start)
             start += size
+
+
+def _check_block_classes(labels: pa.ChunkedArray, fields: Fields, shard: str, first: int) -> None:
+    """ConfigError naming the first label of a block (its first row `first` of `shard`) that is not
+    of the ClassLabel: integer ids compared at once, names looked up one by one (class_name)."""
+    import pyarrow.compute as pc
+
+    n_names = len(fields.classes or ())
+    if not pa.types.is_integer(labels.type):
+        for row, label in enumerate(_python_values(labels), first):
+            class_name(label, fields, f"{shard}{row}")
+        return
+    row = pc.index(pc.or_(pc.less(labels, -1), pc.greater_equal(labels, n_names)), True).as_py()
+    if row >= 0:
+        raise ConfigError(f"{shard}{first + row}, column {fields.label!r}: class id {labels[row]} names no class (its "
+                          f"ClassLabel has {n_names} names: ids 0 to {n_names - 1}; -1 is no label)")
 
 
 def _footer_null_counts(fmt: str, path: Path, column: str, vocab: int | None = None) -> list[int | None]:
@@ -625,7 +632,6 @@ def _label_column(fmt: str, labels: pa.ChunkedArray) -> pa.ChunkedArray:
 
 def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: range) -> list[Sample]:
     """The samples of `rows`; blocks before and after them are not converted (Parquet: not read)."""
-    names = class_names(source, schemas[0], fields.label)
     samples: list[Sample] = []
     start = 0  # sample_idx of the block's first row
     for shard, (path, schema) in enumerate(zip(source.files, schemas)):
@@ -636,8 +642,8 @@ def read_table(source: Source, fields: Fields, schemas: list[pa.Schema], rows: r
                 first, stop = max(rows.start - start, 0), min(rows.stop - start, size)
                 # Only the rows wanted are converted to Python: a Parquet row group is 1Mi rows by
                 # pyarrow's default, and a part may want a few of them.
-                row_of = _row_reader(source, fields, read().slice(first, stop - first), names,
-                                     f"{source.name(path)}#", start - shard_start + first)
+                row_of = _row_reader(source, fields, read().slice(first, stop - first), f"{source.name(path)}#",
+                                     start - shard_start + first)
                 for row in range(first, stop):
                     text, label, kept, tokens = row_of(row - first)
                     ref = (shard, block, row) if fields.image else None
@@ -657,7 +663,7 @@ def _columns(fields: Fields, schema: pa.Schema) -> list[str]:
     return list(dict.fromkeys(first + label + list(fields.keep or ())))
 
 
-def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | None, shard: str,
+def _row_reader(source: Source, fields: Fields, table: pa.Table, shard: str,
                 start: int) -> Callable[[int], tuple[str, Any, dict, np.ndarray | None]]:
     """row -> (text, label, kept fields, token ids) for rows of one block (`table`, its first row
     `start` in the shard), its columns converted to Python once; token ids stay Arrow data until a
@@ -667,8 +673,8 @@ def _row_reader(source: Source, fields: Fields, table: pa.Table, names: list | N
               if name != fields.tokens or name in (fields.keep or ())}
     labels = (_label_column(source.format, table.column(fields.label)).to_pylist() if fields.label in values
               else [None] * table.num_rows)
-    if names is not None:
-        labels = [names[v] if isinstance(v, int) and 0 <= v < len(names) else None for v in labels]
+    if fields.classes is not None:  # ids or names, as the scan checked them
+        labels = [class_name(v, fields, f"{source.root}: {shard}{start + row}") for row, v in enumerate(labels)]
 
     def text(row: int) -> str:
         if fields.image:
