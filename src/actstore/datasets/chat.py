@@ -56,11 +56,13 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     """A {role, content} message, or ShareGPT's {from, value} one as the same, its speaker mapped by
     SHAREGPT_ROLES, with its other keys: templates render tool_calls, tool_call_id, name or
     reasoning_content (Llama 3.1's, Qwen's, Mistral's), and a tool call was dropped, leaving an empty
-    assistant turn. A key holding null is left out, as absent (a Parquet struct's missing field: a
-    template testing `'tool_calls' in message` failed on it). ConfigError naming `where` otherwise."""
+    assistant turn. A key holding null or an empty list is left out, as absent (a Parquet struct's
+    missing field; a dataset giving every turn its `tool_calls: []`): a template testing `'tool_calls'
+    in message` (Llama 3.1's, Mistral's) took a plain turn for a call, refusing it or rendering an
+    empty one in place of its content. ConfigError naming `where` otherwise."""
     if not isinstance(message, dict):
         raise ConfigError(f"{where}: a {type(message).__name__}, not a {{role, content}} object")
-    present = {key: value for key, value in message.items() if value is not None}
+    present = {key: value for key, value in message.items() if value is not None and value != []}
     if isinstance(message.get("role"), str) and isinstance(message.get("content"), str):
         return present
     if isinstance(message.get("from"), str) and isinstance(message.get("value"), str):

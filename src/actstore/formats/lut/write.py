@@ -25,9 +25,9 @@ def precompute(sae_state: dict[str, torch.Tensor], w_target: torch.Tensor, bias:
                dtype: str = "float16", name: str = "the LUT") -> dict[str, torch.Tensor]:
     """The six spec tensors (+ target_bias): products in float32, then everything cast to `dtype`.
 
-    `w_target` is [input_dim, output_dim] (an nn.Linear's weight transposed, a transformers Conv1D's as stored). ConfigError naming
-    `name` and the tensor when the cast would turn finite values into +-inf (float16's +-65504): a
-    table that silently holds inf would make every lookup through it inf.
+    `w_target` is [input_dim, output_dim] (an nn.Linear's weight transposed, a transformers Conv1D's as
+    stored). ConfigError naming `name` and the tensor when the cast would turn finite values into +-inf
+    (float16's +-65504): a table that silently holds inf would make every lookup through it inf.
     """
     import torch  # here, not at the top: opening or checking a store never loads torch
 
