@@ -36,3 +36,28 @@ def test_a_turns_empty_tool_calls_is_no_tool_call(model_dir, tmp_path):
     lines.write_text(json.dumps({"messages": chat}) + "\n")
     text = load_dataset(lines, model_path=chat_model, messages_field="messages").samples[0].text
     assert text == "<|endoftext|>user: hi\n<|endoftext|>assistant: hello\n"
+
+
+def test_a_float_label_column_under_a_readme_classlabel_reads_whole_floats_as_ids(tmp_path):
+    """pandas writes an integer label column with a missing value as floats ([0.0, None, 2.0]); under a
+    Hub README's ClassLabel it was refused ("is double, but the features make it a ClassLabel") where,
+    before the README was read, it scanned, and datasets reads it: whole floats are class ids, a null or
+    NaN no label, and a float that is no id is named with its row."""
+    import math
+
+    import pyarrow as pa
+    import pytest
+
+    from actstore.datasets import load_dataset, scan_dataset
+    from actstore.errors import ConfigError
+    from test_datasets_labels_review64 import hub_folder
+
+    root = hub_folder(tmp_path / "ok", splits={"train": [0.0, 1.0, 2.0], "test": [0.0, None, 2.0, math.nan]},
+                      label_type=pa.float64())
+    dataset = load_dataset(root, split="test")
+    assert [s.label for s in dataset.samples] == ["cat", None, "person", None]
+    assert scan_dataset(root, split="test").labels == dataset.labels
+    bad = hub_folder(tmp_path / "bad", splits={"train": [0.0], "test": [0.0, 1.5]}, label_type=pa.float64())
+    with pytest.raises(ConfigError, match=r"test-00000-of-00001\.parquet#1: field 'label': 1\.5 is no class id or "
+                                          r"name of its ClassLabel \(.*README\.md: features\)"):
+        scan_dataset(bad, split="test")

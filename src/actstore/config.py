@@ -82,7 +82,8 @@ def check_lut_targets(config: dict[str, Any]) -> None:
     refused it only once it started, after the extraction's GPU hours."""
     if config["sae"]["enabled"] and config["lut"]["enabled"] and not config["lut"]["targets"]:
         raise ConfigError("lut.targets is empty while sae.enabled and lut.enabled are true: list the nn.Linear "
-                          "(or transformers Conv1D) module paths that read sae.hook's tensor, or set lut.enabled: false")
+                          "(or transformers Conv1D) module paths that read sae.hook's tensor, or set "
+                          "lut.enabled: false")
 
 
 def reject_non_finite(value: Any, path: tuple[Any, ...] = ()) -> None:

@@ -186,7 +186,7 @@ def class_name(label: Any, fields: Fields, where: str) -> str | None:
     ClassLabel.str2int reads it (as written, stripped, else a whole number that is an id).
     ConfigError naming `where` for an id past the names, an unknown name or a boolean (datasets
     loads an id past the names, which no name labels, and true as id 1)."""
-    if label is None:
+    if label is None or (isinstance(label, float) and math.isnan(label)):  # a table's float column: NaN is none
         return None
     names, field = fields.classes or (), fields.label
     if isinstance(label, str):

@@ -520,7 +520,8 @@ def _check_class_ids(source: Source, fields: Fields, schemas: list[pa.Schema], c
         if pa.types.is_null(kind):
             start += count
             continue
-        if not pa.types.is_integer(kind) and _label_kind(kind) != "string":
+        # floats: pandas writes an integer column with a missing value so (class_name reads whole ones as ids)
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)) and _label_kind(kind) != "string":
             raise ConfigError(f"{path}: column {fields.label!r} is {kind}, but the features make it a ClassLabel, "
                               f"whose values are integer ids or names of its classes")
         for size, read in blocks(source.format, path, [fields.label]):
