@@ -55,7 +55,7 @@ rule lmprobe_dataset:
     # (write.ROW_GROUP_TOKENS tokens, about 100 MB) beside the per-prompt arrays and sample rows.
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "lmprobe_dataset", attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=0.1),
+        runtime=lambda wildcards, attempt: actstore_resources.lmprobe_dataset_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"
     script:

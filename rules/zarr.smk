@@ -59,9 +59,7 @@ rule zarr_merge_chunks:
     threads: 1
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_merge_chunks", attempt),
-        # bounded by its parts' bytes read once (it reads none: a hard link per chunk file)
-        runtime=lambda wildcards, attempt: actstore_resources.part_jobs_runtime(
-            config, attempt, "zarr", 1.0, key="merge_jobs"),
+        runtime=lambda wildcards, attempt: actstore_resources.zarr_merge_chunks_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"
     script:
@@ -85,7 +83,7 @@ rule zarr_merge:
     threads: 1
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "zarr_merge", attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, jobs=N_PARTS, passes=1.0),
+        runtime=lambda wildcards, attempt: actstore_resources.zarr_merge_runtime(config, attempt),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -1,13 +1,11 @@
 """Review 64, journey D (planning a 10B-token run of a 7B model on OSC): Slurm sizing faults found
-while reading a dry run's resources. Each test pins a fault that is still there (strict xfail)."""
+while reading a dry run's resources, each checked fixed here."""
 import dataclasses
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 import tiny
 from actstore import resources
@@ -16,10 +14,6 @@ from test_workflow_review62 import sparse_jsonl
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
 
-@pytest.mark.xfail(strict=True, reason="resources._weight_bytes sums every .safetensors, .bin, .pt and .pth file "
-                                       "of the folder: a Hub download holding both copies of the weights (Llama 2's "
-                                       "repos ship model-*.safetensors and pytorch_model-*.bin) is sized at twice "
-                                       "the weights from_pretrained loads (it takes the safetensors)")
 def test_a_folder_holding_both_weight_copies_is_sized_at_the_copy_loaded(model_dir, tmp_path, text_jsonl):
     folder = tmp_path / "llama"
     shutil.copytree(model_dir("llama"), folder)
@@ -31,10 +25,6 @@ def test_a_folder_holding_both_weight_copies_is_sized_at_the_copy_loaded(model_d
     assert resources.workload(config).weight_bytes == loaded
 
 
-@pytest.mark.xfail(strict=True, reason="resources._minutes caps every attempt at MAX_RUNTIME_MIN (48 h): a job "
-                                       "whose first attempt is asked at the cap is retried (--retries 1) with the "
-                                       "same 48 h, so a job Slurm killed at its limit is killed again; the profile "
-                                       "says the second attempt gets twice the runtime")
 def test_a_retry_of_a_job_sized_at_the_cap_asks_more_time(model_dir, tmp_path, text_jsonl, monkeypatch):
     config = tiny.make_config(tmp_path, model_dir("llama"), text_jsonl)
     # A 7B-class part: 10B tokens of 4 layers of 4,096 float32 values over 64 parts (docs/scale.md).
@@ -47,22 +37,17 @@ def test_a_retry_of_a_job_sized_at_the_cap_asks_more_time(model_dir, tmp_path, t
     assert resources.extract_part_runtime(config, attempt=2) > first
 
 
-def dry_run_runtime(tmp_path: Path, config: dict, rule: str) -> int:
-    """The runtime (minutes) a local `snakemake zarr -n` of `config` gives `rule`'s job."""
+def dry_run_runtime(tmp_path: Path, config: dict, rule: str, target: str = "zarr") -> int:
+    """The runtime (minutes) a local `snakemake <target> -n` of `config` gives `rule`'s jobs (each of
+    them asks the same)."""
     configfile = tiny.save_config(config, tmp_path / f"parts-{config['extract']['parts']}.yaml")
-    proc = subprocess.run([SNAKEMAKE, "zarr", "-n", "--configfile", str(configfile)], cwd=tiny.REPO,
+    proc = subprocess.run([SNAKEMAKE, target, "-n", "--configfile", str(configfile)], cwd=tiny.REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    [resources_line] = re.findall(rf"^rule {rule}:\n(?:    .*\n)*?    resources: (.*)$", proc.stdout, re.M)
-    return int(re.search(r"\bruntime=(\d+)", resources_line).group(1))
+    [runtime] = set(re.findall(rf"^rule {rule}:\n(?:    .*\n)*?    resources: .*\bruntime=(\d+)", proc.stdout, re.M))
+    return int(runtime)
 
 
-@pytest.mark.xfail(strict=True, reason="rules/zarr.smk rule zarr_merge asks io_runtime(jobs=N_PARTS, passes=1.0): "
-                                       "one part's share of the activations, though the finisher reads no "
-                                       "activation and lists every chunk file of the merged store; the same "
-                                       "data over more parts gets less time (a 7B-shaped run of 1M rows: 2,359 "
-                                       "min at 64 parts, 47 at 4,096), so a high part count's finisher is "
-                                       "killed at its limit")
 def test_the_zarr_merge_finisher_is_not_given_less_time_for_the_same_data_over_more_parts(model_dir, tmp_path):
     data = sparse_jsonl(tmp_path / "big.jsonl", 20 * 10**9)
     minutes = [dry_run_runtime(tmp_path, tiny.make_config(

@@ -42,12 +42,12 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
     if named := named_weights(folder):
         return _names_in(folder, named[0].relative_to(folder).as_posix())
     if (folder / INDEX).exists():
-        weight_map = _weight_map(folder, INDEX)
-        if (folder / SINGLE).exists() and set(weight_map.values()) != {SINGLE}:
+        shards = weight_map(folder, INDEX)
+        if (folder / SINGLE).exists() and set(shards.values()) != {SINGLE}:
             raise ConfigError(f"model.path {folder}: holds both {SINGLE} and {INDEX} with its shards, two "
                               f"checkpoints (save_pretrained removes neither when the other is saved over it): "
                               f"from_pretrained would read {SINGLE}; move the stale one out of the folder")
-        return weight_map
+        return shards
     return _names_in(folder, SINGLE) if (folder / SINGLE).exists() else {}
 
 
@@ -55,14 +55,14 @@ def _names_in(folder: Path, file: str) -> dict[str, str]:
     """Tensor name -> file, of the checkpoint file `file` of the folder: a shard index's weight_map,
     a safetensors file's header; empty for another (a .bin, as for a .bin checkpoint)."""
     if file.endswith(".index.json"):
-        return _weight_map(folder, file)
+        return weight_map(folder, file)
     if not file.endswith(".safetensors"):
         return {}
     with _opened(folder, file) as handle:
         return dict.fromkeys(handle.keys(), file)
 
 
-def _weight_map(folder: Path, index: str) -> dict[str, str]:
+def weight_map(folder: Path, index: str) -> dict[str, str]:
     """The shard index's weight_map (`index`: INDEX or BIN_INDEX); ConfigError naming the index unless
     it is a JSON object mapping names to file names of the folder itself (a number or list there was a
     TypeError out of sorting or hashing the files; `../x.safetensors` or an absolute path was read from
@@ -91,7 +91,7 @@ def check_checkpoint_files(folder: Path) -> None:
     named = named_weights(folder)  # the index read in place of INDEX, where config.json names one
     index, files = named[0].relative_to(folder).as_posix() if named else INDEX, set(checkpoint_names(folder).values())
     if not files and (folder / BIN_INDEX).exists() and not (folder / BIN_SINGLE).exists():
-        index, files = BIN_INDEX, set(_weight_map(folder, BIN_INDEX).values())
+        index, files = BIN_INDEX, set(weight_map(folder, BIN_INDEX).values())
     for file in sorted(files):
         try:
             _regular(folder, file)

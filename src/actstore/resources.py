@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.config import enabled_stages
-from actstore.checkpoint import tensor_bytes
+from actstore.checkpoint import BIN_INDEX, BIN_SINGLE, weight_map, checkpoint_names, tensor_bytes
 from actstore.datasets.jsonl import size_estimate
 from actstore.datasets.source import Source, resolve_source
 from actstore.datasets.tables import CSV_BLOCK_BYTES, count_rows, largest_block_bytes
@@ -20,13 +20,13 @@ from actstore.datasets.webdataset import estimate_samples
 from actstore.jobs import write_jobs
 from actstore.model_config import (config_int, config_patches, model_kind, read_model_config, resolve_model_path,
                                    run_config, run_dtype, saved_dtype, tower_config)
+from actstore.model_identity import model_files
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
 IO_BYTES_PER_S = 100e6    # write/read rate assumed on /fs/scratch for one job (shared Lustre, pessimistic)
 STARTUP_MIN = 10          # imports, model load, dataset read
 MAX_RUNTIME_MIN = 48 * 60
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class Workload:
     weight_widening: float = 1.0  # run over saved dtype, at least 1 (a bfloat16 checkpoint run in float32: 2)
     head_values: int = 0  # values a token of hooks on an LM head's output holds past the d each is counted at
     listing_bytes: int = 0  # a text folder's names, every file's, as its scan lists them (images': text_bytes)
+    model_file_bytes: int = 0  # every model file the index hashes (model_identity.model_files), copies unused too
 
     @property
     def token_values(self) -> int:
@@ -145,7 +146,8 @@ def _workload(key: str) -> Workload:
                     itemsize=_itemsize(storage),
                     # RGB over every patch, in the model's dtype: the decoding workers cast what they hand on
                     pixel_bytes=per_row * patch ** 2 * 3 * _itemsize(computed) if vision else 0,
-                    block_bytes=block_bytes, listing_bytes=listing)
+                    block_bytes=block_bytes, listing_bytes=listing,
+                    model_file_bytes=sum(entry["bytes"] for entry in model_files(model_path).values()))
 
 
 # The output-embedding modules (get_output_embeddings) of transformers' causal LMs: GPT-NeoX's embed_out,
@@ -166,12 +168,26 @@ def _itemsize(dtype: str) -> int:
 
 
 def _weight_bytes(model_path: Path, tower: str | None) -> int:
-    """Bytes of the weights an extraction job loads: its weight files, or with model.tower: vision only
-    the tower's tensors (a `vision_tower` in their names, the module models.load_model reads alone),
-    sized from the safetensors headers: Gemma 3 27B's tower is ~0.8 GB of its 54 GB."""
+    """Bytes of the weights an extraction job loads: the checkpoint's files from_pretrained reads, or
+    with model.tower: vision only the tower's tensors (a `vision_tower` in their names, the module
+    models.load_model reads alone), sized from the safetensors headers: Gemma 3 27B's tower is ~0.8 GB
+    of its 54 GB."""
     if tower == "vision":
         return sum(size for name, size in tensor_bytes(model_path).items() if "vision_tower" in name.split("."))
-    return sum(p.stat().st_size for p in model_path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    return sum((model_path / file).stat().st_size for file in loaded_weight_files(model_path))
+
+
+def loaded_weight_files(folder: Path) -> set[str]:
+    """The weight files from_pretrained reads of `folder`, in its order of preference: the safetensors
+    checkpoint (checkpoint_names: the file config.json names, model.safetensors or its index's shards),
+    else pytorch_model.bin, else the shards its index names. A Hub download holds both a safetensors
+    and a .bin copy (Llama 2's repositories): the .bin is never read, and summing both sized twice the
+    weights."""
+    if files := set(checkpoint_names(folder).values()):
+        return files
+    if (folder / BIN_SINGLE).exists():
+        return {BIN_SINGLE}
+    return set(weight_map(folder, BIN_INDEX).values()) if (folder / BIN_INDEX).exists() else set()
 
 
 def workload(config: dict[str, Any]) -> Workload:
@@ -185,7 +201,11 @@ def _round_mb(mb: float) -> int:
 
 
 def _minutes(seconds: float, attempt: int) -> int:
-    return int(min(MAX_RUNTIME_MIN, math.ceil((STARTUP_MIN + 2 * seconds / 60) * attempt)))
+    """Minutes for `seconds` of estimated work: STARTUP_MIN plus twice the estimate, capped at
+    MAX_RUNTIME_MIN, times `attempt`. The cap bounds the estimate, not the retry: a job Slurm killed at
+    the cap is retried with twice it (96 h), not run 48 h again to the same kill; the partition must
+    allow that (`sinfo -s`, column TIMELIMIT), or Slurm refuses the retry or holds it (PartitionTimeLimit)."""
+    return int(min(MAX_RUNTIME_MIN, math.ceil(STARTUP_MIN + 2 * seconds / 60)) * attempt)
 
 
 TEXT_JOB_THREADS = 4  # tokenizing up front and a writer thread per captured tensor (up to these CPUs)
@@ -286,10 +306,11 @@ def extract_scan_runtime(config: dict[str, Any], attempt: int = 1) -> int:
 
 
 def extract_index_runtime(config: dict[str, Any], attempt: int = 1) -> int:
-    """Minutes for the index: the model's files hashed once (model_identity), at the scratch rate, and
-    every stored sample's row parsed (formats.extract.write.index_of), at the scan's rate (23 MB/s here)."""
+    """Minutes for the index: the model's files hashed once (model_identity: a .bin copy beside the
+    safetensors loaded too), at the scratch rate, and every stored sample's row parsed
+    (formats.extract.write.index_of), at the scan's rate (23 MB/s here)."""
     w = workload(config)
-    return _minutes(w.weight_bytes / IO_BYTES_PER_S + w.text_bytes / SCAN_BYTES_PER_S, attempt)
+    return _minutes(w.model_file_bytes / IO_BYTES_PER_S + w.text_bytes / SCAN_BYTES_PER_S, attempt)
 
 
 def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
@@ -314,11 +335,52 @@ FILES_JSON_ENTRY_BYTES = 400  # one chunk's {bytes, sha256} entry of a zarr meta
 ZARR_MERGE_SAMPLE_BYTES = 300
 
 
+# A file's metadata work on the shared file system, no byte of it read: its record parsed, the file
+# linked (zarr_merge_chunks, lmprobe_dataset) or listed and stat'ed (zarr_merge's finisher), its record
+# written. The zarr finisher took 0.33 ms a file on the dev VM's disk (80K files in 26 s,
+# bench/README.md); three times that for a Lustre metadata server shared with every other job.
+FILE_METADATA_SECONDS = 1e-3
+# The lmprobe finisher's index, a token: its ids, log-probs and perplexities, its shard offsets, its
+# decoded string, built into Arrow, written to parquet and hashed (0.28 us measured on the dev VM without
+# the strings, 0.35 more with them), about three times that.
+LMPROBE_INDEX_TOKEN_SECONDS = 2e-6
+
+
+def lmprobe_dataset_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes for the lmprobe finisher: the index (every token at LMPROBE_INDEX_TOKEN_SECONDS, every
+    sample's row at the scan's rate) and a hard link per tensor file (float32 shards of lmprobe.shard_bytes
+    at most) at FILE_METADATA_SECONDS. It reads no activation byte: sized as reading a tenth of them, a
+    10B-token run's asked the 48 h cap for a few hours of work."""
+    w = workload(config)
+    files = w.tokens * w.token_values * 4 / config["lmprobe"]["shard_bytes"] + len(config["extract"]["layers"])
+    seconds = (w.tokens * LMPROBE_INDEX_TOKEN_SECONDS + w.text_bytes / SCAN_BYTES_PER_S
+               + files * FILE_METADATA_SECONDS)
+    return _minutes(seconds, attempt)
+
+
 def zarr_chunks(w: Workload, config: dict[str, Any]) -> int:
     """Activation chunk files of every zarr shard store, at most: a sample's chunks up to its store's
     T_max (zarr.t_chunk tokens, or the layout's choice); only those holding its tokens are written, a
     number the config alone does not give."""
     return w.rows * len(config["extract"]["layers"]) * -(-zarr_t_max(w, config) // zarr_t_chunk(config, w))
+
+
+def zarr_merge_chunks_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes for the busiest zarr_merge_chunks job: a hard link per chunk file (zarr_chunks) of the
+    parts it takes, the most any job takes (jobs.job_items), at FILE_METADATA_SECONDS. It reads no
+    activation byte: sized as reading them, a 10B-token run's job asked the 48 h cap."""
+    w, parts = workload(config), config["extract"]["parts"]
+    most = -(-parts // write_jobs(config, "zarr", "merge_jobs"))
+    return _minutes(zarr_chunks(w, config) / parts * most * FILE_METADATA_SECONDS, attempt)
+
+
+def zarr_merge_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes for the zarr merge's finisher: every chunk file of the merged store (zarr_chunks) listed,
+    stat'ed and recorded at FILE_METADATA_SECONDS, and every prompt rewritten at the scan's rate; it reads
+    no activation byte. The whole store's, whatever extract.parts: sized as a part's share of the
+    activations, the same data had 2,359 minutes at 64 parts and 47 at 4,096."""
+    w = workload(config)
+    return _minutes(zarr_chunks(w, config) * FILE_METADATA_SECONDS + w.text_bytes / SCAN_BYTES_PER_S, attempt)
 
 
 def zarr_t_max(w: Workload, config: dict[str, Any]) -> int:
@@ -449,23 +511,47 @@ def saev_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     return max(SAEV_FINISH_MIN * attempt, _minutes(workload(config).rows * MASK_SECONDS, attempt))
 
 
+SAE_MOMENT_TOKENS = 65536  # training tokens read for b_dec's start (sae.data.data_moments' limit)
+# Every token's index, once a run: split into training and held-out rows and an epoch's order shuffled
+# (sae.data.split_tokens, stream_batches): 80 ns measured on the dev VM.
+SAE_TOKEN_SECONDS = 1e-7
+
+
 def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     """Minutes for train_sae on one GPU: about 12 x d x num_basis FLOPs per training token (encoder and
-    dense decoder, forward and backward) plus reading the hook's activations a few times."""
+    dense decoder, forward and backward), the rows it reads (b_dec's sample, sae.steps x sae.batch_size,
+    the held-out evaluation's: sae.eval_tokens, or null, every held-out token) four times over (random
+    rows), and every token's index at SAE_TOKEN_SECONDS. Sized as reading every token's activations four
+    times, a 10B-token run asked the 48 h cap for a thousand steps."""
     w, sae = workload(config), config["sae"]
-    flops = 12 * w.d * (sae["num_basis"] or 4 * w.d) * sae["steps"] * sae["batch_size"]
-    reads = 4 * w.tokens * w.d * w.itemsize
-    return _minutes(flops / GPU_FLOPS + reads / IO_BYTES_PER_S, attempt)
+    trained = sae["steps"] * sae["batch_size"]
+    held_out = math.ceil(w.tokens * sae["heldout_fraction"])
+    evaluated = min(held_out, sae["eval_tokens"] or held_out)
+    flops = 12 * w.d * sae_basis(config, w) * trained
+    reads = 4 * (min(w.tokens, SAE_MOMENT_TOKENS) + trained + evaluated) * w.d * w.itemsize
+    return _minutes(flops / GPU_FLOPS + reads / IO_BYTES_PER_S + w.tokens * SAE_TOKEN_SECONDS, attempt)
 
 
 def sae_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     """Host memory of train_sae: the prefetch ring of float32 batches (pinned on a GPU), the held-out
     evaluation's chunks, the SAE (on the host: its weights, gradients and Adam's two moments; trained
-    on a GPU, the trained weights and the state saved from them), 3 GB for torch/CUDA."""
+    on a GPU, the trained weights and the state saved from them), the token indices (sae_index_bytes),
+    3 GB for torch/CUDA."""
     w = workload(config)
     batches = 8 * config["sae"]["batch_size"] * w.d * 4
     copies = 2 if config["sae"]["device"].startswith("cuda") else 4  # auto may find no GPU
-    return _round_mb((batches + 8192 * w.d * 16 + copies * sae_weight_bytes(config, w)) / 1e6 + 3000) * attempt
+    held = batches + 8192 * w.d * 16 + copies * sae_weight_bytes(config, w)
+    return _round_mb((held + sae_index_bytes(w, config["extract"]["parts"])) / 1e6 + 3000) * attempt
+
+
+def sae_index_bytes(w: Workload, parts: int) -> int:
+    """What train_sae holds of token indices: every token's row in its part and an epoch's order of the
+    training tokens (sae.data.split_tokens, stream_batches), each int32 where it fits, else int64 (as
+    sae.data.index_dtype, which imports torch: the parse does not), and while a part is split, its rows
+    and two masks. 12 B a token at 10B tokens (120 GB), where the job asked 5 GB."""
+    part_tokens = -(-w.tokens // parts)
+    part_index, order = (4 if n <= 2**31 else 8 for n in (part_tokens, w.tokens))
+    return w.tokens * (part_index + order) + part_tokens * (part_index + 2)
 
 
 def sae_basis(config: dict[str, Any], w: Workload) -> int:
