@@ -36,7 +36,8 @@ rule pickle_machines:
     resources:
         cpus_per_task=config["pickle"]["threads"],
         mem_mb=lambda wildcards, attempt: actstore_resources.writer_mem_mb(config, "pickle_machines", attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.part_jobs_runtime(config, attempt, "pickle", PICKLE_PASSES),
+        runtime=lambda wildcards, attempt: actstore_resources.part_jobs_runtime(config, attempt, "pickle",
+                                                                                PICKLE_PASSES),
     conda:
         "../envs/actstore.yaml"
     script:

@@ -13,28 +13,8 @@ import pytest
 
 from actstore.datasets import identity_files, load_dataset, read_scan, resolve_source, scan_dataset, write_scan
 from actstore.errors import ConfigError, FormatError
+from test_datasets_labels_review64 import README
 
-README = """---
-configs:
-- config_name: default
-  data_files:
-  - split: train
-    path: data/train-*
-  - split: test
-    path: data/test-*
-dataset_info:
-  features:
-  - name: text
-    dtype: string
-  - name: label
-    dtype:
-      class_label:
-        names:
-          '0': cat
-          '1': thing
-          '2': person
----
-"""
 NAMES = ["cat", "thing", "person"]
 
 
