@@ -664,13 +664,16 @@ def planned_jobs(workdir: Path, config: dict, target: str) -> dict[str, int]:
 
 def test_the_files_an_import_reads_are_its_checkpoint_and_saelens_cfg(tmp_path):
     """config.import_files, the sae rule's import inputs: a SAELens folder's weights and the cfg.json
-    beside them (which decides the encoding), a SAELens file alone when it has none, saev's file."""
+    beside them (which decides the encoding; a folder without one is refused), a SAELens file alone when
+    it has none, saev's file."""
     from actstore.config import import_files
 
     folder = tmp_path / "saelens"
     folder.mkdir()
     (folder / "sae_weights.safetensors").write_bytes(b"")
-    assert import_files(folder, "saelens") == [folder / "sae_weights.safetensors"]
+    with pytest.raises(ConfigError, match=r"a SAELens folder without cfg\.json"):
+        import_files(folder, "saelens")
+    assert import_files(folder / "sae_weights.safetensors", "saelens") == [folder / "sae_weights.safetensors"]
     (folder / "cfg.json").write_text("{}")
     assert import_files(folder, "saelens") == [folder / "sae_weights.safetensors", folder / "cfg.json"]
     assert import_files(folder / "sae_weights.safetensors", "saelens") == import_files(folder, "saelens")

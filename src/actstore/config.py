@@ -285,6 +285,13 @@ def import_files(path: str | Path, style: str) -> list[Path]:
     in actstore.sae, which imports torch: the Snakefile's parse must not."""
     path = Path(path)
     if style == "saelens" and path.is_dir():
+        # Without cfg.json whether b_dec is subtracted before encoding is unknown: the weights alone were
+        # imported as a bare file (subtracted), silently another SAE than the one saved with apply_b_dec_to_input
+        # false (the sae stage's saelens/ copy), as SAELens' own load_from_disk would refuse the folder.
+        if not (path / SAELENS_CFG).is_file():
+            raise ConfigError(f"sae.import.path {path}: a SAELens folder without {SAELENS_CFG}, which says how its "
+                              f"SAE encodes (apply_b_dec_to_input, architecture, k); copy the folder whole, or name "
+                              f"{SAELENS_WEIGHTS} itself to import it as a bare SAELens file (b_dec subtracted)")
         path = path / SAELENS_WEIGHTS
     cfg_path = path.with_name(SAELENS_CFG)
     return [path, cfg_path] if style == "saelens" and cfg_path.is_file() else [path]
