@@ -21,6 +21,7 @@ from actstore.lut import build_tables, check_targets_read_hook, target_linears
 from actstore.lut_runtime import LutEncoder, LutLinear, install_luts
 from actstore.model_config import resolve_model_path
 from actstore.models import get_module, load_model
+from test_lut_runtime_review63 import dense_reference
 
 D, BASIS, K = 32, 64, 4
 HOOK = "h.1.attn.c_attn:input"
@@ -47,20 +48,6 @@ def sae_state(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
             "decoder_bias": torch.randn(D, generator=g, dtype=dtype) * 0.1}
 
 
-def reference(conv: nn.Module, tables: dict[str, torch.Tensor], x: torch.Tensor, budget: int) -> torch.Tensor:
-    """The Conv1D's own forward on the SAE's TopK reconstruction plus the residual on the `budget` dims of
-    largest |x - x_hat|: what the runtime computes, densely."""
-    pre = torch.relu(x @ tables["encoder_weight"].T + tables["encoder_bias"])
-    values, indices = torch.topk(pre, K)
-    x_hat = torch.zeros_like(pre).scatter(1, indices, values) @ tables["decoder_weight"] + tables["decoder_bias"]
-    residual = x - x_hat
-    kept = torch.zeros_like(residual)
-    if budget:
-        top = torch.topk(residual.abs(), budget).indices
-        kept = kept.scatter(1, top, residual.gather(1, top))
-    return conv(x_hat + kept)
-
-
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("path", list(CONV1DS))
 def test_a_lut_linear_on_a_conv1d_is_the_conv1ds_own_output(model_dir, path, dtype, tolerance):
@@ -81,7 +68,7 @@ def test_a_lut_linear_on_a_conv1d_is_the_conv1ds_own_output(model_dir, path, dty
         with torch.inference_mode():
             out = lut(x)
         assert out.shape == (2, 7, CONV1DS[path])
-        expect = reference(conv, tables, x.reshape(-1, D), budget).reshape(out.shape)
+        expect = dense_reference(tables, conv, x, budget, K).reshape(out.shape)
         torch.testing.assert_close(out, expect, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(out, conv(x), rtol=tolerance, atol=tolerance)
 

@@ -33,19 +33,22 @@ def _tables(linear: nn.Linear, seed: int = 0) -> dict[str, torch.Tensor]:
     return tables
 
 
-def _dense(tables: dict[str, torch.Tensor], linear: nn.Linear, x: torch.Tensor, budget: int) -> torch.Tensor:
+def dense_reference(tables: dict[str, torch.Tensor], module: nn.Module, x: torch.Tensor, budget: int,
+                    k: int) -> torch.Tensor:
     """x -> SAE encode -> top-k -> decode, plus (x - x_hat) on the `budget` dims of largest |x - x_hat|,
-    -> the linear (with its bias), computed densely."""
-    flat = x.reshape(-1, D)
+    -> the target module (an nn.Linear or a Conv1D, with its bias), computed densely: what the runtime
+    computes."""
+    flat = x.reshape(-1, x.shape[-1])
     pre = torch.relu(flat @ tables["encoder_weight"].T + tables["encoder_bias"])
-    values, indices = torch.topk(pre, K)
+    values, indices = torch.topk(pre, k)
     x_hat = torch.zeros_like(pre).scatter(1, indices, values) @ tables["decoder_weight"] + tables["decoder_bias"]
     residual = flat - x_hat
     kept = torch.zeros_like(residual)
     if budget:
-        top = torch.topk(residual.abs(), min(budget, D)).indices
+        top = torch.topk(residual.abs(), min(budget, flat.shape[1])).indices
         kept = kept.scatter(1, top, residual.gather(1, top))
-    return linear(x_hat + kept).reshape(*x.shape[:-1], linear.out_features)
+    out = module(x_hat + kept)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @pytest.mark.parametrize("budget", [0, 1, D, D + 5])
@@ -62,7 +65,7 @@ def test_lut_linear_equals_the_dense_computation_at_every_budget(budget, shape, 
     x = torch.randn(*shape, dtype=torch.float64)
     with torch.inference_mode(inference):
         out = lut(x)
-    expect = _dense(tables, linear, x, budget)
+    expect = dense_reference(tables, linear, x, budget, K)
     assert out.shape == expect.shape == (*shape[:-1], OUT)
     torch.testing.assert_close(out, expect, rtol=1e-12, atol=1e-12)
     if budget >= D:
