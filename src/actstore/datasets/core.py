@@ -67,13 +67,12 @@ class Fields:
         """The fields a prompt is made of: a template's placeholders, else the one prompt field."""
         return template_fields(self.template) if self.template else (self.prompt,)
 
-    @functools.cached_property  # asked of every JSON line (jsonl._distinct)
+    @functools.cached_property  # asked of every JSON line (refuse_repeated)
     def json_names(self) -> tuple[tuple[str, str], ...]:
         """(name, its spelling in JSON) of each field the config reads: a name of non-ASCII characters
         twice, as Python's json escapes them and as UTF-8 (ensure_ascii=False)."""
-        names = sorted({*self.own(), *(self.keep or ())})
-        return tuple(dict.fromkeys((name, json.dumps(name, ensure_ascii=escaped)) for name in names
-                                   for escaped in (True, False)))
+        return tuple((name, spelled) for name in sorted({*self.own(), *(self.keep or ())})
+                     for spelled in json_spellings(name))
 
     def own(self) -> set[str]:
         return {*self.prompts, self.label, *([self.image] if self.image else [])}
@@ -150,6 +149,33 @@ def label_list(labels: Iterable[Any]) -> list:
     torchvision's ImageFolder numbers them). Labels with the same text and kind keep the order they
     first appear in, so every job numbers them alike."""
     return sorted(dict.fromkeys(label for label in labels if label is not None), key=_label_order)
+
+
+@functools.lru_cache(maxsize=1024)
+def json_spellings(name: str) -> tuple[str, ...]:
+    """A field name as JSON may write it, quoted: escaped as Python's json writes it, and as UTF-8."""
+    return tuple(dict.fromkeys(json.dumps(name, ensure_ascii=escaped) for escaped in (True, False)))
+
+
+def refuse_repeated(text: str, spelled: Iterable[tuple[str, str]], where: str, noun: str) -> None:
+    """ConfigError naming a field of `spelled` ((name, json_spellings' spelling) pairs) that the JSON
+    object `text` names twice: json keeps the last value, so a row was read with its second value without
+    a word (Hugging Face's json loader refuses it). `text` is parsed again, as pairs, only where such a
+    spelling is in it twice (once more in a nested object is no duplicate)."""
+    found = list(dict.fromkeys(name for name, quoted in spelled if text.count(quoted) > 1))
+    if found:
+        keys = [key for key, _ in json.loads(text, object_pairs_hook=list)]
+        if twice := [name for name in found if keys.count(name) > 1]:
+            raise ConfigError(f"{where}: field {twice[0]!r} appears twice in the {noun}; a row's fields are "
+                              f"distinct (which value is meant?)")
+
+
+def refuse_past_vocab(largest: int, vocab: int | None, where: str) -> None:
+    """ConfigError naming the row (`where`) whose largest token id is at or past `vocab` (the model's
+    vocab_size, when the scan knows it): the embedding's lookup of it faults, on a GPU node."""
+    if vocab is not None and largest >= vocab:
+        raise ConfigError(f"{where}: token id {largest} is outside the model's vocabulary of {vocab} "
+                          f"(config.json vocab_size; dataset.tokens_field)")
 
 
 def checked_label(label: Any, field: str, where: str) -> Any:

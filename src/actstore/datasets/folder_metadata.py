@@ -10,13 +10,12 @@ keeping the rows of its own images only."""
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import logging
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from actstore.datasets.core import Fields, checked_label
+from actstore.datasets.core import Fields, checked_label, json_spellings, refuse_repeated
 from actstore.datasets.jsonl import not_utf8
 from actstore.errors import ConfigError
 
@@ -86,18 +85,11 @@ def _parsed(line: str, path: Path, number: int) -> Any:
         raise ConfigError(f"{path}:{number}: not valid JSON (nested too deeply to parse)") from None
     if not isinstance(row, dict):
         raise ConfigError(f"{path}:{number}: not a JSON object")
-    # parsed again, as pairs, only where a field's quoted name is in the line twice (a hook on every
-    # line made an ImageNet metadata file's read 3 times slower)
-    if any(line.count(spelling) > 1 for key in row for spelling in _json_names(key)):
-        _check_distinct((key for key, _ in json.loads(line, object_pairs_hook=list)), f"{path}:{number}",
-                        "field", "line")
+    # every field: an image's label or name read from its second value (a hook on every line made an
+    # ImageNet metadata file's read 3 times slower than refuse_repeated's count of spellings)
+    refuse_repeated(line, ((key, spelled) for key in row for spelled in json_spellings(key)), f"{path}:{number}",
+                    "line")
     return row
-
-
-@functools.lru_cache(maxsize=1024)
-def _json_names(key: str) -> tuple[str, ...]:
-    """A field name's spellings in JSON: escaped as Python's json writes it, and as UTF-8."""
-    return tuple({json.dumps(key), json.dumps(key, ensure_ascii=False)})
 
 
 def scan_metadata(path: Path, names: list[str], fields: Fields) -> dict[str, Any]:

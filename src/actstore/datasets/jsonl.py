@@ -15,7 +15,8 @@ from isal import isal_zlib
 from tqdm import tqdm
 
 from actstore.datasets.chat import checked_messages
-from actstore.datasets.core import Fields, Sample, check_unicode, checked_label, class_name, one_kind
+from actstore.datasets.core import (Fields, Sample, check_unicode, checked_label, class_name, one_kind,
+                                    refuse_past_vocab, refuse_repeated)
 from actstore.datasets.json_array import MAX_ELEMENT_CHARS, ArrayError, elements, starts_array
 from actstore.datasets.scan import Mark, Scan, mark_before, scan_labels
 from actstore.datasets.source import COMPRESSED_SUFFIXES
@@ -298,24 +299,9 @@ def not_utf8(path: Path) -> ConfigError:
 def _checked(row: Row, fields: Fields) -> dict[str, Any]:
     """The row parsed (_parse) and checked for the fields the config reads (_distinct, _check)."""
     parsed = _parse(row.item, row.where, row.noun)
-    _distinct(row.text, fields, row.where, row.noun)
+    refuse_repeated(row.text, fields.json_names, row.where, row.noun)
     _check(parsed, fields, row.where, row.noun)
     return parsed
-
-
-def _distinct(text: str, fields: Fields, where: str, noun: str) -> None:
-    """ConfigError naming a field the config reads that a row (a line, or an array's element) names
-    twice: json keeps the last value, so the row was read with its second text (or label, or kept
-    field) without a word (Hugging Face's json loader refuses the line). The row's text is parsed
-    again, as pairs, only where such a name's quoted spelling is in it twice (once more in a nested
-    object is no duplicate)."""
-    found = [name for name, quoted in fields.json_names if text.count(quoted) > 1]
-    if found:
-        keys = [key for key, _ in json.loads(text, object_pairs_hook=list)]
-        twice = [name for name in found if keys.count(name) > 1]
-        if twice:
-            raise ConfigError(f"{where}: field {twice[0]!r} appears twice in the {noun}; a row's fields are "
-                              f"distinct (which value is meant?)")
 
 
 def _parse(item: Any, where: str, noun: str) -> dict[str, Any]:
@@ -354,9 +340,7 @@ def _check(row: dict[str, Any], fields: Fields, where: str, noun: str) -> None:
         if not _token_ids(row.get(fields.tokens)):
             raise ConfigError(f"{where}: field {fields.tokens!r} (dataset.tokens_field) must be a non-empty "
                               f"list of token ids, whole numbers from 0, got {_short(row.get(fields.tokens))}")
-        if fields.vocab is not None and max(row[fields.tokens]) >= fields.vocab:
-            raise ConfigError(f"{where}: field {fields.tokens!r}: token id {max(row[fields.tokens])} is outside the "
-                              f"model's vocabulary of {fields.vocab} (config.json vocab_size; dataset.tokens_field)")
+        refuse_past_vocab(max(row[fields.tokens]), fields.vocab, f"{where}: field {fields.tokens!r}")
     elif not isinstance(row.get(fields.text), str):
         ids = [k for k in ("input_ids", "tokens") if _token_ids(row.get(k))]
         hint = f" (token ids in {ids[0]!r}: set dataset.tokens_field)" if ids else ""

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.datasets.chat import checked_messages
-from actstore.datasets.core import Fields, Sample, class_label_names, class_name, label_list
+from actstore.datasets.core import Fields, Sample, class_label_names, class_name, label_list, refuse_past_vocab
 from actstore.datasets.jsonl import open_bytes
 from actstore.datasets.source import COMPRESSED_SUFFIXES, Source
 from actstore.errors import ConfigError
@@ -447,7 +447,8 @@ def _check_prompts(source: Source, fields: Fields, n_rows: int) -> None:
                         _check_messages(source, values, shard, start - shard_start, column)
                     if column == fields.tokens and (row := _first_bad_ids(values, fields.vocab)) >= 0:
                         where = f"{source.root}: {shard}{start - shard_start + row}, column {column!r}"
-                        _refuse_ids(token_ids(values[row], f"{where} (dataset.tokens_field)"), fields.vocab, where)
+                        refuse_past_vocab(int(token_ids(values[row], f"{where} (dataset.tokens_field)").max()),
+                                          fields.vocab, where)
                 start += size
 
 
@@ -586,12 +587,6 @@ def _most_id(vocab: int | None) -> int:
     """The largest token id the scan takes: below the model's vocab_size, else int64's largest."""
     return vocab - 1 if vocab is not None else int(np.iinfo(np.int64).max)
 
-
-def _refuse_ids(ids: np.ndarray, vocab: int | None, where: str) -> None:
-    """ConfigError naming the row (`where`) whose ids (token_ids took) hold one at or past `vocab`."""
-    if vocab is not None and len(ids) and int(ids.max()) >= vocab:
-        raise ConfigError(f"{where}: token id {int(ids.max())} is outside the model's vocabulary of {vocab} "
-                          f"(config.json vocab_size; dataset.tokens_field)")
 
 
 def _labels(source: Source, fields: Fields, schemas: list[pa.Schema], counts: list[int],
