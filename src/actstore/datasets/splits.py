@@ -39,7 +39,7 @@ def split_files(root: Path, files: list[Path], split: str) -> list[Path]:
     """The files of `files` (data files under the folder `root`, in read order) that hold `split`;
     all of them when the folder names no split. ConfigError when it names splits and not this one."""
     readme = root / README
-    configured = _readme_config(root)
+    configured = _default_config(_front_matter(root).get("configs"), readme)
     # data_dir: the folder the config's files are in, its data_files too relative to it, as datasets
     # resolves them (BuilderConfig._resolve_data_files)
     if configured is not None and configured.get("data_dir"):
@@ -132,10 +132,8 @@ def _front_matter(root: Path) -> dict[str, Any]:
     return front if isinstance(front, dict) else {}
 
 
-def _readme_config(root: Path) -> dict[str, Any] | None:
-    """The default config of README.md's YAML front matter `configs`, or None."""
-    readme = root / README
-    configs = _front_matter(root).get("configs")
+def _default_config(configs: Any, readme: Path) -> dict[str, Any] | None:
+    """The default config of `configs` (README.md's YAML front matter's, `readme` for errors), or None."""
     if not isinstance(configs, list) or not configs:
         return None
     chosen = ([c for c in configs if isinstance(c, dict) and c.get("default") is True]
@@ -156,7 +154,7 @@ def readme_class_labels(root: Path) -> dict[str, dict[str, Any]]:
     numbered by rank, a split missing a class numbered unlike the others, without a word."""
     readme = root / README
     front = _front_matter(root)
-    info = _config_info(front.get("dataset_info"), front.get("configs"), root)
+    info = _config_info(front.get("dataset_info"), front.get("configs"), readme)
     features = info.get("features") if isinstance(info, dict) else None
     if features is None:
         return {}
@@ -173,7 +171,7 @@ def readme_class_labels(root: Path) -> dict[str, dict[str, Any]]:
     return labels
 
 
-def _config_info(dataset_info: Any, configs: Any, root: Path) -> Any:
+def _config_info(dataset_info: Any, configs: Any, readme: Path) -> Any:
     """The entry of README.md's `dataset_info` (one entry, or a list of one a config) of the config
     read, chosen as datasets chooses it: the default config's name (`default` when it names none),
     or with no `configs` the only entry, else the one named `default`."""
@@ -183,7 +181,7 @@ def _config_info(dataset_info: Any, configs: Any, root: Path) -> Any:
         return None
     by_name = {entry.get("config_name", "default"): entry for entry in dataset_info if isinstance(entry, dict)}
     if isinstance(configs, list) and configs:
-        return by_name.get((_readme_config(root) or {}).get("config_name", "default"))
+        return by_name.get((_default_config(configs, readme) or {}).get("config_name", "default"))
     return next(iter(by_name.values())) if len(by_name) == 1 else by_name.get("default")
 
 
