@@ -7,7 +7,8 @@ from actstore.jobs import write_jobs
 
 LMPROBE_DIR = sdir("lmprobe")
 LMPROBE_JOBS = write_jobs(config, "lmprobe")
-check_options(config)  # lmprobe.layers / logits_topk against extract.* and the model's kind, before any job runs
+# lmprobe.layers / logits_topk against extract.* and the model's kind (common.smk's config.json), before any job
+check_options(config, model_config)
 
 
 # Only the index as input: it already depends on every part (and records each part.json's sha256),

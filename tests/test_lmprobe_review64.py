@@ -15,6 +15,7 @@ from safetensors.torch import load_file as load_torch
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import lmprobe
 from actstore.formats.extract import synthetic_extraction
+from actstore.model_config import run_config
 from test_lmprobe_check_review import rewrite_index
 
 
@@ -46,14 +47,15 @@ def test_logits_topk_of_a_model_without_logits_is_refused_naming_the_key(extract
     config, extract_dir = extracted("bert")
     asked = {**config, "lmprobe": {**config["lmprobe"], "logits_topk": 3}}
     with pytest.raises(ConfigError, match="lmprobe.logits_topk: 3 asked for, but the extraction keeps no logits"):
-        lmprobe.check_options(asked)
+        lmprobe.check_options(asked, run_config(asked["model"]))
     with pytest.raises(ConfigError, match="lmprobe.logits_topk: 3"):
         lmprobe.write_dataset(extract_dir, tmp_path / "ds", {"token_strings": False, "logits_topk": 3},
                               progress=False)
     assert not (tmp_path / "ds").exists() and list(tmp_path.iterdir()) == []
-    lmprobe.check_options(config)
+    lmprobe.check_options(config, run_config(config["model"]))
     gpt2_config, _ = extracted("gpt2")
-    lmprobe.check_options({**gpt2_config, "lmprobe": {**gpt2_config["lmprobe"], "logits_topk": 3}})
+    lmprobe.check_options({**gpt2_config, "lmprobe": {**gpt2_config["lmprobe"], "logits_topk": 3}},
+                          run_config(gpt2_config["model"]))
     assert lmprobe.open_dataset(build(extracted, tmp_path, "bert", storage="pooled")).logits_desc is None
 
 

@@ -37,14 +37,14 @@ def check_selection(layers: list[int], logits_topk: int | None, have_layers: lis
         raise ConfigError(f"lmprobe.logits_topk: {logits_topk} > extract.logits_topk = {have_topk}")
 
 
-def check_options(config: dict[str, Any]) -> None:
+def check_options(config: dict[str, Any], model_config: dict[str, Any]) -> None:
     """Parse-time check of the lmprobe section against the extract section and the model's kind
-    (only a causal LM's logits are extracted: extract.logits_topk is the default 20 for any model);
-    ConfigError names the key."""
-    from actstore.model_config import model_kind, run_config
+    (`model_config`: the config.json extraction runs, model_config.run_config; only a causal LM's logits
+    are extracted, though extract.logits_topk is the default 20 for any model); ConfigError names the key."""
+    from actstore.model_config import model_kind
 
     opts, ext = config["lmprobe"], config["extract"]
-    have_topk = ext["logits_topk"] if model_kind(run_config(config["model"])) == "causal" else None
+    have_topk = ext["logits_topk"] if model_kind(model_config) == "causal" else None
     check_selection(opts.get("layers") or [], opts.get("logits_topk"), ext["layers"], have_topk)
 
 
