@@ -17,6 +17,7 @@ import torch
 from actstore.errors import ConfigError, FormatError
 from actstore.formats import lmprobe
 from actstore.formats.extract import open_extraction
+from actstore.model_config import run_config
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "specs" / "lmprobe-format-2.0.md"
 
@@ -452,9 +453,10 @@ def test_stage_dir_resolves_and_dataset_card_snippet_runs(extracted, tmp_path, m
     ns: dict = {}
     exec(code, ns)
     assert np.array_equal(ns["vector"].numpy(), ext.activations("layer_0", s)[-1])
-    lmprobe.check_options(config)
+    lmprobe.check_options(config, run_config(config["model"]))
     with pytest.raises(ConfigError, match="lmprobe.layers"):
-        lmprobe.check_options({**config, "lmprobe": {**config["lmprobe"], "layers": [0, 1]}})
+        lmprobe.check_options({**config, "lmprobe": {**config["lmprobe"], "layers": [0, 1]}},
+                              run_config(config["model"]))
 
 
 # ---------------------------------------------------------------- scattered jobs and the finishing job
