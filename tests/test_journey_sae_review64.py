@@ -42,14 +42,12 @@ def saelens_folder(folder: Path, d_in: int, d_sae: int, cfg: dict) -> Path:
     return folder
 
 
-@pytest.mark.xfail(strict=True, reason="review64 journeyE: an sae.import checkpoint of another d_in (or a SAELens "
-                   "cfg.json the import refuses) is named by the import_sae job, after every extraction part ran; "
-                   "its width and cfg.json are readable before the extraction (the dataset scan job checks "
-                   "extract.hooks and lut.targets on the skeleton there)")
 @pytest.mark.parametrize("d_in,cfg,named", [(16, {}, "d_in 16"),  # the hook is 32 wide
                                             (32, {"architecture": "jumprelu"}, "architecture 'jumprelu'")])
 def test_an_import_the_sae_stage_refuses_is_named_before_any_extraction_part(
         model_dir, text_jsonl, tmp_path, d_in, cfg, named):
+    """The import_sae job named it after every extraction part had run (a real run's GPU hours); the
+    dataset scan job reads its header and cfg.json against the hook's width (extract.run.check_sae_import)."""
     folder = saelens_folder(tmp_path / "saelens", d_in, 64, cfg)
     rc, output, dump_to = run_sae_target(tmp_path, model_dir("bert"), text_jsonl,
                                          {"path": str(folder), "style": "saelens"})

@@ -13,8 +13,10 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
+from actstore.config import resolve_hook
 from actstore.datasets import Dataset, Sample, configured_dataset, read_scan
 from actstore.datasets.images import IMAGE_DECODING, check_images
 from actstore.errors import ConfigError
@@ -63,7 +65,8 @@ def check_hooks(config: dict[str, Any]) -> None:
     lut stage runs each lut.targets module a linear map (lut_runtime.target_weight); ConfigError naming the
     path and what the module it stops at holds, or the target's type. The dataset scan job runs it too: a
     misspelt hook passed `snakemake -n` and stopped each part's job, on Slurm after its wait for a GPU, and
-    a target of another kind (an embedding) stopped the sae job, after every part."""
+    a target of another kind (an embedding) stopped the sae job, after every part. sae.import's headers
+    are checked too (check_sae_import)."""
     if config["extract"]["hooks"]:
         from actstore.lut_runtime import target_weight
 
@@ -74,6 +77,40 @@ def check_hooks(config: dict[str, Any]) -> None:
         if config["sae"]["enabled"] and config["lut"]["enabled"]:
             for path in config["lut"]["targets"]:
                 target_weight(get_module(skeleton, path, "lut.targets"), f"lut.targets: {path!r}")
+        if config["sae"]["enabled"] and config["sae"]["import"]:
+            check_sae_import(config, skeleton)
+
+
+def check_sae_import(config: dict[str, Any], skeleton: nn.Module) -> None:
+    """sae.import's headers checked as the import_sae job checks them (read_import_header: cfg.json,
+    tensor names and shapes, d_in), against sae.hook's width where its module's kind gives it
+    (hook_width; else the job checks the extraction's): that job named an SAE of another width, or a
+    cfg.json it refuses (architecture jumprelu), only after every extraction part had run."""
+    from actstore.sae.checkpoint import read_import_header
+
+    hook = resolve_hook(config)
+    module_path, io = parse_hook(hook)
+    imported = config["sae"]["import"]
+    read_import_header(imported["path"], imported["style"], config["sae"]["k_active"],
+                       hook_width(get_module(skeleton, module_path), io), hook)
+
+
+def hook_width(module: nn.Module, io: str) -> int | None:
+    """The hidden size (last dimension) of the tensor a hook on `module`'s `io` (input or output)
+    captures, where the module's kind fixes it: nn.Linear (in_features, out_features), a transformers
+    Conv1D (its weight [in, out]), nn.LayerNorm and nn.RMSNorm (their normalized_shape's last, in and
+    out), nn.Embedding's output (embedding_dim). None for any other kind: only the captured tensor tells."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, nn.Linear):
+        return module.in_features if io == "input" else module.out_features
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0 if io == "input" else 1]
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.normalized_shape:
+        return module.normalized_shape[-1]
+    if isinstance(module, nn.Embedding) and io == "output":
+        return module.embedding_dim
+    return None
 
 
 def run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: bool = True,

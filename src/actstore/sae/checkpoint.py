@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from actstore.config import SAELENS_CFG, SAELENS_WEIGHTS, import_files
 from actstore.errors import ConfigError, FormatError
-from actstore.integrity import read_json, whole_number
+from actstore.integrity import read_json, whole_number, whole_numbers
 from actstore.io_utils import atomic_path, write_json_atomic
 from actstore.safetensors_io import read_header_json, save_safetensors
 from actstore.sae.model import SAE_KEYS, TopKSAE
@@ -34,49 +35,88 @@ ACTSTORE_HOOK = re.compile(r"[A-Za-z0-9_.]+:(input|output)")  # a captured tenso
 IMPORT_DIMS = {"W_enc": ("d_in", "d_sae"), "b_enc": ("d_sae",), "W_dec": ("d_sae", "d_in"), "b_dec": ("d_in",)}
 
 
-def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | None = None,
-               hook: str | None = None) -> TopKSAE:
-    """Load a SAELens- or saev-style checkpoint (W_enc [d_in, d_sae], W_dec [d_sae, d_in], b_enc
-    [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias where it is subtracted first.
-    `hook_width`: the width of the hook it will encode, which d_in must be (check_hook_width); `hook`:
-    that hook, which a cfg.json naming one of actstore's hooks must name (check_saelens_hook).
+@dataclass(frozen=True)
+class ImportHeader:
+    """What import_sae reads of sae.import before its weights (read_import_header)."""
+    path: Path  # the checkpoint file
+    native: bool  # saev's own file (is_saev_checkpoint): torch.save's bytes after a JSON header line
+    saev_header: dict[str, Any]  # that header line; {} for a safetensors file
+    weights_at: int  # where a native file's weights start, after its header line
+    subtract: bool  # b_dec is subtracted before encoding: folded into the encoder bias
+    rescale: bool  # SAELens' rescale_acts_by_decoder_norm: folded in (fold_decoder_norms)
 
-    SAELens (safetensors, or the folder holding sae_weights.safetensors): b_dec is subtracted before
-    encoding unless cfg.json beside the file says apply_b_dec_to_input: false; a cfg.json must describe
-    an SAE that encodes as TopKSAE does (saelens_encoding). saev: saev's own checkpoint file
-    (read_saev_checkpoint) encodes x as saev's code does, without subtracting b_dec; a safetensors file
-    with saev's names, as saev encoded before August 2025: b_dec subtracted.
-    """
+
+def read_import_header(path: str | Path, style: str, k_active: int, hook_width: int | None = None,
+                       hook: str | None = None) -> ImportHeader:
+    """Every check import_sae makes before it reads the weights, from the headers alone (a safetensors
+    header, saev's JSON line, cfg.json): the style and file; a saev header's activation, top_k and width;
+    a safetensors header's tensor names and shapes, d_in against `hook_width`, d_sae against k_active, and a
+    SAELens cfg.json (check_saelens_hook, saelens_encoding). The dataset scan job runs it with the hook's
+    width from the model's skeleton (extract.run.check_sae_import): an import the sae stage refuses was
+    named by the import_sae job, after every extraction part had run."""
     path = Path(path)
     if style not in IMPORT_STYLES:
         raise ConfigError(f"sae.import.style {style!r}: expected one of {IMPORT_STYLES}")
     path, *saelens_cfg = import_files(path, style)
     if not path.is_file():
         raise ConfigError(f"sae.import.path {path}: no such file")
-    native = style == "saev" and is_saev_checkpoint(path)
-    if not native:
-        check_hook_width(path, safetensors_width(path), hook_width, "its safetensors header's W_enc shape")
+    if style == "saev" and is_saev_checkpoint(path):
+        header, weights_at = read_saev_header(path, k_active, hook_width)
+        return ImportHeader(path, True, header, weights_at, subtract=False, rescale=False)
+    shapes = safetensors_shapes(path)
+    check_import_keys(path, style, shapes)
+    sizes = checked_sizes(path, shapes, IMPORT_DIMS)
+    check_hook_width(path, sizes["d_in"], hook_width, "its safetensors header's W_enc shape")
     if saelens_cfg and hook is not None:
         check_saelens_hook(saelens_cfg[0], hook)
-    header, raw = read_saev_checkpoint(path, k_active, hook_width) if native else ({}, read_safetensors(path)[1])
-    missing = [key for key in IMPORT_DIMS if key not in raw]
-    if missing:  # str: a saev state dict's keys need not be strings, nor sortable together
-        raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(map(str, raw))}")
+    check_latents(path, sizes["d_sae"], k_active)
+    subtract, rescale = saelens_encoding(saelens_cfg[0], k_active, sizes) if saelens_cfg else (True, False)
+    return ImportHeader(path, False, {}, 0, subtract, rescale)
+
+
+def import_sae(path: str | Path, style: str, k_active: int, hook_width: int | None = None,
+               hook: str | None = None) -> TopKSAE:
+    """Load a SAELens- or saev-style checkpoint (W_enc [d_in, d_sae], W_dec [d_sae, d_in], b_enc
+    [d_sae], b_dec [d_in]) and fold `x - b_dec` into the encoder bias where it is subtracted first.
+    `hook_width`: the width of the hook it will encode, which d_in must be (check_hook_width); `hook`:
+    that hook, which a cfg.json naming one of actstore's hooks must name (check_saelens_hook). Its
+    headers are checked first (read_import_header), then the weights.
+
+    SAELens (safetensors, or the folder holding sae_weights.safetensors): b_dec is subtracted before
+    encoding unless cfg.json beside the file says apply_b_dec_to_input: false; a cfg.json must describe
+    an SAE that encodes as TopKSAE does (saelens_encoding). saev: saev's own checkpoint file
+    (read_saev_header) encodes x as saev's code does, without subtracting b_dec; a safetensors file
+    with saev's names, as saev encoded before August 2025: b_dec subtracted.
+    """
+    found = read_import_header(path, style, k_active, hook_width, hook)
+    path = found.path
+    raw = read_saev_weights(path, found.weights_at) if found.native else read_safetensors(path)[1]
+    # A safetensors file's names and shapes were its header's; a saev file's are known from here on.
+    check_import_keys(path, style, raw)
     w_enc, b_enc, w_dec, b_dec = checked_tensors(path, raw, IMPORT_DIMS).values()
     d_in, d_sae = w_enc.shape
     check_hook_width(path, d_in, hook_width, "W_enc's shape")  # a header without the width: the weights'
-    if k_active > d_sae:
-        raise ConfigError(f"{path}: d_sae {d_sae}, fewer latents than sae.k_active {k_active}")
-    check_saev_sizes(path, header, d_in, d_sae)
-    subtract, rescale = not native, False
-    if saelens_cfg:
-        subtract, rescale = saelens_encoding(saelens_cfg[0], k_active, {"d_in": d_in, "d_sae": d_sae})
-    if rescale:
+    check_latents(path, d_sae, k_active)
+    check_saev_sizes(path, found.saev_header, d_in, d_sae)
+    if found.rescale:
         w_enc, b_enc, w_dec = fold_decoder_norms(path, w_enc, b_enc, w_dec)
-    bias = b_enc - b_dec @ w_enc if subtract else b_enc
+    bias = b_enc - b_dec @ w_enc if found.subtract else b_enc
     check_folded(path, {"encoder_bias": bias}, "b_dec (b_enc - b_dec @ W_enc)")
     return TopKSAE.from_state({"encoder_weight": w_enc.T, "encoder_bias": bias,
                                "decoder_weight": w_dec, "decoder_bias": b_dec}, k_active)
+
+
+def check_import_keys(path: Path, style: str, keys: dict[Any, Any]) -> None:
+    """FormatError naming the file and the tensors it lacks of the four an import reads."""
+    missing = [key for key in IMPORT_DIMS if key not in keys]
+    if missing:  # str: a saev state dict's keys need not be strings, nor sortable together
+        raise FormatError(f"{path}: {style} checkpoint lacks {missing}; has {sorted(map(str, keys))}")
+
+
+def check_latents(path: Path, d_sae: int, k_active: int) -> None:
+    """ConfigError naming the file when its SAE has fewer latents than sae.k_active keeps per token."""
+    if k_active > d_sae:
+        raise ConfigError(f"{path}: d_sae {d_sae}, fewer latents than sae.k_active {k_active}")
 
 
 def check_hook_width(path: Path, d_in: Any, hook_width: int | None, source: str) -> None:
@@ -104,18 +144,26 @@ def check_saelens_hook(cfg_path: Path, hook: str) -> None:
                           f"trained on another tensor; set sae.hook to {named!r} (capturing it in extract.hooks)")
 
 
-def safetensors_width(path: Path) -> Any:
-    """W_enc's first dimension (d_in) as the safetensors header of `path` gives it, None where it names
-    none; read from the header alone, not the tensors. FormatError naming the file for a header that
-    is not one."""
+def safetensors_shapes(path: Path) -> dict[str, Any]:
+    """Each tensor's shape as the safetensors header of `path` gives it, read from the header alone: not
+    the weights, which may be gigabytes on a cluster's shared file system (nor whether they are all there:
+    read_safetensors' to name). FormatError naming the file for a header that is not one, or an entry
+    without a shape of whole numbers."""
     with path.open("rb") as fh:
         try:
             header, _ = read_header_json(fh, path.stat().st_size)
         except ValueError as exc:
             raise FormatError(f"{path}: unreadable safetensors ({exc})") from None
-    entry = header.get("W_enc") if isinstance(header, dict) else None
-    shape = entry.get("shape") if isinstance(entry, dict) else None
-    return shape[0] if isinstance(shape, list) and len(shape) == 2 else None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: unreadable safetensors (its header is a JSON {type(header).__name__})")
+    shapes = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shapes[name] = entry.get("shape") if isinstance(entry, dict) else None
+        if not whole_numbers(shapes[name]):
+            raise FormatError(f"{path}: unreadable safetensors (tensor {name!r:.100} has no shape of whole numbers)")
+    return shapes
 
 
 def fold_decoder_norms(path: Path, w_enc: torch.Tensor, b_enc: torch.Tensor,
@@ -156,36 +204,43 @@ def is_saev_checkpoint(path: Path) -> bool:
     return head[:1] == b"{" and not safetensors
 
 
-def read_saev_checkpoint(path: Path, k_active: int,
-                         hook_width: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(header, tensors) of saev's own checkpoint file (saev.nn.dump at commit 3d73f1f: one JSON line
-    {"schema", "cfg", ...}, then torch.save of the state dict), read with torch's weights-only
-    unpickler. ConfigError naming the file unless its activation is TopK with top_k = k_active:
-    ReLU and BatchTopK SAEs (a threshold at inference) are not the LUT spec's Step A; or, before the
-    weights are read, when the header's d_model (d_vit before it) is not `hook_width`."""
+def read_saev_header(path: Path, k_active: int, hook_width: int | None) -> tuple[dict[str, Any], int]:
+    """(header, where the weights start) of saev's own checkpoint file (saev.nn.dump at commit 3d73f1f:
+    one JSON line {"schema", "cfg", ...}, then torch.save of the state dict). ConfigError naming the
+    file unless its activation is TopK with top_k = k_active: ReLU and BatchTopK SAEs (a threshold at
+    inference) are not the LUT spec's Step A; or when the header's d_model (d_vit before it) is not
+    `hook_width`."""
     with path.open("rb") as fh:
         line = fh.readline(SAEV_HEADER_LIMIT)
+    try:
+        header = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to parse
+        raise FormatError(f"{path}: saev checkpoint header is not one JSON line ({exc})") from None
+    activation, top_k = saev_activation(header)
+    if activation != "TopK":
+        raise ConfigError(f"{path}: a saev {activation} SAE; sae.import takes TopK SAEs (the LUT spec's "
+                          "encoder is TopK(ReLU(x W + b)))")
+    if not whole_number(top_k) or top_k != k_active:  # whole_number: true == 1 in Python
+        raise ConfigError(f"{path}: top_k {top_k!r}, but sae.k_active is {k_active}: set sae.k_active to it")
+    cfg = header.get("cfg") if isinstance(header.get("cfg"), dict) else {}
+    field = "d_model" if "d_model" in cfg else "d_vit"
+    check_hook_width(path, cfg.get(field), hook_width, f"its header's cfg.{field}")
+    return header, len(line)
+
+
+def read_saev_weights(path: Path, weights_at: int) -> dict[Any, Any]:
+    """The state dict torch.save wrote at byte `weights_at` of saev's checkpoint file (after its header
+    line), read from the file itself with torch's weights-only unpickler (a copy of its bytes first
+    doubled the peak)."""
+    with path.open("rb") as fh:
+        fh.seek(weights_at)
         try:
-            header = json.loads(line)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to parse
-            raise FormatError(f"{path}: saev checkpoint header is not one JSON line ({exc})") from None
-        activation, top_k = saev_activation(header)
-        if activation != "TopK":
-            raise ConfigError(f"{path}: a saev {activation} SAE; sae.import takes TopK SAEs (the LUT spec's "
-                              "encoder is TopK(ReLU(x W + b)))")
-        if not whole_number(top_k) or top_k != k_active:  # whole_number: true == 1 in Python
-            raise ConfigError(f"{path}: top_k {top_k!r}, but sae.k_active is {k_active}: set sae.k_active to it")
-        cfg = header.get("cfg") if isinstance(header.get("cfg"), dict) else {}
-        field = "d_model" if "d_model" in cfg else "d_vit"
-        check_hook_width(path, cfg.get(field), hook_width, f"its header's cfg.{field}")
-        try:
-            # From the file itself, after the header line: a copy of its bytes first doubled the peak.
             state = torch.load(fh, weights_only=True, map_location="cpu")
         except Exception as exc:  # the weights-only unpickler raises whatever the damaged bytes cause
             raise FormatError(f"{path}: saev checkpoint weights unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict):
         raise FormatError(f"{path}: saev checkpoint weights are not a state dict")
-    return header, state
+    return state
 
 
 def check_saev_sizes(path: Path, header: dict[str, Any], d_in: int, d_sae: int) -> None:
@@ -310,9 +365,7 @@ def checked_tensors(path: Path, raw: dict[Any, Any], dims: dict[str, tuple[str, 
     """The tensors `dims` names, as float32; FormatError naming `path` and the key for a value that
     is not a dense tensor, not of `dtype` (default: any floating point), not of the shape `dims` gives it
     (no dimension 0), or not finite (after the cast: a float64 value past float32's range is infinite in the SAE)."""
-    sizes: dict[str, int] = {}
-    checked = {}
-    for key, names in dims.items():
+    for key in dims:
         value = raw[key]
         if not isinstance(value, torch.Tensor):
             raise FormatError(f"{path}: {key} is a {type(value).__name__}, not a tensor")
@@ -321,17 +374,30 @@ def checked_tensors(path: Path, raw: dict[Any, Any], dims: dict[str, tuple[str, 
         if not value.is_floating_point() or dtype not in (None, value.dtype):
             raise FormatError(f"{path}: {key} is {str(value.dtype).removeprefix('torch.')}, "
                               f"expected {str(dtype).removeprefix('torch.') if dtype else 'floating point'}")
-        want = [sizes.setdefault(name, size) for name, size in zip(names, value.shape)]
-        if len(names) != value.ndim or want != list(value.shape):
-            raise FormatError(f"{path}: {key} has shape {list(value.shape)}, expected "
-                              f"[{', '.join(str(sizes.get(name, name)) for name in names)}] ({', '.join(names)})")
-        if 0 in value.shape:  # no SAE: a d_in of 0 was a ZeroDivisionError (check_saev_sizes), or LUT tables of it
-            raise FormatError(f"{path}: {key} has shape {list(value.shape)}, a dimension of 0")
-        checked[key] = value.float()
+    checked_sizes(path, {key: list(raw[key].shape) for key in dims}, dims)
+    checked = {}
+    for key in dims:
+        checked[key] = raw[key].float()
         # Its least and largest values, NaN if any is: isfinite's masks made 1.8x the tensor's bytes.
         if not torch.stack(checked[key].aminmax()).isfinite().all():
             raise FormatError(f"{path}: {key} holds NaN or infinite values")
     return checked
+
+
+def checked_sizes(path: Path, shapes: dict[str, list[int]], dims: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """Each dimension's size by name (d_in, num_basis...) from the `shapes` of the tensors `dims` names:
+    a name's size is its first tensor's, which every later tensor's shape must agree with. FormatError
+    naming `path` and the key for a shape that does not, or has a dimension of 0."""
+    sizes: dict[str, int] = {}
+    for key, names in dims.items():
+        shape = list(shapes[key])
+        want = [sizes.setdefault(name, size) for name, size in zip(names, shape)]
+        if len(names) != len(shape) or want != shape:
+            raise FormatError(f"{path}: {key} has shape {shape}, expected "
+                              f"[{', '.join(str(sizes.get(name, name)) for name in names)}] ({', '.join(names)})")
+        if 0 in shape:  # no SAE: a d_in of 0 was a ZeroDivisionError (check_saev_sizes), or LUT tables of it
+            raise FormatError(f"{path}: {key} has shape {shape}, a dimension of 0")
+    return sizes
 
 
 def header_k_active(path: Path, meta: dict[str, str], state: dict[str, torch.Tensor]) -> int:
