@@ -1,12 +1,17 @@
 # Extraction: one scan of the dataset on a CPU, one job per part (the unit Slurm schedules on a
 # GPU) reading only its rows, then a small index.
 
+from actstore.datasets import check_extraction_data_unchanged
+
 EXTRACT_DIR = sdir("extract")
 # A finished extraction whose model folder has since been given other weights (a model is named by
 # its path) stops the run here, naming the file (actstore/model_identity.py); in the main process
-# only: a copied folder's files are hashed to tell a copy from new weights.
+# only: a copied folder's files are hashed to tell a copy from new weights. Likewise its data, where
+# the hash names the data by its path alone (dataset.identity path, or a config of earlier releases):
+# rows appended to the file found the old activations by hash (actstore/datasets/scan.py).
 if workflow.is_main_process:
     check_model_unchanged(MODEL_PATH, Path(EXTRACT_DIR))
+    check_extraction_data_unchanged(config["dataset"], Path(EXTRACT_DIR))
 # A part job's CPUs (images: its decoding workers; actstore/resources.py), from config.json alone.
 EXTRACT_PART_THREADS = actstore_resources.extract_part_threads(config)
 

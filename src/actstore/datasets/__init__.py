@@ -25,7 +25,8 @@ from actstore.datasets.core import (FIELD_KEYS, Dataset, Fields, Sample, forked_
 from actstore.datasets.folders import read_folder, read_folder_runs, scan_folder
 from actstore.datasets.images import ImageOpener
 from actstore.datasets.jsonl import read_jsonl, scan_jsonl
-from actstore.datasets.scan import RESCAN, Scan, check_unchanged, data_state, joined, read_scan, stamped, write_scan
+from actstore.datasets.scan import (RESCAN, Scan, check_extraction_data_unchanged, check_unchanged, data_state, joined,
+                                   read_scan, stamped, write_scan)
 from actstore.datasets.source import (FOLDER_FORMATS, METADATA_NAMES, Source, files_under, identity_files,
                                       resolve_source)
 from actstore.datasets.splits import split_folder
@@ -35,9 +36,9 @@ from actstore.errors import ConfigError
 from actstore.model_config import config_int, run_config, trusted
 from actstore.parse_memo import remembered
 
-__all__ = ["FIELD_KEYS", "Dataset", "Sample", "Scan", "check_dataset", "configured_dataset", "configured_scan",
-           "dataset_options", "identity_files", "load_dataset", "part_range", "read_scan", "resolve_source",
-           "scan_dataset", "write_scan"]
+__all__ = ["FIELD_KEYS", "Dataset", "Sample", "Scan", "check_dataset", "check_extraction_data_unchanged",
+           "configured_dataset", "configured_scan", "dataset_options", "identity_files", "load_dataset", "part_range",
+           "read_scan", "resolve_source", "scan_dataset", "write_scan"]
 
 
 def dataset_options(section: dict[str, Any]) -> dict[str, Any]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
+import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 from actstore.datasets.core import Fields, label_list, one_kind
-from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source
+from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, resolve_source
 from actstore.datasets.splits import README
 from actstore.errors import ConfigError, FormatError
 from actstore.integrity import read_json, whole_number
@@ -122,43 +123,87 @@ def stamped(scan: Scan, source: Source, state: DataState | None = None) -> Scan:
                    features=_features_name(source))
 
 
-def check_unchanged(scan: Scan, source: Source) -> None:
+def check_unchanged(scan: Scan, source: Source, advice: str = RESCAN) -> None:
     """ConfigError naming the data that changed since `scan` was taken (a file's size or mtime, the
     number of files, a folder's listing of images or texts, an image folder's metadata file, the
-    features file naming the labels)."""
+    features file naming the labels), ending with `advice` (what to do)."""
     stamps, listing = data_state(source)
     if listing != scan.listing:
-        raise files_changed(source.root)
+        raise files_changed(source.root, _listing_change(scan, source), advice)
     if source.format in FOLDER_FORMATS:
-        return check_metadata_unchanged(scan, source.root)
+        return check_metadata_unchanged(scan, source.root, advice)
     if (features := _features_name(source)) != scan.features:
         raise ConfigError(f"{source.root}: its features file (the labels' ClassLabel names) is {features or 'none'}, "
-                          f"{scan.features or 'none'} when the dataset was scanned; {RESCAN}")
+                          f"{scan.features or 'none'} when the dataset was scanned; {advice}")
     if len(stamps) != len(scan.stamps):
         raise ConfigError(f"{source.root}: holds {len(source.files)} data files, "
-                          f"{len(scan.stamps) - bool(features)} when the dataset was scanned; {RESCAN}")
+                          f"{len(scan.stamps) - bool(features)} when the dataset was scanned; {advice}")
     for path, was, stamp in zip(_stamped_files(source), scan.stamps, stamps):
         if tuple(was) != stamp:
-            raise ConfigError(f"{path}: changed since the dataset was scanned (size {was[0]} -> {stamp[0]} bytes, "
-                              f"or its modification time); {RESCAN}")
+            raise ConfigError(f"{path}: changed since the dataset was scanned ({_stamp_change(path, was, stamp)}); "
+                              f"{advice}")
 
 
-def check_metadata_unchanged(scan: Scan, root: Path) -> None:
+def _listing_change(scan: Scan, source: Source) -> str:
+    """How a folder's listing moved: its number of files, where the scan counted them (its runs)."""
+    scanned = sum(files for _, files, _ in scan.runs)
+    if scan.runs and scanned != len(source.files):
+        return f"{len(source.files)} files, {scanned} when scanned"
+    return "other file names" if scan.runs else ""
+
+
+def _stamp_change(path: Path, was: tuple[int, int], now: tuple[int, int]) -> str:
+    """How a file's (size, mtime_ns) moved. The scan holds no digest of the bytes, so a file whose mtime
+    alone moved (a touch, a copy without its times, an edit keeping the size) may hold other bytes."""
+    if was[0] != now[0]:
+        return f"size {was[0]} -> {now[0]} bytes"
+    seconds, nanoseconds = divmod(was[1], 10**9)  # exactly: a float has no 19 digits
+    return (f"its modification time moved, its size ({now[0]} bytes) did not, so it may have been edited in "
+            f"place; if its bytes are those scanned, `touch -d @{seconds}.{nanoseconds:09d} "
+            f"{shlex.quote(str(path))}` gives it back its scanned mtime")
+
+
+def check_extraction_data_unchanged(section: dict[str, Any], extract_dir: Path) -> None:
+    """ConfigError naming the data file (or folder) if the finished extraction in `extract_dir` (its
+    extract.json) was scanned from other data than dataset `section` names now: its dataset_scan.json's
+    stamps and listing against the data (check_unchanged). Only where the extract hash names the data
+    by its path alone (dataset.identity path, or unset on a config of earlier releases): there, data
+    edited in place (rows appended) or another file at that path (a relative path in another checkout)
+    would find the old activations by hash. Under `stat` other data hashes apart, and a file touched
+    under `content` is the same data. For the main Snakemake process's parse: it stats the data files
+    (an image folder: names its listing, made for the hash already) and reads the scan, never a row."""
+    from actstore.hashing import dataset_identity  # hashing imports the datasets (its data digest)
+
+    index, scan_file = extract_dir / "extract.json", extract_dir / "dataset_scan.json"
+    if dataset_identity(section) or not index.is_file() or not scan_file.is_file():
+        return
+    identity = "dataset.identity: path" if section.get("identity") else \
+        "dataset.identity unset on a config of earlier releases, which hashes as `path`"
+    check_unchanged(read_scan(scan_file), resolve_source(section["path"], section.get("format", "auto"),
+                                                         section.get("split", "train")),
+                    advice=f"the finished extraction {extract_dir} holds the activations of the data as it was "
+                           f"scanned ({scan_file}), and its hash names the data by its path alone ({identity}). Set "
+                           f"dataset.identity: stat (or content) to extract the data as it is now under a new "
+                           f"hash, restore the data as it was, or move {extract_dir} away to extract the data "
+                           f"again under the same hash")
+
+
+def check_metadata_unchanged(scan: Scan, root: Path, advice: str = RESCAN) -> None:
     """ConfigError naming an image folder's metadata file if it changed since `scan` (or is gone)."""
     if not scan.metadata:
         return
     try:
         stat = (root / scan.metadata).stat()
     except FileNotFoundError:
-        raise ConfigError(f"{root / scan.metadata}: gone since the dataset was scanned; {RESCAN}") from None
+        raise ConfigError(f"{root / scan.metadata}: gone since the dataset was scanned; {advice}") from None
     if (stat.st_size, stat.st_mtime_ns) != tuple(scan.stamps[0]):
-        raise ConfigError(f"{root / scan.metadata}: changed since the dataset was scanned; {RESCAN}")
+        raise ConfigError(f"{root / scan.metadata}: changed since the dataset was scanned; {advice}")
 
 
-def files_changed(folder: Path, how: str = "") -> ConfigError:
+def files_changed(folder: Path, how: str = "", advice: str = RESCAN) -> ConfigError:
     """The error for a folder of files (or one of its folders) whose listing changed since the scan."""
     return ConfigError(f"{folder}: its files changed since the dataset was scanned{f' ({how})' if how else ''}; "
-                       f"{RESCAN}")
+                       f"{advice}")
 
 
 def _listing(source: Source) -> str:
