@@ -36,9 +36,14 @@ class TokenIds:
     """Every sample's token ids in one flat int64 array and its offsets: 8 B a token, where the
     tokenizer's lists for a whole part held ~230 B a token (measured on the demo tokenizer)."""
 
-    def __init__(self, flat: np.ndarray, offsets: np.ndarray, truncated: int | None):
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray, cut: np.ndarray | None):
         self.flat, self.offsets = flat, offsets
-        self.truncated = truncated  # samples cut at max_seq_length (None: the tokenizer cannot tell)
+        self.cut = cut  # bool per sample: cut at max_seq_length (None: the tokenizer cannot tell)
+
+    @property
+    def truncated(self) -> int | None:
+        """How many samples were cut at max_seq_length (None: the tokenizer cannot tell)."""
+        return None if self.cut is None else int(self.cut.sum())
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -54,24 +59,26 @@ def tokenize(tokenizer: Any, samples: list[Sample], max_seq_length: int,
              add_special_tokens: bool = True) -> TokenIds:
     """Token ids per sample; add_special_tokens=False for rendered chat templates (they hold their own).
     Encoded a run of texts at a time (text_runs; each text is encoded alone: the ids are the same as
-    one call's). The texts cut at max_seq_length are counted: a fast tokenizer keeps what it cut as
+    one call's). The texts cut at max_seq_length are marked: a fast tokenizer keeps what it cut as
     each encoding's `overflowing` (a slow one keeps nothing: None)."""
     chunks, lengths = [], [0]
-    truncated: int | None = 0
+    cut: list[bool] | None = []
     empty: list[int] = []  # rows with no token: every one of the part is named at once
     for rows in text_runs(samples, max(1, TOKENIZE_TOKENS // max_seq_length)):
         batch = tokenizer([s.text for s in rows], truncation=True, max_length=max_seq_length,
                           add_special_tokens=add_special_tokens)
         encoded = batch["input_ids"]
-        cut = None if batch.encodings is None else sum(bool(e.overflowing) for e in batch.encodings)
-        truncated = None if truncated is None or cut is None else truncated + cut
+        if cut is None or batch.encodings is None:
+            cut = None
+        else:
+            cut += [bool(e.overflowing) for e in batch.encodings]
         empty += [sample.sample_idx for sample, ids in zip(rows, encoded) if not ids]
         lengths += [len(ids) for ids in encoded]
         chunks.append(np.fromiter(itertools.chain.from_iterable(encoded), np.int64, sum(lengths[-len(rows):])))
     if empty:
         raise ConfigError(zero_token_rows(empty))
     flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-    return TokenIds(flat, np.cumsum(lengths, dtype=np.int64), truncated)
+    return TokenIds(flat, np.cumsum(lengths, dtype=np.int64), None if cut is None else np.array(cut, bool))
 
 
 def text_runs(samples: list[Sample], max_texts: int) -> Iterator[list[Sample]]:
@@ -115,11 +122,11 @@ def given_token_ids(tokenizer: Any, vocab: int | None, samples: list[Sample], ma
     An id at or past `vocab` (config.json's vocab_size) is named before the weights load (on a GPU it
     would fault the device). Each sample's text becomes its ids decoded, so records show what ran; the stored
     token_ids, not that text, are the input."""
-    truncated = sum(len(s.tokens) > max_seq_length for s in samples)
+    cut = np.array([len(s.tokens) > max_seq_length for s in samples], bool)
     kept = [s.tokens[:max_seq_length] for s in samples]
     lengths = np.array([len(ids) for ids in kept], np.int64)
     flat = np.concatenate(kept) if kept else np.zeros(0, np.int64)
-    token_ids = TokenIds(flat, np.concatenate([[0], np.cumsum(lengths)]), truncated)
+    token_ids = TokenIds(flat, np.concatenate([[0], np.cumsum(lengths)]), cut)
     check_vocabulary(token_ids, samples, vocab, "dataset.tokens_field")
     step = max(1, TOKENIZE_TOKENS // max_seq_length)
     for start in range(0, len(samples), step):

@@ -189,7 +189,8 @@ def _run_part(config: dict[str, Any], part: int, out_dir: str | Path, progress: 
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     started = time.perf_counter()
     with write_part(out_dir) as tmp:
-        writer = PartWriter(tmp, sample_rows(dataset, samples, lengths), offsets, hash_threads=cpus)
+        rows = sample_rows(dataset, samples, lengths, None if token_ids is None else token_ids.cut)
+        writer = PartWriter(tmp, rows, offsets, hash_threads=cpus)
         counts, waited = extract_batches(loaded, ext, zip(batches, inputs, strict=True), lengths, token_ids,
                                          writer, TORCH_DTYPES[storage_dtype(config)],
                                          tqdm(total=len(batches), desc=f"extract part {part}", unit="batch",
@@ -425,13 +426,16 @@ def packed(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).index_select(0, keep)
 
 
-def sample_rows(dataset: Dataset, samples: list[Sample], lengths: list[int]) -> list[dict]:
+def sample_rows(dataset: Dataset, samples: list[Sample], lengths: list[int], cut: np.ndarray | None) -> list[dict]:
+    """samples.jsonl's rows. `cut` (TokenIds.cut; None for images, which are never cut, or a tokenizer that
+    cannot tell): a text cut at max_seq_length gets `"truncated": true`, and only such a row, so every other
+    row keeps the bytes it had before the field."""
     label_ids = {label: i for i, label in enumerate(dataset.labels)}
     return [
         {"sample_idx": s.sample_idx, "text": s.text, "label": s.label,
          "label_id": label_ids.get(s.label, -1) if s.label is not None else -1,
-         "num_tokens": n, "metadata": s.metadata}
-        for s, n in zip(samples, lengths)
+         "num_tokens": n, **({"truncated": True} if cut is not None and cut[i] else {}), "metadata": s.metadata}
+        for i, (s, n) in enumerate(zip(samples, lengths))
     ]
 
 

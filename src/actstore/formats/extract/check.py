@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import COUNT_KEYS, INDEX, PART_META, layer_tensor, part_dirs
+from actstore.formats.extract.layout import COUNT_KEYS, CUT_FIELD, INDEX, PART_META, layer_tensor, part_dirs
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
 from actstore.integrity import file_problem, inside, links_out, read_json, vector_indices, whole_number
@@ -62,7 +62,8 @@ def verify(path: str | Path) -> list[str]:
     """Every part extract.json lists present with its part.json (a stage directory without
     extract.json is a problem), every part's files present with the recorded size and sha256 and
     nothing unlisted, each samples.jsonl line the row and token count its part's sample_range and
-    offsets give, the parts covering the dataset's rows in order; problems name the file."""
+    offsets give (a row marked truncated holding max_seq_length tokens, as many marked as part.json counts),
+    the parts covering the dataset's rows in order; problems name the file."""
     path = Path(path)
     if problems := links_out(path):
         return problems
@@ -86,6 +87,7 @@ def _sample_row_problems(part: Part) -> list[str]:
     (hashed as written, so its sha256 passes) would be stored as another row's id or length."""
     lengths = np.diff(part.offsets)
     label_ids = {label: i for i, label in enumerate(part.info.dataset.labels)}
+    cut = 0
     for local, row in enumerate(part.samples):
         want, n_tokens = part.sample_start + local, row.get("num_tokens")
         if row["sample_idx"] != want or not (whole_number(n_tokens) and n_tokens == lengths[local]):
@@ -95,7 +97,22 @@ def _sample_row_problems(part: Part) -> list[str]:
         if not _label_id_fits(row, label_ids):
             return [f"{part.samples.path}: line {local + 1} says label_id {row.get('label_id')!r:.40} for label "
                     f"{row.get('label')!r:.60}, which is not its position in {PART_META}'s dataset.labels"]
-    return []
+        if CUT_FIELD in row and n_tokens != part.info.max_seq_length:
+            return [f"{part.samples.path}: line {local + 1} says {CUT_FIELD} (cut at max_seq_length "
+                    f"{part.info.max_seq_length}), but holds {n_tokens} tokens"]
+        cut += CUT_FIELD in row
+    return _cut_count_problems(part, cut)
+
+
+def _cut_count_problems(part: Part, cut: int) -> list[str]:
+    """The rows marked cut (`cut`) against part.json's n_truncated_samples: equal, or none marked in a
+    part that counts some (written before rows were marked: lmprobe then leaves those rows' flag null).
+    A part that cannot tell (images, a slow tokenizer) marks none."""
+    recorded = part.info.n_truncated_samples
+    if not cut or cut == recorded:
+        return []
+    return [f"{part.samples.path}: {cut} rows say {CUT_FIELD}, where {PART_META}'s n_truncated_samples says "
+            f"{recorded}"]
 
 
 def _label_id_fits(row: dict, label_ids: dict) -> bool:

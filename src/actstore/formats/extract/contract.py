@@ -61,6 +61,9 @@ class PartInfo:
     versions: dict[str, str]
     model: ModelInfo
     dataset: DatasetInfo
+    # texts cut at max_seq_length (each one's samples.jsonl row says "truncated": true, in parts written
+    # since 2026-11-29); None where the part cannot tell: images (never cut), a slow tokenizer, older parts
+    n_truncated_samples: int | None = None
 
     @classmethod
     def parse(cls, meta: dict[str, Any], source: Path) -> PartInfo:
@@ -84,7 +87,8 @@ class PartInfo:
                                 torch_dtype=model.get("torch_dtype", "float32"), n_blocks=model.get("n_blocks"),
                                 record=model),
                 dataset=DatasetInfo(path=dataset["path"], name=dataset["name"], split=dataset["split"],
-                                    labels=list(dataset.get("labels") or []), record=dataset))
+                                    labels=list(dataset.get("labels") or []), record=dataset),
+                n_truncated_samples=meta.get("n_truncated_samples"))
         except (KeyError, TypeError) as exc:
             raise FormatError(f"{source}: field {exc} missing or malformed") from None
 

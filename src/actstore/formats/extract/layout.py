@@ -5,7 +5,8 @@
                    (version 1 recorded plain sha256; the tree hash, 1 MiB leaves, lets a file filled
                    out of order be hashed as it fills: integrity.DIGESTS checks either)
   samples.jsonl    one row per sample: sample_idx, text (or image path), label, label_id,
-                   num_tokens, metadata (extra dataset fields)
+                   num_tokens, truncated (only on a text cut at max_seq_length: true), metadata
+                   (extra dataset fields)
   offsets.npy      int64 (n+1,): tokens of local sample i are rows offsets[i]:offsets[i+1]
   token_ids.npy    int64 (n_tokens,)                        text models
   token_logprob.npy float32 (n_tokens,), NaN at each sample's first token   causal LMs
@@ -37,6 +38,9 @@ NON_FINITE_KEY = "non_finite_count"  # activations the model itself computed as 
 # (-inf is a token the model masks, as it computed it)
 NON_FINITE_LOGITS_KEY = "non_finite_logits_count"
 COUNT_KEYS = (OVERFLOW_KEY, NON_FINITE_KEY, NON_FINITE_LOGITS_KEY)
+# samples.jsonl's field on a text cut at max_seq_length, and only there: true (extract.run.sample_rows); every
+# other row keeps the bytes it had before the field
+CUT_FIELD = "truncated"
 
 
 def layer_tensor(layer_idx: int) -> str:

@@ -18,8 +18,8 @@ import numpy as np
 from actstore.casts import RowFile, to_float32
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
-from actstore.formats.extract.layout import (INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME, FORMAT_VERSION,
-                                             STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
+from actstore.formats.extract.layout import (CUT_FIELD, INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME,
+                                             FORMAT_VERSION, STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
 from actstore.integrity import (check_file, check_npy, file_records, inside, open_files_budget, open_regular,
                                 read_index, read_json, refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
@@ -156,12 +156,14 @@ ROW_FIELDS = {"text": (str,), "label": (str, int, float, type(None)), "label_id"
 
 
 def _row_problem(row: dict[str, Any]) -> str | None:
-    """What keeps a samples.jsonl row from being one a writer can read (ROW_FIELDS), or None."""
+    """What keeps a samples.jsonl row from being one a writer can read (ROW_FIELDS, CUT_FIELD), or None."""
     for name, kinds in ROW_FIELDS.items():
         if name not in row:
             return f"no field {name!r}"
         if not isinstance(row[name], kinds) or (isinstance(row[name], bool) and name != "label"):
             return f"field {name!r} holds {type(row[name]).__name__} {row[name]!r:.40}"
+    if CUT_FIELD in row and row[CUT_FIELD] is not True:  # "false" or 1 would be read as a cut, or not, by guess
+        return f"field {CUT_FIELD!r} holds {row[CUT_FIELD]!r:.40}, where only true (a text cut) is written"
     return None
 
 

@@ -87,6 +87,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "prompt_ordering_seed": ds.info.get("prompt_ordering_seed"),
         "logits_topk": ds.logits_desc["k"] if ds.logits_desc else None,
         "root": str(root), "index": str(ds.index_path.relative_to(root)), "columns": ds.column_names,
+        # prompts cut at the extraction's max_seq_length (column `truncated`); None: not recorded
+        "n_truncated_samples": _dataset_info(ds).get("n_truncated_samples"),
     }
 
 
@@ -220,7 +222,7 @@ def _verify_index(ds: LmprobeDataset) -> list[str]:
     if problems:
         return problems
     return (_verify_counts(ds) + _verify_order(ds) + (_verify_token_addresses(ds) if ds.full_sequence else [])
-            + (_verify_logits_addresses(ds) if ds.logits_desc else []))
+            + (_verify_logits_addresses(ds) if ds.logits_desc else []) + _verify_truncated(ds))
 
 
 def _missing_fields(ds: LmprobeDataset) -> list[str]:
@@ -299,6 +301,36 @@ def _named(where: Path, field: str, fault: str, rows: Any, values: Any, bad: np.
     shown = ", ".join(f"row {int(rows[i])}: {values[i]}" for i in at[:NAMED])
     rest = f" and {len(at) - NAMED} more" if len(at) > NAMED else ""
     return [f"{where}: {field} {fault} at {shown}{rest}"]
+
+
+def _verify_truncated(ds: LmprobeDataset) -> list[str]:
+    """The `truncated` column (written since 2026-11-29; a dataset written before has none, and verifies):
+    booleans, each prompt flagged cut holding lmprobe:dataset.max_seq_length tokens (where recorded), as
+    many flagged as lmprobe:dataset.n_truncated_samples counts (at most, where some flags are null)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if "truncated" not in ds.column_names:
+        return []
+    where, column = ds.index_path, ds._columns("truncated").column("truncated")
+    if not pa.types.is_boolean(column.type):
+        return [f"{where}: column 'truncated' holds {column.type} values, not booleans"]
+    cut = pc.fill_null(column, False).to_numpy()
+    limit, count = _dataset_info(ds).get("max_seq_length"), _dataset_info(ds).get("n_truncated_samples")
+    problems = _named(where, "truncated", f"marks a prompt cut at max_seq_length {limit} that holds another "
+                      "number of tokens", np.arange(len(cut)), ds.num_tokens, cut & (ds.num_tokens != limit)
+                      ) if whole_number(limit) else []
+    flagged = int(cut.sum())
+    if whole_number(count) and (flagged > count or (flagged < count and not column.null_count)):
+        problems.append(f"{where}: column 'truncated' flags {flagged} prompts, lmprobe:dataset.n_truncated_samples "
+                        f"says {count}")
+    return problems
+
+
+def _dataset_info(ds: LmprobeDataset) -> dict[str, Any]:
+    """lmprobe:dataset (optional in the spec), {} where absent or not an object."""
+    dataset = ds.info.get("dataset")
+    return dataset if isinstance(dataset, dict) else {}
 
 
 def _verify_order(ds: LmprobeDataset) -> list[str]:

@@ -37,7 +37,8 @@ FULL_COLUMNS = ("token_offset", "token_shard_ids", "token_shard_offsets")
 LOGITS_COLUMNS = ("shard_index_logits", "row_offset_logits")
 OPTIONAL_COLUMNS = ("perplexity_mean", "perplexity_min", "perplexity_max", "token_ids", "token_perplexity",
                     "token_strings")
-EXTENSION_COLUMNS = ("sample_idx", "label_id", "token_logprob")  # actstore's (docs/formats/lmprobe.md)
+# actstore's (docs/formats/lmprobe.md)
+EXTENSION_COLUMNS = ("sample_idx", "label_id", "token_logprob", "truncated")
 # Every column the spec or actstore gives a meaning, whether a dataset has it or not: a sample
 # metadata field of one of these names is stored as meta_<name>, never in the column's place.
 INDEX_COLUMNS = CORE_COLUMNS + FULL_COLUMNS + LOGITS_COLUMNS + OPTIONAL_COLUMNS + EXTENSION_COLUMNS
@@ -252,17 +253,35 @@ def code_span(text: str) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
-def dataset_card(info: dict[str, Any], index_rel: str) -> str:
+def truncation_line(info: dict[str, Any], unknown_rows: int) -> str:
+    """The card's line on the prompts cut at max_seq_length (lmprobe:dataset's count; `unknown_rows`: the
+    rows whose `truncated` flag is null)."""
+    n, limit = info["dataset"]["n_truncated_samples"], info["dataset"]["max_seq_length"]
+    if n is None:
+        line = f"How many prompts were longer than max_seq_length ({limit} tokens) was not recorded."
+    elif n:
+        line = (f"{n} of {info['num_prompts']} prompts were longer than max_seq_length ({limit} tokens) and keep "
+                f"their first {limit}: `text` is whole, `num_tokens` and the vectors end there (column `truncated`).")
+    else:
+        line = f"No prompt was longer than max_seq_length ({limit} tokens)."
+    return line + (f" `truncated` is null for the {unknown_rows} prompts of {limit} tokens whose extraction did not "
+                   "record whether it cut them." if unknown_rows else "")
+
+
+def dataset_card(info: dict[str, Any], index_rel: str, unknown_rows: int) -> str:
     """README.md: a short Hugging Face dataset card describing the dataset and how to read it. Its
-    snippet resolves the first prompt's last-token vector and runs as written (the tests exec it)."""
+    snippet resolves the first prompt's last-token vector and runs as written (the tests exec it).
+    `unknown_rows`: prompts whose `truncated` flag is null (truncation_line)."""
     hidden = info["tensors"]["hidden_layers"]
+    seed = info.get("prompt_ordering_seed")
+    seeded = "" if seed is None else f" (seed {seed})"  # null in original order: no "(seed None)"
     return f"""---
 {card_configs(info["dataset"]["split"], index_rel)}---
 # lmprobe {info['format_version']} activations of {markdown_text(info['model']['name'])}
 
 {info['num_prompts']} prompts from {code_span(info['dataset']['name'])}, layers {hidden['layers']} (dim {hidden['dim']},
-{hidden['dtype']}, {hidden['storage']} storage), prompt ordering `{info['prompt_ordering']}`
-(seed {info.get('prompt_ordering_seed')}). Written by actstore {info['provenance']['actstore_version']}.
+{hidden['dtype']}, {hidden['storage']} storage), prompt ordering `{info['prompt_ordering']}`{seeded}.
+Written by actstore {info['provenance']['actstore_version']}. {truncation_line(info, unknown_rows)}
 
 Everything is described in the schema metadata (`lmprobe:*` keys) of `{index_rel}`; see the lmprobe
 2.0 format specification. `shard_index`/`row_offset` resolve to the last-token vector of a prompt:

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.extract import layer_tensor
+from actstore.formats.extract import CUT_FIELD, layer_tensor
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
                                              INDEX, INDEX_COLUMNS, LARGEST, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY,
@@ -409,13 +409,15 @@ def _finish(plan: Plan, root: Path, records: dict[str, dict]) -> dict[str, Any]:
     tensors: dict[str, Any] = {"hidden_layers": _hidden_descriptor(plan)}
     if plan.opts["logits_topk"]:
         tensors["logits_topk"] = _logits_descriptor(plan)
+    groups = row_groups(plan.num_tokens, _line_bytes(plan))
+    columns = _IndexColumns(plan, groups)  # its pass over every row finds which were cut, for the metadata
     info = _info(plan, tensors, {rel: records[rel] for rel in plan.files})
     index_rel = INDEX  # whatever the split (recorded in lmprobe:dataset.split and the card)
     (root / "index").mkdir()
     with errors_naming(root / index_rel):  # pyarrow's write errors name no file
-        _write_index(root / index_rel, plan, info)
+        _write_index(root / index_rel, columns, groups, info)
     with errors_naming(root / CARD):
-        (root / CARD).write_text(dataset_card(info, index_rel))
+        (root / CARD).write_text(dataset_card(info, index_rel, int((~columns.cut_known).sum())))
     digests = {rel: record["sha256"] for rel, record in records.items()}
     write_sums(root, {**digests, index_rel: sha256_file(root / index_rel), CARD: sha256_file(root / CARD)})
     return info
@@ -479,7 +481,8 @@ def _info(plan: Plan, tensors: dict[str, Any], files: dict[str, dict]) -> dict[s
         "prompt_ordering_seed": opts["seed"] if opts["prompt_ordering"] == "random" else None,
         "tensors": tensors, "provenance": _provenance(extraction),
         "dataset": {"name": extraction.info.dataset.name, "split": extraction.info.dataset.split,
-                    "labels": extraction.info.dataset.labels},
+                    "labels": extraction.info.dataset.labels, "max_seq_length": extraction.info.max_seq_length,
+                    "n_truncated_samples": _cut_count(extraction)},
         "files": files,
     }
 
@@ -513,8 +516,8 @@ def _line_bytes(plan: Plan) -> np.ndarray:
     return per_sample[plan.order]
 
 
-def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
-    """The index parquet, one row group at a time (the schema fixed beforehand, see _metadata_types).
+def _write_index(path: Path, columns: _IndexColumns, groups: list[tuple[int, int]], info: dict[str, Any]) -> None:
+    """The index parquet, one row group (`groups`) at a time (the schema fixed beforehand, see _scan_rows).
     Arrow's allocator (mimalloc in pyarrow 26) keeps freed pages for reuse, and a finished group's
     arrays are rarely the size of the next: unless they are handed back after each group the job
     grew ~1 MB a group (tests/test_scale.py); handed back, it holds one group's."""
@@ -522,8 +525,6 @@ def _write_index(path: Path, plan: Plan, info: dict[str, Any]) -> None:
     import pyarrow.parquet as pq
 
     metadata = {f"{PREFIX}{k}".encode(): json.dumps(v).encode() for k, v in info.items()}
-    groups = row_groups(plan.num_tokens, _line_bytes(plan))
-    columns = _IndexColumns(plan, groups)
     writer = None
     try:
         for start, stop in groups:
@@ -548,7 +549,8 @@ class _IndexColumns:
         self.logprob = self.token_ids and all("token_logprob.npy" in p.meta["files"] for p in parts)
         self.strings = (_TokenStrings(plan.extraction, plan.trust_remote_code)
                         if self.token_ids and plan.opts["token_strings"] else None)
-        self.meta_types = _metadata_types(plan, groups)
+        self.meta_types, marked = _scan_rows(plan, groups)
+        self.cut, self.cut_known = _cut_flags(plan, marked)
         labels = plan.extraction.info.dataset.labels
         self.label_type = _label_type(labels)
         # Each label as lmprobe:dataset.labels spells it, found by equality: a row's 1.0 where the
@@ -578,6 +580,7 @@ class _IndexColumns:
             cols.update(self._token_columns(order))
         cols["sample_idx"] = pa.array(order, pa.int64())
         cols["label_id"] = pa.array([None if r["label"] is None else r["label_id"] for r in samples], pa.int32())
+        cols["truncated"] = pa.array(self.cut[start:stop], pa.bool_(), mask=~self.cut_known[start:stop])
         # A field named as any column the spec or actstore defines gets `meta_`, one this dataset lacks
         # too: stored under that name, a field `token_strings` or `perplexity_mean` was read as the spec's.
         taken = set(cols) | set(INDEX_COLUMNS)
@@ -726,17 +729,20 @@ class _TokenStrings:
         return np.array([self.known[i] for i in uniq.tolist()], dtype=object)[inverse].tolist()
 
 
-def _metadata_types(plan: Plan, groups: list[tuple[int, int]]) -> dict[str, Any]:
-    """User metadata field -> its arrow type, as pyarrow infers it over every row, found block by
-    block (`groups`: the blocks the index is written in): a field null in the first blocks takes its type
-    from later ones, ints and floats unify to double; incompatible types fail naming the field. This
-    first pass also checks each row is the sample it is read as (_check_sample_idx)."""
+def _scan_rows(plan: Plan, groups: list[tuple[int, int]]) -> tuple[dict[str, Any], np.ndarray]:
+    """The first pass over every row, block by block (`groups`: the blocks the index is written in):
+    each user metadata field -> its arrow type, as pyarrow infers it over every row (a field null in the
+    first blocks takes its type from later ones, ints and floats unify to double; incompatible types fail
+    naming the field), and which index rows samples.jsonl marks cut (CUT_FIELD). It also checks each row
+    is the sample it is read as (_check_sample_idx)."""
     import pyarrow as pa
 
     types: dict[str, Any] = {}
+    marked = np.zeros(plan.n, bool)
     for start, stop in groups:
         samples = plan.extraction.samples(plan.order[start:stop].tolist())
         _check_sample_idx(plan.extraction, plan.order[start:stop], samples)
+        marked[start:stop] = [CUT_FIELD in row for row in samples]
         rows = [row["metadata"] for row in samples]
         for row in rows:
             types.update({k: pa.null() for k in row if k not in types})
@@ -747,7 +753,30 @@ def _metadata_types(plan: Plan, groups: list[tuple[int, int]]) -> dict[str, Any]
             except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
                 raise FormatError(f"{plan.extraction.dir}: sample metadata field {key!r} mixes types "
                                   f"({exc}); lmprobe cannot store it as one index column") from None
-    return types
+    return types, marked
+
+
+def _cut_flags(plan: Plan, marked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each index row's `truncated` flag and whether it is known. A part's rows marked cut (`marked`) are
+    all its cut rows when it marks as many as its part.json counts (none of none); an image is never cut. A
+    part that cannot tell (a slow tokenizer), or that counts cut texts and marks none (written before rows
+    were marked), leaves unknown (null) each row of max_seq_length tokens: its shorter ones were not cut."""
+    parts = plan.extraction.parts
+    part_of_row = plan.src.sample_part[plan.order]
+    marks = np.bincount(part_of_row, weights=marked, minlength=len(parts)).astype(np.int64)
+    for part, n in zip(parts, marks.tolist()):
+        if n and n != part.info.n_truncated_samples:  # actstore verify names the part's fault too
+            raise FormatError(f"{part.samples.path}: {n} rows say {CUT_FIELD}, where its part.json's "
+                              f"n_truncated_samples says {part.info.n_truncated_samples}; the extraction is damaged")
+    complete = np.array([part.info.modality == "image" or part.info.n_truncated_samples == n
+                         for part, n in zip(parts, marks.tolist())])
+    return marked, complete[part_of_row] | (plan.num_tokens < plan.extraction.info.max_seq_length)
+
+
+def _cut_count(extraction) -> int | None:
+    """Prompts cut at max_seq_length, as the parts count them (none of an image); None where one cannot tell."""
+    counts = [0 if part.info.modality == "image" else part.info.n_truncated_samples for part in extraction.parts]
+    return None if None in counts else sum(counts)
 
 
 def _check_sample_idx(extraction, order: np.ndarray, samples: list[dict]) -> None:
