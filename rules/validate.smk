@@ -1,29 +1,90 @@
 # Validation: integrity + cross-format agreement, then the report's plots.
+from actstore.formats import FORMAT_STAGES
 from actstore.report import PLOTS
 
 VALIDATE_DIR = sdir("validate")
 
 
-rule validate_stores:
+# Scattered like the writers: a job per enabled store (verify, its sampled coordinates, its views'
+# fingerprints) and one for the extraction (verify, and its fingerprint of the rows every store's views
+# must hold, in one pass), side by side; then validate_stores compares the fingerprints (a few MB a
+# view) and writes report.json. Each job's result is a temp .npz under scatter/ (integrity.STAGE_TEMPS).
+VALIDATED_STORES = [name for name in FORMAT_STAGES if name in enabled_stages(config)]
+VALIDATE_SCATTER = f"{VALIDATE_DIR}/scatter"
+
+
+def validated_store_inputs(wildcards):
+    """The extraction's and the one store's targets: a store's job waits on no other stage."""
+    return TARGETS["extract"] + TARGETS[wildcards.store]
+
+
+# verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the CPUs
+# it is given; the views' full passes then run a thread each. mem_mb: the opened extraction (the sampled
+# coordinates' values), plus pickle shards checked at once (validate_store_mem_mb); runtime: verify's
+# pass and each view's (validate_runtime).
+rule validate_store:
+    input:
+        validated_store_inputs,
+    output:
+        temp(f"{VALIDATE_SCATTER}/{{store}}.npz"),
+    wildcard_constraints:
+        store="|".join(FORMAT_STAGES),
+    log:
+        log_path("validate", "validate_{store}"),
+    benchmark:
+        bench_path("validate", "validate_{store}")
+    threads: 8
+    resources:
+        cpus_per_task=8,
+        mem_mb=lambda wildcards, attempt: actstore_resources.validate_store_mem_mb(config, wildcards.store, attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.validate_runtime(config, wildcards.store, attempt),
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/validate_store.py"
+
+
+# The extraction's verify and one pass over it, folding each row into the fingerprint of every store
+# view that holds it: it reads the stores' metadata (their dtypes and layers), never their vectors.
+rule validate_extract:
     input:
         validate_inputs,
     output:
+        temp(f"{VALIDATE_SCATTER}/extract.npz"),
+    log:
+        log_path("validate", "validate_extract"),
+    benchmark:
+        bench_path("validate", "validate_extract")
+    threads: 8
+    resources:
+        cpus_per_task=8,
+        mem_mb=lambda wildcards, attempt: actstore_resources.validate_store_mem_mb(config, "extract", attempt),
+        runtime=lambda wildcards, attempt: actstore_resources.validate_runtime(config, "extract", attempt),
+    conda:
+        "../envs/actstore.yaml"
+    script:
+        "../workflow/scripts/validate_extract.py"
+
+
+# Compares the jobs' fingerprints, checks the LUT against the SAE and every stage's seal, and writes
+# report.json: it reads the fingerprints, the LUT and the SAE, no activation.
+rule validate_stores:
+    input:
+        validate_inputs,
+        extract=rules.validate_extract.output[0],
+        stores=expand(f"{VALIDATE_SCATTER}/{{store}}.npz", store=VALIDATED_STORES),
+    output:
         report=f"{VALIDATE_DIR}/report.json",
         stage_config=f"{VALIDATE_DIR}/actstore_config.json",
+    params:
+        stores=VALIDATED_STORES,
     log:
         log_path("validate", "validate_stores"),
     benchmark:
         bench_path("validate", "validate_stores")
-    # verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the
-    # CPUs it is given; then every vector is compared (fingerprints: the extraction and each store read
-    # once more, a thread each). cpus_per_task: Slurm's CPUs for those threads. mem_mb: pickle shards
-    # checked at once hold up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES), a larger one four times its
-    # size (the quarter of the job's memory a file's claims may take); a full-pass thread ~200 MB.
-    threads: 8
     resources:
-        cpus_per_task=8,
-        mem_mb=lambda wildcards, attempt: actstore_resources.validate_mem_mb(config, attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=2.0),
+        mem_mb=lambda wildcards, attempt: actstore_resources.VALIDATE_MEM_MB * attempt,
+        runtime=lambda wildcards, attempt: actstore_resources.VALIDATE_REPORT_MIN * attempt,
     conda:
         "../envs/actstore.yaml"
     script:

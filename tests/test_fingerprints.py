@@ -23,6 +23,17 @@ from actstore.verify import check_format, reference_dtype, sample_coordinates
 from test_extract import write_real_store
 from tiny import traced_peak
 
+
+def add_fingerprints(formats: dict, extraction, seed: int) -> None:
+    """check_format's entries given their stores' fingerprints against the extraction (`fingerprint`, and
+    `problems` added), as the validate stage's report job gives them, in this process."""
+    stores = {name: (Path(entry["store"]), entry["inspect"].get("dtype", "float32"))
+              for name, entry in formats.items() if name != "extract" and entry["inspect"]}
+    for name, result in fingerprint_problems(stores, extraction, seed, reference_dtype).items():
+        formats[name]["fingerprint"] = result["views"]
+        formats[name]["problems"] += result["problems"]
+
+
 FORMATS = ["pickle", "zarr", "saev", "lmprobe"]
 
 
@@ -198,7 +209,6 @@ def test_a_nan_the_model_computed_blinds_neither_its_range_nor_itself():
 
 def test_validate_report_of_the_demo_format_stores_lists_the_rows_read(extraction_root, tmp_path):
     """validate_all's entries carry `fingerprint` (rows read by view): checked through add_fingerprints."""
-    from actstore.verify import add_fingerprints
     stores = {name: write_real_store(name, extraction_root, tmp_path / name) for name in FORMATS}
     extraction = open_extraction(extraction_root)
     formats = {name: {"store": str(store), "inspect": format_module(name).inspect(store), "problems": []}

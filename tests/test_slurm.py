@@ -322,7 +322,7 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
             assert "cpu=4" in row["AllocTRES"].split(","), row
         if rule in ("saev_shards", "lmprobe_tensors", "zarr_shards"):  # gathering and hashing at once
             assert "cpu=2" in row["AllocTRES"].split(","), row
-        if rule == "validate_stores":  # verify checks up to 8 files at once
+        if rule in ("validate_store", "validate_extract"):  # verify checks up to 8 files at once
             assert "cpu=8" in row["AllocTRES"].split(","), row
 
     assert assert_same_outputs(tmp_path / "local" / "dump", tmp_path / "slurm" / "dump") > 0

@@ -6,7 +6,7 @@ import numpy as np
 
 from actstore.formats.extract import synthetic_extraction
 from test_extract import write_real_store
-from test_fingerprints import problems_of, zarr_chunk
+from test_fingerprints import add_fingerprints, problems_of, zarr_chunk
 
 
 def test_an_inf_stored_as_nan_beside_a_nan_of_the_same_row_is_named(tmp_path):
@@ -50,7 +50,7 @@ def test_a_store_whose_metadata_cannot_be_read_is_a_problem_and_the_other_stores
     verify found), and the full pass goes on to the zarr store beside it. (inspect's FormatError ended validate
     at the first such store: the stores after it, and every store's fingerprint, were never checked.)"""
     from actstore.formats.extract import open_extraction
-    from actstore.verify import add_fingerprints, check_format, sample_coordinates
+    from actstore.verify import check_format, sample_coordinates
 
     root = synthetic_extraction(tmp_path / "x", 200_000, 2, 8, [1, 2], tokens=(4, 10))
     extraction = open_extraction(root)

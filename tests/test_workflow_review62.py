@@ -146,8 +146,11 @@ def test_validation_finds_the_stages_the_run_made_when_the_data_is_touched(model
     stat = data.stat()
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, not changed
     try:
-        run_script("validate_stores", config, tmp_path / "validate.log", output={
-            "report": str(dirs["validate"] / "report.json"), "stage_config": str(dirs["validate"] / STAGE_CONFIG_FILE)})
+        extract = str(dirs["validate"] / "scatter" / "extract.npz")
+        run_script("validate_extract", config, tmp_path / "extract.log", output={"result": extract})
+        run_script("validate_stores", config, tmp_path / "validate.log", input={"extract": extract, "stores": []},
+                   params={"stores": []}, output={"report": str(dirs["validate"] / "report.json"),
+                                                  "stage_config": str(dirs["validate"] / STAGE_CONFIG_FILE)})
     finally:
         parse_memo.withdraw()  # as the run's end does: no later test's process inherits the file
     assert json.loads((dirs["validate"] / "report.json").read_text())["formats"]["extract"]["problems"] == []

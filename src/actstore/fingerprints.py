@@ -20,6 +20,7 @@ so it blinds neither its range's other rows nor itself.
 """
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from tqdm import tqdm
 from actstore import integrity
 from actstore.errors import FormatError
 from actstore.formats.extract import layer_tensor
+from actstore.io_utils import atomic_path
 
 # (layer, sample_idx (n,), token (n,), vectors (n, d) float32): rows of a store, in any order
 Rows = tuple[int, np.ndarray, np.ndarray, np.ndarray]
@@ -214,49 +216,146 @@ def store_fingerprint(rows: Iterator[Rows], extraction, layers: list[int], seed:
     return fingerprint
 
 
-def fingerprint_problems(stores: dict[str, tuple[Path, str]], extraction, seed: int,
-                         rounded: Callable[[str], Callable[[np.ndarray], np.ndarray]]) -> dict[str, dict[str, Any]]:
-    """{format: {"views": {view: rows read}, "problems": [...]}} for `stores` {format: (store, stored
-    dtype)}: one pass over the extraction and one over each view of each store, integrity.CHECK_THREADS
-    at once (numpy's casts and products release the GIL)."""
-    views, results = {}, {}
+@dataclass
+class StorePasses:
+    """One store's fingerprints, a view's each, as its validate job leaves them: `views` [(label, the
+    extraction's rows it must equal, its fingerprint or why none was read)]; `error`: why no view was
+    opened (the store's rows unreadable as a whole)."""
+
+    views: list[tuple[str, Wanted, Fingerprint | str]]
+    error: str | None = None
+
+
+def _held_views(name: str, store: Path, dtype: str, extraction) -> list[View]:
+    """The store's views, each one's layers those the extraction holds."""
+    held = set(extraction.info.layers)
+    return [(label, rows, replace(w, layers=tuple(l for l in w.layers if l in held)))
+            for label, rows, w in store_views(name, store, dtype)]
+
+
+def _rows_of(extraction, wanted: Wanted) -> int:
+    """About the rows a view holds (saev's dropped registers are fewer): the progress bar's total."""
+    return (extraction.n_samples if wanted.last_only else extraction.n_tokens) * len(wanted.layers)
+
+
+def store_passes(name: str, store: Path, dtype: str, extraction, seed: int) -> StorePasses:
+    """Every view of format `name`'s store (its vectors stored in `dtype`) read once into its fingerprint,
+    integrity.CHECK_THREADS views at once (numpy's casts and products release the GIL)."""
+    try:
+        views = _held_views(name, store, dtype, extraction)
+    except FormatError as exc:  # verify names what is wrong with the store; nothing to compare
+        return StorePasses([], f"{exc} (no fingerprint read)")
+    with ThreadPoolExecutor(integrity.CHECK_THREADS) as pool, \
+            tqdm(total=sum(_rows_of(extraction, w) for _, _, w in views), desc=f"{name}: every vector",
+                 unit="row", unit_scale=True) as bar:
+        passes = [(label, w, pool.submit(store_fingerprint, rows, extraction, list(w.layers), seed, store,
+                                         bar.update)) for label, rows, w in views]
+        return StorePasses([(label, w, _read_or_why(done, label)) for label, w, done in passes])
+
+
+def _read_or_why(done, label: str) -> Fingerprint | str:
+    try:
+        return done.result()
+    # OSError: a file its reader could not open (a loop of links, an I/O error), named by the error;
+    # raised here, it ended validate in a traceback, verify's problems of every store unreported
+    except (FormatError, OSError) as exc:
+        return f"{exc} ({label} fingerprint not read)"
+
+
+def wanted_of(stores: dict[str, tuple[Path, str]], extraction) -> list[Wanted]:
+    """The extraction's rows each view of `stores` {format: (store, stored dtype)} must equal, each once;
+    none of a store whose views cannot be opened (store_passes names why)."""
+    wanted: list[Wanted] = []
     for name, (store, dtype) in stores.items():
         try:
-            views[name] = store_views(name, store, dtype)
-        except FormatError as exc:  # verify names what is wrong with the store; nothing to compare
-            results[name] = {"views": {}, "problems": [f"{exc} (no fingerprint read)"]}
-    held = set(extraction.info.layers)
-    wanted = {label: replace(w, layers=tuple(l for l in w.layers if l in held))
-              for name in views for label, _, w in views[name]}
-    rows_total = extraction.n_tokens * len(held) + sum(  # about: saev's dropped registers are fewer
-        (extraction.n_samples if w.last_only else extraction.n_tokens) * len(w.layers) for w in wanted.values())
-    with ThreadPoolExecutor(integrity.CHECK_THREADS) as pool, \
-            tqdm(total=rows_total, desc="validate every vector", unit="row", unit_scale=True) as bar:
-        reference = pool.submit(extraction_fingerprints, extraction, {w: w for w in wanted.values()}, seed,
-                                rounded, bar.update)
-        passes = {(name, label): pool.submit(store_fingerprint, rows, extraction, list(wanted[label].layers),
-                                             seed, stores[name][0], bar.update)
-                  for name, format_views in views.items() for label, rows, _ in format_views}
-        for name in views:
-            results[name] = {"views": {}, "problems": []}
+            views = _held_views(name, store, dtype, extraction)
+        except FormatError:
+            continue
+        wanted += [w for _, _, w in views if w not in wanted]
+    return wanted
+
+
+def reference_passes(extraction, wanted: list[Wanted], seed: int,
+                     rounded: Callable[[str], Callable[[np.ndarray], np.ndarray]]) -> dict[Wanted, Fingerprint] | str:
+    """The extraction's fingerprint of each of `wanted`, in one pass; or why it could not be read."""
+    total = extraction.n_tokens * len({l for w in wanted for l in w.layers})
+    with tqdm(total=total, desc="extraction: every vector", unit="row", unit_scale=True) as bar:
         try:
-            prints = reference.result()
+            return extraction_fingerprints(extraction, {w: w for w in wanted}, seed, rounded, bar.update)
         except FormatError as exc:  # check_format("extract") names it too; nothing to compare with
-            prints, unread = None, f"{exc} (the extraction's fingerprint not read)"
-        for (name, label), done in passes.items():
-            try:
-                mine = done.result()
-            # OSError: a file its reader could not open (a loop of links, an I/O error), named by the error;
-            # raised here, it ended validate in a traceback, verify's problems of every store unreported
-            except (FormatError, OSError) as exc:
-                results[name]["problems"].append(f"{exc} ({label} fingerprint not read)")
-                continue
-            if prints is None:
-                results[name]["problems"].append(unread)
-                continue
-            results[name]["views"][label] = int(mine.counts.sum())
-            results[name]["problems"] += mine.differences(prints[wanted[label]], f"{stores[name][0]} ({label})")
-    return results
+            return f"{exc} (the extraction's fingerprint not read)"
+
+
+def compared(store: Path, passes: StorePasses, reference: dict[Wanted, Fingerprint] | str) -> dict[str, Any]:
+    """{"views": {view: rows read}, "problems": [...]}: each view's fingerprint against the extraction's."""
+    if passes.error:
+        return {"views": {}, "problems": [passes.error]}
+    result: dict[str, Any] = {"views": {}, "problems": []}
+    for label, wanted, mine in passes.views:
+        if isinstance(mine, str) or isinstance(reference, str):  # the view's own error named first
+            result["problems"].append(mine if isinstance(mine, str) else reference)
+            continue
+        result["views"][label] = int(mine.counts.sum())
+        result["problems"] += mine.differences(reference[wanted], f"{store} ({label})")
+    return result
+
+
+def fingerprint_problems(stores: dict[str, tuple[Path, str]], extraction, seed: int,
+                         rounded: Callable[[str], Callable[[np.ndarray], np.ndarray]]) -> dict[str, dict[str, Any]]:
+    """{format: compared(...)} for `stores` {format: (store, stored dtype)}: one pass over the extraction
+    and one over each view of each store, in one process (the validate stage's jobs make each apart)."""
+    reference = reference_passes(extraction, wanted_of(stores, extraction), seed, rounded)
+    return {name: compared(store, store_passes(name, store, dtype, extraction, seed), reference)
+            for name, (store, dtype) in stores.items()}
+
+
+# ---------------------------------------------------------------------------- passes kept in a file
+# A validate job's result: its JSON (`meta`) and fingerprints in one .npz, written atomically, read
+# without pickle (allow_pickle=False).
+META_KEY = "meta.json"
+
+
+def wanted_json(wanted: Wanted) -> dict[str, Any]:
+    return {"dtype": wanted.dtype, "layers": list(wanted.layers), "last_only": wanted.last_only,
+            "dropped": sorted(wanted.dropped)}
+
+
+def wanted_from_json(value: dict[str, Any]) -> Wanted:
+    return Wanted(value["dtype"], tuple(value["layers"]), value["last_only"], frozenset(value["dropped"]))
+
+
+def save_passes(path: str | Path, meta: dict[str, Any], prints: dict[str, Fingerprint]) -> None:
+    """Write `meta` (JSON) and `prints` {key: fingerprint} into the .npz at `path`, atomically."""
+    arrays = {META_KEY: np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+    for key, fingerprint in prints.items():
+        arrays.update({f"{key}.{field}": getattr(fingerprint, field) for field in _SAVED})
+        arrays[f"{key}.layers"] = np.asarray(fingerprint.layers, np.int64)
+        arrays[f"{key}.n_samples"] = np.asarray(fingerprint.n_samples, np.int64)
+    with atomic_path(path) as tmp, open(tmp, "wb") as out:
+        np.savez(out, **arrays)
+
+
+def load_passes(path: str | Path) -> tuple[dict[str, Any], dict[str, Fingerprint]]:
+    """(meta, {key: fingerprint}) save_passes wrote at `path`; FormatError naming it if it is not one."""
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            arrays = {name: saved[name] for name in saved.files}
+        meta = json.loads(arrays.pop(META_KEY).tobytes())
+        prints = {}
+        for key in {name.rpartition(".")[0] for name in arrays}:
+            layers = [int(l) for l in arrays[f"{key}.layers"]]
+            prints[key] = Fingerprint(int(arrays[f"{key}.n_samples"]), layers, np.zeros(0), scaled=False)
+            for field in _SAVED:
+                value = arrays[f"{key}.{field}"]
+                if value.shape != getattr(prints[key], field).shape:
+                    raise ValueError(f"{key}.{field} of shape {value.shape}")
+                setattr(prints[key], field, value)
+    except (OSError, ValueError, KeyError) as exc:
+        raise FormatError(f"{path}: not a validate job's fingerprints ({exc})") from None
+    return meta, prints
+
+
+_SAVED = ("sums", "scales", "specials", "counts")
 
 
 # ---------------------------------------------------------------------------- each format's rows

@@ -443,6 +443,7 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
 
 
 VALIDATE_MEM_MB = 4000  # verify's files at once: pickle shards up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES)
+VALIDATE_REPORT_MIN = 30  # validate_stores: the jobs' fingerprints (MBs), the LUT's verify and the SAE's sha256
 PLOTS_BASE_MB = 2000  # the validate_plots job: an interpreter with matplotlib and numpy
 OPENED_SAMPLE_BYTES = 8 + ROW_INDEX_BYTES  # an opened extraction, a sample: its part's offsets, its row's start
 
@@ -455,11 +456,26 @@ def opened_extraction_mb(config: dict[str, Any], base_mb: int = WRITER_BASE_MB, 
 
 
 def validate_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
-    """mem_mb of the validate_stores job: VALIDATE_MEM_MB, or where pickle shards are larger, four
-    times one (with a tenth for what its opcodes build): a shard is refused past a quarter of the
-    job's memory (integrity.memory_budget, from its cgroup's limit), so one must fit in that quarter."""
+    """mem_mb of verify in the validate job of the pickle store: VALIDATE_MEM_MB, or where pickle shards
+    are larger, four times one (with a tenth for what its opcodes build): a shard is refused past a
+    quarter of the job's memory (integrity.memory_budget, from its cgroup's limit), so one must fit in
+    that quarter."""
     shard_mb = config["pickle"]["shard_size_mb"] * 1.1 if "pickle" in enabled_stages(config) else 0
     return _round_mb(max(VALIDATE_MEM_MB, 4 * shard_mb)) * attempt
+
+
+def validate_store_mem_mb(config: dict[str, Any], store: str, attempt: int = 1) -> int:
+    """mem_mb of the validate job of `store` (a format, or "extract"): verify's files at once
+    (validate_mem_mb for pickle's shards) plus the opened extraction, whose values every job compares."""
+    base = validate_mem_mb(config) if store == "pickle" else VALIDATE_MEM_MB
+    return opened_extraction_mb(config, base, attempt)
+
+
+def validate_runtime(config: dict[str, Any], store: str, attempt: int = 1) -> int:
+    """Minutes of the validate job of `store` (a format, or "extract"): verify reads its files once and
+    each of its views once more (zarr's merged store a second full view; lmprobe's last tokens, a row
+    a prompt, are not counted)."""
+    return io_runtime(config, attempt, passes=3.0 if store == "zarr" and config["zarr"]["merged"] else 2.0)
 
 
 def writer_mem_mb(config: dict[str, Any], job: str, attempt: int = 1) -> int:

@@ -12,7 +12,8 @@ import numpy as np
 from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits
 from actstore.config import enabled_stages, import_files
 from actstore.errors import FormatError
-from actstore.fingerprints import fingerprint_problems
+from actstore.fingerprints import (StorePasses, Wanted, compared, load_passes, reference_passes,
+                                   save_passes, store_passes, wanted_from_json, wanted_json, wanted_of)
 from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.formats.saev import open_store
@@ -298,21 +299,62 @@ def _difference(got: np.ndarray, want: np.ndarray) -> str | None:
     return f"max abs diff {np.max(np.abs(got - want)):.3g}"
 
 
-def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, Any]:
-    """Check every format the config produces; write report.json, raise FormatError on any problem."""
+def opened(config: dict[str, Any]) -> tuple[Any, list[tuple[int, int, int]]]:
+    """The config's extraction, opened, and the coordinates every store is read at (seeded: each
+    validate job draws the same)."""
+    extraction = open_extraction(stage_dirs(config)["extract"], config["extract"]["parts"])
+    return extraction, sample_coordinates(extraction, config["validate"]["n_coords"], config["validate"]["seed"])
+
+
+def stored_formats(config: dict[str, Any]) -> list[str]:
+    """The formats whose stores the config writes, in chain order: a validate job checks each."""
+    return [name for name in FORMAT_STAGES if name in enabled_stages(config)]
+
+
+def check_store(config: dict[str, Any], name: str, extraction, coords) -> tuple[dict[str, Any], StorePasses | None]:
+    """Format `name`'s store (a validate_store job): check_format's entry and its views' fingerprints
+    (None where check_format could not open it: its entry names why)."""
+    store = find_store(stage_dirs(config)[name], name)
+    entry = check_format(name, store, extraction, coords, config.get(name))
+    log.info("%s: %d checked, %d not stored, %d problems", name, entry["checked"], entry["not_stored"],
+             len(entry["problems"]))
+    if not entry["inspect"]:
+        return entry, None
+    return entry, store_passes(name, store, entry["inspect"].get("dtype", "float32"), extraction,
+                               config["validate"]["seed"])
+
+
+def check_extraction(config: dict[str, Any], extraction, coords) -> tuple[dict[str, Any], dict[Wanted, Any] | str]:
+    """The extraction (the validate_extract job): check_format's entry, and its fingerprints of the rows
+    every store's views must hold, in one pass (reference_passes), or why they were not read."""
     dirs = stage_dirs(config)
-    extract_dir = dirs["extract"]
-    extraction = open_extraction(extract_dir, config["extract"]["parts"])
-    coords = sample_coordinates(extraction, config["validate"]["n_coords"], config["validate"]["seed"])
-    stages = enabled_stages(config)
-    report: dict[str, Any] = {"coordinates": len(coords), "formats": {}}
-    report["formats"]["extract"] = check_format("extract", extract_dir, extraction, coords)
-    for name in [s for s in FORMAT_STAGES if s in stages]:
+    entry = check_format("extract", dirs["extract"], extraction, coords)
+    stores = {}
+    for name in stored_formats(config):
         store = find_store(dirs[name], name)
-        report["formats"][name] = check_format(name, store, extraction, coords, config.get(name))
-        log.info("%s: %d checked, %d not stored, %d problems", name, report["formats"][name]["checked"],
-                 report["formats"][name]["not_stored"], len(report["formats"][name]["problems"]))
-    add_fingerprints(report["formats"], extraction, config["validate"]["seed"])
+        try:  # a store too broken to open is its own job's to name; it has no fingerprint
+            stores[name] = (store, format_module(name).inspect(store).get("dtype", "float32"))
+        except FormatError:
+            continue
+    wanted = wanted_of(stores, extraction)
+    return entry, reference_passes(extraction, wanted, config["validate"]["seed"], reference_dtype)
+
+
+def write_report(config: dict[str, Any], n_coords: int, extract_entry: dict[str, Any],
+                 reference: dict[Wanted, Any] | str, stores: dict[str, tuple[dict[str, Any], StorePasses | None]],
+                 report_path: str | Path) -> dict[str, Any]:
+    """The validate_stores job: every store's entry with its fingerprints compared with the extraction's,
+    the sae and lut stages' own checks and every stage's seal; report.json written, or FormatError
+    raised naming every problem."""
+    dirs, stages = stage_dirs(config), enabled_stages(config)
+    report: dict[str, Any] = {"coordinates": n_coords, "formats": {"extract": extract_entry}}
+    for name, (entry, passes) in stores.items():
+        report["formats"][name] = entry
+        if passes is not None:
+            result = compared(Path(entry["store"]), passes, reference)
+            entry["fingerprint"], entry["problems"] = result["views"], entry["problems"] + result["problems"]
+            log.info("%s: every vector compared, %s rows read, %d problems", name, result["views"],
+                     len(result["problems"]))
     for name in ("sae", "lut"):
         if name in stages:
             report[name] = stage_report(dirs[name])
@@ -332,17 +374,46 @@ def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, A
     return report
 
 
-def add_fingerprints(formats: dict[str, dict[str, Any]], extraction, seed: int) -> None:
-    """Every vector of every format's store against the extraction (fingerprints: one sequential pass
-    over each), into each entry's `fingerprint` (rows read, by view) and `problems`; a store check_format
-    could not open (its `inspect` empty) is named there already."""
-    stores = {name: (Path(entry["store"]), entry["inspect"].get("dtype", "float32"))
-              for name, entry in formats.items() if name != "extract" and entry["inspect"]}
-    for name, result in fingerprint_problems(stores, extraction, seed, reference_dtype).items():
-        formats[name]["fingerprint"] = result["views"]
-        formats[name]["problems"] += result["problems"]
-        log.info("%s: every vector compared, %s rows read, %d problems", name, result["views"],
-                 len(result["problems"]))
+def validate_all(config: dict[str, Any], report_path: str | Path) -> dict[str, Any]:
+    """Check every format the config produces, in this process (the validate stage's jobs, one at a time);
+    write report.json, raise FormatError on any problem."""
+    extraction, coords = opened(config)
+    stores = {name: check_store(config, name, extraction, coords) for name in stored_formats(config)}
+    entry, reference = check_extraction(config, extraction, coords)
+    return write_report(config, len(coords), entry, reference, stores, report_path)
+
+
+# The validate jobs' results, a file each (fingerprints.save_passes): the scattered stage's hand-over.
+
+def save_store_check(path: str | Path, entry: dict[str, Any], passes: StorePasses | None) -> None:
+    views = [] if passes is None else passes.views
+    meta = {"entry": entry, "opened": passes is not None, "error": passes.error if passes else None,
+            "views": [{"label": label, "wanted": wanted_json(wanted), "error": mine if isinstance(mine, str) else None}
+                      for label, wanted, mine in views]}
+    save_passes(path, meta, {str(i): mine for i, (_, _, mine) in enumerate(views) if not isinstance(mine, str)})
+
+
+def load_store_check(path: str | Path) -> tuple[dict[str, Any], StorePasses | None]:
+    meta, prints = load_passes(path)
+    if not meta["opened"]:
+        return meta["entry"], None
+    views = [(view["label"], wanted_from_json(view["wanted"]), view["error"] or prints[str(i)])
+             for i, view in enumerate(meta["views"])]
+    return meta["entry"], StorePasses(views, meta["error"])
+
+
+def save_extraction_check(path: str | Path, n_coords: int, entry: dict[str, Any],
+                          reference: dict[Wanted, Any] | str) -> None:
+    prints = {} if isinstance(reference, str) else reference
+    meta = {"coordinates": n_coords, "entry": entry, "error": reference if isinstance(reference, str) else None,
+            "wanted": [wanted_json(wanted) for wanted in prints]}
+    save_passes(path, meta, {str(i): fingerprint for i, fingerprint in enumerate(prints.values())})
+
+
+def load_extraction_check(path: str | Path) -> tuple[int, dict[str, Any], dict[Wanted, Any] | str]:
+    meta, prints = load_passes(path)
+    reference = meta["error"] or {wanted_from_json(w): prints[str(i)] for i, w in enumerate(meta["wanted"])}
+    return meta["coordinates"], meta["entry"], reference
 
 
 def sae_import_problems(config: dict[str, Any], sae_report: dict[str, Any] | None, sae_dir: Path) -> list[str]:

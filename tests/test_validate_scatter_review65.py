@@ -1,0 +1,131 @@
+"""Review 65: the validate stage scattered (a job per store, one for the extraction, one writing the report),
+so that no job reads more than one store or the extraction: at 100 TB the one job it was ran past Slurm's cap."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import tiny
+from actstore.formats.extract import open_extraction, synthetic_extraction
+from actstore.verify import reference_dtype
+from test_extract import write_real_store
+from test_fingerprints import zarr_chunk
+from test_workflow import SNAKEMAKE, REPO, job_counts, snakemake, write
+
+
+def test_a_store_jobs_fingerprints_kept_in_a_file_name_what_they_named_in_one_process(tmp_path):
+    """The zarr store's job and the extraction's job leave their fingerprints in files (the stage's
+    hand-over); compared from them, the damaged sample is named as it is in one process, and the rows read
+    by each view are the same."""
+    from actstore.fingerprints import (compared, fingerprint_problems, reference_passes, store_passes,
+                                       wanted_of)
+    from actstore.verify import load_extraction_check, load_store_check, save_extraction_check, save_store_check
+
+    root = synthetic_extraction(tmp_path / "x", 200_000, 2, 8, [1, 2], tokens=(4, 10))
+    extraction = open_extraction(root)
+    store = write_real_store("zarr", root, tmp_path / "zarr")
+    rows = np.fromfile(zarr_chunk(store, 3, 0), np.float16)
+    rows[0] += 1  # one value of sample 3, layer 1
+    rows.tofile(zarr_chunk(store, 3, 0))
+    stores = {"zarr": (store, "float16")}
+    passes = store_passes("zarr", store, "float16", extraction, 0)
+    save_store_check(tmp_path / "zarr.npz", {"store": str(store)}, passes)
+    reference = reference_passes(extraction, wanted_of(stores, extraction), 0, reference_dtype)
+    save_extraction_check(tmp_path / "extract.npz", 7, {"store": str(root)}, reference)
+
+    entry, passes = load_store_check(tmp_path / "zarr.npz")
+    n_coords, extract_entry, loaded = load_extraction_check(tmp_path / "extract.npz")
+    assert (entry, n_coords, extract_entry) == ({"store": str(store)}, 7, {"store": str(root)})
+    from_files = compared(store, passes, loaded)
+    assert from_files == fingerprint_problems(stores, extraction, 0, reference_dtype)["zarr"]
+    assert len(from_files["problems"]) == 1, from_files
+    assert "layer 1, samples 3..3: holds other vectors" in from_files["problems"][0]
+    assert from_files["views"] == {"zarr": extraction.n_tokens * 2}
+
+
+def test_a_file_that_is_not_a_validate_jobs_result_is_named(tmp_path):
+    from actstore.errors import FormatError
+    from actstore.verify import load_store_check
+
+    bad = tmp_path / "pickle.npz"
+    bad.write_bytes(b"not an npz")
+    with pytest.raises(FormatError, match=re.escape(str(bad))):
+        load_store_check(bad)
+
+
+def test_each_store_has_its_own_validate_job_sized_by_what_it_reads(tmp_path, model_dir, text_jsonl, monkeypatch):
+    """Only the pickle store's job asks for four of its (large) shards' memory; the zarr store's job, which
+    reads a merged store too, more time than a store read once. (One validate_stores job read every store
+    and the extraction, sized as one.)"""
+    from actstore import resources
+
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), text_jsonl,
+                              pickle={"shard_size_mb": 3000}, sae={"enabled": False}, zarr={"merged": True})
+    pickle_mb = resources.validate_store_mem_mb(config, "pickle")
+    assert pickle_mb >= 4 * 3000 * 1.1 > resources.validate_store_mem_mb(config, "saev")
+    monkeypatch.setattr(resources, "IO_BYTES_PER_S", 100.0)  # the tiny run's bytes as slow as a large run's
+    assert resources.validate_runtime(config, "zarr") > resources.validate_runtime(config, "saev") > 30
+
+
+@pytest.fixture(scope="module")
+def scattered_run(tmp_path_factory, model_dir, text_jsonl):
+    """A tiny gpt2 run of every format (zarr's merged store too) through `snakemake validate`."""
+    workdir = tmp_path_factory.mktemp("scatter")
+    config = tiny.make_config(workdir, model_dir("gpt2"), text_jsonl, sae={"enabled": False},
+                              zarr={"merged": True})
+    configfile = write(config, workdir / "config.yaml")
+    plan = job_counts(snakemake(workdir, configfile, "-n", "validate"))
+    snakemake(workdir, configfile, "validate")
+    return workdir, config, configfile, plan
+
+
+def timed_apart(report: dict) -> dict:
+    """`report` with each store's read latencies (measured, so of every run its own) replaced by their count."""
+    for entry in report["formats"].values():
+        if "read_latency_us" in entry:
+            entry["read_latency_us"] = len(entry["read_latency_us"])
+    return report
+
+
+@pytest.mark.slow
+def test_the_scattered_stage_writes_the_report_one_process_writes(scattered_run, tmp_path):
+    """The workflow's report.json is the one validate_all writes in one process (but the latencies it
+    measured); each store had
+    its job; the jobs' results were temp files, deleted; the stage verifies."""
+    from actstore.hashing import stage_dirs
+    from actstore.integrity import stage_config_problems
+    from actstore.verify import validate_all
+
+    workdir, config, _, plan = scattered_run
+    assert plan["validate_store"] == 4 and plan["validate_extract"] == 1 and plan["validate_stores"] == 1, plan
+    validate_dir = stage_dirs(config)["validate"]
+    validate_all(config, tmp_path / "report.json")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert timed_apart(json.loads((validate_dir / "report.json").read_text())) == timed_apart(report)
+    assert set(report["formats"]["zarr"]["fingerprint"]) == {"zarr", "zarr merged"}
+    assert not (validate_dir / "scatter").exists() or not any((validate_dir / "scatter").iterdir())
+    assert stage_config_problems(validate_dir, required=True) == []
+
+
+@pytest.mark.slow
+def test_a_damaged_store_fails_its_own_job_and_the_report_names_it(scattered_run):
+    """One value of the zarr store changed after the run (its seal and sha256 left to name it too): the
+    rerun validate stage fails naming the chunk and the fingerprint's layer and sample range."""
+    import subprocess
+
+    from actstore.hashing import stage_dirs
+
+    workdir, config, configfile, _ = scattered_run
+    chunk = zarr_chunk(stage_dirs(config)["zarr"], 0, 0)
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--configfile", str(configfile),
+           "--cores", "2", "validate", "--forcerun", "validate_store", "validate_extract"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0
+    assert str(chunk) in proc.stdout + proc.stderr + "".join(
+        p.read_text() for p in workdir.rglob("logs/validate/*/*.log")), (proc.stdout + proc.stderr)[-4000:]
