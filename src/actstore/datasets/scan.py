@@ -16,8 +16,8 @@ from actstore.datasets.core import Fields, label_list, one_kind
 from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, resolve_source
 from actstore.datasets.splits import README
 from actstore.errors import ConfigError, FormatError
-from actstore.integrity import read_json, whole_number
-from actstore.io_utils import write_json_atomic
+from actstore.integrity import SEAL_KEY, is_sha256, read_json, whole_number
+from actstore.io_utils import canonical_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -214,19 +214,21 @@ def _listing(source: Source) -> str:
 
 
 def write_scan(scan: Scan, path: str | Path) -> None:
-    """The scan as one JSON file, written atomically."""
-    write_json_atomic(path, {"n_samples": scan.n_samples, "labels": scan.labels,
-                             "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
-                             "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing,
-                             "runs": [list(run) for run in scan.runs], "folder_format": scan.folder_format,
-                             "metadata": scan.metadata, "features": scan.features},
-                      indent=None)
+    """The scan as one JSON file, written atomically, sealed: SEAL_KEY holds the canonical sha256 of the
+    rest (as a stage config's hash does its config), which read_scan checks."""
+    content = {"n_samples": scan.n_samples, "labels": scan.labels,
+               "marks": [[m.row, m.file, m.position, m.line] for m in scan.marks],
+               "stamps": [list(stamp) for stamp in scan.stamps], "listing": scan.listing,
+               "runs": [list(run) for run in scan.runs], "folder_format": scan.folder_format,
+               "metadata": scan.metadata, "features": scan.features}
+    write_json_atomic(path, {**content, SEAL_KEY: canonical_sha256(content)}, indent=None)
     log.info("dataset scan: %d rows, %d labels, %d marks -> %s", scan.n_samples, len(scan.labels),
              len(scan.marks), path)
 
 
 def read_scan(path: str | Path) -> Scan:
-    """A scan write_scan wrote; FormatError naming the file and field when it is not one."""
+    """A scan write_scan wrote; FormatError naming the file and field when it is not one, or naming the
+    file when its content, well formed, is not what write_scan sealed."""
     path = Path(path)
     data = read_json(path)
     if not isinstance(data, dict):
@@ -258,7 +260,29 @@ def read_scan(path: str | Path) -> Scan:
     metadata = data.get("metadata", "")
     if metadata not in ("", *METADATA_NAMES) or (metadata and len(stamps) != 1):
         raise FormatError(f"{path}: metadata must be one of {', '.join(METADATA_NAMES)} with its one stamp, or empty")
+    _check_seal(data, path)  # after the fields: one malformed is named by its own check
     return Scan(n_samples, labels, tuple(marks), stamps, listing, runs, folder_format, metadata, features)
+
+
+SEAL_ADVICE = ("delete it to have the data scanned again (the workflow: snakemake --forcerun extract_scan, "
+               "which extracts every part again)")
+
+
+def _check_seal(record: dict[str, Any], path: Path) -> None:
+    """FormatError naming scan file `path` if `record`, its content, is not what write_scan sealed: its stamps
+    match the untouched data, so a row count cut by hand passed every other check, and every part redone
+    from it silently left the rows past it out (review 65). A scan without a seal, written before scans
+    were sealed (2026-11-29), is read as it stands: a run finished then still redoes a lost part from it."""
+    if SEAL_KEY not in record:
+        return
+    seal = record[SEAL_KEY]
+    if not is_sha256(seal):
+        raise FormatError(f"{path}: {SEAL_KEY} must be a sha256 (64 lowercase hex digits), got {seal!r:.70}; "
+                          f"{SEAL_ADVICE}")
+    digest = canonical_sha256({key: value for key, value in record.items() if key != SEAL_KEY})
+    if digest != seal:
+        raise FormatError(f"{path}: edited since it was written (its content hashes to {digest}, its {SEAL_KEY} "
+                          f"records {seal}), so the rows it gives each part cannot be trusted; {SEAL_ADVICE}")
 
 
 def _runs(value: Any, n_samples: int, path: Path) -> tuple[tuple[str, int, str], ...]:
