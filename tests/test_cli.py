@@ -731,6 +731,26 @@ def test_locate_calls_a_stage_directory_without_its_stage_config_incomplete(tmp_
     assert f"{extract}  (done)" in actstore("locate", "--configfile", str(configfile)).stdout
 
 
+def test_locate_calls_a_finished_extraction_of_data_changed_since_stale(tmp_path):
+    """Rows appended to a path-hashed JSONL file after its extraction finished: the next run stops at
+    parse (datasets.check_extraction_data_unchanged), and locate says so of every done stage instead of
+    `done` alone, naming the file."""
+    from actstore.datasets import scan_dataset, write_scan
+
+    config = _hash_walk_base(tmp_path)
+    configfile = tiny.save_config(config, tmp_path / "config.yaml")
+    extract = stage_dir(load_config(configfile), "extract")
+    extract.mkdir(parents=True)
+    write_scan(scan_dataset(config["dataset"]["path"]), extract / "dataset_scan.json")
+    for name in ("extract.json", integrity.STAGE_CONFIG_FILE):
+        (extract / name).write_text("{}")
+    assert f"{extract}  (done)\n" in actstore("locate", "--configfile", str(configfile)).stdout
+    with open(config["dataset"]["path"], "a") as data:
+        data.write('{"text": "b"}\n')
+    out = actstore("locate", "--configfile", str(configfile)).stdout
+    assert f"{extract}  (done, stale)" in out and f"stale: {config['dataset']['path']}: changed since" in out, out
+
+
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_a_file_given_for_a_store_exits_2_saying_it_is_not_a_directory(command, tmp_path):
     metadata = tmp_path / "dir with ünïcode" / "metadata.json"

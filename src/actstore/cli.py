@@ -149,6 +149,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     with contextlib.chdir(args.directory):
         config = load_config(configfile)
         dirs = stage_dirs(config)
+        stale = _stale(config, dirs["extract"])
     located = {stage: str(args.directory / dirs[stage]) for stage in enabled_stages(config)}
     if args.json:
         print(json.dumps(located, indent=2))
@@ -157,8 +158,31 @@ def cmd_locate(args: argparse.Namespace) -> int:
             # A stage's last job writes its stage config: a directory without one is a run cut short.
             state = "done" if (Path(directory) / STAGE_CONFIG_FILE).is_file() else \
                 "incomplete" if Path(directory).is_dir() else "not built"
-            print(_line(f"{stage:9s} {directory}  ({state})"))
+            print(_line(f"{stage:9s} {directory}  ({state}{', stale' if stale and state == 'done' else ''})"))
+        if stale:
+            print(_line(f"stale: {stale}"))
     return 0
+
+
+def _stale(config: dict, extract_dir: Path) -> str:
+    """Why the finished extraction no longer holds what the config names (its model folder given other
+    weights, its path-hashed data changed: the parse's checks, which stop the next run), or "". Every
+    stage read it: `done` alone said a store of the old weights or rows was the config's."""
+    from actstore.datasets import check_extraction_data_unchanged
+    from actstore.model_config import resolve_model_path
+    from actstore.model_identity import check_model_unchanged
+
+    try:
+        model = resolve_model_path(config["model"]["path"])
+    except ConfigError:  # no model folder here (a copied dump_to): nothing to compare, as the parse finds
+        model = None
+    try:
+        if model is not None:
+            check_model_unchanged(model, extract_dir)
+        check_extraction_data_unchanged(config["dataset"], extract_dir)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def _thread_count(text: str) -> int:
