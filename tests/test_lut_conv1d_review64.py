@@ -88,8 +88,9 @@ def test_tables_built_from_a_conv1d_hold_its_weight_not_its_transpose(gpt2_lut):
     loaded, root = gpt2_lut
     store, sae = open_lut(root), sae_state()
     for path, out in CONV1DS.items():
-        conv, tables = get_module(loaded.model, path), store.load(path)
-        assert store.layers[path]["input_dim"] == D and store.layers[path]["output_dim"] == out
+        key = f"transformer.{path}"  # the LUT's key: the module's path in GPT2LMHeadModel (the spec's)
+        conv, tables = get_module(loaded.model, path), store.load(key)
+        assert store.layers[key]["input_dim"] == D and store.layers[key]["output_dim"] == out
         expect = (sae["decoder_weight"] @ conv.weight.detach()).half()
         assert torch.equal(tables["precomputed_products"], expect), path
         assert torch.equal(tables["target_bias"], conv.bias.detach().half()), path
@@ -101,7 +102,7 @@ def test_installed_conv1d_luts_replace_the_modules_and_compensation_recovers_the
     rounding, at budget 0 far from it; the model runs with them in."""
     loaded, root = gpt2_lut
     model = loaded.model
-    originals = {path: get_module(model, path) for path in CONV1DS}
+    originals = {f"transformer.{path}": get_module(model, path) for path in CONV1DS}  # keyed as the store
     x = torch.randn(40, D, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         exact = {path: conv(x) for path, conv in originals.items()}
@@ -131,7 +132,7 @@ def test_conv1d_tables_of_other_weights_are_refused_naming_its_weight(gpt2_lut):
         conv.weight.add_(0.01 * conv.weight.std() * torch.randn(conv.weight.shape, generator=torch.Generator()
                                                                   .manual_seed(4)))
     with pytest.raises(FormatError, match=r"h\.1\.attn\.c_proj\.lut\.safetensors: .* differs from .* @ "
-                                          r"h\.1\.attn\.c_proj\.weight by .*other weights"):
+                                          r"transformer\.h\.1\.attn\.c_proj\.weight by .*other weights"):
         install_luts(loaded.model, open_lut(root))
     assert all(not isinstance(get_module(loaded.model, path), LutLinear) for path in CONV1DS)
 
@@ -160,11 +161,11 @@ def test_a_target_of_another_kind_or_width_is_still_refused_naming_it(model_dir,
         target_linears(skeleton, ["h.1.attn.c_attn", "wte"], D)
     with pytest.raises(ConfigError, match=r"'h.1.mlp.c_proj' takes 128 inputs, the SAE 32"):
         target_linears(skeleton, ["h.1.mlp.c_proj"], D)
-    assert list(target_linears(skeleton, list(CONV1DS), D)) == list(CONV1DS)
+    assert list(target_linears(skeleton, list(CONV1DS), D)) == [f"transformer.{p}" for p in CONV1DS]
     loaded, root = gpt2_lut
     conv2d = nn.Conv2d(D, 96, 1)
     loaded.model.transformer.h[1].attn.c_attn = conv2d
-    with pytest.raises(ConfigError, match=r"lut target 'h.1.attn.c_attn' is a Conv2d, not nn.Linear nor"):
+    with pytest.raises(ConfigError, match=r"lut target 'transformer.h.1.attn.c_attn' is a Conv2d, not nn.Linear nor"):
         install_luts(loaded.model, open_lut(root))
     assert get_module(loaded.model, "h.1.attn.c_attn") is conv2d
     assert not isinstance(get_module(loaded.model, "h.1.mlp.c_fc"), LutLinear)
@@ -209,7 +210,7 @@ def test_the_workflow_builds_verifies_and_validates_a_gpt2_conv1d_lut(model_dir,
     (validate,) = (tmp_path / "dump" / "validate").glob("*/report.json")
     assert json.loads(validate.read_text())["formats"]["lut"]["problems"] == []
     report = json.loads(lut_stage.read_text())
-    errors = [report["relative_error"]["h.1.attn.c_attn"][str(b)]["relative_error"] for b in (0, 8, D)]
+    errors = [report["relative_error"]["transformer.h.1.attn.c_attn"][str(b)]["relative_error"] for b in (0, 8, D)]
     assert errors[0] > errors[1] > errors[2] and errors[2] < 5e-3, errors
     e2e = report["end_to_end"]["budgets"]
     assert e2e[str(D)]["kl_mean"] < min(1e-4, e2e["0"]["kl_mean"]), e2e

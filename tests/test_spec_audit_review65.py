@@ -1,7 +1,7 @@
 """Review 65: the LUT and pickle-shard stores checked against their specs (lut-format.zh.md, normative, and
 pickle-shard-format.md) by a reader written from the spec text alone: safetensors and gzip bytes parsed by
 hand, the spec's formulas recomputed from the SAE file and the checkpoint's own weights, and stores written
-by a spec-only writer handed to the project's readers. Strict xfails pin deviations not fixed yet."""
+by a spec-only writer handed to the project's readers."""
 from __future__ import annotations
 
 import copy
@@ -275,17 +275,12 @@ def test_a_pickle_store_without_distributed_config_is_read(tmp_path):
     assert ps.read_vector(out, 1, 2, 4).shape == (16,)
 
 
-@pytest.mark.xfail(strict=True, reason="review65 spec: an item's `metadata` is 'Optional additional metadata', but "
-                                       "an item without the key is refused by verify, iter_activations, read_vector")
 def test_a_pickle_item_without_the_optional_metadata_is_read(tmp_path):
     out = spec_only_pickle(tmp_path / "store", None, distributed_config=True)
     assert ps.verify(out) == []
     assert [item["sample_idx"] for item in ps.iter_activations(out, 2)] == [0, 1, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="review65 spec: the LUT key/file is lut.targets as typed; a causal LM's "
-                                       "base-model path 'layers.1...' is not its dotted path 'model.layers.1...' "
-                                       "(spec layout model.layers.{layer_id}.{module_name}.lut.safetensors)")
 def test_a_causal_lm_targets_lut_key_is_its_dotted_path_in_the_model(model_dir):
     """lut.targets `layers.1.self_attn.q_proj` resolves (on the base model) in the LlamaForCausalLM the
     stage loads; its tables should be keyed by the path a spec runtime finds with get_submodule."""

@@ -40,24 +40,27 @@ def model_config_summary(config_json: dict[str, Any]) -> dict[str, Any]:
 
 def target_linears(model: nn.Module, targets: list[str], d_in: int) -> dict[str, nn.Module]:
     """lut.targets resolved on `model` (a model skeleton works: the sae job checks them before it
-    trains); ConfigError naming a target that is missing, not an nn.Linear nor a transformers Conv1D
-    (target_weight), or of another input width."""
-    from actstore.models import get_module
+    trains), keyed by each one's dotted path in `model` (module_full_path), the LUT's layer key and file
+    name: the spec's runtime finds it with get_submodule, which a causal LM's base-model spelling
+    (`layers.1.self_attn.q_proj`) does not; ConfigError naming a target that is missing, not an nn.Linear
+    nor a transformers Conv1D (target_weight), or of another input width."""
+    from actstore.models import module_full_path
 
     if not targets:
         raise ConfigError("lut.targets is empty: list the nn.Linear (or Conv1D) module paths that read "
                           "sae.hook's tensor")
     linears: dict[str, nn.Module] = {}
-    paths: dict[nn.Module, str] = {}  # get_module finds one module by two paths (with a base model's prefix)
+    paths: dict[nn.Module, str] = {}  # lut.targets may name one module by two paths (with a base model's prefix)
     for module_path in targets:
-        linear = get_module(model, module_path, "lut.targets")
+        full_path = module_full_path(model, module_path, "lut.targets")
+        linear = model.get_submodule(full_path)
         w_target = target_weight(linear, f"lut.targets: {module_path!r}")
         if linear in paths:  # its two tables would be written, then refused by install_luts after training
             raise ConfigError(f"lut.targets: {paths[linear]!r} and {module_path!r} are one module of the model")
         paths[linear] = module_path
         if w_target.shape[0] != d_in:
             raise ConfigError(f"lut.targets: {module_path!r} takes {w_target.shape[0]} inputs, the SAE {d_in}")
-        linears[module_path] = linear
+        linears[full_path] = linear
     return linears
 
 

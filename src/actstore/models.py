@@ -83,13 +83,31 @@ def get_module(model: nn.Module, module_path: str, where: str = "extract.hooks")
     """Resolve a module path on the model, or on its base model (AutoModel naming); ConfigError
     naming `where` (the config key or file that gave the path: lut.targets, a LUT's metadata.json)."""
     roots = (model, getattr(model, "base_model", model))
+    # A path in the whole checkpoint (a causal LM's LUT key, `model.layers.1...`) on its bare base model
+    # (AutoModel's LlamaModel), whose own path it starts with.
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    paths = (module_path, module_path.removeprefix(prefix)) if module_path.startswith(prefix) else (module_path,)
     for root in roots:
-        try:
-            return root.get_submodule(module_path)
-        except AttributeError:
-            continue
+        for path in paths:
+            try:
+                return root.get_submodule(path)
+            except AttributeError:
+                continue
     _, holds = max((_nearest(root, module_path) for root in roots), key=lambda found: found[0])
     raise ConfigError(f"{where}: module {module_path!r} does not exist in {type(model).__name__}; {holds}")
+
+
+def module_full_path(model: nn.Module, module_path: str, where: str = "extract.hooks") -> str:
+    """`module_path` as `model.get_submodule` finds it, its dotted path in `model`: one get_module resolved
+    on the base model (`layers.1.self_attn.q_proj` in a LlamaForCausalLM) gains the base model's own path
+    (`model.layers.1.self_attn.q_proj`); ConfigError (get_module's) when neither holds it."""
+    get_module(model, module_path, where)
+    try:
+        model.get_submodule(module_path)
+        return module_path
+    except AttributeError:  # get_module found it on the base model
+        base_path = next(name for name, held in model.named_modules() if held is model.base_model)
+        return f"{base_path}.{module_path}"
 
 
 def _nearest(root: nn.Module, module_path: str) -> tuple[int, str]:

@@ -23,6 +23,9 @@ from actstore.integrity import (file_problem, inside, iso_timestamp, links_out, 
 # Shard bytes verify holds at once (validate_stores' mem_mb leaves room for it): with the default
 # 100 MB shards, 3 checked at once; 500 MB shards (the spec's largest) one at a time.
 SHARDS_VERIFY_BYTES = 1 << 30
+# The item fields a reader needs: the spec calls `metadata` "Optional additional metadata", so an item
+# without it is read as one whose metadata is null.
+REQUIRED_ITEM_FIELDS = tuple(field for field in ITEM_FIELDS if field != "metadata")
 
 
 def detect(path: str | Path) -> bool:
@@ -212,9 +215,9 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any
         return [f"{name}: {key} holds {len(items) if isinstance(items, list) else '?'} items, "
                 f"num_samples={num_samples}"]
     problems = []
-    for item in items:
-        if not isinstance(item, dict) or any(k not in item for k in ITEM_FIELDS):
-            problems.append(f"{name}: {key} item lacks one of {ITEM_FIELDS}")
+    for position, item in enumerate(items):
+        if problem := _item_fields_problem(item):
+            problems.append(f"{name}: {key} item {problem} (item {position} of {len(items)})")
             break
         if not whole_number(item["sample_idx"]):  # min/max and the store's id set compare them
             problems.append(f"{name}: {key} sample_idx {item['sample_idx']!r:.40} is not a whole number")
@@ -225,7 +228,7 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any
             problems.append(f"{name}: {key} sample {item['sample_idx']}: activation {found} "
                             f"vs shape {item['shape']!r:.40}, d_model {width!r} in {METADATA}")
             break  # one bad item names the layer; every other one is likely the same
-        if not _token_count_fits(item["metadata"], act.shape[0], unpadded):
+        if not _token_count_fits(item.get("metadata"), act.shape[0], unpadded):
             problems.append(f"{name}: {key} sample {item['sample_idx']}: metadata.token_count "
                             f"{item['metadata']['token_count']!r:.40} {'!=' if unpadded else '>'} its "
                             f"{act.shape[0]} activation rows")
@@ -233,6 +236,16 @@ def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any
         if not isinstance(item["text_preview"], str) or len(item["text_preview"]) > PREVIEW_CHARS:
             problems.append(f"{name}: {key} sample {item['sample_idx']}: bad text_preview")
     return problems
+
+
+def _item_fields_problem(item: Any) -> str | None:
+    """What keeps `item` from being a spec item: not a dict, or a required field missing (named: "lacks
+    one of" five fields left a reader to find which); None when it has them all."""
+    if not isinstance(item, dict):
+        return f"is a {type(item).__name__}, not a dict of {', '.join(REQUIRED_ITEM_FIELDS)}"
+    if missing := [field for field in REQUIRED_ITEM_FIELDS if field not in item]:
+        return f"lacks the required field{'s' * (len(missing) > 1)} {', '.join(missing)}"
+    return None
 
 
 def _activation_fits(act: Any, shape: Any, width: Any) -> bool:

@@ -116,8 +116,9 @@ def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[st
 
 def item_tokens(item: dict[str, Any]) -> int:
     """The sample's real tokens: its metadata.token_count where given (checked by then to be at most its
-    rows), as the rows past it in the spec's padded store hold padding, not tokens; else its rows."""
-    metadata = item["metadata"]
+    rows), as the rows past it in the spec's padded store hold padding, not tokens; else its rows (the
+    spec's `metadata` is optional: an item without it is read as one whose metadata is null)."""
+    metadata = item.get("metadata")
     rows = item["activation"].shape[0]
     return metadata.get("token_count", rows) if isinstance(metadata, dict) else rows
 
