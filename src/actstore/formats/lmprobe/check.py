@@ -318,7 +318,8 @@ def _verify_truncated(ds: LmprobeDataset) -> list[str]:
     cut = pc.fill_null(column, False).to_numpy()
     limit, count = _dataset_info(ds).get("max_seq_length"), _dataset_info(ds).get("n_truncated_samples")
     problems = _named(where, "truncated", f"marks a prompt cut at max_seq_length {limit} that holds another "
-                      "number of tokens", np.arange(len(cut)), ds.num_tokens, cut & (ds.num_tokens != limit)
+                      "number of tokens", np.arange(len(cut)), ds.num_tokens,
+                      cut & (ds.num_tokens >= 1) & (ds.num_tokens != limit)  # below 1: named as no token count
                       ) if whole_number(limit) else []
     flagged = int(cut.sum())
     if whole_number(count) and (flagged > count or (flagged < count and not column.null_count)):
