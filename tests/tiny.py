@@ -26,6 +26,17 @@ VISION_TOWER_WIDTH = 48  # a vision-language model's vision tower: wider than it
 T = TypeVar("T")
 
 
+def rerecord(part_dir: Path, name: str) -> None:
+    """part.json's record of its file `name` made of the file as it is now, as if it had been extracted so:
+    for a test that writes values into a part (a NaN, an inf) to see a format store them; a writer refuses
+    a part file that differs from its record."""
+    from actstore.io_utils import sha256_tree_file
+
+    meta = json.loads((part_dir / "part.json").read_text())
+    meta["files"][name]["sha256_tree"] = sha256_tree_file(part_dir / name)
+    (part_dir / "part.json").write_text(json.dumps(meta))
+
+
 def traced_peak(run: Callable[[], T]) -> tuple[T, int]:
     """run()'s result and the most memory Python and numpy held at once while it ran."""
     tracemalloc.start()

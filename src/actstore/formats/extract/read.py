@@ -20,8 +20,8 @@ from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (CUT_FIELD, INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME,
                                              FORMAT_VERSION, STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
-from actstore.integrity import (check_file, check_npy, file_records, inside, open_files_budget, open_regular,
-                                read_index, read_json, refuse, unique_keys, unlisted, whole_number)
+from actstore.integrity import (check_file, check_npy, file_records, inside, listed_problem, open_files_budget,
+                                open_regular, read_index, read_json, refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
 from actstore.model_identity import MODEL_FILES_KEY, PART_FIELDS, well_formed
 
@@ -319,6 +319,58 @@ class Part:
         if any(shape != want for shape in shapes.values()):
             raise FormatError(f"{self.dir / PART_META}: top-k files' shapes {shapes} (null: not listed), where "
                               f"n_samples {self.info.n_samples} and logits_topk {self.info.logits_topk} give {want} each")
+
+
+PartFile = tuple[Part, str]  # a part and the name of one of its files, as part.json lists it
+
+
+def part_reads(part: Part, tensors: Sequence[str], samples: bool) -> list[PartFile]:
+    """The files of `part` a writer copying `tensors` (names) reads: offsets.npy, samples.jsonl when
+    it reads the rows (`samples`), and the tensors' files (a part of no samples holds none)."""
+    files = ["offsets.npy", *(["samples.jsonl"] if samples else [])]
+    return [(part, file) for file in files + ([tensor_file(name) for name in tensors] if part.info.n_samples else [])]
+
+
+class PartsCheck:
+    """The part files a writer reads, each checked whole against part.json's size and sha256 (tree
+    hash: integrity.DIGESTS) on a thread of its own from the moment this is made, while the writer reads
+    the same bytes, so that the page cache serves one read of the disk to both. Entered inside the block
+    that renames the writer's output into place (or before its job record is written): leaving it waits
+    for the check, and a file that differs (a bit a disk flipped since extraction) is a FormatError
+    naming it, so nothing is renamed. An open part's cheap checks (sizes, headers, offsets) let such a file through,
+    and a writer recorded its own checksums over the damaged values: the store then verified OK."""
+
+    def __init__(self, files: Sequence[PartFile]):
+        self._files = files
+        self._stop = threading.Event()  # the writer failed: no more files hashed for it
+        self._problem: str | None = None
+        self._error: BaseException | None = None  # what the hashing raised (a read's EIO)
+        self._thread = threading.Thread(target=self._check, name="parts-check", daemon=True)
+        self._thread.start()
+
+    def _check(self) -> None:
+        try:
+            for part, file in self._files:
+                if self._stop.is_set():
+                    return
+                source = str(part.dir / PART_META)
+                if problem := listed_problem(part.dir, file, part.meta["files"].get(file), source):
+                    self._problem = problem
+                    return
+        except BaseException as exc:  # re-raised on the writer's thread as __exit__ leaves
+            self._error = exc
+
+    def __enter__(self) -> PartsCheck:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        if kind is not None:
+            self._stop.set()
+        self._thread.join()
+        if kind is None and self._error is not None:
+            raise self._error
+        if kind is None and self._problem:
+            raise FormatError(f"{self._problem}: refused to write from it (extract the part again)")
 
 
 # Versions of part.json this reader knows: 1 recorded plain sha256, 2 the tree hash (integrity.DIGESTS

@@ -25,7 +25,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.extract import CUT_FIELD, layer_tensor
+from actstore.formats.extract import CUT_FIELD, Part, PartFile, PartsCheck, layer_tensor, part_reads, tensor_file
+from actstore.formats.extract.layout import PER_SAMPLE_FILES
 from actstore.formats.lmprobe.check import check_selection
 from actstore.formats.lmprobe.layout import (CARD, DTYPES, FORMAT_VERSION, HIDDEN_FILE_PATTERN, HIDDEN_KEY_PATTERN,
                                              INDEX, INDEX_COLUMNS, LARGEST, LOGITS_FILE_PATTERN, LOGITS_INDICES_KEY,
@@ -253,6 +254,45 @@ class Plan:
     def n_hidden_files(self) -> int:
         return len(self.opts["layers"]) * len(self.groups)
 
+    def reads(self, items: range) -> list[PartFile]:
+        """The part files, to be checked whole (PartsCheck), whose rows the tensor files `items` are the
+        first of the plan's to read: a part's layer file (or its top-k files) is checked by the one job
+        writing the first tensor file that takes a row of it, not by each job taking some (in a shuffled
+        order every file takes rows of every part). The jobs after read the rest unchecked by themselves,
+        but no dataset is finished unless every job is. In the order the files are written."""
+        hidden = _first_holding(self.src, self.order, [(a, b) for a, b, _ in self.groups])
+        firsts = [(li * len(self.groups) + g, p, tensor_file(layer_tensor(layer)))
+                  for li, layer in enumerate(self.opts["layers"]) for p, g in hidden.items()]
+        if self.logits_rows:
+            bounds = [(a, a + self.logits_rows) for a in range(0, self.n, self.logits_rows)]
+            firsts += [(self.n_hidden_files + g, p, file) for p, g in
+                       _first_holding(self.src, self.order, bounds).items() for file in PER_SAMPLE_FILES]
+        return [(self.extraction.parts[p], file) for i, p, file in sorted(firsts) if i in items]
+
+    def index_reads(self) -> list[PartFile]:
+        """The part files the index reads: every part's offsets.npy and samples.jsonl, and the token
+        files (_token_files) of each part holding samples."""
+        tokens = _token_files(self.extraction.parts)
+        return [pair for part in self.extraction.parts for pair in part_reads(part, [], samples=True)
+                + [(part, file) for file in tokens if part.info.n_samples]]
+
+
+def _first_holding(src: _TokenRows, order: np.ndarray, bounds: list[tuple[int, int]]) -> dict[int, int]:
+    """part -> the first of the ranges `bounds` of `order` (index rows) that holds one of its samples."""
+    first: dict[int, int] = {}
+    for i, (a, b) in enumerate(bounds):
+        for p in np.unique(src.sample_part[order[a:b]]).tolist():
+            first.setdefault(p, i)
+    return first
+
+
+def _token_files(parts: list[Part]) -> list[str]:
+    """The per-token files the index reads: token_ids.npy where every part holding samples has it,
+    token_logprob.npy too where every one has that as well."""
+    filled = [p for p in parts if p.info.n_samples]
+    files = [file for file in ("token_ids.npy", "token_logprob.npy") if all(file in p.meta["files"] for p in filled)]
+    return files if "token_ids.npy" in files else []
+
 
 def plan_dataset(extract_dir: str | Path, options: dict[str, Any], trust_remote_code: bool = False) -> Plan:
     """The plan of the dataset `options` (the `lmprobe` config section) make of an extraction;
@@ -336,7 +376,8 @@ def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, A
     `job_dir` (atomically) with its job record (jobs.write_job_record); return {rel path: {bytes, sha256}}."""
     plan = plan_dataset(extract_dir, options)
     items = job_items(len(plan.files), jobs, job)
-    with atomic_path(job_dir) as tmp:
+    # PartsCheck: the part files read checked against part.json as they are read, before the rename
+    with atomic_path(job_dir) as tmp, PartsCheck(plan.reads(items)):
         records = write_tensor_files(plan, tmp, items, progress, threads)
         write_job_record(tmp, jobs, job, records.items(), plan=plan.digest)
     log.info("lmprobe job %d/%d: %d tensor files -> %s", job, jobs, len(items), job_dir)
@@ -356,7 +397,7 @@ def finish_dataset(extract_dir: str | Path, job_dirs: list[str | Path], out_dir:
     jobs' outputs whole for a rerun (Snakemake removes them, temp(), once this job succeeds)."""
     plan = plan_dataset(extract_dir, options, trust_remote_code)
     sources = _collect(plan, [Path(d) for d in job_dirs])
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir) as tmp, PartsCheck(plan.index_reads()):
         (tmp / "tensors").mkdir(parents=True)
         for rel, (job_dir, _) in sources.items():
             os.link(job_dir / rel, tmp / rel)
@@ -397,7 +438,7 @@ def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[st
     finishing step.
     `trust_remote_code`: model.trust_remote_code, for token_strings' tokenizer."""
     plan = plan_dataset(extract_dir, options, trust_remote_code)
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir) as tmp, PartsCheck(plan.reads(range(len(plan.files))) + plan.index_reads()):
         records = write_tensor_files(plan, tmp, range(len(plan.files)), progress, threads)
         info = _finish(plan, tmp, records)
     log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
@@ -544,9 +585,8 @@ class _IndexColumns:
 
     def __init__(self, plan: Plan, groups: list[tuple[int, int]]):
         self.plan = plan
-        parts = [p for p in plan.extraction.parts if p.info.n_samples]
-        self.token_ids = all("token_ids.npy" in p.meta["files"] for p in parts)
-        self.logprob = self.token_ids and all("token_logprob.npy" in p.meta["files"] for p in parts)
+        token_files = _token_files(plan.extraction.parts)
+        self.token_ids, self.logprob = "token_ids.npy" in token_files, "token_logprob.npy" in token_files
         self.strings = (_TokenStrings(plan.extraction, plan.trust_remote_code)
                         if self.token_ids and plan.opts["token_strings"] else None)
         self.meta_types, marked = _scan_rows(plan, groups)

@@ -23,7 +23,7 @@ from isal import igzip
 from tqdm import tqdm
 
 from actstore.errors import FormatError
-from actstore.formats.extract import Part, PartInfo, layer_tensor, open_part
+from actstore.formats.extract import Part, PartInfo, PartsCheck, layer_tensor, open_part, part_reads
 from actstore.formats.pickle.layout import (CHECKSUM_PREFIX, FORMAT, METADATA, PICKLE_PROTOCOL, PREVIEW_CHARS,
                                             distributed_config, layer_key, shard_filename, statistics,
                                             store_metadata)
@@ -158,7 +158,9 @@ def write_machine(part_dir: str | Path, out_dir: str | Path, *, model_params: di
     d = part.tensor(layer_tensor(layers[0])).shape[1] if info.n_tokens else 0
     compressed = compression == "gzip"
     groups = plan_shards(part, len(layers), d, shard_size_mb * 1e6)
-    with atomic_path(out_dir) as tmp, ThreadPoolExecutor(max_workers=threads) as pool:
+    reads = part_reads(part, [layer_tensor(layer) for layer in layers], samples=True)
+    # PartsCheck: the files read checked against part.json as the shards read them, before the rename
+    with atomic_path(out_dir) as tmp, PartsCheck(reads), ThreadPoolExecutor(max_workers=threads) as pool:
         tmp.mkdir()
 
         def dump(shard_id: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.extract import PartInfo, layer_tensor
+from actstore.formats.extract import PartFile, PartInfo, PartsCheck, layer_tensor, part_reads
 from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS, LABELS, METADATA, PROTOCOL,
                                           SEALED, SHARDS, SIDECAR, UPSTREAM_FAMILIES, WINDOWS, check_metadata,
                                           dropped_tokens, encode_data, examples_per_shard, shard_name, shard_sizes,
@@ -287,17 +287,43 @@ def _fill_windows(extraction, layers: list[str], windows: np.ndarray, out: np.nd
             out[a:b, li][valid[a:b]] = part.tensor(name)[first:first + count]
 
 
-def extraction_fill(extraction, plan: Plan) -> Fill:
-    """fill(first_example, out) copying the plan's examples from the extraction."""
-    names = [layer_tensor(layer) for layer in plan.metadata["layers"]]
-    windows = plan.windows
+@dataclass(frozen=True)
+class ExtractionFill:
+    """A Fill copying a plan's examples from an extraction, which knows the part files it reads."""
 
-    def fill(start: int, out: np.ndarray) -> None:
+    extraction: Any
+    plan: Plan
+
+    @property
+    def names(self) -> list[str]:
+        return [layer_tensor(layer) for layer in self.plan.metadata["layers"]]
+
+    def __call__(self, start: int, out: np.ndarray) -> None:
+        windows = self.plan.windows
         if windows is None:
-            _fill_images(extraction, names, plan.kept_tokens, start, out)
+            _fill_images(self.extraction, self.names, self.plan.kept_tokens, start, out)
         else:
-            _fill_windows(extraction, names, windows[start:start + len(out)], out)
-    return fill
+            _fill_windows(self.extraction, self.names, windows[start:start + len(out)], out)
+
+    def reads(self, examples: range) -> list[PartFile]:
+        """The files, to be checked whole (PartsCheck), of every part whose first example is one of
+        `examples`: a part is checked by the one job that fills its first example, not by each job
+        filling some of it (twice the reads where jobs and parts are as many but not aligned). The job
+        after reads the rest of it unchecked by itself, but no store is finished unless every job is."""
+        windows = self.plan.windows
+        reads = []
+        for part in self.extraction.parts:
+            lo, n = part.sample_start, part.info.n_samples
+            first = lo if windows is None else int(np.searchsorted(windows[:, 0], lo))
+            holds = n > 0 and (windows is None or (first < len(windows) and windows[first, 0] < lo + n))
+            if holds and first in examples:
+                reads += part_reads(part, self.names, samples=False)
+        return reads
+
+
+def extraction_fill(extraction, plan: Plan) -> ExtractionFill:
+    """fill(first_example, out) copying the plan's examples from the extraction."""
+    return ExtractionFill(extraction, plan)
 
 
 def write_store(extraction, section: dict[str, Any], root: str | Path, extract_hash: str | None = None, *,
@@ -343,7 +369,11 @@ def write_shards(plan: Plan, fill: Fill, out_dir: str | Path, jobs: int, job: in
     slab = max(1, min(CHUNK_BYTES // plan.example_bytes, max(sizes, default=1)))
     buffers = [np.empty((slab, *plan.example_shape), DTYPE) for _ in range(BEHIND + 1)]
     files = {}
-    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as hashers:
+    # The part files an extraction's fill reads, checked against part.json as it reads them, before the
+    # job's record is written (a raw fill reads no part)
+    examples = range(int(starts[shards.start]), int(starts[shards.stop]))
+    reads = fill.reads(examples) if isinstance(fill, ExtractionFill) else []
+    with PartsCheck(reads), ThreadPoolExecutor(len(os.sched_getaffinity(0))) as hashers:
         for idx in tqdm(shards, desc="saev shards", unit="shard", disable=not progress):
             path = out_dir / shard_name(idx)
             files[path.name] = _write_shard(path, fill, int(starts[idx]), sizes[idx], buffers,

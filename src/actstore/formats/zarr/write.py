@@ -23,7 +23,7 @@ import numpy as np
 
 from actstore.casts import float16_file
 from actstore.errors import FormatError
-from actstore.formats.extract import layer_tensor, open_part
+from actstore.formats.extract import PartsCheck, layer_tensor, open_part, part_reads
 from actstore.formats.zarr.layout import (ACTS, ACTS_DTYPE, FILES_JSON, MANIFEST, ORDER, PROMPTS_JSONL, SEPARATOR,
                                           SPLIT_CODES, ZARR_FORMAT, acts_chunk_key, choose_t_chunk, chunk_counts,
                                           chunk_shape, files_json_text, manifest_doc, prompt_line, run_attrs,
@@ -207,7 +207,9 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
     # zarr's import (0.15-0.3 s on the 2-core VM, a sixth of a 1 GB part's job) runs beside the chunk
     # files, which need none of zarr; _open_root's own import then waits for it (the module's lock).
     threading.Thread(target=_import_zarr, daemon=True).start()
-    with atomic_path(out_path) as tmp:
+    reads = part_reads(part, [layer_tensor(layer) for layer in layers], samples=True)
+    # PartsCheck: the files read checked against part.json as the chunks read them, before the rename
+    with atomic_path(out_path) as tmp, PartsCheck(reads):
         began = time.perf_counter()
         files, overflow, seconds = _write_chunks(part, layers, tmp, t_max, tc, threads, progress)
         log.info("%s: %d chunk files of %d bytes in %.2f s by %d threads; their seconds: %s", out_path, len(files),
