@@ -4,10 +4,12 @@ holds the template's special tokens, so it is tokenized without adding any (the 
 apply_chat_template(tokenize=True) gives)."""
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from actstore.datasets.core import check_unicode
+from actstore.datasets.core import check_unicode, json_spellings
 from actstore.errors import ConfigError
 
 
@@ -46,6 +48,24 @@ def checked_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     if not messages:  # transformers' apply_chat_template raises a ValueError naming no row
         raise ConfigError(f"{where}: no messages (an empty list): there is no chat to render")
     return [_message(m, f"{where}: message {i}") for i, m in enumerate(messages)]
+
+
+def refuse_repeated_message_keys(text: str, field: str, messages: list[dict[str, Any]], where: str) -> None:
+    """ConfigError naming the message and key that one message of the row's `field` (its JSON `text`,
+    `messages` as parsed) gives twice: json keeps the last value, so {"role": "user", "role":
+    "assistant"} was an assistant turn without a word (core.refuse_repeated refuses a row's own keys
+    so). `text` is parsed again, as pairs, only where a key's spellings appear more often than the
+    messages holding it."""
+    holding = Counter(key for message in messages for key in message)
+    if all(sum(map(text.count, json_spellings(key))) <= n for key, n in holding.items()):
+        return
+    row = json.loads(text, object_pairs_hook=list)
+    parsed = [value for key, value in row if key == field][-1]
+    for i, pairs in enumerate(parsed):
+        keys = [key for key, _ in pairs]
+        if twice := next((key for key in keys if keys.count(key) > 1), None):
+            raise ConfigError(f"{where}: message {i}: field {twice!r} appears twice in the message; a message's "
+                              f"fields are distinct (which value is meant?)")
 
 
 # ShareGPT's speakers (FastChat, axolotl's and LLaMA-Factory's `sharegpt` datasets) as chat roles.

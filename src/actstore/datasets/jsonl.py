@@ -14,7 +14,7 @@ import numpy as np
 from isal import isal_zlib
 from tqdm import tqdm
 
-from actstore.datasets.chat import checked_messages
+from actstore.datasets.chat import checked_messages, refuse_repeated_message_keys
 from actstore.datasets.core import (Fields, Sample, check_unicode, checked_label, class_name, one_kind,
                                     refuse_past_vocab, refuse_repeated)
 from actstore.datasets.json_array import MAX_ELEMENT_CHARS, ArrayError, elements, starts_array
@@ -297,10 +297,13 @@ def not_utf8(path: Path) -> ConfigError:
 
 
 def _checked(row: Row, fields: Fields) -> dict[str, Any]:
-    """The row parsed (_parse) and checked for the fields the config reads (_distinct, _check)."""
+    """The row parsed (_parse) and checked for the fields the config reads (refuse_repeated, _check), a
+    chat row's messages for keys given twice (refuse_repeated_message_keys)."""
     parsed = _parse(row.item, row.where, row.noun)
     refuse_repeated(row.text, fields.json_names, row.where, row.noun)
     _check(parsed, fields, row.where, row.noun)
+    if fields.messages is not None:  # a list of objects, as _check found it
+        refuse_repeated_message_keys(row.text, fields.messages, parsed[fields.messages], row.where)
     return parsed
 
 

@@ -338,8 +338,9 @@ def check_columns(path: Path, fields: Fields, schema: pa.Schema) -> None:
 def with_classes(source: Source, fields: Fields, schema: pa.Schema | None) -> Fields:
     """`fields` with the label column's ClassLabel names (Fields.classes) from the Hugging Face
     features (save_to_disk's dataset_info.json, a Hub repository's README.md dataset_info, or the
-    `huggingface` schema metadata the Hub writes in Parquet/Arrow, of the first shard's `schema`;
-    JSON lines: None), unchanged where the label is no ClassLabel."""
+    `huggingface` schema metadata the Hub writes in Parquet/Arrow, of the first shard's `schema`:
+    table_schemas checks every shard's agrees; JSON lines: None), unchanged where the label is no
+    ClassLabel."""
     features, where = _features(source, schema)
     names = class_label_names(features, fields.label, where)
     return fields if names is None else replace(fields, classes=tuple(names), classes_from=where)
@@ -347,25 +348,56 @@ def with_classes(source: Source, fields: Fields, schema: pa.Schema | None) -> Fi
 
 def _features(source: Source, schema: pa.Schema | None) -> tuple[dict[str, Any], str]:
     """The Hugging Face features (dataset_info.json's or README.md's, which datasets casts the data
-    files to, else the first shard's `huggingface` schema metadata's info.features) and where they
-    were read; ConfigError naming the file and key when they are no JSON object (a bare
-    JSONDecodeError or AttributeError named nothing)."""
-    if source.features:
-        features, where = source.features, f"{source.features_file}: features"
-    elif schema is not None and schema.metadata and b"huggingface" in schema.metadata:
-        where = f"{source.files[0]}: schema metadata 'huggingface'"
-        try:
-            features = json.loads(schema.metadata[b"huggingface"])
-        except (ValueError, RecursionError) as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc})") from None
-        for key in ("info", "features"):
-            features = features.get(key, {}) if isinstance(features, dict) else features
-        where += " info.features"
-    else:
+    files to, else the first shard's schema metadata's: _schema_features) and where they were read;
+    ConfigError naming the file when they are no JSON object (a bare AttributeError named nothing)."""
+    if not source.features:
+        return _schema_features(source.files[0], schema) if schema is not None else ({}, "")
+    where = f"{source.features_file}: features"
+    if not isinstance(source.features, dict):
+        raise ConfigError(f"{where}: must be a JSON object of features by column, got "
+                          f"{json.dumps(source.features):.80}")
+    return source.features, where
+
+
+def _schema_features(path: Path, schema: pa.Schema) -> tuple[dict[str, Any], str]:
+    """The info.features of shard `path`'s `huggingface` schema metadata, and where they were read;
+    ({}, "") for a shard without it (written by pandas, polars or pyarrow). ConfigError naming the
+    file where they are not JSON, or no object (a bare JSONDecodeError named nothing)."""
+    if not schema.metadata or b"huggingface" not in schema.metadata:
         return {}, ""
+    where = f"{path}: schema metadata 'huggingface'"
+    try:
+        features = json.loads(schema.metadata[b"huggingface"])
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    for key in ("info", "features"):
+        features = features.get(key, {}) if isinstance(features, dict) else features
+    where += " info.features"
     if not isinstance(features, dict):
         raise ConfigError(f"{where}: must be a JSON object of features by column, got {json.dumps(features):.80}")
     return features, where
+
+
+def _check_shard_classes(source: Source, fields: Fields, schemas: list[pa.Schema]) -> None:
+    """ConfigError naming two files whose features give the label column different ClassLabels
+    (fields.classes: the README's or dataset_info.json's, else the first shard's). The labels were
+    numbered by those names alone, so a shard written by another tool, with other names or none,
+    was read with the wrong ones without a word. Under a README or dataset_info.json a shard may
+    declare none (pandas' Parquet): datasets casts it to their features."""
+    for path, schema in zip(source.files, schemas):
+        features, where = _schema_features(path, schema)
+        names = class_label_names(features, fields.label, where)
+        if (names is None and source.features) or (None if names is None else tuple(names)) == fields.classes:
+            continue
+        other = (fields.classes_from if fields.classes else f"{source.features_file}: features" if source.features
+                 else f"{source.files[0]}: schema metadata")
+        raise ConfigError(f"{where or f'{path} (no huggingface schema metadata)'} makes column {fields.label!r} "
+                          f"{_classes(names)}, but {other} makes it {_classes(fields.classes)}: every shard's features "
+                          f"must agree (write the shards with one tool, or drop the metadata that differs)")
+
+
+def _classes(names: Any) -> str:
+    return f"a ClassLabel of names {', '.join(names):.120}" if names else "no ClassLabel"
 
 
 # --- Rows. ---
@@ -375,6 +407,7 @@ def table_schemas(source: Source, fields: Fields) -> list[pa.Schema]:
     schemas = [schema_of(source.format, path, _text_columns(fields)) for path in source.files]
     for path, schema in zip(source.files, schemas):
         check_columns(path, fields, schema)
+    _check_shard_classes(source, fields, schemas)
     if fields.classes is None:  # a ClassLabel's: ids or names (_check_class_ids)
         _check_label_kinds(source, fields, schemas)
     return schemas
