@@ -135,3 +135,8 @@ def saev_masks(wildcards):
 def validate_inputs(wildcards):
     """Every enabled stage's target files: the stores validation reads."""
     return [target for stage in upstream_stages(config, "validate") for target in TARGETS.get(stage, [])]
+
+
+def validated_store_inputs(wildcards):
+    """The extraction's and one store's targets, the inputs of a validate_store job, which waits on no other stage."""
+    return TARGETS["extract"] + TARGETS[wildcards.store]

@@ -13,11 +13,6 @@ VALIDATED_STORES = [name for name in FORMAT_STAGES if name in enabled_stages(con
 VALIDATE_SCATTER = f"{VALIDATE_DIR}/scatter"
 
 
-def validated_store_inputs(wildcards):
-    """The extraction's and the one store's targets: a store's job waits on no other stage."""
-    return TARGETS["extract"] + TARGETS[wildcards.store]
-
-
 # verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the CPUs
 # it is given; the views' full passes then run a thread each. mem_mb: the opened extraction (the sampled
 # coordinates' values), plus pickle shards checked at once (validate_store_mem_mb); runtime: verify's
