@@ -168,7 +168,7 @@ def _stale(config: dict, extract_dir: Path) -> str:
     """Why the finished extraction no longer holds what the config names (its model folder given other
     weights, its path-hashed data changed: the parse's checks, which stop the next run), or "". Every
     stage read it: `done` alone said a store of the old weights or rows was the config's."""
-    from actstore.datasets import check_extraction_data_unchanged
+    from actstore.datasets import check_extraction_data_unchanged, resolve_source
     from actstore.model_config import resolve_model_path
     from actstore.model_identity import check_model_unchanged
 
@@ -176,11 +176,18 @@ def _stale(config: dict, extract_dir: Path) -> str:
         model = resolve_model_path(config["model"]["path"])
     except ConfigError:  # no model folder here (a copied dump_to): nothing to compare, as the parse finds
         model = None
+    dataset = config["dataset"]
+    try:
+        resolve_source(dataset["path"], dataset.get("format", "auto"), dataset.get("split", "train"))
+        data_here = True
+    except ConfigError:  # likewise the data
+        data_here = False
     try:
         if model is not None:
             check_model_unchanged(model, extract_dir)
-        check_extraction_data_unchanged(config["dataset"], extract_dir)
-    except ConfigError as exc:
+        if data_here:
+            check_extraction_data_unchanged(dataset, extract_dir)
+    except ActstoreError as exc:  # a scan or part.json damaged (FormatError) stops the next run's parse too
         return str(exc)
     return ""
 

@@ -98,16 +98,12 @@ def get_module(model: nn.Module, module_path: str, where: str = "extract.hooks")
 
 
 def module_full_path(model: nn.Module, module_path: str, where: str = "extract.hooks") -> str:
-    """`module_path` as `model.get_submodule` finds it, its dotted path in `model`: one get_module resolved
-    on the base model (`layers.1.self_attn.q_proj` in a LlamaForCausalLM) gains the base model's own path
-    (`model.layers.1.self_attn.q_proj`); ConfigError (get_module's) when neither holds it."""
-    get_module(model, module_path, where)
-    try:
-        model.get_submodule(module_path)
-        return module_path
-    except AttributeError:  # get_module found it on the base model
-        base_path = next(name for name, held in model.named_modules() if held is model.base_model)
-        return f"{base_path}.{module_path}"
+    """The dotted path in `model` (what `model.get_submodule` finds) of the module get_module resolves
+    `module_path` to: `layers.1.self_attn.q_proj` in a LlamaForCausalLM gains its base model's path
+    (`model.layers.1.self_attn.q_proj`), `bert.encoder...` in a bare BertModel loses it; ConfigError
+    (get_module's) when neither holds it."""
+    module = get_module(model, module_path, where)
+    return next(name for name, held in model.named_modules() if held is module)
 
 
 def _nearest(root: nn.Module, module_path: str) -> tuple[int, str]:

@@ -44,7 +44,7 @@ def stage_rule(snakemake: Any, stage: str, stage_dir: str | Path) -> Iterator[di
     """The script of the rule that completes `stage` (its logging set up first, by setup_logging): the
     config yielded, and on success the stage's resolved config written into `stage_dir` (nothing when
     the body raises). The body sees the main process's facts (parse_memo): a stage it finds by hash
-    (verify.validate_all) is in the directory the run named, whatever became of the data since."""
+    (verify.write_report's stage_dirs) is in the directory the run named, whatever became of the data since."""
     from actstore import parse_memo
 
     with parse_memo.main_process_facts():
