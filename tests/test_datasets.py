@@ -673,7 +673,8 @@ def test_an_image_folder_part_refuses_its_folders_changed_since_the_scan(image_f
         (tmp_path / "bad.json").write_text(json.dumps(data | {"runs": [[folder, 8, "0" * 64]]}))
         with pytest.raises(FormatError, match=r"bad\.json: runs must be a list of \[folder inside the dataset"):
             read_scan(tmp_path / "bad.json")
-    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in data.items() if k not in ("runs", "folder_format", "sealed")}))
+    old = {k: v for k, v in data.items() if k not in ("runs", "folder_format", "sealed")}  # unsealed, as scans were
+    (tmp_path / "old.json").write_text(json.dumps(old))
     with pytest.raises(ConfigError, match=r"photos: its files changed since the dataset was scanned"):
         load_dataset(photos, parts=(2, 0), scan=read_scan(tmp_path / "old.json"))
 
