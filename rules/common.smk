@@ -140,3 +140,20 @@ def validate_inputs(wildcards):
 def validated_store_inputs(wildcards):
     """The extraction's and one store's targets, the inputs of a validate_store job, which waits on no other stage."""
     return TARGETS["extract"] + TARGETS[wildcards.store]
+
+
+def validate_shares(wildcards):
+    """{store: its share jobs' count} of every validated store (VALIDATED_STORES, in order)."""
+    return {name: actstore_resources.validate_jobs(config, name) for name in VALIDATED_STORES}
+
+
+def validate_store_files(wildcards):
+    """The files every validated store's share jobs leave, store by store, in share order."""
+    return [f"{VALIDATE_SCATTER}/{name}.{share}.npz"
+            for name, jobs in validate_shares(wildcards).items() for share in range(jobs)]
+
+
+def validate_extract_files(wildcards):
+    """The files the extraction's share jobs leave, in share order."""
+    jobs = actstore_resources.validate_jobs(config, "extract")
+    return [f"{VALIDATE_SCATTER}/extract.{share}.npz" for share in range(jobs)]

@@ -5,10 +5,12 @@ from actstore.report import PLOTS
 VALIDATE_DIR = sdir("validate")
 
 
-# Scattered like the writers: a job per enabled store (verify, its sampled coordinates, its views'
-# fingerprints) and one for the extraction (verify, and its fingerprint of the rows every store's views
-# must hold, in one pass), side by side; then validate_stores compares the fingerprints (a few MB a
-# view) and writes report.json. Each job's result is a temp .npz under scatter/ (integrity.STAGE_TEMPS).
+# Scattered like the writers: validate_jobs(store) share jobs per enabled store (verify of every
+# shares-th file, its views' fingerprints of every shares-th block of rows; share 0 its sampled
+# coordinates) and per extraction (verify of its parts, and their fingerprint of the rows every store's
+# views must hold, in one pass), side by side; then validate_stores adds up each store's fingerprints,
+# compares them (a few MB a view) and writes report.json. Each job's result is a temp .npz under
+# scatter/ (integrity.STAGE_TEMPS).
 VALIDATED_STORES = [name for name in FORMAT_STAGES if name in enabled_stages(config)]
 VALIDATE_SCATTER = f"{VALIDATE_DIR}/scatter"
 
@@ -21,13 +23,14 @@ rule validate_store:
     input:
         validated_store_inputs,
     output:
-        temp(f"{VALIDATE_SCATTER}/{{store}}.npz"),
+        temp(f"{VALIDATE_SCATTER}/{{store}}.{{share}}.npz"),
     wildcard_constraints:
         store="|".join(FORMAT_STAGES),
+        share=r"\d+",
     log:
-        log_path("validate", "validate_{store}"),
+        log_path("validate", "validate_{store}_{share}"),
     benchmark:
-        bench_path("validate", "validate_{store}")
+        bench_path("validate", "validate_{store}_{share}")
     threads: 8
     resources:
         cpus_per_task=8,
@@ -45,11 +48,13 @@ rule validate_extract:
     input:
         validate_inputs,
     output:
-        temp(f"{VALIDATE_SCATTER}/extract.npz"),
+        temp(f"{VALIDATE_SCATTER}/extract.{{share}}.npz"),
+    wildcard_constraints:
+        share=r"\d+",
     log:
-        log_path("validate", "validate_extract"),
+        log_path("validate", "validate_extract_{share}"),
     benchmark:
-        bench_path("validate", "validate_extract")
+        bench_path("validate", "validate_extract_{share}")
     threads: 8
     resources:
         cpus_per_task=8,
@@ -66,13 +71,13 @@ rule validate_extract:
 rule validate_stores:
     input:
         validate_inputs,
-        extract=rules.validate_extract.output[0],
-        stores=expand(f"{VALIDATE_SCATTER}/{{store}}.npz", store=VALIDATED_STORES),
+        extract=validate_extract_files,
+        stores=validate_store_files,
     output:
         report=f"{VALIDATE_DIR}/report.json",
         stage_config=f"{VALIDATE_DIR}/actstore_config.json",
     params:
-        stores=VALIDATED_STORES,
+        shares=validate_shares,
     log:
         log_path("validate", "validate_stores"),
     benchmark:

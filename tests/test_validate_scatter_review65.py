@@ -62,8 +62,8 @@ def test_each_store_has_its_own_validate_job_sized_by_what_it_reads(tmp_path, mo
     and the extraction, sized as one.)"""
     from actstore import resources
 
-    config = tiny.make_config(tmp_path, model_dir("gpt2"), text_jsonl,
-                              pickle={"shard_size_mb": 3000}, sae={"enabled": False}, zarr={"merged": True})
+    config = tiny.make_config(tmp_path, model_dir("gpt2"), text_jsonl, pickle={"shard_size_mb": 3000},
+                              sae={"enabled": False}, zarr={"merged": True}, validate={"jobs": 1})
     pickle_mb = resources.validate_store_mem_mb(config, "pickle")
     assert pickle_mb >= 4 * 3000 * 1.1 > resources.validate_store_mem_mb(config, "saev")
     monkeypatch.setattr(resources, "IO_BYTES_PER_S", 100.0)  # the tiny run's bytes as slow as a large run's

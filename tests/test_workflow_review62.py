@@ -89,14 +89,15 @@ class Named(list):
 
 job = json.loads(sys.argv[2])
 snakemake = SimpleNamespace(input=Named(job["input"]), output=Named(job["output"]), params=Named(job["params"]),
-                            log=[job["log"]], config=job["config"], threads=1, wildcards=SimpleNamespace())
+                            log=[job["log"]], config=job["config"], threads=1,
+                            wildcards=SimpleNamespace(**job["wildcards"]))
 runpy.run_path(sys.argv[1], init_globals={"snakemake": snakemake}, run_name="__main__")
 """
 
 
 def run_script(name: str, config: dict, log: Path, **job: dict) -> None:
     """workflow/scripts/<name>.py run on `job`'s input, output and params; its log's tail on failure."""
-    job = {"input": {}, "output": {}, "params": {}, **job, "log": str(log), "config": config}
+    job = {"input": {}, "output": {}, "params": {}, "wildcards": {}, **job, "log": str(log), "config": config}
     proc = subprocess.run([sys.executable, "-c", SCRIPT_RUNNER, str(tiny.REPO / "workflow" / "scripts" / f"{name}.py"),
                            json.dumps(job)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stderr + log.read_text())[-3000:]
@@ -146,10 +147,11 @@ def test_validation_finds_the_stages_the_run_made_when_the_data_is_touched(model
     stat = data.stat()
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, not changed
     try:
-        extract = str(dirs["validate"] / "scatter" / "extract.npz")
-        run_script("validate_extract", config, tmp_path / "extract.log", output={"result": extract})
-        run_script("validate_stores", config, tmp_path / "validate.log", input={"extract": extract, "stores": []},
-                   params={"stores": []}, output={"report": str(dirs["validate"] / "report.json"),
+        extract = str(dirs["validate"] / "scatter" / "extract.0.npz")
+        run_script("validate_extract", config, tmp_path / "extract.log", output={"result": extract},
+                   wildcards={"share": "0"})
+        run_script("validate_stores", config, tmp_path / "validate.log", input={"extract": [extract], "stores": []},
+                   params={"shares": {}}, output={"report": str(dirs["validate"] / "report.json"),
                                                   "stage_config": str(dirs["validate"] / STAGE_CONFIG_FILE)})
     finally:
         parse_memo.withdraw()  # as the run's end does: no later test's process inherits the file

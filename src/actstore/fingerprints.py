@@ -21,6 +21,7 @@ so it blinds neither its range's other rows nor itself.
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -186,8 +187,10 @@ def new_fingerprint(extraction, layers: list[int], seed: int, scaled: bool = Tru
 
 
 def _extraction_rows(extraction, layers: list[int]) -> Iterator[tuple[np.ndarray, ...]]:
-    """(sample_idx, token, token count of the row's sample, layer, float32 rows) blocks of every part."""
-    for part in (part for part in extraction.parts if part.info.n_tokens):  # an empty part has no tensor file
+    """(sample_idx, token, token count of the row's sample, layer, float32 rows) blocks of every part (of
+    the parts of this job's share, integrity.check_share)."""
+    shared = (part for position, part in enumerate(extraction.parts) if integrity.in_share(position))
+    for part in (part for part in shared if part.info.n_tokens):  # an empty part has no tensor file
         counts = np.diff(part.offsets)
         for layer in layers:
             tensor = part.tensor(layer_tensor(layer))
@@ -234,8 +237,10 @@ def _held_views(name: str, store: Path, dtype: str, extraction) -> list[View]:
 
 
 def _rows_of(extraction, wanted: Wanted) -> int:
-    """About the rows a view holds (saev's dropped registers are fewer): the progress bar's total."""
-    return (extraction.n_samples if wanted.last_only else extraction.n_tokens) * len(wanted.layers)
+    """About the rows a view holds (saev's dropped registers are fewer), of this job's share: the progress
+    bar's total."""
+    rows = (extraction.n_samples if wanted.last_only else extraction.n_tokens) * len(wanted.layers)
+    return rows // integrity.CHECK_SHARE[1]
 
 
 def store_passes(name: str, store: Path, dtype: str, extraction, seed: int) -> StorePasses:
@@ -284,6 +289,16 @@ def reference_passes(extraction, wanted: list[Wanted], seed: int,
             return extraction_fingerprints(extraction, {w: w for w in wanted}, seed, rounded, bar.update)
         except FormatError as exc:  # check_format("extract") names it too; nothing to compare with
             return f"{exc} (the extraction's fingerprint not read)"
+
+
+def merged(prints: list[Fingerprint]) -> Fingerprint:
+    """One fingerprint of the rows of all of `prints` (a view's, each of a share of its rows): their sums,
+    scales, hashes (mod 2**64) and counts added."""
+    first = prints[0]
+    whole = Fingerprint(first.n_samples, first.layers, first.direction, first.scaled)
+    for field in _SAVED:
+        setattr(whole, field, np.sum([getattr(p, field) for p in prints], axis=0, dtype=getattr(first, field).dtype))
+    return whole
 
 
 def compared(store: Path, passes: StorePasses, reference: dict[Wanted, Fingerprint] | str) -> dict[str, Any]:
@@ -382,7 +397,7 @@ def _saev_views(store: Path, dtype: str) -> list[View]:
 def _saev_rows(saev, dropped: frozenset[int]) -> Iterator[Rows]:
     windows = saev.windows
     positions = np.array([p for p in range(saev.T + len(dropped)) if p not in dropped], np.int64)
-    for first, chunk in saev.iter_ordered(max(1, BLOCK_BYTES // saev.example_bytes)):
+    for first, chunk in _saev_chunks(saev, max(1, BLOCK_BYTES // saev.example_bytes)):
         examples = np.arange(first, first + len(chunk))
         for at, layer in enumerate(saev.layers):
             if windows is None:
@@ -395,6 +410,26 @@ def _saev_rows(saev, dropped: frozenset[int]) -> Iterator[Rows]:
             yield layer, samples, tokens, chunk[:, at][valid]
 
 
+def _saev_chunks(saev, chunk_examples: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first example, (n, L, T, D) array) of the store's chunks of `chunk_examples` in example order, as
+    saev's iter_ordered reads them, but of this job's share only: another share's chunks are not read."""
+    from actstore.formats.saev.read import DTYPE, _read_exactly
+
+    position = 0
+    for start, shard in zip(saev.starts, saev.shards):
+        for lo in range(0, shard["n_examples"], chunk_examples):
+            position += 1
+            if not integrity.in_share(position - 1):
+                continue
+            out = np.empty((min(chunk_examples, shard["n_examples"] - lo), saev.L, saev.T, saev.D), DTYPE)
+            fd = os.open(saev.dir / shard["name"], os.O_RDONLY)
+            try:
+                _read_exactly(fd, saev.dir / shard["name"], out, lo * saev.example_bytes)
+            finally:
+                os.close(fd)
+            yield int(start) + lo, out
+
+
 def _pickle_views(store: Path, dtype: str) -> list[View]:
     from actstore.formats.pickle.check import checked_metadata
 
@@ -403,13 +438,24 @@ def _pickle_views(store: Path, dtype: str) -> list[View]:
 
 
 def _pickle_rows(store: Path, layers: tuple[int, ...]) -> Iterator[Rows]:
-    """Every item of every layer's shards: its token_count rows (the spec's padding left out)."""
-    from actstore.formats.pickle import item_tokens, iter_activations
+    """Every item of every layer's shards (of this job's share of the shards, by their place in
+    metadata.json): its token_count rows (the spec's padding left out)."""
+    from actstore.formats.pickle import item_tokens
 
     for layer in layers:  # each item held whole (its padding too) until its block is folded in
         yield from _sample_blocks(layer, ((item["sample_idx"], item["activation"][:item_tokens(item)],
-                                           item["activation"].nbytes) for item in iter_activations(store, layer)),
+                                           item["activation"].nbytes) for item in _pickle_items(store, layer)),
                                   BLOCK_BYTES)
+
+
+def _pickle_items(store: Path, layer: int) -> Iterator[dict[str, Any]]:
+    """pickle's iter_activations, of the shards of this job's share only: another share's are not loaded."""
+    from actstore.formats.pickle.read import _layer_items, load_shard, stored_metadata
+
+    meta = stored_metadata(store, layer)
+    for position, info in enumerate(meta["shards"]):
+        if layer in info["layers"] and integrity.in_share(position):
+            yield from _layer_items(store, meta, info, load_shard(store, info), layer)
 
 
 def _zarr_views(store: Path, dtype: str) -> list[View]:
@@ -433,7 +479,7 @@ def _zarr_rows(stores: list) -> Iterator[Rows]:
 
 
 def _zarr_samples(zarr, start: int, layer: int) -> Iterator[tuple[int, np.ndarray, int]]:
-    for i in range(zarr.n_samples):
+    for i in (i for i in range(zarr.n_samples) if integrity.in_share(start + i)):  # this job's samples
         vectors = zarr.read(i, layer)
         yield start + i, vectors, vectors.nbytes
 
@@ -478,13 +524,16 @@ def _lmprobe_last_rows(dataset) -> Iterator[Rows]:
     step = _rows_per_block(dataset.dim)
     for layer in dataset.layers:
         for first in range(0, dataset.num_prompts, step):
+            if not integrity.in_share(first // step):  # another share job's rows
+                continue
             rows = np.arange(first, min(first + step, dataset.num_prompts))
             yield layer, samples[rows], last[rows], dataset.last_token_rows(layer, rows)
 
 
 def _lmprobe_sequence_rows(dataset) -> Iterator[Rows]:
     samples = np.asarray(dataset.sample_idx, np.int64)
-    for prompts, tokens, shards, offsets in dataset.token_address_batches(_rows_per_block(dataset.dim)):
+    batches = dataset.token_address_batches(_rows_per_block(dataset.dim))
+    for prompts, tokens, shards, offsets in (b for i, b in enumerate(batches) if integrity.in_share(i)):
         for layer in dataset.layers:
             yield layer, samples[prompts], tokens, dataset.rows_at(layer, shards, offsets, prompts)
 

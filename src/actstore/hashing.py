@@ -31,7 +31,8 @@ LEGACY_DATASET_KEYS = {"path", "name", "split", "limit"}
 EXECUTION_KEYS: dict[str, tuple[str, ...]] = {"model": ("trust_remote_code",),
                                               "extract": ("num_workers", "buffers", "writer_threads"),
                                               "saev": ("jobs",), "lmprobe": ("jobs",),
-                                              "zarr": ("jobs", "merge_jobs", "threads"), "pickle": ("threads", "jobs")}
+                                              "zarr": ("jobs", "merge_jobs", "threads"), "pickle": ("threads", "jobs"),
+                                              "validate": ("jobs",)}
 # Keys with no schema default (so configs made before them keep their hash) given as what leaving
 # them out means: hashed as left out, or writing out the documented value would rewrite the stage.
 ABSENT_MEANS: dict[str, dict[str, Any]] = {"saev": {"flavor": "spec"}, "lut": {"runtime": "lookup"}}

@@ -63,6 +63,29 @@ def check_threads(threads: int) -> Iterator[None]:
         CHECK_THREADS = before
 
 
+# (share, shares): the items problems_of checks, and the rows fingerprints reads, are those at positions i
+# with i % shares == share; a validate job takes one share of a store (one job's checks of a 100 TB store
+# ran past Slurm's 48 h cap).
+CHECK_SHARE = (0, 1)
+
+
+@contextmanager
+def check_share(share: int, shares: int) -> Iterator[None]:
+    """Within the block, only share `share` of `shares` of each list of items is checked (in_share)."""
+    global CHECK_SHARE
+    before, CHECK_SHARE = CHECK_SHARE, (share, shares)
+    try:
+        yield
+    finally:
+        CHECK_SHARE = before
+
+
+def in_share(position: int) -> bool:
+    """Whether the item at `position` of a list is this process's to check (check_share)."""
+    share, shares = CHECK_SHARE
+    return position % shares == share
+
+
 def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threads: int | None = None,
                 desc: str = "verify files", batch: int = 1) -> list[str]:
     """Every item's problems, in item order, `threads` (default CHECK_THREADS) tasks of `batch` items
@@ -70,11 +93,12 @@ def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threa
     the GIL: one per task would cost more in handing over than the threads gain); items are taken a
     window at a time, so a list of millions of files costs no memory. An exception a check raises is
     raised here. A progress bar (`desc`) on a terminal, from 20 items or when they are not counted
-    beforehand."""
+    beforehand. Within check_share, only the share's items are checked."""
     threads = threads or CHECK_THREADS
     problems: list[str] = []
-    todo = iter(items)
-    total = len(items) if isinstance(items, Sized) else None
+    todo = (item for position, item in enumerate(items) if in_share(position))
+    share, shares = CHECK_SHARE
+    total = len(range(share, len(items), shares)) if isinstance(items, Sized) else None
     quiet = True if total is not None and total < 20 else None  # None: tqdm shows a bar on a terminal only
 
     def check_batch(batch_items: list[Item]) -> list[str]:

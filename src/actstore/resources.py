@@ -443,6 +443,9 @@ def writer_buffer_bytes(w: Workload, config: dict[str, Any], job: str) -> int:
 
 
 VALIDATE_MEM_MB = 4000  # verify's files at once: pickle shards up to 1 GiB (pickle.check.SHARDS_VERIFY_BYTES)
+# A validate share job's estimated reading: 8 h, twice that asked for (_minutes), well within Slurm's 48 h
+# cap; the one job a store had ran past it at 100 TB.
+VALIDATE_JOB_HOURS = 8
 VALIDATE_REPORT_MIN = 30  # validate_stores: the jobs' fingerprints (MBs), the LUT's verify and the SAE's sha256
 PLOTS_BASE_MB = 2000  # the validate_plots job: an interpreter with matplotlib and numpy
 OPENED_SAMPLE_BYTES = 8 + ROW_INDEX_BYTES  # an opened extraction, a sample: its part's offsets, its row's start
@@ -471,11 +474,24 @@ def validate_store_mem_mb(config: dict[str, Any], store: str, attempt: int = 1) 
     return opened_extraction_mb(config, base, attempt)
 
 
+def validate_passes(config: dict[str, Any], store: str) -> float:
+    """Reads of the activations by the validate jobs of `store` (a format, or "extract"): verify reads its
+    files once and each of its views once more (zarr's merged store a second full view; lmprobe's last
+    tokens, a row a prompt, are not counted)."""
+    return 3.0 if store == "zarr" and config["zarr"]["merged"] else 2.0
+
+
+def validate_jobs(config: dict[str, Any], store: str) -> int:
+    """The share jobs checking `store` (a format, or "extract"): validate.jobs, or (null) as many as read
+    its passes in VALIDATE_JOB_HOURS each at IO_BYTES_PER_S, at least one."""
+    jobs = config["validate"].get("jobs")
+    seconds = validate_passes(config, store) * workload(config).activation_bytes / IO_BYTES_PER_S
+    return jobs or max(1, math.ceil(seconds / (VALIDATE_JOB_HOURS * 3600)))
+
+
 def validate_runtime(config: dict[str, Any], store: str, attempt: int = 1) -> int:
-    """Minutes of the validate job of `store` (a format, or "extract"): verify reads its files once and
-    each of its views once more (zarr's merged store a second full view; lmprobe's last tokens, a row
-    a prompt, are not counted)."""
-    return io_runtime(config, attempt, passes=3.0 if store == "zarr" and config["zarr"]["merged"] else 2.0)
+    """Minutes of one of the validate share jobs of `store` (a format, or "extract")."""
+    return io_runtime(config, attempt, jobs=validate_jobs(config, store), passes=validate_passes(config, store))
 
 
 def writer_mem_mb(config: dict[str, Any], job: str, attempt: int = 1) -> int:

@@ -5,20 +5,21 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from actstore.casts import bfloat16_bits_to_float32, to_bfloat16_bits
 from actstore.config import enabled_stages, import_files
 from actstore.errors import FormatError
-from actstore.fingerprints import (StorePasses, Wanted, compared, load_passes, reference_passes,
-                                   save_passes, store_passes, wanted_from_json, wanted_json, wanted_of)
+from actstore.fingerprints import (Fingerprint, StorePasses, Wanted, compared, load_passes, merged,
+                                   reference_passes, save_passes, store_passes, wanted_from_json, wanted_json,
+                                   wanted_of)
 from actstore.formats import FORMAT_STAGES, format_module
 from actstore.formats.extract import layer_tensor, open_extraction
 from actstore.formats.saev import open_store
 from actstore.hashing import stage_dirs
-from actstore.integrity import link_out, read_json, stage_config_problems
+from actstore.integrity import check_share, link_out, read_json, stage_config_problems
 from actstore.io_utils import sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -311,24 +312,37 @@ def stored_formats(config: dict[str, Any]) -> list[str]:
     return [name for name in FORMAT_STAGES if name in enabled_stages(config)]
 
 
-def check_store(config: dict[str, Any], name: str, extraction, coords) -> tuple[dict[str, Any], StorePasses | None]:
+def check_store(config: dict[str, Any], name: str, extraction, coords,
+                share: tuple[int, int] = (0, 1)) -> tuple[dict[str, Any], StorePasses | None]:
     """Format `name`'s store (a validate_store job): check_format's entry and its views' fingerprints
-    (None where check_format could not open it: its entry names why)."""
+    (None where check_format could not open it: its entry names why). `share`: (share, shares), the part
+    of its files and rows this job checks (integrity.check_share); share 0 reads the sampled coordinates."""
     store = find_store(stage_dirs(config)[name], name)
-    entry = check_format(name, store, extraction, coords, config.get(name))
-    log.info("%s: %d checked, %d not stored, %d problems", name, entry["checked"], entry["not_stored"],
-             len(entry["problems"]))
-    if not entry["inspect"]:
-        return entry, None
-    return entry, store_passes(name, store, entry["inspect"].get("dtype", "float32"), extraction,
-                               config["validate"]["seed"])
+    with check_share(*share):
+        entry = check_format(name, store, extraction, coords if share[0] == 0 else [], config.get(name))
+        log.info("%s: %d checked, %d not stored, %d problems", name, entry["checked"], entry["not_stored"],
+                 len(entry["problems"]))
+        if not entry["inspect"]:
+            return entry, None
+        return entry, store_passes(name, store, entry["inspect"].get("dtype", "float32"), extraction,
+                                   config["validate"]["seed"])
 
 
-def check_extraction(config: dict[str, Any], extraction, coords) -> tuple[dict[str, Any], dict[Wanted, Any] | str]:
+def check_extraction(config: dict[str, Any], extraction, coords,
+                     share: tuple[int, int] = (0, 1)) -> tuple[dict[str, Any], dict[Wanted, Any] | str]:
     """The extraction (the validate_extract job): check_format's entry, and its fingerprints of the rows
-    every store's views must hold, in one pass (reference_passes), or why they were not read."""
+    every store's views must hold, in one pass (reference_passes), or why they were not read; of the
+    parts of `share` (as check_store's)."""
     dirs = stage_dirs(config)
-    entry = check_format("extract", dirs["extract"], extraction, coords)
+    with check_share(*share):
+        entry = check_format("extract", dirs["extract"], extraction, coords if share[0] == 0 else [])
+        return entry, reference_passes(extraction, _wanted_rows(config, extraction), config["validate"]["seed"],
+                                       reference_dtype)
+
+
+def _wanted_rows(config: dict[str, Any], extraction) -> list[Wanted]:
+    """The extraction's rows every view of the config's stores must equal (fingerprints.wanted_of)."""
+    dirs = stage_dirs(config)
     stores = {}
     for name in stored_formats(config):
         store = find_store(dirs[name], name)
@@ -336,8 +350,7 @@ def check_extraction(config: dict[str, Any], extraction, coords) -> tuple[dict[s
             stores[name] = (store, format_module(name).inspect(store).get("dtype", "float32"))
         except FormatError:
             continue
-    wanted = wanted_of(stores, extraction)
-    return entry, reference_passes(extraction, wanted, config["validate"]["seed"], reference_dtype)
+    return wanted_of(stores, extraction)
 
 
 def write_report(config: dict[str, Any], n_coords: int, extract_entry: dict[str, Any],
@@ -393,6 +406,31 @@ def save_store_check(path: str | Path, entry: dict[str, Any], passes: StorePasse
     save_passes(path, meta, {str(i): mine for i, (_, _, mine) in enumerate(views) if not isinstance(mine, str)})
 
 
+def load_store_checks(paths: list[str | Path]) -> tuple[dict[str, Any], StorePasses | None]:
+    """The entry and views' fingerprints of one store from its share jobs' files (in share order), as one job
+    would have left them: share 0's entry with every job's problems, each once (a check of the store's
+    metadata repeats in every job), and each view's fingerprints merged."""
+    checks = [load_store_check(path) for path in paths]
+    entry = {**checks[0][0], "problems": _each_once(p for found, _ in checks for p in found["problems"])}
+    passes = [found for _, found in checks]
+    if any(found is None for found in passes):  # the store unopened: its entry names why
+        return entry, None
+    if error := next((found.error for found in passes if found.error), None):
+        return entry, StorePasses([], error)
+    views = [(label, wanted, _merged_or_why([found.views[i][2] for found in passes]))
+             for i, (label, wanted, _) in enumerate(passes[0].views)]
+    return entry, StorePasses(views)
+
+
+def _merged_or_why(prints: list[Fingerprint | str]) -> Fingerprint | str:
+    """The share jobs' fingerprints of one view merged, or the first job's reason it was not read."""
+    return next((found for found in prints if isinstance(found, str)), None) or merged(prints)
+
+
+def _each_once(problems: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(problems))
+
+
 def load_store_check(path: str | Path) -> tuple[dict[str, Any], StorePasses | None]:
     meta, prints = load_passes(path)
     if not meta["opened"]:
@@ -408,6 +446,17 @@ def save_extraction_check(path: str | Path, n_coords: int, entry: dict[str, Any]
     meta = {"coordinates": n_coords, "entry": entry, "error": reference if isinstance(reference, str) else None,
             "wanted": [wanted_json(wanted) for wanted in prints]}
     save_passes(path, meta, {str(i): fingerprint for i, fingerprint in enumerate(prints.values())})
+
+
+def load_extraction_checks(paths: list[str | Path]) -> tuple[int, dict[str, Any], dict[Wanted, Any] | str]:
+    """The extraction's check from its share jobs' files (in share order), as load_store_checks merges a store's."""
+    checks = [load_extraction_check(path) for path in paths]
+    n_coords, entry, _ = checks[0]
+    entry = {**entry, "problems": _each_once(p for _, found, _ in checks for p in found["problems"])}
+    references = [reference for _, _, reference in checks]
+    if error := next((found for found in references if isinstance(found, str)), None):
+        return n_coords, entry, error
+    return n_coords, entry, {wanted: merged([found[wanted] for found in references]) for wanted in references[0]}
 
 
 def load_extraction_check(path: str | Path) -> tuple[int, dict[str, Any], dict[Wanted, Any] | str]:

@@ -11,7 +11,7 @@ from actstore.errors import FormatError
 from actstore.formats.extract.layout import COUNT_KEYS, CUT_FIELD, INDEX, PART_META, layer_tensor, part_dirs
 from actstore.formats.extract.read import Part, open_extraction, open_part
 from actstore.formats.extract.write import index_of
-from actstore.integrity import file_problem, inside, links_out, read_json, vector_indices, whole_number
+from actstore.integrity import file_problem, in_share, inside, links_out, read_json, vector_indices, whole_number
 from actstore.model_identity import INDEX_FIELDS, MODEL_FILES_KEY, PART_FIELDS, moved_files, well_formed
 
 
@@ -70,14 +70,16 @@ def verify(path: str | Path) -> list[str]:
     single = (path / PART_META).is_file()
     problems = [] if single else _index_problems(path) if (path / INDEX).is_file() else [
         f"{path / INDEX}: missing (it lists the parts, so that a deleted part is named)"]
-    for part_dir in _part_dirs(path):
+    for position, part_dir in enumerate(_part_dirs(path)):
+        if not in_share(position):  # another validate share job's part
+            continue
         try:
             part = open_part(part_dir)
             part.verify()
             problems += _sample_row_problems(part)
         except (FormatError, OSError, ValueError) as exc:
             problems.append(str(exc))
-    return problems or ([] if single else _summary_problems(path))
+    return problems or ([] if single or not in_share(0) else _summary_problems(path))
 
 
 def _sample_row_problems(part: Part) -> list[str]:

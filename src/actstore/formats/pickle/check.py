@@ -267,45 +267,43 @@ def _token_count_fits(metadata: Any, rows: int, unpadded: bool) -> bool:
     return whole_number(count) and (count == rows if unpadded else count <= rows)
 
 
-def _verify_shard(path: Path, info: dict[str, Any], width: Any, unpadded: bool,
-                  budget: ByteBudget) -> tuple[list[str], list[int] | None]:
-    """One shard: bytes, safe load (its decompressed bytes held in `budget` until it is checked), and
-    content against its metadata entry (activations `width` wide, as many token rows in each layer as
-    its num_tokens when recorded); its problems, and its sample_id_range when its ids are checked
-    against it (verify checks it against the other shards')."""
+def _verify_shard(path: Path, info: dict[str, Any], width: Any, unpadded: bool, budget: ByteBudget) -> list[str]:
+    """One shard's problems: bytes, safe load (its decompressed bytes held in `budget` until it is checked),
+    and content against its metadata entry (activations `width` wide, as many token rows in each layer as
+    its num_tokens when recorded, its ids within its sample_id_range, which verify checks against the
+    other shards')."""
     with budget.share() as take:
         try:
             name = shard_path(path, info)
             shard = load_shard(path, info, take)
         except FormatError as exc:
-            return [str(exc)], None
+            return [str(exc)]
         return _shard_content_problems(name, shard, info, width, unpadded)
 
 
-def _shard_content_problems(name: Path, shard: dict, info: dict[str, Any], width: Any,
-                            unpadded: bool) -> tuple[list[str], list[int] | None]:
+def _shard_content_problems(name: Path, shard: dict, info: dict[str, Any], width: Any, unpadded: bool) -> list[str]:
     """_verify_shard's check of a loaded shard's content."""
     want_keys = {layer_key(layer) for layer in info["layers"]}
     if set(shard) != want_keys:
-        return [f"{name}: layer keys {sorted(map(str, shard))} != metadata layers {sorted(want_keys)}"], None
+        return [f"{name}: layer keys {sorted(map(str, shard))} != metadata layers {sorted(want_keys)}"]
     problems, ids_by_layer = [], []
     for key, items in shard.items():
         problems += _verify_items(name, key, items, info["num_samples"], width, unpadded)
         if isinstance(items, list) and len(items) == info["num_samples"]:
             ids_by_layer.append([item.get("sample_idx") for item in items if isinstance(item, dict)])
     if problems:
-        return problems, None
+        return problems
     rows = {sum(item["activation"].shape[0] for item in items) for items in shard.values()}
     if "num_tokens" in info and rows != {info["num_tokens"]}:
-        return [f"{name}: {sorted(rows)} token rows per layer, {METADATA} says num_tokens={info['num_tokens']!r}"], None
+        return [f"{name}: {sorted(rows)} token rows per layer, {METADATA} says num_tokens={info['num_tokens']!r}"]
     ids = ids_by_layer[0] if ids_by_layer else []
     lo, hi = info["sample_id_range"]
     if any(other != ids for other in ids_by_layer) or (ids and (min(ids) != lo or max(ids) != hi)):
         return [f"{name}: sample ids {ids[:1]}..{ids[-1:]} disagree across layers or with "
-                f"sample_id_range {info['sample_id_range']}"], None
+                f"sample_id_range {info['sample_id_range']}"]
     if len(set(ids)) != len(ids):
-        return [f"{name}: duplicate sample_idx within the store"], None
-    return [], info["sample_id_range"] if ids else None
+        return [f"{name}: duplicate sample_idx within the store"]
+    return []
 
 
 def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
@@ -316,21 +314,24 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
     width = _width(meta)
     budget = ByteBudget(integrity.memory_budget())  # the threads' shards together: metadata may understate them
     found_of: dict[int, list[str]] = {}
-    range_of: dict[int, list[int] | None] = {}
 
     def check(i: int) -> list[str]:
         try:
-            found_of[i], range_of[i] = _verify_shard(path, shards[i], width, _unpadded(meta), budget)
+            found_of[i] = _verify_shard(path, shards[i], width, _unpadded(meta), budget)
         except BudgetHeldByOthers:  # checked again below, alone
             pass
         return []
 
     problems_of(check, range(len(shards)), threads=_shard_threads(shards, width), desc="verify pickle shards")
-    for i in range(len(shards)):
+    mine = [i for i in range(len(shards)) if integrity.in_share(i)]  # every shard, but in a validate share job
+    for i in mine:
         if i not in found_of:
             check(i)  # the budget is all its own now: loaded, or refused for passing it alone
-    problems = [problem for i in range(len(shards)) for problem in found_of[i]]
-    return problems + _shared_id_problems(path, [(info, range_of[i]) for i, info in enumerate(shards) if range_of[i]])
+    problems = [problem for i in mine for problem in found_of[i]]
+    # The ranges the metadata records (each shard's ids were checked against its own above), of every
+    # shard: a share job has read its own shards only, and a repeated id may lie in another's.
+    held = [(info, info["sample_id_range"]) for info in shards if info["num_samples"]]
+    return problems + _shared_id_problems(path, held)
 
 
 def _shared_id_problems(path: Path, held: list[tuple[dict[str, Any], list[int]]]) -> list[str]:
@@ -417,7 +418,7 @@ def _shard(path: str | Path, meta: dict[str, Any], info: dict[str, Any]) -> dict
 
     def load() -> dict:
         shard = load_shard(path, info)
-        integrity.refuse(_shard_content_problems(file, shard, info, _width(meta), _unpadded(meta))[0])
+        integrity.refuse(_shard_content_problems(file, shard, info, _width(meta), _unpadded(meta)))
         return shard
 
     return _LAST_SHARD.get([file], load, extra=info["checksum"])
