@@ -94,8 +94,8 @@ def test_changing_t_chunk_schedules_only_zarr_and_what_follows(demo_run, tmp_pat
 @pytest.mark.slow
 def test_changing_how_a_finished_run_executes_schedules_nothing(demo_run, tmp_path):
     """Keys that change how a stage runs, never what it writes, are not hashed (hashing.EXECUTION_KEYS)
-    and must not redo a finished stage either: here every writer's job count and thread count, and
-    model.trust_remote_code."""
+    and must not redo a finished stage either: here every writer's (and validate's) job count and thread
+    count, and model.trust_remote_code."""
     from actstore.hashing import EXECUTION_KEYS
 
     workdir, configfile, _ = demo_run
@@ -112,7 +112,8 @@ def test_changing_how_a_finished_run_executes_schedules_nothing(demo_run, tmp_pa
         os.utime(benchmark, (finished, finished))
     changes = {("saev", "jobs"): 1, ("lmprobe", "jobs"): 1, ("pickle", "jobs"): 1, ("pickle", "threads"): 1,
                ("zarr", "jobs"): 1, ("zarr", "merge_jobs"): 1, ("zarr", "threads"): 1, ("extract", "writer_threads"): 2,
-               ("extract", "buffers"): 2, ("extract", "num_workers"): 1, ("model", "trust_remote_code"): True}
+               ("extract", "buffers"): 2, ("extract", "num_workers"): 1, ("model", "trust_remote_code"): True,
+               ("validate", "jobs"): 1}
     assert set(changes) == {(section, key) for section, keys in EXECUTION_KEYS.items() for key in keys}
     for (section, key), value in changes.items():
         config.setdefault(section, {})[key] = value
