@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from actstore.errors import ConfigError, FormatError
+from actstore.formats.extract import Extraction, PartFile, PartsCheck, open_extraction
 from actstore.formats.lut import LutStore, open_lut, precompute, write_lut
 from actstore.integrity import read_json
 from actstore.lut_runtime import LutEncoder, LutLinear, calibrate_auto, install_luts, parent_module, target_weight
@@ -69,7 +70,6 @@ def check_targets_before_training(config: dict[str, Any], extract_dir: str | Pat
     samples' existence, so a bad target or a one-sample extraction fails before the SAE trains rather than after."""
     from actstore.model_config import resolve_model_path
     from actstore.models import model_skeleton
-    from actstore.formats.extract import open_extraction
     from actstore.config import resolve_hook
     from actstore.sae import tensors
 
@@ -87,7 +87,6 @@ def check_targets_read_hook(config: dict[str, Any], extract_dir: str | Path, loa
     of sample 0: the widths alone let through a linear of another layer, whose tables would encode
     inputs the SAE never saw (and relative_errors, run on the hook's tensors, would look fine)."""
     from actstore.extract.capture import capture
-    from actstore.formats.extract import open_extraction
 
     targets = config["lut"]["targets"]
     inputs = batch_inputs(config, open_extraction(extract_dir, config["extract"]["parts"]), loaded, [0])
@@ -130,16 +129,22 @@ def build_lut(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Pa
     # Hashed before it is read: a file replaced in between then fails validate, rather than passing.
     sae_sha256 = sha256_file(sae_file)
     sae, sae_meta = load_sae(sae_file)
-    # Read before the model loads: an extraction that holds out no token is named before any heavy work.
-    heldout = heldout_inputs(config, extract_dir, sae_dir)
-    loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", device,
-                        config["model"].get("tower"), trusted(config["model"]),
-                        fix_mistral_regex=config["model"].get("fix_mistral_regex"))
-    if config["extract"]["image_pipeline"] == "gpu":  # named before the tables are built
-        from actstore.extract.device_images import check_device_pipeline
+    extraction = open_extraction(extract_dir, config["extract"]["parts"])
+    hook = sae_report(Path(sae_dir) / SAE_REPORT)["hook"]
+    # Before the model loads: an extraction that holds out no token is named before any heavy work.
+    rows, samples = heldout_split(config, extraction, Path(sae_dir) / SAE_REPORT)
+    # Every part file the job reads, checked whole beside the reads and the model's load, before the
+    # tables are renamed into place (the end-to-end evaluation reads token ids of files checked here).
+    with PartsCheck(lut_reads(config, extraction, hook, rows, samples)):
+        heldout = hook_rows(extraction, hook, rows), samples
+        loaded = load_model(resolve_model_path(config["model"]["path"]), "float32", device,
+                            config["model"].get("tower"), trusted(config["model"]),
+                            fix_mistral_regex=config["model"].get("fix_mistral_regex"))
+        if config["extract"]["image_pipeline"] == "gpu":  # named before the tables are built
+            from actstore.extract.device_images import check_device_pipeline
 
-        check_device_pipeline(loaded.preprocessor, loaded.device)
-    check_targets_read_hook(config, extract_dir, loaded, sae_report(Path(sae_dir) / SAE_REPORT)["hook"])
+            check_device_pipeline(loaded.preprocessor, loaded.device)
+        check_targets_read_hook(config, extract_dir, loaded, hook)
     lut_root = write_lut(out_dir, build_tables(config, loaded.model, sae.state()), sae.k_active,
                          model_config_summary(loaded.config), {
         "source_model": sae_meta.get("model"), "sae_model": str(sae_file), SAE_SHA256: sae_sha256,
@@ -192,25 +197,51 @@ def target_errors(store: LutStore, model: nn.Module, module_path: str, x: torch.
 
 def heldout_inputs(config: dict[str, Any], extract_dir: str | Path, sae_dir: str | Path,
                    ) -> tuple[torch.Tensor, list[int]]:
-    """The SAE's held-out tokens of its hook tensor (a seeded uniform sample of lut.eval_tokens of them
-    when there are more: the first in storage order were one class's in a dataset sorted by label) and
-    held-out samples. ConfigError when the split holds out no token (one sample: the SAE trained on all)."""
-    from actstore.formats.extract import open_extraction
-    from actstore.sae import REPORT_FILE as SAE_REPORT, iter_rows, split_tokens, tensors
+    """The SAE's held-out tokens of its hook tensor (heldout_split's rows, read) and held-out samples."""
+    from actstore.sae import REPORT_FILE as SAE_REPORT
+
+    extraction = open_extraction(extract_dir, config["extract"]["parts"])
+    rows, samples = heldout_split(config, extraction, Path(sae_dir) / SAE_REPORT)
+    return hook_rows(extraction, sae_report(Path(sae_dir) / SAE_REPORT)["hook"], rows), samples
+
+
+def heldout_split(config: dict[str, Any], extraction: Extraction, report_path: Path
+                  ) -> tuple[list[np.ndarray], list[int]]:
+    """The token rows (per part) the tables are evaluated on: the SAE's held-out tokens, a seeded uniform
+    sample of lut.eval_tokens of them when there are more (the first in storage order were one class's in a
+    dataset sorted by label); and the held-out samples. ConfigError when the split holds out no token (one
+    sample: the SAE trained on all)."""
+    from actstore.sae import split_tokens
     from actstore.sae.data import sampled_rows
 
-    report_path = Path(sae_dir) / SAE_REPORT
-    report = sae_report(report_path)
-    extraction = open_extraction(extract_dir, config["extract"]["parts"])
     split = split_tokens(extraction, config["sae"]["heldout_fraction"], config["sae"]["seed"])
     if not split.n_heldout:
-        raise ConfigError(f"{extract_dir}: sae.heldout_fraction {config['sae']['heldout_fraction']} of its "
+        raise ConfigError(f"{extraction.dir}: sae.heldout_fraction {config['sae']['heldout_fraction']} of its "
                           f"{extraction.n_samples} sample(s) holds out no token, and the lut stage evaluates its "
                           "tables on tokens the SAE did not train on: extract at least 2 samples")
-    check_recorded_split(report_path, report.get("heldout_samples"), split.heldout_samples)
-    arrays = tensors(extraction, report["hook"])
-    blocks = list(iter_rows(arrays, sampled_rows(split.heldout, config["lut"]["eval_tokens"], config["sae"]["seed"])))
-    return torch.from_numpy(np.concatenate(blocks)), split.heldout_samples
+    check_recorded_split(report_path, sae_report(report_path).get("heldout_samples"), split.heldout_samples)
+    return sampled_rows(split.heldout, config["lut"]["eval_tokens"], config["sae"]["seed"]), split.heldout_samples
+
+
+def hook_rows(extraction: Extraction, hook: str, rows: list[np.ndarray]) -> torch.Tensor:
+    """`rows` (per part) of `hook`, float32, in order."""
+    from actstore.sae import iter_rows, tensors
+
+    return torch.from_numpy(np.concatenate(list(iter_rows(tensors(extraction, hook), rows))))
+
+
+def lut_reads(config: dict[str, Any], extraction: Extraction, hook: str, rows: list[np.ndarray],
+              samples: list[int]) -> list[PartFile]:
+    """The part files the lut job reads, to be checked whole (PartsCheck): the hook's files holding `rows`
+    (sae.data.hook_reads: a file is hashed whole however few rows are read of it) and token_ids.npy of each
+    part holding sample 0 (check_targets_read_hook) or one of the end-to-end samples (end_to_end's, of the
+    held-out `samples`): a text model's inputs. An image model's are read from the dataset."""
+    from actstore.sae.data import hook_reads
+
+    read = [0, *sampled_samples(samples, config["lut"]["eval_samples"], config["sae"]["seed"])]
+    holding = {part.dir: part for part, _ in map(extraction.locate, read)}
+    return hook_reads(extraction, hook, rows) + [(part, "token_ids.npy") for part in holding.values()
+                                                 if "token_ids.npy" in part.meta["files"]]
 
 
 def check_recorded_split(path: Path, recorded: Any, heldout_samples: list[int]) -> None:
@@ -245,7 +276,6 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     model (its linears put back) and then the LUT one, and is counted before the next: one batch's
     outputs are held, never the whole evaluation's (64 samples x 1,024 tokens of a 128K-vocabulary
     model's logits are 34 GB)."""
-    from actstore.formats.extract import open_extraction
     from actstore.models import get_module
 
     extraction = open_extraction(extract_dir, config["extract"]["parts"])

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.extract import Extraction, Part, tensor_file
+from actstore.formats.extract import Extraction, Part, PartFile, part_reads, tensor_file
 
 
 @dataclass
@@ -96,6 +96,15 @@ def tensors(extraction: Extraction, hook: str) -> list[PartRows]:
         raise ConfigError(f"sae: the extraction at {extraction.dir} holds no token")
     width = holding.tensor(hook).shape[1]  # the same in every part
     return [PartRows(part, hook, width) for part in extraction.parts]
+
+
+def hook_reads(extraction: Extraction, hook: str, rows: list[np.ndarray] | None = None) -> list[PartFile]:
+    """The part files read for `rows` (token rows per part; None: every part's) of `hook`, to be checked
+    whole (PartsCheck): every part's offsets.npy (the split reads them all) and the hook's file of each
+    part a row is read from. part.json records one digest a file, so a file one row is read from is
+    hashed whole; a part no row is read from is not read, nor checked."""
+    return [pair for p, part in enumerate(extraction.parts)
+            for pair in part_reads(part, [hook] if rows is None or len(rows[p]) else [], samples=False)]
 
 
 def gather(arrays: list[np.ndarray], rows: list[np.ndarray], picks: np.ndarray) -> np.ndarray:

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from actstore.config import import_files, resolve_hook
-from actstore.formats.extract import Extraction, open_extraction
+from actstore.formats.extract import Extraction, PartsCheck, open_extraction
 from actstore.io_utils import sha256_file, write_json_atomic
 from actstore.sae.checkpoint import REPORT_FILE, SAE_FILE, SAELENS_DIR, import_sae, save_sae, save_saelens
-from actstore.sae.data import split_tokens, tensors
+from actstore.sae.data import hook_reads, sampled_rows, split_tokens, tensors
 from actstore.sae.model import TopKSAE
 from actstore.sae.train import evaluate, heldout_summary, train_sae
 
@@ -24,7 +24,12 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
     sae = import_sae(imported["path"], imported["style"], sae_cfg["k_active"], hook_width=arrays[0].shape[1],
                      hook=hook)
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
-    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"], seed=sae_cfg["seed"])
+    limit, seed = sae_cfg["eval_tokens"], sae_cfg["seed"]
+    held_rows = split.heldout if limit is None else sampled_rows(split.heldout, limit, seed)
+    # Only the evaluated rows are read: the files holding one are checked whole, beside the reads (evaluate
+    # samples them as here, so its seeded sample is these rows).
+    with PartsCheck(hook_reads(extraction, hook, held_rows)):
+        held = evaluate(sae, arrays, held_rows)
     if imported["style"] == "saev" and held["tokens_under_k"]:
         log.warning("sae.import %s: %d of %d held-out tokens have fewer than %d positive pre-activations; saev's "
                     "TopK keeps the negative ones there, Step A (TopK of ReLU) zeroes them", imported["path"],

@@ -15,10 +15,10 @@ import torch
 from tqdm import tqdm
 
 from actstore.errors import ConfigError
-from actstore.formats.extract import Extraction
+from actstore.formats.extract import Extraction, PartsCheck
 from actstore.models import pick_device
-from actstore.sae.data import (Moments, Prefetcher, TokenSplit, data_moments, iter_rows, sampled_rows, split_tokens,
-                               stream_batches, tensors)
+from actstore.sae.data import (Moments, Prefetcher, TokenSplit, data_moments, hook_reads, iter_rows, sampled_rows,
+                               split_tokens, stream_batches, tensors)
 from actstore.sae.model import ZERO_VARIANCE, TopKSAE, auxk_loss, init_sae, normalised
 
 log = logging.getLogger(__name__)
@@ -181,10 +181,13 @@ def train_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any],
     opt = torch.optim.Adam(sae.parameters(), lr=sae_cfg["lr"], betas=(0.9, 0.999), eps=6.25e-10)
     started = time.perf_counter()
     source = stream_batches(arrays, split.train, sae_cfg["batch_size"], np.random.default_rng(sae_cfg["seed"]))
-    with Prefetcher(source, device) as batches:
-        seen, curve = train_steps(sae, opt, batches, sae_cfg, progress)
-    sae.cpu().eval()
-    held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"], seed=sae_cfg["seed"])
+    # Every part's hook file checked once, whole, beside the steps that read it again and again; a file
+    # found to differ stops the steps then (guarded), and the check is waited for before the SAE is returned.
+    with PartsCheck(hook_reads(extraction, hook)) as check:
+        with Prefetcher(check.guarded(source), device) as batches:
+            seen, curve = train_steps(sae, opt, batches, sae_cfg, progress)
+        sae.cpu().eval()
+        held = evaluate(sae, arrays, split.heldout, limit=sae_cfg["eval_tokens"], seed=sae_cfg["seed"])
     report = {"source": "trained", "hook": hook, "d_in": d_in, "num_basis": num_basis, "k_active": k,
               "steps": sae_cfg["steps"], "batch_size": sae_cfg["batch_size"], "train_tokens_seen": seen,
               "n_train_tokens": split.n_train, "n_heldout_tokens": split.n_heldout,

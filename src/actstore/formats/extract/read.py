@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import numpy as np
 
@@ -321,6 +321,7 @@ class Part:
                               f"n_samples {self.info.n_samples} and logits_topk {self.info.logits_topk} give {want} each")
 
 
+T = TypeVar("T")
 PartFile = tuple[Part, str]  # a part and the name of one of its files, as part.json lists it
 
 
@@ -363,6 +364,17 @@ class PartsCheck:
     def __enter__(self) -> PartsCheck:
         return self
 
+    def guarded(self, items: Iterator[T]) -> Iterator[T]:
+        """`items`, cut by the FormatError of a file found to differ as soon as the check finds it: a job
+        reading the same rows for hours (an SAE's steps) is refused then, not when it ends."""
+        for item in items:
+            if self._problem:
+                raise FormatError(self._refusal())
+            yield item
+
+    def _refusal(self) -> str:
+        return f"{self._problem}: refused to write from it (extract the part again)"
+
     def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
         if kind is not None:
             self._stop.set()
@@ -370,7 +382,7 @@ class PartsCheck:
         if kind is None and self._error is not None:
             raise self._error
         if kind is None and self._problem:
-            raise FormatError(f"{self._problem}: refused to write from it (extract the part again)")
+            raise FormatError(self._refusal())
 
 
 # Versions of part.json this reader knows: 1 recorded plain sha256, 2 the tree hash (integrity.DIGESTS
