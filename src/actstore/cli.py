@@ -178,15 +178,14 @@ def _stale(config: dict, extract_dir: Path) -> str:
         model = None
     dataset = config["dataset"]
     try:
-        resolve_source(dataset["path"], dataset.get("format", "auto"), dataset.get("split", "train"))
-        data_here = True
+        source = resolve_source(dataset["path"], dataset.get("format", "auto"), dataset.get("split", "train"))
     except ConfigError:  # likewise the data
-        data_here = False
+        source = None
     try:
         if model is not None:
             check_model_unchanged(model, extract_dir)
-        if data_here:
-            check_extraction_data_unchanged(dataset, extract_dir)
+        if source is not None:  # given, not listed again (an image folder's listing: seconds)
+            check_extraction_data_unchanged(dataset, extract_dir, source=source)
     except ActstoreError as exc:  # a scan or part.json damaged (FormatError) stops the next run's parse too
         return str(exc)
     return ""

@@ -21,7 +21,6 @@ so it blinds neither its range's other rows nor itself.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -397,7 +396,8 @@ def _saev_views(store: Path, dtype: str) -> list[View]:
 def _saev_rows(saev, dropped: frozenset[int]) -> Iterator[Rows]:
     windows = saev.windows
     positions = np.array([p for p in range(saev.T + len(dropped)) if p not in dropped], np.int64)
-    for first, chunk in _saev_chunks(saev, max(1, BLOCK_BYTES // saev.example_bytes)):
+    # this job's share of the chunks only: another share's are not read
+    for first, chunk in saev.iter_ordered(max(1, BLOCK_BYTES // saev.example_bytes), share=integrity.CHECK_SHARE):
         examples = np.arange(first, first + len(chunk))
         for at, layer in enumerate(saev.layers):
             if windows is None:
@@ -410,26 +410,6 @@ def _saev_rows(saev, dropped: frozenset[int]) -> Iterator[Rows]:
             yield layer, samples, tokens, chunk[:, at][valid]
 
 
-def _saev_chunks(saev, chunk_examples: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(first example, (n, L, T, D) array) of the store's chunks of `chunk_examples` in example order, as
-    saev's iter_ordered reads them, but of this job's share only: another share's chunks are not read."""
-    from actstore.formats.saev.read import DTYPE, _read_exactly
-
-    position = 0
-    for start, shard in zip(saev.starts, saev.shards):
-        for lo in range(0, shard["n_examples"], chunk_examples):
-            position += 1
-            if not integrity.in_share(position - 1):
-                continue
-            out = np.empty((min(chunk_examples, shard["n_examples"] - lo), saev.L, saev.T, saev.D), DTYPE)
-            fd = os.open(saev.dir / shard["name"], os.O_RDONLY)
-            try:
-                _read_exactly(fd, saev.dir / shard["name"], out, lo * saev.example_bytes)
-            finally:
-                os.close(fd)
-            yield int(start) + lo, out
-
-
 def _pickle_views(store: Path, dtype: str) -> list[View]:
     from actstore.formats.pickle.check import checked_metadata
 
@@ -440,22 +420,12 @@ def _pickle_views(store: Path, dtype: str) -> list[View]:
 def _pickle_rows(store: Path, layers: tuple[int, ...]) -> Iterator[Rows]:
     """Every item of every layer's shards (of this job's share of the shards, by their place in
     metadata.json): its token_count rows (the spec's padding left out)."""
-    from actstore.formats.pickle import item_tokens
+    from actstore.formats.pickle import item_tokens, iter_activations
 
     for layer in layers:  # each item held whole (its padding too) until its block is folded in
+        items = iter_activations(store, layer, share=integrity.CHECK_SHARE)  # another share's shards not loaded
         yield from _sample_blocks(layer, ((item["sample_idx"], item["activation"][:item_tokens(item)],
-                                           item["activation"].nbytes) for item in _pickle_items(store, layer)),
-                                  BLOCK_BYTES)
-
-
-def _pickle_items(store: Path, layer: int) -> Iterator[dict[str, Any]]:
-    """pickle's iter_activations, of the shards of this job's share only: another share's are not loaded."""
-    from actstore.formats.pickle.read import _layer_items, load_shard, stored_metadata
-
-    meta = stored_metadata(store, layer)
-    for position, info in enumerate(meta["shards"]):
-        if layer in info["layers"] and integrity.in_share(position):
-            yield from _layer_items(store, meta, info, load_shard(store, info), layer)
+                                           item["activation"].nbytes) for item in items), BLOCK_BYTES)
 
 
 def _zarr_views(store: Path, dtype: str) -> list[View]:

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Callable, Generic, Iterable, Iterator, Sized, 
 import numpy as np
 from tqdm import tqdm
 
-from actstore.errors import FormatError
+from actstore.errors import ConfigError, FormatError
 from actstore.formats import is_metadata_name
 from actstore.io_utils import canonical_sha256, is_temp, sha256_file, sha256_tree_file
 
@@ -84,6 +84,15 @@ def in_share(position: int) -> bool:
     """Whether the item at `position` of a list is this process's to check (check_share)."""
     share, shares = CHECK_SHARE
     return position % shares == share
+
+
+def share_places(share: tuple[int, int]) -> tuple[int, int]:
+    """A reader's `share` argument (k, n), checked: the items at places k, k + n, k + 2n, ... of a list
+    (in_share's pick); a ConfigError for one that picks nothing (it would read nothing, with no error)."""
+    first, every = share
+    if not (whole_number(every, least=1) and whole_number(first) and first < every):
+        raise ConfigError(f"share={share!r}: must be (k, n) with n >= 1 and 0 <= k < n")
+    return first, every
 
 
 def problems_of(check: Callable[[Item], list[str]], items: Iterable[Item], threads: int | None = None,

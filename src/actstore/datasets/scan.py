@@ -163,7 +163,8 @@ def _stamp_change(path: Path, was: tuple[int, int], now: tuple[int, int]) -> str
             f"{shlex.quote(str(path))}` gives it back its scanned mtime")
 
 
-def check_extraction_data_unchanged(section: dict[str, Any], extract_dir: Path) -> None:
+def check_extraction_data_unchanged(section: dict[str, Any], extract_dir: Path, *,
+                                    source: Source | None = None) -> None:
     """ConfigError naming the data file (or folder) if the finished extraction in `extract_dir` (its
     extract.json) was scanned from other data than dataset `section` names now: its dataset_scan.json's
     stamps and listing against the data (check_unchanged). Only where the extract hash names the data
@@ -171,7 +172,8 @@ def check_extraction_data_unchanged(section: dict[str, Any], extract_dir: Path) 
     edited in place (rows appended) or another file at that path (a relative path in another checkout)
     would find the old activations by hash. Under `stat` other data hashes apart, and a file touched
     under `content` is the same data. For the main Snakemake process's parse: it stats the data files
-    (an image folder: names its listing, made for the hash already) and reads the scan, never a row."""
+    (an image folder: names its listing, made for the hash already) and reads the scan, never a row.
+    `source`: the section's data as resolve_source found it, where the caller has it (resolved here if not)."""
     from actstore.hashing import dataset_identity  # hashing imports the datasets (its data digest)
 
     index, scan_file = extract_dir / "extract.json", extract_dir / "dataset_scan.json"
@@ -179,8 +181,9 @@ def check_extraction_data_unchanged(section: dict[str, Any], extract_dir: Path) 
         return
     identity = "dataset.identity: path" if section.get("identity") else \
         "dataset.identity unset on a config of earlier releases, which hashes as `path`"
-    check_unchanged(read_scan(scan_file), resolve_source(section["path"], section.get("format", "auto"),
-                                                         section.get("split", "train")),
+    if source is None:
+        source = resolve_source(section["path"], section.get("format", "auto"), section.get("split", "train"))
+    check_unchanged(read_scan(scan_file), source,
                     advice=f"the finished extraction {extract_dir} holds the activations of the data as it was "
                            f"scanned ({scan_file}), and its hash names the data by its path alone ({identity}). Set "
                            f"dataset.identity: stat (or content) to extract the data as it is now under a new "

@@ -19,7 +19,7 @@ import numpy as np
 from actstore.errors import FormatError
 from actstore.formats.pickle.layout import CHECKSUM_PREFIX, METADATA, is_shard_name, layer_key
 from actstore.formats.pickle.unpickler import safe_loads
-from actstore.integrity import inside, is_integer, read_json, read_sized, refuse, whole_number
+from actstore.integrity import inside, is_integer, read_json, read_sized, refuse, share_places, whole_number
 
 # What a hostile or broken shard can raise from decompression or the restricted unpickler. numpy's
 # ndarray.__setstate__ raises SystemError or RuntimeError on a dtype that a BUILD state altered after
@@ -103,10 +103,14 @@ def stored_metadata(output_dir: str | Path, layer_idx: int) -> dict[str, Any]:
     return meta
 
 
-def iter_activations(output_dir: str | Path, layer_idx: int) -> Iterator[dict[str, Any]]:
-    """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time."""
+def iter_activations(output_dir: str | Path, layer_idx: int, *,
+                     share: tuple[int, int] = (0, 1)) -> Iterator[dict[str, Any]]:
+    """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time. share
+    (k, n): only the shards at places k, k + n, k + 2n, ... of metadata.json's list (integrity.in_share's
+    pick, a validate share job's), the others never loaded."""
+    first, every = share_places(share)
     meta = stored_metadata(output_dir, layer_idx)
-    for info in meta["shards"]:
+    for info in meta["shards"][first::every]:
         if layer_idx not in info["layers"]:
             continue
         items = _layer_items(output_dir, meta, info, load_shard(output_dir, info), layer_idx)

@@ -1,6 +1,7 @@
 """Reading a saev store: resolve a path to the store, open it, address vectors as the spec's §4 says."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import warnings
@@ -16,7 +17,7 @@ from actstore.formats.saev.layout import (DTYPE, LABELS, METADATA, POINTER, SHAR
                                           check_metadata, dropped_tokens, examples_per_shard, flavor_of,
                                           protocol_problem, shard_name, to_spec, window_problem)
 from actstore.integrity import (check_npy, file_records, inside, open_files_budget, read_index, read_json, refuse,
-                                whole_number)
+                                share_places, whole_number)
 from actstore.io_utils import pread_into
 
 # iter_ordered's default read: a whole shard of a multi-layer ViT store at the spec's default
@@ -261,19 +262,25 @@ class SaevStore:
         shard_idx, ex_in_shard = divmod(example, self.examples_per_shard)
         return self.memmap(shard_idx)[ex_in_shard]
 
-    def iter_ordered(self, chunk_examples: int | None = None,
-                     progress: bool = False) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_ordered(self, chunk_examples: int | None = None, progress: bool = False, *,
+                     share: tuple[int, int] = (0, 1)) -> Iterator[tuple[int, np.ndarray]]:
         """(first example, (n, L, T, D) array) in example order, one large sequential read each of
-        chunk_examples (default: as many as READ_CHUNK_BYTES holds, at least one)."""
+        chunk_examples (default: as many as READ_CHUNK_BYTES holds, at least one). share (k, n): only
+        the chunks at places k, k + n, k + 2n, ... of the store's chunks in that order (integrity.in_share's
+        pick, a validate share job's), the others never read."""
         if chunk_examples is None:
             chunk_examples = max(1, READ_CHUNK_BYTES // self.example_bytes)
         if not whole_number(chunk_examples, least=1):  # range() yielded nothing for -1, with no error
             raise ConfigError(f"chunk_examples={chunk_examples!r} must be a whole number >= 1")
+        first, every = share_places(share)
+        places = itertools.count()  # each chunk's place in the store's order, shards after one another
         for idx, shard in enumerate(tqdm(self.shards, desc="saev read", disable=not progress)):
             path = self.dir / shard["name"]
             fd = os.open(path, os.O_RDONLY)
             try:
                 for lo in range(0, shard["n_examples"], chunk_examples):
+                    if next(places) % every != first:
+                        continue
                     n = min(chunk_examples, shard["n_examples"] - lo)
                     out = np.empty((n, self.L, self.T, self.D), dtype=DTYPE)
                     # pread_into loops: one read() returns at most 2 GiB - 4 KiB on Linux
