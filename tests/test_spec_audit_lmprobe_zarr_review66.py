@@ -3,8 +3,8 @@ though the spec (../shared/specs/lmprobe-format-2.0.md, zarr-activation-logger.m
 
 Each test builds a real store with actstore's writers, makes the one change the spec rules out while
 keeping every checksum consistent (what a writer bug, not a flipped byte, leaves), and asserts that
-verify names it. They are strict xfails: verify passes each of these stores today. A precondition the
-test relies on fails with pytest.fail (not an AssertionError), so it is never taken for the xfail.
+verify names it (each was a strict xfail before verify checked it). A precondition the test relies on
+fails with pytest.fail, naming it, so a broken precondition is never taken for verify's fault.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 from actstore.formats import lmprobe
 from actstore.formats import zarr as zs
 from actstore.formats.zarr.layout import FILES_JSON, files_json_text
-from actstore.integrity import file_record
+from actstore.integrity import check_share, file_record
 from test_zarr import bert_run  # noqa: F401 (a fixture: two shards of 15 bert samples, merged)
 
 INDEX = "index/train-00000-of-00001.parquet"
@@ -71,8 +71,6 @@ def problems_naming(problems: list[str], *words: str) -> list[str]:
 
 # --- lmprobe 2.0 ------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verify checks hidden_layers.row_bytes/dtype against the shards, never logits_topk's")
 @pytest.mark.parametrize("key, value", [("row_bytes", 999), ("dtype", "float16")])
 def test_verify_names_a_logits_descriptor_that_misstates_its_rows(gpt2_dataset, tmp_path, key, value):
     """Spec, Logits (top-k): the descriptor gives `dtype` ("float32") and `row_bytes` (600 for k = 50:
@@ -84,8 +82,6 @@ def test_verify_names_a_logits_descriptor_that_misstates_its_rows(gpt2_dataset, 
     assert problems_naming(lmprobe.verify(root), "logits_topk", key), lmprobe.verify(root)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verify checks a sequence shard's num_tokens, never its num_prompts")
 def test_verify_names_a_sequence_shard_whose_num_prompts_is_wrong(gpt2_dataset, tmp_path):
     """Spec, Tensor descriptors: `num_prompts is the number of prompts (rows) in that shard`. A sequence
     shard's num_prompts 5 more than the prompts its tokens belong to (token_shard_ids) verifies clean."""
@@ -111,8 +107,6 @@ def shorten_first_list(column: str) -> Callable[[pa.Table], pa.Table]:
     return edit
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verify checks token_shard_ids/offsets lengths against num_tokens, not the token columns")
 @pytest.mark.parametrize("column", ["token_ids", "token_perplexity", "token_strings"])
 def test_verify_names_a_token_column_of_another_length_than_num_tokens(gpt2_dataset, tmp_path, column):
     """Spec, Token-level data: token_ids are the prompt's token IDs, token_perplexity / token_strings one
@@ -133,8 +127,6 @@ def retyped(column: str, type_: pa.DataType, value: Any = None) -> Callable[[pa.
     return edit
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verify checks the core columns are integers, not the spec's types")
 @pytest.mark.parametrize("column, type_, value", [("label", pa.float64(), 1.5), ("num_tokens", pa.int64(), None),
                                                    ("shard_index", pa.int64(), None)])
 def test_verify_names_a_core_column_of_a_type_the_spec_rules_out(gpt2_dataset, tmp_path, column, type_, value):
@@ -146,8 +138,30 @@ def test_verify_names_a_core_column_of_a_type_the_spec_rules_out(gpt2_dataset, t
     assert problems_naming(lmprobe.verify(root), column), lmprobe.verify(root)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="verify checks hidden_layers layout/storage/pooling but no descriptor's `type`")
+@pytest.mark.parametrize("type_, value", [(pa.string(), "cat"), (pa.dictionary(pa.int32(), pa.string()), "cat"),
+                                           (pa.null(), None)])
+def test_verify_passes_a_label_column_of_strings_categories_or_nulls(gpt2_dataset, tmp_path, type_, value):
+    """The spec's `int32 or string` label: strings, pandas' categorical of strings (a string column in the
+    parquet) and a column of nulls alone (every label null, which the spec allows) verify clean."""
+    def edit(table: pa.Table) -> pa.Table:
+        at = table.schema.get_field_index("label")
+        return table.set_column(at, "label", pa.array([value] * table.num_rows, type_))
+
+    root = edited_dataset(gpt2_dataset, tmp_path / "ds", table_edit=edit)
+    need(pq.read_schema(root / INDEX).field("label").type == type_, f"label stored as {type_}")
+    assert lmprobe.verify(root) == []
+
+
+def test_verify_checks_the_token_columns_in_one_share_of_a_validate_job(gpt2_dataset, tmp_path):
+    """A validate job of 3 shares names a short token_ids list once: the pass over the index is share 0's."""
+    root = edited_dataset(gpt2_dataset, tmp_path / "ds", table_edit=shorten_first_list("token_ids"))
+    found = []
+    for share in range(3):
+        with check_share(share, 3):
+            found.append(len(problems_naming(lmprobe.verify(root), "token_ids")))
+    assert found == [1, 0, 0]
+
+
 @pytest.mark.parametrize("name, value", [("hidden_layers", "logits_topk"), ("logits_topk", "hidden")])
 def test_verify_names_a_descriptor_of_another_type(gpt2_dataset, tmp_path, name, value):
     """Spec, Tensor descriptors: "The two tensor types are hidden_layers (hidden-state activations) and
@@ -182,7 +196,6 @@ def rerecord(run: Path, rels: list[str]) -> None:
     (run / zs.MANIFEST).write_text(json.dumps(manifest))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="verify never reads arrays/split")
 def test_verify_names_a_split_code_the_spec_does_not_define(bert_run, tmp_path):  # noqa: F811
     """Spec, Required per-sample numeric metadata: `split: (N,) int8 (optional; 0=train,1=val,2=test)`.
     A sample whose split is 7 verifies clean (a reader filtering on split drops it from every split)."""
@@ -205,7 +218,6 @@ def edit_prompt_lines(lines: list[dict], fault: str) -> None:
         lines[1]["sample_key"] = "0" * 64
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="verify never compares text/prompts.jsonl with arrays/")
 @pytest.mark.parametrize("fault", ["line missing", "i not its line", "sample_key not the array's"])
 def test_verify_names_prompts_jsonl_that_disagrees_with_the_arrays(bert_run, tmp_path, fault):  # noqa: F811
     """Spec, Variable-length text fields: `text/prompts.jsonl: one JSON object per line, including at least
@@ -220,3 +232,51 @@ def test_verify_names_prompts_jsonl_that_disagrees_with_the_arrays(bert_run, tmp
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     rerecord(run, ["text/prompts.jsonl"])
     assert problems_naming(zs.verify(run), "prompts.jsonl"), zs.verify(run)
+
+
+def test_verify_names_a_bad_split_code_in_exactly_one_share_of_a_validate_job(bert_run, tmp_path):  # noqa: F811
+    """arrays/split is read by one share of a validate job of 3 (each per-sample file by one)."""
+    run = copied_run(bert_run, tmp_path)
+    chunk = run / STORE / "arrays/split/0"
+    codes = np.frombuffer(chunk.read_bytes(), np.int8).copy()
+    codes[0] = 7
+    chunk.write_bytes(codes.tobytes())
+    rerecord(run, ["arrays/split/0"])
+    found = []
+    for share in range(3):
+        with check_share(share, 3):
+            found += problems_naming(zs.verify(run), "arrays/split")
+    assert len(found) == 1, found
+
+
+@pytest.mark.parametrize("past_names", [True, False])
+def test_verify_names_a_label_outside_label_names(bert_run, tmp_path, past_names):  # noqa: F811
+    """actstore's arrays/label (int32) is a position in the label_names attr, -1 for none. A sample whose
+    label is past label_names, or below -1, verified clean: a reader naming its class fails or names none."""
+    run = copied_run(bert_run, tmp_path)
+    chunk = run / STORE / "arrays/label/0"
+    names = json.loads((run / STORE / ".zattrs").read_text())["label_names"]
+    need(chunk.is_file() and len(names) >= 1, "the store has a label array (one chunk) and label names")
+    labels = np.frombuffer(chunk.read_bytes(), "<i4").copy()
+    label = len(names) if past_names else -2
+    labels[3] = label
+    chunk.write_bytes(labels.tobytes())
+    rerecord(run, ["arrays/label/0"])
+    assert problems_naming(zs.verify(run), "arrays/label", f"[3] = {label}"), zs.verify(run)
+
+
+def test_verify_passes_labels_of_none_and_a_split_of_each_code(bert_run, tmp_path):  # noqa: F811
+    """The values the checks above refuse are the only ones: -1 (no label) and every label position, split
+    codes 0, 1 and 2, verify clean."""
+    run = copied_run(bert_run, tmp_path)
+    store = run / STORE
+    labels = np.frombuffer((store / "arrays/label/0").read_bytes(), "<i4").copy()
+    names = json.loads((store / ".zattrs").read_text())["label_names"]
+    need(len(labels) > len(names), "more samples than label names")
+    labels[:len(names) + 1] = [-1, *range(len(names))]
+    (store / "arrays/label/0").write_bytes(labels.tobytes())
+    codes = np.frombuffer((store / "arrays/split/0").read_bytes(), np.int8).copy()
+    codes[:3] = [0, 1, 2]
+    (store / "arrays/split/0").write_bytes(codes.tobytes())
+    rerecord(run, ["arrays/label/0", "arrays/split/0"])
+    assert zs.verify(run) == []

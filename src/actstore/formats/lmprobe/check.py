@@ -2,6 +2,7 @@
 checks of the lmprobe config section against what the extraction holds."""
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -9,12 +10,13 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import ConfigError, FormatError
-from actstore.formats.lmprobe.layout import (CORE_COLUMNS, DTYPES, FORMAT, FULL_COLUMNS, HIDDEN_KEYS,
-                                             LOGITS_COLUMNS, STORAGES, SUMS, prompt_order)
+from actstore.formats.lmprobe.layout import (COLUMN_TYPES, CORE_COLUMNS, DESCRIPTOR_TYPES, DTYPES, FORMAT,
+                                             FULL_COLUMNS, HIDDEN_KEYS, LOGITS_COLUMNS, LOGITS_DTYPE,
+                                             LOGITS_ROW_BYTES_PER_K, STORAGES, SUMS, TOKEN_COLUMNS, prompt_order)
 from actstore.formats.lmprobe.read import (LmprobeDataset, dataset_root, find_index, list_column, open_dataset,
                                            pattern_fields, read_info)
-from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, open_regular, problems_of, sorted_files,
-                                unlisted, vector_indices, whole_number)
+from actstore.integrity import (dir_bytes, in_share, inside, links_out, listed_problem, open_regular, problems_of,
+                                sorted_files, unlisted, vector_indices, whole_number)
 
 
 def check_selection(layers: list[int], logits_topk: int | None, have_layers: list[int],
@@ -221,8 +223,74 @@ def _verify_index(ds: LmprobeDataset) -> list[str]:
     problems = _missing_fields(ds) or _descriptor_values(ds)
     if problems:
         return problems
-    return (_verify_counts(ds) + _verify_order(ds) + (_verify_token_addresses(ds) if ds.full_sequence else [])
-            + (_verify_logits_addresses(ds) if ds.logits_desc else []) + _verify_truncated(ds))
+    return (_column_types(ds) + _descriptor_facts(ds) + _verify_counts(ds) + _verify_order(ds)
+            + (_verify_token_addresses(ds) if ds.full_sequence else [])
+            + (_verify_logits_addresses(ds) if ds.logits_desc else []) + _verify_truncated(ds)
+            + (_verify_token_columns(ds) if in_share(0) else []))  # a pass over the index: one share's
+
+
+def _column_types(ds: LmprobeDataset) -> list[str]:
+    """The addressing columns (and label) of the spec's types: int64 counts or a float label (pandas'
+    integers with a null) were read by actstore, not by a reader typed as the spec says."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    problems = []
+    for field in pq.read_schema(ds.index_path):
+        # a dictionary-encoded column (pandas' categorical) is a column of its values' type in the parquet
+        type_ = field.type.value_type if pa.types.is_dictionary(field.type) else field.type
+        if field.name in COLUMN_TYPES and str(type_) not in COLUMN_TYPES[field.name]:
+            problems.append(f"{ds.index_path}: column {field.name!r} holds {field.type} values, not the spec's "
+                            f"{' / '.join(COLUMN_TYPES[field.name])}")
+    return problems
+
+
+def _descriptor_facts(ds: LmprobeDataset) -> list[str]:
+    """Each descriptor's `type`, and the logits descriptor's `dtype` and `row_bytes` (where given) against
+    what its shards hold (float32 values and int64 indices, k of each a row: the reader refuses any
+    other): a reader sizing or typing rows by the descriptor misread them."""
+    where, tensors, logits = ds.index_path, ds.info["tensors"], ds.logits_desc
+    problems = [f"{where}: lmprobe:tensors.{name}.type {tensors[name]['type']!r:.40} is not {kind!r}"
+                for name, kind in DESCRIPTOR_TYPES.items()
+                if isinstance(tensors.get(name), dict) and tensors[name].get("type", kind) != kind]
+    if not logits:
+        return problems
+    if logits.get("dtype", LOGITS_DTYPE) != LOGITS_DTYPE:
+        problems.append(f"{where}: lmprobe:tensors.logits_topk.dtype {logits['dtype']!r:.40} is not "
+                        f"{LOGITS_DTYPE!r}, the dtype of its shards' values")
+    row_bytes = logits["k"] * LOGITS_ROW_BYTES_PER_K
+    if "row_bytes" in logits and not (whole_number(logits["row_bytes"]) and logits["row_bytes"] == row_bytes):
+        problems.append(f"{where}: lmprobe:tensors.logits_topk.row_bytes {logits['row_bytes']!r:.40} is not "
+                        f"{row_bytes} (k x {LOGITS_ROW_BYTES_PER_K}: a float32 value and an int64 index a k)")
+    return problems
+
+
+def _verify_token_columns(ds: LmprobeDataset) -> list[str]:
+    """Each token-level column (TOKEN_COLUMNS) holds a list of num_tokens entries a prompt: one short
+    paired every later token with its neighbour's vector. Read a batch of rows at a time (index_batches);
+    the first batch with a problem is the one reported."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(ds.index_path)
+    present = [name for name in TOKEN_COLUMNS if name in schema.names]
+    lists = [name for name in present if pa.types.is_list(schema.field(name).type)
+             or pa.types.is_large_list(schema.field(name).type)]
+    problems = [f"{ds.index_path}: column {name!r} holds {schema.field(name).type} values, not lists (one entry "
+                "a token)" for name in present if name not in lists]
+    for start, batch in ds.index_batches(lists, TOKEN_BATCH_ROWS, TOKEN_BATCH_TOKENS) if lists else ():
+        rows, num_tokens = np.arange(start, start + batch.num_rows), ds.num_tokens[start:start + batch.num_rows]
+        for name in lists:
+            lengths = pc.list_value_length(batch.column(name)).fill_null(-1).to_numpy()  # a null list: -1
+            bad = lengths != num_tokens
+            held = {i: f"{'a null list' if lengths[i] < 0 else f'{lengths[i]} entries'}, num_tokens {num_tokens[i]}"
+                    for i in np.flatnonzero(bad)[:NAMED]}
+            problems += _named(ds.index_path, f"column {name!r}", "holds a list of another length than num_tokens",
+                               rows, held, bad)
+        if problems:
+            return problems
+    return problems
 
 
 def _missing_fields(ds: LmprobeDataset) -> list[str]:
@@ -368,7 +436,13 @@ def _verify_token_addresses(ds: LmprobeDataset) -> list[str]:
         if problems := _token_batch_problems(ds, np.arange(start, start + batch.num_rows), rows_of_shard, named,
                                              batch):
             return problems
-    return []
+    # our reading of the spec's "number of prompts (rows) in that shard" for a sequence shard
+    # (docs/formats/lmprobe.md): the prompts whose tokens it holds
+    return [f"{ds.index_path}: hidden_layers.shards[{s}] num_prompts {shard['num_prompts']} is not the "
+            f"{held} prompts whose tokens it holds (token_shard_ids)"
+            for s, shard, held in zip(itertools.count(ds.last_token_shards), ds.hidden["shards"][ds.last_token_shards:],
+                                      named.prompts.tolist())
+            if shard["num_prompts"] != held]
 
 
 def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: np.ndarray,
@@ -395,6 +469,7 @@ def _token_batch_problems(ds: LmprobeDataset, rows: np.ndarray, rows_of_shard: n
     if bad.any():
         return _named(where, "token_shard_ids", f"point outside the sequence shards ({first}..{stop - 1})",
                       owner, ids, bad)
+    named.count_prompts(lengths, ids)
     legacy = legacy.to_numpy()
     problems = _named(where, "token_offset", "differs from row_offset", rows, legacy, legacy != ds.row_offset[rows])
     outside = _named(where, "token_shard_offsets", "not a row of their sequence shard (shards[].num_tokens)", owner,
@@ -421,13 +496,22 @@ class _EntryRows:
 
 class _TokenRowsNamed:
     """The sequence-shard rows token addresses have named so far, one bit a row (62 MB at 500M tokens):
-    a token naming another's row read that token's vector, and passed every range check."""
+    a token naming another's row read that token's vector, and passed every range check. And the
+    prompts whose tokens each sequence shard holds, counted so far (`prompts`)."""
 
     def __init__(self, rows_of_shard: np.ndarray, first_shard: int):
         """`rows_of_shard`: the rows of each sequence shard, from shard `first_shard` on."""
         self.first_shard = first_shard
         self.first_row = np.concatenate([[0], np.cumsum(rows_of_shard)[:-1]]).astype(np.int64)
         self.bits = np.zeros((int(rows_of_shard.sum()) + 7) // 8, np.uint8)
+        self.prompts = np.zeros(len(rows_of_shard), np.int64)
+
+    def count_prompts(self, lengths: np.ndarray, ids: np.ndarray) -> None:
+        """Counts each prompt of a batch (whose token_shard_ids lists hold `lengths` entries, flat `ids`,
+        each a sequence shard) once in each shard its tokens lie in."""
+        shards = len(self.prompts)
+        pairs = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths) * shards + (ids - self.first_shard)
+        self.prompts += np.bincount(np.unique(pairs) % shards, minlength=shards)
 
     def again(self, ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Marks these (shard, row) addresses, each a row of a sequence shard, as named; True where one

@@ -51,6 +51,16 @@ ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<
              "I32": np.dtype("<i4")}
 ST_METADATA = {"format": "pt"}  # the __metadata__ of every shard
 LOGITS_ROW_BYTES_PER_K = 4 + 8  # float32 value + int64 index
+LOGITS_DTYPE = "float32"  # logits_topk.dtype: its values' (topk_indices are int64)
+DESCRIPTOR_TYPES = {"hidden_layers": "hidden", "logits_topk": "logits_topk"}  # each descriptor's `type`
+# The spec's types of the addressing columns (arrow type names); label "int32 or string", a column of
+# nulls alone (every label null, which the spec allows) included.
+COLUMN_TYPES = {"label": ("int32", "string", "large_string", "null"), "num_tokens": ("int32",),
+                "shard_index": ("int32",), "row_offset": ("int32",), "shard_index_logits": ("int32",),
+                "row_offset_logits": ("int32",)}
+# Token-level columns holding one entry per token of their prompt (num_tokens): the spec's, and actstore's
+# token_logprob
+TOKEN_COLUMNS = ("token_ids", "token_perplexity", "token_strings", "token_logprob")
 MAX_SHARD_ROWS = 2**31 - 1  # shard_index/row_offset columns are int32
 
 TensorSpec = tuple[str, str, list[int]]  # (key, safetensors dtype, shape)

@@ -5,18 +5,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import json
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, GROUP_KEYS, MANIFEST, ZARR_METADATA_NAMES,
-                                          chunk_keys_in_name_order, chunk_shape, run_attrs)
+from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, GROUP_KEYS, MANIFEST, NO_LABEL, PROMPTS_JSONL,
+                                          SPLIT_VALUES, ZARR_METADATA_NAMES, chunk_keys_in_name_order, chunk_shape,
+                                          run_attrs)
 from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems, same_json,
                                          start_problems, store_files)
-from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, problems_of, read_index, read_json,
-                                stream_json_members, whole_number)
+from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, open_regular, problems_of, read_index,
+                                read_json, read_sized, stream_json_members, whole_number)
 from actstore.io_utils import sha256_file
 
 
@@ -161,7 +163,8 @@ def _verify_store(store: Path, listing: _Listing | None = None) -> list[str]:
         reader = ZarrStore(store)
     except FormatError as exc:
         return _verify_files(store, None, entry) + [str(exc)]
-    problems = _verify_files(store, reader, entry) + metadata_problems(store, reader) + _sample_idx_problems(reader)
+    problems = (_verify_files(store, reader, entry) + metadata_problems(store, reader) + _sample_idx_problems(reader)
+                + _per_sample_problems(reader))
     if listing is not None:
         problems += run_field_problems(listing.manifest, reader, str(listing.path))
         problems += start_problems(entry, reader, f"{listing.path}: {listing.name}", listing.name == "merged")
@@ -183,6 +186,104 @@ def _sample_idx_problems(reader: ZarrStore) -> list[str]:
     wrong = np.flatnonzero(sample_idx != start + np.arange(reader.n_samples))
     return [f"{where}: [{wrong[0]}] = {sample_idx[wrong[0]]}, expected global_index_start {start} + {wrong[0]} "
             f"(.zattrs)"] if wrong.size else []
+
+
+def _per_sample_problems(reader: ZarrStore) -> list[str]:
+    """arrays/split, arrays/label and text/prompts.jsonl against the spec and the store's attrs and arrays:
+    each a pass over a file the store holds one a sample, so each is one validate share's (problems_of)."""
+    checks = [_split_problems, _label_problems, _prompts_problems]
+    return problems_of(lambda check: check(reader), checks, desc="verify zarr per-sample files")
+
+
+def _vector_chunks(reader: ZarrStore, name: str) -> Iterator[np.ndarray]:
+    """1-D array `name`'s values a chunk file at a time (a store of 10^9 samples holds gigabytes of them);
+    FormatError naming a chunk or .zarray unlike its layout."""
+    chunk_names = reader.vector_chunk_names(name)  # checks the .zarray, whose dtype and chunks are then read
+    zarray = reader.metadata[f"arrays/{name}/.zarray"]
+    dtype, chunk = np.dtype(zarray["dtype"]), zarray["chunks"][0]
+    source = f"{reader.path}/arrays/{name}/.zarray"
+    for c, key in enumerate(chunk_names):
+        values = np.frombuffer(read_sized(inside(reader.path, key, source), chunk * dtype.itemsize, source), dtype)
+        yield values[: reader.n_samples - c * chunk]
+
+
+def _out_of_set_problem(reader: ZarrStore, name: str, allowed: str, bad: Callable[[np.ndarray], np.ndarray]
+                        ) -> list[str]:
+    """arrays/`name`'s first value where `bad` (of integers: `allowed` says which are the spec's), and how
+    many, named; [] where none is or the store has no such array."""
+    where = f"{reader.path}/arrays/{name}"
+    if f"arrays/{name}/.zarray" not in reader.metadata:
+        return []
+    try:
+        first, count, start = None, 0, 0
+        for values in _vector_chunks(reader, name):
+            if values.dtype.kind not in "iu":
+                return [f"{where}: dtype {values.dtype}, expected integers ({allowed})"]
+            at = np.flatnonzero(bad(values))
+            if first is None and at.size:
+                first = (start + int(at[0]), values[at[0]])
+            count, start = count + at.size, start + len(values)
+    except FormatError as exc:
+        return [str(exc)]
+    return [f"{where}: [{first[0]}] = {first[1]} is not {allowed} ({count} samples)"] if count else []
+
+
+def _split_problems(reader: ZarrStore) -> list[str]:
+    """arrays/split holds the spec's codes only: a sample of another was in no split a reader filters on."""
+    allowed = ", ".join(map(str, SPLIT_VALUES)) + " (train, val, test)"
+    return _out_of_set_problem(reader, "split", allowed, lambda codes: ~np.isin(codes, SPLIT_VALUES))
+
+
+def _label_problems(reader: ZarrStore) -> list[str]:
+    """arrays/label holds positions in the label_names attr or NO_LABEL: another named no class."""
+    if "arrays/label/.zarray" not in reader.metadata:
+        return []
+    names = reader.attrs.get("label_names")
+    if not isinstance(names, list):
+        return [f"{reader.path}/.zattrs: label_names={names!r:.40}, expected the list arrays/label indexes"]
+    return _out_of_set_problem(reader, "label", f"{NO_LABEL} (none) or a position in label_names (0..{len(names) - 1})",
+                               lambda labels: (labels != NO_LABEL) & ((labels < 0) | (labels >= len(names))))
+
+
+def _prompts_problems(reader: ZarrStore) -> list[str]:
+    """text/prompts.jsonl (optional in the spec): a JSON object a sample, line i its sample's, with `i` =
+    i, a `prompt`, and the `sample_key` of arrays/sample_key (where the store has one); read a line at a
+    time. The first line wrong is named (a line missing made every later one another sample's)."""
+    path = reader.path / PROMPTS_JSONL
+    if not path.exists():
+        return []
+    keys = (itertools.chain.from_iterable(_vector_chunks(reader, "sample_key"))
+            if "arrays/sample_key/.zarray" in reader.metadata else itertools.repeat(None))
+    lines = 0
+    try:
+        with open_regular(path) as fh:
+            for lines, (key, line) in enumerate(zip(keys, fh), start=1):  # keys first: no line taken past them
+                if problem := _prompt_line_problem(line, lines - 1, key):
+                    return [f"{path}: line {lines} (sample {lines - 1}): {problem}"]
+            rest = sum(1 for _ in fh)  # the lines past the samples' (zip stops at the shorter)
+    except (FormatError, OSError) as exc:
+        return [f"{path}: unreadable ({exc})"]
+    held = lines + rest
+    return [] if held == reader.n_samples else [f"{path}: {held} lines, the store holds {reader.n_samples} samples "
+                                                f"(.zattrs num_samples)"]
+
+
+def _prompt_line_problem(line: bytes, i: int, key: bytes | None) -> str | None:
+    """Why `line` is not local sample `i`'s prompts.jsonl line (its sample_key `key`; None: not stored)."""
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        return f"not JSON ({exc})"
+    if not isinstance(record, dict):
+        return f"{record!r:.40} is not a JSON object"
+    if not same_json(record.get("i"), i):
+        return f"i={record.get('i')!r:.40}, expected {i} (the sample of its line)"
+    if not isinstance(record.get("prompt"), str):
+        return f"prompt={record.get('prompt')!r:.40}, expected a string"
+    stored = None if key is None else key.decode("ascii", "replace")
+    if stored is not None and record.get("sample_key") != stored:
+        return f"sample_key={record.get('sample_key')!r:.80}, arrays/sample_key[{i}] is {stored!r}"
+    return None
 
 
 def _verify_files(store: Path, reader: ZarrStore | None, entry: dict | None = None) -> list[str]:

@@ -39,6 +39,8 @@ VECTOR_ZARRAY = {"zarr_format": ZARR_FORMAT, "compressor": None, "filters": None
 TARGET_CHUNK_BYTES = 1 << 20  # middle of the spec's 0.5-2 MB window
 VECTOR_CHUNK = 1 << 16  # samples per chunk of the 1-D per-sample arrays
 SPLIT_CODES = {"train": 0, "val": 1, "validation": 1, "test": 2}
+SPLIT_VALUES = sorted(set(SPLIT_CODES.values()))  # the spec's only codes of arrays/split
+NO_LABEL = -1  # arrays/label of a sample without a label; any other is a position in label_names
 REQUIRED_ATTRS = ("schema_version", "model_id", "num_layers", "layers", "hidden_size", "T_max",
                   "dtype", "T_chunk", "num_samples", "global_index_start")
 # Attrs every shard of one run must share (checked before merging): the merged store takes the first
