@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR, WINDOWS,
-                                          decode_data, protocol_problem, store_name)
+from actstore.formats.saev.layout import (FAMILIES, LABELS, METADATA, POINTER, SEALED, SHARDS, SIDECAR,
+                                          UPSTREAM_FIELDS, UPSTREAM_SHARD_FIELDS, WINDOWS, decode_data,
+                                          protocol_problem, store_name)
 from actstore.formats.saev.read import SaevStore, open_store, resolve
 from actstore.integrity import (SEAL_KEY, LastBuilt, dir_bytes, file_problem, links_out, listed_problem, problems_of,
                                 read_json, refuse, seal_problems, unlisted)
@@ -54,7 +55,8 @@ def verify(path: str | Path) -> list[str]:
         store = SaevStore(path, check_sizes=False)
     except (FormatError, OSError) as exc:
         return [str(exc)]
-    problems = _verify_name(store) + _verify_protocol(store) + _verify_pointer_seal(Path(path), store.dir)
+    problems = _verify_name(store) + _verify_upstream_keys(store) + _verify_protocol(store)
+    problems += _verify_pointer_seal(Path(path), store.dir)
     try:
         description = _data_description(store)
     except FormatError as exc:
@@ -78,6 +80,19 @@ def _verify_name(store: SaevStore) -> list[str]:
     if have == want:
         return []
     return [f"{store.dir / METADATA}: its hash {want!r} does not match the directory name {have!r} (config drift)"]
+
+
+def _verify_upstream_keys(store: SaevStore) -> list[str]:
+    """Each key of an upstream store that saev's Metadata(**dct) or Shard(**entry) raises TypeError on: the
+    directory name hashes saev's fields alone and our readers skip other keys, so nothing else notices."""
+    if store.flavor != "upstream":
+        return []  # a spec store's shards.json held sha256 before the checksums moved to actstore.json
+    refused = [f"{store.dir / METADATA}: key {key!r} is not one of saev's Metadata fields "
+               f"(saev's Metadata.load raises TypeError on it)" for key in store.file_metadata
+               if key not in UPSTREAM_FIELDS]
+    return refused + [f"{store.dir / SHARDS}: entry {i} ({shard['name']}) key {key!r} is not one of saev's Shard "
+                      f"fields {', '.join(UPSTREAM_SHARD_FIELDS)} (saev's ShardInfo.load raises TypeError on it)"
+                      for i, shard in enumerate(store.shards) for key in shard if key not in UPSTREAM_SHARD_FIELDS]
 
 
 def _verify_protocol(store: SaevStore) -> list[str]:

@@ -42,6 +42,9 @@ UPSTREAM_FIELDS = {
     "d_model": int, "n_examples": int, "max_tokens_per_shard": int, "data": str, "dataset": str,
     "pixel_agg": str, "dtype": str, "protocol": str,
 }
+# saev's Shard (3d73f1f): ShardInfo.load builds Shard(**entry) from each shards.json entry, as Metadata.load
+# builds Metadata(**dct) from metadata.json: a key outside these fields (or UPSTREAM_FIELDS) is a TypeError.
+UPSTREAM_SHARD_FIELDS = ("name", "n_examples")
 UPSTREAM_RENAMED = {"patches_per_ex": "content_tokens_per_example", "patches_per_shard": "max_tokens_per_shard"}
 UPSTREAM_FAMILIES = ("bird-mae", "clip", "dinov2", "dinov3", "fake-clip", "pe-core", "pe-spatial", "siglip")
 PIXEL_AGGS = ("majority", "prefer-fg")

@@ -120,6 +120,11 @@ def plan_store(extraction, section: dict[str, Any], extract_hash: str | None = N
     model_type = info.model.model_type or "unknown"
     sidecar: dict[str, Any] = {"source_extraction": extract_hash, "model_type": model_type}
     description = _description(info, extract_hash, len(num_tokens))
+    if extract_hash is None:
+        # Nothing else in `data` names the extraction's bytes: two extractions differing in storage dtype
+        # or weights shared a HASH, the second store replacing the first. The workflow passes its stage hash
+        # (its stores keep their bytes and HASH); after the other keys, as their order is part of HASH.
+        description["extraction_digest"] = _copied_digest(extraction, layers)
     kept_tokens = None
     if info.modality == "image":
         family = FAMILIES.get(model_type, model_type)
@@ -192,6 +197,15 @@ def _description(info: PartInfo, extract_hash: str | None, n_samples: int) -> di
             "dataset": {"path": info.dataset.path, "name": info.dataset.name, "split": info.dataset.split},
             "n_samples": int(n_samples), "model_revision": info.model.revision,
             "torch_dtype": info.model.torch_dtype}
+
+
+def _copied_digest(extraction, layers: list[int]) -> str:
+    """sha256 of part.json's records (size, dtype, shape, tree hash) of the files the store copies from
+    each part: offsets.npy and the stored layers' tensors. Not part.json whole (Plan.source): its
+    created_at and timings differ between two runs of one config, whose stores must share a HASH."""
+    names = [layer_tensor(layer) for layer in layers]
+    return canonical_sha256([{file: part.meta["files"][file] for _, file in part_reads(part, names, samples=False)}
+                             for part in extraction.parts])
 
 
 def _image_patches(extraction, num_tokens: np.ndarray, cls_token: bool,
@@ -399,6 +413,11 @@ def _check_shape(plan: Plan) -> None:
     # The readers' own check (a raw plan's metadata is the caller's): a layer listed twice, a bool for
     # an int or a dtype other than float32 wrote every shard of a store that no reader opens.
     check_metadata(plan.file_metadata, Path("saev.Plan.metadata"))
+    # Spec §2.1: the absolute path of the dataset root (runs link back to the images through it). Only
+    # the writer refuses a relative one: stores saev wrote with one still open.
+    if not Path(md["dataset"]).is_absolute():
+        raise FormatError(f"saev.Plan.metadata: field 'dataset' = {md['dataset']!r} is not an absolute path; "
+                          "protocol 2.1 stores the absolute path of the dataset root")
     # So is its labels.bin: finish_store refused it after every shard was written, naming the store's temp dir.
     if plan.labels is not None:
         _check_labels(np.asarray(plan.labels), (md["n_examples"], md["patches_per_ex"]), "saev.Plan.labels")
