@@ -7,8 +7,10 @@ from actstore.jobs import write_jobs
 
 LMPROBE_DIR = sdir("lmprobe")
 LMPROBE_JOBS = write_jobs(config, "lmprobe")
-# lmprobe.layers / logits_topk against extract.* and the model's kind (common.smk's config.json), before any job
-check_options(config, model_config)
+# lmprobe.layers / logits_topk against extract.* and the model's kind (common.smk's config.json), before any job;
+# not when lmprobe is disabled: no lmprobe job runs, and its options stopped the parse of every other stage.
+if "lmprobe" in enabled_stages(config):
+    check_options(config, model_config)
 
 
 # Only the index as input: it already depends on every part (and records each part.json's sha256),

@@ -9,7 +9,10 @@ from actstore.jobs import write_jobs
 
 SAEV_DIR = sdir("saev")
 SAEV_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "saev"))]
-check_options(config)  # saev.layers against extract.layers, before any job runs
+# saev.layers against extract.layers, before any job runs; not when saev is disabled: no saev job runs,
+# and its options stopped the parse of every other stage.
+if "saev" in enabled_stages(config):
+    check_options(config)
 
 
 rule saev_shards:

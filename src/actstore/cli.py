@@ -148,6 +148,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     configfile = (args.configfile or args.directory / DEFAULT_CONFIG).absolute()
     with contextlib.chdir(args.directory):
         config = load_config(configfile)
+        _check_layers(config)
         dirs = stage_dirs(config)
         stale = _stale(config, dirs["extract"])
     located = {stage: str(args.directory / dirs[stage]) for stage in enabled_stages(config)}
@@ -162,6 +163,19 @@ def cmd_locate(args: argparse.Namespace) -> int:
         if stale:
             print(_line(f"stale: {stale}"))
     return 0
+
+
+def _check_layers(config: dict) -> None:
+    """ConfigError for an extract.layers block past the model's, as the workflow's parse refuses it
+    (model_config.check_layers): locate printed the directories of a run that never starts, and exited 0.
+    A config whose model folder is not here (a copied dump_to) is taken at its word, as _stale takes it."""
+    from actstore.model_config import check_layers, resolve_model_path, run_config
+
+    try:
+        resolve_model_path(config["model"]["path"])
+    except ConfigError:
+        return
+    check_layers(config["extract"]["layers"], run_config(config["model"]))
 
 
 def _stale(config: dict, extract_dir: Path) -> str:

@@ -288,16 +288,20 @@ def saelens_encoding(cfg_path: Path, k_active: int, sizes: dict[str, int]) -> tu
     version = cfg.get("sae_lens_version") or cfg_object(cfg_path, cfg, "metadata").get("sae_lens_version") or ""
     major = re.match(r"\d+", str(version))
     if major and int(major[0]) >= 6:
-        architecture, k = cfg.get("architecture"), cfg.get("k", SAELENS_DEFAULT_K)
+        architecture, k, k_field = cfg.get("architecture"), cfg.get("k", SAELENS_DEFAULT_K), "k"
     else:  # before 6.0 a TopK SAE was architecture standard with activation_fn_str topk; in another
         # architecture (jumprelu: TopK, then its threshold) the activation function is not all of the encoder
         kwargs, architecture = cfg_object(cfg_path, cfg, "activation_fn_kwargs"), cfg.get("architecture", "standard")
         topk = architecture == "standard" and (cfg.get("activation_fn_str") or cfg.get("activation_fn")) == "topk"
         architecture, k = ("topk", kwargs["k"]) if topk and "k" in kwargs else (architecture, None)
+        k_field = "activation_fn_kwargs.k"
     if architecture != "topk":
         raise ConfigError(f"{cfg_path}: architecture {architecture!r}; sae.import takes TopK SAEs (architecture "
                           "topk): the LUT spec's encoder is TopK(ReLU(x W + b)), which this SAE's is not")
-    if not whole_number(k) or k != k_active:  # whole_number: true == 1 in Python
+    if not whole_number(k, 1):  # "32", or true (== 1 in Python): the SAE's k is no count, whatever sae.k_active is
+        raise ConfigError(f"{cfg_path}: {k_field} {k!r:.40}, but sae.k_active is {k_active}: that {k_field} is a "
+                          f"{type(k).__name__}, where SAELens' k is a whole number (a JSON integer: 32, not \"32\")")
+    if k != k_active:
         raise ConfigError(f"{cfg_path}: k {k!r}, but sae.k_active is {k_active}: set sae.k_active to the SAE's k")
     if cfg.get("normalize_activations", "none") not in ("none", False):
         raise ConfigError(f"{cfg_path}: normalize_activations {cfg['normalize_activations']!r}; sae.import takes "

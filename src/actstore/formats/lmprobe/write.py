@@ -171,7 +171,7 @@ class _TokenRows:
 
     def _stored(self, rows: np.ndarray, dtype: str) -> np.ndarray:
         """Rows in the storage dtype: float32 ones converted (values made +-inf are counted, and
-        write_tensor_files logs them), ones gathered in it as they are."""
+        _log_overflow logs them), ones gathered in it as they are."""
         if rows.dtype == DTYPES[dtype][1]:
             return rows
         stored, overflow = from_float32(rows, dtype)
@@ -345,11 +345,15 @@ def write_tensor_files(plan: Plan, root: Path, items: range, progress: bool = Fa
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="lmprobe-file") as pool:
         written = tqdm(pool.map(write_file, items), total=len(items), desc="lmprobe tensor files", unit="file",
                        disable=not progress)
-        records = {plan.files[i]: record for i, record in zip(items, written)}
-    if plan.src.overflow:
+        return {plan.files[i]: record for i, record in zip(items, written)}
+
+
+def _log_overflow(plan: Plan, overflow: int, dataset: str | Path) -> None:
+    """The activations the storage dtype made +-inf, named by the dataset they are in: the files' own
+    directory is a temp name (atomic_path's, a job's scatter folder) gone once the dataset is finished."""
+    if overflow:
         log.warning("lmprobe.dtype %s: %d finite activations beyond %s are stored as +-inf in %s (float32 keeps "
-                    "them)", plan.opts["dtype"], plan.src.overflow, LARGEST[plan.opts["dtype"]], root / "tensors")
-    return records
+                    "them)", plan.opts["dtype"], overflow, LARGEST[plan.opts["dtype"]], Path(dataset) / "tensors")
 
 
 def _hidden_file(plan: Plan, i: int) -> tuple[list[TensorSpec], Iterator[np.ndarray]]:
@@ -379,7 +383,8 @@ def write_job(extract_dir: str | Path, job_dir: str | Path, options: dict[str, A
     # PartsCheck: the part files read checked against part.json as they are read, before the rename
     with atomic_path(job_dir) as tmp, PartsCheck(plan.reads(items)):
         records = write_tensor_files(plan, tmp, items, progress, threads)
-        write_job_record(tmp, jobs, job, records.items(), plan=plan.digest)
+        # the overflow count, for the finishing job to log naming the dataset (_log_overflow)
+        write_job_record(tmp, jobs, job, records.items(), plan=plan.digest, overflow=plan.src.overflow)
     log.info("lmprobe job %d/%d: %d tensor files -> %s", job, jobs, len(items), job_dir)
     return records
 
@@ -396,20 +401,22 @@ def finish_dataset(extract_dir: str | Path, job_dirs: list[str | Path], out_dir:
     file). Hard links, not renames: no byte is copied, and a finisher killed at any point leaves the
     jobs' outputs whole for a rerun (Snakemake removes them, temp(), once this job succeeds)."""
     plan = plan_dataset(extract_dir, options, trust_remote_code)
-    sources = _collect(plan, [Path(d) for d in job_dirs])
+    sources, overflow = _collect(plan, [Path(d) for d in job_dirs])
     with atomic_path(out_dir) as tmp, PartsCheck(plan.index_reads()):
         (tmp / "tensors").mkdir(parents=True)
         for rel, (job_dir, _) in sources.items():
             os.link(job_dir / rel, tmp / rel)
         info = _finish(plan, tmp, {rel: record for rel, (_, record) in sources.items()})
+    _log_overflow(plan, overflow, out_dir)
     log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
     return info
 
 
-def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
+def _collect(plan: Plan, job_dirs: list[Path]) -> tuple[JobFiles, int]:
     """rel path -> (its job directory, {bytes, sha256}), in plan order, from the jobs' records
     (jobs.read_job_records: each file there with its recorded size); every job must list exactly
-    the files the plan gives it (jobs.job_items)."""
+    the files the plan gives it (jobs.job_items). And the activations the jobs made +-inf, summed
+    (a record written before the count was kept: none)."""
     records = read_job_records(job_dirs)
     files = records.files
     digest = plan.digest  # hashes every part's record: once, not once a job
@@ -418,6 +425,8 @@ def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
             raise FormatError(f"{job_dir / JOB_RECORD}: written for other lmprobe options or another extraction "
                               f"(plan {str(extra.get('plan'))[:12]}, this finisher's {digest[:12]}); "
                               "run the job again")
+        if not whole_number(extra.get("overflow", 0)):
+            raise FormatError(f"{job_dir / JOB_RECORD}: overflow {extra['overflow']!r:.40}, expected a whole number")
     for job, job_dir in enumerate(job_dirs):
         for rel in (plan.files[i] for i in job_items(len(plan.files), len(job_dirs), job)):
             if files.get(rel, (None,))[0] != job_dir:
@@ -426,7 +435,7 @@ def _collect(plan: Plan, job_dirs: list[Path]) -> JobFiles:
         planned = set(plan.files)
         rel, job_dir = next((rel, job_dir) for rel, (job_dir, _) in files.items() if rel not in planned)
         raise FormatError(f"{job_dir / rel}: not a file of the planned dataset (listed in {job_dir / JOB_RECORD})")
-    return {rel: files[rel] for rel in plan.files}
+    return {rel: files[rel] for rel in plan.files}, sum(extra.get("overflow", 0) for extra in records.extras)
 
 
 def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[str, Any],
@@ -441,6 +450,7 @@ def write_dataset(extract_dir: str | Path, out_dir: str | Path, options: dict[st
     with atomic_path(out_dir) as tmp, PartsCheck(plan.reads(range(len(plan.files))) + plan.index_reads()):
         records = write_tensor_files(plan, tmp, range(len(plan.files)), progress, threads)
         info = _finish(plan, tmp, records)
+    _log_overflow(plan, plan.src.overflow, out_dir)
     log.info("lmprobe: %d prompts, layers %s, %s -> %s", plan.n, plan.opts["layers"], plan.opts["storage"], out_dir)
     return info
 

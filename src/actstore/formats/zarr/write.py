@@ -218,7 +218,8 @@ def write_shard(part_dir: str | Path, out_path: str | Path, t_chunk: int | None 
         root, arrays = _open_root(tmp, attrs, (n, len(layers), t_max, hidden), tc)
         _write_vectors(arrays, rows, attrs)
         if overflow:
-            log.warning("%s: %d activation values exceed float16 range and are stored as +-inf", part_dir, overflow)
+            log.warning("%s: %d activation values of %s exceed float16 range and are stored as +-inf", out_path,
+                        overflow, part_dir)
             root.attrs["float16_overflow_count"] = overflow
         _consolidate(tmp)
         _write_text(tmp, rows)
