@@ -64,7 +64,9 @@ def write_jsonl(path: Path, n: int) -> Path:
 
 
 def train_tokenizer(out: Path, causal: bool):
-    """A WordPiece (BERT-style) or byte-level BPE (GPT-style) tokenizer trained offline on the corpus."""
+    """A WordPiece (BERT-style) or byte-level BPE (GPT-style) tokenizer trained offline on the corpus.
+    The WordPiece one differs from process to process (its ## pieces get other ids, and so its merges,
+    with torch's and Python's hash seeds fixed): runs compared byte for byte read one saved model folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -11,3 +11,7 @@ class ConfigError(ActstoreError):
 
 class FormatError(ActstoreError):
     """A store on disk does not match its format: missing/short file, bad field, bad checksum."""
+
+
+class WriteInProgressError(ActstoreError):
+    """Another process writes the same output now (a lab member's run on a shared dump_to)."""

@@ -6,12 +6,15 @@ import bisect
 import contextlib
 import ctypes
 import errno
+import fcntl
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import queue
+import random
 import shutil
 import sys
 import tempfile
@@ -20,7 +23,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from actstore.errors import ConfigError
+from actstore.errors import ConfigError, WriteInProgressError
 
 CHUNK = 1 << 22
 # A PositionedFile starts the disk on its dirty pages every this many bytes. What is left unstarted
@@ -28,6 +31,8 @@ CHUNK = 1 << 22
 # wait: 64 MiB left 0.11 s per 4 files at the end of a 1 GiB synthetic run, 16 MiB 0.02 s
 # (bench_extract --synthetic-rate), with no loss at memory speed; 16 MiB is still whole Lustre RPCs.
 WRITEBACK_BYTES = 16 << 20
+
+log = logging.getLogger(__name__)
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # the C library's own calls Python's os lacks
@@ -170,29 +175,175 @@ def make_dirs_durable(path: Path) -> None:
 
 
 TEMP_SUFFIX = ".tmp"  # atomic_path's temps: f".{final name}.<random>.tmp" beside the final path
+# Beside each temp, f"{its name}.lock": its writer holds a POSIX record lock on it while it writes. The
+# kernel drops a process's locks when it dies (on NFSv4, GPFS and Lustre across nodes too), so a temp
+# whose lock no one holds is a killed writer's, and one whose lock is held a running writer's: another
+# run of the same output, as two members' runs on a shared dump_to are (Snakemake locks a working
+# directory, never a dump_to).
+LOCK_SUFFIX = ".lock"
 # mkdtemp's <random>: exactly 8 of these characters. A temp of a sibling whose name extends the final
 # name (x.json beside x) then never matches the final name's pattern.
+_TEMP_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
 _TEMP_RANDOM = "[a-z0-9_]" * 8
+# lockf's errors on a file system without POSIX locks (NFS mounted nolock, some FUSE): no protection there
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+# The lock files of this process's running writers: POSIX locks never conflict within one process, and
+# closing any descriptor of a file drops every lock the process holds on it, so a sweep never opens these.
+_HELD_LOCKS: set[str] = set()
+_NO_LOCKS_NOTED: set[int] = set()  # the file systems (st_dev) without locks already logged
 
 
 def is_temp(path: Path) -> bool:
-    """An atomic_path temp (or inside one): debris of a killed writer, never data."""
-    return any(part.startswith(".") and part.endswith(TEMP_SUFFIX) for part in path.parts)
+    """An atomic_path temp or its lock file (or inside a temp): a writer's, never data."""
+    return any(part.startswith(".") and part.endswith((TEMP_SUFFIX, TEMP_SUFFIX + LOCK_SUFFIX))
+               for part in path.parts)
+
+
+def _lock_of(temp: Path) -> Path:
+    return temp.with_name(temp.name + LOCK_SUFFIX)
+
+
+def _writer_temps(final: Path) -> list[Path]:
+    """The atomic_path temps of `final`, and those its lock files name whose writer has not made its temp
+    yet (never those of a sibling's writer)."""
+    pattern = f".{glob.escape(final.name)}.{_TEMP_RANDOM}{TEMP_SUFFIX}"
+    locks = final.parent.glob(pattern + LOCK_SUFFIX)
+    return sorted(set(final.parent.glob(pattern)) | {lock.with_name(lock.name[:-len(LOCK_SUFFIX)]) for lock in locks})
+
+
+@contextlib.contextmanager
+def _writer_gone(temp: Path) -> Iterator[bool]:
+    """Whether no running process writes `temp`: it has no lock file (an earlier release's temp, one
+    made where the file system has no locks, one whose writer just finished), or no process holds its
+    lock (its writer was killed), which is then held here through the block, so that a writer whose
+    lock file this is, made an instant ago, cannot take it meanwhile. False for this process's writers."""
+    lock = _lock_of(temp)
+    if str(lock) in _HELD_LOCKS:
+        yield False
+        return
+    try:  # read-only, for a shared lock: a member's lock file is writable by its owner alone under umask 0022
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        yield _lock_free(fd, lock)
+    finally:
+        os.close(fd)
+
+
+def _lock_free(fd: int, lock: Path) -> bool:
+    """Take a shared lock on `lock` (open as fd) unless a writer holds its exclusive one."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        if exc.errno not in _NO_LOCKS:
+            raise OSError(exc.errno, f"{lock}: {exc.strerror}") from None
+    return True
 
 
 def stale_temps(final: Path) -> Iterator[Path]:
-    """The atomic_path temps of `final` there are (never those of a sibling's writer)."""
-    return final.parent.glob(f".{glob.escape(final.name)}.{_TEMP_RANDOM}{TEMP_SUFFIX}")
+    """The atomic_path temps of `final` whose writer is gone (_writer_gone), each one's lock held here
+    while the caller has it."""
+    for temp in _writer_temps(final):
+        with _writer_gone(temp) as gone:
+            if gone:
+                yield temp
 
 
-def remove_stale_temps(final: Path) -> None:
-    """Delete the temps a killed writer of `final` left (a job owns its output: Snakemake locks it);
-    never the temp of a writer of a sibling, still at work."""
-    for stale in stale_temps(final):
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
+def remove_stale_temps(final: Path) -> list[Path]:
+    """Delete the temps of `final` whose writer is gone (a killed writer's debris), never the temp of a
+    running writer of final nor of a sibling; return the running writers' temps."""
+    live = []
+    for temp in _writer_temps(final):
+        with _writer_gone(temp) as gone:
+            if gone:
+                _remove(temp)
+                _lock_of(temp).unlink(missing_ok=True)
+            else:
+                live.append(temp)
+    return live
+
+
+def _remove(temp: Path) -> None:
+    if temp.is_dir() and not temp.is_symlink():
+        shutil.rmtree(temp, ignore_errors=True)
+    else:
+        temp.unlink(missing_ok=True)
+
+
+def _start_writing(final: Path) -> tuple[Path, int | None]:
+    """A new temp name of `final`, once the temps of its writers that are gone are swept, and the
+    descriptor holding its lock file's lock (None where the file system has no locks: then no lock
+    file). WriteInProgressError, naming the temp, when another run writes `final` now."""
+    while True:
+        lock = final.parent / f".{final.name}.{''.join(random.choices(_TEMP_CHARS, k=8))}{TEMP_SUFFIX}{LOCK_SUFFIX}"
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+    _HELD_LOCKS.add(str(lock))
+    temp = lock.with_name(lock.name[:-len(LOCK_SUFFIX)])
+    try:
+        if not _take_lock(fd, lock, final):
+            _stop_writing(lock, fd)
+            fd = None
+        # after the lock is taken: of two runs starting at once, each sees the other's (both stop: a tie)
+        if live := [other for other in remove_stale_temps(final) if other != temp]:
+            raise WriteInProgressError(f"{final}: another run is writing it now (its temp {live[0]}, whose lock "
+                                       f"{_lock_of(live[0]).name} it holds){_WAIT}")
+    except BaseException:
+        _stop_writing(lock, fd)
+        raise
+    return temp, fd
+
+
+_WAIT = (", e.g. a lab member's run on a shared dump_to: wait for it to finish, then run again: its output is "
+         "reused")
+
+
+def _take_lock(fd: int, lock: Path, final: Path) -> bool:
+    """Take the exclusive lock on the writer's new lock file `lock`: True; False where the file system has
+    no POSIX locks. WriteInProgressError when another writer of `final`, sweeping in the instant between
+    the file's creation and its lock, took it first (and deletes it)."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        taken = _still_named(fd, lock)
+    except OSError as exc:
+        if exc.errno in _NO_LOCKS:
+            _note_no_locks(lock.parent)
+            return False
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise OSError(exc.errno, f"{lock}: {exc.strerror}") from None
+        taken = False
+    if not taken:
+        raise WriteInProgressError(f"{final}: another run began writing it at the same instant (its sweep took "
+                                   f"this run's lock file {lock.name}){_WAIT}")
+    return True
+
+
+def _still_named(fd: int, lock: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(lock))
+    except FileNotFoundError:
+        return False
+
+
+def _note_no_locks(directory: Path) -> None:
+    device = os.stat(directory).st_dev
+    if device not in _NO_LOCKS_NOTED:
+        _NO_LOCKS_NOTED.add(device)
+        log.debug("%s: the file system takes no POSIX locks: a run writing an output there cannot tell "
+                  "another run writing it at the same time", directory)
+
+
+def _stop_writing(lock: Path, fd: int | None) -> None:
+    """Drop a writer's lock and its lock file, once its temp took the name or was deleted."""
+    _HELD_LOCKS.discard(str(lock))
+    if fd is not None:
+        os.close(fd)
+        lock.unlink(missing_ok=True)
 
 
 _RENAMEAT2 = getattr(_LIBC, "renameat2", None)  # glibc 2.28 and later
@@ -207,21 +358,23 @@ def _temp_beside(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent))
 
 
-def _swap_directories(tmp: Path, final: Path) -> None:
-    """Put directory `tmp` under the name of directory `final`, the old tree left under a temp name of
-    final's for the caller to delete. Linux swaps the two names in one step (renameat2
+def _swap_directories(tmp: Path, final: Path) -> Path:
+    """Put directory `tmp` under the name of directory `final`; returns the temp name of final's the old
+    tree is left under, for the caller to delete. Linux swaps the two names in one step (renameat2
     RENAME_EXCHANGE), so a crash finds the whole old tree or the whole new one under the final name.
     Where the C library lacks it or the file system refuses it (EINVAL, ENOSYS: NFS, Lustre), the old
     tree is renamed aside first: a crash between the two renames leaves nothing under the final name,
     the old tree whole under its temp name; no sequence of plain renames closes that window."""
     if _RENAMEAT2 is not None:
         if _RENAMEAT2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_EXCHANGE) == 0:
-            return
+            return tmp
         code = ctypes.get_errno()
         if code not in (errno.EINVAL, errno.ENOSYS):
             raise OSError(code, f"{tmp} <-> {final}: renameat2: {os.strerror(code)}")
-    os.replace(final, _temp_beside(final))  # a directory renamed over an empty one
+    aside = _temp_beside(final)
+    os.replace(final, aside)  # a directory renamed over an empty one
     os.replace(tmp, final)
+    return aside
 
 
 @contextlib.contextmanager
@@ -236,12 +389,16 @@ def atomic_path(path: str | os.PathLike, undo: Callable[[Path], None] | None = N
     directory's files, the small ones its writer never fsynced included (a zarr shard's thousands of
     chunk files, metadata written by other libraries), are on disk before it takes the name, so a
     machine that goes down just after cannot leave a store of the right name and empty files.
+
+    The writer holds a POSIX lock on a lock file beside its temp until the temp took the name or was
+    deleted. Before the block runs it deletes the temps of `path` whose writer is gone (killed: its lock
+    dropped), and raises WriteInProgressError, naming the temp, when another process writes `path` now
+    (a lab member's run on a shared dump_to). Where the file system takes no POSIX locks there is no lock
+    file, and a writer deletes every other temp of `path` as a killed writer's.
     """
     final = Path(path)
     make_dirs_durable(final.parent)
-    remove_stale_temps(final)
-    tmp = _temp_beside(final)
-    tmp.rmdir()
+    tmp, lock_fd = _start_writing(final)
     named = False  # tmp holds the new tree until it takes the name (after a swap, the old one)
     try:
         yield tmp
@@ -250,15 +407,15 @@ def atomic_path(path: str | os.PathLike, undo: Callable[[Path], None] | None = N
                 fsync_named(fh.fileno(), final)
         elif tmp.is_dir():
             sync_filesystem(tmp)
-        replacing_directory = final.is_dir() and not final.is_symlink() and tmp.is_dir()  # a link: refused by rename
-        if replacing_directory:
-            _swap_directories(tmp, final)
+        if final.is_dir() and not final.is_symlink() and tmp.is_dir():  # a link: refused by rename
+            old_tree = _swap_directories(tmp, final)
         else:
             os.replace(tmp, final)
+            old_tree = None
         named = True
         fsync_dir(final.parent)
-        if replacing_directory:  # the old tree, deleted once the new one's name is durable; a crash
-            remove_stale_temps(final)  # while it goes leaves it to the next writer's sweep
+        if old_tree is not None:  # deleted once the new tree's name is durable; a crash while it goes
+            _remove(old_tree)  # leaves it to the next writer's sweep (its lock dropped)
     except BaseException:
         if undo is not None and not named:
             undo(tmp)
@@ -267,6 +424,8 @@ def atomic_path(path: str | os.PathLike, undo: Callable[[Path], None] | None = N
         elif tmp.exists():
             tmp.unlink()
         raise
+    finally:
+        _stop_writing(_lock_of(tmp), lock_fd)
 
 
 @contextlib.contextmanager

@@ -469,6 +469,8 @@ def part_meta(config: dict[str, Any], loaded: LoadedModel, dataset: Dataset, sam
         "device": str(loaded.device), "machine": platform.node(),
         # which GPU ran it: its kernels set the low bits of 16-bit activations
         **({"device_name": torch.cuda.get_device_name(loaded.device)} if loaded.device.type == "cuda" else {}),
+        # on a CPU, torch's thread count: its matrix products split their sums by it (the low bits)
+        **({"torch_threads": torch.get_num_threads()} if loaded.device.type == "cpu" else {}),
         "created_at": utc_now().isoformat(timespec="seconds"),
         "versions": library_versions(),
     }
