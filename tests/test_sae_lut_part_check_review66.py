@@ -127,3 +127,24 @@ def test_a_long_read_is_cut_as_soon_as_the_check_finds_a_damaged_file(trained, t
                 read += 1
                 time.sleep(0.001)
     assert read < 5_000
+
+
+def test_a_read_error_of_the_check_cuts_a_long_read_too(trained, monkeypatch):
+    """A disk's EIO while the check hashes a part file stops the guarded read then (as a differing file
+    does), not after the SAE's steps: the error the hashing raised, as it is."""
+    from actstore.formats.extract import read as extract_read
+
+    _, extract_dir, _ = trained
+
+    def eio(*_args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(extract_read, "listed_problem", eio)
+    part = open_extraction(extract_dir).parts[1]
+    read = 0
+    with pytest.raises(OSError, match="Input/output error"):
+        with ex.PartsCheck(ex.part_reads(part, [HOOK], samples=False)) as check:
+            for _ in check.guarded(range(60_000)):
+                read += 1
+                time.sleep(0.001)
+    assert read < 5_000

@@ -366,8 +366,11 @@ class PartsCheck:
 
     def guarded(self, items: Iterator[T]) -> Iterator[T]:
         """`items`, cut by the FormatError of a file found to differ as soon as the check finds it: a job
-        reading the same rows for hours (an SAE's steps) is refused then, not when it ends."""
+        reading the same rows for hours (an SAE's steps) is refused then, not when it ends; so is a read
+        error of the check (EIO)."""
         for item in items:
+            if self._error is not None:
+                raise self._error
             if self._problem:
                 raise FormatError(self._refusal())
             yield item

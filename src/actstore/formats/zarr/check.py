@@ -252,7 +252,7 @@ def _prompts_problems(reader: ZarrStore) -> list[str]:
     path = reader.path / PROMPTS_JSONL
     if not path.exists():
         return []
-    keys = (itertools.chain.from_iterable(_vector_chunks(reader, "sample_key"))
+    keys = (itertools.chain.from_iterable(_sample_key_chunks(reader))
             if "arrays/sample_key/.zarray" in reader.metadata else itertools.repeat(None))
     lines = 0
     try:
@@ -266,6 +266,16 @@ def _prompts_problems(reader: ZarrStore) -> list[str]:
     held = lines + rest
     return [] if held == reader.n_samples else [f"{path}: {held} lines, the store holds {reader.n_samples} samples "
                                                 f"(.zattrs num_samples)"]
+
+
+def _sample_key_chunks(reader: ZarrStore) -> Iterator[np.ndarray]:
+    """arrays/sample_key's values a chunk at a time; FormatError naming the array where they are not the
+    spec's fixed-length bytes (a number has no text to compare a line's sample_key with)."""
+    for values in _vector_chunks(reader, "sample_key"):
+        if values.dtype.kind != "S":
+            raise FormatError(f"{reader.path}/arrays/sample_key: dtype {values.dtype}, expected fixed-length bytes "
+                              "(the spec's |S64 sha256 hex)")
+        yield values
 
 
 def _prompt_line_problem(line: bytes, i: int, key: bytes | None) -> str | None:
