@@ -22,7 +22,7 @@ import pytest
 
 import tiny
 from actstore.errors import WriteInProgressError
-from actstore.io_utils import is_temp, write_bytes_atomic
+from actstore.io_utils import is_temp, scratch_beside, write_bytes_atomic
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
@@ -91,6 +91,25 @@ def test_a_killed_writers_temp_and_lock_file_and_an_earlier_releases_lockless_te
     assert is_temp(tmp_path / (killed.name + ".lock"))  # verify and seals skip it as they skip the temps
     write_bytes_atomic(final, b"data")
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
+def test_a_one_job_writers_scratch_is_left_to_its_running_writer_and_swept_once_it_is_killed(tmp_path):
+    """saev's write_raw_store and zarr's merge_stores write their scratch beside the store under a temp
+    name of `<store>-shards` / `<store>-chunks` (io_utils.scratch_beside): another run of the same store
+    stopped naming it, where TemporaryDirectory's scratch was swept as a killed run's debris."""
+    scratch_of = tmp_path / "store-chunks"
+    writer, temp = running_writer(scratch_of)
+    try:
+        with pytest.raises(WriteInProgressError, match=re.escape(str(temp))):
+            with scratch_beside(scratch_of):
+                pass
+        assert (temp / "acts.bin").exists()
+    finally:
+        writer.kill()
+        writer.wait()
+    with scratch_beside(scratch_of) as scratch:
+        assert scratch.is_dir() and is_temp(scratch)
+    assert list(tmp_path.iterdir()) == [], "the killed writer's scratch, or this one, was left"
 
 
 def test_where_the_file_system_takes_no_locks_a_writer_works_without_a_lock_file(tmp_path, monkeypatch):

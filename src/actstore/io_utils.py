@@ -429,6 +429,22 @@ def atomic_path(path: str | os.PathLike, undo: Callable[[Path], None] | None = N
 
 
 @contextlib.contextmanager
+def scratch_beside(path: str | os.PathLike) -> Iterator[Path]:
+    """A new empty directory named as atomic_path's temps of `path`, deleted when the block ends, never
+    renamed: a one-job writer's scratch whose output another name takes. As atomic_path, the temps of
+    `path` whose writer is gone are swept first, and WriteInProgressError names one still written."""
+    final = Path(path)
+    make_dirs_durable(final.parent)
+    scratch, lock_fd = _start_writing(final)
+    try:
+        scratch.mkdir()
+        yield scratch
+    finally:
+        _remove(scratch)
+        _stop_writing(_lock_of(scratch), lock_fd)
+
+
+@contextlib.contextmanager
 def errors_naming(path: str | os.PathLike) -> Iterator[None]:
     """Re-raise an OSError of the block that does not name its file as one naming `path`: a write or
     close (a buffered file's flush, numpy's, pyarrow's) reports a full disk, a quota or a file-size

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,8 @@ from actstore.formats.saev.layout import (CLS_FAMILIES, DTYPE, FAMILIES, FLAVORS
                                           store_name, text_windows, to_upstream, window_problem)
 from actstore.formats.saev.read import open_store
 from actstore.integrity import SEAL_KEY, TREE_HASH_KEY, file_record
-from actstore.io_utils import (BEHIND, TEMP_SUFFIX, TreeHashFile, WriteBehind, atomic_path, canonical_sha256,
-                               errors_naming, make_dirs_durable, remove_stale_temps, write_json_atomic)
+from actstore.io_utils import (BEHIND, TreeHashFile, WriteBehind, atomic_path, canonical_sha256, errors_naming,
+                               scratch_beside, write_json_atomic)
 from actstore.jobs import JOB_RECORD, JobFiles, job_items, read_job_records, write_job_record
 from actstore.model_config import config_patches, register_tokens
 
@@ -358,10 +357,7 @@ def write_raw_store(plan: Plan, fill: Fill, root: str | Path, progress: bool = T
     # Named as atomic_path names the temps of root/<store>-shards, so that the shards a killed run left
     # (as large as the store) are swept here by the next run instead of piling up beside the stores;
     # made beside that name (root/shards/ for upstream), where the sweep looks.
-    scratch = Path(root) / f"{plan.store_name}-shards"
-    make_dirs_durable(scratch.parent)  # the store's parent, whose name a crash must not lose
-    remove_stale_temps(scratch)
-    with tempfile.TemporaryDirectory(prefix=f".{scratch.name}.", suffix=TEMP_SUFFIX, dir=scratch.parent) as job_dir:
+    with scratch_beside(Path(root) / f"{plan.store_name}-shards") as job_dir:
         write_shards(plan, fill, job_dir, 1, 0, progress=progress)
         return finish_store(plan, [job_dir], root)
 

@@ -31,7 +31,7 @@ from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
 from actstore.integrity import (file_record, file_records, links_out, listed_problem, read_json, refuse,
                                 stream_json_members)
-from actstore.io_utils import TEMP_SUFFIX, atomic_path, errors_naming, remove_stale_temps, stale_temps
+from actstore.io_utils import atomic_path, errors_naming, scratch_beside, stale_temps
 from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
 
@@ -81,11 +81,8 @@ def merge_stores(shards: Sequence[str | Path], out_path: str | Path, progress: b
     # Beside out_path, so finish_merge's renames stay on one filesystem; not named like one of
     # atomic_path's temps of out_path, which finish_merge clears as a killed writer's debris, but like
     # those of out_path-chunks, so that a killed merge's (a link to every chunk file) is swept here.
-    scratch_name = out_path.parent / f"{out_path.name}-chunks"
-    remove_stale_temps(scratch_name)
-    with tempfile.TemporaryDirectory(prefix=f".{scratch_name.name}.", suffix=TEMP_SUFFIX,
-                                     dir=out_path.parent) as scratch:
-        chunk_dir = Path(scratch) / "merge-0"
+    with scratch_beside(out_path.parent / f"{out_path.name}-chunks") as scratch:
+        chunk_dir = scratch / "merge-0"
         link_chunks(shards, chunk_dir, 1, 0, progress)
         return finish_merge(shards, [chunk_dir], out_path, progress)
 
