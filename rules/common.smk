@@ -7,6 +7,7 @@ from pathlib import Path
 from actstore import parse_memo
 from actstore import resources as actstore_resources
 from actstore.config import enabled_stages, validate_config
+from actstore.datasets.scan import cut_from_scan
 from actstore.errors import ConfigError
 from actstore.hashing import upstream_stages
 from actstore.integrity import read_json
@@ -105,6 +106,25 @@ def job_parts(jobs, wildcards):
 def job_part_dirs(jobs, wildcards):
     """The extraction part directories job {job} of `jobs` reads."""
     return [f"{EXTRACT_DIR}/part-{PARTS[p]}" for p in job_parts(jobs, wildcards)]
+
+
+def part_scan(wildcards):
+    """A part's scan, ancient() for a finished part written before it and cut from the same data
+    (datasets.scan.cut_from_scan): the scan was lost (a temp file up to 2026-11-27) and scanned again to
+    redo another part, and its mtime alone would redo this one (a GPU job). Not while the scan is forced
+    (`--forcerun extract_scan` redoes every part: ancient would stop it here), nor for a part written
+    after the scan (the usual case: its mtime redoes nothing, and the forcerun reaches it)."""
+    scan, part_json = Path(rules.extract_scan.output[0]), Path(EXTRACT_DIR, f"part-{wildcards.part}", "part.json")
+    if not (part_json.is_file() and scan.is_file()) or part_json.stat().st_mtime_ns > scan.stat().st_mtime_ns \
+            or scan_forced(scan):
+        return str(scan)
+    return ancient(str(scan)) if cut_from_scan(part_json.parent, scan, config["extract"]["parts"]) else str(scan)
+
+
+def scan_forced(scan):
+    """Whether this run forces the scan job: --forceall, or --forcerun (-R) naming rule extract_scan or its file."""
+    forced = {item if item == "extract_scan" else os.path.abspath(item) for item in workflow.dag_settings.forcerun}
+    return workflow.dag_settings.forceall or not forced.isdisjoint({"extract_scan", os.path.abspath(scan)})
 
 
 def saev_masks(wildcards):

@@ -19,9 +19,10 @@ EXTRACT_PART_THREADS = actstore_resources.extract_part_threads(config)
 # Every job needs the dataset's row count and labels (sample_idx and label_id are over the whole
 # dataset): one job reads every row for them, and finds bad data before any GPU is held.
 # Kept, never temp(): a part lost after the run is redone from the scan the others were cut from. A
-# temp scan, deleted with the run's last part, was scanned again for it, and its new mtime redid
-# every part (a GPU job each); ancient() cannot help a file that is not there, and would keep
-# `--forcerun extract_scan` from redoing the parts. Verify skips it (integrity.STAGE_TEMPS).
+# temp scan (releases up to 2026-11-27), deleted with the run's last part, is scanned again for it;
+# part_scan keeps the other parts from being redone for its new mtime, in the runs after (in that run
+# the scan job, making a missing input, redoes every part of the DAG: ancient() spares none of them).
+# Verify skips it (integrity.STAGE_TEMPS).
 rule extract_scan:
     output:
         f"{EXTRACT_DIR}/dataset_scan.json",
@@ -43,7 +44,7 @@ rule extract_scan:
 
 rule extract_part:
     input:
-        scan=rules.extract_scan.output[0],
+        scan=part_scan,
     output:
         directory(f"{EXTRACT_DIR}/part-{{part}}"),
     params:

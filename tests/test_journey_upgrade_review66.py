@@ -4,30 +4,25 @@ enabling every stage (the demo model, 40 rows): with today's code `snakemake -n`
 every stage directory keeps its hash, `actstore verify`/`inspect`/`locate` pass them and the readers
 return the extraction's values. A config that writes out a value a later release canonicalised gets
 new stage directories (documented in docs/recovery.md, Upgrading actstore: no spelling gives the old
-hash back). Found (pinned here as a strict xfail, not fixed): a part lost from an extraction made before
-2026-11-28 (whose scan was a temp file, gone) is redone with every other part of it, where
-docs/recovery.md promises that part alone from the kept scan."""
+hash back). Found, fixed (review 66, helper-223): a part lost from an extraction made before 2026-11-28
+(whose scan was a temp file, gone) was redone with every other part of it; today that part alone
+(rules/extract.smk part_scan; the other cases in test_lost_part_review66.py)."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-import pytest
-
 import tiny
 from test_workflow import scheduled, snakemake
 
 
-@pytest.mark.xfail(strict=True, reason="an extraction made before b04f8aa (2026-11-28) has no dataset_scan.json: "
-                                       "redoing one lost part scans the data again, and the new scan's mtime "
-                                       "makes Snakemake redo every other part of the extraction too")
 def test_a_lost_part_of_an_extraction_from_before_the_kept_scan_is_redone_alone(tmp_path, model_dir, text_jsonl):
     """docs/recovery.md: `snakemake {dump_to}/extract/<hash>/part-0001` redoes that part alone from the kept
     scan. Releases up to c545348 (2026-11-27) declared the scan `temp(...)` (rules/extract.smk, rule
     extract_scan), so Snakemake deleted it after the last part: their extractions hold none. Found with a
     store 0f1c008 wrote: the scan job ran again, then the next plain run redid part-0000 as well ("Updated
-    input files: dataset_scan.json"), every part of a 64-part extraction to recover one. With today's
-    stores it is redone alone (the kept scan, or a rescan of the bytes Snakemake's metadata recorded)."""
+    input files: dataset_scan.json"), every part of a 64-part extraction to recover one. Now part-0000,
+    cut from the data the new scan saw, keeps the scan as an ancient() input (datasets.scan.cut_from_scan)."""
     off = {"enabled": False}
     config = tiny.make_config(tmp_path, model_dir("bert"), text_jsonl, saev=off, pickle=off, lmprobe=off,
                               zarr=off, sae=off, lut=off, validate=off)

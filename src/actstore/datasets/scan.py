@@ -12,10 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from actstore.datasets.core import Fields, label_list, one_kind
+from actstore.datasets.core import Fields, label_list, one_kind, part_range
 from actstore.datasets.source import FOLDER_FORMATS, METADATA_NAMES, Source, resolve_source
 from actstore.datasets.splits import README
 from actstore.errors import ConfigError, FormatError
+from actstore.formats.extract.layout import PART_META
 from actstore.integrity import SEAL_KEY, is_sha256, read_json, whole_number
 from actstore.io_utils import canonical_sha256, write_json_atomic
 
@@ -189,6 +190,26 @@ def check_extraction_data_unchanged(section: dict[str, Any], extract_dir: Path, 
                            f"dataset.identity: stat (or content) to extract the data as it is now under a new "
                            f"hash, restore the data as it was, or move {extract_dir} away to extract the data "
                            f"again under the same hash")
+
+
+def cut_from_scan(part_dir: Path, scan_file: Path, parts: int) -> bool:
+    """Whether finished extraction part `part_dir` (one of `parts`), written before scan file `scan_file`,
+    holds rows of the data that scan saw: a scan lost since (a temp file up to 2026-11-27) and scanned again
+    to redo another part. Its part.json records the scan's row count, its own rows and the labels, and no data
+    file the scan stamps was modified after that part.json was written (the stamps' own blind spot: an mtime
+    set back). Then the part is kept, not extracted again (rules/common.smk part_scan). A folder of files
+    (image_folder, text_folder) is stamped by its listing alone, which the part does not record: its parts
+    are redone."""
+    scan, part_json = read_scan(scan_file), part_dir / PART_META
+    record = read_json(part_json)
+    if scan.listing or not scan.stamps or not isinstance(record, dict):
+        return False
+    rows = part_range(scan.n_samples, parts, int(part_dir.name.removeprefix("part-")))
+    written = part_json.stat().st_mtime_ns
+    return (record.get("n_dataset_samples") == scan.n_samples
+            and record.get("sample_range") == ([rows.start, rows.stop] if rows else [0, 0])  # as part_meta writes it
+            and (record.get("dataset") or {}).get("labels") == scan.labels
+            and all(mtime <= written for _, mtime in scan.stamps))
 
 
 def check_metadata_unchanged(scan: Scan, root: Path, advice: str = RESCAN) -> None:
