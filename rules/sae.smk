@@ -33,7 +33,7 @@ rule train_sae:
         bench_path("sae", "train")
     conda:
         "../envs/actstore.yaml"
-    threads: 4
+    threads: actstore_resources.SAE_JOB_THREADS
     # One GPU when the profile gives one (profiles/osc), else the CPU: sae.device auto picks.
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.sae_mem_mb(config, attempt),

@@ -24,6 +24,12 @@ from actstore.model_identity import model_files
 from actstore.parse_memo import remembered
 
 GPU_FLOPS = 5e12          # sustained fp32 forward throughput assumed for one GPU (V100-class, pessimistic)
+# Dense float32 throughput assumed for one CPU thread a job is given, on device `cpu`. Measured on the 2-core
+# dev VM (AVX-512 Xeon, shared with other jobs): torch matmuls 35-160 GFLOP/s on one thread, 38-63 a thread on
+# two; the demo model's forward 50-225 and an SAE step 30-43 on one thread, counted as the estimates count FLOPs.
+# A third of the lowest, as GPU_FLOPS is a third of a V100's peak; an oversubscribed run (two threads on two
+# loaded cores: an SAE step at 4-6 a thread) is within _minutes' doubling.
+CPU_THREAD_FLOPS = 10e9
 IO_BYTES_PER_S = 100e6    # write/read rate assumed on /fs/scratch for one job (shared Lustre, pessimistic)
 STARTUP_MIN = 10          # imports, model load, dataset read
 MAX_RUNTIME_MIN = 48 * 60
@@ -208,6 +214,13 @@ def _minutes(seconds: float, attempt: int) -> int:
     return int(min(MAX_RUNTIME_MIN, math.ceil(STARTUP_MIN + 2 * seconds / 60)) * attempt)
 
 
+def flops_per_second(device: str, threads: int) -> float:
+    """Rate of a stage's FLOPs on `device` (extract.device, sae.device) in a job of `threads` CPUs:
+    CPU_THREAD_FLOPS a thread on `cpu`, else GPU_FLOPS: profiles/osc puts the rules of `auto` and `cuda`
+    on the GPU partition with one GPU. At GPU_FLOPS, a CPU job was given about a hundredth of its time."""
+    return CPU_THREAD_FLOPS * threads if device.partition(":")[0] == "cpu" else GPU_FLOPS
+
+
 TEXT_JOB_THREADS = 4  # tokenizing up front and a writer thread per captured tensor (up to these CPUs)
 # An image job's CPUs decode: the loader alone ran 504 img/s with 4 workers, 838 with 8 and 932 with 16
 # on an H100 host's 500x375 JPEGs (issue 14), where ViT-B/14 runs 5,775 img/s. 16 is within a GPU's
@@ -314,13 +327,15 @@ def extract_index_runtime(config: dict[str, Any], attempt: int = 1) -> int:
 
 
 def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
-    """Minutes for one part: forward FLOPs (2 per weight per token) on one GPU plus writing its share."""
+    """Minutes for one part: forward FLOPs (2 per weight per token) on extract.device (flops_per_second,
+    with the job's extract_part_threads) plus writing its share."""
     w = workload(config)
+    rate = flops_per_second(config["extract"]["device"], extract_part_threads(config))
     parts = config["extract"]["parts"]
     # The weights as float32 (a 16-bit checkpoint run in float32: twice its files' bytes), at fp32's rate: a
     # run in 16 bits, counted at half its parameters, runs faster than that
     params = w.host_weight_bytes / 4
-    seconds = (2 * params * w.tokens / GPU_FLOPS + w.activation_bytes / IO_BYTES_PER_S) / parts
+    seconds = (2 * params * w.tokens / rate + w.activation_bytes / IO_BYTES_PER_S) / parts
     return _minutes(seconds, attempt)
 
 
@@ -547,13 +562,15 @@ SAE_MOMENT_TOKENS = 65536  # training tokens read for b_dec's start (sae.data.da
 # Every token's index, once a run: split into training and held-out rows and an epoch's order shuffled
 # (sae.data.split_tokens, stream_batches): 80 ns measured on the dev VM.
 SAE_TOKEN_SECONDS = 1e-7
+SAE_JOB_THREADS = 4  # train_sae's CPUs: rules/sae.smk's threads, profiles/osc's cpus_per_task
 
 
 def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
-    """Minutes for train_sae on one GPU: about 12 x d x num_basis FLOPs per training token (encoder and
-    dense decoder, forward and backward), the rows it reads (b_dec's sample, sae.steps x sae.batch_size,
-    the held-out evaluation's: sae.eval_tokens, or null, every held-out token) four times over (random
-    rows), and every token's index at SAE_TOKEN_SECONDS. Sized as reading every token's activations four
+    """Minutes for train_sae: about 12 x d x num_basis FLOPs per training token (encoder and dense
+    decoder, forward and backward) on sae.device (flops_per_second, SAE_JOB_THREADS CPUs), the rows it
+    reads (b_dec's sample, sae.steps x sae.batch_size, the held-out evaluation's: sae.eval_tokens, or
+    null, every held-out token) four times over (random rows), and every token's index at
+    SAE_TOKEN_SECONDS. Sized as reading every token's activations four
     times, a 10B-token run asked the 48 h cap for a thousand steps."""
     w, sae = workload(config), config["sae"]
     trained = sae["steps"] * sae["batch_size"]
@@ -561,7 +578,8 @@ def sae_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     evaluated = min(held_out, sae["eval_tokens"] or held_out)
     flops = 12 * w.d * sae_basis(config, w) * trained
     reads = 4 * (min(w.tokens, SAE_MOMENT_TOKENS) + trained + evaluated) * w.d * w.itemsize
-    return _minutes(flops / GPU_FLOPS + reads / IO_BYTES_PER_S + w.tokens * SAE_TOKEN_SECONDS, attempt)
+    seconds = flops / flops_per_second(sae["device"], SAE_JOB_THREADS) + reads / IO_BYTES_PER_S
+    return _minutes(seconds + w.tokens * SAE_TOKEN_SECONDS, attempt)
 
 
 def sae_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
