@@ -82,4 +82,7 @@ def test_a_pooled_prompt_of_no_tokens_is_named(extracted, tmp_path):
     num_tokens = table.column("num_tokens").to_pylist()
     num_tokens[0], num_tokens[2] = 0, -3
     index = rewrite_index(root, with_column(table, "num_tokens", num_tokens))
-    assert lmprobe.verify(root) == [f"{index}: num_tokens is not a token count (1 or more) at row 0: 0, row 2: -3"]
+    problems = lmprobe.verify(root)
+    assert problems[0] == f"{index}: num_tokens is not a token count (1 or more) at row 0: 0, row 2: -3"
+    # and the token columns, whose lists no longer hold num_tokens entries at those rows
+    assert problems[1:] and all("holds a list of another length than num_tokens at row 0" in p for p in problems[1:])

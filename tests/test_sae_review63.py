@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import tiny
 import torch
 
 from actstore.errors import ConfigError
@@ -32,6 +34,7 @@ def constant(extraction, row: np.ndarray, varied_rows: int = 0):
         data[varied_rows if part is extraction.parts[0] else 0:] = row
         data.flush()
         del data
+        tiny.rerecord(part.dir, tensor_file("layer_1"))  # as if extracted so: train_sae checks its part files
     return open_extraction(extraction.dir)
 
 
