@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import copy
 import time
-import shutil
 
 import numpy as np
 import pytest
+
+import tiny
 
 from actstore.errors import FormatError
 from actstore.formats import extract as ex
@@ -36,18 +37,6 @@ def trained(extracted, tmp_path_factory):
     return config, extract_dir, sae_dir
 
 
-def damaged_copy(extract_dir, root, file, flip_at=None):
-    """A copy of the extraction under `root` with one bit of `file` (relative) flipped, in its middle or at
-    byte `flip_at`: same size, its .npy header intact, so only its sha256 tells."""
-    copy_dir = root / extract_dir.name
-    shutil.copytree(extract_dir, copy_dir)
-    data = bytearray((copy_dir / file).read_bytes())
-    data[len(data) // 2 if flip_at is None else flip_at] ^= 0x01
-    (copy_dir / file).write_bytes(data)
-    assert any(file in problem for problem in ex.verify(copy_dir))
-    return copy_dir
-
-
 def heldout_part(config, extract_dir) -> str:
     """The directory name of a part holding held-out tokens (the ones an import and the lut evaluate)."""
     extraction = open_extraction(extract_dir)
@@ -64,7 +53,7 @@ def test_sae_training_refuses_a_damaged_hook_file_naming_it(trained, tmp_path):
     sae.safetensors, saelens/ nor report.json (it trained and wrote an SAE of the damaged value)."""
     config, extract_dir, _ = trained
     bad = f"part-0001/{tensor_file(HOOK)}"
-    copy_dir = damaged_copy(extract_dir, tmp_path, bad)
+    copy_dir = tiny.damaged_copy(extract_dir, tmp_path, bad)
     out = tmp_path / "sae"
     with pytest.raises(FormatError, match=f"{bad}: sha256_tree differs from .*part.json: refused to write"):
         build_sae(config, copy_dir, out, progress=False)
@@ -76,7 +65,7 @@ def test_sae_import_refuses_a_damaged_file_it_evaluates_on(trained, tmp_path):
     before the stage's files are written (its held-out FVU came from the damaged value)."""
     config, extract_dir, sae_dir = trained
     bad = f"{heldout_part(config, extract_dir)}/{tensor_file(HOOK)}"
-    copy_dir = damaged_copy(extract_dir, tmp_path, bad)
+    copy_dir = tiny.damaged_copy(extract_dir, tmp_path, bad)
     imported = copy.deepcopy(config)
     imported["sae"]["import"] = {"path": str(sae_dir / "saelens"), "style": "saelens"}
     out = tmp_path / "imported"
@@ -91,7 +80,7 @@ def test_lut_refuses_a_damaged_hook_file_it_evaluates_on(trained, tmp_path):
     written from the damaged rows)."""
     config, extract_dir, sae_dir = trained
     bad = f"{heldout_part(config, extract_dir)}/{tensor_file(HOOK)}"
-    copy_dir = damaged_copy(extract_dir, tmp_path, bad)
+    copy_dir = tiny.damaged_copy(extract_dir, tmp_path, bad)
     out = tmp_path / "lut"
     with pytest.raises(FormatError, match=f"{bad}: sha256_tree differs from .*part.json: refused to write"):
         build_lut(config, copy_dir, sae_dir, out, progress=False)
@@ -105,7 +94,7 @@ def test_lut_refuses_damaged_token_ids_it_runs_the_model_on(trained, tmp_path):
     ids = np.load(extract_dir / "part-0000" / "token_ids.npy", mmap_mode="r")
     low_byte_of_first_id = ids.offset if ids.dtype.byteorder in "<=" else ids.offset + ids.itemsize - 1
     bad = "part-0000/token_ids.npy"
-    copy_dir = damaged_copy(extract_dir, tmp_path, bad, flip_at=low_byte_of_first_id)
+    copy_dir = tiny.damaged_copy(extract_dir, tmp_path, bad, flip_at=low_byte_of_first_id)
     out = tmp_path / "lut"
     with pytest.raises(FormatError, match=f"{bad}: sha256_tree differs from .*part.json: refused to write"):
         build_lut(config, copy_dir, sae_dir, out, progress=False)
@@ -118,7 +107,7 @@ def test_a_long_read_is_cut_as_soon_as_the_check_finds_a_damaged_file(trained, t
     items (the tiny file is hashed in milliseconds; 60 s of items would be read without the guard)."""
     config, extract_dir, _ = trained
     bad = f"part-0001/{tensor_file(HOOK)}"
-    copy_dir = damaged_copy(extract_dir, tmp_path, bad)
+    copy_dir = tiny.damaged_copy(extract_dir, tmp_path, bad)
     part = open_extraction(copy_dir).parts[1]
     read = 0
     with pytest.raises(FormatError, match=f"{bad}: sha256_tree differs .*refused to write"):

@@ -3,13 +3,13 @@ before its output is renamed into place (PartsCheck): a part damaged after extra
 flipped) is refused, named, and no store that verifies is left. pickle and zarr: test_journey_damage_review65."""
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 
 import pytest
 
+import tiny
+
 from actstore.errors import FormatError
-from actstore.formats import extract as ex
 from actstore.formats import lmprobe, saev
 from actstore.formats.extract import layer_tensor, open_extraction, tensor_file
 from actstore.formats.extract.layout import PER_SAMPLE_FILES
@@ -18,18 +18,6 @@ from actstore.jobs import job_items
 
 SAEV = {"patches_per_shard": 8 * 2 * 5, "tokens_per_window": 8}  # shards of 5 windows of 8 tokens, 2 layers
 LMPROBE = {"token_strings": False, "shard_bytes": 4 * 64 * 8}  # 8 rows a file: many files for 3 jobs
-
-
-def damaged_copy(extract_dir, root, file, flip_at=None):
-    """A copy of the extraction under `root` with one bit of `file` (relative) flipped, in its middle or at
-    byte `flip_at`: same size, its .npy header intact, so only its sha256 tells."""
-    copy = root / extract_dir.name
-    shutil.copytree(extract_dir, copy)
-    data = bytearray((copy / file).read_bytes())
-    data[len(data) // 2 if flip_at is None else flip_at] ^= 0x01
-    (copy / file).write_bytes(data)
-    assert any(file in problem for problem in ex.verify(copy))
-    return copy
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +31,7 @@ def test_saev_writer_refuses_a_damaged_part_naming_it(gpt2, tmp_path):
     leaves no file under the stores' root: no metadata.json marking a finished store, no shard."""
     config, extract_dir = gpt2
     bad = f"part-0001/{tensor_file(layer_tensor(2))}"
-    extraction = open_extraction(damaged_copy(extract_dir, tmp_path, bad))
+    extraction = open_extraction(tiny.damaged_copy(extract_dir, tmp_path, bad))
     root = tmp_path / "saev"
     with pytest.raises(FormatError, match=f"{bad}: sha256_tree differs from .*part.json"):
         saev.write_store(extraction, {**config["saev"], **SAEV}, root, model_config=None, progress=False)
@@ -55,7 +43,7 @@ def test_saev_shard_job_that_fills_the_damaged_parts_first_example_refuses_it(gp
     job record; the others write theirs; the finishing job then refuses to assemble the store."""
     config, extract_dir = gpt2
     bad = f"part-0001/{tensor_file(layer_tensor(0))}"
-    extraction = open_extraction(damaged_copy(extract_dir, tmp_path, bad))
+    extraction = open_extraction(tiny.damaged_copy(extract_dir, tmp_path, bad))
     plan = saev.plan_store(extraction, {**config["saev"], **SAEV}, labels=False, model_config=None)
     dirs = [tmp_path / f"job-{job}" for job in range(3)]
     failed = []
@@ -96,7 +84,7 @@ def test_lmprobe_writer_refuses_a_damaged_part_naming_it(gpt2, tmp_path):
     """write_dataset refuses part 1's flipped layer file, naming it; no dataset is left at its name."""
     _, extract_dir = gpt2
     bad = f"part-0001/{tensor_file(layer_tensor(2))}"
-    copy = damaged_copy(extract_dir, tmp_path, bad)
+    copy = tiny.damaged_copy(extract_dir, tmp_path, bad)
     out = tmp_path / "ds"
     with pytest.raises(FormatError, match=f"{bad}: sha256_tree differs from .*part.json"):
         lmprobe.write_dataset(copy, out, LMPROBE, progress=False)
@@ -109,7 +97,7 @@ def test_lmprobe_index_refuses_a_damaged_samples_jsonl(gpt2, tmp_path):
     _, extract_dir = gpt2
     rows = (extract_dir / "part-0000" / "samples.jsonl").read_bytes()
     at = rows.index(b'"text": "') + len(b'"text": "') + 1  # a letter of the first text
-    copy = damaged_copy(extract_dir, tmp_path, "part-0000/samples.jsonl", flip_at=at)
+    copy = tiny.damaged_copy(extract_dir, tmp_path, "part-0000/samples.jsonl", flip_at=at)
     out = tmp_path / "ds"
     with pytest.raises(FormatError, match="part-0000/samples.jsonl: sha256_tree differs"):
         lmprobe.write_dataset(copy, out, LMPROBE, progress=False)
@@ -122,7 +110,7 @@ def test_lmprobe_jobs_refuse_a_damaged_part_once_and_check_each_file_once(gpt2, 
     file (and top-k file) of every part is checked by exactly one job, in any job count."""
     _, extract_dir = gpt2
     bad = f"part-0001/{tensor_file(layer_tensor(2))}"
-    copy = damaged_copy(extract_dir, tmp_path, bad)
+    copy = tiny.damaged_copy(extract_dir, tmp_path, bad)
     failed = []
     for job in range(3):
         try:

@@ -37,6 +37,22 @@ def rerecord(part_dir: Path, name: str) -> None:
     (part_dir / "part.json").write_text(json.dumps(meta))
 
 
+def damaged_copy(extract_dir: Path, root: Path, file: str, flip_at: int | None = None) -> Path:
+    """A copy of the extraction under `root` with one bit of `file` (relative) flipped, in its middle or at
+    byte `flip_at`: same size, its .npy header intact, so only its sha256 tells (verify names it)."""
+    import shutil
+
+    from actstore.formats import extract as ex
+
+    copy = root / extract_dir.name
+    shutil.copytree(extract_dir, copy)
+    data = bytearray((copy / file).read_bytes())
+    data[len(data) // 2 if flip_at is None else flip_at] ^= 0x01
+    (copy / file).write_bytes(data)
+    assert any(file in problem for problem in ex.verify(copy))
+    return copy
+
+
 def traced_peak(run: Callable[[], T]) -> tuple[T, int]:
     """run()'s result and the most memory Python and numpy held at once while it ran."""
     tracemalloc.start()
