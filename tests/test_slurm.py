@@ -30,9 +30,9 @@ TARGET = os.environ.get("ACTSTORE_SLURM_TARGET", "all")
 REQUIRED = os.environ.get("ACTSTORE_REQUIRE_SLURM") == "1"
 RUN_TIMEOUT_S = int(os.environ.get("ACTSTORE_SLURM_TIMEOUT_S", "900"))
 # Both runs record created_at = SOURCE_DATE_EPOCH, so what legitimately differs between them is
-# measured time: durations and waits, the CPU threads torch had (the rule's, capped by --cores), the checksums of metadata files that hold one (the extract index's of
-# part.json, the pickle merge's of each machine's metadata.json), validation's read latencies, and
-# the plots drawn from those latencies.
+# measured time: durations and waits, the CPU threads torch had (the rule's, capped by --cores), the
+# checksums of metadata files that hold one (the extract index's of part.json, the pickle merge's of each
+# machine's metadata.json), validation's read latencies, and the plots drawn from those latencies.
 SOURCE_DATE_EPOCH = "1700000000"
 VOLATILE_KEYS = {"extraction_duration_seconds", "extraction_waits", "part_json_sha256", "metadata_sha256",
                  "read_latency_us", "torch_threads"}
