@@ -2,7 +2,7 @@
 
 Exit codes: 0 success; 1 `verify` found problems (each printed, naming the file); 2 bad usage, an
 unknown path, a directory holding no known format, a store `inspect` cannot summarise or a config
-`locate` cannot read (each named on stderr); 141 (as killed by SIGPIPE) when the output's reader
+`locate` or `list` cannot read (each named on stderr); 141 (as killed by SIGPIPE) when the output's reader
 stopped reading (`| head`), printing nothing more.
 """
 from __future__ import annotations
@@ -138,8 +138,8 @@ DEFAULT_CONFIG = Path("config/config.yaml")  # the Snakefile's `configfile:`, in
 
 def cmd_locate(args: argparse.Namespace) -> int:
     from actstore.config import enabled_stages, load_config
+    from actstore.dump_listing import stage_state
     from actstore.hashing import stage_dirs
-    from actstore.integrity import STAGE_CONFIG_FILE
 
     if not args.directory.is_dir():
         raise ConfigError(f"--directory {args.directory}: not a directory")
@@ -156,12 +156,32 @@ def cmd_locate(args: argparse.Namespace) -> int:
         print(json.dumps(located, indent=2))
     else:
         for stage, directory in located.items():
-            # A stage's last job writes its stage config: a directory without one is a run cut short.
-            state = "done" if (Path(directory) / STAGE_CONFIG_FILE).is_file() else \
-                "incomplete" if Path(directory).is_dir() else "not built"
+            state = stage_state(Path(directory))
             print(_line(f"{stage:9s} {directory}  ({state}{', stale' if stale and state == 'done' else ''})"))
         if stale:
             print(_line(f"stale: {stale}"))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from actstore.dump_listing import configs_using, list_dump, listing_json, listing_lines
+
+    if not args.dump_to.is_dir():
+        print(_line(f"actstore: {args.dump_to}: not a directory (give a workflow's dump_to)"), file=sys.stderr)
+        return 2
+    if not args.directory.is_dir():
+        raise ConfigError(f"--directory {args.directory}: not a directory")
+    used = configs_using(args.dump_to, args.configfile, args.directory) if args.configfile else None
+    try:
+        listing = list_dump(args.dump_to, used)
+    except OSError as exc:  # a member's folder this user may not read, in a lab's shared dump_to
+        print(_line(f"actstore: cannot list {args.dump_to}: {exc}"), file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(listing_json(listing), indent=2))
+    else:
+        for line in listing_lines(listing):
+            print(_line(line))
     return 0
 
 
@@ -244,6 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the workflow config (default: {DEFAULT_CONFIG} in --directory)")
     locate.add_argument("--json", action="store_true", help="print {stage: directory} as JSON")
     locate.set_defaults(func=cmd_locate)
+    listing = _command(sub, "list", "print every stage directory under a dump_to ({dump_to}/{stage}/{hash}/): its "
+                       "state (done, incomplete, damaged: its stage config unreadable or edited, or temp: a writer's "
+                       "temp or lock file left, a run writing now or killed: never delete it while one may run), "
+                       "its size on disk, when written, the extraction it was made from, and which --configfile "
+                       "names it; other entries (logs/) by size. Deletes nothing, hashes nothing (`actstore "
+                       "verify` checks a store)")
+    listing.add_argument("dump_to", type=Path, help="the workflow's dump_to directory")
+    listing.add_argument("--configfile", type=Path, action="append", default=[],
+                         help="a workflow config whose stage directories to mark as used (repeat for several; "
+                         "each must name this dump_to)")
+    listing.add_argument("-d", "--directory", type=Path, default=Path("."),
+                         help="the workflow's working directory, from which each config's relative paths are read, "
+                         "as locate reads them (default: the current directory)")
+    listing.add_argument("--json", action="store_true", help="print a list of objects, one per stage directory "
+                         "(its fields as printed, bytes exact), then one of state \"other\" per other entry")
+    listing.set_defaults(func=cmd_list)
     return parser
 
 

@@ -212,34 +212,46 @@ def open_files_budget() -> int:
 
 
 def stage_config_problems(directory: Path, required: bool = False) -> list[str]:
-    """The stage config a workflow stage directory holds (hashing.write_stage_config): its recorded
-    hash must be the sha256 of the config in it (so it was not edited), a directory named by a stage
-    hash must be named by this one (so it is not another run's config), and every file it seals
-    must hold the bytes the stage wrote. `required`: a missing stage config is itself a problem (a
-    directory the workflow wrote; a store written by the library has none). One linked out of the
-    directory is never read, and is named."""
+    """The stage config a workflow stage directory holds (hashing.write_stage_config): read_stage_config's
+    problems, and every file it seals must hold the bytes the stage wrote."""
+    record, problems = read_stage_config(directory, required)
+    if problems or record is None:
+        return problems
+    return seal_problems(directory, record[SEAL_KEY], directory / STAGE_CONFIG_FILE,
+                         sealed_names(directory, str(record["stage"])))
+
+
+def read_stage_config(directory: Path, required: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+    """The stage config a workflow stage directory holds and its problems short of its seal's files (none
+    hashed): its recorded hash must be the sha256 of the config in it (so it was not edited), a directory
+    named by a stage hash must be named by this one (so it is not another run's config), and it must hold
+    its seal. `required`: a missing stage config is itself a problem (a directory the workflow wrote; a
+    store written by the library has none). One linked out of the directory is never read, and is named;
+    a file that is not JSON is a FormatError."""
     path = directory / STAGE_CONFIG_FILE
     if problem := link_out(directory, path):
         # Named here too, not left to a format's verify: none looks at a stage directory holding no
         # store (sae, validate) or above a store given by its own path (lut/, dataset/), and passing
         # it in silence would skip its seal, the only record of some metadata values.
-        return [f"{problem}: not read, so nothing it seals is checked"]
+        return None, [f"{problem}: not read, so nothing it seals is checked"]
     if not path.is_file():
-        return [f"{path}: missing (the workflow writes one in every stage directory)"] if required else []
+        return None, [f"{path}: missing (the workflow writes one in every stage directory)"] if required else []
     record = read_json(path)
-    if not isinstance(record, dict) or not {"stage", "config", "upstream", "hash"} <= set(record):
-        return [f"{path}: not a stage config (an object with stage, config, upstream and hash)"]
+    if not isinstance(record, dict) or not {"stage", "config", "upstream", "hash"} <= set(record) \
+            or not isinstance(record["upstream"], dict):
+        return None, [f"{path}: not a stage config (an object with stage, config, upstream and hash)"]
     digest = canonical_sha256({k: v for k, v in record.items() if k not in ("hash", SEAL_KEY)})  # as stage_hash
     if digest != record["hash"]:
-        return [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: edited"]
+        return record, [f"{path}: its content hashes to {digest}, not to its recorded hash {record['hash']!r:.70}: "
+                        "edited"]
     name = directory.absolute().name  # `actstore verify .` in a stage directory: "." has no name
     if is_sha256(name) and name != digest:
-        return [f"{path}: the config of stage directory {digest}, found in {name}"]
+        return record, [f"{path}: the config of stage directory {digest}, found in {name}"]
     if SEAL_KEY not in record:  # every stage config the workflow writes holds one
-        return [f"{path}: no {SEAL_KEY!r} record, so the stage's metadata files cannot be checked against it "
-                f"(its key removed, or written by an actstore from before stages were sealed: rerun the stage "
-                f"to seal it)"]
-    return seal_problems(directory, record[SEAL_KEY], path, sealed_names(directory, str(record["stage"])))
+        return record, [f"{path}: no {SEAL_KEY!r} record, so the stage's metadata files cannot be checked against "
+                        f"it (its key removed, or written by an actstore from before stages were sealed: rerun the "
+                        f"stage to seal it)"]
+    return record, []
 
 
 def seal_problems(root: Path, records: Any, sealer: Path, must_seal: Iterable[str]) -> list[str]:
