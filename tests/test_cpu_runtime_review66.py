@@ -154,15 +154,15 @@ def dry_run_minutes(tmp_path, config: dict, rules: tuple[str, ...]) -> dict[str,
 
 
 def test_the_rules_ask_slurm_for_the_cpu_time(model_dir, tmp_path):
-    """The dry run's extract_part and train_sae jobs (what Slurm is asked) of a 2 GB text dataset: on
-    `cpu`, more time than on `auto`, which asks the GPU formula's."""
+    """The dry run's extract_part and train_sae jobs (what Slurm is asked) of a 2 GB text dataset on `cpu`:
+    the runtime functions' values for that config, more than the GPU formula's (which `auto` and `cuda` ask:
+    test_auto_and_cuda_keep_the_gpu_rate_and_only_cpu_asks_more)."""
     data = sparse_jsonl(tmp_path / "big.jsonl", 2 * 10**9)
     config = tiny.make_config(tmp_path, model_dir("gpt2"), data, extract={"parts": 4, "max_seq_length": 64,
                                                                           "hooks": ["h.1.attn.c_attn:input"]},
                               sae={"enabled": True, "num_basis": 2048, "k_active": 8, "steps": 10**6},
                               lut={"enabled": False})
-    rules = ("extract_part", "train_sae")
-    auto, cpu = (dry_run_minutes(tmp_path, with_devices(config, device), rules) for device in ("auto", "cpu"))
-    assert auto == {"extract_part": gpu_part_minutes(config), "train_sae": gpu_sae_minutes(config)}
-    for rule in rules:
-        assert cpu[rule] > auto[rule], (rule, cpu, auto)
+    on_cpu = with_devices(config, "cpu")
+    asked = dry_run_minutes(tmp_path, on_cpu, ("extract_part", "train_sae"))
+    assert asked == {"extract_part": resources.extract_part_runtime(on_cpu), "train_sae": resources.sae_runtime(on_cpu)}
+    assert asked["extract_part"] > gpu_part_minutes(config) and asked["train_sae"] > gpu_sae_minutes(config), asked

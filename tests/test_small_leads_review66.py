@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import tiny
 from actstore import cli
 from actstore.errors import ConfigError, FormatError
-from actstore.formats import lmprobe
+from actstore.formats import lmprobe, saev
 from actstore.formats import zarr as zs
 from actstore.formats.extract import synthetic_extraction
 from actstore.model_config import num_blocks, run_config
@@ -62,21 +62,22 @@ def dry_run(workdir: Path, config: dict) -> subprocess.CompletedProcess:
                            str(configfile), "--cores", "1", "-n"], capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("stage, refusal", [
-    ("lmprobe", "lmprobe.layers: [1] not extracted (extract.layers = [0, 2])"),
-    ("saev", "saev.layers: [1] not extracted; extract.layers = [0, 2]")])
-def test_a_stages_options_are_not_checked_when_it_is_disabled(tmp_path, model_dir, stage, refusal):
-    """{stage}.layers naming a block not extracted stopped the parse of every stage though the stage was
-    disabled; enabled, it still stops the parse before any job, naming the key."""
+def test_a_stages_options_are_not_checked_when_it_is_disabled(tmp_path, model_dir):
+    """lmprobe.layers and saev.layers naming a block not extracted stopped the parse of every stage though
+    the stage was disabled (rules/lmprobe.smk, rules/saev.smk). Enabled, the same options are refused by
+    the check those rules run at parse time (test_workflow.py proves the parse stops there)."""
     data = tiny.write_jsonl(tmp_path / "data.jsonl", 4)
-    sections = {"extract": {"parts": 1, "layers": [0, 2]}, "sae": {"enabled": False}}
-    disabled = tiny.make_config(tmp_path, model_dir("bert"), data, **{stage: {"enabled": False, "layers": [1]}},
-                                **sections)
+    model = model_dir("bert")
+    disabled = tiny.make_config(tmp_path, model, data, extract={"parts": 1, "layers": [0, 2]}, sae={"enabled": False},
+                                lmprobe={"enabled": False, "layers": [1]}, saev={"enabled": False, "layers": [1]})
     proc = dry_run(tmp_path, disabled)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert re.search(r"^zarr_manifest\s+1$", proc.stdout, re.M) and not re.search(rf"^{stage}", proc.stdout, re.M)
-    proc = dry_run(tmp_path, {**disabled, stage: {**disabled[stage], "enabled": True}})
-    assert proc.returncode != 0 and refusal in proc.stdout
+    assert re.search(r"^zarr_manifest\s+1$", proc.stdout, re.M), proc.stdout[-3000:]
+    assert not re.search(r"^(lmprobe|saev)", proc.stdout, re.M), proc.stdout[-3000:]
+    with pytest.raises(ConfigError, match=re.escape("lmprobe.layers: [1] not extracted (extract.layers = [0, 2])")):
+        lmprobe.check_options(disabled, run_config(disabled["model"]))
+    with pytest.raises(ConfigError, match=re.escape("saev.layers: [1] not extracted; extract.layers = [0, 2]")):
+        saev.check_options(disabled)
 
 
 def overflow_warnings(caplog) -> list[str]:
