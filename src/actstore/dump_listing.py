@@ -21,7 +21,6 @@ from actstore.integrity import STAGE_CONFIG_FILE, is_sha256, read_json, read_sta
 from actstore.io_utils import is_temp
 
 
-
 @dataclass
 class StageRow:
     """One stage directory. state: done (its stage config written), incomplete (a run cut short),
