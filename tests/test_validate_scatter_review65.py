@@ -2,7 +2,6 @@
 so that no job reads more than one store or the extraction: at 100 TB the one job it was ran past Slurm's cap."""
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
@@ -13,7 +12,6 @@ from actstore.formats.extract import open_extraction, synthetic_extraction
 from actstore.verify import reference_dtype
 from test_extract import write_real_store
 from test_fingerprints import zarr_chunk
-from test_workflow import job_counts, snakemake, write
 
 
 def test_a_store_jobs_fingerprints_kept_in_a_file_name_what_they_named_in_one_process(tmp_path):
@@ -70,41 +68,9 @@ def test_each_store_has_its_own_validate_job_sized_by_what_it_reads(tmp_path, mo
     assert resources.validate_runtime(config, "zarr") > resources.validate_runtime(config, "saev") > 30
 
 
-@pytest.fixture(scope="module")
-def scattered_run(tmp_path_factory, model_dir, text_jsonl):
-    """A tiny gpt2 run of every format (zarr's merged store too) through `snakemake validate`."""
-    workdir = tmp_path_factory.mktemp("scatter")
-    config = tiny.make_config(workdir, model_dir("gpt2"), text_jsonl, sae={"enabled": False},
-                              zarr={"merged": True})
-    configfile = write(config, workdir / "config.yaml")
-    plan = job_counts(snakemake(workdir, configfile, "-n", "validate"))
-    snakemake(workdir, configfile, "validate")
-    return workdir, config, configfile, plan
-
-
 def timed_apart(report: dict) -> dict:
     """`report` with each store's read latencies (measured, so of every run its own) replaced by their count."""
     for entry in report["formats"].values():
         if "read_latency_us" in entry:
             entry["read_latency_us"] = len(entry["read_latency_us"])
     return report
-
-
-@pytest.mark.slow
-def test_the_scattered_stage_writes_the_report_one_process_writes(scattered_run, tmp_path):
-    """The workflow's report.json is the one validate_all writes in one process (but the latencies it
-    measured); each store had
-    its job; the jobs' results were temp files, deleted; the stage verifies."""
-    from actstore.hashing import stage_dirs
-    from actstore.integrity import stage_config_problems
-    from actstore.verify import validate_all
-
-    workdir, config, _, plan = scattered_run
-    assert plan["validate_store"] == 4 and plan["validate_extract"] == 1 and plan["validate_stores"] == 1, plan
-    validate_dir = stage_dirs(config)["validate"]
-    validate_all(config, tmp_path / "report.json")
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert timed_apart(json.loads((validate_dir / "report.json").read_text())) == timed_apart(report)
-    assert set(report["formats"]["zarr"]["fingerprint"]) == {"zarr", "zarr merged"}
-    assert not (validate_dir / "scatter").exists() or not any((validate_dir / "scatter").iterdir())
-    assert stage_config_problems(validate_dir, required=True) == []

@@ -116,6 +116,7 @@ def shared_run(tmp_path_factory, model_dir, text_jsonl):
 @pytest.mark.slow
 def test_the_share_jobs_write_the_report_one_process_writes(shared_run, tmp_path):
     from actstore.hashing import stage_dirs, stage_hash
+    from actstore.integrity import stage_config_problems
     from actstore.verify import validate_all
 
     workdir, config, _, plan = shared_run
@@ -124,6 +125,10 @@ def test_the_share_jobs_write_the_report_one_process_writes(shared_run, tmp_path
     validate_all(config, tmp_path / "report.json")
     report = json.loads((tmp_path / "report.json").read_text())
     assert timed_apart(json.loads((validate_dir / "report.json").read_text())) == timed_apart(report)
+    assert set(report["formats"]["zarr"]["fingerprint"]) == {"zarr", "zarr merged"}
+    # the jobs' results were temp files, deleted; the stage verifies
+    assert not (validate_dir / "scatter").exists() or not any((validate_dir / "scatter").iterdir())
+    assert stage_config_problems(validate_dir, required=True) == []
     assert stage_hash({**config, "validate": {**config["validate"], "jobs": 5}}, "validate") == \
         stage_hash(config, "validate")
 
