@@ -261,11 +261,11 @@ def data_moments(arrays: list[np.ndarray], rows: list[np.ndarray], limit: int = 
     return Moments(torch.from_numpy(mean).float(), count, mean_square - float(mean @ mean), mean_square)
 
 
-def sampled_rows(rows: list[np.ndarray], limit: int, seed: int) -> list[np.ndarray]:
-    """`rows` (per part) when they are at most `limit`, else a seeded uniform sample of `limit` of
-    them, in storage order within each part (sequential reads)."""
+def sampled_rows(rows: list[np.ndarray], limit: int | None, seed: int) -> list[np.ndarray]:
+    """`rows` (per part) when they are at most `limit` (None: no limit), else a seeded uniform sample of
+    `limit` of them, in storage order within each part (sequential reads)."""
     sizes = np.array([len(part_rows) for part_rows in rows], dtype=np.int64)
-    if sizes.sum() <= limit:
+    if limit is None or sizes.sum() <= limit:
         return rows
     picked = uniform_picks(int(sizes.sum()), limit, np.random.default_rng(seed))
     starts = np.concatenate([[0], np.cumsum(sizes)])

@@ -24,8 +24,7 @@ def imported_sae(extraction: Extraction, hook: str, sae_cfg: dict[str, Any]) -> 
     sae = import_sae(imported["path"], imported["style"], sae_cfg["k_active"], hook_width=arrays[0].shape[1],
                      hook=hook)
     split = split_tokens(extraction, sae_cfg["heldout_fraction"], sae_cfg["seed"])
-    limit, seed = sae_cfg["eval_tokens"], sae_cfg["seed"]
-    held_rows = split.heldout if limit is None else sampled_rows(split.heldout, limit, seed)
+    held_rows = sampled_rows(split.heldout, sae_cfg["eval_tokens"], sae_cfg["seed"])
     # Only the evaluated rows are read: the files holding one are checked whole, beside the reads (evaluate
     # samples them as here, so its seeded sample is these rows).
     with PartsCheck(hook_reads(extraction, hook, held_rows)):

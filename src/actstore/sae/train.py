@@ -36,7 +36,7 @@ def evaluate(sae: TopKSAE, arrays: list[np.ndarray], rows: list[np.ndarray], lim
     latents of the others were reported dead."""
     sq_err, sq, s, n, under_k = 0.0, 0.0, None, 0, 0
     fires = torch.zeros(sae.num_basis, dtype=torch.long)
-    blocks = iter_rows(arrays, rows if limit is None else sampled_rows(rows, limit, seed))
+    blocks = iter_rows(arrays, sampled_rows(rows, limit, seed))
     for x in (chunk.to(device) for block in blocks for chunk in torch.from_numpy(block).split(eval_rows(sae))):
         values, indices = sae.encode(x)
         x_hat = sae.decode_dense(values, indices)

@@ -18,7 +18,7 @@ from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, GROUP_K
 from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_zarr, run_field_problems, same_json,
                                          start_problems, store_files)
 from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, open_regular, problems_of, read_index,
-                                read_json, read_sized, stream_json_members, whole_number)
+                                read_json, stream_json_members, whole_number)
 from actstore.io_utils import sha256_file
 
 
@@ -195,18 +195,6 @@ def _per_sample_problems(reader: ZarrStore) -> list[str]:
     return problems_of(lambda check: check(reader), checks, desc="verify zarr per-sample files")
 
 
-def _vector_chunks(reader: ZarrStore, name: str) -> Iterator[np.ndarray]:
-    """1-D array `name`'s values a chunk file at a time (a store of 10^9 samples holds gigabytes of them);
-    FormatError naming a chunk or .zarray unlike its layout."""
-    chunk_names = reader.vector_chunk_names(name)  # checks the .zarray, whose dtype and chunks are then read
-    zarray = reader.metadata[f"arrays/{name}/.zarray"]
-    dtype, chunk = np.dtype(zarray["dtype"]), zarray["chunks"][0]
-    source = f"{reader.path}/arrays/{name}/.zarray"
-    for c, key in enumerate(chunk_names):
-        values = np.frombuffer(read_sized(inside(reader.path, key, source), chunk * dtype.itemsize, source), dtype)
-        yield values[: reader.n_samples - c * chunk]
-
-
 def _out_of_set_problem(reader: ZarrStore, name: str, allowed: str, bad: Callable[[np.ndarray], np.ndarray]
                         ) -> list[str]:
     """arrays/`name`'s first value where `bad` (of integers: `allowed` says which are the spec's), and how
@@ -216,7 +204,7 @@ def _out_of_set_problem(reader: ZarrStore, name: str, allowed: str, bad: Callabl
         return []
     try:
         first, count, start = None, 0, 0
-        for values in _vector_chunks(reader, name):
+        for values in reader.vector_chunks(name):
             if values.dtype.kind not in "iu":
                 return [f"{where}: dtype {values.dtype}, expected integers ({allowed})"]
             at = np.flatnonzero(bad(values))
@@ -271,7 +259,7 @@ def _prompts_problems(reader: ZarrStore) -> list[str]:
 def _sample_key_chunks(reader: ZarrStore) -> Iterator[np.ndarray]:
     """arrays/sample_key's values a chunk at a time; FormatError naming the array where they are not the
     spec's fixed-length bytes (a number has no text to compare a line's sample_key with)."""
-    for values in _vector_chunks(reader, "sample_key"):
+    for values in reader.vector_chunks("sample_key"):
         if values.dtype.kind != "S":
             raise FormatError(f"{reader.path}/arrays/sample_key: dtype {values.dtype}, expected fixed-length bytes "
                               "(the spec's |S64 sha256 hex)")

@@ -140,12 +140,19 @@ class ZarrStore:
 
     def vector(self, name: str) -> np.ndarray:
         """A 1-D per-sample array (seq_len, sample_key, ...) read raw after validating its .zarray."""
+        dtype, _ = self._vector_layout(name)
+        parts = list(self.vector_chunks(name))
+        out = np.concatenate(parts) if parts else np.zeros(0, dtype)
+        return out.astype(dtype.newbyteorder("="))
+
+    def vector_chunks(self, name: str) -> Iterator[np.ndarray]:
+        """1-D array `name`'s values a chunk file at a time, as stored (a store of 10^9 samples holds
+        gigabytes of them: verify reads them so), its .zarray validated first."""
         dtype, chunk = self._vector_layout(name)
         source = f"{self.path}/arrays/{name}/.zarray"
-        parts = [np.frombuffer(read_sized(inside(self.path, key, source), chunk * dtype.itemsize, source), dtype=dtype)
-                 for key in self.vector_chunk_names(name)]
-        out = np.concatenate(parts)[: self.n_samples] if parts else np.zeros(0, dtype)
-        return out.astype(dtype.newbyteorder("="))
+        for c, key in enumerate(self.vector_chunk_names(name)):
+            values = np.frombuffer(read_sized(inside(self.path, key, source), chunk * dtype.itemsize, source), dtype)
+            yield values[: self.n_samples - c * chunk]
 
     def vector_chunk_names(self, name: str) -> Iterator[str]:
         """The chunk files of 1-D array `name`, relative to the store: what vector() reads, and what the
