@@ -21,9 +21,9 @@ import tempfile
 import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
-from actstore.errors import ConfigError, WriteInProgressError
+from actstore.errors import ConfigError, FormatError, WriteInProgressError
 
 CHUNK = 1 << 22
 # A PositionedFile starts the disk on its dirty pages every this many bytes. What is left unstarted
@@ -61,6 +61,17 @@ def pread_into(fd: int, buffer: Any, offset: int) -> int:
             break
         done += got
     return done
+
+
+def bounded_lines(fh: IO[bytes], limit: int, path: str | os.PathLike) -> Iterator[bytes]:
+    """Each line of `fh` from where it stands, its newline kept; a line of more than `limit` bytes (newline
+    counted) is a FormatError naming `path` and the line (from 1 where reading began), holding at most
+    limit + 1 of its bytes: iterating a file reads a line whole, and a hostile store's 5 GB line (its
+    checksums rewritten to match) held 5 GB."""
+    for number, line in enumerate(iter(lambda: fh.readline(limit + 1), b""), start=1):
+        if len(line) > limit:
+            raise FormatError(f"{path}: line {number} is longer than the {limit} bytes a line may take: not read")
+        yield line
 
 
 def _taken(count: int | None) -> int:

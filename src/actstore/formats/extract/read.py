@@ -16,6 +16,7 @@ from typing import Any, Iterator, TypeVar
 import numpy as np
 
 from actstore.casts import RowFile, to_float32
+from actstore.datasets.json_array import MAX_ELEMENT_CHARS
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (CUT_FIELD, INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME,
@@ -71,11 +72,24 @@ class StoredTensor:
             to_float32(target, self.stored_dtype, out)
 
 
+# The longest samples.jsonl line (its newline counted) a reader takes; a longer one is named, never read (a
+# hostile store's 5 GB line, its checksums rewritten to match, held 5 GB and then its text). A row is one
+# dataset row's text and fields as json.dumps writes them (ensure_ascii=False), bounded by the inputs' own
+# bounds: a JSON line or element of at most MAX_ELEMENT_CHARS characters comes out at most 4.5 bytes a
+# character (1e15 as 1000000000000000.0; an astral character 4), a text file of at most MAX_ELEMENT_CHARS
+# bytes at most 6 a byte (a control character as \u00XX) beside its metadata file's row (4.5), plus ~150
+# bytes of fixed fields: 10.5 times MAX_ELEMENT_CHARS at most. Table cells, webdataset members, chat templates
+# and prompt templates naming a field twice have no input bound: a row of them past this is written, then
+# refused here (the writer does not check it).
+MAX_ROW_BYTES = 16 * MAX_ELEMENT_CHARS
+
+
 class SampleRows(Sequence):
     """A part's samples.jsonl, one dict per sample, parsed when asked for. The file is indexed once by
     where each line starts (8 bytes a row) and then read a line at a time, holding no open file: a
     job that reads every row of thousands of parts (the lmprobe index) holds neither their rows nor
-    their file descriptors."""
+    their file descriptors. Lines are read as the index spans them, each at most MAX_ROW_BYTES: a longer
+    one is refused when the file is indexed, naming it, before any of it is read."""
 
     SCAN_BYTES = 1 << 20  # the newline scan compares this much at a time
 
@@ -84,16 +98,29 @@ class SampleRows(Sequence):
         with open_regular(path) as fh:  # a FIFO in its place would block a plain open forever
             size = os.fstat(fh.fileno()).st_size
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else nullcontext(b"") as data:
-                self._starts = self._line_starts(data, size)
+                self._starts = self._line_starts(data, size, n_samples)
         if len(self) != n_samples:
             raise FormatError(f"{path}: {len(self)} rows, {PART_META} says {n_samples} samples")
+        sizes = self.line_bytes()
+        too_long = np.flatnonzero(sizes > MAX_ROW_BYTES)
+        if too_long.size:
+            raise FormatError(f"{path}: line {too_long[0] + 1} is {sizes[too_long[0]]} bytes, past the "
+                              f"{MAX_ROW_BYTES} a row may take: not read")
 
-    def _line_starts(self, data: Any, size: int) -> np.ndarray:
+    def _line_starts(self, data: Any, size: int, n_samples: int) -> np.ndarray:
         """Offset of each line's first byte, then one past the last line's newline (a last line
         without one counts as if it had it). Split on "\n" only, as the writer joins rows: text written
-        with ensure_ascii=False may hold U+2028 and friends."""
-        ends = [np.flatnonzero(np.frombuffer(data, np.uint8, min(self.SCAN_BYTES, size - a), a) == 0x0A) + a + 1
-                for a in range(0, size, self.SCAN_BYTES)]  # in place: one block's comparison at a time
+        with ensure_ascii=False may hold U+2028 and friends. A file of more lines than `n_samples` is
+        refused once the scan passes them: a hostile file of newlines was indexed whole, 8 bytes a byte."""
+        ends: list[np.ndarray] = []
+        found = 0
+        for a in range(0, size, self.SCAN_BYTES):  # in place: one block's comparison at a time
+            block = min(self.SCAN_BYTES, size - a)
+            ends.append(np.flatnonzero(np.frombuffer(data, np.uint8, block, a) == 0x0A) + a + 1)
+            found += len(ends[-1])
+            if found > n_samples:
+                raise FormatError(f"{self.path}: {found} rows in its first {a + block} bytes, {PART_META} says "
+                                  f"{n_samples} samples")
         starts = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
         if size and starts[-1] != size:
             starts = np.append(starts, size + 1)
@@ -126,9 +153,12 @@ class SampleRows(Sequence):
             os.close(fd)
 
     def __iter__(self) -> Iterator[dict]:
+        """Each row in order, its line read as the index spans it (never past MAX_ROW_BYTES, whatever
+        the file holds since it was indexed)."""
         with open(self.path, "rb") as fh:
             for local in range(len(self)):
-                yield self._parse(local, fh.readline().removesuffix(b"\n"))
+                span = int(self._starts[local + 1] - self._starts[local])
+                yield self._parse(local, fh.read(span).removesuffix(b"\n"))
 
     def _parse(self, local: int, line: bytes) -> dict:
         """A row; a key given twice (json.loads keeps the last value, where the part's sha256 saw

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from actstore.errors import FormatError
+from actstore.formats.extract.read import MAX_ROW_BYTES
 from actstore.formats.zarr.layout import (ACTS, FILES_JSON, FORMAT_NAME, GROUP_KEYS, MANIFEST, NO_LABEL, PROMPTS_JSONL,
                                           SPLIT_VALUES, ZARR_METADATA_NAMES, chunk_keys_in_name_order, chunk_shape,
                                           run_attrs)
@@ -19,7 +20,11 @@ from actstore.formats.zarr.read import (ZarrRun, ZarrStore, entry_problem, open_
                                          start_problems, store_files)
 from actstore.integrity import (dir_bytes, inside, links_out, listed_problem, open_regular, problems_of, read_index,
                                 read_json, stream_json_members, whole_number)
-from actstore.io_utils import sha256_file
+from actstore.io_utils import bounded_lines, sha256_file
+
+# The longest text/prompts.jsonl line verify reads (bounded_lines). prompt_line writes a samples.jsonl row's
+# text, label and metadata as the row holds them (MAX_ROW_BYTES), adding i and sample_key (~110 bytes).
+MAX_PROMPT_LINE_BYTES = MAX_ROW_BYTES + 1024
 
 
 def detect(path: str | Path) -> bool:
@@ -236,7 +241,8 @@ def _label_problems(reader: ZarrStore) -> list[str]:
 def _prompts_problems(reader: ZarrStore) -> list[str]:
     """text/prompts.jsonl (optional in the spec): a JSON object a sample, line i its sample's, with `i` =
     i, a `prompt`, and the `sample_key` of arrays/sample_key (where the store has one); read a line at a
-    time. The first line wrong is named (a line missing made every later one another sample's)."""
+    time, none past MAX_PROMPT_LINE_BYTES. The first line wrong is named (a line missing made every later
+    one another sample's)."""
     path = reader.path / PROMPTS_JSONL
     if not path.exists():
         return []
@@ -245,11 +251,14 @@ def _prompts_problems(reader: ZarrStore) -> list[str]:
     lines = 0
     try:
         with open_regular(path) as fh:
-            for lines, (key, line) in enumerate(zip(keys, fh), start=1):  # keys first: no line taken past them
+            read = bounded_lines(fh, MAX_PROMPT_LINE_BYTES, path)
+            for lines, (key, line) in enumerate(zip(keys, read), start=1):  # keys first: no line taken past them
                 if problem := _prompt_line_problem(line, lines - 1, key):
                     return [f"{path}: line {lines} (sample {lines - 1}): {problem}"]
-            rest = sum(1 for _ in fh)  # the lines past the samples' (zip stops at the shorter)
-    except (FormatError, OSError) as exc:
+            rest = sum(1 for _ in read)  # the lines past the samples' (zip stops at the shorter)
+    except FormatError as exc:  # a line too long, or arrays/sample_key not bytes: each names its file
+        return [str(exc)]
+    except OSError as exc:
         return [f"{path}: unreadable ({exc})"]
     held = lines + rest
     return [] if held == reader.n_samples else [f"{path}: {held} lines, the store holds {reader.n_samples} samples "
