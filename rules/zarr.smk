@@ -11,7 +11,11 @@ ZARR_DIR = sdir("zarr")
 ZARR_SHARDS = expand(f"{ZARR_DIR}/shards/shard-{{part}}.zarr", part=PARTS)
 ZARR_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr"))]
 ZARR_RECORDS = expand(f"{ZARR_DIR}/scatter/shards-{{job}}", job=ZARR_JOBS)
-ZARR_MERGED = [f"{ZARR_DIR}/merged"] if config["zarr"]["merged"] else []
+# The merged store is declared by a file of its own, its consolidated metadata, not as directory():
+# Snakemake marks a directory() output with a .snakemake_timestamp file inside it, a foreign file in
+# a store users open with zarr and copy around.
+ZARR_MERGED_ZMETADATA = f"{ZARR_DIR}/merged/.zmetadata"
+ZARR_MERGED = [ZARR_MERGED_ZMETADATA] if config["zarr"]["merged"] else []
 ZARR_MERGE_JOBS = [f"{job:04d}" for job in range(write_jobs(config, "zarr", "merge_jobs"))]
 
 
@@ -67,13 +71,14 @@ rule zarr_merge_chunks:
 
 
 # Moves the linked chunk directories into place by rename and writes the small files: it reads the
-# shards' metadata, 1-D arrays and prompts, never their activations.
+# shards' metadata, 1-D arrays and prompts, never their activations. On a rerun Snakemake deletes the
+# declared .zmetadata alone: the script deletes the rest of the earlier store first.
 rule zarr_merge:
     input:
         records=ZARR_RECORDS,
         chunks=expand(f"{ZARR_DIR}/scatter/merge-{{job}}", job=ZARR_MERGE_JOBS),
     output:
-        directory(f"{ZARR_DIR}/merged"),
+        zmetadata=ZARR_MERGED_ZMETADATA,
     params:
         shards=ZARR_SHARDS,
     log:

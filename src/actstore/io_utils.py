@@ -285,6 +285,19 @@ def _remove(temp: Path) -> None:
         temp.unlink(missing_ok=True)
 
 
+def discard(path: str | os.PathLike) -> None:
+    """Delete the tree at `path` (a file: unlinked), set aside first in one rename to a temp name of its
+    own: a kill while it is deleted leaves the rest under that name, for the next writer's sweep
+    (atomic_path), never a part of it under `path`."""
+    final = Path(path)
+    if final.is_dir() and not final.is_symlink():
+        aside = _temp_beside(final)
+        os.replace(final, aside)  # a directory renamed over an empty one
+        _remove(aside)
+    else:
+        final.unlink(missing_ok=True)
+
+
 def _start_writing(final: Path) -> tuple[Path, int | None]:
     """A new temp name of `final`, once the temps of its writers that are gone are swept, and the
     descriptor holding its lock file's lock (None where the file system has no locks: then no lock

@@ -10,6 +10,8 @@ from actstore.formats.zarr import write_manifest
 from actstore.jobs import check_job_parts
 
 run_dir = Path(snakemake.output.manifest).parent
+# zarr.merged: the input is the merged store's declared file (.zmetadata), the store its directory
+merged = Path(snakemake.input.merged[0]).parent if snakemake.input.merged else None
 with stage_rule(snakemake, "zarr", run_dir):
     check_job_parts(list(snakemake.input.records), len(snakemake.params.shards))
-    write_manifest(run_dir, list(snakemake.params.shards), snakemake.input.merged[0] if snakemake.input.merged else None)
+    write_manifest(run_dir, list(snakemake.params.shards), merged)
