@@ -16,11 +16,11 @@ rule build_lut:
         bench_path("lut", "build")
     conda:
         "../envs/actstore.yaml"
-    threads: 4
+    threads: actstore_resources.LUT_JOB_THREADS
     # One GPU when the profile gives one (profiles/osc), else the CPU: lut.device auto picks.
     resources:
         mem_mb=lambda wildcards, attempt: actstore_resources.lut_mem_mb(config, attempt),
-        runtime=lambda wildcards, attempt: actstore_resources.io_runtime(config, attempt, passes=2.0),
+        runtime=lambda wildcards, attempt: actstore_resources.lut_runtime(config, attempt),
     script:
         "../workflow/scripts/lut.py"
 

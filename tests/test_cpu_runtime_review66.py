@@ -140,9 +140,9 @@ def test_a_cpu_job_with_more_cpus_is_given_less_time(model_dir, image_folder, tm
 
 
 def dry_run_minutes(tmp_path, config: dict, rules: tuple[str, ...]) -> dict[str, int]:
-    """The runtime a local `snakemake sae -n` of `config` gives each of `rules`' jobs."""
+    """The runtime a local `snakemake lut -n` of `config` gives each of `rules`' jobs."""
     configfile = tiny.save_config(config, tmp_path / f"{config['extract']['device']}.yaml")
-    proc = subprocess.run([SNAKEMAKE, "sae", "-n", "--configfile", str(configfile)], cwd=tiny.REPO,
+    proc = subprocess.run([SNAKEMAKE, "lut", "-n", "--configfile", str(configfile)], cwd=tiny.REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     minutes = {}
@@ -154,15 +154,19 @@ def dry_run_minutes(tmp_path, config: dict, rules: tuple[str, ...]) -> dict[str,
 
 
 def test_the_rules_ask_slurm_for_the_cpu_time(model_dir, tmp_path):
-    """The dry run's extract_part and train_sae jobs (what Slurm is asked) of a 2 GB text dataset on `cpu`:
-    the runtime functions' values for that config, more than the GPU formula's (which `auto` and `cuda` ask:
-    test_auto_and_cuda_keep_the_gpu_rate_and_only_cpu_asks_more)."""
+    """The dry run's extract_part, train_sae and build_lut jobs (what Slurm is asked) of a 2 GB text dataset
+    on `cpu`: the runtime functions' values for that config, more than the GPU formula's (which `auto` and
+    `cuda` ask: test_auto_and_cuda_keep_the_gpu_rate_and_only_cpu_asks_more); build_lut (review 67) more
+    than the reads-only estimate it asked before."""
     data = sparse_jsonl(tmp_path / "big.jsonl", 2 * 10**9)
     config = tiny.make_config(tmp_path, model_dir("gpt2"), data, extract={"parts": 4, "max_seq_length": 64,
                                                                           "hooks": ["h.1.attn.c_attn:input"]},
-                              sae={"enabled": True, "num_basis": 2048, "k_active": 8, "steps": 10**6},
-                              lut={"enabled": False})
-    on_cpu = with_devices(config, "cpu")
-    asked = dry_run_minutes(tmp_path, on_cpu, ("extract_part", "train_sae"))
-    assert asked == {"extract_part": resources.extract_part_runtime(on_cpu), "train_sae": resources.sae_runtime(on_cpu)}
+                              sae={"enabled": True, "num_basis": 2**16, "k_active": 8, "steps": 10**5},
+                              lut={"enabled": True, "targets": ["h.1.attn.c_attn"], "eval_tokens": 10**6})
+    on_cpu = {**with_devices(config, "cpu"), "lut": {**config["lut"], "device": "cpu"}}
+    asked = dry_run_minutes(tmp_path, on_cpu, ("extract_part", "train_sae", "build_lut"))
+    assert asked == {"extract_part": resources.extract_part_runtime(on_cpu), "train_sae": resources.sae_runtime(on_cpu),
+                     "build_lut": resources.lut_runtime(on_cpu)}
     assert asked["extract_part"] > gpu_part_minutes(config) and asked["train_sae"] > gpu_sae_minutes(config), asked
+    on_gpu = resources.lut_runtime({**on_cpu, "lut": {**on_cpu["lut"], "device": "cuda"}})
+    assert asked["build_lut"] > max(on_gpu, resources.io_runtime(on_cpu, passes=2.0)), (asked, on_gpu)

@@ -215,9 +215,12 @@ def _minutes(seconds: float, attempt: int) -> int:
 
 
 def flops_per_second(device: str, threads: int) -> float:
-    """Rate of a stage's FLOPs on `device` (extract.device, sae.device) in a job of `threads` CPUs:
-    CPU_THREAD_FLOPS a thread on `cpu`, else GPU_FLOPS: profiles/osc puts the rules of `auto` and `cuda`
-    on the GPU partition with one GPU. At GPU_FLOPS, a CPU job was given about a hundredth of its time."""
+    """Rate of a stage's FLOPs on `device` (extract.device, sae.device, lut.device) in a job of `threads`
+    CPUs: CPU_THREAD_FLOPS a thread on `cpu`, else GPU_FLOPS: profiles/osc puts the rules of `auto` and
+    `cuda` on the GPU partition with one GPU. At GPU_FLOPS, a CPU job was given about a hundredth of its
+    time. The other accelerators the schema takes (xpu, mps, ...) get GPU_FLOPS too: a runtime matters
+    only to Slurm, whose OSC nodes have neither (an Apple GPU runs locally, where Snakemake ignores it),
+    and an Intel data-centre GPU (xpu) sustains more than a third of a V100."""
     return CPU_THREAD_FLOPS * threads if device.partition(":")[0] == "cpu" else GPU_FLOPS
 
 
@@ -330,6 +333,9 @@ def extract_part_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     """Minutes for one part: forward FLOPs (2 per weight per token) on extract.device (flops_per_second,
     with the job's extract_part_threads) plus writing its share."""
     w = workload(config)
+    # On `cpu` an image part's decoding workers share these CPUs with the forward, not taken off the rate:
+    # a 500x375 JPEG decoded and processed for a 224px ViT took 10 ms on one thread of the dev VM, 0.3% of a
+    # ViT-B/16's forward at CPU_THREAD_FLOPS and 4.7% of a ViT-Ti/16's, within _minutes' doubling.
     rate = flops_per_second(config["extract"]["device"], extract_part_threads(config))
     parts = config["extract"]["parts"]
     # The weights as float32 (a 16-bit checkpoint run in float32: twice its files' bytes), at fp32's rate: a
@@ -640,3 +646,48 @@ def lut_mem_mb(config: dict[str, Any], attempt: int = 1) -> int:
     w = workload(config)
     return _round_mb(2 * w.weight_bytes / 1e6 * 1.5 + lut_table_bytes(config, w) / 1e6
                      + 6 * LUT_EVAL_LOGITS * 4 / 1e6 + 3000) * attempt
+
+
+LUT_JOB_THREADS = 4  # build_lut's CPUs: rules/lut.smk's threads, profiles/osc's cpus_per_task
+# Reads and writes of a target's table file: written, read for its sha256 and its non-finite check
+# (formats.lut.write_table), then twice at each of its two loads (relative_errors', install_luts':
+# LutStore.load checks the values, then reads them).
+LUT_TABLE_PASSES = 7
+
+
+def lut_flops(config: dict[str, Any], w: Workload) -> float:
+    """build_lut's FLOPs, every target's input and output counted at w.d (as lut_table_bytes counts them):
+    each target's products (decoder [B, d] @ W [d, out]); its relative errors on the held-out tokens
+    (lut.eval_tokens at most): x @ W once, and at each budget an encoding of its own (x's records are
+    dropped after each call), the lookup of k rows and the compensation's reconstruction (k rows) and its
+    budget's rows; end to end on lut.eval_samples held-out samples at each budget: the model twice (the
+    original, the LUT one, whose targets' dense products are not taken off) at 2 FLOPs per weight, one
+    encoding for the targets (one SAE: one LutEncoder) and each target's lookup and compensation. runtime
+    auto's calibration (lut_runtime.CALIBRATION_SECONDS a budget) is within STARTUP_MIN. Counted so at the
+    real widths, the relative errors and the end-to-end runs of a LUT of 16,384 latents on the demo's q/k/v
+    ran at 20-24 GFLOP/s a thread (wall, one thread, on the 2-core dev VM at a load of 6-8) and 42-51 per
+    CPU second: CPU_THREAD_FLOPS is under half of that (the measured runs: tests/test_resources_review67.py)."""
+    lut, sae = config["lut"], config["sae"]
+    basis, k, d, targets = sae_basis(config, w), sae["k_active"], w.d, len(lut["targets"])
+    budgets = [min(budget, d) for budget in lut["budgets"]]
+    heldout = min(lut["eval_tokens"], math.ceil(w.tokens * sae["heldout_fraction"]))
+    errors = 2 * heldout * d * (d + sum(basis + 2 * k + budget for budget in budgets))
+    samples = min(lut["eval_samples"], math.ceil(w.rows * sae["heldout_fraction"]))
+    tokens = samples * -(-w.tokens // max(w.rows, 1))
+    params = w.weight_bytes / 2  # loaded in float32 whatever model.dtype: at most a 16-bit checkpoint's
+    runs = sum(2 * 2 * params + 2 * d * basis + targets * 2 * d * (2 * k + budget) for budget in budgets) * tokens
+    return targets * (2 * basis * d * d + errors) + runs
+
+
+def lut_runtime(config: dict[str, Any], attempt: int = 1) -> int:
+    """Minutes for build_lut: lut_flops on lut.device (flops_per_second, LUT_JOB_THREADS CPUs), and
+    its reads: the activations twice (the hook's part files are hashed whole beside the rows read,
+    PartsCheck), the SAE's file twice (hashed, loaded) and each 16-bit table file (encoder, decoder and
+    products, B x d each) LUT_TABLE_PASSES times. Sized by the activations' reads alone, an 8B model's
+    LUT on lut.device cpu over 10M tokens asked for 2 h: its end-to-end runs (64 samples of 512 tokens,
+    the model twice at each of 4 budgets) are 4 PFLOP, 7 h on its 4 CPUs at 40 GFLOP/s each."""
+    w = workload(config)
+    tables = len(config["lut"]["targets"]) * 3 * sae_basis(config, w) * w.d * 2
+    reads = 2 * w.activation_bytes + 2 * sae_weight_bytes(config, w) + LUT_TABLE_PASSES * tables
+    rate = flops_per_second(config["lut"]["device"], LUT_JOB_THREADS)
+    return _minutes(lut_flops(config, w) / rate + reads / IO_BYTES_PER_S, attempt)
