@@ -19,6 +19,7 @@ rule build_lut:
     threads: actstore_resources.LUT_JOB_THREADS
     # One GPU when the profile gives one (profiles/osc), else the CPU: lut.device auto picks.
     resources:
+        cpus_per_task=actstore_resources.LUT_JOB_THREADS,
         mem_mb=lambda wildcards, attempt: actstore_resources.lut_mem_mb(config, attempt),
         runtime=lambda wildcards, attempt: actstore_resources.lut_runtime(config, attempt),
     script:

@@ -36,6 +36,7 @@ rule train_sae:
     threads: actstore_resources.SAE_JOB_THREADS
     # One GPU when the profile gives one (profiles/osc), else the CPU: sae.device auto picks.
     resources:
+        cpus_per_task=actstore_resources.SAE_JOB_THREADS,
         mem_mb=lambda wildcards, attempt: actstore_resources.sae_mem_mb(config, attempt),
         runtime=lambda wildcards, attempt: actstore_resources.sae_runtime(config, attempt),
     script:

@@ -107,6 +107,22 @@ def test_osc_dry_run_64_parts(tmp_path, model_dir, text_jsonl):
     print(f"dry run, 64 parts: {elapsed:.1f} s wall")
 
 
+def test_osc_sae_and_lut_jobs_get_the_cpus_their_rules_use(tmp_path, model_dir, text_jsonl):
+    """train_sae and build_lut: a GPU each, and the CPUs of their rule's threads from the rule (the profile
+    held its own copy of the number before review 67)."""
+    from actstore import resources
+
+    configfile = write_config(tmp_path, model_dir("gpt2"), text_jsonl, "saelut",
+                              extract={"hooks": ["h.1.attn.c_attn:input"]}, sae={"enabled": True},
+                              lut={"enabled": True, "targets": ["h.1.attn.c_attn"]})
+    proc = run([SNAKEMAKE, "lut", "-n", "--profile", "profiles/osc", "--configfile", str(configfile)],
+               timeout=300, env={"ACTSTORE_SLURM_ACCOUNT": "PAS0042"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    jobs = dict(re.findall(r"^rule (train_sae|build_lut):\n(?:    .*\n)*?    resources: (.*)$", proc.stdout, re.M))
+    for rule, threads in (("train_sae", resources.SAE_JOB_THREADS), ("build_lut", resources.LUT_JOB_THREADS)):
+        assert f"cpus_per_task={threads}" in jobs[rule] and "gpu=1" in jobs[rule], (rule, jobs)
+
+
 def extract_part_resources(configfile: Path, *options: str) -> list[str]:
     """The `resources:` line of every extract_part job in a dry run of profiles/osc."""
     proc = run([SNAKEMAKE, "extract", "-n", "--profile", "profiles/osc", "--configfile", str(configfile), *options],
