@@ -1051,7 +1051,7 @@ def test_part_json_says_which_side_the_run_waited_on(model_dir, text_jsonl, tmp_
 
     def stalling_forward(*args, **kwargs):  # the forward's main thread blocked, not computing (a device sync)
         loaded = load(*args, **kwargs)
-        loaded.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(0.05) or stalled.append(0.05))
+        loaded.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(0.25) or stalled.append(0.25))
         return loaded
     monkeypatch.setattr(ex, "load_model", stalling_forward)
     waits = run_part(config, 0, tmp_path / "stalled-forward", progress=False)["extraction_waits"]
