@@ -2,8 +2,8 @@
 rewritten to match) is refused naming the file and line, never read whole: an extraction's samples.jsonl
 (SampleRows: verify and every reader) and a zarr shard's text/prompts.jsonl (verify).
 
-The real bound is 4 GiB (extract.read.MAX_ROW_BYTES); the tests put BOUND in its place, so that a line far
-past it is cheap to write, and hold the line's writer-made row otherwise valid: with the real bound each
+The real bound is 4 GiB (extract.layout.MAX_ROW_BYTES, as formats.extract.read takes it); the tests put
+BOUND in its place, so that a line far past it is cheap to write, and hold the line's writer-made row otherwise valid: with the real bound each
 store verifies clean, so only the line's length is refused."""
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from actstore.datasets.json_array import MAX_ELEMENT_CHARS
 from actstore.errors import FormatError
 from actstore.formats import zarr as zs
 from actstore.formats.extract import open_extraction, verify
 from actstore.formats.extract import read as extract_read
-from actstore.formats.extract.read import SampleRows
+from actstore.formats.extract.read import MAX_ROW_BYTES, SampleRows
 from actstore.formats.zarr import check as zarr_check
 from actstore.io_utils import bounded_lines, sha256_file, sha256_tree_file
 from test_spec_audit_lmprobe_zarr_review66 import STORE, copied_run, need, rerecord
@@ -30,6 +31,12 @@ LINE = 48 << 20  # the hostile line's bytes: reading it whole holds them, and de
 # The most memory a refusal may hold: verify's own (hash blocks, metadata) came to 8.6 MiB on the clean
 # stores and 12.7 MiB on these; reading the line whole held 151 MiB.
 HELD = LINE // 2
+
+
+def test_the_bound_holds_any_row_of_the_bounded_inputs():
+    """A JSON row of MAX_ELEMENT_CHARS characters writes at most 4.5 bytes a character, a text file's row 6 a
+    byte beside its metadata's 4.5, plus fixed fields (layout's comment): 10.5 x MAX_ELEMENT_CHARS."""
+    assert MAX_ROW_BYTES >= 10.5 * MAX_ELEMENT_CHARS + 4096
 
 
 def padded(record: dict) -> None:

@@ -93,3 +93,15 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return to_bfloat16_bits(values)
     return np.asarray(values, dtype=STORAGE_DESCR[dtype])
+
+
+# The longest samples.jsonl line (its newline counted) written or read; a longer one is named, never read (a
+# hostile store's 5 GB line, its checksums rewritten to match, held 5 GB and then its text). A row is one
+# dataset row's text and fields as json.dumps writes them (ensure_ascii=False), bounded by the inputs' own
+# bounds: a JSON line or element of at most datasets' MAX_ELEMENT_CHARS (2**28) characters comes out at most 4.5 bytes a
+# character (1e15 as 1000000000000000.0; an astral character 4), a text file of at most MAX_ELEMENT_CHARS
+# bytes at most 6 a byte (a control character as \u00XX) beside its metadata file's row (4.5), plus ~150
+# bytes of fixed fields: 10.5 times MAX_ELEMENT_CHARS at most. Table cells, webdataset members, chat templates
+# and prompt templates naming a field twice have no input bound: PartWriter refuses to write a row of them
+# past this (naming its sample_idx, before it makes anything), as every reader (read.SampleRows) refuses it.
+MAX_ROW_BYTES = 1 << 32  # 16 x MAX_ELEMENT_CHARS (datasets imports this module: a number here)

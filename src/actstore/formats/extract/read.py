@@ -16,11 +16,10 @@ from typing import Any, Iterator, TypeVar
 import numpy as np
 
 from actstore.casts import RowFile, to_float32
-from actstore.datasets.json_array import MAX_ELEMENT_CHARS
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
-from actstore.formats.extract.layout import (CUT_FIELD, INDEX, PART_META, PER_SAMPLE_FILES, FORMAT_NAME,
-                                             FORMAT_VERSION, STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
+from actstore.formats.extract.layout import (CUT_FIELD, INDEX, MAX_ROW_BYTES, PART_META, PER_SAMPLE_FILES,
+                                             FORMAT_NAME, FORMAT_VERSION, STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
 from actstore.integrity import (check_file, check_npy, file_records, inside, listed_problem, open_files_budget,
                                 open_regular, read_index, read_json, refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into
@@ -70,18 +69,6 @@ class StoredTensor:
             os.close(fd)
         if target is not out:
             to_float32(target, self.stored_dtype, out)
-
-
-# The longest samples.jsonl line (its newline counted) a reader takes; a longer one is named, never read (a
-# hostile store's 5 GB line, its checksums rewritten to match, held 5 GB and then its text). A row is one
-# dataset row's text and fields as json.dumps writes them (ensure_ascii=False), bounded by the inputs' own
-# bounds: a JSON line or element of at most MAX_ELEMENT_CHARS characters comes out at most 4.5 bytes a
-# character (1e15 as 1000000000000000.0; an astral character 4), a text file of at most MAX_ELEMENT_CHARS
-# bytes at most 6 a byte (a control character as \u00XX) beside its metadata file's row (4.5), plus ~150
-# bytes of fixed fields: 10.5 times MAX_ELEMENT_CHARS at most. Table cells, webdataset members, chat templates
-# and prompt templates naming a field twice have no input bound: a row of them past this is written, then
-# refused here (the writer does not check it).
-MAX_ROW_BYTES = 16 * MAX_ELEMENT_CHARS
 
 
 class SampleRows(Sequence):

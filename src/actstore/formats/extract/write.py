@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, PART_META, STORAGE_DESCR,
+from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, MAX_ROW_BYTES, PART_META, STORAGE_DESCR,
                                              from_float32, layer_tensor, npy_header, part_dirname, tensor_file)
 from actstore.integrity import TREE_HASH_KEY
 from actstore.io_utils import TreeHashFile, atomic_path, lower_priority, sha256_file, write_json_atomic
@@ -62,6 +62,7 @@ class PartWriter:
             raise ValueError(f"{tmp_dir}: offsets {np.asarray(offsets)[:8].tolist()!r:.80} must be whole numbers of "
                              f"tokens from 0, never going down")
         self.dir = tmp_dir
+        lines = self._sample_lines(samples)  # a row too long is named before anything is made
         # The hashing threads run below the job's others (lower_priority): a file's digests are needed
         # only when it closes, the thread feeding the GPU at every batch.
         self.hashers = (ThreadPoolExecutor(hash_threads, thread_name_prefix="part-hash", initializer=lower_priority)
@@ -75,8 +76,19 @@ class PartWriter:
         buf = io.BytesIO()
         np.save(buf, self.offsets)
         self._write_whole("offsets.npy", buf.getvalue())
-        self._write_whole("samples.jsonl", "".join(json.dumps(row, ensure_ascii=False) + "\n"
-                                                   for row in samples).encode("utf-8"))
+        self._write_whole("samples.jsonl", lines)
+
+    def _sample_lines(self, samples: list[dict]) -> bytes:
+        """samples.jsonl's bytes; ValueError naming the first row past MAX_ROW_BYTES: every reader refuses
+        it, so the part would be written whole and opened by no one. A chat row's text (its template rendered
+        in the part's job) or a library caller's rows reach here unchecked."""
+        lines = [(json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8") for row in samples]
+        for row, line in zip(samples, lines):
+            if len(line) > MAX_ROW_BYTES:
+                raise ValueError(f"{self.dir / 'samples.jsonl'}: sample_idx {row.get('sample_idx')}'s row is "
+                                 f"{len(line)} bytes, past the {MAX_ROW_BYTES} a samples.jsonl row may take (its "
+                                 f"text, label and kept fields); nothing written")
+        return b"".join(lines)
 
     def _write_whole(self, file: str, data: bytes) -> None:
         sink = TreeHashFile(self.dir / file, len(data), data)

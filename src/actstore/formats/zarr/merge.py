@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Iterator, Sequence
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.zarr.check import metadata_problems
+from actstore.formats.zarr.check import MAX_PROMPT_LINE_BYTES, metadata_problems
 from actstore.formats.zarr.layout import (ACTS, COMPATIBLE_ATTRS, FILES_JSON, PROMPTS_JSONL, acts_chunk_key,
                                           chunk_counts, chunk_keys_in_name_order, files_json_pieces, known_attrs,
                                           run_attrs)
@@ -31,7 +31,7 @@ from actstore.formats.zarr.read import ZarrStore, store_files
 from actstore.formats.zarr.write import _consolidate, _create_vector, _now, _open_root, store_entry
 from actstore.integrity import (file_record, file_records, links_out, listed_problem, read_json, refuse,
                                 stream_json_members)
-from actstore.io_utils import atomic_path, errors_naming, scratch_beside, stale_temps
+from actstore.io_utils import atomic_path, bounded_lines, errors_naming, scratch_beside, stale_temps
 from actstore.jobs import JOB_RECORD, iter_job_records, job_items, write_job_record
 
 
@@ -378,7 +378,9 @@ def _merge_text(shards: list[Path], dst: Path) -> None:
     i = 0
     with errors_naming(dst / PROMPTS_JSONL), (dst / PROMPTS_JSONL).open("w", encoding="utf-8") as out:
         for shard in shards:
-            with (shard / PROMPTS_JSONL).open(encoding="utf-8") as fh:
-                for line in fh:  # renumber "i" in place, every other field as the shard wrote it
-                    out.write(json.dumps({**json.loads(line), "i": i}, ensure_ascii=False) + "\n")
+            # bounded: a hostile shard's 5 GB line (its files.json record rewritten to match) is named, never held
+            with (shard / PROMPTS_JSONL).open("rb") as fh:
+                for line in bounded_lines(fh, MAX_PROMPT_LINE_BYTES, shard / PROMPTS_JSONL):
+                    # renumber "i" in place, every other field as the shard wrote it
+                    out.write(json.dumps({**json.loads(line.decode("utf-8")), "i": i}, ensure_ascii=False) + "\n")
                     i += 1
