@@ -36,8 +36,13 @@ def tiny_workflow_config(tmp: Path, model: Path, data: Path) -> dict:
         "dump_to": str(tmp / "dump"), "model": {"path": str(model)}, "dataset": {"path": str(data)},
         "extract": {"layers": [0, 2], "max_seq_length": 24, "batch_size": 8, "parts": 2,
                     "hooks": ["encoder.layer.1.attention.self.query:input"]},
-        "sae": {"enabled": True, "hook": "encoder.layer.1.attention.self.query:input"},
-        "lut": {"targets": [f"encoder.layer.1.attention.self.{m}" for m in ("query", "key", "value")]},
+        # 50 steps, not the default 1000: these tests read the stores and checkpoints the stages write,
+        # not how well the SAE learnt (test_sae's); train_sae took 20 CPU-s with 1000 steps, 9 s with 50.
+        "sae": {"enabled": True, "hook": "encoder.layer.1.attention.self.query:input", "steps": 50},
+        # One budget evaluated, on 2 samples end to end: report.json's errors, which no test here reads;
+        # the LUT store's files are the same for any budgets.
+        "lut": {"targets": [f"encoder.layer.1.attention.self.{m}" for m in ("query", "key", "value")],
+                "budgets": [0], "eval_samples": 2},
     }
 
 
@@ -46,8 +51,9 @@ def run(*cmd: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def actstore(*args: str) -> subprocess.CompletedProcess:
-    """`actstore ARGS` run in this process through its entry point, cli.main: the damage tests run it
-    dozens of times (the installed command itself is run by the inspect, help and exit-code tests)."""
+    """`actstore ARGS` run in this process through its entry point, cli.main: the damage and per-store
+    tests run it dozens of times (the installed command itself is run by the sae stage's inspect, help and
+    exit-code tests)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(list(args))
@@ -93,7 +99,7 @@ def data_file(store: Path) -> Path:
 def test_inspect_identifies_and_clean_store_verifies(workflow_run, name):
     tmp, configfile = workflow_run
     store = store_path(load_config(configfile), name)
-    proc = run(ACTSTORE, "inspect", "--json", str(store))
+    proc = actstore("inspect", "--json", str(store))
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert name in info["format"] or (name, info["format"]) == ("extract", "actstore-extract")

@@ -1497,6 +1497,7 @@ def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_di
     from actstore.config import load_config
     from actstore.hashing import stage_dir
     from actstore.verify import find_store
+    from test_cli import actstore
     bin_dir = tiny.Path(sys.executable).parent
     config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("llama")), "torch_dtype": "bfloat16"},
               "dataset": {"path": str(text_jsonl)},
@@ -1519,7 +1520,7 @@ def test_every_format_from_a_bfloat16_extraction_verifies_and_validates(model_di
     assert report["formats"]["saev"]["inspect"]["path"] != report["formats"]["saev"]["store"]
     for stage in ("extract", "saev", "pickle", "lmprobe", "zarr"):
         store = stage_dir(resolved, stage) if stage == "extract" else find_store(stage_dir(resolved, stage), stage)
-        verify = subprocess.run([str(bin_dir / "actstore"), "verify", str(store)], capture_output=True, text=True)
+        verify = actstore("verify", str(store))  # in this process: a command's imports cost ~2-3 s a store
         assert verify.returncode == 0, (stage, verify.stdout + verify.stderr)
 
 

@@ -1012,10 +1012,12 @@ def test_mask_through_an_interpolating_processor_is_refused(tmp_path):
 
 
 def test_snakemake_saev_target_writes_labels_bin(model_dir, segmentation, tmp_path):
-    """The workflow path: `snakemake saev` with saev.patch_labels writes the same labels.bin as the library."""
+    """The workflow path: `snakemake saev` with saev.patch_labels writes the same labels.bin as the library.
+    One part (a job each of extract and saev_shards fewer): the labels of an extraction of two parts are
+    the library tests' (test_labels_bin_from_masks_follows_the_processor); the saev job computes them whole."""
     images, masks, coarse = segmentation("dinov2")
     config = {"dump_to": str(tmp_path / "dump"), "model": {"path": str(model_dir("dinov2"))},
-              "dataset": {"path": str(images)}, "extract": {"layers": [1], "parts": 2, "batch_size": 4},
+              "dataset": {"path": str(images)}, "extract": {"layers": [1], "parts": 1, "batch_size": 4},
               "saev": {"patch_labels": {"masks": str(masks), "pixel_agg": "prefer-fg"}},
               **{s: {"enabled": False} for s in ("pickle", "lmprobe", "zarr", "sae", "validate")}}
     store = tiny.run_saev_stage(tmp_path, config, "seg")
