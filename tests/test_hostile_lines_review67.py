@@ -3,8 +3,8 @@ rewritten to match) is refused naming the file and line, never read whole: an ex
 (SampleRows: verify and every reader) and a zarr shard's text/prompts.jsonl (verify).
 
 The real bound is 4 GiB (extract.layout.MAX_ROW_BYTES, as formats.extract.read takes it); the tests put
-BOUND in its place, so that a line far past it is cheap to write, and hold the line's writer-made row otherwise valid: with the real bound each
-store verifies clean, so only the line's length is refused."""
+BOUND in its place, so that a line far past it is cheap to write, and hold the line's writer-made row
+otherwise valid: with the real bound each store verifies clean, so only the line's length is refused."""
 from __future__ import annotations
 
 import io

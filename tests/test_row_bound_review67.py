@@ -57,8 +57,8 @@ LINE = 48 << 20  # the hostile line's bytes: the merge held them whole, then the
 # The most memory the refusal may hold: the merge's own (files.json records, its link job) came to 8.4 MiB.
 
 
-def test_merge_refuses_a_shard_prompts_line_past_the_bound_naming_it_without_holding_it(bert_run, tmp_path,  # noqa: F811
-                                                                                        monkeypatch):
+def test_merge_refuses_a_shard_prompts_line_past_the_bound_naming_it_without_holding_it(
+        bert_run, tmp_path, monkeypatch):  # noqa: F811
     """Shard 0's prompts.jsonl line 2 made LINE bytes long (in a metadata field no check reads), its files.json
     and the manifest recording it: the merge's checks of the shard pass, and its copy of the prompts names the
     line, holding none of it."""

@@ -19,7 +19,8 @@ from actstore.casts import RowFile, to_float32
 from actstore.errors import FormatError
 from actstore.formats.extract.contract import PartInfo
 from actstore.formats.extract.layout import (CUT_FIELD, INDEX, MAX_ROW_BYTES, PART_META, PER_SAMPLE_FILES,
-                                             FORMAT_NAME, FORMAT_VERSION, STORAGE_DESCR, part_dirname, part_dirs, tensor_file)
+                                             FORMAT_NAME, FORMAT_VERSION, STORAGE_DESCR, part_dirname, part_dirs,
+                                             tensor_file)
 from actstore.integrity import (check_file, check_npy, file_records, inside, listed_problem, open_files_budget,
                                 open_regular, read_index, read_json, refuse, unique_keys, unlisted, whole_number)
 from actstore.io_utils import pread_into

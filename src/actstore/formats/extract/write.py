@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from actstore.errors import FormatError
-from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, MAX_ROW_BYTES, PART_META, STORAGE_DESCR,
-                                             from_float32, layer_tensor, npy_header, part_dirname, tensor_file)
+from actstore.formats.extract.layout import (FORMAT_NAME, FORMAT_VERSION, INDEX, MAX_ROW_BYTES, PART_META,
+                                             STORAGE_DESCR, from_float32, layer_tensor, npy_header, part_dirname,
+                                             tensor_file)
 from actstore.integrity import TREE_HASH_KEY
 from actstore.io_utils import TreeHashFile, atomic_path, lower_priority, sha256_file, write_json_atomic
 
