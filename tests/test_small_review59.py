@@ -29,8 +29,10 @@ def test_the_schema_ignores_the_level_where_nothing_is_compressed(tmp_path, text
         _pickle_config(tmp_path, text_jsonl, compresslevel=6)
 
 
-def test_the_writer_ignores_the_level_where_nothing_is_compressed(extracted, tmp_path):
-    """The store of compression none is the same at any level; a gzip shard's bad level is refused."""
+def test_the_writer_ignores_the_level_where_nothing_is_compressed(extracted, tmp_path, monkeypatch):
+    """The store of compression none is the same at any level; a gzip shard's bad level is refused.
+    created_at fixed (SOURCE_DATE_EPOCH): two writes on a loaded machine straddled a second."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
     config, extract_dir = extracted("bert")
     part = extract_dir / "part-0000"
     stores = [tmp_path / f"level-{level}" for level in (1, 6)]
