@@ -53,13 +53,17 @@ def checkpoint_names(folder: Path) -> dict[str, str]:
 
 def _names_in(folder: Path, file: str) -> dict[str, str]:
     """Tensor name -> file, of the checkpoint file `file` of the folder: a shard index's weight_map,
-    a safetensors file's header; empty for another (a .bin, as for a .bin checkpoint)."""
+    a safetensors file's header; empty for another (a .bin, as for a .bin checkpoint). The header is
+    read as bytes: the safetensors library's safe_open imports torch, ~4 s of every Snakefile parse (each
+    Slurm job parses it again)."""
     if file.endswith(".index.json"):
         return weight_map(folder, file)
     if not file.endswith(".safetensors"):
         return {}
-    with _opened(folder, file) as handle:
-        return dict.fromkeys(handle.keys(), file)
+    try:
+        return dict.fromkeys(_header_sizes(_regular(folder, file)), file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path {folder}: {file} cannot be read: {exc}") from None
 
 
 def weight_map(folder: Path, index: str) -> dict[str, str]:
