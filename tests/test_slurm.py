@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -42,15 +43,35 @@ VOLATILE_SUFFIXES = {".png"}
 def run(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run cmd from the repo root in its own process group; on timeout kill the whole group (a
     stuck Snakemake ignores SIGTERM) and fail with the output so far."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return finish(start(cmd, env), timeout)
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """cmd started from the repo root in its own process group, its output (stderr too) into a temporary
+    file: a pipe nobody reads while another run goes on would block it once full."""
+    output = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, start_new_session=True)
+    proc.output = output
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: int) -> subprocess.CompletedProcess:
+    """proc's exit and output; on timeout its whole group killed and the test failed with the output so far."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+        proc.wait()
+        timed_out = True
+    else:
+        timed_out = False
+    proc.output.seek(0)
+    out = proc.output.read()
+    proc.output.close()
+    if timed_out:
+        pytest.fail(f"{' '.join(proc.args)} did not finish in {timeout}s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def write_config(tmp: Path, model: Path, data: Path, name: str, **sections) -> Path:
@@ -302,13 +323,16 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
     local_cfg = write_config(tmp_path, model, data, "local", extract={"device": "cpu"})
     slurm_cfg = write_config(tmp_path, model, data, "slurm", extract={"device": "cpu"})
 
+    # The local run beside the Slurm one, which mostly waits on its status checks (their interval grows
+    # by 10 s while no job finishes). Two Snakemake runs share a working directory when their outputs
+    # are disjoint: the dump_to differs.
     env = {"SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
-    local = run([SNAKEMAKE, TARGET, "--cores", "2", "--configfile", str(local_cfg)], timeout=RUN_TIMEOUT_S, env=env)
-    assert local.returncode == 0, local.stdout[-4000:]
-
+    local_run = start([SNAKEMAKE, TARGET, "--cores", "1", "--configfile", str(local_cfg)], env=env)
     logdir = tmp_path / "slurm_logs"
     remote = run([SNAKEMAKE, TARGET, "--profile", "tests/slurm/profile", "--slurm-logdir", str(logdir),
                   "--configfile", str(slurm_cfg)], timeout=RUN_TIMEOUT_S, env=env)
+    local = finish(local_run, RUN_TIMEOUT_S)
+    assert local.returncode == 0, local.stdout[-4000:]
     assert remote.returncode == 0, remote.stdout[-6000:]
 
     # Every job Snakemake ran was an sbatch job: one Slurm log per job, named by rule and job id.
