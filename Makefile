@@ -22,10 +22,10 @@ demo: $(STAMP)
 	$(VENV)/bin/actstore locate --configfile config/config.yaml
 
 # The suite on every core, each test file on one worker (its module fixtures, a workflow run, built
-# once); TEST_WORKERS=0 runs it in one process.
+# once), the files with slow tests first (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-scale: $(STAMP)  # each writer on data 4x its memory bound, every float32 cast: ~20 min, ~15 GB of disk
 	ACTSTORE_SCALE_TESTS=1 $(PY) -m pytest -q -s tests/test_scale.py tests/test_casts.py -k "4x_larger or every_float32" $(PYTEST_ARGS)

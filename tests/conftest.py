@@ -3,12 +3,29 @@ from __future__ import annotations
 
 import os
 
+# Before torch loads OpenMP, for this process and every job the tests start: two xdist workers each
+# running Snakemake jobs of 2 torch threads on 2 cores, OpenMP threads spinning while they wait for
+# work took the cores from each other (an SAE-sized step loop: 16 s beside a twin, 6 s passive).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 
 import tiny
 
 torch.set_num_threads(int(os.environ.get("ACTSTORE_TEST_THREADS", "1")))
+
+
+# The two longest files (a worker's 5-6 and 3-4 minutes on the 2-core development VM, review 68).
+LONGEST_FILES = ("test_workflow_demo.py", "test_slurm.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """LONGEST_FILES first, then the other files holding a slow test, each file's tests in their order:
+    `make test` hands each xdist worker a file at a time in this order (--no-loadscope-reorder), and a
+    workflow run's file taken last was the suite's tail (the demo's file: its last 6 minutes)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path.name not in LONGEST_FILES, item.path not in slow))
 
 
 @pytest.fixture(scope="session")

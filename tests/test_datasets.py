@@ -960,6 +960,7 @@ def test_a_long_json_array_element_is_parsed_a_few_times_not_once_a_chunk(tmp_pa
         next(json_array.elements(fh))
 
 
+@pytest.mark.slow
 def test_a_json_array_is_scanned_and_read_in_bounded_memory(tmp_path):
     """The scan of an array on one line holds a few chunks of it, however long the file (json.load
     held 2.5x the file); a part's job holds its rows and the chunks it reads through."""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tiny
 
 # One extraction part in a fresh process: argv = config json, part dir, torch threads.
@@ -29,6 +31,7 @@ def extract_in_process(config_file: Path, out: Path, threads: int, hash_seed: st
     return {k: v for k, v in json.loads((out / "part.json").read_text()).items() if k not in MEASURED}
 
 
+@pytest.mark.slow
 def test_demo_model_part_is_equal_across_processes_and_records_its_threads(tmp_path):
     # The demo MiniLM (width 384, MLP 1536): matrices wide enough that torch splits its CPU kernels.
     data = tiny.write_jsonl(tmp_path / "texts.jsonl", 24)

@@ -72,6 +72,7 @@ def copied(two_runs, tmp_path: Path) -> Path:
     return dump_to
 
 
+@pytest.mark.slow
 def test_lists_each_stage_directory_with_its_use_size_and_extraction(two_runs):
     tmp, dump_to, dirs_a, dirs_b = two_runs
     proc = actstore_list(str(dump_to), "--configfile", "b.yaml", "--json", cwd=tmp)

@@ -55,6 +55,7 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("kind", tiny.TEXT_KINDS + tiny.VISION_KINDS)
+@pytest.mark.slow
 def test_every_vector_equals_unbatched_block_output(kind, extracted, image_folder):
     hooks = ["encoder.layer.1.attention.self.query:input"] if kind == "bert" else []
     config, out = extracted(kind, extract={"layers": [0, 2], "hooks": hooks})
@@ -83,6 +84,7 @@ def test_every_vector_equals_unbatched_block_output(kind, extracted, image_folde
 
 
 @pytest.mark.parametrize("model_type", sorted(tiny.FAMILIES))
+@pytest.mark.slow
 def test_each_familys_stored_vectors_are_its_own_block_outputs(model_type, text_jsonl, tmp_path):
     """The families users bring (dense, mixture-of-experts, state-space and hybrid causal LMs;
     encoders; an encoder-decoder's encoder), each under its own config names: every stored vector of

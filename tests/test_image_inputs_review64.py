@@ -36,6 +36,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_decoding_worker_does_not_hold_an_items_full_size_images_at_once():
     """A worker's memory is what the job's mem_mb counts (resources.extract_part_mem_mb: processed pixels,
     224 x 224 for a ViT), not 16 full-size photos at once: 16 workers x 16 16-megapixel photos is 12 GB

@@ -43,6 +43,7 @@ def finished_extraction(tmp_path_factory, model_dir):
     return tmp, config, data
 
 
+@pytest.mark.slow
 def test_a_dump_to_copied_with_cp_a_runs_nothing(finished_extraction):
     workdir, config, _ = finished_extraction
     subprocess.run(["cp", "-a", config["dump_to"], str(workdir / "copied")], check=True)

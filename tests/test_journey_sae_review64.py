@@ -44,6 +44,7 @@ def saelens_folder(folder: Path, d_in: int, d_sae: int, cfg: dict) -> Path:
 
 @pytest.mark.parametrize("d_in,cfg,named", [(16, {}, "d_in 16"),  # the hook is 32 wide
                                             (32, {"architecture": "jumprelu"}, "architecture 'jumprelu'")])
+@pytest.mark.slow
 def test_an_import_the_sae_stage_refuses_is_named_before_any_extraction_part(
         model_dir, text_jsonl, tmp_path, d_in, cfg, named):
     """The import_sae job named it after every extraction part had run (a real run's GPU hours); the

@@ -166,6 +166,7 @@ def _read(proc_file: Path) -> str:
         return ""
 
 
+@pytest.mark.slow
 def test_a_second_run_of_a_part_on_a_shared_dump_to_stops_at_once_and_the_first_run_finishes(tmp_path, model_dir):
     """User B's run starts while user A's extract_part job writes the part (A's GPU job, slower than B's):
     B's job stops before its forward pass, naming A's temp; A's run finishes and its part verifies; B's

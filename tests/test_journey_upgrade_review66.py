@@ -80,6 +80,7 @@ def recovered(old_release) -> dict:
                                            "extract_scan"))}
 
 
+@pytest.mark.slow
 def test_a_lost_part_of_an_extraction_from_before_the_kept_scan_is_redone_alone(recovered):
     """docs/recovery.md: `snakemake {dump_to}/extract/<hash>/part-0001` redoes that part alone from the kept
     scan. Found with a store 0f1c008 wrote: the scan job ran again, then the next plain run redid part-0000
@@ -88,6 +89,7 @@ def test_a_lost_part_of_an_extraction_from_before_the_kept_scan_is_redone_alone(
     assert recovered["part-0000 after"] == recovered["part-0000 before"], "the kept part-0000 is redone too"
 
 
+@pytest.mark.slow
 def test_a_part_cut_from_data_edited_since_is_redone_with_the_lost_one(old_release):
     """Rows, row count and labels as before, text edited: part-0000 holds the old text's activations, part-0001
     (redone) the new text's. Keeping part-0000 would mix the two silently: it is redone."""

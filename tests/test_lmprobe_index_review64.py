@@ -34,6 +34,7 @@ def long_jsonl(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_an_index_row_group_ends_at_its_lines_bytes_and_the_job_holds_a_few_groups(extracted, long_jsonl,
                                                                                    tmp_path, monkeypatch):
     """40 texts of 400 kB cut to 24 tokens: a row group (2^20 tokens) held every one whole, 16 MB

@@ -184,6 +184,7 @@ def test_a_conv1d_that_does_not_read_the_hook_tensor_is_refused(extracted, model
         check_targets_read_hook(config, extract_dir, loaded, HOOK)
 
 
+@pytest.mark.slow
 def test_the_workflow_builds_verifies_and_validates_a_gpt2_conv1d_lut(model_dir, tmp_path):
     """snakemake validate on GPT-2 with an SAE on c_attn's input and a LUT on c_attn: every stage passes
     (the sae job's target check on the skeleton, the lut stage, verify of every store), actstore verify

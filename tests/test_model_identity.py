@@ -158,6 +158,7 @@ def test_a_damaged_record_is_named(extraction):
         check_model_unchanged(model, out)
 
 
+@pytest.mark.slow
 def test_snakemake_stops_at_the_parse_when_the_weights_were_replaced(model_dir, text_jsonl, tmp_path):
     """The real workflow: extract, save other weights over the folder, and the next run names the
     file instead of finding nothing to do."""

@@ -19,6 +19,7 @@ from test_journey_scale_review64 import dry_run_runtime
 from test_workflow_review62 import sparse_jsonl
 
 
+@pytest.mark.slow
 def test_the_finishers_that_read_no_activation_ask_the_same_time_for_wider_values(model_dir, tmp_path):
     """lmprobe_dataset links its tensor files and writes a token index; zarr_merge_chunks links chunk
     files: neither reads a value, so storing float32 instead of float16 (twice the bytes, the same

@@ -1011,6 +1011,7 @@ def test_mask_through_an_interpolating_processor_is_refused(tmp_path):
     assert exact.shape == (32, 32) and set(np.unique(exact)) == {0, 9, 50, 200}
 
 
+@pytest.mark.slow
 def test_snakemake_saev_target_writes_labels_bin(model_dir, segmentation, tmp_path):
     """The workflow path: `snakemake saev` with saev.patch_labels writes the same labels.bin as the library.
     One part (a job each of extract and saev_shards fewer): the labels of an extraction of two parts are

@@ -232,6 +232,7 @@ def test_flavor_has_no_default_so_saev_hashes_stay():
     assert stage_hash(upstream, "saev") != stage_hash(plain, "saev")
 
 
+@pytest.mark.slow
 def test_snakemake_saev_upstream_store_behind_the_stage_pointer(model_dir, image_folder, tmp_path):
     import tiny
 

@@ -108,6 +108,7 @@ def bound_mb(name: str, extract: Path, layers: list[int] = LAYERS, dim: int = DI
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["saev", "lmprobe", "pickle", "zarr", "zarr-merge"])
+@pytest.mark.slow
 def test_writer_memory_does_not_grow_with_the_data(extractions, name, dtype, tmp_path):
     small, _ = write_mb(name, extractions[dtype, 1], tmp_path / "small")
     large_write, large = write_mb(name, extractions[dtype, LARGER], tmp_path / "large")

@@ -323,6 +323,7 @@ def grow_mb(folder: Path, how: str) -> float:
     return json.loads(proc.stdout.splitlines()[-1])["grow_mb"]
 
 
+@pytest.mark.slow
 def test_reading_the_tower_alone_takes_the_towers_memory_not_the_checkpoints(tmp_path):
     """Peak resident memory each load adds in a fresh process (imports before), at model.torch_dtype's
     default float32: the whole checkpoint's at least its language model cast (205 MB), the tower's a

@@ -120,6 +120,7 @@ def test_a_job_takes_the_main_processs_hashes_and_its_scan_refuses_data_changed_
     assert (stage_dir(config, "extract") / "dataset_scan.json").is_file()
 
 
+@pytest.mark.slow
 def test_an_image_folders_metadata_file_labels_its_images_through_the_workflow(model_dir, image_folder, tmp_path):
     """Hugging Face's imagefolder layout through Snakemake: the scan job checks metadata.csv against
     every image, the part jobs read their images' rows, and lmprobe's index carries each image's
@@ -255,6 +256,7 @@ def test_many_parts_are_written_by_at_most_64_jobs_per_format_in_the_dry_run(tmp
         assert jobs[rule] == 64, (rule, jobs)
 
 
+@pytest.mark.slow
 def test_pickle_and_zarr_jobs_each_write_a_range_of_parts_byte_identical_to_a_job_per_part(
         tmp_path, model_dir, text_jsonl):
     """pickle.jobs / zarr.jobs group the parts (2 jobs over 3 parts, the merge split 3 ways) and write

@@ -138,6 +138,7 @@ def test_killed_saev_writes_leave_no_scratch_after_the_next_run(extract, tmp_pat
     assert tree(tmp_path / "out") == tree(tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_killed_zarr_merges_leave_no_scratch_after_the_next_run(extract, tmp_path):
     """merge_stores links every chunk into a scratch dir beside the merged store, then finishes: a merge
     killed in between leaves a link to every chunk file there (millions of inodes), swept by the next."""
