@@ -324,8 +324,8 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
     slurm_cfg = write_config(tmp_path, model, data, "slurm", extract={"device": "cpu"})
 
     # The local run beside the Slurm one, which mostly waits on its status checks (their interval grows
-    # by 10 s while no job finishes). Two Snakemake runs share a working directory when their outputs
-    # are disjoint: the dump_to differs.
+    # by 10 s while no job finishes), on one core: the Slurm jobs run on this host too. Two Snakemake runs
+    # share a working directory when their outputs are disjoint: the dump_to differs.
     env = {"SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
     local_run = start([SNAKEMAKE, TARGET, "--cores", "1", "--configfile", str(local_cfg)], env=env)
     logdir = tmp_path / "slurm_logs"
