@@ -64,9 +64,11 @@ def parts_at_batch_sizes(model: Path, text_jsonl: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("model_type", sorted(BIG_BIRDS))
 def test_big_bird_block_sparse_stores_each_texts_own_block_outputs(model_type, monkeypatch, text_jsonl, tmp_path):
-    """Batches of 1 and of 8 store the same bytes, each vector the block's output on its text alone. Texts
-    of many lengths shared a batch, whose width chose block-sparse or full attention (0.56 to 0.72 off);
-    a batch of odd width > 14 came back padded to the block size and the shape check refused it."""
+    """Batches of 1 and of 8 store each vector as the block's output on its text alone. Texts of many
+    lengths shared a batch, whose width chose block-sparse or full attention (0.56 to 0.72 off); a batch
+    of odd width > 14 came back padded to the block size and the shape check refused it. The two batch
+    sizes agree to rounding, not bit for bit: the CPU's matmul kernels differ in the last bits by the
+    rows they multiply (an AMD EPYC without AVX-512, review 69)."""
     model, parts = extracted_at_batch_sizes(model_type, BIG_BIRDS[model_type], monkeypatch, text_jsonl, tmp_path)
     lengths = [row["num_tokens"] for row in parts[8].samples]
     assert any(n <= FULL_ATTENTION_WIDTH for n in lengths)  # full attention alone
@@ -75,9 +77,9 @@ def test_big_bird_block_sparse_stores_each_texts_own_block_outputs(model_type, m
     for local in range(len(lengths)):
         alone = block_outputs_alone(loaded, parts[8].token_ids(local).tolist(), (0, 2))
         for i in (0, 2):
-            stored = parts[8].activations(f"layer_{i}", local)
-            assert stored.tobytes() == parts[1].activations(f"layer_{i}", local).tobytes(), (i, local)
-            assert stored.shape == alone[i].shape and rel_err(stored, alone[i]) <= REL_TOL, (i, local)
+            for batch_size, part in parts.items():
+                stored = part.activations(f"layer_{i}", local)
+                assert stored.shape == alone[i].shape and rel_err(stored, alone[i]) <= REL_TOL, (i, local, batch_size)
 
 
 def refused_config(model_type: str) -> object:
