@@ -61,17 +61,22 @@ def finish(proc: subprocess.Popen, timeout: int) -> subprocess.CompletedProcess:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        timed_out = True
-    else:
-        timed_out = False
-    proc.output.seek(0)
-    out = proc.output.read()
-    proc.output.close()
-    if timed_out:
-        pytest.fail(f"{' '.join(proc.args)} did not finish in {timeout}s:\n{out[-6000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+        stop(proc)
+        pytest.fail(f"{' '.join(proc.args)} did not finish in {timeout}s:\n{output_of(proc)[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output_of(proc), "")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """proc's whole process group killed (Snakemake's jobs with it), and waited for."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    """What proc wrote (stdout and stderr), its temporary file closed."""
+    with proc.output:
+        proc.output.seek(0)
+        return proc.output.read()
 
 
 def write_config(tmp: Path, model: Path, data: Path, name: str, **sections) -> Path:
@@ -329,8 +334,12 @@ def test_slurm_run_matches_local(cluster, tmp_path, model_dir, text_jsonl):
     env = {"SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
     local_run = start([SNAKEMAKE, TARGET, "--cores", "1", "--configfile", str(local_cfg)], env=env)
     logdir = tmp_path / "slurm_logs"
-    remote = run([SNAKEMAKE, TARGET, "--profile", "tests/slurm/profile", "--slurm-logdir", str(logdir),
-                  "--configfile", str(slurm_cfg)], timeout=RUN_TIMEOUT_S, env=env)
+    try:
+        remote = run([SNAKEMAKE, TARGET, "--profile", "tests/slurm/profile", "--slurm-logdir", str(logdir),
+                      "--configfile", str(slurm_cfg)], timeout=RUN_TIMEOUT_S, env=env)
+    except BaseException:  # the Slurm run timed out (the test has failed): its twin is not left running
+        stop(local_run)
+        raise
     local = finish(local_run, RUN_TIMEOUT_S)
     assert local.returncode == 0, local.stdout[-4000:]
     assert remote.returncode == 0, remote.stdout[-6000:]
