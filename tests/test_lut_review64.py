@@ -187,11 +187,15 @@ def test_the_end_to_end_kl_of_near_equal_outputs_is_never_negative():
     """KL(original || LUT) is >= 0 token by token; float32 rounding put the KL of two near-equal
     distributions a few 1e-8 either side of 0, and report.json gave a kl_mean of -1.3e-8 at a budget
     that recovers the model. Each token's is at least 0, and equal outputs give exactly 0."""
-    from actstore.lut import compare
+    from actstore.lut import Comparison
 
     gen = torch.Generator().manual_seed(0)
     reference = torch.randn(4, 16, 300, generator=gen) * 5
     nearly = reference + torch.randn(reference.shape, generator=gen) * 1e-6
     inputs = {"input_ids": torch.randint(0, 300, (4, 16), generator=gen), "attention_mask": torch.ones(4, 16)}
-    assert compare("causal", [(reference, nearly, inputs)])["kl_mean"] >= 0
-    assert compare("causal", [(reference, reference.clone(), inputs)])["kl_mean"] == 0
+    near, equal = Comparison("causal"), Comparison("causal")
+    near.add(reference, nearly, inputs)
+    equal.add(reference, reference.clone(), inputs)
+    assert near.result()["kl_mean"] >= 0
+    assert equal.result()["kl_mean"] == 0
+

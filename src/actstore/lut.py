@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -273,9 +274,10 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     lut.eval_samples held-out samples (sampled_samples), batched as extraction batched them; per budget
     which path (lookup or dense) the targets' calls took, each target's crossover and (runtime auto,
     not pinned by lut.crossover_tokens) the measured times it came from. Each batch runs the original
-    model (its linears put back) and then the LUT one, and is counted before the next: one batch's
-    outputs are held, never the whole evaluation's (64 samples x 1,024 tokens of a 128K-vocabulary
-    model's logits are 34 GB)."""
+    model once (its linears put back: its outputs do not depend on the budget) and then the LUT one at
+    each budget, each budget's statistics counted (Comparison) before the next: one batch's reference
+    and one LUT output are held, never the whole evaluation's (64 samples x 1,024 tokens of a
+    128K-vocabulary model's logits are 34 GB)."""
     from actstore.models import get_module
 
     extraction = open_extraction(extract_dir, config["extract"]["parts"])
@@ -287,20 +289,55 @@ def end_to_end(config: dict[str, Any], extract_dir: str | Path, lut_root: Path, 
     runtime = config["lut"].get("runtime", "lookup")
     installed = install_luts(loaded.model, store, budgets[0], runtime=runtime,
                              crossover_tokens=config["lut"].get("crossover_tokens"))
-    result = {"n_samples": len(samples), "model_kind": loaded.kind, "runtime": runtime, "budgets": {}}
-    for budget in budgets:
+    # Every budget calibrated before the batches, which then switch between them (a budget listed twice
+    # runs once: its crossovers and path counts are one record).
+    runs = {budget: BudgetRun.calibrated(installed, budget) for budget in budgets}
+    comparisons = {budget: Comparison(loaded.kind) for budget in runs}
+    with torch.inference_mode():
+        for inp in inputs:
+            with swapped_in(loaded.model, originals):
+                reference = run_model(loaded, inp)
+            for budget, run in runs.items():
+                run.set_on(installed)
+                comparisons[budget].add(reference, run_model(loaded, inp), inp)
+    return {"n_samples": len(samples), "model_kind": loaded.kind, "runtime": runtime,
+            "budgets": {str(budget): {**comparisons[budget].result(), **run.report()} for budget, run in runs.items()}}
+
+
+@dataclass
+class BudgetRun:
+    """One budget's state of the installed targets, set on them (set_on) whenever a batch runs at it:
+    each target's crossover and calibration table (a crossover holds for the budget it was measured at)
+    and its path counts, which count only this budget's calls."""
+    budget: int
+    crossovers: dict[str, tuple[int | None, dict[str, Any] | None]]
+    calibration: list[dict[str, Any]]
+    paths: dict[str, dict[str, int]]
+
+    @classmethod
+    def calibrated(cls, installed: dict[str, LutLinear], budget: int) -> BudgetRun:
+        """The targets set to `budget` and their crossovers measured at it (calibrate_auto: those of
+        runtime auto not pinned by lut.crossover_tokens), no call counted yet."""
         for lut in installed.values():
             lut.set_budget(budget)
-            lut.paths = {"lookup": 0, "dense": 0}
-        calibration = calibrate_auto(installed)  # a crossover holds for the budget it was measured at
-        result["budgets"][str(budget)] = {
-            **compare(loaded.kind, original_and_lut(loaded, originals, inputs)),
+        calibration = calibrate_auto(installed)
+        return cls(budget, {name: (lut.crossover_tokens, lut.calibration) for name, lut in installed.items()},
+                   calibration, {name: {"lookup": 0, "dense": 0} for name in installed})
+
+    def set_on(self, installed: dict[str, LutLinear]) -> None:
+        """The targets at this budget, with its crossovers and its record counting their calls."""
+        for name, lut in installed.items():
+            lut.set_budget(self.budget)  # drops another budget's measured crossover: this one's put back
+            lut.crossover_tokens, lut.calibration = self.crossovers[name]
+            lut.paths = self.paths[name]  # the target's calls counted in this budget's record
+
+    def report(self) -> dict[str, Any]:
+        return {
             # Which path each target's forward calls took (runtime auto switches by token count).
-            "paths": {path: sum(lut.paths[path] for lut in installed.values()) for path in ("lookup", "dense")},
-            "paths_by_target": {name: dict(lut.paths) for name, lut in installed.items()},
-            "crossover_tokens": {name: lut.crossover_tokens for name, lut in installed.items()},
-            "calibration": calibration}
-    return result
+            "paths": {path: sum(paths[path] for paths in self.paths.values()) for path in ("lookup", "dense")},
+            "paths_by_target": {name: dict(paths) for name, paths in self.paths.items()},
+            "crossover_tokens": {name: crossover for name, (crossover, _) in self.crossovers.items()},
+            "calibration": self.calibration}
 
 
 def sampled_samples(samples: list[int], limit: int, seed: int) -> list[int]:
@@ -339,17 +376,6 @@ def eval_batch_rows(config: dict[str, Any], loaded: Any) -> int:
     return max(1, min(rows, LUT_EVAL_LOGITS // (config["extract"]["max_seq_length"] * vocab)))
 
 
-def original_and_lut(loaded: Any, originals: dict[str, nn.Module], inputs: list[dict[str, torch.Tensor]]
-                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-    """Per batch: the original model's outputs (its linears put back for the forward), the LUT
-    model's, and the inputs."""
-    with torch.inference_mode():
-        for inp in inputs:
-            with swapped_in(loaded.model, originals):
-                reference = run_model(loaded, inp)
-            yield reference, run_model(loaded, inp), inp
-
-
 @contextmanager
 def swapped_in(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[None]:
     """`modules` at their paths for the duration; what was there put back after."""
@@ -385,31 +411,42 @@ def run_model(loaded: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return (out.logits if loaded.kind == "causal" else out.last_hidden_state).float().cpu()
 
 
-def compare(kind: str, batches: Iterable[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
-            ) -> dict[str, float]:
-    """Token-level cosine (mean, min) or KL and perplexity over real (non-pad) tokens, from
-    (reference, outputs, inputs) batches counted one at a time."""
-    if kind != "causal":
-        cos = torch.cat([torch.nn.functional.cosine_similarity(r, o, dim=-1)[mask_of(inp, r)]
-                         for r, o, inp in batches])
-        return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
-    kl, nll_ref, nll_lut, n, n_real = 0.0, 0.0, 0.0, 0, 0
-    for r, o, inp in batches:
+class Comparison:
+    """Token-level cosine (mean, min) or KL and perplexity over real (non-pad) tokens of one budget's
+    LUT outputs against the reference, counted batch by batch (add) so that no batch's outputs are
+    held past it: the cosine keeps each batch's per-token values (one float a token), KL and NLL are
+    running sums."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.cosines: list[torch.Tensor] = []
+        self.kl, self.nll_ref, self.nll_lut, self.n, self.n_real = 0.0, 0.0, 0.0, 0, 0
+
+    def add(self, r: torch.Tensor, o: torch.Tensor, inp: dict[str, torch.Tensor]) -> None:
+        """One batch: the reference's outputs `r`, the LUT model's `o` and their inputs `inp`."""
         mask = mask_of(inp, r)
+        if self.kind != "causal":
+            self.cosines.append(torch.nn.functional.cosine_similarity(r, o, dim=-1)[mask])
+            return
         logp_r, logp_o = torch.log_softmax(r, -1), torch.log_softmax(o, -1)
         # A token's KL is >= 0; float32 rounding puts one of two near-equal distributions a few 1e-8 either
         # side, and a mean of -1.3e-8 was reported at a budget that recovers the model.
-        kl += float(((logp_r.exp() * (logp_r - logp_o)).sum(-1)).clamp_min(0)[mask].sum())
-        n_real += int(mask.sum())
+        self.kl += float(((logp_r.exp() * (logp_r - logp_o)).sum(-1)).clamp_min(0)[mask].sum())
+        self.n_real += int(mask.sum())
         # Next-token NLL: position t predicts token t+1 (both real tokens).
         nxt = mask[:, 1:] & mask[:, :-1]
         ids = inp["input_ids"][:, 1:].cpu()
-        nll_ref -= float(logp_r[:, :-1].gather(-1, ids[..., None])[..., 0][nxt].sum())
-        nll_lut -= float(logp_o[:, :-1].gather(-1, ids[..., None])[..., 0][nxt].sum())
-        n += int(nxt.sum())
-    ppl_ref, ppl_lut = perplexity(nll_ref, n), perplexity(nll_lut, n)
-    return {"kl_mean": kl / max(1, n_real), "perplexity_original": ppl_ref, "perplexity_lut": ppl_lut,
-            "perplexity_change": None if None in (ppl_ref, ppl_lut) else ppl_lut - ppl_ref}
+        self.nll_ref -= float(logp_r[:, :-1].gather(-1, ids[..., None])[..., 0][nxt].sum())
+        self.nll_lut -= float(logp_o[:, :-1].gather(-1, ids[..., None])[..., 0][nxt].sum())
+        self.n += int(nxt.sum())
+
+    def result(self) -> dict[str, float]:
+        if self.kind != "causal":
+            cos = torch.cat(self.cosines)
+            return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
+        ppl_ref, ppl_lut = perplexity(self.nll_ref, self.n), perplexity(self.nll_lut, self.n)
+        return {"kl_mean": self.kl / max(1, self.n_real), "perplexity_original": ppl_ref, "perplexity_lut": ppl_lut,
+                "perplexity_change": None if None in (ppl_ref, ppl_lut) else ppl_lut - ppl_ref}
 
 
 def perplexity(nll: float, n: int) -> float | None:

@@ -660,8 +660,8 @@ def lut_flops(config: dict[str, Any], w: Workload) -> float:
     each target's products (decoder [B, d] @ W [d, out]); its relative errors on the held-out tokens
     (lut.eval_tokens at most): x @ W once, and at each budget an encoding of its own (x's records are
     dropped after each call), the lookup of k rows and the compensation's reconstruction (k rows) and its
-    budget's rows; end to end on lut.eval_samples held-out samples at each budget: the model twice (the
-    original, the LUT one, whose targets' dense products are not taken off) at 2 FLOPs per weight, one
+    budget's rows; end to end on lut.eval_samples held-out samples: the original model once, and at each
+    budget the LUT one (whose targets' dense products are not taken off) at 2 FLOPs per weight, one
     encoding for the targets (one SAE: one LutEncoder) and each target's lookup and compensation. runtime
     auto's calibration (lut_runtime.CALIBRATION_SECONDS a budget) is within STARTUP_MIN. Counted so at the
     real widths, the relative errors and the end-to-end runs of a LUT of 16,384 latents on the demo's q/k/v
@@ -675,7 +675,8 @@ def lut_flops(config: dict[str, Any], w: Workload) -> float:
     samples = min(lut["eval_samples"], math.ceil(w.rows * sae["heldout_fraction"]))
     tokens = samples * -(-w.tokens // max(w.rows, 1))
     params = w.weight_bytes / 2  # loaded in float32 whatever model.dtype: at most a 16-bit checkpoint's
-    runs = sum(2 * 2 * params + 2 * d * basis + targets * 2 * d * (2 * k + budget) for budget in budgets) * tokens
+    runs = (2 * params + sum(2 * params + 2 * d * basis + targets * 2 * d * (2 * k + budget)
+                             for budget in budgets)) * tokens
     return targets * (2 * basis * d * d + errors) + runs
 
 
@@ -685,7 +686,8 @@ def lut_runtime(config: dict[str, Any], attempt: int = 1) -> int:
     PartsCheck), the SAE's file twice (hashed, loaded) and each 16-bit table file (encoder, decoder and
     products, B x d each) LUT_TABLE_PASSES times. Sized by the activations' reads alone, an 8B model's
     LUT on lut.device cpu over 10M tokens asked for 2 h: its end-to-end runs (64 samples of 512 tokens,
-    the model twice at each of 4 budgets) are 4 PFLOP, 7 h on its 4 CPUs at 40 GFLOP/s each."""
+    the original model once and the LUT one at each of 4 budgets) are 2.6 PFLOP, 4.6 h on its 4 CPUs at
+    40 GFLOP/s each."""
     w = workload(config)
     tables = len(config["lut"]["targets"]) * 3 * sae_basis(config, w) * w.d * 2
     reads = 2 * w.activation_bytes + 2 * sae_weight_bytes(config, w) + LUT_TABLE_PASSES * tables
