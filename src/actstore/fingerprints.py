@@ -21,10 +21,11 @@ so it blinds neither its range's other rows nor itself.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -36,6 +37,8 @@ from actstore.io_utils import atomic_path
 
 # (layer, sample_idx (n,), token (n,), vectors (n, d) float32): rows of a store, in any order
 Rows = tuple[int, np.ndarray, np.ndarray, np.ndarray]
+# Rows of some layers of a view, read lazily: closed, its block let go, once read or failed
+Stream = Generator[Rows, None, None]
 
 MAX_CELLS = 1 << 20  # (layer, sample range) sums kept, at most: 24 MB a fingerprint
 BLOCK_BYTES = 32 << 20  # float32 rows read at once
@@ -205,7 +208,7 @@ def _extraction_rows(extraction, layers: list[int]) -> Iterator[tuple[np.ndarray
 
 def store_fingerprint(rows: Iterator[Rows], extraction, layers: list[int], seed: int, store: Path,
                       on_rows: Callable[[int], Any] = lambda n: None) -> Fingerprint:
-    """The fingerprint of a store's rows (a view's, below); on_rows(n) after each block of n rows."""
+    """The fingerprint of a store's rows (a view's stream, below); on_rows(n) after each block of n rows."""
     fingerprint = new_fingerprint(extraction, layers, seed, scaled=False)
     width = len(fingerprint.direction)
     for layer, samples, tokens, vectors in rows:
@@ -231,8 +234,8 @@ class StorePasses:
 def _held_views(name: str, store: Path, dtype: str, extraction) -> list[View]:
     """The store's views, each one's layers those the extraction holds."""
     held = set(extraction.info.layers)
-    return [(label, rows, replace(w, layers=tuple(l for l in w.layers if l in held)))
-            for label, rows, w in store_views(name, store, dtype)]
+    return [replace(view, wanted=replace(view.wanted, layers=tuple(l for l in view.wanted.layers if l in held)))
+            for view in store_views(name, store, dtype)]
 
 
 def _rows_of(extraction, wanted: Wanted) -> int:
@@ -243,21 +246,40 @@ def _rows_of(extraction, wanted: Wanted) -> int:
 
 
 def store_passes(name: str, store: Path, dtype: str, extraction, seed: int) -> StorePasses:
-    """Every view of format `name`'s store (its vectors stored in `dtype`) read once into its fingerprint,
-    integrity.CHECK_THREADS views at once (numpy's casts and products release the GIL)."""
+    """Every view of format `name`'s store (its vectors stored in `dtype`) read once into its fingerprint:
+    every stream of every view read at once, integrity.CHECK_THREADS of them (numpy's casts and products, and
+    gzip's decompression, release the GIL; one view read in one thread left a pickle store's validate job on
+    one core of its eight); a view's fingerprint its streams' merged."""
     try:
         views = _held_views(name, store, dtype, extraction)
     except FormatError as exc:  # verify names what is wrong with the store; nothing to compare
         return StorePasses([], f"{exc} (no fingerprint read)")
     with ThreadPoolExecutor(integrity.CHECK_THREADS) as pool, \
-            tqdm(total=sum(_rows_of(extraction, w) for _, _, w in views), desc=f"{name}: every vector",
+            tqdm(total=sum(_rows_of(extraction, view.wanted) for view in views), desc=f"{name}: every vector",
                  unit="row", unit_scale=True) as bar:
-        passes = [(label, w, pool.submit(store_fingerprint, rows, extraction, list(w.layers), seed, store,
-                                         bar.update)) for label, rows, w in views]
-        return StorePasses([(label, w, _read_or_why(done, label)) for label, w, done in passes])
+        passes = [(view, [pool.submit(_stream_fingerprint, stream, extraction, list(view.wanted.layers), seed,
+                                      store, bar.update) for stream in view.streams]) for view in views]
+        return StorePasses([(view.label, view.wanted, _view_print(done, view.label)) for view, done in passes])
 
 
-def _read_or_why(done, label: str) -> Fingerprint | str:
+def _stream_fingerprint(stream: Stream, *args: Any) -> Fingerprint:
+    """store_fingerprint(stream, *args), the stream closed at its end: one a FormatError left part-read held
+    its block (a pickle stream, a whole shard) until the pass ended, beside the other streams' shards."""
+    with closing(stream):
+        return store_fingerprint(stream, *args)
+
+
+def _view_print(streams: list[Future], label: str) -> Fingerprint | str:
+    """A view's fingerprint, its streams' merged; or why its first stream that failed was not read. Where the
+    streams are a layer's each (zarr, lmprobe) their cells are apart and the sums are bit for bit one stream's;
+    pickle's streams share cells, whose sums then differ from one stream's in their last bits only, far below
+    TOLERANCE, in an order fixed by the streams' count."""
+    prints = [_read_or_why(done, label) for done in streams]
+    errors = [p for p in prints if isinstance(p, str)]
+    return errors[0] if errors else merged(prints)
+
+
+def _read_or_why(done: Future, label: str) -> Fingerprint | str:
     try:
         return done.result()
     # OSError: a file its reader could not open (a loop of links, an I/O error), named by the error;
@@ -275,7 +297,7 @@ def wanted_of(stores: dict[str, tuple[Path, str]], extraction) -> list[Wanted]:
             views = _held_views(name, store, dtype, extraction)
         except FormatError:
             continue
-        wanted += [w for _, _, w in views if w not in wanted]
+        wanted += [view.wanted for view in views if view.wanted not in wanted]
     return wanted
 
 
@@ -373,9 +395,15 @@ _SAVED = ("sums", "scales", "specials", "counts")
 
 
 # ---------------------------------------------------------------------------- each format's rows
-# A view: (name, the store's rows, the extraction's rows it must equal). A format whose files hold a
-# vector twice (lmprobe's last tokens, zarr's merged store) has a view for each copy.
-View = tuple[str, Iterator[Rows], Wanted]
+@dataclass(frozen=True)
+class View:
+    """A copy of the store's rows, as `streams` (of other layers or files each: read at once, their
+    fingerprints merged), and the extraction's rows it must equal. A format whose files hold a vector twice
+    (lmprobe's last tokens, zarr's merged store) has a view for each copy."""
+
+    label: str
+    streams: list[Stream]
+    wanted: Wanted
 
 
 def store_views(name: str, store: Path, dtype: str) -> list[View]:
@@ -390,10 +418,11 @@ def _saev_views(store: Path, dtype: str) -> list[View]:
 
     saev = open_store(store)
     dropped = frozenset(saev.dropped_tokens)
-    return [("saev", _saev_rows(saev, dropped), Wanted(dtype, tuple(saev.layers), dropped=dropped))]
+    # one stream: a chunk holds every layer of its examples
+    return [View("saev", [_saev_rows(saev, dropped)], Wanted(dtype, tuple(saev.layers), dropped=dropped))]
 
 
-def _saev_rows(saev, dropped: frozenset[int]) -> Iterator[Rows]:
+def _saev_rows(saev, dropped: frozenset[int]) -> Stream:
     windows = saev.windows
     positions = np.array([p for p in range(saev.T + len(dropped)) if p not in dropped], np.int64)
     # this job's share of the chunks only: another share's are not read
@@ -411,21 +440,41 @@ def _saev_rows(saev, dropped: frozenset[int]) -> Iterator[Rows]:
 
 
 def _pickle_views(store: Path, dtype: str) -> list[View]:
+    """Streams of every other shard (of this job's share of them), each inflating a shard once for all its
+    layers (a stream a layer inflated each shard once a layer), as many as read at once fit in memory."""
     from actstore.formats.pickle.check import checked_metadata
 
-    layers = tuple(checked_metadata(store)["extraction_config"]["layers_extracted"])
-    return [("pickle", _pickle_rows(store, layers), Wanted(dtype, layers))]
+    meta = checked_metadata(store)
+    layers = tuple(meta["extraction_config"]["layers_extracted"])
+    first, every = integrity.CHECK_SHARE
+    count = max(1, min(integrity.CHECK_THREADS, _pickle_streams_at_once(meta), len(meta["shards"][first::every])))
+    # stream k: the places first + every * k, first + every * (k + count), ... (integrity.share_places)
+    return [View("pickle", [_pickle_rows(store, list(layers), (first + every * k, every * count))
+                            for k in range(count)], Wanted(dtype, layers))]
 
 
-def _pickle_rows(store: Path, layers: tuple[int, ...]) -> Iterator[Rows]:
-    """Every item of every layer's shards (of this job's share of the shards, by their place in
-    metadata.json): its token_count rows (the spec's padding left out)."""
-    from actstore.formats.pickle import item_tokens, iter_activations
+def _pickle_streams_at_once(meta: dict[str, Any]) -> int:
+    """Pickle streams read at once: each holds a decompressed shard (the largest's rows x width x 4 bytes x
+    its layers, as metadata.json states them, or its file's size if more), counted twice for the arrays built
+    from it and the blocks gathered from them, and together they stay within integrity.memory_budget(), the
+    quarter of the job's memory that resources.validate_mem_mb makes one shard fit in: one at least."""
+    from actstore.formats.pickle.check import _width
 
-    for layer in layers:  # each item held whole (its padding too) until its block is folded in
-        items = iter_activations(store, layer, share=integrity.CHECK_SHARE)  # another share's shards not loaded
+    width = _width(meta) or 0
+    largest = max((max(s["size_bytes"], s.get("num_tokens", 0) * width * 4 * len(s["layers"]))
+                   for s in meta["shards"]), default=0)
+    return max(1, integrity.memory_budget() // max(1, 2 * largest))
+
+
+def _pickle_rows(store: Path, layers: list[int], share: tuple[int, int]) -> Stream:
+    """Every item of `layers` in the shards of `share`: its token_count rows (the spec's padding left out),
+    each item held whole (its padding too) until its block is folded in."""
+    from actstore.formats.pickle import item_tokens, iter_layer_items
+
+    for layer, items in iter_layer_items(store, layers, share=share):
         yield from _sample_blocks(layer, ((item["sample_idx"], item["activation"][:item_tokens(item)],
                                            item["activation"].nbytes) for item in items), BLOCK_BYTES)
+        del items  # let go before the next shard loads
 
 
 def _zarr_views(store: Path, dtype: str) -> list[View]:
@@ -436,16 +485,21 @@ def _zarr_views(store: Path, dtype: str) -> list[View]:
     runs = [("zarr", reader)]
     if isinstance(reader, ZarrRun) and reader.manifest.get("merged"):
         runs.append(("zarr merged", ZarrRun(store, merged=True)))
-    return [(label, _zarr_rows(run.stores if isinstance(run, ZarrRun) else [run]), Wanted(dtype, tuple(run.layers)))
-            for label, run in runs]
+    return [View(label, _zarr_streams(run.stores if isinstance(run, ZarrRun) else [run]),
+                 Wanted(dtype, tuple(run.layers))) for label, run in runs]
 
 
-def _zarr_rows(stores: list) -> Iterator[Rows]:
-    """Every sample's seq_len tokens of every layer, store by store."""
-    for zarr in stores:
+def _zarr_streams(stores: list) -> list[Stream]:
+    """A stream a layer any of `stores` holds (its arrays are a layer's each)."""
+    layers = dict.fromkeys(layer for zarr in stores for layer in zarr.layers)
+    return [_zarr_rows(stores, layer) for layer in layers]
+
+
+def _zarr_rows(stores: list, layer: int) -> Stream:
+    """Every sample's seq_len tokens of `layer`, store by store."""
+    for zarr in (zarr for zarr in stores if layer in zarr.layers):
         start = int(zarr.attrs["global_index_start"])
-        for layer in zarr.layers:
-            yield from _sample_blocks(layer, _zarr_samples(zarr, start, layer), BLOCK_BYTES // 2)
+        yield from _sample_blocks(layer, _zarr_samples(zarr, start, layer), BLOCK_BYTES // 2)
 
 
 def _zarr_samples(zarr, start: int, layer: int) -> Iterator[tuple[int, np.ndarray, int]]:
@@ -482,25 +536,25 @@ def _lmprobe_views(store: Path, dtype: str) -> list[View]:
 
     dataset = open_dataset(store)
     layers = tuple(dataset.layers)
-    views = [("lmprobe last tokens", _lmprobe_last_rows(dataset), Wanted(dtype, layers, last_only=True))]
-    if dataset.full_sequence:
-        views.append(("lmprobe sequences", _lmprobe_sequence_rows(dataset), Wanted(dtype, layers)))
+    last = [_lmprobe_last_rows(dataset, layer) for layer in layers]  # its shards are a layer's each
+    views = [View("lmprobe last tokens", last, Wanted(dtype, layers, last_only=True))]
+    if dataset.full_sequence:  # one stream: a batch's token addresses, found once, read for every layer
+        views.append(View("lmprobe sequences", [_lmprobe_sequence_rows(dataset)], Wanted(dtype, layers)))
     return views
 
 
-def _lmprobe_last_rows(dataset) -> Iterator[Rows]:
+def _lmprobe_last_rows(dataset, layer: int) -> Stream:
     samples = np.asarray(dataset.sample_idx, np.int64)
     last = np.asarray(dataset.num_tokens, np.int64) - 1
     step = _rows_per_block(dataset.dim)
-    for layer in dataset.layers:
-        for first in range(0, dataset.num_prompts, step):
-            if not integrity.in_share(first // step):  # another share job's rows
-                continue
-            rows = np.arange(first, min(first + step, dataset.num_prompts))
-            yield layer, samples[rows], last[rows], dataset.last_token_rows(layer, rows)
+    for first in range(0, dataset.num_prompts, step):
+        if not integrity.in_share(first // step):  # another share job's rows
+            continue
+        rows = np.arange(first, min(first + step, dataset.num_prompts))
+        yield layer, samples[rows], last[rows], dataset.last_token_rows(layer, rows)
 
 
-def _lmprobe_sequence_rows(dataset) -> Iterator[Rows]:
+def _lmprobe_sequence_rows(dataset) -> Stream:
     samples = np.asarray(dataset.sample_idx, np.int64)
     batches = dataset.token_address_batches(_rows_per_block(dataset.dim))
     for prompts, tokens, shards, offsets in (b for i, b in enumerate(batches) if integrity.in_share(i)):

@@ -11,10 +11,10 @@ read_vector). Docs: docs/formats/pickle.md.
 from actstore.formats.pickle.check import detect, inspect, read_vector, verify
 from actstore.formats.pickle.layout import machine_dirname, shard_filename
 from actstore.formats.pickle.read import (ActivationDataset, collate_padded, item_tokens, iter_activations,
-                                          load_metadata, load_shard)
+                                          iter_layer_items, load_metadata, load_shard)
 from actstore.formats.pickle.unpickler import safe_loads
 from actstore.formats.pickle.write import LEVELS, dump_shard, merge_machines, shard_items, write_machine
 
 __all__ = ["LEVELS", "ActivationDataset", "collate_padded", "detect", "dump_shard", "inspect", "item_tokens",
-           "iter_activations", "load_metadata", "load_shard", "machine_dirname", "merge_machines", "read_vector",
-           "safe_loads", "shard_filename", "shard_items", "verify", "write_machine"]
+           "iter_activations", "iter_layer_items", "load_metadata", "load_shard", "machine_dirname",
+           "merge_machines", "read_vector", "safe_loads", "shard_filename", "shard_items", "verify", "write_machine"]

@@ -108,14 +108,26 @@ def iter_activations(output_dir: str | Path, layer_idx: int, *,
     """Every item of `layer_{layer_idx}` in shard order, one verified shard in memory at a time. share
     (k, n): only the shards at places k, k + n, k + 2n, ... of metadata.json's list (integrity.in_share's
     pick, a validate share job's), the others never loaded."""
-    first, every = share_places(share)
-    meta = stored_metadata(output_dir, layer_idx)
-    for info in meta["shards"][first::every]:
-        if layer_idx not in info["layers"]:
-            continue
-        items = _layer_items(output_dir, meta, info, load_shard(output_dir, info), layer_idx)
+    for _, items in iter_layer_items(output_dir, [layer_idx], share=share):
         yield from items
-        del items
+        del items  # let go before the next shard loads
+
+
+def iter_layer_items(output_dir: str | Path, layers: list[int], *,
+                     share: tuple[int, int] = (0, 1)) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """(layer, its items) of each of `layers` a shard holds, shard by shard in shard order (share: as
+    iter_activations'), each verified shard loaded once for all of them and let go before the next: a
+    pass over every layer through iter_activations inflated each shard once a layer."""
+    first, every = share_places(share)
+    meta = stored_metadata(output_dir, layers[0])
+    for layer in layers[1:]:
+        stored_metadata(output_dir, layer)
+    for info in meta["shards"][first::every]:
+        if held := [layer for layer in layers if layer in info["layers"]]:
+            shard = load_shard(output_dir, info)
+            for layer in held:
+                yield layer, _layer_items(output_dir, meta, info, shard, layer)
+            del shard
 
 
 def item_tokens(item: dict[str, Any]) -> int:
