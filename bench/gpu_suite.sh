@@ -101,7 +101,7 @@ extract() {
 LUT="python3 bench/bench_lut.py --device cuda --shape llama8b-mlp"
 SAE="python3 bench/bench_sae.py --device cuda --shape gpu --rows 262144"
 CUDA_TESTS="python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_extract.py tests/test_lut.py tests/test_sae.py \
-  tests/test_sae_review55.py tests/test_device_images.py"
+  tests/test_sae_divergence_import_memory.py tests/test_device_images.py"
 lut_sae() { step lut 90 $LUT; step sae 60 $SAE; step pytest 120 $CUDA_TESTS; }
 build_ext() { python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "C extensions not built"; }
 case $phase in

@@ -15,7 +15,7 @@ from actstore.errors import FormatError
 from actstore.formats import lmprobe
 from actstore.formats.lmprobe import check, write
 from actstore.formats.lmprobe.read import LmprobeDataset
-from test_lmprobe_check_review import rewrite_index, with_column
+from test_lmprobe_verify_addressing import rewrite_index, with_column
 from tiny import traced_peak
 
 

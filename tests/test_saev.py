@@ -611,7 +611,7 @@ def test_windows_that_hand_out_other_tokens_are_named(tmp_path, windows, named):
 def test_a_layer_listed_twice_or_a_bool_layer_is_refused(tmp_path):
     """metadata.json layers [0, 0]: every example holds two blocks and the reader found only the first
     for layer 0 (the second never read), verify passing; `true` passed as layer 1. Both are named."""
-    for layers in ([0, 0], [True]):  # the writer refuses both (test_saev_review58): a store edited after
+    for layers in ([0, 0], [True]):  # the writer refuses both (test_saev_raw_plan_metadata): a store edited after
         store_dir = text_store(tmp_path / str(layers), [[0, 0, 4]], layers=(0, 1)[:len(layers)])
         metadata = json.loads((store_dir / "metadata.json").read_text())
         (store_dir / "metadata.json").write_text(json.dumps({**metadata, "layers": layers}))

@@ -398,7 +398,8 @@ def check_logits_topk(logits_topk: int, config: dict[str, Any]) -> None:
 # encoder, which extraction runs), Longformer and ESM-1 (ESM-2's position_embedding_type is rotary)
 # learn theirs too, and LiLT: a longer text was an IndexError out of the first batch. ProphetNet's clamps
 # the positions past its table to the last, and gave those tokens vectors of a position they are not at.
-# Megatron-BERT to X-MOD, and Marian's and Pegasus's sinusoidal tables, are as long (tests/test_models_review63.py).
+# Megatron-BERT to X-MOD, and Marian's and Pegasus's sinusoidal tables, are as long
+# (tests/test_models_learned_positions_auto_map.py).
 ABSOLUTE_POSITION_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "albert", "distilbert",
                            "ernie", "data2vec-text", "mpnet", "gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt",
                            "xglm", "bart", "mbart", "plbart", "blenderbot", "longformer", "esm", "lilt",

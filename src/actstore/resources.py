@@ -666,7 +666,8 @@ def lut_flops(config: dict[str, Any], w: Workload) -> float:
     auto's calibration (lut_runtime.CALIBRATION_SECONDS a budget) is within STARTUP_MIN. Counted so at the
     real widths, the relative errors and the end-to-end runs of a LUT of 16,384 latents on the demo's q/k/v
     ran at 20-24 GFLOP/s a thread (wall, one thread, on the 2-core dev VM at a load of 6-8) and 42-51 per
-    CPU second: CPU_THREAD_FLOPS is under half of that (the measured runs: tests/test_resources_review67.py)."""
+    CPU second: CPU_THREAD_FLOPS is under half of that (the measured runs:
+    tests/test_resources_lut_runtime_flops.py)."""
     lut, sae = config["lut"], config["sae"]
     basis, k, d, targets = sae_basis(config, w), sae["k_active"], w.d, len(lut["targets"])
     budgets = [min(budget, d) for budget in lut["budgets"]]

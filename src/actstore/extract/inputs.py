@@ -247,7 +247,7 @@ class ImageItems(torch.utils.data.Dataset):
     of one per worker, and the decoded images waiting in shared memory are workers x items ahead x
     IMAGES_PER_ITEM (resources.items_ahead), not x batch_size. The split depends on the batch size
     alone, never on the worker count, so the bytes do not either (and each image processor tested
-    treats images one by one, so they equal a whole-batch call's: tests/test_image_inputs_review64.py).
+    treats images one by one, so they equal a whole-batch call's: tests/test_images_worker_memory_patch_labels.py).
 
     Items are cast to the model's dtype in the worker: the cast rounds the same on either side
     (round to nearest even, c10's one conversion on CPU and CUDA), and every later step of an item
