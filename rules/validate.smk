@@ -16,7 +16,8 @@ VALIDATE_SCATTER = f"{VALIDATE_DIR}/scatter"
 
 
 # verify checks up to 8 files at once (integrity.problems_of: sha256 is one core's per file), on the CPUs
-# it is given; the views' full passes then run a thread each. mem_mb: the opened extraction (the sampled
+# it is given; the views' full passes then read their streams on those CPUs (a layer's each; pickle's, each
+# of other shards, as many as memory_budget holds). mem_mb: the opened extraction (the sampled
 # coordinates' values), plus pickle shards checked at once (validate_store_mem_mb); runtime: verify's
 # pass and each view's (validate_runtime).
 rule validate_store:
