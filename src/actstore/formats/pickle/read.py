@@ -89,17 +89,18 @@ def _layer_items(output_dir: str | Path, meta: dict[str, Any], info: dict[str, A
     return items
 
 
-def stored_metadata(output_dir: str | Path, layer_idx: int) -> dict[str, Any]:
-    """metadata.json, checked (check.checked_metadata), of a store that extracted `layer_idx`: the spec's
-    loaders skip the shards without it, so a layer never extracted (or "15" for 15) gave no items and
-    no error, as if the store were empty."""
+def stored_metadata(output_dir: str | Path, *layers: int) -> dict[str, Any]:
+    """metadata.json, checked (check.checked_metadata), of a store that extracted every one of `layers`:
+    the spec's loaders skip the shards without one, so a layer never extracted (or "15" for 15) gave no
+    items and no error, as if the store were empty."""
     from actstore.formats.pickle.check import checked_metadata  # check imports this module
 
     meta = checked_metadata(output_dir)
-    layers = meta["extraction_config"]["layers_extracted"]
-    # False == 0 and 2.0 == 2 passed `in`, then no shard held "layer_False": an intact shard was named damaged
-    if not is_integer(layer_idx) or layer_idx not in layers:
-        raise FormatError(f"{output_dir}: layer {layer_idx!r} not stored; layers are {layers}")
+    stored = meta["extraction_config"]["layers_extracted"]
+    for layer_idx in layers:
+        # False == 0 and 2.0 == 2 passed `in`, then no shard held "layer_False": an intact shard was named damaged
+        if not is_integer(layer_idx) or layer_idx not in stored:
+            raise FormatError(f"{output_dir}: layer {layer_idx!r} not stored; layers are {stored}")
     return meta
 
 
@@ -119,9 +120,7 @@ def iter_layer_items(output_dir: str | Path, layers: list[int], *,
     iter_activations'), each verified shard loaded once for all of them and let go before the next: a
     pass over every layer through iter_activations inflated each shard once a layer."""
     first, every = share_places(share)
-    meta = stored_metadata(output_dir, layers[0])
-    for layer in layers[1:]:
-        stored_metadata(output_dir, layer)
+    meta = stored_metadata(output_dir, *layers)
     for info in meta["shards"][first::every]:
         if held := [layer for layer in layers if layer in info["layers"]]:
             shard = load_shard(output_dir, info)
