@@ -454,15 +454,13 @@ def _pickle_views(store: Path, dtype: str) -> list[View]:
 
 
 def _pickle_streams_at_once(meta: dict[str, Any]) -> int:
-    """Pickle streams read at once: each holds a decompressed shard (the largest's rows x width x 4 bytes x
-    its layers, as metadata.json states them, or its file's size if more), counted twice for the arrays built
-    from it and the blocks gathered from them, and together they stay within integrity.memory_budget(), the
-    quarter of the job's memory that resources.validate_mem_mb makes one shard fit in: one at least."""
-    from actstore.formats.pickle.check import _width
+    """Pickle streams read at once: each holds a decompressed shard (the largest, as verify sizes it:
+    largest_shard_bytes), counted twice for the arrays built from it and the blocks gathered from them, and
+    together they stay within integrity.memory_budget(), the quarter of the job's memory that
+    resources.validate_mem_mb makes one shard fit in: one at least."""
+    from actstore.formats.pickle.check import largest_shard_bytes, stated_width
 
-    width = _width(meta) or 0
-    largest = max((max(s["size_bytes"], s.get("num_tokens", 0) * width * 4 * len(s["layers"]))
-                   for s in meta["shards"]), default=0)
+    largest = largest_shard_bytes(meta["shards"], stated_width(meta))
     return max(1, integrity.memory_budget() // max(1, 2 * largest))
 
 

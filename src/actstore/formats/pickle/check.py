@@ -205,7 +205,7 @@ def _verify_machines(path: Path, meta: dict[str, Any]) -> list[str]:
 
 def layer_item_problems(name: Path, key: str, items: Any, num_samples: int, meta: dict[str, Any]) -> list[str]:
     """verify's check of one layer's items in shard `name` (the readers run it on each shard they load)."""
-    return _verify_items(name, key, items, num_samples, _width(meta), _unpadded(meta))
+    return _verify_items(name, key, items, num_samples, stated_width(meta), _unpadded(meta))
 
 
 def _verify_items(name: Path, key: str, items: Any, num_samples: int, width: Any, unpadded: bool) -> list[str]:
@@ -311,7 +311,7 @@ def _verify_shards(path: Path, meta: dict[str, Any]) -> list[str]:
     one shared memory_budget() holds by what they decompress to (a shard that finds it held by others
     is checked again alone), then the sample ids of all of them: each once in the store."""
     shards = meta["shards"]
-    width = _width(meta)
+    width = stated_width(meta)
     budget = ByteBudget(integrity.memory_budget())  # the threads' shards together: metadata may understate them
     found_of: dict[int, list[str]] = {}
 
@@ -347,7 +347,7 @@ def _shared_id_problems(path: Path, held: list[tuple[dict[str, Any], list[int]]]
     return problems
 
 
-def _width(meta: dict[str, Any]) -> Any:
+def stated_width(meta: dict[str, Any]) -> Any:
     """The activations' width metadata.json states: actstore.d_model, else model_params.hidden_size."""
     return meta.get("actstore", {}).get("d_model") or meta["extraction_config"]["model_params"].get("hidden_size")
 
@@ -363,9 +363,14 @@ def _shard_threads(shards: list[dict[str, Any]], width: Any) -> int:
     between them), counted as 3x the shard's raw bytes (its recorded rows x width when known, else its
     size), and together they stay within SHARDS_VERIFY_BYTES: one at a time at least, CHECK_THREADS at
     most."""
-    raw = max((max(s["size_bytes"], s.get("num_tokens", 0) * (width or 0) * 4 * len(s["layers"])) for s in shards),
-              default=0)
-    return max(1, min(integrity.CHECK_THREADS, SHARDS_VERIFY_BYTES // max(1, 3 * raw)))
+    return max(1, min(integrity.CHECK_THREADS, SHARDS_VERIFY_BYTES // max(1, 3 * largest_shard_bytes(shards, width))))
+
+
+def largest_shard_bytes(shards: list[dict[str, Any]], width: Any) -> int:
+    """The raw bytes of the largest of `shards`, as metadata.json states them: its recorded rows x `width` x 4
+    bytes x its layers where the width is known, or its file's size if more (0: no shard)."""
+    return max((max(s["size_bytes"], s.get("num_tokens", 0) * (width or 0) * 4 * len(s["layers"])) for s in shards),
+               default=0)
 
 
 def verify(path: str | Path) -> list[str]:
@@ -418,7 +423,7 @@ def _shard(path: str | Path, meta: dict[str, Any], info: dict[str, Any]) -> dict
 
     def load() -> dict:
         shard = load_shard(path, info)
-        integrity.refuse(_shard_content_problems(file, shard, info, _width(meta), _unpadded(meta)))
+        integrity.refuse(_shard_content_problems(file, shard, info, stated_width(meta), _unpadded(meta)))
         return shard
 
     return _LAST_SHARD.get([file], load, extra=info["checksum"])
